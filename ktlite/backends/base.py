@@ -1,0 +1,92 @@
+"""The backend boundary: start, find and stop N pods; report how to reach them.
+
+A backend never sees user code or calls: only a :class:`DeploymentSpec`. It answers with
+:class:`PodEndpoint` s; everything else (pushing code, calls, errors) is backend-agnostic.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from ktlite.errors import ConfigError
+from ktlite.spec import DeploymentSpec
+
+
+@dataclass(frozen=True)
+class PodEndpoint:
+    """One pod: its name, ordinal, the URL the client uses, the URL peers use, and its IP."""
+
+    name: str
+    ordinal: int
+    url: str
+    peer_url: str
+    ip: str
+
+
+@dataclass
+class Applied:
+    """A running deployment as the backend reports it."""
+
+    name: str
+    backend: str
+    endpoints: list[PodEndpoint]
+    token: str = field(repr=False)
+    master_port: int
+    restarted: list[int] = field(default_factory=list)  # ordinals whose pod is new
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What deploying would do, touching nothing: commands (local) or manifests (kubernetes)."""
+
+    backend: str
+    name: str
+    commands: list[str] = field(default_factory=list)
+    manifests: list[dict[str, Any]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"# ktlite plan for {self.name!r} on backend {self.backend!r}"]
+        lines += self.commands
+        if self.manifests:
+            import json
+            lines += [json.dumps(m, indent=2) for m in self.manifests]
+        return "\n".join(lines)
+
+
+class Backend(ABC):
+    name: str = "base"
+
+    @abstractmethod
+    def plan(self, spec: DeploymentSpec) -> Plan:
+        """Pure: what ``apply`` would create."""
+
+    @abstractmethod
+    def apply(self, spec: DeploymentSpec, token: str) -> Applied:
+        """Make N ready pods for ``spec``, reusing those whose pod spec did not change."""
+
+    @abstractmethod
+    def lookup(self, name: str) -> Applied | None:
+        """The running deployment called ``name``, or None."""
+
+    @abstractmethod
+    def teardown(self, name: str, timeout: float = 30.0) -> bool:
+        """Stop everything the deployment created; True if something was there."""
+
+    @abstractmethod
+    def list(self) -> list[dict[str, Any]]:
+        """Deployments this backend can see."""
+
+
+def get_backend(name: str | None) -> Backend:
+    """The backend called ``name``; default: KTLITE_BACKEND, else "local"."""
+    chosen = name or os.environ.get("KTLITE_BACKEND") or "local"
+    if chosen == "local":
+        from ktlite.backends.local import LocalBackend
+        return LocalBackend.shared()
+    if chosen == "kubernetes":
+        raise ConfigError("backend='kubernetes' is not available in this version of ktlite yet; "
+                          "use backend='local'")
+    raise ConfigError(f"backend={chosen!r} is not known; allowed: 'local', 'kubernetes'")

@@ -1,0 +1,306 @@
+"""The embedded local backend: a pod is a ``python -m ktlite_server`` process on this machine.
+
+Each deployment keeps its state in ``$KTLITE_HOME/local/<name>/`` (default ``~/.ktlite``):
+``state.json`` (mode 0600: it holds the token) and one log file per pod. Pods of a normal
+deployment watch the Python process that created them and exit with it; a detached
+deployment lives until ``teardown``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
+from ktlite.errors import ConfigError, DeployError, LaunchTimeout
+from ktlite.spec import DeploymentSpec
+
+
+def _home() -> Path:
+    return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "local"
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ")[-1].startswith("Z"):
+                return False  # a zombie has exited
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_gpu_cache: list[str] | None = None
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this machine offers: CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L``, else none."""
+    global _gpu_cache
+    if _gpu_cache is None:
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if env is not None:
+            _gpu_cache = [d for d in env.split(",") if d.strip() and d.strip() != "-1"]
+        elif shutil.which("nvidia-smi"):
+            try:
+                out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+                _gpu_cache = [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+            except (OSError, subprocess.SubprocessError):
+                _gpu_cache = []
+        else:
+            _gpu_cache = []
+    return _gpu_cache
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join("    " + ln for ln in text.splitlines()[-lines:])
+
+
+class LocalBackend(Backend):
+    name = "local"
+    _shared: LocalBackend | None = None
+
+    @classmethod
+    def shared(cls) -> LocalBackend:
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
+
+    def __init__(self) -> None:
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._owned: set[str] = set()
+        self._lock = threading.RLock()
+        atexit.register(self._atexit)
+
+    # ---- state ------------------------------------------------------------------------
+
+    def _dir(self, name: str) -> Path:
+        return _home() / name
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        try:
+            with open(self._dir(name) / "state.json") as f:
+                state: dict[str, Any] = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return state
+
+    def _write(self, name: str, state: dict[str, Any]) -> None:
+        d = self._dir(name)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / "state.json.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, d / "state.json")
+
+    def _live_state(self, name: str) -> dict[str, Any] | None:
+        state = self._read(name)
+        if state is None:
+            return None
+        owner_gone = not state.get("detached") and not _pid_alive(state.get("owner_pid"))
+        if owner_gone or not any(_pid_alive(p["pid"]) for p in state["pods"]):
+            self._stop_pods(state["pods"], timeout=2.0)
+            shutil.rmtree(self._dir(name), ignore_errors=True)
+            return None
+        return state
+
+    # ---- backend API ------------------------------------------------------------------
+
+    def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0",
+               "--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
+               "--procs", str(spec.distributed.num_proc), "--ready-file", str(ready)]
+        if not spec.detached:
+            cmd += ["--parent-pid", str(os.getpid())]
+        return cmd
+
+    def _env(self, spec: DeploymentSpec, ordinal: int, token: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
+        image = spec.compute.image
+        if image is not None:
+            env.update(image.env)
+        env.update(spec.compute.env)
+        gpus = spec.compute.gpus
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[ordinal * gpus:(ordinal + 1) * gpus])
+        env["KTLITE_TOKEN"] = token
+        env["KTLITE_POD_ORDINAL"] = str(ordinal)
+        env["KTLITE_DEPLOYMENT"] = spec.name
+        env["KTLITE_BACKEND"] = "local"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def plan(self, spec: DeploymentSpec) -> Plan:
+        self._check_gpus(spec)
+        cmds = []
+        for i in range(spec.workers):
+            keys = sorted(spec.compute.env)
+            prefix = " ".join(f"{k}=..." for k in keys)
+            ready = self._dir(spec.name) / f"pod-{i}.ready"
+            cmds.append(("KTLITE_TOKEN=<hidden> " + prefix + " " if prefix else "KTLITE_TOKEN=<hidden> ")
+                        + shlex.join(self._command(spec, i, ready)))
+        return Plan(backend=self.name, name=spec.name, commands=cmds)
+
+    def _check_gpus(self, spec: DeploymentSpec) -> None:
+        want = spec.compute.gpus * spec.workers
+        have = len(visible_gpus())
+        if want > have:
+            raise ConfigError(f"gpus={spec.compute.gpus} × workers={spec.workers} needs {want} GPU(s), "
+                              f"but this machine has {have}; lower gpus/workers, or use "
+                              "backend='kubernetes' to run on a cluster")
+
+    def apply(self, spec: DeploymentSpec, token: str) -> Applied:
+        self._check_gpus(spec)
+        with self._lock:
+            state = self._live_state(spec.name)
+            if state is not None and state.get("token") != token:
+                raise DeployError(f"deployment {spec.name!r} exists with another token; tear it down first")
+            pod_hash = spec.pod_hash()
+            old_pods = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
+            pods: list[dict[str, Any]] = []
+            starting: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
+            self._dir(spec.name).mkdir(parents=True, exist_ok=True)
+            for i in range(spec.workers):
+                old = old_pods.pop(i, None)
+                if old and old["hash"] == pod_hash and _pid_alive(old["pid"]):
+                    pods.append(old)
+                    continue
+                if old:
+                    self._stop_pods([old], timeout=5.0)
+                ready = self._dir(spec.name) / f"pod-{i}.ready"
+                log = self._dir(spec.name) / f"pod-{i}.log"
+                with contextlib.suppress(FileNotFoundError):
+                    ready.unlink()
+                with open(log, "ab") as logf:
+                    proc = subprocess.Popen(self._command(spec, i, ready), env=self._env(spec, i, token),
+                                            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+                self._procs[proc.pid] = proc
+                starting.append((i, proc, ready, log))
+            self._stop_pods(list(old_pods.values()), timeout=5.0)  # ordinals beyond workers
+            master_port = spec.distributed.port or (state or {}).get("master_port") or _free_port()
+            try:
+                for i, proc, ready, log in starting:
+                    port = self._wait_ready(spec, i, proc, ready, log)
+                    pods.append({"ordinal": i, "name": f"{spec.name}-{i}", "pid": proc.pid,
+                                 "port": port, "hash": pod_hash})
+            except BaseException:
+                self._stop_pods([{"pid": p.pid} for _, p, _, _ in starting], timeout=2.0)
+                raise
+            pods.sort(key=lambda p: p["ordinal"])
+            state = {"name": spec.name, "detached": spec.detached, "owner_pid": os.getpid(),
+                     "master_port": master_port, "token": token, "pods": pods,
+                     "created": (state or {}).get("created", time.time())}
+            self._write(spec.name, state)
+            if not spec.detached:
+                self._owned.add(spec.name)
+            applied = self._applied(state)
+            applied.restarted = [i for i, *_ in starting]
+            return applied
+
+    def _wait_ready(self, spec: DeploymentSpec, ordinal: int, proc: subprocess.Popen[bytes],
+                    ready: Path, log: Path) -> int:
+        timeout = spec.compute.launch_timeout
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = proc.poll()
+            if code is not None:
+                raise DeployError(f"pod {spec.name}-{ordinal} exited with code {code} while starting; "
+                                  f"last lines of {log}:\n{_tail(log)}")
+            try:
+                with open(ready) as f:
+                    return int(json.load(f)["port"])
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.01)
+        raise LaunchTimeout(f"pod {spec.name}-{ordinal} was not ready after launch_timeout={timeout:g}s: "
+                            f"the process is running but its server never came up; last lines of {log}:\n"
+                            f"{_tail(log)}\nraise launch_timeout, or check the log")
+
+    def _applied(self, state: dict[str, Any]) -> Applied:
+        eps = [PodEndpoint(name=p["name"], ordinal=p["ordinal"], url=f"http://127.0.0.1:{p['port']}",
+                           peer_url=f"http://127.0.0.1:{p['port']}", ip="127.0.0.1") for p in state["pods"]]
+        return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
+                       master_port=state["master_port"])
+
+    def lookup(self, name: str) -> Applied | None:
+        state = self._live_state(name)
+        return None if state is None else self._applied(state)
+
+    def _stop_pods(self, pods: list[dict[str, Any]], timeout: float) -> None:
+        pids = [p["pid"] for p in pods if p.get("pid")]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for pid in pids:
+            proc = self._procs.pop(pid, None)
+            while time.monotonic() < deadline:
+                if proc is not None and proc.poll() is not None:
+                    break
+                if proc is None and not _pid_alive(pid):
+                    break
+                time.sleep(0.01)
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                if proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(2.0)
+
+    def teardown(self, name: str, timeout: float = 30.0) -> bool:
+        with self._lock:
+            state = self._read(name)
+            self._owned.discard(name)
+            if state is None:
+                return False
+            self._stop_pods(state["pods"], timeout=timeout)
+            shutil.rmtree(self._dir(name), ignore_errors=True)
+            return True
+
+    def list(self) -> list[dict[str, Any]]:
+        home = _home()
+        out = []
+        if home.is_dir():
+            for d in sorted(home.iterdir()):
+                state = self._live_state(d.name)
+                if state is None:
+                    continue
+                alive = sum(_pid_alive(p["pid"]) for p in state["pods"])
+                out.append({"name": state["name"], "backend": self.name, "namespace": None,
+                            "pods": len(state["pods"]), "ready": alive, "detached": state["detached"]})
+        return out
+
+    def _atexit(self) -> None:
+        for name in list(self._owned):
+            with contextlib.suppress(Exception):
+                self.teardown(name, timeout=3.0)

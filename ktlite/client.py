@@ -1,0 +1,128 @@
+"""HTTP client for a deployment's pods (httpx, injectable transport).
+
+Translates transport failures into ktlite errors where they enter: connection errors
+become :class:`PodUnreachable`, 401 :class:`AuthError`, a version clash
+:class:`ProtocolMismatch`. Holds the token privately; it never appears in a repr.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from ktlite import protocol
+from ktlite.errors import AuthError, KtliteError, PodUnreachable, ProtocolMismatch
+
+# The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
+SILENCE_TIMEOUT = 10.0
+LogSink = Callable[[int, str, str, str], None]  # (rank, pod, stream, text)
+Outcomes = list[tuple[int, str, str, Any, str]]
+
+
+class PodClient:
+    def __init__(self, token: str, http: httpx.Client | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self._token = token
+        self._owns = http is None
+        self.http = http or httpx.Client(
+            transport=transport, timeout=httpx.Timeout(30.0, connect=10.0),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+
+    def __repr__(self) -> str:
+        return "PodClient(token=<hidden>)"
+
+    def close(self) -> None:
+        if self._owns:
+            self.http.close()
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        h = {protocol.TOKEN_HEADER: protocol.bearer(self._token),
+             protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+        if extra:
+            h.update(extra)
+        return h
+
+    @staticmethod
+    def _check(resp: httpx.Response, url: str) -> None:
+        if resp.status_code < 400:
+            return
+        try:
+            resp.read()
+            detail = resp.json().get("detail", resp.text)
+        except (ValueError, AttributeError, httpx.HTTPError):
+            detail = resp.text if resp.is_stream_consumed else ""
+        if resp.status_code == 401:
+            raise AuthError(f"pod at {url} refused the deployment token (HTTP 401): {detail}; "
+                            "the deployment was probably re-created: call .to() again")
+        if resp.status_code == 409 and "protocol version" in str(detail):
+            raise ProtocolMismatch(str(detail))
+        raise KtliteError(f"pod at {url} answered HTTP {resp.status_code}: {detail}")
+
+    def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
+        try:
+            resp = self.http.get(f"{url}/health", timeout=timeout)
+        except httpx.HTTPError as e:
+            raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
+        self._check(resp, url)
+        data: dict[str, Any] = resp.json()
+        if data.get("protocol") != protocol.PROTOCOL_VERSION:
+            raise ProtocolMismatch(f"pod at {url} runs ktlite {data.get('version')} speaking protocol "
+                                   f"{data.get('protocol')}; this client speaks {protocol.PROTOCOL_VERSION}")
+        return data
+
+    def deploy(self, url: str, message: bytes, timeout: float) -> Outcomes:
+        try:
+            resp = self.http.post(f"{url}/deploy", content=message, headers=self._headers(),
+                                  timeout=httpx.Timeout(timeout, connect=10.0))
+        except httpx.HTTPError as e:
+            raise PodUnreachable(f"could not deploy to pod at {url}: {e!r}") from e
+        self._check(resp, url)
+        return list(protocol.loads(bytearray(resp.content))["outcomes"])
+
+    def status(self, url: str) -> dict[str, Any]:
+        try:
+            resp = self.http.get(f"{url}/status", headers=self._headers(), timeout=5.0)
+        except httpx.HTTPError as e:
+            raise PodUnreachable(f"pod at {url} is not answering /status: {e!r}") from e
+        self._check(resp, url)
+        result: dict[str, Any] = resp.json()
+        return result
+
+    def cancel(self, url: str, call_id: str, reason: str = "cancelled by the caller") -> None:
+        try:
+            self.http.post(f"{url}/cancel/{call_id}", params={"reason": reason},
+                           headers=self._headers(), timeout=5.0)
+        except httpx.HTTPError:
+            pass  # best effort: the pod also cancels when our stream closes
+
+    def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None) -> Outcomes:
+        """Run a call through the coordinator at ``url``; returns per-rank outcomes."""
+        size = protocol.parts_size(parts)
+        headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
+                                 "content-type": "application/octet-stream",
+                                 "content-length": str(size)})
+        timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
+        try:
+            with self.http.stream("POST", f"{url}/call", content=protocol.chunked(parts),
+                                  headers=headers, timeout=timeout) as resp:
+                self._check(resp, url)
+                for kind, payload in protocol.read_frames(resp.iter_raw()):
+                    if kind == protocol.LOG:
+                        if on_log is not None:
+                            on_log(*json.loads(payload))
+                    elif kind == protocol.RESULT:
+                        return list(protocol.loads(payload)["outcomes"])
+                    elif kind == protocol.ERROR:
+                        err = json.loads(payload)
+                        raise KtliteError(f"pod at {url} failed the call: {err['type']}: {err['message']}")
+        except httpx.ReadTimeout as e:
+            raise PodUnreachable(f"the coordinator pod at {url} went silent for {SILENCE_TIMEOUT:g}s "
+                                 "during the call (no heartbeat): it probably died") from e
+        except httpx.HTTPError as e:
+            raise PodUnreachable(f"lost the connection to the coordinator pod at {url}: {e!r}") from e
+        except protocol.ProtocolError as e:
+            raise PodUnreachable(f"the coordinator pod at {url} closed the stream mid-call: {e}") from e
+        raise PodUnreachable(f"the coordinator pod at {url} ended the call without a result")

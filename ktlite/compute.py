@@ -1,0 +1,196 @@
+"""``kt.Compute`` and ``kt.Volume``: what one pod looks like, validated at construction."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ktlite.errors import ConfigError
+from ktlite.images import Image
+from ktlite.spec import DistributedConfig
+
+BACKENDS = ("local", "kubernetes")
+_QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_WRONG_UNIT = re.compile(r"^([0-9]+(\.[0-9]+)?)\s*([kKmMgGtTpP])(i?)[bB]?$")
+_CPU = re.compile(r"^([0-9]+(\.[0-9]+)?)(m)?$")
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "POD_IPS")
+
+
+def parse_memory(value: str, field_name: str = "memory") -> int:
+    """Parse a Kubernetes memory quantity ("512Mi", "4Gi", "1G") into bytes."""
+    text = str(value).strip()
+    m = _QUANTITY.match(text)
+    if m:
+        return int(float(m.group(1)) * _UNITS[m.group(3) or ""])
+    hint = ""
+    w = _WRONG_UNIT.match(text)
+    if w:
+        hint = f"; did you mean {w.group(1)}{w.group(3).upper() if w.group(3) != 'k' else 'K'}i?"
+    raise ConfigError(f"{field_name}={value!r} is not a valid memory quantity{hint} "
+                      "(allowed: a number with a unit such as '512Mi', '4Gi', '1Ti', or '2G')")
+
+
+def parse_cpus(value: Any) -> float:
+    """Parse cpus given as a number (2, 0.5) or a Kubernetes quantity ("500m", "2")."""
+    if isinstance(value, bool):
+        raise ConfigError(f"cpus={value!r} must be a number such as 2 or 0.5, or a string like '500m'")
+    if isinstance(value, (int, float)):
+        cpus = float(value)
+    else:
+        m = _CPU.match(str(value).strip())
+        if not m:
+            raise ConfigError(f"cpus={value!r} is not a valid CPU quantity "
+                              "(allowed: a number such as 2 or 0.5, or millicores such as '500m')")
+        cpus = float(m.group(1)) / (1000 if m.group(3) else 1)
+    if cpus <= 0:
+        raise ConfigError(f"cpus={value!r} must be greater than 0")
+    return cpus
+
+
+@dataclass(frozen=True)
+class Volume:
+    """A persistent volume mounted into every pod (a PVC on Kubernetes; a directory locally).
+
+    Args:
+        name: the volume (and PVC) name.
+        size: capacity such as "10Gi".
+        mount_path: where it appears in the pod.
+        access_mode: "ReadWriteMany" (shared across pods) or "ReadWriteOnce".
+        storage_class: the Kubernetes StorageClass; None uses the cluster default.
+    """
+
+    name: str
+    size: str = "10Gi"
+    mount_path: str = ""
+    access_mode: str = "ReadWriteMany"
+    storage_class: str | None = None
+
+    def __post_init__(self) -> None:
+        parse_memory(self.size, "Volume.size")
+        if self.access_mode not in ("ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"):
+            raise ConfigError(f"Volume.access_mode={self.access_mode!r}; allowed: ReadWriteMany, "
+                              "ReadWriteOnce, ReadOnlyMany, ReadWriteOncePod")
+        if not self.mount_path:
+            object.__setattr__(self, "mount_path", f"/{self.name}")
+        if not self.mount_path.startswith("/"):
+            raise ConfigError(f"Volume.mount_path={self.mount_path!r} must be an absolute path like '/data'")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """The resources and settings of one pod; ``.distribute()`` makes it N pods.
+
+    Args:
+        cpus: CPU request per pod (2, 0.5, "500m").
+        memory: memory request per pod ("4Gi").
+        gpus: GPUs per pod.
+        image: a :class:`kt.Image` or an image name.
+        env: environment variables for every rank (``env_vars=`` is accepted too).
+        volumes: :class:`kt.Volume` objects or names of existing PVCs.
+        backend: "local" or "kubernetes"; default from KTLITE_BACKEND, else "local".
+        launch_timeout: seconds to wait for pods to become ready.
+        stream_logs: stream every rank's stdout/stderr to the caller during calls.
+        max_restarts: how often a dead rank process is restarted between calls.
+
+    Example:
+        >>> compute = kt.Compute(cpus=2, memory="4Gi").distribute("pytorch", workers=2, num_proc=2)
+    """
+
+    cpus: float | str | None = None
+    memory: str | None = None
+    gpus: int = 0
+    gpu_type: str | None = None
+    image: Image | str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    volumes: tuple[Volume | str, ...] = ()
+    backend: str | None = None
+    namespace: str | None = None
+    launch_timeout: float = 600.0
+    inactivity_ttl: str | None = None
+    stream_logs: bool = True
+    max_restarts: int = 3
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    secrets: tuple[str, ...] = ()
+    service_account: str | None = None
+    image_pull_policy: str | None = None
+    priority_class: str | None = None
+    shared_memory: str | None = None
+    distributed: DistributedConfig | None = None
+    env_vars: dict[str, str] | None = None  # Kubetorch's name for env
+
+    def __post_init__(self) -> None:
+        if self.env_vars is not None:
+            if self.env:
+                raise ConfigError("pass env= or env_vars= (the Kubetorch name), not both")
+            object.__setattr__(self, "env", dict(self.env_vars))
+            object.__setattr__(self, "env_vars", None)
+        if self.cpus is not None:
+            parse_cpus(self.cpus)
+        if self.memory is not None:
+            parse_memory(self.memory)
+        if self.shared_memory is not None:
+            parse_memory(self.shared_memory, "shared_memory")
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
+            raise ConfigError(f"gpus={self.gpus!r} must be a whole number >= 0")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}; allowed: {', '.join(map(repr, BACKENDS))}")
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in self.env.items()):
+            raise ConfigError(f"env={self.env!r} must map str to str; convert values with str()")
+        clash = sorted(set(self.env) & set(_RESERVED_ENV))
+        if clash:
+            raise ConfigError(f"env sets {', '.join(clash)}, which ktlite sets per rank; remove "
+                              "them (use distribute(port=...) for MASTER_PORT)")
+        if isinstance(self.launch_timeout, bool) or not isinstance(self.launch_timeout, (int, float)) \
+                or self.launch_timeout <= 0:
+            raise ConfigError(f"launch_timeout={self.launch_timeout!r} must be a positive number of seconds")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0")
+        if isinstance(self.image, str):
+            object.__setattr__(self, "image", Image(self.image))
+        if self.image is not None and not isinstance(self.image, Image):
+            raise ConfigError(f"image={self.image!r} must be a kt.Image or an image name string")
+        object.__setattr__(self, "volumes", tuple(self.volumes))
+        object.__setattr__(self, "tolerations", tuple(self.tolerations))
+        object.__setattr__(self, "secrets", tuple(self.secrets))
+        for v in self.volumes:
+            if not isinstance(v, (Volume, str)):
+                raise ConfigError(f"volumes entry {v!r} must be a kt.Volume or the name of an existing PVC")
+        d = self.distributed
+        if d is not None and self.gpus and d.num_proc > self.gpus:
+            raise ConfigError(f"num_proc={d.num_proc} is more than gpus={self.gpus} on a GPU pod; "
+                              f"each rank needs at least one GPU: use num_proc<={self.gpus}")
+
+    @property
+    def cpu_count(self) -> float | None:
+        return None if self.cpus is None else parse_cpus(self.cpus)
+
+    def distribute(self, framework: str = "spmd", workers: int = 1, num_proc: int | None = None,
+                   port: int | None = None, quorum_timeout: float = 300.0, **unknown: Any) -> Compute:
+        """Return a copy of this Compute that runs on ``workers`` pods × ``num_proc`` ranks each.
+
+        ``num_proc`` defaults to the pod's GPU count (one rank per GPU), else 1.
+        """
+        if unknown:
+            raise ConfigError(f"distribute() got unknown option(s) {', '.join(sorted(unknown))}; "
+                              "allowed: framework, workers, num_proc, port, quorum_timeout")
+        if num_proc is None:
+            num_proc = self.gpus or 1
+        config = DistributedConfig(framework=framework, workers=workers, num_proc=num_proc,
+                                   port=port, quorum_timeout=quorum_timeout)
+        return replace(self, distributed=config)
+
+    def pod_fields(self) -> dict[str, Any]:
+        """The fields that shape a pod: a change here restarts pods, anything else does not."""
+        fields = asdict(self)
+        for key in ("distributed", "launch_timeout", "stream_logs", "inactivity_ttl", "env_vars",
+                    "max_restarts"):
+            fields.pop(key, None)
+        return fields

@@ -1,0 +1,222 @@
+"""Orchestration: spec → backend → ready pods → code pushed → calls → per-rank results.
+
+This is the only layer that turns per-rank outcomes into values or one error naming
+every failed rank.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import secrets
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ktlite import protocol
+from ktlite.backends.base import Applied, Backend, get_backend
+from ktlite.client import PodClient
+from ktlite.errors import (CallCancelled, CallTimeout, DeployError, LaunchTimeout, NotDeployedError,
+                           PodUnreachable, RankDied, RankFailure, RemoteError, RemoteException,
+                           with_remote_context)
+from ktlite.spec import DeploymentSpec
+
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")
+_print_lock = threading.Lock()
+
+
+@dataclass
+class CallOptions:
+    """Per-call options; never mixed with the user's own keyword arguments."""
+
+    timeout: float | None = None
+    stream_logs: bool | None = None
+    workers: list[int] | None = None
+    restart_procs: bool = False
+
+
+def print_log(rank: int, pod: str, stream: str, text: str) -> None:
+    out = sys.stderr if stream == "err" else sys.stdout
+    with _print_lock:
+        print(f"[rank {rank} @ {pod}] {text}", file=out, flush=True)
+
+
+class Deployment:
+    """A live deployment: where its pods are, and how to call them."""
+
+    def __init__(self, spec: DeploymentSpec, backend: Backend, applied: Applied) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.applied = applied
+        self.client = PodClient(applied.token)
+        self.launch_id = ""
+
+    def __repr__(self) -> str:
+        return f"Deployment(name={self.spec.name!r}, backend={self.backend.name!r}, pods={len(self.applied.endpoints)})"
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def endpoints(self) -> list[Any]:
+        return self.applied.endpoints
+
+    # ---- deploy ------------------------------------------------------------------------
+
+    def push(self, bundle: bytes, sources: dict[str, Any], init: bytes | None,
+             restart: bool = False) -> None:
+        """Send the code to every pod; each restarts or reloads its rank processes."""
+        self.launch_id = uuid.uuid4().hex[:12]
+        d = self.spec.distributed
+        ips = [ep.ip for ep in self.endpoints]
+        timeout = self.spec.compute.launch_timeout
+        base = {"launch_id": self.launch_id, "bundle": bundle, "kind": self.spec.kind, "init": init,
+                "sources": sources, "distributed": asdict(d), "pod_ips": ips,
+                "master_port": self.applied.master_port, "max_restarts": self.spec.compute.max_restarts,
+                "cpus": self.spec.compute.cpu_count, "restart": restart, "load_timeout": timeout}
+
+        def one(ep: Any) -> list[Any]:
+            self._wait_healthy(ep.url, timeout)
+            return self.client.deploy(ep.url, protocol.dumps({**base, "ordinal": ep.ordinal}), timeout + 30)
+
+        outcomes = [o for outs in _pool.map(one, self.endpoints) for o in outs]
+        failures, values = _split(outcomes)
+        if failures:
+            raise _to_error(failures, values, f"deploying {self.name!r} failed", DeployError)
+
+    def _wait_healthy(self, url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.health(url)
+                return
+            except PodUnreachable as e:
+                if time.monotonic() > deadline:
+                    raise LaunchTimeout(f"pod at {url} did not answer /health within {timeout:g}s: {e}") from e
+                time.sleep(0.05)
+
+    # ---- calls -------------------------------------------------------------------------
+
+    def call(self, method: str | None, parts: list[Any], options: CallOptions) -> list[Any]:
+        """Run one call on every rank (or the chosen workers); values in rank order."""
+        eps = self.endpoints
+        d = self.spec.distributed
+        if options.workers is not None:
+            bad = [w for w in options.workers if not isinstance(w, int) or isinstance(w, bool)
+                   or not 0 <= w < len(eps)]
+            if bad or not options.workers:
+                from ktlite.errors import ConfigError
+                raise ConfigError(f"workers={options.workers!r}: give pod indices between 0 and {len(eps) - 1}")
+        stream = self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
+        call_id = uuid.uuid4().hex
+        meta = {"id": call_id, "pods": [ep.peer_url for ep in eps], "names": [ep.name for ep in eps],
+                "workers": sorted(set(options.workers)) if options.workers is not None else None,
+                "timeout": options.timeout, "stream_logs": stream, "restart": options.restart_procs,
+                "fanout": True, "quorum_timeout": d.quorum_timeout, "num_proc": d.num_proc}
+        coordinator = eps[0].url
+        try:
+            outcomes = self.client.call(coordinator, meta, parts, print_log if stream else None)
+        except KeyboardInterrupt:
+            # stop the ranks everywhere before giving control back; the deployment stays usable
+            for ep in eps:
+                self.client.cancel(ep.url, call_id, "the caller pressed Ctrl-C")
+            raise
+        failures, values = _split(outcomes)
+        if failures:
+            raise _to_error(failures, values, f"call to {self.name!r}", RemoteError)
+        return [values[r] for r in sorted(values)]
+
+    def status(self) -> list[dict[str, Any]]:
+        return [self.client.status(ep.url) for ep in self.endpoints]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: bytes | None,
+           restart: bool = False) -> Deployment:
+    backend = get_backend(spec.compute.backend)
+    existing = backend.lookup(spec.name)
+    token = existing.token if existing is not None else secrets.token_urlsafe(32)
+    applied = backend.apply(spec, token)
+    dep = Deployment(spec, backend, applied)
+    try:
+        dep.push(bundle, sources, init, restart)
+    except BaseException:
+        dep.close()
+        raise
+    return dep
+
+
+def attach(spec: DeploymentSpec) -> Deployment:
+    """The running deployment for ``spec.name``, without deploying."""
+    backend = get_backend(spec.compute.backend)
+    applied = backend.lookup(spec.name)
+    if applied is None:
+        raise NotDeployedError(f"deployment {spec.name!r} is not running on backend {backend.name!r}; "
+                               "deploy it with .to(compute) or `ktlite deploy`")
+    return Deployment(spec, backend, applied)
+
+
+# ---- outcomes → values / errors ------------------------------------------------------------
+
+def _split(outcomes: list[tuple[int, str, str, Any, str]]) -> tuple[list[RankFailure], dict[int, Any]]:
+    failures: list[RankFailure] = []
+    values: dict[int, Any] = {}
+    for rank, pod, status, data, message in sorted(outcomes, key=lambda o: o[0]):
+        if status == "ok":
+            try:
+                values[rank] = protocol.loads(data) if data is not None else None
+            except Exception as e:  # noqa: BLE001
+                failures.append(RankFailure(rank, pod, "error", f"its result could not be unpickled here: "
+                                            f"{type(e).__name__}: {e}", exception=e))
+        elif status == "error":
+            info = protocol.loads(data)
+            exc: BaseException | None = None
+            if info.pickled is not None:
+                with contextlib.suppress(Exception):
+                    exc = protocol.loads(info.pickled)
+            failures.append(RankFailure(rank, pod, "error", f"{info.type_name}: {info.message}",
+                                        traceback=info.traceback, exception=exc))
+            if exc is None:
+                failures[-1].exception = RemoteException(
+                    f"rank {rank} on pod {pod} raised {info.type_name}: {info.message}",
+                    type_name=info.type_name, remote_traceback=info.traceback)
+        else:
+            failures.append(RankFailure(rank, pod, status, message))
+    return failures, values
+
+
+def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
+              base: type[Exception]) -> BaseException:
+    primary = [f for f in failures if f.kind in ("error", "died")] or failures
+    collateral = [f for f in failures if f not in primary]
+    outcomes: dict[int, Any] = dict(values)
+    for f in failures:
+        outcomes[f.rank] = f.exception if f.exception is not None else f
+    lines = [f"{what}: {len(primary)} rank(s) failed: "
+             f"{', '.join(str(f.rank) for f in primary)}"]
+    lines += [f.describe() for f in primary]
+    if collateral:
+        kinds = sorted({f.kind for f in collateral})
+        lines.append(f"{' / '.join(kinds)}: rank(s) {', '.join(str(f.rank) for f in collateral)} "
+                     f"({collateral[0].message})")
+    if values:
+        lines.append(f"finished: rank(s) {', '.join(map(str, sorted(values)))} (their results are on "
+                     "this error's .results)")
+    summary = "\n".join(lines)
+    first = primary[0]
+    if first.kind == "error" and first.exception is not None:
+        if isinstance(first.exception, RemoteException):
+            first.exception.failures, first.exception.outcomes = failures, outcomes
+            first.exception.args = (first.exception.args[0] + "\n" + summary,)
+            return first.exception
+        return with_remote_context(first.exception, failures, outcomes, summary)
+    if base is DeployError:
+        return DeployError(summary)
+    cls = {"died": RankDied, "timeout": CallTimeout, "cancelled": CallCancelled}.get(first.kind, RemoteError)
+    return cls(summary, failures=failures, outcomes=outcomes)

@@ -1,0 +1,176 @@
+"""Every error ktlite raises, in one place.
+
+Hierarchy::
+
+    KtliteError
+    ├── ConfigError (ValueError)          bad user input, raised before anything starts
+    │   └── SerializationError (TypeError)  a function or argument that cannot be pickled
+    ├── DeployError                        pods could not be started or loaded
+    │   └── LaunchTimeout (TimeoutError)   pods did not become ready within launch_timeout
+    ├── NotDeployedError                   calling a deployment that does not exist (anymore)
+    ├── PodUnreachable (ConnectionError)   a pod's server cannot be reached or died mid-call
+    ├── AuthError                          the server refused the deployment token
+    ├── ProtocolMismatch                   client and server speak different protocol versions
+    └── RemoteError                        one or more ranks failed a call
+        ├── RemoteException                a rank raised an exception that cannot be rebuilt here
+        ├── RankDied                       a rank process exited during the call
+        ├── CallTimeout (TimeoutError)     the call ran past its timeout
+        └── CallCancelled                  the call was cancelled (Ctrl-C, sibling failure)
+
+A user exception raised on a rank is re-raised in the caller *with its own type*: ktlite
+builds a subclass of both the original type and :class:`RemoteError`, so
+``except ValueError`` and ``except kt.RemoteError`` both catch it, and the per-rank
+outcomes travel on it (``err.results``, ``err.outcomes``, ``err.failures``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class KtliteError(Exception):
+    """Base of every ktlite error."""
+
+
+class ConfigError(KtliteError, ValueError):
+    """Bad user input: names the field, the value, what is allowed and the fix."""
+
+
+class SerializationError(ConfigError, TypeError):
+    """A function, class or argument that cannot be pickled; names the offending object."""
+
+
+class DeployError(KtliteError):
+    """Pods could not be started, or the code could not be loaded on them."""
+
+
+class LaunchTimeout(DeployError, TimeoutError):
+    """Pods were not ready before ``launch_timeout``."""
+
+
+class NotDeployedError(KtliteError):
+    """The deployment does not exist: it was never deployed or has been torn down."""
+
+
+class PodUnreachable(KtliteError, ConnectionError):
+    """A pod's server could not be reached, or went away during a call."""
+
+
+class AuthError(KtliteError):
+    """The pod refused the request's token (HTTP 401)."""
+
+
+class ProtocolMismatch(KtliteError):
+    """The client and the pod's server speak different protocol versions."""
+
+
+@dataclass
+class RankFailure:
+    """What went wrong on one rank: its exception (or None), its pod and the remote traceback."""
+
+    rank: int
+    pod: str
+    kind: str  # "error" | "died" | "cancelled" | "timeout"
+    message: str
+    traceback: str = ""
+    exception: BaseException | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        head = f"rank {self.rank} on pod {self.pod}: {self.message}"
+        if self.traceback:
+            return head + "\n" + _indent(self.traceback.rstrip())
+        return head
+
+
+class RemoteError(KtliteError):
+    """A call failed on one or more ranks.
+
+    Attributes:
+        failures: one :class:`RankFailure` per rank that did not return a value.
+        outcomes: rank -> value, or the exception that rank raised / the failure.
+        results: rank -> value, for the ranks that finished.
+    """
+
+    failures: list[RankFailure]
+    outcomes: dict[int, Any]
+
+    def __init__(self, message: str = "", failures: list[RankFailure] | None = None,
+                 outcomes: dict[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or []
+        self.outcomes = outcomes or {}
+
+    @property
+    def results(self) -> dict[int, Any]:
+        failed = {f.rank for f in self.failures}
+        return {r: v for r, v in self.outcomes.items() if r not in failed}
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return sorted(f.rank for f in self.failures)
+
+
+class RemoteException(RemoteError):
+    """A rank raised an exception whose type cannot be rebuilt in the caller.
+
+    Attributes:
+        type_name: the qualified name of the remote exception type.
+        remote_traceback: the traceback text from the rank.
+    """
+
+    def __init__(self, message: str, type_name: str, remote_traceback: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.type_name = type_name
+        self.remote_traceback = remote_traceback
+
+
+class RankDied(RemoteError):
+    """A rank process exited (crash, signal, OOM kill) while running a call."""
+
+
+class CallTimeout(RemoteError, TimeoutError):
+    """The call did not finish within its timeout; the ranks were stopped."""
+
+
+class CallCancelled(RemoteError):
+    """The call was cancelled; its ranks were stopped."""
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+def with_remote_context(exc: BaseException, failures: list[RankFailure],
+                        outcomes: dict[int, Any], summary: str) -> BaseException:
+    """Return an exception of ``exc``'s own type that is also a :class:`RemoteError`.
+
+    The original type is kept so ``except ValueError`` still works; the rank context goes
+    into ``__notes__`` (shown under the traceback) and onto the object. Falls back to the
+    original instance with the same attributes when the type cannot be subclassed.
+    """
+    cls = type(exc)
+    combined: BaseException = exc
+    if not isinstance(exc, RemoteError):
+        try:
+            sub = type(cls.__name__, (cls, RemoteError), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "__init__": cls.__init__, "__str__": cls.__str__, "__reduce__": cls.__reduce__,
+            })
+            combined = cls.__new__(sub, *exc.args)
+            combined.args = exc.args
+            combined.__dict__.update(getattr(exc, "__dict__", {}))
+        except Exception:
+            combined = exc
+    try:
+        combined.failures = failures  # type: ignore[attr-defined]
+        combined.outcomes = outcomes  # type: ignore[attr-defined]
+        if not isinstance(combined, RemoteError):
+            combined.results = {r: v for r, v in outcomes.items()  # type: ignore[attr-defined]
+                                if r not in {f.rank for f in failures}}
+        notes = list(getattr(exc, "__notes__", []) or [])
+        notes.append(summary)
+        combined.__notes__ = notes  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return combined

@@ -1,0 +1,182 @@
+"""Shipping the caller's code without an image rebuild.
+
+Functions and classes defined in ``__main__`` or a notebook are pickled by value
+(cloudpickle does that). So are the caller's *local* modules — files next to the script,
+the test suite, anything not installed in site-packages or the standard library — and
+their source travels along, so ``import helpers`` inside the function works on the pod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import site
+import sys
+import sysconfig
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+
+from ktlite import protocol
+from ktlite.errors import SerializationError
+
+_SKIP = ("ktlite", "ktlite_server", "cloudpickle", "_pytest", "pytest", "pluggy", "__main__",
+         "__mp_main__", "IPython", "ipykernel")
+_MAX_SOURCE = 2 << 20
+_MAX_SOURCES = 32 << 20
+
+
+def _installed_roots() -> tuple[str, ...]:
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    with contextlib.suppress(Exception):
+        paths.update(site.getsitepackages())
+    with contextlib.suppress(Exception):
+        paths.add(site.getusersitepackages())
+    paths.update({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    return tuple(sorted(os.path.abspath(p) + os.sep for p in paths if p))
+
+
+class _LocalModules:
+    """The caller's local modules, recomputed only when ``sys.modules`` grows or shrinks."""
+
+    def __init__(self) -> None:
+        self._roots = _installed_roots()
+        self._seen = -1
+        self._names: list[str] = []
+
+    def names(self) -> list[str]:
+        if len(sys.modules) != self._seen:
+            self._seen = len(sys.modules)
+            self._names = sorted(n for n, m in list(sys.modules.items()) if self._is_local(n, m))
+        return self._names
+
+    def _is_local(self, name: str, module: Any) -> bool:
+        if name.split(".")[0] in _SKIP or module is None:
+            return False
+        path = getattr(module, "__file__", None)
+        if not path or not path.endswith(".py"):
+            return False
+        return not os.path.abspath(path).startswith(self._roots)
+
+
+_local = _LocalModules()
+
+
+@contextlib.contextmanager
+def by_value() -> Iterator[None]:
+    """Pickle the caller's local modules by value inside this block."""
+    registered = []
+    for name in _local.names():
+        module = sys.modules.get(name)
+        if module is None or "." in name:
+            continue
+        try:
+            cloudpickle.register_pickle_by_value(module)
+            registered.append(module)
+        except ValueError:
+            pass  # already registered
+    try:
+        yield
+    finally:
+        for module in registered:
+            with contextlib.suppress(ValueError):
+                cloudpickle.unregister_pickle_by_value(module)
+
+
+def local_sources() -> dict[str, tuple[str, str, bool]]:
+    """name -> (filename, source, is_package) for the caller's local modules."""
+    out: dict[str, tuple[str, str, bool]] = {}
+    total = 0
+    for name in _local.names():
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if not path:
+            continue
+        try:
+            if os.path.getsize(path) > _MAX_SOURCE:
+                continue
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        total += len(text)
+        if total > _MAX_SOURCES:
+            break
+        out[name] = (path, text, hasattr(module, "__path__"))
+    return out
+
+
+def bundle(obj: Any) -> bytes:
+    """Pickle a function or class for shipping; names the culprit when that fails."""
+    try:
+        with by_value():
+            return cloudpickle.dumps(obj, protocol=5)
+    except Exception as e:
+        raise SerializationError(_diagnose_callable(obj, e)) from e
+
+
+def encode_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Encode a call's arguments; names the argument that cannot be pickled."""
+    try:
+        with by_value():
+            return protocol.dumps_parts((method, args, kwargs))
+    except Exception as e:
+        raise SerializationError(_diagnose_args(args, kwargs, e)) from e
+
+
+def encode_value(value: Any, what: str) -> bytes:
+    try:
+        with by_value():
+            return protocol.dumps(value)
+    except Exception as e:
+        raise SerializationError(f"{what} cannot be pickled: {e}") from e
+
+
+def _fails(obj: Any) -> Exception | None:
+    try:
+        with by_value():
+            cloudpickle.dumps(obj, protocol=5)
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def _describe(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _diagnose_callable(obj: Any, err: Exception) -> str:
+    name = getattr(obj, "__qualname__", repr(obj))
+    funcs = [obj] if inspect.isfunction(obj) else [
+        v for v in vars(obj).values() if inspect.isfunction(v)] if inspect.isclass(obj) else []
+    for fn in funcs:
+        try:
+            cv = inspect.getclosurevars(fn)
+        except (TypeError, ValueError):
+            continue
+        for scope, names in (("global", cv.globals), ("closure variable", cv.nonlocals)):
+            for var, value in names.items():
+                if inspect.ismodule(value):
+                    continue
+                e = _fails(value)
+                if e is not None:
+                    return (f"{name} cannot be shipped: it uses {scope} {var!r} (a {_describe(value)}), "
+                            f"which cannot be pickled ({e}); create it inside the function, or pass "
+                            "something picklable instead")
+    return f"{name} cannot be pickled: {err}"
+
+
+def _diagnose_args(args: tuple[Any, ...], kwargs: dict[str, Any], err: Exception) -> str:
+    for i, value in enumerate(args):
+        e = _fails(value)
+        if e is not None:
+            return (f"positional argument {i} (a {_describe(value)}) cannot be pickled: {e}; "
+                    "pass plain data, arrays or tensors, or create the object on the pod")
+    for key, value in kwargs.items():
+        e = _fails(value)
+        if e is not None:
+            return (f"keyword argument {key!r} (a {_describe(value)}) cannot be pickled: {e}; "
+                    "pass plain data, arrays or tensors, or create the object on the pod")
+    return f"the call's arguments cannot be pickled: {err}"

@@ -1,0 +1,259 @@
+"""The wire contract shared by the client and the pod server (stdlib + cloudpickle only).
+
+A *message* is pickle protocol 5 with its large buffers carried out of band::
+
+    b"KTL" version:u8 nbufs:u32 pickle_len:u64 buf_len:u64*nbufs  pickle  [pad buf]*nbufs
+
+Buffers start on 64-byte boundaries so numpy / torch can use them in place. Decoding a
+message held in a writable buffer gives arrays backed by that buffer: no copies, no base64.
+
+A *frame stream* is what ``POST /call`` answers with: ``kind:u8 length:u64 payload``
+frames, logs interleaved with the final result, so a caller sees every rank's output live.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import struct
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KTL"
+_HEAD = struct.Struct("<3sBIQ")
+_ALIGN = 64
+
+# HTTP headers
+TOKEN_HEADER = "authorization"
+CALL_HEADER = "x-ktlite-call"
+VERSION_HEADER = "x-ktlite-protocol"
+
+# frame kinds
+FRAME = struct.Struct("<BQ")
+LOG, RESULT, ERROR, HEARTBEAT = 1, 2, 3, 4
+
+# out-of-band threshold: smaller buffers stay in the pickle stream
+_OOB_MIN = 4096
+
+
+class ProtocolError(ValueError):
+    """A malformed or truncated message."""
+
+
+@dataclass
+class RemoteExceptionInfo:
+    """An exception raised on a rank: its pickle when it round-trips, always its text."""
+
+    type_name: str
+    message: str
+    traceback: str
+    pickled: bytes | None = None
+
+
+def _pad(n: int) -> int:
+    return (-n) % _ALIGN
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle plus out-of-band buffers for CPU torch tensors (cloudpickle copies them)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            reduced = _reduce_tensor(torch, obj)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+
+def _reduce_tensor(torch: Any, t: Any) -> Any:
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        return None
+    if t.requires_grad and t.grad_fn is not None:
+        return None
+    if t.is_conj() or t.is_neg():
+        return None
+    data = t.detach().contiguous()
+    dtype = str(data.dtype).removeprefix("torch.")
+    as_np = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}.get(dtype)
+    try:
+        arr = (data.view(getattr(torch, as_np)) if as_np else data).numpy()
+    except (TypeError, RuntimeError):
+        return None
+    is_param = type(t) is not torch.Tensor
+    return _rebuild_tensor, (pickle.PickleBuffer(arr.reshape(-1).view("uint8")) if arr.size else b"",
+                             dtype, tuple(data.shape), bool(t.requires_grad), is_param)
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool,
+                    is_param: bool) -> Any:
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8) if len(memoryview(buf)) else \
+        torch.empty(0, dtype=torch.uint8)
+    t = raw.view(tdtype).reshape(shape)
+    if is_param:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def dumps_parts(obj: Any) -> list[Any]:
+    """Pickle ``obj`` into the parts of one message: header, pickle, then aligned buffers."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        if memoryview(buf).nbytes < _OOB_MIN:
+            return True  # serialize in band
+        buffers.append(buf)
+        return False
+
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=keep).dump(obj)
+    body = stream.getbuffer()
+    raws = [b.raw() for b in buffers]
+    lens = [r.nbytes for r in raws]
+    head = _HEAD.pack(MAGIC, PROTOCOL_VERSION, len(raws), body.nbytes) + struct.pack(f"<{len(raws)}Q", *lens)
+    parts: list[Any] = [head, body]
+    offset = len(head) + body.nbytes
+    for raw in raws:
+        pad = _pad(offset)
+        if pad:
+            parts.append(b"\0" * pad)
+        parts.append(raw)
+        offset += pad + raw.nbytes
+    return parts
+
+
+def dumps(obj: Any) -> bytes:
+    """One message as bytes (small messages; large ones should use :func:`dumps_parts`)."""
+    return b"".join(bytes(p) if isinstance(p, memoryview) else p for p in dumps_parts(obj))
+
+
+def parts_size(parts: Iterable[Any]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def loads(data: Any) -> Any:
+    """Decode one message; out-of-band buffers are views of ``data`` (no copies)."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < _HEAD.size:
+        raise ProtocolError(f"message truncated: {view.nbytes} bytes, header needs {_HEAD.size}")
+    magic, version, nbufs, plen = _HEAD.unpack_from(view)
+    if magic != MAGIC:
+        raise ProtocolError("not a ktlite message (bad magic)")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"message protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    pos = _HEAD.size
+    if nbufs > 1 << 20 or view.nbytes < pos + 8 * nbufs:
+        raise ProtocolError("message truncated in its buffer table")
+    lens = struct.unpack_from(f"<{nbufs}Q", view, pos)
+    pos += 8 * nbufs
+    body = view[pos:pos + plen]
+    pos += plen
+    bufs = []
+    for n in lens:
+        pos += _pad(pos)
+        if pos + n > view.nbytes:
+            raise ProtocolError(f"message truncated: buffer of {n} bytes runs past the end ({view.nbytes})")
+        bufs.append(view[pos:pos + n])
+        pos += n
+    if body.nbytes != plen:
+        raise ProtocolError("message truncated in its pickle stream")
+    return pickle.loads(body, buffers=bufs)
+
+
+# ---- frames -------------------------------------------------------------------------------
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return FRAME.pack(kind, len(payload)) + payload
+
+
+def frame_parts(kind: int, parts: list[Any]) -> list[Any]:
+    return [FRAME.pack(kind, parts_size(parts)), *parts]
+
+
+def log_frame(rank: int, pod: str, stream: str, text: str) -> bytes:
+    return frame(LOG, json.dumps([rank, pod, stream, text]).encode())
+
+
+def error_frame(kind: str, message: str) -> bytes:
+    return frame(ERROR, json.dumps({"type": kind, "message": message}).encode())
+
+
+class FrameParser:
+    """Incremental frame parser: ``feed`` chunks, get complete ``(kind, payload)`` frames.
+
+    Each payload lands in its own bytearray, so messages decoded from it are writable and
+    zero-copy.
+    """
+
+    def __init__(self) -> None:
+        self._head = bytearray()
+        self._payload: bytearray | None = None
+        self._kind = 0
+        self._got = 0
+
+    @property
+    def mid_frame(self) -> bool:
+        return bool(self._head) or self._payload is not None
+
+    def feed(self, chunk: Any) -> list[tuple[int, bytearray]]:
+        out: list[tuple[int, bytearray]] = []
+        view = memoryview(chunk).cast("B")
+        pos = 0
+        while pos < view.nbytes:
+            if self._payload is None:
+                need = FRAME.size - len(self._head)
+                self._head += view[pos:pos + need]
+                pos += min(need, view.nbytes - pos)
+                if len(self._head) < FRAME.size:
+                    break
+                self._kind, length = FRAME.unpack(self._head)
+                self._head.clear()
+                self._payload, self._got = bytearray(length), 0
+            take = min(len(self._payload) - self._got, view.nbytes - pos)
+            self._payload[self._got:self._got + take] = view[pos:pos + take]
+            self._got += take
+            pos += take
+            if self._got == len(self._payload):
+                out.append((self._kind, self._payload))
+                self._payload = None
+        if self._payload is not None and self._got == len(self._payload):
+            out.append((self._kind, self._payload))
+            self._payload = None
+        return out
+
+
+def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, bytearray]]:
+    """Frames from an iterator of byte chunks; raises ProtocolError if it ends mid-frame."""
+    parser = FrameParser()
+    for chunk in chunks:
+        yield from parser.feed(chunk)
+    if parser.mid_frame:
+        raise ProtocolError("stream ended inside a frame")
+
+
+def gather_parts(outcomes: list[tuple[int, str, str, Any, str]]) -> list[Any]:
+    """Encode per-rank outcomes ``(rank, pod, status, data, message)``; data stays opaque."""
+    return dumps_parts({"outcomes": [
+        (rank, pod, status, None if data is None else pickle.PickleBuffer(data), message)
+        for rank, pod, status, data, message in outcomes]})
+
+
+def chunked(parts: Iterable[Any], size: int = 4 << 20) -> Iterator[memoryview]:
+    """Split parts into chunks of at most ``size`` bytes without copying."""
+    for part in parts:
+        mv = memoryview(part).cast("B")
+        for i in range(0, mv.nbytes, size):
+            yield mv[i:i + size]
+
+
+def bearer(token: str) -> str:
+    return f"Bearer {token}"

@@ -1,0 +1,257 @@
+"""``kt.fn`` and ``kt.cls``: ship a function or class to pods and call it like a local one."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+from typing import Any
+
+from ktlite import packaging
+from ktlite.backends.base import Plan, get_backend
+from ktlite.compute import Compute
+from ktlite.deploy import CallOptions, Deployment, deploy
+from ktlite.errors import ConfigError, NotDeployedError
+from ktlite.spec import DeploymentSpec, check_name, default_name
+
+# Kubetorch's call keywords, accepted as options only when the user's callable can't take them
+_KT_CALL_KWARGS = ("stream_logs", "workers", "restart_procs")
+_OPTION_NAMES = tuple(f.name for f in fields(CallOptions))
+
+
+def _options(kwargs: dict[str, Any]) -> CallOptions:
+    unknown = sorted(set(kwargs) - set(_OPTION_NAMES))
+    if unknown:
+        raise ConfigError(f"unknown call option(s) {', '.join(unknown)}; allowed: {', '.join(_OPTION_NAMES)}")
+    timeout = kwargs.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds (or None for no limit)")
+    return CallOptions(**kwargs)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True  # unknown signature: never steal the user's keywords
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.VAR_POSITIONAL)
+               for p in params)
+
+
+class _Source:
+    kind = "fn"
+
+    def __init__(self, obj: Any, name: str | None = None) -> None:
+        self.obj = obj
+        self.name = check_name(name) if name is not None else default_name(obj.__name__)
+
+    def __repr__(self) -> str:
+        return f"kt.{self.kind}({self.obj.__qualname__}, name={self.name!r})"
+
+    def _spec(self, compute: Compute, name: str | None, detached: bool) -> DeploymentSpec:
+        if not isinstance(compute, Compute):
+            raise ConfigError(f".to() needs a kt.Compute, got {type(compute).__name__}; "
+                              "e.g. .to(kt.Compute(cpus=1))")
+        return DeploymentSpec(name=check_name(name) if name else self.name, compute=compute,
+                              kind=self.kind, detached=detached)
+
+    def _deploy(self, compute: Compute, name: str | None, detached: bool, dryrun: bool,
+                restart_procs: bool, init: bytes | None) -> Deployment | Plan:
+        spec = self._spec(compute, name, detached)
+        bundle = packaging.bundle(self.obj)  # fails before anything starts
+        if dryrun:
+            return get_backend(compute.backend).plan(spec)
+        return deploy(spec, bundle, packaging.local_sources(), init, restart=restart_procs)
+
+
+class Fn(_Source):
+    """A function ready to be deployed: ``kt.fn(train).to(kt.Compute(cpus=1))``."""
+
+    kind = "fn"
+
+    def to(self, compute: Compute, *, name: str | None = None, detached: bool = False,
+           dryrun: bool = False, restart_procs: bool = False) -> RemoteFunction | Plan:
+        """Deploy onto ``compute``; returns a callable :class:`RemoteFunction`.
+
+        Args:
+            compute: where to run; ``compute.distribute(...)`` for N pods × P ranks.
+            name: deployment name (default: the function's name).
+            detached: keep the pods running after this Python process exits.
+            dryrun: touch nothing; return the :class:`Plan` (commands or manifests).
+            restart_procs: start fresh rank processes instead of reloading code into them.
+        """
+        dep = self._deploy(compute, name, detached, dryrun, restart_procs, None)
+        if isinstance(dep, Plan):
+            return dep
+        return RemoteFunction(self, dep)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotDeployedError(f"{self!r} is not deployed: call .to(kt.Compute(...)) first")
+
+
+class Cls(_Source):
+    """A class ready to be deployed: ``kt.cls(Model).to(compute, init_args={...})``."""
+
+    kind = "cls"
+
+    def to(self, compute: Compute, *, init_args: dict[str, Any] | tuple[Any, ...] | list[Any] | None = None,
+           name: str | None = None, detached: bool = False, dryrun: bool = False,
+           restart_procs: bool = False) -> RemoteClass | Plan:
+        """Deploy onto ``compute`` and construct one instance per rank.
+
+        Args:
+            init_args: constructor arguments: a dict of keywords, or a tuple/list of positionals.
+        """
+        if init_args is None:
+            args, kwargs = (), {}
+        elif isinstance(init_args, dict):
+            args, kwargs = (), dict(init_args)
+        elif isinstance(init_args, (tuple, list)):
+            args, kwargs = tuple(init_args), {}
+        else:
+            raise ConfigError(f"init_args={init_args!r} must be a dict of keyword arguments or a "
+                              "tuple of positional arguments")
+        init = packaging.encode_value((args, kwargs), "init_args")
+        dep = self._deploy(compute, name, detached, dryrun, restart_procs, init)
+        if isinstance(dep, Plan):
+            return dep
+        return RemoteClass(self, dep, init_args)
+
+
+def fn(func: Any, name: str | None = None) -> Fn:
+    """Wrap a function for deployment. Example: ``kt.fn(train).to(kt.Compute(cpus=1))(epochs=3)``."""
+    if not inspect.isfunction(func) and not inspect.isbuiltin(func) and not callable(func):
+        raise ConfigError(f"kt.fn() needs a function, got {type(func).__name__}")
+    if inspect.isclass(func):
+        raise ConfigError(f"kt.fn() got the class {func.__name__}; use kt.cls({func.__name__}) for classes")
+    return Fn(func, name)
+
+
+def cls(klass: type, name: str | None = None) -> Cls:
+    """Wrap a class for deployment. Example: ``kt.cls(Model).to(compute, init_args={"lr": 0.1})``."""
+    if not inspect.isclass(klass):
+        raise ConfigError(f"kt.cls() needs a class, got {type(klass).__name__}; use kt.fn() for functions")
+    return Cls(klass, name)
+
+
+class _Remote:
+    def __init__(self, source: _Source, deployment: Deployment) -> None:
+        self._source = source
+        self._deployment: Deployment | None = deployment
+
+    @property
+    def name(self) -> str:
+        return self.deployment.name
+
+    @property
+    def deployment(self) -> Deployment:
+        if self._deployment is None:
+            raise NotDeployedError(f"{self._source.name!r} was torn down; call .to(compute) again")
+        return self._deployment
+
+    @property
+    def compute(self) -> Compute:
+        return self.deployment.spec.compute
+
+    def __repr__(self) -> str:
+        state = "torn down" if self._deployment is None else f"{len(self.deployment.endpoints)} pod(s)"
+        return f"<{type(self).__name__} {self._source.name!r} on {self._source.kind}, {state}>"
+
+    def _redeploy(self, compute: Compute) -> None:
+        raise NotImplementedError(type(self).__name__)
+
+    def distribute(self, framework: str = "spmd", workers: int = 1, num_proc: int | None = None,
+                   port: int | None = None, quorum_timeout: float = 300.0) -> Any:
+        """Re-deploy the same service on ``workers`` pods (the seed's ``.to(c).distribute(...)``)."""
+        compute = self.compute.distribute(framework, workers, num_proc, port, quorum_timeout)
+        self._redeploy(compute)
+        return self
+
+    def _invoke(self, method: str | None, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                options: CallOptions | None) -> Any:
+        if options is None:
+            taken = {k: kwargs.pop(k) for k in _KT_CALL_KWARGS if k in kwargs and not _takes(target, k)}
+            options = _options(taken)
+        dep = self.deployment
+        parts = packaging.encode_call(method, args, kwargs)
+        values = dep.call(method, parts, options)
+        return values if dep.spec.compute.distributed is not None else values[0]
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each pod's ranks: state, pid, last exit, restarts, how long busy."""
+        return self.deployment.status()
+
+    def teardown(self) -> None:
+        """Stop every process of this deployment."""
+        dep = self._deployment
+        if dep is None:
+            return
+        dep.backend.teardown(dep.name)
+        dep.close()
+        self._deployment = None
+
+
+class RemoteFunction(_Remote):
+    """A deployed function: call it like the original; distributed, it returns a list by rank."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._invoke(None, self._source.obj, args, kwargs, None)
+
+    def options(self, **options: Any) -> _Bound:
+        """Per-call options: ``remote.options(timeout=60, stream_logs=False, workers=[0], restart_procs=True)(x)``."""
+        return _Bound(self, None, self._source.obj, _options(options))
+
+    def _redeploy(self, compute: Compute) -> None:
+        new = self._source.to(compute, name=self.name)  # type: ignore[attr-defined]
+        old, self._deployment = self._deployment, new.deployment
+        if old is not None:
+            old.close()
+
+
+class RemoteClass(_Remote):
+    """A deployed class: method calls run on the live instance(s); state persists between calls."""
+
+    def __init__(self, source: Cls, deployment: Deployment, init_args: Any) -> None:
+        super().__init__(source, deployment)
+        self._init_args = init_args
+
+    def __getattr__(self, attr: str) -> RemoteMethod:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        klass = self._source.obj
+        member = inspect.getattr_static(klass, attr, None)
+        if member is None or not callable(getattr(klass, attr, None)):
+            raise AttributeError(f"{klass.__name__} has no method {attr!r}; remote instances expose "
+                                 "their methods (add a getter method to read an attribute)")
+        return RemoteMethod(self, attr, getattr(klass, attr))
+
+    def _redeploy(self, compute: Compute) -> None:
+        new = self._source.to(compute, name=self.name, init_args=self._init_args)  # type: ignore[attr-defined]
+        old, self._deployment = self._deployment, new.deployment
+        if old is not None:
+            old.close()
+
+
+class RemoteMethod:
+    def __init__(self, owner: RemoteClass, name: str, target: Any) -> None:
+        self._owner = owner
+        self._name = name
+        self._target = target
+
+    def __repr__(self) -> str:
+        return f"<RemoteMethod {self._owner.name}.{self._name}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner._invoke(self._name, self._target, args, kwargs, None)
+
+    def options(self, **options: Any) -> _Bound:
+        return _Bound(self._owner, self._name, self._target, _options(options))
+
+
+class _Bound:
+    """A call with options fixed: every keyword argument goes to the user's function."""
+
+    def __init__(self, remote: _Remote, method: str | None, target: Any, options: CallOptions) -> None:
+        self._remote, self._method, self._target, self._opts = remote, method, target, options
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._remote._invoke(self._method, self._target, args, kwargs, self._opts)

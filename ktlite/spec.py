@@ -1,0 +1,151 @@
+"""The frozen description of a deployment, and the distributed-env contract.
+
+``distributed_env`` is the single place where RANK / WORLD_SIZE / MASTER_ADDR / ... are
+computed: every backend and the pod server use it, so ranks mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ktlite.errors import ConfigError
+
+FRAMEWORKS = ("spmd", "pytorch", "jax", "tensorflow")
+DEFAULT_MASTER_PORT = 29500
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How many pods, processes per pod, and which framework's env each rank gets.
+
+    Args:
+        framework: ``"spmd"`` (default), ``"pytorch"``, ``"jax"`` or ``"tensorflow"``.
+        workers: number of pods (N).
+        num_proc: rank processes per pod (P); world size is N×P.
+        port: MASTER_PORT; default 29500 on clusters, a free port on the local backend.
+        quorum_timeout: seconds to wait for every worker to be reachable before a call.
+    """
+
+    framework: str = "spmd"
+    workers: int = 1
+    num_proc: int = 1
+    port: int | None = None
+    quorum_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.framework == "ray":
+            raise ConfigError("distribute(framework='ray') is not supported yet; "
+                              f"use one of {', '.join(FRAMEWORKS)}")
+        if self.framework not in FRAMEWORKS:
+            raise ConfigError(f"distribute(framework={self.framework!r}) is not a known framework; "
+                              f"allowed: {', '.join(map(repr, FRAMEWORKS))}")
+        _check_int("workers", self.workers, minimum=1,
+                   fix="workers is the number of pods; use workers=1 for a single pod")
+        _check_int("num_proc", self.num_proc, minimum=1,
+                   fix="num_proc is the number of rank processes per pod")
+        if self.port is not None:
+            _check_int("port", self.port, minimum=1, maximum=65535, fix="pick a free TCP port such as 29500")
+        if isinstance(self.quorum_timeout, bool) or not isinstance(self.quorum_timeout, (int, float)) \
+                or self.quorum_timeout <= 0:
+            raise ConfigError(f"quorum_timeout={self.quorum_timeout!r} must be a positive number of seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.workers * self.num_proc
+
+
+def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} must be an integer; {fix}")
+    if value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise ConfigError(f"{name}={value!r} is out of range; allowed: {allowed}; {fix}")
+
+
+def check_name(name: str) -> str:
+    """Deployment names become pod names and Kubernetes object names: DNS-1123 labels."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        suggestion = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:52] or "my-fn"
+        raise ConfigError(f"name={name!r} is not a valid deployment name: use lowercase letters, "
+                          f"digits and '-', at most 52 characters, e.g. {suggestion!r}")
+    return name
+
+
+def default_name(obj_name: str) -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", obj_name.lower()).strip("-")[:52].strip("-")
+    return name or "fn"
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """Everything a backend needs to run a deployment: the only object it sees."""
+
+    name: str
+    compute: Any  # ktlite.compute.Compute (kept untyped to avoid an import cycle)
+    kind: str = "fn"  # "fn" | "cls"
+    detached: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> DistributedConfig:
+        return self.compute.distributed or DistributedConfig()
+
+    @property
+    def workers(self) -> int:
+        return self.distributed.workers
+
+    def pod_hash(self) -> str:
+        """Hash of the fields that shape a pod; code and rank layout are not among them."""
+        fields = self.compute.pod_fields()
+        blob = json.dumps(fields, sort_keys=True, default=repr).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def with_compute(self, compute: Any) -> DeploymentSpec:
+        return replace(self, compute=compute)
+
+
+def distributed_env(config: DistributedConfig, *, node_rank: int, local_rank: int,
+                    pod_ips: list[str], master_port: int, run_id: str = "ktlite",
+                    cpus_per_pod: float | None = None) -> dict[str, str]:
+    """The env vars one rank gets. Stable: RANK = NODE_RANK × num_proc + LOCAL_RANK."""
+    if len(pod_ips) != config.workers:
+        raise ValueError(f"{len(pod_ips)} pod addresses for {config.workers} workers")
+    nproc = config.num_proc
+    rank = node_rank * nproc + local_rank
+    world = config.world_size
+    master = pod_ips[0]
+    env = {
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "NODE_RANK": str(node_rank),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(config.workers),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default",
+        "POD_IPS": ",".join(pod_ips),
+        "KTLITE_FRAMEWORK": config.framework,
+    }
+    if config.framework == "pytorch":
+        env["TORCHELASTIC_RUN_ID"] = run_id
+    elif config.framework == "jax":
+        env.update(JAX_COORDINATOR_ADDRESS=f"{master}:{master_port}",
+                   JAX_NUM_PROCESSES=str(world), JAX_PROCESS_ID=str(rank))
+    elif config.framework == "tensorflow":
+        # rank r listens on master_port + r: unique even when pods share a host (local backend)
+        workers = [f"{pod_ips[r // nproc]}:{master_port + r}" for r in range(world)]
+        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers},
+                                       "task": {"type": "worker", "index": rank}})
+    if nproc > 1:
+        cpus = cpus_per_pod or 1
+        env["OMP_NUM_THREADS"] = str(max(1, int(cpus // nproc)))
+    return env

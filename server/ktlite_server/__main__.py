@@ -1,0 +1,92 @@
+"""``python -m ktlite_server``: run one pod's server.
+
+The deployment token is read from ``KTLITE_TOKEN`` (never from argv, which ``ps`` shows).
+With ``--ready-file`` the bound port is written there once the server accepts requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+
+import uvicorn
+
+from ktlite_server.app import DEFAULT_MAX_BODY, create_app
+from ktlite_server.pod import Pod
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ktlite_server", description=__doc__)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=32300)
+    p.add_argument("--pod", default=os.environ.get("KTLITE_POD_NAME") or socket.gethostname())
+    p.add_argument("--ordinal", type=int, default=int(os.environ.get("KTLITE_POD_ORDINAL", "0")))
+    p.add_argument("--procs", type=int, default=1, help="rank processes to start before code arrives")
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    return p.parse_args()
+
+
+async def _watch_parent(pid: int, server: uvicorn.Server) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        try:
+            os.kill(pid, 0)
+            alive = os.getppid() == pid
+        except ProcessLookupError:
+            alive = False
+        if not alive:
+            server.should_exit = True  # lifespan shutdown kills the ranks
+            return
+
+
+def main() -> None:
+    args = _parse()
+    token = os.environ.pop("KTLITE_TOKEN", "")
+    if not token:
+        raise SystemExit("KTLITE_TOKEN is not set: the server refuses to run without a deployment token")
+    max_body = int(os.environ.get("KTLITE_MAX_BODY", DEFAULT_MAX_BODY))
+    pod = Pod(args.pod, args.ordinal, procs=args.procs)
+    app = create_app(pod, token, max_body=max_body)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"), access_log=False,
+        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        timeout_keep_alive=300, lifespan="on")
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        if args.parent_pid:
+            loop.create_task(_watch_parent(args.parent_pid, server))
+        serving = loop.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.005)
+        if server.started and args.ready_file:
+            tmp = args.ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"port": port, "pid": os.getpid()}, f)
+            os.replace(tmp, args.ready_file)
+        await serving
+
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+        if config.loop == "uvloop":
+            import uvloop
+            uvloop.run(serve())
+        else:
+            asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

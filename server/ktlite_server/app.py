@@ -1,0 +1,238 @@
+"""The pod server's HTTP API (FastAPI on uvicorn).
+
+Endpoints (all but ``/health`` need ``Authorization: Bearer <deployment token>``):
+
+- ``GET /health``: liveness, protocol version, launch id.
+- ``POST /deploy``: install a code bundle on this pod's ranks (ktlite message body).
+- ``POST /call``: run a call; ``x-ktlite-call`` header carries the plan, the body the opaque
+  argument payload; answers with a frame stream (logs, heartbeats, then the result).
+- ``POST /cancel/{call_id}``: stop a running call's ranks.
+- ``GET /status``: each rank's state, last exit, restarts, and how long it has been busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import mmap
+import os
+import tempfile
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+import ktlite
+from ktlite import protocol
+from ktlite.spec import DistributedConfig
+from ktlite_server.coordinator import CallPlan, Coordinator, run_local
+from ktlite_server.pod import Deployment, Pod
+from ktlite_server.rank import INLINE_MAX, shm_dir
+
+HEARTBEAT_S = 2.0
+DEFAULT_MAX_BODY = 8 << 30
+
+
+class FrameResponse(Response):
+    """Streams frames produced by ``producer`` while the call runs; heartbeats when idle."""
+
+    media_type = "application/x-ktlite-frames"
+
+    def __init__(self, producer: Callable[[Callable[[Any], None]], Awaitable[None]],
+                 on_disconnect: Callable[[], None]) -> None:
+        super().__init__(status_code=200, media_type=self.media_type)
+        self.producer = producer
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        async def produce() -> None:
+            try:
+                await self.producer(queue.put_nowait)
+            except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
+                queue.put_nowait(protocol.error_frame(type(e).__name__, str(e)))
+            finally:
+                queue.put_nowait(None)
+
+        async def watch() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    self.on_disconnect()
+                    return
+
+        task = loop.create_task(produce())
+        watcher = loop.create_task(watch())
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", self.media_type.encode())]})
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    item = protocol.frame(protocol.HEARTBEAT, b"")
+                if item is None:
+                    break
+                parts = item if isinstance(item, list) else [item]
+                for chunk in protocol.chunked(parts):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            if not task.done():
+                self.on_disconnect()
+                await task
+
+
+async def _read_body(request: Request, limit: int) -> tuple[Any, str | None]:
+    """Read the body into memory, or straight into a shared-memory file when large."""
+    length = request.headers.get("content-length")
+    if length is None or not length.isdigit():
+        raise HTTPException(411, "a Content-Length header is required")
+    n = int(length)
+    if n > limit:
+        raise HTTPException(413, f"body of {n} bytes is larger than this server's limit of {limit} bytes "
+                                 "(KTLITE_MAX_BODY)")
+    path = None
+    if n > INLINE_MAX:
+        fd, path = tempfile.mkstemp(prefix="ktlite-arg-", dir=shm_dir())
+        os.ftruncate(fd, n)
+        buf: Any = mmap.mmap(fd, n)
+        os.close(fd)
+    else:
+        buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    try:
+        async for chunk in request.stream():
+            k = len(chunk)
+            if got + k > n:
+                raise HTTPException(400, f"body is longer than its Content-Length of {n} bytes")
+            view[got:got + k] = chunk
+            got += k
+    except (ClientDisconnect, HTTPException):
+        if path:
+            os.unlink(path)
+        raise
+    if got != n:
+        if path:
+            os.unlink(path)
+        raise HTTPException(400, f"body truncated: got {got} of {n} bytes")
+    return view, path
+
+
+def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
+               client: httpx.AsyncClient | None = None) -> FastAPI:
+    """Build the pod server app; ``client`` is the HTTP client used to reach peer pods."""
+    expected = protocol.bearer(token).encode()
+    state: dict[str, Any] = {"client": client}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        if state["client"] is None:
+            state["client"] = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=30.0)
+        await pod.prespawn()
+        yield
+        await pod.shutdown()
+        await state["client"].aclose()
+
+    app = FastAPI(title="ktlite pod server", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+
+    def authorize(request: Request) -> None:
+        got = request.headers.get(protocol.TOKEN_HEADER, "").encode()
+        if not hmac.compare_digest(got, expected):
+            raise HTTPException(401, "missing or wrong deployment token")
+        version = request.headers.get(protocol.VERSION_HEADER)
+        if version is not None and version != str(protocol.PROTOCOL_VERSION):
+            raise HTTPException(409, f"protocol version mismatch: client speaks {version}, server "
+                                     f"(ktlite {ktlite.__version__}) speaks {protocol.PROTOCOL_VERSION}; "
+                                     "install the same ktlite version on both sides")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, "version": ktlite.__version__,
+                "pod": pod.name, "ordinal": pod.ordinal,
+                "launch_id": pod.dep.launch_id if pod.dep else None}
+
+    @app.get("/status")
+    async def status(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return pod.status()
+
+    @app.post("/deploy")
+    async def deploy(request: Request) -> Response:
+        authorize(request)
+        body, path = await _read_body(request, max_body)
+        try:
+            msg = protocol.loads(body)
+            dep = Deployment(
+                launch_id=msg["launch_id"], bundle=bytes(msg["bundle"]), kind=msg["kind"],
+                init=msg.get("init"), sources=msg.get("sources") or {},
+                config=DistributedConfig(**msg["distributed"]), pod_ips=list(msg["pod_ips"]),
+                ordinal=int(msg["ordinal"]), master_port=int(msg["master_port"]),
+                max_restarts=int(msg.get("max_restarts", 3)), cpus=msg.get("cpus"),
+                load_timeout=float(msg.get("load_timeout", 300)))
+        except (protocol.ProtocolError, KeyError, TypeError, ValueError) as e:
+            raise HTTPException(400, f"malformed deploy request: {e}") from e
+        finally:
+            if path:
+                os.unlink(path)
+        if dep.ordinal != pod.ordinal:
+            raise HTTPException(400, f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} "
+                                     f"(ordinal {pod.ordinal})")
+        outs = await pod.deploy(dep, restart=bool(msg.get("restart")))
+        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message) for o in outs])
+        return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
+
+    @app.post("/call")
+    async def call(request: Request) -> Response:
+        authorize(request)
+        try:
+            plan = CallPlan(json.loads(request.headers.get(protocol.CALL_HEADER, "")))
+        except (ValueError, KeyError, TypeError) as e:
+            raise HTTPException(400, f"malformed {protocol.CALL_HEADER} header: {e}") from e
+        if pod.dep is None:
+            raise HTTPException(409, "no code is deployed on this pod; call .to() first")
+        body, path = await _read_body(request, max_body)
+        coordinator = Coordinator(pod, token, state["client"], plan) if plan.fanout else None
+
+        async def produce(emit: Callable[[Any], None]) -> None:
+            try:
+                if coordinator is not None:
+                    outs = await coordinator.run(body, path, emit)
+                else:
+                    outs = await run_local(pod, plan, body, path, emit)
+                emit(protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs)))
+            finally:
+                if path:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+        def disconnected() -> None:
+            if coordinator is not None:
+                coordinator.cancel("cancelled", "the caller disconnected")
+            else:
+                pod.cancel(plan.id, "cancelled", "the caller disconnected")
+
+        return FrameResponse(produce, disconnected)
+
+    @app.post("/cancel/{call_id}")
+    async def cancel(call_id: str, request: Request, kind: str = "cancelled",
+                     reason: str = "cancelled by the caller", reset: bool = False) -> JSONResponse:
+        authorize(request)
+        if kind not in ("cancelled", "timeout"):
+            raise HTTPException(400, f"kind={kind!r}; allowed: cancelled, timeout")
+        found = pod.cancel(call_id, kind, reason[:500])
+        if not found and reset:
+            pod.reset()
+        return JSONResponse({"cancelled": found})
+
+    return app

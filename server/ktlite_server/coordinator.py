@@ -1,0 +1,175 @@
+"""Fan-out of one call from the coordinator pod (pod 0) to every pod, and fan-in of results.
+
+The coordinator runs its own ranks and streams the call to the other pods concurrently,
+forwarding their log frames to the caller as they arrive. The first failing rank stops the
+call everywhere; a timeout does the same. Rank results are never unpickled here: they
+pass through as opaque buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from ktlite import protocol
+from ktlite_server.pod import Pod
+from ktlite_server.ranks import Outcome
+
+Emit = Callable[[Any], None]  # puts a frame (bytes or list of parts) on the caller's stream
+PodOutcome = tuple[int, str, str, Any, str]  # (rank, pod name, status, data, message)
+
+
+async def _achunks(body: memoryview) -> Any:
+    for chunk in protocol.chunked([body]):
+        yield chunk
+
+
+class CallPlan:
+    """The ``x-ktlite-call`` header: who runs the call and how."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.id: str = meta["id"]
+        self.pods: list[str] = list(meta.get("pods") or [])
+        self.names: list[str] = list(meta.get("names") or [])
+        self.workers: list[int] | None = meta.get("workers")
+        self.timeout: float | None = meta.get("timeout")
+        self.stream_logs: bool = bool(meta.get("stream_logs", True))
+        self.restart: bool = bool(meta.get("restart", False))
+        self.fanout: bool = bool(meta.get("fanout", False))
+        self.quorum_timeout: float = float(meta.get("quorum_timeout") or 300.0)
+        self.num_proc: int = int(meta.get("num_proc") or 1)
+
+    def member_meta(self) -> dict[str, Any]:
+        return {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False}
+
+
+def _pod_outcomes(pod: Pod, outs: list[Outcome]) -> list[PodOutcome]:
+    return [(o.rank, pod.name, o.status, o.data, o.message) for o in outs]
+
+
+async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
+    log = None
+    if plan.stream_logs:
+        def log(rank: int, stream: str, line: str) -> None:
+            emit(protocol.log_frame(rank, pod.name, stream, line))
+    outs = await pod.run(plan.id, payload, path, log, restart=plan.restart)
+    return _pod_outcomes(pod, outs)
+
+
+class Coordinator:
+    def __init__(self, pod: Pod, token: str, client: httpx.AsyncClient, plan: CallPlan) -> None:
+        self.pod = pod
+        self.token = token
+        self.client = client
+        self.plan = plan
+        self._running: set[int] = set()
+        self._stopped = False
+
+    def cancel(self, kind: str, reason: str) -> None:
+        """Stop the call on every pod still running it (the caller went away)."""
+        if not self._stopped:
+            self._stopped = True
+            asyncio.get_running_loop().create_task(self._stop(self.plan, sorted(self._running), kind, reason))
+
+    def _headers(self, meta: dict[str, Any]) -> dict[str, str]:
+        return {protocol.TOKEN_HEADER: protocol.bearer(self.token),
+                protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION),
+                protocol.CALL_HEADER: json.dumps(meta),
+                "content-type": "application/octet-stream"}
+
+    async def run(self, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
+        plan = self.plan
+        targets = plan.workers if plan.workers is not None else list(range(len(plan.pods)))
+        tasks: dict[asyncio.Task[list[PodOutcome]], int] = {}
+        loop = asyncio.get_running_loop()
+        for i in targets:
+            coro = (run_local(self.pod, plan, payload, path, emit) if i == self.pod.ordinal
+                    else self._remote(plan, i, payload, emit))
+            tasks[loop.create_task(coro)] = i
+        self._running = set(targets)
+        deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
+        results: list[PodOutcome] = []
+        pending = set(tasks)
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            if not done and not self._stopped:
+                self._stopped = True
+                await self._stop(plan, [tasks[t] for t in pending], "timeout",
+                                 f"the call ran past its timeout of {plan.timeout:g}s")
+                deadline = None
+                continue
+            for t in done:
+                outs = t.result()
+                self._running.discard(tasks[t])
+                results.extend(outs)
+                failed = [o for o in outs if o[2] not in ("ok", "cancelled", "timeout")]
+                if failed and not self._stopped and pending:
+                    self._stopped = True
+                    await self._stop(plan, [tasks[p] for p in pending], "cancelled",
+                                     f"stopped because rank {failed[0][0]} failed")
+        return sorted(results, key=lambda o: o[0])
+
+    async def _stop(self, plan: CallPlan, ordinals: list[int], kind: str, reason: str) -> None:
+        """Stop the call on ``ordinals``; pods already done drop their process groups."""
+        async def stop_one(i: int) -> None:
+            if i == self.pod.ordinal:
+                if not self.pod.cancel(plan.id, kind, reason):
+                    self.pod.reset()
+                return
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.post(f"{plan.pods[i]}/cancel/{plan.id}",
+                                       params={"kind": kind, "reason": reason, "reset": "true"},
+                                       headers=self._headers({"id": plan.id}), timeout=5.0)
+        targets = plan.workers if plan.workers is not None else range(len(plan.pods))
+        del ordinals  # every pod of the call: running ones cancel, finished ones reset
+        await asyncio.gather(*(stop_one(i) for i in targets))
+
+    def _failed_pod(self, plan: CallPlan, i: int, message: str) -> list[PodOutcome]:
+        name = plan.names[i] if i < len(plan.names) else f"pod-{i}"
+        return [(i * plan.num_proc + lr, name, "died", None, message) for lr in range(plan.num_proc)]
+
+    async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
+        url = plan.pods[i]
+        name = plan.names[i] if i < len(plan.names) else url
+        deadline = time.monotonic() + plan.quorum_timeout
+        body = memoryview(payload).cast("B")
+        timeout = httpx.Timeout(connect=5.0, read=10.0, write=60.0, pool=plan.quorum_timeout)
+        while True:
+            try:
+                async with self.client.stream(
+                        "POST", f"{url}/call", headers={**self._headers(plan.member_meta()),
+                                                    "content-length": str(body.nbytes)},
+                        content=_achunks(body), timeout=timeout) as resp:
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode(errors="replace")[:500]
+                        return self._failed_pod(plan, i, f"pod {name} answered HTTP {resp.status_code}: {text}")
+                    parser = protocol.FrameParser()
+                    async for chunk in resp.aiter_raw():
+                        for kind, data in parser.feed(chunk):
+                            if kind == protocol.LOG:
+                                emit(protocol.frame(protocol.LOG, bytes(data)))
+                            elif kind == protocol.RESULT:
+                                got = protocol.loads(data)["outcomes"]
+                                return [(r, p, s, d, m) for r, p, s, d, m in got]
+                            elif kind == protocol.ERROR:
+                                err = json.loads(data)
+                                return self._failed_pod(plan, i, f"pod {name}: {err.get('message')}")
+                    return self._failed_pod(plan, i, f"pod {name} closed the call's stream without a result")
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                if time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)  # not started yet: retrying the connection is safe
+                    continue
+                return self._failed_pod(plan, i, f"pod {name} at {url} was not reachable within the quorum "
+                                                 f"timeout of {plan.quorum_timeout:g}s ({e!r}); check that it is running")
+            except httpx.ReadTimeout:
+                return self._failed_pod(plan, i, f"pod {name} stopped responding (no data or heartbeat for 10s); "
+                                                 "the pod may have died or be overloaded")
+            except (httpx.HTTPError, protocol.ProtocolError) as e:
+                return self._failed_pod(plan, i, f"lost the connection to pod {name} during the call: {e!r}")

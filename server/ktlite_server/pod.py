@@ -1,0 +1,327 @@
+"""One pod's runtime: its rank processes, the loaded deployment, and the calls it runs.
+
+A call on a pod runs on all its local ranks at once. When one rank fails, its siblings are
+SIGKILLed at once (they may be blocked in a collective the failed rank never joins) and
+restarted in the background, so the next call finds a healthy pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import mmap
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ktlite.spec import DistributedConfig, distributed_env
+from ktlite_server.rank import INLINE_MAX, write_shm
+from ktlite_server.ranks import Outcome, RankGone, RankProcess
+
+LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
+_RESERVED = ("KTLITE_TOKEN",)
+
+
+@dataclass
+class Deployment:
+    """What ``POST /deploy`` installs on a pod (all plain data; the code stays pickled bytes)."""
+
+    launch_id: str
+    bundle: bytes
+    kind: str
+    init: bytes | None
+    sources: dict[str, tuple[str, str, bool]]
+    config: DistributedConfig
+    pod_ips: list[str]
+    ordinal: int
+    master_port: int
+    max_restarts: int = 3
+    cpus: float | None = None
+    load_timeout: float = 300.0
+
+
+@dataclass
+class _CallHandle:
+    call_id: str
+    stop_kind: str | None = None
+    stop_reason: str = ""
+    started: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
+class Pod:
+    def __init__(self, name: str, ordinal: int, procs: int = 1) -> None:
+        self.name = name
+        self.ordinal = ordinal
+        self.base_env = {k: v for k, v in os.environ.items() if k not in _RESERVED}
+        self.ranks: list[RankProcess] = []
+        self.dep: Deployment | None = None
+        self.lock = asyncio.Lock()
+        self.calls: dict[str, _CallHandle] = {}
+        self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
+        self._sinks: dict[int, LogEmit] = {}
+        self._prespawn = procs
+        self._healing: asyncio.Task[None] | None = None
+
+    # ---- rank env & processes ----------------------------------------------------------
+
+    def rank_env(self, dep: Deployment, local_rank: int) -> dict[str, str]:
+        env = distributed_env(dep.config, node_rank=dep.ordinal, local_rank=local_rank,
+                              pod_ips=dep.pod_ips, master_port=dep.master_port,
+                              run_id=dep.launch_id, cpus_per_pod=dep.cpus or os.cpu_count())
+        if "OMP_NUM_THREADS" in self.base_env:
+            env.pop("OMP_NUM_THREADS", None)  # the user's own setting wins
+        visible = self.base_env.get("CUDA_VISIBLE_DEVICES")
+        if visible and dep.config.num_proc > 1:
+            ids = [d for d in visible.split(",") if d]
+            per = max(1, len(ids) // dep.config.num_proc)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * per:(local_rank + 1) * per])
+        env["KTLITE_POD_NAME"] = self.name
+        env["KTLITE_LAUNCH_ID"] = dep.launch_id
+        return env
+
+    def _log(self, rank: RankProcess, stream: str, line: str) -> None:
+        sink = self._sinks.get(rank.local_rank)
+        if sink is not None:
+            sink(rank.global_rank, stream, line)
+        else:
+            print(f"[rank {rank.global_rank}] {line}", file=sys.stderr, flush=True)
+
+    async def prespawn(self) -> None:
+        """Start rank processes before any code arrives, so the first deploy is fast."""
+        await asyncio.gather(*(self._spawn(i) for i in range(self._prespawn)), return_exceptions=True)
+
+    async def _spawn(self, local_rank: int) -> RankProcess:
+        rank = RankProcess(local_rank, self.base_env, self._log)
+        while len(self.ranks) <= local_rank:
+            self.ranks.append(None)  # type: ignore[arg-type]
+        old = self.ranks[local_rank]
+        if old is not None:
+            rank.restarts = old.restarts
+            old.kill()
+        self.ranks[local_rank] = rank
+        await rank.start()
+        return rank
+
+    async def _load(self, rank: RankProcess, dep: Deployment) -> Outcome:
+        env = self.rank_env(dep, rank.local_rank)
+        rank.global_rank = dep.ordinal * dep.config.num_proc + rank.local_rank
+        msg = {"env": env, "bundle": dep.bundle, "kind": dep.kind, "init": dep.init, "sources": dep.sources}
+        try:
+            ok, info = await rank.load(msg, dep.load_timeout)
+        except RankGone as e:
+            return Outcome(rank.global_rank, "died", message=f"while loading the code: {e}")
+        if ok:
+            return Outcome(rank.global_rank, "ok")
+        from ktlite import protocol
+        return Outcome(rank.global_rank, "error", protocol.dumps(info))
+
+    async def _ready_rank(self, local_rank: int, dep: Deployment, restart: bool) -> Outcome:
+        rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
+        env = self.rank_env(dep, local_rank)
+        fresh = rank is not None and rank.alive and rank.loaded_env is None
+        if rank is None or not rank.alive or restart or not (fresh or rank.loaded_env == env):
+            try:
+                rank = await self._spawn(local_rank)
+            except Exception as e:  # noqa: BLE001
+                return Outcome(dep.ordinal * dep.config.num_proc + local_rank, "died",
+                               message=f"rank process failed to start: {e}")
+        return await self._load(rank, dep)
+
+    async def deploy(self, dep: Deployment, restart: bool = False) -> list[Outcome]:
+        async with self.lock:
+            if self._healing is not None:
+                await self._healing
+            self.dep = dep
+            want = dep.config.num_proc
+            for extra in self.ranks[want:]:
+                if extra is not None:
+                    extra.kill()
+            del self.ranks[want:]
+            if restart:
+                for r in self.ranks:
+                    if r is not None:
+                        r.restarts = 0
+            return list(await asyncio.gather(*(self._ready_rank(i, dep, restart) for i in range(want))))
+
+    async def _heal(self) -> list[Outcome]:
+        """Restart rank processes that died, within max_restarts; report ranks beyond it."""
+        dep = self.dep
+        if dep is None:
+            return []
+        broken: list[Outcome] = []
+        todo = []
+        for i, r in enumerate(self.ranks):
+            if r is None or r.alive:
+                continue
+            if r.restarts >= dep.max_restarts:
+                broken.append(Outcome(r.global_rank, "died", message=(
+                    f"rank process died {r.restarts + 1} times; max_restarts={dep.max_restarts} reached "
+                    f"(last: {r.death_message()}); call with restart_procs=True or redeploy")))
+                continue
+            todo.append(i)
+        outs = await asyncio.gather(*(self._ready_rank(i, dep, restart=True) for i in todo))
+        for i in todo:
+            self.ranks[i].restarts += 1
+        return broken + [o for o in outs if o.status != "ok"]
+
+    def _heal_later(self, killed: list[int]) -> None:
+        async def heal() -> None:
+            # ranks we killed do not count against max_restarts
+            for i in killed:
+                if i < len(self.ranks) and self.ranks[i] is not None:
+                    self.ranks[i].restarts -= 1
+            await self._heal()
+        self._healing = asyncio.get_running_loop().create_task(heal())
+
+    # ---- calls -------------------------------------------------------------------------
+
+    async def run(self, call_id: str, payload: Any, path: str | None, emit: LogEmit | None,
+                  restart: bool = False) -> list[Outcome]:
+        """Run one call on every local rank; ``path`` names a shared-memory copy of ``payload``."""
+        if call_id in self.finished:
+            return self.finished[call_id]  # duplicate delivery runs once
+        if call_id in self.calls:
+            handle = self.calls[call_id]
+            await handle.done.wait()
+            return handle.outcomes
+        handle = _CallHandle(call_id)
+        self.calls[call_id] = handle
+        try:
+            handle.outcomes = await self._run(handle, payload, path, emit, restart)
+        finally:
+            self.calls.pop(call_id, None)
+            handle.done.set()
+            self.finished[call_id] = handle.outcomes
+            while len(self.finished) > 256:
+                self.finished.popitem(last=False)
+        return handle.outcomes
+
+    async def _run(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
+                   restart: bool) -> list[Outcome]:
+        async with self.lock:
+            if self._healing is not None:
+                await self._healing
+                self._healing = None
+            dep = self.dep
+            if dep is None:
+                raise RuntimeError("no code deployed on this pod; call .to() first")
+            if handle.stop_kind:
+                return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
+                                message=handle.stop_reason) for i in range(dep.config.num_proc)]
+            if restart:
+                loads = await asyncio.gather(*(self._ready_rank(i, dep, True) for i in range(len(self.ranks))))
+                bad = [o for o in loads if o.status != "ok"]
+            else:
+                bad = await self._heal()
+            if bad:
+                return bad
+            size = memoryview(payload).nbytes
+            own_file = path is None and size > INLINE_MAX
+            if own_file:
+                path, size = write_shm([payload], "ktlite-arg-")
+            msg = {"id": handle.call_id, "args": None if path else bytes(payload), "path": path, "size": size}
+            if emit is not None:
+                for r in self.ranks:
+                    self._sinks[r.local_rank] = emit
+            try:
+                return await self._fan_in(handle, msg)
+            finally:
+                self._sinks.clear()
+                if own_file and path:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+    async def _fan_in(self, handle: _CallHandle, msg: dict[str, Any]) -> list[Outcome]:
+        now = time.monotonic()
+        tasks = {}
+        for r in self.ranks:
+            r.busy_since = now
+            tasks[asyncio.get_running_loop().create_task(self._call_rank(handle, r, msg))] = r
+        outcomes: dict[int, Outcome] = {}
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                o = t.result()
+                outcomes[o.rank] = o
+                tasks[t].busy_since = None
+                if o.status != "ok" and not handle.stop_kind:
+                    handle.stop_kind = "cancelled"
+                    handle.stop_reason = f"stopped because rank {o.rank} failed"
+                    for other in pending:
+                        tasks[other].kill()
+        killed = [r.local_rank for r in self.ranks if r.global_rank in outcomes
+                  and outcomes[r.global_rank].status in ("cancelled", "timeout")]
+        if handle.stop_kind:
+            killed += self._kill_groups()
+        if any(not r.alive for r in self.ranks):
+            self._heal_later(killed)
+        return [outcomes[k] for k in sorted(outcomes)]
+
+    async def _call_rank(self, handle: _CallHandle, rank: RankProcess, msg: dict[str, Any]) -> Outcome:
+        try:
+            _, _, ok, inline, path, size = await rank.call(msg)
+        except RankGone as e:
+            if handle.stop_kind:
+                return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
+            return Outcome(rank.global_rank, "died", message=str(e))
+        if inline is None:
+            with open(path, "rb") as f:
+                inline = memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)) if size else b""
+            os.unlink(path)
+        return Outcome(rank.global_rank, "ok" if ok else "error", inline)
+
+    def _kill_groups(self) -> list[int]:
+        """Kill idle ranks holding a torch process group: after a failed call their peers
+        are new processes, and a kept group would wait for the dead ones forever."""
+        killed = []
+        for r in self.ranks:
+            if r is not None and r.alive and r.has_pg and r.busy_since is None:
+                r.kill()
+                killed.append(r.local_rank)
+        return killed
+
+    def reset(self) -> None:
+        """A call failed elsewhere: drop this pod's process groups (restarting those ranks)."""
+        if self.calls:
+            return  # the running call is being cancelled and resets when it ends
+        killed = self._kill_groups()
+        if killed:
+            self._heal_later(killed)
+
+    def cancel(self, call_id: str, kind: str = "cancelled", reason: str = "cancelled") -> bool:
+        handle = self.calls.get(call_id)
+        if handle is None:
+            return False
+        if not handle.stop_kind:
+            handle.stop_kind, handle.stop_reason = kind, reason
+        for r in self.ranks:
+            if r is not None and r.busy_since is not None:
+                r.kill()
+        return True
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "pod": self.name, "ordinal": self.ordinal,
+            "launch_id": self.dep.launch_id if self.dep else None,
+            "ranks": [{
+                "rank": r.global_rank, "local_rank": r.local_rank, "pid": r.pid,
+                "state": "busy" if r.alive and r.busy_since else ("idle" if r.alive else "dead"),
+                "busy_for_s": round(now - r.busy_since, 3) if r.busy_since else None,
+                "last_exit": r.exit_code, "restarts": r.restarts,
+            } for r in self.ranks if r is not None],
+            "active_calls": list(self.calls),
+        }
+
+    async def shutdown(self) -> None:
+        for r in self.ranks:
+            if r is not None:
+                r.kill()
+        await asyncio.gather(*(r.wait_dead(2) for r in self.ranks if r is not None))

@@ -1,0 +1,288 @@
+"""A rank process: loads the user's code once, then runs calls sent by its pod server.
+
+Started as ``python -m ktlite_server.rank FD`` with FD one end of a socketpair. Messages
+both ways are ``length:u64`` + pickle of a small tuple; user payloads inside them are
+ktlite messages (inline bytes, or a path to a shared-memory file when large).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.abc
+import importlib.util
+import mmap
+import os
+import pickle
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+from ktlite import protocol
+
+_LEN = struct.Struct("<Q")
+INLINE_MAX = 1 << 20
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def write_shm(parts: list[Any], prefix: str) -> tuple[str, int]:
+    """Write message parts to a fresh shared-memory file; returns (path, size)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=shm_dir())
+    size = 0
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            for p in parts:
+                mv = memoryview(p).cast("B")
+                while mv.nbytes:
+                    n = f.write(mv)
+                    size += n
+                    mv = mv[n:]
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path, size
+
+
+def map_private(path: str, size: int) -> memoryview:
+    """Map a file copy-on-write: writable views, no copy until written."""
+    if size == 0:
+        return memoryview(bytearray())
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return memoryview(m)
+
+
+class Channel:
+    """Blocking length-prefixed pickle messages over a socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, msg: Any) -> None:
+        data = pickle.dumps(msg, protocol=5)
+        self.sock.sendall(_LEN.pack(len(data)) + data)
+
+    def _exactly(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("server closed the control channel")
+            got += k
+        return buf
+
+    def recv(self) -> Any:
+        (n,) = _LEN.unpack(self._exactly(_LEN.size))
+        return pickle.loads(self._exactly(n))
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the caller's local (not installed) modules from shipped source text."""
+
+    def __init__(self, sources: dict[str, tuple[str, str, bool]]) -> None:
+        self.sources = sources
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        entry = self.sources.get(fullname)
+        if entry is None:
+            return None
+        filename, _, is_pkg = entry
+        return importlib.util.spec_from_loader(fullname, self, origin=filename, is_package=is_pkg)
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        filename, source, _ = self.sources[module.__name__]
+        module.__file__ = filename
+        exec(compile(source, filename, "exec"), module.__dict__)
+
+
+def exception_info(exc: BaseException, where: str = "") -> protocol.RemoteExceptionInfo:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    pickled: bytes | None
+    try:
+        pickled = protocol.dumps(exc)
+        protocol.loads(pickled)  # a type whose __reduce__ cannot rebuild it is sent as text
+    except Exception:
+        pickled = None
+    t = type(exc)
+    return protocol.RemoteExceptionInfo(type_name=f"{t.__module__}.{t.__qualname__}",
+                                        message=(where + str(exc)) if where else str(exc),
+                                        traceback=tb, pickled=pickled)
+
+
+def _pg_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
+
+
+class _KeepProcessGroup(importlib.abc.MetaPathFinder):
+    """Patches ``torch.distributed`` as it is imported so the default process group lives as
+    long as the rank process.
+
+    A stateless function calls ``init_process_group`` on every call. Re-creating the group in
+    the same process is unsafe: DDP keeps the old group, and with it rank 0's TCPStore server
+    on MASTER_PORT, alive in reference cycles, and the next rendezvous splits between the
+    stale and the new store and hangs. So a second ``init_process_group`` with the same
+    backend returns the live group, and ``destroy_process_group()`` of the default group is
+    deferred to process exit. The server restarts rank processes whenever the rank env
+    changes or a call fails, so a kept group always matches its peers.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "torch.distributed":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                original = spec.loader.exec_module
+
+                def exec_module(module: Any, _original: Any = original) -> None:
+                    _original(module)
+                    _patch_dist(module)
+
+                spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+                return spec
+        return None
+
+
+def _patch_dist(dist: Any) -> None:
+    if not dist.is_available() or getattr(dist, "_ktlite_patched", False):
+        return
+    original_init, original_destroy = dist.init_process_group, dist.destroy_process_group
+
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if dist.is_initialized():
+            current = str(dist.get_backend()).lower()
+            if backend is None or str(backend).lower() in current:
+                return None  # the group from an earlier call of this rank process
+            original_destroy()
+            gc.collect()
+        return original_init(backend, *args, **kwargs)
+
+    def destroy_process_group(group: Any = None) -> Any:
+        if group is None or group is dist.GroupMember.WORLD:
+            return None  # kept for the next call; it ends with the rank process
+        return original_destroy(group)
+
+    init_process_group.__doc__ = original_init.__doc__
+    destroy_process_group.__doc__ = original_destroy.__doc__
+    dist.init_process_group = init_process_group
+    dist.destroy_process_group = destroy_process_group
+    dist._ktlite_patched = True
+
+
+class Rank:
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self.kind = "fn"
+        self.target: Any = None
+        self.finder: _SourceFinder | None = None
+
+    def load(self, msg: dict[str, Any]) -> None:
+        os.environ.update(msg["env"])
+        self.target = None
+        sources = msg.get("sources") or {}
+        if self.finder is not None:
+            sys.meta_path.remove(self.finder)
+            self.finder = None
+        if sources:
+            self.finder = _SourceFinder(sources)
+            sys.meta_path.append(self.finder)
+        try:
+            obj = pickle.loads(msg["bundle"])
+            self.kind = msg["kind"]
+            if self.kind == "cls":
+                args, kwargs = protocol.loads(msg["init"]) if msg.get("init") else ((), {})
+                obj = obj(*args, **kwargs)
+            self.target = obj
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            self._flush()
+            self._reply("loaded", False, exception_info(exc))
+            return
+        self._flush()
+        self._reply("loaded", True, None)
+
+    def call(self, msg: dict[str, Any]) -> None:
+        call_id = msg["id"]
+        payload = msg["args"] if msg.get("args") is not None else map_private(msg["path"], msg["size"])
+        try:
+            method, args, kwargs = protocol.loads(payload)
+            if self.target is None:
+                raise RuntimeError("no code is loaded on this rank; redeploy with .to()")
+            fn = self.target if method is None else getattr(self.target, method)
+            value = fn(*args, **kwargs)
+            ok = True
+        except BaseException as exc:  # noqa: BLE001
+            ok, value = False, exception_info(exc)
+        finally:
+            del payload
+        try:
+            parts = protocol.dumps_parts(value)
+        except Exception as exc:
+            ok, parts = False, protocol.dumps_parts(exception_info(
+                exc, where=f"the return value ({type(value).__name__}) cannot be pickled: "))
+        self._flush()
+        size = protocol.parts_size(parts)
+        if size <= INLINE_MAX:
+            inline, path = b"".join(bytes(memoryview(p)) for p in parts), None
+        else:
+            inline, (path, size) = None, write_shm(parts, "ktlite-res-")
+        self._reply("result", call_id, ok, inline, path, size, _pg_initialized())
+
+    def _reply(self, *msg: Any) -> None:
+        self.chan.send(msg)
+
+    @staticmethod
+    def _flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+
+def _watch_parent(ppid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != ppid:
+            os._exit(1)  # the pod server is gone: never outlive it
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    sock = socket.socket(fileno=fd)
+    chan = Channel(sock)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    sys.meta_path.insert(0, _KeepProcessGroup())
+    rank = Rank(chan)
+    chan.send(("ready", os.getpid()))
+    while True:
+        try:
+            kind, msg = chan.recv()
+        except EOFError:
+            return
+        if kind == "load":
+            rank.load(msg)
+        elif kind == "call":
+            rank.call(msg)
+        elif kind == "exit":
+            return
+
+
+if __name__ == "__main__":
+    main()

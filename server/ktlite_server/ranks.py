@@ -1,0 +1,273 @@
+"""The pod server's handle on one rank process: start, load, call, kill, and notice death.
+
+Death is seen from the process itself (a pidfd, else the control socket's EOF), never by
+polling a result forever. stdout/stderr are read from pipes, so output of C extensions
+and subprocesses is captured too, and drained before a result is handed on so a call's
+last log lines always arrive before its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_LEN = struct.Struct("<Q")
+LogSink = Callable[["RankProcess", str, str], None]
+
+
+@dataclass
+class Outcome:
+    """One rank's result of one call, as the server sees it (the value stays opaque bytes)."""
+
+    rank: int
+    status: str  # "ok" | "error" | "died" | "cancelled" | "timeout"
+    data: Any = None  # encoded value or RemoteExceptionInfo (bytes / memoryview)
+    message: str = ""
+
+
+class RankGone(Exception):
+    """The rank process exited; ``message`` says how, with its last stderr lines."""
+
+
+def describe_exit(code: int | None, oom: bool = False) -> str:
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        text = f"was killed by {name}"
+        if oom:
+            text += " (OOM killed)"
+        return text
+    return f"exited with code {code}"
+
+
+class RankProcess:
+    def __init__(self, local_rank: int, env: dict[str, str], on_log: LogSink) -> None:
+        self.local_rank = local_rank
+        self.global_rank = local_rank
+        self.env = env
+        self.on_log = on_log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.loaded_env: dict[str, str] | None = None
+        self.exit_code: int | None = None
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self.busy_since: float | None = None
+        self.has_pg = False  # a torch process group lives in this process
+        self.restarts = 0
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: asyncio.Future[Any] | None = None
+        self._dead = asyncio.Event()
+        self._partial = {"out": b"", "err": b""}
+        self._fds: dict[int, str] = {}
+        self._pidfd: int | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def start(self, timeout: float = 60.0) -> None:
+        loop = asyncio.get_running_loop()
+        parent, child = socket.socketpair()
+        env = {**self.env, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ktlite_server.rank", str(child.fileno())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(child.fileno(),), env=env, start_new_session=True)
+        child.close()
+        for f, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
+            assert f is not None
+            fd = f.fileno()
+            os.set_blocking(fd, False)
+            self._fds[fd] = name
+            loop.add_reader(fd, self._on_output, fd)
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                self._pidfd = os.pidfd_open(self.proc.pid)
+                loop.add_reader(self._pidfd, self._on_exit)
+        loop.create_task(self._read_loop())
+        kind, _ = await self._expect(timeout, "start")
+        if kind != "ready":
+            raise RankGone(f"rank process sent {kind!r} instead of 'ready'")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and not self._dead.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def kill(self) -> None:
+        """SIGKILL the rank and everything it started (its own session)."""
+        if self.proc is None or self._dead.is_set():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    async def wait_dead(self, timeout: float = 5.0) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._dead.wait(), timeout)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def load(self, msg: dict[str, Any], timeout: float) -> tuple[bool, Any]:
+        await self._send(("load", msg))
+        _, ok, info = await self._expect(timeout, "load")
+        if ok:
+            self.loaded_env = dict(msg["env"])
+        return ok, info
+
+    async def call(self, msg: dict[str, Any]) -> tuple[str, str, bool, Any, str | None, int]:
+        await self._send(("call", msg))
+        reply = await self._expect(None, "call")
+        self.drain_output()
+        self.has_pg = bool(reply[6])
+        return reply[:6]  # ("result", call_id, ok, inline, path, size)
+
+    async def _send(self, msg: Any) -> None:
+        if not self.alive or self._writer is None:
+            raise RankGone(self.death_message())
+        data = pickle.dumps(msg, protocol=5)
+        self._writer.write(_LEN.pack(len(data)) + data)
+        await self._writer.drain()
+
+    async def _expect(self, timeout: float | None, what: str) -> Any:
+        loop = asyncio.get_running_loop()
+        self._pending = loop.create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+        except asyncio.TimeoutError:
+            raise RankGone(f"rank process did not finish {what} within {timeout:.0f}s") from None
+        finally:
+            self._pending = None
+
+    # ---- I/O callbacks -----------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                (n,) = _LEN.unpack(await self._reader.readexactly(_LEN.size))
+                msg = pickle.loads(await self._reader.readexactly(n))
+                if self._pending is not None and not self._pending.done():
+                    self._pending.set_result(msg)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        # EOF: the process is exiting; give the pidfd a moment to report the exit code
+        if self.proc is not None:
+            for _ in range(50):
+                if self.proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.02)
+        self._on_exit()
+
+    def _on_exit(self) -> None:
+        if self._dead.is_set() or self.proc is None:
+            return
+        code = self.proc.poll()
+        if code is None and self._reader is not None and not self._reader.at_eof():
+            return  # pidfd spurious wake-up
+        self.exit_code = code
+        self.drain_output()
+        self._dead.set()
+        loop = asyncio.get_running_loop()
+        for fd in list(self._fds):
+            loop.remove_reader(fd)
+        self._fds.clear()
+        if self._pidfd is not None:
+            loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._writer is not None:
+            self._writer.close()
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_exception(RankGone(self.death_message()))
+
+    def death_message(self) -> str:
+        code = self.exit_code if self.exit_code is not None else (self.proc.poll() if self.proc else None)
+        oom = code == -signal.SIGKILL and _oom_killed()
+        text = f"rank process {describe_exit(code, oom)}"
+        if self.stderr_tail:
+            text += "; last stderr lines:\n" + "\n".join("    " + ln for ln in self.stderr_tail)
+        return text
+
+    def _on_output(self, fd: int) -> None:
+        self._read_fd(fd)
+
+    def _read_fd(self, fd: int) -> None:
+        stream = self._fds.get(fd)
+        if stream is None:
+            return
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                asyncio.get_running_loop().remove_reader(fd)
+                self._fds.pop(fd, None)
+                self._emit(stream, self._partial[stream], final=True)
+                self._partial[stream] = b""
+                return
+            self._emit(stream, self._partial[stream] + data, final=False)
+
+    def _emit(self, stream: str, data: bytes, final: bool) -> None:
+        lines = data.split(b"\n")
+        self._partial[stream] = b"" if final else lines.pop()
+        for raw in lines:
+            if final and not raw:
+                continue
+            text = raw.decode("utf-8", "replace").rstrip("\r")
+            if stream == "err":
+                self.stderr_tail.append(text)
+            self.on_log(self, stream, text)
+
+    def drain_output(self) -> None:
+        """Read whatever the rank already wrote, so its logs precede its result."""
+        for fd in list(self._fds):
+            self._read_fd(fd)
+
+
+def _oom_killed() -> bool:
+    """Best effort: did the kernel's OOM killer fire in this cgroup recently?"""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        with contextlib.suppress(OSError):
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key in ("oom_kill",) and int(value or 0) > _OOM_BASELINE.get(path, 0):
+                        return True
+    return False
+
+
+def _read_oom_baseline() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        out[path] = int(value)
+    return out
+
+
+_OOM_BASELINE = _read_oom_baseline()
