@@ -8,28 +8,49 @@ Example:
 
 __version__ = "0.1.0"
 
-from ktlite import images
-from ktlite.backends.base import Plan
-from ktlite.compute import Compute, Volume
-from ktlite.errors import (
-    AuthError,
-    CallCancelled,
-    CallTimeout,
-    ConfigError,
-    DeployError,
-    KtliteError,
-    LaunchTimeout,
-    NotDeployedError,
-    PodUnreachable,
-    ProtocolMismatch,
-    RankDied,
-    RankFailure,
-    RemoteError,
-    RemoteException,
-    SerializationError,
-)
-from ktlite.images import Image
-from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public names load on first use: rank processes import only ktlite.protocol, and must
+# not pay for the client (httpx) at every start.
+_EXPORTS = {
+    "images": "ktlite.images",
+    "Plan": "ktlite.backends.base",
+    "Compute": "ktlite.compute", "Volume": "ktlite.compute",
+    "Image": "ktlite.images",
+    "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
+    "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
+    **{name: "ktlite.errors" for name in (
+        "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
+        "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "RankDied",
+        "RankFailure", "RemoteError", "RemoteException", "SerializationError")},
+}
+
+if TYPE_CHECKING:
+    from ktlite import images
+    from ktlite.backends.base import Plan
+    from ktlite.compute import Compute, Volume
+    from ktlite.errors import (AuthError, CallCancelled, CallTimeout, ConfigError, DeployError,
+                               KtliteError, LaunchTimeout, NotDeployedError, PodUnreachable,
+                               ProtocolMismatch, RankDied, RankFailure, RemoteError, RemoteException,
+                               SerializationError)
+    from ktlite.images import Image
+    from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ktlite' has no attribute {name!r}")
+    mod = importlib.import_module(module)
+    value = mod if name == "images" else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "AuthError",

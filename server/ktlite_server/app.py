@@ -68,16 +68,19 @@ class FrameResponse(Response):
                     self.on_disconnect()
                     return
 
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(HEARTBEAT_S)
+                queue.put_nowait(protocol.frame(protocol.HEARTBEAT, b""))
+
         task = loop.create_task(produce())
         watcher = loop.create_task(watch())
+        heart = loop.create_task(beat())
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", self.media_type.encode())]})
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
-                except asyncio.TimeoutError:
-                    item = protocol.frame(protocol.HEARTBEAT, b"")
+                item = await queue.get()
                 if item is None:
                     break
                 parts = item if isinstance(item, list) else [item]
@@ -86,6 +89,7 @@ class FrameResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
+            heart.cancel()
             if not task.done():
                 self.on_disconnect()
                 await task

@@ -221,7 +221,8 @@ class Rank:
 
     def call(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]
-        payload = msg["args"] if msg.get("args") is not None else map_private(msg["path"], msg["size"])
+        # a private, writable copy either way: arrays decoded from it must be writable
+        payload = bytearray(msg["args"]) if msg.get("args") is not None else map_private(msg["path"], msg["size"])
         try:
             method, args, kwargs = protocol.loads(payload)
             if self.target is None:
