@@ -31,6 +31,7 @@ import ktlite
 from ktlite import protocol
 from ktlite.spec import DistributedConfig
 from ktlite_server.coordinator import CallPlan, Coordinator, run_local
+from ktlite_server.peers import PeerPool
 from ktlite_server.pod import Deployment, Pod
 from ktlite_server.rank import INLINE_MAX, shm_dir
 
@@ -136,7 +137,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                client: httpx.AsyncClient | None = None) -> FastAPI:
     """Build the pod server app; ``client`` is the HTTP client used to reach peer pods."""
     expected = protocol.bearer(token).encode()
-    state: dict[str, Any] = {"client": client}
+    state: dict[str, Any] = {"client": client, "peers": PeerPool()}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -146,6 +147,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         yield
         await pod.shutdown()
         await state["client"].aclose()
+        await state["peers"].aclose()
 
     app = FastAPI(title="ktlite pod server", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
@@ -206,7 +208,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         if pod.dep is None:
             raise HTTPException(409, "no code is deployed on this pod; call .to() first")
         body, path = await _read_body(request, max_body)
-        coordinator = Coordinator(pod, token, state["client"], plan) if plan.fanout else None
+        coordinator = Coordinator(pod, token, state["client"], state["peers"], plan) if plan.fanout else None
 
         async def produce(emit: Callable[[Any], None]) -> None:
             try:

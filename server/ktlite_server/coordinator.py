@@ -18,16 +18,12 @@ from typing import Any
 import httpx
 
 from ktlite import protocol
+from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome
 
 Emit = Callable[[Any], None]  # puts a frame (bytes or list of parts) on the caller's stream
 PodOutcome = tuple[int, str, str, Any, str]  # (rank, pod name, status, data, message)
-
-
-async def _achunks(body: memoryview) -> Any:
-    for chunk in protocol.chunked([body]):
-        yield chunk
 
 
 class CallPlan:
@@ -63,10 +59,12 @@ async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, em
 
 
 class Coordinator:
-    def __init__(self, pod: Pod, token: str, client: httpx.AsyncClient, plan: CallPlan) -> None:
+    def __init__(self, pod: Pod, token: str, client: httpx.AsyncClient, peers: PeerPool,
+                 plan: CallPlan) -> None:
         self.pod = pod
         self.token = token
         self.client = client
+        self.peers = peers
         self.plan = plan
         self._running: set[int] = set()
         self._stopped = False
@@ -140,36 +138,36 @@ class Coordinator:
         name = plan.names[i] if i < len(plan.names) else url
         deadline = time.monotonic() + plan.quorum_timeout
         body = memoryview(payload).cast("B")
-        timeout = httpx.Timeout(connect=5.0, read=10.0, write=60.0, pool=plan.quorum_timeout)
         while True:
             try:
-                async with self.client.stream(
-                        "POST", f"{url}/call", headers={**self._headers(plan.member_meta()),
-                                                    "content-length": str(body.nbytes)},
-                        content=_achunks(body), timeout=timeout) as resp:
-                    if resp.status_code != 200:
-                        text = (await resp.aread()).decode(errors="replace")[:500]
-                        return self._failed_pod(plan, i, f"pod {name} answered HTTP {resp.status_code}: {text}")
+                async with self.peers.post(url, "/call", self._headers(plan.member_meta()), body,
+                                           connect_timeout=5.0, read_timeout=10.0) as resp:
+                    if resp.status != 200:
+                        text = (await resp.read()).decode(errors="replace")[:500]
+                        return self._failed_pod(plan, i, f"pod {name} answered HTTP {resp.status}: {text}")
                     parser = protocol.FrameParser()
-                    async for chunk in resp.aiter_raw():
+                    result: list[PodOutcome] | None = None
+                    async for chunk in resp.iter_chunks():
                         for kind, data in parser.feed(chunk):
                             if kind == protocol.LOG:
                                 emit(protocol.frame(protocol.LOG, bytes(data)))
                             elif kind == protocol.RESULT:
                                 got = protocol.loads(data)["outcomes"]
-                                return [(r, p, s, d, m) for r, p, s, d, m in got]
+                                result = [(r, p, s, d, m) for r, p, s, d, m in got]
                             elif kind == protocol.ERROR:
                                 err = json.loads(data)
                                 return self._failed_pod(plan, i, f"pod {name}: {err.get('message')}")
-                    return self._failed_pod(plan, i, f"pod {name} closed the call's stream without a result")
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                    if result is None:
+                        return self._failed_pod(plan, i, f"pod {name} closed the call's stream without a result")
+                    return result
+            except PeerConnectError as e:
                 if time.monotonic() < deadline:
                     await asyncio.sleep(0.2)  # not started yet: retrying the connection is safe
                     continue
                 return self._failed_pod(plan, i, f"pod {name} at {url} was not reachable within the quorum "
-                                                 f"timeout of {plan.quorum_timeout:g}s ({e!r}); check that it is running")
-            except httpx.ReadTimeout:
+                                                 f"timeout of {plan.quorum_timeout:g}s ({e}); check that it is running")
+            except TimeoutError:
                 return self._failed_pod(plan, i, f"pod {name} stopped responding (no data or heartbeat for 10s); "
                                                  "the pod may have died or be overloaded")
-            except (httpx.HTTPError, protocol.ProtocolError) as e:
-                return self._failed_pod(plan, i, f"lost the connection to pod {name} during the call: {e!r}")
+            except (PeerError, protocol.ProtocolError) as e:
+                return self._failed_pod(plan, i, f"lost the connection to pod {name} during the call: {e}")
