@@ -273,7 +273,9 @@ class Pod:
             return Outcome(rank.global_rank, "died", message=str(e))
         if inline is None:
             with open(path, "rb") as f:
-                inline = memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)) if size else b""
+                # private + writable: the caller's arrays decoded from it stay writable
+                inline = memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
+                                              prot=mmap.PROT_READ | mmap.PROT_WRITE)) if size else b""
             os.unlink(path)
         return Outcome(rank.global_rank, "ok" if ok else "error", inline)
 
