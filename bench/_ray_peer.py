@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--fanout", type=int, nargs="*", default=[4])
     p.add_argument("--out", required=True)
+    p.add_argument("--temp-dir", default=None, help="Ray's session directory (default: Ray's own)")
     args = p.parse_args()
 
     import ray
@@ -43,7 +44,8 @@ def main() -> None:
     t0 = time.perf_counter()
     most = max([1, *args.fanout])
     ray.init(address="local", num_cpus=max(most, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False, logging_level="ERROR")
+             log_to_driver=False, logging_level="ERROR",
+             **({"_temp_dir": args.temp_dir} if args.temp_dir else {}))
     try:
         @ray.remote(num_cpus=0)
         class Actor:

@@ -29,7 +29,9 @@ def train(steps: int = 5, lr: float = 0.1) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
     # synthetic regression data, a different shard per rank
@@ -57,13 +59,16 @@ def train(steps: int = 5, lr: float = 0.1) -> dict:
 
 def main() -> None:
     compute = kt.Compute(cpus=2, memory="1Gi").distribute(
-        "pytorch", workers=WORKERS, num_proc=PROCS_PER_WORKER)
-    remote = kt.fn(train).to(compute)
+        "pytorch", workers=WORKERS, num_proc=PROCS_PER_WORKER
+    )
+    remote = kt.fn(train, name="ddp-train").to(compute)  # pods: ddp-train-0, ddp-train-1
     try:
         results = remote(steps=5)  # a list: results[r] came from RANK r
         for r in results:
-            print(f"rank {r['rank']}/{r['world_size']}: final loss {r['final_loss']:.4f}, "
-                  f"weights sha256 {r['checksum']} (sum {r['weight_sum']:.6f})")
+            print(
+                f"rank {r['rank']}/{r['world_size']}: final loss {r['final_loss']:.4f}, "
+                f"weights sha256 {r['checksum']} (sum {r['weight_sum']:.6f})"
+            )
         assert [r["rank"] for r in results] == list(range(WORKERS * PROCS_PER_WORKER))
         checksums = {r["checksum"] for r in results}
         assert len(checksums) == 1, f"ranks ended with different weights: {checksums}"

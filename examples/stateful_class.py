@@ -31,8 +31,13 @@ class Accumulator:
         return self.total
 
     def info(self) -> dict:
-        return {"rank": self.rank, "pod": os.environ["KTLITE_POD_NAME"], "pid": os.getpid(),
-                "total": self.total, "calls": self.calls}
+        return {
+            "rank": self.rank,
+            "pod": os.environ["KTLITE_POD_NAME"],
+            "pid": os.getpid(),
+            "total": self.total,
+            "calls": self.calls,
+        }
 
 
 def single() -> None:
@@ -56,8 +61,10 @@ def distributed() -> None:
         print(f"per-rank totals: {totals}")
         assert totals == [11, 11, 11, 11], totals
         for row in acc.info():
-            print(f"rank {row['rank']} on {row['pod']} (pid {row['pid']}): "
-                  f"total {row['total']} after {row['calls']} calls")
+            print(
+                f"rank {row['rank']} on {row['pod']} (pid {row['pid']}): "
+                f"total {row['total']} after {row['calls']} calls"
+            )
     finally:
         acc.teardown()
 

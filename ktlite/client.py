@@ -7,6 +7,7 @@ become :class:`PodUnreachable`, 401 :class:`AuthError`, a version clash
 
 from __future__ import annotations
 
+import atexit
 import json
 from collections.abc import Callable
 from typing import Any
@@ -22,14 +23,27 @@ LogSink = Callable[[int, str, str, str], None]  # (rank, pod, stream, text)
 Outcomes = list[tuple[int, str, str, Any, str]]
 
 
+_shared: httpx.Client | None = None
+
+
+def _shared_http() -> httpx.Client:
+    """One keep-alive pool for every deployment of this process (tokens go per request)."""
+    global _shared
+    if _shared is None:
+        _shared = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0),
+                               limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+        atexit.register(_shared.close)
+    return _shared
+
+
 class PodClient:
     def __init__(self, token: str, http: httpx.Client | None = None,
                  transport: httpx.BaseTransport | None = None) -> None:
         self._token = token
-        self._owns = http is None
-        self.http = http or httpx.Client(
-            transport=transport, timeout=httpx.Timeout(30.0, connect=10.0),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+        self._owns = transport is not None
+        if transport is not None:
+            http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0))
+        self.http = http or _shared_http()
 
     def __repr__(self) -> str:
         return "PodClient(token=<hidden>)"
@@ -106,18 +120,23 @@ class PodClient:
                                  "content-length": str(size)})
         timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
         try:
+            result = None
             with self.http.stream("POST", f"{url}/call", content=protocol.chunked(parts),
                                   headers=headers, timeout=timeout) as resp:
                 self._check(resp, url)
+                # read to the end of the body (it ends right after the result) so the
+                # connection goes back to the keep-alive pool
                 for kind, payload in protocol.read_frames(resp.iter_raw()):
                     if kind == protocol.LOG:
                         if on_log is not None:
                             on_log(*json.loads(payload))
                     elif kind == protocol.RESULT:
-                        return list(protocol.loads(payload)["outcomes"])
+                        result = list(protocol.loads(payload)["outcomes"])
                     elif kind == protocol.ERROR:
                         err = json.loads(payload)
                         raise KtliteError(f"pod at {url} failed the call: {err['type']}: {err['message']}")
+            if result is not None:
+                return result
         except httpx.ReadTimeout as e:
             raise PodUnreachable(f"the coordinator pod at {url} went silent for {SILENCE_TIMEOUT:g}s "
                                  "during the call (no heartbeat): it probably died") from e

@@ -26,6 +26,14 @@ LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
 
 
+_PER_LAUNCH = ("KTLITE_LAUNCH_ID", "TORCHELASTIC_RUN_ID")
+
+
+def _layout(env: dict[str, str]) -> dict[str, str]:
+    """The part of a rank env that, when changed, needs a fresh process (not per-launch ids)."""
+    return {k: v for k, v in env.items() if k not in _PER_LAUNCH}
+
+
 @dataclass
 class Deployment:
     """What ``POST /deploy`` installs on a pod (all plain data; the code stays pickled bytes)."""
@@ -125,7 +133,8 @@ class Pod:
         rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
         env = self.rank_env(dep, local_rank)
         fresh = rank is not None and rank.alive and rank.loaded_env is None
-        if rank is None or not rank.alive or restart or not (fresh or rank.loaded_env == env):
+        same = rank is not None and rank.loaded_env is not None and _layout(rank.loaded_env) == _layout(env)
+        if rank is None or not rank.alive or restart or not (fresh or same):
             try:
                 rank = await self._spawn(local_rank)
             except Exception as e:  # noqa: BLE001

@@ -242,7 +242,9 @@ class Rank:
         self._flush()
         size = protocol.parts_size(parts)
         if size <= INLINE_MAX:
-            inline, path = b"".join(bytes(memoryview(p)) for p in parts), None
+            # a bytearray stays writable through the control channel's pickle, so arrays the
+            # caller decodes from it are writable too
+            inline, path = bytearray(b"".join(bytes(memoryview(p)) for p in parts)), None
         else:
             inline, (path, size) = None, write_shm(parts, "ktlite-res-")
         self._reply("result", call_id, ok, inline, path, size, _pg_initialized())
