@@ -120,6 +120,12 @@ class Deployment:
         coordinator = eps[0].url
         try:
             outcomes = self.client.call(coordinator, meta, parts, print_log if stream else None)
+        except PodUnreachable as e:
+            current = self.backend.lookup(self.name)
+            if current is None or current.token != self.applied.token:
+                raise NotDeployedError(f"deployment {self.name!r} was torn down or replaced; "
+                                       "call .to(compute) again") from e
+            raise
         except KeyboardInterrupt:
             # stop the ranks everywhere before giving control back; the deployment stays usable
             for ep in eps:

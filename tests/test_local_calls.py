@@ -17,8 +17,8 @@ import subprocess
 import sys
 import textwrap
 import time
-import warnings
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -336,6 +336,15 @@ def test_ddp_function_called_twice_in_a_row(gloo):
     assert [len(r["losses"]) for r in second] == [3] * 4
     assert rank_pids(gloo) == pids, "the rank processes (and their process group) live across calls"
     assert [r["sum"][0] for r in gloo("all_reduce")] == [10.0] * 4
+
+
+def test_ddp_after_a_code_only_redeploy(gloo):
+    """.to() again with the same compute reuses the pods (and their process group)."""
+    servers = server_pids(gloo.name)
+    again = kt.fn(gloo_job, name=gloo.name).to(gloo.compute)
+    _check_ddp(again("ddp"))
+    assert [r["sum"][0] for r in again("all_reduce")] == [10.0] * 4
+    assert server_pids(gloo.name) == servers
 
 
 def test_seed_form_to_then_distribute():

@@ -61,8 +61,7 @@ def test_state_persists_between_method_calls(counter):
     assert after["pid"] == before["pid"] != os.getpid()
 
 
-def test_init_args_dict(counter):
-    # the fixture deployed with init_args={"start": 10}; keywords reach __init__
+def test_init_args_dict():
     remote = kt.cls(Counter, name=unique("ctr-kw")).to(
         kt.Compute(cpus=1), init_args={"start": 5, "step": 3, "label": "kw"})
     try:

@@ -181,10 +181,12 @@ class Pod:
 
     def _heal_later(self, killed: list[int]) -> None:
         async def heal() -> None:
-            # ranks we killed do not count against max_restarts
-            for i in killed:
-                if i < len(self.ranks) and self.ranks[i] is not None:
-                    self.ranks[i].restarts -= 1
+            # ranks we killed do not count against max_restarts; wait until they are reaped,
+            # or _heal would still see them alive
+            victims = [self.ranks[i] for i in killed if i < len(self.ranks) and self.ranks[i] is not None]
+            for r in victims:
+                r.restarts -= 1
+            await asyncio.gather(*(r.wait_dead(5.0) for r in victims))
             await self._heal()
         self._healing = asyncio.get_running_loop().create_task(heal())
 
@@ -320,7 +322,7 @@ class Pod:
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         return {
-            "pod": self.name, "ordinal": self.ordinal,
+            "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
             "launch_id": self.dep.launch_id if self.dep else None,
             "ranks": [{
                 "rank": r.global_rank, "local_rank": r.local_rank, "pid": r.pid,

@@ -201,6 +201,8 @@ class Rank:
         sources = msg.get("sources") or {}
         if self.finder is not None:
             sys.meta_path.remove(self.finder)
+            for name in self.finder.sources:  # edited local modules must be re-imported
+                sys.modules.pop(name, None)
             self.finder = None
         if sources:
             self.finder = _SourceFinder(sources)
