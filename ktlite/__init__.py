@@ -30,10 +30,23 @@ if TYPE_CHECKING:
     from ktlite import images
     from ktlite.backends.base import Plan
     from ktlite.compute import Compute, Volume
-    from ktlite.errors import (AuthError, CallCancelled, CallTimeout, ConfigError, DeployError,
-                               KtliteError, LaunchTimeout, NotDeployedError, PodUnreachable,
-                               ProtocolMismatch, RankDied, RankFailure, RemoteError, RemoteException,
-                               SerializationError)
+    from ktlite.errors import (
+        AuthError,
+        CallCancelled,
+        CallTimeout,
+        ConfigError,
+        DeployError,
+        KtliteError,
+        LaunchTimeout,
+        NotDeployedError,
+        PodUnreachable,
+        ProtocolMismatch,
+        RankDied,
+        RankFailure,
+        RemoteError,
+        RemoteException,
+        SerializationError,
+    )
     from ktlite.images import Image
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
 

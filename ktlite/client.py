@@ -8,6 +8,7 @@ become :class:`PodUnreachable`, 401 :class:`AuthError`, a version clash
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -106,11 +107,10 @@ class PodClient:
         return result
 
     def cancel(self, url: str, call_id: str, reason: str = "cancelled by the caller") -> None:
-        try:
+        # best effort: the pod also cancels when our stream closes
+        with contextlib.suppress(httpx.HTTPError):
             self.http.post(f"{url}/cancel/{call_id}", params={"reason": reason},
                            headers=self._headers(), timeout=5.0)
-        except httpx.HTTPError:
-            pass  # best effort: the pod also cancels when our stream closes
 
     def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None) -> Outcomes:
         """Run a call through the coordinator at ``url``; returns per-rank outcomes."""

@@ -19,9 +19,19 @@ from typing import Any
 from ktlite import protocol
 from ktlite.backends.base import Applied, Backend, get_backend
 from ktlite.client import PodClient
-from ktlite.errors import (CallCancelled, CallTimeout, DeployError, LaunchTimeout, NotDeployedError,
-                           PodUnreachable, RankDied, RankFailure, RemoteError, RemoteException,
-                           with_remote_context)
+from ktlite.errors import (
+    CallCancelled,
+    CallTimeout,
+    DeployError,
+    LaunchTimeout,
+    NotDeployedError,
+    PodUnreachable,
+    RankDied,
+    RankFailure,
+    RemoteError,
+    RemoteException,
+    with_remote_context,
+)
 from ktlite.spec import DeploymentSpec
 
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")

@@ -41,10 +41,9 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().split(") ")[-1].startswith("Z"):
-                return False  # a zombie has exited
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        if f.read().split(") ")[-1].startswith("Z"):
+            return False  # a zombie has exited
     return True
 
 

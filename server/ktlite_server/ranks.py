@@ -249,24 +249,22 @@ class RankProcess:
 def _oom_killed() -> bool:
     """Best effort: did the kernel's OOM killer fire in this cgroup recently?"""
     for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
-        with contextlib.suppress(OSError):
-            with open(path) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key in ("oom_kill",) and int(value or 0) > _OOM_BASELINE.get(path, 0):
-                        return True
+        with contextlib.suppress(OSError), open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in ("oom_kill",) and int(value or 0) > _OOM_BASELINE.get(path, 0):
+                    return True
     return False
 
 
 def _read_oom_baseline() -> dict[str, int]:
     out: dict[str, int] = {}
     for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
-        with contextlib.suppress(OSError, ValueError):
-            with open(path) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        out[path] = int(value)
+        with contextlib.suppress(OSError, ValueError), open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    out[path] = int(value)
     return out
 
 
