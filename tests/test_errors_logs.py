@@ -39,19 +39,23 @@ def job(mode: str, arg: object = None, extra: object = None) -> object:
         return rank
     if mode == "fail1":  # rank 1 fails after the others have finished
         if rank == 1:
-            time.sleep(0.5)
+            time.sleep(1.0)
             print("rank 1 is about to fail", flush=True)
             raise ValueError("boom from rank 1")
         return rank * 10
     if mode == "fail1_blocked":  # the others are blocked when rank 1 fails
         if rank == 1:
-            time.sleep(0.3)
+            time.sleep(0.3 if extra is None else float(extra))  # type: ignore[arg-type]
             raise ValueError("rank 1 gave up")
-        time.sleep(60)
+        time.sleep(float(arg or 60))  # type: ignore[arg-type]
+        return rank
+    if mode == "die_later":  # rank 2's process exits shortly after this call returned
+        if rank == 2:
+            threading.Thread(target=lambda: (time.sleep(0.2), os._exit(1)), daemon=True).start()
         return rank
     if mode == "bad_exc":
         if rank == 1:
-            time.sleep(0.5)
+            time.sleep(1.0)
             raise BadExc("cannot rebuild me", 2)
         return rank
     if mode == "custom":
@@ -230,17 +234,22 @@ def test_failure_while_others_block_fails_fast(dist) -> None:
     _works(dist)
 
 
-def test_failure_while_others_block_in_gloo_all_reduce(dist) -> None:
-    pytest.importorskip("torch")
+def test_failure_fails_fast_after_a_rank_died_between_calls(dist) -> None:
+    """Rank 2's process exits after a call returned; the next call (which restarts it on
+    pod 1) still stops every rank as soon as rank 1 fails, and honours its timeout."""
+    assert dist.options(stream_logs=False)("die_later") == [0, 1, 2, 3]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any(r["state"] == "dead" for r in dist.status()[1]["ranks"]):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("rank 2 did not exit")
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 1 skips the all_reduce") as info:
-        dist.options(stream_logs=False)("gloo", "fail")
+    with pytest.raises(ValueError, match="rank 1 gave up"):
+        dist.options(stream_logs=False, timeout=8)("fail1_blocked", 20, 0)  # rank 1 fails at once
     elapsed = time.monotonic() - start
-    assert elapsed < 15, f"the call took {elapsed:.1f}s to fail"
-    assert isinstance(info.value, kt.RemoteError)
-    assert "rank 1" in "\n".join(info.value.__notes__)
-    # the next collective call gets a fresh, complete process group
-    assert dist.options(stream_logs=False)("gloo") == [6.0, 6.0, 6.0, 6.0]
+    assert elapsed < 15, f"the call took {elapsed:.1f}s to fail (rank 1 failed at once; timeout=8)"
     _works(dist)
 
 
@@ -259,6 +268,36 @@ def test_rank_exit_is_rank_died(dist) -> None:
     # the restarted rank reports its previous exit
     pod0 = dist.status()[0]
     assert [r["state"] for r in pod0["ranks"]] == ["idle", "idle"]
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    pytest.importorskip("torch")
+    # max_restarts=1: rank processes ktlite itself kills after a failure must not count, so
+    # repeated failing calls must never exhaust it
+    remote = kt.fn(job, name="el-gloo").to(
+        kt.Compute(cpus=1, max_restarts=1).distribute("pytorch", workers=2, num_proc=2))
+    yield remote
+    remote.teardown()
+
+
+@pytest.mark.timeout(150)
+def test_failure_while_others_block_in_gloo_all_reduce(gloo) -> None:
+    """Ranks 0, 2, 3 wait in an all_reduce that rank 1 never joins: the call still fails fast,
+    and the next collective call, made right away, gets a fresh, complete process group.
+    Three rounds: the recovery after a failure must work every time, not just once."""
+    for round_ in range(3):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 skips the all_reduce") as info:
+            gloo.options(stream_logs=False, timeout=40)("gloo", "fail")
+        elapsed = time.monotonic() - start
+        assert elapsed < 15, f"round {round_}: the call took {elapsed:.1f}s to fail"
+        assert isinstance(info.value, kt.RemoteError)
+        notes = "\n".join(info.value.__notes__)
+        assert "rank 1" in notes and "el-gloo-0" in notes
+        # timeout: a broken pod would otherwise keep the call waiting in gloo's rendezvous
+        assert gloo.options(stream_logs=False, timeout=40)("gloo") == [6.0, 6.0, 6.0, 6.0], round_
+    assert gloo.options(stream_logs=False, timeout=40)("rank") == [0, 1, 2, 3]
 
 
 # ---- 6. logs and options ---------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-async def _watch_parent(pid: int, server: uvicorn.Server) -> None:
+async def _watch_parent(pid: int, server: uvicorn.Server, pod: Pod) -> None:
     while True:
         await asyncio.sleep(0.5)
         try:
@@ -42,7 +42,10 @@ async def _watch_parent(pid: int, server: uvicorn.Server) -> None:
         except ProcessLookupError:
             alive = False
         if not alive:
-            server.should_exit = True  # lifespan shutdown kills the ranks
+            for rank in pod.ranks:  # stop running calls now; shutdown would wait for them
+                if rank is not None:
+                    rank.kill()
+            server.should_exit = True
             return
 
 
@@ -62,13 +65,14 @@ def main() -> None:
         app, log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"), access_log=False,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         http="httptools" if importlib.util.find_spec("httptools") else "h11",
-        timeout_keep_alive=300, lifespan="on")
+        # a stream of a call that is still running must not hold shutdown (SIGTERM) forever
+        timeout_keep_alive=300, timeout_graceful_shutdown=3, lifespan="on")
     server = uvicorn.Server(config)
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         if args.parent_pid:
-            loop.create_task(_watch_parent(args.parent_pid, server))
+            loop.create_task(_watch_parent(args.parent_pid, server, pod))
         serving = loop.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.005)

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 import ktlite
 from ktlite import protocol
-from ktlite.spec import DistributedConfig
+from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.coordinator import CallPlan, Coordinator, run_local
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import Deployment, Pod
@@ -186,8 +186,14 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 ordinal=int(msg["ordinal"]), master_port=int(msg["master_port"]),
                 max_restarts=int(msg.get("max_restarts", 3)), cpus=msg.get("cpus"),
                 load_timeout=float(msg.get("load_timeout", 300)))
-        except (protocol.ProtocolError, KeyError, TypeError, ValueError) as e:
-            raise HTTPException(400, f"malformed deploy request: {e}") from e
+            # the same env every rank would get: a bad layout is refused here, before it
+            # replaces the deployment the pod is serving
+            distributed_env(dep.config, node_rank=dep.ordinal, local_rank=0, pod_ips=dep.pod_ips,
+                            master_port=dep.master_port)
+            if not 0 <= dep.ordinal < dep.config.workers:
+                raise ValueError(f"ordinal {dep.ordinal} is outside 0..{dep.config.workers - 1}")
+        except Exception as e:  # noqa: BLE001 - any undecodable or inconsistent body is the client's fault
+            raise HTTPException(400, f"malformed deploy request: {type(e).__name__}: {e}") from e
         finally:
             if path:
                 os.unlink(path)

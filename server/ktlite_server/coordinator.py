@@ -24,6 +24,7 @@ from ktlite_server.ranks import Outcome
 
 Emit = Callable[[Any], None]  # puts a frame (bytes or list of parts) on the caller's stream
 PodOutcome = tuple[int, str, str, Any, str]  # (rank, pod name, status, data, message)
+STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are reported stuck
 
 
 class CallPlan:
@@ -66,14 +67,13 @@ class Coordinator:
         self.client = client
         self.peers = peers
         self.plan = plan
-        self._running: set[int] = set()
         self._stopped = False
+        self._deadline: float | None = None
 
     def cancel(self, kind: str, reason: str) -> None:
-        """Stop the call on every pod still running it (the caller went away)."""
+        """Stop the call on every pod (the caller went away)."""
         if not self._stopped:
-            self._stopped = True
-            asyncio.get_running_loop().create_task(self._stop(self.plan, sorted(self._running), kind, reason))
+            asyncio.get_running_loop().create_task(self._stop(kind, reason))
 
     def _headers(self, meta: dict[str, Any]) -> dict[str, str]:
         return {protocol.TOKEN_HEADER: protocol.bearer(self.token),
@@ -90,32 +90,37 @@ class Coordinator:
             coro = (run_local(self.pod, plan, payload, path, emit) if i == self.pod.ordinal
                     else self._remote(plan, i, payload, emit))
             tasks[loop.create_task(coro)] = i
-        self._running = set(targets)
-        deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
+        self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
         results: list[PodOutcome] = []
         pending = set(tasks)
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
             done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             if not done and not self._stopped:
-                self._stopped = True
-                await self._stop(plan, [tasks[t] for t in pending], "timeout",
-                                 f"the call ran past its timeout of {plan.timeout:g}s")
-                deadline = None
+                await self._stop("timeout", f"the call ran past its timeout of {plan.timeout:g}s")
                 continue
+            if not done:  # stopped, but these pods never confirmed: report them, stop waiting
+                for t in pending:
+                    t.cancel()
+                    results.extend(self._failed_pod(plan, tasks[t], (
+                        f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it may be stuck "
+                        "(see its log)"), status="cancelled"))
+                break
             for t in done:
                 outs = t.result()
-                self._running.discard(tasks[t])
                 results.extend(outs)
                 failed = [o for o in outs if o[2] not in ("ok", "cancelled", "timeout")]
                 if failed and not self._stopped and pending:
-                    self._stopped = True
-                    await self._stop(plan, [tasks[p] for p in pending], "cancelled",
-                                     f"stopped because rank {failed[0][0]} failed")
+                    await self._stop("cancelled", f"stopped because rank {failed[0][0]} failed")
         return sorted(results, key=lambda o: o[0])
 
-    async def _stop(self, plan: CallPlan, ordinals: list[int], kind: str, reason: str) -> None:
-        """Stop the call on ``ordinals``; pods already done drop their process groups."""
+    async def _stop(self, kind: str, reason: str) -> None:
+        """Stop the call on every pod of it: running ones cancel, finished ones drop their
+        process groups. Pods get STOP_GRACE_S to confirm before they are reported as stuck."""
+        self._stopped = True
+        self._deadline = time.monotonic() + STOP_GRACE_S
+        plan = self.plan
+
         async def stop_one(i: int) -> None:
             if i == self.pod.ordinal:
                 if not self.pod.cancel(plan.id, kind, reason):
@@ -126,12 +131,11 @@ class Coordinator:
                                        params={"kind": kind, "reason": reason, "reset": "true"},
                                        headers=self._headers({"id": plan.id}), timeout=5.0)
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
-        del ordinals  # every pod of the call: running ones cancel, finished ones reset
         await asyncio.gather(*(stop_one(i) for i in targets))
 
-    def _failed_pod(self, plan: CallPlan, i: int, message: str) -> list[PodOutcome]:
+    def _failed_pod(self, plan: CallPlan, i: int, message: str, status: str = "died") -> list[PodOutcome]:
         name = plan.names[i] if i < len(plan.names) else f"pod-{i}"
-        return [(i * plan.num_proc + lr, name, "died", None, message) for lr in range(plan.num_proc)]
+        return [(i * plan.num_proc + lr, name, status, None, message) for lr in range(plan.num_proc)]
 
     async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
         url = plan.pods[i]

@@ -75,6 +75,7 @@ class Pod:
         self._sinks: dict[int, LogEmit] = {}
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
+        self._heal_lock = asyncio.Lock()
 
     # ---- rank env & processes ----------------------------------------------------------
 
@@ -144,8 +145,7 @@ class Pod:
 
     async def deploy(self, dep: Deployment, restart: bool = False) -> list[Outcome]:
         async with self.lock:
-            if self._healing is not None:
-                await self._healing
+            await self._settle()
             self.dep = dep
             want = dep.config.num_proc
             for extra in self.ranks[want:]:
@@ -158,37 +158,52 @@ class Pod:
                         r.restarts = 0
             return list(await asyncio.gather(*(self._ready_rank(i, dep, restart) for i in range(want))))
 
-    async def _heal(self) -> list[Outcome]:
-        """Restart rank processes that died, within max_restarts; report ranks beyond it."""
-        dep = self.dep
-        if dep is None:
-            return []
-        broken: list[Outcome] = []
-        todo = []
-        for i, r in enumerate(self.ranks):
-            if r is None or r.alive:
-                continue
-            if r.restarts >= dep.max_restarts:
-                broken.append(Outcome(r.global_rank, "died", message=(
-                    f"rank process died {r.restarts + 1} times; max_restarts={dep.max_restarts} reached "
-                    f"(last: {r.death_message()}); call with restart_procs=True or redeploy")))
-                continue
-            todo.append(i)
-        outs = await asyncio.gather(*(self._ready_rank(i, dep, restart=True) for i in todo))
-        for i in todo:
-            self.ranks[i].restarts += 1
-        return broken + [o for o in outs if o.status != "ok"]
+    def _needs_heal(self, r: RankProcess | None) -> bool:
+        return r is not None and (r.stopping or not r.alive)
 
-    def _heal_later(self, killed: list[int]) -> None:
-        async def heal() -> None:
-            # ranks we killed do not count against max_restarts; wait until they are reaped,
-            # or _heal would still see them alive
-            victims = [self.ranks[i] for i in killed if i < len(self.ranks) and self.ranks[i] is not None]
-            for r in victims:
-                r.restarts -= 1
+    async def _heal(self) -> list[Outcome]:
+        """Replace rank processes that died or that we killed; one heal at a time.
+
+        Only a crash counts against max_restarts; a rank beyond it is reported, not restarted.
+        """
+        async with self._heal_lock:
+            dep = self.dep
+            if dep is None:
+                return []
+            victims = [r for r in self.ranks if self._needs_heal(r)]
             await asyncio.gather(*(r.wait_dead(5.0) for r in victims))
-            await self._heal()
+            broken: list[Outcome] = []
+            todo: list[tuple[int, bool]] = []
+            for r in victims:
+                crashed = not r.stopping
+                if crashed and r.restarts >= dep.max_restarts:
+                    broken.append(Outcome(r.global_rank, "died", message=(
+                        f"rank process died {r.restarts + 1} times; max_restarts={dep.max_restarts} "
+                        f"reached (last: {r.death_message()}); call with restart_procs=True or redeploy")))
+                    continue
+                todo.append((r.local_rank, crashed))
+            outs = await asyncio.gather(*(self._ready_rank(i, dep, restart=True) for i, _ in todo))
+            for i, crashed in todo:
+                if crashed:
+                    self.ranks[i].restarts += 1
+            return broken + [o for o in outs if o.status != "ok"]
+
+    def _heal_later(self) -> None:
+        """Heal in the background so the next call finds the pod ready; never two at once."""
+        if self._healing is not None and not self._healing.done():
+            return  # the running heal loops until no rank needs it
+
+        async def heal() -> None:
+            while any(self._needs_heal(r) for r in self.ranks) and self.dep is not None:
+                broken = await self._heal()
+                if broken:
+                    return  # reported to the next call
         self._healing = asyncio.get_running_loop().create_task(heal())
+
+    async def _settle(self) -> None:
+        if self._healing is not None:
+            await self._healing
+            self._healing = None
 
     # ---- calls -------------------------------------------------------------------------
 
@@ -216,9 +231,7 @@ class Pod:
     async def _run(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
                    restart: bool) -> list[Outcome]:
         async with self.lock:
-            if self._healing is not None:
-                await self._healing
-                self._healing = None
+            await self._settle()
             dep = self.dep
             if dep is None:
                 raise RuntimeError("no code deployed on this pod; call .to() first")
@@ -232,6 +245,9 @@ class Pod:
                 bad = await self._heal()
             if bad:
                 return bad
+            if handle.stop_kind:  # cancelled while the ranks were being restarted
+                return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
+                                message=handle.stop_reason) for i in range(dep.config.num_proc)]
             size = memoryview(payload).nbytes
             own_file = path is None and size > INLINE_MAX
             if own_file:
@@ -267,12 +283,10 @@ class Pod:
                     handle.stop_reason = f"stopped because rank {o.rank} failed"
                     for other in pending:
                         tasks[other].kill()
-        killed = [r.local_rank for r in self.ranks if r.global_rank in outcomes
-                  and outcomes[r.global_rank].status in ("cancelled", "timeout")]
         if handle.stop_kind:
-            killed += self._kill_groups()
-        if any(not r.alive for r in self.ranks):
-            self._heal_later(killed)
+            self._kill_groups()
+        if any(self._needs_heal(r) for r in self.ranks):
+            self._heal_later()
         return [outcomes[k] for k in sorted(outcomes)]
 
     async def _call_rank(self, handle: _CallHandle, rank: RankProcess, msg: dict[str, Any]) -> Outcome:
@@ -290,23 +304,20 @@ class Pod:
             os.unlink(path)
         return Outcome(rank.global_rank, "ok" if ok else "error", inline)
 
-    def _kill_groups(self) -> list[int]:
+    def _kill_groups(self) -> None:
         """Kill idle ranks holding a torch process group: after a failed call their peers
         are new processes, and a kept group would wait for the dead ones forever."""
-        killed = []
         for r in self.ranks:
-            if r is not None and r.alive and r.has_pg and r.busy_since is None:
+            if r is not None and r.alive and not r.stopping and r.has_pg and r.busy_since is None:
                 r.kill()
-                killed.append(r.local_rank)
-        return killed
 
     def reset(self) -> None:
         """A call failed elsewhere: drop this pod's process groups (restarting those ranks)."""
         if self.calls:
             return  # the running call is being cancelled and resets when it ends
-        killed = self._kill_groups()
-        if killed:
-            self._heal_later(killed)
+        self._kill_groups()
+        if any(self._needs_heal(r) for r in self.ranks):
+            self._heal_later()
 
     def cancel(self, call_id: str, kind: str = "cancelled", reason: str = "cancelled") -> bool:
         handle = self.calls.get(call_id)

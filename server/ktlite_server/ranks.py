@@ -67,6 +67,7 @@ class RankProcess:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self.busy_since: float | None = None
         self.has_pg = False  # a torch process group lives in this process
+        self.stopping = False  # we killed it: its death is no crash
         self.restarts = 0
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -115,6 +116,7 @@ class RankProcess:
         """SIGKILL the rank and everything it started (its own session)."""
         if self.proc is None or self._dead.is_set():
             return
+        self.stopping = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
@@ -137,6 +139,9 @@ class RankProcess:
         await self._send(("call", msg))
         reply = await self._expect(None, "call")
         self.drain_output()
+        if reply[0] != "result" or reply[1] != msg["id"]:
+            self.kill()  # out of step with us: never trust its next reply either
+            raise RankGone(f"rank process answered {reply[:2]!r} to call {msg['id']}; it was restarted")
         self.has_pg = bool(reply[6])
         return reply[:6]  # ("result", call_id, ok, inline, path, size)
 
