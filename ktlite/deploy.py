@@ -22,6 +22,7 @@ from ktlite.client import PodClient
 from ktlite.errors import (
     CallCancelled,
     CallTimeout,
+    ConfigError,
     DeployError,
     LaunchTimeout,
     NotDeployedError,
@@ -119,7 +120,6 @@ class Deployment:
             bad = [w for w in options.workers if not isinstance(w, int) or isinstance(w, bool)
                    or not 0 <= w < len(eps)]
             if bad or not options.workers:
-                from ktlite.errors import ConfigError
                 raise ConfigError(f"workers={options.workers!r}: give pod indices between 0 and {len(eps) - 1}")
         stream = self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
         call_id = uuid.uuid4().hex

@@ -10,8 +10,6 @@ the plan (they run on Kubernetes pods, where the image matters).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -68,10 +66,6 @@ class Image:
             if kind == "env":
                 out.update(dict(arg))
         return out
-
-    def content_hash(self) -> str:
-        blob = json.dumps([self.image_id, self.steps, self.freeze], default=list).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def python(version: str = "3.11") -> Image:

@@ -156,8 +156,15 @@ class _Remote:
         state = "torn down" if self._deployment is None else f"{len(self.deployment.endpoints)} pod(s)"
         return f"<{type(self).__name__} {self._source.name!r} on {self._source.kind}, {state}>"
 
+    def _to_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``.to()`` that a re-deploy must repeat."""
+        return {}
+
     def _redeploy(self, compute: Compute) -> None:
-        raise NotImplementedError(type(self).__name__)
+        new = self._source.to(compute, name=self.name, **self._to_options())  # type: ignore[attr-defined]
+        old, self._deployment = self._deployment, new.deployment
+        if old is not None:
+            old.close()
 
     def distribute(self, framework: str = "spmd", workers: int = 1, num_proc: int | None = None,
                    port: int | None = None, quorum_timeout: float = 300.0) -> Any:
@@ -200,11 +207,6 @@ class RemoteFunction(_Remote):
         """Per-call options: ``remote.options(timeout=60, stream_logs=False, workers=[0], restart_procs=True)(x)``."""
         return _Bound(self, None, self._source.obj, _options(options))
 
-    def _redeploy(self, compute: Compute) -> None:
-        new = self._source.to(compute, name=self.name)  # type: ignore[attr-defined]
-        old, self._deployment = self._deployment, new.deployment
-        if old is not None:
-            old.close()
 
 
 class RemoteClass(_Remote):
@@ -224,11 +226,8 @@ class RemoteClass(_Remote):
                                  "their methods (add a getter method to read an attribute)")
         return RemoteMethod(self, attr, getattr(klass, attr))
 
-    def _redeploy(self, compute: Compute) -> None:
-        new = self._source.to(compute, name=self.name, init_args=self._init_args)  # type: ignore[attr-defined]
-        old, self._deployment = self._deployment, new.deployment
-        if old is not None:
-            old.close()
+    def _to_options(self) -> dict[str, Any]:
+        return {"init_args": self._init_args}
 
 
 class RemoteMethod:

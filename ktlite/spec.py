@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ktlite.errors import ConfigError
@@ -89,7 +89,6 @@ class DeploymentSpec:
     compute: Any  # ktlite.compute.Compute (kept untyped to avoid an import cycle)
     kind: str = "fn"  # "fn" | "cls"
     detached: bool = False
-    labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def distributed(self) -> DistributedConfig:
@@ -105,8 +104,6 @@ class DeploymentSpec:
         blob = json.dumps(fields, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def with_compute(self, compute: Any) -> DeploymentSpec:
-        return replace(self, compute=compute)
 
 
 def distributed_env(config: DistributedConfig, *, node_rank: int, local_rank: int,

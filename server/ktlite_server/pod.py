@@ -72,6 +72,7 @@ class Pod:
         self.lock = asyncio.Lock()
         self.calls: dict[str, _CallHandle] = {}
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
+        self.cancelled_early: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._sinks: dict[int, LogEmit] = {}
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
@@ -217,6 +218,9 @@ class Pod:
             await handle.done.wait()
             return handle.outcomes
         handle = _CallHandle(call_id)
+        early = self.cancelled_early.pop(call_id, None)
+        if early is not None:  # the stop overtook the call on its way here: never start it
+            handle.stop_kind, handle.stop_reason = early
         self.calls[call_id] = handle
         try:
             handle.outcomes = await self._run(handle, payload, path, emit, restart)
@@ -235,9 +239,6 @@ class Pod:
             dep = self.dep
             if dep is None:
                 raise RuntimeError("no code deployed on this pod; call .to() first")
-            if handle.stop_kind:
-                return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
-                                message=handle.stop_reason) for i in range(dep.config.num_proc)]
             if restart:
                 loads = await asyncio.gather(*(self._ready_rank(i, dep, True) for i in range(len(self.ranks))))
                 bad = [o for o in loads if o.status != "ok"]
@@ -245,7 +246,7 @@ class Pod:
                 bad = await self._heal()
             if bad:
                 return bad
-            if handle.stop_kind:  # cancelled while the ranks were being restarted
+            if handle.stop_kind:  # cancelled before it started, or while ranks were restarted
                 return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
                                 message=handle.stop_reason) for i in range(dep.config.num_proc)]
             size = memoryview(payload).nbytes
@@ -322,6 +323,10 @@ class Pod:
     def cancel(self, call_id: str, kind: str = "cancelled", reason: str = "cancelled") -> bool:
         handle = self.calls.get(call_id)
         if handle is None:
+            if call_id not in self.finished:
+                self.cancelled_early[call_id] = (kind, reason)
+                while len(self.cancelled_early) > 256:
+                    self.cancelled_early.popitem(last=False)
             return False
         if not handle.stop_kind:
             handle.stop_kind, handle.stop_reason = kind, reason
