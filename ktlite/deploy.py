@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import secrets
 import sys
 import threading
@@ -16,7 +17,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ktlite import protocol
+from ktlite import protocol, shm
 from ktlite.backends.base import Applied, Backend, get_backend
 from ktlite.client import PodClient
 from ktlite.errors import (
@@ -128,6 +129,12 @@ class Deployment:
                 "timeout": options.timeout, "stream_logs": stream, "restart": options.restart_procs,
                 "fanout": True, "quorum_timeout": d.quorum_timeout, "num_proc": d.num_proc}
         coordinator = eps[0].url
+        arg_file = None
+        if self.applied.same_host and os.environ.get("KTLITE_SHM", "1") != "0":
+            meta["shm_results"] = True
+            if protocol.parts_size(parts) > shm.INLINE_MAX:
+                arg_file, size = shm.write(parts, shm.ARG_PREFIX)
+                meta["shm"], parts = [arg_file, size], []
         try:
             outcomes = self.client.call(coordinator, meta, parts, print_log if stream else None)
         except PodUnreachable as e:
@@ -141,6 +148,10 @@ class Deployment:
             for ep in eps:
                 self.client.cancel(ep.url, call_id, "the caller pressed Ctrl-C")
             raise
+        finally:
+            if arg_file is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(arg_file)
         failures, values = _split(outcomes)
         if failures:
             raise _to_error(failures, values, f"call to {self.name!r}", RemoteError)
@@ -183,6 +194,9 @@ def attach(spec: DeploymentSpec) -> Deployment:
 def _split(outcomes: list[tuple[int, str, str, Any, str]]) -> tuple[list[RankFailure], dict[int, Any]]:
     failures: list[RankFailure] = []
     values: dict[int, Any] = {}
+    # values handed over in shared-memory files: take every one first, so none is left behind
+    outcomes = [(r, p, s, shm.take(d[1], d[2]) if isinstance(d, tuple) else d, m)
+                for r, p, s, d, m in outcomes]
     for rank, pod, status, data, message in sorted(outcomes, key=lambda o: o[0]):
         if status == "ok":
             try:

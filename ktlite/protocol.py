@@ -241,10 +241,15 @@ def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, bytearray]]:
 
 
 def gather_parts(outcomes: list[tuple[int, str, str, Any, str]]) -> list[Any]:
-    """Encode per-rank outcomes ``(rank, pod, status, data, message)``; data stays opaque."""
-    return dumps_parts({"outcomes": [
-        (rank, pod, status, None if data is None else pickle.PickleBuffer(data), message)
-        for rank, pod, status, data, message in outcomes]})
+    """Encode per-rank outcomes ``(rank, pod, status, data, message)``; data stays opaque.
+
+    ``data`` is the encoded value, None, or ``("shm", path, size)`` when the value waits in
+    a shared-memory file for a caller on the same host.
+    """
+    def wrap(data: Any) -> Any:
+        return data if data is None or isinstance(data, tuple) else pickle.PickleBuffer(data)
+    return dumps_parts({"outcomes": [(rank, pod, status, wrap(data), message)
+                                     for rank, pod, status, data, message in outcomes]})
 
 
 def chunked(parts: Iterable[Any], size: int = 4 << 20) -> Iterator[memoryview]:

@@ -36,6 +36,7 @@ class Applied:
     token: str = field(repr=False)
     master_port: int
     restarted: list[int] = field(default_factory=list)  # ordinals whose pod is new
+    same_host: bool = False  # pods share this machine's /dev/shm (local backend)
 
 
 @dataclass(frozen=True)

@@ -249,7 +249,7 @@ class LocalBackend(Backend):
         eps = [PodEndpoint(name=p["name"], ordinal=p["ordinal"], url=f"http://127.0.0.1:{p['port']}",
                            peer_url=f"http://127.0.0.1:{p['port']}", ip="127.0.0.1") for p in state["pods"]]
         return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
-                       master_port=state["master_port"])
+                       master_port=state["master_port"], same_host=True)
 
     def lookup(self, name: str) -> Applied | None:
         state = self._live_state(name)

@@ -28,12 +28,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 import ktlite
-from ktlite import protocol
+from ktlite import protocol, shm
 from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.coordinator import CallPlan, Coordinator, run_local
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import Deployment, Pod
-from ktlite_server.rank import INLINE_MAX, shm_dir
 
 HEARTBEAT_S = 2.0
 DEFAULT_MAX_BODY = 8 << 30
@@ -106,8 +105,8 @@ async def _read_body(request: Request, limit: int) -> tuple[Any, str | None]:
         raise HTTPException(413, f"body of {n} bytes is larger than this server's limit of {limit} bytes "
                                  "(KTLITE_MAX_BODY)")
     path = None
-    if n > INLINE_MAX:
-        fd, path = tempfile.mkstemp(prefix="ktlite-arg-", dir=shm_dir())
+    if n > shm.INLINE_MAX:
+        fd, path = tempfile.mkstemp(prefix=shm.ARG_PREFIX, dir=shm.shm_dir())
         os.ftruncate(fd, n)
         buf: Any = mmap.mmap(fd, n)
         os.close(fd)
@@ -213,7 +212,15 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             raise HTTPException(400, f"malformed {protocol.CALL_HEADER} header: {e}") from e
         if pod.dep is None:
             raise HTTPException(409, "no code is deployed on this pod; call .to() first")
-        body, path = await _read_body(request, max_body)
+        own_file = plan.shm is None
+        if plan.shm is None:
+            body, path = await _read_body(request, max_body)
+        else:  # the caller shares this host and wrote the arguments to shared memory
+            try:
+                path = shm.check(str(plan.shm[0]), shm.ARG_PREFIX)
+                body = shm.map_private(path, int(plan.shm[1]))
+            except (ValueError, OSError, IndexError, TypeError) as e:
+                raise HTTPException(400, f"bad shared-memory argument: {e}") from e
         coordinator = Coordinator(pod, token, state["client"], state["peers"], plan) if plan.fanout else None
 
         async def produce(emit: Callable[[Any], None]) -> None:
@@ -224,7 +231,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                     outs = await run_local(pod, plan, body, path, emit)
                 emit(protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs)))
             finally:
-                if path:
+                if path and own_file:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from ktlite import protocol
+from ktlite import protocol, shm
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome
@@ -41,13 +41,23 @@ class CallPlan:
         self.fanout: bool = bool(meta.get("fanout", False))
         self.quorum_timeout: float = float(meta.get("quorum_timeout") or 300.0)
         self.num_proc: int = int(meta.get("num_proc") or 1)
+        # same-host mode (local backend): arguments arrive, and results leave, as files
+        self.shm: list[Any] | None = meta.get("shm")
+        self.shm_results: bool = bool(meta.get("shm_results", False))
 
     def member_meta(self) -> dict[str, Any]:
-        return {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False}
+        return {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
+                "shm": self.shm, "shm_results": self.shm_results}
 
 
-def _pod_outcomes(pod: Pod, outs: list[Outcome]) -> list[PodOutcome]:
-    return [(o.rank, pod.name, o.status, o.data, o.message) for o in outs]
+def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodOutcome]:
+    """Large values wait in shared-memory files: hand over the file when the caller shares
+    this host, else map it here to send its bytes."""
+    def data(o: Outcome) -> Any:
+        if o.path is None:
+            return o.data
+        return ("shm", o.path, o.size) if shm_results else shm.take(o.path, o.size)
+    return [(o.rank, pod.name, o.status, data(o), o.message) for o in outs]
 
 
 async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
@@ -56,7 +66,7 @@ async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, em
         def log(rank: int, stream: str, line: str) -> None:
             emit(protocol.log_frame(rank, pod.name, stream, line))
     outs = await pod.run(plan.id, payload, path, log, restart=plan.restart)
-    return _pod_outcomes(pod, outs)
+    return _pod_outcomes(pod, outs, plan.shm_results)
 
 
 class Coordinator:
@@ -141,7 +151,7 @@ class Coordinator:
         url = plan.pods[i]
         name = plan.names[i] if i < len(plan.names) else url
         deadline = time.monotonic() + plan.quorum_timeout
-        body = memoryview(payload).cast("B")
+        body = memoryview(b"" if plan.shm else payload).cast("B")
         while True:
             try:
                 async with self.peers.post(url, "/call", self._headers(plan.member_meta()), body,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import mmap
 import os
 import sys
 import time
@@ -18,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ktlite import shm
 from ktlite.spec import DistributedConfig, distributed_env
-from ktlite_server.rank import INLINE_MAX, write_shm
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
@@ -250,9 +249,9 @@ class Pod:
                 return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
                                 message=handle.stop_reason) for i in range(dep.config.num_proc)]
             size = memoryview(payload).nbytes
-            own_file = path is None and size > INLINE_MAX
+            own_file = path is None and size > shm.INLINE_MAX
             if own_file:
-                path, size = write_shm([payload], "ktlite-arg-")
+                path, size = shm.write([payload], shm.ARG_PREFIX)
             msg = {"id": handle.call_id, "args": None if path else bytes(payload), "path": path, "size": size}
             if emit is not None:
                 for r in self.ranks:
@@ -297,13 +296,7 @@ class Pod:
             if handle.stop_kind:
                 return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
             return Outcome(rank.global_rank, "died", message=str(e))
-        if inline is None:
-            with open(path, "rb") as f:
-                # private + writable: the caller's arrays decoded from it stay writable
-                inline = memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
-                                              prot=mmap.PROT_READ | mmap.PROT_WRITE)) if size else b""
-            os.unlink(path)
-        return Outcome(rank.global_rank, "ok" if ok else "error", inline)
+        return Outcome(rank.global_rank, "ok" if ok else "error", inline, path=path, size=size)
 
     def _kill_groups(self) -> None:
         """Kill idle ranks holding a torch process group: after a failed call their peers

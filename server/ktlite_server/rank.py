@@ -11,54 +11,19 @@ import contextlib
 import gc
 import importlib.abc
 import importlib.util
-import mmap
 import os
 import pickle
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from typing import Any
 
-from ktlite import protocol
+from ktlite import protocol, shm
 
 _LEN = struct.Struct("<Q")
-INLINE_MAX = 1 << 20
-
-
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def write_shm(parts: list[Any], prefix: str) -> tuple[str, int]:
-    """Write message parts to a fresh shared-memory file; returns (path, size)."""
-    fd, path = tempfile.mkstemp(prefix=prefix, dir=shm_dir())
-    size = 0
-    try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            for p in parts:
-                mv = memoryview(p).cast("B")
-                while mv.nbytes:
-                    n = f.write(mv)
-                    size += n
-                    mv = mv[n:]
-    except BaseException:
-        os.unlink(path)
-        raise
-    return path, size
-
-
-def map_private(path: str, size: int) -> memoryview:
-    """Map a file copy-on-write: writable views, no copy until written."""
-    if size == 0:
-        return memoryview(bytearray())
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return memoryview(m)
-
 
 class Channel:
     """Blocking length-prefixed pickle messages over a socket."""
@@ -224,7 +189,7 @@ class Rank:
     def call(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]
         # a private, writable copy either way: arrays decoded from it must be writable
-        payload = bytearray(msg["args"]) if msg.get("args") is not None else map_private(msg["path"], msg["size"])
+        payload = bytearray(msg["args"]) if msg.get("args") is not None else shm.map_private(msg["path"], msg["size"])
         try:
             method, args, kwargs = protocol.loads(payload)
             if self.target is None:
@@ -243,12 +208,12 @@ class Rank:
                 exc, where=f"the return value ({type(value).__name__}) cannot be pickled: "))
         self._flush()
         size = protocol.parts_size(parts)
-        if size <= INLINE_MAX:
+        if size <= shm.INLINE_MAX:
             # a bytearray stays writable through the control channel's pickle, so arrays the
             # caller decodes from it are writable too
             inline, path = bytearray(b"".join(bytes(memoryview(p)) for p in parts)), None
         else:
-            inline, (path, size) = None, write_shm(parts, "ktlite-res-")
+            inline, (path, size) = None, shm.write(parts, shm.RESULT_PREFIX)
         self._reply("result", call_id, ok, inline, path, size, _pg_initialized())
 
     def _reply(self, *msg: Any) -> None:

@@ -34,6 +34,8 @@ class Outcome:
     status: str  # "ok" | "error" | "died" | "cancelled" | "timeout"
     data: Any = None  # encoded value or RemoteExceptionInfo (bytes / memoryview)
     message: str = ""
+    path: str | None = None  # a large value waits in this shared-memory file instead
+    size: int = 0
 
 
 class RankGone(Exception):

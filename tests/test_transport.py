@@ -1,0 +1,70 @@
+"""Large payloads take two roads: shared-memory files when the caller shares the pods' host
+(the local backend), HTTP bodies otherwise (clusters; forced here with KTLITE_SHM=0). Both
+must deliver the same bytes, writable, across pods, and leave no file behind."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import ktlite as kt
+from ktlite import shm
+
+
+def scale(x, factor):
+    import os
+
+    return x * (factor + int(os.environ["RANK"]))
+
+
+@pytest.fixture(scope="module")
+def remote():
+    r = kt.fn(scale, name="transport").to(
+        kt.Compute(cpus=1, stream_logs=False).distribute(workers=2, num_proc=1))
+    yield r
+    r.teardown()
+
+
+def _leftovers() -> list[str]:
+    return [n for n in os.listdir(shm.shm_dir()) if n.startswith(("ktlite-arg-", "ktlite-res-"))]
+
+
+@pytest.mark.parametrize("road", ["shm", "http"])
+def test_large_numpy_both_roads(remote, monkeypatch, road) -> None:
+    monkeypatch.setenv("KTLITE_SHM", "1" if road == "shm" else "0")
+    before = set(_leftovers())
+    x = np.arange(3 << 20, dtype=np.float64)  # 24 MB, past the inline limit
+    out = remote(x, 2)
+    assert len(out) == 2
+    for rank, y in enumerate(out):
+        assert np.array_equal(y, x * (2 + rank))
+        assert y.flags.writeable
+    assert set(_leftovers()) <= before
+
+
+@pytest.mark.parametrize("road", ["shm", "http"])
+def test_large_torch_both_roads(remote, monkeypatch, road) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("KTLITE_SHM", "1" if road == "shm" else "0")
+    x = torch.arange(4 << 20, dtype=torch.float32)
+    out = remote(x, 1)
+    assert [torch.equal(y, x * (1 + r)) for r, y in enumerate(out)] == [True, True]
+    out[0] += 1  # writable, no warning
+
+
+def test_foreign_shm_path_is_refused(remote, tmp_path) -> None:
+    import json
+
+    import httpx
+
+    state = json.loads((remote.deployment.backend._dir("transport") / "state.json").read_text())
+    url = f"http://127.0.0.1:{state['pods'][0]['port']}"
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 10)
+    meta = {"id": "foreign", "pods": [url], "fanout": True, "shm": [str(secret), 10]}
+    resp = httpx.post(f"{url}/call", headers={"authorization": f"Bearer {state['token']}",
+                                              "x-ktlite-call": json.dumps(meta)}, content=b"")
+    assert resp.status_code == 400
+    assert "shared-memory" in resp.text
