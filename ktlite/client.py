@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from ktlite import protocol
+from ktlite.connection import ConnectionFailed, Pool
 from ktlite.errors import AuthError, KtliteError, PodUnreachable, ProtocolMismatch
 
 # The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
@@ -25,6 +26,8 @@ Outcomes = list[tuple[int, str, str, Any, str]]
 
 
 _shared: httpx.Client | None = None
+_pool = Pool()
+atexit.register(_pool.close)
 
 
 def _shared_http() -> httpx.Client:
@@ -42,6 +45,8 @@ class PodClient:
                  transport: httpx.BaseTransport | None = None) -> None:
         self._token = token
         self._owns = transport is not None
+        # calls to plain http:// pods take the lean connection unless a client was injected
+        self._lean = http is None and transport is None
         if transport is not None:
             http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0))
         self.http = http or _shared_http()
@@ -69,12 +74,7 @@ class PodClient:
             detail = resp.json().get("detail", resp.text)
         except (ValueError, AttributeError, httpx.HTTPError):
             detail = resp.text if resp.is_stream_consumed else ""
-        if resp.status_code == 401:
-            raise AuthError(f"pod at {url} refused the deployment token (HTTP 401): {detail}; "
-                            "the deployment was probably re-created: call .to() again")
-        if resp.status_code == 409 and "protocol version" in str(detail):
-            raise ProtocolMismatch(str(detail))
-        raise KtliteError(f"pod at {url} answered HTTP {resp.status_code}: {detail}")
+        _raise_for_status(resp.status_code, str(detail), url)
 
     def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
         try:
@@ -114,34 +114,73 @@ class PodClient:
 
     def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None) -> Outcomes:
         """Run a call through the coordinator at ``url``; returns per-rank outcomes."""
-        size = protocol.parts_size(parts)
         headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
-                                 "content-type": "application/octet-stream",
-                                 "content-length": str(size)})
-        timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
+                                 "content-type": "application/octet-stream"})
         try:
-            result = None
-            with self.http.stream("POST", f"{url}/call", content=protocol.chunked(parts),
-                                  headers=headers, timeout=timeout) as resp:
-                self._check(resp, url)
-                # read to the end of the body (it ends right after the result) so the
-                # connection goes back to the keep-alive pool
-                for kind, payload in protocol.read_frames(resp.iter_raw()):
-                    if kind == protocol.LOG:
-                        if on_log is not None:
-                            on_log(*json.loads(payload))
-                    elif kind == protocol.RESULT:
-                        result = list(protocol.loads(payload)["outcomes"])
-                    elif kind == protocol.ERROR:
-                        err = json.loads(payload)
-                        raise KtliteError(f"pod at {url} failed the call: {err['type']}: {err['message']}")
-            if result is not None:
-                return result
-        except httpx.ReadTimeout as e:
+            if self._lean and url.startswith("http://"):
+                return self._call_lean(url, headers, parts, on_log)
+            return self._call_httpx(url, headers, parts, on_log)
+        except (httpx.ReadTimeout, TimeoutError) as e:
             raise PodUnreachable(f"the coordinator pod at {url} went silent for {SILENCE_TIMEOUT:g}s "
                                  "during the call (no heartbeat): it probably died") from e
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, ConnectionFailed, OSError) as e:
             raise PodUnreachable(f"lost the connection to the coordinator pod at {url}: {e!r}") from e
         except protocol.ProtocolError as e:
             raise PodUnreachable(f"the coordinator pod at {url} closed the stream mid-call: {e}") from e
+
+    def _call_lean(self, url: str, headers: dict[str, str], parts: list[Any],
+                   on_log: LogSink | None) -> Outcomes:
+        conn, status, hdrs = _pool.post(url, "/call", headers, parts, connect_timeout=10.0,
+                                        read_timeout=SILENCE_TIMEOUT)
+        try:
+            if status >= 400:
+                body = b"".join(conn.body(hdrs))
+                try:
+                    detail = str(json.loads(body).get("detail", body))
+                except ValueError:
+                    detail = body.decode(errors="replace")
+                _raise_for_status(status, detail, url)
+            result = _read_result(conn.body(hdrs), on_log, url)
+        except BaseException:
+            conn.close()
+            raise
+        _pool.release(conn)
+        return result
+
+    def _call_httpx(self, url: str, headers: dict[str, str], parts: list[Any],
+                    on_log: LogSink | None) -> Outcomes:
+        headers["content-length"] = str(protocol.parts_size(parts))
+        timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
+        with self.http.stream("POST", f"{url}/call", content=protocol.chunked(parts),
+                              headers=headers, timeout=timeout) as resp:
+            self._check(resp, url)
+            return _read_result(resp.iter_raw(), on_log, url)
+
+
+def _read_result(chunks: Any, on_log: LogSink | None, url: str) -> Outcomes:
+    """Print log frames as they come; return the result frame's outcomes. Reads the stream
+    to its end (it ends right after the result) so the connection can be reused."""
+    result = None
+    for kind, payload in protocol.read_frames(chunks):
+        if kind == protocol.LOG:
+            if on_log is not None:
+                on_log(*json.loads(payload))
+        elif kind == protocol.RESULT:
+            result = list(protocol.loads(payload)["outcomes"])
+        elif kind == protocol.ERROR:
+            err = json.loads(payload)
+            raise KtliteError(f"pod at {url} failed the call: {err['type']}: {err['message']}")
+    if result is None:
         raise PodUnreachable(f"the coordinator pod at {url} ended the call without a result")
+    return result
+
+
+def _raise_for_status(status: int, detail: str, url: str) -> None:
+    if status < 400:
+        return
+    if status == 401:
+        raise AuthError(f"pod at {url} refused the deployment token (HTTP 401): {detail}; "
+                        "the deployment was probably re-created: call .to() again")
+    if status == 409 and "protocol version" in detail:
+        raise ProtocolMismatch(detail)
+    raise KtliteError(f"pod at {url} answered HTTP {status}: {detail}")

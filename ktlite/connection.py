@@ -1,0 +1,147 @@
+"""A lean keep-alive HTTP/1.1 connection for the call hot path to plain ``http://`` pods.
+
+A warm call is a few hundred microseconds of server work; a general HTTP client's
+per-request machinery costs as much again. Calls to pods reached directly (local backend,
+in-cluster) go through this; anything that needs TLS, proxies or auth plugins (the
+Kubernetes API proxy) goes through the injectable ``httpx`` client instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConnectionFailed(ConnectionError):
+    """The pod could not be connected to, or closed the connection mid-response."""
+
+
+class Connection:
+    def __init__(self, host: str, port: int, connect_timeout: float) -> None:
+        self.key = (host, port)
+        try:
+            self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as e:
+            raise ConnectionFailed(f"cannot connect to {host}:{port}: {e!r}") from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = self.sock.makefile("rb", buffering=1 << 16)
+        self.reusable = False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.reader.close()
+            self.sock.close()
+
+    def send(self, head: bytes, parts: list[Any]) -> None:
+        small = sum(memoryview(p).nbytes for p in parts) <= 1 << 16
+        if small:  # one segment for the usual tiny call
+            self.sock.sendall(head + b"".join(parts))
+            return
+        self.sock.sendall(head)
+        for p in parts:
+            self.sock.sendall(memoryview(p).cast("B"))
+
+    def _line(self) -> bytes:
+        line = self.reader.readline(1 << 16)
+        if not line:
+            raise ConnectionFailed("the pod closed the connection")
+        return line
+
+    def response(self, read_timeout: float) -> tuple[int, dict[str, str]]:
+        self.sock.settimeout(read_timeout)
+        status_line = self._line()
+        try:
+            status = int(status_line.split()[1])
+        except (IndexError, ValueError):
+            raise ConnectionFailed(f"bad status line {status_line[:60]!r}") from None
+        headers: dict[str, str] = {}
+        while True:
+            line = self._line()
+            if line in (b"\r\n", b"\n"):
+                return status, headers
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip()
+
+    def body(self, headers: dict[str, str]) -> Iterator[bytes]:
+        """The response body in chunks; the connection is reusable once this is exhausted."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                try:
+                    size = int(self._line().split(b";")[0].strip(), 16)
+                except ValueError:
+                    raise ConnectionFailed("bad chunk size line") from None
+                if size == 0:
+                    self._line()
+                    break
+                data = self.reader.read(size + 2)
+                if len(data) != size + 2:
+                    raise ConnectionFailed("the pod closed the connection mid-chunk")
+                yield data[:-2]
+        else:
+            n = int(headers.get("content-length", "0"))
+            data = self.reader.read(n) if n else b""
+            if len(data) != n:
+                raise ConnectionFailed("the pod closed the connection mid-body")
+            if data:
+                yield data
+        self.reusable = headers.get("connection", "").lower() != "close"
+
+
+class Pool:
+    """Idle connections per pod address; safe to share between threads."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[Connection]] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, key: tuple[str, int], connect_timeout: float) -> tuple[Connection, bool]:
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop(), True
+        return Connection(key[0], key[1], connect_timeout), False
+
+    def release(self, conn: Connection) -> None:
+        if not conn.reusable:
+            conn.close()
+            return
+        conn.reusable = False
+        with self._lock:
+            self._idle.setdefault(conn.key, []).append(conn)
+
+    def post(self, url: str, path: str, headers: dict[str, str], parts: list[Any],
+             connect_timeout: float, read_timeout: float) -> tuple[Connection, int, dict[str, str]]:
+        """Send a POST and read the response head; the caller reads ``conn.body`` and then
+        ``release``s (or closes) the connection."""
+        u = urlsplit(url)
+        key = (u.hostname or "127.0.0.1", u.port or 80)
+        size = sum(memoryview(p).nbytes for p in parts)
+        lines = [f"POST {path} HTTP/1.1", f"host: {key[0]}:{key[1]}", f"content-length: {size}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        for attempt in (0, 1):
+            conn, reused = self._get(key, connect_timeout)
+            try:
+                conn.send(head, parts)
+                status, hdrs = conn.response(read_timeout)
+                return conn, status, hdrs
+            except (ConnectionFailed, ConnectionError) as e:
+                conn.close()
+                if reused and attempt == 0:
+                    continue  # an idle connection the pod had closed: nothing was processed
+                raise ConnectionFailed(f"{key[0]}:{key[1]}: {e}") from e
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            for conns in self._idle.values():
+                for c in conns:
+                    c.close()
+            self._idle.clear()
