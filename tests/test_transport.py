@@ -77,3 +77,24 @@ def test_foreign_shm_path_is_refused(remote, tmp_path) -> None:
                                               "x-ktlite-call": json.dumps(meta)}, content=b"")
     assert resp.status_code == 400
     assert "shared-memory" in resp.text
+
+
+def test_injected_httpx_client_road(remote, monkeypatch) -> None:
+    """An injected httpx client (what the Kubernetes API proxy needs) carries calls too."""
+    import httpx
+
+    from ktlite.client import PodClient
+
+    monkeypatch.setenv("KTLITE_SHM", "0")
+    dep = remote.deployment
+    lean = dep.client
+    with httpx.Client() as http:
+        dep.client = PodClient(dep.applied.token, http=http)
+        try:
+            x = np.arange(300_000, dtype=np.float32)  # past the inline limit: a streamed body
+            out = remote(x, 3)
+            assert [np.array_equal(y, x * (3 + r)) for r, y in enumerate(out)] == [True, True]
+            with pytest.raises(TypeError):
+                remote(object(), 1)  # errors travel the same road
+        finally:
+            dep.client = lean
