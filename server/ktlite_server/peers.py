@@ -50,13 +50,20 @@ class PeerResponse:
         self._done = False
         self._timed_out = False
         self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0
 
     def _arm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()  # progress; the one timer checks it when it fires
+        if self._timer is None:
+            self._timer = loop.call_later(self._timeout, self._expire)
 
     def _expire(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle = loop.time() - self._last
+        if idle < self._timeout:
+            self._timer = loop.call_later(self._timeout - idle, self._expire)
+            return
         self._timed_out = True
         self._conn.writer.transport.abort()
 
