@@ -98,3 +98,21 @@ def test_injected_httpx_client_road(remote, monkeypatch) -> None:
                 remote(object(), 1)  # errors travel the same road
         finally:
             dep.client = lean
+
+
+def test_heartbeats_keep_a_quiet_long_call_alive(remote, monkeypatch) -> None:
+    """A call that prints nothing for longer than the caller's silence limit still succeeds:
+    pods send heartbeats (every 2 s) through the coordinator to the caller."""
+    import ktlite.client
+
+    monkeypatch.setattr(ktlite.client, "SILENCE_TIMEOUT", 3.0)
+    assert remote.options(stream_logs=False)(_Sleepy(4.5), 1) == [4.5, 9.0]
+
+
+class _Sleepy:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __mul__(self, factor: int) -> float:
+        time.sleep(self.seconds)
+        return self.seconds * factor

@@ -35,6 +35,7 @@ from ktlite_server.peers import PeerPool
 from ktlite_server.pod import Deployment, Pod
 
 HEARTBEAT_S = 2.0
+_PENDING = object()
 DEFAULT_MAX_BODY = 8 << 30
 
 
@@ -68,25 +69,29 @@ class FrameResponse(Response):
                     self.on_disconnect()
                     return
 
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(HEARTBEAT_S)
-                queue.put_nowait(protocol.frame(protocol.HEARTBEAT, b""))
+        def beat() -> None:  # a timer, not a task: most calls end long before the first beat
+            queue.put_nowait(protocol.frame(protocol.HEARTBEAT, b""))
+            nonlocal heart
+            heart = loop.call_later(HEARTBEAT_S, beat)
 
         task = loop.create_task(produce())
         watcher = loop.create_task(watch())
-        heart = loop.create_task(beat())
+        heart = loop.call_later(HEARTBEAT_S, beat)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", self.media_type.encode())]})
         try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    break
-                parts = item if isinstance(item, list) else [item]
-                for chunk in protocol.chunked(parts):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finished = False
+            item = await queue.get()
+            while item is not None:
+                # the result is followed at once by the end marker: send both in one write
+                after = queue.get_nowait() if not queue.empty() else _PENDING
+                chunks = list(protocol.chunked(item if isinstance(item, list) else [item])) or [b""]
+                for i, chunk in enumerate(chunks):
+                    finished = after is None and i == len(chunks) - 1
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
+                item = await queue.get() if after is _PENDING else after
+            if not finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
             heart.cancel()

@@ -94,6 +94,8 @@ class Coordinator:
     async def run(self, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
         plan = self.plan
         targets = plan.workers if plan.workers is not None else list(range(len(plan.pods)))
+        if targets == [self.pod.ordinal] and plan.timeout is None:
+            return await run_local(self.pod, plan, payload, path, emit)  # nothing to fan out
         tasks: dict[asyncio.Task[list[PodOutcome]], int] = {}
         loop = asyncio.get_running_loop()
         for i in targets:
