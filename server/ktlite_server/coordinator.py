@@ -98,7 +98,8 @@ class Coordinator:
             return await run_local(self.pod, plan, payload, path, emit)  # nothing to fan out
         tasks: dict[asyncio.Task[list[PodOutcome]], int] = {}
         loop = asyncio.get_running_loop()
-        for i in targets:
+        # remote pods first: their hop is the longer one, so their requests should leave first
+        for i in sorted(targets, key=lambda i: i == self.pod.ordinal):
             coro = (run_local(self.pod, plan, payload, path, emit) if i == self.pod.ordinal
                     else self._remote(plan, i, payload, emit))
             tasks[loop.create_task(coro)] = i
