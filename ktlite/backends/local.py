@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -47,10 +48,31 @@ def _pid_alive(pid: int | None) -> bool:
     return True
 
 
-def _free_port() -> int:
+# Below Linux's ephemeral range (32768+): bind(0) there hands the same few ports out again
+# and again, and two deployments sharing a MASTER_PORT would join each other's rendezvous.
+_PORT_RANGE = (20000, 32000)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _master_port(taken: set[int], span: int) -> int:
+    """A MASTER_PORT no other local deployment uses, with ``span`` free ports after it
+    (TF_CONFIG gives rank r port MASTER_PORT + r)."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - span)
+        ports = range(port, port + max(span, 1))
+        if not taken.intersection(ports) and all(_bindable(p) for p in ports):
+            return port
+    raise DeployError(f"found no free MASTER_PORT in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}; "
+                      "pass distribute(port=...)")
 
 
 _gpu_cache: list[str] | None = None
@@ -207,7 +229,8 @@ class LocalBackend(Backend):
                 self._procs[proc.pid] = proc
                 starting.append((i, proc, ready, log))
             self._stop_pods(list(old_pods.values()), timeout=5.0)  # ordinals beyond workers
-            master_port = spec.distributed.port or (state or {}).get("master_port") or _free_port()
+            master_port = spec.distributed.port or (state or {}).get("master_port") or \
+                _master_port(self._ports_in_use(spec.name), spec.distributed.world_size)
             try:
                 for i, proc, ready, log in starting:
                     port = self._wait_ready(spec, i, proc, ready, log)
@@ -250,6 +273,18 @@ class LocalBackend(Backend):
                            peer_url=f"http://127.0.0.1:{p['port']}", ip="127.0.0.1") for p in state["pods"]]
         return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
                        master_port=state["master_port"], same_host=True)
+
+    def _ports_in_use(self, except_name: str) -> set[int]:
+        """MASTER_PORT ranges of the other live local deployments."""
+        taken: set[int] = set()
+        home = _home()
+        if home.is_dir():
+            for d in home.iterdir():
+                state = self._read(d.name) if d.name != except_name else None
+                if state and state.get("master_port"):
+                    port = int(state["master_port"])
+                    taken.update(range(port, port + len(state["pods"]) * 8 + 1))
+        return taken
 
     def lookup(self, name: str) -> Applied | None:
         state = self._live_state(name)
