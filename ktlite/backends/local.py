@@ -65,9 +65,9 @@ def _bindable(port: int) -> bool:
 def _master_port(taken: set[int], span: int) -> int:
     """A MASTER_PORT no other local deployment uses, with ``span`` free ports after it
     (TF_CONFIG gives rank r port MASTER_PORT + r)."""
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - span)
+    low, high = _PORT_RANGE[0], _PORT_RANGE[1] - max(span, 1)
+    start = random.SystemRandom().randrange(low, high)
+    for port in (*range(start, high), *range(low, start)):  # random start, then every port
         ports = range(port, port + max(span, 1))
         if not taken.intersection(ports) and all(_bindable(p) for p in ports):
             return port
