@@ -24,13 +24,15 @@ from typing import Any
 
 import cloudpickle
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KTL"
 _HEAD = struct.Struct("<3sBIQ")
 _ALIGN = 64
 
 # HTTP headers
-TOKEN_HEADER = "authorization"
+# Not "authorization": the Kubernetes API server consumes that header (its own credentials)
+# and never forwards it through the pod proxy.
+TOKEN_HEADER = "x-ktlite-token"
 CALL_HEADER = "x-ktlite-call"
 VERSION_HEADER = "x-ktlite-protocol"
 

@@ -75,7 +75,7 @@ def http():
 
 
 def _auth(token: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {token}", protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+    return {protocol.TOKEN_HEADER: f"Bearer {token}", protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
 
 
 def _launch_ids(http: httpx.Client, state: dict) -> list[str]:
@@ -104,12 +104,12 @@ def _bad_headers(token: str) -> dict[str, dict[str, str]]:
     wrong = ("A" if token[0] != "A" else "B") + token[1:]
     return {
         "none": {},
-        "wrong-token": {"authorization": f"Bearer {wrong}"},
-        "prefix-of-token": {"authorization": f"Bearer {token[:-1]}"},
-        "token-plus-extra": {"authorization": f"Bearer {token}x"},
-        "empty-bearer": {"authorization": "Bearer"},
-        "no-scheme": {"authorization": token},
-        "basic-scheme": {"authorization": f"Basic {token}"},
+        "wrong-token": {protocol.TOKEN_HEADER: f"Bearer {wrong}"},
+        "prefix-of-token": {protocol.TOKEN_HEADER: f"Bearer {token[:-1]}"},
+        "token-plus-extra": {protocol.TOKEN_HEADER: f"Bearer {token}x"},
+        "empty-bearer": {protocol.TOKEN_HEADER: "Bearer"},
+        "no-scheme": {protocol.TOKEN_HEADER: token},
+        "basic-scheme": {protocol.TOKEN_HEADER: f"Basic {token}"},
         "other-header": {"x-ktlite-token": token},
     }
 
@@ -216,7 +216,7 @@ def test_unauthenticated_cancel_does_not_stop_a_running_call(remote, state, http
         time.sleep(0.02)
     assert call_id is not None
     for url in state["urls"]:
-        resp = http.post(f"{url}/cancel/{call_id}", headers={"authorization": "Bearer nope"})
+        resp = http.post(f"{url}/cancel/{call_id}", headers={protocol.TOKEN_HEADER: "Bearer nope"})
         assert resp.status_code == 401
     t.join(10)
     assert result == {"value": [None, None]}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ktlite as kt
-from ktlite import shm
+from ktlite import protocol, shm
 
 
 def scale(x, factor):
@@ -73,7 +73,7 @@ def test_foreign_shm_path_is_refused(remote, tmp_path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"x" * 10)
     meta = {"id": "foreign", "pods": [url], "fanout": True, "shm": [str(secret), 10]}
-    resp = httpx.post(f"{url}/call", headers={"authorization": f"Bearer {state['token']}",
+    resp = httpx.post(f"{url}/call", headers={protocol.TOKEN_HEADER: f"Bearer {state['token']}",
                                               "x-ktlite-call": json.dumps(meta)}, content=b"")
     assert resp.status_code == 400
     assert "shared-memory" in resp.text

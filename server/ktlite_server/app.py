@@ -1,6 +1,6 @@
 """The pod server's HTTP API (FastAPI on uvicorn).
 
-Endpoints (all but ``/health`` need ``Authorization: Bearer <deployment token>``):
+Endpoints (all but ``/health`` need ``x-ktlite-token: Bearer <deployment token>``):
 
 - ``GET /health``: liveness, protocol version, launch id.
 - ``POST /deploy``: install a code bundle on this pod's ranks (ktlite message body).
