@@ -1,53 +1,123 @@
-"""The ``ktlite`` command line: list and tear down deployments."""
+"""The ``ktlite`` command line: list, tear down and read the logs of deployments; settings."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ktlite import __version__
-from ktlite.backends.base import get_backend
+from ktlite import __version__, config
+from ktlite.backends.base import Backend, get_backend
 from ktlite.errors import KtliteError
 
 
+def _backend(args: argparse.Namespace) -> Backend:
+    return get_backend(args.backend, getattr(args, "namespace", None))
+
+
 def _list(args: argparse.Namespace) -> int:
-    rows = get_backend(args.backend).list()
+    rows = _backend(args).list()
     if not rows:
         print("no deployments")
         return 0
-    print(f"{'NAME':30} {'BACKEND':12} {'READY':8} DETACHED")
+    print(f"{'NAME':30} {'BACKEND':12} {'NAMESPACE':16} {'READY':8} DETACHED")
     for r in rows:
-        print(f"{r['name']:30} {r['backend']:12} {str(r['ready']) + '/' + str(r['pods']):8} {r['detached']}")
+        ready = f"{r['ready']}/{r['pods']}"
+        print(f"{r['name']:30} {r['backend']:12} {r.get('namespace') or '-':16} {ready:8} {r['detached']}")
     return 0
 
 
 def _teardown(args: argparse.Namespace) -> int:
-    backend = get_backend(args.backend)
+    backend = _backend(args)
     names = [r["name"] for r in backend.list()] if args.all else args.names
     if not names:
         print("nothing to tear down; name a deployment or pass --all", file=sys.stderr)
         return 1
+    if args.all and not args.yes:
+        answer = input(f"tear down {len(names)} deployment(s): {', '.join(names)}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing torn down")
+            return 1
     for name in names:
-        found = backend.teardown(name)
+        found = backend.teardown(name, timeout=args.timeout, volumes=args.volumes)
         print(f"{name}: {'torn down' if found else 'not found'}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _logs(args: argparse.Namespace) -> int:
+    try:
+        for line in _backend(args).logs(args.name, args.pod, follow=args.follow, tail=args.tail):
+            print(line, flush=True)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.action == "set":
+        if args.value is None:
+            raise KtliteError("ktlite config set needs a key and a value, e.g. "
+                              "`ktlite config set backend kubernetes`")
+        config.set_value(args.key, args.value)
+        print(f"{args.key} = {args.value}")
+    elif args.action == "unset":
+        config.unset(args.key)
+    elif args.action == "get":
+        value = config.get(args.key)
+        if value is None:
+            return 1
+        print(value)
+    else:
+        saved = config.read()
+        for key, (env, _, what) in sorted(config.KEYS.items()):
+            value = config.get(key)
+            origin = f"from {env}" if value is not None and value != saved.get(key) else ""
+            print(f"{key:18} {value if value is not None else '-':30} {origin or what}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ktlite", description="Run Python functions on N pods.")
     p.add_argument("--version", action="version", version=f"ktlite {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("list", help="list deployments", description="Example: ktlite list")
-    ls.add_argument("--backend", default=None)
-    ls.set_defaults(func=_list)
-    td = sub.add_parser("teardown", help="stop deployments",
-                        description="Example: ktlite teardown train   |   ktlite teardown --all")
+
+    def command(name: str, help: str, example: str, func: object) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=f"{help}. Example: {example}")
+        c.set_defaults(func=func)
+        return c
+
+    def where(c: argparse.ArgumentParser) -> None:
+        c.add_argument("--backend", default=None, help="local or kubernetes (default: ktlite config)")
+        c.add_argument("--namespace", "-n", default=None, help="Kubernetes namespace")
+
+    ls = command("list", "list deployments", "ktlite list --backend kubernetes", _list)
+    where(ls)
+    td = command("teardown", "stop deployments and delete what they created",
+                 "ktlite teardown train   |   ktlite teardown --all -y", _teardown)
     td.add_argument("names", nargs="*")
-    td.add_argument("--all", action="store_true")
-    td.add_argument("--backend", default=None)
-    td.set_defaults(func=_teardown)
+    td.add_argument("--all", action="store_true", help="every deployment of the backend")
+    td.add_argument("-y", "--yes", action="store_true", help="do not ask before --all")
+    td.add_argument("--volumes", action="store_true", help="also delete the deployment's PVCs")
+    td.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for pods to go")
+    where(td)
+    lg = command("logs", "print a deployment's pod logs", "ktlite logs train -f --pod 1", _logs)
+    lg.add_argument("name")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    lg.add_argument("--pod", type=int, default=None, help="only this pod (its ordinal)")
+    lg.add_argument("--tail", type=int, default=None, help="only the last N lines of each pod")
+    where(lg)
+    cf = command("config", "read and change settings", "ktlite config set backend kubernetes", _config)
+    cf.add_argument("action", choices=["get", "set", "unset", "list"])
+    cf.add_argument("key", nargs="?", default=None, choices=sorted(config.KEYS))
+    cf.add_argument("value", nargs="?", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
+    if args.command == "config" and args.action != "list" and args.key is None:
+        p.error(f"ktlite config {args.action} needs a key: one of {', '.join(sorted(config.KEYS))}")
     try:
         return int(args.func(args))
     except KtliteError as e:

@@ -11,6 +11,7 @@ from ktlite.images import Image
 from ktlite.spec import DistributedConfig
 
 BACKENDS = ("local", "kubernetes")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _WRONG_UNIT = re.compile(r"^([0-9]+(\.[0-9]+)?)\s*([kKmMgGtTpP])(i?)[bB]?$")
 _CPU = re.compile(r"^([0-9]+(\.[0-9]+)?)(m)?$")
@@ -34,20 +35,20 @@ def parse_memory(value: str, field_name: str = "memory") -> int:
                       "(allowed: a number with a unit such as '512Mi', '4Gi', '1Ti', or '2G')")
 
 
-def parse_cpus(value: Any) -> float:
+def parse_cpus(value: Any, field_name: str = "cpus") -> float:
     """Parse cpus given as a number (2, 0.5) or a Kubernetes quantity ("500m", "2")."""
     if isinstance(value, bool):
-        raise ConfigError(f"cpus={value!r} must be a number such as 2 or 0.5, or a string like '500m'")
+        raise ConfigError(f"{field_name}={value!r} must be a number such as 2 or 0.5, or a string like '500m'")
     if isinstance(value, (int, float)):
         cpus = float(value)
     else:
         m = _CPU.match(str(value).strip())
         if not m:
-            raise ConfigError(f"cpus={value!r} is not a valid CPU quantity "
+            raise ConfigError(f"{field_name}={value!r} is not a valid CPU quantity "
                               "(allowed: a number such as 2 or 0.5, or millicores such as '500m')")
         cpus = float(m.group(1)) / (1000 if m.group(3) else 1)
     if cpus <= 0:
-        raise ConfigError(f"cpus={value!r} must be greater than 0")
+        raise ConfigError(f"{field_name}={value!r} must be greater than 0")
     return cpus
 
 
@@ -87,7 +88,8 @@ class Compute:
     Args:
         cpus: CPU request per pod (2, 0.5, "500m").
         memory: memory request per pod ("4Gi").
-        gpus: GPUs per pod.
+        gpus: GPUs per pod (``nvidia.com/gpu`` on Kubernetes); ``gpu_type`` picks the model.
+        cpu_limit, memory_limit: Kubernetes limits; none unless given.
         image: a :class:`kt.Image` or an image name.
         env: environment variables for every rank (``env_vars=`` is accepted too).
         volumes: :class:`kt.Volume` objects or names of existing PVCs.
@@ -103,6 +105,8 @@ class Compute:
     cpus: float | str | None = None
     memory: str | None = None
     gpus: int = 0
+    cpu_limit: float | str | None = None
+    memory_limit: str | None = None
     gpu_type: str | None = None
     image: Image | str | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -135,6 +139,16 @@ class Compute:
             parse_cpus(self.cpus)
         if self.memory is not None:
             parse_memory(self.memory)
+        if self.cpu_limit is not None and parse_cpus(self.cpu_limit, "cpu_limit") < (self.cpu_count or 0):
+            raise ConfigError(f"cpu_limit={self.cpu_limit!r} is below cpus={self.cpus!r}; a limit must be "
+                              "at least the request")
+        if self.memory_limit is not None and \
+                parse_memory(self.memory_limit, "memory_limit") < parse_memory(self.memory or "0"):
+            raise ConfigError(f"memory_limit={self.memory_limit!r} is below memory={self.memory!r}; a limit "
+                              "must be at least the request")
+        if self.image_pull_policy not in (None, *PULL_POLICIES):
+            raise ConfigError(f"image_pull_policy={self.image_pull_policy!r}; allowed: "
+                              f"{', '.join(PULL_POLICIES)}")
         if self.shared_memory is not None:
             parse_memory(self.shared_memory, "shared_memory")
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:

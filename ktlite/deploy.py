@@ -63,7 +63,7 @@ class Deployment:
         self.spec = spec
         self.backend = backend
         self.applied = applied
-        self.client = PodClient(applied.token)
+        self.client = PodClient(applied.token, http=applied.http)
         self.launch_id = ""
 
     def __repr__(self) -> str:
@@ -166,7 +166,7 @@ class Deployment:
 
 def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: bytes | None,
            restart: bool = False) -> Deployment:
-    backend = get_backend(spec.compute.backend)
+    backend = get_backend(spec.compute.backend, spec.compute.namespace)
     existing = backend.lookup(spec.name)
     token = existing.token if existing is not None else secrets.token_urlsafe(32)
     applied = backend.apply(spec, token)
@@ -181,7 +181,7 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
 
 def attach(spec: DeploymentSpec) -> Deployment:
     """The running deployment for ``spec.name``, without deploying."""
-    backend = get_backend(spec.compute.backend)
+    backend = get_backend(spec.compute.backend, spec.compute.namespace)
     applied = backend.lookup(spec.name)
     if applied is None:
         raise NotDeployedError(f"deployment {spec.name!r} is not running on backend {backend.name!r}; "

@@ -59,7 +59,7 @@ class _Source:
         spec = self._spec(compute, name, detached)
         bundle = packaging.bundle(self.obj)  # fails before anything starts
         if dryrun:
-            return get_backend(compute.backend).plan(spec)
+            return get_backend(compute.backend, compute.namespace).plan(spec)
         return deploy(spec, bundle, packaging.local_sources(), init, restart=restart_procs)
 
 
@@ -187,14 +187,38 @@ class _Remote:
         """Each pod's ranks: state, pid, last exit, restarts, how long busy."""
         return self.deployment.status()
 
-    def teardown(self) -> None:
-        """Stop every process of this deployment."""
+    def teardown(self, volumes: bool = False) -> None:
+        """Stop every pod and process of this deployment and delete what it created;
+        its volumes (PVCs) too when ``volumes=True``."""
         dep = self._deployment
         if dep is None:
             return
-        dep.backend.teardown(dep.name)
+        dep.backend.teardown(dep.name, volumes=volumes)
         dep.close()
         self._deployment = None
+
+    def logs(self, rank: int | None = None, follow: bool = False, tail: int | None = None) -> str:
+        """The pods' logs (rank output appears as ``[rank R] line``), each line prefixed with
+        its pod; only the pod holding ``rank`` if given. ``follow=True`` prints new lines as
+        they come until interrupted (Ctrl-C) and returns what it printed."""
+        dep = self.deployment
+        ordinal = None
+        if rank is not None:
+            world = dep.spec.distributed.world_size
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+                raise ConfigError(f"rank={rank!r}: give a rank between 0 and {world - 1}")
+            ordinal = rank // dep.spec.distributed.num_proc
+        lines = dep.backend.logs(dep.name, ordinal, follow=follow, tail=tail)
+        if not follow:
+            return "\n".join(lines)
+        seen = []
+        try:
+            for line in lines:
+                print(line, flush=True)
+                seen.append(line)
+        except KeyboardInterrupt:
+            pass
+        return "\n".join(seen)
 
 
 class RemoteFunction(_Remote):

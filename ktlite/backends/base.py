@@ -6,11 +6,12 @@ A backend never sees user code or calls: only a :class:`DeploymentSpec`. It answ
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ktlite import config
 from ktlite.errors import ConfigError
 from ktlite.spec import DeploymentSpec
 
@@ -37,6 +38,7 @@ class Applied:
     master_port: int
     restarted: list[int] = field(default_factory=list)  # ordinals whose pod is new
     same_host: bool = False  # pods share this machine's /dev/shm (local backend)
+    http: Any = field(default=None, repr=False)  # an httpx.Client that reaches ``url`` s (a proxy)
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,17 @@ class Plan:
         lines = [f"# ktlite plan for {self.name!r} on backend {self.backend!r}"]
         lines += self.commands
         if self.manifests:
-            import json
-            lines += [json.dumps(m, indent=2) for m in self.manifests]
+            lines.append(self.yaml())
         return "\n".join(lines)
+
+    def yaml(self) -> str:
+        """The manifests as one multi-document YAML stream (JSON if PyYAML is missing)."""
+        try:
+            import yaml
+        except ImportError:
+            import json
+            return "\n---\n".join(json.dumps(m, indent=2) for m in self.manifests)
+        return yaml.safe_dump_all(self.manifests, sort_keys=False, default_flow_style=False)
 
 
 class Backend(ABC):
@@ -73,21 +83,28 @@ class Backend(ABC):
         """The running deployment called ``name``, or None."""
 
     @abstractmethod
-    def teardown(self, name: str, timeout: float = 30.0) -> bool:
-        """Stop everything the deployment created; True if something was there."""
+    def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
+        """Stop everything the deployment created (its volumes only if asked); True if
+        something was there."""
 
     @abstractmethod
     def list(self) -> list[dict[str, Any]]:
         """Deployments this backend can see."""
 
+    def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
+             tail: int | None = None) -> Iterator[str]:
+        """Lines of the pods' logs (all pods, or pod ``ordinal``), prefixed with the pod."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve pod logs")
 
-def get_backend(name: str | None) -> Backend:
-    """The backend called ``name``; default: KTLITE_BACKEND, else "local"."""
-    chosen = name or os.environ.get("KTLITE_BACKEND") or "local"
+
+def get_backend(name: str | None, namespace: str | None = None) -> Backend:
+    """The backend called ``name``; default: KTLITE_BACKEND, then ``ktlite config``'s
+    backend, else "local". ``namespace`` picks the Kubernetes namespace."""
+    chosen = name or config.get("backend") or "local"
     if chosen == "local":
         from ktlite.backends.local import LocalBackend
         return LocalBackend.shared()
     if chosen == "kubernetes":
-        raise ConfigError("backend='kubernetes' is not available in this version of ktlite yet; "
-                          "use backend='local'")
+        from ktlite.backends.kubernetes import KubernetesBackend
+        return KubernetesBackend.shared(namespace)
     raise ConfigError(f"backend={chosen!r} is not known; allowed: 'local', 'kubernetes'")

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -311,7 +312,7 @@ class LocalBackend(Backend):
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(2.0)
 
-    def teardown(self, name: str, timeout: float = 30.0) -> bool:
+    def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
         with self._lock:
             state = self._read(name)
             self._owned.discard(name)
@@ -333,6 +334,32 @@ class LocalBackend(Backend):
                 out.append({"name": state["name"], "backend": self.name, "namespace": None,
                             "pods": len(state["pods"]), "ready": alive, "detached": state["detached"]})
         return out
+
+    def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
+             tail: int | None = None) -> Iterator[str]:
+        state = self._live_state(name)
+        if state is None:
+            raise DeployError(f"no local deployment {name!r}")
+        pods = [p for p in state["pods"] if ordinal is None or p["ordinal"] == ordinal]
+        offsets = {}
+        for pod in pods:
+            path = self._dir(name) / f"pod-{pod['ordinal']}.log"
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
+                offsets[path] = f.tell()
+                for line in lines[-tail:] if tail else lines:
+                    yield f"[{pod['name']}] {line}"
+        while follow and self._read(name) is not None:  # until torn down (or Ctrl-C)
+            time.sleep(0.2)
+            for pod in pods:
+                path = self._dir(name) / f"pod-{pod['ordinal']}.log"
+                with contextlib.suppress(OSError), open(path, "rb") as f:
+                    f.seek(offsets.get(path, 0))
+                    chunk = f.read()
+                    end = chunk.rfind(b"\n") + 1  # whole lines only
+                    offsets[path] = offsets.get(path, 0) + end
+                    for line in chunk[:end].decode("utf-8", "replace").splitlines():
+                        yield f"[{pod['name']}] {line}"
 
     def _atexit(self) -> None:
         for name in list(self._owned):

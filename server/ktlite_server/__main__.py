@@ -21,12 +21,21 @@ from ktlite_server.app import DEFAULT_MAX_BODY, create_app
 from ktlite_server.pod import Pod
 
 
+def _ordinal() -> int:
+    """KTLITE_POD_ORDINAL, else the StatefulSet ordinal at the end of the pod name, else 0."""
+    value = os.environ.get("KTLITE_POD_ORDINAL", "")
+    if value.isdigit():
+        return int(value)
+    tail = (os.environ.get("KTLITE_POD_NAME") or socket.gethostname()).rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ktlite_server", description=__doc__)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=32300)
     p.add_argument("--pod", default=os.environ.get("KTLITE_POD_NAME") or socket.gethostname())
-    p.add_argument("--ordinal", type=int, default=int(os.environ.get("KTLITE_POD_ORDINAL", "0")))
+    p.add_argument("--ordinal", type=int, default=_ordinal())
     p.add_argument("--procs", type=int, default=1, help="rank processes to start before code arrives")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")

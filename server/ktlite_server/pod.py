@@ -95,11 +95,11 @@ class Pod:
         return env
 
     def _log(self, rank: RankProcess, stream: str, line: str) -> None:
+        # the pod's own log keeps every rank line (``remote.logs()``, ``kubectl logs``)
+        print(f"[rank {rank.global_rank}] {line}", file=sys.stderr, flush=True)
         sink = self._sinks.get(rank.local_rank)
         if sink is not None:
             sink(rank.global_rank, stream, line)
-        else:
-            print(f"[rank {rank.global_rank}] {line}", file=sys.stderr, flush=True)
 
     async def prespawn(self) -> None:
         """Start rank processes before any code arrives, so the first deploy is fast."""

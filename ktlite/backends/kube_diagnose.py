@@ -1,0 +1,102 @@
+"""Pure: why a pod is not ready, read from its status, and a one-line progress summary.
+
+A problem is *fatal* when waiting longer cannot help (the deploy stops at once with the
+reason); otherwise it is the last reason reported if ``launch_timeout`` runs out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ktlite.backends.kube_manifests import SETUP_FAILED_EXIT
+
+_PULL_ERRORS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull")
+_CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    pod: str
+    message: str
+    fatal: bool
+    want_logs: bool = False  # the container ran: its log says why it stopped
+    fix: str = ""
+
+
+def _condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
+
+
+def _terminated(cs: dict[str, Any]) -> dict[str, Any] | None:
+    """How the container last ended, unless it is running again (then it recovered)."""
+    state = cs.get("state") or {}
+    if "running" in state:
+        return None
+    term: dict[str, Any] | None = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
+    return term
+
+
+def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] = lambda p: False
+             ) -> PodProblem | None:
+    """The reason ``pod`` is not (yet) ready, or None if it is on its way."""
+    name = pod["metadata"]["name"]
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return PodProblem(name, f"the pod failed: {status.get('reason', '')} {status.get('message', '')}"
+                          .rstrip(), fatal=True, want_logs=True)
+    scheduled = _condition(status, "PodScheduled")
+    if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        message = f"Unschedulable: {scheduled.get('message', 'no node fits')}"
+        if scaling_up(pod):
+            return PodProblem(name, message + " (the cluster autoscaler is adding a node)", fatal=False)
+        return PodProblem(name, message, fatal=True,
+                          fix="lower cpus/memory/gpus, fix node_selector/gpu_type/tolerations, or add nodes")
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason", "")
+        detail = waiting.get("message", "")
+        term = _terminated(cs)
+        if reason in _PULL_ERRORS:
+            return PodProblem(name, f"{reason}: image {cs.get('image')!r} cannot be pulled: {detail}",
+                              fatal=True, fix="check the image name and tag; for an image loaded into the "
+                              "cluster (kind load, minikube image load) use image_pull_policy='IfNotPresent' "
+                              "or 'Never'; for a private registry add imagePullSecrets to the "
+                              "service account")
+        if reason in _CONFIG_ERRORS:
+            return PodProblem(name, f"{reason}: {detail}", fatal=True,
+                              fix="check that the Secrets, ConfigMaps and volumes the pod names exist")
+        if term is not None and term.get("reason") == "OOMKilled":
+            return PodProblem(name, "OOMKilled: the container ran out of memory while starting "
+                              f"(exit code {term.get('exitCode')})", fatal=True, want_logs=True,
+                              fix="raise memory (and memory_limit)")
+        if term is not None and term.get("exitCode") == SETUP_FAILED_EXIT:
+            return PodProblem(name, "the pod's setup failed (installing ktlite or an image step)",
+                              fatal=True, want_logs=True,
+                              fix="fix the failing step; or build an image that already holds ktlite "
+                              "and the packages (images/Dockerfile), with freeze=True")
+        if reason == "CrashLoopBackOff" or (term is not None and term.get("exitCode", 0) != 0):
+            code = term.get("exitCode") if term else "?"
+            return PodProblem(name, f"CrashLoopBackOff: the container keeps exiting (last exit code {code}, "
+                              f"{cs.get('restartCount', 0)} restart(s))", fatal=True, want_logs=True)
+        if reason and reason != "ContainerCreating" and reason != "PodInitializing":
+            return PodProblem(name, f"{reason}: {detail}".rstrip(": "), fatal=False)
+    if status.get("phase") == "Pending":
+        return PodProblem(name, "Pending: " + ("scheduled, creating the container" if scheduled and
+                          scheduled.get("status") == "True" else "waiting to be scheduled"), fatal=False)
+    if status.get("phase") == "Running":
+        return PodProblem(name, "running, waiting for the server to answer /health (image setup steps "
+                          "run first)", fatal=False)
+    return None
+
+
+def progress(pods: list[dict[str, Any]], total: int) -> str:
+    """``"pods scheduled 2/2, running 1/2, ready 0/2"``."""
+    def count(test: Callable[[dict[str, Any]], bool]) -> int:
+        return sum(1 for p in pods if test(p.get("status") or {}))
+
+    scheduled = count(lambda s: (_condition(s, "PodScheduled") or {}).get("status") == "True")
+    running = count(lambda s: s.get("phase") == "Running")
+    ready = count(lambda s: (_condition(s, "Ready") or {}).get("status") == "True")
+    return f"pods scheduled {scheduled}/{total}, running {running}/{total}, ready {ready}/{total}"

@@ -1,0 +1,230 @@
+"""Pure: a :class:`DeploymentSpec` → the Kubernetes objects that run it (plain dicts).
+
+Per deployment NAME: a Secret ``NAME-token`` (the call token), a headless Service ``NAME``
+(``publishNotReadyAddresses``: peers are reachable before they report ready), one PVC per
+``kt.Volume``, and a StatefulSet ``NAME`` (Parallel pod management: all pods start at once;
+``OnDelete`` updates: the backend decides which pods to replace). Everything carries
+``ktlite.dev/name=NAME`` so list and teardown find it.
+
+The container starts with a short shell bootstrap that finds a Python with ktlite (installing
+it pinned to the client's version when the image lacks it, unless ``freeze=True``), then runs
+``python -m ktlite_server.boot``, which runs the image's setup steps and execs the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ktlite.compute import Volume, parse_cpus
+from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
+
+NAME_LABEL = "ktlite.dev/name"
+MANAGED_LABELS = {"app.kubernetes.io/managed-by": "ktlite"}
+HASH_ANNOTATION = "ktlite.dev/pod-hash"
+SERVER_PORT = 32300
+STATE_DIR = "/ktlite"  # an emptyDir: survives container restarts, not pod replacement
+SETUP_FAILED_EXIT = 78  # the bootstrap's exit code when a setup step or the ktlite install fails
+TOKEN_PLACEHOLDER = "<generated at deploy time>"
+CONTAINER = "ktlite"
+
+# Finds a Python that can import ktlite_server, installing ktlite into a venv on the
+# emptyDir when the image has none; everything else happens in ktlite_server.boot.
+BOOTSTRAP = r"""set -e
+if [ -x /ktlite/venv/bin/python ]; then PY=/ktlite/venv/bin/python
+else PY=$(command -v python3 || command -v python || true); fi
+if [ -z "$PY" ] || ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
+  if [ "$KTLITE_FREEZE" = 1 ]; then
+    echo "ktlite: this image has no ktlite (python: ${PY:-none}) and freeze=True forbids installing it" >&2
+    exit 78
+  fi
+  if [ -z "$PY" ]; then
+    echo "ktlite: the image has no python; installing python3"
+    if command -v apt-get >/dev/null; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
+    elif command -v apk >/dev/null; then apk add --no-cache python3 >/dev/null
+    else echo "ktlite: the image has no python and no apt-get or apk to install one" >&2; exit 78; fi
+    PY=$(command -v python3)
+  fi
+  echo "ktlite: the image has no ktlite; installing $KTLITE_INSTALL"
+  "$PY" -m venv --system-site-packages /ktlite/venv
+  /ktlite/venv/bin/python -m pip install -q --disable-pip-version-check "$KTLITE_INSTALL" \
+    || { echo "ktlite: could not install $KTLITE_INSTALL" >&2; exit 78; }
+  PY=/ktlite/venv/bin/python
+fi
+exec "$PY" -m ktlite_server.boot
+"""
+
+
+def labels(name: str) -> dict[str, str]:
+    return {NAME_LABEL: name, **MANAGED_LABELS}
+
+
+def selector(name: str) -> str:
+    return f"{NAME_LABEL}={name}"
+
+
+def token_secret_name(name: str) -> str:
+    return f"{name}-token"
+
+
+def master_port(spec: DeploymentSpec) -> int:
+    return spec.distributed.port or DEFAULT_MASTER_PORT
+
+
+def cpu_quantity(value: float | str) -> str:
+    cpus = parse_cpus(value)
+    return str(int(cpus)) if cpus == int(cpus) else f"{round(cpus * 1000)}m"
+
+
+def setup_steps(spec: DeploymentSpec) -> list[list[Any]]:
+    """The image's pip/bash steps as JSON for ``ktlite_server.boot`` (env steps become env)."""
+    image = spec.compute.image
+    if image is None:
+        return []
+    return [[kind, list(arg) if kind == "pip_install" else arg]
+            for kind, arg in image.steps if kind in ("pip_install", "run_bash")]
+
+
+def _resources(compute: Any) -> dict[str, Any]:
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if compute.cpus is not None:
+        requests["cpu"] = cpu_quantity(compute.cpus)
+    if compute.memory is not None:
+        requests["memory"] = compute.memory
+    if compute.cpu_limit is not None:
+        limits["cpu"] = cpu_quantity(compute.cpu_limit)
+    if compute.memory_limit is not None:
+        limits["memory"] = compute.memory_limit
+    if compute.gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(compute.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(compute: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, container mounts): ktlite's state dir, /dev/shm, then the user's volumes."""
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if compute.shared_memory is not None:
+        shm["sizeLimit"] = compute.shared_memory
+    volumes: list[dict[str, Any]] = [{"name": "ktlite-state", "emptyDir": {}},
+                                     {"name": "ktlite-shm", "emptyDir": shm}]
+    mounts = [{"name": "ktlite-state", "mountPath": STATE_DIR},
+              {"name": "ktlite-shm", "mountPath": "/dev/shm"}]
+    for i, vol in enumerate(compute.volumes):
+        claim, path = (vol.name, vol.mount_path) if isinstance(vol, Volume) else (vol, f"/{vol}")
+        volumes.append({"name": f"vol-{i}", "persistentVolumeClaim": {"claimName": claim}})
+        mounts.append({"name": f"vol-{i}", "mountPath": path})
+    return volumes, mounts
+
+
+def _env(spec: DeploymentSpec, install: str) -> list[dict[str, Any]]:
+    compute = spec.compute
+    image = compute.image
+
+    def field(path: str) -> dict[str, Any]:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env: list[dict[str, Any]] = [
+        {"name": "KTLITE_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret_name(spec.name),
+                                                                "key": "token"}}},
+        {"name": "KTLITE_POD_NAME", **field("metadata.name")},
+        {"name": "KTLITE_POD_IP", **field("status.podIP")},
+        {"name": "KTLITE_POD_ORDINAL", **field("metadata.labels['apps.kubernetes.io/pod-index']")},
+        {"name": "KTLITE_NAMESPACE", **field("metadata.namespace")},
+        {"name": "KTLITE_DEPLOYMENT", "value": spec.name},
+        {"name": "KTLITE_BACKEND", "value": "kubernetes"},
+        {"name": "KTLITE_PORT", "value": str(SERVER_PORT)},
+        {"name": "KTLITE_PROCS", "value": str(max(compute.gpus, 1))},
+        {"name": "KTLITE_INSTALL", "value": install},
+        {"name": "KTLITE_FREEZE", "value": "1" if image is not None and image.freeze else "0"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    steps = setup_steps(spec)
+    if steps:
+        env.append({"name": "KTLITE_SETUP", "value": json.dumps(steps)})
+    user = dict(image.env) if image is not None else {}
+    user.update(compute.env)
+    env += [{"name": k, "value": v} for k, v in user.items()]
+    return env
+
+
+def pod_template(spec: DeploymentSpec, *, image: str, install: str) -> dict[str, Any]:
+    """The StatefulSet's pod template, annotated with a hash of itself."""
+    compute = spec.compute
+    volumes, mounts = _volumes(compute)
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": image,
+        "command": ["/bin/sh", "-c", BOOTSTRAP],
+        "env": _env(spec, install),
+        "ports": [{"name": "server", "containerPort": SERVER_PORT},
+                  {"name": "master", "containerPort": master_port(spec)}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": SERVER_PORT},
+                           "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
+        "volumeMounts": mounts,
+    }
+    if compute.secrets:
+        container["envFrom"] = [{"secretRef": {"name": s}} for s in compute.secrets]
+    resources = _resources(compute)
+    if resources:
+        container["resources"] = resources
+    if compute.image_pull_policy:
+        container["imagePullPolicy"] = compute.image_pull_policy
+    pod: dict[str, Any] = {"containers": [container], "volumes": volumes,
+                           "terminationGracePeriodSeconds": 15}
+    node_selector = dict(compute.node_selector)
+    if compute.gpu_type:
+        node_selector["nvidia.com/gpu.product"] = compute.gpu_type
+    if node_selector:
+        pod["nodeSelector"] = node_selector
+    if compute.tolerations:
+        pod["tolerations"] = [dict(t) for t in compute.tolerations]
+    if compute.service_account:
+        pod["serviceAccountName"] = compute.service_account
+    if compute.priority_class:
+        pod["priorityClassName"] = compute.priority_class
+    meta = {"labels": {**compute.labels, **labels(spec.name)}, "annotations": dict(compute.annotations)}
+    template = {"metadata": meta, "spec": pod}
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+    meta["annotations"][HASH_ANNOTATION] = digest
+    return template
+
+
+def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
+           token: str | None = None) -> list[dict[str, Any]]:
+    """Every object deploying ``spec`` applies, in apply order. Without ``token`` the Secret
+    holds a placeholder (plans are printed; tokens never are)."""
+    name = spec.name
+    meta = {"name": name, "namespace": namespace, "labels": labels(name)}
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {**meta, "name": token_secret_name(name)},
+              "stringData": {"token": token if token is not None else TOKEN_PLACEHOLDER}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                        "selector": {NAME_LABEL: name},
+                        "ports": [{"name": "server", "port": SERVER_PORT, "targetPort": SERVER_PORT},
+                                  {"name": "master", "port": master_port(spec),
+                                   "targetPort": master_port(spec)}]}}
+    claims = []
+    for vol in spec.compute.volumes:
+        if isinstance(vol, Volume):
+            claim_spec: dict[str, Any] = {"accessModes": [vol.access_mode],
+                                          "resources": {"requests": {"storage": vol.size}}}
+            if vol.storage_class:
+                claim_spec["storageClassName"] = vol.storage_class
+            claims.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                           "metadata": {**meta, "name": vol.name}, "spec": claim_spec})
+    statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta,
+                   "spec": {"serviceName": name, "replicas": spec.workers,
+                            "podManagementPolicy": "Parallel",
+                            "updateStrategy": {"type": "OnDelete"},
+                            "selector": {"matchLabels": {NAME_LABEL: name}},
+                            "template": pod_template(spec, image=image, install=install)}}
+    return [secret, service, *claims, statefulset]

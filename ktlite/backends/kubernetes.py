@@ -1,0 +1,369 @@
+"""The Kubernetes backend: a deployment is a StatefulSet of ktlite server pods.
+
+``plan`` renders the objects (``kube_manifests``); ``apply`` creates what is missing,
+replaces only pods whose template changed (code lives in the pods' memory, so a code-only
+redeploy touches no pod), and waits for readiness, failing early with the reason a pod
+cannot start. Pods are reached through the API server's pod proxy from outside the
+cluster and by pod IP inside it; ranks find each other by pod IP (no cluster DNS).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+import httpx
+
+import ktlite
+from ktlite import config
+from ktlite.backends import kube_manifests as km
+from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
+from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
+from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
+from ktlite.errors import DeployError, LaunchTimeout
+from ktlite.spec import DeploymentSpec
+
+POLL_S = 1.0
+
+
+def default_image() -> str:
+    return config.get("image") or f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+
+
+def install_spec() -> str:
+    return config.get("install") or f"ktlite=={ktlite.__version__}"
+
+
+def _url(ip: str, port: int) -> str:
+    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+
+
+def _ordinal(pod: dict[str, Any]) -> int:
+    return int(pod["metadata"]["name"].rsplit("-", 1)[1])
+
+
+def _pod_hash(obj: dict[str, Any]) -> str | None:
+    meta = obj.get("metadata", {})
+    value: str | None = (meta.get("annotations") or {}).get(km.HASH_ANNOTATION)
+    return value
+
+
+class KubernetesBackend(Backend):
+    name = "kubernetes"
+    _clients: dict[tuple[str | None, str | None], tuple[httpx.Client, ClusterInfo]] = {}
+    _announced: set[str] = set()
+    _lock = threading.Lock()
+
+    def __init__(self, http: httpx.Client | None = None, info: ClusterInfo | None = None,
+                 namespace: str | None = None, *, out: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        """``http`` and ``info`` default to the kubeconfig's cluster, loaded on first use;
+        tests inject both (an ``httpx.Client`` over a fake transport)."""
+        self._http = http
+        self._info = info
+        self._namespace = namespace
+        self._out = out
+        self._clock = clock
+        self._sleep = sleep
+
+    @classmethod
+    def shared(cls, namespace: str | None = None) -> KubernetesBackend:
+        return cls(namespace=namespace)
+
+    def _connect(self) -> tuple[httpx.Client, ClusterInfo]:
+        if self._http is None or self._info is None:
+            key = (config.get("kubeconfig"), config.get("context"))
+            with self._lock:
+                if key not in self._clients:
+                    self._clients[key] = load(*key)
+            self._http, self._info = self._clients[key]
+        return self._http, self._info
+
+    @property
+    def namespace(self) -> str:
+        if self._namespace:
+            return self._namespace
+        configured = config.get("namespace")
+        if configured:
+            return configured
+        return self._connect()[1].namespace
+
+    def _api(self) -> KubeApi:
+        http, info = self._connect()
+        return KubeApi(http, self.namespace)
+
+    def _say(self, text: str) -> None:
+        print(f"ktlite: {text}", file=self._out or sys.stderr, flush=True)
+
+    # ---- plan -------------------------------------------------------------------------
+
+    def _render(self, spec: DeploymentSpec, namespace: str, token: str | None) -> list[dict[str, Any]]:
+        compute = spec.compute
+        image = compute.image.image_id if compute.image is not None else default_image()
+        if compute.image_pull_policy is None and config.get("image_pull_policy"):
+            from dataclasses import replace
+            spec = replace(spec, compute=replace(compute, image_pull_policy=config.get("image_pull_policy")))
+        return km.render(spec, namespace, image=image, install=install_spec(), token=token)
+
+    def plan(self, spec: DeploymentSpec) -> Plan:
+        """The objects deploying would apply; reads no cluster (the namespace comes from
+        the Compute, ``ktlite config``, or "default")."""
+        namespace = self._namespace or config.get("namespace") or "default"
+        return Plan(backend=self.name, name=spec.name, manifests=self._render(spec, namespace, None))
+
+    # ---- apply --------------------------------------------------------------------------
+
+    def apply(self, spec: DeploymentSpec, token: str) -> Applied:
+        api = self._api()
+        info = self._connect()[1]
+        if info.host not in self._announced:
+            self._announced.add(info.host)
+            self._say(f"backend kubernetes, context {info.context!r}, namespace {api.namespace!r} "
+                      f"({info.host})")
+        objects = self._render(spec, api.namespace, token)
+        secret, service, *claims, statefulset = objects
+        token_changed = self._apply_secret(api, secret, token)
+        self._ensure(api, service)
+        for claim in claims:
+            self._ensure(api, claim)
+        restarted = self._apply_statefulset(api, statefulset, roll_all=token_changed)
+        pods = self.wait_ready(api, spec, _pod_hash(statefulset["spec"]["template"]) or "")
+        return self._applied(spec.name, pods, token, km.master_port(spec), restarted)
+
+    def _ensure(self, api: KubeApi, obj: dict[str, Any]) -> None:
+        if api.get(obj["kind"], obj["metadata"]["name"]) is None:
+            try:
+                api.create(obj)
+            except KubeApiError as e:
+                if e.status != 409:  # created concurrently: fine
+                    raise
+
+    def _apply_secret(self, api: KubeApi, secret: dict[str, Any], token: str) -> bool:
+        """Create or update the token Secret; True if pods hold another token."""
+        current = api.get("Secret", secret["metadata"]["name"])
+        if current is None:
+            api.create(secret)
+            return False
+        if _decode_token(current) == token:
+            return False
+        api.replace(secret, current["metadata"]["resourceVersion"])
+        return True
+
+    def _apply_statefulset(self, api: KubeApi, sts: dict[str, Any], roll_all: bool) -> list[int]:
+        """Create or update the StatefulSet; delete pods whose template is out of date (the
+        controller re-creates them). Returns the ordinals that get new pods."""
+        name = sts["metadata"]["name"]
+        replicas = sts["spec"]["replicas"]
+        current = api.get("StatefulSet", name)
+        if current is None:
+            api.create(sts)
+            return list(range(replicas))
+        want = _pod_hash(sts["spec"]["template"])
+        if _pod_hash(current["spec"]["template"]) != want:
+            try:
+                api.replace(sts, current["metadata"]["resourceVersion"])
+            except KubeApiError as e:
+                if e.status != 422:  # an immutable field differs (an older ktlite made it)
+                    raise
+                api.delete("StatefulSet", name, propagation="Foreground")
+                self._wait_gone(api, "StatefulSet", name, 60.0)
+                api.create(sts)
+        elif current["spec"].get("replicas") != replicas:
+            api.patch("StatefulSet", name, {"spec": {"replicas": replicas}})
+        restarted = []
+        present = set()
+        for pod in api.list("Pod", km.selector(name)):
+            ordinal = _ordinal(pod)
+            present.add(ordinal)
+            if ordinal < replicas and (roll_all or _pod_hash(pod) != want) \
+                    and not pod["metadata"].get("deletionTimestamp"):
+                api.delete("Pod", pod["metadata"]["name"])
+                restarted.append(ordinal)
+        restarted += [i for i in range(replicas) if i not in present]
+        return sorted(set(restarted))
+
+    def _wait_gone(self, api: KubeApi, kind: str, name: str, timeout: float) -> None:
+        deadline = self._clock() + timeout
+        while api.get(kind, name) is not None:
+            if self._clock() > deadline:
+                raise DeployError(f"{kind} {name} was still being deleted after {timeout:g}s")
+            self._sleep(POLL_S)
+
+    def wait_ready(self, api: KubeApi, spec: DeploymentSpec, want_hash: str) -> list[dict[str, Any]]:
+        """Pods 0..N-1 running ``want_hash`` and ready; fails early with the reason a pod
+        cannot start, and after ``launch_timeout`` with the last reason seen."""
+        n = spec.workers
+        timeout = spec.compute.launch_timeout
+        deadline = self._clock() + timeout
+        last_line, last_reason = "", "no pod was created yet"
+        while True:
+            pods = {_ordinal(p): p for p in api.list("Pod", km.selector(spec.name))
+                    if _pod_hash(p) == want_hash and not p["metadata"].get("deletionTimestamp")}
+            current = [pods[i] for i in range(n) if i in pods]
+            line = progress(current, n)
+            if line != last_line:
+                self._say(f"{spec.name}: {line}")
+                last_line = line
+            if len(current) == n and all(_is_ready(p) for p in current):
+                return current
+            for pod in current:
+                problem = diagnose(pod, scaling_up=lambda p: self._scaling_up(api, p))
+                if problem is None:
+                    continue
+                if problem.fatal:
+                    raise DeployError(self._explain(api, spec, problem))
+                last_reason = problem.message
+            if self._clock() > deadline:
+                raise LaunchTimeout(
+                    f"deployment {spec.name!r} was not ready after launch_timeout={timeout:g}s: {line}; "
+                    f"last reason: {last_reason}. Raise launch_timeout, or look at "
+                    f"`kubectl -n {api.namespace} describe pod {spec.name}-0`")
+            self._sleep(POLL_S)
+
+    def _scaling_up(self, api: KubeApi, pod: dict[str, Any]) -> bool:
+        """True if the cluster autoscaler is adding a node for this unschedulable pod."""
+        events = api.list("Event", field_selector=f"involvedObject.name={pod['metadata']['name']}")
+        return any(e.get("reason") == "TriggeredScaleUp" for e in events)
+
+    def _explain(self, api: KubeApi, spec: DeploymentSpec, problem: PodProblem) -> str:
+        text = f"deployment {spec.name!r} cannot start: pod {problem.pod}: {problem.message}"
+        if problem.want_logs:
+            logs = api.pod_log(problem.pod, tail=30, previous=True) or api.pod_log(problem.pod, tail=30)
+            if logs.strip():
+                text += "\nlast lines of its log:\n" + "\n".join("    " + ln for ln in logs.splitlines())
+        return text + (f"\n{problem.fix}" if problem.fix else "")
+
+    def _applied(self, name: str, pods: list[dict[str, Any]], token: str, master_port: int,
+                 restarted: list[int]) -> Applied:
+        api = self._api()
+        in_cluster = self._connect()[1].in_cluster
+        endpoints = []
+        for pod in sorted(pods, key=_ordinal):
+            ip = pod["status"].get("podIP", "")
+            pod_name = pod["metadata"]["name"]
+            peer = _url(ip, km.SERVER_PORT)
+            endpoints.append(PodEndpoint(name=pod_name, ordinal=_ordinal(pod), ip=ip, peer_url=peer,
+                                         url=peer if in_cluster else api.proxy_url(pod_name, km.SERVER_PORT)))
+        return Applied(name=name, backend=self.name, endpoints=endpoints, token=token,
+                       master_port=master_port, restarted=restarted,
+                       http=None if in_cluster else self._connect()[0])
+
+    # ---- lookup / teardown / list / logs ------------------------------------------------------
+
+    def lookup(self, name: str) -> Applied | None:
+        api = self._api()
+        sts = api.get("StatefulSet", name)
+        secret = api.get("Secret", km.token_secret_name(name))
+        if sts is None or secret is None:
+            return None
+        token = _decode_token(secret)
+        if token is None:
+            return None
+        want = _pod_hash(sts["spec"]["template"])
+        pods = [p for p in api.list("Pod", km.selector(name))
+                if _pod_hash(p) == want and p.get("status", {}).get("podIP")
+                and _ordinal(p) < sts["spec"]["replicas"]]
+        ports = [p.get("containerPort") for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]
+                 if p.get("name") == "master"]
+        return self._applied(name, pods, token, ports[0] if ports else 29500, [])
+
+    def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
+        api = self._api()
+        found = api.delete("StatefulSet", name)
+        found |= api.delete("Service", name)
+        found |= api.delete("Secret", km.token_secret_name(name))
+        pods = api.list("Pod", km.selector(name))
+        for pod in pods:
+            api.delete("Pod", pod["metadata"]["name"])
+        if volumes:
+            for claim in api.list("PersistentVolumeClaim", km.selector(name)):
+                found |= api.delete("PersistentVolumeClaim", claim["metadata"]["name"])
+        deadline = self._clock() + timeout
+        while pods:
+            if self._clock() > deadline:
+                names = ", ".join(p["metadata"]["name"] for p in pods)
+                raise DeployError(f"teardown of {name!r}: pod(s) {names} were still terminating after "
+                                  f"{timeout:g}s; they will go on their own, or check "
+                                  f"`kubectl -n {api.namespace} get pods -l {km.selector(name)}`")
+            self._sleep(POLL_S / 2)
+            pods = api.list("Pod", km.selector(name))
+        return found or bool(pods)
+
+    def list(self) -> list[dict[str, Any]]:
+        api = self._api()
+        rows = []
+        managed = ",".join(f"{k}={v}" for k, v in km.MANAGED_LABELS.items())
+        for sts in api.list("StatefulSet", managed):
+            status = sts.get("status") or {}
+            rows.append({"name": sts["metadata"]["name"], "backend": self.name, "namespace": api.namespace,
+                         "pods": sts["spec"].get("replicas", 0), "ready": status.get("readyReplicas", 0),
+                         "detached": True})
+        return rows
+
+    def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
+             tail: int | None = None) -> Iterator[str]:
+        api = self._api()
+        pods = sorted(api.list("Pod", km.selector(name)), key=_ordinal)
+        if ordinal is not None:
+            pods = [p for p in pods if _ordinal(p) == ordinal]
+        if not pods:
+            which = f"pod {ordinal} of " if ordinal is not None else ""
+            raise DeployError(f"no {which}deployment {name!r} in namespace {api.namespace!r}")
+        if follow:
+            if len(pods) > 1:
+                yield from _merge_follow(api, [p["metadata"]["name"] for p in pods], tail)
+            else:
+                pod_name = pods[0]["metadata"]["name"]
+                yield from (f"[{pod_name}] {line}" for line in api.follow_log(pod_name, tail))
+            return
+        for pod in pods:
+            pod_name = pod["metadata"]["name"]
+            for line in api.pod_log(pod_name, tail=tail).splitlines():
+                yield f"[{pod_name}] {line}"
+
+
+def _merge_follow(api: KubeApi, pods: list[str], tail: int | None) -> Iterator[str]:
+    """Follow several pods' logs at once (one reader thread each), lines as they come."""
+    import queue
+
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read(pod: str) -> None:
+        try:
+            for line in api.follow_log(pod, tail):
+                lines.put(f"[{pod}] {line}")
+        except KubeApiError as e:
+            lines.put(f"[{pod}] ktlite: {e}")
+        finally:
+            lines.put(None)
+
+    for pod in pods:
+        threading.Thread(target=read, args=(pod,), daemon=True).start()
+    open_streams = len(pods)
+    while open_streams:
+        item = lines.get()
+        if item is None:
+            open_streams -= 1
+        else:
+            yield item
+
+
+def _is_ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return bool(status.get("podIP")) and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def _decode_token(secret: dict[str, Any]) -> str | None:
+    data = secret.get("data") or {}
+    if "token" in data:
+        with contextlib.suppress(ValueError):
+            return base64.b64decode(data["token"]).decode()
+    string_data: str | None = (secret.get("stringData") or {}).get("token")
+    return string_data

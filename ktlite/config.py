@@ -1,0 +1,80 @@
+"""User settings in ``$KTLITE_HOME/config.json`` (default ``~/.ktlite``): ``ktlite config``.
+
+Precedence everywhere: an explicit argument (``kt.Compute(backend=...)``), then the
+environment (``KTLITE_BACKEND``, ...), then this file, then the built-in default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ktlite.errors import ConfigError
+
+# key → (environment variable, allowed values or None, what it is)
+KEYS: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
+    "backend": ("KTLITE_BACKEND", ("local", "kubernetes"), "where pods run"),
+    "namespace": ("KTLITE_NAMESPACE", None, "Kubernetes namespace (default: the kubeconfig context's)"),
+    "kubeconfig": ("KTLITE_KUBECONFIG", None, "kubeconfig file (default: KUBECONFIG, ~/.kube/config)"),
+    "context": ("KTLITE_CONTEXT", None, "kubeconfig context (default: the current one)"),
+    "image": ("KTLITE_IMAGE", None, "default pod image when Compute has none"),
+    "image_pull_policy": ("KTLITE_IMAGE_PULL_POLICY", ("Always", "IfNotPresent", "Never"),
+                          "default imagePullPolicy"),
+    "install": ("KTLITE_INSTALL", None, "pip spec installed in images without ktlite"),
+}
+
+
+def home() -> Path:
+    return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite")
+
+
+def _path() -> Path:
+    return home() / "config.json"
+
+
+def _check_key(key: str) -> None:
+    if key not in KEYS:
+        raise ConfigError(f"config key {key!r} is not known; allowed: {', '.join(sorted(KEYS))}")
+
+
+def read() -> dict[str, str]:
+    try:
+        with open(_path()) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{_path()} is not valid JSON ({e}); fix or delete it") from e
+    return {k: str(v) for k, v in data.items() if k in KEYS}
+
+
+def get(key: str) -> str | None:
+    """The effective value: environment first, then the config file."""
+    _check_key(key)
+    env = os.environ.get(KEYS[key][0])
+    return env if env else read().get(key)
+
+
+def set_value(key: str, value: str) -> None:
+    _check_key(key)
+    allowed = KEYS[key][1]
+    if allowed is not None and value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+    _write({**read(), key: value})
+
+
+def unset(key: str) -> None:
+    _check_key(key)
+    data = read()
+    data.pop(key, None)
+    _write(data)
+
+
+def _write(data: dict[str, Any]) -> None:
+    path = _path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

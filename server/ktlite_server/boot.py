@@ -1,0 +1,105 @@
+"""``python -m ktlite_server.boot``: a Kubernetes pod's entry point.
+
+Runs the image's setup steps (``kt.Image.pip_install`` / ``run_bash``, JSON in
+``KTLITE_SETUP``), then execs the server, so the pod answers /health (and becomes ready)
+only once the steps are done.
+
+Caching, keyed by the steps' content hash: pip steps install into a venv on the pod's
+emptyDir (``/ktlite/venv``) that sees the image's own packages, and a marker file records
+that they succeeded, so a restarted container skips them. ``run_bash`` steps changed the
+container's filesystem, which a restart throws away, so they run again in each new
+container. A failing step prints its output and exits with code 78, which the client
+reports as a failed deploy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import venv
+from pathlib import Path
+from typing import Any
+
+SETUP_FAILED_EXIT = 78
+
+
+def _say(text: str) -> None:
+    print(f"ktlite setup: {text}", flush=True)
+
+
+def _run(argv: list[str], what: str) -> None:
+    _say(what)
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout.splitlines():
+        print(f"  {line}", flush=True)
+    if proc.returncode != 0:
+        print(f"ktlite setup: step failed with exit code {proc.returncode}: {what}", file=sys.stderr,
+              flush=True)
+        sys.exit(SETUP_FAILED_EXIT)
+
+
+def _venv(state: Path) -> Path:
+    """A venv on the emptyDir whose imports fall back to this interpreter's packages."""
+    root = state / "venv"
+    python = root / "bin" / "python"
+    if Path(sys.prefix) == root:
+        return python
+    if not python.exists():
+        _say(f"creating {root}")
+        venv.EnvBuilder(with_pip=True, symlinks=True).create(root)
+        out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        parents = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if os.path.isdir(p)]
+        parents += [p for p in sys.path if p.endswith("site-packages") and p not in parents]
+        Path(out, "_ktlite_image_packages.pth").write_text("\n".join(parents) + "\n")
+    return python
+
+
+def run_steps(steps: list[list[Any]], state: Path) -> str:
+    """Run ``steps`` in order; returns the Python the server should run under."""
+    digest = hashlib.sha256(json.dumps(steps, sort_keys=True).encode()).hexdigest()[:16]
+    marker = state / f"setup-{digest}.done"
+    cached = marker.exists()
+    python = sys.executable
+    if any(kind == "pip_install" for kind, _ in steps):
+        python = str(_venv(state))
+    shell = shutil.which("bash") or "/bin/sh"
+    for i, (kind, arg) in enumerate(steps, 1):
+        if kind == "pip_install":
+            if cached:
+                _say(f"step {i}: pip install {' '.join(arg)} (cached, {digest})")
+                continue
+            _run([python, "-m", "pip", "install", "--disable-pip-version-check", *arg],
+                 f"step {i}: pip install {' '.join(arg)}")
+        elif kind == "run_bash":
+            _run([shell, "-c", arg], f"step {i}: {arg}")
+        else:
+            print(f"ktlite setup: unknown step {kind!r}; this server is older than the client",
+                  file=sys.stderr, flush=True)
+            sys.exit(SETUP_FAILED_EXIT)
+    marker.write_text(json.dumps(steps))
+    return python
+
+
+def main() -> None:
+    steps = json.loads(os.environ.get("KTLITE_SETUP") or "[]")
+    python = sys.executable
+    if steps and os.environ.get("KTLITE_FREEZE") != "1":
+        state = Path(os.environ.get("KTLITE_STATE_DIR", "/ktlite"))
+        state.mkdir(parents=True, exist_ok=True)
+        python = run_steps(steps, state)
+        _say("done")
+    argv = [python, "-m", "ktlite_server", "--host", "0.0.0.0",
+            "--port", os.environ.get("KTLITE_PORT", "32300"),
+            "--procs", os.environ.get("KTLITE_PROCS", "1")]
+    sys.stdout.flush()
+    os.execv(python, argv)
+
+
+if __name__ == "__main__":
+    main()
