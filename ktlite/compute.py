@@ -17,8 +17,14 @@ _WRONG_UNIT = re.compile(r"^([0-9]+(\.[0-9]+)?)\s*([kKmMgGtTpP])(i?)[bB]?$")
 _CPU = re.compile(r"^([0-9]+(\.[0-9]+)?)(m)?$")
 _UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT", "POD_IPS")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_RESERVED_MOUNTS = ("/ktlite", "/dev/shm")  # ktlite's state dir and shared memory on a pod
+_RESERVED_ENV = (
+    "KTLITE_TOKEN", "KTLITE_POD_NAME", "KTLITE_POD_IP", "KTLITE_POD_ORDINAL", "KTLITE_NAMESPACE",
+    "KTLITE_DEPLOYMENT", "KTLITE_BACKEND", "KTLITE_PORT", "KTLITE_PROCS", "KTLITE_INSTALL",
+    "KTLITE_FREEZE", "KTLITE_SETUP",
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "POD_IPS")
 
 
 def parse_memory(value: str, field_name: str = "memory") -> int:
@@ -71,6 +77,9 @@ class Volume:
     storage_class: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _DNS_LABEL.match(self.name):
+            raise ConfigError(f"Volume(name={self.name!r}) is not a valid PVC name: use lowercase "
+                              "letters, digits and '-', at most 63 characters, e.g. 'train-data'")
         parse_memory(self.size, "Volume.size")
         if self.access_mode not in ("ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"):
             raise ConfigError(f"Volume.access_mode={self.access_mode!r}; allowed: ReadWriteMany, "
@@ -174,9 +183,21 @@ class Compute:
         object.__setattr__(self, "volumes", tuple(self.volumes))
         object.__setattr__(self, "tolerations", tuple(self.tolerations))
         object.__setattr__(self, "secrets", tuple(self.secrets))
+        mounts: dict[str, Any] = {}
         for v in self.volumes:
             if not isinstance(v, (Volume, str)):
                 raise ConfigError(f"volumes entry {v!r} must be a kt.Volume or the name of an existing PVC")
+            if isinstance(v, str) and not _DNS_LABEL.match(v):
+                raise ConfigError(f"volumes entry {v!r} is not a valid PVC name (lowercase letters, "
+                                  "digits and '-')")
+            path = v.mount_path if isinstance(v, Volume) else f"/{v}"
+            if path.rstrip("/") in _RESERVED_MOUNTS:
+                raise ConfigError(f"volume {v!r} mounts at {path}, which ktlite uses on every pod; "
+                                  "pass another mount_path")
+            if path in mounts:
+                raise ConfigError(f"volumes {mounts[path]!r} and {v!r} both mount at {path}; give "
+                                  "each its own mount_path")
+            mounts[path] = v
         d = self.distributed
         if d is not None and self.gpus and d.num_proc > self.gpus:
             raise ConfigError(f"num_proc={d.num_proc} is more than gpus={self.gpus} on a GPU pod; "

@@ -4,6 +4,7 @@ never collide, and every deployment a test creates is torn down at the end."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -30,3 +31,4 @@ def _teardown_everything():
     backend = LocalBackend.shared()
     for row in backend.list():
         backend.teardown(row["name"], timeout=5)
+    shutil.rmtree(_HOME, ignore_errors=True)

@@ -62,10 +62,13 @@ class _KubeAuth(httpx.Auth):
         self._configuration = configuration
 
     def auth_flow(self, request: httpx.Request) -> Iterator[httpx.Request]:
-        token = self._configuration.get_api_key_with_prefix("authorization")
-        if token:
-            request.headers["authorization"] = token
-        elif self._configuration.username and self._configuration.password:
+        # auth_settings() names the header and its value whatever key this client release
+        # stores the token under ("authorization" in older ones, "BearerToken" in newer)
+        for setting in self._configuration.auth_settings().values():
+            if setting.get("in") == "header" and setting.get("value"):
+                request.headers[setting["key"]] = setting["value"]
+        if "authorization" not in request.headers and self._configuration.username \
+                and self._configuration.password:
             request.headers["authorization"] = self._configuration.get_basic_auth_token()
         yield request
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 from ktlite.compute import Volume, parse_cpus
+from ktlite.errors import ConfigError
 from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
 
 NAME_LABEL = "ktlite.dev/name"
@@ -70,12 +72,17 @@ def token_secret_name(name: str) -> str:
 
 
 def master_port(spec: DeploymentSpec) -> int:
-    return spec.distributed.port or DEFAULT_MASTER_PORT
+    port = spec.distributed.port or DEFAULT_MASTER_PORT
+    if port == SERVER_PORT:
+        raise ConfigError(f"distribute(port={port}) is the port of ktlite's own server on a pod; "
+                          "pick another MASTER_PORT, e.g. 29500")
+    return port
 
 
 def cpu_quantity(value: float | str) -> str:
     cpus = parse_cpus(value)
-    return str(int(cpus)) if cpus == int(cpus) else f"{round(cpus * 1000)}m"
+    # Kubernetes' smallest CPU unit is 1m; round up so a tiny request never becomes zero
+    return str(int(cpus)) if cpus == int(cpus) else f"{max(1, math.ceil(cpus * 1000))}m"
 
 
 def setup_steps(spec: DeploymentSpec) -> list[list[Any]]:

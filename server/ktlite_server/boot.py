@@ -56,7 +56,10 @@ def _venv(state: Path) -> Path:
                              capture_output=True, text=True, check=True).stdout.strip()
         parents = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if os.path.isdir(p)]
         parents += [p for p in sys.path if p.endswith("site-packages") and p not in parents]
-        Path(out, "_ktlite_image_packages.pth").write_text("\n".join(parents) + "\n")
+        # addsitedir, not bare path lines: it also runs the .pth files found there
+        # (editable installs, namespace packages)
+        Path(out, "_ktlite_image_packages.pth").write_text(
+            f"import site; list(map(site.addsitedir, {parents!r}))\n")
     return python
 
 

@@ -1,0 +1,266 @@
+"""A stand-in cluster for the Kubernetes backend: the fake API server (``kube_fake``) served
+over real HTTP, with a real ``ktlite_server`` process behind each pod it creates.
+
+    python tests/kube_harness.py DIR     # writes DIR/kubeconfig, serves until SIGTERM
+
+Only the control plane is fake. Each pod is a real server process bound to its own loopback
+address (127.0.0.10, .11, ...) on the pod port, in its own UTS and mount namespace (hostname =
+pod name; PVCs bind-mounted from DIR/pvc/<claim>), started with the env the pod spec names
+(token from the Secret, downward-API fields), and reported Ready once it accepts
+connections. The pod proxy forwards to it; its output becomes the pod log; deleting the pod
+stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
+unschedulable, as on a small real cluster.
+
+Needs root (``unshare``), like the pods it imitates.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kube_fake as kf  # noqa: E402
+
+NAMESPACE = "default"
+TOKEN = "harness-api-token"
+SERVER_PORT = 32300
+
+
+class Pods:
+    """Real server processes for the fake's pods."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fake = kf.FakeKube(token=TOKEN, pod_behavior=self.behavior, pod_termination_seconds=1.0,
+                                follow_idle_timeout=5.0)
+        self.fake.proxy_handlers = _Handlers(self)
+        self.procs: dict[str, tuple[subprocess.Popen[bytes], str]] = {}  # uid -> (process, pod)
+        self.lock = threading.Lock()
+        self.ips = itertools.count(10)
+        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0))
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def behavior(self, pod: dict[str, Any]) -> kf.PodScript:
+        container = pod["spec"]["containers"][0]
+        if "does-not-exist" in container.get("image", ""):
+            return [(0, kf.pending()), (1, kf.err_image_pull()), (3, kf.image_pull_backoff())]
+        cpu = ((container.get("resources") or {}).get("requests") or {}).get("cpu", "0")
+        if not cpu.endswith("m") and float(cpu) > 64:
+            return kf.unschedulable("0/3 nodes are available: 3 Insufficient cpu. preemption: 0/3 "
+                                    "nodes are available: 3 No preemption victims found for "
+                                    "incoming pod.")
+        ip = f"127.0.0.{next(self.ips)}"
+        proc = self._start(pod, ip)
+        with self.lock:
+            self.procs[pod["metadata"]["uid"]] = (proc, pod["metadata"]["name"])
+        up = _Probe(ip)
+        return kf.PodState(lambda ctx: (kf.ready(ip) if up() else kf.running_not_ready(ip)).status(ctx),
+                           ip=ip)
+
+    def _env(self, pod: dict[str, Any], ip: str) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for item in pod["spec"]["containers"][0].get("env", []):
+            if "value" in item:
+                env[item["name"]] = item["value"]
+                continue
+            source = item.get("valueFrom", {})
+            if "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                # the store itself: fake.get() would run the controllers again, re-entrantly,
+                # from inside the pod creation that called behavior()
+                secret = self.fake._store.get(("secrets", NAMESPACE, ref["name"])) or {}
+                env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+            elif "fieldRef" in source:
+                path = source["fieldRef"]["fieldPath"]
+                if path == "metadata.name":
+                    env[item["name"]] = pod["metadata"]["name"]
+                elif path == "metadata.namespace":
+                    env[item["name"]] = NAMESPACE
+                elif path == "status.podIP":
+                    env[item["name"]] = ip
+                elif path.startswith("metadata.labels['"):
+                    env[item["name"]] = pod["metadata"]["labels"].get(path[17:-2], "")
+        return env
+
+    def _start(self, pod: dict[str, Any], ip: str) -> subprocess.Popen[bytes]:
+        name = pod["metadata"]["name"]
+        pod_env = self._env(pod, ip)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
+        env.update(pod_env)
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+                  for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
+        mounts = []
+        for m in pod["spec"]["containers"][0].get("volumeMounts", []):
+            if m["name"] in claims:
+                src = self.root / "pvc" / claims[m["name"]]
+                src.mkdir(parents=True, exist_ok=True)
+                os.makedirs(m["mountPath"], exist_ok=True)
+                mounts.append(f"mount --bind {src} {m['mountPath']}")
+        script = " && ".join([f"hostname {name}", *mounts,
+                              f"exec {sys.executable} -m ktlite_server --host {ip} "
+                              f"--port {SERVER_PORT} --procs {pod_env.get('KTLITE_PROCS', '1')}"])
+        proc = subprocess.Popen(["unshare", "-m", "-u", "--propagation", "private", "sh", "-c", script],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                cwd="/tmp", start_new_session=True)
+        threading.Thread(target=self._pump, args=(proc, name), daemon=True).start()
+        return proc
+
+    def _pump(self, proc: subprocess.Popen[bytes], name: str) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            self.fake.append_logs(name, raw.decode(errors="replace"))
+
+    def _reap(self) -> None:
+        """Stop the process of every pod that is gone or being deleted."""
+        while True:
+            time.sleep(0.3)
+            with self.lock:  # never held while taking the fake's lock (behavior() nests the other way)
+                running = list(self.procs.items())
+            for uid, (proc, name) in running:
+                pod = self.fake.get("pods", NAMESPACE, name)
+                if pod is None or pod["metadata"]["uid"] != uid or pod["metadata"].get("deletionTimestamp"):
+                    _stop(proc)
+                    with self.lock:
+                        self.procs.pop(uid, None)
+
+    def stop_all(self) -> None:
+        with self.lock:
+            for proc, _ in self.procs.values():
+                _stop(proc)
+            self.procs.clear()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    except ProcessLookupError:
+        pass
+
+
+class _Probe:
+    """True once the address accepts connections on the pod port (then stays True)."""
+
+    def __init__(self, ip: str) -> None:
+        self.ip, self.up = ip, False
+
+    def __call__(self) -> bool:
+        if not self.up:
+            try:
+                socket.create_connection((self.ip, SERVER_PORT), timeout=0.2).close()
+                self.up = True
+            except OSError:
+                pass
+        return self.up
+
+
+class _Handlers(dict):  # type: ignore[type-arg]
+    """The fake's proxy table: every pod's server port forwards to its process."""
+
+    def __init__(self, pods: Pods) -> None:
+        super().__init__()
+        self.pods = pods
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key[1] != SERVER_PORT:
+            return default
+        return lambda request: self.pods.http.send(request, stream=True)
+
+
+def serve(root: Path) -> None:
+    pods = Pods(root)
+    fake = pods.fake
+
+    class Bridge(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _body(self) -> bytes:
+            if self.headers.get("transfer-encoding", "").lower() == "chunked":
+                out = b""
+                while True:
+                    size = int(self.rfile.readline().strip().split(b";")[0], 16)
+                    if size == 0:
+                        self.rfile.readline()
+                        return out
+                    out += self.rfile.read(size)
+                    self.rfile.readline()
+            n = int(self.headers.get("content-length") or 0)
+            return self.rfile.read(n) if n else b""
+
+        def _any(self) -> None:
+            body = self._body()
+            headers = [(k, v) for k, v in self.headers.items()
+                       if k.lower() not in ("host", "content-length", "transfer-encoding")]
+            resp = fake.handle_request(httpx.Request(self.command, f"http://fake{self.path}",
+                                                     headers=headers, content=body))
+            self.send_response(resp.status_code)
+            for k, v in resp.headers.multi_items():
+                if k.lower() not in ("content-length", "transfer-encoding", "connection",
+                                     "content-encoding"):
+                    self.send_header(k, v)
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            try:
+                for chunk in resp.stream:  # type: ignore[union-attr]
+                    if chunk:
+                        self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                        self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            finally:
+                close = getattr(resp.stream, "close", None)
+                if close:
+                    close()
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _any
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Bridge)
+    port = server.server_address[1]
+    tmp = root / "kubeconfig.tmp"
+    tmp.write_text(f"""apiVersion: v1
+kind: Config
+current-context: harness
+clusters:
+- name: harness
+  cluster: {{server: "http://127.0.0.1:{port}"}}
+contexts:
+- name: harness
+  context: {{cluster: harness, user: harness, namespace: {NAMESPACE}}}
+users:
+- name: harness
+  user: {{token: {TOKEN}}}
+""")
+    os.replace(tmp, root / "kubeconfig")
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    try:
+        server.serve_forever()
+    finally:
+        pods.stop_all()
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]))

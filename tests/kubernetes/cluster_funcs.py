@@ -1,0 +1,93 @@
+"""Functions the real-cluster tests run on pods.
+
+A top-level local module: ktlite pickles it by value and ships its source, so the pods
+need neither the tests directory nor anything beyond the standard library (``torch`` only
+for :func:`gloo_all_reduce`, which runs on the torch image).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "POD_IPS", "KTLITE_POD_NAME", "FOO")
+
+
+def _env() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ENV_KEYS}
+
+
+def whoami(x: int) -> dict[str, object]:
+    return {"value": x * 2, "hostname": socket.gethostname(), "pid": os.getpid(),
+            "python": list(sys.version_info[:2]), "env": _env()}
+
+
+def gloo_all_reduce() -> dict[str, object]:
+    """torch.distributed as a user writes it: init with no arguments, then a collective."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)
+    return {"rank": rank, "world": dist.get_world_size(), "sum": float(t.item()),
+            "hostname": socket.gethostname(), "env": _env()}
+
+
+def job(mode: str, arg: str | float | None = None) -> object:
+    """Modes: ``rank`` returns the rank; ``fail1`` rank 1 raises ValueError after ``arg``
+    seconds (the others return at once); ``print`` prints ``arg`` to stdout and stderr."""
+    rank = int(os.environ["RANK"])
+    if mode == "rank":
+        return rank
+    if mode == "fail1":
+        if rank == 1:
+            time.sleep(float(arg or 0))
+            print("rank 1 is about to fail", flush=True)
+            raise ValueError(f"boom from rank 1 on {socket.gethostname()}")
+        return {"rank": rank, "hostname": socket.gethostname()}
+    if mode == "print":
+        print(f"{arg} out rank={rank}", flush=True)
+        print(f"{arg} err rank={rank}", file=sys.stderr, flush=True)
+        return rank
+    raise AssertionError(f"unknown mode {mode!r}")
+
+
+def version_one() -> dict[str, object]:
+    return {"version": 1, "pid": os.getpid(), "hostname": socket.gethostname(),
+            "foo": os.environ.get("FOO")}
+
+
+def version_two() -> dict[str, object]:
+    return {"version": 2, "pid": os.getpid(), "hostname": socket.gethostname(),
+            "foo": os.environ.get("FOO")}
+
+
+def _mount_points() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if len(line.split()) > 4]
+
+
+def volume_io(op: str, path: str, data: str | None = None) -> dict[str, object]:
+    """``write`` ``data`` to ``path`` or ``read`` it; says whether its directory is a mount
+    point of this container (from /proc/self/mountinfo: right for bind mounts too)."""
+    mount = os.path.dirname(path)
+    out: dict[str, object] = {"mounted": mount in _mount_points(), "hostname": socket.gethostname()}
+    if op == "write":
+        with open(path, "w") as f:
+            f.write(data or "")
+            f.flush()
+            os.fsync(f.fileno())
+    elif op == "read":
+        out["data"] = None
+        if os.path.exists(path):
+            with open(path) as f:
+                out["data"] = f.read()
+    else:
+        raise AssertionError(f"unknown op {op!r}")
+    return out

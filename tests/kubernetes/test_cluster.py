@@ -1,0 +1,329 @@
+"""ktlite's kubernetes backend against a real cluster (opt-in).
+
+Run: ``KTLITE_TEST_KUBECONFIG=~/.kube/config pytest -m kubernetes tests/kubernetes -v``;
+the settings are listed in ``conftest.py``, the cluster setup in ``docs/kubernetes.md``.
+Every deployment gets a unique name and is torn down by a fixture, also when a test fails;
+what the tests check about the cluster they read through the official client.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cluster_funcs
+import pytest
+
+import ktlite as kt
+
+NAME_LABEL = "ktlite.dev/name"
+MANAGED_BY_KEY = "app.kubernetes.io/managed-by"
+MISSING_IMAGE = "ktlite-does-not-exist:never"
+
+# a kubeconfig with insecure-skip-tls-verify makes the official client warn on every request
+pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def context(err: BaseException) -> str:
+    """An error's message and notes: where ktlite names ranks, pods and reasons."""
+    return "\n".join([str(err), *getattr(err, "__notes__", [])])
+
+
+def is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def wait_for(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float) -> Any:
+    """Call ``read`` until ``done(value)`` or ``timeout`` seconds passed; the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(1.0)
+
+
+def pod_identity(kube: Any, name: str) -> list[tuple[Any, ...]]:
+    """Per pod: name, uid, and each container's restart count and start time."""
+    out = []
+    for pod in kube.pods(name):
+        containers = sorted(pod.status.container_statuses or [], key=lambda c: c.name)
+        out.append((pod.metadata.name, pod.metadata.uid,
+                    tuple((c.name, c.restart_count,
+                           c.state.running.started_at if c.state and c.state.running else None)
+                          for c in containers)))
+    return out
+
+
+def servers(status: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    return sorted((pod["pod"], pod["server_pid"]) for pod in status)
+
+
+def rank_pids(status: list[dict[str, Any]]) -> dict[int, int]:
+    return {r["rank"]: r["pid"] for pod in status for r in pod["ranks"]}
+
+
+# ---- one pod ---------------------------------------------------------------------------------
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)  # the first deploy of a session may pull the image
+def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
+    name = deployments.name("single")
+    remote = deployments.to(cluster_funcs.whoami, make_compute(), name)
+    out = remote(21)
+    assert out["value"] == 42
+    assert out["hostname"] == f"{name}-0", "the function did not run in the StatefulSet's pod 0"
+    assert out["env"]["KTLITE_POD_NAME"] == f"{name}-0"
+    assert (out["env"]["RANK"], out["env"]["WORLD_SIZE"]) == ("0", "1")
+    assert out["python"] == list(sys.version_info[:2])
+    assert remote(1)["pid"] == out["pid"], "the rank process lives across calls"
+
+    assert [p["pod"] for p in remote.status()] == [f"{name}-0"]
+    pods = kube.pods(name)
+    assert [p.metadata.name for p in pods] == [f"{name}-0"]
+    assert pods[0].status.phase == "Running"
+    labels = pods[0].metadata.labels or {}
+    assert labels.get(NAME_LABEL) == name
+
+
+# ---- two pods, torch.distributed ---------------------------------------------------------------
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)  # may pull the torch image
+def test_gloo_all_reduce_across_two_pods(settings, deployments, make_compute, kube):
+    if not settings.torch_image:
+        pytest.skip("KTLITE_TEST_TORCH_IMAGE is empty")
+    name = deployments.name("gloo")
+    compute = make_compute(settings.torch_image, workers=2, memory="2Gi", launch_timeout=480)
+    remote = deployments.to(cluster_funcs.gloo_all_reduce, compute, name)
+    results = remote()
+
+    assert isinstance(results, list) and len(results) == 2
+    pods = kube.pods(name)
+    assert [p.metadata.name for p in pods] == [f"{name}-0", f"{name}-1"]
+    ips = [p.status.pod_ip for p in pods]
+    for r, res in enumerate(results):
+        env = res["env"]
+        assert res["rank"] == r and env["RANK"] == str(r), f"results[{r}] came from rank {res['rank']}"
+        assert res["world"] == 2
+        assert res["sum"] == 3.0, f"rank {r} saw all_reduce = {res['sum']}"
+        assert res["hostname"] == f"{name}-{r}"
+        assert is_ip(env["MASTER_ADDR"]), f"MASTER_ADDR={env['MASTER_ADDR']!r} is not an IP address"
+        assert env["MASTER_ADDR"] == ips[0], "MASTER_ADDR must be pod 0's IP"
+        assert env["POD_IPS"].split(",") == ips, "POD_IPS must list the pod IPs in ordinal order"
+    assert len({res["env"]["MASTER_PORT"] for res in results}) == 1
+
+
+# ---- errors and logs on two pods (one deployment) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(module_deployments, make_compute):
+    """``cluster_funcs.job`` on 2 pods x 1 rank: rank r runs on pod ``<name>-r``."""
+    name = module_deployments.name("pair")
+    return module_deployments.to(cluster_funcs.job, make_compute(workers=2), name)
+
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_rank_error_keeps_its_type_and_the_finished_results(pair):
+    name = pair.name
+    with pytest.raises(ValueError, match="boom from rank 1") as info:
+        pair("fail1", 3)  # rank 0 returns at once, rank 1 raises 3 s later
+    err = info.value
+    assert isinstance(err, kt.RemoteError)
+    text = context(err)
+    assert "rank 1" in text and f"{name}-1" in text, text
+    errors = [f for f in err.failures if f.kind == "error"]
+    assert [(f.rank, f.pod) for f in errors] == [(1, f"{name}-1")]
+    assert "raise ValueError" in errors[0].traceback
+    assert err.results == {0: {"rank": 0, "hostname": f"{name}-0"}}
+    assert pair("rank") == [0, 1], "the deployment must stay usable after a rank error"
+
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_logs_hold_each_ranks_lines_and_calls_stream_them(pair, capfd):
+    name = pair.name
+    quiet = f"kt-quiet-{secrets.token_hex(4)}"
+    assert pair.options(stream_logs=False)("print", quiet) == [0, 1]
+    wanted = [f"[rank {r}] {quiet} {stream} rank={r}" for r in (0, 1) for stream in ("out", "err")]
+    text = wait_for(pair.logs, lambda t: all(w in t for w in wanted), timeout=60)
+    missing = [w for w in wanted if w not in text]
+    assert not missing, f"not in remote.logs(): {missing}\n--- logs ---\n{text[-4000:]}"
+
+    one = wait_for(lambda: pair.logs(rank=1), lambda t: f"[rank 1] {quiet} out rank=1" in t, timeout=60)
+    assert f"[rank 1] {quiet} out rank=1" in one
+    assert f"{quiet} out rank=0" not in one, "logs(rank=1) must not hold rank 0's lines"
+
+    # a streamed call: every line reaches the caller, through the API server, with rank and pod
+    capfd.readouterr()
+    loud = f"kt-loud-{secrets.token_hex(4)}"
+    assert pair("print", loud) == [0, 1]
+    out, err = capfd.readouterr()
+    for r in (0, 1):
+        assert f"[rank {r} @ {name}-{r}] {loud} out rank={r}" in out.splitlines(), out
+        assert f"[rank {r} @ {name}-{r}] {loud} err rank={r}" in err.splitlines(), err
+    # ... and stays in the pod's log as well
+    wanted = [f"[rank {r}] {loud} out rank={r}" for r in (0, 1)]
+    text = wait_for(pair.logs, lambda t: all(w in t for w in wanted), timeout=60)
+    assert all(w in text for w in wanted), f"streamed lines missing from remote.logs():\n{text[-4000:]}"
+
+
+# ---- redeploy --------------------------------------------------------------------------------
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_redeploy_after_a_code_change_keeps_the_pods(deployments, make_compute, kube):
+    name = deployments.name("redeploy")
+    compute = make_compute(workers=2, env={"FOO": "one"})
+    r1 = deployments.to(cluster_funcs.version_one, compute, name)
+    first = r1()
+    assert [v["version"] for v in first] == [1, 1]
+    status = r1.status()
+    before = pod_identity(kube, name)
+    assert [p[0] for p in before] == [f"{name}-0", f"{name}-1"]
+
+    r2 = deployments.to(cluster_funcs.version_two, compute, name)
+    r1.deployment.close()  # the replaced handle; the pods live on
+    second = r2()
+    assert [v["version"] for v in second] == [2, 2], "the pods still run the old code"
+    assert [v["foo"] for v in second] == ["one", "one"]
+    assert [v["hostname"] for v in second] == [f"{name}-0", f"{name}-1"]
+    after = r2.status()
+    assert servers(after) == servers(status), "a code-only redeploy must not restart the pod servers"
+    assert rank_pids(after) == rank_pids(status), "the code is reloaded into the same rank processes"
+    assert [v["pid"] for v in second] == [v["pid"] for v in first]
+    assert pod_identity(kube, name) == before, "a code-only redeploy must not replace or restart pods"
+
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_redeploy_with_a_changed_pod_field_replaces_the_pod(deployments, make_compute, kube):
+    name = deployments.name("respec")
+    r1 = deployments.to(cluster_funcs.version_one, make_compute(env={"FOO": "one"}), name)
+    assert r1()["foo"] == "one"
+    uid = kube.pod(f"{name}-0").metadata.uid
+
+    r2 = deployments.to(cluster_funcs.version_one, make_compute(env={"FOO": "two"}), name)
+    r1.deployment.close()
+    out = r2()
+    assert out["foo"] == "two"
+    assert out["hostname"] == f"{name}-0"
+    assert kube.pod(f"{name}-0").metadata.uid != uid, "a changed env must give a new pod"
+
+
+# ---- teardown --------------------------------------------------------------------------------
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_teardown_leaves_nothing(deployments, make_compute, kube):
+    name = deployments.name("teardown")
+    remote = deployments.to(cluster_funcs.job, make_compute(workers=2), name)
+    assert remote("rank") == [0, 1]
+    selector = f"{NAME_LABEL}={name}"
+
+    # what docs/kubernetes.md describes, labelled so that `ktlite.dev/name` finds it all
+    statefulsets = kube.list("statefulsets", selector)
+    assert [s.metadata.name for s in statefulsets] == [name]
+    sts = statefulsets[0]
+    assert sts.spec.replicas == 2
+    assert sts.spec.pod_management_policy == "Parallel"
+    assert sts.spec.update_strategy.type == "OnDelete"
+    headless = [s for s in kube.list("services", selector) if s.spec.cluster_ip == "None"]
+    assert len(headless) == 1, "one headless Service"
+    assert headless[0].spec.publish_not_ready_addresses is True
+    assert kube.list("secrets", selector), "the Secret holding the call token"
+    assert [p.metadata.name for p in kube.pods(name)] == [f"{name}-0", f"{name}-1"]
+    for kind in ("statefulsets", "services", "secrets", "pods"):
+        for obj in kube.list(kind, selector):
+            labels = obj.metadata.labels or {}
+            assert labels.get(MANAGED_BY_KEY) == "ktlite", f"{kind}/{obj.metadata.name} lacks {MANAGED_BY_KEY}=ktlite"
+
+    remote.teardown()
+    left = kube.wait_gone(selector, ("statefulsets", "services", "secrets", "pods"), timeout=120)
+    assert left == {}, f"still there 120 s after teardown(): {left}"
+    with pytest.raises(kt.NotDeployedError):
+        remote()
+    remote.teardown()  # a second teardown is harmless
+
+
+# ---- failures before the pods start ------------------------------------------------------------
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(300)
+def test_missing_image_fails_fast_with_the_pull_error(deployments, make_compute):
+    name = deployments.name("noimage")
+    compute = make_compute(MISSING_IMAGE, image_pull_policy="IfNotPresent", launch_timeout=300)
+    start = time.monotonic()
+    with pytest.raises(kt.DeployError) as info:
+        deployments.to(cluster_funcs.whoami, compute, name)
+    elapsed = time.monotonic() - start
+    text = context(info.value)
+    assert elapsed < 150, f".to() took {elapsed:.0f}s to report a pull failure (launch_timeout=300)"
+    assert "ImagePullBackOff" in text or "ErrImagePull" in text, text
+    assert MISSING_IMAGE in text, text
+
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(300)
+def test_unschedulable_request_fails_fast(deployments, make_compute):
+    name = deployments.name("toobig")
+    compute = make_compute(cpus=10000, launch_timeout=300)
+    start = time.monotonic()
+    with pytest.raises(kt.DeployError) as info:
+        deployments.to(cluster_funcs.whoami, compute, name)
+    elapsed = time.monotonic() - start
+    text = context(info.value)
+    assert elapsed < 120, f".to() took {elapsed:.0f}s to report an unschedulable pod (launch_timeout=300)"
+    assert "Unschedulable" in text or "Insufficient cpu" in text, text
+
+
+# ---- volumes ---------------------------------------------------------------------------------
+
+@pytest.mark.kubernetes
+@pytest.mark.kubernetes_volumes
+@pytest.mark.timeout(600)
+def test_volume_outlives_the_pod_and_teardown_volumes_deletes_it(deployments, make_compute, kube,
+                                                                  storage_class):
+    name = deployments.name("vol")
+    selector = f"{NAME_LABEL}={name}"
+    volume = kt.Volume(f"{name}-data", size="1Gi", mount_path="/data", access_mode="ReadWriteOnce",
+                       storage_class=storage_class)
+    compute = make_compute(volumes=[volume])
+    token = secrets.token_hex(8)
+
+    remote = deployments.to(cluster_funcs.volume_io, compute, name)
+    assert remote("write", "/data/probe.txt", token)["mounted"], "/data is not a mounted volume"
+    assert remote("read", "/data/probe.txt")["data"] == token
+    pvcs = kube.list("persistentvolumeclaims", selector)
+    assert pvcs, f"no PersistentVolumeClaim labelled {selector}"
+    assert all(p.status.phase == "Bound" for p in pvcs)
+    pvc_uids = sorted(p.metadata.uid for p in pvcs)
+    pod_uid = kube.pod(f"{name}-0").metadata.uid
+
+    # teardown() keeps the volume ...
+    remote.teardown()
+    left = kube.wait_gone(selector, ("statefulsets", "services", "secrets", "pods"), timeout=120)
+    assert left == {}, f"still there 120 s after teardown(): {left}"
+    kept = kube.list("persistentvolumeclaims", selector)
+    assert sorted(p.metadata.uid for p in kept) == pvc_uids, "teardown() without volumes=True deleted a PVC"
+    assert all(p.metadata.deletion_timestamp is None for p in kept)
+
+    # ... so a new pod of the same name finds the file
+    again = deployments.to(cluster_funcs.volume_io, compute, name)
+    assert kube.pod(f"{name}-0").metadata.uid != pod_uid
+    assert again("read", "/data/probe.txt")["data"] == token
+
+    again.teardown(volumes=True)
+    left = kube.wait_gone(selector, timeout=180)
+    assert left == {}, f"still there 180 s after teardown(volumes=True): {left}"
