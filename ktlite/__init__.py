@@ -51,6 +51,12 @@ if TYPE_CHECKING:
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
 
 
+# The submodule ktlite.compute (kt.Compute) shares its name with the @kt.compute decorator:
+# import it first, so that binding the decorator below is what stays.
+from ktlite import compute as _compute_module  # noqa: E402, F401
+from ktlite.decorators import compute, distribute  # noqa: E402
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
@@ -91,6 +97,8 @@ __all__ = [
     "Volume",
     "__version__",
     "cls",
+    "compute",
+    "distribute",
     "fn",
     "images",
 ]

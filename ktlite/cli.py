@@ -3,15 +3,82 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import importlib.util
 import sys
+from pathlib import Path
+from typing import Any
 
 from ktlite import __version__, config
 from ktlite.backends.base import Backend, get_backend
-from ktlite.errors import KtliteError
+from ktlite.decorators import Decorated
+from ktlite.errors import ConfigError, KtliteError
 
 
 def _backend(args: argparse.Namespace) -> Backend:
     return get_backend(args.backend, getattr(args, "namespace", None))
+
+
+def _load_script(path: str) -> Any:
+    """Import a user's script as a module named after its file (so ``__main__`` blocks do
+    not run), with its directory importable, as ``python script.py`` would have it."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{path}: no such file; give a Python script, e.g. `ktlite deploy train.py`")
+    sys.path.insert(0, str(file.resolve().parent))
+    name = file.stem
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path} is not a Python script")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _marked(target: str) -> list[Decorated]:
+    path, _, only = target.partition(":")
+    module = _load_script(path)
+    found: dict[int, Decorated] = {}
+    for value in vars(module).values():
+        if isinstance(value, Decorated):
+            found.setdefault(id(value), value)
+    marked = list(found.values())
+    if not marked:
+        raise ConfigError(f"{path} has no function or class decorated with @kt.compute or "
+                          "@kt.distribute")
+    if only:
+        chosen = [m for m in marked if only in (m.obj.__name__, m.name)]
+        if not chosen:
+            names = ", ".join(m.obj.__name__ for m in marked)
+            raise ConfigError(f"{path} has no decorated {only!r}; it has: {names}")
+        marked = chosen
+    return marked
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    marked = _marked(args.target)
+    if args.dry_run:
+        for m in marked:
+            print(m.deploy(dryrun=True))
+        return 0
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(marked))) as pool:
+        futures = {m: pool.submit(m.deploy, detached=True) for m in marked}
+        for m, future in futures.items():
+            try:
+                remote = future.result()
+            except KtliteError as e:
+                failed += 1
+                print(f"{m.name}: failed: {e}", file=sys.stderr)
+                continue
+            dep = remote.deployment
+            d = dep.spec.distributed
+            where = dep.backend.name + (f" (namespace {dep.backend.namespace})"
+                                        if dep.backend.name == "kubernetes" else "")
+            print(f"{m.name}: deployed on {where}: {len(dep.endpoints)} pod(s), "
+                  f"{d.world_size}/{d.world_size} ranks ready")
+    return 1 if failed else 0
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -90,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--backend", default=None, help="local or kubernetes (default: ktlite config)")
         c.add_argument("--namespace", "-n", default=None, help="Kubernetes namespace")
 
+    dp = command("deploy", "deploy the decorated functions and classes of a script",
+                 "ktlite deploy train.py   |   ktlite deploy train.py:step --dry-run", _deploy)
+    dp.add_argument("target", help="SCRIPT.py, or SCRIPT.py:NAME for one of its objects")
+    dp.add_argument("--dry-run", action="store_true",
+                    help="print what would be created (Kubernetes manifests as YAML) and change nothing")
     ls = command("list", "list deployments", "ktlite list --backend kubernetes", _list)
     where(ls)
     td = command("teardown", "stop deployments and delete what they created",

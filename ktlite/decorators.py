@@ -1,0 +1,168 @@
+"""``@kt.compute`` and ``@kt.distribute``: mark a function or class for deployment.
+
+    @kt.compute(cpus=1, image=kt.images.pytorch())
+    @kt.distribute("pytorch", workers=2)
+    def step(x): ...
+
+The decorators stack in either order. ``ktlite deploy script.py`` deploys every marked object
+of the script. Afterwards, in any other process that imports the script, calling ``step(3)``
+calls the deployed service by its name (no redeploy; if nothing is deployed the error says to
+run ``ktlite deploy``). Run as the main script (``python script.py``), the first call deploys,
+as ``kt.fn(step).to(...)`` would.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any
+
+from ktlite.compute import Compute
+from ktlite.errors import ConfigError, NotDeployedError
+from ktlite.spec import check_name, default_name
+
+
+class Decorated:
+    """A function or class marked with ``@kt.compute`` and/or ``@kt.distribute``."""
+
+    def __init__(self, obj: Any) -> None:
+        if isinstance(obj, Decorated):
+            raise ConfigError("internal: Decorated wraps a Decorated")
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            raise ConfigError(f"@kt.compute / @kt.distribute decorate functions and classes, not "
+                              f"{type(obj).__name__}")
+        self.obj = obj
+        self.is_class = inspect.isclass(obj)
+        self.compute_kwargs: dict[str, Any] | None = None
+        self.distribute_kwargs: dict[str, Any] | None = None
+        self.name = default_name(obj.__name__)
+        self._remote: Any = None
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, obj, updated=())
+
+    def __repr__(self) -> str:
+        return f"<kt.{'cls' if self.is_class else 'fn'} {self.obj.__qualname__} as {self.name!r}>"
+
+    @property
+    def compute(self) -> Compute:
+        """The Compute these decorators describe (``Compute()`` if only distributed)."""
+        compute = Compute(**(self.compute_kwargs or {}))
+        if self.distribute_kwargs is not None:
+            compute = compute.distribute(**self.distribute_kwargs)
+        return compute
+
+    def _source(self) -> Any:
+        from ktlite.remote import cls, fn
+        return cls(self.obj, self.name) if self.is_class else fn(self.obj, self.name)
+
+    def deploy(self, *, detached: bool = False, dryrun: bool = False,
+               init_args: Any = None) -> Any:
+        """Deploy now; returns the remote object (or the Plan with ``dryrun=True``)."""
+        source = self._source()
+        if self.is_class:
+            remote = source.to(self.compute, detached=detached, dryrun=dryrun, init_args=init_args)
+        else:
+            remote = source.to(self.compute, detached=detached, dryrun=dryrun)
+        if not dryrun:
+            self._remote = remote
+        return remote
+
+    def _attach(self) -> Any:
+        from ktlite.deploy import attach
+        from ktlite.remote import RemoteClass, RemoteFunction
+        from ktlite.spec import DeploymentSpec
+
+        spec = DeploymentSpec(name=self.name, compute=self.compute, kind="cls" if self.is_class else "fn")
+        try:
+            dep = attach(spec)
+        except NotDeployedError as e:
+            where = inspect.getsourcefile(self.obj) or self.obj.__module__
+            raise NotDeployedError(f"{self.name!r} is not deployed: run `ktlite deploy {where}` first "
+                                   f"(or call it from `python {where}`, which deploys on first call)"
+                                   ) from e
+        source = self._source()
+        return RemoteClass(source, dep, None) if self.is_class else RemoteFunction(source, dep)
+
+    def remote(self, *init_args: Any, **init_kwargs: Any) -> Any:
+        """The deployed service: deployed here if this is the main script, else found by name."""
+        with self._lock:
+            if self._remote is None:
+                if self.obj.__module__ == "__main__":
+                    if init_args and init_kwargs:
+                        raise ConfigError(f"{self.name}: pass the constructor's arguments either "
+                                          "by position or by keyword, not both")
+                    self.deploy(init_args=init_args or init_kwargs or None)
+                else:
+                    if init_args or init_kwargs:
+                        raise ConfigError(f"{self.name!r} is deployed by `ktlite deploy` with its "
+                                          "class's default constructor; call it without arguments")
+                    self._remote = self._attach()
+            return self._remote
+
+    def __getstate__(self) -> dict[str, Any]:
+        # shipped inside another function's globals: the pods need the object, not our handles
+        return {k: v for k, v in self.__dict__.items() if k not in ("_remote", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _remote=None, _lock=threading.Lock())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_class:
+            return self.remote(*args, **kwargs)
+        return self.remote()(*args, **kwargs)
+
+    def teardown(self) -> None:
+        remote, self._remote = self._remote, None
+        if remote is None:
+            remote = self._attach()
+        remote.teardown()
+
+
+def _mark(obj: Any) -> Decorated:
+    return obj if isinstance(obj, Decorated) else Decorated(obj)
+
+
+def compute(*, name: str | None = None, **compute_kwargs: Any) -> Any:
+    """Mark a function or class to run on ``kt.Compute(**compute_kwargs)``.
+
+    Example:
+        >>> @kt.compute(cpus=1, name="square")
+        ... def square(x): return x * x
+    """
+    Compute(**compute_kwargs)  # bad fields fail here, at import, naming the field
+    if name is not None:
+        check_name(name)
+
+    def wrap(obj: Any) -> Decorated:
+        marked = _mark(obj)
+        if marked.compute_kwargs is not None:
+            raise ConfigError(f"{marked.obj.__name__} has two @kt.compute decorators; keep one")
+        marked.compute_kwargs = dict(compute_kwargs)
+        if name is not None:
+            marked.name = name
+        marked.compute  # noqa: B018  (validates the combination with @kt.distribute)
+        return marked
+    return wrap
+
+
+def distribute(framework: str = "spmd", workers: int = 1, num_proc: int | None = None,
+               port: int | None = None, quorum_timeout: float = 300.0) -> Any:
+    """Mark a function or class to run on ``workers`` pods × ``num_proc`` ranks.
+
+    Example:
+        >>> @kt.distribute("pytorch", workers=2, num_proc=2)
+        ... def train(): ...
+    """
+    kwargs = {"framework": framework, "workers": workers, "num_proc": num_proc, "port": port,
+              "quorum_timeout": quorum_timeout}
+    Compute().distribute(**kwargs)  # bad values fail here
+
+    def wrap(obj: Any) -> Decorated:
+        marked = _mark(obj)
+        if marked.distribute_kwargs is not None:
+            raise ConfigError(f"{marked.obj.__name__} has two @kt.distribute decorators; keep one")
+        marked.distribute_kwargs = kwargs
+        marked.compute  # noqa: B018
+        return marked
+    return wrap
