@@ -28,6 +28,7 @@ from ktlite.errors import (
     LaunchTimeout,
     NotDeployedError,
     PodUnreachable,
+    ProtocolMismatch,
     RankDied,
     RankFailure,
     RemoteError,
@@ -104,7 +105,8 @@ class Deployment:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.client.health(url)
+                health = self.client.health(url)
+                _check_python(health, url)
                 return
             except PodUnreachable as e:
                 if time.monotonic() > deadline:
@@ -162,6 +164,17 @@ class Deployment:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _check_python(health: dict[str, Any], url: str) -> None:
+    """Functions travel by cloudpickle, whose bytecode only a matching Python minor runs."""
+    theirs = str(health.get("python") or "")
+    ours = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if theirs and ".".join(theirs.split(".")[:2]) != ours:
+        raise ProtocolMismatch(f"pod {health.get('pod')} at {url} runs Python {theirs}, this client "
+                               f"Python {ours}: code shipped by cloudpickle needs the same minor "
+                               f"version; use an image with Python {ours} (kt.images.python('{ours}'), "
+                               "or build images/Dockerfile with a matching base)")
 
 
 def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: bytes | None,

@@ -569,3 +569,14 @@ def test_pickle_of_config_error_round_trips() -> None:
     # errors raised client-side can travel (e.g. through multiprocessing) intact
     err = pickle.loads(pickle.dumps(kt.ConfigError("workers=0 is out of range")))
     assert isinstance(err, kt.ConfigError) and "workers" in str(err)
+
+
+def test_a_pod_with_another_python_minor_is_refused_with_the_fix() -> None:
+    from ktlite.deploy import _check_python
+
+    ours = f"{sys.version_info.major}.{sys.version_info.minor}"
+    _check_python({"python": f"{ours}.99", "pod": "p-0"}, "http://x")
+    _check_python({"pod": "p-0"}, "http://x")  # an older server that does not say
+    with pytest.raises(kt.ProtocolMismatch) as info:
+        _check_python({"python": "2.7.18", "pod": "p-0"}, "http://x")
+    assert "Python 2.7.18" in str(info.value) and f"kt.images.python('{ours}')" in str(info.value)

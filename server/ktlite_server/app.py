@@ -18,6 +18,7 @@ import hmac
 import json
 import mmap
 import os
+import platform
 import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -191,7 +192,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, "version": ktlite.__version__,
-                "pod": pod.name, "ordinal": pod.ordinal,
+                "python": platform.python_version(), "pod": pod.name, "ordinal": pod.ordinal,
                 "launch_id": pod.dep.launch_id if pod.dep else None}
 
     @app.get("/status")
