@@ -137,8 +137,13 @@ def _config(args: argparse.Namespace) -> int:
         saved = config.read()
         for key, (env, _, what) in sorted(config.KEYS.items()):
             value = config.get(key)
-            origin = f"from {env}" if value is not None and value != saved.get(key) else ""
-            print(f"{key:18} {value if value is not None else '-':30} {origin or what}")
+            if value is None:
+                origin = what
+            elif value != saved.get(key):
+                origin = f"from {env}"
+            else:
+                origin = "from the config file"
+            print(f"{key:18} {value if value is not None else '-':30} {origin}")
     return 0
 
 

@@ -17,6 +17,7 @@ import shutil
 import ssl
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,8 @@ def cluster(make_cluster: Callable[..., Cluster]) -> Cluster:
     return make_cluster()
 
 
-def spec(name: str = NAME, workers: int = 2, port: int | None = None, **compute: Any) -> DeploymentSpec:
+def spec(name: str = NAME, workers: int = 2, port: int | None = None,
+         **compute: Any) -> DeploymentSpec:
     compute.setdefault("launch_timeout", 60)
     return DeploymentSpec(name, kt.Compute(backend="kubernetes", **compute)
                           .distribute(workers=workers, port=port))
@@ -119,6 +121,11 @@ def only(ordinal: int, bad: kf.PodScript) -> kf.PodBehavior:
 
 def later(state: kf.PodState, at: float = 3.0) -> kf.PodScript:
     return [(0, kf.pending()), (1, kf.container_creating()), (at, state)]
+
+
+def _is_ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True"
+               for c in pod["status"].get("conditions") or [])
 
 
 def _b64(text: str) -> str:
@@ -146,8 +153,7 @@ def test_apply_creates_labelled_objects_and_waits_for_ready_pods(cluster: Cluste
 
     pods = cluster.pods()
     assert sorted(pods) == [f"{NAME}-0", f"{NAME}-1"]
-    assert all(any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"]["conditions"])
-               for p in pods.values())
+    assert all(_is_ready(p) for p in pods.values())
     assert applied.name == NAME and applied.backend == "kubernetes"
     assert [ep.ordinal for ep in applied.endpoints] == [0, 1]
     for ep in applied.endpoints:
@@ -254,7 +260,8 @@ def test_identical_redeploy_touches_no_pod(cluster: Cluster) -> None:
     assert again.restarted == []
     assert cluster.uids() == before
     assert cluster.fake.find_requests("DELETE", "/pods/") == []
-    assert [m for m, p in cluster.writes(seen) if "statefulsets" in p] == []
+    assert cluster.fake.find_requests("PUT", "/statefulsets/") == []
+    assert cluster.fake.find_requests("PATCH", "/statefulsets/") == []
     assert cluster.writes(seen) == []  # nothing written at all
 
 
@@ -283,6 +290,54 @@ def test_changed_pod_spec_replaces_every_pod(cluster: Cluster, change: dict[str,
     assert [ep.name for ep in applied.endpoints] == [f"{NAME}-0", f"{NAME}-1"]
 
 
+def test_changed_pod_spec_waits_for_old_pods_to_terminate(make_cluster) -> None:
+    c = make_cluster(pod_termination_seconds=4)
+    c.backend.apply(spec(cpus=1), TOKEN)
+    before = c.uids()
+    start = c.clock()
+    applied = c.backend.apply(spec(cpus=2), TOKEN)
+    assert applied.restarted == [0, 1]
+    assert c.clock() - start >= 4  # the new pods could only start once the old ones were gone
+    assert all(c.uids()[n] != before[n] for n in before)
+    assert {ep.ip for ep in applied.endpoints} == {p["status"]["podIP"] for p in c.pods().values()}
+
+
+def _recreate_after_422(cluster: Cluster) -> tuple[dict[str, str], Any]:
+    """Pod uids and the StatefulSet's uid before, and the Applied of a redeploy whose update
+    the API server refuses as touching an immutable field (an older ktlite made it)."""
+    cluster.backend.apply(spec(cpus=1), TOKEN)
+    before = {**cluster.uids(),
+              "sts": cluster.fake.get("statefulsets", "default", NAME)["metadata"]["uid"]}
+    cluster.fake.fail_next("PUT", f"/statefulsets/{NAME}$", 422, "Invalid",
+                           'StatefulSet.apps "job" is invalid: spec: Forbidden: updates to '
+                           "statefulset spec for fields other than ... are forbidden")
+    return before, cluster.backend.apply(spec(cpus=2), TOKEN)
+
+
+def test_statefulset_with_an_immutable_difference_is_recreated(cluster: Cluster) -> None:
+    before, applied = _recreate_after_422(cluster)
+    assert cluster.fake.get("statefulsets", "default", NAME)["metadata"]["uid"] != before.pop("sts")
+    deletes = cluster.fake.find_requests("DELETE", f"/statefulsets/{NAME}$")
+    assert [r.body for r in deletes] == [{"propagationPolicy": "Foreground"}]
+    assert [r.method for r in cluster.fake.find_requests(path_regex="/statefulsets")
+            if r.method != "GET"] == ["POST", "PUT", "DELETE", "POST"]
+    assert all(cluster.uids()[n] != before[n] for n in before)
+    assert [ep.ordinal for ep in applied.endpoints] == [0, 1]
+
+
+def test_recreated_statefulset_reports_every_pod_restarted(cluster: Cluster) -> None:
+    _, applied = _recreate_after_422(cluster)
+    assert applied.restarted == [0, 1]
+
+
+def test_objects_created_concurrently_are_fine(cluster: Cluster) -> None:
+    cluster.fake.fail_next("POST", "/services$", 409, "AlreadyExists",
+                           'services "job" already exists')
+    applied = cluster.backend.apply(spec(), TOKEN)
+    assert [ep.ordinal for ep in applied.endpoints] == [0, 1]
+    assert cluster.names("statefulsets") == [NAME]
+
+
 def test_only_workers_changed_scales_up_without_restarts(cluster: Cluster) -> None:
     cluster.backend.apply(spec(workers=2), TOKEN)
     before, seen = cluster.uids(), len(cluster.fake.requests)
@@ -299,10 +354,6 @@ def test_only_workers_changed_scales_up_without_restarts(cluster: Cluster) -> No
     assert 0 not in up.restarted and 1 not in up.restarted
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kubernetes.py _apply_statefulset: after the replicas PATCH, a pod the controller has "
-    "already created for a new ordinal is in `present`, so it is missing from `restarted` "
-    "(on a real cluster it depends on a race)"))
 def test_scale_up_reports_the_new_ordinal_as_restarted(cluster: Cluster) -> None:
     cluster.backend.apply(spec(workers=2), TOKEN)
     assert cluster.backend.apply(spec(workers=3), TOKEN).restarted == [2]
@@ -334,9 +385,6 @@ def test_new_token_rolls_every_pod(cluster: Cluster) -> None:
     assert cluster.backend.lookup(NAME).token == "another-token"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kubernetes.py _apply_secret: a missing Secret is created and reported as unchanged "
-    "(returns False), so the running pods of an existing StatefulSet keep the old token"))
 def test_secret_missing_but_statefulset_present_rolls_pods(cluster: Cluster) -> None:
     cluster.backend.apply(spec(), TOKEN)
     before = cluster.uids()
@@ -474,6 +522,29 @@ def test_unknown_namespace_names_it(make_cluster) -> None:
     assert "does namespace 'team-x' exist?" in message
 
 
+def test_refused_credentials_say_log_in_again(cluster: Cluster) -> None:
+    with httpx.Client(transport=cluster.fake, base_url=HOST,
+                      headers={"authorization": "Bearer expired"}) as client:
+        backend = KubernetesBackend(client, cluster.info, out=cluster.out, clock=cluster.clock,
+                                    sleep=cluster.clock.advance)
+        with pytest.raises(KubeApiError) as err:
+            backend.list()
+    assert err.value.status == 401
+    assert "401" in str(err.value) and "log in again" in str(err.value)
+    assert "expired" not in str(err.value)
+
+
+def test_error_without_a_status_body() -> None:
+    def gateway(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(502, text="<html>bad gateway from the load balancer</html>")
+
+    with httpx.Client(transport=httpx.MockTransport(gateway), base_url=HOST) as client, \
+            pytest.raises(KubeApiError) as err:
+        KubeApi(client, "default").list("Pod")
+    assert err.value.status == 502
+    assert "HTTP 502" in str(err.value) and "bad gateway from the load balancer" in str(err.value)
+
+
 def test_unreachable_api_server(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
@@ -556,8 +627,7 @@ def test_logs_prefix_every_line_with_its_pod_in_ordinal_order(cluster: Cluster) 
     cluster.backend.apply(spec(workers=11), TOKEN)
     cluster.fake.set_logs(f"{NAME}-2", "two a\ntwo b\n")
     cluster.fake.set_logs(f"{NAME}-10", "ten a\nten b\nten c\n")
-    lines = [ln for ln in cluster.backend.logs(NAME) if ln.split(" ", 1)[1:]]
-    assert lines == [f"[{NAME}-2] two a", f"[{NAME}-2] two b",
+    assert list(cluster.backend.logs(NAME)) == [f"[{NAME}-2] two a", f"[{NAME}-2] two b",
                      f"[{NAME}-10] ten a", f"[{NAME}-10] ten b", f"[{NAME}-10] ten c"]
     assert list(cluster.backend.logs(NAME, ordinal=10)) == [
         f"[{NAME}-10] ten a", f"[{NAME}-10] ten b", f"[{NAME}-10] ten c"]
@@ -662,7 +732,8 @@ def _pod(status: dict[str, Any], name: str = "p-0") -> dict[str, Any]:
 def test_diagnose_hand_written_statuses() -> None:
     assert diagnose(_pod({})) is None
     waiting = diagnose(_pod({"phase": "Pending"}))
-    assert waiting is not None and not waiting.fatal and "waiting to be scheduled" in waiting.message
+    assert waiting is not None and not waiting.fatal
+    assert "waiting to be scheduled" in waiting.message
 
     crash = diagnose(_pod({"phase": "Running", "containerStatuses": [{
         "name": "ktlite", "restartCount": 4,
@@ -847,8 +918,8 @@ def test_load_missing_kubeconfig_names_path_and_kubeconfig(tmp_path: Path, no_pr
 
 def test_load_unknown_context_names_it(tmp_path: Path, no_proxy: None) -> None:
     path = write_kubeconfig(tmp_path / "config", clusters={"c": {"server": "https://127.0.0.1:1"}},
-                            users={"u": {"token": "x"}}, contexts={"a": {"cluster": "c", "user": "u"}},
-                            current="a")
+                            users={"u": {"token": "x"}},
+                            contexts={"a": {"cluster": "c", "user": "u"}}, current="a")
     with pytest.raises(ConfigError) as err:
         load(path, context="nope")
     assert "'nope'" in str(err.value) and path in str(err.value)
@@ -920,13 +991,21 @@ def _tls_kubeconfig(tmp_path: Path, server: str, cluster: dict[str, Any],
                             current="tls-ctx")
 
 
+def _file_or_data(pki: Path, inline: bool, key: str, file: str) -> dict[str, str]:
+    if inline:
+        return {f"{key}-data": base64.b64encode((pki / file).read_bytes()).decode()}
+    return {key: str(pki / file)}
+
+
 @pytest.mark.timeout(60)
-def test_client_certificate_kubeconfig_over_real_tls(pki: Path, tmp_path: Path,
-                                                     no_proxy: None) -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["files", "data"])
+def test_client_certificate_kubeconfig_over_real_tls(pki: Path, tmp_path: Path, no_proxy: None,
+                                                     inline: bool) -> None:
     with _ApiServer(_server_tls(pki, require_client_cert=True)) as server:
-        ca = {"certificate-authority": str(pki / "ca.crt")}
+        ca = _file_or_data(pki, inline, "certificate-authority", "ca.crt")
         good = _tls_kubeconfig(tmp_path, server.url, ca, {
-            "client-certificate": str(pki / "client.crt"), "client-key": str(pki / "client.key")})
+            **_file_or_data(pki, inline, "client-certificate", "client.crt"),
+            **_file_or_data(pki, inline, "client-key", "client.key")})
         client, info = load(good)
         with client:
             assert info.namespace == "default"
@@ -940,7 +1019,10 @@ def test_client_certificate_kubeconfig_over_real_tls(pki: Path, tmp_path: Path,
         assert "could not reach the Kubernetes API server" in str(err.value)
         assert "not-enough" not in str(err.value)
         assert len(server.seen) == 1  # the request never got through
-        assert server.handshake_errors
+        deadline = time.monotonic() + 5
+        while not server.handshake_errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.handshake_errors  # the server refused the handshake
 
 
 @pytest.mark.timeout(60)

@@ -78,8 +78,10 @@ def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] =
                               "and the packages (images/Dockerfile), with freeze=True")
         if reason == "CrashLoopBackOff" or (term is not None and term.get("exitCode", 0) != 0):
             code = term.get("exitCode") if term else "?"
-            return PodProblem(name, f"CrashLoopBackOff: the container keeps exiting (last exit code {code}, "
-                              f"{cs.get('restartCount', 0)} restart(s))", fatal=True, want_logs=True)
+            what = ("CrashLoopBackOff: the container keeps exiting" if reason == "CrashLoopBackOff"
+                    else "the container exited while starting")
+            return PodProblem(name, f"{what} (last exit code {code}, {cs.get('restartCount', 0)} "
+                              "restart(s))", fatal=True, want_logs=True)
         if reason and reason != "ContainerCreating" and reason != "PodInitializing":
             return PodProblem(name, f"{reason}: {detail}".rstrip(": "), fatal=False)
     if status.get("phase") == "Pending":

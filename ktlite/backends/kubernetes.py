@@ -145,11 +145,12 @@ class KubernetesBackend(Backend):
                     raise
 
     def _apply_secret(self, api: KubeApi, secret: dict[str, Any], token: str) -> bool:
-        """Create or update the token Secret; True if pods hold another token."""
+        """Create or update the token Secret; True if running pods may hold another token
+        (a missing Secret counts: its pods started with the deleted one's)."""
         current = api.get("Secret", secret["metadata"]["name"])
         if current is None:
             api.create(secret)
-            return False
+            return True
         if _decode_token(current) == token:
             return False
         api.replace(secret, current["metadata"]["resourceVersion"])
@@ -165,6 +166,7 @@ class KubernetesBackend(Backend):
             api.create(sts)
             return list(range(replicas))
         want = _pod_hash(sts["spec"]["template"])
+        old_replicas = current["spec"].get("replicas", 0)
         if _pod_hash(current["spec"]["template"]) != want:
             try:
                 api.replace(sts, current["metadata"]["resourceVersion"])
@@ -174,9 +176,10 @@ class KubernetesBackend(Backend):
                 api.delete("StatefulSet", name, propagation="Foreground")
                 self._wait_gone(api, "StatefulSet", name, 60.0)
                 api.create(sts)
-        elif current["spec"].get("replicas") != replicas:
+                return list(range(replicas))
+        elif old_replicas != replicas:
             api.patch("StatefulSet", name, {"spec": {"replicas": replicas}})
-        restarted = []
+        restarted = list(range(old_replicas, replicas))  # new ordinals of a scale-up
         present = set()
         for pod in api.list("Pod", km.selector(name)):
             ordinal = _ordinal(pod)

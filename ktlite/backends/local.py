@@ -341,6 +341,9 @@ class LocalBackend(Backend):
         if state is None:
             raise DeployError(f"no local deployment {name!r}")
         pods = [p for p in state["pods"] if ordinal is None or p["ordinal"] == ordinal]
+        if not pods:
+            raise DeployError(f"no pod {ordinal} of local deployment {name!r}; it has pods "
+                              f"0-{len(state['pods']) - 1}")
         offsets = {}
         for pod in pods:
             path = self._dir(name) / f"pod-{pod['ordinal']}.log"
