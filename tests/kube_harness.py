@@ -50,7 +50,9 @@ class Pods:
         self.procs: dict[str, tuple[subprocess.Popen[bytes], str]] = {}  # uid -> (process, pod)
         self.lock = threading.Lock()
         self.ips = itertools.count(10)
-        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0))
+        nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # as Go's net/http has it
+        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0),
+                                 transport=httpx.HTTPTransport(socket_options=nodelay))
         threading.Thread(target=self._reap, daemon=True).start()
 
     def behavior(self, pod: dict[str, Any]) -> kf.PodScript:
@@ -192,6 +194,10 @@ def serve(root: Path) -> None:
 
         def log_message(self, *args: Any) -> None:
             pass
+
+        def setup(self) -> None:
+            super().setup()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def _body(self) -> bytes:
             if self.headers.get("transfer-encoding", "").lower() == "chunked":
