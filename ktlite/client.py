@@ -97,9 +97,10 @@ class PodClient:
         self._check(resp, url)
         return list(protocol.loads(bytearray(resp.content))["outcomes"])
 
-    def status(self, url: str) -> dict[str, Any]:
+    def status(self, url: str, stuck_after: float | None = None) -> dict[str, Any]:
+        params = {} if stuck_after is None else {"stuck_after": str(stuck_after)}
         try:
-            resp = self.http.get(f"{url}/status", headers=self._headers(), timeout=5.0)
+            resp = self.http.get(f"{url}/status", headers=self._headers(), params=params, timeout=5.0)
         except httpx.HTTPError as e:
             raise PodUnreachable(f"pod at {url} is not answering /status: {e!r}") from e
         self._check(resp, url)

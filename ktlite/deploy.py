@@ -159,8 +159,8 @@ class Deployment:
             raise _to_error(failures, values, f"call to {self.name!r}", RemoteError)
         return [values[r] for r in sorted(values)]
 
-    def status(self) -> list[dict[str, Any]]:
-        return [self.client.status(ep.url) for ep in self.endpoints]
+    def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
+        return [self.client.status(ep.url, stuck_after) for ep in self.endpoints]
 
     def close(self) -> None:
         self.client.close()

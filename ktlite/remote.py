@@ -183,9 +183,10 @@ class _Remote:
         values = dep.call(method, parts, options)
         return values if dep.spec.compute.distributed is not None else values[0]
 
-    def status(self) -> list[dict[str, Any]]:
-        """Each pod's ranks: state, pid, last exit, restarts, how long busy."""
-        return self.deployment.status()
+    def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
+        """Each pod's ranks: state, pid, last exit, restarts, how long busy, and ``stuck``:
+        busy with one call for longer than ``stuck_after`` seconds (default 600)."""
+        return self.deployment.status(stuck_after)
 
     def teardown(self, volumes: bool = False) -> None:
         """Stop every pod and process of this deployment and delete what it created;

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
+from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.spec import DeploymentSpec
 
@@ -95,6 +96,49 @@ def visible_gpus() -> list[str]:
         else:
             _gpu_cache = []
     return _gpu_cache
+
+
+def _memory_cgroup(name: str, limit: int) -> Path | None:
+    """A memory cgroup for one local pod, capped at ``limit`` bytes, under this process's
+    own (so ``memory_limit`` OOM-kills locally as on a cluster); None where cgroups cannot be
+    written (not root, no memory controller, cgroup v2 without delegation)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, controllers, path in lines:
+        if "memory" in controllers.split(","):  # cgroup v1
+            group = Path(f"/sys/fs/cgroup/memory{path.rstrip('/')}") / f"ktlite-{name}"
+            limit_file = "memory.limit_in_bytes"
+            break
+    else:
+        path = next((p for _, c, p in lines if c == ""), None)
+        if path is None:
+            return None
+        group = Path(f"/sys/fs/cgroup{path.rstrip('/')}") / f"ktlite-{name}"
+        limit_file = "memory.max"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / limit_file).write_text(str(limit))
+    except OSError:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        return None
+    return group
+
+
+def _remove_cgroup(path: str | None) -> None:
+    if not path:
+        return
+    for _ in range(50):  # the kernel frees a cgroup once its last process is reaped
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -228,17 +272,18 @@ class LocalBackend(Backend):
                                             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                             start_new_session=True)
                 self._procs[proc.pid] = proc
-                starting.append((i, proc, ready, log))
+                cgroup = self._limit_memory(spec, i, proc)
+                starting.append((i, proc, ready, log, cgroup))
             self._stop_pods(list(old_pods.values()), timeout=5.0)  # ordinals beyond workers
             master_port = spec.distributed.port or (state or {}).get("master_port") or \
                 _master_port(self._ports_in_use(spec.name), spec.distributed.world_size)
             try:
-                for i, proc, ready, log in starting:
+                for i, proc, ready, log, cgroup in starting:
                     port = self._wait_ready(spec, i, proc, ready, log)
                     pods.append({"ordinal": i, "name": f"{spec.name}-{i}", "pid": proc.pid,
-                                 "port": port, "hash": pod_hash})
+                                 "port": port, "hash": pod_hash, "cgroup": cgroup})
             except BaseException:
-                self._stop_pods([{"pid": p.pid} for _, p, _, _ in starting], timeout=2.0)
+                self._stop_pods([{"pid": p.pid, "cgroup": c} for _, p, _, _, c in starting], timeout=2.0)
                 raise
             pods.sort(key=lambda p: p["ordinal"])
             state = {"name": spec.name, "detached": spec.detached, "owner_pid": os.getpid(),
@@ -250,6 +295,23 @@ class LocalBackend(Backend):
             applied = self._applied(state)
             applied.restarted = [i for i, *_ in starting]
             return applied
+
+    def _limit_memory(self, spec: DeploymentSpec, ordinal: int, proc: subprocess.Popen[bytes]) -> str | None:
+        """Put the pod (and the rank processes it will start) under ``memory_limit``."""
+        limit = spec.compute.memory_limit
+        if limit is None:
+            return None
+        group = _memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", parse_memory(limit, "memory_limit"))
+        if group is None:
+            print(f"ktlite: memory_limit={limit!r} is not enforced for local pod {spec.name}-{ordinal}: "
+                  "this machine does not let ktlite create memory cgroups", file=sys.stderr)
+            return None
+        try:
+            (group / "cgroup.procs").write_text(str(proc.pid))
+        except OSError:
+            _remove_cgroup(str(group))
+            return None
+        return str(group)
 
     def _wait_ready(self, spec: DeploymentSpec, ordinal: int, proc: subprocess.Popen[bytes],
                     ready: Path, log: Path) -> int:
@@ -311,6 +373,8 @@ class LocalBackend(Backend):
                 if proc is not None:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(2.0)
+        for pod in pods:
+            _remove_cgroup(pod.get("cgroup"))
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
         with self._lock:

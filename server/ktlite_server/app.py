@@ -33,7 +33,7 @@ from ktlite import protocol, shm
 from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.coordinator import CallPlan, Coordinator, run_local
 from ktlite_server.peers import PeerPool
-from ktlite_server.pod import Deployment, Pod
+from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Deployment, Pod
 
 HEARTBEAT_S = 2.0
 _PENDING = object()
@@ -198,7 +198,11 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
         authorize(request)
-        return pod.status()
+        try:
+            stuck_after = float(request.query_params.get("stuck_after", DEFAULT_STUCK_AFTER_S))
+        except ValueError:
+            raise HTTPException(400, "stuck_after must be a number of seconds") from None
+        return pod.status(stuck_after)
 
     @app.post("/deploy")
     async def deploy(request: Request) -> Response:

@@ -24,6 +24,8 @@ from ktlite_server.ranks import Outcome, RankGone, RankProcess
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
 
+DEFAULT_STUCK_AFTER_S = 600.0  # a rank busy with one call longer than this is reported stuck
+
 
 _PER_LAUNCH = ("KTLITE_LAUNCH_ID", "TORCHELASTIC_RUN_ID")
 
@@ -328,7 +330,9 @@ class Pod:
                 r.kill()
         return True
 
-    def status(self) -> dict[str, Any]:
+    def status(self, stuck_after: float = DEFAULT_STUCK_AFTER_S) -> dict[str, Any]:
+        """Each rank's state; ``stuck`` marks a rank busy with one call for longer than
+        ``stuck_after`` seconds (a hang in a collective, a deadlock: NeMo RL's stuck-worker check)."""
         now = time.monotonic()
         return {
             "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
@@ -337,6 +341,7 @@ class Pod:
                 "rank": r.global_rank, "local_rank": r.local_rank, "pid": r.pid,
                 "state": "busy" if r.alive and r.busy_since else ("idle" if r.alive else "dead"),
                 "busy_for_s": round(now - r.busy_since, 3) if r.busy_since else None,
+                "stuck": bool(r.alive and r.busy_since and now - r.busy_since > stuck_after),
                 "last_exit": r.exit_code, "restarts": r.restarts,
             } for r in self.ranks if r is not None],
             "active_calls": list(self.calls),

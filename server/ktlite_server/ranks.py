@@ -78,11 +78,13 @@ class RankProcess:
         self._partial = {"out": b"", "err": b""}
         self._fds: dict[int, str] = {}
         self._pidfd: int | None = None
+        self._oom: bool | None = None  # whether its death was an OOM kill, once known
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def start(self, timeout: float = 60.0) -> None:
         loop = asyncio.get_running_loop()
+        self._oom = None
         parent, child = socket.socketpair()
         env = {**self.env, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
@@ -208,7 +210,9 @@ class RankProcess:
 
     def death_message(self) -> str:
         code = self.exit_code if self.exit_code is not None else (self.proc.poll() if self.proc else None)
-        oom = code == -signal.SIGKILL and _oom_killed()
+        if self._oom is None:  # asked once per death: the OOM counter is consumed
+            self._oom = code == -signal.SIGKILL and _oom_killed()
+        oom = self._oom
         text = f"rank process {describe_exit(code, oom)}"
         if self.stderr_tail:
             text += "; last stderr lines:\n" + "\n".join("    " + ln for ln in self.stderr_tail)
@@ -253,26 +257,43 @@ class RankProcess:
             self._read_fd(fd)
 
 
+def _oom_files() -> list[str]:
+    """The OOM counters of this process's memory cgroup (v2 memory.events, v1
+    memory.oom_control), read through /proc/self/cgroup: on a local pod with a memory limit
+    that is the pod's own cgroup; in a container, the container's."""
+    paths = []
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controllers == "":
+                paths.append(f"/sys/fs/cgroup{path.rstrip('/')}/memory.events")
+            elif "memory" in controllers.split(","):
+                paths.append(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.oom_control")
+    paths += ["/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"]
+    return [p for p in dict.fromkeys(paths) if os.path.exists(p)]
+
+
+def _oom_count(path: str) -> int | None:
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        for line in f:
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    return None
+
+
 def _oom_killed() -> bool:
-    """Best effort: did the kernel's OOM killer fire in this cgroup recently?"""
-    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
-        with contextlib.suppress(OSError), open(path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key in ("oom_kill",) and int(value or 0) > _OOM_BASELINE.get(path, 0):
-                    return True
+    """Best effort: did the kernel's OOM killer fire in this cgroup since the server started?"""
+    for path in _oom_files():
+        count = _oom_count(path)
+        if count is not None and count > _OOM_BASELINE.get(path, 0):
+            _OOM_BASELINE[path] = count  # one kill explains one death
+            return True
     return False
 
 
 def _read_oom_baseline() -> dict[str, int]:
-    out: dict[str, int] = {}
-    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
-        with contextlib.suppress(OSError, ValueError), open(path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    out[path] = int(value)
-    return out
+    return {p: c for p in _oom_files() if (c := _oom_count(p)) is not None}
 
 
 _OOM_BASELINE = _read_oom_baseline()
