@@ -22,7 +22,7 @@ _EXPORTS = {
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
         "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
-        "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "RankDied",
+        "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout", "RankDied",
         "RankFailure", "RemoteError", "RemoteException", "SerializationError")},
 }
 
@@ -87,6 +87,7 @@ __all__ = [
     "Plan",
     "PodUnreachable",
     "ProtocolMismatch",
+    "QuorumTimeout",
     "RankDied",
     "RankFailure",
     "RemoteClass",

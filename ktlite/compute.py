@@ -104,6 +104,9 @@ class Compute:
         volumes: :class:`kt.Volume` objects or names of existing PVCs.
         backend: "local" or "kubernetes"; default from KTLITE_BACKEND, else "local".
         launch_timeout: seconds to wait for pods to become ready.
+        call_timeout: default limit of each call in seconds (None: no limit; a hung call can
+            always be interrupted with Ctrl-C); ``remote.options(timeout=...)`` overrides it.
+        teardown_timeout: seconds ``teardown()`` waits for pods to stop before killing them.
         stream_logs: stream every rank's stdout/stderr to the caller during calls.
         max_restarts: how often a dead rank process is restarted between calls.
 
@@ -123,6 +126,8 @@ class Compute:
     backend: str | None = None
     namespace: str | None = None
     launch_timeout: float = 600.0
+    call_timeout: float | None = None
+    teardown_timeout: float = 30.0
     inactivity_ttl: str | None = None
     stream_logs: bool = True
     max_restarts: int = 3
@@ -174,6 +179,13 @@ class Compute:
         if isinstance(self.launch_timeout, bool) or not isinstance(self.launch_timeout, (int, float)) \
                 or self.launch_timeout <= 0:
             raise ConfigError(f"launch_timeout={self.launch_timeout!r} must be a positive number of seconds")
+        for field_name in ("call_timeout", "teardown_timeout"):
+            value = getattr(self, field_name)
+            if value is None and field_name == "call_timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{field_name}={value!r} must be a positive number of seconds"
+                                  + (" (or None for no limit)" if field_name == "call_timeout" else ""))
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0")
         if isinstance(self.image, str):
@@ -226,6 +238,6 @@ class Compute:
         """The fields that shape a pod: a change here restarts pods, anything else does not."""
         fields = asdict(self)
         for key in ("distributed", "launch_timeout", "stream_logs", "inactivity_ttl", "env_vars",
-                    "max_restarts"):
+                    "max_restarts", "call_timeout", "teardown_timeout"):
             fields.pop(key, None)
         return fields

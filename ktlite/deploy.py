@@ -29,6 +29,7 @@ from ktlite.errors import (
     NotDeployedError,
     PodUnreachable,
     ProtocolMismatch,
+    QuorumTimeout,
     RankDied,
     RankFailure,
     RemoteError,
@@ -128,7 +129,8 @@ class Deployment:
         call_id = uuid.uuid4().hex
         meta = {"id": call_id, "pods": [ep.peer_url for ep in eps], "names": [ep.name for ep in eps],
                 "workers": sorted(set(options.workers)) if options.workers is not None else None,
-                "timeout": options.timeout, "stream_logs": stream, "restart": options.restart_procs,
+                "timeout": options.timeout if options.timeout is not None else self.spec.compute.call_timeout,
+                "stream_logs": stream, "restart": options.restart_procs,
                 "fanout": True, "quorum_timeout": d.quorum_timeout, "num_proc": d.num_proc}
         coordinator = eps[0].url
         arg_file = None
@@ -236,7 +238,7 @@ def _split(outcomes: list[tuple[int, str, str, Any, str]]) -> tuple[list[RankFai
 
 def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
               base: type[Exception]) -> BaseException:
-    primary = [f for f in failures if f.kind in ("error", "died")] or failures
+    primary = [f for f in failures if f.kind in ("error", "died", "unreachable")] or failures
     collateral = [f for f in failures if f not in primary]
     outcomes: dict[int, Any] = dict(values)
     for f in failures:
@@ -251,6 +253,12 @@ def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
     if values:
         lines.append(f"finished: rank(s) {', '.join(map(str, sorted(values)))} (their results are on "
                      "this error's .results)")
+    elif primary[0].kind == "timeout":
+        lines.append("no rank finished")
+    if primary[0].kind == "timeout":
+        lines.append("to try: a longer limit (remote.options(timeout=S) or Compute(call_timeout=S)); "
+                     "if a rank hangs (a collective some rank never joined), its pod's log "
+                     "(remote.logs()) shows how far it got")
     summary = "\n".join(lines)
     first = primary[0]
     if first.kind == "error" and first.exception is not None:
@@ -261,5 +269,6 @@ def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
         return with_remote_context(first.exception, failures, outcomes, summary)
     if base is DeployError:
         return DeployError(summary)
-    cls = {"died": RankDied, "timeout": CallTimeout, "cancelled": CallCancelled}.get(first.kind, RemoteError)
+    cls = {"died": RankDied, "unreachable": QuorumTimeout, "timeout": CallTimeout,
+           "cancelled": CallCancelled}.get(first.kind, RemoteError)
     return cls(summary, failures=failures, outcomes=outcomes)

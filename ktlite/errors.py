@@ -15,6 +15,7 @@ Hierarchy::
         ├── RemoteException                a rank raised an exception that cannot be rebuilt here
         ├── RankDied                       a rank process exited during the call
         ├── CallTimeout (TimeoutError)     the call ran past its timeout
+        ├── QuorumTimeout (TimeoutError)   a pod was unreachable before the call: nothing ran
         └── CallCancelled                  the call was cancelled (Ctrl-C, sibling failure)
 
 A user exception raised on a rank is re-raised in the caller *with its own type*: ktlite
@@ -71,7 +72,7 @@ class RankFailure:
 
     rank: int
     pod: str
-    kind: str  # "error" | "died" | "cancelled" | "timeout"
+    kind: str  # "error" | "died" | "unreachable" | "cancelled" | "timeout"
     message: str
     traceback: str = ""
     exception: BaseException | None = field(default=None, repr=False)
@@ -131,6 +132,10 @@ class RankDied(RemoteError):
 
 class CallTimeout(RemoteError, TimeoutError):
     """The call did not finish within its timeout; the ranks were stopped."""
+
+
+class QuorumTimeout(RemoteError, TimeoutError):
+    """Not every pod was reachable within ``quorum_timeout``; no rank started the call."""
 
 
 class CallCancelled(RemoteError):

@@ -188,13 +188,16 @@ class _Remote:
         busy with one call for longer than ``stuck_after`` seconds (default 600)."""
         return self.deployment.status(stuck_after)
 
-    def teardown(self, volumes: bool = False) -> None:
+    def teardown(self, volumes: bool = False, timeout: float | None = None) -> None:
         """Stop every pod and process of this deployment and delete what it created;
-        its volumes (PVCs) too when ``volumes=True``."""
+        its volumes (PVCs) too when ``volumes=True``. Waits up to ``timeout`` seconds
+        (default ``Compute.teardown_timeout``) for pods to stop, then kills them (local) or
+        raises naming the pods still terminating (Kubernetes)."""
         dep = self._deployment
         if dep is None:
             return
-        dep.backend.teardown(dep.name, volumes=volumes)
+        limit = dep.spec.compute.teardown_timeout if timeout is None else timeout
+        dep.backend.teardown(dep.name, timeout=limit, volumes=volumes)
         dep.close()
         self._deployment = None
 

@@ -24,6 +24,7 @@ from ktlite_server.ranks import Outcome
 
 Emit = Callable[[Any], None]  # puts a frame (bytes or list of parts) on the caller's stream
 PodOutcome = tuple[int, str, str, Any, str]  # (rank, pod name, status, data, message)
+REFUSED_GRACE_S = 5.0  # how long a peer may refuse connections before the call fails
 STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are reported stuck
 
 
@@ -96,6 +97,9 @@ class Coordinator:
         targets = plan.workers if plan.workers is not None else list(range(len(plan.pods)))
         if targets == [self.pod.ordinal] and plan.timeout is None:
             return await run_local(self.pod, plan, payload, path, emit)  # nothing to fan out
+        missing = await self._quorum(plan, [i for i in targets if i != self.pod.ordinal])
+        if missing:
+            return missing
         tasks: dict[asyncio.Task[list[PodOutcome]], int] = {}
         loop = asyncio.get_running_loop()
         # remote pods first: their hop is the longer one, so their requests should leave first
@@ -145,6 +149,43 @@ class Coordinator:
                                        headers=self._headers({"id": plan.id}), timeout=5.0)
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
         await asyncio.gather(*(stop_one(i) for i in targets))
+
+    async def _quorum(self, plan: CallPlan, remote: list[int]) -> list[PodOutcome]:
+        """Every remote pod reachable before any rank starts: a job never runs with fewer
+        ranks. Warm keep-alive connections make this free; waits up to quorum_timeout."""
+        start = time.monotonic()
+        missing = list(remote)
+        errors: dict[int, str] = {}
+        while missing:
+            got = await asyncio.gather(*(self.peers.ensure(plan.pods[i]) for i in missing),
+                                       return_exceptions=True)
+            errors = {i: str(e) for i, e in zip(missing, got, strict=True) if isinstance(e, BaseException)}
+            missing = list(errors)
+            waited = time.monotonic() - start
+            # nothing listening at all: the server is gone, and one that restarts has lost the
+            # deployment's code anyway; waiting out quorum_timeout would only delay the error
+            refused = all("ConnectionRefused" in m for m in errors.values())
+            if not missing or waited >= plan.quorum_timeout or (refused and waited >= REFUSED_GRACE_S):
+                break
+            await asyncio.sleep(0.2)
+        if not missing:
+            return []
+        names = [plan.names[i] if i < len(plan.names) else plan.pods[i] for i in missing]
+        reached = len(plan.pods) - len(missing)
+        outs: list[PodOutcome] = []
+        targets = plan.workers if plan.workers is not None else range(len(plan.pods))
+        for i in targets:
+            if i in errors:
+                outs += self._failed_pod(plan, i, (
+                    f"pod {plan.names[i] if i < len(plan.names) else i} at {plan.pods[i]} was not reachable "
+                    f"(waited {time.monotonic() - start:.1f}s of quorum_timeout={plan.quorum_timeout:g}s: "
+                    f"{errors[i]}); {reached} of "
+                    f"{len(plan.pods)} pods were; no rank started. Check that the pod is running, or "
+                    "raise distribute(quorum_timeout=...)"), status="unreachable")
+            else:
+                outs += self._failed_pod(plan, i, f"not started: pod(s) {', '.join(names)} unreachable",
+                                         status="cancelled")
+        return outs
 
     def _failed_pod(self, plan: CallPlan, i: int, message: str, status: str = "died") -> list[PodOutcome]:
         name = plan.names[i] if i < len(plan.names) else f"pod-{i}"

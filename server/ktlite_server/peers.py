@@ -168,6 +168,17 @@ class PeerPool:
         finally:
             resp.release()
 
+    async def ensure(self, url: str, connect_timeout: float = 5.0) -> None:
+        """A live connection to ``url`` in the pool: reuses an idle one (no I/O) unless the
+        peer closed it, else connects. Raises PeerConnectError if the peer is unreachable."""
+        parts = urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        idle = self._idle.setdefault(f"{host}:{port}", [])
+        while idle and (idle[-1].reader.at_eof() or idle[-1].writer.is_closing()):
+            idle.pop().close()  # the peer closed it (it exited, or restarted)
+        if not idle:
+            idle.append(await self._connect(host, port, connect_timeout))
+
     async def aclose(self) -> None:
         for conns in self._idle.values():
             for c in conns:
