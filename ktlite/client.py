@@ -17,7 +17,7 @@ import httpx
 
 from ktlite import protocol
 from ktlite.connection import ConnectionFailed, Pool
-from ktlite.errors import AuthError, KtliteError, PodUnreachable, ProtocolMismatch
+from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
 
 # The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
 SILENCE_TIMEOUT = 10.0
@@ -184,4 +184,6 @@ def _raise_for_status(status: int, detail: str, url: str) -> None:
                         "the deployment was probably re-created: call .to() again")
     if status == 409 and "protocol version" in detail:
         raise ProtocolMismatch(detail)
+    if status == 409:
+        raise NotDeployedError(detail)
     raise KtliteError(f"pod at {url} answered HTTP {status}: {detail}")

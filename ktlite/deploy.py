@@ -127,7 +127,8 @@ class Deployment:
                 raise ConfigError(f"workers={options.workers!r}: give pod indices between 0 and {len(eps) - 1}")
         stream = self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
         call_id = uuid.uuid4().hex
-        meta = {"id": call_id, "pods": [ep.peer_url for ep in eps], "names": [ep.name for ep in eps],
+        meta = {"id": call_id, "launch_id": self.launch_id,
+                "pods": [ep.peer_url for ep in eps], "names": [ep.name for ep in eps],
                 "workers": sorted(set(options.workers)) if options.workers is not None else None,
                 "timeout": options.timeout if options.timeout is not None else self.spec.compute.call_timeout,
                 "stream_logs": stream, "restart": options.restart_procs,
@@ -238,7 +239,7 @@ def _split(outcomes: list[tuple[int, str, str, Any, str]]) -> tuple[list[RankFai
 
 def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
               base: type[Exception]) -> BaseException:
-    primary = [f for f in failures if f.kind in ("error", "died", "unreachable")] or failures
+    primary = [f for f in failures if f.kind in ("error", "died", "unreachable", "stale")] or failures
     collateral = [f for f in failures if f not in primary]
     outcomes: dict[int, Any] = dict(values)
     for f in failures:
@@ -269,6 +270,8 @@ def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
         return with_remote_context(first.exception, failures, outcomes, summary)
     if base is DeployError:
         return DeployError(summary)
+    if first.kind == "stale":
+        return NotDeployedError(summary)
     cls = {"died": RankDied, "unreachable": QuorumTimeout, "timeout": CallTimeout,
            "cancelled": CallCancelled}.get(first.kind, RemoteError)
     return cls(summary, failures=failures, outcomes=outcomes)

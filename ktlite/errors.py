@@ -72,7 +72,7 @@ class RankFailure:
 
     rank: int
     pod: str
-    kind: str  # "error" | "died" | "unreachable" | "cancelled" | "timeout"
+    kind: str  # "error" | "died" | "unreachable" | "stale" | "cancelled" | "timeout"
     message: str
     traceback: str = ""
     exception: BaseException | None = field(default=None, repr=False)

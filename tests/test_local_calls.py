@@ -496,13 +496,18 @@ def test_teardown_stops_everything_and_redeploy_starts_fresh():
 
 
 def test_other_handle_after_teardown_raises_not_deployed():
-    """Two handles on one deployment (a re-run notebook cell); tearing down through one
-    makes calls through the other fail with NotDeployedError, not a connection error."""
+    """Two handles on one deployment (a re-run notebook cell). The older one is stale: the
+    pods run the newer deploy's code, so calling through it raises NotDeployedError instead
+    of running code it did not send. Tearing down through it makes calls through the newer
+    one fail with NotDeployedError too, not a connection error."""
     name = unique("twohandles")
     first = kt.fn(whoami, name=name).to(kt.Compute(cpus=1))
+    first_pid = first()["pid"]
     second = kt.fn(whoami, name=name).to(kt.Compute(cpus=1))
     try:
-        assert second()["pid"] == first()["pid"]
+        assert second()["pid"] == first_pid  # the same pod and rank process, new code
+        with pytest.raises(kt.NotDeployedError, match="redeployed since"):
+            first()
         first.teardown()
         with pytest.raises(kt.NotDeployedError):
             second()

@@ -243,7 +243,13 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         except (ValueError, KeyError, TypeError) as e:
             raise HTTPException(400, f"malformed {protocol.CALL_HEADER} header: {e}") from e
         if pod.dep is None:
-            raise HTTPException(409, "no code is deployed on this pod; call .to() first")
+            raise HTTPException(409, f"pod {pod.name} has no code deployed: its server started after the "
+                                "deploy (a restarted container, a replaced pod); call .to() again, which "
+                                "pushes the code and reuses the pods")
+        if plan.launch_id and plan.launch_id != pod.dep.launch_id:
+            raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
+                                f"{plan.launch_id}: it was redeployed since (by another process, or it "
+                                "restarted); call .to() again")
         own_file = plan.shm is None
         if plan.shm is None:
             body, path = await _read_body(request, max_body)

@@ -42,13 +42,14 @@ class CallPlan:
         self.fanout: bool = bool(meta.get("fanout", False))
         self.quorum_timeout: float = float(meta.get("quorum_timeout") or 300.0)
         self.num_proc: int = int(meta.get("num_proc") or 1)
+        self.launch_id: str = str(meta.get("launch_id") or "")  # the code the caller deployed
         # same-host mode (local backend): arguments arrive, and results leave, as files
         self.shm: list[Any] | None = meta.get("shm")
         self.shm_results: bool = bool(meta.get("shm_results", False))
 
     def member_meta(self) -> dict[str, Any]:
         return {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
-                "shm": self.shm, "shm_results": self.shm_results}
+                "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id}
 
 
 def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodOutcome]:
@@ -202,7 +203,11 @@ class Coordinator:
                                            connect_timeout=5.0, read_timeout=10.0) as resp:
                     if resp.status != 200:
                         text = (await resp.read()).decode(errors="replace")[:500]
-                        return self._failed_pod(plan, i, f"pod {name} answered HTTP {resp.status}: {text}")
+                        with contextlib.suppress(ValueError, AttributeError):
+                            text = json.loads(text)["detail"]
+                        # 409: the pod lost or replaced the deployment's code; nothing ran there
+                        return self._failed_pod(plan, i, f"pod {name} answered HTTP {resp.status}: {text}",
+                                                status="stale" if resp.status == 409 else "died")
                     parser = protocol.FrameParser()
                     result: list[PodOutcome] | None = None
                     async for chunk in resp.iter_chunks():
