@@ -22,7 +22,7 @@ from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachab
 # The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
 SILENCE_TIMEOUT = 10.0
 LogSink = Callable[[int, str, str, str], None]  # (rank, pod, stream, text)
-Outcomes = list[tuple[int, str, str, Any, str]]
+Outcomes = list[tuple[int, str, str, Any, str, float]]  # (rank, pod, status, data, message, at)
 
 
 _shared: httpx.Client | None = None

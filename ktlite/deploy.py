@@ -207,19 +207,20 @@ def attach(spec: DeploymentSpec) -> Deployment:
 
 # ---- outcomes → values / errors ------------------------------------------------------------
 
-def _split(outcomes: list[tuple[int, str, str, Any, str]]) -> tuple[list[RankFailure], dict[int, Any]]:
+def _split(outcomes: list[tuple[int, str, str, Any, str, float]]
+           ) -> tuple[list[RankFailure], dict[int, Any]]:
     failures: list[RankFailure] = []
     values: dict[int, Any] = {}
     # values handed over in shared-memory files: take every one first, so none is left behind
-    outcomes = [(r, p, s, shm.take(d[1], d[2]) if isinstance(d, tuple) else d, m)
-                for r, p, s, d, m in outcomes]
-    for rank, pod, status, data, message in sorted(outcomes, key=lambda o: o[0]):
+    outcomes = [(r, p, s, shm.take(d[1], d[2]) if isinstance(d, tuple) else d, m, at)
+                for r, p, s, d, m, at in outcomes]
+    for rank, pod, status, data, message, at in sorted(outcomes, key=lambda o: o[0]):
         if status == "ok":
             try:
                 values[rank] = protocol.loads(data) if data is not None else None
             except Exception as e:  # noqa: BLE001
                 failures.append(RankFailure(rank, pod, "error", f"its result could not be unpickled here: "
-                                            f"{type(e).__name__}: {e}", exception=e))
+                                            f"{type(e).__name__}: {e}", exception=e, at=at))
         elif status == "error":
             info = protocol.loads(data)
             exc: BaseException | None = None
@@ -227,13 +228,19 @@ def _split(outcomes: list[tuple[int, str, str, Any, str]]) -> tuple[list[RankFai
                 with contextlib.suppress(Exception):
                     exc = protocol.loads(info.pickled)
             failures.append(RankFailure(rank, pod, "error", f"{info.type_name}: {info.message}",
-                                        traceback=info.traceback, exception=exc))
+                                        traceback=info.traceback, exception=exc, at=at))
             if exc is None:
                 failures[-1].exception = RemoteException(
                     f"rank {rank} on pod {pod} raised {info.type_name}: {info.message}",
                     type_name=info.type_name, remote_traceback=info.traceback)
         else:
-            failures.append(RankFailure(rank, pod, status, message))
+            failure = RankFailure(rank, pod, status, message, at=at)
+            # outcomes hold a value or an exception for every rank
+            kind = {"died": RankDied, "unreachable": QuorumTimeout, "timeout": CallTimeout,
+                    "cancelled": CallCancelled}.get(status, RemoteError)
+            failure.exception = (NotDeployedError(failure.describe()) if status == "stale"
+                                 else kind(failure.describe(), failures=[failure]))
+            failures.append(failure)
     return failures, values
 
 
@@ -241,11 +248,14 @@ def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
               base: type[Exception]) -> BaseException:
     primary = [f for f in failures if f.kind in ("error", "died", "unreachable", "stale")] or failures
     collateral = [f for f in failures if f not in primary]
+    # the cause is the earliest failure (a peer's "connection reset" comes after the death
+    # that caused it), then the lowest rank
+    primary.sort(key=lambda f: (f.at or float("inf"), f.rank))
     outcomes: dict[int, Any] = dict(values)
     for f in failures:
         outcomes[f.rank] = f.exception if f.exception is not None else f
     lines = [f"{what}: {len(primary)} rank(s) failed: "
-             f"{', '.join(str(f.rank) for f in primary)}"]
+             f"{', '.join(str(r) for r in sorted(f.rank for f in primary))}"]
     lines += [f.describe() for f in primary]
     if collateral:
         kinds = sorted({f.kind for f in collateral})

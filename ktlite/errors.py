@@ -76,6 +76,7 @@ class RankFailure:
     message: str
     traceback: str = ""
     exception: BaseException | None = field(default=None, repr=False)
+    at: float = 0.0  # wall-clock time the pod knew of it: the earliest failure is the cause
 
     def describe(self) -> str:
         head = f"rank {self.rank} on pod {self.pod}: {self.message}"

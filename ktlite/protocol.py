@@ -242,16 +242,17 @@ def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, bytearray]]:
         raise ProtocolError("stream ended inside a frame")
 
 
-def gather_parts(outcomes: list[tuple[int, str, str, Any, str]]) -> list[Any]:
-    """Encode per-rank outcomes ``(rank, pod, status, data, message)``; data stays opaque.
+def gather_parts(outcomes: list[tuple[int, str, str, Any, str, float]]) -> list[Any]:
+    """Encode per-rank outcomes ``(rank, pod, status, data, message, at)``; data stays opaque;
+    ``at`` is the wall-clock time the outcome was known (the earliest failure is the cause).
 
     ``data`` is the encoded value, None, or ``("shm", path, size)`` when the value waits in
     a shared-memory file for a caller on the same host.
     """
     def wrap(data: Any) -> Any:
         return data if data is None or isinstance(data, tuple) else pickle.PickleBuffer(data)
-    return dumps_parts({"outcomes": [(rank, pod, status, wrap(data), message)
-                                     for rank, pod, status, data, message in outcomes]})
+    return dumps_parts({"outcomes": [(rank, pod, status, wrap(data), message, at)
+                                     for rank, pod, status, data, message, at in outcomes]})
 
 
 def chunked(parts: Iterable[Any], size: int = 4 << 20) -> Iterator[memoryview]:

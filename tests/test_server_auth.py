@@ -167,7 +167,7 @@ def test_call_with_token_runs(state, http, tmp_path) -> None:
         assert resp.status_code == 200
         frames = list(protocol.read_frames([resp.content]))
         assert frames[-1][0] == protocol.RESULT
-        (rank, _pod, status, data, _msg), = protocol.loads(frames[-1][1])["outcomes"]
+        (rank, _pod, status, data, _msg, _at), = protocol.loads(frames[-1][1])["outcomes"]
         assert (rank, status) == (i, "ok") and protocol.loads(data) == "touched"
         assert marker.read_text() == "ran"
 

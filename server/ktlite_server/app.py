@@ -232,7 +232,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             raise HTTPException(400, f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} "
                                      f"(ordinal {pod.ordinal})")
         outs = await pod.deploy(dep, restart=bool(msg.get("restart")))
-        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message) for o in outs])
+        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
         return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
 
     @app.post("/call")

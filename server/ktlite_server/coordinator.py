@@ -23,7 +23,7 @@ from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome
 
 Emit = Callable[[Any], None]  # puts a frame (bytes or list of parts) on the caller's stream
-PodOutcome = tuple[int, str, str, Any, str]  # (rank, pod name, status, data, message)
+PodOutcome = tuple[int, str, str, Any, str, float]  # (rank, pod name, status, data, message, at)
 REFUSED_GRACE_S = 5.0  # how long a peer may refuse connections before the call fails
 STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are reported stuck
 
@@ -59,7 +59,7 @@ def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodO
         if o.path is None:
             return o.data
         return ("shm", o.path, o.size) if shm_results else shm.take(o.path, o.size)
-    return [(o.rank, pod.name, o.status, data(o), o.message) for o in outs]
+    return [(o.rank, pod.name, o.status, data(o), o.message, o.at) for o in outs]
 
 
 async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
@@ -190,7 +190,8 @@ class Coordinator:
 
     def _failed_pod(self, plan: CallPlan, i: int, message: str, status: str = "died") -> list[PodOutcome]:
         name = plan.names[i] if i < len(plan.names) else f"pod-{i}"
-        return [(i * plan.num_proc + lr, name, status, None, message) for lr in range(plan.num_proc)]
+        now = time.time()
+        return [(i * plan.num_proc + lr, name, status, None, message, now) for lr in range(plan.num_proc)]
 
     async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
         url = plan.pods[i]
@@ -216,7 +217,7 @@ class Coordinator:
                                 emit(protocol.frame(protocol.LOG, bytes(data)))
                             elif kind == protocol.RESULT:
                                 got = protocol.loads(data)["outcomes"]
-                                result = [(r, p, s, d, m) for r, p, s, d, m in got]
+                                result = [(r, p, s, d, m, at) for r, p, s, d, m, at in got]
                             elif kind == protocol.ERROR:
                                 err = json.loads(data)
                                 return self._failed_pod(plan, i, f"pod {name}: {err.get('message')}")

@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -114,6 +115,7 @@ class Pod:
         old = self.ranks[local_rank]
         if old is not None:
             rank.restarts = old.restarts
+            rank.last_exit = old.exit_code if old.exit_code is not None else old.last_exit
             old.kill()
         self.ranks[local_rank] = rank
         await rank.start()
@@ -240,7 +242,10 @@ class Pod:
             dep = self.dep
             if dep is None:
                 raise RuntimeError("no code deployed on this pod; call .to() first")
-            if restart:
+            if restart:  # fresh processes, and a fresh max_restarts budget
+                for r in self.ranks:
+                    if r is not None:
+                        r.restarts = 0
                 loads = await asyncio.gather(*(self._ready_rank(i, dep, True) for i in range(len(self.ranks))))
                 bad = [o for o in loads if o.status != "ok"]
             else:
@@ -295,7 +300,9 @@ class Pod:
         try:
             _, _, ok, inline, path, size = await rank.call(msg)
         except RankGone as e:
-            if handle.stop_kind:
+            # we stopped it (SIGKILL); a rank that exited by itself, even while we were
+            # stopping it, keeps its own exit code and is reported as a death
+            if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
                 return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
             return Outcome(rank.global_rank, "died", message=str(e))
         return Outcome(rank.global_rank, "ok" if ok else "error", inline, path=path, size=size)
@@ -342,7 +349,8 @@ class Pod:
                 "state": "busy" if r.alive and r.busy_since else ("idle" if r.alive else "dead"),
                 "busy_for_s": round(now - r.busy_since, 3) if r.busy_since else None,
                 "stuck": bool(r.alive and r.busy_since and now - r.busy_since > stuck_after),
-                "last_exit": r.exit_code, "restarts": r.restarts,
+                "last_exit": r.exit_code if r.exit_code is not None else r.last_exit,
+                "restarts": r.restarts,
             } for r in self.ranks if r is not None],
             "active_calls": list(self.calls),
         }

@@ -18,8 +18,9 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _LEN = struct.Struct("<Q")
@@ -36,6 +37,7 @@ class Outcome:
     message: str = ""
     path: str | None = None  # a large value waits in this shared-memory file instead
     size: int = 0
+    at: float = field(default_factory=time.time)  # when it was known: the earliest failure is the cause
 
 
 class RankGone(Exception):
@@ -66,6 +68,7 @@ class RankProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.loaded_env: dict[str, str] | None = None
         self.exit_code: int | None = None
+        self.last_exit: int | None = None  # how the process this one replaced ended
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self.busy_since: float | None = None
         self.has_pg = False  # a torch process group lives in this process
@@ -120,6 +123,8 @@ class RankProcess:
         """SIGKILL the rank and everything it started (its own session)."""
         if self.proc is None or self._dead.is_set():
             return
+        if self.proc.poll() is not None:
+            return  # it exited on its own: a death to report, not one of our stops
         self.stopping = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
