@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 # not pay for the client (httpx) at every start.
 _EXPORTS = {
     "images": "ktlite.images",
+    "distributed": "ktlite.distributed",
     "Plan": "ktlite.backends.base",
     "Compute": "ktlite.compute", "Volume": "ktlite.compute",
     "Image": "ktlite.images",
@@ -27,7 +28,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from ktlite import images
+    from ktlite import distributed, images
     from ktlite.backends.base import Plan
     from ktlite.compute import Compute, Volume
     from ktlite.errors import (
@@ -62,7 +63,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'ktlite' has no attribute {name!r}")
     mod = importlib.import_module(module)
-    value = mod if name == "images" else getattr(mod, name)
+    value = mod if name in ("images", "distributed") else getattr(mod, name)
     globals()[name] = value
     return value
 
@@ -100,6 +101,7 @@ __all__ = [
     "cls",
     "compute",
     "distribute",
+    "distributed",
     "fn",
     "images",
 ]

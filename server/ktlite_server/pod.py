@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +81,8 @@ class Pod:
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
+        # the deployment's pod addresses, rewritten at every deploy: ktlite.distributed.pod_ips()
+        self.pod_ips_file = os.path.join(tempfile.gettempdir(), f"ktlite-pod-ips-{os.getpid()}.json")
 
     # ---- rank env & processes ----------------------------------------------------------
 
@@ -95,7 +99,14 @@ class Pod:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * per:(local_rank + 1) * per])
         env["KTLITE_POD_NAME"] = self.name
         env["KTLITE_LAUNCH_ID"] = dep.launch_id
+        env["KTLITE_POD_IPS_FILE"] = self.pod_ips_file
         return env
+
+    def _publish_pod_ips(self, dep: Deployment) -> None:
+        tmp = self.pod_ips_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"pod_ips": dep.pod_ips, "launch_id": dep.launch_id}, f)
+        os.replace(tmp, self.pod_ips_file)
 
     def _log(self, rank: RankProcess, stream: str, line: str) -> None:
         # the pod's own log keeps every rank line (``remote.logs()``, ``kubectl logs``)
@@ -151,6 +162,7 @@ class Pod:
         async with self.lock:
             await self._settle()
             self.dep = dep
+            self._publish_pod_ips(dep)
             want = dep.config.num_proc
             for extra in self.ranks[want:]:
                 if extra is not None:
@@ -360,3 +372,5 @@ class Pod:
             if r is not None:
                 r.kill()
         await asyncio.gather(*(r.wait_dead(2) for r in self.ranks if r is not None))
+        with contextlib.suppress(OSError):
+            os.unlink(self.pod_ips_file)
