@@ -19,16 +19,19 @@ _EXPORTS = {
     "Plan": "ktlite.backends.base",
     "Compute": "ktlite.compute", "Volume": "ktlite.compute",
     "Image": "ktlite.images",
+    "App": "ktlite.app", "app": "ktlite.app",
     "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
-        "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
-        "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout", "RankDied",
+        "App",
+    "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
+        "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout", "RankDied", "ReplicaFailed",
         "RankFailure", "RemoteError", "RemoteException", "SerializationError")},
 }
 
 if TYPE_CHECKING:
     from ktlite import distributed, images
+    from ktlite.app import App, app
     from ktlite.backends.base import Plan
     from ktlite.compute import Compute, Volume
     from ktlite.errors import (
@@ -42,10 +45,12 @@ if TYPE_CHECKING:
         NotDeployedError,
         PodUnreachable,
         ProtocolMismatch,
+        QuorumTimeout,
         RankDied,
         RankFailure,
         RemoteError,
         RemoteException,
+        ReplicaFailed,
         SerializationError,
     )
     from ktlite.images import Image
@@ -73,6 +78,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "App",
     "AuthError",
     "CallCancelled",
     "CallTimeout",
@@ -95,9 +101,11 @@ __all__ = [
     "RemoteError",
     "RemoteException",
     "RemoteFunction",
+    "ReplicaFailed",
     "SerializationError",
     "Volume",
     "__version__",
+    "app",
     "cls",
     "compute",
     "distribute",

@@ -116,8 +116,10 @@ class Deployment:
 
     # ---- calls -------------------------------------------------------------------------
 
-    def call(self, method: str | None, parts: list[Any], options: CallOptions) -> list[Any]:
-        """Run one call on every rank (or the chosen workers); values in rank order."""
+    def call(self, method: str | None, parts: list[Any], options: CallOptions,
+             log: Any = None) -> list[Any]:
+        """Run one call on every rank (or the chosen workers); values in rank order.
+        ``log(rank, pod, stream, text)`` prints streamed lines (default ``[rank R @ pod]``)."""
         eps = self.endpoints
         d = self.spec.distributed
         if options.workers is not None:
@@ -141,7 +143,7 @@ class Deployment:
                 arg_file, size = shm.write(parts, shm.ARG_PREFIX)
                 meta["shm"], parts = [arg_file, size], []
         try:
-            outcomes = self.client.call(coordinator, meta, parts, print_log if stream else None)
+            outcomes = self.client.call(coordinator, meta, parts, (log or print_log) if stream else None)
         except PodUnreachable as e:
             current = self.backend.lookup(self.name)
             if current is None or current.token != self.applied.token:

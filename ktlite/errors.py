@@ -17,6 +17,7 @@ Hierarchy::
         ├── CallTimeout (TimeoutError)     the call ran past its timeout
         ├── QuorumTimeout (TimeoutError)   a pod was unreachable before the call: nothing ran
         └── CallCancelled                  the call was cancelled (Ctrl-C, sibling failure)
+    ReplicaFailed                          (raised on a pod) a kt.app replica's command failed
 
 A user exception raised on a rank is re-raised in the caller *with its own type*: ktlite
 builds a subclass of both the original type and :class:`RemoteError`, so
@@ -137,6 +138,17 @@ class CallTimeout(RemoteError, TimeoutError):
 
 class QuorumTimeout(RemoteError, TimeoutError):
     """Not every pod was reachable within ``quorum_timeout``; no rank started the call."""
+
+
+class ReplicaFailed(KtliteError):
+    """A ``kt.app`` replica's command exited non-zero; the caller gets it as a RemoteError too."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def __reduce__(self) -> Any:  # travels back from the pod by pickle
+        return (type(self), (self.args[0], self.exit_code))
 
 
 class CallCancelled(RemoteError):
