@@ -19,19 +19,19 @@ _EXPORTS = {
     "Plan": "ktlite.backends.base",
     "Compute": "ktlite.compute", "Volume": "ktlite.compute",
     "Image": "ktlite.images",
-    "App": "ktlite.app", "app": "ktlite.app",
+    "App": "ktlite.apps", "app": "ktlite.apps",  # not "ktlite.app": kt.app is the function
     "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
-        "App",
-    "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
-        "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout", "RankDied", "ReplicaFailed",
-        "RankFailure", "RemoteError", "RemoteException", "SerializationError")},
+        "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
+        "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout",
+        "RankDied", "RankFailure", "RemoteError", "RemoteException", "ReplicaFailed",
+        "SerializationError")},
 }
 
 if TYPE_CHECKING:
     from ktlite import distributed, images
-    from ktlite.app import App, app
+    from ktlite.apps import App, app
     from ktlite.backends.base import Plan
     from ktlite.compute import Compute, Volume
     from ktlite.errors import (
