@@ -107,11 +107,12 @@ class PodClient:
         result: dict[str, Any] = resp.json()
         return result
 
-    def cancel(self, url: str, call_id: str, reason: str = "cancelled by the caller") -> None:
+    def cancel(self, url: str, call_id: str, reason: str = "cancelled by the caller",
+               timeout: float = 5.0) -> None:
         # best effort: the pod also cancels when our stream closes
         with contextlib.suppress(httpx.HTTPError):
             self.http.post(f"{url}/cancel/{call_id}", params={"reason": reason},
-                           headers=self._headers(), timeout=5.0)
+                           headers=self._headers(), timeout=timeout)
 
     def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None) -> Outcomes:
         """Run a call through the coordinator at ``url``; returns per-rank outcomes."""

@@ -145,15 +145,17 @@ class Deployment:
         try:
             outcomes = self.client.call(coordinator, meta, parts, (log or print_log) if stream else None)
         except PodUnreachable as e:
+            # the coordinator cannot stop the other pods' ranks now: ask them directly
+            self._cancel_all(call_id, "the coordinator pod stopped answering", eps[1:])
             current = self.backend.lookup(self.name)
             if current is None or current.token != self.applied.token:
                 raise NotDeployedError(f"deployment {self.name!r} was torn down or replaced; "
                                        "call .to(compute) again") from e
-            raise
+            raise PodUnreachable(f"coordinator pod {eps[0].name}: {e}; the other pods were told to stop "
+                                 "the call. Call .to() again to restart a dead pod") from e
         except KeyboardInterrupt:
             # stop the ranks everywhere before giving control back; the deployment stays usable
-            for ep in eps:
-                self.client.cancel(ep.url, call_id, "the caller pressed Ctrl-C")
+            self._cancel_all(call_id, "the caller pressed Ctrl-C", [*eps[1:], eps[0]])
             raise
         finally:
             if arg_file is not None:
@@ -163,6 +165,11 @@ class Deployment:
         if failures:
             raise _to_error(failures, values, f"call to {self.name!r}", RemoteError)
         return [values[r] for r in sorted(values)]
+
+    def _cancel_all(self, call_id: str, reason: str, eps: list[Any]) -> None:
+        """Best effort, all at once, briefly: a hung pod must not delay the others."""
+        futures = [_pool.submit(self.client.cancel, ep.url, call_id, reason, 1.5) for ep in eps]
+        concurrent.futures.wait(futures, timeout=2.0)
 
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
         return [self.client.status(ep.url, stuck_after) for ep in self.endpoints]

@@ -141,6 +141,19 @@ def _remove_cgroup(path: str | None) -> None:
             time.sleep(0.02)
 
 
+def _answers(port: int, timeout: float = 2.0) -> bool:
+    """Whether a local pod's server answers GET /health."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         with open(path, "rb") as f:
@@ -258,7 +271,9 @@ class LocalBackend(Backend):
             self._dir(spec.name).mkdir(parents=True, exist_ok=True)
             for i in range(spec.workers):
                 old = old_pods.pop(i, None)
-                if old and old["hash"] == pod_hash and _pid_alive(old["pid"]):
+                # reuse a pod only if it answers: a killed one can look alive for a few ms,
+                # a stopped or hung one for ever
+                if old and old["hash"] == pod_hash and _pid_alive(old["pid"]) and _answers(old["port"]):
                     pods.append(old)
                     continue
                 if old:
@@ -277,9 +292,12 @@ class LocalBackend(Backend):
             self._stop_pods(list(old_pods.values()), timeout=5.0)  # ordinals beyond workers
             master_port = spec.distributed.port or (state or {}).get("master_port") or \
                 _master_port(self._ports_in_use(spec.name), spec.distributed.world_size)
+            deadline = time.monotonic() + spec.compute.launch_timeout  # one deadline for all pods
             try:
                 for i, proc, ready, log, cgroup in starting:
-                    port = self._wait_ready(spec, i, proc, ready, log)
+                    ready_names = ", ".join(p["name"] for p in pods) or "none"
+                    port = self._wait_ready(spec, i, proc, ready, log, deadline,
+                                            f"{len(pods)} of {spec.workers} pods were ready: {ready_names}")
                     pods.append({"ordinal": i, "name": f"{spec.name}-{i}", "pid": proc.pid,
                                  "port": port, "hash": pod_hash, "cgroup": cgroup})
             except BaseException:
@@ -314,9 +332,8 @@ class LocalBackend(Backend):
         return str(group)
 
     def _wait_ready(self, spec: DeploymentSpec, ordinal: int, proc: subprocess.Popen[bytes],
-                    ready: Path, log: Path) -> int:
+                    ready: Path, log: Path, deadline: float, progress: str) -> int:
         timeout = spec.compute.launch_timeout
-        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             code = proc.poll()
             if code is not None:
@@ -327,9 +344,9 @@ class LocalBackend(Backend):
                     return int(json.load(f)["port"])
             except (OSError, ValueError, KeyError):
                 time.sleep(0.01)
-        raise LaunchTimeout(f"pod {spec.name}-{ordinal} was not ready after launch_timeout={timeout:g}s: "
-                            f"the process is running but its server never came up; last lines of {log}:\n"
-                            f"{_tail(log)}\nraise launch_timeout, or check the log")
+        raise LaunchTimeout(f"pod {spec.name}-{ordinal} was not ready after launch_timeout={timeout:g}s "
+                            f"({progress}): the process is running but its server never came up; last "
+                            f"lines of {log}:\n{_tail(log)}\nraise launch_timeout, or check the log")
 
     def _applied(self, state: dict[str, Any]) -> Applied:
         eps = [PodEndpoint(name=p["name"], ordinal=p["ordinal"], url=f"http://127.0.0.1:{p['port']}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,11 +56,15 @@ class CallPlan:
 def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodOutcome]:
     """Large values wait in shared-memory files: hand over the file when the caller shares
     this host, else map it here to send its bytes."""
-    def data(o: Outcome) -> Any:
+    def one(o: Outcome) -> PodOutcome:
         if o.path is None:
-            return o.data
-        return ("shm", o.path, o.size) if shm_results else shm.take(o.path, o.size)
-    return [(o.rank, pod.name, o.status, data(o), o.message, o.at) for o in outs]
+            return (o.rank, pod.name, o.status, o.data, o.message, o.at)
+        if not os.path.exists(o.path):  # a duplicate request: the first one took the file
+            return (o.rank, pod.name, "cancelled", None, f"its result ({o.size} bytes) was already "
+                    "delivered to an earlier request with this call id; large results are not kept", o.at)
+        data = ("shm", o.path, o.size) if shm_results else shm.take(o.path, o.size)
+        return (o.rank, pod.name, o.status, data, o.message, o.at)
+    return [one(o) for o in outs]
 
 
 async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
@@ -80,6 +85,7 @@ class Coordinator:
         self.peers = peers
         self.plan = plan
         self._stopped = False
+        self._lost: set[int] = set()  # pods whose stream failed: no use cancelling there
         self._deadline: float | None = None
 
     def cancel(self, kind: str, reason: str) -> None:
@@ -144,10 +150,12 @@ class Coordinator:
                 if not self.pod.cancel(plan.id, kind, reason):
                     self.pod.reset()
                 return
+            if i in self._lost:
+                return  # its stream already failed: a cancel would only wait on a dead pod
             with contextlib.suppress(httpx.HTTPError):
                 await self.client.post(f"{plan.pods[i]}/cancel/{plan.id}",
                                        params={"kind": kind, "reason": reason, "reset": "true"},
-                                       headers=self._headers({"id": plan.id}), timeout=5.0)
+                                       headers=self._headers({"id": plan.id}), timeout=2.0)
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
         await asyncio.gather(*(stop_one(i) for i in targets))
 
@@ -158,14 +166,15 @@ class Coordinator:
         missing = list(remote)
         errors: dict[int, str] = {}
         while missing:
-            got = await asyncio.gather(*(self.peers.ensure(plan.pods[i]) for i in missing),
+            left = max(0.5, min(5.0, plan.quorum_timeout - (time.monotonic() - start)))
+            got = await asyncio.gather(*(self.peers.ensure(plan.pods[i], left) for i in missing),
                                        return_exceptions=True)
             errors = {i: str(e) for i, e in zip(missing, got, strict=True) if isinstance(e, BaseException)}
             missing = list(errors)
             waited = time.monotonic() - start
             # nothing listening at all: the server is gone, and one that restarts has lost the
             # deployment's code anyway; waiting out quorum_timeout would only delay the error
-            refused = all("ConnectionRefused" in m for m in errors.values())
+            refused = bool(errors) and all("ConnectionRefused" in m for m in errors.values())
             if not missing or waited >= plan.quorum_timeout or (refused and waited >= REFUSED_GRACE_S):
                 break
             await asyncio.sleep(0.2)
@@ -228,10 +237,13 @@ class Coordinator:
                 if time.monotonic() < deadline:
                     await asyncio.sleep(0.2)  # not started yet: retrying the connection is safe
                     continue
+                self._lost.add(i)
                 return self._failed_pod(plan, i, f"pod {name} at {url} was not reachable within the quorum "
                                                  f"timeout of {plan.quorum_timeout:g}s ({e}); check that it is running")
             except TimeoutError:
+                self._lost.add(i)
                 return self._failed_pod(plan, i, f"pod {name} stopped responding (no data or heartbeat for 10s); "
                                                  "the pod may have died or be overloaded")
             except (PeerError, protocol.ProtocolError) as e:
+                self._lost.add(i)
                 return self._failed_pod(plan, i, f"lost the connection to pod {name} during the call: {e}")

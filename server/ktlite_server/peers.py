@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
+
+PROBE_AFTER_S = 2.0  # a pooled connection older than this is probed before a call relies on it
 
 
 class PeerError(ConnectionError):
@@ -26,6 +29,7 @@ class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        self.used = time.monotonic()  # when it last carried a response
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -104,6 +108,7 @@ class PeerResponse:
 
     def release(self) -> None:
         if self._done and self.headers.get("connection", "").lower() != "close":
+            self._conn.used = time.monotonic()
             self._pool._idle.setdefault(self._key, []).append(self._conn)
         else:
             self._conn.close()
@@ -168,16 +173,36 @@ class PeerPool:
         finally:
             resp.release()
 
-    async def ensure(self, url: str, connect_timeout: float = 5.0) -> None:
-        """A live connection to ``url`` in the pool: reuses an idle one (no I/O) unless the
-        peer closed it, else connects. Raises PeerConnectError if the peer is unreachable."""
+    async def ensure(self, url: str, timeout: float = 5.0, fresh_s: float = PROBE_AFTER_S) -> None:
+        """Prove ``url`` answers: free when a pooled connection carried a response within
+        ``fresh_s`` seconds (calls back to back), else a ``GET /health`` round trip (a
+        stopped or hung peer keeps its TCP connections open, so a connection proves nothing).
+        Raises PeerConnectError if the peer is unreachable or silent for ``timeout``."""
         parts = urlsplit(url)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
-        idle = self._idle.setdefault(f"{host}:{port}", [])
+        key = f"{host}:{port}"
+        idle = self._idle.setdefault(key, [])
         while idle and (idle[-1].reader.at_eof() or idle[-1].writer.is_closing()):
             idle.pop().close()  # the peer closed it (it exited, or restarted)
-        if not idle:
-            idle.append(await self._connect(host, port, connect_timeout))
+        if idle and time.monotonic() - idle[-1].used < fresh_s:
+            return
+        conn = idle.pop() if idle else await self._connect(host, port, timeout)
+        try:
+            conn.writer.write(f"GET /health HTTP/1.1\r\nhost: {key}\r\n\r\n".encode("latin-1"))
+            await conn.writer.drain()
+            head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), timeout)
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await asyncio.wait_for(conn.reader.readexactly(length), timeout)
+        except asyncio.TimeoutError:
+            conn.close()
+            raise PeerConnectError(f"{key} accepted a connection but did not answer /health within "
+                                   f"{timeout:g}s (stopped, or hung)") from None
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+            conn.close()
+            raise PeerConnectError(f"{key} did not answer /health: {e!r}") from e
+        conn.used = time.monotonic()
+        idle.append(conn)
 
     async def aclose(self) -> None:
         for conns in self._idle.values():

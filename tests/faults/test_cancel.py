@@ -1,0 +1,177 @@
+"""Issue 4, point 5: Ctrl-C in the caller, or the caller's process dying, stops the call's
+rank processes on every pod within seconds, and the deployment stays usable.
+
+The caller is a real second Python process (``CALLER`` below) that attaches to this
+module's detached deployment by name, as ``ktlite deploy``d services are called from other
+processes, and runs a long call; the test sends it SIGINT or SIGKILL. Its ranks write a
+heartbeat line every 50 ms (``faults_mod.beat``): a rank stopped when its lines stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import faults_mod as fm
+import pytest
+
+import ktlite as kt
+from ktlite.backends.local import LocalBackend
+
+NAME = "fx-cancel"
+COMPUTE = kt.Compute(cpus=1, stream_logs=False).distribute("pytorch", workers=2, num_proc=2)
+RANKS = range(4)
+INTERRUPT_BOUND_S = 2.0  # KeyboardInterrupt reaches the caller's code
+STOP_BOUND_S = 3.0  # "within seconds": every rank of the call has stopped
+
+CALLER = """
+import sys
+import time
+
+faults_dir, name, d, tag, then = sys.argv[1:6]
+sys.path.insert(0, faults_dir)
+import faults_mod
+
+import ktlite as kt
+from ktlite.deploy import attach
+from ktlite.remote import RemoteFunction
+from ktlite.spec import DeploymentSpec
+
+compute = kt.Compute(cpus=1, stream_logs=False).distribute("pytorch", workers=2, num_proc=2)
+remote = RemoteFunction(kt.fn(faults_mod.beat, name=name),
+                        attach(DeploymentSpec(name=name, compute=compute, kind="fn")))
+print("ATTACHED", flush=True)
+try:
+    remote(d, tag, 60)
+    print("FINISHED", flush=True)
+except KeyboardInterrupt:
+    print(f"INTERRUPTED {time.monotonic()}", flush=True)
+    if then == "next":  # the same process goes on: its next call works
+        print(f"NEXT {remote(d, tag + '-next', 0)}", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def remote():
+    r = kt.fn(fm.beat, name=NAME).to(COMPUTE, detached=True)
+    yield r
+    LocalBackend.shared().teardown(NAME, timeout=5.0)
+
+
+@pytest.fixture
+def stopped(remote):
+    pids: list[int] = []
+    yield pids
+    fm.recover(NAME, pids)
+
+
+def _caller(d: Path, tag: str, then: str = "next") -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", CALLER, str(Path(fm.__file__).parent), NAME, str(d),
+                             tag, then], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_running(proc: subprocess.Popen[str], d: Path, tag: str) -> None:
+    ok = fm.wait_for(lambda: fm.all_beating(d, tag, RANKS) or proc.poll() is not None, 60)
+    assert ok and proc.poll() is None, f"the caller never got its call running: {proc.communicate()}"
+
+
+def _assert_stopped(d: Path, tag: str, t0: float, what: str) -> None:
+    for r in RANKS:
+        last = fm.last_beat_after_quiet(d, tag, r, quiet=1.0, timeout=STOP_BOUND_S + 5)
+        assert last is not None, f"rank {r} still runs the call after the caller {what}"
+        fm.report(f"caller {what}: rank {r} stops", max(0.0, last - t0), STOP_BOUND_S)
+        assert last - t0 <= STOP_BOUND_S, f"rank {r} ran on for {last - t0:.2f}s"
+        pids = [pid for pid, _ in fm.starts(d, tag, r)]
+        assert len(pids) == 1, f"rank {r} ran the call {len(pids)} times"
+        assert fm.wait_for(lambda pids=pids: not fm.pid_alive(pids[0]), 3.0), \
+            f"rank {r}'s process still runs the call"
+
+
+def _assert_usable(remote: kt.RemoteFunction, d: Path) -> None:
+    assert fm.wait_for(lambda: all(rank["state"] == "idle" and not pod["active_calls"]
+                                   for pod in remote.status() for rank in pod["ranks"]), 5.0), \
+        remote.status()
+    assert remote(str(d), "from-test", 0) == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_the_caller_stops_every_rank(remote, tmp_path) -> None:
+    proc = _caller(tmp_path, "c")
+    try:
+        _wait_running(proc, tmp_path, "c")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out, err)
+    interrupted = [float(ln.split()[1]) for ln in out.splitlines() if ln.startswith("INTERRUPTED ")]
+    assert interrupted, (out, err)
+    took = interrupted[0] - t0
+    fm.report("Ctrl-C -> KeyboardInterrupt in the caller", took, INTERRUPT_BOUND_S)
+    assert took <= INTERRUPT_BOUND_S
+    _assert_stopped(tmp_path, "c", t0, "pressed Ctrl-C")
+    assert "NEXT [0, 1, 2, 3]" in out.splitlines(), (out, err)  # the caller's next call works
+    _assert_usable(remote, tmp_path)  # and so does this process's
+
+
+@pytest.mark.timeout(60)
+def test_caller_killed_mid_call_stops_every_rank(remote, tmp_path) -> None:
+    proc = _caller(tmp_path, "k")
+    try:
+        _wait_running(proc, tmp_path, "k")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    _assert_stopped(tmp_path, "k", t0, "was killed")
+    _assert_usable(remote, tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_interrupts_a_call_whose_coordinator_hangs(remote, stopped, tmp_path) -> None:
+    """The coordinator pod is stopped mid-call (the call would wait for the 10 s silence
+    limit): Ctrl-C still interrupts at once, and pod 1's ranks stop."""
+    proc = _caller(tmp_path, "h", then="exit")
+    try:
+        _wait_running(proc, tmp_path, "h")
+        pid = remote.status()[0]["server_pid"]
+        stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    interrupted = [float(ln.split()[1]) for ln in out.splitlines() if ln.startswith("INTERRUPTED ")]
+    assert interrupted, (out, err)
+    took = interrupted[0] - t0
+    fm.report("Ctrl-C with the coordinator stopped -> KeyboardInterrupt", took, INTERRUPT_BOUND_S)
+    others = []
+    for r in (2, 3):  # pod 1 is healthy: its ranks stop
+        last = fm.last_beat_after_quiet(tmp_path, "h", r, quiet=1.0, timeout=STOP_BOUND_S + 8)
+        assert last is not None, f"rank {r} still runs the call"
+        others.append(max(0.0, last - t0))
+        fm.report(f"Ctrl-C with the coordinator stopped: rank {r} stops", others[-1], STOP_BOUND_S)
+    os.kill(pid, signal.SIGCONT)
+    t1 = time.monotonic()
+    for r in (0, 1):  # resumed, the coordinator finds its caller gone and stops its ranks
+        last = fm.last_beat_after_quiet(tmp_path, "h", r, quiet=1.0, timeout=STOP_BOUND_S + 5)
+        assert last is not None and last - t1 <= STOP_BOUND_S, f"rank {r} still runs the call"
+    _assert_usable(remote, tmp_path)
+    # the known gap, last (see the xfail reason)
+    assert took <= INTERRUPT_BOUND_S, f"Ctrl-C took {took:.2f}s to interrupt the call"
+    assert max(others) <= STOP_BOUND_S, f"pod 1's ranks ran on for {max(others):.2f}s after Ctrl-C"
