@@ -58,6 +58,18 @@ class PodClient:
         if self._owns:
             self.http.close()
 
+    def forget(self, url: str) -> None:
+        """Drop pooled connections to a pod that is gone (after a teardown), in the call pool
+        and in httpx's (whose idle sockets would otherwise wait for their next use)."""
+        _pool.drop(url)
+        with contextlib.suppress(Exception):  # httpx keeps its pool private: best effort
+            import httpcore
+            u = httpx.URL(url)
+            origin = httpcore.Origin(u.scheme.encode(), u.host.encode(), u.port or 80)
+            for conn in list(self.http._transport._pool.connections):
+                if conn.is_idle() and conn.can_handle_request(origin):
+                    conn.close()
+
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {protocol.TOKEN_HEADER: protocol.bearer(self._token),
              protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -17,6 +18,7 @@ _WRONG_UNIT = re.compile(r"^([0-9]+(\.[0-9]+)?)\s*([kKmMgGtTpP])(i?)[bB]?$")
 _CPU = re.compile(r"^([0-9]+(\.[0-9]+)?)(m)?$")
 _UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # what Kubernetes accepts (and POSIX shells)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _RESERVED_MOUNTS = ("/ktlite", "/dev/shm")  # ktlite's state dir and shared memory on a pod
 _RESERVED_ENV = (
@@ -53,8 +55,8 @@ def parse_cpus(value: Any, field_name: str = "cpus") -> float:
             raise ConfigError(f"{field_name}={value!r} is not a valid CPU quantity "
                               "(allowed: a number such as 2 or 0.5, or millicores such as '500m')")
         cpus = float(m.group(1)) / (1000 if m.group(3) else 1)
-    if cpus <= 0:
-        raise ConfigError(f"{field_name}={value!r} must be greater than 0")
+    if not math.isfinite(cpus) or cpus <= 0:
+        raise ConfigError(f"{field_name}={value!r} must be a finite number greater than 0")
     return cpus
 
 
@@ -172,19 +174,27 @@ class Compute:
         if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in self.env.items()):
             raise ConfigError(f"env={self.env!r} must map str to str; convert values with str()")
+        bad = [k for k in self.env if not _ENV_NAME.match(k)]
+        if bad:
+            raise ConfigError(f"env names {bad!r} are not valid environment variable names: use "
+                              "letters, digits and '_' (not starting with a digit), e.g. 'MY_VAR'")
+        nul = [k for k, v in self.env.items() if "\0" in v]
+        if nul:
+            raise ConfigError(f"env values of {nul!r} contain a NUL character, which no environment can hold")
         clash = sorted(set(self.env) & set(_RESERVED_ENV))
         if clash:
             raise ConfigError(f"env sets {', '.join(clash)}, which ktlite sets per rank; remove "
                               "them (use distribute(port=...) for MASTER_PORT)")
         if isinstance(self.launch_timeout, bool) or not isinstance(self.launch_timeout, (int, float)) \
-                or self.launch_timeout <= 0:
+                or not math.isfinite(self.launch_timeout) or self.launch_timeout <= 0:
             raise ConfigError(f"launch_timeout={self.launch_timeout!r} must be a positive number of seconds")
         for field_name in ("call_timeout", "teardown_timeout"):
             value = getattr(self, field_name)
             if value is None and field_name == "call_timeout":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{field_name}={value!r} must be a positive number of seconds"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"{field_name}={value!r} must be a positive number of seconds (finite)"
                                   + (" (or None for no limit)" if field_name == "call_timeout" else ""))
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0")

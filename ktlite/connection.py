@@ -139,6 +139,14 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
+    def drop(self, url: str) -> None:
+        """Close the idle connections to ``url`` (its pod is gone)."""
+        u = urlsplit(url)
+        with self._lock:
+            conns = self._idle.pop((u.hostname or "127.0.0.1", u.port or 80), [])
+        for c in conns:
+            c.close()
+
     def close(self) -> None:
         with self._lock:
             for conns in self._idle.values():

@@ -131,7 +131,27 @@ def encode_value(value: Any, what: str) -> bytes:
         with by_value():
             return protocol.dumps(value)
     except Exception as e:
-        raise SerializationError(f"{what} cannot be pickled: {e}") from e
+        raise SerializationError(_diagnose_value(value, what, e)) from e
+
+
+def _diagnose_value(value: Any, what: str, err: Exception) -> str:
+    """Name the entry that fails: ``init_args['lock'] (a _thread.lock)``, or the whole value."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(value, dict):
+        items = [(f"{what}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (tuple, list)):
+        # (args, kwargs) as kt.cls(...).to(init_args=...) packs them
+        if len(value) == 2 and isinstance(value[0], tuple) and isinstance(value[1], dict):
+            items = [(f"{what}[{i}]", v) for i, v in enumerate(value[0])]
+            items += [(f"{what}[{k!r}]", v) for k, v in value[1].items()]
+        else:
+            items = [(f"{what}[{i}]", v) for i, v in enumerate(value)]
+    for label, item in items:
+        e = _fails(item)
+        if e is not None:
+            return (f"{label} (a {_describe(item)}) cannot be pickled: {e}; pass plain data, or "
+                    "create the object on the pod")
+    return f"{what} cannot be pickled: {err}"
 
 
 def _fails(obj: Any) -> Exception | None:

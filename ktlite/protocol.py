@@ -39,6 +39,7 @@ VERSION_HEADER = "x-ktlite-protocol"
 # frame kinds
 FRAME = struct.Struct("<BQ")
 LOG, RESULT, ERROR, HEARTBEAT = 1, 2, 3, 4
+MAX_FRAME = 64 << 30  # no result frame is larger; a bigger claim is corruption, not data
 
 # out-of-band threshold: smaller buffers stay in the pickle stream
 _OOB_MIN = 4096
@@ -144,6 +145,13 @@ def parts_size(parts: Iterable[Any]) -> int:
 
 def loads(data: Any) -> Any:
     """Decode one message; out-of-band buffers are views of ``data`` (no copies)."""
+    body, bufs = split(data)
+    return pickle.loads(body, buffers=bufs)
+
+
+def split(data: Any) -> tuple[memoryview, list[memoryview]]:
+    """Check a message's framing (magic, version, buffer table, sizes) without unpickling it:
+    the pickle stream and the out-of-band buffers. Raises ProtocolError."""
     view = memoryview(data).cast("B")
     if view.nbytes < _HEAD.size:
         raise ProtocolError(f"message truncated: {view.nbytes} bytes, header needs {_HEAD.size}")
@@ -168,7 +176,7 @@ def loads(data: Any) -> Any:
         pos += n
     if body.nbytes != plen:
         raise ProtocolError("message truncated in its pickle stream")
-    return pickle.loads(body, buffers=bufs)
+    return body, bufs
 
 
 # ---- frames -------------------------------------------------------------------------------
@@ -219,6 +227,9 @@ class FrameParser:
                     break
                 self._kind, length = FRAME.unpack(self._head)
                 self._head.clear()
+                if length > MAX_FRAME:
+                    raise ProtocolError(f"a frame claims {length} bytes, more than the {MAX_FRAME} a "
+                                        "ktlite peer sends: not a ktlite stream, or a corrupt one")
                 self._payload, self._got = bytearray(length), 0
             take = min(len(self._payload) - self._got, view.nbytes - pos)
             self._payload[self._got:self._got + take] = view[pos:pos + take]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import fields
 from typing import Any
 
@@ -23,7 +24,8 @@ def _options(kwargs: dict[str, Any]) -> CallOptions:
     if unknown:
         raise ConfigError(f"unknown call option(s) {', '.join(unknown)}; allowed: {', '.join(_OPTION_NAMES)}")
     timeout = kwargs.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
         raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds (or None for no limit)")
     return CallOptions(**kwargs)
 
@@ -198,6 +200,8 @@ class _Remote:
             return
         limit = dep.spec.compute.teardown_timeout if timeout is None else timeout
         dep.backend.teardown(dep.name, timeout=limit, volumes=volumes)
+        for ep in dep.endpoints:
+            dep.client.forget(ep.url)
         dep.close()
         self._deployment = None
 

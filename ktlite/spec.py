@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ class DistributedConfig:
         if self.port is not None:
             _check_int("port", self.port, minimum=1, maximum=65535, fix="pick a free TCP port such as 29500")
         if isinstance(self.quorum_timeout, bool) or not isinstance(self.quorum_timeout, (int, float)) \
-                or self.quorum_timeout <= 0:
+                or not math.isfinite(self.quorum_timeout) or self.quorum_timeout <= 0:
             raise ConfigError(f"quorum_timeout={self.quorum_timeout!r} must be a positive number of seconds")
 
     @property

@@ -533,7 +533,7 @@ def test_dryrun_returns_plan_and_starts_nothing(distributed: bool) -> None:
     text = str(plan)
     assert name in text
     assert "ktlite_server" in text
-    assert "KTLITE_TOKEN=<hidden>" in text
+    assert "echo <token> | " in text and "--token-stdin" in text  # never the token itself
     assert secret not in text, "env values must not be printed in a plan"
     assert not _local_dir(name).exists()
     assert _pod_processes(name) == []

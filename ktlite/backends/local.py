@@ -217,14 +217,14 @@ class LocalBackend(Backend):
     # ---- backend API ------------------------------------------------------------------
 
     def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path) -> list[str]:
-        cmd = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0",
+        cmd = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0", "--token-stdin",
                "--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
                "--procs", str(spec.distributed.num_proc), "--ready-file", str(ready)]
         if not spec.detached:
             cmd += ["--parent-pid", str(os.getpid())]
         return cmd
 
-    def _env(self, spec: DeploymentSpec, ordinal: int, token: str) -> dict[str, str]:
+    def _env(self, spec: DeploymentSpec, ordinal: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
         image = spec.compute.image
         if image is not None:
@@ -232,7 +232,6 @@ class LocalBackend(Backend):
         env.update(spec.compute.env)
         gpus = spec.compute.gpus
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[ordinal * gpus:(ordinal + 1) * gpus])
-        env["KTLITE_TOKEN"] = token
         env["KTLITE_POD_ORDINAL"] = str(ordinal)
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
@@ -246,7 +245,7 @@ class LocalBackend(Backend):
             keys = sorted(spec.compute.env)
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
-            cmds.append(("KTLITE_TOKEN=<hidden> " + prefix + " " if prefix else "KTLITE_TOKEN=<hidden> ")
+            cmds.append((prefix + " " if prefix else "") + "echo <token> | "
                         + shlex.join(self._command(spec, i, ready)))
         return Plan(backend=self.name, name=spec.name, commands=cmds)
 
@@ -283,9 +282,13 @@ class LocalBackend(Backend):
                 with contextlib.suppress(FileNotFoundError):
                     ready.unlink()
                 with open(log, "ab") as logf:
-                    proc = subprocess.Popen(self._command(spec, i, ready), env=self._env(spec, i, token),
-                                            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                    proc = subprocess.Popen(self._command(spec, i, ready), env=self._env(spec, i),
+                                            stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
                                             start_new_session=True)
+                assert proc.stdin is not None
+                with contextlib.suppress(OSError):  # the token goes through a pipe, never env or argv
+                    proc.stdin.write(token.encode() + b"\n")
+                    proc.stdin.close()
                 self._procs[proc.pid] = proc
                 cgroup = self._limit_memory(spec, i, proc)
                 starting.append((i, proc, ready, log, cgroup))

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import sys
 
 import uvicorn
 
@@ -39,6 +40,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--procs", type=int, default=1, help="rank processes to start before code arrives")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--token-stdin", action="store_true", help="read the token from stdin's first line")
     return p.parse_args()
 
 
@@ -61,6 +63,8 @@ async def _watch_parent(pid: int, server: uvicorn.Server, pod: Pod) -> None:
 def main() -> None:
     args = _parse()
     token = os.environ.pop("KTLITE_TOKEN", "")
+    if not token and args.token_stdin:  # kept out of /proc/<pid>/environ, which env is not
+        token = sys.stdin.readline().strip()
     if not token:
         raise SystemExit("KTLITE_TOKEN is not set: the server refuses to run without a deployment token")
     max_body = int(os.environ.get("KTLITE_MAX_BODY", DEFAULT_MAX_BODY))

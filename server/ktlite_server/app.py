@@ -155,6 +155,8 @@ class FastCall:
                 response = await self._call(Request(scope, receive))
             except HTTPException as e:
                 response = JSONResponse({"detail": e.detail}, status_code=e.status_code)
+            except ClientDisconnect:
+                return  # the caller left mid-upload: nothing to answer, nothing ran
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -240,8 +242,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         authorize(request)
         try:
             plan = CallPlan(json.loads(request.headers.get(protocol.CALL_HEADER, "")))
-        except (ValueError, KeyError, TypeError) as e:
-            raise HTTPException(400, f"malformed {protocol.CALL_HEADER} header: {e}") from e
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise HTTPException(400, f"malformed {protocol.CALL_HEADER} header: {type(e).__name__}: "
+                                     f"{str(e)[:300]}") from e
         if pod.dep is None:
             raise HTTPException(409, f"pod {pod.name} has no code deployed: its server started after the "
                                 "deploy (a restarted container, a replaced pod); call .to() again, which "
@@ -259,6 +262,13 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 body = shm.map_private(path, int(plan.shm[1]))
             except (ValueError, OSError, IndexError, TypeError) as e:
                 raise HTTPException(400, f"bad shared-memory argument: {e}") from e
+        try:
+            protocol.split(body)  # framing only: the server never unpickles user data
+        except protocol.ProtocolError as e:
+            if path and own_file:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise HTTPException(400, f"malformed call body: {e}") from e
         coordinator = Coordinator(pod, token, state["client"], state["peers"], plan) if plan.fanout else None
 
         async def produce(emit: Callable[[Any], None]) -> None:
@@ -282,9 +292,12 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         return FrameResponse(produce, disconnected)
 
     @app.post("/cancel/{call_id}")
-    async def cancel(call_id: str, request: Request, kind: str = "cancelled",
-                     reason: str = "cancelled by the caller", reset: bool = False) -> JSONResponse:
-        authorize(request)
+    async def cancel(call_id: str, request: Request) -> JSONResponse:
+        authorize(request)  # before anything of the request is looked at
+        query = request.query_params
+        kind = query.get("kind", "cancelled")
+        reason = query.get("reason", "cancelled by the caller")
+        reset = query.get("reset", "false").lower() in ("1", "true", "yes")
         if kind not in ("cancelled", "timeout"):
             raise HTTPException(400, f"kind={kind!r}; allowed: cancelled, timeout")
         found = pod.cancel(call_id, kind, reason[:500])

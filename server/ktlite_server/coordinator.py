@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -32,25 +33,69 @@ STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are repor
 class CallPlan:
     """The ``x-ktlite-call`` header: who runs the call and how."""
 
-    def __init__(self, meta: dict[str, Any]) -> None:
-        self.id: str = meta["id"]
-        self.pods: list[str] = list(meta.get("pods") or [])
-        self.names: list[str] = list(meta.get("names") or [])
-        self.workers: list[int] | None = meta.get("workers")
-        self.timeout: float | None = meta.get("timeout")
-        self.stream_logs: bool = bool(meta.get("stream_logs", True))
-        self.restart: bool = bool(meta.get("restart", False))
-        self.fanout: bool = bool(meta.get("fanout", False))
-        self.quorum_timeout: float = float(meta.get("quorum_timeout") or 300.0)
-        self.num_proc: int = int(meta.get("num_proc") or 1)
-        self.launch_id: str = str(meta.get("launch_id") or "")  # the code the caller deployed
+    def __init__(self, meta: Any) -> None:
+        """Validate every field: a bad header is the caller's fault (400), never a crash."""
+        if not isinstance(meta, dict):
+            raise ValueError("the call plan must be a JSON object")
+        self.id = _str(meta, "id", required=True)
+        self.pods = _list(meta, "pods", str)
+        self.names = _list(meta, "names", str)
+        workers = meta.get("workers")
+        self.workers: list[int] | None = None if workers is None else _list(meta, "workers", int)
+        if self.workers is not None and (not self.workers or any(
+                not 0 <= w < len(self.pods) for w in self.workers)):
+            raise ValueError(f"workers={workers!r} must be pod indices between 0 and {len(self.pods) - 1}")
+        self.timeout = _number(meta, "timeout", None)
+        self.stream_logs = bool(meta.get("stream_logs", True))
+        self.restart = bool(meta.get("restart", False))
+        self.fanout = bool(meta.get("fanout", False))
+        if self.fanout and not self.pods:
+            raise ValueError("a fan-out call needs its pods")
+        if self.names and len(self.names) != len(self.pods):
+            raise ValueError("names and pods differ in length")
+        self.quorum_timeout = _number(meta, "quorum_timeout", 300.0) or 300.0
+        num_proc = meta.get("num_proc") or 1
+        if isinstance(num_proc, bool) or not isinstance(num_proc, int) or not 1 <= num_proc <= 4096:
+            raise ValueError(f"num_proc={num_proc!r} must be a whole number between 1 and 4096")
+        self.num_proc = num_proc
+        self.launch_id = _str(meta, "launch_id")  # the code the caller deployed
         # same-host mode (local backend): arguments arrive, and results leave, as files
-        self.shm: list[Any] | None = meta.get("shm")
-        self.shm_results: bool = bool(meta.get("shm_results", False))
+        shm_arg = meta.get("shm")
+        if shm_arg is not None and not (isinstance(shm_arg, list) and len(shm_arg) == 2):
+            raise ValueError("shm must be [path, size]")
+        self.shm: list[Any] | None = shm_arg
+        self.shm_results = bool(meta.get("shm_results", False))
 
     def member_meta(self) -> dict[str, Any]:
         return {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
                 "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id}
+
+
+def _str(meta: dict[str, Any], key: str, required: bool = False) -> str:
+    value = meta.get(key)
+    if value in (None, "") and not required:
+        return ""
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise ValueError(f"{key} must be a {'non-empty ' if required else ''}string of at most 200 characters")
+    return value
+
+
+def _list(meta: dict[str, Any], key: str, kind: type) -> list[Any]:
+    value = meta.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool)
+                                              for v in value):
+        raise ValueError(f"{key} must be a list of {kind.__name__}")
+    return value
+
+
+def _number(meta: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = meta.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"{key}={value!r} must be a positive number of seconds")
+    return float(value)
 
 
 def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodOutcome]:
@@ -134,7 +179,9 @@ class Coordinator:
                 outs = t.result()
                 results.extend(outs)
                 failed = [o for o in outs if o[2] not in ("ok", "cancelled", "timeout")]
-                if failed and not self._stopped and pending:
+                # even when it is the last to arrive: the other pods must drop the process
+                # groups their ranks share with the failed one, or the next collective hangs
+                if failed and not self._stopped:
                     await self._stop("cancelled", f"stopped because rank {failed[0][0]} failed")
         return sorted(results, key=lambda o: o[0])
 

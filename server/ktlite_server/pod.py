@@ -125,7 +125,7 @@ class Pod:
             self.ranks.append(None)  # type: ignore[arg-type]
         old = self.ranks[local_rank]
         if old is not None:
-            rank.restarts = old.restarts
+            rank.restarts, rank.streak = old.restarts, old.streak
             rank.last_exit = old.exit_code if old.exit_code is not None else old.last_exit
             old.kill()
         self.ranks[local_rank] = rank
@@ -171,7 +171,7 @@ class Pod:
             if restart:
                 for r in self.ranks:
                     if r is not None:
-                        r.restarts = 0
+                        r.restarts = r.streak = 0
             return list(await asyncio.gather(*(self._ready_rank(i, dep, restart) for i in range(want))))
 
     def _needs_heal(self, r: RankProcess | None) -> bool:
@@ -180,7 +180,9 @@ class Pod:
     async def _heal(self) -> list[Outcome]:
         """Replace rank processes that died or that we killed; one heal at a time.
 
-        Only a crash counts against max_restarts; a rank beyond it is reported, not restarted.
+        Only a death between calls (an idle rank that crashed or was killed) counts against
+        max_restarts: a death during a call is that call's error, reported to its caller, and
+        the next call gets a fresh process. A rank beyond the budget is reported, not restarted.
         """
         async with self._heal_lock:
             dep = self.dep
@@ -189,19 +191,22 @@ class Pod:
             victims = [r for r in self.ranks if self._needs_heal(r)]
             await asyncio.gather(*(r.wait_dead(5.0) for r in victims))
             broken: list[Outcome] = []
-            todo: list[tuple[int, bool]] = []
+            todo: list[tuple[int, bool, bool]] = []
             for r in victims:
                 crashed = not r.stopping
-                if crashed and r.restarts >= dep.max_restarts:
+                charged = crashed and not r.died_in_call
+                if charged and r.streak >= dep.max_restarts:
                     broken.append(Outcome(r.global_rank, "died", message=(
-                        f"rank process died {r.restarts + 1} times; max_restarts={dep.max_restarts} "
+                        f"rank process died {r.streak + 1} times; max_restarts={dep.max_restarts} "
                         f"reached (last: {r.death_message()}); call with restart_procs=True or redeploy")))
                     continue
-                todo.append((r.local_rank, crashed))
-            outs = await asyncio.gather(*(self._ready_rank(i, dep, restart=True) for i, _ in todo))
-            for i, crashed in todo:
+                todo.append((r.local_rank, crashed, charged))
+            outs = await asyncio.gather(*(self._ready_rank(i, dep, restart=True) for i, _, _ in todo))
+            for i, crashed, charged in todo:
                 if crashed:
                     self.ranks[i].restarts += 1
+                if charged:
+                    self.ranks[i].streak += 1
             return broken + [o for o in outs if o.status != "ok"]
 
     def _heal_later(self) -> None:
@@ -257,7 +262,7 @@ class Pod:
             if restart:  # fresh processes, and a fresh max_restarts budget
                 for r in self.ranks:
                     if r is not None:
-                        r.restarts = 0
+                        r.restarts = r.streak = 0
                 loads = await asyncio.gather(*(self._ready_rank(i, dep, True) for i in range(len(self.ranks))))
                 bad = [o for o in loads if o.status != "ok"]
             else:
@@ -316,6 +321,7 @@ class Pod:
             # stopping it, keeps its own exit code and is reported as a death
             if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
                 return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
+            rank.died_in_call = True
             return Outcome(rank.global_rank, "died", message=str(e))
         return Outcome(rank.global_rank, "ok" if ok else "error", inline, path=path, size=size)
 

@@ -74,6 +74,8 @@ class RankProcess:
         self.has_pg = False  # a torch process group lives in this process
         self.stopping = False  # we killed it: its death is no crash
         self.restarts = 0
+        self.streak = 0  # deaths between calls so far: what max_restarts limits
+        self.died_in_call = False  # its death was a call's error (not charged to max_restarts)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pending: asyncio.Future[Any] | None = None
@@ -204,6 +206,10 @@ class RankProcess:
         for fd in list(self._fds):
             loop.remove_reader(fd)
         self._fds.clear()
+        for pipe in (self.proc.stdout, self.proc.stderr):  # drained above; don't wait for the GC
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
         if self._pidfd is not None:
             loop.remove_reader(self._pidfd)
             os.close(self._pidfd)
