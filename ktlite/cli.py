@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from ktlite import __version__, config
 from ktlite.backends.base import Backend, get_backend
 from ktlite.decorators import Decorated
-from ktlite.errors import ConfigError, KtliteError
+from ktlite.errors import ConfigError, KtliteError, NotDeployedError
 
 
 def _backend(args: argparse.Namespace) -> Backend:
@@ -81,6 +82,95 @@ def _deploy(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
+    """The running deployment NAME (as a Deployment) and its pods' status."""
+    from ktlite.compute import Compute
+    from ktlite.deploy import Deployment
+    from ktlite.spec import DeploymentSpec
+
+    backend = _backend(args)
+    applied = backend.lookup(args.name)
+    if applied is None:
+        raise NotDeployedError(f"no deployment {args.name!r} on backend {backend.name!r}; "
+                               "`ktlite list` shows what runs")
+    probe = Deployment(DeploymentSpec(args.name, Compute()), backend, applied)
+    status = probe.status()
+    procs = max(1, len(status[0]["ranks"])) if status else 1
+    compute = Compute(backend=backend.name).distribute("spmd", workers=len(applied.endpoints), num_proc=procs)
+    return Deployment(DeploymentSpec(args.name, compute), backend, applied), status
+
+
+def _status(args: argparse.Namespace) -> int:
+    dep, pods = _attach(args)
+    stuck = 0
+    for pod in dep.status(args.stuck_after) if args.stuck_after is not None else pods:
+        print(f"pod {pod['pod']} (ordinal {pod['ordinal']}, server pid {pod.get('server_pid')}, "
+              f"launch {pod.get('launch_id')}, active calls {len(pod.get('active_calls', []))})")
+        for r in pod["ranks"]:
+            busy = f" busy {r['busy_for_s']:.1f}s" if r.get("busy_for_s") is not None else ""
+            flag = " STUCK" if r.get("stuck") else ""
+            stuck += bool(r.get("stuck"))
+            print(f"  rank {r['rank']:<4} pid {r['pid']!s:<8} {r['state']:<5}{busy}{flag}  "
+                  f"restarts {r['restarts']}  last exit {r['last_exit']}")
+    return 2 if stuck else 0
+
+
+def _call(args: argparse.Namespace) -> int:
+    try:
+        call_args = json.loads(args.args)
+        call_kwargs = json.loads(args.kwargs)
+    except ValueError as e:
+        raise ConfigError(f"--args and --kwargs take JSON, e.g. --args '[1, 2]' --kwargs "
+                          f"'{{\"x\": 3}}': {e}") from e
+    if not isinstance(call_args, list) or not isinstance(call_kwargs, dict):
+        raise ConfigError("--args must be a JSON list and --kwargs a JSON object")
+    from ktlite import packaging
+    from ktlite.deploy import CallOptions
+
+    dep, _ = _attach(args)
+    parts = packaging.encode_call(args.method, tuple(call_args), call_kwargs)
+    values = dep.call(args.method, parts, CallOptions(timeout=args.timeout))
+    result = values if len(values) > 1 else values[0]
+    try:
+        print(json.dumps(result))
+    except TypeError:
+        print(repr(result))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ktlite.apps import App
+
+    if args.command_line:
+        command = args.command_line
+        extra: dict[str, Any] = {k: v for k, v in (("cpus", args.cpus), ("gpus", args.gpus),
+                                                   ("memory", args.memory), ("image", args.image))
+                                 if v is not None}
+        apps = [App(command, replicas=args.replicas, name=args.name, backend=args.backend,
+                    namespace=args.namespace, **extra)]
+    elif args.script:
+        module = _load_script(args.script)
+        apps = list({id(v): v for v in vars(module).values() if isinstance(v, App)}.values())
+        if not apps:
+            raise ConfigError(f"{args.script} declares no kt.app(...); or run a command directly: "
+                              "`ktlite run --replicas 2 -- torchrun --nproc_per_node=2 train.py`")
+    else:
+        raise ConfigError("give a script that declares kt.app(...) objects, or a command after --")
+    if args.dry_run:
+        for app in apps:
+            print(app.deploy(dryrun=True))
+        return 0
+    failed = 0
+    for app in apps:
+        try:
+            codes = app.run(timeout=args.timeout)
+            print(f"{app.name}: exit codes {codes}")
+        except KtliteError as e:
+            failed += 1
+            print(f"{app.name}: failed: {e}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _list(args: argparse.Namespace) -> int:
     rows = _backend(args).list()
     if not rows:
@@ -111,8 +201,13 @@ def _teardown(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
+    pod = args.pod
+    if args.rank is not None:
+        _, status = _attach(args)
+        procs = max(1, len(status[0]["ranks"])) if status else 1
+        pod = args.rank // procs
     try:
-        for line in _backend(args).logs(args.name, args.pod, follow=args.follow, tail=args.tail):
+        for line in _backend(args).logs(args.name, pod, follow=args.follow, tail=args.tail):
             print(line, flush=True)
     except KeyboardInterrupt:
         pass
@@ -181,8 +276,37 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("name")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     lg.add_argument("--pod", type=int, default=None, help="only this pod (its ordinal)")
+    lg.add_argument("--rank", type=int, default=None, help="only the pod holding this rank")
     lg.add_argument("--tail", type=int, default=None, help="only the last N lines of each pod")
     where(lg)
+    st = command("status", "show a deployment's pods and ranks (exit 2 if a rank is stuck)",
+                 "ktlite status train --stuck-after 600", _status)
+    st.add_argument("name")
+    st.add_argument("--stuck-after", type=float, default=None,
+                    help="a rank busy longer than this many seconds is STUCK (default 600)")
+    where(st)
+    cl = command("call", "call a deployed function (or a method of a deployed class)",
+                 "ktlite call square --args '[7]'   |   ktlite call model --method predict "
+                 "--kwargs '{\"x\": 1}'", _call)
+    cl.add_argument("name")
+    cl.add_argument("--args", default="[]", help="positional arguments as a JSON list")
+    cl.add_argument("--kwargs", default="{}", help="keyword arguments as a JSON object")
+    cl.add_argument("--method", default=None, help="for a deployed class: the method to call")
+    cl.add_argument("--timeout", type=float, default=None, help="seconds before the call is stopped")
+    where(cl)
+    rn = command("run", "run kt.app commands: those a script declares, or one given after --",
+                 "ktlite run train_app.py   |   ktlite run --replicas 2 -- torchrun "
+                 "--nproc_per_node=2 train.py", _run)
+    rn.add_argument("script", nargs="?", default=None, help="a script declaring kt.app(...) objects")
+    rn.add_argument("--replicas", type=int, default=1)
+    rn.add_argument("--name", default=None)
+    rn.add_argument("--cpus", default=None)
+    rn.add_argument("--gpus", type=int, default=None)
+    rn.add_argument("--memory", default=None)
+    rn.add_argument("--image", default=None)
+    rn.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped")
+    rn.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
+    where(rn)
     cf = command("config", "read and change settings", "ktlite config set backend kubernetes", _config)
     cf.add_argument("action", choices=["get", "set", "unset", "list"])
     cf.add_argument("key", nargs="?", default=None, choices=sorted(config.KEYS))
@@ -192,7 +316,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
-    args = p.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    command_line: list[str] = []
+    if "--" in raw and "run" in raw[:raw.index("--")]:  # `ktlite run [opts] -- CMD ...`
+        command_line = raw[raw.index("--") + 1:]
+        raw = raw[:raw.index("--")]
+    args = p.parse_args(raw)
+    args.command_line = command_line
     if args.command == "config" and args.action != "list" and args.key is None:
         p.error(f"ktlite config {args.action} needs a key: one of {', '.join(sorted(config.KEYS))}")
     try:
