@@ -16,9 +16,12 @@ script joins across replicas with no rank arguments: ``PET_NNODES``, ``PET_NODE_
 from __future__ import annotations
 
 import io
+import math
 import os
 import shlex
+import shutil
 import subprocess
+import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,7 +71,7 @@ def torchrun_env(rendezvous_timeout: float) -> dict[str, str]:
     """torchrun's ``PET_*`` settings from this replica's rank env."""
     env = os.environ
     endpoint = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    timeout = str(int(rendezvous_timeout))
+    timeout = str(math.ceil(rendezvous_timeout))
     return {
         "PET_NNODES": env["GROUP_WORLD_SIZE"],
         "PET_NODE_RANK": env["NODE_RANK"],
@@ -97,7 +100,6 @@ def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendez
     """On a pod: run ``command`` in the shipped files (or ``cwd`` when the caller's folder is
     right here), streaming its output; returns 0 or raises ReplicaFailed."""
     import collections
-    import sys
     import tempfile
 
     if files is not None:
@@ -107,15 +109,23 @@ def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendez
     else:
         workdir = cwd or os.getcwd()
     env = {**os.environ, **torchrun_env(rendezvous_timeout), **extra_env, "PYTHONUNBUFFERED": "1"}
+    # `python` and `torchrun` are this pod's: its interpreter's scripts come first on PATH
+    # (a caller's venv need not be activated)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     tail: collections.deque[str] = collections.deque(maxlen=30)
     proc = subprocess.Popen(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
     assert proc.stdout is not None
-    for raw in proc.stdout:
-        line = raw.decode(errors="replace").rstrip("\n")
-        tail.append(line)
-        print(line, flush=True)
-    code = proc.wait()
+    try:
+        with proc.stdout:
+            for raw in proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                tail.append(line)
+                print(line, flush=True)
+        code = proc.wait()
+    finally:
+        if files is not None:  # the unpacked copy is this run's only
+            shutil.rmtree(workdir, ignore_errors=True)
     if code != 0:
         how = f"exit code {code}" if code > 0 else f"signal {-code}"
         node = os.environ.get("NODE_RANK", "?")
@@ -150,8 +160,9 @@ class App:
             raise ConfigError("pass compute= or Compute fields as keywords, not both")
         base = compute if compute is not None else Compute(**compute_kwargs)
         if isinstance(rendezvous_timeout, bool) or not isinstance(rendezvous_timeout, (int, float)) \
-                or rendezvous_timeout <= 0:
-            raise ConfigError(f"rendezvous_timeout={rendezvous_timeout!r} must be a positive number of seconds")
+                or not math.isfinite(rendezvous_timeout) or rendezvous_timeout < 1:
+            raise ConfigError(f"rendezvous_timeout={rendezvous_timeout!r} must be a finite number of "
+                              "seconds >= 1")
         self.command = command
         self.compute = base.distribute("pytorch", workers=replicas, num_proc=1,
                                        port=base.distributed.port if base.distributed else None)

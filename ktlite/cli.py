@@ -6,6 +6,7 @@ import argparse
 import concurrent.futures
 import importlib.util
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,11 +126,15 @@ def _call(args: argparse.Namespace) -> int:
     if not isinstance(call_args, list) or not isinstance(call_kwargs, dict):
         raise ConfigError("--args must be a JSON list and --kwargs a JSON object")
     from ktlite import packaging
-    from ktlite.deploy import CallOptions
+    from ktlite.remote import _options
 
-    dep, _ = _attach(args)
+    options = _options({"timeout": args.timeout})  # bad values fail here, before the call
+    dep, status = _attach(args)
+    if args.method is None and status and status[0].get("kind") == "cls":
+        raise ConfigError(f"{args.name!r} is a deployed class: name the method to call with "
+                          "--method, e.g. --method predict")
     parts = packaging.encode_call(args.method, tuple(call_args), call_kwargs)
-    values = dep.call(args.method, parts, CallOptions(timeout=args.timeout))
+    values = dep.call(args.method, parts, options)
     result = values if len(values) > 1 else values[0]
     try:
         print(json.dumps(result))
@@ -159,6 +164,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.dry_run:
         for app in apps:
             print(app.deploy(dryrun=True))
+            print(f"# then, on each of the {app.compute.distributed.workers} replica(s), in "
+                  f"{app.workdir}: {shlex.join(app.command)}")
         return 0
     failed = 0
     for app in apps:

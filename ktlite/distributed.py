@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import time
 
@@ -56,8 +57,9 @@ def pod_ips(quorum_workers: int | None = None, quorum_timeout: float = 300.0) ->
     want = quorum_workers if quorum_workers is not None else int(os.environ.get("GROUP_WORLD_SIZE") or 1)
     if isinstance(want, bool) or not isinstance(want, int) or want < 1:
         raise ConfigError(f"quorum_workers={quorum_workers!r} must be a whole number >= 1")
-    if isinstance(quorum_timeout, bool) or not isinstance(quorum_timeout, (int, float)) or quorum_timeout < 0:
-        raise ConfigError(f"quorum_timeout={quorum_timeout!r} must be a number of seconds >= 0")
+    if isinstance(quorum_timeout, bool) or not isinstance(quorum_timeout, (int, float)) \
+            or not math.isfinite(quorum_timeout) or quorum_timeout < 0:
+        raise ConfigError(f"quorum_timeout={quorum_timeout!r} must be a finite number of seconds >= 0")
     deadline = time.monotonic() + quorum_timeout
     while True:
         ips = _known()

@@ -361,6 +361,7 @@ class Pod:
         now = time.monotonic()
         return {
             "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
+            "kind": self.dep.kind if self.dep else None,
             "launch_id": self.dep.launch_id if self.dep else None,
             "ranks": [{
                 "rank": r.global_rank, "local_rank": r.local_rank, "pid": r.pid,
