@@ -90,7 +90,7 @@ def load(kubeconfig: str | None = None, context: str | None = None,
     """An authenticated client for the cluster, and where it points.
 
     In a pod (service account mounted) the in-cluster configuration is used unless a
-    kubeconfig is named; otherwise KUBECONFIG or ~/.kube/config.
+    kubeconfig is named (argument or KUBECONFIG); otherwise KUBECONFIG or ~/.kube/config.
     """
     try:
         from kubernetes import client as kclient
@@ -99,7 +99,8 @@ def load(kubeconfig: str | None = None, context: str | None = None,
         raise ConfigError("backend='kubernetes' needs the kubernetes client: "
                           "pip install 'ktlite[kubernetes]'") from e
     configuration = kclient.Configuration()
-    in_cluster = kubeconfig is None and context is None and "KUBERNETES_SERVICE_HOST" in os.environ \
+    in_cluster = kubeconfig is None and context is None and not os.environ.get("KUBECONFIG") \
+        and "KUBERNETES_SERVICE_HOST" in os.environ \
         and os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token")
     try:
         if in_cluster:
