@@ -93,6 +93,9 @@ class PodClient:
             resp = self.http.get(f"{url}/health", timeout=timeout)
         except httpx.HTTPError as e:
             raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
+        if resp.status_code in (502, 503, 504):  # a proxy (the API server's) cannot reach it yet
+            raise PodUnreachable(f"pod at {url} is not reachable through the proxy yet "
+                                 f"(HTTP {resp.status_code}): {resp.text[:300]}")
         self._check(resp, url)
         data: dict[str, Any] = resp.json()
         if data.get("protocol") != protocol.PROTOCOL_VERSION:
