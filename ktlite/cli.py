@@ -85,6 +85,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     """The running deployment NAME (as a Deployment) and its pods' status."""
+    from ktlite.client import PodClient
     from ktlite.compute import Compute
     from ktlite.deploy import Deployment
     from ktlite.spec import DeploymentSpec
@@ -94,11 +95,12 @@ def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     if applied is None:
         raise NotDeployedError(f"no deployment {args.name!r} on backend {backend.name!r}; "
                                "`ktlite list` shows what runs")
-    probe = Deployment(DeploymentSpec(args.name, Compute()), backend, applied)
-    status = probe.status()
-    procs = max(1, len(status[0]["ranks"])) if status else 1
+    # the layout (ranks per pod) is the pods' to tell: the CLI has no Compute
+    status = PodClient(applied.token, http=applied.http).status(applied.endpoints[0].url)
+    procs = max(1, len(status["ranks"]))
     compute = Compute(backend=backend.name).distribute("spmd", workers=len(applied.endpoints), num_proc=procs)
-    return Deployment(DeploymentSpec(args.name, compute), backend, applied), status
+    dep = Deployment(DeploymentSpec(args.name, compute), backend, applied)
+    return dep, [status, *(dep.client.status(ep.url) for ep in applied.endpoints[1:])]
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -27,8 +27,6 @@ class Decorated:
     """A function or class marked with ``@kt.compute`` and/or ``@kt.distribute``."""
 
     def __init__(self, obj: Any) -> None:
-        if isinstance(obj, Decorated):
-            raise ConfigError("internal: Decorated wraps a Decorated")
         if not (inspect.isfunction(obj) or inspect.isclass(obj)):
             raise ConfigError(f"@kt.compute / @kt.distribute decorate functions and classes, not "
                               f"{type(obj).__name__}")

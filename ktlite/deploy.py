@@ -216,6 +216,10 @@ def attach(spec: DeploymentSpec) -> Deployment:
 
 # ---- outcomes → values / errors ------------------------------------------------------------
 
+# a failed rank's kind -> the error that reports it ("error" keeps the rank's own exception)
+_KIND_ERRORS: dict[str, type[RemoteError]] = {
+    "died": RankDied, "unreachable": QuorumTimeout, "timeout": CallTimeout, "cancelled": CallCancelled}
+
 def _split(outcomes: list[tuple[int, str, str, Any, str, float]]
            ) -> tuple[list[RankFailure], dict[int, Any]]:
     failures: list[RankFailure] = []
@@ -245,10 +249,9 @@ def _split(outcomes: list[tuple[int, str, str, Any, str, float]]
         else:
             failure = RankFailure(rank, pod, status, message, at=at)
             # outcomes hold a value or an exception for every rank
-            kind = {"died": RankDied, "unreachable": QuorumTimeout, "timeout": CallTimeout,
-                    "cancelled": CallCancelled}.get(status, RemoteError)
             failure.exception = (NotDeployedError(failure.describe()) if status == "stale"
-                                 else kind(failure.describe(), failures=[failure]))
+                                 else _KIND_ERRORS.get(status, RemoteError)(failure.describe(),
+                                                                            failures=[failure]))
             failures.append(failure)
     return failures, values
 
@@ -291,6 +294,4 @@ def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
         return DeployError(summary)
     if first.kind == "stale":
         return NotDeployedError(summary)
-    cls = {"died": RankDied, "unreachable": QuorumTimeout, "timeout": CallTimeout,
-           "cancelled": CallCancelled}.get(first.kind, RemoteError)
-    return cls(summary, failures=failures, outcomes=outcomes)
+    return _KIND_ERRORS.get(first.kind, RemoteError)(summary, failures=failures, outcomes=outcomes)

@@ -29,6 +29,7 @@ from helpers_mod import Scaler, double
 
 import ktlite as kt
 from ktlite.backends.local import LocalBackend
+from ktlite.backends.local import pid_alive as alive
 
 # ---- helpers (local side) -----------------------------------------------------------------
 
@@ -56,19 +57,6 @@ def rank_pids(remote: Any) -> list[int]:
     return [r["pid"] for pod in remote.status() for r in pod["ranks"]]
 
 
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return not f.read().rsplit(") ", 1)[-1].startswith("Z")
-    except OSError:
-        return False
 
 
 def wait_gone(pids: list[int], timeout: float = 3.0) -> list[int]:

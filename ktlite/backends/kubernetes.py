@@ -26,7 +26,7 @@ from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
 from ktlite.errors import DeployError, LaunchTimeout
-from ktlite.spec import DeploymentSpec
+from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
 
 POLL_S = 1.0
 
@@ -87,16 +87,14 @@ class KubernetesBackend(Backend):
 
     @property
     def namespace(self) -> str:
-        if self._namespace:
-            return self._namespace
-        configured = config.get("namespace")
-        if configured:
-            return configured
-        return self._connect()[1].namespace
+        """The Compute's namespace, else ``ktlite config``'s, else the kubeconfig context's
+        (resolved once per backend object)."""
+        if not self._namespace:
+            self._namespace = config.get("namespace") or self._connect()[1].namespace
+        return self._namespace
 
     def _api(self) -> KubeApi:
-        http, info = self._connect()
-        return KubeApi(http, self.namespace)
+        return KubeApi(self._connect()[0], self.namespace)
 
     def _say(self, text: str) -> None:
         print(f"ktlite: {text}", file=self._out or sys.stderr, flush=True)
@@ -245,17 +243,17 @@ class KubernetesBackend(Backend):
     def _applied(self, name: str, pods: list[dict[str, Any]], token: str, master_port: int,
                  restarted: list[int]) -> Applied:
         api = self._api()
-        in_cluster = self._connect()[1].in_cluster
+        http, info = self._connect()
         endpoints = []
         for pod in sorted(pods, key=_ordinal):
             ip = pod["status"].get("podIP", "")
             pod_name = pod["metadata"]["name"]
             peer = _url(ip, km.SERVER_PORT)
             endpoints.append(PodEndpoint(name=pod_name, ordinal=_ordinal(pod), ip=ip, peer_url=peer,
-                                         url=peer if in_cluster else api.proxy_url(pod_name, km.SERVER_PORT)))
+                                         url=peer if info.in_cluster else api.proxy_url(pod_name, km.SERVER_PORT)))
         return Applied(name=name, backend=self.name, endpoints=endpoints, token=token,
                        master_port=master_port, restarted=restarted,
-                       http=None if in_cluster else self._connect()[0])
+                       http=None if info.in_cluster else http)
 
     # ---- lookup / teardown / list / logs ------------------------------------------------------
 
@@ -274,7 +272,7 @@ class KubernetesBackend(Backend):
                 and _ordinal(p) < sts["spec"]["replicas"]]
         ports = [p.get("containerPort") for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]
                  if p.get("name") == "master"]
-        return self._applied(name, pods, token, ports[0] if ports else 29500, [])
+        return self._applied(name, pods, token, ports[0] if ports else DEFAULT_MASTER_PORT, [])
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
         api = self._api()

@@ -35,7 +35,8 @@ def _home() -> Path:
     return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "local"
 
 
-def _pid_alive(pid: int | None) -> bool:
+def pid_alive(pid: int | None) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, not reaped) does not; a stopped process does."""
     if not pid:
         return False
     try:
@@ -45,7 +46,7 @@ def _pid_alive(pid: int | None) -> bool:
     except PermissionError:
         return True
     with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        if f.read().split(") ")[-1].startswith("Z"):
+        if f.read().rsplit(") ", 1)[-1].startswith(("Z", "X")):
             return False  # a zombie has exited
     return True
 
@@ -207,8 +208,8 @@ class LocalBackend(Backend):
         state = self._read(name)
         if state is None:
             return None
-        owner_gone = not state.get("detached") and not _pid_alive(state.get("owner_pid"))
-        if owner_gone or not any(_pid_alive(p["pid"]) for p in state["pods"]):
+        owner_gone = not state.get("detached") and not pid_alive(state.get("owner_pid"))
+        if owner_gone or not any(pid_alive(p["pid"]) for p in state["pods"]):
             self._stop_pods(state["pods"], timeout=2.0)
             shutil.rmtree(self._dir(name), ignore_errors=True)
             return None
@@ -272,7 +273,7 @@ class LocalBackend(Backend):
                 old = old_pods.pop(i, None)
                 # reuse a pod only if it answers: a killed one can look alive for a few ms,
                 # a stopped or hung one for ever
-                if old and old["hash"] == pod_hash and _pid_alive(old["pid"]) and _answers(old["port"]):
+                if old and old["hash"] == pod_hash and pid_alive(old["pid"]) and _answers(old["port"]):
                     pods.append(old)
                     continue
                 if old:
@@ -384,7 +385,7 @@ class LocalBackend(Backend):
             while time.monotonic() < deadline:
                 if proc is not None and proc.poll() is not None:
                     break
-                if proc is None and not _pid_alive(pid):
+                if proc is None and not pid_alive(pid):
                     break
                 time.sleep(0.01)
             else:
@@ -414,7 +415,7 @@ class LocalBackend(Backend):
                 state = self._live_state(d.name)
                 if state is None:
                     continue
-                alive = sum(_pid_alive(p["pid"]) for p in state["pods"])
+                alive = sum(pid_alive(p["pid"]) for p in state["pods"])
                 out.append({"name": state["name"], "backend": self.name, "namespace": None,
                             "pods": len(state["pods"]), "ready": alive, "detached": state["detached"]})
         return out

@@ -66,6 +66,10 @@ class CallPlan:
         self.shm: list[Any] | None = shm_arg
         self.shm_results = bool(meta.get("shm_results", False))
 
+    def name(self, i: int) -> str:
+        """Pod ``i``'s name (its URL when the caller sent no names)."""
+        return self.names[i] if self.names else self.pods[i]
+
     def member_meta(self) -> dict[str, Any]:
         return {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
                 "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id}
@@ -227,14 +231,14 @@ class Coordinator:
             await asyncio.sleep(0.2)
         if not missing:
             return []
-        names = [plan.names[i] if i < len(plan.names) else plan.pods[i] for i in missing]
+        names = [plan.name(i) for i in missing]
         reached = len(plan.pods) - len(missing)
         outs: list[PodOutcome] = []
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
         for i in targets:
             if i in errors:
                 outs += self._failed_pod(plan, i, (
-                    f"pod {plan.names[i] if i < len(plan.names) else i} at {plan.pods[i]} was not reachable "
+                    f"pod {plan.name(i)} at {plan.pods[i]} was not reachable "
                     f"(waited {time.monotonic() - start:.1f}s of quorum_timeout={plan.quorum_timeout:g}s: "
                     f"{errors[i]}); {reached} of "
                     f"{len(plan.pods)} pods were; no rank started. Check that the pod is running, or "
@@ -245,13 +249,13 @@ class Coordinator:
         return outs
 
     def _failed_pod(self, plan: CallPlan, i: int, message: str, status: str = "died") -> list[PodOutcome]:
-        name = plan.names[i] if i < len(plan.names) else f"pod-{i}"
+        name = plan.name(i)
         now = time.time()
         return [(i * plan.num_proc + lr, name, status, None, message, now) for lr in range(plan.num_proc)]
 
     async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
         url = plan.pods[i]
-        name = plan.names[i] if i < len(plan.names) else url
+        name = plan.name(i)
         deadline = time.monotonic() + plan.quorum_timeout
         body = memoryview(b"" if plan.shm else payload).cast("B")
         while True:

@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ktlite.backends.local import pid_alive  # noqa: F401  (the tests use it from here)
+
 LAST_WORDS = "last words of rank {rank}: about to {what}"
 
 
@@ -178,18 +180,3 @@ def act(plan: dict[Any, tuple[Any, ...]], stamps: str | None = None,
 
 # ---- test side ---------------------------------------------------------------------------------
 
-def pid_alive(pid: int | None) -> bool:
-    """Whether ``pid`` runs (a zombie has exited)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return not f.read().rsplit(") ", 1)[-1].startswith("Z")
-    except OSError:
-        return False
