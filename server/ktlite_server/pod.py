@@ -270,6 +270,11 @@ class Pod:
             if bad:
                 return bad
             if handle.stop_kind:  # cancelled before it started, or while ranks were restarted
+                # the cancel found this call, so it reset nothing; other pods may have killed
+                # ranks mid-collective, and a group kept here still names those dead processes
+                self._kill_groups()
+                if any(self._needs_heal(r) for r in self.ranks):
+                    self._heal_later()
                 return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
                                 message=handle.stop_reason) for i in range(dep.config.num_proc)]
             size = memoryview(payload).nbytes

@@ -87,10 +87,22 @@ def exception_info(exc: BaseException, where: str = "") -> protocol.RemoteExcept
                                         traceback=tb, pickled=pickled)
 
 
-def _pg_initialized() -> bool:
+def _holds_dist_state() -> bool:
+    """Whether torch.distributed state lives in this process: a process group, or what an
+    ``init_process_group`` that raised left behind (a peer went away mid-rendezvous). The
+    latter holds no group, but torch's group counter has moved on, so this process's next
+    rendezvous would use another store prefix than its fresh peers' and all would wait
+    forever: the pod must restart such a rank after a failed call, like one with a group."""
     dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return False
+    if getattr(dist, "_ktlite_init_called", False):
+        return True
     try:
-        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+        if dist.is_available() and dist.is_initialized():
+            return True
+        # init_process_group called past our patch (distributed_c10d's own name)
+        return getattr(getattr(dist.distributed_c10d, "_world", None), "group_count", 0) > 0
     except Exception:
         return False
 
@@ -133,6 +145,7 @@ def _patch_dist(dist: Any) -> None:
     original_init, original_destroy = dist.init_process_group, dist.destroy_process_group
 
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        dist._ktlite_init_called = True  # even if it raises: see _holds_dist_state
         if dist.is_initialized():
             current = str(dist.get_backend()).lower()
             if backend is None or str(backend).lower() in current:
@@ -214,7 +227,7 @@ class Rank:
             inline, path = bytearray(b"".join(bytes(memoryview(p)) for p in parts)), None
         else:
             inline, (path, size) = None, shm.write(parts, shm.RESULT_PREFIX)
-        self._reply("result", call_id, ok, inline, path, size, _pg_initialized())
+        self._reply("result", call_id, ok, inline, path, size, _holds_dist_state())
 
     def _reply(self, *msg: Any) -> None:
         self.chan.send(msg)
