@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import os
 import site
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 
 import cloudpickle
 
-from ktlite import protocol
+from ktlite import protocol, sourcelines
 from ktlite.errors import SerializationError
 
 _SKIP = ("ktlite", "ktlite_server", "cloudpickle", "_pytest", "pytest", "pluggy", "__main__",
@@ -43,12 +44,15 @@ class _LocalModules:
 
     def __init__(self) -> None:
         self._roots = _installed_roots()
-        self._seen = -1
+        self._seen: tuple[int, str | None] = (-1, None)
         self._names: list[str] = []
 
     def names(self) -> list[str]:
-        if len(sys.modules) != self._seen:
-            self._seen = len(sys.modules)
+        # the count and the newest name: a module removed and another imported changes the
+        # newest name even when the count stays the same
+        seen = (len(sys.modules), next(reversed(sys.modules), None))
+        if seen != self._seen:
+            self._seen = seen
             self._names = sorted(n for n, m in list(sys.modules.items()) if self._is_local(n, m))
         return self._names
 
@@ -109,10 +113,14 @@ def local_sources() -> dict[str, tuple[str, str, bool]]:
 
 
 def bundle(obj: Any) -> bytes:
-    """Pickle a function or class for shipping; names the culprit when that fails."""
+    """Pickle a function or class for shipping, with the source lines of the code it ships
+    by value (remote tracebacks show them); names the culprit when that fails."""
+    sourcelines.forget_stale()  # a deploy ships the files as they are now
     try:
         with by_value():
-            return cloudpickle.dumps(obj, protocol=5)
+            out = io.BytesIO()
+            sourcelines.Pickler(out, protocol=5).dump(obj)
+            return out.getvalue()
     except Exception as e:
         raise SerializationError(_diagnose_callable(obj, e)) from e
 
@@ -121,7 +129,7 @@ def encode_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any
     """Encode a call's arguments; names the argument that cannot be pickled."""
     try:
         with by_value():
-            return protocol.dumps_parts((method, args, kwargs))
+            return protocol.dumps_parts((method, args, kwargs), sources=True)
     except Exception as e:
         raise SerializationError(_diagnose_args(args, kwargs, e)) from e
 
@@ -129,7 +137,7 @@ def encode_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any
 def encode_value(value: Any, what: str) -> bytes:
     try:
         with by_value():
-            return protocol.dumps(value)
+            return protocol.dumps(value, sources=True)
     except Exception as e:
         raise SerializationError(_diagnose_value(value, what, e)) from e
 

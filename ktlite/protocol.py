@@ -24,7 +24,9 @@ from typing import Any
 
 import cloudpickle
 
-PROTOCOL_VERSION = 2
+from ktlite import sourcelines
+
+PROTOCOL_VERSION = 3  # 3: chunked bodies, re-attachable calls, notices, shipped sources
 MAGIC = b"KTL"
 _HEAD = struct.Struct("<3sBIQ")
 _ALIGN = 64
@@ -75,6 +77,13 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+class _SourcePickler(_Pickler):
+    """Code shipped by value carries its file's source lines (the caller's side only: what
+    a pod sends back needs none, its code came from the caller)."""
+
+    dispatch_table = sourcelines.DISPATCH_TABLE
+
+
 def _reduce_tensor(torch: Any, t: Any) -> Any:
     if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
         return None
@@ -107,8 +116,11 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
-def dumps_parts(obj: Any) -> list[Any]:
-    """Pickle ``obj`` into the parts of one message: header, pickle, then aligned buffers."""
+def dumps_parts(obj: Any, *, sources: bool = False) -> list[Any]:
+    """Pickle ``obj`` into the parts of one message: header, pickle, then aligned buffers.
+
+    ``sources``: code pickled by value carries its source lines, for remote tracebacks.
+    """
     buffers: list[pickle.PickleBuffer] = []
 
     def keep(buf: pickle.PickleBuffer) -> bool:
@@ -118,7 +130,7 @@ def dumps_parts(obj: Any) -> list[Any]:
         return False
 
     stream = io.BytesIO()
-    _Pickler(stream, protocol=5, buffer_callback=keep).dump(obj)
+    (_SourcePickler if sources else _Pickler)(stream, protocol=5, buffer_callback=keep).dump(obj)
     body = stream.getbuffer()
     raws = [b.raw() for b in buffers]
     lens = [r.nbytes for r in raws]
@@ -134,9 +146,10 @@ def dumps_parts(obj: Any) -> list[Any]:
     return parts
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: Any, *, sources: bool = False) -> bytes:
     """One message as bytes (small messages; large ones should use :func:`dumps_parts`)."""
-    return b"".join(bytes(p) if isinstance(p, memoryview) else p for p in dumps_parts(obj))
+    parts = dumps_parts(obj, sources=sources)
+    return b"".join(bytes(p) if isinstance(p, memoryview) else p for p in parts)
 
 
 def parts_size(parts: Iterable[Any]) -> int:

@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any
 
-from ktlite import protocol, shm
+from ktlite import protocol, shm, sourcelines
 
 _LEN = struct.Struct("<Q")
 
@@ -70,6 +70,8 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: Any) -> None:
         filename, source, _ = self.sources[module.__name__]
         module.__file__ = filename
+        # the caller's file is rarely here, and may differ: tracebacks show the text that ran
+        sourcelines.register_text(filename, source)
         exec(compile(source, filename, "exec"), module.__dict__)
 
 
