@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ktlite.archive import extract
 from ktlite.compute import Compute
 from ktlite.errors import ConfigError, ReplicaFailed
 from ktlite.spec import check_name, default_name
@@ -104,8 +105,11 @@ def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendez
 
     if files is not None:
         workdir = tempfile.mkdtemp(prefix=f"ktlite-app-{os.environ.get('KTLITE_LAUNCH_ID', 'x')}-")
-        with tarfile.open(fileobj=io.BytesIO(files), mode="r:gz") as tar:
-            tar.extractall(workdir, filter="data")
+        try:  # not tarfile's own extractall(filter="data"): older Pythons ktlite supports lack it
+            extract(files, workdir)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
     else:
         workdir = cwd or os.getcwd()
     env = {**os.environ, **torchrun_env(rendezvous_timeout), **extra_env, "PYTHONUNBUFFERED": "1"}
