@@ -23,6 +23,8 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
     "image_pull_policy": ("KTLITE_IMAGE_PULL_POLICY", ("Always", "IfNotPresent", "Never"),
                           "default imagePullPolicy"),
     "install": ("KTLITE_INSTALL", None, "pip spec installed in images without ktlite"),
+    "keep_failed": ("KTLITE_KEEP_FAILED", ("true", "false"),
+                    "keep what a failed first deploy created, to inspect it (default: remove it)"),
 }
 
 

@@ -8,7 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from ktlite import packaging
-from ktlite.backends.base import Plan, get_backend
+from ktlite.backends.base import Backend, Plan, get_backend
 from ktlite.compute import Compute
 from ktlite.deploy import CallOptions, Deployment, deploy
 from ktlite.errors import ConfigError, NotDeployedError
@@ -139,6 +139,9 @@ class _Remote:
     def __init__(self, source: _Source, deployment: Deployment) -> None:
         self._source = source
         self._deployment: Deployment | None = deployment
+        # after a teardown without volumes=True: where its volumes still are (backend, name,
+        # default timeout), so that teardown(volumes=True) on this handle can delete them
+        self._kept_volumes: tuple[Backend, str, float] | None = None
 
     @property
     def name(self) -> str:
@@ -194,9 +197,14 @@ class _Remote:
         """Stop every pod and process of this deployment and delete what it created;
         its volumes (PVCs) too when ``volumes=True``. Waits up to ``timeout`` seconds
         (default ``Compute.teardown_timeout``) for pods to stop, then kills them (local) or
-        raises naming the pods still terminating (Kubernetes)."""
+        raises naming the pods still terminating (Kubernetes).
+
+        Once torn down, ``teardown(volumes=True)`` still deletes the volumes that a plain
+        teardown kept; another plain teardown does nothing."""
         dep = self._deployment
         if dep is None:
+            if volumes and self._kept_volumes is not None:
+                self._delete_volumes(*self._kept_volumes, timeout=timeout)
             return
         limit = dep.spec.compute.teardown_timeout if timeout is None else timeout
         dep.backend.teardown(dep.name, timeout=limit, volumes=volumes)
@@ -204,6 +212,20 @@ class _Remote:
             dep.client.forget(ep.url)
         dep.close()
         self._deployment = None
+        if not volumes:
+            self._kept_volumes = (dep.backend, dep.name, dep.spec.compute.teardown_timeout)
+
+    def _delete_volumes(self, backend: Backend, name: str, default_timeout: float, *,
+                        timeout: float | None) -> None:
+        # a whole teardown is all a backend offers, and it would stop a deployment made since
+        if backend.lookup(name) is not None:
+            raise NotDeployedError(
+                f"{name!r} was deployed again after this handle tore it down, and its volumes "
+                f"belong to that deployment now; tear it down from its own handle with "
+                f"teardown(volumes=True), or run `ktlite teardown {name} --volumes "
+                f"--backend {backend.name}`")
+        backend.teardown(name, timeout=default_timeout if timeout is None else timeout, volumes=True)
+        self._kept_volumes = None
 
     def logs(self, rank: int | None = None, follow: bool = False, tail: int | None = None) -> str:
         """The pods' logs (rank output appears as ``[rank R] line``), each line prefixed with

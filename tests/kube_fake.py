@@ -293,6 +293,9 @@ class PodState:
     logs: str | None = None  # current container's log text, set when the step begins
     previous_logs: str | None = None  # previous (crashed) container's log text
     ip: str | None = None  # pod IP to report instead of an allocated one
+    # the runtime has removed the previous container (garbage-collected, log rotated away):
+    # the kubelet answers a request for its log with HTTP 200 and a line of its own
+    previous_log_lost: bool = False
 
 
 PodScript = PodState | Sequence[tuple[float, PodState]] | None
@@ -477,6 +480,24 @@ def terminated_error(exit_code: int = 1, logs: str | None = None,
     return PodState(status, _started_events, logs=logs)
 
 
+def terminated_again(exit_code: int = 1, logs: str | None = None, restarts: int = 1,
+                     previous_logs: str | None = None, previous_log_lost: bool = False) -> PodState:
+    """Exited again after ``restarts`` restart(s), before the kubelet reports the back-off:
+    ``state`` is this run's end (its log ``logs``), ``lastState`` the run before (its log
+    ``previous_logs``, or the kubelet's answer for a lost one: see ``PodState``)."""
+    restarts = max(1, restarts)
+    why = "Completed" if exit_code == 0 else "Error"
+
+    def status(ctx: PodCtx) -> Obj:
+        return _pod_status(ctx, "Running", _conditions(ctx, sandbox=True, ready=False), _containers(
+            ctx, lambda n, i: {"terminated": _terminated(ctx, n, exit_code, why, restarts)},
+            restarts=restarts,
+            last=lambda n: {"terminated": _terminated(ctx, n, exit_code, why, restarts - 1)}))
+
+    return PodState(status, _started_events, logs=logs, previous_logs=previous_logs,
+                    previous_log_lost=previous_log_lost)
+
+
 def oom_killed(logs: str | None = None, restarts: int = 0) -> PodState:
     """Exit 137 OOMKilled: the first kill (``restarts=0``) or in back-off after ``restarts``."""
     return crash_loop(137, logs, restarts, "OOMKilled") if restarts else \
@@ -557,17 +578,23 @@ class FakeKube(httpx.BaseTransport):
     def __init__(self, *, token: str | None = None, namespaces: Sequence[str] = ("default",),
                  pod_behavior: PodBehavior | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 pod_termination_seconds: float = 0.0, follow_idle_timeout: float = 0.0) -> None:
+                 pod_termination_seconds: float = 0.0, follow_idle_timeout: float = 0.0,
+                 pvc_bind_seconds: float = 0.0) -> None:
         """``pod_behavior`` scripts each new pod (None: ``ready()`` at once); a deleted pod
         stays Terminating for min(its grace period, ``pod_termination_seconds``) on ``clock``;
         a ``follow=true`` log stream ends after ``follow_idle_timeout`` real seconds without
-        new text, or when its pod goes away or its container stops running."""
+        new text, or when its pod goes away or its container stops running. A claim binds
+        ``pvc_bind_seconds`` after it is created (one whose storage class contains
+        ``does-not-exist`` never does); until then pods that mount it are Unschedulable, and
+        their scripts start when it binds."""
         self.token = token
         self.namespaces = tuple(namespaces)
         self.pod_behavior = pod_behavior
         self.clock = clock
         self.pod_termination_seconds = pod_termination_seconds
         self.follow_idle_timeout = follow_idle_timeout
+        self.pvc_bind_seconds = pvc_bind_seconds
+        self._pvc_bind_at: dict[tuple[str, str], float] = {}  # claims waiting for a volume
         self.requests: list[RecordedRequest] = []
         self.proxy_handlers: dict[tuple[str, int], ProxyHandler] = {}
         self.lock = threading.RLock()
@@ -1023,9 +1050,15 @@ class FakeKube(httpx.BaseTransport):
             spec.setdefault("volumeMode", "Filesystem")
             spec.setdefault("volumeName", "pvc-" + meta["uid"])
             size = spec.get("resources", {}).get("requests", {}).get("storage", "1Gi")
-            obj["status"] = (old or {}).get("status") or {
-                "phase": "Bound", "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
-                "capacity": {"storage": size}}
+            bound = {"phase": "Bound", "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
+                     "capacity": {"storage": size}}
+            if old is not None:
+                obj["status"] = old.get("status") or bound
+            elif self.pvc_bind_seconds > 0 or "does-not-exist" in spec["storageClassName"]:
+                obj["status"] = {"phase": "Pending"}
+                self._pvc_bind_at[(meta["namespace"], meta["name"])] = self.clock() + self.pvc_bind_seconds
+            else:
+                obj["status"] = bound
 
     def _pod_spec(self, res: str, name: str, spec: Any, path: str) -> None:
         if not isinstance(spec, dict) or not spec.get("containers"):
@@ -1082,6 +1115,7 @@ class FakeKube(httpx.BaseTransport):
     # ----------------------------------------------------------------- controllers
     def _tick(self) -> None:
         """Bring pods, kubelet and controllers up to the clock, until nothing changes."""
+        self._bind_claims()
         for _ in range(500):
             changed = False
             for sts in [o for (r, _, _), o in self._store.items() if r == "statefulsets"]:
@@ -1091,6 +1125,49 @@ class FakeKube(httpx.BaseTransport):
                 break
         for sts in [o for (r, _, _), o in self._store.items() if r == "statefulsets"]:
             self._sts_status(sts)
+
+    def _bind_claims(self) -> None:
+        """The volume binder: claims whose time has come get a volume (or fail to)."""
+        now = self.clock()
+        for (ns, name), at in list(self._pvc_bind_at.items()):
+            claim = self._store.get(("persistentvolumeclaims", ns, name))
+            if claim is None:
+                del self._pvc_bind_at[(ns, name)]
+                continue
+            spec, uid = claim["spec"], claim["metadata"]["uid"]
+            if "does-not-exist" in spec["storageClassName"]:
+                self._event(ns, "PersistentVolumeClaim", name, uid, "Warning", "ProvisioningFailed",
+                            f'storageclass.storage.k8s.io "{spec["storageClassName"]}" not found',
+                            "persistentvolume-controller")
+                del self._pvc_bind_at[(ns, name)]
+                continue
+            if now < at:
+                continue
+            del self._pvc_bind_at[(ns, name)]
+            claim["status"] = {"phase": "Bound", "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
+                               "capacity": {"storage": spec.get("resources", {}).get("requests", {})
+                                            .get("storage", "1Gi")}}
+            claim["metadata"]["resourceVersion"] = self._next_rv()
+            self._event(ns, "PersistentVolumeClaim", name, uid, "Normal", "ProvisioningSucceeded",
+                        f"Successfully provisioned volume {spec['volumeName']}", "persistentvolume-controller")
+
+    def _unbound_claims(self, pod: Obj) -> str | None:
+        """The scheduler's message for a pod whose claims are missing or not bound yet."""
+        ns = pod["metadata"]["namespace"]
+        for volume in pod["spec"].get("volumes") or []:
+            name = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if not name:
+                continue
+            claim = self._store.get(("persistentvolumeclaims", ns, name))
+            if claim is None:
+                return (f'0/{len(_NODES)} nodes are available: persistentvolumeclaim "{name}" not '
+                        f"found. preemption: 0/{len(_NODES)} nodes are available: {len(_NODES)} "
+                        "Preemption is not helpful for scheduling.")
+            if (claim.get("status") or {}).get("phase") != "Bound":
+                return (f"0/{len(_NODES)} nodes are available: pod has unbound immediate "
+                        f"PersistentVolumeClaims. preemption: 0/{len(_NODES)} nodes are available: "
+                        f"{len(_NODES)} Preemption is not helpful for scheduling.")
+        return None
 
     def _refresh_pods(self) -> bool:
         now, changed = self.clock(), False
@@ -1102,10 +1179,15 @@ class FakeKube(httpx.BaseTransport):
                 self._remove_pod(pod)
                 changed = True
                 continue
-            index = max((i for i, (t, _) in enumerate(meta.steps) if meta.start + t <= now),
-                        default=-1)
-            state = meta.steps[index][1] if index >= 0 else pending()
-            since = meta.start + (meta.steps[index][0] if index >= 0 else 0.0)
+            blocked = None if pod["spec"].get("nodeName") else self._unbound_claims(pod)
+            if blocked is not None:  # not schedulable yet: its script starts once it is
+                meta.start = now
+                index, state, since = -2, unschedulable(blocked), meta.created
+            else:
+                index = max((i for i, (t, _) in enumerate(meta.steps) if meta.start + t <= now),
+                            default=-1)
+                state = meta.steps[index][1] if index >= 0 else pending()
+                since = meta.start + (meta.steps[index][0] if index >= 0 else 0.0)
             ctx = PodCtx(pod, state.ip or meta.ip, meta.node[0], meta.node[1],
                          self._iso(meta.created), self._iso(since))
             status = state.status(ctx)
@@ -1125,6 +1207,10 @@ class FakeKube(httpx.BaseTransport):
                 for text, previous in ((state.logs, False), (state.previous_logs, True)):
                     if text is not None:
                         self._logs[(md["namespace"], md["name"], None, previous)] = text
+                for cs in status.get("containerStatuses", []) if state.previous_log_lost else []:
+                    gone = (cs.get("lastState") or {}).get("terminated", {}).get("containerID", "")
+                    self._logs[(md["namespace"], md["name"], cs["name"], True)] = \
+                        f"unable to retrieve container logs for {gone}"
             if status != pod.get("status"):
                 pod["status"] = status
                 md["resourceVersion"] = self._next_rv()
@@ -1348,9 +1434,15 @@ class FakeKube(httpx.BaseTransport):
                                   headers=headers, content=request.content)
         try:
             answer = handler(forwarded)
-        except httpx.TransportError as err:
+        except httpx.ConnectTimeout:
+            raise ApiError(503, "ServiceUnavailable", f"error trying to reach service: dial tcp "
+                           f"{host}: i/o timeout") from None
+        except httpx.ConnectError:
+            raise ApiError(503, "ServiceUnavailable", f"error trying to reach service: dial tcp "
+                           f"{host}: connect: connection refused") from None
+        except httpx.TransportError as err:  # connected, then lost: Go says what the read saw
             raise ApiError(503, "ServiceUnavailable",
-                           f"error trying to reach service: {err}") from None
+                           f"error trying to reach service: read tcp {host}: {err}") from None
         return httpx.Response(answer.status_code, headers=answer.headers, stream=answer.stream)
 
 

@@ -33,7 +33,9 @@ from ktlite.backends.base import Plan
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import diagnose, progress
 from ktlite.backends.kubernetes import KubernetesBackend
+from ktlite.deploy import Deployment
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
+from ktlite.remote import RemoteFunction
 from ktlite.spec import DeploymentSpec
 
 HOST = "https://fake-apiserver"
@@ -445,6 +447,53 @@ def test_pod_that_cannot_start_fails_early_naming_pod_and_reason(make_cluster, c
     assert TOKEN not in message
 
 
+PIP_ERROR = "ERROR: No matching distribution found for torch==9.9"
+
+
+def test_setup_failure_shows_the_current_log_when_the_previous_one_is_lost(make_cluster) -> None:
+    # as seen on a real cluster: the run before was removed from the runtime, so the kubelet
+    # answers for its log with 200 and a line of its own; the pip error is in this run's log
+    lost = kf.terminated_again(km.SETUP_FAILED_EXIT, logs=f"ktlite: installing torch==9.9\n{PIP_ERROR}\n",
+                               previous_log_lost=True)
+    c = make_cluster(only(1, later(lost)))
+    with pytest.raises(DeployError) as err:
+        c.backend.apply(spec(launch_timeout=600), TOKEN)
+    message = str(err.value)
+    assert "setup failed" in message and f"pod {NAME}-1" in message, message
+    assert f"last lines of its log:\n    ktlite: installing torch==9.9\n    {PIP_ERROR}" in message
+    assert "unable to retrieve" not in message
+
+
+def test_setup_failure_shows_both_logs_when_both_have_text(make_cluster) -> None:
+    twice = kf.terminated_again(km.SETUP_FAILED_EXIT, logs=f"second try\n{PIP_ERROR}\n",
+                                previous_logs="first try\nERROR: network is unreachable\n")
+    c = make_cluster(only(1, later(twice)))
+    with pytest.raises(DeployError) as err:
+        c.backend.apply(spec(launch_timeout=600), TOKEN)
+    message = str(err.value)
+    previous = message.index("last lines of the previous container's log:\n    first try\n"
+                             "    ERROR: network is unreachable")
+    current = message.index(f"last lines of the current container's log:\n    second try\n    {PIP_ERROR}")
+    assert previous < current, message
+
+
+@pytest.mark.parametrize("runtime", ["containerd", "docker", "cri-o"])
+def test_pod_log_treats_the_kubelets_lost_log_line_as_no_log(make_cluster, runtime: str) -> None:
+    c = make_cluster(lambda pod: kf.terminated_again(1, logs="the real log\n", previous_log_lost=True))
+    c.fake.create("pods", "default", {"metadata": {"name": "p"},
+                                      "spec": {"containers": [{"name": "ktlite", "image": "img"}]}})
+    if runtime != "containerd":  # the fake's runtime; the kubelet words the others alike
+        c.fake.set_logs("p", f"unable to retrieve container logs for {runtime}://{'ab' * 32}",
+                        previous=True, container="ktlite")
+    raw = c.http.get("/api/v1/namespaces/default/pods/p/log",
+                     params={"container": "ktlite", "previous": "true"})
+    assert raw.status_code == 200
+    assert re.fullmatch(rf"unable to retrieve container logs for {runtime}://[0-9a-f]{{64}}", raw.text)
+    api = KubeApi(c.http, "default")
+    assert api.pod_log("p", previous=True) == ""
+    assert api.pod_log("p") == "the real log\n"
+
+
 def test_unschedulable_while_autoscaler_adds_a_node_keeps_waiting(make_cluster) -> None:
     c = make_cluster(lambda pod: kf.unschedulable())
     for i in range(2):
@@ -587,6 +636,40 @@ def test_teardown_with_volumes_deletes_the_claims(cluster: Cluster) -> None:
     assert cluster.names("pods") == []
 
 
+def _handle(cluster: Cluster, s: DeploymentSpec) -> RemoteFunction:
+    """What ``kt.fn(...).to()`` returns, over the fake (no code pushed: no pod runs a server)."""
+    return RemoteFunction(kt.fn(lambda: None, name=s.name),
+                          Deployment(s, cluster.backend, cluster.backend.apply(s, TOKEN)))
+
+
+def test_teardown_then_teardown_with_volumes_on_one_handle_deletes_the_claims(cluster: Cluster) -> None:
+    remote = _handle(cluster, spec(volumes=(kt.Volume("data", size="1Gi"),)))
+    remote.teardown()
+    assert cluster.names("persistentvolumeclaims") == ["data"]
+    assert cluster.names("statefulsets") == [] and cluster.names("pods") == []
+    remote.teardown()  # a second plain teardown is harmless, and still keeps the volume
+    assert cluster.names("persistentvolumeclaims") == ["data"]
+
+    remote.teardown(volumes=True)
+    assert cluster.names("persistentvolumeclaims") == []
+    assert len(cluster.fake.find_requests("DELETE", "/persistentvolumeclaims/data$")) == 1
+    remote.teardown(volumes=True)  # nothing left to do
+    assert len(cluster.fake.find_requests("DELETE", "/persistentvolumeclaims/data$")) == 1
+
+
+def test_teardown_volumes_on_a_torn_down_handle_spares_a_new_deployment(cluster: Cluster) -> None:
+    s = spec(volumes=(kt.Volume("data", size="1Gi"),))
+    old = _handle(cluster, s)
+    old.teardown()
+    cluster.backend.apply(s, TOKEN)  # the same name, deployed again (another .to())
+    with pytest.raises(kt.NotDeployedError, match="deployed again") as err:
+        old.teardown(volumes=True)
+    assert f"ktlite teardown {NAME} --volumes --backend kubernetes" in str(err.value)
+    assert cluster.names("persistentvolumeclaims") == ["data"]
+    assert cluster.names("statefulsets") == [NAME]
+    assert sorted(cluster.names("pods")) == [f"{NAME}-0", f"{NAME}-1"]
+
+
 def test_teardown_tolerates_objects_deleted_behind_its_back(cluster: Cluster) -> None:
     cluster.backend.apply(spec(), TOKEN)
     cluster.delete(f"/api/v1/namespaces/default/services/{NAME}")
@@ -606,9 +689,10 @@ def test_teardown_of_a_pod_that_never_goes_names_it(make_cluster) -> None:
 
 # ---- list / logs -----------------------------------------------------------------------------
 
-def test_list_shows_one_row_per_managed_statefulset(make_cluster) -> None:
+def test_list_shows_one_row_per_managed_statefulset(make_cluster, monkeypatch) -> None:
     c = make_cluster(only(1, kf.running_not_ready()))
     c.backend.apply(spec("alpha", workers=1), TOKEN)
+    monkeypatch.setenv("KTLITE_KEEP_FAILED", "true")  # a half-ready deployment, kept
     with pytest.raises(LaunchTimeout):
         c.backend.apply(spec("beta", workers=2, launch_timeout=5), TOKEN)
     c.fake.create("statefulsets", "default", {  # not ktlite's
@@ -1041,3 +1125,58 @@ def test_server_certificate_is_verified_unless_insecure_skip_tls_verify(
         with client:
             assert KubeApi(client, info.namespace).list("Pod") == []
         assert server.seen == [("/api/v1/namespaces/default/pods", "Bearer tok-a")]
+
+
+# ---- issue 9: volumes that bind late or never, failed deploys rolled back -----------------------
+
+def test_a_volume_that_binds_late_is_waited_for(make_cluster) -> None:
+    c = make_cluster(pvc_bind_seconds=6)
+    applied = c.backend.apply(spec(volumes=(kt.Volume("data", size="1Gi"),)), TOKEN)
+    assert [ep.name for ep in applied.endpoints] == [f"{NAME}-0", f"{NAME}-1"]
+    assert 6 <= c.clock() < 10, "the deploy must wait for the claim to bind, then go on at once"
+    assert c.fake.get("persistentvolumeclaims", "default", "data")["status"]["phase"] == "Bound"
+
+
+def test_a_volume_that_cannot_bind_fails_with_the_reason_and_is_rolled_back(make_cluster) -> None:
+    c = make_cluster()
+    volume = kt.Volume("data", size="1Gi", storage_class="does-not-exist-sc")
+    with pytest.raises(DeployError) as err:
+        c.backend.apply(spec(volumes=(volume,), launch_timeout=300), TOKEN)
+    message = str(err.value)
+    assert 'storageclass.storage.k8s.io "does-not-exist-sc" not found' in message, message
+    assert "volume cannot be bound" in message and "storage_class" in message, message
+    assert c.clock() < 5, "a claim that cannot bind must fail the deploy at once"
+    assert "removed what this deploy had created" in message, message
+    for kind in ("statefulsets", "services", "secrets", "persistentvolumeclaims", "pods"):
+        assert c.names(kind) == [], kind
+
+
+def test_a_failed_first_deploy_removes_what_it_created(make_cluster) -> None:
+    c = make_cluster(only(1, kf.unschedulable()))  # pod 0 runs (and would hold its CPUs)
+    with pytest.raises(DeployError) as err:
+        c.backend.apply(spec(volumes=(kt.Volume("data", size="1Gi"),)), TOKEN)
+    message = str(err.value)
+    assert "Unschedulable" in message and "removed what this deploy had created" in message, message
+    assert "StatefulSet job" in message and "PersistentVolumeClaim data" in message, message
+    for kind in ("statefulsets", "services", "secrets", "persistentvolumeclaims", "pods"):
+        assert c.names(kind) == [], kind
+
+
+def test_a_failed_first_deploy_is_kept_when_asked(make_cluster, monkeypatch) -> None:
+    monkeypatch.setenv("KTLITE_KEEP_FAILED", "true")
+    c = make_cluster(only(1, kf.unschedulable()))
+    with pytest.raises(DeployError) as err:
+        c.backend.apply(spec(), TOKEN)
+    assert "kept (keep_failed=true)" in str(err.value) and "ktlite teardown job" in str(err.value)
+    assert c.names("statefulsets") == [NAME] and f"{NAME}-0" in c.names("pods")
+
+
+def test_a_failed_redeploy_keeps_the_deployment_and_says_how_to_remove_it(make_cluster) -> None:
+    c = make_cluster(lambda pod: kf.unschedulable() if pod["spec"]["containers"][0]["resources"]
+                     ["requests"]["cpu"] == "64" else kf.ready())
+    c.backend.apply(spec(cpus=1), TOKEN)
+    with pytest.raises(DeployError) as err:
+        c.backend.apply(spec(cpus=64), TOKEN)
+    message = str(err.value)
+    assert "are still there" in message and "ktlite teardown job -n default" in message, message
+    assert c.names("statefulsets") == [NAME] and c.names("secrets")

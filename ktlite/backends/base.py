@@ -18,13 +18,16 @@ from ktlite.spec import DeploymentSpec
 
 @dataclass(frozen=True)
 class PodEndpoint:
-    """One pod: its name, ordinal, the URL the client uses, the URL peers use, and its IP."""
+    """One pod: its name, ordinal, the URL the client uses, the URL peers use, and its IP;
+    ``incarnation`` changes when the pod is replaced or its server restarts (it then has no
+    code until pushed again)."""
 
     name: str
     ordinal: int
     url: str
     peer_url: str
     ip: str
+    incarnation: str = ""
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Applied:
     restarted: list[int] = field(default_factory=list)  # ordinals whose pod is new
     same_host: bool = False  # pods share this machine's /dev/shm (local backend)
     http: Any = field(default=None, repr=False)  # an httpx.Client that reaches ``url`` s (a proxy)
+    spec_hash: str = ""  # what the pods were made from: another spec means another deployment
 
 
 @dataclass(frozen=True)

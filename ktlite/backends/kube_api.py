@@ -222,7 +222,14 @@ class KubeApi:
         with contextlib.suppress(KubeApiError):
             resp = self.request("GET", f"{self._path('Pod', name)}/log", what=f"read the log of pod {name}",
                                 ok_missing=True, params=params)
-            return "" if resp is None else resp.text
+            text = "" if resp is None else resp.text
+            # for a container the runtime no longer has, the kubelet answers 200 with a line of
+            # its own, "unable to retrieve container logs for containerd://<id>" (or docker://,
+            # cri-o://...): that is no log, and must not hide another container's real one
+            body = text.strip()
+            if body.startswith("unable to retrieve container logs for ") and "\n" not in body:
+                return ""
+            return text
         return ""
 
     def follow_log(self, name: str, tail: int | None = None) -> Iterator[str]:

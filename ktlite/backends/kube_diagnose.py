@@ -38,9 +38,16 @@ def _terminated(cs: dict[str, Any]) -> dict[str, Any] | None:
     return term
 
 
-def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] = lambda p: False
-             ) -> PodProblem | None:
-    """The reason ``pod`` is not (yet) ready, or None if it is on its way."""
+def _waits_for_volumes(message: str) -> bool:
+    """The scheduler holds the pod until its claims bind (or exist)."""
+    return "unbound immediate PersistentVolumeClaims" in message or \
+        ("persistentvolumeclaim" in message and "not found" in message)
+
+
+def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] = lambda p: False,
+             claims: Callable[[dict[str, Any]], str | None] = lambda p: None) -> PodProblem | None:
+    """The reason ``pod`` is not (yet) ready, or None if it is on its way. ``claims(pod)``
+    says why a claim the pod mounts cannot bind (None: it may still bind)."""
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
@@ -49,6 +56,14 @@ def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] =
     scheduled = _condition(status, "PodScheduled")
     if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         message = f"Unschedulable: {scheduled.get('message', 'no node fits')}"
+        if _waits_for_volumes(message):
+            # binding takes a moment (a provisioner makes the volume): wait, unless it cannot
+            why = claims(pod)
+            if why is None:
+                return PodProblem(name, "waiting for its volume(s) to be bound", fatal=False)
+            return PodProblem(name, f"its volume cannot be bound: {why}", fatal=True,
+                              fix="check the Volume's storage_class and access_mode against "
+                              "`kubectl get storageclass`, or create the PersistentVolumeClaim")
         if scaling_up(pod):
             return PodProblem(name, message + " (the cluster autoscaler is adding a node)", fatal=False)
         return PodProblem(name, message, fatal=True,

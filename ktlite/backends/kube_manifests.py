@@ -174,7 +174,7 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str) -> dict[str,
         "ports": [{"name": "server", "containerPort": SERVER_PORT},
                   {"name": "master", "containerPort": master_port(spec)}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": SERVER_PORT},
-                           "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
+                           "periodSeconds": 1, "failureThreshold": 3, "timeoutSeconds": 2},
         "volumeMounts": mounts,
     }
     if compute.secrets:

@@ -126,28 +126,75 @@ class KubernetesBackend(Backend):
                       f"({info.host})")
         objects = self._render(spec, api.namespace, token)
         secret, service, *claims, statefulset = objects
-        token_changed = self._apply_secret(api, secret, token)
-        self._ensure(api, service)
-        for claim in claims:
-            self._ensure(api, claim)
-        restarted = self._apply_statefulset(api, statefulset, roll_all=token_changed)
-        pods = self.wait_ready(api, spec, _pod_hash(statefulset["spec"]["template"]) or "")
+        first = api.get("StatefulSet", spec.name) is None
+        created: list[tuple[str, str]] = []  # (kind, name) of what this apply made
+        try:
+            token_changed = self._apply_secret(api, secret, token, created)
+            self._ensure(api, service, created)
+            for claim in claims:
+                self._ensure(api, claim, created)
+            restarted = self._apply_statefulset(api, statefulset, roll_all=token_changed)
+            if first:
+                created.append(("StatefulSet", spec.name))
+            pods = self.wait_ready(api, spec, _pod_hash(statefulset["spec"]["template"]) or "")
+        except BaseException as e:
+            raise self._failed(api, spec.name, e, created if first else None) from e
         return self._applied(spec.name, pods, token, km.master_port(spec), restarted)
 
-    def _ensure(self, api: KubeApi, obj: dict[str, Any]) -> None:
+    def _failed(self, api: KubeApi, name: str, error: BaseException,
+                created: list[tuple[str, str]] | None) -> BaseException:
+        """A deploy that failed: a first deploy's objects are removed again (pods that did
+        start would hold their CPUs for nothing) unless the keep_failed setting says keep them;
+        otherwise the error says what is left and how to remove it."""
+        if not isinstance(error, Exception):  # Ctrl-C: roll back too, but re-raise as it is
+            if created:
+                with contextlib.suppress(Exception):
+                    self._remove(api, name, created)
+            return error
+        keep = (config.get("keep_failed") or "").lower() == "true"
+        if created and not keep:
+            try:
+                self._remove(api, name, created)
+                note = ("removed what this deploy had created: "
+                        + ", ".join(f"{kind} {obj}" for kind, obj in created))
+            except Exception as e:  # noqa: BLE001
+                note = (f"could not remove what this deploy created ({e}); remove it with "
+                        f"`ktlite teardown {name} -n {api.namespace}`")
+        elif created:
+            note = (f"kept (keep_failed=true): {', '.join(f'{kind} {obj}' for kind, obj in created)}"
+                    f"; `ktlite teardown {name} -n {api.namespace}` removes them")
+        else:
+            note = (f"the deployment's objects (StatefulSet {name} and its pods, Service, Secret, "
+                    f"volumes) are still there; `ktlite teardown {name} -n {api.namespace}` removes "
+                    "them")
+        if type(error) in (DeployError, LaunchTimeout):
+            return type(error)(f"{error}\n{note}")
+        error.add_note(note)
+        return error
+
+    def _remove(self, api: KubeApi, name: str, created: list[tuple[str, str]]) -> None:
+        for kind, obj in reversed(created):  # the StatefulSet (and so its pods) first
+            api.delete(kind, obj)
+        for pod in api.list("Pod", km.selector(name)):
+            api.delete("Pod", pod["metadata"]["name"])
+
+    def _ensure(self, api: KubeApi, obj: dict[str, Any], created: list[tuple[str, str]]) -> None:
         if api.get(obj["kind"], obj["metadata"]["name"]) is None:
             try:
                 api.create(obj)
+                created.append((obj["kind"], obj["metadata"]["name"]))
             except KubeApiError as e:
                 if e.status != 409:  # created concurrently: fine
                     raise
 
-    def _apply_secret(self, api: KubeApi, secret: dict[str, Any], token: str) -> bool:
+    def _apply_secret(self, api: KubeApi, secret: dict[str, Any], token: str,
+                      created: list[tuple[str, str]]) -> bool:
         """Create or update the token Secret; True if running pods may hold another token
         (a missing Secret counts: its pods started with the deleted one's)."""
         current = api.get("Secret", secret["metadata"]["name"])
         if current is None:
             api.create(secret)
+            created.append(("Secret", secret["metadata"]["name"]))
             return True
         if _decode_token(current) == token:
             return False
@@ -197,12 +244,18 @@ class KubernetesBackend(Backend):
             self._sleep(POLL_S)
 
     def wait_ready(self, api: KubeApi, spec: DeploymentSpec, want_hash: str) -> list[dict[str, Any]]:
-        """Pods 0..N-1 running ``want_hash`` and ready; fails early with the reason a pod
-        cannot start, and after ``launch_timeout`` with the last reason seen."""
+        """Pods 0..N-1 running ``want_hash`` and answering; fails early with the reason a pod
+        cannot start, and after ``launch_timeout`` with the last reason seen.
+
+        A pod counts as soon as its server answers /health, which we ask ourselves: waiting
+        for the kubelet's readiness probe (and then for the next poll) would round every
+        cold start up by a second or two. Polls start fast and slow down as the wait goes on."""
         n = spec.workers
         timeout = spec.compute.launch_timeout
-        deadline = self._clock() + timeout
+        start = self._clock()
+        deadline = start + timeout
         last_line, last_reason = "", "no pod was created yet"
+        answering: set[str] = set()  # uids of pods whose server answered
         while True:
             pods = {_ordinal(p): p for p in api.list("Pod", km.selector(spec.name))
                     if _pod_hash(p) == want_hash and not p["metadata"].get("deletionTimestamp")}
@@ -211,33 +264,86 @@ class KubernetesBackend(Backend):
             if line != last_line:
                 self._say(f"{spec.name}: {line}")
                 last_line = line
-            if len(current) == n and all(_is_ready(p) for p in current):
+            if len(current) == n and all(self._serving(api, p, answering) for p in current):
                 return current
             for pod in current:
-                problem = diagnose(pod, scaling_up=lambda p: self._scaling_up(api, p))
+                problem = diagnose(pod, scaling_up=lambda p: self._scaling_up(api, p),
+                                   claims=lambda p: self._claims_problem(api, p))
                 if problem is None:
                     continue
                 if problem.fatal:
                     raise DeployError(self._explain(api, spec, problem))
                 last_reason = problem.message
-            if self._clock() > deadline:
+            now = self._clock()
+            if now > deadline:
                 raise LaunchTimeout(
                     f"deployment {spec.name!r} was not ready after launch_timeout={timeout:g}s: {line}; "
                     f"last reason: {last_reason}. Raise launch_timeout, or look at "
                     f"`kubectl -n {api.namespace} describe pod {spec.name}-0`")
-            self._sleep(POLL_S)
+            self._sleep(min(POLL_S, 0.1 + (now - start) / 20))
+
+    def _serving(self, api: KubeApi, pod: dict[str, Any], answering: set[str]) -> bool:
+        """Ready, or its server already answers /health (asked once it runs)."""
+        uid = pod["metadata"].get("uid", "")
+        if _is_ready(pod) or uid in answering:
+            return True
+        status = pod.get("status") or {}
+        running = any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or [])
+        if status.get("phase") != "Running" or not status.get("podIP") or not running:
+            return False
+        http, info = self._connect()
+        try:
+            if info.in_cluster:  # straight to the pod, without the API credentials
+                ok = httpx.get(f"{_url(status['podIP'], km.SERVER_PORT)}/health", timeout=2.0).status_code == 200
+            else:
+                url = api.proxy_url(pod["metadata"]["name"], km.SERVER_PORT)
+                ok = http.get(f"{url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            answering.add(uid)
+        return ok
 
     def _scaling_up(self, api: KubeApi, pod: dict[str, Any]) -> bool:
         """True if the cluster autoscaler is adding a node for this unschedulable pod."""
         events = api.list("Event", field_selector=f"involvedObject.name={pod['metadata']['name']}")
         return any(e.get("reason") == "TriggeredScaleUp" for e in events)
 
+    def _claims_problem(self, api: KubeApi, pod: dict[str, Any]) -> str | None:
+        """Why a claim ``pod`` mounts will not bind, or None while it may still: a missing
+        claim, or one the provisioner failed (no such StorageClass, an access mode it cannot
+        give) or that no volume can match and no StorageClass would provision."""
+        for volume in pod["spec"].get("volumes") or []:
+            name = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if not name:
+                continue
+            claim = api.get("PersistentVolumeClaim", name)
+            if claim is None:
+                return f"PersistentVolumeClaim {name!r} does not exist"
+            if (claim.get("status") or {}).get("phase") == "Bound":
+                continue
+            events = api.list("Event", field_selector=f"involvedObject.name={name},"
+                              "involvedObject.kind=PersistentVolumeClaim")
+            for event in sorted(events, key=lambda e: e.get("lastTimestamp") or "", reverse=True):
+                reason, message = event.get("reason", ""), event.get("message", "")
+                if reason == "ProvisioningFailed" or (reason == "FailedBinding" and
+                                                      "no storage class is set" in message):
+                    return f"PersistentVolumeClaim {name!r}: {reason}: {message}"
+        return None
+
     def _explain(self, api: KubeApi, spec: DeploymentSpec, problem: PodProblem) -> str:
         text = f"deployment {spec.name!r} cannot start: pod {problem.pod}: {problem.message}"
         if problem.want_logs:
-            logs = api.pod_log(problem.pod, tail=30, previous=True) or api.pod_log(problem.pod, tail=30)
-            if logs.strip():
-                text += "\nlast lines of its log:\n" + "\n".join("    " + ln for ln in logs.splitlines())
+            # the container that failed may be the previous one (restarted since) or the current
+            # one (its predecessor's log may be gone): show each log that has text, oldest first
+            previous = api.pod_log(problem.pod, tail=30, previous=True)
+            current = api.pod_log(problem.pod, tail=30)
+            if previous.strip() and current.strip() and previous != current:
+                shown = [("the previous container's log", previous), ("the current container's log", current)]
+            else:  # one log, or the same one twice (in back-off "current" is the last run's)
+                shown = [("its log", log) for log in (previous, current) if log.strip()][:1]
+            for label, log in shown:
+                text += f"\nlast lines of {label}:\n" + "\n".join("    " + ln for ln in log.splitlines())
         return text + (f"\n{problem.fix}" if problem.fix else "")
 
     def _applied(self, name: str, pods: list[dict[str, Any]], token: str, master_port: int,
@@ -250,10 +356,11 @@ class KubernetesBackend(Backend):
             pod_name = pod["metadata"]["name"]
             peer = _url(ip, km.SERVER_PORT)
             endpoints.append(PodEndpoint(name=pod_name, ordinal=_ordinal(pod), ip=ip, peer_url=peer,
-                                         url=peer if info.in_cluster else api.proxy_url(pod_name, km.SERVER_PORT)))
+                                         url=peer if info.in_cluster else api.proxy_url(pod_name, km.SERVER_PORT),
+                                         incarnation=_incarnation(pod)))
         return Applied(name=name, backend=self.name, endpoints=endpoints, token=token,
                        master_port=master_port, restarted=restarted,
-                       http=None if info.in_cluster else http)
+                       http=None if info.in_cluster else http, spec_hash=_pod_hash(pods[0]) if pods else "")
 
     # ---- lookup / teardown / list / logs ------------------------------------------------------
 
@@ -269,7 +376,7 @@ class KubernetesBackend(Backend):
         want = _pod_hash(sts["spec"]["template"])
         pods = [p for p in api.list("Pod", km.selector(name))
                 if _pod_hash(p) == want and p.get("status", {}).get("podIP")
-                and _ordinal(p) < sts["spec"]["replicas"]]
+                and _ordinal(p) < sts["spec"]["replicas"] and not p["metadata"].get("deletionTimestamp")]
         ports = [p.get("containerPort") for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]
                  if p.get("name") == "master"]
         return self._applied(name, pods, token, ports[0] if ports else DEFAULT_MASTER_PORT, [])
@@ -353,6 +460,13 @@ def _merge_follow(api: KubeApi, pods: list[str], tail: int | None) -> Iterator[s
             open_streams -= 1
         else:
             yield item
+
+
+def _incarnation(pod: dict[str, Any]) -> str:
+    """The pod's uid, IP and container restarts: any change means a server without our code."""
+    status = pod.get("status") or {}
+    restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
+    return f"{pod['metadata'].get('uid', '')}/{status.get('podIP', '')}/{restarts}"
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:

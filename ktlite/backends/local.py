@@ -354,9 +354,11 @@ class LocalBackend(Backend):
 
     def _applied(self, state: dict[str, Any]) -> Applied:
         eps = [PodEndpoint(name=p["name"], ordinal=p["ordinal"], url=f"http://127.0.0.1:{p['port']}",
-                           peer_url=f"http://127.0.0.1:{p['port']}", ip="127.0.0.1") for p in state["pods"]]
+                           peer_url=f"http://127.0.0.1:{p['port']}", ip="127.0.0.1",
+                           incarnation=str(p["pid"])) for p in state["pods"]]
         return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
-                       master_port=state["master_port"], same_host=True)
+                       master_port=state["master_port"], same_host=True,
+                       spec_hash=str(state["pods"][0].get("hash", "")) if state["pods"] else "")
 
     def _ports_in_use(self, except_name: str) -> set[int]:
         """MASTER_PORT ranges of the other live local deployments."""
