@@ -10,19 +10,39 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-from collections.abc import Callable
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from ktlite import protocol
-from ktlite.connection import ConnectionFailed, Pool
+from ktlite.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
 
 # The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
 SILENCE_TIMEOUT = 10.0
+# After a proxied call's stream breaks, re-attach attempts go on this long; the pod keeps the
+# call (and waits for us) for REATTACH_S, longer, so the window always ends first.
+RESUME_WINDOW_S = 5.0
+REATTACH_S = 10.0
+_PROXY_ERRORS = (502, 503, 504)
+# what the API server's proxy says when it cannot open a connection to the pod
+_UNDELIVERED = ("dial tcp", "connect: ", "no route to host", "i/o timeout", "address not allowed",
+                "not found")
 LogSink = Callable[[int, str, str, str], None]  # (rank, pod, stream, text)
+NoticeSink = Callable[[dict[str, Any]], None]
 Outcomes = list[tuple[int, str, str, Any, str, float]]  # (rank, pod, status, data, message, at)
+
+
+@dataclass
+class CallReply:
+    """A call's per-rank outcomes; ``started=False`` when no rank started (safe to send again)."""
+
+    outcomes: Outcomes
+    started: bool = True
 
 
 _shared: httpx.Client | None = None
@@ -104,11 +124,28 @@ class PodClient:
         return data
 
     def deploy(self, url: str, message: bytes, timeout: float) -> Outcomes:
-        try:
-            resp = self.http.post(f"{url}/deploy", content=message, headers=self._headers(),
-                                  timeout=httpx.Timeout(timeout, connect=10.0))
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"could not deploy to pod at {url}: {e!r}") from e
+        """Install a launch on the pod at ``url``. A pod installs a launch once, so a request
+        whose answer a proxy dropped is sent again (chunked, for the reason in
+        :meth:`_call_resumable`)."""
+        window_end = 0.0
+        while True:
+            headers = self._headers({protocol.LENGTH_HEADER: str(len(message))})
+            try:
+                resp = self.http.post(f"{url}/deploy", content=_chunks([message]), headers=headers,
+                                      timeout=httpx.Timeout(timeout, connect=10.0))
+                if resp.status_code not in _PROXY_ERRORS:
+                    break
+                error: Exception = _ProxyError(resp.status_code, resp.text)
+            except (httpx.ReadTimeout, httpx.PoolTimeout) as e:
+                raise PodUnreachable(f"pod at {url} did not answer the deploy within {timeout:g}s: "
+                                     f"{e!r}") from e
+            except httpx.TransportError as e:
+                error = e
+            now = time.monotonic()
+            window_end = window_end or now + RESUME_WINDOW_S
+            if now >= window_end:
+                raise PodUnreachable(f"could not deploy to pod at {url}: {error!r}") from error
+            time.sleep(0.1)
         self._check(resp, url)
         return list(protocol.loads(bytearray(resp.content))["outcomes"])
 
@@ -129,26 +166,33 @@ class PodClient:
             self.http.post(f"{url}/cancel/{call_id}", params={"reason": reason},
                            headers=self._headers(), timeout=timeout)
 
-    def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None) -> Outcomes:
-        """Run a call through the coordinator at ``url``; returns per-rank outcomes."""
-        headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
-                                 "content-type": "application/octet-stream"})
+    def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None,
+             on_notice: NoticeSink | None = None, pod: str = "") -> CallReply:
+        """Run a call through the coordinator ``pod`` at ``url``; returns per-rank outcomes."""
+        who = f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
+        frames = _Frames(on_log, on_notice, url)
         try:
             if self._lean and url.startswith("http://"):
-                return self._call_lean(url, headers, parts, on_log)
-            return self._call_httpx(url, headers, parts, on_log)
+                headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
+                                         "content-type": "application/octet-stream"})
+                return self._call_lean(url, headers, parts, frames)
+            return self._call_resumable(url, meta, parts, frames, who)
+        except KtliteError:
+            raise  # already says what happened (PodUnreachable is an OSError too)
         except (httpx.ReadTimeout, TimeoutError) as e:
-            raise PodUnreachable(f"the coordinator pod at {url} went silent for {SILENCE_TIMEOUT:g}s "
-                                 "during the call (no heartbeat): it probably died") from e
+            raise PodUnreachable(f"{who} went silent for {SILENCE_TIMEOUT:g}s during the call (no "
+                                 "heartbeat): it probably died") from e
         except (httpx.HTTPError, ConnectionFailed, OSError) as e:
-            raise PodUnreachable(f"lost the connection to the coordinator pod at {url}: {e!r}") from e
+            raise PodUnreachable(f"lost the connection to {who}: {e!r}") from e
         except protocol.ProtocolError as e:
-            raise PodUnreachable(f"the coordinator pod at {url} closed the stream mid-call: {e}") from e
+            raise PodUnreachable(f"{who} closed the stream mid-call: {e}") from e
 
-    def _call_lean(self, url: str, headers: dict[str, str], parts: list[Any],
-                   on_log: LogSink | None) -> Outcomes:
-        conn, status, hdrs = _pool.post(url, "/call", headers, parts, connect_timeout=10.0,
-                                        read_timeout=SILENCE_TIMEOUT)
+    def _call_lean(self, url: str, headers: dict[str, str], parts: list[Any], frames: _Frames) -> CallReply:
+        try:
+            conn, status, hdrs = _pool.post(url, "/call", headers, parts, connect_timeout=10.0,
+                                            read_timeout=SILENCE_TIMEOUT)
+        except ConnectionRefused as e:
+            raise PodUnreachable(f"cannot connect to the coordinator pod at {url}: {e}", delivered=False) from e
         try:
             if status >= 400:
                 body = b"".join(conn.body(hdrs))
@@ -157,39 +201,147 @@ class PodClient:
                 except ValueError:
                     detail = body.decode(errors="replace")
                 _raise_for_status(status, detail, url)
-            result = _read_result(conn.body(hdrs), on_log, url)
+            result = frames.read(conn.body(hdrs))
         except BaseException:
             conn.close()
             raise
         _pool.release(conn)
         return result
 
-    def _call_httpx(self, url: str, headers: dict[str, str], parts: list[Any],
-                    on_log: LogSink | None) -> Outcomes:
-        headers["content-length"] = str(protocol.parts_size(parts))
+    def _call_resumable(self, url: str, meta: dict[str, Any], parts: list[Any], frames: _Frames,
+                        who: str) -> CallReply:
+        """A call through a proxy (the Kubernetes API server's): the body goes chunked, and a
+        stream that breaks is re-attached by call id, reading on from the first frame not
+        received; the pod keeps the call running meanwhile and never runs it twice.
+
+        Why chunked: Go's HTTP/1 server (the API server) races its reverse proxy when a
+        backend answers as soon as a Content-Length body has arrived: it closes the request
+        body while the proxy still checks it for EOF, and the proxy then drops its backend
+        connection mid-response ("incomplete chunked read" here). A chunked body's end is seen
+        by the proxy before the pod can answer, so the race cannot happen.
+        """
+        meta = {**meta, "reattach": REATTACH_S}
         timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
-        with self.http.stream("POST", f"{url}/call", content=protocol.chunked(parts),
-                              headers=headers, timeout=timeout) as resp:
-            self._check(resp, url)
-            return _read_result(resp.iter_raw(), on_log, url)
+        attempt, window_end = 0, 0.0
+        delivered = False  # did any attempt possibly reach a pod server?
+        while True:
+            headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
+                                     "content-type": "application/octet-stream"})
+            body = parts
+            if attempt:
+                headers[protocol.RESUME_HEADER] = str(frames.seen)
+                if frames.seen:
+                    body = []  # the pod has the call: only its frames are wanted
+            headers[protocol.LENGTH_HEADER] = str(protocol.parts_size(body))
+            try:
+                with self.http.stream("POST", f"{url}/call", content=_chunks(body), headers=headers,
+                                      timeout=timeout) as resp:
+                    refusal = _proxy_refusal(resp)
+                    if refusal is not None:
+                        raise refusal
+                    try:
+                        self._check(resp, url)
+                    except NotDeployedError as e:
+                        if not delivered:
+                            raise
+                        # the server that had the call is gone: this one (a new pod, a restarted
+                        # container) never saw it, and must not run it now
+                        raise PodUnreachable(f"{who} was restarted or replaced while the call ran "
+                                             f"(the server now there says: {e}); the call was lost "
+                                             "with it") from e
+                    return frames.read(resp.iter_raw())
+            except (httpx.ReadTimeout, httpx.PoolTimeout):
+                raise
+            except (httpx.TransportError, protocol.ProtocolError, _ProxyError) as e:
+                delivered = delivered or not (isinstance(e, httpx.ConnectError)
+                                              or (isinstance(e, _ProxyError) and e.undelivered))
+                now = time.monotonic()
+                window_end = window_end or now + RESUME_WINDOW_S
+                if now >= window_end:
+                    if isinstance(e, _ProxyError):
+                        raise PodUnreachable(f"{who} is not reachable through the proxy (HTTP "
+                                             f"{e.status}: {e.text[:300]})", delivered=delivered) from e
+                    raise PodUnreachable(f"lost the connection to {who} and could not re-attach to "
+                                         f"the call within {RESUME_WINDOW_S:g}s: {e!r}",
+                                         delivered=delivered) from e
+                attempt += 1
+                time.sleep(min(0.02 * 2 ** attempt, 0.5))
 
 
-def _read_result(chunks: Any, on_log: LogSink | None, url: str) -> Outcomes:
-    """Print log frames as they come; return the result frame's outcomes. Reads the stream
-    to its end (it ends right after the result) so the connection can be reused."""
-    result = None
-    for kind, payload in protocol.read_frames(chunks):
-        if kind == protocol.LOG:
-            if on_log is not None:
-                on_log(*json.loads(payload))
-        elif kind == protocol.RESULT:
-            result = list(protocol.loads(payload)["outcomes"])
-        elif kind == protocol.ERROR:
-            err = json.loads(payload)
-            raise KtliteError(f"pod at {url} failed the call: {err['type']}: {err['message']}")
-    if result is None:
-        raise PodUnreachable(f"the coordinator pod at {url} ended the call without a result")
-    return result
+def _proxy_refusal(resp: httpx.Response) -> _ProxyError | None:
+    """The error of a proxy that could not reach the pod (502/503/504, or a Kubernetes
+    ``Status`` body: the API server answered, not the pod), else None."""
+    if resp.status_code < 400:
+        return None
+    resp.read()
+    if resp.status_code in _PROXY_ERRORS:
+        return _ProxyError(resp.status_code, resp.text)
+    try:
+        body = resp.json()
+    except ValueError:
+        return None
+    if isinstance(body, dict) and body.get("kind") == "Status":
+        return _ProxyError(resp.status_code, str(body.get("message", resp.text)))
+    return None
+
+
+class _ProxyError(Exception):
+    """A proxy between us and the pod could not reach it (the API server's pod proxy answers
+    503 when it cannot connect, 400 "address not allowed" while the pod has no IP, 404 when
+    no pod has the name: between a deleted pod and its replacement)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status, self.text = status, text
+
+    @property
+    def undelivered(self) -> bool:
+        """The proxy could not even connect to the pod (so the request never reached it)."""
+        return any(sign in self.text for sign in _UNDELIVERED)
+
+
+def _chunks(parts: list[Any]) -> Iterator[bytes]:
+    # a generator: httpx sends it with Transfer-Encoding: chunked
+    yield from protocol.chunked(parts, size=1 << 20)
+
+
+class _Frames:
+    """Reads a call's frame stream: prints logs, passes notices on, returns the result; counts
+    the frames read so that a broken stream can be re-attached where it stopped."""
+
+    def __init__(self, on_log: LogSink | None, on_notice: NoticeSink | None, url: str) -> None:
+        self.on_log, self.on_notice, self.url = on_log, on_notice, url
+        self.seen = 0
+
+    def read(self, chunks: Any) -> CallReply:
+        """Reads the stream to its end (it ends right after the result) so the connection can
+        be reused."""
+        result = None
+        for kind, payload in protocol.read_frames(chunks):
+            if kind == protocol.HEARTBEAT:
+                continue
+            if kind == protocol.NOTICE:
+                info = json.loads(payload)
+                if info.get("kind") == "skip":
+                    self.seen = int(info["to"])
+                    print(f"ktlite: {info.get('message')} while the connection to the pod was "
+                          "re-established", file=sys.stderr, flush=True)
+                    continue
+                if self.on_notice is not None:
+                    self.on_notice(info)
+            elif kind == protocol.LOG:
+                if self.on_log is not None:
+                    self.on_log(*json.loads(payload))
+            elif kind == protocol.RESULT:
+                got = protocol.loads(payload)
+                result = CallReply(list(got["outcomes"]), bool(got.get("started", True)))
+            elif kind == protocol.ERROR:
+                err = json.loads(payload)
+                raise KtliteError(f"pod at {self.url} failed the call: {err['type']}: {err['message']}")
+            self.seen += 1
+        if result is None:
+            raise PodUnreachable(f"the coordinator pod at {self.url} ended the call without a result")
+        return result
 
 
 def _raise_for_status(status: int, detail: str, url: str) -> None:
@@ -202,4 +354,9 @@ def _raise_for_status(status: int, detail: str, url: str) -> None:
         raise ProtocolMismatch(detail)
     if status == 409:
         raise NotDeployedError(detail)
+    if status == 404 and "does not know call" in detail:
+        raise PodUnreachable(detail)
+    if status in _PROXY_ERRORS:
+        raise PodUnreachable(f"pod at {url} is not reachable through the proxy (HTTP {status}): "
+                             f"{detail[:300]}")
     raise KtliteError(f"pod at {url} answered HTTP {status}: {detail}")

@@ -20,13 +20,17 @@ class ConnectionFailed(ConnectionError):
     """The pod could not be connected to, or closed the connection mid-response."""
 
 
+class ConnectionRefused(ConnectionFailed):
+    """No connection could be opened to the pod (nothing was sent)."""
+
+
 class Connection:
     def __init__(self, host: str, port: int, connect_timeout: float) -> None:
         self.key = (host, port)
         try:
             self.sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as e:
-            raise ConnectionFailed(f"cannot connect to {host}:{port}: {e!r}") from e
+            raise ConnectionRefused(f"cannot connect to {host}:{port}: {e!r}") from e
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.reader = self.sock.makefile("rb", buffering=1 << 16)
         self.reusable = False
@@ -124,7 +128,7 @@ class Pool:
         lines += [f"{k}: {v}" for k, v in headers.items()]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
-            conn, reused = self._get(key, connect_timeout)
+            conn, reused = self._get(key, connect_timeout)  # ConnectionRefused passes through
             try:
                 conn.send(head, parts)
                 status, hdrs = conn.response(read_timeout)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ktlite import protocol, shm
 from ktlite.backends.base import Applied, Backend, get_backend
-from ktlite.client import PodClient
+from ktlite.client import CallReply, PodClient
 from ktlite.errors import (
     CallCancelled,
     CallTimeout,
@@ -39,6 +39,36 @@ from ktlite.errors import (
 from ktlite.spec import DeploymentSpec
 
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")
+
+
+class _ReplacedWatch:
+    """Reads the coordinator's notices during a call: when it cannot reach some pods yet and
+    the backend shows them replaced (their old IPs swallow packets, so the wait would last
+    ``quorum_timeout``), it cancels the call, which no rank has started yet."""
+
+    def __init__(self, dep: Deployment, call_id: str) -> None:
+        self.dep, self.call_id = dep, call_id
+        self.replaced: list[str] = []
+        self._checked = 0.0
+
+    def __call__(self, info: dict[str, Any]) -> None:
+        if info.get("kind") != "waiting" or self.replaced or time.monotonic() - self._checked < 2.0:
+            return
+        self._checked = time.monotonic()
+        with contextlib.suppress(Exception):  # a failed check only means we keep waiting
+            gone = self.dep._replaced([int(i) for i in info.get("pods") or []])
+            if gone:
+                self.replaced.extend(gone)
+                self.dep.client.cancel(self.dep.endpoints[0].url, self.call_id,
+                                       f"pod(s) {', '.join(gone)} were replaced")
+
+
+class _NotStarted(Exception):
+    """A call no rank started because pods were replaced: safe to send again once healed."""
+
+    def __init__(self, error: BaseException, why: str) -> None:
+        super().__init__(why)
+        self.error, self.why = error, why
 _print_lock = threading.Lock()
 
 
@@ -67,6 +97,8 @@ class Deployment:
         self.applied = applied
         self.client = PodClient(applied.token, http=applied.http)
         self.launch_id = ""
+        self._code: tuple[bytes, dict[str, Any], bytes | None] | None = None  # for pushing again
+        self._suspect = False  # a call lost a pod: check for replaced pods before the next one
 
     def __repr__(self) -> str:
         return f"Deployment(name={self.spec.name!r}, backend={self.backend.name!r}, pods={len(self.applied.endpoints)})"
@@ -84,6 +116,7 @@ class Deployment:
     def push(self, bundle: bytes, sources: dict[str, Any], init: bytes | None,
              restart: bool = False) -> None:
         """Send the code to every pod; each restarts or reloads its rank processes."""
+        self._code = (bundle, sources, init)
         self.launch_id = uuid.uuid4().hex[:12]
         d = self.spec.distributed
         ips = [ep.ip for ep in self.endpoints]
@@ -119,14 +152,30 @@ class Deployment:
     def call(self, method: str | None, parts: list[Any], options: CallOptions,
              log: Any = None) -> list[Any]:
         """Run one call on every rank (or the chosen workers); values in rank order.
-        ``log(rank, pod, stream, text)`` prints streamed lines (default ``[rank R @ pod]``)."""
+        ``log(rank, pod, stream, text)`` prints streamed lines (default ``[rank R @ pod]``).
+
+        Pods the backend replaced (a deleted pod came back with a new IP, a container
+        restarted: either has none of our code) are noticed before the call when an earlier
+        call lost a pod, or while the coordinator waits for its quorum: the code is pushed to
+        the new pods and the call runs, as long as no rank had started it."""
         eps = self.endpoints
-        d = self.spec.distributed
         if options.workers is not None:
             bad = [w for w in options.workers if not isinstance(w, int) or isinstance(w, bool)
                    or not 0 <= w < len(eps)]
             if bad or not options.workers:
                 raise ConfigError(f"workers={options.workers!r}: give pod indices between 0 and {len(eps) - 1}")
+        if self._suspect:
+            self._heal("an earlier call lost a pod")
+        try:
+            return self._call_once(parts, options, log)
+        except _NotStarted as e:
+            if not self._heal(e.why):
+                raise e.error from None
+        return self._call_once(parts, options, log)
+
+    def _call_once(self, parts: list[Any], options: CallOptions, log: Any) -> list[Any]:
+        eps = self.endpoints
+        d = self.spec.distributed
         stream = self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
         call_id = uuid.uuid4().hex
         meta = {"id": call_id, "launch_id": self.launch_id,
@@ -135,36 +184,115 @@ class Deployment:
                 "timeout": options.timeout if options.timeout is not None else self.spec.compute.call_timeout,
                 "stream_logs": stream, "restart": options.restart_procs,
                 "fanout": True, "quorum_timeout": d.quorum_timeout, "num_proc": d.num_proc}
-        coordinator = eps[0].url
         arg_file = None
         if self.applied.same_host and os.environ.get("KTLITE_SHM", "1") != "0":
             meta["shm_results"] = True
             if protocol.parts_size(parts) > shm.INLINE_MAX:
                 arg_file, size = shm.write(parts, shm.ARG_PREFIX)
                 meta["shm"], parts = [arg_file, size], []
+        watch = _ReplacedWatch(self, call_id)
         try:
-            outcomes = self.client.call(coordinator, meta, parts, (log or print_log) if stream else None)
+            reply = self._send(call_id, meta, parts, (log or print_log) if stream else None, watch)
+        finally:
+            if arg_file is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(arg_file)
+        failures, values = _split(reply.outcomes)
+        if failures:
+            if any(f.kind in ("died", "unreachable", "stale") for f in failures):
+                self._suspect = True  # the next call first checks for replaced pods
+            error = _to_error(failures, values, f"call to {self.name!r}", RemoteError)
+            if not reply.started:  # no rank ran it: if its pods were replaced, it can go again
+                missing = {self._ordinal_of(f.pod) for f in failures if f.kind in ("unreachable", "stale")}
+                gone = watch.replaced or self._replaced(sorted(missing - {-1}))
+                if gone:
+                    raise _NotStarted(error, f"the coordinator could not reach {', '.join(gone)}")
+            raise error
+        self._suspect = False
+        return [values[r] for r in sorted(values)]
+
+    def _send(self, call_id: str, meta: dict[str, Any], parts: list[Any], log: Any,
+              watch: _ReplacedWatch) -> CallReply:
+        """The call through the coordinator (pod 0), with its transport failures explained."""
+        eps = self.endpoints
+        try:
+            return self.client.call(eps[0].url, meta, parts, log, watch, pod=eps[0].name)
+        except NotDeployedError as e:
+            # the coordinator answered 409 before anything ran: it lost our code (a new pod, a
+            # restarted container) or runs another launch
+            gone = self._replaced([0])
+            if gone:
+                raise _NotStarted(e, f"{gone[0]} had none of our code") from e
+            raise
         except PodUnreachable as e:
+            self._suspect = True
             # the coordinator cannot stop the other pods' ranks now: ask them directly
             self._cancel_all(call_id, "the coordinator pod stopped answering", eps[1:])
             current = self.backend.lookup(self.name)
             if current is None or current.token != self.applied.token:
                 raise NotDeployedError(f"deployment {self.name!r} was torn down or replaced; "
                                        "call .to(compute) again") from e
-            raise PodUnreachable(f"coordinator pod {eps[0].name}: {e}; the other pods were told to stop "
-                                 "the call. Call .to() again to restart a dead pod") from e
+            if not e.delivered and self._replaced([0], current):
+                raise _NotStarted(e, f"the proxy could not reach {eps[0].name}") from e
+            raise PodUnreachable(f"{e}; the other pods were told to stop the call. "
+                                 f"{self._pod_state(0, current)}", delivered=e.delivered) from e
         except KeyboardInterrupt:
             # stop the ranks everywhere before giving control back; the deployment stays usable
             self._cancel_all(call_id, "the caller pressed Ctrl-C", [*eps[1:], eps[0]])
             raise
-        finally:
-            if arg_file is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(arg_file)
-        failures, values = _split(outcomes)
-        if failures:
-            raise _to_error(failures, values, f"call to {self.name!r}", RemoteError)
-        return [values[r] for r in sorted(values)]
+
+    # ---- replaced pods -----------------------------------------------------------------
+
+    def _ordinal_of(self, pod: str) -> int:
+        return next((ep.ordinal for ep in self.endpoints if ep.name == pod), -1)
+
+    def _replaced(self, ordinals: list[int], current: Applied | None = None) -> list[str]:
+        """Names of the pods among ``ordinals`` that the backend replaced since we pushed code."""
+        if not ordinals:
+            return []
+        current = current or self.backend.lookup(self.name)
+        if current is None:
+            return []
+        now = {ep.ordinal: ep.incarnation for ep in current.endpoints}
+        return [ep.name for ep in self.endpoints
+                if ep.ordinal in ordinals and ep.incarnation and now.get(ep.ordinal) != ep.incarnation]
+
+    def _pod_state(self, ordinal: int, current: Applied) -> str:
+        ep = self.endpoints[ordinal]
+        now = next((c for c in current.endpoints if c.ordinal == ordinal), None)
+        if now is None:
+            return f"Pod {ep.name} is gone or not running; the next call waits for its replacement."
+        if ep.incarnation and now.incarnation != ep.incarnation:
+            return (f"Pod {ep.name} was replaced (now at {now.ip}); the next call pushes the code to "
+                    "it.")
+        return f"Pod {ep.name} still runs at {ep.ip}: it may be overloaded; see remote.logs()."
+
+    def _heal(self, why: str) -> bool:
+        """If the backend replaced pods since the code was pushed, wait for them and push the
+        code again; False when nothing was replaced. Raises NotDeployedError when the
+        deployment was torn down or re-created by someone else."""
+        current = self.backend.lookup(self.name)
+        if current is None or current.token != self.applied.token:
+            raise NotDeployedError(f"deployment {self.name!r} was torn down or re-created; call "
+                                   ".to(compute) again")
+        if current.spec_hash and self.applied.spec_hash and current.spec_hash != self.applied.spec_hash:
+            raise NotDeployedError(f"deployment {self.name!r} was redeployed with another Compute (by "
+                                   "another process?); call .to(compute) again")
+        gone = self._replaced([ep.ordinal for ep in self.endpoints], current)
+        if not gone:
+            self._suspect = False
+            return False
+        if self._code is None:
+            raise NotDeployedError(f"pod(s) {', '.join(gone)} of {self.name!r} were replaced; call "
+                                   ".to(compute) again")
+        kind = " (class instances are created anew on every pod)" if self.spec.kind == "cls" else ""
+        print(f"ktlite: {self.name}: pod(s) {', '.join(gone)} were replaced ({why}); waiting for "
+              f"them and pushing the code again{kind}", file=sys.stderr, flush=True)
+        applied = self.backend.apply(self.spec, self.applied.token)
+        self.applied = applied
+        self.push(*self._code)
+        self._suspect = False
+        return True
 
     def _cancel_all(self, call_id: str, reason: str, eps: list[Any]) -> None:
         """Best effort, all at once, briefly: a hung pod must not delay the others."""
@@ -198,8 +326,12 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
     dep = Deployment(spec, backend, applied)
     try:
         dep.push(bundle, sources, init, restart)
-    except BaseException:
+    except BaseException as e:
         dep.close()
+        if isinstance(e, Exception) and (backend.name != "local" or spec.detached):
+            # the pods are fine, the code is not: they stay warm for the next .to()
+            e.add_note(f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
+                       f"`ktlite teardown {spec.name}` removes them")
         raise
     return dep
 

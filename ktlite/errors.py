@@ -56,7 +56,12 @@ class NotDeployedError(KtliteError):
 
 
 class PodUnreachable(KtliteError, ConnectionError):
-    """A pod's server could not be reached, or went away during a call."""
+    """A pod's server could not be reached, or went away during a call. ``delivered`` is
+    False when the request certainly never reached a pod server (nothing ran)."""
+
+    def __init__(self, *args: object, delivered: bool = True) -> None:
+        super().__init__(*args)
+        self.delivered = delivered
 
 
 class AuthError(KtliteError):

@@ -37,10 +37,15 @@ _ALIGN = 64
 TOKEN_HEADER = "x-ktlite-token"
 CALL_HEADER = "x-ktlite-call"
 VERSION_HEADER = "x-ktlite-protocol"
+# A body sent chunked (through the Kubernetes API server's proxy: see ktlite.client) names its
+# length here, so the pod can still refuse an oversized one before reading it
+LENGTH_HEADER = "x-ktlite-length"
+# A caller re-attaching to a call it lost the stream of: the number of the first frame it lacks
+RESUME_HEADER = "x-ktlite-resume"
 
 # frame kinds
 FRAME = struct.Struct("<BQ")
-LOG, RESULT, ERROR, HEARTBEAT = 1, 2, 3, 4
+LOG, RESULT, ERROR, HEARTBEAT, NOTICE = 1, 2, 3, 4, 5
 MAX_FRAME = 64 << 30  # no result frame is larger; a bigger claim is corruption, not data
 
 # out-of-band threshold: smaller buffers stay in the pickle stream
@@ -210,6 +215,13 @@ def error_frame(kind: str, message: str) -> bytes:
     return frame(ERROR, json.dumps({"type": kind, "message": message}).encode())
 
 
+def notice_frame(kind: str, message: str, **fields: Any) -> bytes:
+    """Something the caller should know while the call runs: ``waiting`` (pods the coordinator
+    cannot reach yet, by index in ``pods``), or ``skip`` (frames dropped: the stream goes on
+    at frame ``to``; a skip notice is not counted as a frame itself)."""
+    return frame(NOTICE, json.dumps({"kind": kind, "message": message, **fields}).encode())
+
+
 class FrameParser:
     """Incremental frame parser: ``feed`` chunks, get complete ``(kind, payload)`` frames.
 
@@ -266,9 +278,10 @@ def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, bytearray]]:
         raise ProtocolError("stream ended inside a frame")
 
 
-def gather_parts(outcomes: list[tuple[int, str, str, Any, str, float]]) -> list[Any]:
+def gather_parts(outcomes: list[tuple[int, str, str, Any, str, float]], started: bool = True) -> list[Any]:
     """Encode per-rank outcomes ``(rank, pod, status, data, message, at)``; data stays opaque;
     ``at`` is the wall-clock time the outcome was known (the earliest failure is the cause).
+    ``started=False`` tells the caller that no rank started (the call may be sent again).
 
     ``data`` is the encoded value, None, or ``("shm", path, size)`` when the value waits in
     a shared-memory file for a caller on the same host.
@@ -276,7 +289,8 @@ def gather_parts(outcomes: list[tuple[int, str, str, Any, str, float]]) -> list[
     def wrap(data: Any) -> Any:
         return data if data is None or isinstance(data, tuple) else pickle.PickleBuffer(data)
     return dumps_parts({"outcomes": [(rank, pod, status, wrap(data), message, at)
-                                     for rank, pod, status, data, message, at in outcomes]})
+                                     for rank, pod, status, data, message, at in outcomes],
+                        "started": started})
 
 
 def chunked(parts: Iterable[Any], size: int = 4 << 20) -> Iterator[memoryview]:

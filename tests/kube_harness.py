@@ -5,7 +5,8 @@ over real HTTP, with a real ``ktlite_server`` process behind each pod it creates
 
 Only the control plane is fake. Each pod is a real server process bound to its own loopback
 address (127.0.0.10, .11, ...) on the pod port, in its own UTS and mount namespace (hostname =
-pod name; PVCs bind-mounted from DIR/pvc/<claim>), started with the env the pod spec names
+pod name; PVCs bind-mounted from DIR/pvc/<claim>; /tmp and tests/ empty, since a real pod
+sees none of the caller's files), started with the env the pod spec names
 (token from the Secret, downward-API fields), and reported Ready once it accepts
 connections. The pod proxy forwards to it; its output becomes the pod log; deleting the pod
 stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
@@ -17,8 +18,11 @@ Needs root (``unshare``), like the pods it imitates.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import os
+import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -44,10 +48,12 @@ class Pods:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        bind_s = float(os.environ.get("KTLITE_HARNESS_PVC_BIND_S", "1.5"))
         self.fake = kf.FakeKube(token=TOKEN, pod_behavior=self.behavior, pod_termination_seconds=1.0,
-                                follow_idle_timeout=5.0)
+                                follow_idle_timeout=5.0, pvc_bind_seconds=bind_s)
+        self.holes: list[tuple[socket.socket, socket.socket]] = []  # addresses of pods that are gone
         self.fake.proxy_handlers = _Handlers(self)
-        self.procs: dict[str, tuple[subprocess.Popen[bytes], str]] = {}  # uid -> (process, pod)
+        self.procs: dict[str, tuple[subprocess.Popen[bytes], str, str]] = {}  # uid -> (process, pod, ip)
         self.lock = threading.Lock()
         self.ips = itertools.count(10)
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # as Go's net/http has it
@@ -67,7 +73,7 @@ class Pods:
         ip = f"127.0.0.{next(self.ips)}"
         proc = self._start(pod, ip)
         with self.lock:
-            self.procs[pod["metadata"]["uid"]] = (proc, pod["metadata"]["name"])
+            self.procs[pod["metadata"]["uid"]] = (proc, pod["metadata"]["name"], ip)
         up = _Probe(ip)
         return kf.PodState(lambda ctx: (kf.ready(ip) if up() else kf.running_not_ready(ip)).status(ctx),
                            ip=ip)
@@ -102,6 +108,10 @@ class Pods:
         pod_env = self._env(pod, ip)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
         env.update(pod_env)
+        # as in the real cluster's image (Debian's Python 3.11.2): a tarfile without extraction
+        # filters, in the server and every process it starts (they inherit PYTHONPATH)
+        old_tarfile = str(Path(__file__).resolve().parent / "old_tarfile")
+        env["PYTHONPATH"] = os.pathsep.join([old_tarfile, *filter(None, [env.get("PYTHONPATH")])])
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
                   for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
         mounts = []
@@ -111,7 +121,7 @@ class Pods:
                 src.mkdir(parents=True, exist_ok=True)
                 os.makedirs(m["mountPath"], exist_ok=True)
                 mounts.append(f"mount --bind {src} {m['mountPath']}")
-        script = " && ".join([f"hostname {name}", *mounts,
+        script = " && ".join([f"hostname {name}", *mounts, *_hide_callers_files(),
                               f"exec {sys.executable} -m ktlite_server --host {ip} "
                               f"--port {SERVER_PORT} --procs {pod_env.get('KTLITE_PROCS', '1')}"])
         proc = subprocess.Popen(["unshare", "-m", "-u", "--propagation", "private", "sh", "-c", script],
@@ -131,18 +141,55 @@ class Pods:
             time.sleep(0.3)
             with self.lock:  # never held while taking the fake's lock (behavior() nests the other way)
                 running = list(self.procs.items())
-            for uid, (proc, name) in running:
+            for uid, (proc, name, ip) in running:
                 pod = self.fake.get("pods", NAMESPACE, name)
                 if pod is None or pod["metadata"]["uid"] != uid or pod["metadata"].get("deletionTimestamp"):
                     _stop(proc)
+                    hole = _black_hole(ip)
                     with self.lock:
                         self.procs.pop(uid, None)
+                        self.holes.append(hole)
 
     def stop_all(self) -> None:
         with self.lock:
-            for proc, _ in self.procs.values():
+            for proc, _, _ in self.procs.values():
                 _stop(proc)
             self.procs.clear()
+            for hole in self.holes:
+                for sock in hole:
+                    sock.close()
+
+
+def _black_hole(ip: str) -> tuple[socket.socket, socket.socket]:
+    """Make a gone pod's address swallow connection attempts instead of refusing them, as a
+    deleted pod's IP does on a real cluster (nothing answers there, not even with a reset): a
+    listener that never accepts, its one-slot backlog taken, so the kernel drops new SYNs."""
+    hole = socket.socket()
+    hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hole.bind((ip, SERVER_PORT))
+    hole.listen(0)
+    filler = socket.socket()
+    filler.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        filler.connect((ip, SERVER_PORT))
+    return hole, filler  # closing either one opens the address again
+
+
+def _hide_callers_files() -> list[str]:
+    """Shell commands that hide the caller's files from a pod, as a real cluster does: an
+    empty /tmp (pytest's tmp_path dirs) and an empty tests/ (the test functions' modules), so
+    code shipped by value must bring its source along. ktlite itself stays visible (installed
+    from outside tests/), and so does tests/old_tarfile (a PYTHONPATH dir pods may be given),
+    bind-mounted back through a staging point in the new /tmp. Runs after the PVC binds,
+    whose sources live under /tmp."""
+    tests = Path(__file__).resolve().parent
+    keep, stage = shlex.quote(str(tests / "old_tarfile")), "/tmp/.ktlite-keep"
+    return ["mount -t tmpfs -o mode=1777 tmpfs /tmp",
+            f"if [ -d {keep} ]; then mkdir {stage} && mount --bind {keep} {stage}; fi",
+            f"mount -t tmpfs tmpfs {shlex.quote(str(tests))}",
+            f"if [ -d {stage} ]; then mkdir {keep} && mount --move {stage} {keep} "
+            f"&& rmdir {stage}; fi",
+            "cd /tmp"]  # the shell's cwd is still the /tmp under the new mount
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -185,9 +232,33 @@ class _Handlers(dict):  # type: ignore[type-arg]
         return lambda request: self.pods.http.send(request, stream=True)
 
 
+class Cuts:
+    """Which proxied responses the pod proxy cuts short (``KTLITE_HARNESS_CUT``, e.g.
+    ``sized=0.1,post=0.02``): ``sized``, requests that carry a Content-Length body (what Go's
+    HTTP/1 server races on: it closes the request body while its reverse proxy still reads it,
+    and the proxy then drops its connection to the pod); ``post``, any POST. GETs never."""
+
+    def __init__(self, spec: str) -> None:
+        rates = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+        self.sized, self.post = float(rates.get("sized", 0)), float(rates.get("post", 0))
+        self.random = random.Random(1)  # the same sequence every run
+        self.lock = threading.Lock()
+        self.count = 0
+
+    def cut(self, method: str, sized: bool) -> bool:
+        if method != "POST":
+            return False
+        with self.lock:
+            draw = self.random.random()
+            hit = draw < self.post or (sized and draw < self.sized)
+            self.count += hit
+        return hit
+
+
 def serve(root: Path) -> None:
     pods = Pods(root)
     fake = pods.fake
+    cuts = Cuts(os.environ.get("KTLITE_HARNESS_CUT", ""))
 
     class Bridge(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -213,11 +284,15 @@ def serve(root: Path) -> None:
             return self.rfile.read(n) if n else b""
 
         def _any(self) -> None:
+            sized = int(self.headers.get("content-length") or 0) > 0
             body = self._body()
             headers = [(k, v) for k, v in self.headers.items()
                        if k.lower() not in ("host", "content-length", "transfer-encoding")]
             resp = fake.handle_request(httpx.Request(self.command, f"http://fake{self.path}",
                                                      headers=headers, content=body))
+            if "/proxy" in self.path and cuts.cut(self.command, sized):
+                self._cut(resp)
+                return
             self.send_response(resp.status_code)
             for k, v in resp.headers.multi_items():
                 if k.lower() not in ("content-length", "transfer-encoding", "connection",
@@ -238,6 +313,18 @@ def serve(root: Path) -> None:
                 close = getattr(resp.stream, "close", None)
                 if close:
                     close()
+
+        def _cut(self, resp: httpx.Response) -> None:
+            """Drop the connection to the pod right after its response headers, as the API
+            server does when Go's race hits: the caller gets a truncated chunked body."""
+            self.send_response(resp.status_code)
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            self.wfile.flush()
+            resp.close()  # the pod sees its client go
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
 
         do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _any
 

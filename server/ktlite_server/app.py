@@ -13,6 +13,7 @@ Endpoints (all but ``/health`` need ``x-ktlite-token: Bearer <deployment token>`
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
@@ -20,6 +21,7 @@ import mmap
 import os
 import platform
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,78 +36,31 @@ from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.coordinator import CallPlan, Coordinator, run_local
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Deployment, Pod
+from ktlite_server.streams import RETAIN_S, CallStream, Streams
 
-HEARTBEAT_S = 2.0
-_PENDING = object()
 DEFAULT_MAX_BODY = 8 << 30
 
 
-class FrameResponse(Response):
-    """Streams frames produced by ``producer`` while the call runs; heartbeats when idle."""
+class StreamResponse(Response):
+    """Carries a call's frames (from frame ``start`` on) to one HTTP response."""
 
     media_type = "application/x-ktlite-frames"
 
-    def __init__(self, producer: Callable[[Callable[[Any], None]], Awaitable[None]],
-                 on_disconnect: Callable[[], None]) -> None:
+    def __init__(self, stream: CallStream, start: int) -> None:
         super().__init__(status_code=200, media_type=self.media_type)
-        self.producer = producer
-        self.on_disconnect = on_disconnect
+        self.stream = stream
+        self.start = start
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        async def produce() -> None:
-            try:
-                await self.producer(queue.put_nowait)
-            except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
-                queue.put_nowait(protocol.error_frame(type(e).__name__, str(e)))
-            finally:
-                queue.put_nowait(None)
-
-        async def watch() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    self.on_disconnect()
-                    return
-
-        def beat() -> None:  # a timer, not a task: most calls end long before the first beat
-            queue.put_nowait(protocol.frame(protocol.HEARTBEAT, b""))
-            nonlocal heart
-            heart = loop.call_later(HEARTBEAT_S, beat)
-
-        task = loop.create_task(produce())
-        watcher = loop.create_task(watch())
-        heart = loop.call_later(HEARTBEAT_S, beat)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", self.media_type.encode())]})
-        try:
-            finished = False
-            item = await queue.get()
-            while item is not None:
-                # the result is followed at once by the end marker: send both in one write
-                after = queue.get_nowait() if not queue.empty() else _PENDING
-                chunks = list(protocol.chunked(item if isinstance(item, list) else [item])) or [b""]
-                for i, chunk in enumerate(chunks):
-                    finished = after is None and i == len(chunks) - 1
-                    await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
-                item = await queue.get() if after is _PENDING else after
-            if not finished:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            watcher.cancel()
-            heart.cancel()
-            if not task.done():
-                self.on_disconnect()
-                await task
+        await self.stream.send(send, receive, self.start)
 
 
 async def _read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     """Read the body into memory, or straight into a shared-memory file when large."""
-    length = request.headers.get("content-length")
+    # a chunked body (through a proxy) names its length in LENGTH_HEADER
+    length = request.headers.get("content-length") or request.headers.get(protocol.LENGTH_HEADER)
     if length is None or not length.isdigit():
-        raise HTTPException(411, "a Content-Length header is required")
+        raise HTTPException(411, f"a Content-Length (or {protocol.LENGTH_HEADER}) header is required")
     n = int(length)
     if n > limit:
         raise HTTPException(413, f"body of {n} bytes is larger than this server's limit of {limit} bytes "
@@ -138,6 +93,36 @@ async def _read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     return view, path
 
 
+def _process_start() -> float:
+    """When this server's process started (epoch seconds): in a container, when the
+    container started. Benchmarks measure cold starts from it."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # since boot, in clock ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def _resume_from(request: Request) -> int | None:
+    """The first frame a re-attaching caller lacks (None: a new call)."""
+    value = request.headers.get(protocol.RESUME_HEADER)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{protocol.RESUME_HEADER} must be a frame number, got {value[:40]!r}")
+    return int(value)
+
+
+async def _discard_body(request: Request) -> None:
+    """Read a body this request does not need (a re-sent call), so the connection stays usable."""
+    with contextlib.suppress(ClientDisconnect):
+        async for _ in request.stream():
+            pass
+
+
 class FastCall:
     """The FastAPI app, with ``POST /call`` handed straight to its route handler.
 
@@ -166,7 +151,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                client: httpx.AsyncClient | None = None) -> FastCall:
     """Build the pod server app; ``client`` is the HTTP client used to reach peer pods."""
     expected = protocol.bearer(token).encode()
-    state: dict[str, Any] = {"client": client, "peers": PeerPool()}
+    started = _process_start()
+    state: dict[str, Any] = {"client": client, "peers": PeerPool(), "streams": Streams(),
+                             "deploys": collections.OrderedDict(), "coordinators": {}}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -174,6 +161,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             state["client"] = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=30.0)
         await pod.prespawn()
         yield
+        state["streams"].close()
         await pod.shutdown()
         await state["client"].aclose()
         await state["peers"].aclose()
@@ -195,7 +183,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
     async def health() -> dict[str, Any]:
         return {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, "version": ktlite.__version__,
                 "python": platform.python_version(), "pod": pod.name, "ordinal": pod.ordinal,
-                "launch_id": pod.dep.launch_id if pod.dep else None}
+                "launch_id": pod.dep.launch_id if pod.dep else None, "started": started}
 
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
@@ -233,7 +221,16 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         if dep.ordinal != pod.ordinal:
             raise HTTPException(400, f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} "
                                      f"(ordinal {pod.ordinal})")
-        outs = await pod.deploy(dep, restart=bool(msg.get("restart")))
+        # a launch is installed once: a caller that lost the answer (a proxy dropped it) sends
+        # the same launch again and gets the same answer
+        deploys: collections.OrderedDict[str, asyncio.Task[Any]] = state["deploys"]
+        task = deploys.get(dep.launch_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(pod.deploy(dep, restart=bool(msg.get("restart"))))
+            deploys[dep.launch_id] = task
+            while len(deploys) > 8:
+                deploys.popitem(last=False)
+        outs = await asyncio.shield(task)
         parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
         return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
 
@@ -242,9 +239,25 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         authorize(request)
         try:
             plan = CallPlan(json.loads(request.headers.get(protocol.CALL_HEADER, "")))
+            resume = _resume_from(request)
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise HTTPException(400, f"malformed {protocol.CALL_HEADER} header: {type(e).__name__}: "
                                      f"{str(e)[:300]}") from e
+        streams: Streams = state["streams"]
+        live = streams.get(plan.id)
+        if live is not None and not live.accepted.done():
+            await live.accepted  # its first request is still arriving: attach if it runs
+        if live is not None and live.accepted.done() and live.accepted.result():
+            # the same call again (the caller lost its stream): never a second run
+            await _discard_body(request)
+            return StreamResponse(live, resume or 0)
+        if resume is not None and resume > 0:
+            await _discard_body(request)
+            if streams.ended_before(plan.id):
+                raise HTTPException(410, f"call {plan.id} ended on pod {pod.name} and its result is no "
+                                         f"longer kept (it waits {RETAIN_S:g}s for a caller to re-attach)")
+            raise HTTPException(404, f"pod {pod.name} does not know call {plan.id}: its server restarted "
+                                     "since the call began, and the call was lost with it")
         if pod.dep is None:
             raise HTTPException(409, f"pod {pod.name} has no code deployed: its server started after the "
                                 "deploy (a restarted container, a replaced pod); call .to() again, which "
@@ -253,43 +266,59 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
                                 f"{plan.launch_id}: it was redeployed since (by another process, or it "
                                 "restarted); call .to() again")
-        own_file = plan.shm is None
-        if plan.shm is None:
-            body, path = await _read_body(request, max_body)
-        else:  # the caller shares this host and wrote the arguments to shared memory
-            try:
-                path = shm.check(str(plan.shm[0]), shm.ARG_PREFIX)
-                body = shm.map_private(path, int(plan.shm[1]))
-            except (ValueError, OSError, IndexError, TypeError) as e:
-                raise HTTPException(400, f"bad shared-memory argument: {e}") from e
-        try:
-            protocol.split(body)  # framing only: the server never unpickles user data
-        except protocol.ProtocolError as e:
-            if path and own_file:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            raise HTTPException(400, f"malformed call body: {e}") from e
         coordinator = Coordinator(pod, token, state["client"], state["peers"], plan) if plan.fanout else None
 
-        async def produce(emit: Callable[[Any], None]) -> None:
-            try:
-                if coordinator is not None:
-                    outs = await coordinator.run(body, path, emit)
-                else:
-                    outs = await run_local(pod, plan, body, path, emit)
-                emit(protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs)))
-            finally:
-                if path and own_file:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-
-        def disconnected() -> None:
+        def abandoned() -> None:
             if coordinator is not None:
                 coordinator.cancel("cancelled", "the caller disconnected")
             else:
                 pod.cancel(plan.id, "cancelled", "the caller disconnected")
 
-        return FrameResponse(produce, disconnected)
+        stream = streams.open(plan.id, plan.reattach, abandoned)
+        own_file = plan.shm is None
+        try:
+            if plan.shm is None:
+                body, path = await _read_body(request, max_body)
+            else:  # the caller shares this host and wrote the arguments to shared memory
+                try:
+                    path = shm.check(str(plan.shm[0]), shm.ARG_PREFIX)
+                    body = shm.map_private(path, int(plan.shm[1]))
+                except (ValueError, OSError, IndexError, TypeError) as e:
+                    raise HTTPException(400, f"bad shared-memory argument: {e}") from e
+            try:
+                protocol.split(body)  # framing only: the server never unpickles user data
+            except protocol.ProtocolError as e:
+                if path and own_file:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                raise HTTPException(400, f"malformed call body: {e}") from e
+        except BaseException:
+            streams.refused(stream)
+            raise
+        stream.accepted.set_result(True)
+        coordinators: dict[str, Coordinator] = state["coordinators"]
+        if coordinator is not None:
+            coordinators[plan.id] = coordinator
+
+        async def produce() -> None:
+            try:
+                if coordinator is not None:
+                    outs = await coordinator.run(body, path, stream.emit)
+                else:
+                    outs = await run_local(pod, plan, body, path, stream.emit)
+                started = coordinator.started if coordinator is not None else True
+                stream.emit(protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs, started)))
+            except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
+                stream.emit(protocol.error_frame(type(e).__name__, str(e)))
+            finally:
+                if path and own_file:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                coordinators.pop(plan.id, None)
+                streams.finished(stream)
+
+        asyncio.get_running_loop().create_task(produce())
+        return StreamResponse(stream, 0)
 
     @app.post("/cancel/{call_id}")
     async def cancel(call_id: str, request: Request) -> JSONResponse:
@@ -300,6 +329,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         reset = query.get("reset", "false").lower() in ("1", "true", "yes")
         if kind not in ("cancelled", "timeout"):
             raise HTTPException(400, f"kind={kind!r}; allowed: cancelled, timeout")
+        coordinator = state["coordinators"].get(call_id)
+        if coordinator is not None:  # this pod coordinates the call: stop it on every pod
+            coordinator.cancel(kind, reason[:500])
         found = pod.cancel(call_id, kind, reason[:500])
         if not found and reset:
             pod.reset()

@@ -27,6 +27,7 @@ from ktlite_server.ranks import Outcome
 Emit = Callable[[Any], None]  # puts a frame (bytes or list of parts) on the caller's stream
 PodOutcome = tuple[int, str, str, Any, str, float]  # (rank, pod name, status, data, message, at)
 REFUSED_GRACE_S = 5.0  # how long a peer may refuse connections before the call fails
+NOTICE_AFTER_S = 2.0  # the caller hears of pods not reachable yet after this, and this often
 STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are reported stuck
 
 
@@ -65,6 +66,9 @@ class CallPlan:
             raise ValueError("shm must be [path, size]")
         self.shm: list[Any] | None = shm_arg
         self.shm_results = bool(meta.get("shm_results", False))
+        # seconds a call waits for its caller to re-attach after the stream broke (callers
+        # behind a proxy ask for it); 0: a closed stream cancels the call at once
+        self.reattach = min(_number(meta, "reattach", 0.0) or 0.0, 120.0)
 
     def name(self, i: int) -> str:
         """Pod ``i``'s name (its URL when the caller sent no names)."""
@@ -134,12 +138,20 @@ class Coordinator:
         self.peers = peers
         self.plan = plan
         self._stopped = False
+        self._stop_reason = ""
         self._lost: set[int] = set()  # pods whose stream failed: no use cancelling there
         self._deadline: float | None = None
+        self.started = False  # a rank may have started (False: the call can be sent again)
+        self._wake: asyncio.Event | None = None
 
     def cancel(self, kind: str, reason: str) -> None:
-        """Stop the call on every pod (the caller went away)."""
+        """Stop the call on every pod (the caller went away, or asked to)."""
         if not self._stopped:
+            if not self.started:  # still waiting for the quorum: nothing to stop but the wait
+                self._stopped, self._stop_reason = True, reason
+                if self._wake is not None:
+                    self._wake.set()
+                return
             asyncio.get_running_loop().create_task(self._stop(kind, reason))
 
     def _headers(self, meta: dict[str, Any]) -> dict[str, str]:
@@ -152,10 +164,15 @@ class Coordinator:
         plan = self.plan
         targets = plan.workers if plan.workers is not None else list(range(len(plan.pods)))
         if targets == [self.pod.ordinal] and plan.timeout is None:
+            self.started = True
             return await run_local(self.pod, plan, payload, path, emit)  # nothing to fan out
-        missing = await self._quorum(plan, [i for i in targets if i != self.pod.ordinal])
+        missing = await self._quorum(plan, [i for i in targets if i != self.pod.ordinal], emit)
         if missing:
             return missing
+        if self._stopped:  # cancelled while waiting for the quorum: no rank started
+            return [o for i in targets for o in self._failed_pod(
+                plan, i, f"not started: {self._stop_reason}", status="cancelled")]
+        self.started = True
         tasks: dict[asyncio.Task[list[PodOutcome]], int] = {}
         loop = asyncio.get_running_loop()
         # remote pods first: their hop is the longer one, so their requests should leave first
@@ -210,16 +227,29 @@ class Coordinator:
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
         await asyncio.gather(*(stop_one(i) for i in targets))
 
-    async def _quorum(self, plan: CallPlan, remote: list[int]) -> list[PodOutcome]:
+    async def _quorum(self, plan: CallPlan, remote: list[int], emit: Emit) -> list[PodOutcome]:
         """Every remote pod reachable before any rank starts: a job never runs with fewer
-        ranks. Warm keep-alive connections make this free; waits up to quorum_timeout."""
+        ranks. Warm keep-alive connections make this free; waits up to quorum_timeout. Every
+        NOTICE_AFTER_S the caller hears which pods are missing (it may know they were
+        replaced, and cancel); a cancel ends the wait at once."""
         start = time.monotonic()
         missing = list(remote)
         errors: dict[int, str] = {}
-        while missing:
-            left = max(0.5, min(5.0, plan.quorum_timeout - (time.monotonic() - start)))
-            got = await asyncio.gather(*(self.peers.ensure(plan.pods[i], left) for i in missing),
-                                       return_exceptions=True)
+        noticed = start
+        self._wake = asyncio.Event()
+        while missing and not self._stopped:
+            left = max(0.5, min(NOTICE_AFTER_S, plan.quorum_timeout - (time.monotonic() - start)))
+            probes = asyncio.ensure_future(asyncio.gather(
+                *(self.peers.ensure(plan.pods[i], left) for i in missing), return_exceptions=True))
+            woken = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait({probes, woken}, return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+            if not probes.done():  # cancelled mid-probe
+                probes.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probes
+                break
+            got = probes.result()
             errors = {i: str(e) for i, e in zip(missing, got, strict=True) if isinstance(e, BaseException)}
             missing = list(errors)
             waited = time.monotonic() - start
@@ -228,8 +258,15 @@ class Coordinator:
             refused = bool(errors) and all("ConnectionRefused" in m for m in errors.values())
             if not missing or waited >= plan.quorum_timeout or (refused and waited >= REFUSED_GRACE_S):
                 break
+            if time.monotonic() - noticed >= NOTICE_AFTER_S:
+                noticed = time.monotonic()
+                names = ", ".join(plan.name(i) for i in missing)
+                emit(protocol.notice_frame(
+                    "waiting", f"waiting for pod(s) {names} to be reachable ({waited:.0f}s of "
+                    f"quorum_timeout={plan.quorum_timeout:g}s; no rank has started)",
+                    pods=missing, waited=waited))
             await asyncio.sleep(0.2)
-        if not missing:
+        if not missing or self._stopped:
             return []
         names = [plan.name(i) for i in missing]
         reached = len(plan.pods) - len(missing)

@@ -327,3 +327,31 @@ def test_volume_outlives_the_pod_and_teardown_volumes_deletes_it(deployments, ma
     again.teardown(volumes=True)
     left = kube.wait_gone(selector, timeout=180)
     assert left == {}, f"still there 180 s after teardown(volumes=True): {left}"
+
+
+# ---- kt.app: a command on replicas, in the caller's working directory -------------------------
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_app_runs_a_command_in_the_shipped_working_directory(deployments, make_compute, kube,
+                                                             tmp_path, capfd):
+    # the files travel as an archive that each replica unpacks (on any Python the image has;
+    # Debian's 3.11.2 has no tarfile extraction filter)
+    name = deployments.name("app")
+    token = secrets.token_hex(8)
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "message.txt").write_text(f"kt-app-file {token}\n")
+    app = kt.app(["cat", "conf/message.txt"], replicas=2, name=name, workdir=tmp_path,
+                 compute=make_compute())
+    try:
+        capfd.readouterr()
+        assert app.run() == [0, 0]
+        out = capfd.readouterr().out.splitlines()
+        for r in (0, 1):
+            assert f"[replica {r}] kt-app-file {token}" in out, out
+        assert [p.metadata.name for p in kube.pods(name)] == [f"{name}-0", f"{name}-1"]
+    finally:
+        app.teardown()
+    left = kube.wait_gone(f"{NAME_LABEL}={name}", ("statefulsets", "services", "secrets", "pods"),
+                          timeout=120)
+    assert left == {}, f"still there 120 s after app.teardown(): {left}"

@@ -1,0 +1,220 @@
+"""A call's frame stream, kept apart from the HTTP response that carries it.
+
+A call through the Kubernetes API server's pod proxy can lose its connection while it runs
+(Go's HTTP/1 reverse proxy drops its backend connection in a race; load balancers cut long
+streams). The call keeps running: its frames (logs, notices, the result) are numbered and
+kept here, and the caller re-attaches by call id (``POST /call`` again, with the
+``x-ktlite-resume`` header naming the first frame it lacks) and reads on. A call is never run
+twice: a request whose call id this pod already holds attaches to the running call.
+
+Callers that reach the pod directly (the local backend, in-cluster clients) ask for no
+re-attach window: when their connection closes the call is cancelled at once, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ktlite import protocol
+
+HEARTBEAT_S = 2.0
+LOG_BUFFER_BYTES = 8 << 20  # frames kept for a re-attach; older log lines are dropped first
+RETAIN_S = 30.0  # a finished call's frames wait this long for a caller that lost its stream
+RETAIN_BYTES = 512 << 20  # at most this much of finished calls' frames is kept
+
+
+def _size(item: Any) -> int:
+    if isinstance(item, list):
+        return protocol.parts_size(item)
+    return len(item)
+
+
+class CallStream:
+    """The frames of one call, readable from any frame on, by one response at a time or more."""
+
+    def __init__(self, call_id: str, reattach_s: float, on_abandon: Callable[[], None]) -> None:
+        self.id = call_id
+        self.reattach_s = reattach_s
+        self.on_abandon = on_abandon
+        self.frames: collections.deque[Any] = collections.deque()
+        self.base = 0  # the number of the oldest frame still kept
+        self.kept_bytes = 0
+        self.done = False
+        self.finished_at = 0.0
+        self.attached = 0
+        self.accepted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._changed = asyncio.Event()
+        self._abandon: asyncio.TimerHandle | None = None
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.frames)
+
+    def _wake(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    def emit(self, item: Any) -> None:
+        """Append a frame (bytes, or a list of parts); wakes the readers."""
+        self.frames.append(item)
+        self.kept_bytes += _size(item)
+        while self.kept_bytes > LOG_BUFFER_BYTES and len(self.frames) > 1:
+            self.kept_bytes -= _size(self.frames.popleft())
+            self.base += 1
+        self._wake()
+
+    def finish(self) -> None:
+        self.done = True
+        self.finished_at = time.monotonic()
+        if self._abandon is not None:
+            self._abandon.cancel()
+        self._wake()
+
+    def _detached(self) -> None:
+        if self.done or self.attached:
+            return
+        if self.reattach_s <= 0:
+            self.on_abandon()
+            return
+        self._abandon = asyncio.get_running_loop().call_later(self.reattach_s, self._give_up)
+
+    def _give_up(self) -> None:
+        if not self.done and not self.attached:
+            self.on_abandon()
+
+    async def send(self, send: Any, receive: Any, start: int) -> None:
+        """Stream frames ``start...`` to one response, heartbeats while idle, until the call
+        ends (then the response ends) or the caller disconnects."""
+        loop = asyncio.get_running_loop()
+        self.attached += 1
+        if self._abandon is not None:
+            self._abandon.cancel()
+            self._abandon = None
+        gone = False
+        beat_due = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    gone = True
+                    self._wake()
+                    return
+
+        def beat() -> None:  # a timer, not a task: most calls end long before the first beat
+            nonlocal beat_due, heart
+            beat_due = True
+            self._wake()
+            heart = loop.call_later(HEARTBEAT_S, beat)
+
+        watcher = loop.create_task(watch())
+        heart = loop.call_later(HEARTBEAT_S, beat)
+        at = start
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/x-ktlite-frames")]})
+            while not gone:
+                changed = self._changed
+                if at < self.base:
+                    # older frames were dropped (the caller was away, or slow, while more than
+                    # the buffer was written): say where the stream goes on, so the caller's
+                    # count of frames stays the pod's
+                    await _send(send, protocol.notice_frame(
+                        "skip", f"{self.base - at} frame(s) of log lines were dropped", to=self.base),
+                        more=True)
+                    at = self.base
+                if at < self.end:
+                    batch = list(self.frames)[at - self.base:]
+                    at += len(batch)
+                    last = self.done and at == self.end
+                    for i, item in enumerate(batch):
+                        await _send(send, item, more=not (last and i == len(batch) - 1))
+                    if last:
+                        return
+                    continue
+                if self.done:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+                if beat_due:
+                    beat_due = False
+                    await _send(send, protocol.frame(protocol.HEARTBEAT, b""), more=True)
+                    continue
+                await changed.wait()
+        finally:
+            watcher.cancel()
+            heart.cancel()
+            self.attached -= 1
+            self._detached()
+
+
+async def _send(send: Any, item: Any, more: bool) -> None:
+    chunks = list(protocol.chunked(item if isinstance(item, list) else [item])) or [b""]
+    for i, chunk in enumerate(chunks):
+        await send({"type": "http.response.body", "body": chunk,
+                    "more_body": more or i < len(chunks) - 1})
+
+
+class Streams:
+    """The calls this pod coordinates, by call id; finished ones kept a while for re-attach."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, CallStream] = {}
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def get(self, call_id: str) -> CallStream | None:
+        self._expire()
+        return self.live.get(call_id)
+
+    def ended_before(self, call_id: str) -> bool:
+        """True if this pod ran the call and no longer keeps its frames."""
+        return call_id in self.ended
+
+    def open(self, call_id: str, reattach_s: float, on_abandon: Callable[[], None]) -> CallStream:
+        stream = CallStream(call_id, reattach_s, on_abandon)
+        self.live[call_id] = stream
+        return stream
+
+    def refused(self, stream: CallStream) -> None:
+        """The request that opened ``stream`` failed before its call started."""
+        if self.live.get(stream.id) is stream:
+            del self.live[stream.id]
+        if not stream.accepted.done():
+            stream.accepted.set_result(False)
+
+    def finished(self, stream: CallStream) -> None:
+        stream.finish()
+        if stream.reattach_s <= 0:
+            if self.live.get(stream.id) is stream:
+                self._forget(stream.id)
+            return
+        # kept for a caller that lost its stream; dropped by the next call after RETAIN_S, or here
+        asyncio.get_running_loop().call_later(RETAIN_S + 1.0, self._expire)
+
+    def _forget(self, call_id: str) -> None:
+        self.live.pop(call_id, None)
+        self.ended[call_id] = None
+        while len(self.ended) > 4096:
+            self.ended.popitem(last=False)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        done = [s for s in self.live.values() if s.done]
+        kept = sum(s.kept_bytes for s in done)
+        for s in sorted(done, key=lambda s: s.finished_at):
+            if s.attached:
+                continue
+            if now - s.finished_at > RETAIN_S or kept > RETAIN_BYTES:
+                kept -= s.kept_bytes
+                self._forget(s.id)
+
+    def close(self) -> None:
+        for stream in self.live.values():
+            with contextlib.suppress(Exception):
+                stream.finish()
+        self.live.clear()
