@@ -251,7 +251,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             # the same call again (the caller lost its stream): never a second run
             await _discard_body(request)
             return StreamResponse(live, resume or 0)
-        if resume is not None and resume > 0:
+        if resume is not None:  # a re-attach: never runs anything
             await _discard_body(request)
             if streams.ended_before(plan.id):
                 raise HTTPException(410, f"call {plan.id} ended on pod {pod.name} and its result is no "

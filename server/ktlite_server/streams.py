@@ -4,8 +4,9 @@ A call through the Kubernetes API server's pod proxy can lose its connection whi
 (Go's HTTP/1 reverse proxy drops its backend connection in a race; load balancers cut long
 streams). The call keeps running: its frames (logs, notices, the result) are numbered and
 kept here, and the caller re-attaches by call id (``POST /call`` again, with the
-``x-ktlite-resume`` header naming the first frame it lacks) and reads on. A call is never run
-twice: a request whose call id this pod already holds attaches to the running call.
+``x-ktlite-resume`` header naming the first frame it lacks, and no body) and reads on. A call
+is never run twice: a request whose call id this pod already holds attaches to the call, and a
+re-attach to a call it does not hold is refused.
 
 Callers that reach the pod directly (the local backend, in-cluster clients) ask for no
 re-attach window: when their connection closes the call is cancelled at once, as before.
