@@ -245,9 +245,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                                      f"{str(e)[:300]}") from e
         streams: Streams = state["streams"]
         live = streams.get(plan.id)
-        if live is not None and not live.accepted.done():
-            await live.accepted  # its first request is still arriving: attach if it runs
-        if live is not None and live.accepted.done() and live.accepted.result():
+        # a request for a call this pod holds attaches to it (once its first request told
+        # whether it runs: its body may still be arriving)
+        if live is not None and await live.decided():
             # the same call again (the caller lost its stream): never a second run
             await _discard_body(request)
             return StreamResponse(live, resume or 0)
@@ -295,7 +295,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         except BaseException:
             streams.refused(stream)
             raise
-        stream.accepted.set_result(True)
+        stream.decide(True)
         coordinators: dict[str, Coordinator] = state["coordinators"]
         if coordinator is not None:
             coordinators[plan.id] = coordinator

@@ -232,8 +232,10 @@ class Coordinator:
         ranks. Warm keep-alive connections make this free; waits up to quorum_timeout. Every
         NOTICE_AFTER_S the caller hears which pods are missing (it may know they were
         replaced, and cancel); a cancel ends the wait at once."""
+        missing = [i for i in remote if not self.peers.fresh(plan.pods[i])]
+        if not missing:
+            return []  # calls back to back: every peer answered within the last seconds
         start = time.monotonic()
-        missing = list(remote)
         errors: dict[int, str] = {}
         noticed = start
         self._wake = asyncio.Event()

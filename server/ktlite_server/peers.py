@@ -173,6 +173,14 @@ class PeerPool:
         finally:
             resp.release()
 
+    def fresh(self, url: str, fresh_s: float = PROBE_AFTER_S) -> bool:
+        """True when a pooled connection to ``url`` carried a response within ``fresh_s``
+        seconds and is still open: :meth:`ensure` would return at once."""
+        parts = urlsplit(url)
+        idle = self._idle.get(f"{parts.hostname or '127.0.0.1'}:{parts.port or 80}")
+        return bool(idle) and time.monotonic() - idle[-1].used < fresh_s \
+            and not (idle[-1].reader.at_eof() or idle[-1].writer.is_closing())
+
     async def ensure(self, url: str, timeout: float = 5.0, fresh_s: float = PROBE_AFTER_S) -> None:
         """Prove ``url`` answers: free when a pooled connection carried a response within
         ``fresh_s`` seconds (calls back to back), else a ``GET /health`` round trip (a

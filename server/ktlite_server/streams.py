@@ -48,8 +48,9 @@ class CallStream:
         self.done = False
         self.finished_at = 0.0
         self.attached = 0
-        self.accepted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._changed = asyncio.Event()
+        self.accepted: bool | None = None  # None while its first request's body arrives
+        self._decided: asyncio.Event | None = None  # made only for a duplicate that waits
+        self._changed: asyncio.Event | None = None  # made only when a reader waits
         self._abandon: asyncio.TimerHandle | None = None
 
     @property
@@ -57,8 +58,23 @@ class CallStream:
         return self.base + len(self.frames)
 
     def _wake(self) -> None:
-        event, self._changed = self._changed, asyncio.Event()
-        event.set()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def decide(self, accepted: bool) -> None:
+        """The first request's body arrived and the call started (or it failed)."""
+        self.accepted = accepted
+        if self._decided is not None:
+            self._decided.set()
+
+    async def decided(self) -> bool:
+        """Whether the call runs, once its first request has told."""
+        if self.accepted is None:
+            if self._decided is None:
+                self._decided = asyncio.Event()
+            await self._decided.wait()
+        return bool(self.accepted)
 
     def emit(self, item: Any) -> None:
         """Append a frame (bytes, or a list of parts); wakes the readers."""
@@ -121,7 +137,6 @@ class CallStream:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/x-ktlite-frames")]})
             while not gone:
-                changed = self._changed
                 if at < self.base:
                     # older frames were dropped (the caller was away, or slow, while more than
                     # the buffer was written): say where the stream goes on, so the caller's
@@ -146,7 +161,9 @@ class CallStream:
                     beat_due = False
                     await _send(send, protocol.frame(protocol.HEARTBEAT, b""), more=True)
                     continue
-                await changed.wait()
+                if self._changed is None:  # nothing awaited between the checks and here
+                    self._changed = asyncio.Event()
+                await self._changed.wait()
         finally:
             watcher.cancel()
             heart.cancel()
@@ -185,8 +202,8 @@ class Streams:
         """The request that opened ``stream`` failed before its call started."""
         if self.live.get(stream.id) is stream:
             del self.live[stream.id]
-        if not stream.accepted.done():
-            stream.accepted.set_result(False)
+        if stream.accepted is None:
+            stream.decide(False)
 
     def finished(self, stream: CallStream) -> None:
         stream.finish()
