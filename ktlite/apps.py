@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ktlite.archive import extract
+from ktlite.archive import check_members, extract
 from ktlite.compute import Compute
 from ktlite.errors import ConfigError, ReplicaFailed
 from ktlite.spec import check_name, default_name
@@ -65,6 +65,9 @@ def pack(root: Path) -> bytes:
                                   "of files to ship; add the large ones to .gitignore, or pass "
                                   "kt.app(..., workdir=<a smaller folder>)")
             tar.add(path, arcname=str(path.relative_to(root)), recursive=False)
+        # what every replica would refuse (a link out of the folder), refused here, before
+        # anything is deployed
+        check_members(tar.getmembers())
     return buf.getvalue()
 
 

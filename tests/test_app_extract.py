@@ -226,3 +226,19 @@ def test_a_refused_archive_leaves_no_folder_behind(tmp_path: Path,
     with pytest.raises(kt.ConfigError, match=r"'\.\./escape\.txt'"):
         run_replica([sys.executable, "-c", "print('never runs')"], archive.read_bytes(), None, 30, {})
     _nothing_written(box)
+
+
+def test_pack_refuses_a_link_out_of_the_folder_before_anything_is_deployed(tmp_path: Path) -> None:
+    from ktlite.apps import pack
+
+    (tmp_path / "outside.csv").write_text("x")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text("print(1)\n")
+    (work / "data.csv").symlink_to(tmp_path / "outside.csv")
+    with pytest.raises(kt.ConfigError, match="data.csv") as info:
+        pack(work)
+    assert "inside" in str(info.value)
+    (work / "data.csv").unlink()
+    (work / "data.csv").symlink_to("train.py")  # a link that stays inside is shipped
+    assert pack(work)

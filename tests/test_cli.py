@@ -204,9 +204,12 @@ def test_call_a_method_of_a_deployed_class_keeps_its_state(deployed: Deployed) -
 def test_logs_follow_prints_new_lines_of_one_rank_until_ctrl_c(deployed: Deployed) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(deployed.home)
+    # Ctrl-C as in a terminal, even where this test runs with SIGINT ignored (a shell's
+    # background job, and every process it starts, inherits SIG_IGN)
     follow = subprocess.Popen([sys.executable, "-m", "ktlite.cli", "logs", "cli-add", "-f",
                                "--rank", "1"], cwd=deployed.where, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         time.sleep(1.0)  # following; now a call writes new lines
         done = ktlite(deployed.where, deployed.home, "call", "cli-add", "--args", "[40]",

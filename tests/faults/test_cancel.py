@@ -29,8 +29,13 @@ INTERRUPT_BOUND_S = 2.0  # KeyboardInterrupt reaches the caller's code
 STOP_BOUND_S = 3.0  # "within seconds": every rank of the call has stopped
 
 CALLER = """
+import signal
 import sys
 import time
+
+# Ctrl-C as in a terminal, even when this test runs where SIGINT is ignored (a background job
+# of a shell inherits SIG_IGN, and so does every process it starts)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 faults_dir, name, d, tag, then = sys.argv[1:6]
 sys.path.insert(0, faults_dir)

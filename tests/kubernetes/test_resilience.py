@@ -15,6 +15,7 @@ Loop lengths: ``KTLITE_TEST_PROXY_CALLS`` (default 2000) no-op calls and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -168,3 +169,18 @@ def test_a_failed_first_deploy_removes_what_it_created(deployments, make_compute
     left = kube.wait_gone(f"{NAME_LABEL}={name}", timeout=60)
     assert left == {}, f"a failed first deploy left {left}"
     assert "removed what this deploy had created" in str(info.value), str(info.value)
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_setup_step_fails_the_deploy_with_its_own_log(deployments, make_compute, settings):
+    """The container's own log says why its setup failed, not the kubelet's line for a
+    container it no longer has (issue 9, item 9)."""
+    name = deployments.name("badstep")
+    image = kt.Image(settings.image).pip_install(["ktlite-no-such-package-9c1"])
+    compute = dataclasses.replace(make_compute(launch_timeout=240), image=image)
+    with pytest.raises(kt.DeployError) as info:
+        deployments.to(resilience_funcs.nap, compute, name)
+    text = str(info.value)
+    assert "setup failed" in text, text
+    assert "ktlite-no-such-package-9c1" in text, text
+    assert "unable to retrieve container logs" not in text, text
