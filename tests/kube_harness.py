@@ -75,8 +75,13 @@ class Pods:
         with self.lock:
             self.procs[pod["metadata"]["uid"]] = (proc, pod["metadata"]["name"], ip)
         up = _Probe(ip)
-        return kf.PodState(lambda ctx: (kf.ready(ip) if up() else kf.running_not_ready(ip)).status(ctx),
-                           ip=ip)
+
+        def status(ctx: kf.PodCtx) -> kf.Obj:
+            code = proc.poll()  # the container ended (a failed setup step: exit code 78)
+            if code is not None:
+                return kf.terminated_error(exit_code=code).status(ctx)
+            return (kf.ready(ip) if up() else kf.running_not_ready(ip)).status(ctx)
+        return kf.PodState(status, ip=ip)
 
     def _env(self, pod: dict[str, Any], ip: str) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -121,8 +126,8 @@ class Pods:
                 src.mkdir(parents=True, exist_ok=True)
                 os.makedirs(m["mountPath"], exist_ok=True)
                 mounts.append(f"mount --bind {src} {m['mountPath']}")
-        script = " && ".join([f"hostname {name}", *mounts, *_hide_callers_files(),
-                              f"exec {sys.executable} -m ktlite_server --host {ip} "
+        script = " && ".join([f"hostname {name}", *mounts, *_hide_callers_files(), _SETUP,
+                              f'exec "$(cat {_PYTHON_FILE})" -m ktlite_server --host {ip} '
                               f"--port {SERVER_PORT} --procs {pod_env.get('KTLITE_PROCS', '1')}"])
         proc = subprocess.Popen(["unshare", "-m", "-u", "--propagation", "private", "sh", "-c", script],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -173,6 +178,21 @@ def _black_hole(ip: str) -> tuple[socket.socket, socket.socket]:
     with contextlib.suppress(BlockingIOError):
         filler.connect((ip, SERVER_PORT))
     return hole, filler  # closing either one opens the address again
+
+
+# The image's setup steps, as the pod's real entry point (ktlite_server.boot) runs them: in the
+# pod's own /tmp (an emptyDir); the Python the server then runs under goes to _PYTHON_FILE
+_PYTHON_FILE = "/tmp/.ktlite-python"
+_SETUP = f"{sys.executable} -c " + shlex.quote(
+    "import json, os, sys\n"
+    "from pathlib import Path\n"
+    "from ktlite_server.boot import run_steps\n"
+    "steps = json.loads(os.environ.get('KTLITE_SETUP') or '[]')\n"
+    "python = sys.executable\n"
+    "if steps and os.environ.get('KTLITE_FREEZE') != '1':\n"
+    "    Path('/tmp/ktlite-state').mkdir(exist_ok=True)\n"
+    "    python = run_steps(steps, Path('/tmp/ktlite-state'))\n"
+    f"Path({_PYTHON_FILE!r}).write_text(python)\n")
 
 
 def _hide_callers_files() -> list[str]:
