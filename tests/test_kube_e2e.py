@@ -55,8 +55,8 @@ def test_cluster_suite_against_the_stand_in_cluster(tmp_path: Path) -> None:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("KTLITE_", "PYTEST_", "KUBECONFIG"))}
         env.update(KTLITE_TEST_KUBECONFIG=str(tmp_path / "kubeconfig"), KTLITE_TEST_SKIP_VOLUMES="1",
-                   KTLITE_HOME=str(tmp_path / "home"), KTLITE_TEST_PROXY_CALLS="400",
-                   KTLITE_TEST_PROXY_MB_CALLS="60")
+                   KTLITE_HOME=str(tmp_path / "home"), KTLITE_TEST_PROXY_CALLS="250",
+                   KTLITE_TEST_PROXY_MB_CALLS="40")
         junit = tmp_path / "suite.xml"
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                               "-m", "kubernetes", f"--junitxml={junit}", str(HERE / "kubernetes")],
