@@ -82,9 +82,12 @@ def _source(filename: str) -> _Source | None:
     return source
 
 
-def _rebuild_code(registered: None, make: Any, args: tuple[Any, ...]) -> types.CodeType:
+def _rebuild_code(registered: None, make: Any, args: tuple[Any, ...], filename: str | None = None
+                  ) -> types.CodeType:
     # ``registered``: what unpickling the file's _Source gave, once its text is in linecache
     code: types.CodeType = make(*args)
+    if filename is not None and code.co_filename != filename:
+        code = code.replace(co_filename=filename)  # cloudpickle >= 3.1.3 ships "<dynamic-code>"
     return code
 
 
@@ -94,9 +97,11 @@ _reduce_code_plain = cloudpickle.Pickler.dispatch_table[types.CodeType]
 def _reduce_code(code: types.CodeType) -> Any:
     make, args = _reduce_code_plain(code)
     source = _source(code.co_filename)
-    if source is None:
-        return make, args
-    return _rebuild_code, (source, make, args)
+    if source is None and code.co_filename in args:
+        return make, args  # this cloudpickle keeps the file name and there are no lines to send
+    # cloudpickle 3.1.3 replaces the file name by "<dynamic-code>": give it back, or a remote
+    # traceback could show neither the file nor its lines
+    return _rebuild_code, (source, make, args, code.co_filename)
 
 
 # cloudpickle's table with the code reducer replaced, as flat as cloudpickle's own: a
