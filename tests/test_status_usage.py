@@ -136,8 +136,8 @@ def test_busy_call_shows_its_id_its_age_its_child_and_cpu(remote: Any, tmp_path:
                 best[r["rank"]] = max(best[r["rank"]], r["cpu_percent"] or 0.0)
                 age = r["calls"][0]["running_s"]
         assert age > first_age  # the call's age grows
-        # a spinning process gets well over 20% of a core, even on a busy 2-core machine
-        assert min(best.values()) > 20.0, best
+        # a spinning process gets well over 10% of a core, even on a loaded 2-core machine
+        assert min(best.values()) > 10.0, best
     finally:
         flag.touch()
         thread.join(30)
