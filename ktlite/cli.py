@@ -101,7 +101,23 @@ def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     procs = max(1, len(status["ranks"]))
     compute = Compute(backend=backend.name).distribute("spmd", workers=len(applied.endpoints), num_proc=procs)
     dep = Deployment(DeploymentSpec(args.name, compute), backend, applied)
-    return dep, [status, *(dep.client.status(ep.url) for ep in applied.endpoints[1:])]
+    return dep, [status, *_pods_status(dep, None, dep.endpoints[1:])]
+
+
+def _pods_status(dep: Any, stuck_after: float | None, endpoints: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Each pod's status, all at once; a pod that does not answer is an entry saying so
+    (``error``), so the others still show."""
+    def one(ep: Any) -> dict[str, Any]:
+        try:
+            return dict(dep.client.status(ep.url, stuck_after))
+        except KtliteError as e:
+            return {"pod": ep.name, "ordinal": ep.ordinal, "error": str(e), "ranks": []}
+
+    eps = dep.endpoints if endpoints is None else endpoints
+    if not eps:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(eps))) as pool:
+        return list(pool.map(one, eps))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -112,10 +128,12 @@ def _status(args: argparse.Namespace) -> int:
                           "(e.g. --watch 2)")
     dep, pods = _attach(args)
     if args.stuck_after is not None:
-        pods = dep.status(args.stuck_after)
+        pods = _pods_status(dep, args.stuck_after)
     if args.watch is None:
         print(json.dumps(pods, indent=2) if args.json else status.table(args.name, pods))
-        return 2 if status.stuck_ranks(pods) else 0
+        if status.stuck_ranks(pods):
+            return 2
+        return 1 if any("error" in p for p in pods) else 0
     clear = sys.stdout.isatty() and not args.json
     try:
         while True:
@@ -126,10 +144,7 @@ def _status(args: argparse.Namespace) -> int:
                 frame = f"{stamp}  every {args.watch:g}s, Ctrl-C to stop\n{status.table(args.name, pods)}"
                 print(("\x1b[H\x1b[J" if clear else "\n") + frame, flush=True)
             time.sleep(args.watch)
-            try:
-                pods = dep.status(args.stuck_after)
-            except KtliteError as e:  # a pod restarting: say so and keep watching
-                print(f"ktlite: error: {e}", file=sys.stderr, flush=True)
+            pods = _pods_status(dep, args.stuck_after)  # a pod restarting shows as not answering
     except KeyboardInterrupt:
         return 0
 

@@ -68,12 +68,13 @@ def _cells(r: dict[str, Any]) -> list[str]:
 
 def table(name: str, pods: list[dict[str, Any]]) -> str:
     """The deployment's summary line, then one row per rank."""
-    launches = sorted({str(p.get("launch_id")) for p in pods})
+    launches = sorted({str(p.get("launch_id")) for p in pods if "error" not in p})
     active = sorted({c for p in pods for c in p.get("active_calls", [])})
     rows = rank_rows(pods)
-    head = (f"{name}: {len(pods)} pod(s), {len(rows)} rank(s), launch {', '.join(launches)}, "
+    head = (f"{name}: {len(pods)} pod(s), {len(rows)} rank(s), launch {', '.join(launches) or '-'}, "
             f"{len(active)} active call(s)")
-    errors = [f"  {p['pod']}: nvidia-smi failed: {p['gpu_error']}" for p in pods if p.get("gpu_error")]
+    errors = [f"  {p['pod']}: not answering: {p['error']}" for p in pods if p.get("error")]
+    errors += [f"  {p['pod']}: nvidia-smi failed: {p['gpu_error']}" for p in pods if p.get("gpu_error")]
     cells = [COLUMNS] + [_cells(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     numeric = {"RANK", "PID", "CPU%", "RSS", "GPU MEM", "GPU%", "RUNNING", "RESTARTS"}
