@@ -232,7 +232,7 @@ def test_gpu_rows_and_visible_devices() -> None:
 @pytest.mark.timeout(30)
 def test_nvidia_smi_absent_failing_or_hanging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi at all: no GPUs, no error
-    assert asyncio.run(usage.GpuQuery().snapshot()) == (None, [], None)
+    assert asyncio.run(usage.GpuQuery().snapshot()) == (None, None, None)
 
     script = tmp_path / "nvidia-smi"
     script.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed: driver not loaded' >&2\nexit 9\n")
@@ -242,7 +242,14 @@ def test_nvidia_smi_absent_failing_or_hanging(tmp_path: Path, monkeypatch: pytes
 
     script.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=*) echo '0, GPU-1, X, 1, 2, 3';; *) exit 4;; esac\n")
     gpus, apps, error = asyncio.run(usage.GpuQuery().snapshot())  # only per-process memory is lost
-    assert [g["index"] for g in gpus] == [0] and apps == [] and "--query-compute-apps" in error
+    assert [g["index"] for g in gpus] == [0] and apps is None and "--query-compute-apps" in error
+
+    # processes named by pids of another pid namespace (a container): their memory is unknown
+    script.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=*) echo '0, GPU-1, X, 1, 2, 3';; "
+                      f"*) echo '{2**22 + 4321}, GPU-1, 5';; esac\n")
+    gpus, apps, error = asyncio.run(usage.GpuQuery().snapshot())
+    assert len(gpus) == 1 and apps is None and error is None
+    assert usage.rank_gpu_summary(gpus, apps, {1})["gpu_process_memory_bytes"] is None
 
     script.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import time; time.sleep(20)'\n")
     monkeypatch.setattr(usage, "GPU_TIMEOUT_S", 0.5)

@@ -205,13 +205,15 @@ def visible(gpus: list[dict[str, Any]], cuda_visible_devices: str | None) -> lis
     return chosen
 
 
-def rank_gpu_summary(gpus: list[dict[str, Any]], apps: list[tuple[int, str, int | None]],
+def rank_gpu_summary(gpus: list[dict[str, Any]], apps: list[tuple[int, str, int | None]] | None,
                      pids: set[int]) -> dict[str, Any]:
-    """A rank's GPUs (with what its own processes hold on each) and their totals."""
+    """A rank's GPUs (with what its own processes hold on each, None where ``apps`` is
+    unknown) and their totals."""
     mine: list[dict[str, Any]] = []
     for g in gpus:
-        held = [b for pid, uuid, b in apps if uuid == g["uuid"] and pid in pids and b is not None]
-        mine.append({**g, "process_memory_bytes": sum(held)})
+        held = None if apps is None else sum(
+            b for pid, uuid, b in apps if uuid == g["uuid"] and pid in pids and b is not None)
+        mine.append({**g, "process_memory_bytes": held})
     used = [g["memory_used_bytes"] for g in mine if g["memory_used_bytes"] is not None]
     total = [g["memory_total_bytes"] for g in mine if g["memory_total_bytes"] is not None]
     util = [g["utilization_percent"] for g in mine if g["utilization_percent"] is not None]
@@ -219,23 +221,29 @@ def rank_gpu_summary(gpus: list[dict[str, Any]], apps: list[tuple[int, str, int 
             "gpu_memory_used_bytes": sum(used) if used else None,
             "gpu_memory_total_bytes": sum(total) if total else None,
             "gpu_utilization_percent": round(sum(util) / len(util), 1) if util else None,
-            "gpu_process_memory_bytes": sum(g["process_memory_bytes"] for g in mine) if mine else None}
+            "gpu_process_memory_bytes": sum(g["process_memory_bytes"] for g in mine)
+            if mine and apps is not None else None}
+
+
+Apps = list[tuple[int, str, int | None]]  # (pid, GPU uuid, bytes) of nvidia-smi's compute apps
+Snapshot = tuple[list[dict[str, Any]] | None, Apps | None, str | None]
 
 
 class GpuQuery:
     """``nvidia-smi`` answers, cached for ``GPU_TTL_S``; one query at a time.
 
     ``snapshot()`` returns (gpus, compute apps, error): gpus is None where this pod has no
-    ``nvidia-smi`` on its PATH (no GPUs to report), error says why a query failed.
+    ``nvidia-smi`` on its PATH (no GPUs to report); apps is None where the processes on the
+    GPUs are unknown: the query failed, or nvidia-smi names them by pids this pod cannot see
+    (a container whose pid namespace it does not share); error says why a query failed.
     """
 
     def __init__(self) -> None:
         self._lock = asyncio.Lock()
         self._at = -1e9
-        self._value: tuple[list[dict[str, Any]] | None, list[tuple[int, str, int | None]], str | None] = \
-            (None, [], None)
+        self._value: Snapshot = (None, None, None)
 
-    async def snapshot(self) -> tuple[list[dict[str, Any]] | None, list[tuple[int, str, int | None]], str | None]:
+    async def snapshot(self) -> Snapshot:
         async with self._lock:
             gpus, _, error = self._value
             ttl = GPU_RETRY_S if error else GPU_TTL_S
@@ -245,17 +253,20 @@ class GpuQuery:
             self._at = time.monotonic()
             return self._value
 
-    async def _query(self) -> tuple[list[dict[str, Any]] | None, list[tuple[int, str, int | None]], str | None]:
+    async def _query(self) -> Snapshot:
         exe = shutil.which("nvidia-smi")  # looked up each time: PATH is the pod's own
         if exe is None:
-            return None, [], None
+            return None, None, None
         gpu_text, apps_text = await asyncio.gather(_run(exe, GPU_QUERY), _run(exe, APPS_QUERY),
                                                    return_exceptions=True)
         if isinstance(gpu_text, BaseException):
-            return [], [], str(gpu_text)
+            return [], None, str(gpu_text)
         if isinstance(apps_text, BaseException):  # the GPUs are known; only per-process memory is not
-            return parse_gpus(gpu_text), [], str(apps_text)
-        return parse_gpus(gpu_text), parse_apps(apps_text), None
+            return parse_gpus(gpu_text), None, str(apps_text)
+        apps = parse_apps(apps_text)
+        if apps and not any(os.path.exists(f"/proc/{pid}") for pid, _, _ in apps):
+            return parse_gpus(gpu_text), None, None  # another pid namespace's pids
+        return parse_gpus(gpu_text), apps, None
 
 
 async def _run(exe: str, args: list[str]) -> str:
