@@ -23,7 +23,7 @@ from typing import Any
 from ktlite import shm
 from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
-from ktlite_server.usage import GpuQuery, ProcessUsage, rank_gpu_summary, visible
+from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
@@ -398,16 +398,7 @@ class Pod:
                 "rss_bytes": used["rss_bytes"] if used else None,
                 "procs": used["procs"] if used else None,
             }
-            if gpus is None:
-                row.update(gpus=None, gpu_memory_used_bytes=None, gpu_memory_total_bytes=None,
-                           gpu_utilization_percent=None, gpu_process_memory_bytes=None)
-            else:
-                env = r.loaded_env if r.loaded_env is not None else r.env
-                pids = {r.pid} if r.pid is not None else set()
-                if r.alive and r.pid is not None:
-                    pids |= set(self.usage.tree_pids(r.pid))
-                row.update(rank_gpu_summary(visible(gpus, env.get("CUDA_VISIBLE_DEVICES", server_cvd)),
-                                            apps, pids))
+            row.update(self._gpu_fields(r, gpus, apps, server_cvd))
             rows.append(row)
         return {
             "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
@@ -418,6 +409,17 @@ class Pod:
             "gpus": None if gpus is None else visible(gpus, server_cvd),
             "gpu_error": gpu_error,
         }
+
+    def _gpu_fields(self, r: RankProcess, gpus: list[dict[str, Any]] | None, apps: Apps | None,
+                    server_cvd: str | None) -> dict[str, Any]:
+        """The GPUs rank ``r`` sees (its CUDA_VISIBLE_DEVICES, else the server's), their memory
+        and utilisation, and what the rank's own processes hold on them."""
+        if gpus is None:  # no nvidia-smi on this pod
+            return dict(gpus=None, gpu_memory_used_bytes=None, gpu_memory_total_bytes=None,
+                        gpu_utilization_percent=None, gpu_process_memory_bytes=None)
+        env = r.loaded_env if r.loaded_env is not None else r.env
+        pids = set(self.usage.tree_pids(r.pid)) if r.alive and r.pid is not None else set()
+        return rank_gpu_summary(visible(gpus, env.get("CUDA_VISIBLE_DEVICES", server_cvd)), apps, pids)
 
     async def shutdown(self) -> None:
         for r in self.ranks:
