@@ -8,6 +8,7 @@ import importlib.util
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,22 +101,52 @@ def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     procs = max(1, len(status["ranks"]))
     compute = Compute(backend=backend.name).distribute("spmd", workers=len(applied.endpoints), num_proc=procs)
     dep = Deployment(DeploymentSpec(args.name, compute), backend, applied)
-    return dep, [status, *(dep.client.status(ep.url) for ep in applied.endpoints[1:])]
+    return dep, [status, *_pods_status(dep, None, dep.endpoints[1:])]
+
+
+def _pods_status(dep: Any, stuck_after: float | None, endpoints: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Each pod's status, all at once; a pod that does not answer is an entry saying so
+    (``error``), so the others still show."""
+    def one(ep: Any) -> dict[str, Any]:
+        try:
+            return dict(dep.client.status(ep.url, stuck_after))
+        except KtliteError as e:
+            return {"pod": ep.name, "ordinal": ep.ordinal, "error": str(e), "ranks": []}
+
+    eps = dep.endpoints if endpoints is None else endpoints
+    if not eps:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(eps))) as pool:
+        return list(pool.map(one, eps))
 
 
 def _status(args: argparse.Namespace) -> int:
+    from ktlite import status
+
+    if args.watch is not None and not args.watch > 0:
+        raise ConfigError(f"--watch {args.watch:g}: give the seconds between refreshes, > 0 "
+                          "(e.g. --watch 2)")
     dep, pods = _attach(args)
-    stuck = 0
-    for pod in dep.status(args.stuck_after) if args.stuck_after is not None else pods:
-        print(f"pod {pod['pod']} (ordinal {pod['ordinal']}, server pid {pod.get('server_pid')}, "
-              f"launch {pod.get('launch_id')}, active calls {len(pod.get('active_calls', []))})")
-        for r in pod["ranks"]:
-            busy = f" busy {r['busy_for_s']:.1f}s" if r.get("busy_for_s") is not None else ""
-            flag = " STUCK" if r.get("stuck") else ""
-            stuck += bool(r.get("stuck"))
-            print(f"  rank {r['rank']:<4} pid {r['pid']!s:<8} {r['state']:<5}{busy}{flag}  "
-                  f"restarts {r['restarts']}  last exit {r['last_exit']}")
-    return 2 if stuck else 0
+    if args.stuck_after is not None:
+        pods = _pods_status(dep, args.stuck_after)
+    if args.watch is None:
+        print(json.dumps(pods, indent=2) if args.json else status.table(args.name, pods))
+        if status.stuck_ranks(pods):
+            return 2
+        return 1 if any("error" in p for p in pods) else 0
+    clear = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            if args.json:
+                print(json.dumps(pods), flush=True)
+            else:
+                stamp = time.strftime("%H:%M:%S")
+                frame = f"{stamp}  every {args.watch:g}s, Ctrl-C to stop\n{status.table(args.name, pods)}"
+                print(("\x1b[H\x1b[J" if clear else "\n") + frame, flush=True)
+            time.sleep(args.watch)
+            pods = _pods_status(dep, args.stuck_after)  # a pod restarting shows as not answering
+    except KeyboardInterrupt:
+        return 0
 
 
 def _call(args: argparse.Namespace) -> int:
@@ -288,9 +319,15 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("--rank", type=int, default=None, help="only the pod holding this rank")
     lg.add_argument("--tail", type=int, default=None, help="only the last N lines of each pod")
     where(lg)
-    st = command("status", "show a deployment's pods and ranks (exit 2 if a rank is stuck)",
-                 "ktlite status train --stuck-after 600", _status)
+    st = command("status", "show a deployment's ranks: state, CPU, memory, GPUs, running calls "
+                 "(exit 2 if a rank is stuck)",
+                 "ktlite status train   |   ktlite status train --watch 1   |   ktlite status train --json",
+                 _status)
     st.add_argument("name")
+    st.add_argument("--watch", "-w", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 2) until Ctrl-C")
+    st.add_argument("--json", action="store_true",
+                    help="print the pods' status as JSON (with --watch: one JSON line per refresh)")
     st.add_argument("--stuck-after", type=float, default=None,
                     help="a rank busy longer than this many seconds is STUCK (default 600)")
     where(st)

@@ -300,7 +300,9 @@ class Deployment:
         concurrent.futures.wait(futures, timeout=2.0)
 
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
-        return [self.client.status(ep.url, stuck_after) for ep in self.endpoints]
+        # all pods at once: each may take a moment to measure its ranks' CPU
+        futures = [_pool.submit(self.client.status, ep.url, stuck_after) for ep in self.endpoints]
+        return [f.result() for f in futures]
 
     def close(self) -> None:
         self.client.close()

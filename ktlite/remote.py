@@ -189,8 +189,24 @@ class _Remote:
         return values if dep.spec.compute.distributed is not None else values[0]
 
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
-        """Each pod's ranks: state, pid, last exit, restarts, how long busy, and ``stuck``:
-        busy with one call for longer than ``stuck_after`` seconds (default 600)."""
+        """Each pod's status, in ordinal order: a dict with ``pod``, ``ordinal``, ``launch_id``,
+        ``active_calls`` and ``ranks``, one dict per rank with:
+
+        - ``rank``, ``local_rank``, ``pid``, ``state`` (idle/busy/dead), ``restarts``, ``last_exit``;
+        - ``busy_for_s`` and ``stuck``: busy with one call for longer than ``stuck_after``
+          seconds (default 600);
+        - ``calls``: the calls the rank runs now, each ``{"id", "running_s"}``;
+        - ``cpu_percent`` (100 = one core), ``rss_bytes`` and ``procs``: the rank process
+          and every process it started, read by the pod server from /proc;
+        - ``gpu_memory_used_bytes``, ``gpu_memory_total_bytes``, ``gpu_utilization_percent``,
+          ``gpu_process_memory_bytes`` and ``gpus`` (each GPU the rank sees): from
+          ``nvidia-smi`` on the pod; None where the pod has none.
+
+        Example:
+            for pod in remote.status():
+                for r in pod["ranks"]:
+                    print(r["rank"], r["cpu_percent"], r["rss_bytes"] >> 20, "MiB")
+        """
         return self.deployment.status(stuck_after)
 
     def teardown(self, volumes: bool = False, timeout: float | None = None) -> None:

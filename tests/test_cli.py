@@ -108,18 +108,25 @@ def test_help_lists_every_command_and_each_shows_an_example(tmp_path: Path) -> N
 # ---- status ----------------------------------------------------------------------------------
 
 def _status_pods(out: str) -> dict[str, dict]:
+    """The table of ``ktlite status`` as {pod: {"launch", "active", "ranks": [row, ...]}}."""
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if re.match(r"\S+: \d+ pod\(s\)", line))
+    m = re.match(r"\S+: (\d+) pod\(s\), (\d+) rank\(s\), launch (\S+), (\d+) active call\(s\)$",
+                 lines[head])
+    assert m, out
+    top = next(i for i in range(head + 1, len(lines)) if lines[i].startswith("RANK"))
+    columns = re.split(r"\s{2,}", lines[top].strip())
+    assert columns == ["RANK", "POD", "PID", "STATE", "CPU%", "RSS", "GPU MEM", "GPU%", "CALL",
+                       "RUNNING", "RESTARTS"], out
     pods: dict[str, dict] = {}
-    for line in out.splitlines():
-        head = re.match(r"pod (\S+) \(ordinal (\d+), server pid (\d+), launch (\S+), "
-                        r"active calls (\d+)\)", line)
-        if head:
-            pod = pods[head.group(1)] = {"ordinal": int(head.group(2)), "launch": head.group(4),
-                                         "active": int(head.group(5)), "ranks": []}
-        elif line.startswith("  rank "):
-            fields = line.split()
-            pod["ranks"].append({"rank": int(fields[1]), "state": fields[4],
-                                 "restarts": int(fields[fields.index("restarts") + 1]),
-                                 "stuck": "STUCK" in fields})
+    for line in lines[top + 1:top + 1 + int(m.group(2))]:
+        row = dict(zip(columns, re.split(r"\s{2,}", line.strip()), strict=True))
+        pod = pods.setdefault(row["POD"], {"launch": m.group(3), "active": int(m.group(4)), "ranks": []})
+        pod["ranks"].append({"rank": int(row["RANK"]), "state": row["STATE"].lower(),
+                             "restarts": int(row["RESTARTS"]), "stuck": row["STATE"] == "STUCK",
+                             "pid": int(row["PID"]), "cpu": row["CPU%"], "rss": row["RSS"],
+                             "gpu": row["GPU MEM"], "call": row["CALL"], "running": row["RUNNING"]})
+    assert len(pods) <= int(m.group(1)), out
     return pods
 
 
@@ -129,12 +136,70 @@ def test_status_shows_pods_ranks_restarts_and_launch_id(deployed: Deployed) -> N
     assert done.returncode == 0, done.stderr
     pods = _status_pods(done.stdout)
     assert sorted(pods) == ["cli-add-0", "cli-add-1"], done.stdout
-    assert [pods[p]["ordinal"] for p in sorted(pods)] == [0, 1]
     assert [r["rank"] for p in sorted(pods) for r in pods[p]["ranks"]] == [0, 1]
     launches = {pod["launch"] for pod in pods.values()}
     assert len(launches) == 1 and re.fullmatch(r"[0-9a-f]{6,}", launches.pop()), done.stdout
     for pod in pods.values():
-        assert pod["ranks"][0]["restarts"] == 0 and not pod["ranks"][0]["stuck"]
+        rank = pod["ranks"][0]
+        assert rank["restarts"] == 0 and not rank["stuck"] and rank["state"] == "idle"
+        assert float(rank["cpu"]) >= 0 and re.fullmatch(r"[\d.]+ (KiB|MiB|GiB)", rank["rss"]), done.stdout
+        assert rank["gpu"] == "-" and rank["call"] == "-" and rank["running"] == "-"  # no GPUs here
+
+
+@pytest.mark.timeout(60)
+def test_status_json_is_the_pods_raw_status(deployed: Deployed) -> None:
+    done = ktlite(deployed.where, deployed.home, "status", "cli-add", "--json")
+    assert done.returncode == 0, done.stderr
+    pods = json.loads(done.stdout)
+    assert [p["pod"] for p in pods] == ["cli-add-0", "cli-add-1"]
+    ranks = [r for p in pods for r in p["ranks"]]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["pid"] > 0 and r["rss_bytes"] > 0 and r["cpu_percent"] >= 0 and r["calls"] == []
+        assert r["gpus"] is None and r["gpu_memory_used_bytes"] is None  # no nvidia-smi here
+
+
+@pytest.mark.timeout(60)
+def test_status_shows_the_other_pods_when_one_does_not_answer(deployed: Deployed) -> None:
+    pods = json.loads(ktlite(deployed.where, deployed.home, "status", "cli-add", "--json").stdout)
+    frozen = pods[1]["server_pid"]
+    os.kill(frozen, signal.SIGSTOP)  # pod 1's server hangs (its status request times out in 5 s)
+    try:
+        done = ktlite(deployed.where, deployed.home, "status", "cli-add")
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.search(r"^  cli-add-1: not answering: .*/status", done.stdout, re.M), done.stdout
+    assert sorted(_status_pods(done.stdout)) == ["cli-add-0"]  # pod 0's rank still shows
+
+
+@pytest.mark.timeout(60)
+def test_status_watch_refreshes_until_ctrl_c(deployed: Deployed) -> None:
+    one_error_line(ktlite(deployed.where, deployed.home, "status", "cli-add", "--watch", "0"),
+                   "--watch", "> 0")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
+    env["KTLITE_HOME"] = str(deployed.home)
+    watch = subprocess.Popen([sys.executable, "-m", "ktlite.cli", "status", "cli-add", "--watch", "0.3"],
+                             cwd=deployed.where, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert watch.stdout is not None
+        frames: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(frames) < 3:
+            assert time.monotonic() < deadline and watch.poll() is None, frames
+            line = watch.stdout.readline().rstrip("\n")
+            if re.fullmatch(r"\d\d:\d\d:\d\d  every 0.3s, Ctrl-C to stop", line):
+                frames.append("")
+            elif frames:
+                frames[-1] += line + "\n"
+        for frame in frames[:2]:  # every refresh is the whole table
+            assert sorted(_status_pods(frame)) == ["cli-add-0", "cli-add-1"], frame
+    finally:
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=10)
+    assert watch.returncode == 0 and "Traceback" not in err, err
 
 
 @pytest.mark.timeout(90)
@@ -157,7 +222,7 @@ def test_status_exits_2_while_a_call_is_stuck(deployed: Deployed) -> None:
             time.sleep(0.2)
         assert done.returncode == 2, done.stdout
         pods = _status_pods(done.stdout)
-        assert all(r["stuck"] and r["state"] == "busy" for p in pods.values() for r in p["ranks"])
+        assert all(r["stuck"] and r["call"] != "-" for p in pods.values() for r in p["ranks"])
         assert all(p["active"] == 1 for p in pods.values())
     finally:
         go.touch()

@@ -7,7 +7,8 @@ Endpoints (all but ``/health`` need ``x-ktlite-token: Bearer <deployment token>`
 - ``POST /call``: run a call; ``x-ktlite-call`` header carries the plan, the body the opaque
   argument payload; answers with a frame stream (logs, heartbeats, then the result).
 - ``POST /cancel/{call_id}``: stop a running call's ranks.
-- ``GET /status``: each rank's state, last exit, restarts, and how long it has been busy.
+- ``GET /status``: each rank's state, last exit, restarts, how long it has been busy, its running
+  calls, and what it uses (pid, CPU %, RSS, GPU memory and utilisation: ``usage.py``).
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             stuck_after = float(request.query_params.get("stuck_after", DEFAULT_STUCK_AFTER_S))
         except ValueError:
             raise HTTPException(400, "stuck_after must be a number of seconds") from None
-        return pod.status(stuck_after)
+        return await pod.status(stuck_after)
 
     @app.post("/deploy")
     async def deploy(request: Request) -> Response:

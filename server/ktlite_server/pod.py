@@ -23,6 +23,7 @@ from typing import Any
 from ktlite import shm
 from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
+from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
@@ -81,6 +82,8 @@ class Pod:
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
+        self.usage = ProcessUsage()
+        self.gpu_query = GpuQuery()
         # the deployment's pod addresses, rewritten at every deploy: ktlite.distributed.pod_ips()
         self.pod_ips_file = os.path.join(tempfile.gettempdir(), f"ktlite-pod-ips-{os.getpid()}.json")
 
@@ -319,6 +322,7 @@ class Pod:
         return [outcomes[k] for k in sorted(outcomes)]
 
     async def _call_rank(self, handle: _CallHandle, rank: RankProcess, msg: dict[str, Any]) -> Outcome:
+        rank.running[handle.call_id] = time.monotonic()
         try:
             _, _, ok, inline, path, size = await rank.call(msg)
         except RankGone as e:
@@ -328,6 +332,8 @@ class Pod:
                 return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
             rank.died_in_call = True
             return Outcome(rank.global_rank, "died", message=str(e))
+        finally:
+            rank.running.pop(handle.call_id, None)
         return Outcome(rank.global_rank, "ok" if ok else "error", inline, path=path, size=size)
 
     def _kill_groups(self) -> None:
@@ -360,24 +366,60 @@ class Pod:
                 r.kill()
         return True
 
-    def status(self, stuck_after: float = DEFAULT_STUCK_AFTER_S) -> dict[str, Any]:
-        """Each rank's state; ``stuck`` marks a rank busy with one call for longer than
-        ``stuck_after`` seconds (a hang in a collective, a deadlock: NeMo RL's stuck-worker check)."""
+    async def status(self, stuck_after: float = DEFAULT_STUCK_AFTER_S) -> dict[str, Any]:
+        """Each rank's state and what it uses; ``stuck`` marks a rank busy with one call for
+        longer than ``stuck_after`` seconds (a hang in a collective, a deadlock: NeMo RL's
+        stuck-worker check).
+
+        Per rank: ``pid``, ``cpu_percent`` / ``rss_bytes`` / ``procs`` (the rank process and
+        everything it started), ``calls`` (each running call's ``id`` and ``running_s``), and
+        where this pod has ``nvidia-smi``: the rank's GPUs (its ``CUDA_VISIBLE_DEVICES``) with
+        memory used/total and utilisation. Fields that cannot be known are None.
+        """
+        ranks = [r for r in self.ranks if r is not None]
+        live = [r.pid for r in ranks if r.alive and r.pid is not None]
+        usage, (gpus, apps, gpu_error) = await asyncio.gather(self.usage.measure(live),
+                                                              self.gpu_query.snapshot())
         now = time.monotonic()
-        return {
-            "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
-            "kind": self.dep.kind if self.dep else None,
-            "launch_id": self.dep.launch_id if self.dep else None,
-            "ranks": [{
+        server_cvd = self.base_env.get("CUDA_VISIBLE_DEVICES")
+        rows = []
+        for r in ranks:
+            used = usage.get(r.pid) if r.alive and r.pid is not None else None
+            row = {
                 "rank": r.global_rank, "local_rank": r.local_rank, "pid": r.pid,
                 "state": "busy" if r.alive and r.busy_since else ("idle" if r.alive else "dead"),
                 "busy_for_s": round(now - r.busy_since, 3) if r.busy_since else None,
                 "stuck": bool(r.alive and r.busy_since and now - r.busy_since > stuck_after),
                 "last_exit": r.exit_code if r.exit_code is not None else r.last_exit,
                 "restarts": r.restarts,
-            } for r in self.ranks if r is not None],
+                "calls": [{"id": cid, "running_s": round(now - t, 3)}
+                          for cid, t in sorted(r.running.items(), key=lambda kv: kv[1])],
+                "cpu_percent": used["cpu_percent"] if used else None,
+                "rss_bytes": used["rss_bytes"] if used else None,
+                "procs": used["procs"] if used else None,
+            }
+            row.update(self._gpu_fields(r, gpus, apps, server_cvd))
+            rows.append(row)
+        return {
+            "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
+            "kind": self.dep.kind if self.dep else None,
+            "launch_id": self.dep.launch_id if self.dep else None,
+            "ranks": rows,
             "active_calls": list(self.calls),
+            "gpus": None if gpus is None else visible(gpus, server_cvd),
+            "gpu_error": gpu_error,
         }
+
+    def _gpu_fields(self, r: RankProcess, gpus: list[dict[str, Any]] | None, apps: Apps | None,
+                    server_cvd: str | None) -> dict[str, Any]:
+        """The GPUs rank ``r`` sees (its CUDA_VISIBLE_DEVICES, else the server's), their memory
+        and utilisation, and what the rank's own processes hold on them."""
+        if gpus is None:  # no nvidia-smi on this pod
+            return dict(gpus=None, gpu_memory_used_bytes=None, gpu_memory_total_bytes=None,
+                        gpu_utilization_percent=None, gpu_process_memory_bytes=None)
+        env = r.loaded_env if r.loaded_env is not None else r.env
+        pids = set(self.usage.tree_pids(r.pid)) if r.alive and r.pid is not None else set()
+        return rank_gpu_summary(visible(gpus, env.get("CUDA_VISIBLE_DEVICES", server_cvd)), apps, pids)
 
     async def shutdown(self) -> None:
         for r in self.ranks:

@@ -71,6 +71,7 @@ class RankProcess:
         self.last_exit: int | None = None  # how the process this one replaced ended
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self.busy_since: float | None = None
+        self.running: dict[str, float] = {}  # call id -> when this rank began it (monotonic)
         self.has_pg = False  # torch.distributed state (a group, or a failed init's) lives in it
         self.stopping = False  # we killed it: its death is no crash
         self.restarts = 0

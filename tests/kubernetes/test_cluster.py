@@ -9,7 +9,9 @@ what the tests check about the cluster they read through the official client.
 from __future__ import annotations
 
 import ipaddress
+import json
 import secrets
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -89,6 +91,13 @@ def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
     assert remote(1)["pid"] == out["pid"], "the rank process lives across calls"
 
     assert [p["pod"] for p in remote.status()] == [f"{name}-0"]
+    # health and resources, read by the pod's server: the process that ran the call, its memory
+    rank = remote.status()[0]["ranks"][0]
+    assert rank["pid"] == out["pid"] and rank["rss_bytes"] > 0 and rank["cpu_percent"] >= 0, rank
+    done = subprocess.run([sys.executable, "-m", "ktlite.cli", "status", name, "--backend", "kubernetes",
+                           "-n", kube.namespace, "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [r["pid"] for p in json.loads(done.stdout) for r in p["ranks"]] == [out["pid"]]
     pods = kube.pods(name)
     assert [p.metadata.name for p in pods] == [f"{name}-0"]
     assert pods[0].status.phase == "Running"

@@ -1,0 +1,89 @@
+"""A deployment's status as people read it: one row per rank (``ktlite status NAME``).
+
+The data comes from each pod server's ``GET /status`` (``remote.status()``); this module
+only flattens and formats it, so the command line and ``ktlite.groups`` show the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+COLUMNS = ["RANK", "POD", "PID", "STATE", "CPU%", "RSS", "GPU MEM", "GPU%", "CALL", "RUNNING", "RESTARTS"]
+
+
+def rank_rows(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank of every pod, in rank order, each with its pod's name under ``pod``."""
+    rows = [{**r, "pod": pod["pod"]} for pod in pods for r in pod.get("ranks", [])]
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def _state(r: dict[str, Any]) -> str:
+    if r.get("stuck"):
+        return "STUCK"
+    if r["state"] == "dead" and r.get("last_exit") is not None:
+        return f"dead({r['last_exit']})"
+    return str(r["state"])
+
+
+def _gpu_mem(r: dict[str, Any]) -> str:
+    used, total = r.get("gpu_memory_used_bytes"), r.get("gpu_memory_total_bytes")
+    if used is None or total is None:
+        return "-"
+    return f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB"
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    calls = r.get("calls") or []
+    call = "-"
+    running = r.get("busy_for_s")
+    if calls:
+        call = str(calls[0]["id"])[:12] + (f" +{len(calls) - 1}" if len(calls) > 1 else "")
+        running = max(c["running_s"] for c in calls)
+    cpu = r.get("cpu_percent")
+    util = r.get("gpu_utilization_percent")
+    return [str(r["rank"]), str(r["pod"]), str(r.get("pid") or "-"), _state(r),
+            "-" if cpu is None else f"{cpu:.1f}", fmt_bytes(r.get("rss_bytes")), _gpu_mem(r),
+            "-" if util is None else f"{util:.0f}", call, fmt_seconds(running), str(r.get("restarts", 0))]
+
+
+def table(name: str, pods: list[dict[str, Any]]) -> str:
+    """The deployment's summary line, then one row per rank."""
+    launches = sorted({str(p.get("launch_id")) for p in pods if "error" not in p})
+    active = sorted({c for p in pods for c in p.get("active_calls", [])})
+    rows = rank_rows(pods)
+    head = (f"{name}: {len(pods)} pod(s), {len(rows)} rank(s), launch {', '.join(launches) or '-'}, "
+            f"{len(active)} active call(s)")
+    errors = [f"  {p['pod']}: not answering: {p['error']}" for p in pods if p.get("error")]
+    errors += [f"  {p['pod']}: nvidia-smi failed: {p['gpu_error']}" for p in pods if p.get("gpu_error")]
+    cells = [COLUMNS] + [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    numeric = {"RANK", "PID", "CPU%", "RSS", "GPU MEM", "GPU%", "RUNNING", "RESTARTS"}
+    lines = []
+    for c in cells:
+        lines.append("  ".join((v.rjust(w) if col in numeric else v.ljust(w))
+                               for v, w, col in zip(c, widths, COLUMNS, strict=True)).rstrip())
+    return "\n".join([head, *errors, *lines])
+
+
+def stuck_ranks(pods: list[dict[str, Any]]) -> list[int]:
+    return [r["rank"] for r in rank_rows(pods) if r.get("stuck")]
