@@ -111,6 +111,11 @@ class Compute:
         teardown_timeout: seconds ``teardown()`` waits for pods to stop before killing them.
         stream_logs: stream every rank's stdout/stderr to the caller during calls.
         max_restarts: how often a dead rank process is restarted between calls.
+        concurrency: calls each rank process runs at once (sync ones on a pool of that many
+            threads, ``async def`` ones on the rank's own event loop). Default: 8 for a
+            single-rank ``kt.cls`` (serving), else 1; distributed deployments run their calls
+            one at a time in arrival order unless this is set (collectives must run in the
+            same order on every rank).
 
     Example:
         >>> compute = kt.Compute(cpus=2, memory="4Gi").distribute("pytorch", workers=2, num_proc=2)
@@ -133,6 +138,7 @@ class Compute:
     inactivity_ttl: str | None = None
     stream_logs: bool = True
     max_restarts: int = 3
+    concurrency: int | None = None
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, Any], ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
@@ -198,6 +204,10 @@ class Compute:
                                   + (" (or None for no limit)" if field_name == "call_timeout" else ""))
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0")
+        if self.concurrency is not None and (isinstance(self.concurrency, bool) or not isinstance(
+                self.concurrency, int) or not 1 <= self.concurrency <= 1024):
+            raise ConfigError(f"concurrency={self.concurrency!r} must be a whole number between 1 and 1024 "
+                              "(calls each rank process runs at once)")
         if isinstance(self.image, str):
             object.__setattr__(self, "image", Image(self.image))
         if self.image is not None and not isinstance(self.image, Image):
@@ -248,6 +258,6 @@ class Compute:
         """The fields that shape a pod: a change here restarts pods, anything else does not."""
         fields = asdict(self)
         for key in ("distributed", "launch_timeout", "stream_logs", "inactivity_ttl", "env_vars",
-                    "max_restarts", "call_timeout", "teardown_timeout"):
+                    "max_restarts", "call_timeout", "teardown_timeout", "concurrency"):
             fields.pop(key, None)
         return fields

@@ -124,7 +124,8 @@ class Deployment:
         base = {"launch_id": self.launch_id, "bundle": bundle, "kind": self.spec.kind, "init": init,
                 "sources": sources, "distributed": asdict(d), "pod_ips": ips,
                 "master_port": self.applied.master_port, "max_restarts": self.spec.compute.max_restarts,
-                "cpus": self.spec.compute.cpu_count, "restart": restart, "load_timeout": timeout}
+                "cpus": self.spec.compute.cpu_count, "restart": restart,
+                "concurrency": self.spec.concurrency, "load_timeout": timeout}
 
         def one(ep: Any) -> list[Any]:
             self._wait_healthy(ep.url, timeout)

@@ -99,6 +99,14 @@ class DeploymentSpec:
     def workers(self) -> int:
         return self.distributed.workers
 
+    @property
+    def concurrency(self) -> int:
+        """Calls each rank process runs at once: ``Compute.concurrency``, else 8 for a
+        single-rank class (a server), else 1 (a distributed call's collectives need order)."""
+        if self.compute.concurrency is not None:
+            return int(self.compute.concurrency)
+        return 8 if self.kind == "cls" and self.distributed.world_size == 1 else 1
+
     def pod_hash(self) -> str:
         """Hash of the fields that shape a pod; code and rank layout are not among them."""
         fields = self.compute.pod_fields()

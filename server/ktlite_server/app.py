@@ -207,7 +207,8 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 config=DistributedConfig(**msg["distributed"]), pod_ips=list(msg["pod_ips"]),
                 ordinal=int(msg["ordinal"]), master_port=int(msg["master_port"]),
                 max_restarts=int(msg.get("max_restarts", 3)), cpus=msg.get("cpus"),
-                load_timeout=float(msg.get("load_timeout", 300)))
+                load_timeout=float(msg.get("load_timeout", 300)),
+                concurrency=max(1, int(msg.get("concurrency", 1))))
             # the same env every rank would get: a bad layout is refused here, before it
             # replaces the deployment the pod is serving
             distributed_env(dep.config, node_rank=dep.ordinal, local_rank=0, pod_ips=dep.pod_ips,
@@ -303,7 +304,13 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
 
         async def produce() -> None:
             try:
-                if coordinator is not None:
+                if coordinator is not None and pod.dep is not None and pod.dep.concurrency == 1 \
+                        and pod.dep.config.world_size > 1:
+                    # collectives must run in the same order on every rank: a distributed
+                    # deployment runs its calls one at a time, in the order they arrived here
+                    async with pod.order:
+                        outs = await coordinator.run(body, path, stream.emit)
+                elif coordinator is not None:
                     outs = await coordinator.run(body, path, stream.emit)
                 else:
                     outs = await run_local(pod, plan, body, path, stream.emit)

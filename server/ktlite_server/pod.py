@@ -55,6 +55,63 @@ class Deployment:
     max_restarts: int = 3
     cpus: float | None = None
     load_timeout: float = 300.0
+    concurrency: int = 1  # calls each rank process runs at once
+
+
+INTERRUPT_GRACE_S = 3.0  # a call stopped on its own has this long to end before its rank is killed
+
+
+class Gate:
+    """Admits at most ``limit`` calls at once, the others in arrival order (FIFO). A deploy
+    closes it, waits for the running calls to end, and reopens it with the new limit."""
+
+    def __init__(self, limit: int = 1) -> None:
+        self.limit = limit
+        self.active = 0
+        self._closed = False
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._idle: asyncio.Event | None = None
+
+    async def acquire(self) -> None:
+        if not self._closed and self.active < self.limit and not self._waiters:
+            self.active += 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()  # admitted just as the waiter went away: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(future)
+            raise
+
+    def release(self) -> None:
+        self.active -= 1
+        if self.active == 0 and self._idle is not None:
+            self._idle.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        while not self._closed and self.active < self.limit and self._waiters:
+            future = self._waiters.popleft()
+            if not future.done():
+                self.active += 1
+                future.set_result(None)
+
+    async def close(self) -> None:
+        """Admit nothing new and wait until no call runs."""
+        self._closed = True
+        while self.active:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+        self._idle = None
+
+    def open(self, limit: int) -> None:
+        self.limit, self._closed = max(1, limit), False
+        self._wake()
 
 
 @dataclass
@@ -75,10 +132,12 @@ class Pod:
         self.ranks: list[RankProcess] = []
         self.dep: Deployment | None = None
         self.lock = asyncio.Lock()
+        self.gate = Gate(1)  # calls at once on this pod (the deployment's concurrency)
+        self.order = asyncio.Lock()  # pod 0: a distributed deployment's calls, one at a time, FIFO
         self.calls: dict[str, _CallHandle] = {}
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
         self.cancelled_early: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
-        self._sinks: dict[int, LogEmit] = {}
+        self._sinks: dict[int, dict[str, LogEmit]] = {}  # local rank -> call id -> its log stream
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
@@ -114,8 +173,8 @@ class Pod:
     def _log(self, rank: RankProcess, stream: str, line: str) -> None:
         # the pod's own log keeps every rank line (``remote.logs()``, ``kubectl logs``)
         print(f"[rank {rank.global_rank}] {line}", file=sys.stderr, flush=True)
-        sink = self._sinks.get(rank.local_rank)
-        if sink is not None:
+        # a rank running several calls at once: its lines go to each of them
+        for sink in list(self._sinks.get(rank.local_rank, {}).values()):
             sink(rank.global_rank, stream, line)
 
     async def prespawn(self) -> None:
@@ -138,7 +197,8 @@ class Pod:
     async def _load(self, rank: RankProcess, dep: Deployment) -> Outcome:
         env = self.rank_env(dep, rank.local_rank)
         rank.global_rank = dep.ordinal * dep.config.num_proc + rank.local_rank
-        msg = {"env": env, "bundle": dep.bundle, "kind": dep.kind, "init": dep.init, "sources": dep.sources}
+        msg = {"env": env, "bundle": dep.bundle, "kind": dep.kind, "init": dep.init, "sources": dep.sources,
+               "concurrency": dep.concurrency}
         try:
             ok, info = await rank.load(msg, dep.load_timeout)
         except RankGone as e:
@@ -162,20 +222,29 @@ class Pod:
         return await self._load(rank, dep)
 
     async def deploy(self, dep: Deployment, restart: bool = False) -> list[Outcome]:
-        async with self.lock:
-            await self._settle()
-            self.dep = dep
-            self._publish_pod_ips(dep)
-            want = dep.config.num_proc
-            for extra in self.ranks[want:]:
-                if extra is not None:
-                    extra.kill()
-            del self.ranks[want:]
-            if restart:
-                for r in self.ranks:
-                    if r is not None:
-                        r.restarts = r.streak = 0
-            return list(await asyncio.gather(*(self._ready_rank(i, dep, restart) for i in range(want))))
+        # running calls end first (before the lock: an admitted call takes it briefly to
+        # start), and new ones wait for the new code
+        await self.gate.close()
+        try:
+            async with self.lock:
+                return await self._deploy(dep, restart)
+        finally:
+            self.gate.open(dep.concurrency)
+
+    async def _deploy(self, dep: Deployment, restart: bool) -> list[Outcome]:
+        await self._settle()
+        self.dep = dep
+        self._publish_pod_ips(dep)
+        want = dep.config.num_proc
+        for extra in self.ranks[want:]:
+            if extra is not None:
+                extra.kill()
+        del self.ranks[want:]
+        if restart:
+            for r in self.ranks:
+                if r is not None:
+                    r.restarts = r.streak = 0
+        return list(await asyncio.gather(*(self._ready_rank(i, dep, restart) for i in range(want))))
 
     def _needs_heal(self, r: RankProcess | None) -> bool:
         return r is not None and (r.stopping or not r.alive)
@@ -257,7 +326,15 @@ class Pod:
 
     async def _run(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
                    restart: bool) -> list[Outcome]:
-        async with self.lock:
+        await self.gate.acquire()  # FIFO: at most the deployment's concurrency run at once
+        try:
+            return await self._admitted(handle, payload, path, emit, restart)
+        finally:
+            self.gate.release()
+
+    async def _admitted(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
+                        restart: bool) -> list[Outcome]:
+        async with self.lock:  # heals and restarts happen between calls, never under one
             await self._settle()
             dep = self.dep
             if dep is None:
@@ -280,27 +357,28 @@ class Pod:
                     self._heal_later()
                 return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
                                 message=handle.stop_reason) for i in range(dep.config.num_proc)]
-            size = memoryview(payload).nbytes
-            own_file = path is None and size > shm.INLINE_MAX
-            if own_file:
-                path, size = shm.write([payload], shm.ARG_PREFIX)
-            msg = {"id": handle.call_id, "args": None if path else bytes(payload), "path": path, "size": size}
-            if emit is not None:
-                for r in self.ranks:
-                    self._sinks[r.local_rank] = emit
-            try:
-                return await self._fan_in(handle, msg)
-            finally:
-                self._sinks.clear()
-                if own_file and path:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+        size = memoryview(payload).nbytes
+        own_file = path is None and size > shm.INLINE_MAX
+        if own_file:
+            path, size = shm.write([payload], shm.ARG_PREFIX)
+        msg = {"id": handle.call_id, "args": None if path else bytes(payload), "path": path, "size": size}
+        if emit is not None:
+            for r in self.ranks:
+                self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
+        try:
+            return await self._fan_in(handle, msg)
+        finally:
+            for sinks in self._sinks.values():
+                sinks.pop(handle.call_id, None)
+            if own_file and path:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     async def _fan_in(self, handle: _CallHandle, msg: dict[str, Any]) -> list[Outcome]:
         now = time.monotonic()
         tasks = {}
         for r in self.ranks:
-            r.busy_since = now
+            r.busy_since = r.busy_since or now
             tasks[asyncio.get_running_loop().create_task(self._call_rank(handle, r, msg))] = r
         outcomes: dict[int, Outcome] = {}
         pending = set(tasks)
@@ -309,12 +387,13 @@ class Pod:
             for t in done:
                 o = t.result()
                 outcomes[o.rank] = o
-                tasks[t].busy_since = None
+                if not tasks[t].running:
+                    tasks[t].busy_since = None
                 if o.status != "ok" and not handle.stop_kind:
                     handle.stop_kind = "cancelled"
                     handle.stop_reason = f"stopped because rank {o.rank} failed"
                     for other in pending:
-                        tasks[other].kill()
+                        self._stop_rank(tasks[other], handle.call_id)
         if handle.stop_kind:
             self._kill_groups()
         if any(self._needs_heal(r) for r in self.ranks):
@@ -327,14 +406,36 @@ class Pod:
             _, _, ok, inline, path, size = await rank.call(msg)
         except RankGone as e:
             # we stopped it (SIGKILL); a rank that exited by itself, even while we were
-            # stopping it, keeps its own exit code and is reported as a death
+            # stopping it, keeps its own exit code and is reported as a death. A rank that
+            # ran other calls too fails each of them with its death.
             if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
                 return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
             rank.died_in_call = True
             return Outcome(rank.global_rank, "died", message=str(e))
         finally:
             rank.running.pop(handle.call_id, None)
+        if not ok and handle.stop_kind:  # interrupted on its own (CallInterrupted): the stop's outcome
+            return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
         return Outcome(rank.global_rank, "ok" if ok else "error", inline, path=path, size=size)
+
+    def _stop_rank(self, rank: RankProcess, call_id: str) -> None:
+        """Stop one call on one rank. A rank running only that call is killed (it may be
+        blocked in a collective); one running other calls too gets the call interrupted, and
+        is killed only if the call has not ended within INTERRUPT_GRACE_S."""
+        if len(rank.running) <= 1:
+            rank.kill()
+            return
+
+        async def interrupt() -> None:
+            await rank.interrupt(call_id)
+            deadline = time.monotonic() + INTERRUPT_GRACE_S
+            while call_id in rank.running and rank.alive and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if call_id in rank.running and rank.alive:
+                print(f"[pod] call {call_id} ignored its interrupt for {INTERRUPT_GRACE_S:g}s: killing rank "
+                      f"{rank.global_rank} and the calls it ran", file=sys.stderr, flush=True)
+                rank.kill()
+        asyncio.get_running_loop().create_task(interrupt())
 
     def _kill_groups(self) -> None:
         """Kill idle ranks holding a torch process group: after a failed call their peers
@@ -362,8 +463,8 @@ class Pod:
         if not handle.stop_kind:
             handle.stop_kind, handle.stop_reason = kind, reason
         for r in self.ranks:
-            if r is not None and r.busy_since is not None:
-                r.kill()
+            if r is not None and call_id in r.running:
+                self._stop_rank(r, call_id)
         return True
 
     async def status(self, stuck_after: float = DEFAULT_STUCK_AFTER_S) -> dict[str, Any]:

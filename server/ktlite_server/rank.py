@@ -7,8 +7,12 @@ ktlite messages (inline bytes, or a path to a shared-memory file when large).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import ctypes
 import gc
+import inspect
 import importlib.abc
 import importlib.util
 import os
@@ -30,10 +34,12 @@ class Channel:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self._send_lock = threading.Lock()  # replies of concurrent calls never interleave
 
     def send(self, msg: Any) -> None:
         data = pickle.dumps(msg, protocol=5)
-        self.sock.sendall(_LEN.pack(len(data)) + data)
+        with self._send_lock:
+            self.sock.sendall(_LEN.pack(len(data)) + data)
 
     def _exactly(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -168,16 +174,82 @@ def _patch_dist(dist: Any) -> None:
     dist._ktlite_patched = True
 
 
+class CallInterrupted(BaseException):
+    """Raised inside a call the caller cancelled or timed out while it shared its rank
+    process with other calls (``Compute(concurrency=K)``): only that call stops."""
+
+
 class Rank:
     def __init__(self, chan: Channel) -> None:
         self.chan = chan
         self.kind = "fn"
         self.target: Any = None
         self.finder: _SourceFinder | None = None
+        self.concurrency = 1
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+        self.threads: dict[str, int] = {}  # call id -> the thread running it (concurrency > 1)
+        self.tasks: dict[str, concurrent.futures.Future[Any]] = {}  # call id -> its coroutine's future
+
+    def submit(self, msg: dict[str, Any]) -> None:
+        """Run a call: inline (one at a time) or on the pool of ``concurrency`` threads."""
+        if self.concurrency <= 1:
+            self.call(msg)
+            return
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="ktlite-call")
+        self.pool.submit(self._pooled, msg)
+
+    def _pooled(self, msg: dict[str, Any]) -> None:
+        self.threads[msg["id"]] = threading.get_ident()
+        try:
+            self.call(msg)
+        except CallInterrupted:
+            pass  # it arrived after the call's reply: nothing left to stop
+        finally:
+            self.threads.pop(msg["id"], None)
+
+    def interrupt(self, call_id: str) -> None:
+        """Stop one call and leave the others running: its coroutine is cancelled, or its
+        thread gets CallInterrupted at its next Python instruction. The pod server kills the
+        process if the call has not ended after a grace period."""
+        task = self.tasks.get(call_id)
+        if task is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(task.cancel)
+            return
+        ident = self.threads.get(call_id)
+        if ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(CallInterrupted))
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The rank's own event loop (one thread, started at the first ``async def`` call):
+        every coroutine of every call runs on it, so they can share loop-bound objects."""
+        with self._loop_lock:
+            if self.loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="ktlite-loop", daemon=True).start()
+                self.loop = loop
+            return self.loop
+
+    def _await(self, call_id: str, coro: Any) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._event_loop())
+        self.tasks[call_id] = future
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise CallInterrupted("the call was cancelled") from None
+        finally:
+            self.tasks.pop(call_id, None)
 
     def load(self, msg: dict[str, Any]) -> None:
         os.environ.update(msg["env"])
         self.target = None
+        concurrency = max(1, int(msg.get("concurrency", 1)))
+        if concurrency != self.concurrency and self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        self.concurrency = concurrency
         sources = msg.get("sources") or {}
         if self.finder is not None:
             sys.meta_path.remove(self.finder)
@@ -211,6 +283,8 @@ class Rank:
                 raise RuntimeError("no code is loaded on this rank; redeploy with .to()")
             fn = self.target if method is None else getattr(self.target, method)
             value = fn(*args, **kwargs)
+            if inspect.iscoroutine(value):  # an ``async def``: awaited on the rank's event loop
+                value = self._await(call_id, value)
             ok = True
         except BaseException as exc:  # noqa: BLE001
             ok, value = False, exception_info(exc)
@@ -264,7 +338,9 @@ def main() -> None:
         if kind == "load":
             rank.load(msg)
         elif kind == "call":
-            rank.call(msg)
+            rank.submit(msg)
+        elif kind == "interrupt":
+            rank.interrupt(msg)
         elif kind == "exit":
             return
 

@@ -79,7 +79,7 @@ class RankProcess:
         self.died_in_call = False  # its death was a call's error (not charged to max_restarts)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._pending: asyncio.Future[Any] | None = None
+        self._pending: dict[str, asyncio.Future[Any]] = {}  # "start", "load" or a call id -> its reply
         self._dead = asyncio.Event()
         self._partial = {"out": b"", "err": b""}
         self._fds: dict[int, str] = {}
@@ -141,21 +141,36 @@ class RankProcess:
     # ---- requests ----------------------------------------------------------------------
 
     async def load(self, msg: dict[str, Any], timeout: float) -> tuple[bool, Any]:
-        await self._send(("load", msg))
+        self._register("load")
+        try:
+            await self._send(("load", msg))
+        except BaseException:
+            self._pending.pop("load", None)
+            raise
         _, ok, info = await self._expect(timeout, "load")
         if ok:
             self.loaded_env = dict(msg["env"])
         return ok, info
 
     async def call(self, msg: dict[str, Any]) -> tuple[str, str, bool, Any, str | None, int]:
-        await self._send(("call", msg))
-        reply = await self._expect(None, "call")
+        self._register(msg["id"])
+        try:
+            await self._send(("call", msg))
+        except BaseException:
+            self._pending.pop(msg["id"], None)
+            raise
+        reply = await self._expect(None, "call", key=msg["id"])
         self.drain_output()
         if reply[0] != "result" or reply[1] != msg["id"]:
             self.kill()  # out of step with us: never trust its next reply either
             raise RankGone(f"rank process answered {reply[:2]!r} to call {msg['id']}; it was restarted")
         self.has_pg = bool(reply[6])
         return reply[:6]  # ("result", call_id, ok, inline, path, size)
+
+    async def interrupt(self, call_id: str) -> None:
+        """Stop one of the calls this rank runs at once (the others go on)."""
+        with contextlib.suppress(RankGone, ConnectionError, OSError):
+            await self._send(("interrupt", call_id))
 
     async def _send(self, msg: Any) -> None:
         if not self.alive or self._writer is None:
@@ -164,15 +179,25 @@ class RankProcess:
         self._writer.write(_LEN.pack(len(data)) + data)
         await self._writer.drain()
 
-    async def _expect(self, timeout: float | None, what: str) -> Any:
-        loop = asyncio.get_running_loop()
-        self._pending = loop.create_future()
+    def _register(self, key: str) -> None:
+        """Expect a reply under ``key``: registered before the request leaves, so a fast reply
+        cannot arrive unclaimed."""
+        self._pending[key] = asyncio.get_running_loop().create_future()
+
+    async def _expect(self, timeout: float | None, what: str, key: str | None = None) -> Any:
+        key = key or what
+        if self._dead.is_set():
+            self._pending.pop(key, None)
+            raise RankGone(self.death_message())
+        future = self._pending.get(key)
+        if future is None:
+            future = self._pending[key] = asyncio.get_running_loop().create_future()
         try:
-            return await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:
             raise RankGone(f"rank process did not finish {what} within {timeout:.0f}s") from None
         finally:
-            self._pending = None
+            self._pending.pop(key, None)
 
     # ---- I/O callbacks -----------------------------------------------------------------
 
@@ -182,8 +207,10 @@ class RankProcess:
             while True:
                 (n,) = _LEN.unpack(await self._reader.readexactly(_LEN.size))
                 msg = pickle.loads(await self._reader.readexactly(n))
-                if self._pending is not None and not self._pending.done():
-                    self._pending.set_result(msg)
+                key = {"ready": "start", "loaded": "load"}.get(msg[0]) or (msg[1] if msg[0] == "result" else None)
+                future = self._pending.get(key) if key is not None else None
+                if future is not None and not future.done():
+                    future.set_result(msg)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         # EOF: the process is exiting; give the pidfd a moment to report the exit code
@@ -217,8 +244,9 @@ class RankProcess:
             self._pidfd = None
         if self._writer is not None:
             self._writer.close()
-        if self._pending is not None and not self._pending.done():
-            self._pending.set_exception(RankGone(self.death_message()))
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(RankGone(self.death_message()))
 
     def death_message(self) -> str:
         code = self.exit_code if self.exit_code is not None else (self.proc.poll() if self.proc else None)
