@@ -20,6 +20,7 @@ _EXPORTS = {
     "Compute": "ktlite.compute", "Volume": "ktlite.compute",
     "Image": "ktlite.images",
     "App": "ktlite.apps", "app": "ktlite.apps",  # not "ktlite.app": kt.app is the function
+    "Future": "ktlite.futures",
     "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
         ReplicaFailed,
         SerializationError,
     )
+    from ktlite.futures import Future
     from ktlite.images import Image
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
 
@@ -87,6 +89,7 @@ __all__ = [
     "ConfigError",
     "DeployError",
     "Fn",
+    "Future",
     "Image",
     "KtliteError",
     "LaunchTimeout",

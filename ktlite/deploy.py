@@ -63,6 +63,10 @@ class _ReplacedWatch:
                                        f"pod(s) {', '.join(gone)} were replaced")
 
 
+class _CancelledBeforeSend(Exception):
+    """A submitted call cancelled just before it left: it never reaches a pod."""
+
+
 class _NotStarted(Exception):
     """A call no rank started because pods were replaced: safe to send again once healed."""
 
@@ -99,6 +103,10 @@ class Deployment:
         self.launch_id = ""
         self._code: tuple[bytes, dict[str, Any], bytes | None] | None = None  # for pushing again
         self._suspect = False  # a call lost a pod: check for replaced pods before the next one
+        self._queue: concurrent.futures.ThreadPoolExecutor | None = None  # submitted calls, FIFO
+        self._queued: set[Any] = set()  # their futures, until they end
+        self._queue_lock = threading.Lock()
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"Deployment(name={self.spec.name!r}, backend={self.backend.name!r}, pods={len(self.applied.endpoints)})"
@@ -150,8 +158,49 @@ class Deployment:
 
     # ---- calls -------------------------------------------------------------------------
 
+    def submit(self, method: str | None, parts: list[Any], options: CallOptions, future: Any) -> Any:
+        """Queue one call; ``future`` (a :class:`kt.Future`) gets its values in rank order.
+
+        Submitted calls leave in the order they were submitted, at most
+        ``spec.concurrency`` at a time (one for a distributed deployment: the ranks run its
+        calls one by one, and a queue here keeps them in submission order)."""
+        with self._queue_lock:
+            if self._closed:
+                raise NotDeployedError(f"deployment {self.name!r} was torn down; call .to() again")
+            if self._queue is None:
+                self._queue = concurrent.futures.ThreadPoolExecutor(
+                    max(1, self.spec.concurrency), thread_name_prefix=f"ktlite-{self.name}")
+            self._queued.add(future)
+            self._queue.submit(self._run_submitted, method, parts, options, future)
+        return future
+
+    def _run_submitted(self, method: str | None, parts: list[Any], options: CallOptions, future: Any) -> None:
+        try:
+            if future.done() or not future.set_running_or_notify_cancel():
+                return  # cancelled while queued (or failed by close()): never sent
+            future._stop = lambda call_id, why: self._cancel_all(call_id, why, self.endpoints)
+
+            def sending(call_id: str) -> None:
+                future.call_id = call_id
+                if future.cancel_requested:
+                    raise _CancelledBeforeSend()
+            try:
+                values = self.call(method, parts, options, on_send=sending)
+            except _CancelledBeforeSend:
+                future._end_cancelled()
+            except BaseException as e:  # noqa: BLE001 - the future carries every failure
+                if future.cancel_requested and isinstance(e, (CallCancelled, RemoteError)):
+                    future._end_cancelled()
+                else:
+                    future.set_exception(e)
+            else:
+                future.set_result(values[0] if future.single else values)
+        finally:
+            with self._queue_lock:
+                self._queued.discard(future)
+
     def call(self, method: str | None, parts: list[Any], options: CallOptions,
-             log: Any = None) -> list[Any]:
+             log: Any = None, on_send: Any = None) -> list[Any]:
         """Run one call on every rank (or the chosen workers); values in rank order.
         ``log(rank, pod, stream, text)`` prints streamed lines (default ``[rank R @ pod]``).
 
@@ -168,17 +217,19 @@ class Deployment:
         if self._suspect:
             self._heal("an earlier call lost a pod")
         try:
-            return self._call_once(parts, options, log)
+            return self._call_once(parts, options, log, on_send)
         except _NotStarted as e:
             if not self._heal(e.why):
                 raise e.error from None
-        return self._call_once(parts, options, log)
+        return self._call_once(parts, options, log, on_send)
 
-    def _call_once(self, parts: list[Any], options: CallOptions, log: Any) -> list[Any]:
+    def _call_once(self, parts: list[Any], options: CallOptions, log: Any, on_send: Any = None) -> list[Any]:
         eps = self.endpoints
         d = self.spec.distributed
         stream = self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
         call_id = uuid.uuid4().hex
+        if on_send is not None:
+            on_send(call_id)
         meta = {"id": call_id, "launch_id": self.launch_id,
                 "pods": [ep.peer_url for ep in eps], "names": [ep.name for ep in eps],
                 "workers": sorted(set(options.workers)) if options.workers is not None else None,
@@ -306,7 +357,22 @@ class Deployment:
         return [f.result() for f in futures]
 
     def close(self) -> None:
+        """Fail the submitted calls that have not started, then drop the connections."""
+        self.fail_queued()
         self.client.close()
+
+    def fail_queued(self) -> None:
+        """No more submitted calls: those not started yet fail with NotDeployedError."""
+        with self._queue_lock:
+            self._closed = True
+            waiting = [f for f in self._queued if not f.running() and not f.done()]
+            queue, self._queue = self._queue, None
+        for future in waiting:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(NotDeployedError(
+                    f"deployment {self.name!r} was torn down before this submitted call started"))
+        if queue is not None:
+            queue.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_python(health: dict[str, Any], url: str) -> None:

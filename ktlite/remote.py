@@ -12,6 +12,7 @@ from ktlite.backends.base import Backend, Plan, get_backend
 from ktlite.compute import Compute
 from ktlite.deploy import CallOptions, Deployment, deploy
 from ktlite.errors import ConfigError, NotDeployedError
+from ktlite.futures import Future
 from ktlite.spec import DeploymentSpec, check_name, default_name
 
 # Kubetorch's call keywords, accepted as options only when the user's callable can't take them
@@ -179,14 +180,21 @@ class _Remote:
         return self
 
     def _invoke(self, method: str | None, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                options: CallOptions | None) -> Any:
+                options: CallOptions | None, submit: bool = False) -> Any:
         if options is None:
             taken = {k: kwargs.pop(k) for k in _KT_CALL_KWARGS if k in kwargs and not _takes(target, k)}
+            # Kubetorch's async_=True: a future (awaitable), unless the function takes async_
+            if "async_" in kwargs and not _takes(target, "async_"):
+                submit = bool(kwargs.pop("async_")) or submit
             options = _options(taken)
         dep = self.deployment
         parts = packaging.encode_call(method, args, kwargs)
+        single = dep.spec.compute.distributed is None
+        if submit:
+            future = Future(dep.name, method or getattr(target, "__name__", "call"), single=single)
+            return dep.submit(method, parts, options, future)
         values = dep.call(method, parts, options)
-        return values if dep.spec.compute.distributed is not None else values[0]
+        return values[0] if single else values
 
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
         """Each pod's status, in ordinal order: a dict with ``pod``, ``ordinal``, ``launch_id``,
@@ -223,6 +231,7 @@ class _Remote:
                 self._delete_volumes(*self._kept_volumes, timeout=timeout)
             return
         limit = dep.spec.compute.teardown_timeout if timeout is None else timeout
+        dep.fail_queued()  # submitted calls that have not started never will
         dep.backend.teardown(dep.name, timeout=limit, volumes=volumes)
         for ep in dep.endpoints:
             dep.client.forget(ep.url)
@@ -273,6 +282,11 @@ class RemoteFunction(_Remote):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._invoke(None, self._source.obj, args, kwargs, None)
 
+    def submit(self, *args: Any, **kwargs: Any) -> Future:
+        """Start the call and return a :class:`kt.Future` at once (awaitable; works with
+        ``concurrent.futures.wait``/``as_completed``). Submitted calls leave in order."""
+        return self._invoke(None, self._source.obj, args, kwargs, None, submit=True)
+
     def options(self, **options: Any) -> _Bound:
         """Per-call options: ``remote.options(timeout=60, stream_logs=False, workers=[0], restart_procs=True)(x)``."""
         return _Bound(self, None, self._source.obj, _options(options))
@@ -312,6 +326,10 @@ class RemoteMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._owner._invoke(self._name, self._target, args, kwargs, None)
 
+    def submit(self, *args: Any, **kwargs: Any) -> Future:
+        """The method call as a :class:`kt.Future`, returned at once."""
+        return self._owner._invoke(self._name, self._target, args, kwargs, None, submit=True)
+
     def options(self, **options: Any) -> _Bound:
         return _Bound(self._owner, self._name, self._target, _options(options))
 
@@ -324,3 +342,6 @@ class _Bound:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._remote._invoke(self._method, self._target, args, kwargs, self._opts)
+
+    def submit(self, *args: Any, **kwargs: Any) -> Future:
+        return self._remote._invoke(self._method, self._target, args, kwargs, self._opts, submit=True)

@@ -301,6 +301,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         coordinators: dict[str, Coordinator] = state["coordinators"]
         if coordinator is not None:
             coordinators[plan.id] = coordinator
+            early = pod.cancelled_early.get(plan.id)
+            if early is not None:  # the caller's cancel overtook the call: it starts stopped everywhere
+                coordinator.cancel(*early)
 
         async def produce() -> None:
             try:

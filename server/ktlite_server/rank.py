@@ -12,9 +12,9 @@ import concurrent.futures
 import contextlib
 import ctypes
 import gc
-import inspect
 import importlib.abc
 import importlib.util
+import inspect
 import os
 import pickle
 import socket
