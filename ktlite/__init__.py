@@ -21,6 +21,7 @@ _EXPORTS = {
     "Image": "ktlite.images",
     "App": "ktlite.apps", "app": "ktlite.apps",  # not "ktlite.app": kt.app is the function
     "Future": "ktlite.futures",
+    "PerRank": "ktlite.rankdata", "per_rank": "ktlite.rankdata",
     "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     )
     from ktlite.futures import Future
     from ktlite.images import Image
+    from ktlite.rankdata import PerRank, per_rank
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
 
 
@@ -90,6 +92,7 @@ __all__ = [
     "DeployError",
     "Fn",
     "Future",
+    "PerRank",
     "Image",
     "KtliteError",
     "LaunchTimeout",
@@ -114,5 +117,6 @@ __all__ = [
     "distribute",
     "distributed",
     "fn",
+    "per_rank",
     "images",
 ]

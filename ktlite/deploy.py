@@ -158,7 +158,8 @@ class Deployment:
 
     # ---- calls -------------------------------------------------------------------------
 
-    def submit(self, method: str | None, parts: list[Any], options: CallOptions, future: Any) -> Any:
+    def submit(self, method: str | None, parts: list[Any], options: CallOptions, future: Any,
+               per_rank: dict[str, Any] | None = None) -> Any:
         """Queue one call; ``future`` (a :class:`kt.Future`) gets its values in rank order.
 
         Submitted calls leave in the order they were submitted, at most
@@ -171,10 +172,11 @@ class Deployment:
                 self._queue = concurrent.futures.ThreadPoolExecutor(
                     max(1, self.spec.concurrency), thread_name_prefix=f"ktlite-{self.name}")
             self._queued.add(future)
-            self._queue.submit(self._run_submitted, method, parts, options, future)
+            self._queue.submit(self._run_submitted, method, parts, options, future, per_rank)
         return future
 
-    def _run_submitted(self, method: str | None, parts: list[Any], options: CallOptions, future: Any) -> None:
+    def _run_submitted(self, method: str | None, parts: list[Any], options: CallOptions, future: Any,
+                       per_rank: dict[str, Any] | None) -> None:
         try:
             if future.done() or not future.set_running_or_notify_cancel():
                 return  # cancelled while queued (or failed by close()): never sent
@@ -185,7 +187,7 @@ class Deployment:
                 if future.cancel_requested:
                     raise _CancelledBeforeSend()
             try:
-                values = self.call(method, parts, options, on_send=sending)
+                values = self.call(method, parts, options, on_send=sending, per_rank=per_rank)
             except _CancelledBeforeSend:
                 future._end_cancelled()
             except BaseException as e:  # noqa: BLE001 - the future carries every failure
@@ -200,7 +202,7 @@ class Deployment:
                 self._queued.discard(future)
 
     def call(self, method: str | None, parts: list[Any], options: CallOptions,
-             log: Any = None, on_send: Any = None) -> list[Any]:
+             log: Any = None, on_send: Any = None, per_rank: dict[str, Any] | None = None) -> list[Any]:
         """Run one call on every rank (or the chosen workers); values in rank order.
         ``log(rank, pod, stream, text)`` prints streamed lines (default ``[rank R @ pod]``).
 
@@ -217,13 +219,14 @@ class Deployment:
         if self._suspect:
             self._heal("an earlier call lost a pod")
         try:
-            return self._call_once(parts, options, log, on_send)
+            return self._call_once(parts, options, log, on_send, per_rank)
         except _NotStarted as e:
             if not self._heal(e.why):
                 raise e.error from None
-        return self._call_once(parts, options, log, on_send)
+        return self._call_once(parts, options, log, on_send, per_rank)
 
-    def _call_once(self, parts: list[Any], options: CallOptions, log: Any, on_send: Any = None) -> list[Any]:
+    def _call_once(self, parts: list[Any], options: CallOptions, log: Any, on_send: Any = None,
+                   per_rank: dict[str, Any] | None = None) -> list[Any]:
         eps = self.endpoints
         d = self.spec.distributed
         stream = self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
@@ -236,6 +239,8 @@ class Deployment:
                 "timeout": options.timeout if options.timeout is not None else self.spec.compute.call_timeout,
                 "stream_logs": stream, "restart": options.restart_procs,
                 "fanout": True, "quorum_timeout": d.quorum_timeout, "num_proc": d.num_proc}
+        if per_rank is not None:
+            meta["per_rank"] = per_rank  # where each rank's items are in the body
         arg_file = None
         if self.applied.same_host and os.environ.get("KTLITE_SHM", "1") != "0":
             meta["shm_results"] = True

@@ -134,6 +134,33 @@ def encode_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any
         raise SerializationError(_diagnose_args(args, kwargs, e)) from e
 
 
+def encode_ranked_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any], world: int
+                       ) -> tuple[list[Any], dict[str, Any] | None]:
+    """Encode a call whose arguments may hold ``kt.per_rank`` markers: the shared message,
+    then one message per rank with that rank's items, and the offsets (None: no marker)."""
+    from ktlite import rankdata
+
+    args, kwargs, items = rankdata.split(args, kwargs, world)
+    shared = encode_call(method, args, kwargs)
+    if items is None:
+        return shared, None
+    pos = protocol.parts_size(shared)
+    layout = {"shared": pos, "items": [], "base": 0}
+    parts = list(shared)
+    for r, values in enumerate(items):
+        try:
+            with by_value():
+                blob = protocol.dumps_parts(values, sources=True)
+        except Exception as e:
+            raise SerializationError(f"the per-rank item(s) of rank {r} cannot be pickled: "
+                                     f"{type(e).__name__}: {e}") from e
+        size = protocol.parts_size(blob)
+        layout["items"].append([pos, size])
+        parts.extend(blob)
+        pos += size
+    return parts, layout
+
+
 def encode_value(value: Any, what: str) -> bytes:
     try:
         with by_value():

@@ -13,6 +13,7 @@ from ktlite.compute import Compute
 from ktlite.deploy import CallOptions, Deployment, deploy
 from ktlite.errors import ConfigError, NotDeployedError
 from ktlite.futures import Future
+from ktlite.rankdata import per_rank
 from ktlite.spec import DeploymentSpec, check_name, default_name
 
 # Kubetorch's call keywords, accepted as options only when the user's callable can't take them
@@ -188,12 +189,12 @@ class _Remote:
                 submit = bool(kwargs.pop("async_")) or submit
             options = _options(taken)
         dep = self.deployment
-        parts = packaging.encode_call(method, args, kwargs)
+        parts, layout = packaging.encode_ranked_call(method, args, kwargs, dep.spec.distributed.world_size)
         single = dep.spec.compute.distributed is None
         if submit:
             future = Future(dep.name, method or getattr(target, "__name__", "call"), single=single)
-            return dep.submit(method, parts, options, future)
-        values = dep.call(method, parts, options)
+            return dep.submit(method, parts, options, future, layout)
+        values = dep.call(method, parts, options, per_rank=layout)
         return values[0] if single else values
 
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
@@ -287,6 +288,12 @@ class RemoteFunction(_Remote):
         ``concurrent.futures.wait``/``as_completed``). Submitted calls leave in order."""
         return self._invoke(None, self._source.obj, args, kwargs, None, submit=True)
 
+    def each(self, items: Any, *args: Any, **kwargs: Any) -> Any:
+        """One call in which rank r gets ``items[r]`` as its first argument (and the other
+        arguments shared): ``remote.each([shard0, shard1, ...], lr=0.1)``. Only rank r's pod
+        receives ``items[r]``; ``len(items)`` must be the world size."""
+        return self._invoke(None, self._source.obj, (per_rank(items), *args), kwargs, None)
+
     def options(self, **options: Any) -> _Bound:
         """Per-call options: ``remote.options(timeout=60, stream_logs=False, workers=[0], restart_procs=True)(x)``."""
         return _Bound(self, None, self._source.obj, _options(options))
@@ -329,6 +336,10 @@ class RemoteMethod:
     def submit(self, *args: Any, **kwargs: Any) -> Future:
         """The method call as a :class:`kt.Future`, returned at once."""
         return self._owner._invoke(self._name, self._target, args, kwargs, None, submit=True)
+
+    def each(self, items: Any, *args: Any, **kwargs: Any) -> Any:
+        """The method on every rank, rank r getting ``items[r]`` first (see RemoteFunction.each)."""
+        return self._owner._invoke(self._name, self._target, (per_rank(items), *args), kwargs, None)
 
     def options(self, **options: Any) -> _Bound:
         return _Bound(self._owner, self._name, self._target, _options(options))

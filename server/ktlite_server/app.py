@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import platform
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -36,7 +37,7 @@ from ktlite import protocol, shm
 from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.coordinator import CallPlan, Coordinator, run_local
 from ktlite_server.peers import PeerPool
-from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Deployment, Pod
+from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, LOG_BODIES, Deployment, Pod
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
 
 DEFAULT_MAX_BODY = 8 << 30
@@ -288,7 +289,16 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 except (ValueError, OSError, IndexError, TypeError) as e:
                     raise HTTPException(400, f"bad shared-memory argument: {e}") from e
             try:
-                protocol.split(body)  # framing only: the server never unpickles user data
+                if plan.per_rank is None:
+                    protocol.split(body)  # framing only: the server never unpickles user data
+                else:  # the shared message, then this pod's ranks' items
+                    view = memoryview(body).cast("B")
+                    shared = plan.per_rank["shared"]
+                    protocol.split(view[:shared])
+                    for off, n in plan.per_rank["items"]:
+                        if off + n > view.nbytes:
+                            raise protocol.ProtocolError(f"per-rank item at {off}+{n} runs past the body "
+                                                         f"({view.nbytes} bytes)")
             except protocol.ProtocolError as e:
                 if path and own_file:
                     with contextlib.suppress(OSError):
@@ -298,6 +308,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             streams.refused(stream)
             raise
         stream.decide(True)
+        if LOG_BODIES:
+            print(f"[pod] call {plan.id}: received {memoryview(body).nbytes if plan.shm is None else 0} bytes "
+                  f"over HTTP", file=sys.stderr, flush=True)
         coordinators: dict[str, Coordinator] = state["coordinators"]
         if coordinator is not None:
             coordinators[plan.id] = coordinator

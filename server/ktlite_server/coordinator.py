@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from ktlite import protocol, shm
+from ktlite import protocol, rankdata, shm
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome
@@ -69,14 +69,43 @@ class CallPlan:
         # seconds a call waits for its caller to re-attach after the stream broke (callers
         # behind a proxy ask for it); 0: a closed stream cancels the call at once
         self.reattach = min(_number(meta, "reattach", 0.0) or 0.0, 120.0)
+        # a per-rank call: the body is the shared message, then each rank's items
+        per_rank = meta.get("per_rank")
+        self.per_rank: dict[str, Any] | None = None if per_rank is None else rankdata.check_plan(per_rank)
 
     def name(self, i: int) -> str:
         """Pod ``i``'s name (its URL when the caller sent no names)."""
         return self.names[i] if self.names else self.pods[i]
 
-    def member_meta(self) -> dict[str, Any]:
-        return {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
-                "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id}
+    def pod_ranks(self, i: int) -> range:
+        """The global ranks of pod ``i``."""
+        return range(i * self.num_proc, (i + 1) * self.num_proc)
+
+    def member_meta(self, per_rank: dict[str, Any] | None = None) -> dict[str, Any]:
+        meta = {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
+                "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id,
+                "num_proc": self.num_proc}
+        if per_rank is not None:
+            meta["per_rank"] = per_rank
+        return meta
+
+    def member_body(self, i: int, payload: Any) -> tuple[dict[str, Any], Any]:
+        """What pod ``i`` is sent: the call plan and body, a per-rank call's cut to the shared
+        message and that pod's own items (from shared memory: just their offsets)."""
+        if self.per_rank is None:
+            return self.member_meta(), memoryview(b"" if self.shm else payload).cast("B")
+        ranks = self.pod_ranks(i)
+        slices = rankdata.pod_slices(self.per_rank, ranks)
+        shared = self.per_rank["shared"]
+        if self.shm:  # every pod maps the same file: offsets only
+            return self.member_meta({"shared": shared, "items": slices, "base": ranks.start}), memoryview(b"")
+        view = memoryview(payload).cast("B")
+        body, items, pos = [view[:shared]], [], shared
+        for off, n in slices:
+            body.append(view[off:off + n])
+            items.append([pos, n])
+            pos += n
+        return self.member_meta({"shared": shared, "items": items, "base": ranks.start}), body
 
 
 def _str(meta: dict[str, Any], key: str, required: bool = False) -> str:
@@ -125,7 +154,7 @@ async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, em
     if plan.stream_logs:
         def log(rank: int, stream: str, line: str) -> None:
             emit(protocol.log_frame(rank, pod.name, stream, line))
-    outs = await pod.run(plan.id, payload, path, log, restart=plan.restart)
+    outs = await pod.run(plan.id, payload, path, log, restart=plan.restart, per_rank=plan.per_rank)
     return _pod_outcomes(pod, outs, plan.shm_results)
 
 
@@ -296,10 +325,10 @@ class Coordinator:
         url = plan.pods[i]
         name = plan.name(i)
         deadline = time.monotonic() + plan.quorum_timeout
-        body = memoryview(b"" if plan.shm else payload).cast("B")
+        meta, body = plan.member_body(i, payload)
         while True:
             try:
-                async with self.peers.post(url, "/call", self._headers(plan.member_meta()), body,
+                async with self.peers.post(url, "/call", self._headers(meta), body,
                                            connect_timeout=5.0, read_timeout=10.0) as resp:
                     if resp.status != 200:
                         text = (await resp.read()).decode(errors="replace")[:500]

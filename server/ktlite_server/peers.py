@@ -126,12 +126,14 @@ class PeerPool:
         return _Conn(reader, writer)
 
     @contextlib.asynccontextmanager
-    async def post(self, url: str, path: str, headers: dict[str, str], body: memoryview,
+    async def post(self, url: str, path: str, headers: dict[str, str], body: memoryview | list[memoryview],
                    connect_timeout: float = 5.0, read_timeout: float = 10.0) -> AsyncIterator[PeerResponse]:
         parts = urlsplit(url)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
         key = f"{host}:{port}"
-        head = [f"POST {path} HTTP/1.1", f"host: {key}", f"content-length: {body.nbytes}"]
+        pieces = body if isinstance(body, list) else [body]  # a body in pieces is sent without joining
+        length = sum(p.nbytes for p in pieces)
+        head = [f"POST {path} HTTP/1.1", f"host: {key}", f"content-length: {length}"]
         head += [f"{k}: {v}" for k, v in headers.items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
@@ -140,8 +142,9 @@ class PeerPool:
             conn = idle.pop() if idle else await self._connect(host, port, connect_timeout)
             try:
                 conn.writer.write(request)
-                if body.nbytes:
-                    conn.writer.write(body)
+                for piece in pieces:
+                    if piece.nbytes:
+                        conn.writer.write(piece)
                 await conn.writer.drain()
                 head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), read_timeout)
             except (PeerError, ConnectionError, asyncio.IncompleteReadError) as e:

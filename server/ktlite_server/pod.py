@@ -20,13 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ktlite import shm
+from ktlite import rankdata, shm
 from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
+
+# debugging aid (and the per-rank tests): the pod's log says what each call brought
+LOG_BODIES = os.environ.get("KTLITE_LOG_CALL_BODIES", "") not in ("", "0")
 
 DEFAULT_STUCK_AFTER_S = 600.0  # a rank busy with one call longer than this is reported stuck
 
@@ -301,7 +304,7 @@ class Pod:
     # ---- calls -------------------------------------------------------------------------
 
     async def run(self, call_id: str, payload: Any, path: str | None, emit: LogEmit | None,
-                  restart: bool = False) -> list[Outcome]:
+                  restart: bool = False, per_rank: dict[str, Any] | None = None) -> list[Outcome]:
         """Run one call on every local rank; ``path`` names a shared-memory copy of ``payload``."""
         if call_id in self.finished:
             return self.finished[call_id]  # duplicate delivery runs once
@@ -315,7 +318,7 @@ class Pod:
             handle.stop_kind, handle.stop_reason = early
         self.calls[call_id] = handle
         try:
-            handle.outcomes = await self._run(handle, payload, path, emit, restart)
+            handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank)
         finally:
             self.calls.pop(call_id, None)
             handle.done.set()
@@ -325,15 +328,15 @@ class Pod:
         return handle.outcomes
 
     async def _run(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
-                   restart: bool) -> list[Outcome]:
+                   restart: bool, per_rank: dict[str, Any] | None = None) -> list[Outcome]:
         await self.gate.acquire()  # FIFO: at most the deployment's concurrency run at once
         try:
-            return await self._admitted(handle, payload, path, emit, restart)
+            return await self._admitted(handle, payload, path, emit, restart, per_rank)
         finally:
             self.gate.release()
 
     async def _admitted(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
-                        restart: bool) -> list[Outcome]:
+                        restart: bool, per_rank: dict[str, Any] | None) -> list[Outcome]:
         async with self.lock:  # heals and restarts happen between calls, never under one
             await self._settle()
             dep = self.dep
@@ -357,11 +360,25 @@ class Pod:
                     self._heal_later()
                 return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
                                 message=handle.stop_reason) for i in range(dep.config.num_proc)]
-        size = memoryview(payload).nbytes
+        view = memoryview(payload).cast("B")
+        items: dict[int, bytes] | None = None
+        if per_rank is not None:  # each rank gets the shared message and its own items
+            first = dep.ordinal * dep.config.num_proc
+            slices = rankdata.pod_slices(per_rank, range(first, first + len(self.ranks)))
+            items = {i: bytes(view[off:off + n]) for i, (off, n) in enumerate(slices)}
+            view = view[:per_rank["shared"]]
+            if LOG_BODIES:
+                print(f"[pod] call {handle.call_id}: shared message {view.nbytes} bytes; per-rank items "
+                      + ", ".join(f"rank {first + i}: {len(b)} bytes" for i, b in items.items()),
+                      file=sys.stderr, flush=True)
+        elif LOG_BODIES:
+            print(f"[pod] call {handle.call_id}: message {view.nbytes} bytes", file=sys.stderr, flush=True)
+        size = view.nbytes
         own_file = path is None and size > shm.INLINE_MAX
         if own_file:
-            path, size = shm.write([payload], shm.ARG_PREFIX)
-        msg = {"id": handle.call_id, "args": None if path else bytes(payload), "path": path, "size": size}
+            path, size = shm.write([view], shm.ARG_PREFIX)
+        msg: dict[str, Any] = {"id": handle.call_id, "args": None if path else bytes(view), "path": path,
+                               "size": size, "items": items}
         if emit is not None:
             for r in self.ranks:
                 self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
@@ -402,6 +419,10 @@ class Pod:
 
     async def _call_rank(self, handle: _CallHandle, rank: RankProcess, msg: dict[str, Any]) -> Outcome:
         rank.running[handle.call_id] = time.monotonic()
+        items = msg.get("items")
+        msg = {k: v for k, v in msg.items() if k != "items"}
+        if items is not None:
+            msg["item"] = items[rank.local_rank]
         try:
             _, _, ok, inline, path, size = await rank.call(msg)
         except RankGone as e:

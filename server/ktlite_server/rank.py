@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from ktlite import protocol, shm, sourcelines
+from ktlite import protocol, rankdata, shm, sourcelines
 
 _LEN = struct.Struct("<Q")
 
@@ -279,6 +279,8 @@ class Rank:
         payload = bytearray(msg["args"]) if msg.get("args") is not None else shm.map_private(msg["path"], msg["size"])
         try:
             method, args, kwargs = protocol.loads(payload)
+            if msg.get("item") is not None:  # a per-rank call: this rank's own items
+                args, kwargs = rankdata.fill(args, kwargs, protocol.loads(msg["item"]))
             if self.target is None:
                 raise RuntimeError("no code is loaded on this rank; redeploy with .to()")
             fn = self.target if method is None else getattr(self.target, method)
