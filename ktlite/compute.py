@@ -231,25 +231,32 @@ class Compute:
                                   "each its own mount_path")
             mounts[path] = v
         d = self.distributed
-        if d is not None and self.gpus and d.num_proc > self.gpus:
-            raise ConfigError(f"num_proc={d.num_proc} is more than gpus={self.gpus} on a GPU pod; "
-                              f"each rank needs at least one GPU: use num_proc<={self.gpus}")
+        if d is not None and self.gpus and d.max_procs > self.gpus:
+            raise ConfigError(f"num_proc={d.num_proc} has a pod of {d.max_procs} ranks, more than gpus={self.gpus} "
+                              f"on a GPU pod; each rank needs at least one GPU: use num_proc<={self.gpus}")
 
     @property
     def cpu_count(self) -> float | None:
         return None if self.cpus is None else parse_cpus(self.cpus)
 
-    def distribute(self, framework: str = "spmd", workers: int = 1, num_proc: int | None = None,
+    def distribute(self, framework: str = "spmd", workers: int | None = None,
+                   num_proc: int | list[int] | tuple[int, ...] | None = None,
                    port: int | None = None, quorum_timeout: float = 300.0, **unknown: Any) -> Compute:
         """Return a copy of this Compute that runs on ``workers`` pods × ``num_proc`` ranks each.
 
-        ``num_proc`` defaults to the pod's GPU count (one rank per GPU), else 1.
+        ``num_proc`` defaults to the pod's GPU count (one rank per GPU), else 1. A list gives
+        each pod its own size (``num_proc=[4, 8, 2]``: 3 pods, 14 ranks); ``workers`` is then
+        its length. ``workers`` defaults to 1 otherwise.
         """
         if unknown:
             raise ConfigError(f"distribute() got unknown option(s) {', '.join(sorted(unknown))}; "
                               "allowed: framework, workers, num_proc, port, quorum_timeout")
         if num_proc is None:
             num_proc = self.gpus or 1
+        if isinstance(num_proc, (list, tuple)) and not num_proc:
+            raise ConfigError("num_proc=[] names no pod; give one rank count per pod, e.g. [4, 8, 2]")
+        if workers is None:
+            workers = len(num_proc) if isinstance(num_proc, (list, tuple)) else 1
         config = DistributedConfig(framework=framework, workers=workers, num_proc=num_proc,
                                    port=port, quorum_timeout=quorum_timeout)
         return replace(self, distributed=config)

@@ -144,7 +144,7 @@ def compute(*, name: str | None = None, **compute_kwargs: Any) -> Any:
     return wrap
 
 
-def distribute(framework: str = "spmd", workers: int = 1, num_proc: int | None = None,
+def distribute(framework: str = "spmd", workers: int | None = None, num_proc: int | list[int] | None = None,
                port: int | None = None, quorum_timeout: float = 300.0) -> Any:
     """Mark a function or class to run on ``workers`` pods × ``num_proc`` ranks.
 

@@ -238,7 +238,8 @@ class Deployment:
                 "workers": sorted(set(options.workers)) if options.workers is not None else None,
                 "timeout": options.timeout if options.timeout is not None else self.spec.compute.call_timeout,
                 "stream_logs": stream, "restart": options.restart_procs,
-                "fanout": True, "quorum_timeout": d.quorum_timeout, "num_proc": d.num_proc}
+                "fanout": True, "quorum_timeout": d.quorum_timeout,
+                "num_proc": d.num_proc if d.uniform else list(d.sizes)}
         if per_rank is not None:
             meta["per_rank"] = per_rank  # where each rank's items are in the body
         arg_file = None

@@ -173,7 +173,7 @@ class _Remote:
         if old is not None:
             old.close()
 
-    def distribute(self, framework: str = "spmd", workers: int = 1, num_proc: int | None = None,
+    def distribute(self, framework: str = "spmd", workers: int | None = None, num_proc: int | list[int] | None = None,
                    port: int | None = None, quorum_timeout: float = 300.0) -> Any:
         """Re-deploy the same service on ``workers`` pods (the seed's ``.to(c).distribute(...)``)."""
         compute = self.compute.distribute(framework, workers, num_proc, port, quorum_timeout)
@@ -263,7 +263,7 @@ class _Remote:
             world = dep.spec.distributed.world_size
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
                 raise ConfigError(f"rank={rank!r}: give a rank between 0 and {world - 1}")
-            ordinal = rank // dep.spec.distributed.num_proc
+            ordinal = dep.spec.distributed.ordinal_of(rank)
         lines = dep.backend.logs(dep.name, ordinal, follow=follow, tail=tail)
         if not follow:
             return "\n".join(lines)

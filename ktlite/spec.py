@@ -27,14 +27,16 @@ class DistributedConfig:
     Args:
         framework: ``"spmd"`` (default), ``"pytorch"``, ``"jax"`` or ``"tensorflow"``.
         workers: number of pods (N).
-        num_proc: rank processes per pod (P); world size is N×P.
+        num_proc: rank processes per pod (P), or one entry per pod for pods of different
+            sizes (``[4, 8, 2]``: 14 ranks; pod k's ranks follow pod k-1's). World size is the
+            sum.
         port: MASTER_PORT; default 29500 on clusters, a free port on the local backend.
         quorum_timeout: seconds to wait for every worker to be reachable before a call.
     """
 
     framework: str = "spmd"
     workers: int = 1
-    num_proc: int = 1
+    num_proc: int | tuple[int, ...] = 1
     port: int | None = None
     quorum_timeout: float = 300.0
 
@@ -47,8 +49,20 @@ class DistributedConfig:
                               f"allowed: {', '.join(map(repr, FRAMEWORKS))}")
         _check_int("workers", self.workers, minimum=1,
                    fix="workers is the number of pods; use workers=1 for a single pod")
-        _check_int("num_proc", self.num_proc, minimum=1,
-                   fix="num_proc is the number of rank processes per pod")
+        if isinstance(self.num_proc, (list, tuple)):
+            sizes = tuple(self.num_proc)
+            if not sizes:
+                raise ConfigError("num_proc=[] names no pod; give one rank count per pod, e.g. [4, 8, 2]")
+            for i, n in enumerate(sizes):
+                _check_int(f"num_proc[{i}]", n, minimum=1, fix="each entry is the rank processes of one pod")
+            if len(sizes) != self.workers:
+                raise ConfigError(f"num_proc={list(sizes)} names {len(sizes)} pod(s) but workers={self.workers}; "
+                                  "leave workers out (it is then the list's length) or make them agree")
+            # the same size everywhere is the plain form: one spelling per layout
+            object.__setattr__(self, "num_proc", sizes[0] if len(set(sizes)) == 1 else sizes)
+        else:
+            _check_int("num_proc", self.num_proc, minimum=1,
+                       fix="num_proc is the number of rank processes per pod")
         if self.port is not None:
             _check_int("port", self.port, minimum=1, maximum=65535, fix="pick a free TCP port such as 29500")
         if isinstance(self.quorum_timeout, bool) or not isinstance(self.quorum_timeout, (int, float)) \
@@ -56,8 +70,40 @@ class DistributedConfig:
             raise ConfigError(f"quorum_timeout={self.quorum_timeout!r} must be a positive number of seconds")
 
     @property
+    def uniform(self) -> bool:
+        return isinstance(self.num_proc, int)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Ranks of each pod."""
+        return (self.num_proc,) * self.workers if isinstance(self.num_proc, int) else tuple(self.num_proc)
+
+    @property
+    def max_procs(self) -> int:
+        return max(self.sizes)
+
+    def procs(self, ordinal: int) -> int:
+        """Ranks of pod ``ordinal``."""
+        return self.num_proc if isinstance(self.num_proc, int) else self.num_proc[ordinal]
+
+    def first_rank(self, ordinal: int) -> int:
+        """The global rank of pod ``ordinal``'s LOCAL_RANK 0."""
+        return ordinal * self.num_proc if isinstance(self.num_proc, int) else sum(self.num_proc[:ordinal])
+
+    def ordinal_of(self, rank: int) -> int:
+        """The pod that holds global rank ``rank``."""
+        if isinstance(self.num_proc, int):
+            return rank // self.num_proc
+        start = 0
+        for ordinal, n in enumerate(self.num_proc):
+            if rank < start + n:
+                return ordinal
+            start += n
+        raise ValueError(f"rank {rank} is outside the world of {start} ranks")
+
+    @property
     def world_size(self) -> int:
-        return self.workers * self.num_proc
+        return sum(self.sizes)
 
 
 def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None, fix: str) -> None:
@@ -118,11 +164,14 @@ class DeploymentSpec:
 def distributed_env(config: DistributedConfig, *, node_rank: int, local_rank: int,
                     pod_ips: list[str], master_port: int, run_id: str = "ktlite",
                     cpus_per_pod: float | None = None) -> dict[str, str]:
-    """The env vars one rank gets. Stable: RANK = NODE_RANK × num_proc + LOCAL_RANK."""
+    """The env vars one rank gets. Stable: RANK = the ranks of the pods before this one
+    (NODE_RANK × num_proc when every pod has num_proc) + LOCAL_RANK."""
     if len(pod_ips) != config.workers:
         raise ValueError(f"{len(pod_ips)} pod addresses for {config.workers} workers")
-    nproc = config.num_proc
-    rank = node_rank * nproc + local_rank
+    nproc = config.procs(node_rank)
+    if not 0 <= local_rank < nproc:
+        raise ValueError(f"local rank {local_rank} is outside pod {node_rank}'s {nproc} rank(s)")
+    rank = config.first_rank(node_rank) + local_rank
     world = config.world_size
     master = pod_ips[0]
     env = {
@@ -148,7 +197,7 @@ def distributed_env(config: DistributedConfig, *, node_rank: int, local_rank: in
                    JAX_NUM_PROCESSES=str(world), JAX_PROCESS_ID=str(rank))
     elif config.framework == "tensorflow":
         # rank r listens on master_port + r: unique even when pods share a host (local backend)
-        workers = [f"{pod_ips[r // nproc]}:{master_port + r}" for r in range(world)]
+        workers = [f"{pod_ips[config.ordinal_of(r)]}:{master_port + r}" for r in range(world)]
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers},
                                        "task": {"type": "worker", "index": rank}})
     if nproc > 1:

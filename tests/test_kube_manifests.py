@@ -573,6 +573,19 @@ def test_layout_is_not_part_of_the_pod() -> None:
     assert _sts(wide)["spec"]["replicas"] == 4
 
 
+def test_uneven_pods_are_one_statefulset_sized_for_the_largest_pod() -> None:
+    # pods learn their rank count from the deploy message, so [1, 2] renders the same pod as
+    # [2, 2]; GPU pods each ask for gpus (which must cover the largest pod)
+    uneven = _plan(BASE().distribute("pytorch", num_proc=[1, 2])).manifests
+    assert _sts(uneven)["spec"]["replicas"] == 2
+    assert _pod_hash(uneven) == _pod_hash(_plan(BASE()).manifests)
+    gpu = _plan(K(cpus=1, gpus=2).distribute("pytorch", num_proc=[2, 2, 1])).manifests
+    sts = _sts(gpu)
+    assert sts["spec"]["replicas"] == 3
+    limits = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "2"
+
+
 @pytest.mark.parametrize("changed", [
     lambda: K(cpus=2, memory="1Gi", image="python:3.11-slim", env={"A": "1"}),
     lambda: K(cpus=1, memory="2Gi", image="python:3.11-slim", env={"A": "1"}),

@@ -220,7 +220,7 @@ class LocalBackend(Backend):
     def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path) -> list[str]:
         cmd = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0", "--token-stdin",
                "--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
-               "--procs", str(spec.distributed.num_proc), "--ready-file", str(ready)]
+               "--procs", str(spec.distributed.procs(ordinal)), "--ready-file", str(ready)]
         if not spec.detached:
             cmd += ["--parent-pid", str(os.getpid())]
         return cmd

@@ -56,9 +56,13 @@ class CallPlan:
             raise ValueError("names and pods differ in length")
         self.quorum_timeout = _number(meta, "quorum_timeout", 300.0) or 300.0
         num_proc = meta.get("num_proc") or 1
-        if isinstance(num_proc, bool) or not isinstance(num_proc, int) or not 1 <= num_proc <= 4096:
-            raise ValueError(f"num_proc={num_proc!r} must be a whole number between 1 and 4096")
+        sizes = num_proc if isinstance(num_proc, list) else [num_proc] * max(1, len(self.pods))
+        if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096 for n in sizes):
+            raise ValueError(f"num_proc={num_proc!r} must be a whole number between 1 and 4096, or one per pod")
+        if isinstance(num_proc, list) and self.pods and len(num_proc) != len(self.pods):
+            raise ValueError(f"num_proc has {len(num_proc)} entries for {len(self.pods)} pods")
         self.num_proc = num_proc
+        self.sizes: list[int] = sizes  # ranks of each pod
         self.launch_id = _str(meta, "launch_id")  # the code the caller deployed
         # same-host mode (local backend): arguments arrive, and results leave, as files
         shm_arg = meta.get("shm")
@@ -79,7 +83,8 @@ class CallPlan:
 
     def pod_ranks(self, i: int) -> range:
         """The global ranks of pod ``i``."""
-        return range(i * self.num_proc, (i + 1) * self.num_proc)
+        start = sum(self.sizes[:i])
+        return range(start, start + self.sizes[i])
 
     def member_meta(self, per_rank: dict[str, Any] | None = None) -> dict[str, Any]:
         meta = {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
@@ -319,7 +324,7 @@ class Coordinator:
     def _failed_pod(self, plan: CallPlan, i: int, message: str, status: str = "died") -> list[PodOutcome]:
         name = plan.name(i)
         now = time.time()
-        return [(i * plan.num_proc + lr, name, status, None, message, now) for lr in range(plan.num_proc)]
+        return [(r, name, status, None, message, now) for r in plan.pod_ranks(i)]
 
     async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
         url = plan.pods[i]

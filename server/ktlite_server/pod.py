@@ -158,9 +158,10 @@ class Pod:
         if "OMP_NUM_THREADS" in self.base_env:
             env.pop("OMP_NUM_THREADS", None)  # the user's own setting wins
         visible = self.base_env.get("CUDA_VISIBLE_DEVICES")
-        if visible and dep.config.num_proc > 1:
+        procs = dep.config.procs(dep.ordinal)
+        if visible and procs > 1:
             ids = [d for d in visible.split(",") if d]
-            per = max(1, len(ids) // dep.config.num_proc)
+            per = max(1, len(ids) // procs)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * per:(local_rank + 1) * per])
         env["KTLITE_POD_NAME"] = self.name
         env["KTLITE_LAUNCH_ID"] = dep.launch_id
@@ -199,7 +200,7 @@ class Pod:
 
     async def _load(self, rank: RankProcess, dep: Deployment) -> Outcome:
         env = self.rank_env(dep, rank.local_rank)
-        rank.global_rank = dep.ordinal * dep.config.num_proc + rank.local_rank
+        rank.global_rank = dep.config.first_rank(dep.ordinal) + rank.local_rank
         msg = {"env": env, "bundle": dep.bundle, "kind": dep.kind, "init": dep.init, "sources": dep.sources,
                "concurrency": dep.concurrency}
         try:
@@ -220,7 +221,7 @@ class Pod:
             try:
                 rank = await self._spawn(local_rank)
             except Exception as e:  # noqa: BLE001
-                return Outcome(dep.ordinal * dep.config.num_proc + local_rank, "died",
+                return Outcome(dep.config.first_rank(dep.ordinal) + local_rank, "died",
                                message=f"rank process failed to start: {e}")
         return await self._load(rank, dep)
 
@@ -238,7 +239,7 @@ class Pod:
         await self._settle()
         self.dep = dep
         self._publish_pod_ips(dep)
-        want = dep.config.num_proc
+        want = dep.config.procs(dep.ordinal)
         for extra in self.ranks[want:]:
             if extra is not None:
                 extra.kill()
@@ -358,12 +359,13 @@ class Pod:
                 self._kill_groups()
                 if any(self._needs_heal(r) for r in self.ranks):
                     self._heal_later()
-                return [Outcome(dep.ordinal * dep.config.num_proc + i, handle.stop_kind,
-                                message=handle.stop_reason) for i in range(dep.config.num_proc)]
+                first = dep.config.first_rank(dep.ordinal)
+                return [Outcome(first + i, handle.stop_kind, message=handle.stop_reason)
+                        for i in range(dep.config.procs(dep.ordinal))]
         view = memoryview(payload).cast("B")
         items: dict[int, bytes] | None = None
         if per_rank is not None:  # each rank gets the shared message and its own items
-            first = dep.ordinal * dep.config.num_proc
+            first = dep.config.first_rank(dep.ordinal)
             slices = rankdata.pod_slices(per_rank, range(first, first + len(self.ranks)))
             items = {i: bytes(view[off:off + n]) for i, (off, n) in enumerate(slices)}
             view = view[:per_rank["shared"]]

@@ -12,7 +12,7 @@ import socket
 import sys
 import time
 
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
             "POD_IPS", "KTLITE_POD_NAME", "FOO")
 
 

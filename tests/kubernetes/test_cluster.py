@@ -133,6 +133,25 @@ def test_gloo_all_reduce_across_two_pods(settings, deployments, make_compute, ku
     assert len({res["env"]["MASTER_PORT"] for res in results}) == 1
 
 
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_uneven_pods_1_and_2_ranks_all_reduce(settings, deployments, make_compute, kube):
+    """distribute(num_proc=[1, 2]): pod 0 runs rank 0, pod 1 ranks 1 and 2; one gloo group."""
+    if not settings.torch_image:
+        pytest.skip("KTLITE_TEST_TORCH_IMAGE is empty")
+    name = deployments.name("uneven")
+    compute = make_compute(settings.torch_image, memory="2Gi", launch_timeout=480).distribute(
+        "pytorch", num_proc=[1, 2])
+    remote = deployments.to(cluster_funcs.gloo_all_reduce, compute, name)
+    results = remote()
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["world"] == 3 and r["sum"] == 6.0 for r in results), results
+    assert [r["hostname"] for r in results] == [f"{name}-0", f"{name}-1", f"{name}-1"]
+    assert [(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for r in results] == [
+        ("0", "1"), ("0", "2"), ("1", "2")]
+    assert [p.metadata.name for p in kube.pods(name)] == [f"{name}-0", f"{name}-1"]
+
+
 # ---- errors and logs on two pods (one deployment) --------------------------------------------
 
 @pytest.fixture(scope="module")
