@@ -162,6 +162,16 @@ class PodClient:
         result: dict[str, Any] = resp.json()
         return result
 
+    def restart_failed(self, url: str, timeout: float, regroup: bool = False) -> dict[str, Any]:
+        try:
+            resp = self.http.post(f"{url}/restart_failed", headers=self._headers(), timeout=timeout,
+                                  params={"regroup": "true"} if regroup else {})
+        except httpx.HTTPError as e:
+            raise PodUnreachable(f"pod at {url} is not answering /restart_failed: {e!r}") from e
+        self._check(resp, url)
+        result: dict[str, Any] = resp.json()
+        return result
+
     def cancel(self, url: str, call_id: str, reason: str = "cancelled by the caller",
                timeout: float = 5.0) -> None:
         # best effort: the pod also cancels when our stream closes

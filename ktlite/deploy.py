@@ -357,6 +357,20 @@ class Deployment:
         futures = [_pool.submit(self.client.cancel, ep.url, call_id, reason, 1.5) for ep in eps]
         concurrent.futures.wait(futures, timeout=2.0)
 
+    def restart_failed(self) -> dict[str, Any]:
+        """Restart the dead rank processes on every pod (only those); pod 0 last, so the
+        process group is re-formed at the next call."""
+        timeout = self.spec.compute.launch_timeout + 30
+        eps = self.endpoints
+        futures = [_pool.submit(self.client.restart_failed, ep.url, timeout) for ep in eps[1:]]
+        answers = [f.result() for f in futures]
+        # pod 0 moves the deployment to a new process-group generation when a rank restarted
+        answers.insert(0, self.client.restart_failed(eps[0].url, timeout,
+                                                     regroup=any(a["restarted"] for a in answers)))
+        restarted = sorted(r for a in answers for r in a["restarted"])
+        return {"restarted": restarted, "failed": [f for a in answers for f in a["failed"]],
+                "pods": answers}
+
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
         # all pods at once: each may take a moment to measure its ranks' CPU
         futures = [_pool.submit(self.client.status, ep.url, stuck_after) for ep in self.endpoints]

@@ -218,6 +218,14 @@ class _Remote:
         """
         return self.deployment.status(stuck_after)
 
+    def restart_failed(self) -> dict[str, Any]:
+        """Restart the rank processes that died, and only those: the others keep their
+        process and state (a ``kt.cls`` instance lives on). Returns ``{"restarted": [ranks],
+        "failed": [{"rank", "status", "message"}], "pods": [...]}``. Dead ranks are also
+        restarted by themselves before the next call (within ``max_restarts``). The next
+        ``init_process_group`` in a call forms a new process group across all ranks."""
+        return self.deployment.restart_failed()
+
     def teardown(self, volumes: bool = False, timeout: float | None = None) -> None:
         """Stop every pod and process of this deployment and delete what it created;
         its volumes (PVCs) too when ``volumes=True``. Waits up to ``timeout`` seconds

@@ -330,6 +330,10 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                     outs = await coordinator.run(body, path, stream.emit)
                 else:
                     outs = await run_local(pod, plan, body, path, stream.emit)
+                if coordinator is not None and any(o[2] != "ok" for o in outs):
+                    # a failed or stopped call may leave ranks out of step in their process
+                    # group: the next call forms a new one (every rank, on a new port)
+                    pod.generation += 1
                 started = coordinator.started if coordinator is not None else True
                 stream.emit(protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs, started)))
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
@@ -343,6 +347,17 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
 
         asyncio.get_running_loop().create_task(produce())
         return StreamResponse(stream, 0)
+
+    @app.post("/restart_failed")
+    async def restart_failed(request: Request) -> JSONResponse:
+        """Restart this pod's dead rank processes (only those: the others keep their state)."""
+        authorize(request)
+        if pod.dep is None:
+            raise HTTPException(409, f"pod {pod.name} has no code deployed; call .to() first")
+        result = await pod.restart_failed()
+        if result["restarted"] or request.query_params.get("regroup", "").lower() in ("1", "true", "yes"):
+            pod.generation += 1  # on pod 0 this re-forms the process group at the next call
+        return JSONResponse({**result, "generation": pod.generation})
 
     @app.post("/cancel/{call_id}")
     async def cancel(call_id: str, request: Request) -> JSONResponse:

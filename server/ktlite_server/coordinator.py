@@ -73,6 +73,12 @@ class CallPlan:
         # seconds a call waits for its caller to re-attach after the stream broke (callers
         # behind a proxy ask for it); 0: a closed stream cancels the call at once
         self.reattach = min(_number(meta, "reattach", 0.0) or 0.0, 120.0)
+        # the process-group generation, set by pod 0 (members get it in their plan)
+        generation = meta.get("generation")
+        if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
+                                       or generation < 0):
+            raise ValueError(f"generation={generation!r} must be a whole number")
+        self.generation: int | None = generation
         # a per-rank call: the body is the shared message, then each rank's items
         per_rank = meta.get("per_rank")
         self.per_rank: dict[str, Any] | None = None if per_rank is None else rankdata.check_plan(per_rank)
@@ -89,7 +95,7 @@ class CallPlan:
     def member_meta(self, per_rank: dict[str, Any] | None = None) -> dict[str, Any]:
         meta = {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
                 "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id,
-                "num_proc": self.num_proc}
+                "num_proc": self.num_proc, "generation": self.generation}
         if per_rank is not None:
             meta["per_rank"] = per_rank
         return meta
@@ -159,7 +165,10 @@ async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, em
     if plan.stream_logs:
         def log(rank: int, stream: str, line: str) -> None:
             emit(protocol.log_frame(rank, pod.name, stream, line))
-    outs = await pod.run(plan.id, payload, path, log, restart=plan.restart, per_rank=plan.per_rank)
+    if plan.generation is None:  # pod 0 (the coordinator) decides
+        plan.generation = pod.generation
+    outs = await pod.run(plan.id, payload, path, log, restart=plan.restart, per_rank=plan.per_rank,
+                         generation=plan.generation)
     return _pod_outcomes(pod, outs, plan.shm_results)
 
 
@@ -196,6 +205,8 @@ class Coordinator:
 
     async def run(self, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
         plan = self.plan
+        if plan.generation is None:
+            plan.generation = self.pod.generation
         targets = plan.workers if plan.workers is not None else list(range(len(plan.pods)))
         if targets == [self.pod.ordinal] and plan.timeout is None:
             self.started = True

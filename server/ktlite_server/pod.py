@@ -61,7 +61,7 @@ class Deployment:
     concurrency: int = 1  # calls each rank process runs at once
 
 
-INTERRUPT_GRACE_S = 3.0  # a call stopped on its own has this long to end before its rank is killed
+INTERRUPT_GRACE_S = 1.0  # a call stopped on its own has this long to end before its rank is killed
 
 
 class Gate:
@@ -137,6 +137,8 @@ class Pod:
         self.lock = asyncio.Lock()
         self.gate = Gate(1)  # calls at once on this pod (the deployment's concurrency)
         self.order = asyncio.Lock()  # pod 0: a distributed deployment's calls, one at a time, FIFO
+        self.generation = 0  # pod 0: the process-group generation (bumped after a failed call)
+        self.restarted: list[int] = []  # ranks restarted since restart_failed() last asked
         self.calls: dict[str, _CallHandle] = {}
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
         self.cancelled_early: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
@@ -278,7 +280,9 @@ class Pod:
                     continue
                 todo.append((r.local_rank, crashed, charged))
             outs = await asyncio.gather(*(self._ready_rank(i, dep, restart=True) for i, _, _ in todo))
-            for i, crashed, charged in todo:
+            for (i, crashed, charged), out in zip(todo, outs, strict=True):
+                if out.status == "ok":
+                    self.restarted.append(self.ranks[i].global_rank)
                 if crashed:
                     self.ranks[i].restarts += 1
                 if charged:
@@ -305,7 +309,8 @@ class Pod:
     # ---- calls -------------------------------------------------------------------------
 
     async def run(self, call_id: str, payload: Any, path: str | None, emit: LogEmit | None,
-                  restart: bool = False, per_rank: dict[str, Any] | None = None) -> list[Outcome]:
+                  restart: bool = False, per_rank: dict[str, Any] | None = None,
+                  generation: int = 0) -> list[Outcome]:
         """Run one call on every local rank; ``path`` names a shared-memory copy of ``payload``."""
         if call_id in self.finished:
             return self.finished[call_id]  # duplicate delivery runs once
@@ -319,7 +324,7 @@ class Pod:
             handle.stop_kind, handle.stop_reason = early
         self.calls[call_id] = handle
         try:
-            handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank)
+            handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank, generation)
         finally:
             self.calls.pop(call_id, None)
             handle.done.set()
@@ -329,15 +334,15 @@ class Pod:
         return handle.outcomes
 
     async def _run(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
-                   restart: bool, per_rank: dict[str, Any] | None = None) -> list[Outcome]:
+                   restart: bool, per_rank: dict[str, Any] | None = None, generation: int = 0) -> list[Outcome]:
         await self.gate.acquire()  # FIFO: at most the deployment's concurrency run at once
         try:
-            return await self._admitted(handle, payload, path, emit, restart, per_rank)
+            return await self._admitted(handle, payload, path, emit, restart, per_rank, generation)
         finally:
             self.gate.release()
 
     async def _admitted(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
-                        restart: bool, per_rank: dict[str, Any] | None) -> list[Outcome]:
+                        restart: bool, per_rank: dict[str, Any] | None, generation: int) -> list[Outcome]:
         async with self.lock:  # heals and restarts happen between calls, never under one
             await self._settle()
             dep = self.dep
@@ -380,7 +385,7 @@ class Pod:
         if own_file:
             path, size = shm.write([view], shm.ARG_PREFIX)
         msg: dict[str, Any] = {"id": handle.call_id, "args": None if path else bytes(view), "path": path,
-                               "size": size, "items": items}
+                               "size": size, "items": items, "generation": generation}
         if emit is not None:
             for r in self.ranks:
                 self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
@@ -442,15 +447,15 @@ class Pod:
         return Outcome(rank.global_rank, "ok" if ok else "error", inline, path=path, size=size)
 
     def _stop_rank(self, rank: RankProcess, call_id: str) -> None:
-        """Stop one call on one rank. A rank running only that call is killed (it may be
-        blocked in a collective); one running other calls too gets the call interrupted, and
-        is killed only if the call has not ended within INTERRUPT_GRACE_S."""
-        if len(rank.running) <= 1:
-            rank.kill()
-            return
-
+        """Stop one call on one rank and keep the process (and its state): the call is
+        interrupted (CallInterrupted raised in it: SIGUSR2 on the main thread, an async
+        exception on a pool thread, a cancelled coroutine), and only if it has not ended
+        within INTERRUPT_GRACE_S (blocked in C code, in a collective) the rank is killed."""
         async def interrupt() -> None:
-            await rank.interrupt(call_id)
+            if self.dep is not None and self.dep.concurrency > 1:
+                await rank.interrupt(call_id)
+            else:
+                rank.interrupt_main()
             deadline = time.monotonic() + INTERRUPT_GRACE_S
             while call_id in rank.running and rank.alive and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -461,19 +466,25 @@ class Pod:
         asyncio.get_running_loop().create_task(interrupt())
 
     def _kill_groups(self) -> None:
-        """Kill idle ranks holding a torch process group: after a failed call their peers
-        are new processes, and a kept group would wait for the dead ones forever."""
-        for r in self.ranks:
-            if r is not None and r.alive and not r.stopping and r.has_pg and r.busy_since is None:
-                r.kill()
+        """After a failed call, nothing is killed: the ranks keep their processes and state,
+        and pod 0 moves the deployment to a new process-group generation (see
+        ``Rank.regroup``), so the next ``init_process_group`` forms a fresh group."""
 
     def reset(self) -> None:
-        """A call failed elsewhere: drop this pod's process groups (restarting those ranks)."""
-        if self.calls:
-            return  # the running call is being cancelled and resets when it ends
-        self._kill_groups()
+        """A call failed elsewhere: restart this pod's dead ranks, if any, in the background."""
         if any(self._needs_heal(r) for r in self.ranks):
             self._heal_later()
+
+    async def restart_failed(self) -> dict[str, Any]:
+        """Restart the rank processes that died (only those); which ranks were restarted
+        since the last time this was asked (by the background heal or now), and which
+        could not be."""
+        async with self.lock:
+            await self._settle()
+            broken = await self._heal()
+        restarted, self.restarted = sorted(set(self.restarted)), []
+        return {"pod": self.name, "restarted": restarted,
+                "failed": [{"rank": o.rank, "status": o.status, "message": o.message} for o in broken]}
 
     def cancel(self, call_id: str, kind: str = "cancelled", reason: str = "cancelled") -> bool:
         handle = self.calls.get(call_id)

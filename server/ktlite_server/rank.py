@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import os
 import pickle
+import signal
 import socket
 import struct
 import sys
@@ -154,6 +155,17 @@ def _patch_dist(dist: Any) -> None:
 
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         dist._ktlite_init_called = True  # even if it raises: see _holds_dist_state
+        if getattr(dist, "_ktlite_stale", False):
+            # a rank of the deployment was restarted (or a call failed) since this group was
+            # formed: leave it and rendezvous anew on this generation's MASTER_PORT, with the
+            # group counter where a fresh process has it, so every rank names the group alike
+            dist._ktlite_stale = False
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    original_destroy()
+                gc.collect()
+            with contextlib.suppress(Exception):
+                dist.distributed_c10d._world.group_count = 0
         if dist.is_initialized():
             current = str(dist.get_backend()).lower()
             if backend is None or str(backend).lower() in current:
@@ -190,12 +202,21 @@ class Rank:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
         self.threads: dict[str, int] = {}  # call id -> the thread running it (concurrency > 1)
+        self.inline: str | None = None  # the call running on the main thread (concurrency 1)
+        self.generation = 0  # of the deployment's process group: see regroup()
+        self.base_port: int | None = None
         self.tasks: dict[str, concurrent.futures.Future[Any]] = {}  # call id -> its coroutine's future
 
     def submit(self, msg: dict[str, Any]) -> None:
         """Run a call: inline (one at a time) or on the pool of ``concurrency`` threads."""
         if self.concurrency <= 1:
-            self.call(msg)
+            try:
+                self.call(msg)
+            except CallInterrupted as exc:  # between the user's code and the reply
+                self.inline = None
+                parts = protocol.dumps_parts(exception_info(exc))
+                self._reply("result", msg["id"], False, bytearray(b"".join(bytes(memoryview(p)) for p in parts)),
+                            None, protocol.parts_size(parts), _holds_dist_state())
             return
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="ktlite-call")
@@ -239,11 +260,30 @@ class Rank:
             return future.result()
         except concurrent.futures.CancelledError:
             raise CallInterrupted("the call was cancelled") from None
+        except CallInterrupted:
+            future.cancel()  # interrupted while waiting: the coroutine stops too
+            raise
         finally:
             self.tasks.pop(call_id, None)
 
+    def regroup(self, generation: int) -> None:
+        """Pod 0 moves the deployment to a new process-group generation after a failed call
+        or a rank restart: the next ``init_process_group`` in a call leaves the old group and
+        rendezvouses on MASTER_PORT + generation (mod PORT_SPAN), away from the old store."""
+        if generation == self.generation:
+            return
+        self.generation = generation
+        if self.base_port is not None:
+            os.environ["MASTER_PORT"] = str(self.base_port + generation % PORT_SPAN)
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None:
+            dist._ktlite_stale = True
+
     def load(self, msg: dict[str, Any]) -> None:
         os.environ.update(msg["env"])
+        port = msg["env"].get("MASTER_PORT")
+        self.base_port = int(port) if port and port.isdigit() else None
+        self.generation = 0
         self.target = None
         concurrency = max(1, int(msg.get("concurrency", 1)))
         if concurrency != self.concurrency and self.pool is not None:
@@ -275,6 +315,7 @@ class Rank:
 
     def call(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]
+        self.regroup(int(msg.get("generation") or 0))
         # a private, writable copy either way: arrays decoded from it must be writable
         payload = bytearray(msg["args"]) if msg.get("args") is not None else shm.map_private(msg["path"], msg["size"])
         try:
@@ -284,11 +325,15 @@ class Rank:
             if self.target is None:
                 raise RuntimeError("no code is loaded on this rank; redeploy with .to()")
             fn = self.target if method is None else getattr(self.target, method)
+            if self.concurrency <= 1:
+                self.inline = call_id  # SIGUSR2 interrupts it from here ...
             value = fn(*args, **kwargs)
             if inspect.iscoroutine(value):  # an ``async def``: awaited on the rank's event loop
                 value = self._await(call_id, value)
+            self.inline = None  # ... to here
             ok = True
         except BaseException as exc:  # noqa: BLE001
+            self.inline = None
             ok, value = False, exception_info(exc)
         finally:
             del payload
@@ -324,6 +369,9 @@ def _watch_parent(ppid: int) -> None:
             os._exit(1)  # the pod server is gone: never outlive it
 
 
+PORT_SPAN = 32  # process-group generations cycle through MASTER_PORT .. MASTER_PORT + 31
+
+
 def main() -> None:
     fd = int(sys.argv[1])
     sock = socket.socket(fileno=fd)
@@ -331,6 +379,14 @@ def main() -> None:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sys.meta_path.insert(0, _KeepProcessGroup())
     rank = Rank(chan)
+
+    def interrupted(signum: int, frame: Any) -> None:
+        # SIGUSR2 from the pod server: stop the call running on the main thread (a sibling
+        # rank failed, or the caller cancelled), keeping the process and its state
+        if rank.inline is not None:
+            raise CallInterrupted("the call was stopped")
+
+    signal.signal(signal.SIGUSR2, interrupted)
     chan.send(("ready", os.getpid()))
     while True:
         try:

@@ -167,6 +167,12 @@ class RankProcess:
         self.has_pg = bool(reply[6])
         return reply[:6]  # ("result", call_id, ok, inline, path, size)
 
+    def interrupt_main(self) -> None:
+        """SIGUSR2: the call on the rank's main thread raises CallInterrupted."""
+        if self.proc is not None and self.alive:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.proc.pid, signal.SIGUSR2)
+
     async def interrupt(self, call_id: str) -> None:
         """Stop one of the calls this rank runs at once (the others go on)."""
         with contextlib.suppress(RankGone, ConnectionError, OSError):

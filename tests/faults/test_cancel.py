@@ -92,8 +92,8 @@ def _assert_stopped(d: Path, tag: str, t0: float, what: str) -> None:
         assert last - t0 <= STOP_BOUND_S, f"rank {r} ran on for {last - t0:.2f}s"
         pids = [pid for pid, _ in fm.starts(d, tag, r)]
         assert len(pids) == 1, f"rank {r} ran the call {len(pids)} times"
-        assert fm.wait_for(lambda pids=pids: not fm.pid_alive(pids[0]), 3.0), \
-            f"rank {r}'s process still runs the call"
+        # the call was interrupted, not the process: the rank keeps its state
+        assert fm.pid_alive(pids[0]), f"rank {r}'s process was killed instead of interrupted"
 
 
 def _assert_usable(remote: kt.RemoteFunction, d: Path) -> None:

@@ -89,9 +89,7 @@ def _assert_ranks_stop(d, tag: str, ranks, t0: float, what: str, bound: float) -
         took = _stop_time(d, tag, r, t0, bound)
         fm.report(f"{what}: rank {r} stops", took, bound)
         assert took <= bound, f"rank {r} ran on for {took:.2f}s after the fault"
-        pids = [pid for pid, _ in fm.starts(d, tag, r)]
-        assert fm.wait_for(lambda pids=pids: not any(fm.pid_alive(p) for p in pids), 3.0), \
-            f"rank {r}'s process {pids} is still alive"
+        # the call stopped; a surviving rank keeps its process (and state): partial restarts
 
 
 def _assert_ran_once(d, tag: str) -> None:

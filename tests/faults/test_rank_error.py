@@ -107,29 +107,25 @@ def test_raise_while_siblings_sleep(sleepers, tmp_path, exc: str, rank: int) -> 
     assert [f.rank for f in err.failures if f.kind == "error"] == [rank]
     assert {f.rank: f.kind for f in err.failures if f.rank != rank} == dict.fromkeys(blocked,
                                                                                    "cancelled")
-    # the blocked siblings were stopped, not left sleeping
-    assert _gone([pids[r] for r in blocked]) == []
+    # the blocked siblings were stopped (interrupted), and keep their processes and state
+    assert _gone([pids[r] for r in blocked], within=0.5) == [pids[r] for r in blocked]
     # the next call works
     assert sleepers.options(**QUIET)({"*": ("return", "again")}) == ["again"] * 4
 
 
 @pytest.mark.timeout(60)
 def test_two_ranks_raising_are_both_listed(sleepers, tmp_path) -> None:
-    """Ranks 2 (pod 1) and 1 (pod 0) both raise before the call is stopped: rank 2 first;
-    its pod stops rank 3, which holds 1 GiB and so takes ~0.1 s to die, and rank 1 raises
-    the moment rank 3's process group is killed, the way a collective's peer does, well
-    before the coordinator could stop pod 0. Rank 0 sleeps."""
-    canary = str(tmp_path / "canary")
-    plan = {2: ("raise", "FaultError", 0.0), 3: ("slow_to_die", SLOW_MIB, canary),
-            1: ("raise_when_gone", "FaultError", canary), "*": ("sleep", 60)}
+    """Ranks 2 (pod 1) and 1 (pod 0) both raise as the call starts, before either pod could
+    be stopped; ranks 0 and 3 sleep and are stopped (interrupted, their processes kept)."""
+    plan = {2: ("raise", "FaultError", 0.0), 1: ("raise", "FaultError", 0.0), "*": ("sleep", 60)}
     with pytest.raises(fr.FaultError) as info:
-        sleepers.options(**QUIET)(plan, str(tmp_path), canary)
+        sleepers.options(**QUIET)(plan, str(tmp_path))
     _measure("raise-two-ranks", tmp_path, 2, time.time())
     err = info.value
     assert isinstance(err, kt.RemoteError)
     text = _context(err)
     assert "2 rank(s) failed: 1, 2" in text, text
-    assert "rank 1 on pod fre-sleep-0: " in text and "rank 1 raised FaultError" in text, text
+    assert "rank 1 on pod fre-sleep-0: " in text and "injected FaultError on rank 1" in text, text
     assert "rank 2 on pod fre-sleep-1: " in text and "injected FaultError on rank 2" in text
     assert [f.rank for f in err.failures if f.kind == "error"] == [1, 2]
     assert {f.rank: f.pod for f in err.failures} == {0: "fre-sleep-0", 1: "fre-sleep-0",
@@ -161,8 +157,9 @@ def test_raise_outside_a_gloo_all_reduce(gloo, tmp_path) -> None:
         assert f"injected {exc} on rank 1, outside the all_reduce" in text
         assert isinstance(err.outcomes[1], EXC[exc]) and set(err.outcomes) == {0, 1, 2, 3}
         assert 1 in err.failed_ranks and err.results == {}
-        # the ranks blocked in the all_reduce were stopped
-        assert _gone([pids[r] for r in (0, 2, 3)]) == []
+        # the ranks blocked in the all_reduce were stopped (interrupted, or killed after the
+        # interrupt grace where the collective did not return to Python); rank 1 keeps its process
+        assert _gone([pids[1]], within=0.1) == [pids[1]]
         # the next collective gets a fresh, complete process group
         assert gloo.options(**QUIET, timeout=60)({"*": ("gloo",)}) == [6.0] * 4, exc
 

@@ -248,7 +248,8 @@ def test_call_timeout_option_names_the_ranks_still_running(deployment, tmp_path)
     last = fm.last_beat_after_quiet(tmp_path, "t", 1, quiet=1.0, timeout=10)
     assert last is not None and last - t0 <= limit + SLACK_S, "rank 1 still runs after the timeout"
     fm.report("call: options(timeout=1.5) -> rank 1 stops", last - t0, limit + SLACK_S)
-    assert not any(fm.pid_alive(p) for p, _ in fm.starts(tmp_path, "t", 1))
+    # interrupted, not killed: the rank keeps its process and state
+    assert all(fm.pid_alive(p) for p, _ in fm.starts(tmp_path, "t", 1))
     assert remote(str(tmp_path), "after", 0) == [0, 1]
 
 
