@@ -99,6 +99,9 @@ class Deployment:
         self.launch_id = ""
         self._code: tuple[bytes, dict[str, Any], bytes | None] | None = None  # for pushing again
         self._suspect = False  # a call lost a pod: check for replaced pods before the next one
+        # colocated targets (kt.cls(B).to(remote)): name -> (kind, bundle, sources, init), pushed
+        # again with the code to pods the backend replaced
+        self.colocated: dict[str, tuple[str, bytes, dict[str, Any], bytes | None]] = {}
 
     def __repr__(self) -> str:
         return f"Deployment(name={self.spec.name!r}, backend={self.backend.name!r}, pods={len(self.applied.endpoints)})"
@@ -134,6 +137,30 @@ class Deployment:
         failures, values = _split(outcomes)
         if failures:
             raise _to_error(failures, values, f"deploying {self.name!r} failed", DeployError)
+        for target, (kind, tbundle, tsources, tinit) in list(self.colocated.items()):
+            self.colocate(target, kind, tbundle, tsources, tinit)
+
+    def colocate(self, target: str, kind: str, bundle: bytes | None, sources: dict[str, Any],
+                 init: bytes | None, drop: bool = False) -> None:
+        """Load a second function/class (``target``) into this deployment's rank processes
+        (or with ``drop``, remove it): a colocation launch, sent like the code's own."""
+        timeout = self.spec.compute.launch_timeout
+        msg = {"colocate": target, "launch_id": self.launch_id, "drop": drop, "kind": kind,
+               "bundle": bundle, "sources": sources, "init": init}
+        body = protocol.dumps(msg)
+
+        def one(ep: Any) -> list[Any]:
+            return self.client.deploy(ep.url, body, timeout + 30)
+
+        outcomes = [o for outs in _pool.map(one, self.endpoints) for o in outs]
+        failures, values = _split(outcomes)
+        if failures:
+            what = "removing" if drop else "colocating"
+            raise _to_error(failures, values, f"{what} {target!r} on {self.name!r} failed", DeployError)
+        if drop:
+            self.colocated.pop(target, None)
+        else:
+            self.colocated[target] = (kind, bundle or b"", sources, init)
 
     def _wait_healthy(self, url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -57,6 +57,16 @@ class Deployment:
 
 
 @dataclass
+class Colocated:
+    """A second function/class loaded into the same rank processes (``kt.cls(B).to(remote_a)``)."""
+
+    bundle: bytes
+    kind: str
+    init: bytes | None
+    sources: dict[str, tuple[str, str, bool]]
+
+
+@dataclass
 class _CallHandle:
     call_id: str
     stop_kind: str | None = None
@@ -73,6 +83,9 @@ class Pod:
         self.base_env = {k: v for k, v in os.environ.items() if k not in _RESERVED}
         self.ranks: list[RankProcess] = []
         self.dep: Deployment | None = None
+        # colocated targets by name: kept across redeploys of the primary code, loaded into
+        # every rank process this pod starts (a restarted rank gets them all back)
+        self.colocated: dict[str, Colocated] = {}
         self.lock = asyncio.Lock()
         self.calls: dict[str, _CallHandle] = {}
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
@@ -140,10 +153,57 @@ class Pod:
             ok, info = await rank.load(msg, dep.load_timeout)
         except RankGone as e:
             return Outcome(rank.global_rank, "died", message=f"while loading the code: {e}")
+        if not ok:
+            from ktlite import protocol
+            return Outcome(rank.global_rank, "error", protocol.dumps(info))
+        # a process that lacks a colocated target (a new or restarted one) loads it; one that
+        # kept its instances through a reload of the primary code keeps them
+        for name, target in list(self.colocated.items()):
+            if name not in rank.targets:
+                out = await self._load_target(rank, dep, name, target)
+                if out.status != "ok":
+                    return out
+        return Outcome(rank.global_rank, "ok")
+
+    async def _load_target(self, rank: RankProcess, dep: Deployment, name: str,
+                           target: Colocated | None) -> Outcome:
+        """Load (or with ``target`` None, drop) one colocated target in one rank process."""
+        msg: dict[str, Any] = {"env": self.rank_env(dep, rank.local_rank), "target": name}
+        if target is None:
+            msg["drop"] = True
+        else:
+            msg.update(bundle=target.bundle, kind=target.kind, init=target.init, sources=target.sources)
+        try:
+            ok, info = await rank.load(msg, dep.load_timeout)
+        except RankGone as e:
+            return Outcome(rank.global_rank, "died", message=f"while loading colocated {name!r}: {e}")
         if ok:
+            if target is None:
+                rank.targets.discard(name)
+            else:
+                rank.targets.add(name)
             return Outcome(rank.global_rank, "ok")
+        rank.targets.discard(name)
         from ktlite import protocol
         return Outcome(rank.global_rank, "error", protocol.dumps(info))
+
+    async def colocate(self, name: str, target: Colocated | None) -> list[Outcome]:
+        """Add/replace (``target`` given) or remove (None) a colocated target on every local
+        rank; waits its turn behind running calls, like a call."""
+        async with self.lock:
+            await self._settle()
+            dep = self.dep
+            if dep is None:
+                raise RuntimeError(f"pod {self.name} has no code deployed to colocate {name!r} with")
+            if target is None:
+                self.colocated.pop(name, None)
+            else:
+                self.colocated[name] = target
+            bad = await self._heal()  # a restarted rank loads every target, this one included
+            if bad:
+                return bad
+            return list(await asyncio.gather(*(self._load_target(r, dep, name, target)
+                                               for r in self.ranks if r is not None)))
 
     async def _ready_rank(self, local_rank: int, dep: Deployment, restart: bool) -> Outcome:
         rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
@@ -368,6 +428,7 @@ class Pod:
             "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
             "kind": self.dep.kind if self.dep else None,
             "launch_id": self.dep.launch_id if self.dep else None,
+            "colocated": sorted(self.colocated),
             "ranks": [{
                 "rank": r.global_rank, "local_rank": r.local_rank, "pid": r.pid,
                 "state": "busy" if r.alive and r.busy_since else ("idle" if r.alive else "dead"),
@@ -375,6 +436,7 @@ class Pod:
                 "stuck": bool(r.alive and r.busy_since and now - r.busy_since > stuck_after),
                 "last_exit": r.exit_code if r.exit_code is not None else r.last_exit,
                 "restarts": r.restarts,
+                "targets": sorted(r.targets),
             } for r in self.ranks if r is not None],
             "active_calls": list(self.calls),
         }

@@ -174,8 +174,14 @@ class Rank:
         self.kind = "fn"
         self.target: Any = None
         self.finder: _SourceFinder | None = None
+        # colocated targets (``kt.cls(B).to(remote_a)``): name -> function or instance, in
+        # this same process beside the primary ``self.target``
+        self.targets: dict[str, Any] = {}
 
     def load(self, msg: dict[str, Any]) -> None:
+        if msg.get("target"):
+            self.load_target(msg)
+            return
         os.environ.update(msg["env"])
         self.target = None
         sources = msg.get("sources") or {}
@@ -201,15 +207,57 @@ class Rank:
         self._flush()
         self._reply("loaded", True, None)
 
+    def load_target(self, msg: dict[str, Any]) -> None:
+        """Add, replace (or with ``drop``, remove) a colocated target; the primary and the
+        other colocated targets are left as they are."""
+        name = msg["target"]
+        self.targets.pop(name, None)
+        if msg.get("drop"):
+            self._reply("loaded", True, None)
+            return
+        sources = msg.get("sources") or {}
+        if sources:
+            if self.finder is None:
+                self.finder = _SourceFinder(dict(sources))
+                sys.meta_path.append(self.finder)
+            else:  # the primary's modules win: they are already imported under these names
+                for mod, src in sources.items():
+                    self.finder.sources.setdefault(mod, src)
+        try:
+            obj = pickle.loads(msg["bundle"])
+            if msg["kind"] == "cls":
+                args, kwargs = protocol.loads(msg["init"]) if msg.get("init") else ((), {})
+                obj = obj(*args, **kwargs)
+            self.targets[name] = obj
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            self._flush()
+            self._reply("loaded", False, exception_info(exc, where=f"colocated target {name!r}: "))
+            return
+        self._flush()
+        self._reply("loaded", True, None)
+
+    def lookup(self, method: Any) -> Any:
+        """The callable for a call's ``method``: a name on the primary target, or a
+        ``(target, name)`` pair for a colocated target (name None: the target itself)."""
+        if isinstance(method, tuple):
+            name, method = method
+            if name not in self.targets:
+                raise RuntimeError(f"colocated target {name!r} is not loaded on this rank (torn down, "
+                                   "or its colocation failed); colocate it again with .to(remote)")
+            target = self.targets[name]
+        else:
+            if self.target is None:
+                raise RuntimeError("no code is loaded on this rank; redeploy with .to()")
+            target = self.target
+        return target if method is None else getattr(target, method)
+
     def call(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]
         # a private, writable copy either way: arrays decoded from it must be writable
         payload = bytearray(msg["args"]) if msg.get("args") is not None else shm.map_private(msg["path"], msg["size"])
         try:
             method, args, kwargs = protocol.loads(payload)
-            if self.target is None:
-                raise RuntimeError("no code is loaded on this rank; redeploy with .to()")
-            fn = self.target if method is None else getattr(self.target, method)
+            fn = self.lookup(method)
             value = fn(*args, **kwargs)
             ok = True
         except BaseException as exc:  # noqa: BLE001
