@@ -137,16 +137,21 @@ class Deployment:
         failures, values = _split(outcomes)
         if failures:
             raise _to_error(failures, values, f"deploying {self.name!r} failed", DeployError)
+        self.recolocate()
+
+    def recolocate(self) -> None:
+        """Push the colocated targets again where a pod lacks them (a replaced pod, a new
+        one); instances that survived a redeploy in their processes stay."""
         for target, (kind, tbundle, tsources, tinit) in list(self.colocated.items()):
-            self.colocate(target, kind, tbundle, tsources, tinit)
+            self.colocate(target, kind, tbundle, tsources, tinit, if_missing=True)
 
     def colocate(self, target: str, kind: str, bundle: bytes | None, sources: dict[str, Any],
-                 init: bytes | None, drop: bool = False) -> None:
+                 init: bytes | None, drop: bool = False, if_missing: bool = False) -> None:
         """Load a second function/class (``target``) into this deployment's rank processes
         (or with ``drop``, remove it): a colocation launch, sent like the code's own."""
         timeout = self.spec.compute.launch_timeout
         msg = {"colocate": target, "launch_id": self.launch_id, "drop": drop, "kind": kind,
-               "bundle": bundle, "sources": sources, "init": init}
+               "bundle": bundle, "sources": sources, "init": init, "if_missing": if_missing}
         body = protocol.dumps(msg)
 
         def one(ep: Any) -> list[Any]:

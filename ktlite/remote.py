@@ -232,7 +232,11 @@ class _Remote:
         new = self._source.to(compute, name=self.name, **self._to_options())  # type: ignore[attr-defined]
         old, self._deployment = self._deployment, new.deployment
         if old is not None:
+            # the pods keep colocated targets through a redeploy; pods the backend replaces
+            # later get them pushed again with the code
+            new.deployment.colocated.update(old.colocated)
             old.close()
+            new.deployment.recolocate()
 
     def distribute(self, framework: str = "spmd", workers: int = 1, num_proc: int | None = None,
                    port: int | None = None, quorum_timeout: float = 300.0) -> Any:

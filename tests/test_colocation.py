@@ -141,6 +141,23 @@ def test_teardown_of_the_colocated_leaves_the_host(policy):
     assert len(policy.step.options(**QUIET)()) == 2
 
 
+def test_redeploying_the_host_keeps_the_colocated(policy, gen):
+    before = gen.generate.options(**QUIET)("k")
+    policy.distribute("pytorch", workers=2, num_proc=1)  # the host's code pushed again, same layout
+    after = gen.generate.options(**QUIET)("k")
+    assert [r["pid"] for r in after] == [r["pid"] for r in before]
+    assert [r["n"] for r in after] == [r["n"] + 1 for r in before]  # same instances
+    assert [r["steps"] for r in policy.step.options(**QUIET)()] == [1, 1]  # the host's are new
+
+
+def test_restart_procs_constructs_every_target_again(policy, gen):
+    old = [r["pid"] for r in gen.generate.options(**QUIET)("r")]
+    p = policy.step.options(**QUIET, restart_procs=True)()
+    g = gen.generate.options(**QUIET)("r")
+    assert [r["pid"] for r in g] == [r["pid"] for r in p] and set(old).isdisjoint(r["pid"] for r in g)
+    assert [r["n"] for r in g] == [1, 1] and [r["steps"] for r in p] == [1, 1]
+
+
 def test_rank_death_reloads_every_target(policy, gen):
     before = [r["pid"] for r in policy.step.options(**QUIET)()]
     with pytest.raises(RemoteError):

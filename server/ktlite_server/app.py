@@ -258,7 +258,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
                                 f"{msg['launch_id']}: the deployment to colocate {name!r} with was "
                                 "redeployed since")
-        outs = await pod.colocate(name, target)
+        outs = await pod.colocate(name, target, if_missing=bool(msg.get("if_missing")))
         parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
         return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
 

@@ -187,14 +187,18 @@ class Pod:
         from ktlite import protocol
         return Outcome(rank.global_rank, "error", protocol.dumps(info))
 
-    async def colocate(self, name: str, target: Colocated | None) -> list[Outcome]:
+    async def colocate(self, name: str, target: Colocated | None, if_missing: bool = False) -> list[Outcome]:
         """Add/replace (``target`` given) or remove (None) a colocated target on every local
-        rank; waits its turn behind running calls, like a call."""
+        rank; waits its turn behind running calls, like a call. ``if_missing``: only where a
+        rank lacks it (re-pushed after a redeploy: instances that survived it stay)."""
         async with self.lock:
             await self._settle()
             dep = self.dep
             if dep is None:
                 raise RuntimeError(f"pod {self.name} has no code deployed to colocate {name!r} with")
+            if if_missing and target is not None and self.colocated.get(name) == target:
+                bad = await self._heal()  # a restarted rank loads every target
+                return bad or [Outcome(r.global_rank, "ok") for r in self.ranks if r is not None]
             if target is None:
                 self.colocated.pop(name, None)
             else:

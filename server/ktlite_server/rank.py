@@ -177,6 +177,7 @@ class Rank:
         # colocated targets (``kt.cls(B).to(remote_a)``): name -> function or instance, in
         # this same process beside the primary ``self.target``
         self.targets: dict[str, Any] = {}
+        self.target_sources: dict[str, dict[str, tuple[str, str, bool]]] = {}
 
     def load(self, msg: dict[str, Any]) -> None:
         if msg.get("target"):
@@ -190,8 +191,9 @@ class Rank:
             for name in self.finder.sources:  # edited local modules must be re-imported
                 sys.modules.pop(name, None)
             self.finder = None
-        if sources:
-            self.finder = _SourceFinder(sources)
+        kept = {m: src for srcs in self.target_sources.values() for m, src in srcs.items()}
+        if sources or kept:  # colocated targets that stay keep their modules importable
+            self.finder = _SourceFinder({**kept, **sources})
             sys.meta_path.append(self.finder)
         try:
             obj = pickle.loads(msg["bundle"])
@@ -212,11 +214,13 @@ class Rank:
         other colocated targets are left as they are."""
         name = msg["target"]
         self.targets.pop(name, None)
+        self.target_sources.pop(name, None)
         if msg.get("drop"):
             self._reply("loaded", True, None)
             return
         sources = msg.get("sources") or {}
         if sources:
+            self.target_sources[name] = sources
             if self.finder is None:
                 self.finder = _SourceFinder(dict(sources))
                 sys.meta_path.append(self.finder)
