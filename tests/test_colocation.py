@@ -121,13 +121,34 @@ def test_colocated_function(policy):
         f("t")
 
 
-def test_bad_host_is_a_config_error():
-    with pytest.raises(ConfigError, match="torn down"):
-        dead = kt.fn(whoami, name=unique("dead")).to(kt.Compute(cpus=1))
-        dead.teardown()
-        kt.cls(Generator).to(dead)
+class Broken:
+    def __init__(self):
+        raise RuntimeError("no model here")
+
+
+def test_failed_colocation_leaves_the_host_as_it_was(policy):
+    with pytest.raises(RuntimeError, match="no model here") as info:
+        kt.cls(Broken).to(policy)
+    context = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    assert isinstance(info.value, RemoteError) and "colocating 'broken'" in context
+    assert all(pod["colocated"] == ["generator"] for pod in policy.status())
+    assert len(policy.step.options(**QUIET)()) == 2
+
+
+def test_host_teardown_removes_everything_then_bad_host_is_a_config_error():
+    host = kt.fn(whoami, name=unique("host")).to(kt.Compute(cpus=1))
+    g = kt.cls(Generator).to(host, init_args={"temperature": 3})
+    pid = host("h")["pid"]
+    out = g.generate("one")  # a single-rank host: one value, as the host's own calls
+    assert out["pid"] == pid and out["text"] == "one@3"
+    host.teardown()
+    with pytest.raises(NotDeployedError, match="torn down"):
+        g.generate("two")
+    g.teardown()  # nothing left to remove: no error
+    with pytest.raises(ConfigError, match=f"{host._source.name}.*torn down"):
+        kt.cls(Generator).to(host)
     with pytest.raises(ConfigError, match="kt.Compute"):
-        kt.cls(Generator).to("not a remote")
+        kt.cls(Generator).to("not a remote")  # only a deployed handle or a Compute
 
 
 def test_teardown_of_the_colocated_leaves_the_host(policy):

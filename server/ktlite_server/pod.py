@@ -204,10 +204,17 @@ class Pod:
             else:
                 self.colocated[name] = target
             bad = await self._heal()  # a restarted rank loads every target, this one included
-            if bad:
-                return bad
-            return list(await asyncio.gather(*(self._load_target(r, dep, name, target)
-                                               for r in self.ranks if r is not None)))
+            if not bad:
+                bad = outs = list(await asyncio.gather(*(self._load_target(r, dep, name, target)
+                                                         for r in self.ranks if r is not None)))
+                if all(o.status == "ok" for o in outs):
+                    return outs
+            if target is not None:
+                # a target that failed to load stays nowhere: a rank restart must not trip on it
+                self.colocated.pop(name, None)
+                await asyncio.gather(*(self._load_target(r, dep, name, None) for r in self.ranks
+                                       if r is not None and r.alive and name in r.targets))
+            return bad
 
     async def _ready_rank(self, local_rank: int, dep: Deployment, restart: bool) -> Outcome:
         rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
