@@ -107,6 +107,9 @@ class Deployment:
         self._queued: set[Any] = set()  # their futures, until they end
         self._queue_lock = threading.Lock()
         self._closed = False
+        # colocated targets (kt.cls(B).to(remote)): name -> (kind, bundle, sources, init), pushed
+        # again with the code to pods the backend replaced
+        self.colocated: dict[str, tuple[str, bytes, dict[str, Any], bytes | None]] = {}
 
     def __repr__(self) -> str:
         return f"Deployment(name={self.spec.name!r}, backend={self.backend.name!r}, pods={len(self.applied.endpoints)})"
@@ -143,6 +146,35 @@ class Deployment:
         failures, values = _split(outcomes)
         if failures:
             raise _to_error(failures, values, f"deploying {self.name!r} failed", DeployError)
+        self.recolocate()
+
+    def recolocate(self) -> None:
+        """Push the colocated targets again where a pod lacks them (a replaced pod, a new
+        one); instances that survived a redeploy in their processes stay."""
+        for target, (kind, tbundle, tsources, tinit) in list(self.colocated.items()):
+            self.colocate(target, kind, tbundle, tsources, tinit, if_missing=True)
+
+    def colocate(self, target: str, kind: str, bundle: bytes | None, sources: dict[str, Any],
+                 init: bytes | None, drop: bool = False, if_missing: bool = False) -> None:
+        """Load a second function/class (``target``) into this deployment's rank processes
+        (or with ``drop``, remove it): a colocation launch, sent like the code's own."""
+        timeout = self.spec.compute.launch_timeout
+        msg = {"colocate": target, "launch_id": self.launch_id, "drop": drop, "kind": kind,
+               "bundle": bundle, "sources": sources, "init": init, "if_missing": if_missing}
+        body = protocol.dumps(msg)
+
+        def one(ep: Any) -> list[Any]:
+            return self.client.deploy(ep.url, body, timeout + 30)
+
+        outcomes = [o for outs in _pool.map(one, self.endpoints) for o in outs]
+        failures, values = _split(outcomes)
+        if failures:
+            what = "removing" if drop else "colocating"
+            raise _to_error(failures, values, f"{what} {target!r} on {self.name!r} failed", DeployError)
+        if drop:
+            self.colocated.pop(target, None)
+        else:
+            self.colocated[target] = (kind, bundle or b"", sources, init)
 
     def _wait_healthy(self, url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

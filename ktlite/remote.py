@@ -58,6 +58,21 @@ class _Source:
         return DeploymentSpec(name=check_name(name) if name else self.name, compute=compute,
                               kind=self.kind, detached=detached)
 
+    def _colocate(self, host: _Remote, name: str | None, dryrun: bool,
+                  init: bytes | None) -> tuple[_Remote, str]:
+        """Load this code into ``host``'s rank processes under its own target name."""
+        if dryrun:
+            raise ConfigError("dryrun=True is for new deployments; colocating creates no pods")
+        if host._host is not None:  # colocating with a colocated target: the same processes
+            host = host._host
+        if host._deployment is None:
+            raise ConfigError(f"cannot colocate {self.name!r} with {host._source.name!r}: that "
+                              "deployment was torn down; deploy it again first")
+        target = check_name(name) if name is not None else self.name
+        bundle = packaging.bundle(self.obj)  # fails before anything is sent
+        host.deployment.colocate(target, self.kind, bundle, packaging.local_sources(), init)
+        return host, target
+
     def _deploy(self, compute: Compute, name: str | None, detached: bool, dryrun: bool,
                 restart_procs: bool, init: bytes | None) -> Deployment | Plan:
         spec = self._spec(compute, name, detached)
@@ -72,17 +87,22 @@ class Fn(_Source):
 
     kind = "fn"
 
-    def to(self, compute: Compute, *, name: str | None = None, detached: bool = False,
+    def to(self, compute: Compute | _Remote, *, name: str | None = None, detached: bool = False,
            dryrun: bool = False, restart_procs: bool = False) -> RemoteFunction | Plan:
         """Deploy onto ``compute``; returns a callable :class:`RemoteFunction`.
 
         Args:
-            compute: where to run; ``compute.distribute(...)`` for N pods × P ranks.
+            compute: where to run; ``compute.distribute(...)`` for N pods × P ranks; or a
+                deployed ``RemoteClass``/``RemoteFunction`` to colocate with (see
+                :meth:`Cls.to`): no new pods, the function joins its rank processes.
             name: deployment name (default: the function's name).
             detached: keep the pods running after this Python process exits.
             dryrun: touch nothing; return the :class:`Plan` (commands or manifests).
             restart_procs: start fresh rank processes instead of reloading code into them.
         """
+        if isinstance(compute, _Remote):
+            host, target = self._colocate(compute, name, dryrun, None)
+            return RemoteFunction(self, host.deployment, host=host, target=target)
         dep = self._deploy(compute, name, detached, dryrun, restart_procs, None)
         if isinstance(dep, Plan):
             return dep
@@ -97,13 +117,32 @@ class Cls(_Source):
 
     kind = "cls"
 
-    def to(self, compute: Compute, *, init_args: dict[str, Any] | tuple[Any, ...] | list[Any] | None = None,
+    def to(self, compute: Compute | _Remote, *,
+           init_args: dict[str, Any] | tuple[Any, ...] | list[Any] | None = None,
            name: str | None = None, detached: bool = False, dryrun: bool = False,
            restart_procs: bool = False) -> RemoteClass | Plan:
         """Deploy onto ``compute`` and construct one instance per rank.
 
         Args:
+            compute: a :class:`kt.Compute` (new pods), or a deployed ``RemoteClass`` /
+                ``RemoteFunction`` to colocate with.
             init_args: constructor arguments: a dict of keywords, or a tuple/list of positionals.
+            name: the deployment's name; colocated, the target's name in the rank processes
+                (default: the class's name; colocating a name again replaces that target).
+
+        Colocation (``gen = kt.cls(Gen).to(policy, init_args=...)``): the class is loaded into
+        the rank processes of ``policy``'s deployment and constructed on every rank, beside
+        ``policy``'s own instance. Shared with ``policy``: the pods, their GPUs, the rank
+        process itself (so torch.distributed's default process group that ``policy``'s code
+        initialised is usable from ``gen``'s methods, and vice versa), and the deployment's
+        call queue: calls on either run in turn, one at a time on a distributed deployment,
+        through the same coordinator, and return one result per rank. Not shared: instance
+        state (``gen`` is its own object) and the target name. No pods or token are created.
+        The colocated instance lives across calls and across redeploys of ``policy``'s code
+        in the same processes; a restarted rank process constructs every target again (with
+        its init args). ``gen.teardown()`` removes only ``gen``'s instances; ``policy.teardown()``
+        stops the pods and with them every colocated target. ``gen.status()`` is the
+        deployment's status (each rank lists its loaded ``targets``).
         """
         if init_args is None:
             args, kwargs = (), {}
@@ -115,6 +154,9 @@ class Cls(_Source):
             raise ConfigError(f"init_args={init_args!r} must be a dict of keyword arguments or a "
                               "tuple of positional arguments")
         init = packaging.encode_value((args, kwargs), "init_args")
+        if isinstance(compute, _Remote):
+            host, target = self._colocate(compute, name, dryrun, init)
+            return RemoteClass(self, host.deployment, init_args, host=host, target=target)
         dep = self._deploy(compute, name, detached, dryrun, restart_procs, init)
         if isinstance(dep, Plan):
             return dep
@@ -138,9 +180,14 @@ def cls(klass: type, name: str | None = None) -> Cls:
 
 
 class _Remote:
-    def __init__(self, source: _Source, deployment: Deployment) -> None:
+    def __init__(self, source: _Source, deployment: Deployment, *, host: _Remote | None = None,
+                 target: str | None = None) -> None:
         self._source = source
         self._deployment: Deployment | None = deployment
+        # colocated (``kt.cls(B).to(remote_a)``): the handle whose deployment this one's code
+        # lives in, and this code's target name in its rank processes
+        self._host = host
+        self._target = target
         # after a teardown without volumes=True: where its volumes still are (backend, name,
         # default timeout), so that teardown(volumes=True) on this handle can delete them
         self._kept_volumes: tuple[Backend, str, float] | None = None
@@ -150,9 +197,21 @@ class _Remote:
         return self.deployment.name
 
     @property
+    def target(self) -> str | None:
+        """Colocated: this code's target name in the host deployment's rank processes."""
+        return self._target
+
+    @property
     def deployment(self) -> Deployment:
         if self._deployment is None:
             raise NotDeployedError(f"{self._source.name!r} was torn down; call .to(compute) again")
+        if self._host is not None:
+            if self._host._deployment is None:
+                raise NotDeployedError(f"{self._source.name!r} was colocated with {self._host._source.name!r}, "
+                                       "which was torn down; deploy both again")
+            # the host's current deployment (a redeploy from the host's handle keeps the pods'
+            # colocated targets)
+            return self._host.deployment
         return self._deployment
 
     @property
@@ -160,6 +219,10 @@ class _Remote:
         return self.deployment.spec.compute
 
     def __repr__(self) -> str:
+        if self._host is not None:
+            alive = self._deployment is not None and self._host._deployment is not None
+            state = f"colocated as {self._target!r} with {self._host._source.name!r}" if alive else "torn down"
+            return f"<{type(self).__name__} {self._source.name!r} on {self._source.kind}, {state}>"
         state = "torn down" if self._deployment is None else f"{len(self.deployment.endpoints)} pod(s)"
         return f"<{type(self).__name__} {self._source.name!r} on {self._source.kind}, {state}>"
 
@@ -171,11 +234,18 @@ class _Remote:
         new = self._source.to(compute, name=self.name, **self._to_options())  # type: ignore[attr-defined]
         old, self._deployment = self._deployment, new.deployment
         if old is not None:
+            # the pods keep colocated targets through a redeploy; pods the backend replaces
+            # later get them pushed again with the code
+            new.deployment.colocated.update(old.colocated)
             old.close()
+            new.deployment.recolocate()
 
     def distribute(self, framework: str = "spmd", workers: int | None = None, num_proc: int | list[int] | None = None,
                    port: int | None = None, quorum_timeout: float = 300.0) -> Any:
         """Re-deploy the same service on ``workers`` pods (the seed's ``.to(c).distribute(...)``)."""
+        if self._host is not None:
+            raise ConfigError(f"{self._source.name!r} is colocated with {self._host._source.name!r}: "
+                              "distribute that deployment, then colocate again")
         compute = self.compute.distribute(framework, workers, num_proc, port, quorum_timeout)
         self._redeploy(compute)
         return self
@@ -189,7 +259,8 @@ class _Remote:
                 submit = bool(kwargs.pop("async_")) or submit
             options = _options(taken)
         dep = self.deployment
-        parts, layout = packaging.encode_ranked_call(method, args, kwargs, dep.spec.distributed.world_size)
+        call = (self._target, method) if self._host is not None else method  # type: ignore[attr-defined]
+        parts, layout = packaging.encode_ranked_call(call, args, kwargs, dep.spec.distributed.world_size)
         single = dep.spec.compute.distributed is None
         if submit:
             future = Future(dep.name, method or getattr(target, "__name__", "call"), single=single)
@@ -234,6 +305,12 @@ class _Remote:
 
         Once torn down, ``teardown(volumes=True)`` still deletes the volumes that a plain
         teardown kept; another plain teardown does nothing."""
+        if self._host is not None:  # only this target: the pods and the host's code stay
+            if self._deployment is not None and self._host._deployment is not None:
+                self._host.deployment.colocate(self._target or "", self._source.kind, None, {}, None,
+                                               drop=True)
+            self._deployment = None
+            return
         dep = self._deployment
         if dep is None:
             if volumes and self._kept_volumes is not None:
@@ -311,8 +388,9 @@ class RemoteFunction(_Remote):
 class RemoteClass(_Remote):
     """A deployed class: method calls run on the live instance(s); state persists between calls."""
 
-    def __init__(self, source: Cls, deployment: Deployment, init_args: Any) -> None:
-        super().__init__(source, deployment)
+    def __init__(self, source: Cls, deployment: Deployment, init_args: Any, *,
+                 host: _Remote | None = None, target: str | None = None) -> None:
+        super().__init__(source, deployment, host=host, target=target)
         self._init_args = init_args
 
     def __getattr__(self, attr: str) -> RemoteMethod:

@@ -37,7 +37,7 @@ from ktlite import protocol, shm
 from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.coordinator import CallPlan, Coordinator, run_local
 from ktlite_server.peers import PeerPool
-from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, LOG_BODIES, Deployment, Pod
+from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, LOG_BODIES, Colocated, Deployment, Pod
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
 
 DEFAULT_MAX_BODY = 8 << 30
@@ -202,6 +202,20 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         body, path = await _read_body(request, max_body)
         try:
             msg = protocol.loads(body)
+            if msg.get("colocate"):
+                name = str(msg["colocate"])
+                target = None if msg.get("drop") else Colocated(
+                    bundle=bytes(msg["bundle"]), kind=str(msg["kind"]), init=msg.get("init"),
+                    sources=dict(msg.get("sources") or {}))
+        except Exception as e:  # noqa: BLE001
+            if path:
+                os.unlink(path)
+            raise HTTPException(400, f"malformed deploy request: {type(e).__name__}: {e}") from e
+        if msg.get("colocate"):
+            if path:
+                os.unlink(path)
+            return await _colocate(msg, name, target)
+        try:
             dep = Deployment(
                 launch_id=msg["launch_id"], bundle=bytes(msg["bundle"]), kind=msg["kind"],
                 init=msg.get("init"), sources=msg.get("sources") or {},
@@ -234,6 +248,20 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             while len(deploys) > 8:
                 deploys.popitem(last=False)
         outs = await asyncio.shield(task)
+        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
+        return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
+
+    async def _colocate(msg: dict[str, Any], name: str, target: Colocated | None) -> Response:
+        """A colocation launch (``kt.cls(B).to(remote_a)``): add, replace or (``drop``) remove
+        a named target in the rank processes of the deployment this pod serves."""
+        if pod.dep is None:
+            raise HTTPException(409, f"pod {pod.name} has no code deployed to colocate {name!r} with; "
+                                "deploy the first group again")
+        if msg.get("launch_id") and msg["launch_id"] != pod.dep.launch_id and target is not None:
+            raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
+                                f"{msg['launch_id']}: the deployment to colocate {name!r} with was "
+                                "redeployed since")
+        outs = await pod.colocate(name, target, if_missing=bool(msg.get("if_missing")))
         parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
         return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
 

@@ -118,6 +118,16 @@ class Gate:
 
 
 @dataclass
+class Colocated:
+    """A second function/class loaded into the same rank processes (``kt.cls(B).to(remote_a)``)."""
+
+    bundle: bytes
+    kind: str
+    init: bytes | None
+    sources: dict[str, tuple[str, str, bool]]
+
+
+@dataclass
 class _CallHandle:
     call_id: str
     stop_kind: str | None = None
@@ -134,6 +144,9 @@ class Pod:
         self.base_env = {k: v for k, v in os.environ.items() if k not in _RESERVED}
         self.ranks: list[RankProcess] = []
         self.dep: Deployment | None = None
+        # colocated targets by name: kept across redeploys of the primary code, loaded into
+        # every rank process this pod starts (a restarted rank gets them all back)
+        self.colocated: dict[str, Colocated] = {}
         self.lock = asyncio.Lock()
         self.gate = Gate(1)  # calls at once on this pod (the deployment's concurrency)
         self.order = asyncio.Lock()  # pod 0: a distributed deployment's calls, one at a time, FIFO
@@ -209,10 +222,75 @@ class Pod:
             ok, info = await rank.load(msg, dep.load_timeout)
         except RankGone as e:
             return Outcome(rank.global_rank, "died", message=f"while loading the code: {e}")
+        if not ok:
+            from ktlite import protocol
+            return Outcome(rank.global_rank, "error", protocol.dumps(info))
+        # a process that lacks a colocated target (a new or restarted one) loads it; one that
+        # kept its instances through a reload of the primary code keeps them
+        for name, target in list(self.colocated.items()):
+            if name not in rank.targets:
+                out = await self._load_target(rank, dep, name, target)
+                if out.status != "ok":
+                    return out
+        return Outcome(rank.global_rank, "ok")
+
+    async def _load_target(self, rank: RankProcess, dep: Deployment, name: str,
+                           target: Colocated | None) -> Outcome:
+        """Load (or with ``target`` None, drop) one colocated target in one rank process."""
+        msg: dict[str, Any] = {"env": self.rank_env(dep, rank.local_rank), "target": name}
+        if target is None:
+            msg["drop"] = True
+        else:
+            msg.update(bundle=target.bundle, kind=target.kind, init=target.init, sources=target.sources)
+        try:
+            ok, info = await rank.load(msg, dep.load_timeout)
+        except RankGone as e:
+            return Outcome(rank.global_rank, "died", message=f"while loading colocated {name!r}: {e}")
         if ok:
+            if target is None:
+                rank.targets.discard(name)
+            else:
+                rank.targets.add(name)
             return Outcome(rank.global_rank, "ok")
+        rank.targets.discard(name)
         from ktlite import protocol
         return Outcome(rank.global_rank, "error", protocol.dumps(info))
+
+    async def colocate(self, name: str, target: Colocated | None, if_missing: bool = False) -> list[Outcome]:
+        """Add/replace (``target`` given) or remove (None) a colocated target on every local
+        rank; waits its turn behind running calls, like a call. ``if_missing``: only where a
+        rank lacks it (re-pushed after a redeploy: instances that survived it stay)."""
+        await self.gate.close()  # running calls end first, as for a deploy
+        try:
+            return await self._colocate(name, target, if_missing)
+        finally:
+            self.gate.open(self.dep.concurrency if self.dep is not None else 1)
+
+    async def _colocate(self, name: str, target: Colocated | None, if_missing: bool) -> list[Outcome]:
+        async with self.lock:
+            await self._settle()
+            dep = self.dep
+            if dep is None:
+                raise RuntimeError(f"pod {self.name} has no code deployed to colocate {name!r} with")
+            if if_missing and target is not None and self.colocated.get(name) == target:
+                bad = await self._heal()  # a restarted rank loads every target
+                return bad or [Outcome(r.global_rank, "ok") for r in self.ranks if r is not None]
+            if target is None:
+                self.colocated.pop(name, None)
+            else:
+                self.colocated[name] = target
+            bad = await self._heal()  # a restarted rank loads every target, this one included
+            if not bad:
+                bad = outs = list(await asyncio.gather(*(self._load_target(r, dep, name, target)
+                                                         for r in self.ranks if r is not None)))
+                if all(o.status == "ok" for o in outs):
+                    return outs
+            if target is not None:
+                # a target that failed to load stays nowhere: a rank restart must not trip on it
+                self.colocated.pop(name, None)
+                await asyncio.gather(*(self._load_target(r, dep, name, None) for r in self.ranks
+                                       if r is not None and r.alive and name in r.targets))
+            return bad
 
     async def _ready_rank(self, local_rank: int, dep: Deployment, restart: bool) -> Outcome:
         rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
@@ -532,6 +610,7 @@ class Pod:
                 "cpu_percent": used["cpu_percent"] if used else None,
                 "rss_bytes": used["rss_bytes"] if used else None,
                 "procs": used["procs"] if used else None,
+                "targets": sorted(r.targets),
             }
             row.update(self._gpu_fields(r, gpus, apps, server_cvd))
             rows.append(row)
@@ -539,6 +618,7 @@ class Pod:
             "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
             "kind": self.dep.kind if self.dep else None,
             "launch_id": self.dep.launch_id if self.dep else None,
+            "colocated": sorted(self.colocated),
             "ranks": rows,
             "active_calls": list(self.calls),
             "gpus": None if gpus is None else visible(gpus, server_cvd),

@@ -197,6 +197,10 @@ class Rank:
         self.kind = "fn"
         self.target: Any = None
         self.finder: _SourceFinder | None = None
+        # colocated targets (``kt.cls(B).to(remote_a)``): name -> function or instance, in
+        # this same process beside the primary ``self.target``
+        self.targets: dict[str, Any] = {}
+        self.target_sources: dict[str, dict[str, tuple[str, str, bool]]] = {}
         self.concurrency = 1
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -280,6 +284,9 @@ class Rank:
             dist._ktlite_stale = True
 
     def load(self, msg: dict[str, Any]) -> None:
+        if msg.get("target"):
+            self.load_target(msg)
+            return
         os.environ.update(msg["env"])
         port = msg["env"].get("MASTER_PORT")
         self.base_port = int(port) if port and port.isdigit() else None
@@ -296,8 +303,9 @@ class Rank:
             for name in self.finder.sources:  # edited local modules must be re-imported
                 sys.modules.pop(name, None)
             self.finder = None
-        if sources:
-            self.finder = _SourceFinder(sources)
+        kept = {m: src for srcs in self.target_sources.values() for m, src in srcs.items()}
+        if sources or kept:  # colocated targets that stay keep their modules importable
+            self.finder = _SourceFinder({**kept, **sources})
             sys.meta_path.append(self.finder)
         try:
             obj = pickle.loads(msg["bundle"])
@@ -313,6 +321,52 @@ class Rank:
         self._flush()
         self._reply("loaded", True, None)
 
+    def load_target(self, msg: dict[str, Any]) -> None:
+        """Add, replace (or with ``drop``, remove) a colocated target; the primary and the
+        other colocated targets are left as they are."""
+        name = msg["target"]
+        self.targets.pop(name, None)
+        self.target_sources.pop(name, None)
+        if msg.get("drop"):
+            self._reply("loaded", True, None)
+            return
+        sources = msg.get("sources") or {}
+        if sources:
+            self.target_sources[name] = sources
+            if self.finder is None:
+                self.finder = _SourceFinder(dict(sources))
+                sys.meta_path.append(self.finder)
+            else:  # the primary's modules win: they are already imported under these names
+                for mod, src in sources.items():
+                    self.finder.sources.setdefault(mod, src)
+        try:
+            obj = pickle.loads(msg["bundle"])
+            if msg["kind"] == "cls":
+                args, kwargs = protocol.loads(msg["init"]) if msg.get("init") else ((), {})
+                obj = obj(*args, **kwargs)
+            self.targets[name] = obj
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            self._flush()
+            self._reply("loaded", False, exception_info(exc, where=f"colocated target {name!r}: "))
+            return
+        self._flush()
+        self._reply("loaded", True, None)
+
+    def lookup(self, method: Any) -> Any:
+        """The callable for a call's ``method``: a name on the primary target, or a
+        ``(target, name)`` pair for a colocated target (name None: the target itself)."""
+        if isinstance(method, tuple):
+            name, method = method
+            if name not in self.targets:
+                raise RuntimeError(f"colocated target {name!r} is not loaded on this rank (torn down, "
+                                   "or its colocation failed); colocate it again with .to(remote)")
+            target = self.targets[name]
+        else:
+            if self.target is None:
+                raise RuntimeError("no code is loaded on this rank; redeploy with .to()")
+            target = self.target
+        return target if method is None else getattr(target, method)
+
     def call(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]
         self.regroup(int(msg.get("generation") or 0))
@@ -322,9 +376,7 @@ class Rank:
             method, args, kwargs = protocol.loads(payload)
             if msg.get("item") is not None:  # a per-rank call: this rank's own items
                 args, kwargs = rankdata.fill(args, kwargs, protocol.loads(msg["item"]))
-            if self.target is None:
-                raise RuntimeError("no code is loaded on this rank; redeploy with .to()")
-            fn = self.target if method is None else getattr(self.target, method)
+            fn = self.lookup(method)
             if self.concurrency <= 1:
                 self.inline = call_id  # SIGUSR2 interrupts it from here ...
             value = fn(*args, **kwargs)

@@ -67,6 +67,7 @@ class RankProcess:
         self.on_log = on_log
         self.proc: subprocess.Popen[bytes] | None = None
         self.loaded_env: dict[str, str] | None = None
+        self.targets: set[str] = set()  # colocated targets loaded in this process
         self.exit_code: int | None = None
         self.last_exit: int | None = None  # how the process this one replaced ended
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
