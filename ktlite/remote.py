@@ -7,7 +7,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from ktlite import packaging
+from ktlite import packaging, sharding
 from ktlite.backends.base import Backend, Plan, get_backend
 from ktlite.compute import Compute
 from ktlite.deploy import CallOptions, Deployment, deploy
@@ -268,6 +268,23 @@ class _Remote:
         values = dep.call(method, parts, options, per_rank=layout)
         return values[0] if single else values
 
+    def _sharded(self, method: str | None, target: Any, data: Any, layout: dict[str, int],
+                 in_sharded_axes: Any, replicate_on_axes: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> list[Any]:
+        lay = sharding.Layout(layout)
+        world = self.deployment.spec.distributed.world_size
+        if lay.size != world:
+            raise ConfigError(f"layout={layout} covers {lay.size} rank(s) but the deployment has {world}")
+        if isinstance(in_sharded_axes, str) or isinstance(replicate_on_axes, str):
+            raise ConfigError("in_sharded_axes and replicate_on_axes are lists of axis names, e.g. ['dp']")
+        sharded = list(in_sharded_axes)
+        replicated = [a for a in lay.names if a not in sharded] if replicate_on_axes is None else list(replicate_on_axes)
+        lay.check_axes(sharded, replicated)
+        shards = sharding.flatten_shards(data, lay, sharded)
+        items = [shards[lay.shard_index(r, sharded)] for r in range(world)]
+        values = self._invoke(method, target, (per_rank(items), *args), kwargs, None)
+        return [values[r] for r in lay.leaders(sharded, replicated)]
+
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
         """Each pod's status, in ordinal order: a dict with ``pod``, ``ordinal``, ``launch_id``,
         ``active_calls`` and ``ranks``, one dict per rank with:
@@ -379,6 +396,16 @@ class RemoteFunction(_Remote):
         receives ``items[r]``; ``len(items)`` must be the world size."""
         return self._invoke(None, self._source.obj, (per_rank(items), *args), kwargs, None)
 
+    def sharded(self, data: Any, *args: Any, layout: dict[str, int], in_sharded_axes: Any,
+                replicate_on_axes: Any = None, **kwargs: Any) -> list[Any]:
+        """NeMo's ``run_all_workers_sharded_data``: the ranks as named axes (``layout={"dp": 2,
+        "tp": 2}``, first axis outermost); ``data`` holds one shard per coordinate of
+        ``in_sharded_axes`` (nested lists, in that order) and is replicated along
+        ``replicate_on_axes`` (default: the other axes). Rank r gets its shard as the first
+        argument; returns one result per shard, from the first rank of its replicated group."""
+        return self._sharded(None, self._source.obj, data, layout, in_sharded_axes, replicate_on_axes,
+                             args, kwargs)
+
     def options(self, **options: Any) -> _Bound:
         """Per-call options: ``remote.options(timeout=60, stream_logs=False, workers=[0], restart_procs=True)(x)``."""
         return _Bound(self, None, self._source.obj, _options(options))
@@ -426,6 +453,12 @@ class RemoteMethod:
     def each(self, items: Any, *args: Any, **kwargs: Any) -> Any:
         """The method on every rank, rank r getting ``items[r]`` first (see RemoteFunction.each)."""
         return self._owner._invoke(self._name, self._target, (per_rank(items), *args), kwargs, None)
+
+    def sharded(self, data: Any, *args: Any, layout: dict[str, int], in_sharded_axes: Any,
+                replicate_on_axes: Any = None, **kwargs: Any) -> list[Any]:
+        """The method with sharded data (see RemoteFunction.sharded)."""
+        return self._owner._sharded(self._name, self._target, data, layout, in_sharded_axes,
+                                    replicate_on_axes, args, kwargs)
 
     def options(self, **options: Any) -> _Bound:
         return _Bound(self._owner, self._name, self._target, _options(options))

@@ -102,3 +102,27 @@ def test_wire_layout_offsets_cover_each_rank() -> None:
 def test_a_bad_plan_is_refused(bad) -> None:
     with pytest.raises(ValueError):
         rankdata.check_plan(bad)
+
+
+def test_sharded_dispatch_by_named_axes(spread) -> None:
+    # dp=2 x tp=2: ranks 0,1 hold dp shard 0, ranks 2,3 dp shard 1; one result per dp shard
+    got = spread.sharded(["first", "second"], layout={"dp": 2, "tp": 2}, in_sharded_axes=["dp"],
+                         replicate_on_axes=["tp"])
+    assert got == [(0, "first", None, 1), (2, "second", None, 1)]
+    # sharded on both axes: nested lists, one result per rank
+    got = spread.sharded([["a", "b"], ["c", "d"]], layout={"dp": 2, "tp": 2}, in_sharded_axes=["dp", "tp"])
+    assert [g[1] for g in got] == ["a", "b", "c", "d"]
+    with pytest.raises(kt.ConfigError, match="covers 6"):
+        spread.sharded([1, 2], layout={"dp": 2, "tp": 3}, in_sharded_axes=["dp"])
+    with pytest.raises(kt.ConfigError, match="3 shard"):
+        spread.sharded([1, 2, 3], layout={"dp": 2, "tp": 2}, in_sharded_axes=["dp"])
+
+
+def test_layout_maths() -> None:
+    from ktlite.sharding import Layout
+    lay = Layout({"dp": 2, "tp": 2})
+    assert [lay.coords(r) for r in (1, 2)] == [{"dp": 0, "tp": 1}, {"dp": 1, "tp": 0}]
+    assert lay.rank({"dp": 1, "tp": 1}) == 3
+    assert lay.leaders(["dp"], ["tp"]) == [0, 2] and lay.leaders(["tp"], ["dp"]) == [0, 1]
+    with pytest.raises(kt.ConfigError, match="neither"):
+        lay.check_axes(["dp"], [])
