@@ -84,6 +84,7 @@ class CallOptions:
     stream_logs: bool | None = None
     workers: list[int] | None = None
     restart_procs: bool = False
+    ranks: list[int] | None = None  # only these global ranks run the call
 
 
 def print_log(rank: int, pod: str, stream: str, text: str) -> None:
@@ -248,6 +249,12 @@ class Deployment:
                    or not 0 <= w < len(eps)]
             if bad or not options.workers:
                 raise ConfigError(f"workers={options.workers!r}: give pod indices between 0 and {len(eps) - 1}")
+        if options.ranks is not None:
+            d = self.spec.distributed
+            bad = [r for r in options.ranks if not isinstance(r, int) or isinstance(r, bool)
+                   or not 0 <= r < d.world_size]
+            if bad or not options.ranks:
+                raise ConfigError(f"ranks={options.ranks!r}: give ranks between 0 and {d.world_size - 1}")
         if self._suspect:
             self._heal("an earlier call lost a pod")
         try:
@@ -274,6 +281,12 @@ class Deployment:
                 "num_proc": d.num_proc if d.uniform else list(d.sizes)}
         if per_rank is not None:
             meta["per_rank"] = per_rank  # where each rank's items are in the body
+        if options.ranks is not None:  # only these ranks run it, so only their pods take part
+            ranks = sorted(set(options.ranks))
+            pods = sorted({d.ordinal_of(r) for r in ranks} & set(meta["workers"] or range(len(eps))))
+            if not pods:
+                raise ConfigError(f"ranks={options.ranks!r} are on none of workers={options.workers!r}")
+            meta["ranks"], meta["workers"] = ranks, pods
         arg_file = None
         if self.applied.same_host and os.environ.get("KTLITE_SHM", "1") != "0":
             meta["shm_results"] = True

@@ -17,7 +17,7 @@ from ktlite.rankdata import per_rank
 from ktlite.spec import DeploymentSpec, check_name, default_name
 
 # Kubetorch's call keywords, accepted as options only when the user's callable can't take them
-_KT_CALL_KWARGS = ("stream_logs", "workers", "restart_procs")
+_KT_CALL_KWARGS = ("stream_logs", "workers", "restart_procs")  # ranks= only through .options()
 _OPTION_NAMES = tuple(f.name for f in fields(CallOptions))
 
 

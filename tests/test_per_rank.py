@@ -126,3 +126,10 @@ def test_layout_maths() -> None:
     assert lay.leaders(["dp"], ["tp"]) == [0, 2] and lay.leaders(["tp"], ["dp"]) == [0, 1]
     with pytest.raises(kt.ConfigError, match="neither"):
         lay.check_axes(["dp"], [])
+
+
+def test_ranks_option_runs_only_those_ranks(spread) -> None:
+    assert spread.options(ranks=[2])(x="only") == [(2, "only", None, 1)]
+    assert spread.options(ranks=[3, 0])(x=1) == [(0, 1, None, 1), (3, 1, None, 1)]
+    with pytest.raises(kt.ConfigError, match="ranks="):
+        spread.options(ranks=[4])()

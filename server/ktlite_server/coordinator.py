@@ -73,6 +73,8 @@ class CallPlan:
         # seconds a call waits for its caller to re-attach after the stream broke (callers
         # behind a proxy ask for it); 0: a closed stream cancels the call at once
         self.reattach = min(_number(meta, "reattach", 0.0) or 0.0, 120.0)
+        ranks = meta.get("ranks")
+        self.ranks: list[int] | None = None if ranks is None else _list(meta, "ranks", int)
         # the process-group generation, set by pod 0 (members get it in their plan)
         generation = meta.get("generation")
         if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
@@ -95,7 +97,7 @@ class CallPlan:
     def member_meta(self, per_rank: dict[str, Any] | None = None) -> dict[str, Any]:
         meta = {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
                 "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id,
-                "num_proc": self.num_proc, "generation": self.generation}
+                "num_proc": self.num_proc, "generation": self.generation, "ranks": self.ranks}
         if per_rank is not None:
             meta["per_rank"] = per_rank
         return meta
@@ -168,7 +170,7 @@ async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, em
     if plan.generation is None:  # pod 0 (the coordinator) decides
         plan.generation = pod.generation
     outs = await pod.run(plan.id, payload, path, log, restart=plan.restart, per_rank=plan.per_rank,
-                         generation=plan.generation)
+                         generation=plan.generation, ranks=plan.ranks)
     return _pod_outcomes(pod, outs, plan.shm_results)
 
 
@@ -335,7 +337,8 @@ class Coordinator:
     def _failed_pod(self, plan: CallPlan, i: int, message: str, status: str = "died") -> list[PodOutcome]:
         name = plan.name(i)
         now = time.time()
-        return [(r, name, status, None, message, now) for r in plan.pod_ranks(i)]
+        return [(r, name, status, None, message, now) for r in plan.pod_ranks(i)
+                if plan.ranks is None or r in plan.ranks]
 
     async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
         url = plan.pods[i]

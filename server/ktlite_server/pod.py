@@ -388,7 +388,7 @@ class Pod:
 
     async def run(self, call_id: str, payload: Any, path: str | None, emit: LogEmit | None,
                   restart: bool = False, per_rank: dict[str, Any] | None = None,
-                  generation: int = 0) -> list[Outcome]:
+                  generation: int = 0, ranks: list[int] | None = None) -> list[Outcome]:
         """Run one call on every local rank; ``path`` names a shared-memory copy of ``payload``."""
         if call_id in self.finished:
             return self.finished[call_id]  # duplicate delivery runs once
@@ -402,7 +402,7 @@ class Pod:
             handle.stop_kind, handle.stop_reason = early
         self.calls[call_id] = handle
         try:
-            handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank, generation)
+            handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank, generation, ranks)
         finally:
             self.calls.pop(call_id, None)
             handle.done.set()
@@ -412,15 +412,17 @@ class Pod:
         return handle.outcomes
 
     async def _run(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
-                   restart: bool, per_rank: dict[str, Any] | None = None, generation: int = 0) -> list[Outcome]:
+                   restart: bool, per_rank: dict[str, Any] | None = None, generation: int = 0,
+                   ranks: list[int] | None = None) -> list[Outcome]:
         await self.gate.acquire()  # FIFO: at most the deployment's concurrency run at once
         try:
-            return await self._admitted(handle, payload, path, emit, restart, per_rank, generation)
+            return await self._admitted(handle, payload, path, emit, restart, per_rank, generation, ranks)
         finally:
             self.gate.release()
 
     async def _admitted(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
-                        restart: bool, per_rank: dict[str, Any] | None, generation: int) -> list[Outcome]:
+                        restart: bool, per_rank: dict[str, Any] | None, generation: int,
+                        ranks: list[int] | None = None) -> list[Outcome]:
         async with self.lock:  # heals and restarts happen between calls, never under one
             await self._settle()
             dep = self.dep
@@ -444,7 +446,7 @@ class Pod:
                     self._heal_later()
                 first = dep.config.first_rank(dep.ordinal)
                 return [Outcome(first + i, handle.stop_kind, message=handle.stop_reason)
-                        for i in range(dep.config.procs(dep.ordinal))]
+                        for i in range(dep.config.procs(dep.ordinal)) if ranks is None or first + i in ranks]
         view = memoryview(payload).cast("B")
         items: dict[int, bytes] | None = None
         if per_rank is not None:  # each rank gets the shared message and its own items
@@ -468,7 +470,7 @@ class Pod:
             for r in self.ranks:
                 self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
         try:
-            return await self._fan_in(handle, msg)
+            return await self._fan_in(handle, msg, None if ranks is None else set(ranks))
         finally:
             for sinks in self._sinks.values():
                 sinks.pop(handle.call_id, None)
@@ -476,10 +478,12 @@ class Pod:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
 
-    async def _fan_in(self, handle: _CallHandle, msg: dict[str, Any]) -> list[Outcome]:
+    async def _fan_in(self, handle: _CallHandle, msg: dict[str, Any], only: set[int] | None = None) -> list[Outcome]:
         now = time.monotonic()
         tasks = {}
         for r in self.ranks:
+            if only is not None and r.global_rank not in only:
+                continue  # the call names other ranks
             r.busy_since = r.busy_since or now
             tasks[asyncio.get_running_loop().create_task(self._call_rank(handle, r, msg))] = r
         outcomes: dict[int, Outcome] = {}
