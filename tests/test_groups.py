@@ -9,7 +9,13 @@ import time
 import pytest
 
 import ktlite as kt
-from ktlite.groups import RayVirtualCluster, RayWorkerGroup, VirtualCluster, WorkerFailureError, WorkerGroup
+from ktlite.groups import (
+    RayVirtualCluster,
+    RayWorkerGroup,
+    VirtualCluster,
+    WorkerFailureError,
+    WorkerGroup,
+)
 
 
 class PolicyWorker:
