@@ -15,6 +15,7 @@ script joins across replicas with no rank arguments: ``PET_NNODES``, ``PET_NODE_
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -99,6 +100,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _stop_command(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the command's session (torchrun stops its workers on it), SIGKILL after 5 s."""
+    import signal
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait)
+
+
 def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendezvous_timeout: float,
                 extra_env: dict[str, str]) -> int:
     """On a pod: run ``command`` in the shipped files (or ``cwd`` when the caller's folder is
@@ -130,6 +143,9 @@ def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendez
                 tail.append(line)
                 print(line, flush=True)
         code = proc.wait()
+    except BaseException:
+        _stop_command(proc)  # the call was stopped (a replica failed, a cancel): so is the command
+        raise
     finally:
         if files is not None:  # the unpacked copy is this run's only
             shutil.rmtree(workdir, ignore_errors=True)
