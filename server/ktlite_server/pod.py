@@ -448,24 +448,28 @@ class Pod:
                 return [Outcome(first + i, handle.stop_kind, message=handle.stop_reason)
                         for i in range(dep.config.procs(dep.ordinal)) if ranks is None or first + i in ranks]
         view = memoryview(payload).cast("B")
-        items: dict[int, bytes] | None = None
+        items: dict[int, bytes] | None = None  # small per-rank items, sent inline
+        item_at: dict[int, list[int]] | None = None  # or where they are in the shared-memory file
+        own_file = path is None and view.nbytes > shm.INLINE_MAX
+        if own_file:  # large: the ranks map it (a per-rank body whole: each maps its own slices)
+            path, _ = shm.write([view], shm.ARG_PREFIX)
         if per_rank is not None:  # each rank gets the shared message and its own items
             first = dep.config.first_rank(dep.ordinal)
             slices = rankdata.pod_slices(per_rank, range(first, first + len(self.ranks)))
-            items = {i: bytes(view[off:off + n]) for i, (off, n) in enumerate(slices)}
+            if path is not None:
+                item_at = {i: [off, n] for i, (off, n) in enumerate(slices)}
+            else:
+                items = {i: bytes(view[off:off + n]) for i, (off, n) in enumerate(slices)}
             view = view[:per_rank["shared"]]
             if LOG_BODIES:
                 print(f"[pod] call {handle.call_id}: shared message {view.nbytes} bytes; per-rank items "
-                      + ", ".join(f"rank {first + i}: {len(b)} bytes" for i, b in items.items()),
+                      + ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)),
                       file=sys.stderr, flush=True)
         elif LOG_BODIES:
             print(f"[pod] call {handle.call_id}: message {view.nbytes} bytes", file=sys.stderr, flush=True)
         size = view.nbytes
-        own_file = path is None and size > shm.INLINE_MAX
-        if own_file:
-            path, size = shm.write([view], shm.ARG_PREFIX)
         msg: dict[str, Any] = {"id": handle.call_id, "args": None if path else bytes(view), "path": path,
-                               "size": size, "items": items, "generation": generation}
+                               "size": size, "items": items, "item_at": item_at, "generation": generation}
         if emit is not None:
             for r in self.ranks:
                 self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
@@ -508,10 +512,12 @@ class Pod:
 
     async def _call_rank(self, handle: _CallHandle, rank: RankProcess, msg: dict[str, Any]) -> Outcome:
         rank.running[handle.call_id] = time.monotonic()
-        items = msg.get("items")
-        msg = {k: v for k, v in msg.items() if k != "items"}
+        items, item_at = msg.get("items"), msg.get("item_at")
+        msg = {k: v for k, v in msg.items() if k not in ("items", "item_at")}
         if items is not None:
             msg["item"] = items[rank.local_rank]
+        elif item_at is not None:
+            msg["item_at"] = item_at[rank.local_rank]
         try:
             _, _, ok, inline, path, size = await rank.call(msg)
         except RankGone as e:

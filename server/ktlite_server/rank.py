@@ -376,6 +376,10 @@ class Rank:
             method, args, kwargs = protocol.loads(payload)
             if msg.get("item") is not None:  # a per-rank call: this rank's own items
                 args, kwargs = rankdata.fill(args, kwargs, protocol.loads(msg["item"]))
+            elif msg.get("item_at") is not None:  # ... in the call's shared-memory file
+                off, n = msg["item_at"]
+                args, kwargs = rankdata.fill(args, kwargs,
+                                             protocol.loads(shm.map_private(msg["path"], off + n)[off:off + n]))
             fn = self.lookup(method)
             if self.concurrency <= 1:
                 self.inline = call_id  # SIGUSR2 interrupts it from here ...
