@@ -80,3 +80,26 @@ def test_restart_procs_still_restarts_every_rank(trainer) -> None:
     assert [g["steps"] for g in got] == [1, 1, 1, 1]
     assert not set(_pids(trainer)) & set(before)
     assert trainer.all_reduce() == [10.0] * 4
+
+
+def test_an_idle_death_with_a_group_fails_one_call_fast_then_regroups(trainer) -> None:
+    """A rank that dies between calls while holding a process group is restarted by its pod
+    before the next call; its peers still hold the old group, so that call fails at once
+    (never hangs in a collective) and the one after forms a new group."""
+    import signal
+
+    assert trainer.all_reduce() == [10.0] * 4
+    before = _pids(trainer)
+    os.kill(before[3], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+            r["rank"] == 3 and r["state"] != "dead" for pod in trainer.status() for r in pod["ranks"]):
+        time.sleep(0.05)
+    start = time.monotonic()
+    with pytest.raises(kt.RankDied, match="died between calls"):
+        trainer.all_reduce()
+    assert time.monotonic() - start < 15
+    assert trainer.all_reduce() == [10.0] * 4
+    # rank 3 is new; ranks 0 and 1 may be too: the failed call found them waiting in the
+    # all_reduce for pod 1, where Python cannot interrupt them, so they were killed after the grace
+    assert _pids(trainer)[3] != before[3]

@@ -152,6 +152,8 @@ class Pod:
         self.order = asyncio.Lock()  # pod 0: a distributed deployment's calls, one at a time, FIFO
         self.generation = 0  # pod 0: the process-group generation (bumped after a failed call)
         self.restarted: list[int] = []  # ranks restarted since restart_failed() last asked
+        self.lost_groups: dict[int, str] = {}  # ranks that died idle holding a process group
+        self.last_generation = 0  # the process-group generation of the last call run here
         self.calls: dict[str, _CallHandle] = {}
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
         self.cancelled_early: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
@@ -351,6 +353,9 @@ class Pod:
             for r in victims:
                 crashed = not r.stopping
                 charged = crashed and not r.died_in_call
+                if charged and r.has_pg:
+                    # it died between calls holding a process group: its peers still hold theirs
+                    self.lost_groups[r.global_rank] = r.death_message()
                 if charged and r.streak >= dep.max_restarts:
                     broken.append(Outcome(r.global_rank, "died", message=(
                         f"rank process died {r.streak + 1} times; max_restarts={dep.max_restarts} "
@@ -438,6 +443,22 @@ class Pod:
                 bad = await self._heal()
             if bad:
                 return bad
+            if generation != self.last_generation:
+                self.lost_groups.clear()  # the call re-forms the group: the restarted ranks join it
+            self.last_generation = generation
+            if self.lost_groups and dep.config.world_size > 1:
+                # a rank died between calls holding a process group and was restarted: its
+                # peers (here and on other pods) still hold the old group, and a collective
+                # with the fresh process would wait forever. Fail this call at once instead;
+                # pod 0 then moves the deployment to a new generation, and the next call runs.
+                lost, self.lost_groups = self.lost_groups, {}
+                first = dep.config.first_rank(dep.ordinal)
+                return [Outcome(first + i, "died", message=(
+                    f"rank {first + i} died between calls ({lost[first + i]}) and was restarted; the "
+                    "deployment's process group is formed anew at the next call: call again"))
+                        if first + i in lost else
+                        Outcome(first + i, "cancelled", message="not started: a rank of this pod was restarted")
+                        for i in range(dep.config.procs(dep.ordinal))]
             if handle.stop_kind:  # cancelled before it started, or while ranks were restarted
                 # the cancel found this call, so it reset nothing; other pods may have killed
                 # ranks mid-collective, and a group kept here still names those dead processes
