@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from ktlite import packaging, sharding
@@ -88,7 +88,8 @@ class Fn(_Source):
     kind = "fn"
 
     def to(self, compute: Compute | _Remote, *, name: str | None = None, detached: bool = False,
-           dryrun: bool = False, restart_procs: bool = False) -> RemoteFunction | Plan:
+           dryrun: bool = False, restart_procs: bool = False,
+           concurrency: int | None = None) -> RemoteFunction | Plan:
         """Deploy onto ``compute``; returns a callable :class:`RemoteFunction`.
 
         Args:
@@ -99,7 +100,9 @@ class Fn(_Source):
             detached: keep the pods running after this Python process exits.
             dryrun: touch nothing; return the :class:`Plan` (commands or manifests).
             restart_procs: start fresh rank processes instead of reloading code into them.
+            concurrency: calls each rank process runs at once (``Compute(concurrency=K)``).
         """
+        compute = _with_concurrency(compute, concurrency)
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, None)
             return RemoteFunction(self, host.deployment, host=host, target=target)
@@ -120,7 +123,7 @@ class Cls(_Source):
     def to(self, compute: Compute | _Remote, *,
            init_args: dict[str, Any] | tuple[Any, ...] | list[Any] | None = None,
            name: str | None = None, detached: bool = False, dryrun: bool = False,
-           restart_procs: bool = False) -> RemoteClass | Plan:
+           restart_procs: bool = False, concurrency: int | None = None) -> RemoteClass | Plan:
         """Deploy onto ``compute`` and construct one instance per rank.
 
         Args:
@@ -129,6 +132,8 @@ class Cls(_Source):
             init_args: constructor arguments: a dict of keywords, or a tuple/list of positionals.
             name: the deployment's name; colocated, the target's name in the rank processes
                 (default: the class's name; colocating a name again replaces that target).
+            concurrency: calls each rank process runs at once (``Compute(concurrency=K)``;
+                default 8 for a single-rank class, 1 when distributed).
 
         Colocation (``gen = kt.cls(Gen).to(policy, init_args=...)``): the class is loaded into
         the rank processes of ``policy``'s deployment and constructed on every rank, beside
@@ -154,6 +159,7 @@ class Cls(_Source):
             raise ConfigError(f"init_args={init_args!r} must be a dict of keyword arguments or a "
                               "tuple of positional arguments")
         init = packaging.encode_value((args, kwargs), "init_args")
+        compute = _with_concurrency(compute, concurrency)
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, init)
             return RemoteClass(self, host.deployment, init_args, host=host, target=target)
@@ -161,6 +167,16 @@ class Cls(_Source):
         if isinstance(dep, Plan):
             return dep
         return RemoteClass(self, dep, init_args)
+
+
+def _with_concurrency(compute: Any, concurrency: int | None) -> Any:
+    """``.to(compute, concurrency=K)``: the same as ``Compute(concurrency=K)``."""
+    if concurrency is None:
+        return compute
+    if not isinstance(compute, Compute):
+        raise ConfigError("concurrency= belongs to the deployment: a colocated group shares its host's; "
+                          "set it on the host's Compute")
+    return replace(compute, concurrency=concurrency)
 
 
 def fn(func: Any, name: str | None = None) -> Fn:

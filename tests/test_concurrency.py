@@ -161,3 +161,15 @@ def test_distributed_calls_run_one_at_a_time_in_arrival_order() -> None:
         assert orders[0] == orders[1] == list(range(6)), orders
     finally:
         remote.teardown()
+
+
+def test_to_takes_concurrency_too() -> None:
+    remote = kt.fn(nap).to(kt.Compute(), name="conc-to-form", concurrency=3)
+    try:
+        assert remote.deployment.spec.concurrency == 3 and remote.compute.concurrency == 3
+        results, took = _parallel(3, lambda: remote(1.5))
+        assert took < 4.5 and len({r["thread"] for r in results}) == 3
+    finally:
+        remote.teardown()
+    with pytest.raises(kt.ConfigError, match="between 1 and 1024"):
+        kt.fn(nap).to(kt.Compute(), name="conc-to-bad", concurrency=0)
