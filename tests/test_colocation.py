@@ -126,7 +126,7 @@ class Broken:
         raise RuntimeError("no model here")
 
 
-def test_failed_colocation_leaves_the_host_as_it_was(policy):
+def test_failed_colocation_leaves_the_host_as_it_was(policy, gen):
     with pytest.raises(RuntimeError, match="no model here") as info:
         kt.cls(Broken).to(policy)
     context = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
@@ -180,6 +180,7 @@ def test_restart_procs_constructs_every_target_again(policy, gen):
 
 
 def test_rank_death_reloads_every_target(policy, gen):
+    gen.generate.options(**QUIET)("warm")  # rank 0's instance has state to keep
     before = [r["pid"] for r in policy.step.options(**QUIET)()]
     with pytest.raises(RemoteError):
         gen.die.options(**QUIET, timeout=60, workers=[1])()
