@@ -91,3 +91,39 @@ def volume_io(op: str, path: str, data: str | None = None) -> dict[str, object]:
     else:
         raise AssertionError(f"unknown op {op!r}")
     return out
+
+
+class GroupWorker:
+    """Worker-group checks: per-rank state, a collective, a rank that dies on request."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, item: object = None, die_on: int | None = None) -> dict[str, object]:
+        rank = int(os.environ["RANK"])
+        if rank == die_on:
+            time.sleep(0.2)
+            os._exit(3)
+        time.sleep(0.5)
+        self.steps += 1
+        return {"rank": rank, "item": item, "steps": self.steps, "pid": os.getpid()}
+
+    def all_reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    async def slow(self, seconds: float) -> int:
+        import asyncio
+
+        await asyncio.sleep(seconds)
+        return os.getpid()
+
+
+class Colocated:
+    def where(self, item: object) -> dict[str, object]:
+        return {"rank": int(os.environ["RANK"]), "item": item, "pid": os.getpid()}
