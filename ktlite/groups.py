@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ktlite.compute import Compute, parse_memory
@@ -123,7 +124,7 @@ class VirtualCluster:
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self.communication_backend = communication_backend
         self.monitor_memory = monitor_memory
-        self.compute = _replace(base, **changes).distribute("pytorch", num_proc=sizes)
+        self.compute = replace(base, **changes).distribute("pytorch", num_proc=sizes)
         self.groups: list[WorkerGroup] = []
 
     def __repr__(self) -> str:
@@ -155,11 +156,6 @@ class VirtualCluster:
             group.shutdown()
         self.groups.clear()
         return True
-
-
-def _replace(compute: Compute, **changes: Any) -> Compute:
-    from dataclasses import replace
-    return replace(compute, **changes)
 
 
 def _init_args(args: tuple[Any, ...], init_args: Any) -> Any:
@@ -234,7 +230,7 @@ class WorkerGroup:
             if not restart_on_failure:
                 changes["max_restarts"] = 0
             source = kt.cls(worker_class, name=cluster.name)
-            self._remote = source.to(_replace(compute, **changes) if changes else compute, init_args=init)
+            self._remote = source.to(replace(compute, **changes) if changes else compute, init_args=init)
         cluster.groups.append(self)
 
     def __repr__(self) -> str:

@@ -1,8 +1,9 @@
 """One pod's runtime: its rank processes, the loaded deployment, and the calls it runs.
 
-A call on a pod runs on all its local ranks at once. When one rank fails, its siblings are
-SIGKILLed at once (they may be blocked in a collective the failed rank never joins) and
-restarted in the background, so the next call finds a healthy pod.
+A call on a pod runs on all its local ranks at once (up to the deployment's concurrency of
+calls, admitted in order). When one rank fails, its siblings in the call are interrupted and
+keep their processes and state; one still running after INTERRUPT_GRACE_S (blocked in a
+collective) is killed. Only dead ranks are restarted, so the next call finds a healthy pod.
 """
 
 from __future__ import annotations
@@ -460,9 +461,8 @@ class Pod:
                         Outcome(first + i, "cancelled", message="not started: a rank of this pod was restarted")
                         for i in range(dep.config.procs(dep.ordinal))]
             if handle.stop_kind:  # cancelled before it started, or while ranks were restarted
-                # the cancel found this call, so it reset nothing; other pods may have killed
-                # ranks mid-collective, and a group kept here still names those dead processes
-                self._kill_groups()
+                # the ranks keep their groups: pod 0 moves the deployment to a new
+                # process-group generation after a stopped call (see Rank.regroup)
                 if any(self._needs_heal(r) for r in self.ranks):
                     self._heal_later()
                 first = dep.config.first_rank(dep.ordinal)
@@ -525,8 +525,6 @@ class Pod:
                     handle.stop_reason = f"stopped because rank {o.rank} failed"
                     for other in pending:
                         self._stop_rank(tasks[other], handle.call_id)
-        if handle.stop_kind:
-            self._kill_groups()
         if any(self._needs_heal(r) for r in self.ranks):
             self._heal_later()
         return [outcomes[k] for k in sorted(outcomes)]
@@ -573,11 +571,6 @@ class Pod:
                       f"{rank.global_rank} and the calls it ran", file=sys.stderr, flush=True)
                 rank.kill()
         asyncio.get_running_loop().create_task(interrupt())
-
-    def _kill_groups(self) -> None:
-        """After a failed call, nothing is killed: the ranks keep their processes and state,
-        and pod 0 moves the deployment to a new process-group generation (see
-        ``Rank.regroup``), so the next ``init_process_group`` forms a fresh group."""
 
     def reset(self) -> None:
         """A call failed elsewhere: restart this pod's dead ranks, if any, in the background."""
