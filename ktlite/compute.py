@@ -100,6 +100,8 @@ class Compute:
         cpus: CPU request per pod (2, 0.5, "500m").
         memory: memory request per pod ("4Gi").
         gpus: GPUs per pod (``nvidia.com/gpu`` on Kubernetes); ``gpu_type`` picks the model.
+            With pods of different sizes (``num_proc=[4, 8, 2]``) each pod gets one GPU per
+            rank, or ``gpus`` where that is more (``gpus=1``: 4, 8 and 2 GPUs).
         cpu_limit, memory_limit: Kubernetes limits; none unless given.
         image: a :class:`kt.Image` or an image name.
         env: environment variables for every rank (``env_vars=`` is accepted too).
@@ -231,9 +233,17 @@ class Compute:
                                   "each its own mount_path")
             mounts[path] = v
         d = self.distributed
-        if d is not None and self.gpus and d.max_procs > self.gpus:
+        if d is not None and d.uniform and self.gpus and d.max_procs > self.gpus:
             raise ConfigError(f"num_proc={d.num_proc} has a pod of {d.max_procs} ranks, more than gpus={self.gpus} "
                               f"on a GPU pod; each rank needs at least one GPU: use num_proc<={self.gpus}")
+
+    def pod_gpus(self, ordinal: int) -> int:
+        """GPUs pod ``ordinal`` requests: ``gpus``, and on a GPU deployment whose pods differ
+        in size, at least one per rank of that pod."""
+        d = self.distributed
+        if not self.gpus or d is None or d.uniform:
+            return self.gpus
+        return max(self.gpus, d.procs(ordinal))
 
     @property
     def cpu_count(self) -> float | None:

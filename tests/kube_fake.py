@@ -1225,6 +1225,7 @@ class FakeKube(httpx.BaseTransport):
         """The StatefulSet controller's sync, as in pkg/controller/statefulset (simplified)."""
         md, spec = sts["metadata"], sts["spec"]
         ns, name, want = md["namespace"], md["name"], int(spec.get("replicas", 1))
+        start = int((spec.get("ordinals") or {}).get("start", 0))  # spec.ordinals.start (GA in 1.31)
         ordered = spec.get("podManagementPolicy") != "Parallel"
         revision, changed = self._revision(sts), False
         pods: dict[int, Obj] = {}
@@ -1243,7 +1244,7 @@ class FakeKube(httpx.BaseTransport):
             if owner is None or owner.get("uid") != md["uid"]:
                 return changed  # someone else's pod holds the name: stuck, as for real
             pods[int(m[1])] = pod
-        for i in range(want):
+        for i in range(start, start + want):
             if i not in pods:
                 pods[i] = self._create_sts_pod(sts, i, revision)
                 changed = True
@@ -1251,7 +1252,7 @@ class FakeKube(httpx.BaseTransport):
                     return changed
             elif ordered and not _healthy(pods[i]):
                 return changed
-        for i in sorted((i for i in pods if i >= want), reverse=True):
+        for i in sorted((i for i in pods if not start <= i < start + want), reverse=True):
             if not pods[i]["metadata"].get("deletionTimestamp"):
                 self._controller_delete(sts, pods[i])
                 changed = True
@@ -1261,7 +1262,7 @@ class FakeKube(httpx.BaseTransport):
         if strategy.get("type", "RollingUpdate") != "RollingUpdate":
             return changed
         partition = int((strategy.get("rollingUpdate") or {}).get("partition", 0))
-        for i in range(want - 1, partition - 1, -1):
+        for i in range(start + want - 1, start + partition - 1, -1):
             pod = pods.get(i)
             if pod is None:
                 return changed

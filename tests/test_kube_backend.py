@@ -1180,3 +1180,73 @@ def test_a_failed_redeploy_keeps_the_deployment_and_says_how_to_remove_it(make_c
     message = str(err.value)
     assert "are still there" in message and "ktlite teardown job -n default" in message, message
     assert c.names("statefulsets") == [NAME] and c.names("secrets")
+
+
+# ---- pods of different sizes: one StatefulSet per run of one size ---------------------------------
+
+def uneven(num_proc: list[int], gpus: int = 1, name: str = NAME) -> DeploymentSpec:
+    return DeploymentSpec(name, kt.Compute(backend="kubernetes", gpus=gpus, launch_timeout=60)
+                          .distribute("pytorch", num_proc=num_proc))
+
+
+def _pod_gpus(pod: dict[str, Any]) -> str:
+    return str(pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+
+
+def test_uneven_gpu_pods_are_one_deployment_over_several_statefulsets(cluster: Cluster) -> None:
+    applied = cluster.backend.apply(uneven([4, 8, 8, 2]), TOKEN)
+
+    assert cluster.names("statefulsets") == [NAME, f"{NAME}-s1", f"{NAME}-s3"]
+    assert cluster.names("services") == [NAME] and cluster.names("secrets") == [f"{NAME}-token"]
+    pods = cluster.pods()
+    assert sorted(pods) == [f"{NAME}-0", f"{NAME}-s1-1", f"{NAME}-s1-2", f"{NAME}-s3-3"]
+    assert {n: (p["metadata"]["labels"]["apps.kubernetes.io/pod-index"], _pod_gpus(p))
+            for n, p in pods.items()} == {f"{NAME}-0": ("0", "4"), f"{NAME}-s1-1": ("1", "8"),
+                                          f"{NAME}-s1-2": ("2", "8"), f"{NAME}-s3-3": ("3", "2")}
+    assert [(ep.ordinal, ep.name) for ep in applied.endpoints] == [
+        (0, f"{NAME}-0"), (1, f"{NAME}-s1-1"), (2, f"{NAME}-s1-2"), (3, f"{NAME}-s3-3")]
+    assert applied.restarted == [0, 1, 2, 3]
+
+    looked_up = cluster.backend.lookup(NAME)
+    assert looked_up is not None and looked_up.token == TOKEN
+    assert [ep.name for ep in looked_up.endpoints] == [ep.name for ep in applied.endpoints]
+    assert [(r["name"], r["pods"], r["ready"]) for r in cluster.backend.list()] == [(NAME, 4, 4)]
+
+    seen = len(cluster.fake.requests)
+    again = cluster.new_backend().apply(uneven([4, 8, 8, 2]), TOKEN)
+    assert again.restarted == [] and cluster.writes(seen) == []  # the same shape touches nothing
+
+
+def test_a_new_shape_replaces_only_the_sets_that_changed(cluster: Cluster) -> None:
+    cluster.backend.apply(uneven([2, 4, 4]), TOKEN)
+    before = cluster.uids()
+    grown = cluster.backend.apply(uneven([2, 4, 4, 4]), TOKEN)  # a pod more of the last size
+    assert grown.restarted == [3]
+    assert cluster.names("statefulsets") == [NAME, f"{NAME}-s1"]
+    assert {n: cluster.uids()[n] for n in before} == before
+
+    # even pods of 4 GPUs: one plain StatefulSet again; the old sets' pods are gone
+    even = cluster.backend.apply(uneven([4, 4, 4, 4], gpus=4), TOKEN)
+    assert cluster.names("statefulsets") == [NAME]
+    assert sorted(cluster.pods()) == [f"{NAME}-{i}" for i in range(4)]
+    assert even.restarted == [0, 1, 2, 3]
+    sts = cluster.fake.get("statefulsets", "default", NAME)
+    assert sts["spec"]["selector"]["matchLabels"] == {km.NAME_LABEL: NAME}
+    assert all(_pod_gpus(p) == "4" for p in cluster.pods().values())
+
+    back = cluster.backend.apply(uneven([4, 2]), TOKEN)
+    assert cluster.names("statefulsets") == [NAME, f"{NAME}-s1"]
+    assert [ep.name for ep in back.endpoints] == [f"{NAME}-0", f"{NAME}-s1-1"]
+    assert sorted(cluster.pods()) == [f"{NAME}-0", f"{NAME}-s1-1"]
+
+
+def test_teardown_removes_every_statefulset_of_the_deployment(make_cluster) -> None:
+    c = make_cluster(pod_termination_seconds=2)
+    c.backend.apply(uneven([1, 2, 1]), TOKEN)
+    c.backend.apply(uneven([1, 1], name="other"), TOKEN)  # another deployment stays
+    assert c.names("statefulsets") == [NAME, f"{NAME}-s1", f"{NAME}-s2", "other"]
+    assert c.backend.teardown(NAME) is True
+    assert c.names("statefulsets") == ["other"]
+    assert sorted(c.pods()) == ["other-0", "other-1"]
+    assert c.backend.lookup(NAME) is None
+    assert [r["name"] for r in c.backend.list()] == ["other"]

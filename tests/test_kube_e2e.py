@@ -56,7 +56,8 @@ def test_cluster_suite_against_the_stand_in_cluster(tmp_path: Path) -> None:
                if not k.startswith(("KTLITE_", "PYTEST_", "KUBECONFIG"))}
         env.update(KTLITE_TEST_KUBECONFIG=str(tmp_path / "kubeconfig"), KTLITE_TEST_SKIP_VOLUMES="1",
                    KTLITE_HOME=str(tmp_path / "home"), KTLITE_TEST_PROXY_CALLS="250",
-                   KTLITE_TEST_PROXY_MB_CALLS="40")
+                   KTLITE_TEST_PROXY_MB_CALLS="40",
+                   KTLITE_TEST_GPUS="8")  # the stand-in schedules any resource a pod asks for
         junit = tmp_path / "suite.xml"
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                               "-m", "kubernetes", f"--junitxml={junit}", str(HERE / "kubernetes")],

@@ -573,17 +573,78 @@ def test_layout_is_not_part_of_the_pod() -> None:
     assert _sts(wide)["spec"]["replicas"] == 4
 
 
-def test_uneven_pods_are_one_statefulset_sized_for_the_largest_pod() -> None:
+def test_uneven_cpu_pods_are_one_statefulset() -> None:
     # pods learn their rank count from the deploy message, so [1, 2] renders the same pod as
-    # [2, 2]; GPU pods each ask for gpus (which must cover the largest pod)
+    # [2, 2]: without GPUs the pods do not differ, and one StatefulSet holds them
     uneven = _plan(BASE().distribute("pytorch", num_proc=[1, 2])).manifests
     assert _sts(uneven)["spec"]["replicas"] == 2
+    assert "ordinals" not in _sts(uneven)["spec"]
     assert _pod_hash(uneven) == _pod_hash(_plan(BASE()).manifests)
-    gpu = _plan(K(cpus=1, gpus=2).distribute("pytorch", num_proc=[2, 2, 1])).manifests
-    sts = _sts(gpu)
-    assert sts["spec"]["replicas"] == 3
+
+
+def _statefulsets(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == "StatefulSet"}
+
+
+def _gpus(sts: dict[str, Any]) -> str:
     limits = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert limits["nvidia.com/gpu"] == "2"
+    requests = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert limits["nvidia.com/gpu"] == requests["nvidia.com/gpu"]
+    return str(limits["nvidia.com/gpu"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_uneven_gpu_pods_get_one_statefulset_per_run_of_one_size(version: str) -> None:
+    objs = _render(K(cpus=1, gpus=1).distribute("pytorch", num_proc=[4, 8, 8, 2]))
+    assert [o["kind"] for o in objs] == ["Secret", "Service", "StatefulSet", "StatefulSet", "StatefulSet"]
+    for obj in objs:
+        _validate(obj, version)
+    sets = _statefulsets(objs)
+    assert list(sets) == [NAME, f"{NAME}-s1", f"{NAME}-s3"]
+    # (first ordinal, pods, GPUs per pod, rank processes started before code arrives)
+    shape = [((s["spec"].get("ordinals") or {}).get("start", 0), s["spec"]["replicas"], _gpus(s),
+              next(e["value"] for e in s["spec"]["template"]["spec"]["containers"][0]["env"]
+                   if e["name"] == "KTLITE_PROCS")) for s in sets.values()]
+    assert shape == [(0, 1, "4", "4"), (1, 2, "8", "8"), (3, 1, "2", "2")]
+    assert "ordinals" not in sets[NAME]["spec"]  # pod 0's set is the plain one
+    hashes = set()
+    for name, sts in sets.items():
+        start = str((sts["spec"].get("ordinals") or {}).get("start", 0))
+        selector = sts["spec"]["selector"]["matchLabels"]
+        assert selector == {km.NAME_LABEL: NAME, km.PART_LABEL: start}, name
+        template = sts["spec"]["template"]["metadata"]
+        assert {k: template["labels"][k] for k in selector} == selector
+        assert sts["metadata"]["labels"][km.NAME_LABEL] == NAME  # list/teardown find every set
+        assert sts["spec"]["serviceName"] == NAME  # one headless Service for every pod
+        hashes.add(template["annotations"][km.HASH_ANNOTATION])
+    assert len(hashes) == 3
+
+
+def test_uneven_gpu_pods_get_gpus_where_it_is_more_than_their_ranks() -> None:
+    # gpus is the floor: pods of 4 and 2 ranks get 4, the pod of 8 ranks 8; the two pods of 4
+    # GPUs are not neighbours, so they are two sets (their pods still differ by their label)
+    sets = _statefulsets(_render(K(cpus=1, gpus=4).distribute("pytorch", num_proc=[4, 8, 2])))
+    assert {name: (_gpus(s), s["spec"]["replicas"]) for name, s in sets.items()} == {
+        NAME: ("4", 1), f"{NAME}-s1": ("8", 1), f"{NAME}-s2": ("4", 1)}
+    hashes = {s["spec"]["template"]["metadata"]["annotations"][km.HASH_ANNOTATION] for s in sets.values()}
+    assert len(hashes) == 3
+    # every pod at least as large as its ranks: one set, as for even pods
+    same = _statefulsets(_render(K(cpus=1, gpus=8).distribute("pytorch", num_proc=[4, 8, 2])))
+    assert list(same) == [NAME] and _gpus(same[NAME]) == "8"
+
+
+def test_uneven_gpu_pods_need_a_name_that_leaves_room_for_their_sets() -> None:
+    name = "n" * 50
+    with pytest.raises(kt.ConfigError, match=r"too long for pods of different sizes.*at most 49"):
+        kt.fn(train).to(K(gpus=1).distribute("pytorch", num_proc=[1, 2]), name=name, dryrun=True)
+    # even pods keep the whole 52 characters
+    assert isinstance(kt.fn(train).to(K(gpus=2).distribute("pytorch", num_proc=[2, 2]),
+                                      name="n" * 52, dryrun=True), Plan)
+
+
+def test_the_gpu_count_must_still_cover_each_rank_of_even_pods() -> None:
+    with pytest.raises(kt.ConfigError, match="num_proc=4 has a pod of 4 ranks, more than gpus=2"):
+        K(gpus=2).distribute("pytorch", workers=2, num_proc=4)
 
 
 @pytest.mark.parametrize("changed", [

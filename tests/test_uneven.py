@@ -47,9 +47,32 @@ def test_bad_layouts_are_refused(kwargs, match) -> None:
         kt.Compute().distribute("pytorch", **kwargs)
 
 
-def test_gpus_must_cover_the_largest_pod() -> None:
+def test_gpu_pods_of_different_sizes_get_a_gpu_per_rank_or_gpus_where_more() -> None:
+    def pod_gpus(compute: kt.Compute) -> list[int]:
+        return [compute.pod_gpus(o) for o in range(compute.distributed.workers)]
+
+    assert pod_gpus(kt.Compute(gpus=1).distribute("pytorch", num_proc=[4, 8, 2])) == [4, 8, 2]
+    assert pod_gpus(kt.Compute(gpus=4).distribute("pytorch", num_proc=[4, 8, 2])) == [4, 8, 4]
+    assert pod_gpus(kt.Compute(gpus=2).distribute("pytorch", workers=3)) == [2, 2, 2]
+    assert pod_gpus(kt.Compute().distribute("pytorch", num_proc=[1, 2])) == [0, 0]
+    # even pods: gpus is each pod's count, and must cover its ranks
     with pytest.raises(kt.ConfigError, match="pod of 4 ranks, more than gpus=2"):
-        kt.Compute(gpus=2).distribute("pytorch", num_proc=[2, 4])
+        kt.Compute(gpus=2).distribute("pytorch", workers=2, num_proc=4)
+
+
+def test_local_gpu_pods_of_different_sizes_split_the_machines_gpus(monkeypatch) -> None:
+    from ktlite.backends import local
+    from ktlite.spec import DeploymentSpec
+
+    spec = DeploymentSpec("uneven-gpus", kt.Compute(gpus=1).distribute("pytorch", num_proc=[1, 2, 1]))
+    monkeypatch.setattr(local, "visible_gpus", lambda: ["0", "1", "2"])
+    with pytest.raises(kt.ConfigError, match=r"pods of \[1, 2, 1\] GPUs \(one per rank\) needs 4 GPU\(s\), "
+                                             "but this machine has 3"):
+        local.LocalBackend().plan(spec)
+    monkeypatch.setattr(local, "visible_gpus", lambda: ["0", "1", "2", "3", "4"])
+    backend = local.LocalBackend()
+    backend.plan(spec)
+    assert [backend._env(spec, o)["CUDA_VISIBLE_DEVICES"] for o in range(3)] == ["0", "1,2", "3"]
 
 
 def all_reduce() -> dict:

@@ -6,6 +6,14 @@ Per deployment NAME: a Secret ``NAME-token`` (the call token), a headless Servic
 ``OnDelete`` updates: the backend decides which pods to replace). Everything carries
 ``ktlite.dev/name=NAME`` so list and teardown find it.
 
+Pods of different sizes (a GPU deployment with ``num_proc=[4, 8, 2]``: 4, 8 and 2 GPUs) cannot
+share a pod template, so such a deployment has one StatefulSet per run of pods of one size:
+``NAME`` for the run that starts at pod 0 and ``NAME-sK`` for the run starting at pod K, whose
+``spec.ordinals.start`` is K. Ordinals stay global and stable (pod 2 is ``NAME-s2-2``, with
+``apps.kubernetes.io/pod-index=2``); each StatefulSet selects its pods by a ``ktlite.dev/part=K``
+label as well. Pods that differ only in rank count do not differ as pods (they learn their ranks
+from the deploy message), so a CPU deployment with uneven ``num_proc`` stays one StatefulSet.
+
 The container starts with a short shell bootstrap that finds a Python with ktlite (installing
 it pinned to the client's version when the image lacks it, unless ``freeze=True``), then runs
 ``python -m ktlite_server.boot``, which runs the image's setup steps and execs the server.
@@ -16,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from ktlite.compute import Volume, parse_cpus
@@ -23,6 +32,7 @@ from ktlite.errors import ConfigError
 from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
 
 NAME_LABEL = "ktlite.dev/name"
+PART_LABEL = "ktlite.dev/part"  # the first ordinal of the pod's StatefulSet, where there are several
 MANAGED_LABELS = {"app.kubernetes.io/managed-by": "ktlite"}
 HASH_ANNOTATION = "ktlite.dev/pod-hash"
 SERVER_PORT = 32300
@@ -30,6 +40,7 @@ STATE_DIR = "/ktlite"  # an emptyDir: survives container restarts, not pod repla
 SETUP_FAILED_EXIT = 78  # the bootstrap's exit code when a setup step or the ktlite install fails
 TOKEN_PLACEHOLDER = "<generated at deploy time>"
 CONTAINER = "ktlite"
+MAX_STATEFULSET_NAME = 52  # its pods' controller-revision-hash label adds 11 characters to 63
 
 # Finds a Python that can import ktlite_server, installing ktlite into a venv on the
 # emptyDir when the image has none; everything else happens in ktlite_server.boot.
@@ -94,7 +105,44 @@ def setup_steps(spec: DeploymentSpec) -> list[list[Any]]:
             for kind, arg in image.steps if kind in ("pip_install", "run_bash")]
 
 
-def _resources(compute: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Part:
+    """A run of pods ``start .. start + replicas - 1`` alike as pods: one StatefulSet."""
+
+    name: str
+    start: int
+    replicas: int
+    gpus: int
+    labelled: bool  # one of several: selects its pods by PART_LABEL too
+
+
+def parts(spec: DeploymentSpec) -> list[Part]:
+    """The deployment's StatefulSets: one, or one per run of pods with the same GPU count."""
+    runs: list[list[int]] = []  # [start, replicas, gpus]
+    for ordinal in range(spec.workers):
+        gpus = spec.compute.pod_gpus(ordinal)
+        if runs and runs[-1][2] == gpus:
+            runs[-1][1] += 1
+        else:
+            runs.append([ordinal, 1, gpus])
+    several = len(runs) > 1
+    out = [Part(name=spec.name if start == 0 else f"{spec.name}-s{start}", start=start,
+                replicas=replicas, gpus=gpus, labelled=several) for start, replicas, gpus in runs]
+    for part in out:
+        if len(part.name) > MAX_STATEFULSET_NAME:
+            raise ConfigError(
+                f"deployment name {spec.name!r} is too long for pods of different sizes: their "
+                f"StatefulSet {part.name!r} would exceed {MAX_STATEFULSET_NAME} characters (its pods' "
+                f"names and revision labels must fit 63); use a name of at most "
+                f"{MAX_STATEFULSET_NAME - len(part.name) + len(spec.name)} characters")
+    return out
+
+
+def part_selector(spec_name: str, part: Part) -> dict[str, str]:
+    return {NAME_LABEL: spec_name, PART_LABEL: str(part.start)} if part.labelled else {NAME_LABEL: spec_name}
+
+
+def _resources(compute: Any, gpus: int) -> dict[str, Any]:
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if compute.cpus is not None:
@@ -105,8 +153,8 @@ def _resources(compute: Any) -> dict[str, Any]:
         limits["cpu"] = cpu_quantity(compute.cpu_limit)
     if compute.memory_limit is not None:
         limits["memory"] = compute.memory_limit
-    if compute.gpus:
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(compute.gpus)
+    if gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
@@ -131,7 +179,7 @@ def _volumes(compute: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return volumes, mounts
 
 
-def _env(spec: DeploymentSpec, install: str) -> list[dict[str, Any]]:
+def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
     compute = spec.compute
     image = compute.image
 
@@ -148,7 +196,7 @@ def _env(spec: DeploymentSpec, install: str) -> list[dict[str, Any]]:
         {"name": "KTLITE_DEPLOYMENT", "value": spec.name},
         {"name": "KTLITE_BACKEND", "value": "kubernetes"},
         {"name": "KTLITE_PORT", "value": str(SERVER_PORT)},
-        {"name": "KTLITE_PROCS", "value": str(max(compute.gpus, 1))},
+        {"name": "KTLITE_PROCS", "value": str(max(gpus, 1))},
         {"name": "KTLITE_INSTALL", "value": install},
         {"name": "KTLITE_FREEZE", "value": "1" if image is not None and image.freeze else "0"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -162,15 +210,18 @@ def _env(spec: DeploymentSpec, install: str) -> list[dict[str, Any]]:
     return env
 
 
-def pod_template(spec: DeploymentSpec, *, image: str, install: str) -> dict[str, Any]:
-    """The StatefulSet's pod template, annotated with a hash of itself."""
+def pod_template(spec: DeploymentSpec, *, image: str, install: str,
+                 part: Part | None = None) -> dict[str, Any]:
+    """The pod template of ``part`` (default: the StatefulSet holding pod 0), annotated with a
+    hash of itself."""
     compute = spec.compute
+    part = part or parts(spec)[0]
     volumes, mounts = _volumes(compute)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image,
         "command": ["/bin/sh", "-c", BOOTSTRAP],
-        "env": _env(spec, install),
+        "env": _env(spec, install, part.gpus),
         "ports": [{"name": "server", "containerPort": SERVER_PORT},
                   {"name": "master", "containerPort": master_port(spec)}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": SERVER_PORT},
@@ -179,7 +230,7 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str) -> dict[str,
     }
     if compute.secrets:
         container["envFrom"] = [{"secretRef": {"name": s}} for s in compute.secrets]
-    resources = _resources(compute)
+    resources = _resources(compute, part.gpus)
     if resources:
         container["resources"] = resources
     if compute.image_pull_policy:
@@ -197,7 +248,8 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str) -> dict[str,
         pod["serviceAccountName"] = compute.service_account
     if compute.priority_class:
         pod["priorityClassName"] = compute.priority_class
-    meta = {"labels": {**compute.labels, **labels(spec.name)}, "annotations": dict(compute.annotations)}
+    meta = {"labels": {**compute.labels, **labels(spec.name), **part_selector(spec.name, part)},
+            "annotations": dict(compute.annotations)}
     template = {"metadata": meta, "spec": pod}
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
     meta["annotations"][HASH_ANNOTATION] = digest
@@ -228,10 +280,15 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
                 claim_spec["storageClassName"] = vol.storage_class
             claims.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                            "metadata": {**meta, "name": vol.name}, "spec": claim_spec})
-    statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta,
-                   "spec": {"serviceName": name, "replicas": spec.workers,
-                            "podManagementPolicy": "Parallel",
-                            "updateStrategy": {"type": "OnDelete"},
-                            "selector": {"matchLabels": {NAME_LABEL: name}},
-                            "template": pod_template(spec, image=image, install=install)}}
-    return [secret, service, *claims, statefulset]
+    statefulsets = []
+    for part in parts(spec):
+        sts_spec: dict[str, Any] = {"serviceName": name, "replicas": part.replicas,
+                                    "podManagementPolicy": "Parallel",
+                                    "updateStrategy": {"type": "OnDelete"},
+                                    "selector": {"matchLabels": part_selector(name, part)},
+                                    "template": pod_template(spec, image=image, install=install, part=part)}
+        if part.start:
+            sts_spec["ordinals"] = {"start": part.start}
+        statefulsets.append({"apiVersion": "apps/v1", "kind": "StatefulSet",
+                             "metadata": {**meta, "name": part.name}, "spec": sts_spec})
+    return [secret, service, *claims, *statefulsets]

@@ -47,6 +47,25 @@ def _ordinal(pod: dict[str, Any]) -> int:
     return int(pod["metadata"]["name"].rsplit("-", 1)[1])
 
 
+def _first_ordinal(sts: dict[str, Any]) -> int:
+    return int((sts["spec"].get("ordinals") or {}).get("start", 0))
+
+
+def _match(sts: dict[str, Any]) -> str:
+    """A label selector for the pods of ``sts``."""
+    return ",".join(f"{k}={v}" for k, v in sts["spec"]["selector"]["matchLabels"].items())
+
+
+def _ordinal_hashes(statefulsets: list[dict[str, Any]]) -> dict[int, str]:
+    """ordinal → the pod hash its StatefulSet's template asks for."""
+    want: dict[int, str] = {}
+    for sts in statefulsets:
+        start = _first_ordinal(sts)
+        for ordinal in range(start, start + sts["spec"].get("replicas", 0)):
+            want[ordinal] = _pod_hash(sts["spec"]["template"]) or ""
+    return want
+
+
 def _pod_hash(obj: dict[str, Any]) -> str | None:
     meta = obj.get("metadata", {})
     value: str | None = (meta.get("annotations") or {}).get(km.HASH_ANNOTATION)
@@ -125,7 +144,9 @@ class KubernetesBackend(Backend):
             self._say(f"backend kubernetes, context {info.context!r}, namespace {api.namespace!r} "
                       f"({info.host})")
         objects = self._render(spec, api.namespace, token)
-        secret, service, *claims, statefulset = objects
+        secret, service = objects[:2]
+        claims = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+        statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
         first = api.get("StatefulSet", spec.name) is None
         created: list[tuple[str, str]] = []  # (kind, name) of what this apply made
         try:
@@ -133,13 +154,17 @@ class KubernetesBackend(Backend):
             self._ensure(api, service, created)
             for claim in claims:
                 self._ensure(api, claim, created)
-            restarted = self._apply_statefulset(api, statefulset, roll_all=token_changed)
-            if first:
-                created.append(("StatefulSet", spec.name))
-            pods = self.wait_ready(api, spec, _pod_hash(statefulset["spec"]["template"]) or "")
+            self._remove_stale_parts(api, spec.name, {s["metadata"]["name"] for s in statefulsets})
+            restarted: list[int] = []
+            for sts in statefulsets:
+                new = api.get("StatefulSet", sts["metadata"]["name"]) is None
+                restarted += self._apply_statefulset(api, sts, roll_all=token_changed)
+                if first and new:
+                    created.append(("StatefulSet", sts["metadata"]["name"]))
+            pods = self.wait_ready(api, spec, _ordinal_hashes(statefulsets))
         except BaseException as e:
             raise self._failed(api, spec.name, e, created if first else None) from e
-        return self._applied(spec.name, pods, token, km.master_port(spec), restarted)
+        return self._applied(spec.name, pods, token, km.master_port(spec), sorted(set(restarted)))
 
     def _failed(self, api: KubeApi, name: str, error: BaseException,
                 created: list[tuple[str, str]] | None) -> BaseException:
@@ -202,39 +227,49 @@ class KubernetesBackend(Backend):
         return True
 
     def _apply_statefulset(self, api: KubeApi, sts: dict[str, Any], roll_all: bool) -> list[int]:
-        """Create or update the StatefulSet; delete pods whose template is out of date (the
+        """Create or update one StatefulSet; delete its pods whose template is out of date (the
         controller re-creates them). Returns the ordinals that get new pods."""
         name = sts["metadata"]["name"]
-        replicas = sts["spec"]["replicas"]
+        start, replicas = _first_ordinal(sts), sts["spec"]["replicas"]
+        ordinals = range(start, start + replicas)
         current = api.get("StatefulSet", name)
         if current is None:
             api.create(sts)
-            return list(range(replicas))
+            return list(ordinals)
         want = _pod_hash(sts["spec"]["template"])
         old_replicas = current["spec"].get("replicas", 0)
         if _pod_hash(current["spec"]["template"]) != want:
             try:
                 api.replace(sts, current["metadata"]["resourceVersion"])
             except KubeApiError as e:
-                if e.status != 422:  # an immutable field differs (an older ktlite made it)
+                if e.status != 422:  # an immutable field differs (an older ktlite made it, or its selector)
                     raise
                 api.delete("StatefulSet", name, propagation="Foreground")
                 self._wait_gone(api, "StatefulSet", name, 60.0)
                 api.create(sts)
-                return list(range(replicas))
+                return list(ordinals)
         elif old_replicas != replicas:
             api.patch("StatefulSet", name, {"spec": {"replicas": replicas}})
-        restarted = list(range(old_replicas, replicas))  # new ordinals of a scale-up
+        restarted = list(range(start + old_replicas, start + replicas))  # new ordinals of a scale-up
         present = set()
-        for pod in api.list("Pod", km.selector(name)):
+        for pod in api.list("Pod", _match(sts)):
             ordinal = _ordinal(pod)
             present.add(ordinal)
-            if ordinal < replicas and (roll_all or _pod_hash(pod) != want) \
+            if ordinal in ordinals and (roll_all or _pod_hash(pod) != want) \
                     and not pod["metadata"].get("deletionTimestamp"):
                 api.delete("Pod", pod["metadata"]["name"])
                 restarted.append(ordinal)
-        restarted += [i for i in range(replicas) if i not in present]
+        restarted += [i for i in ordinals if i not in present]
         return sorted(set(restarted))
+
+    def _remove_stale_parts(self, api: KubeApi, name: str, keep: set[str]) -> None:
+        """Delete this deployment's StatefulSets that the new shape has no place for (pods of
+        other sizes); their pods go with them. Before the others are applied, so no two
+        StatefulSets ever claim a pod."""
+        for sts in api.list("StatefulSet", km.selector(name)):
+            if sts["metadata"]["name"] not in keep:
+                api.delete("StatefulSet", sts["metadata"]["name"], propagation="Foreground")
+                self._wait_gone(api, "StatefulSet", sts["metadata"]["name"], 60.0)
 
     def _wait_gone(self, api: KubeApi, kind: str, name: str, timeout: float) -> None:
         deadline = self._clock() + timeout
@@ -243,9 +278,10 @@ class KubernetesBackend(Backend):
                 raise DeployError(f"{kind} {name} was still being deleted after {timeout:g}s")
             self._sleep(POLL_S)
 
-    def wait_ready(self, api: KubeApi, spec: DeploymentSpec, want_hash: str) -> list[dict[str, Any]]:
-        """Pods 0..N-1 running ``want_hash`` and answering; fails early with the reason a pod
-        cannot start, and after ``launch_timeout`` with the last reason seen.
+    def wait_ready(self, api: KubeApi, spec: DeploymentSpec, want: dict[int, str]) -> list[dict[str, Any]]:
+        """Pods 0..N-1, each running its StatefulSet's template (``want``: ordinal → pod hash)
+        and answering; fails early with the reason a pod cannot start, and after
+        ``launch_timeout`` with the last reason seen.
 
         A pod counts as soon as its server answers /health, which we ask ourselves: waiting
         for the kubelet's readiness probe (and then for the next poll) would round every
@@ -258,7 +294,7 @@ class KubernetesBackend(Backend):
         answering: set[str] = set()  # uids of pods whose server answered
         while True:
             pods = {_ordinal(p): p for p in api.list("Pod", km.selector(spec.name))
-                    if _pod_hash(p) == want_hash and not p["metadata"].get("deletionTimestamp")}
+                    if _pod_hash(p) == want.get(_ordinal(p)) and not p["metadata"].get("deletionTimestamp")}
             current = [pods[i] for i in range(n) if i in pods]
             line = progress(current, n)
             if line != last_line:
@@ -366,24 +402,28 @@ class KubernetesBackend(Backend):
 
     def lookup(self, name: str) -> Applied | None:
         api = self._api()
-        sts = api.get("StatefulSet", name)
+        statefulsets = api.list("StatefulSet", km.selector(name))
         secret = api.get("Secret", km.token_secret_name(name))
-        if sts is None or secret is None:
+        if not any(s["metadata"]["name"] == name for s in statefulsets) or secret is None:
             return None
         token = _decode_token(secret)
         if token is None:
             return None
-        want = _pod_hash(sts["spec"]["template"])
+        want = _ordinal_hashes(statefulsets)
         pods = [p for p in api.list("Pod", km.selector(name))
-                if _pod_hash(p) == want and p.get("status", {}).get("podIP")
-                and _ordinal(p) < sts["spec"]["replicas"] and not p["metadata"].get("deletionTimestamp")]
-        ports = [p.get("containerPort") for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]
+                if _pod_hash(p) == want.get(_ordinal(p)) and p.get("status", {}).get("podIP")
+                and not p["metadata"].get("deletionTimestamp")]
+        head = next(s for s in statefulsets if s["metadata"]["name"] == name)
+        ports = [p.get("containerPort") for p in head["spec"]["template"]["spec"]["containers"][0]["ports"]
                  if p.get("name") == "master"]
         return self._applied(name, pods, token, ports[0] if ports else DEFAULT_MASTER_PORT, [])
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
         api = self._api()
-        found = api.delete("StatefulSet", name)
+        found = False
+        for sts in api.list("StatefulSet", km.selector(name)):
+            found |= api.delete("StatefulSet", sts["metadata"]["name"])
+        found |= api.delete("StatefulSet", name)  # one an older ktlite made without the label
         found |= api.delete("Service", name)
         found |= api.delete("Secret", km.token_secret_name(name))
         pods = api.list("Pod", km.selector(name))
@@ -405,14 +445,15 @@ class KubernetesBackend(Backend):
 
     def list(self) -> list[dict[str, Any]]:
         api = self._api()
-        rows = []
+        rows: dict[str, dict[str, Any]] = {}  # one row per deployment, over its StatefulSets
         managed = ",".join(f"{k}={v}" for k, v in km.MANAGED_LABELS.items())
         for sts in api.list("StatefulSet", managed):
-            status = sts.get("status") or {}
-            rows.append({"name": sts["metadata"]["name"], "backend": self.name, "namespace": api.namespace,
-                         "pods": sts["spec"].get("replicas", 0), "ready": status.get("readyReplicas", 0),
-                         "detached": True})
-        return rows
+            name = (sts["metadata"].get("labels") or {}).get(km.NAME_LABEL, sts["metadata"]["name"])
+            row = rows.setdefault(name, {"name": name, "backend": self.name, "namespace": api.namespace,
+                                         "pods": 0, "ready": 0, "detached": True})
+            row["pods"] += sts["spec"].get("replicas", 0)
+            row["ready"] += (sts.get("status") or {}).get("readyReplicas", 0)
+        return list(rows.values())
 
     def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
              tail: int | None = None) -> Iterator[str]:

@@ -231,8 +231,8 @@ class LocalBackend(Backend):
         if image is not None:
             env.update(image.env)
         env.update(spec.compute.env)
-        gpus = spec.compute.gpus
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[ordinal * gpus:(ordinal + 1) * gpus])
+        first = sum(spec.compute.pod_gpus(i) for i in range(ordinal))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[first:first + spec.compute.pod_gpus(ordinal)])
         env["KTLITE_POD_ORDINAL"] = str(ordinal)
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
@@ -251,10 +251,13 @@ class LocalBackend(Backend):
         return Plan(backend=self.name, name=spec.name, commands=cmds)
 
     def _check_gpus(self, spec: DeploymentSpec) -> None:
-        want = spec.compute.gpus * spec.workers
+        per_pod = [spec.compute.pod_gpus(i) for i in range(spec.workers)]
+        want = sum(per_pod)
         have = len(visible_gpus())
         if want > have:
-            raise ConfigError(f"gpus={spec.compute.gpus} × workers={spec.workers} needs {want} GPU(s), "
+            shape = (f"gpus={spec.compute.gpus} × workers={spec.workers}" if len(set(per_pod)) == 1
+                     else f"pods of {per_pod} GPUs (one per rank)")
+            raise ConfigError(f"{shape} needs {want} GPU(s), "
                               f"but this machine has {have}; lower gpus/workers, or use "
                               "backend='kubernetes' to run on a cluster")
 

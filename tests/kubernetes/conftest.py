@@ -16,6 +16,9 @@ The tests here run only when ``KTLITE_TEST_KUBECONFIG`` names a kubeconfig; with
 - ``KTLITE_TEST_STORAGE_CLASS``: StorageClass of the volume test (default: the cluster's).
 - ``KTLITE_TEST_SKIP_VOLUMES=1``: skip the volume test (or deselect the marker
   ``kubernetes_volumes``).
+- ``KTLITE_TEST_GPUS``: how many ``nvidia.com/gpu`` the cluster can schedule at once (default
+  0). The uneven GPU pods test needs 4 (it requests them; its ranks use gloo on CPU, so a node
+  that only advertises the resource will do: see docs/kubernetes.md).
 
 The backend is always passed explicitly (``Compute(backend="kubernetes")``).
 
@@ -68,6 +71,7 @@ class Settings:
     pull_policy: str
     storage_class: str | None
     skip_volumes: bool
+    gpus: int = 0
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +92,7 @@ def settings() -> Settings:
         pull_policy=os.environ.get("KTLITE_TEST_IMAGE_PULL_POLICY") or "IfNotPresent",
         storage_class=os.environ.get("KTLITE_TEST_STORAGE_CLASS") or None,
         skip_volumes=os.environ.get("KTLITE_TEST_SKIP_VOLUMES", "") not in ("", "0"),
+        gpus=int(os.environ.get("KTLITE_TEST_GPUS") or 0),
     )
 
 
