@@ -361,7 +361,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 if coordinator is not None and any(o[2] != "ok" for o in outs):
                     # a failed or stopped call may leave ranks out of step in their process
                     # group: the next call forms a new one (every rank, on a new port)
-                    pod.generation += 1
+                    pod.next_generation()
                 started = coordinator.started if coordinator is not None else True
                 stream.emit(protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs, started)))
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
@@ -384,7 +384,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             raise HTTPException(409, f"pod {pod.name} has no code deployed; call .to() first")
         result = await pod.restart_failed()
         if result["restarted"] or request.query_params.get("regroup", "").lower() in ("1", "true", "yes"):
-            pod.generation += 1  # on pod 0 this re-forms the process group at the next call
+            pod.next_generation()  # on pod 0 this re-forms the process group at the next call
         return JSONResponse({**result, "generation": pod.generation})
 
     @app.post("/cancel/{call_id}")

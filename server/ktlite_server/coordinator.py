@@ -81,6 +81,11 @@ class CallPlan:
                                        or generation < 0):
             raise ValueError(f"generation={generation!r} must be a whole number")
         self.generation: int | None = generation
+        group_port = meta.get("group_port")  # its MASTER_PORT, picked by pod 0 (None: the first one)
+        if group_port is not None and (isinstance(group_port, bool) or not isinstance(group_port, int)
+                                       or not 0 < group_port < 65536):
+            raise ValueError(f"group_port={group_port!r} must be a TCP port")
+        self.group_port: int | None = group_port
         # a per-rank call: the body is the shared message, then each rank's items
         per_rank = meta.get("per_rank")
         self.per_rank: dict[str, Any] | None = None if per_rank is None else rankdata.check_plan(per_rank)
@@ -97,7 +102,8 @@ class CallPlan:
     def member_meta(self, per_rank: dict[str, Any] | None = None) -> dict[str, Any]:
         meta = {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
                 "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id,
-                "num_proc": self.num_proc, "generation": self.generation, "ranks": self.ranks}
+                "num_proc": self.num_proc, "generation": self.generation, "group_port": self.group_port,
+                "ranks": self.ranks}
         if per_rank is not None:
             meta["per_rank"] = per_rank
         return meta
@@ -168,9 +174,9 @@ async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, em
         def log(rank: int, stream: str, line: str) -> None:
             emit(protocol.log_frame(rank, pod.name, stream, line))
     if plan.generation is None:  # pod 0 (the coordinator) decides
-        plan.generation = pod.generation
+        plan.generation, plan.group_port = pod.generation, pod.group_port
     outs = await pod.run(plan.id, payload, path, log, restart=plan.restart, per_rank=plan.per_rank,
-                         generation=plan.generation, ranks=plan.ranks)
+                         generation=plan.generation, group_port=plan.group_port, ranks=plan.ranks)
     return _pod_outcomes(pod, outs, plan.shm_results)
 
 
@@ -208,7 +214,7 @@ class Coordinator:
     async def run(self, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
         plan = self.plan
         if plan.generation is None:
-            plan.generation = self.pod.generation
+            plan.generation, plan.group_port = self.pod.generation, self.pod.group_port
         targets = plan.workers if plan.workers is not None else list(range(len(plan.pods)))
         if targets == [self.pod.ordinal] and plan.timeout is None:
             self.started = True

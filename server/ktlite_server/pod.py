@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 from ktlite import rankdata, shm
 from ktlite.spec import DistributedConfig, distributed_env
+from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
 
@@ -152,6 +154,7 @@ class Pod:
         self.gate = Gate(1)  # calls at once on this pod (the deployment's concurrency)
         self.order = asyncio.Lock()  # pod 0: a distributed deployment's calls, one at a time, FIFO
         self.generation = 0  # pod 0: the process-group generation (bumped after a failed call)
+        self.group_port: int | None = None  # pod 0: that generation's MASTER_PORT (None: the deployment's)
         self.restarted: list[int] = []  # ranks restarted since restart_failed() last asked
         self.lost_groups: dict[int, str] = {}  # ranks that died idle holding a process group
         self.last_generation = 0  # the process-group generation of the last call run here
@@ -390,12 +393,29 @@ class Pod:
             await self._healing
             self._healing = None
 
+    def next_generation(self) -> None:
+        """(Pod 0, MASTER_ADDR) After a failed or stopped call, or a rank restart: the next call
+        forms a new process group, on the first port after the last one, cycling through
+        MASTER_PORT .. MASTER_PORT + PORT_SPAN - 1, that is free here now (the old group's
+        store may still hold its port, and on the local backend other deployments' ports are
+        near)."""
+        self.generation += 1
+        if self.dep is None:
+            return
+        base = self.dep.master_port
+        last = (self.group_port or base) - base
+        self.group_port = next((base + (last + k) % PORT_SPAN for k in range(1, PORT_SPAN)
+                                if _free(base + (last + k) % PORT_SPAN)), base + self.generation % PORT_SPAN)
+
     # ---- calls -------------------------------------------------------------------------
 
     async def run(self, call_id: str, payload: Any, path: str | None, emit: LogEmit | None,
                   restart: bool = False, per_rank: dict[str, Any] | None = None,
-                  generation: int = 0, ranks: list[int] | None = None) -> list[Outcome]:
-        """Run one call on every local rank; ``path`` names a shared-memory copy of ``payload``."""
+                  generation: int = 0, ranks: list[int] | None = None,
+                  group_port: int | None = None) -> list[Outcome]:
+        """Run one call on every local rank; ``path`` names a shared-memory copy of ``payload``;
+        ``generation`` and ``group_port`` name the process group its collectives use (pod 0's
+        choice: see :meth:`next_generation`)."""
         if call_id in self.finished:
             return self.finished[call_id]  # duplicate delivery runs once
         if call_id in self.calls:
@@ -408,7 +428,8 @@ class Pod:
             handle.stop_kind, handle.stop_reason = early
         self.calls[call_id] = handle
         try:
-            handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank, generation, ranks)
+            handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank, generation, ranks,
+                                              group_port)
         finally:
             self.calls.pop(call_id, None)
             handle.done.set()
@@ -419,16 +440,17 @@ class Pod:
 
     async def _run(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
                    restart: bool, per_rank: dict[str, Any] | None = None, generation: int = 0,
-                   ranks: list[int] | None = None) -> list[Outcome]:
+                   ranks: list[int] | None = None, group_port: int | None = None) -> list[Outcome]:
         await self.gate.acquire()  # FIFO: at most the deployment's concurrency run at once
         try:
-            return await self._admitted(handle, payload, path, emit, restart, per_rank, generation, ranks)
+            return await self._admitted(handle, payload, path, emit, restart, per_rank, generation, ranks,
+                                        group_port)
         finally:
             self.gate.release()
 
     async def _admitted(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
                         restart: bool, per_rank: dict[str, Any] | None, generation: int,
-                        ranks: list[int] | None = None) -> list[Outcome]:
+                        ranks: list[int] | None = None, group_port: int | None = None) -> list[Outcome]:
         async with self.lock:  # heals and restarts happen between calls, never under one
             await self._settle()
             dep = self.dep
@@ -490,7 +512,8 @@ class Pod:
             print(f"[pod] call {handle.call_id}: message {view.nbytes} bytes", file=sys.stderr, flush=True)
         size = view.nbytes
         msg: dict[str, Any] = {"id": handle.call_id, "args": None if path else bytes(view), "path": path,
-                               "size": size, "items": items, "item_at": item_at, "generation": generation}
+                               "size": size, "items": items, "item_at": item_at, "generation": generation,
+                               "group_port": group_port}
         if emit is not None:
             for r in self.ranks:
                 self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
@@ -667,3 +690,13 @@ class Pod:
         await asyncio.gather(*(r.wait_dead(2) for r in self.ranks if r is not None))
         with contextlib.suppress(OSError):
             os.unlink(self.pod_ips_file)
+
+
+def _free(port: int) -> bool:
+    """Whether a listener could bind ``port`` on every address of this pod now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True

@@ -270,14 +270,17 @@ class Rank:
         finally:
             self.tasks.pop(call_id, None)
 
-    def regroup(self, generation: int) -> None:
+    def regroup(self, generation: int, port: int | None = None) -> None:
         """Pod 0 moves the deployment to a new process-group generation after a failed call
         or a rank restart: the next ``init_process_group`` in a call leaves the old group and
-        rendezvouses on MASTER_PORT + generation (mod PORT_SPAN), away from the old store."""
+        rendezvouses on ``port`` (pod 0's pick, free there; without one MASTER_PORT +
+        generation mod PORT_SPAN), away from the old store."""
         if generation == self.generation:
             return
         self.generation = generation
-        if self.base_port is not None:
+        if port is not None:
+            os.environ["MASTER_PORT"] = str(port)
+        elif self.base_port is not None:
             os.environ["MASTER_PORT"] = str(self.base_port + generation % PORT_SPAN)
         dist = sys.modules.get("torch.distributed")
         if dist is not None:
@@ -369,7 +372,7 @@ class Rank:
 
     def call(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]
-        self.regroup(int(msg.get("generation") or 0))
+        self.regroup(int(msg.get("generation") or 0), msg.get("group_port"))
         # a private, writable copy either way: arrays decoded from it must be writable
         payload = bytearray(msg["args"]) if msg.get("args") is not None else shm.map_private(msg["path"], msg["size"])
         try:
