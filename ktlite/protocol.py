@@ -13,7 +13,6 @@ frames, logs interleaved with the final result, so a caller sees every rank's ou
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import struct
@@ -121,6 +120,20 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+class _Pieces:
+    """A pickle's output as the pieces the pickler writes, kept, not copied: the pickler hands
+    a large ``bytes`` value (which no pickling hook sees: pickle always writes it in band) to
+    ``write`` as the object itself, so it travels without a copy on this side, like an
+    out-of-band buffer."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+
+    def write(self, data: Any) -> int:
+        self.pieces.append(data if type(data) is bytes else bytes(data))
+        return len(self.pieces[-1])
+
+
 def dumps_parts(obj: Any, *, sources: bool = False) -> list[Any]:
     """Pickle ``obj`` into the parts of one message: header, pickle, then aligned buffers.
 
@@ -134,14 +147,15 @@ def dumps_parts(obj: Any, *, sources: bool = False) -> list[Any]:
         buffers.append(buf)
         return False
 
-    stream = io.BytesIO()
+    stream = _Pieces()
     (_SourcePickler if sources else _Pickler)(stream, protocol=5, buffer_callback=keep).dump(obj)
-    body = stream.getbuffer()
+    body = stream.pieces
+    plen = sum(len(b) for b in body)
     raws = [b.raw() for b in buffers]
     lens = [r.nbytes for r in raws]
-    head = _HEAD.pack(MAGIC, PROTOCOL_VERSION, len(raws), body.nbytes) + struct.pack(f"<{len(raws)}Q", *lens)
-    parts: list[Any] = [head, body]
-    offset = len(head) + body.nbytes
+    head = _HEAD.pack(MAGIC, PROTOCOL_VERSION, len(raws), plen) + struct.pack(f"<{len(raws)}Q", *lens)
+    parts: list[Any] = [head, *body]
+    offset = len(head) + plen
     for raw in raws:
         pad = _pad(offset)
         if pad:

@@ -249,6 +249,18 @@ def test_protocol_round_trip_plain_objects() -> None:
     assert protocol.parts_size(parts) == len(protocol.dumps(obj))
 
 
+def test_protocol_large_bytes_are_parts_not_copies() -> None:
+    # pickle writes a bytes value in band; the message keeps the object itself as a part
+    big = bytes(range(256)) * 4096
+    other = bytes(70_000)
+    obj = {"big": big, "small": b"s" * 100, "tail": [other, "x" * 70_000, big]}
+    parts = protocol.dumps_parts(obj)
+    assert sum(p is big for p in parts) == 1 and sum(p is other for p in parts) == 1  # the 2nd big: memo
+    data = b"".join(bytes(memoryview(p)) for p in parts)
+    assert protocol.parts_size(parts) == len(data)
+    assert protocol.loads(data) == obj and protocol.loads(bytearray(data)) == obj
+
+
 def test_protocol_round_trip_function() -> None:
     def local_fn(x: int) -> int:
         return x * 7
