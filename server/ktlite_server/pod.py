@@ -346,6 +346,8 @@ class Pod:
         max_restarts: a death during a call is that call's error, reported to its caller, and
         the next call gets a fresh process. A rank beyond the budget is reported, not restarted.
         """
+        if not any(self._needs_heal(r) for r in self.ranks) and not self._heal_lock.locked():
+            return []  # the usual case before a call: nothing to replace
         async with self._heal_lock:
             dep = self.dep
             if dep is None:

@@ -200,6 +200,8 @@ class RankProcess:
         if future is None:
             future = self._pending[key] = asyncio.get_running_loop().create_future()
         try:
+            if timeout is None:  # a call: the common case, without wait_for's extra task
+                return await asyncio.shield(future)
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:
             raise RankGone(f"rank process did not finish {what} within {timeout:.0f}s") from None

@@ -27,6 +27,7 @@ HEARTBEAT_S = 2.0
 LOG_BUFFER_BYTES = 8 << 20  # frames kept for a re-attach; older log lines are dropped first
 RETAIN_S = 30.0  # a finished call's frames wait this long for a caller that lost its stream
 RETAIN_BYTES = 512 << 20  # at most this much of finished calls' frames is kept
+JOIN_MAX = 1 << 20  # frames up to this size leave in one piece (larger: in chunks, without copies)
 
 
 def _size(item: Any) -> int:
@@ -172,7 +173,11 @@ class CallStream:
 
 
 async def _send(send: Any, item: Any, more: bool) -> None:
-    chunks = list(protocol.chunked(item if isinstance(item, list) else [item])) or [b""]
+    parts = item if isinstance(item, list) else [item]
+    if protocol.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
+        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
+        return
+    chunks = list(protocol.chunked(parts)) or [b""]
     for i, chunk in enumerate(chunks):
         await send({"type": "http.response.body", "body": chunk,
                     "more_body": more or i < len(chunks) - 1})
