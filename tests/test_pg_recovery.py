@@ -29,6 +29,10 @@ def act(mode: str, arg: float = 0.0) -> object:
     rank = int(os.environ["RANK"])
     if mode == "pid":
         return os.getpid()
+    if mode == "fail":  # before any collective: the call fails, the group moves on
+        if rank == 1:
+            raise ValueError("rank 1 fails this call")
+        return rank
     import torch
     import torch.distributed as dist
 
@@ -38,6 +42,10 @@ def act(mode: str, arg: float = 0.0) -> object:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=arg))
         return "joined"
     dist.init_process_group("gloo")
+    if mode == "port":  # the MASTER_PORT this call's group formed on
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return int(os.environ["MASTER_PORT"]), t.item()
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     return t.item()
@@ -97,38 +105,19 @@ def test_call_stopped_before_it_started_keeps_the_rank() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
-def port_after(mode: str) -> object:
-    """The MASTER_PORT a collective call formed its group on (``mode="fail"``: rank 1 raises
-    before the collective, and the call fails)."""
-    import torch
-    import torch.distributed as dist
-
-    if mode == "fail":
-        if os.environ["RANK"] == "1":
-            raise ValueError("rank 1 fails this call")
-        return None
-    dist.init_process_group("gloo")
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return int(os.environ["MASTER_PORT"]), t.item()
-
 
 @pytest.mark.timeout(150)
-def test_a_new_process_group_skips_a_port_taken_on_pod_0() -> None:
+def test_a_new_process_group_skips_a_port_taken_on_pod_0(gloo) -> None:
     """After a failed call the next group forms on a new port; one taken on pod 0's host
     (here by another process's listener) is skipped instead of failing the rendezvous."""
     import socket
 
-    pytest.importorskip("torch")
-    remote = kt.fn(port_after, name="pgr-port").to(kt.Compute(cpus=1).distribute("pytorch", num_proc=2))
-    try:
-        (base, total), same = remote.options(**QUIET, timeout=60)("group")
-        assert same == (base, total) and total == 2.0
-        with socket.socket() as taken:
-            taken.bind(("127.0.0.1", base + 1))
-            taken.listen()
-            with pytest.raises(kt.RemoteError, match="rank 1 fails this call"):
-                remote.options(**QUIET, timeout=60)("fail")
-            assert remote.options(**QUIET, timeout=60)("group") == [(base + 2, 2.0)] * 2
-    finally:
-        remote.teardown()
+    ports = gloo.options(**QUIET, timeout=60)("port")
+    assert len(set(ports)) == 1 and ports[0][1] == 4.0
+    port = ports[0][0]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        with pytest.raises(kt.RemoteError, match="rank 1 fails this call"):
+            gloo.options(**QUIET, timeout=60)("fail")
+        assert gloo.options(**QUIET, timeout=60)("port") == [(port + 2, 4.0)] * 4
