@@ -199,17 +199,29 @@ def _hide_callers_files() -> list[str]:
     """Shell commands that hide the caller's files from a pod, as a real cluster does: an
     empty /tmp (pytest's tmp_path dirs) and an empty tests/ (the test functions' modules), so
     code shipped by value must bring its source along. ktlite itself stays visible (installed
-    from outside tests/), and so does tests/old_tarfile (a PYTHONPATH dir pods may be given),
-    bind-mounted back through a staging point in the new /tmp. Runs after the PVC binds,
+    from outside tests/), and so does tests/old_tarfile (a PYTHONPATH dir pods may be given).
+    A checkout or venv that itself lives under /tmp (a CI clone there) stays visible too.
+    What stays is bind-mounted to a staging tmpfs on /mnt first and moved back after /tmp
+    and tests/ are hidden (all in the pod's own mount namespace). Runs after the PVC binds,
     whose sources live under /tmp."""
     tests = Path(__file__).resolve().parent
-    keep, stage = shlex.quote(str(tests / "old_tarfile")), "/tmp/.ktlite-keep"
-    return ["mount -t tmpfs -o mode=1777 tmpfs /tmp",
-            f"if [ -d {keep} ]; then mkdir {stage} && mount --bind {keep} {stage}; fi",
-            f"mount -t tmpfs tmpfs {shlex.quote(str(tests))}",
-            f"if [ -d {stage} ]; then mkdir {keep} && mount --move {stage} {keep} "
-            f"&& rmdir {stage}; fi",
-            "cd /tmp"]  # the shell's cwd is still the /tmp under the new mount
+    under_tmp = [p for p in (tests.parent, Path(sys.prefix).resolve()) if Path("/tmp") in p.parents]
+    roots = [p for p in under_tmp if not any(other in p.parents for other in under_tmp)]
+    keep = [*dict.fromkeys(roots), tests / "old_tarfile"]
+    cmds = ["mount -t tmpfs tmpfs /mnt"]
+    for i, path in enumerate(keep):
+        q = shlex.quote(str(path))
+        cmds.append(f"if [ -d {q} ]; then mkdir /mnt/{i} && mount --bind {q} /mnt/{i}; fi")
+
+    def back(i: int, path: Path) -> str:
+        q = shlex.quote(str(path))
+        return f"if [ -d /mnt/{i} ]; then mkdir -p {q} && mount --move /mnt/{i} {q}; fi"
+
+    cmds.append("mount -t tmpfs -o mode=1777 tmpfs /tmp")
+    cmds += [back(i, path) for i, path in enumerate(keep[:-1])]
+    cmds.append(f"mount -t tmpfs tmpfs {shlex.quote(str(tests))}")
+    cmds.append(back(len(keep) - 1, keep[-1]))
+    return [*cmds, "cd /tmp"]  # the shell's cwd is still the /tmp under the new mount
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -20,9 +20,11 @@ def _env() -> dict[str, str | None]:
     return {k: os.environ.get(k) for k in ENV_KEYS}
 
 
-def whoami(x: int) -> dict[str, object]:
+def whoami(x: int, caller_file: str | None = None) -> dict[str, object]:
+    """``caller_file``: a path of the caller's, which a pod must not see."""
     return {"value": x * 2, "hostname": socket.gethostname(), "pid": os.getpid(),
-            "python": list(sys.version_info[:2]), "env": _env()}
+            "python": list(sys.version_info[:2]), "env": _env(),
+            "sees_caller_file": caller_file is not None and os.path.exists(caller_file)}
 
 
 def gloo_all_reduce() -> dict[str, object]:

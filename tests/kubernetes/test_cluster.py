@@ -82,8 +82,9 @@ def rank_pids(status: list[dict[str, Any]]) -> dict[int, int]:
 def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
     name = deployments.name("single")
     remote = deployments.to(cluster_funcs.whoami, make_compute(), name)
-    out = remote(21)
+    out = remote(21, caller_file=__file__)
     assert out["value"] == 42
+    assert not out["sees_caller_file"], "the caller's files must not exist on the pods (as on a real cluster)"
     assert out["hostname"] == f"{name}-0", "the function did not run in the StatefulSet's pod 0"
     assert out["env"]["KTLITE_POD_NAME"] == f"{name}-0"
     assert (out["env"]["RANK"], out["env"]["WORLD_SIZE"]) == ("0", "1")
