@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,17 @@ class DistributedConfig:
     @property
     def world_size(self) -> int:
         return sum(self.sizes)
+
+
+def port_free(port: int) -> bool:
+    """Whether a listener could bind ``port`` on every address of this host now (a
+    MASTER_PORT for a new rendezvous)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None, fix: str) -> None:

@@ -16,7 +16,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ from typing import Any
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
-from ktlite.spec import DeploymentSpec
+from ktlite.spec import DeploymentSpec, port_free
 
 
 def _home() -> Path:
@@ -56,15 +55,6 @@ def pid_alive(pid: int | None) -> bool:
 _PORT_RANGE = (20000, 32000)
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
 def _master_port(taken: set[int], span: int) -> int:
     """A MASTER_PORT no other local deployment uses, with ``span`` free ports after it
     (TF_CONFIG gives rank r port MASTER_PORT + r)."""
@@ -72,7 +62,7 @@ def _master_port(taken: set[int], span: int) -> int:
     start = random.SystemRandom().randrange(low, high)
     for port in (*range(start, high), *range(low, start)):  # random start, then every port
         ports = range(port, port + max(span, 1))
-        if not taken.intersection(ports) and all(_bindable(p) for p in ports):
+        if not taken.intersection(ports) and all(port_free(p) for p in ports):
             return port
     raise DeployError(f"found no free MASTER_PORT in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}; "
                       "pass distribute(port=...)")

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ktlite import rankdata, shm
-from ktlite.spec import DistributedConfig, distributed_env
+from ktlite.spec import DistributedConfig, distributed_env, port_free
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
@@ -407,7 +406,7 @@ class Pod:
         base = self.dep.master_port
         last = (self.group_port or base) - base
         self.group_port = next((base + (last + k) % PORT_SPAN for k in range(1, PORT_SPAN)
-                                if _free(base + (last + k) % PORT_SPAN)), base + self.generation % PORT_SPAN)
+                                if port_free(base + (last + k) % PORT_SPAN)), base + self.generation % PORT_SPAN)
 
     # ---- calls -------------------------------------------------------------------------
 
@@ -693,12 +692,3 @@ class Pod:
         with contextlib.suppress(OSError):
             os.unlink(self.pod_ips_file)
 
-
-def _free(port: int) -> bool:
-    """Whether a listener could bind ``port`` on every address of this pod now."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True
