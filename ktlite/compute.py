@@ -24,9 +24,13 @@ _RESERVED_MOUNTS = ("/ktlite", "/dev/shm")  # ktlite's state dir and shared memo
 _RESERVED_ENV = (
     "KTLITE_TOKEN", "KTLITE_POD_NAME", "KTLITE_POD_IP", "KTLITE_POD_ORDINAL", "KTLITE_NAMESPACE",
     "KTLITE_DEPLOYMENT", "KTLITE_BACKEND", "KTLITE_PORT", "KTLITE_PROCS", "KTLITE_INSTALL",
-    "KTLITE_FREEZE", "KTLITE_SETUP",
+    "KTLITE_FREEZE", "KTLITE_SETUP", "KTLITE_IMAGE",
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "POD_IPS")
+    "MASTER_ADDR", "MASTER_PORT", "POD_IPS", "RAY_ADDRESS")
+# what distribute("ray", worker_node_options={...}) may size differently on the worker pods
+WORKER_NODE_FIELDS = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gpu_type",
+                      "shared_memory", "node_selector", "tolerations", "labels", "annotations",
+                      "priority_class")
 
 
 def parse_memory(value: str, field_name: str = "memory") -> int:
@@ -151,6 +155,8 @@ class Compute:
     priority_class: str | None = None
     shared_memory: str | None = None
     distributed: DistributedConfig | None = None
+    # distribute("ray", worker_node_options=...): the worker pods' own sizes (the head: this)
+    worker_node_options: dict[str, Any] | None = None
     env_vars: dict[str, str] | None = None  # Kubetorch's name for env
 
     def __post_init__(self) -> None:
@@ -233,17 +239,40 @@ class Compute:
                                   "each its own mount_path")
             mounts[path] = v
         d = self.distributed
+        if self.worker_node_options is not None:
+            if not isinstance(self.worker_node_options, dict):
+                raise ConfigError(f"worker_node_options={self.worker_node_options!r} must be a dict of "
+                                  "Compute fields, e.g. {'cpus': '4', 'memory': '16Gi', 'gpus': 1}")
+            if d is None or d.framework != "ray":
+                raise ConfigError("worker_node_options sizes the worker nodes of a Ray cluster; it needs "
+                                  "distribute('ray', ...). For pods of different sizes otherwise, "
+                                  "use num_proc=[...] (one entry per pod)")
+            self.pod_compute(1)  # bad option names or values fail here
         if d is not None and d.uniform and self.gpus and d.max_procs > self.gpus:
             raise ConfigError(f"num_proc={d.num_proc} has a pod of {d.max_procs} ranks, more than gpus={self.gpus} "
                               f"on a GPU pod; each rank needs at least one GPU: use num_proc<={self.gpus}")
 
+    def pod_compute(self, ordinal: int) -> Compute:
+        """What pod ``ordinal`` looks like: this Compute, or for a Ray worker node (ordinal
+        1..N) this one with ``worker_node_options`` applied."""
+        options = self.worker_node_options
+        if not options or ordinal == 0:
+            return self
+        unknown = sorted(set(options) - set(WORKER_NODE_FIELDS))
+        if unknown:
+            raise ConfigError(f"worker_node_options has unknown or head-only field(s) {', '.join(map(repr, unknown))}; "
+                              f"allowed: {', '.join(WORKER_NODE_FIELDS)} (image, env, volumes and the "
+                              "rest are the head's for every node)")
+        return replace(self, **options, distributed=None, worker_node_options=None)
+
     def pod_gpus(self, ordinal: int) -> int:
-        """GPUs pod ``ordinal`` requests: ``gpus``, and on a GPU deployment whose pods differ
-        in size, at least one per rank of that pod."""
+        """GPUs pod ``ordinal`` requests: ``gpus`` (a Ray worker node's own), and on a GPU
+        deployment whose pods differ in size, at least one per rank of that pod."""
         d = self.distributed
-        if not self.gpus or d is None or d.uniform:
-            return self.gpus
-        return max(self.gpus, d.procs(ordinal))
+        gpus = self.pod_compute(ordinal).gpus
+        if not gpus or d is None or d.uniform:
+            return gpus
+        return max(gpus, d.procs(ordinal))
 
     @property
     def cpu_count(self) -> float | None:
@@ -251,16 +280,40 @@ class Compute:
 
     def distribute(self, framework: str = "spmd", workers: int | None = None,
                    num_proc: int | list[int] | tuple[int, ...] | None = None,
-                   port: int | None = None, quorum_timeout: float = 300.0, **unknown: Any) -> Compute:
+                   port: int | None = None, quorum_timeout: float = 300.0,
+                   worker_node_options: dict[str, Any] | None = None, **unknown: Any) -> Compute:
         """Return a copy of this Compute that runs on ``workers`` pods × ``num_proc`` ranks each.
 
         ``num_proc`` defaults to the pod's GPU count (one rank per GPU), else 1. A list gives
         each pod its own size (``num_proc=[4, 8, 2]``: 3 pods, 14 ranks); ``workers`` is then
         its length. ``workers`` defaults to 1 otherwise.
+
+        ``framework="ray"``: a Ray cluster of one head pod (sized by this Compute, where the
+        function runs) plus ``workers`` worker-node pods (default 1), sized by this Compute
+        with ``worker_node_options`` applied (``{"cpus": "4", "memory": "16Gi", "gpus": 1}``).
         """
         if unknown:
             raise ConfigError(f"distribute() got unknown option(s) {', '.join(sorted(unknown))}; "
-                              "allowed: framework, workers, num_proc, port, quorum_timeout")
+                              "allowed: framework, workers, num_proc, port, quorum_timeout, "
+                              "worker_node_options (framework='ray')")
+        if framework == "ray":
+            if workers is None:
+                workers = 1
+            if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+                raise ConfigError(f"distribute('ray', workers={workers!r}): workers is the number of Ray "
+                                  "worker nodes besides the head (0 for a head alone)")
+            config = DistributedConfig(framework=framework, workers=workers + 1,
+                                       num_proc=1 if num_proc is None else num_proc, port=port,
+                                       quorum_timeout=quorum_timeout)
+            if worker_node_options is not None and not isinstance(worker_node_options, dict):
+                raise ConfigError(f"worker_node_options={worker_node_options!r} must be a dict of Compute "
+                                  "fields, e.g. {'cpus': '4', 'memory': '16Gi', 'gpus': 1}")
+            return replace(self, distributed=config, worker_node_options=(
+                None if worker_node_options is None else dict(worker_node_options)))
+        if worker_node_options is not None:
+            raise ConfigError(f"distribute({framework!r}, worker_node_options=...): only framework='ray' "
+                              "has worker nodes of their own size; for pods of different sizes use "
+                              "num_proc=[...] (one entry per pod)")
         if num_proc is None:
             num_proc = self.gpus or 1
         if isinstance(num_proc, (list, tuple)) and not num_proc:
@@ -269,7 +322,7 @@ class Compute:
             workers = len(num_proc) if isinstance(num_proc, (list, tuple)) else 1
         config = DistributedConfig(framework=framework, workers=workers, num_proc=num_proc,
                                    port=port, quorum_timeout=quorum_timeout)
-        return replace(self, distributed=config)
+        return replace(self, distributed=config, worker_node_options=None)
 
     def pod_fields(self) -> dict[str, Any]:
         """The fields that shape a pod: a change here restarts pods, anything else does not."""

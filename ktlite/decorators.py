@@ -145,7 +145,8 @@ def compute(*, name: str | None = None, **compute_kwargs: Any) -> Any:
 
 
 def distribute(framework: str = "spmd", workers: int | None = None, num_proc: int | list[int] | None = None,
-               port: int | None = None, quorum_timeout: float = 300.0) -> Any:
+               port: int | None = None, quorum_timeout: float = 300.0,
+               worker_node_options: dict[str, Any] | None = None) -> Any:
     """Mark a function or class to run on ``workers`` pods × ``num_proc`` ranks.
 
     Example:
@@ -153,7 +154,7 @@ def distribute(framework: str = "spmd", workers: int | None = None, num_proc: in
         ... def train(): ...
     """
     kwargs = {"framework": framework, "workers": workers, "num_proc": num_proc, "port": port,
-              "quorum_timeout": quorum_timeout}
+              "quorum_timeout": quorum_timeout, "worker_node_options": worker_node_options}
     Compute().distribute(**kwargs)  # bad values fail here
 
     def wrap(obj: Any) -> Decorated:

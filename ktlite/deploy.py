@@ -14,10 +14,10 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ktlite import protocol, shm
+from ktlite import engines, protocol, shm
 from ktlite.backends.base import Applied, Backend, get_backend
 from ktlite.client import CallReply, PodClient
 from ktlite.errors import (
@@ -139,9 +139,15 @@ class Deployment:
                 "cpus": self.spec.compute.cpu_count, "restart": restart,
                 "concurrency": self.spec.concurrency, "load_timeout": timeout}
 
+        names = [ep.name for ep in self.endpoints]
+
         def one(ep: Any) -> list[Any]:
             self._wait_healthy(ep.url, timeout)
-            return self.client.deploy(ep.url, protocol.dumps({**base, "ordinal": ep.ordinal}), timeout + 30)
+            msg = {**base, "ordinal": ep.ordinal}
+            if d.engine:
+                msg["engine"] = engines.ray_node(self.spec, ep.ordinal, ips, names, self.applied.master_port,
+                                                 self.endpoints[0].peer_url)
+            return self.client.deploy(ep.url, protocol.dumps(msg), timeout + 30)
 
         outcomes = [o for outs in _pool.map(one, self.endpoints) for o in outs]
         failures, values = _split(outcomes)
@@ -244,6 +250,8 @@ class Deployment:
         call lost a pod, or while the coordinator waits for its quorum: the code is pushed to
         the new pods and the call runs, as long as no rank had started it."""
         eps = self.endpoints
+        if self.spec.distributed.engine:
+            options = self._on_head(options, per_rank)
         if options.workers is not None:
             bad = [w for w in options.workers if not isinstance(w, int) or isinstance(w, bool)
                    or not 0 <= w < len(eps)]
@@ -263,6 +271,15 @@ class Deployment:
             if not self._heal(e.why):
                 raise e.error from None
         return self._call_once(parts, options, log, on_send, per_rank)
+
+    def _on_head(self, options: CallOptions, per_rank: dict[str, Any] | None) -> CallOptions:
+        """A Ray deployment's call runs on the head (rank 0, pod 0) only: the function is the
+        driver and fans out through Ray itself."""
+        if per_rank is not None or options.workers not in (None, [0]) or options.ranks not in (None, [0]):
+            raise ConfigError(f"{self.name!r} is a Ray cluster: a call runs once, on the head pod, and "
+                              "reaches the worker nodes through Ray (ray.remote tasks and actors); "
+                              "per-rank data, workers= and ranks= do not apply")
+        return replace(options, ranks=[0], workers=None)
 
     def _call_once(self, parts: list[Any], options: CallOptions, log: Any, on_send: Any = None,
                    per_rank: dict[str, Any] | None = None) -> list[Any]:
@@ -453,6 +470,7 @@ def _check_python(health: dict[str, Any], url: str) -> None:
 
 def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: bytes | None,
            restart: bool = False) -> Deployment:
+    engines.check_client(spec)
     backend = get_backend(spec.compute.backend, spec.compute.namespace)
     existing = backend.lookup(spec.name)
     token = existing.token if existing is not None else secrets.token_urlsafe(32)

@@ -1,7 +1,7 @@
 """``kt.Image``: a base image plus setup steps that run at pod start (no image rebuilds).
 
 Presets name public base images: ``kt.images.python("3.11")``, ``kt.images.pytorch("24.08-py3")``,
-``kt.images.ray("2.32.0-py311")``, ``kt.images.debian()``.
+``kt.images.ray("2.60.0-py311")``, ``kt.images.debian()``.
 
 On the local backend a pod is a process of this machine's Python: the base image is not
 used, ``set_env_vars`` applies, and ``pip_install`` / ``run_bash`` steps are recorded in
@@ -76,7 +76,7 @@ def pytorch(tag: str = "24.08-py3") -> Image:
     return Image(f"nvcr.io/nvidia/pytorch:{tag}")
 
 
-def ray(tag: str = "2.32.0-py311") -> Image:
+def ray(tag: str = "2.60.0-py311") -> Image:
     return Image(f"rayproject/ray:{tag}")
 
 

@@ -257,12 +257,15 @@ class _Remote:
             new.deployment.recolocate()
 
     def distribute(self, framework: str = "spmd", workers: int | None = None, num_proc: int | list[int] | None = None,
-                   port: int | None = None, quorum_timeout: float = 300.0) -> Any:
-        """Re-deploy the same service on ``workers`` pods (the seed's ``.to(c).distribute(...)``)."""
+                   port: int | None = None, quorum_timeout: float = 300.0,
+                   worker_node_options: dict[str, Any] | None = None, **unknown: Any) -> Any:
+        """Re-deploy the same service on ``workers`` pods (the seed's ``.to(c).distribute(...)``);
+        every option is checked before any pod changes."""
         if self._host is not None:
             raise ConfigError(f"{self._source.name!r} is colocated with {self._host._source.name!r}: "
                               "distribute that deployment, then colocate again")
-        compute = self.compute.distribute(framework, workers, num_proc, port, quorum_timeout)
+        compute = self.compute.distribute(framework, workers, num_proc, port, quorum_timeout,
+                                          worker_node_options, **unknown)
         self._redeploy(compute)
         return self
 
@@ -277,7 +280,7 @@ class _Remote:
         dep = self.deployment
         call = (self._target, method) if self._host is not None else method  # type: ignore[attr-defined]
         parts, layout = packaging.encode_ranked_call(call, args, kwargs, dep.spec.distributed.world_size)
-        single = dep.spec.compute.distributed is None
+        single = dep.spec.compute.distributed is None or dep.spec.distributed.engine
         if submit:
             future = Future(dep.name, method or getattr(target, "__name__", "call"), single=single)
             return dep.submit(method, parts, options, future, layout)

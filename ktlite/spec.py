@@ -16,8 +16,21 @@ from typing import Any
 
 from ktlite.errors import ConfigError
 
-FRAMEWORKS = ("spmd", "pytorch", "jax", "tensorflow")
+FRAMEWORKS = ("spmd", "pytorch", "jax", "tensorflow", "ray")
+# frameworks whose pods run the engine's own runtime, formed by the pod servers: the call runs
+# on pod 0 (the head) only and returns one value
+ENGINES = ("ray",)
 DEFAULT_MASTER_PORT = 29500
+# MASTER_PORT .. +31: the process groups' ports (a new group takes the next free one)
+GROUP_PORTS = 32
+# pod k's Ray node's ports, from MASTER_PORT + GROUP_PORTS + RAY_STRIDE × k: the named ones
+# first, then the range its worker processes listen on. Every node has its own, so nodes
+# never collide where pods share a host or a network (the local backend, the stand-in cluster)
+RAY_STRIDE = 64
+RAY_PORTS = {"gcs": 0, "node_manager": 1, "object_manager": 2, "runtime_env_agent": 3,
+             "dashboard_agent_grpc": 4, "dashboard_agent_listen": 5, "metrics_export": 6,
+             "client_server": 7, "dashboard": 8}
+RAY_WORKER_PORTS = (16, RAY_STRIDE - 1)
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
 
 
@@ -26,8 +39,11 @@ class DistributedConfig:
     """How many pods, processes per pod, and which framework's env each rank gets.
 
     Args:
-        framework: ``"spmd"`` (default), ``"pytorch"``, ``"jax"`` or ``"tensorflow"``.
-        workers: number of pods (N).
+        framework: ``"spmd"`` (default), ``"pytorch"``, ``"jax"``, ``"tensorflow"``, or
+            ``"ray"`` (pod 0 is a Ray head, the others its worker nodes; the call runs on the
+            head only).
+        workers: number of pods (N; for Ray, ``Compute.distribute`` adds the head to the
+            worker nodes asked for).
         num_proc: rank processes per pod (P), or one entry per pod for pods of different
             sizes (``[4, 8, 2]``: 14 ranks; pod k's ranks follow pod k-1's). World size is the
             sum.
@@ -42,8 +58,8 @@ class DistributedConfig:
     quorum_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.framework == "ray":
-            raise ConfigError("distribute(framework='ray') is not supported yet; "
+        if self.framework == "monarch":
+            raise ConfigError("distribute(framework='monarch') is not supported yet; "
                               f"use one of {', '.join(FRAMEWORKS)}")
         if self.framework not in FRAMEWORKS:
             raise ConfigError(f"distribute(framework={self.framework!r}) is not a known framework; "
@@ -64,11 +80,29 @@ class DistributedConfig:
         else:
             _check_int("num_proc", self.num_proc, minimum=1,
                        fix="num_proc is the number of rank processes per pod")
+        if self.engine and self.num_proc != 1:
+            raise ConfigError(f"distribute({self.framework!r}, num_proc={self.num_proc}): a Ray node is one "
+                              "process tree per pod that schedules its own workers; num_proc has no "
+                              "meaning there. Leave it out, and size the nodes with cpus/gpus "
+                              "(worker_node_options for the worker pods)")
         if self.port is not None:
             _check_int("port", self.port, minimum=1, maximum=65535, fix="pick a free TCP port such as 29500")
         if isinstance(self.quorum_timeout, bool) or not isinstance(self.quorum_timeout, (int, float)) \
                 or not math.isfinite(self.quorum_timeout) or self.quorum_timeout <= 0:
             raise ConfigError(f"quorum_timeout={self.quorum_timeout!r} must be a positive number of seconds")
+
+    @property
+    def engine(self) -> bool:
+        """Pods run an engine's own runtime (Ray); calls go to pod 0 only."""
+        return self.framework in ENGINES
+
+    @property
+    def port_span(self) -> int:
+        """Ports from MASTER_PORT this deployment may use on one host: the process groups'
+        (and TF_CONFIG's one per rank), or every Ray node's."""
+        if self.engine:
+            return GROUP_PORTS + RAY_STRIDE * self.workers
+        return max(GROUP_PORTS, self.world_size)
 
     @property
     def uniform(self) -> bool:
@@ -105,6 +139,19 @@ class DistributedConfig:
     @property
     def world_size(self) -> int:
         return sum(self.sizes)
+
+
+def ray_ports(master_port: int, ordinal: int) -> dict[str, Any]:
+    """The ports of pod ``ordinal``'s Ray node (named as in :data:`RAY_PORTS`, plus
+    ``min_worker``/``max_worker``)."""
+    base = master_port + GROUP_PORTS + RAY_STRIDE * ordinal
+    ports: dict[str, Any] = {name: base + offset for name, offset in RAY_PORTS.items()}
+    ports["min_worker"], ports["max_worker"] = base + RAY_WORKER_PORTS[0], base + RAY_WORKER_PORTS[1]
+    if ports["max_worker"] > 65535:
+        raise ConfigError(f"distribute(port={master_port}) leaves no room for the Ray nodes' ports "
+                          f"(up to {ports['max_worker']}); pick a port below "
+                          f"{65535 - GROUP_PORTS - RAY_STRIDE * (ordinal + 1)}")
+    return ports
 
 
 def port_free(port: int) -> bool:

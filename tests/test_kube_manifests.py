@@ -515,7 +515,7 @@ def test_default_image_is_this_python_and_follows_settings(monkeypatch: pytest.M
     (lambda: kt.Image(base="ubuntu:24.04"), "ubuntu:24.04"),
     (lambda: kt.images.python("3.12"), "python:3.12-slim"),
     (lambda: kt.images.pytorch(), "nvcr.io/nvidia/pytorch:24.08-py3"),
-    (lambda: kt.images.ray(), "rayproject/ray:2.32.0-py311"),
+    (lambda: kt.images.ray(), "rayproject/ray:2.60.0-py311"),
     (lambda: kt.images.debian(), "debian:bookworm-slim"),
 ], ids=["string", "base-kw", "python", "pytorch", "ray", "debian"])
 def test_container_image(image: Callable[[], Any], ref: str) -> None:

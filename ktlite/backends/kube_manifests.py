@@ -114,20 +114,25 @@ class Part:
     replicas: int
     gpus: int
     labelled: bool  # one of several: selects its pods by PART_LABEL too
+    compute: Any = None  # its pods' size (a Ray worker node's own); None: the deployment's
 
 
 def parts(spec: DeploymentSpec) -> list[Part]:
-    """The deployment's StatefulSets: one, or one per run of pods with the same GPU count."""
-    runs: list[list[int]] = []  # [start, replicas, gpus]
+    """The deployment's StatefulSets: one, or one per run of pods alike (the same GPU count;
+    for Ray, the head and the worker nodes sized by ``worker_node_options``)."""
+    runs: list[list[Any]] = []  # [start, replicas, gpus, compute, key]
     for ordinal in range(spec.workers):
         gpus = spec.compute.pod_gpus(ordinal)
-        if runs and runs[-1][2] == gpus:
+        compute = spec.compute.pod_compute(ordinal)
+        shape = {k: v for k, v in compute.pod_fields().items() if k != "worker_node_options"}
+        key = (gpus, json.dumps(shape, sort_keys=True, default=repr))
+        if runs and runs[-1][4] == key:
             runs[-1][1] += 1
         else:
-            runs.append([ordinal, 1, gpus])
+            runs.append([ordinal, 1, gpus, compute, key])
     several = len(runs) > 1
-    out = [Part(name=spec.name if start == 0 else f"{spec.name}-s{start}", start=start,
-                replicas=replicas, gpus=gpus, labelled=several) for start, replicas, gpus in runs]
+    out = [Part(name=spec.name if start == 0 else f"{spec.name}-s{start}", start=start, replicas=replicas,
+                gpus=gpus, labelled=several, compute=compute) for start, replicas, gpus, compute, _ in runs]
     for part in out:
         if len(part.name) > MAX_STATEFULSET_NAME:
             raise ConfigError(
@@ -214,14 +219,15 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str,
                  part: Part | None = None) -> dict[str, Any]:
     """The pod template of ``part`` (default: the StatefulSet holding pod 0), annotated with a
     hash of itself."""
-    compute = spec.compute
     part = part or parts(spec)[0]
+    compute = part.compute or spec.compute
     volumes, mounts = _volumes(compute)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image,
         "command": ["/bin/sh", "-c", BOOTSTRAP],
-        "env": _env(spec, install, part.gpus),
+        # the pod names its image in errors (e.g. Ray missing from it)
+        "env": [*_env(spec, install, part.gpus), {"name": "KTLITE_IMAGE", "value": image}],
         "ports": [{"name": "server", "containerPort": SERVER_PORT},
                   {"name": "master", "containerPort": master_port(spec)}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": SERVER_PORT},

@@ -57,7 +57,7 @@ _PORT_RANGE = (20000, 32000)
 
 def _master_port(taken: set[int], span: int) -> int:
     """A MASTER_PORT no other local deployment uses, with ``span`` free ports after it
-    (TF_CONFIG gives rank r port MASTER_PORT + r)."""
+    (process groups, TF_CONFIG's port per rank, Ray's nodes: ``DistributedConfig.port_span``)."""
     low, high = _PORT_RANGE[0], _PORT_RANGE[1] - max(span, 1)
     start = random.SystemRandom().randrange(low, high)
     for port in (*range(start, high), *range(low, start)):  # random start, then every port
@@ -287,8 +287,9 @@ class LocalBackend(Backend):
                 cgroup = self._limit_memory(spec, i, proc)
                 starting.append((i, proc, ready, log, cgroup))
             self._stop_pods(list(old_pods.values()), timeout=5.0)  # ordinals beyond workers
-            master_port = spec.distributed.port or (state or {}).get("master_port") or \
-                _master_port(self._ports_in_use(spec.name), spec.distributed.world_size)
+            span = spec.distributed.port_span
+            kept = (state or {}).get("master_port") if (state or {}).get("port_span", 0) >= span else None
+            master_port = spec.distributed.port or kept or _master_port(self._ports_in_use(spec.name), span)
             deadline = time.monotonic() + spec.compute.launch_timeout  # one deadline for all pods
             try:
                 for i, proc, ready, log, cgroup in starting:
@@ -302,7 +303,7 @@ class LocalBackend(Backend):
                 raise
             pods.sort(key=lambda p: p["ordinal"])
             state = {"name": spec.name, "detached": spec.detached, "owner_pid": os.getpid(),
-                     "master_port": master_port, "token": token, "pods": pods,
+                     "master_port": master_port, "port_span": span, "token": token, "pods": pods,
                      "created": (state or {}).get("created", time.time())}
             self._write(spec.name, state)
             if not spec.detached:
@@ -362,7 +363,7 @@ class LocalBackend(Backend):
                 state = self._read(d.name) if d.name != except_name else None
                 if state and state.get("master_port"):
                     port = int(state["master_port"])
-                    taken.update(range(port, port + len(state["pods"]) * 8 + 1))
+                    taken.update(range(port, port + int(state.get("port_span") or len(state["pods"]) * 8 + 1)))
         return taken
 
     def lookup(self, name: str) -> Applied | None:

@@ -185,7 +185,8 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
     async def health() -> dict[str, Any]:
         return {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, "version": ktlite.__version__,
                 "python": platform.python_version(), "pod": pod.name, "ordinal": pod.ordinal,
-                "launch_id": pod.dep.launch_id if pod.dep else None, "started": started}
+                "launch_id": pod.dep.launch_id if pod.dep else None, "started": started,
+                "engine_failed": pod.engine_failed}
 
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
@@ -223,7 +224,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 ordinal=int(msg["ordinal"]), master_port=int(msg["master_port"]),
                 max_restarts=int(msg.get("max_restarts", 3)), cpus=msg.get("cpus"),
                 load_timeout=float(msg.get("load_timeout", 300)),
-                concurrency=max(1, int(msg.get("concurrency", 1))))
+                concurrency=max(1, int(msg.get("concurrency", 1))), engine=msg.get("engine"))
             # the same env every rank would get: a bad layout is refused here, before it
             # replaces the deployment the pod is serving
             distributed_env(dep.config, node_rank=dep.ordinal, local_rank=0, pod_ips=dep.pod_ips,

@@ -25,6 +25,7 @@ from ktlite import rankdata, shm
 from ktlite.spec import DistributedConfig, distributed_env, port_free
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
+from ktlite_server.raynode import EngineError, RayNode, nodes
 from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
@@ -61,6 +62,7 @@ class Deployment:
     cpus: float | None = None
     load_timeout: float = 300.0
     concurrency: int = 1  # calls each rank process runs at once
+    engine: dict[str, Any] | None = None  # distribute("ray"): this pod's Ray node (ktlite.engines)
 
 
 INTERRUPT_GRACE_S = 1.0  # a call stopped on its own has this long to end before its rank is killed
@@ -139,6 +141,15 @@ class _CallHandle:
     outcomes: list[Outcome] = field(default_factory=list)
 
 
+def _missing_nodes(expected: list[dict[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The expected Ray nodes (``{"pod", "ip", "port"}``) the GCS does not list alive. Nodes
+    that share a host (the local backend) are told apart by port alone: Ray reports a node
+    given 127.0.0.1 by the host's own address."""
+    one_host = len({e["ip"] for e in expected}) == 1 and len(expected) > 1
+    alive = {n["port"] if one_host else (n["ip"], n["port"]) for n in found if n["alive"]}
+    return [e for e in expected if (e["port"] if one_host else (e["ip"], e["port"])) not in alive]
+
+
 class Pod:
     def __init__(self, name: str, ordinal: int, procs: int = 1) -> None:
         self.name = name
@@ -164,6 +175,8 @@ class Pod:
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
+        self.engine: RayNode | None = None  # distribute("ray"): this pod's Ray node
+        self.engine_failed: dict[str, str] | None = None  # {"launch_id", "message"} (in /health)
         self.usage = ProcessUsage()
         self.gpu_query = GpuQuery()
         # the deployment's pod addresses, rewritten at every deploy: ktlite.distributed.pod_ips()
@@ -183,6 +196,8 @@ class Pod:
             ids = [d for d in visible.split(",") if d]
             per = max(1, len(ids) // procs)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * per:(local_rank + 1) * per])
+        if dep.engine is not None:
+            env["RAY_ADDRESS"] = dep.engine["address"]  # ray.init() and ray.init("auto") connect
         env["KTLITE_POD_NAME"] = self.name
         env["KTLITE_LAUNCH_ID"] = dep.launch_id
         env["KTLITE_POD_IPS_FILE"] = self.pod_ips_file
@@ -322,9 +337,17 @@ class Pod:
 
     async def _deploy(self, dep: Deployment, restart: bool) -> list[Outcome]:
         await self._settle()
+        want = dep.config.procs(dep.ordinal)
+        self.engine_failed = None
+        try:
+            await self._ensure_engine(dep)
+        except EngineError as e:
+            # worker nodes waiting for this head learn it from /health and stop waiting
+            self.engine_failed = {"launch_id": dep.launch_id, "message": str(e)[:2000]}
+            first = dep.config.first_rank(dep.ordinal)
+            return [Outcome(first + i, "died", message=str(e)) for i in range(want)]
         self.dep = dep
         self._publish_pod_ips(dep)
-        want = dep.config.procs(dep.ordinal)
         for extra in self.ranks[want:]:
             if extra is not None:
                 extra.kill()
@@ -334,6 +357,52 @@ class Pod:
                 if r is not None:
                     r.restarts = r.streak = 0
         return list(await asyncio.gather(*(self._ready_rank(i, dep, restart) for i in range(want))))
+
+    async def _ensure_engine(self, dep: Deployment) -> None:
+        """Start, keep or stop this pod's Ray node for ``dep``; the head then waits until
+        every node has joined its cluster (bounded by the load timeout)."""
+        cfg = dep.engine
+        if self.engine is not None and (cfg != self.engine.cfg or not self.engine.alive):
+            old, self.engine = self.engine, None
+            await old.stop()
+        if cfg is None:
+            return
+        deadline = time.monotonic() + dep.load_timeout
+        if self.engine is None:
+            node = RayNode(cfg, self.name, lambda line: print(f"[ray] {line}", file=sys.stderr, flush=True),
+                           launch_id=dep.launch_id)
+            await node.start(dep.load_timeout)
+            self.engine = node
+        if cfg["head"]:
+            await self._await_ray_nodes(cfg, max(1.0, deadline - time.monotonic()))
+
+    async def _await_ray_nodes(self, cfg: dict[str, Any], timeout: float) -> None:
+        expected = cfg["expected"]  # every pod's node: {"pod", "ip", "port"}
+        found = await nodes(cfg["address"], len(expected), timeout)
+        missing = _missing_nodes(expected, found)
+        if missing:
+            names = ", ".join(f"{e['pod']} ({e['ip']}, node manager port {e['port']})" for e in missing)
+            joined = ", ".join(f"{n['ip']}:{n['port']}" for n in found if n["alive"]) or "none"
+            raise EngineError(f"{len(expected) - len(missing)} of {len(expected)} Ray nodes joined the head "
+                              f"at {cfg['address']} within {timeout:.0f}s; missing: {names} (alive in "
+                              f"the cluster: {joined}). Their pods' own errors follow, or their logs "
+                              "(remote.logs()) hold ray start's output")
+
+    async def engine_status(self) -> dict[str, Any] | None:
+        """This pod's Ray node, and on the head the cluster's nodes with the lost ones named."""
+        node = self.engine
+        if node is None:
+            return None
+        out = node.status()
+        if node.cfg["head"] and node.alive:
+            try:
+                found = await nodes(node.cfg["address"], 0, 0)
+            except EngineError as e:
+                out["error"] = str(e)
+            else:
+                out["nodes"] = found
+                out["lost"] = [e["pod"] for e in _missing_nodes(node.cfg["expected"], found)]
+        return out
 
     def _needs_heal(self, r: RankProcess | None) -> bool:
         return r is not None and (r.stopping or not r.alive)
@@ -671,6 +740,7 @@ class Pod:
             "active_calls": list(self.calls),
             "gpus": None if gpus is None else visible(gpus, server_cvd),
             "gpu_error": gpu_error,
+            "engine": await self.engine_status(),
         }
 
     def _gpu_fields(self, r: RankProcess, gpus: list[dict[str, Any]] | None, apps: Apps | None,
@@ -685,6 +755,8 @@ class Pod:
         return rank_gpu_summary(visible(gpus, env.get("CUDA_VISIBLE_DEVICES", server_cvd)), apps, pids)
 
     async def shutdown(self) -> None:
+        if self.engine is not None:
+            await self.engine.stop()
         for r in self.ranks:
             if r is not None:
                 r.kill()

@@ -27,6 +27,7 @@ import traceback
 from typing import Any
 
 from ktlite import protocol, rankdata, shm, sourcelines
+from ktlite.spec import GROUP_PORTS
 
 _LEN = struct.Struct("<Q")
 
@@ -82,8 +83,22 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(compile(source, filename, "exec"), module.__dict__)
 
 
+def _task_cause(exc: BaseException) -> BaseException:
+    """The exception a Ray task raised, out of the ``RayTaskError`` that ``ray.get`` wraps it
+    in (a class Ray makes at run time, which the caller could not rebuild from a pickle)."""
+    rex = sys.modules.get("ray.exceptions")
+    wrapper = getattr(rex, "RayTaskError", None) if rex is not None else None
+    for _ in range(8):  # a task that got a failed task's error wraps it again
+        cause = getattr(exc, "cause", None) if wrapper is not None and isinstance(exc, wrapper) else None
+        if not isinstance(cause, BaseException):
+            break
+        exc = cause
+    return exc
+
+
 def exception_info(exc: BaseException, where: str = "") -> protocol.RemoteExceptionInfo:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc = _task_cause(exc)  # the traceback above keeps Ray's text of where the task raised
     pickled: bytes | None
     try:
         pickled = protocol.dumps(exc)
@@ -118,7 +133,7 @@ def _holds_dist_state() -> bool:
 
 class _KeepProcessGroup(importlib.abc.MetaPathFinder):
     """Patches ``torch.distributed`` as it is imported so the default process group lives as
-    long as the rank process.
+    long as the rank process (and ``ray`` on a Ray deployment: see :func:`_patch_ray`).
 
     A stateless function calls ``init_process_group`` on every call. Re-creating the group in
     the same process is unsafe: DDP keeps the old group, and with it rank 0's TCPStore server
@@ -130,7 +145,8 @@ class _KeepProcessGroup(importlib.abc.MetaPathFinder):
     """
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch.distributed":
+        patch = _IMPORT_PATCHES.get(fullname)
+        if patch is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -141,7 +157,7 @@ class _KeepProcessGroup(importlib.abc.MetaPathFinder):
 
                 def exec_module(module: Any, _original: Any = original) -> None:
                     _original(module)
-                    _patch_dist(module)
+                    patch(module)
 
                 spec.loader.exec_module = exec_module  # type: ignore[method-assign]
                 return spec
@@ -184,6 +200,26 @@ def _patch_dist(dist: Any) -> None:
     dist.init_process_group = init_process_group
     dist.destroy_process_group = destroy_process_group
     dist._ktlite_patched = True
+
+
+def _patch_ray(ray: Any) -> None:
+    """On a Ray deployment every call is a driver of the same cluster, in the same rank
+    process: a second ``ray.init()`` (the function calls it each time) keeps the connection
+    of the first, with its actors, instead of raising."""
+    if os.environ.get("KTLITE_FRAMEWORK") != "ray" or getattr(ray, "_ktlite_patched", False):
+        return
+    original_init = ray.init
+
+    def init(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("ignore_reinit_error", True)
+        return original_init(*args, **kwargs)
+
+    init.__doc__ = original_init.__doc__
+    ray.init = init
+    ray._ktlite_patched = True
+
+
+_IMPORT_PATCHES = {"torch.distributed": _patch_dist, "ray": _patch_ray}
 
 
 class CallInterrupted(BaseException):
@@ -428,7 +464,7 @@ def _watch_parent(ppid: int) -> None:
             os._exit(1)  # the pod server is gone: never outlive it
 
 
-PORT_SPAN = 32  # process-group generations cycle through MASTER_PORT .. MASTER_PORT + 31
+PORT_SPAN = GROUP_PORTS  # process-group generations cycle through MASTER_PORT .. + 31
 
 
 def main() -> None:

@@ -157,7 +157,13 @@ CASES: list[tuple[str, Callable[[], Any], type[BaseException], list[str]]] = [
     *[(f"framework-{fw}", (lambda fw=fw: kt.fn(target, name="badin-layout").to(
         C().distribute(fw, workers=2))), kt.ConfigError,
        [f"framework={fw!r}", "'spmd', 'pytorch', 'jax', 'tensorflow'"]) for fw in ("torch", "PyTorch", "mpi")],
-    ("framework-ray", lambda: C().distribute("ray"), kt.ConfigError, ["framework='ray'", "not supported", "pytorch"]),
+    ("framework-monarch", lambda: C().distribute("monarch"), kt.ConfigError,
+     ["framework='monarch'", "not supported", "pytorch", "ray"]),
+    ("ray-num-proc", lambda: kt.fn(target, name="badin-layout").to(C().distribute("ray", workers=2, num_proc=2)),
+     kt.ConfigError, ["num_proc=2", "no meaning"]),
+    ("ray-worker-node-options", lambda: kt.fn(target, name="badin-layout").to(
+        C().distribute("ray", workers=2, worker_node_options={"gpu": 1})), kt.ConfigError,
+     ["worker_node_options", "'gpu'", "allowed: cpus, memory, gpus"]),
     ("num-proc-beyond-gpus", lambda: kt.fn(target, name="badin-gpu").to(
         C(gpus=1).distribute("pytorch", num_proc=2)), kt.ConfigError,
      ["num_proc=2", "gpus=1", "GPU pod", "num_proc<=1"]),

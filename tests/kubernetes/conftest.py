@@ -72,6 +72,7 @@ class Settings:
     storage_class: str | None
     skip_volumes: bool
     gpus: int = 0
+    ray_image: str = ""
 
 
 @pytest.fixture(scope="session")
@@ -89,6 +90,7 @@ def settings() -> Settings:
         namespace=os.environ.get("KTLITE_TEST_NAMESPACE") or "default",
         image=os.environ.get("KTLITE_TEST_IMAGE") or "ktlite-server:dev",
         torch_image=os.environ.get("KTLITE_TEST_TORCH_IMAGE", "ktlite-server-pytorch:dev"),
+        ray_image=os.environ.get("KTLITE_TEST_RAY_IMAGE", "ktlite-server-ray:dev"),
         pull_policy=os.environ.get("KTLITE_TEST_IMAGE_PULL_POLICY") or "IfNotPresent",
         storage_class=os.environ.get("KTLITE_TEST_STORAGE_CLASS") or None,
         skip_volumes=os.environ.get("KTLITE_TEST_SKIP_VOLUMES", "") not in ("", "0"),

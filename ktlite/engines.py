@@ -1,0 +1,75 @@
+"""Engines the pods run for ``distribute("ray")``: what the client decides for each pod.
+
+Pod 0 is the Ray head and runs the function; pods 1..N are worker nodes. The pod servers
+start the nodes themselves (``ktlite_server.raynode``), by IP, on ports from the
+deployment's range (``ktlite.spec.ray_ports``); no operator, no DNS. This module checks the
+caller's side before anything is deployed and builds each pod's node settings.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+from typing import Any
+
+from ktlite.compute import parse_memory
+from ktlite.errors import ConfigError
+from ktlite.spec import DeploymentSpec, ray_ports
+
+MIN_OBJECT_STORE = 80 * 2**20  # Ray refuses less than 75 MiB
+LOCAL_OBJECT_STORE_MAX = 512 * 2**20  # per node when nodes share this machine
+HEAP_SHARE = 0.7  # of a pod's memory: the rest is its object store
+
+
+def client_ray_version() -> str | None:
+    try:
+        return importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_client(spec: DeploymentSpec) -> None:
+    """Before anything is deployed: what the engine needs on this machine."""
+    if spec.distributed.framework == "ray" and client_ray_version() is None:
+        raise ConfigError("distribute('ray') needs Ray on this machine too, at the version of the pods' "
+                          "image (it is checked at .to()): pip install 'ktlite[ray]', or "
+                          "pip install 'ray[default]==<the image's version>'")
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 * 2**30
+
+
+def ray_node(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: list[str],
+             master_port: int, head_url: str | None = None) -> dict[str, Any]:
+    """Pod ``ordinal``'s Ray node: what ``ktlite_server.raynode`` starts. A worker node asks
+    the head's pod server at ``head_url`` whether the head failed, rather than wait it out."""
+    same_host = len(set(pod_ips)) < len(pod_ips)
+    ports = ray_ports(master_port, ordinal)
+    head = ray_ports(master_port, 0)
+    pod = spec.compute.pod_compute(ordinal)
+    memory = parse_memory(pod.memory) if pod.memory is not None else None
+    if memory is not None:
+        store: int | None = max(MIN_OBJECT_STORE, int(memory * (1 - HEAP_SHARE)))
+        heap: int | None = max(MIN_OBJECT_STORE, memory - store)
+    elif same_host:  # several nodes on this machine: Ray's default (30% of it) each would not fit
+        store, heap = max(MIN_OBJECT_STORE, min(LOCAL_OBJECT_STORE_MAX, int(_host_memory() * 0.3 / len(pod_ips)))), None
+    else:
+        store = heap = None  # Ray reads the pod's own limits
+    cfg: dict[str, Any] = {
+        "kind": "ray", "head": ordinal == 0, "address": f"{pod_ips[0]}:{head['gcs']}",
+        "node_ip": pod_ips[ordinal], "ports": ports,
+        "num_cpus": None if pod.cpus is None else max(1, math.floor(pod.cpu_count or 0)),
+        "num_gpus": spec.compute.pod_gpus(ordinal), "memory": heap, "object_store_memory": store,
+        "version": client_ray_version(),
+    }
+    if ordinal and head_url:
+        cfg["head_health"] = f"{head_url}/health"
+    if ordinal == 0:
+        cfg["expected"] = [{"pod": name, "ip": ip, "port": ray_ports(master_port, k)["node_manager"]}
+                           for k, (ip, name) in enumerate(zip(pod_ips, pod_names, strict=True))]
+    return cfg

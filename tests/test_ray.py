@@ -1,0 +1,169 @@
+"""distribute("ray") with real Ray: one head and two worker nodes formed by the local
+pods' servers (three ``ray start`` process trees on this machine).
+
+Marked ``ray``: not in the default run (it costs about a minute); ``.ci/run`` runs it with
+``pytest -m ray``. One cluster serves the module; the teardown test ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import ktlite as kt
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+
+def run_ray_job(n: int = 100) -> list[tuple[int, str]]:
+    """The seed's job: ray.init(address="auto") and 100 tasks fanned out."""
+    import ray
+
+    ray.init(address="auto")
+
+    @ray.remote(num_cpus=1)
+    def task(i: int) -> tuple[int, str]:
+        import time
+
+        time.sleep(0.02)  # long enough that one node cannot take every task
+        return i, ray.get_runtime_context().get_node_id()
+
+    return ray.get([task.remote(i) for i in range(n)])
+
+
+def failing_job() -> None:
+    import ray
+
+    ray.init()
+
+    @ray.remote
+    def bad(x: int) -> None:
+        raise KeyError(f"no shard {x}")
+
+    ray.get(bad.remote(7))
+
+
+def cluster_size() -> dict[str, int]:
+    import ray
+
+    ray.init()
+    return {"nodes": len([n for n in ray.nodes() if n["Alive"]]),
+            "cpus": int(ray.cluster_resources().get("CPU", 0))}
+
+
+COMPUTE = kt.Compute(cpus=1).distribute("ray", workers=2, worker_node_options={"cpus": 2})
+
+
+def deploy(fn):
+    """Code onto the module's cluster: only the code changes, the Ray nodes stay."""
+    return kt.fn(fn, name="ray-seed").to(COMPUTE)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    remote = deploy(run_ray_job)
+    yield remote
+    remote.teardown()
+
+
+def _engines(remote) -> list[dict]:
+    return [pod["engine"] for pod in remote.status()]
+
+
+def test_seed_job_spreads_over_the_nodes(cluster) -> None:
+    results = cluster()  # one value from the head, not a list per pod
+    assert sorted(i for i, _ in results) == list(range(100))
+    assert len({node for _, node in results}) >= 2
+
+
+def test_nodes_sized_head_and_workers(cluster) -> None:
+    assert deploy(cluster_size)() == {"nodes": 3, "cpus": 1 + 2 + 2}
+
+
+def test_code_only_redeploy_keeps_the_cluster(cluster) -> None:
+    before = _engines(cluster)
+    assert all(e["alive"] for e in before) and before[0]["lost"] == [] and len(before[0]["nodes"]) == 3
+
+    def run_ray_job(n: int = 10) -> int:  # noqa: F811 - new code under the same name
+        import ray
+
+        ray.init(address="auto")
+        return sum(ray.get([ray.remote(lambda i: i * i).remote(i) for i in range(n)]))
+
+    again = deploy(run_ray_job)
+    assert again() == sum(i * i for i in range(10))
+    after = _engines(again)
+    assert [(e["pid"], e["started_at"]) for e in after] == [(e["pid"], e["started_at"]) for e in before]
+
+
+def test_a_task_error_keeps_its_type(cluster) -> None:
+    remote = deploy(failing_job)
+    with pytest.raises(KeyError, match="no shard 7") as info:
+        remote()
+    assert "RayTaskError" not in type(info.value).__name__
+
+
+def test_a_lost_worker_node_shows_in_status(cluster) -> None:
+    pid = _engines(cluster)[2]["pid"]
+    os.killpg(pid, signal.SIGKILL)  # the node's whole process tree, as a dead host would
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        head = _engines(cluster)[0]
+        if head.get("lost"):
+            break
+        time.sleep(1)
+    assert head["lost"] == ["ray-seed-2"], head
+    pods = cluster.status()
+    assert pods[2]["engine"]["alive"] is False
+
+
+def test_teardown_leaves_no_ray_behind(cluster) -> None:
+    engines = _engines(cluster)
+    pids = [e["pid"] for e in engines if e["pid"]]
+    dirs = [Path(e["temp_dir"]) for e in engines]
+    assert all(d.is_dir() for d in dirs)
+    cluster.teardown()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_group_alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not [p for p in pids if _group_alive(p)]
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_ray(p, dirs)]
+    assert not leftovers, [(p.name, (p / "cmdline").read_bytes()[:120]) for p in leftovers]
+    assert not [d for d in dirs if d.exists()]  # Ray's session dirs (logs, sockets) are gone
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _is_ray(proc: Path, dirs: list[Path]) -> bool:
+    """A process of one of these Ray nodes (named by its temp dir on its command line)."""
+    try:
+        cmd = (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(str(d).encode() in cmd for d in dirs)
+
+
+def test_ray_start_failure_fails_to_with_the_pods_output(tmp_path: Path) -> None:
+    # a `ray` package that cannot start shadows the real one on the pods
+    fake = tmp_path / "ray" / "scripts"
+    fake.mkdir(parents=True)
+    (tmp_path / "ray" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "scripts.py").write_text("raise SystemExit('this ray cannot start: broken on purpose')\n")
+    compute = kt.Compute(env={"PYTHONPATH": str(tmp_path)}).distribute("ray", workers=1)
+    with pytest.raises(kt.DeployError) as info:
+        kt.fn(run_ray_job, name="ray-broken").to(compute)
+    text = str(info.value)
+    assert "ray start exited with code 1" in text and "broken on purpose" in text and "ray-broken-0" in text
+    kt.fn(run_ray_job, name="ray-broken").to(kt.Compute()).teardown()
