@@ -26,7 +26,7 @@ _RESERVED_ENV = (
     "KTLITE_DEPLOYMENT", "KTLITE_BACKEND", "KTLITE_PORT", "KTLITE_PROCS", "KTLITE_INSTALL",
     "KTLITE_FREEZE", "KTLITE_SETUP", "KTLITE_IMAGE",
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "POD_IPS", "RAY_ADDRESS")
+    "MASTER_ADDR", "MASTER_PORT", "POD_IPS", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 # what distribute("ray", worker_node_options={...}) may size differently on the worker pods
 WORKER_NODE_FIELDS = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gpu_type",
                       "shared_memory", "node_selector", "tolerations", "labels", "annotations",

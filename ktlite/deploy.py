@@ -146,7 +146,7 @@ class Deployment:
             msg = {**base, "ordinal": ep.ordinal}
             if d.engine:
                 msg["engine"] = engines.ray_node(self.spec, ep.ordinal, ips, names, self.applied.master_port,
-                                                 self.endpoints[0].peer_url)
+                                                 self.endpoints[0].peer_url, self.applied.token)
             return self.client.deploy(ep.url, protocol.dumps(msg), timeout + 30)
 
         outcomes = [o for outs in _pool.map(one, self.endpoints) for o in outs]

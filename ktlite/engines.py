@@ -8,6 +8,8 @@ caller's side before anything is deployed and builds each pod's node settings.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import importlib.metadata
 import math
 import os
@@ -44,10 +46,17 @@ def _host_memory() -> int:
         return 8 * 2**30
 
 
+def ray_token(deployment_token: str) -> str:
+    """The Ray cluster's auth token (Ray's token mode), derived from the deployment's: its GCS
+    runs code for whoever connects, so it asks for a token as every ktlite endpoint does."""
+    return hmac.new(deployment_token.encode(), b"ktlite-ray-cluster", hashlib.sha256).hexdigest()
+
+
 def ray_node(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: list[str],
-             master_port: int, head_url: str | None = None) -> dict[str, Any]:
+             master_port: int, head_url: str | None = None, token: str | None = None) -> dict[str, Any]:
     """Pod ``ordinal``'s Ray node: what ``ktlite_server.raynode`` starts. A worker node asks
-    the head's pod server at ``head_url`` whether the head failed, rather than wait it out."""
+    the head's pod server at ``head_url`` whether the head failed, rather than wait it out.
+    With the deployment's ``token``, the cluster uses Ray's token authentication."""
     same_host = len(set(pod_ips)) < len(pod_ips)
     ports = ray_ports(master_port, ordinal)
     head = ray_ports(master_port, 0)
@@ -69,6 +78,8 @@ def ray_node(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: 
     }
     if ordinal and head_url:
         cfg["head_health"] = f"{head_url}/health"
+    if token is not None:
+        cfg["auth_token"] = ray_token(token)  # a secret: never logged, never in status
     if ordinal == 0:
         cfg["expected"] = [{"pod": name, "ip": ip, "port": ray_ports(master_port, k)["node_manager"]}
                            for k, (ip, name) in enumerate(zip(pod_ips, pod_names, strict=True))]

@@ -116,6 +116,20 @@ def test_node_settings_head_and_workers() -> None:
     assert not any(a.startswith(("--port=", "--include-dashboard")) for a in args)  # head-only flags
 
 
+def test_the_cluster_asks_for_a_token_derived_from_the_deployments() -> None:
+    spec = _spec()
+    cfgs = [engines.ray_node(spec, k, ["10.0.0.1"] * 3, ["a", "b", "c"], 29500, token="dep-secret") for k in range(3)]
+    tokens = {c["auth_token"] for c in cfgs}
+    assert len(tokens) == 1 and len(tokens.pop()) == 64 and "dep-secret" not in str(cfgs)
+    assert raynode.auth_env(cfgs[0]) == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": cfgs[0]["auth_token"]}
+    assert engines.ray_token("other") != cfgs[0]["auth_token"]
+    # without one, explicitly off: a ~/.ray/auth_token must not switch some nodes on
+    assert raynode.auth_env(engines.ray_node(spec, 0, ["10.0.0.1"] * 3, ["a", "b", "c"], 29500)) == \
+        {"RAY_AUTH_MODE": "disabled"}
+    node = raynode.RayNode(cfgs[0], "rayjob-0", print)
+    assert cfgs[0]["auth_token"] not in repr(node.status())
+
+
 def test_local_nodes_cap_their_object_store() -> None:
     spec = DeploymentSpec(name="r", compute=kt.Compute().distribute("ray", workers=2))
     cfg = engines.ray_node(spec, 1, ["127.0.0.1"] * 3, ["r-0", "r-1", "r-2"], 20000)

@@ -25,7 +25,7 @@ from ktlite import rankdata, shm
 from ktlite.spec import DistributedConfig, distributed_env, port_free
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
-from ktlite_server.raynode import EngineError, RayNode, nodes
+from ktlite_server.raynode import EngineError, RayNode, auth_env, nodes
 from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
@@ -198,6 +198,7 @@ class Pod:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * per:(local_rank + 1) * per])
         if dep.engine is not None:
             env["RAY_ADDRESS"] = dep.engine["address"]  # ray.init() and ray.init("auto") connect
+            env.update(auth_env(dep.engine))
         env["KTLITE_POD_NAME"] = self.name
         env["KTLITE_LAUNCH_ID"] = dep.launch_id
         env["KTLITE_POD_IPS_FILE"] = self.pod_ips_file
@@ -378,7 +379,7 @@ class Pod:
 
     async def _await_ray_nodes(self, cfg: dict[str, Any], timeout: float) -> None:
         expected = cfg["expected"]  # every pod's node: {"pod", "ip", "port"}
-        found = await nodes(cfg["address"], len(expected), timeout)
+        found = await nodes(cfg, len(expected), timeout)
         missing = _missing_nodes(expected, found)
         if missing:
             names = ", ".join(f"{e['pod']} ({e['ip']}, node manager port {e['port']})" for e in missing)
@@ -396,7 +397,7 @@ class Pod:
         out = node.status()
         if node.cfg["head"] and node.alive:
             try:
-                found = await nodes(node.cfg["address"], 0, 0)
+                found = await nodes(node.cfg, 0, 0)
             except EngineError as e:
                 out["error"] = str(e)
             else:

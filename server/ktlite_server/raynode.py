@@ -40,6 +40,14 @@ class EngineError(Exception):
     """Ray could not be started on this pod; the message says why and what to do."""
 
 
+def auth_env(cfg: dict[str, Any]) -> dict[str, str]:
+    """Environment of every process that talks to the node's cluster: Ray's token mode with
+    the deployment's Ray token, or explicitly none (a ~/.ray/auth_token left by some other
+    ray.init() on this machine must not switch one node on and leave another off)."""
+    token = cfg.get("auth_token")
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {"RAY_AUTH_MODE": "disabled"}
+
+
 def pod_ray_version() -> str | None:
     try:
         return importlib.metadata.version("ray")
@@ -123,7 +131,8 @@ class RayNode:
         env = {k: v for k, v in os.environ.items() if k != "KTLITE_TOKEN"}
         # no drain on SIGTERM (30 s by default, for Ray Serve): ktlite stops a node only when
         # its deployment goes
-        env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+        env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+                   **auth_env(self.cfg))
         cmd = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()",
                *start_args(self.cfg, self.temp_dir)]
         self.log("starting Ray " + ("head" if self.cfg["head"] else "worker node") + f" on {self.cfg['node_ip']}")
@@ -227,12 +236,16 @@ async def _wait_port(host: str, port: int, deadline: float, what: str,
         await asyncio.sleep(0.05)
 
 
-async def nodes(address: str, want: int, timeout: float) -> list[dict[str, Any]]:
-    """The cluster's nodes as its GCS lists them, once ``want`` are alive or ``timeout`` ran
-    out (``want`` 0: at once). Asked in a subprocess: the pod server never imports Ray."""
+async def nodes(cfg: dict[str, Any], want: int, timeout: float) -> list[dict[str, Any]]:
+    """The nodes of ``cfg``'s cluster as its GCS lists them, once ``want`` are alive or
+    ``timeout`` ran out (``want`` 0: at once). Asked in a subprocess: the pod server never
+    imports Ray."""
+    address = cfg["address"]
+    env = {k: v for k, v in os.environ.items() if k != "KTLITE_TOKEN"}
+    env.update(auth_env(cfg))
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "ktlite_server.ray_probe", address, str(want), str(timeout),
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout + PROBE_TIMEOUT_S)
     except asyncio.TimeoutError:
