@@ -145,8 +145,9 @@ class Deployment:
             self._wait_healthy(ep.url, timeout)
             msg = {**base, "ordinal": ep.ordinal}
             if d.engine:
-                msg["engine"] = engines.ray_node(self.spec, ep.ordinal, ips, names, self.applied.master_port,
-                                                 self.endpoints[0].peer_url, self.applied.token)
+                msg["engine"] = engines.engine_settings(self.spec, ep.ordinal, ips, names, self.applied.master_port,
+                                                        self.launch_id, self.endpoints[0].peer_url,
+                                                        self.applied.token)
             return self.client.deploy(ep.url, protocol.dumps(msg), timeout + 30)
 
         outcomes = [o for outs in _pool.map(one, self.endpoints) for o in outs]
@@ -273,12 +274,14 @@ class Deployment:
         return self._call_once(parts, options, log, on_send, per_rank)
 
     def _on_head(self, options: CallOptions, per_rank: dict[str, Any] | None) -> CallOptions:
-        """A Ray deployment's call runs on the head (rank 0, pod 0) only: the function is the
-        driver and fans out through Ray itself."""
+        """A Ray or Monarch deployment's call runs on pod 0 (rank 0) only: the function is the
+        driver (controller) and fans out through the engine itself."""
         if per_rank is not None or options.workers not in (None, [0]) or options.ranks not in (None, [0]):
-            raise ConfigError(f"{self.name!r} is a Ray cluster: a call runs once, on the head pod, and "
-                              "reaches the worker nodes through Ray (ray.remote tasks and actors); "
-                              "per-rank data, workers= and ranks= do not apply")
+            how = ("a Ray cluster: a call runs once, on the head pod, and reaches the worker nodes through "
+                   "Ray (ray.remote tasks and actors)" if self.spec.distributed.framework == "ray" else
+                   "a Monarch mesh: a call runs once, on pod 0 (the controller), and reaches every pod "
+                   "through Monarch (ktlite.distributed.monarch_procs() and actors)")
+            raise ConfigError(f"{self.name!r} is {how}; per-rank data, workers= and ranks= do not apply")
         return replace(options, ranks=[0], workers=None)
 
     def _call_once(self, parts: list[Any], options: CallOptions, log: Any, on_send: Any = None,

@@ -3,6 +3,9 @@
     from ktlite.distributed import pod_ips
     ips = pod_ips(quorum_workers=4, quorum_timeout=60)
 
+    from ktlite.distributed import monarch_procs      # distribute("monarch"), on pod 0
+    procs = monarch_procs()                           # per_host={"gpus": num_proc} on every pod
+
 A pod never needs cluster DNS or the Kubernetes API for this: the client hands every pod
 the deployment's pod addresses when it deploys, and each pod's server keeps them current.
 """
@@ -14,6 +17,7 @@ import json
 import math
 import os
 import time
+from typing import Any
 
 from ktlite.errors import ConfigError, KtliteError
 
@@ -72,3 +76,46 @@ def pod_ips(quorum_workers: int | None = None, quorum_timeout: float = 300.0) ->
                 f"{os.environ.get('GROUP_WORLD_SIZE', '?')} worker(s). Deploy with "
                 f"distribute(workers={want}), or lower quorum_workers")
         time.sleep(0.2)
+
+
+_MONARCH_HOSTS: dict[str, Any] = {}  # the HostMesh of this rank process, by launch
+
+
+def _monarch_env() -> dict[str, Any]:
+    raw = os.environ.get("KTLITE_MONARCH")
+    if not raw:
+        framework = os.environ.get("KTLITE_FRAMEWORK")
+        where = ("this process is not one" if framework is None else
+                 f"this one is distribute({framework!r})" if framework != "monarch" else
+                 "this is not pod 0, the controller")
+        raise KtliteError("monarch_hosts() works in the function of a distribute('monarch', ...) deployment, "
+                          f"which runs on pod 0 (Monarch's controller); {where}")
+    return json.loads(raw)
+
+
+def monarch_hosts() -> Any:
+    """The Monarch ``HostMesh`` of every pod of this ``distribute("monarch")`` deployment
+    (one host per pod, in pod order: the mesh's ``hosts`` dimension), attached to the worker
+    loops the pod servers run. The same mesh for every call in this process; a new ``.to()``
+    gives a new one (fresh loops, without the previous controller's procs)."""
+    cfg = _monarch_env()
+    key = cfg["generation"]
+    mesh = _MONARCH_HOSTS.get(key)
+    if mesh is None:
+        from monarch.actor import attach_to_workers
+
+        # torchmonarch has no TLS yet: the loops listen on pod IPs (or private unix sockets)
+        mesh = attach_to_workers(ca="trust_all_connections", workers=list(cfg["workers"]),
+                                 name=f"ktlite-{key}")
+        _MONARCH_HOSTS.clear()
+        _MONARCH_HOSTS[key] = mesh
+    return mesh
+
+
+def monarch_procs(per_host: dict[str, int] | None = None, **kwargs: Any) -> Any:
+    """``monarch_hosts().spawn_procs(per_host=...)``: by default ``{"gpus": num_proc}``, the
+    ``num_proc`` of ``distribute("monarch", workers=N, num_proc=P)``; other keywords go to
+    ``spawn_procs``. Stop the mesh (``procs.stop()``) when done with it: its procs otherwise
+    live until the next ``.to()`` or the teardown."""
+    cfg = _monarch_env()
+    return monarch_hosts().spawn_procs(per_host=per_host or {"gpus": int(cfg["per_host"])}, **kwargs)

@@ -1,9 +1,12 @@
-"""Engines the pods run for ``distribute("ray")``: what the client decides for each pod.
+"""Engines the pods run for ``distribute("ray")`` and ``distribute("monarch")``: what the
+client decides for each pod.
 
-Pod 0 is the Ray head and runs the function; pods 1..N are worker nodes. The pod servers
-start the nodes themselves (``ktlite_server.raynode``), by IP, on ports from the
-deployment's range (``ktlite.spec.ray_ports``); no operator, no DNS. This module checks the
-caller's side before anything is deployed and builds each pod's node settings.
+Ray: pod 0 is the head and runs the function; pods 1..N are worker nodes. Monarch: every pod
+runs Monarch's worker loop (a host of the mesh); the function runs on pod 0, the controller.
+The pod servers start the engines themselves (``ktlite_server.raynode``,
+``ktlite_server.monarchhost``), by IP, on ports from the deployment's range
+(``ktlite.spec.ray_ports``, ``ktlite.spec.monarch_port``); no operator, no DNS. This module
+checks the caller's side before anything is deployed and builds each pod's engine settings.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError
-from ktlite.spec import DeploymentSpec, ray_ports
+from ktlite.spec import DeploymentSpec, monarch_port, ray_ports
 
 MIN_OBJECT_STORE = 80 * 2**20  # Ray refuses less than 75 MiB
 LOCAL_OBJECT_STORE_MAX = 512 * 2**20  # per node when nodes share this machine
@@ -50,6 +53,37 @@ def ray_token(deployment_token: str) -> str:
     """The Ray cluster's auth token (Ray's token mode), derived from the deployment's: its GCS
     runs code for whoever connects, so it asks for a token as every ktlite endpoint does."""
     return hmac.new(deployment_token.encode(), b"ktlite-ray-cluster", hashlib.sha256).hexdigest()
+
+
+def engine_settings(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: list[str],
+                    master_port: int, launch_id: str, head_url: str | None = None,
+                    token: str | None = None) -> dict[str, Any]:
+    """Pod ``ordinal``'s engine settings for the deployment's framework."""
+    if spec.distributed.framework == "monarch":
+        return monarch_host(spec, ordinal, pod_ips, pod_names, master_port, launch_id)
+    return ray_node(spec, ordinal, pod_ips, pod_names, master_port, head_url, token)
+
+
+def monarch_host(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: list[str],
+                 master_port: int, launch_id: str) -> dict[str, Any]:
+    """Pod ``ordinal``'s Monarch worker loop. Pods that share a host (the local backend) talk
+    over unix sockets in a directory only this user can enter (Monarch's TCP transport has no
+    authentication yet); pods of a cluster over TCP on the pod IP, at a pinned port. Every
+    ``.to()`` starts fresh loops (``generation``): a new controller gets hosts without the
+    previous one's procs, and their GPU memory."""
+    d = spec.distributed
+    one_host = len(set(pod_ips)) == 1
+    cfg: dict[str, Any] = {
+        "kind": "monarch", "head": ordinal == 0, "ordinal": ordinal,
+        "transport": "ipc" if one_host else "tcp",
+        "hosts": [{"pod": name, "ip": ip, "port": monarch_port(master_port, k)}
+                  for k, (ip, name) in enumerate(zip(pod_ips, pod_names, strict=True))],
+        "per_host": d.procs_per_host or 1, "generation": launch_id,
+    }
+    if one_host:
+        key = hashlib.sha256(f"{spec.name}/{launch_id}".encode()).hexdigest()[:12]
+        cfg["ipc_dir"] = f"ktmon-{key}"  # under each pod's own temp dir
+    return cfg
 
 
 def ray_node(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: list[str],

@@ -16,10 +16,10 @@ from typing import Any
 
 from ktlite.errors import ConfigError
 
-FRAMEWORKS = ("spmd", "pytorch", "jax", "tensorflow", "ray")
+FRAMEWORKS = ("spmd", "pytorch", "jax", "tensorflow", "ray", "monarch")
 # frameworks whose pods run the engine's own runtime, formed by the pod servers: the call runs
-# on pod 0 (the head) only and returns one value
-ENGINES = ("ray",)
+# on pod 0 (the head, or Monarch's controller) only and returns one value
+ENGINES = ("ray", "monarch")
 DEFAULT_MASTER_PORT = 29500
 # MASTER_PORT .. +31: the process groups' ports (a new group takes the next free one)
 GROUP_PORTS = 32
@@ -31,6 +31,8 @@ RAY_PORTS = {"gcs": 0, "node_manager": 1, "object_manager": 2, "runtime_env_agen
              "dashboard_agent_grpc": 4, "dashboard_agent_listen": 5, "metrics_export": 6,
              "client_server": 7, "dashboard": 8}
 RAY_WORKER_PORTS = (16, RAY_STRIDE - 1)
+# pod k's Monarch worker loop listens on MASTER_PORT + GROUP_PORTS + k (the procs it spawns
+# pick their own ports)
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
 
 
@@ -39,14 +41,18 @@ class DistributedConfig:
     """How many pods, processes per pod, and which framework's env each rank gets.
 
     Args:
-        framework: ``"spmd"`` (default), ``"pytorch"``, ``"jax"``, ``"tensorflow"``, or
+        framework: ``"spmd"`` (default), ``"pytorch"``, ``"jax"``, ``"tensorflow"``,
             ``"ray"`` (pod 0 is a Ray head, the others its worker nodes; the call runs on the
-            head only).
+            head only) or ``"monarch"`` (every pod runs Monarch's worker loop; the call runs on
+            pod 0, Monarch's controller, which spawns procs on every pod).
         workers: number of pods (N; for Ray, ``Compute.distribute`` adds the head to the
             worker nodes asked for).
         num_proc: rank processes per pod (P), or one entry per pod for pods of different
             sizes (``[4, 8, 2]``: 14 ranks; pod k's ranks follow pod k-1's). World size is the
-            sum.
+            sum. For Monarch, the procs per host that ``ktlite.distributed.monarch_procs()``
+            spawns (kept in ``procs_per_host``; the controller is one rank process).
+        procs_per_host: Monarch's procs per pod (set from ``num_proc``; other frameworks:
+            None).
         port: MASTER_PORT; default 29500 on clusters, a free port on the local backend.
         quorum_timeout: seconds to wait for every worker to be reachable before a call.
     """
@@ -56,11 +62,9 @@ class DistributedConfig:
     num_proc: int | tuple[int, ...] = 1
     port: int | None = None
     quorum_timeout: float = 300.0
+    procs_per_host: int | None = None
 
     def __post_init__(self) -> None:
-        if self.framework == "monarch":
-            raise ConfigError("distribute(framework='monarch') is not supported yet; "
-                              f"use one of {', '.join(FRAMEWORKS)}")
         if self.framework not in FRAMEWORKS:
             raise ConfigError(f"distribute(framework={self.framework!r}) is not a known framework; "
                               f"allowed: {', '.join(map(repr, FRAMEWORKS))}")
@@ -80,6 +84,11 @@ class DistributedConfig:
         else:
             _check_int("num_proc", self.num_proc, minimum=1,
                        fix="num_proc is the number of rank processes per pod")
+        if self.framework == "monarch":
+            self._monarch_procs()
+        elif self.procs_per_host is not None:
+            raise ConfigError(f"procs_per_host={self.procs_per_host!r} is Monarch's procs per pod; "
+                              f"distribute({self.framework!r}) runs num_proc rank processes per pod")
         if self.engine and self.num_proc != 1:
             raise ConfigError(f"distribute({self.framework!r}, num_proc={self.num_proc}): a Ray node is one "
                               "process tree per pod that schedules its own workers; num_proc has no "
@@ -91,17 +100,34 @@ class DistributedConfig:
                 or not math.isfinite(self.quorum_timeout) or self.quorum_timeout <= 0:
             raise ConfigError(f"quorum_timeout={self.quorum_timeout!r} must be a positive number of seconds")
 
+    def _monarch_procs(self) -> None:
+        """Monarch's controller is one rank process on pod 0; ``num_proc`` is the procs it
+        spawns on each host (Monarch's ``per_host``), kept in ``procs_per_host``."""
+        if not isinstance(self.num_proc, int):
+            raise ConfigError(f"distribute('monarch', num_proc={list(self.num_proc)}): Monarch spawns the "
+                              "same procs on every host (spawn_procs(per_host=...)); give one number")
+        if self.procs_per_host is None:
+            object.__setattr__(self, "procs_per_host", self.num_proc)
+            object.__setattr__(self, "num_proc", 1)
+        elif self.num_proc != 1:
+            raise ConfigError(f"distribute('monarch', num_proc={self.num_proc}, procs_per_host="
+                              f"{self.procs_per_host}): give the procs per host once")
+        _check_int("num_proc", self.procs_per_host, minimum=1,
+                   fix="for Monarch it is the procs each host spawns (per_host={'gpus': num_proc})")
+
     @property
     def engine(self) -> bool:
-        """Pods run an engine's own runtime (Ray); calls go to pod 0 only."""
+        """Pods run an engine's own runtime (Ray, Monarch); calls go to pod 0 only."""
         return self.framework in ENGINES
 
     @property
     def port_span(self) -> int:
         """Ports from MASTER_PORT this deployment may use on one host: the process groups'
-        (and TF_CONFIG's one per rank), or every Ray node's."""
-        if self.engine:
+        (and TF_CONFIG's one per rank), every Ray node's, or every Monarch worker loop's."""
+        if self.framework == "ray":
             return GROUP_PORTS + RAY_STRIDE * self.workers
+        if self.framework == "monarch":
+            return GROUP_PORTS + self.workers
         return max(GROUP_PORTS, self.world_size)
 
     @property
@@ -152,6 +178,15 @@ def ray_ports(master_port: int, ordinal: int) -> dict[str, Any]:
                           f"(up to {ports['max_worker']}); pick a port below "
                           f"{65535 - GROUP_PORTS - RAY_STRIDE * (ordinal + 1)}")
     return ports
+
+
+def monarch_port(master_port: int, ordinal: int) -> int:
+    """The port of pod ``ordinal``'s Monarch worker loop."""
+    port = master_port + GROUP_PORTS + ordinal
+    if port > 65535:
+        raise ConfigError(f"distribute(port={master_port}) leaves no room for the Monarch worker loops' "
+                          f"ports (up to {port}); pick a port below {65535 - GROUP_PORTS - ordinal}")
+    return port
 
 
 def port_free(port: int) -> bool:

@@ -6,10 +6,11 @@
 
 What it simulates, with the JSON shapes a v1.31 API server returns:
 
-* Namespaced pods, services, secrets, persistentvolumeclaims, events (``/api/v1``) and
-  statefulsets (``/apis/apps/v1``): list (``labelSelector`` with ``=``, ``==``, ``!=``, ``k``,
-  ``!k``, ``in``, ``notin``; ``fieldSelector`` on dotted paths), create (``generateName`` too),
-  get, replace, merge / strategic-merge / (simplified) server-side-apply patch, delete
+* Namespaced pods, services, secrets, persistentvolumeclaims, events (``/api/v1``),
+  statefulsets (``/apis/apps/v1``) and networkpolicies (``/apis/networking.k8s.io/v1``; stored,
+  not enforced, as on a cluster whose network plugin ignores them): list (``labelSelector``
+  with ``=``, ``==``, ``!=``, ``k``, ``!k``, ``in``, ``notin``; ``fieldSelector`` on dotted
+  paths), create (``generateName`` too), get, replace, merge / strategic-merge / (simplified) server-side-apply patch, delete
   (``propagationPolicy``, ``gracePeriodSeconds``, ``preconditions``) and deletecollection.
   ``Status`` error bodies, ``resourceVersion`` (optimistic concurrency on PUT/PATCH), ``uid``,
   ``creationTimestamp``, ``generation``, ``*List`` kinds whose items carry no kind/apiVersion,
@@ -60,6 +61,7 @@ _RESOURCES: dict[str, tuple[str, str]] = {  # plural -> (apiVersion, kind)
     "pods": ("v1", "Pod"), "services": ("v1", "Service"), "secrets": ("v1", "Secret"),
     "persistentvolumeclaims": ("v1", "PersistentVolumeClaim"), "events": ("v1", "Event"),
     "statefulsets": ("apps/v1", "StatefulSet"),
+    "networkpolicies": ("networking.k8s.io/v1", "NetworkPolicy"),
 }
 _RETURNS_OBJECT = {"pods", "services", "persistentvolumeclaims"}  # DELETE answers the object
 _HAS_STATUS = {"pods", "services", "persistentvolumeclaims", "statefulsets"}
@@ -95,21 +97,27 @@ class ApiError(Exception):
         return httpx.Response(self.body["code"], json=self.body)
 
 
-def _apps(res: str) -> bool:
-    return _RESOURCES[res][0] == "apps/v1"
+def _group(res: str) -> str:
+    """The API group of a resource ("" for the core group's)."""
+    version = _RESOURCES[res][0]
+    return version.rpartition("/")[0]
+
+
+def _qualified(res: str) -> str:
+    return res + (f".{_group(res)}" if _group(res) else "")
 
 
 def _details(res: str, name: str, kind: str | None = None) -> Obj:
-    return {"name": name, **({"group": "apps"} if _apps(res) else {}), "kind": kind or res}
+    return {"name": name, **({"group": _group(res)} if _group(res) else {}), "kind": kind or res}
 
 
 def _not_found(res: str, name: str) -> ApiError:
-    qualified = res + (".apps" if _apps(res) else "")
+    qualified = _qualified(res)
     return ApiError(404, "NotFound", f'{qualified} "{name}" not found', _details(res, name))
 
 
 def _conflict(res: str, name: str, why: str) -> ApiError:
-    qualified = res + (".apps" if _apps(res) else "")
+    qualified = _qualified(res)
     return ApiError(409, "Conflict",
                     f'Operation cannot be fulfilled on {qualified} "{name}": {why}',
                     _details(res, name))
@@ -117,7 +125,7 @@ def _conflict(res: str, name: str, why: str) -> ApiError:
 
 def _invalid(res: str, name: str, path: str, detail: str,
              cause: str = "FieldValueInvalid") -> ApiError:
-    kind = _RESOURCES[res][1] + (".apps" if _apps(res) else "")
+    kind = _RESOURCES[res][1] + (f".{_group(res)}" if _group(res) else "")
     details = _details(res, name, _RESOURCES[res][1])
     details["causes"] = [{"reason": cause, "message": detail, "field": path}]
     return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {path}: {detail}', details)
@@ -721,7 +729,7 @@ class FakeKube(httpx.BaseTransport):
             return _json(200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0",
                                "platform": "linux/amd64"})
         m = re.fullmatch(
-            r"/(?:api/v1|apis/(apps)/v1)(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+)(?:/(\w+))?)?/?",
+            r"/(?:api/v1|apis/(apps|networking\.k8s\.io)/v1)(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+)(?:/(\w+))?)?/?",
             path)
         if m is None:
             raise _unknown()
@@ -737,7 +745,7 @@ class FakeKube(httpx.BaseTransport):
                 raise ApiError(404, "NotFound", f'namespaces "{name}" not found',
                                {"name": name, "kind": "namespaces"})
             return _json(200, {"kind": "Namespace", "apiVersion": "v1", **self._namespace(name)})
-        if res not in _RESOURCES or _apps(res) != bool(group):
+        if res not in _RESOURCES or _group(res) != (group or ""):
             raise _unknown()
         if query.get("watch") in ("true", "1"):
             raise _bad("watch is not supported by the fake API server")
@@ -848,7 +856,7 @@ class FakeKube(httpx.BaseTransport):
             raise _invalid(res, name, "metadata.name",
                            "Required value: name or generateName is required", "FieldValueRequired")
         if (res, ns, name) in self._store:
-            qualified = res + (".apps" if _apps(res) else "")
+            qualified = _qualified(res)
             raise ApiError(409, "AlreadyExists", f'{qualified} "{name}" already exists',
                            _details(res, name))
         for k in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):

@@ -1250,3 +1250,43 @@ def test_teardown_removes_every_statefulset_of_the_deployment(make_cluster) -> N
     assert sorted(c.pods()) == ["other-0", "other-1"]
     assert c.backend.lookup(NAME) is None
     assert [r["name"] for r in c.backend.list()] == ["other"]
+
+
+# ---- distribute("monarch"): the NetworkPolicy ----------------------------------------------
+
+def monarch_spec(name: str = NAME) -> DeploymentSpec:
+    return DeploymentSpec(name, kt.Compute(backend="kubernetes", launch_timeout=60)
+                          .distribute("monarch", workers=2, num_proc=2))
+
+
+def test_a_monarch_deployment_limits_its_ports_before_its_pods_exist(cluster: Cluster) -> None:
+    cluster.backend.apply(monarch_spec(), TOKEN)
+    assert cluster.names("networkpolicies") == [NAME]
+    policy = cluster.fake.get("networkpolicies", "default", NAME)
+    assert policy["metadata"]["labels"][km.NAME_LABEL] == NAME
+    order = [path for method, path in cluster.writes() if method == "POST"]
+    assert order.index("/apis/networking.k8s.io/v1/namespaces/default/networkpolicies") < \
+        order.index("/apis/apps/v1/namespaces/default/statefulsets")
+    assert cluster.backend.teardown(NAME) is True
+    assert cluster.names("networkpolicies") == []
+
+
+def test_a_monarch_deployment_redeployed_as_another_kind_drops_its_policy(cluster: Cluster) -> None:
+    cluster.backend.apply(monarch_spec(), TOKEN)
+    cluster.backend.apply(spec(), TOKEN)
+    assert cluster.names("networkpolicies") == []
+
+
+def test_teardown_without_rights_on_policies_still_removes_the_rest(cluster: Cluster) -> None:
+    cluster.backend.apply(spec(), TOKEN)
+    cluster.fake.fail_next("DELETE", "networkpolicies", 403, "Forbidden",
+                           'networkpolicies.networking.k8s.io "job" is forbidden: User "dev" cannot '
+                           'delete resource "networkpolicies"')
+    assert cluster.backend.teardown(NAME) is True
+    assert cluster.names("statefulsets") == [] and cluster.names("secrets") == []
+
+
+def test_a_deploy_of_another_kind_deletes_no_policy_that_is_not_there(cluster: Cluster) -> None:
+    cluster.backend.apply(spec(), TOKEN)
+    cluster.backend.apply(spec(), TOKEN)
+    assert not cluster.fake.find_requests("DELETE", "networkpolicies")

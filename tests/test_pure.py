@@ -168,7 +168,7 @@ def test_num_proc_invalid() -> None:
         kt.Compute().distribute("spmd", workers=1, num_proc=0)
 
 
-@pytest.mark.parametrize("framework", ["torch", "PyTorch", "mpi", "Ray", "monarch", ""])
+@pytest.mark.parametrize("framework", ["torch", "PyTorch", "mpi", "Ray", "Monarch", ""])
 def test_unknown_framework(framework: str) -> None:
     with pytest.raises(kt.ConfigError) as info:
         kt.Compute().distribute(framework, workers=2)

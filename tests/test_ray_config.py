@@ -14,7 +14,6 @@ from ktlite.backends import kube_manifests as km
 from ktlite.backends.local import LocalBackend
 from ktlite.spec import DeploymentSpec, ray_ports
 from ktlite_server import raynode
-from ktlite_server.pod import _missing_nodes
 
 
 def job() -> int:
@@ -164,10 +163,10 @@ def test_manifests_of_a_ray_cluster_validate() -> None:
 def test_head_names_the_nodes_that_did_not_join() -> None:
     expected = [{"pod": f"r-{k}", "ip": f"10.0.0.{k}", "port": 29533} for k in range(3)]
     found = [{"ip": "10.0.0.0", "port": 29533, "alive": True}, {"ip": "10.0.0.1", "port": 29533, "alive": False}]
-    assert [e["pod"] for e in _missing_nodes(expected, found)] == ["r-1", "r-2"]
+    assert [e["pod"] for e in raynode.missing_nodes(expected, found)] == ["r-1", "r-2"]
     # nodes on one host: Ray reports the host's address, so the port tells them apart
     local = [{"pod": f"r-{k}", "ip": "127.0.0.1", "port": 20033 + 64 * k} for k in range(2)]
-    assert _missing_nodes(local, [{"ip": "192.0.2.2", "port": 20033, "alive": True},
+    assert raynode.missing_nodes(local, [{"ip": "192.0.2.2", "port": 20033, "alive": True},
                                   {"ip": "192.0.2.2", "port": 20097, "alive": True}]) == []
 
 

@@ -32,6 +32,7 @@ PATHS = {
     "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
     "Event": "/api/v1/namespaces/{ns}/events",
     "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
 }
 _TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 

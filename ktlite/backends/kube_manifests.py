@@ -297,4 +297,16 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
             sts_spec["ordinals"] = {"start": part.start}
         statefulsets.append({"apiVersion": "apps/v1", "kind": "StatefulSet",
                              "metadata": {**meta, "name": part.name}, "spec": sts_spec})
-    return [secret, service, *claims, *statefulsets]
+    policies = [network_policy(name, meta)] if spec.distributed.framework == "monarch" else []
+    return [secret, service, *claims, *policies, *statefulsets]
+
+
+def network_policy(name: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """Monarch's worker port has no authentication (whoever connects runs code there): only
+    the deployment's own pods may reach its pods' ports, but for ktlite's server, which asks
+    every caller for the deployment token. Enforced where the cluster's network plugin
+    enforces NetworkPolicies."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
+            "spec": {"podSelector": {"matchLabels": {NAME_LABEL: name}}, "policyTypes": ["Ingress"],
+                     "ingress": [{"ports": [{"protocol": "TCP", "port": SERVER_PORT}]},
+                                 {"from": [{"podSelector": {"matchLabels": {NAME_LABEL: name}}}]}]}}

@@ -146,6 +146,7 @@ class KubernetesBackend(Backend):
         objects = self._render(spec, api.namespace, token)
         secret, service = objects[:2]
         claims = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+        policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
         statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
         first = api.get("StatefulSet", spec.name) is None
         created: list[tuple[str, str]] = []  # (kind, name) of what this apply made
@@ -154,6 +155,10 @@ class KubernetesBackend(Backend):
             self._ensure(api, service, created)
             for claim in claims:
                 self._ensure(api, claim, created)
+            for policy in policies:  # before the pods: no moment where their ports are open
+                self._ensure(api, policy, created)
+            if not policies and not first:  # a Monarch deployment redeployed as another kind
+                self._drop_policy(api, spec.name, only_if_there=True)
             self._remove_stale_parts(api, spec.name, {s["metadata"]["name"] for s in statefulsets})
             restarted: list[int] = []
             for sts in statefulsets:
@@ -211,6 +216,19 @@ class KubernetesBackend(Backend):
             except KubeApiError as e:
                 if e.status != 409:  # created concurrently: fine
                     raise
+
+    def _drop_policy(self, api: KubeApi, name: str, only_if_there: bool = False) -> bool:
+        """Delete the deployment's NetworkPolicy (``distribute("monarch")``), if any (asked
+        first with ``only_if_there``: a redeploy that changes nothing writes nothing). Without
+        the right to manage policies it has none: ktlite could not have made one."""
+        try:
+            if only_if_there and api.get("NetworkPolicy", name) is None:
+                return False
+            return api.delete("NetworkPolicy", name)
+        except KubeApiError as e:
+            if e.status in (403, 404):  # forbidden, or the API group is not served
+                return False
+            raise
 
     def _apply_secret(self, api: KubeApi, secret: dict[str, Any], token: str,
                       created: list[tuple[str, str]]) -> bool:
@@ -426,6 +444,7 @@ class KubernetesBackend(Backend):
         found |= api.delete("StatefulSet", name)  # one an older ktlite made without the label
         found |= api.delete("Service", name)
         found |= api.delete("Secret", km.token_secret_name(name))
+        found |= self._drop_policy(api, name)
         pods = api.list("Pod", km.selector(name))
         for pod in pods:
             api.delete("Pod", pod["metadata"]["name"])

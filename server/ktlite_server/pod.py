@@ -23,9 +23,11 @@ from typing import Any
 
 from ktlite import rankdata, shm
 from ktlite.spec import DistributedConfig, distributed_env, port_free
+from ktlite_server.engine import Engine, EngineError
+from ktlite_server.monarchhost import MonarchHost
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
-from ktlite_server.raynode import EngineError, RayNode, auth_env, nodes
+from ktlite_server.raynode import RayNode
 from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
@@ -62,7 +64,7 @@ class Deployment:
     cpus: float | None = None
     load_timeout: float = 300.0
     concurrency: int = 1  # calls each rank process runs at once
-    engine: dict[str, Any] | None = None  # distribute("ray"): this pod's Ray node (ktlite.engines)
+    engine: dict[str, Any] | None = None  # distribute("ray"/"monarch"): this pod's engine (ktlite.engines)
 
 
 INTERRUPT_GRACE_S = 1.0  # a call stopped on its own has this long to end before its rank is killed
@@ -141,13 +143,7 @@ class _CallHandle:
     outcomes: list[Outcome] = field(default_factory=list)
 
 
-def _missing_nodes(expected: list[dict[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The expected Ray nodes (``{"pod", "ip", "port"}``) the GCS does not list alive. Nodes
-    that share a host (the local backend) are told apart by port alone: Ray reports a node
-    given 127.0.0.1 by the host's own address."""
-    one_host = len({e["ip"] for e in expected}) == 1 and len(expected) > 1
-    alive = {n["port"] if one_host else (n["ip"], n["port"]) for n in found if n["alive"]}
-    return [e for e in expected if (e["port"] if one_host else (e["ip"], e["port"])) not in alive]
+ENGINE_KINDS: dict[str, type[Engine]] = {"ray": RayNode, "monarch": MonarchHost}
 
 
 class Pod:
@@ -175,7 +171,7 @@ class Pod:
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
-        self.engine: RayNode | None = None  # distribute("ray"): this pod's Ray node
+        self.engine: Engine | None = None  # distribute("ray"/"monarch"): this pod's engine
         self.engine_failed: dict[str, str] | None = None  # {"launch_id", "message"} (in /health)
         self.usage = ProcessUsage()
         self.gpu_query = GpuQuery()
@@ -197,8 +193,7 @@ class Pod:
             per = max(1, len(ids) // procs)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * per:(local_rank + 1) * per])
         if dep.engine is not None:
-            env["RAY_ADDRESS"] = dep.engine["address"]  # ray.init() and ray.init("auto") connect
-            env.update(auth_env(dep.engine))
+            env.update(ENGINE_KINDS[dep.engine["kind"]].rank_env(dep.engine))
         env["KTLITE_POD_NAME"] = self.name
         env["KTLITE_LAUNCH_ID"] = dep.launch_id
         env["KTLITE_POD_IPS_FILE"] = self.pod_ips_file
@@ -338,7 +333,9 @@ class Pod:
 
     async def _deploy(self, dep: Deployment, restart: bool) -> list[Outcome]:
         await self._settle()
-        want = dep.config.procs(dep.ordinal)
+        # an engine's other pods run the engine alone: the call (Ray's driver, Monarch's
+        # controller) is pod 0's, and a class there is built once, not once per pod
+        want = 0 if dep.engine is not None and dep.ordinal > 0 else dep.config.procs(dep.ordinal)
         self.engine_failed = None
         try:
             await self._ensure_engine(dep)
@@ -360,8 +357,8 @@ class Pod:
         return list(await asyncio.gather(*(self._ready_rank(i, dep, restart) for i in range(want))))
 
     async def _ensure_engine(self, dep: Deployment) -> None:
-        """Start, keep or stop this pod's Ray node for ``dep``; the head then waits until
-        every node has joined its cluster (bounded by the load timeout)."""
+        """Start, keep or stop this pod's engine for ``dep``; pod 0 then waits until every
+        pod's engine has joined (bounded by the load timeout)."""
         cfg = dep.engine
         if self.engine is not None and (cfg != self.engine.cfg or not self.engine.alive):
             old, self.engine = self.engine, None
@@ -370,40 +367,16 @@ class Pod:
             return
         deadline = time.monotonic() + dep.load_timeout
         if self.engine is None:
-            node = RayNode(cfg, self.name, lambda line: print(f"[ray] {line}", file=sys.stderr, flush=True),
-                           launch_id=dep.launch_id)
-            await node.start(dep.load_timeout)
-            self.engine = node
-        if cfg["head"]:
-            await self._await_ray_nodes(cfg, max(1.0, deadline - time.monotonic()))
-
-    async def _await_ray_nodes(self, cfg: dict[str, Any], timeout: float) -> None:
-        expected = cfg["expected"]  # every pod's node: {"pod", "ip", "port"}
-        found = await nodes(cfg, len(expected), timeout)
-        missing = _missing_nodes(expected, found)
-        if missing:
-            names = ", ".join(f"{e['pod']} ({e['ip']}, node manager port {e['port']})" for e in missing)
-            joined = ", ".join(f"{n['ip']}:{n['port']}" for n in found if n["alive"]) or "none"
-            raise EngineError(f"{len(expected) - len(missing)} of {len(expected)} Ray nodes joined the head "
-                              f"at {cfg['address']} within {timeout:.0f}s; missing: {names} (alive in "
-                              f"the cluster: {joined}). Their pods' own errors follow, or their logs "
-                              "(remote.logs()) hold ray start's output")
+            kind = cfg["kind"]
+            engine = ENGINE_KINDS[kind](cfg, self.name, lambda line: print(f"[{kind}] {line}", file=sys.stderr,
+                                                                           flush=True), launch_id=dep.launch_id)
+            await engine.start(dep.load_timeout)
+            self.engine = engine
+        await self.engine.await_cluster(max(1.0, deadline - time.monotonic()))
 
     async def engine_status(self) -> dict[str, Any] | None:
-        """This pod's Ray node, and on the head the cluster's nodes with the lost ones named."""
-        node = self.engine
-        if node is None:
-            return None
-        out = node.status()
-        if node.cfg["head"] and node.alive:
-            try:
-                found = await nodes(node.cfg, 0, 0)
-            except EngineError as e:
-                out["error"] = str(e)
-            else:
-                out["nodes"] = found
-                out["lost"] = [e["pod"] for e in _missing_nodes(node.cfg["expected"], found)]
-        return out
+        """This pod's engine, and on pod 0 the cluster's members with the lost ones named."""
+        return None if self.engine is None else await self.engine.cluster_status()
 
     def _needs_heal(self, r: RankProcess | None) -> bool:
         return r is not None and (r.stopping or not r.alive)

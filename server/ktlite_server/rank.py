@@ -84,12 +84,19 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _task_cause(exc: BaseException) -> BaseException:
-    """The exception a Ray task raised, out of the ``RayTaskError`` that ``ray.get`` wraps it
-    in (a class Ray makes at run time, which the caller could not rebuild from a pickle)."""
+    """The exception a Ray task or a Monarch endpoint raised, out of the wrapper the engine
+    hands the caller (``RayTaskError``: a class Ray makes at run time, which the caller could
+    not rebuild from a pickle; Monarch's ``ActorError``). The traceback text keeps where it
+    was raised."""
+    wrappers = []
     rex = sys.modules.get("ray.exceptions")
-    wrapper = getattr(rex, "RayTaskError", None) if rex is not None else None
+    if getattr(rex, "RayTaskError", None) is not None:
+        wrappers.append((rex.RayTaskError, "cause"))
+    mex = sys.modules.get("monarch._src.actor.actor_mesh")
+    if getattr(mex, "ActorError", None) is not None:
+        wrappers.append((mex.ActorError, "exception"))
     for _ in range(8):  # a task that got a failed task's error wraps it again
-        cause = getattr(exc, "cause", None) if wrapper is not None and isinstance(exc, wrapper) else None
+        cause = next((getattr(exc, attr, None) for cls, attr in wrappers if isinstance(exc, cls)), None)
         if not isinstance(cause, BaseException):
             break
         exc = cause
@@ -98,7 +105,7 @@ def _task_cause(exc: BaseException) -> BaseException:
 
 def exception_info(exc: BaseException, where: str = "") -> protocol.RemoteExceptionInfo:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    exc = _task_cause(exc)  # the traceback above keeps Ray's text of where the task raised
+    exc = _task_cause(exc)  # the traceback above keeps the engine's text of where it raised
     pickled: bytes | None
     try:
         pickled = protocol.dumps(exc)

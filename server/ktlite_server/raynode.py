@@ -1,11 +1,10 @@
 """A pod's Ray node (``distribute("ray")``): ``ray start`` run by the pod server, by IP.
 
 Pod 0 starts the head; every other pod waits until the head's GCS port answers and joins
-it. The node is one ``ray start --block`` process in a process group of its own that dies
-with the pod server (``PR_SET_PDEATHSIG``); stopping it is ``ray stop`` for this node only:
-SIGTERM (Ray's own shutdown of its processes), SIGKILL to the group after a grace period,
-then the node's temp dir is removed. The global ``ray stop`` is never run: on the local
-backend it would kill every Ray on the machine, the user's own included.
+it. The node is one ``ray start --block`` process tree, an engine of the pod
+(``ktlite_server.engine``): stopping it is ``ray stop`` for this node only (SIGTERM, Ray's own
+shutdown of its processes, then SIGKILL to what is left of its session), then the node's
+temp dir is removed.
 
 The node's settings come from the client (``ktlite.engines.ray_node``): ports from the
 deployment's range, the pod's CPUs, GPUs and memory. A deploy with the same settings keeps
@@ -15,29 +14,22 @@ the running node (a code-only redeploy does not restart Ray).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import ctypes
 import importlib.metadata
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
+from ktlite_server.engine import Engine, EngineError, env_without_token, wait_port
+
 STARTED = "Ray runtime started."
-STOP_GRACE_S = 5.0
 PROBE_TIMEOUT_S = 15.0
 
-Log = Callable[[str], None]
-
-
-class EngineError(Exception):
-    """Ray could not be started on this pod; the message says why and what to do."""
+__all__ = ["EngineError", "RayNode", "auth_env", "missing_nodes", "nodes", "start_args"]
 
 
 def auth_env(cfg: dict[str, Any]) -> dict[str, str]:
@@ -80,33 +72,12 @@ def start_args(cfg: dict[str, Any], temp_dir: str) -> list[str]:
     return args
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: own process group, SIGTERM when the pod server dies (Ray's
-    own shutdown of the node's processes, drain off)."""
-    os.setsid()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+class RayNode(Engine):
+    kind = "ray"
 
-
-class RayNode:
-    def __init__(self, cfg: dict[str, Any], pod: str, log: Log, launch_id: str = "") -> None:
-        self.cfg = cfg
-        self.launch_id = launch_id
-        self.pod = pod
-        self.log = log
-        self.proc: asyncio.subprocess.Process | None = None
-        self.output: collections.deque[str] = collections.deque(maxlen=60)
-        self.started_at: float | None = None
+    def __init__(self, cfg: dict[str, Any], pod: str, log: Any, launch_id: str = "") -> None:
+        super().__init__(cfg, pod, log, launch_id)
         self.temp_dir = ""
-        self._reader: asyncio.Task[None] | None = None
-        self._started = asyncio.Event()
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    def tail(self, lines: int = 25) -> str:
-        return "\n".join(list(self.output)[-lines:]) or "(no output)"
 
     async def start(self, timeout: float) -> None:
         """Start the node and wait until Ray says it runs (the node is then registered with
@@ -124,11 +95,12 @@ class RayNode:
         deadline = time.monotonic() + timeout
         if not self.cfg["head"]:
             host, _, port = self.cfg["address"].rpartition(":")
-            await _wait_port(host, int(port), deadline, f"pod {self.pod}: the Ray head's GCS at "
-                             f"{self.cfg['address']} (pod 0)", self._head_failed)
+            await wait_port(host, int(port), deadline, f"pod {self.pod}: the Ray head's GCS at "
+                            f"{self.cfg['address']} (pod 0)", "pod 0's log (remote.logs()) has its ray "
+                            "start output", self._head_failed)
         # short: Ray's unix sockets live under it and their paths must fit 107 bytes
         self.temp_dir = tempfile.mkdtemp(prefix="ktray-")
-        env = {k: v for k, v in os.environ.items() if k != "KTLITE_TOKEN"}
+        env = env_without_token()
         # no drain on SIGTERM (30 s by default, for Ray Serve): ktlite stops a node only when
         # its deployment goes
         env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
@@ -136,22 +108,49 @@ class RayNode:
         cmd = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()",
                *start_args(self.cfg, self.temp_dir)]
         self.log("starting Ray " + ("head" if self.cfg["head"] else "worker node") + f" on {self.cfg['node_ip']}")
-        self.proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-        waiter = asyncio.ensure_future(self._started.wait())
-        try:
-            await asyncio.wait([waiter, self._reader], timeout=max(0.0, deadline - time.monotonic()),
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-        if not self._started.is_set():
+        started = self._expect(STARTED)
+        await self._spawn(cmd, env)
+        if not await self._until(started.wait(), deadline - time.monotonic()):
+            assert self.proc is not None
             why = (f"exited with code {self.proc.returncode}" if not self.alive
                    else f"did not report '{STARTED}' within {timeout:.0f}s")
             await self.stop()
             raise EngineError(f"pod {self.pod}: ray start {why}; its output:\n{self.tail()}")
         self.started_at = time.time()
+
+    @classmethod
+    def rank_env(cls, cfg: dict[str, Any]) -> dict[str, str]:
+        # ray.init() and ray.init("auto") connect to this cluster, with its token
+        return {"RAY_ADDRESS": cfg["address"], **auth_env(cfg)}
+
+    async def await_cluster(self, timeout: float) -> None:
+        """On the head: until the GCS lists every pod's node alive."""
+        if not self.cfg["head"]:
+            return
+        cfg = self.cfg
+        expected = cfg["expected"]  # every pod's node: {"pod", "ip", "port"}
+        found = await nodes(cfg, len(expected), timeout)
+        missing = missing_nodes(expected, found)
+        if missing:
+            names = ", ".join(f"{e['pod']} ({e['ip']}, node manager port {e['port']})" for e in missing)
+            joined = ", ".join(f"{n['ip']}:{n['port']}" for n in found if n["alive"]) or "none"
+            raise EngineError(f"{len(expected) - len(missing)} of {len(expected)} Ray nodes joined the head "
+                              f"at {cfg['address']} within {timeout:.0f}s; missing: {names} (alive in "
+                              f"the cluster: {joined}). Their pods' own errors follow, or their logs "
+                              "(remote.logs()) hold ray start's output")
+
+    async def cluster_status(self) -> dict[str, Any]:
+        """This node, and on the head the cluster's nodes with the lost ones named."""
+        out = self.status()
+        if self.cfg["head"] and self.alive:
+            try:
+                found = await nodes(self.cfg, 0, 0)
+            except EngineError as e:
+                out["error"] = str(e)
+            else:
+                out["nodes"] = found
+                out["lost"] = [e["pod"] for e in missing_nodes(self.cfg["expected"], found)]
+        return out
 
     async def _head_failed(self) -> str | None:
         """Why the head pod could not start Ray for this launch, as its /health says, if so."""
@@ -169,71 +168,22 @@ class RayNode:
             return str(failed.get("message"))
         return None
 
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        while True:
-            line = await self.proc.stdout.readline()
-            if not line:
-                break
-            text = line.decode(errors="replace").rstrip()
-            self.output.append(text)
-            self.log(text)
-            if STARTED in text:
-                self._started.set()
-        await self.proc.wait()
-
-    async def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """This node's ``ray stop``: SIGTERM, then SIGKILL to its process group."""
-        proc = self.proc
-        if proc is not None:
-            pgid = proc.pid  # setsid: the group is the process's own id
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(proc.wait(), grace)
-            # whatever of the node outlived ray start (or it did not end in time)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(proc.wait(), 5)
-            if self._reader is not None:
-                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(self._reader, 2)
+    def _cleanup(self) -> None:
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
-        self.proc = None
 
     def status(self) -> dict[str, Any]:
-        return {"kind": "ray", "head": self.cfg["head"], "address": self.cfg["address"],
-                "node_ip": self.cfg["node_ip"], "pid": self.proc.pid if self.proc else None,
-                "alive": self.alive, "started_at": self.started_at, "temp_dir": self.temp_dir}
+        return {**super().status(), "address": self.cfg["address"], "node_ip": self.cfg["node_ip"],
+                "temp_dir": self.temp_dir}
 
 
-async def _wait_port(host: str, port: int, deadline: float, what: str,
-                     gave_up: Callable[[], Any] | None = None) -> None:
-    """Until ``host:port`` accepts a connection; ``gave_up()`` (every 0.5 s) says why it
-    never will (the head failed), or None."""
-    last = ""
-    asked = 0.0
-    while True:
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
-            writer.close()
-            return
-        except (OSError, asyncio.TimeoutError) as e:
-            last = f"{type(e).__name__}: {e}"
-        if time.monotonic() >= deadline:
-            raise EngineError(f"{what} did not accept connections in time (last: {last}); pod 0's "
-                              "log (remote.logs()) has its ray start output")
-        if gave_up is not None and time.monotonic() - asked >= 0.5:
-            asked = time.monotonic()
-            why = await gave_up()
-            if why:
-                raise EngineError(f"{what} will not answer: the head could not start Ray ({why.splitlines()[0]})")
-        await asyncio.sleep(0.05)
+def missing_nodes(expected: list[dict[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The expected Ray nodes (``{"pod", "ip", "port"}``) the GCS does not list alive. Nodes
+    that share a host (the local backend) are told apart by port alone: Ray reports a node
+    given 127.0.0.1 by the host's own address."""
+    one_host = len({e["ip"] for e in expected}) == 1 and len(expected) > 1
+    alive = {n["port"] if one_host else (n["ip"], n["port"]) for n in found if n["alive"]}
+    return [e for e in expected if (e["port"] if one_host else (e["ip"], e["port"])) not in alive]
 
 
 async def nodes(cfg: dict[str, Any], want: int, timeout: float) -> list[dict[str, Any]]:
@@ -241,7 +191,7 @@ async def nodes(cfg: dict[str, Any], want: int, timeout: float) -> list[dict[str
     ``timeout`` ran out (``want`` 0: at once). Asked in a subprocess: the pod server never
     imports Ray."""
     address = cfg["address"]
-    env = {k: v for k, v in os.environ.items() if k != "KTLITE_TOKEN"}
+    env = env_without_token()
     env.update(auth_env(cfg))
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "ktlite_server.ray_probe", address, str(want), str(timeout),

@@ -157,8 +157,9 @@ CASES: list[tuple[str, Callable[[], Any], type[BaseException], list[str]]] = [
     *[(f"framework-{fw}", (lambda fw=fw: kt.fn(target, name="badin-layout").to(
         C().distribute(fw, workers=2))), kt.ConfigError,
        [f"framework={fw!r}", "'spmd', 'pytorch', 'jax', 'tensorflow'"]) for fw in ("torch", "PyTorch", "mpi")],
-    ("framework-monarch", lambda: C().distribute("monarch"), kt.ConfigError,
-     ["framework='monarch'", "not supported", "pytorch", "ray"]),
+    ("monarch-uneven", lambda: kt.fn(target, name="badin-layout").to(
+        C().distribute("monarch", workers=2, num_proc=[2, 4])), kt.ConfigError,
+     ["num_proc=[2, 4]", "same procs on every host", "give one number"]),
     ("ray-num-proc", lambda: kt.fn(target, name="badin-layout").to(C().distribute("ray", workers=2, num_proc=2)),
      kt.ConfigError, ["num_proc=2", "no meaning"]),
     ("ray-worker-node-options", lambda: kt.fn(target, name="badin-layout").to(
