@@ -97,16 +97,25 @@ def monarch_hosts() -> Any:
     """The Monarch ``HostMesh`` of every pod of this ``distribute("monarch")`` deployment
     (one host per pod, in pod order: the mesh's ``hosts`` dimension), attached to the worker
     loops the pod servers run. The same mesh for every call in this process; a new ``.to()``
-    gives a new one (fresh loops, without the previous controller's procs)."""
+    gives a new one (fresh loops, without the previous controller's procs).
+
+    Call it before other Monarch calls in the process: it enables Monarch's transport for the
+    deployment (TCP on pod 0's IP across pods, unix sockets where the pods share a machine)."""
     cfg = _monarch_env()
     key = cfg["generation"]
     mesh = _MONARCH_HOSTS.get(key)
     if mesh is None:
-        from monarch.actor import attach_to_workers
+        from monarch.actor import attach_to_workers, enable_transport
 
+        transport = cfg["controller"]
+        try:
+            enable_transport(transport)  # the controller's own channel: the pods must reach it
+        except RuntimeError as e:
+            raise KtliteError(f"monarch_hosts() needs Monarch's {transport!r} transport here (the pods reach "
+                              f"the controller through it), and this process enabled another: {e}. Call "
+                              "monarch_hosts() or monarch_procs() before other Monarch calls") from e
         # torchmonarch has no TLS yet: the loops listen on pod IPs (or private unix sockets)
-        mesh = attach_to_workers(ca="trust_all_connections", workers=list(cfg["workers"]),
-                                 name=f"ktlite-{key}")
+        mesh = attach_to_workers(ca="trust_all_connections", workers=list(cfg["workers"]), name=f"ktlite-{key}")
         _MONARCH_HOSTS.clear()
         _MONARCH_HOSTS[key] = mesh
     return mesh

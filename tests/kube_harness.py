@@ -5,7 +5,7 @@ over real HTTP, with a real ``ktlite_server`` process behind each pod it creates
 
 Only the control plane is fake. Each pod is a real server process bound to its own loopback
 address (127.0.0.10, .11, ...) on the pod port, in its own UTS and mount namespace (hostname =
-pod name; PVCs bind-mounted from DIR/pvc/<claim>; /tmp and tests/ empty, since a real pod
+pod name, resolved by the pod's own /etc/hosts as the kubelet writes it; PVCs bind-mounted from DIR/pvc/<claim>; /tmp and tests/ empty, since a real pod
 sees none of the caller's files), started with the env the pod spec names
 (token from the Secret, downward-API fields), and reported Ready once it accepts
 connections. The pod proxy forwards to it; its output becomes the pod log; deleting the pod
@@ -126,6 +126,12 @@ class Pods:
                 src.mkdir(parents=True, exist_ok=True)
                 os.makedirs(m["mountPath"], exist_ok=True)
                 mounts.append(f"mount --bind {src} {m['mountPath']}")
+        # the kubelet's hosts file: the pod's own name resolves to its IP, nothing else does
+        hosts = self.root / "etc-hosts" / name
+        hosts.parent.mkdir(exist_ok=True)
+        hosts.write_text("# Kubernetes-managed hosts file (the stand-in's).\n127.0.0.1\tlocalhost\n"
+                         f"::1\tlocalhost ip6-localhost ip6-loopback\n{ip}\t{name}\n")
+        mounts.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
         script = " && ".join([f"hostname {name}", *mounts, *_hide_callers_files(), _SETUP,
                               f'exec "$(cat {_PYTHON_FILE})" -m ktlite_server --host {ip} '
                               f"--port {SERVER_PORT} --procs {pod_env.get('KTLITE_PROCS', '1')}"])

@@ -69,7 +69,7 @@ def test_cluster_pods_use_tcp_on_their_ips_at_pinned_ports() -> None:
     assert monarchhost.address(other, 1) == f"tcp://10.0.0.6:{29501 + GROUP_PORTS}"
     env = json.loads(monarchhost.MonarchHost.rank_env(head)["KTLITE_MONARCH"])
     assert env == {"workers": [f"tcp://10.0.0.5:{29532}", f"tcp://10.0.0.6:{29533}"], "per_host": 4,
-                   "generation": "launch1"}
+                   "controller": "tcp://10.0.0.5:0", "generation": "launch1"}
     assert monarchhost.MonarchHost.rank_env(other) == {}  # only the controller attaches
     # every .to() brings fresh loops: the settings differ by launch, so pods restart them
     assert engines.monarch_host(_spec(), 1, ips, names, 29500, "launch2") != other

@@ -119,9 +119,14 @@ class MonarchHost(Engine):
     def rank_env(cls, cfg: dict[str, Any]) -> dict[str, str]:
         if not cfg["head"]:
             return {}
-        # what ktlite.distributed.monarch_hosts() attaches to; a new launch means new loops
+        # what ktlite.distributed.monarch_hosts() attaches to (a new launch means new loops),
+        # and the controller's own transport: bound to this pod's IP, which the other pods
+        # reach (Monarch's default, a unix socket, they would not; its "tcp" resolves the
+        # hostname, which a pod without cluster DNS may not map to its IP)
+        tcp = cfg["transport"] == "tcp"
         return {"KTLITE_MONARCH": json.dumps({
             "workers": [address(cfg, k) for k in range(len(cfg["hosts"]))],
+            "controller": f"tcp://{cfg['hosts'][0]['ip']}:0" if tcp else "ipc",
             "per_host": cfg["per_host"], "generation": cfg["generation"]})}
 
     async def await_cluster(self, timeout: float) -> None:

@@ -54,7 +54,7 @@ MANAGED_BY = "app.kubernetes.io/managed-by=ktlite"
 NAME_LABEL = "ktlite.dev/name"
 # what a deployment creates, in deletion order (the StatefulSet before its pods); the same
 # kinds ktlite itself needs rights on (docs/kubernetes.md), so the suite needs no others
-KINDS = ("statefulsets", "services", "secrets", "pods", "persistentvolumeclaims")
+KINDS = ("statefulsets", "services", "secrets", "networkpolicies", "pods", "persistentvolumeclaims")
 WITHOUT_VOLUMES = KINDS[:-1]
 REQUEST_TIMEOUT = 30  # seconds, for every Kubernetes API request made here
 
@@ -73,6 +73,7 @@ class Settings:
     skip_volumes: bool
     gpus: int = 0
     ray_image: str = ""
+    monarch_image: str = ""
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +92,7 @@ def settings() -> Settings:
         image=os.environ.get("KTLITE_TEST_IMAGE") or "ktlite-server:dev",
         torch_image=os.environ.get("KTLITE_TEST_TORCH_IMAGE", "ktlite-server-pytorch:dev"),
         ray_image=os.environ.get("KTLITE_TEST_RAY_IMAGE", "ktlite-server-ray:dev"),
+        monarch_image=os.environ.get("KTLITE_TEST_MONARCH_IMAGE", "ktlite-server-monarch:dev"),
         pull_policy=os.environ.get("KTLITE_TEST_IMAGE_PULL_POLICY") or "IfNotPresent",
         storage_class=os.environ.get("KTLITE_TEST_STORAGE_CLASS") or None,
         skip_volumes=os.environ.get("KTLITE_TEST_SKIP_VOLUMES", "") not in ("", "0"),
@@ -145,13 +147,15 @@ class Kube:
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
         self.storage = client.StorageV1Api(self.api)
-        ns, core, apps = self.namespace, self.core, self.apps
+        self.networking = client.NetworkingV1Api(self.api)
+        ns, core, apps, net = self.namespace, self.core, self.apps, self.networking
         self._list = {
             "statefulsets": lambda **kw: apps.list_namespaced_stateful_set(ns, **kw),
             "services": lambda **kw: core.list_namespaced_service(ns, **kw),
             "secrets": lambda **kw: core.list_namespaced_secret(ns, **kw),
             "pods": lambda **kw: core.list_namespaced_pod(ns, **kw),
             "persistentvolumeclaims": lambda **kw: core.list_namespaced_persistent_volume_claim(ns, **kw),
+            "networkpolicies": lambda **kw: net.list_namespaced_network_policy(ns, **kw),
         }
         self._delete = {
             "statefulsets": lambda n, **kw: apps.delete_namespaced_stateful_set(n, ns, **kw),
@@ -159,6 +163,7 @@ class Kube:
             "secrets": lambda n, **kw: core.delete_namespaced_secret(n, ns, **kw),
             "pods": lambda n, **kw: core.delete_namespaced_pod(n, ns, **kw),
             "persistentvolumeclaims": lambda n, **kw: core.delete_namespaced_persistent_volume_claim(n, ns, **kw),
+            "networkpolicies": lambda n, **kw: net.delete_namespaced_network_policy(n, ns, **kw),
         }
 
     def close(self) -> None:
