@@ -242,6 +242,7 @@ class PodClient:
         window_end, attempt = 0.0, 0
         delivered = False  # did any attempt possibly reach a pod server?
         accepted = False  # did the pod answer 200: it holds the call, and a re-attach needs no body
+        first_sent = time.monotonic()
         while True:
             headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
                                      "content-type": "application/octet-stream"})
@@ -263,7 +264,9 @@ class PodClient:
                     try:
                         self._check(resp, url)
                     except NotDeployedError as e:
-                        if not delivered:
+                        if not delivered or _up_since(resp, first_sent):
+                            # nothing reached a server with our code: this one, up since before
+                            # the first attempt, got every attempt that got anywhere
                             raise
                         # the server that had the call is gone: this one (a new pod, a restarted
                         # container) never saw it, and must not run it now
@@ -289,6 +292,16 @@ class PodClient:
                 attempt += 1
                 self.reattempts += 1
                 time.sleep(min(0.01 * 2 ** attempt, 0.5))
+
+
+def _up_since(resp: httpx.Response, since: float, margin: float = 1.0) -> bool:
+    """Whether the server that answered ``resp`` was already up at ``since`` (monotonic), by
+    the uptime it reports, with ``margin`` seconds to spare."""
+    try:
+        uptime = float(resp.headers.get(protocol.UPTIME_HEADER, ""))
+    except ValueError:
+        return False
+    return uptime > time.monotonic() - since + margin
 
 
 def _proxy_refusal(resp: httpx.Response) -> _ProxyError | None:

@@ -41,6 +41,9 @@ VERSION_HEADER = "x-ktlite-protocol"
 LENGTH_HEADER = "x-ktlite-length"
 # A caller re-attaching to a call it lost the stream of: the number of the first frame it lacks
 RESUME_HEADER = "x-ktlite-resume"
+# A pod refusing a call for want of code says how long its server has been up (seconds): a
+# caller whose earlier attempt was cut knows then whether that attempt met this same server
+UPTIME_HEADER = "x-ktlite-uptime"
 
 # frame kinds
 FRAME = struct.Struct("<BQ")

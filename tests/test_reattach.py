@@ -240,3 +240,26 @@ def test_a_proxy_that_cannot_reach_the_pod_gives_pod_unreachable_naming_it(
     assert info.value.delivered is delivered
     assert len(asked) > 1, "a proxy error is retried within the re-attach window"
     assert "t0k3n" not in text
+
+
+@pytest.mark.parametrize("uptime, lost", [("600.000", False), ("0.010", True), (None, True)])
+def test_a_cut_attempt_then_no_code_is_lost_only_if_the_server_is_newer(uptime, lost) -> None:
+    """The first attempt reaches a pod and its answer is cut; the next finds a server without
+    our code. Up since before the first attempt, that server got both attempts and refused
+    both: the call never ran anywhere (NotDeployedError: heal and run it). Newer (or silent
+    about it), an older server may have run the call before it went (PodUnreachable)."""
+    asked = []
+
+    def proxy(request: httpx.Request) -> httpx.Response:
+        asked.append(request)
+        if len(asked) == 1:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+        headers = {} if uptime is None else {protocol.UPTIME_HEADER: uptime}
+        return httpx.Response(409, json={"detail": "pod job-0 has no code deployed"}, headers=headers)
+
+    client = PodClient("t0k3n", transport=httpx.MockTransport(proxy))
+    expected = kt.PodUnreachable if lost else kt.NotDeployedError
+    with pytest.raises(expected) as info:
+        client.call("https://api/pods/job-0:32300/proxy", {"id": "c1"}, [b"x"], None, pod="job-0")
+    assert len(asked) == 2
+    assert ("was restarted or replaced while the call ran" in str(info.value)) is lost

@@ -141,7 +141,7 @@ class FastCall:
             try:
                 response = await self._call(Request(scope, receive))
             except HTTPException as e:
-                response = JSONResponse({"detail": e.detail}, status_code=e.status_code)
+                response = JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
             except ClientDisconnect:
                 return  # the caller left mid-upload: nothing to answer, nothing ran
             await response(scope, receive, send)
@@ -293,7 +293,8 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         if pod.dep is None:
             raise HTTPException(409, f"pod {pod.name} has no code deployed: its server started after the "
                                 "deploy (a restarted container, a replaced pod); call .to() again, which "
-                                "pushes the code and reuses the pods")
+                                "pushes the code and reuses the pods",
+                                headers={protocol.UPTIME_HEADER: f"{max(0.0, time.time() - started):.3f}"})
         if plan.launch_id and plan.launch_id != pod.dep.launch_id:
             raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
                                 f"{plan.launch_id}: it was redeployed since (by another process, or it "
