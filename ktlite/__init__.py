@@ -21,6 +21,7 @@ _EXPORTS = {
     "Image": "ktlite.images",
     "App": "ktlite.apps", "app": "ktlite.apps",  # not "ktlite.app": kt.app is the function
     "Future": "ktlite.futures",
+    "Host": "ktlite.hosts", "Hosts": "ktlite.hosts",
     "PerRank": "ktlite.rankdata", "per_rank": "ktlite.rankdata",
     "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
         SerializationError,
     )
     from ktlite.futures import Future
+    from ktlite.hosts import Host, Hosts
     from ktlite.images import Image
     from ktlite.rankdata import PerRank, per_rank
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
@@ -92,6 +94,8 @@ __all__ = [
     "DeployError",
     "Fn",
     "Future",
+    "Host",
+    "Hosts",
     "Image",
     "KtliteError",
     "LaunchTimeout",

@@ -294,7 +294,7 @@ def _parser() -> argparse.ArgumentParser:
         return c
 
     def where(c: argparse.ArgumentParser) -> None:
-        c.add_argument("--backend", default=None, help="local or kubernetes (default: ktlite config)")
+        c.add_argument("--backend", default=None, help="local, kubernetes or ssh (default: ktlite config)")
         c.add_argument("--namespace", "-n", default=None, help="Kubernetes namespace")
 
     dp = command("deploy", "deploy the decorated functions and classes of a script",

@@ -294,9 +294,12 @@ class PodClient:
                 time.sleep(min(0.01 * 2 ** attempt, 0.5))
 
 
-def _up_since(resp: httpx.Response, since: float, margin: float = 1.0) -> bool:
+def _up_since(resp: httpx.Response, since: float, margin: float = 0.1) -> bool:
     """Whether the server that answered ``resp`` was already up at ``since`` (monotonic), by
-    the uptime it reports, with ``margin`` seconds to spare."""
+    the uptime it reports (from its process's start, in clock ticks), with ``margin``
+    seconds to spare for the clocks' granularity. A server answers only after its boot
+    (imports, bind: ~0.5 s), so one that got an attempt sent at ``since`` started well
+    before it."""
     try:
         uptime = float(resp.headers.get(protocol.UPTIME_HEADER, ""))
     except ValueError:

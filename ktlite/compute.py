@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ktlite.errors import ConfigError
+from ktlite.hosts import Hosts, as_hosts
 from ktlite.images import Image
 from ktlite.spec import DistributedConfig
 
-BACKENDS = ("local", "kubernetes")
+BACKENDS = ("local", "kubernetes", "ssh")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _WRONG_UNIT = re.compile(r"^([0-9]+(\.[0-9]+)?)\s*([kKmMgGtTpP])(i?)[bB]?$")
@@ -110,7 +111,12 @@ class Compute:
         image: a :class:`kt.Image` or an image name.
         env: environment variables for every rank (``env_vars=`` is accepted too).
         volumes: :class:`kt.Volume` objects or names of existing PVCs.
-        backend: "local" or "kubernetes"; default from KTLITE_BACKEND, else "local".
+        backend: "local", "kubernetes" or "ssh"; default from KTLITE_BACKEND, else "local"
+            ("ssh" when ``hosts`` is given).
+        hosts: the machines of the "ssh" backend, one pod each: SSH destinations
+            (``"gpu1"``, ``"user@10.0.0.2:2222"``), :class:`kt.Host` objects (with their own
+            ``num_proc``) or a :class:`kt.Hosts` with connection options. The deployment has
+            one worker per host.
         launch_timeout: seconds to wait for pods to become ready.
         call_timeout: default limit of each call in seconds (None: no limit; a hung call can
             always be interrupted with Ctrl-C); ``remote.options(timeout=...)`` overrides it.
@@ -158,8 +164,10 @@ class Compute:
     # distribute("ray", worker_node_options=...): the worker pods' own sizes (the head: this)
     worker_node_options: dict[str, Any] | None = None
     env_vars: dict[str, str] | None = None  # Kubetorch's name for env
+    hosts: Hosts | None = None
 
     def __post_init__(self) -> None:
+        self._check_hosts()
         if self.env_vars is not None:
             if self.env:
                 raise ConfigError("pass env= or env_vars= (the Kubetorch name), not both")
@@ -252,6 +260,32 @@ class Compute:
             raise ConfigError(f"num_proc={d.num_proc} has a pod of {d.max_procs} ranks, more than gpus={self.gpus} "
                               f"on a GPU pod; each rank needs at least one GPU: use num_proc<={self.gpus}")
 
+    def _check_hosts(self) -> None:
+        """``hosts`` means the ssh backend, one pod per host, each host's ranks its own."""
+        hosts = as_hosts(self.hosts)
+        object.__setattr__(self, "hosts", hosts)
+        if hosts is None:
+            return
+        if self.backend is None:
+            object.__setattr__(self, "backend", "ssh")
+        elif self.backend != "ssh":
+            raise ConfigError(f"hosts= names the machines of backend='ssh', not backend={self.backend!r}; "
+                              "leave backend out (or 'ssh') to run on those hosts")
+        d = self.distributed
+        if d is None:
+            object.__setattr__(self, "distributed", DistributedConfig(
+                workers=len(hosts), num_proc=[n or self.gpus or 1 for n in hosts.sizes]))
+            return
+        if d.workers != len(hosts):
+            raise ConfigError(f"distribute(workers={d.workers}) but hosts= names {len(hosts)} host(s); one pod "
+                              "runs per host: leave workers out, or list as many hosts")
+        clash = [(h.address, h.num_proc, d.procs(i)) for i, h in enumerate(hosts.hosts)
+                 if h.num_proc is not None and h.num_proc != d.procs(i)]
+        if clash:
+            address, own, given = clash[0]
+            raise ConfigError(f"Host({address!r}, num_proc={own}) but distribute() gives it {given} rank(s); "
+                              "leave num_proc out of distribute() to use each host's own")
+
     def pod_compute(self, ordinal: int) -> Compute:
         """What pod ``ordinal`` looks like: this Compute, or for a Ray worker node (ordinal
         1..N) this one with ``worker_node_options`` applied."""
@@ -314,6 +348,11 @@ class Compute:
             raise ConfigError(f"distribute({framework!r}, worker_node_options=...): only framework='ray' "
                               "has worker nodes of their own size; for pods of different sizes use "
                               "num_proc=[...] (one entry per pod)")
+        hosts = as_hosts(self.hosts)
+        if hosts is not None:  # one pod per host, each with its own ranks unless given
+            workers = len(hosts) if workers is None else workers
+            if num_proc is None and any(n is not None for n in hosts.sizes):
+                num_proc = [n or self.gpus or 1 for n in hosts.sizes]
         if num_proc is None:
             num_proc = self.gpus or 1
         if isinstance(num_proc, (list, tuple)) and not num_proc:

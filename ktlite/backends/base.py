@@ -111,4 +111,10 @@ def get_backend(name: str | None, namespace: str | None = None) -> Backend:
     if chosen == "kubernetes":
         from ktlite.backends.kubernetes import KubernetesBackend
         return KubernetesBackend.shared(namespace)
-    raise ConfigError(f"backend={chosen!r} is not known; allowed: 'local', 'kubernetes'")
+    if chosen == "ssh":
+        try:
+            from ktlite.backends.ssh import SshBackend
+        except ImportError as e:
+            raise ConfigError(f"backend='ssh' needs asyncssh: pip install 'ktlite[ssh]' ({e})") from None
+        return SshBackend.shared()
+    raise ConfigError(f"backend={chosen!r} is not known; allowed: 'local', 'kubernetes', 'ssh'")

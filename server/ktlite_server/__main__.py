@@ -15,6 +15,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 
 import uvicorn
 
@@ -41,7 +43,36 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--ready-file", default=None)
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--token-stdin", action="store_true", help="read the token from stdin's first line")
+    p.add_argument("--inactivity-ttl", type=float, default=None,
+                   help="exit after this many seconds without a request or a running call")
+    p.add_argument("--tether-stdin", action="store_true",
+                   help="exit when stdin closes (the SSH channel that started this server is gone)")
     return p.parse_args()
+
+
+def _stop(server: uvicorn.Server, pod: Pod) -> None:
+    for rank in pod.ranks:  # stop running calls now; shutdown would wait for them
+        if rank is not None:
+            rank.kill()
+    server.should_exit = True
+
+
+async def _watch_idle(ttl: float, server: uvicorn.Server, pod: Pod) -> None:
+    while True:
+        await asyncio.sleep(min(1.0, ttl / 4))
+        if not pod.calls and time.monotonic() - pod.last_active > ttl:
+            print(f"ktlite: no client for {ttl:g}s (inactivity_ttl): stopping", file=sys.stderr, flush=True)
+            _stop(server, pod)
+            return
+
+
+def _watch_stdin(loop: asyncio.AbstractEventLoop, server: uvicorn.Server, pod: Pod) -> None:
+    """In a thread: block on stdin until it closes, then stop the server."""
+    with contextlib.suppress(OSError, ValueError):
+        while sys.stdin.buffer.read(4096):
+            pass
+    with contextlib.suppress(RuntimeError):  # the loop already closed: the server is gone
+        loop.call_soon_threadsafe(_stop, server, pod)
 
 
 async def _watch_parent(pid: int, server: uvicorn.Server, pod: Pod) -> None:
@@ -53,10 +84,7 @@ async def _watch_parent(pid: int, server: uvicorn.Server, pod: Pod) -> None:
         except ProcessLookupError:
             alive = False
         if not alive:
-            for rank in pod.ranks:  # stop running calls now; shutdown would wait for them
-                if rank is not None:
-                    rank.kill()
-            server.should_exit = True
+            _stop(server, pod)
             return
 
 
@@ -86,6 +114,10 @@ def main() -> None:
         loop = asyncio.get_running_loop()
         if args.parent_pid:
             loop.create_task(_watch_parent(args.parent_pid, server, pod))
+        if args.inactivity_ttl:
+            loop.create_task(_watch_idle(args.inactivity_ttl, server, pod))
+        if args.tether_stdin:
+            threading.Thread(target=_watch_stdin, args=(loop, server, pod), daemon=True).start()
         serving = loop.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.005)

@@ -175,6 +175,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         got = request.headers.get(protocol.TOKEN_HEADER, "").encode()
         if not hmac.compare_digest(got, expected):
             raise HTTPException(401, "missing or wrong deployment token")
+        pod.last_active = time.monotonic()  # a client (or a peer pod) still uses this pod
         version = request.headers.get(protocol.VERSION_HEADER)
         if version is not None and version != str(protocol.PROTOCOL_VERSION):
             raise HTTPException(409, f"protocol version mismatch: client speaks {version}, server "

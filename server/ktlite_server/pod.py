@@ -172,6 +172,7 @@ class Pod:
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
         self.engine: Engine | None = None  # distribute("ray"/"monarch"): this pod's engine
+        self.last_active = time.monotonic()  # the last authorized request (--inactivity-ttl)
         self.engine_failed: dict[str, str] | None = None  # {"launch_id", "message"} (in /health)
         self.usage = ProcessUsage()
         self.gpu_query = GpuQuery()

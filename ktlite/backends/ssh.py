@@ -1,0 +1,621 @@
+"""The ssh backend: a pod is a ktlite server on a machine reached over SSH (``asyncssh``).
+
+``Compute(hosts=[...])`` names the machines, one pod each. At ``.to()`` the client connects to
+every host at once (the user's ``~/.ssh/config``, agent and keys; host keys checked against
+``known_hosts``), finds a Python at least as new as its own minor version, copies ktlite's
+source over SFTP into a per-user cache (``~/.cache/ktlite``) when that version is missing,
+and starts the pod server through ``ktlite_server.sshlaunch``: the token and environment go
+over the channel, never on a command line. Calls then go straight to the pod servers over
+TCP (the protocol of every backend), or through SSH port forwards where a host's port does
+not answer (``Hosts(forward=...)``).
+
+A deployment's server stops with its teardown; a non-detached one also when the SSH channel
+that started it closes (this process or its connection is gone), and any of them after
+``inactivity_ttl`` without a client. State: ``$KTLITE_HOME/ssh/<name>/state.json`` (0600).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import queue
+import shlex
+import socket
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
+from ktlite.backends.local import pid_alive
+from ktlite.errors import ConfigError, DeployError, LaunchTimeout
+from ktlite.hosts import Host, Hosts
+from ktlite.spec import DeploymentSpec
+
+CACHE = "~/.cache/ktlite"
+CONNECT_TIMEOUT_S = 15.0
+COMMAND_TIMEOUT_S = 120.0
+TTL_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _home() -> Path:
+    return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "ssh"
+
+
+def parse_ttl(value: str | float | None) -> float | None:
+    """``inactivity_ttl``: seconds, or "30m", "1h", "2d"."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    text = str(value).strip().lower()
+    unit = TTL_UNITS.get(text[-1:]) if text[-1:].isalpha() else 1
+    number = text[:-1] if text[-1:].isalpha() else text
+    try:
+        seconds = float(number) * (unit or 0)
+    except ValueError:
+        seconds = 0
+    if not seconds or seconds <= 0:
+        raise ConfigError(f"inactivity_ttl={value!r} must be a duration such as 600, '30m', '1h' or '2d'")
+    return seconds
+
+
+def _source_bundle() -> tuple[str, bytes]:
+    """ktlite's own source (client and server packages) as a tar.gz, and its content hash:
+    the hosts run exactly this client's code."""
+    import ktlite
+    import ktlite_server
+
+    files: list[tuple[str, Path]] = []
+    for pkg in (ktlite, ktlite_server):
+        root = Path(pkg.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                files.append((f"{root.name}/{path.relative_to(root)}", path))
+    digest = hashlib.sha256()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for name, path in files:
+            data = path.read_bytes()
+            digest.update(name.encode() + b"\0" + data + b"\0")
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return digest.hexdigest()[:16], buf.getvalue()
+
+
+class _Loop:
+    """An asyncio loop on a thread of its own: the SSH connections live there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="ktlite-ssh", daemon=True).start()
+
+    def run(self, coro: Any, timeout: float) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+
+class _Host:
+    """One host's connection and what the client learned about it."""
+
+    def __init__(self, index: int, host: Host, options: Hosts) -> None:
+        self.index = index
+        self.host = host
+        self.options = options
+        self.conn: Any = None
+        self.address = ""  # the IP address SSH reached: where the other hosts reach this one
+        self.tether: Any = None  # a non-detached server's launcher channel
+        self.forward: Any = None  # a local port forward to its server, when used
+        self.python = "python3"  # the host's Python, once found
+
+    @property
+    def label(self) -> str:
+        return f"host {self.index} ({self.host.address})"
+
+    async def connect(self) -> None:
+        user, hostname, port = self.host.target
+        known = self.options.known_hosts
+        kwargs: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalive_interval": 5,
+                                  "keepalive_count_max": 3}
+        if self.options.ssh_config:
+            kwargs["config"] = [os.path.expanduser(self.options.ssh_config)]
+        if known:
+            kwargs["known_hosts"] = os.path.expanduser(known)
+        if user:
+            kwargs["username"] = user
+        if port:
+            kwargs["port"] = port
+        try:
+            self.conn = await asyncssh.connect(hostname, **kwargs)
+        except asyncssh.HostKeyNotVerifiable as e:
+            if not self.options.accept_new_host_keys:
+                raise DeployError(f"{self.label}: its host key is not trusted ({e}); a host not yet in "
+                                  "known_hosts is accepted only with kt.Hosts(..., accept_new_host_keys=True), "
+                                  "a changed key never (check with the host's owner, then fix known_hosts)"
+                                  ) from None
+            self.conn = await self._accept_new(hostname, kwargs)
+        except asyncssh.PermissionDenied as e:
+            raise DeployError(f"{self.label}: authentication refused ({e.reason}); check the user, the "
+                              "key (IdentityFile, ssh-agent) and the host's authorized_keys") from None
+        except (OSError, asyncio.TimeoutError, asyncssh.Error) as e:
+            raise DeployError(f"{self.label}: cannot connect over SSH: {type(e).__name__}: {e}") from None
+        peer = self.conn.get_extra_info("peername")
+        self.address = self.options.master_addr if self.index == 0 and self.options.master_addr else peer[0]
+
+    async def _accept_new(self, hostname: str, kwargs: dict[str, Any]) -> Any:
+        """``accept_new_host_keys``: connect without checking the key, refuse if known_hosts
+        lists the host with another key (a changed key, never accepted), else record it."""
+        conn = await asyncssh.connect(hostname, **{**kwargs, "known_hosts": None})
+        key = conn.get_server_host_key()
+        path = Path(os.path.expanduser(self.options.known_hosts or "~/.ssh/known_hosts"))
+        addr, port = conn.get_extra_info("peername")[:2]
+        listed = []
+        if path.exists():
+            known = asyncssh.read_known_hosts(str(path))
+            for name_ in {hostname, addr}:
+                keys, ca_keys, revoked = known.match(name_, addr, port)[:3]
+                listed += [*keys, *ca_keys, *revoked]
+        if listed:
+            conn.close()
+            raise DeployError(f"{self.label}: its host key CHANGED: {path} lists another key for it. It is "
+                              "refused even with accept_new_host_keys (someone may be in the middle); check "
+                              "with the host's owner, then remove the old line from known_hosts")
+        name = addr if port == 22 else f"[{addr}]:{port}"
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"{name} {key.export_public_key().decode().strip()}\n")
+        print(f"ktlite: added {self.label}'s host key to {path} (accept_new_host_keys)", file=sys.stderr)
+        return conn
+
+    async def run(self, command: str, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
+        result = await asyncio.wait_for(self.conn.run(command, input=input, check=False), timeout)
+        if result.exit_status != 0:
+            raise DeployError(f"{self.label}: `{command[:200]}` failed (exit {result.exit_status}): "
+                              f"{(result.stderr or result.stdout or '').strip()[-1500:]}")
+        return str(result.stdout)
+
+    def close(self) -> None:
+        if self.forward is not None:
+            self.forward.close()
+        if self.tether is not None:
+            self.tether.close()
+        if self.conn is not None:
+            self.conn.close()
+
+
+class SshBackend(Backend):
+    name = "ssh"
+    _shared: SshBackend | None = None
+
+    @classmethod
+    def shared(cls) -> SshBackend:
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
+
+    def __init__(self) -> None:
+        self._loop = _Loop()
+        self._live: dict[str, list[_Host]] = {}  # deployment -> its hosts' connections (this process)
+        self._lock = threading.Lock()
+        self._bundle: tuple[str, bytes] | None = None
+
+    # ---- state --------------------------------------------------------------------------
+
+    def _dir(self, name: str) -> Path:
+        return _home() / name
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self._dir(name) / "state.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _write(self, name: str, state: dict[str, Any]) -> None:
+        d = self._dir(name)
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = d / "state.json.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, d / "state.json")
+
+    # ---- backend API --------------------------------------------------------------------
+
+    @staticmethod
+    def _hosts(spec: DeploymentSpec) -> Hosts:
+        hosts = spec.compute.hosts
+        if hosts is None:
+            raise ConfigError("backend='ssh' needs the machines: Compute(hosts=['gpu1', 'gpu2', ...])")
+        return hosts
+
+    def _server_args(self, spec: DeploymentSpec, ordinal: int) -> list[str]:
+        args = ["--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
+                "--procs", str(spec.distributed.procs(ordinal))]
+        ttl = parse_ttl(spec.compute.inactivity_ttl)
+        if ttl is not None:
+            args += ["--inactivity-ttl", f"{ttl:g}"]
+        return args
+
+    def plan(self, spec: DeploymentSpec) -> Plan:
+        hosts = self._hosts(spec)
+        parse_ttl(spec.compute.inactivity_ttl)
+        lines = []
+        for i, h in enumerate(hosts.hosts):
+            keys = sorted(spec.compute.env)
+            env = " ".join(f"{k}=..." for k in keys)
+            lines.append(f"ssh {h.address}: python -m ktlite_server.sshlaunch  # token{', ' + env if env else ''} "
+                         f"on stdin; then: python -m ktlite_server --host <its address> --port 0 "
+                         + " ".join(shlex.quote(a) for a in self._server_args(spec, i)))
+        return Plan(backend=self.name, name=spec.name, commands=lines)
+
+    def apply(self, spec: DeploymentSpec, token: str) -> Applied:
+        hosts = self._hosts(spec)
+        parse_ttl(spec.compute.inactivity_ttl)
+        with self._lock:
+            state = self._current(spec.name)
+            if state is not None and state.get("token") != token:
+                raise DeployError(f"deployment {spec.name!r} exists with another token; tear it down first")
+            timeout = spec.compute.launch_timeout
+            try:
+                state = self._loop.run(self._apply(spec, hosts, token, state), timeout + 30)
+            except TimeoutError:
+                raise LaunchTimeout(f"deploying {spec.name!r} over SSH took over {timeout:.0f}s "
+                                    "(launch_timeout)") from None
+            self._write(spec.name, state)
+            applied = self._applied(state)
+            applied.restarted = state.pop("_restarted", [])
+            return applied
+
+    async def _connect(self, name: str, hosts: Hosts) -> list[_Host]:
+        live = self._live.get(name)
+        if live is not None and [h.host for h in live] == list(hosts.hosts) and \
+                all(h.conn is not None and not h.conn.is_closed() for h in live):
+            return live
+        for h in live or []:
+            h.close()
+        conns = [_Host(i, h, hosts) for i, h in enumerate(hosts.hosts)]
+        results = await asyncio.gather(*(c.connect() for c in conns), return_exceptions=True)
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        if errors:
+            for c in conns:
+                if c.conn is not None:
+                    c.close()
+            raise DeployError("; ".join(errors))
+        self._live[name] = conns
+        return conns
+
+    async def _apply(self, spec: DeploymentSpec, hosts: Hosts, token: str,
+                     state: dict[str, Any] | None) -> dict[str, Any]:
+        conns = await self._connect(spec.name, hosts)
+        pod_hash = spec.pod_hash()
+        old = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
+        keep = {i for i, p in old.items() if p.get("hash") == pod_hash and i < len(conns)
+                and await _answers(p["address"], p["port"], conns[i])}
+        # pods whose host or shape changed stop; ordinals beyond the hosts too
+        await asyncio.gather(*(self._stop_pod(conns[i] if i < len(conns) else None, p, spec.compute.teardown_timeout)
+                               for i, p in old.items() if i not in keep))
+        span = spec.distributed.port_span
+        kept = (state or {}).get("master_port") if 0 in keep and (state or {}).get("port_span", 0) >= span else None
+        master_port = spec.distributed.port or kept  # else pod 0's launcher picks a free span there
+        version, bundle = self._bundle or _source_bundle()
+        self._bundle = (version, bundle)
+        started = await asyncio.gather(*(
+            self._start(spec, c, token, version, bundle, pick=span if (c.index == 0 and not master_port) else 0)
+            for c in conns if c.index not in keep), return_exceptions=True)
+        errors = [str(r) for r in started if isinstance(r, BaseException)]
+        pods = {i: old[i] for i in keep}
+        for result in started:
+            if not isinstance(result, BaseException):
+                picked = result.pop("master_port", None)
+                master_port = master_port or picked
+                pods[result["ordinal"]] = result
+        if errors:
+            new = [p for i, p in pods.items() if i not in keep]
+            await asyncio.gather(*(self._stop_pod(conns[p["ordinal"]], p, 5.0) for p in new))
+            raise DeployError("; ".join(errors))
+        await asyncio.gather(*(self._reach(conns[i], p, hosts.forward) for i, p in pods.items()))
+        return {"name": spec.name, "detached": spec.detached, "owner_pid": os.getpid(), "token": token,
+                "master_port": master_port,
+                "port_span": span, "hosts": [h.address for h in hosts.hosts],
+                "options": _options(hosts), "created": (state or {}).get("created", time.time()),
+                "pods": [pods[i] for i in sorted(pods)], "_restarted": sorted(set(pods) - keep)}
+
+    async def _start(self, spec: DeploymentSpec, c: _Host, token: str, version: str, bundle: bytes,
+                     pick: int) -> dict[str, Any]:
+        python = c.python = await self._python(c)
+        src = f"{CACHE}/src-{version}"
+        have = await c.run(f"test -f {src}/.complete && echo yes || echo no")
+        if have.strip() != "yes":
+            await self._upload(c, src, bundle)
+        image = spec.compute.image
+        env = {**(image.env if image is not None else {}), **spec.compute.env,
+               "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
+               "PYTHONUNBUFFERED": "1"}
+        steps = [[kind, list(arg) if kind == "pip_install" else arg]
+                 for kind, arg in (image.steps if image is not None else ()) if kind in ("pip_install", "run_bash")]
+        run_dir = f"{CACHE}/run/{spec.name}-{c.index}"
+        msg = {"token": token, "env": env, "args": self._server_args(spec, c.index), "run_dir": run_dir,
+               "cache_dir": CACHE, "steps": steps, "detached": spec.detached, "bind": c.address,
+               "pick_master_port": pick, "timeout": spec.compute.launch_timeout,
+               "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")}}
+        command = f"cd ~ && PYTHONPATH={src}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
+                  "-m ktlite_server.sshlaunch"
+        proc = await c.conn.create_process(command, encoding="utf-8")
+        proc.stdin.write(json.dumps(msg) + "\n")
+        if spec.detached:
+            proc.stdin.write_eof()
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), spec.compute.launch_timeout + 10)
+        except asyncio.TimeoutError:
+            proc.close()
+            raise LaunchTimeout(f"{c.label}: the pod server did not start within "
+                                f"{spec.compute.launch_timeout:.0f}s") from None
+        if not line:
+            err = (await proc.stderr.read()).strip()
+            raise DeployError(f"{c.label}: starting the pod server failed: {err[-2000:] or 'no output'}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise DeployError(f"{c.label}: {reply['error']}")
+        if spec.detached:
+            proc.close()
+        else:
+            c.tether = proc  # the server lives as long as this channel
+        return {"ordinal": c.index, "name": f"{spec.name}-{c.index}", "host": c.host.address,
+                "address": c.address, "port": reply["port"], "pid": reply["pid"], "run_dir": run_dir,
+                "python": python, "hash": spec.pod_hash(), "master_port": reply.get("master_port")}
+
+    async def _python(self, c: _Host) -> str:
+        """The host's Python: the one asked for, else the first python3.X at least as new
+        as this client's minor, else python3 when new enough."""
+        want = sys.version_info[:2]
+        if c.options.python:
+            candidates = [c.options.python]
+        else:
+            candidates = [f"python3.{m}" for m in range(want[1], want[1] + 4)] + ["python3"]
+        probe = "; ".join(f"command -v {shlex.quote(p)} >/dev/null 2>&1 && {shlex.quote(p)} -c "
+                          "'import sys; print(sys.executable, *sys.version_info[:2])'" for p in candidates)
+        out = await c.run(f"{probe}; true")
+        found = []
+        for line in out.splitlines():
+            path, major, minor = line.rsplit(" ", 2)
+            found.append(f"{path} ({major}.{minor})")
+            if (int(major), int(minor)) >= want:
+                return path
+        raise DeployError(f"{c.label}: no Python {want[0]}.{want[1]} or newer (found: {', '.join(found) or 'none'} "
+                          f"among {', '.join(candidates)}); install one, or name it with kt.Hosts(..., python=...)")
+
+    async def _upload(self, c: _Host, src: str, bundle: bytes) -> None:
+        """ktlite's source into the host's cache, over SFTP; complete only once unpacked."""
+        home = (await c.run("echo $HOME")).strip()
+        target = src.replace("~", home, 1)
+        staging = f"{target}.tmp-{os.urandom(4).hex()}"  # hosts may share the home directory
+        await c.run(f"mkdir -p {shlex.quote(staging)}")
+        async with c.conn.start_sftp_client() as sftp, sftp.open(f"{staging}/src.tar.gz", "wb") as f:
+            await f.write(bundle)
+        unpack = (f"import os, tarfile\nwith tarfile.open({staging + '/src.tar.gz'!r}) as t:\n"
+                  f"    t.extractall({staging!r})\nos.remove({staging + '/src.tar.gz'!r})\n"
+                  f"open({staging + '/.complete'!r}, 'w').close()\n"
+                  f"try:\n    os.rename({staging!r}, {target!r})\n"
+                  "except OSError:\n    pass  # another host's upload got there first\n")
+        await c.run(f"{shlex.quote(c.python)} -c {shlex.quote(unpack)}; rm -rf {shlex.quote(staging)}")
+
+    async def _reach(self, c: _Host, pod: dict[str, Any], forward: bool | None) -> None:
+        """How this client reaches the pod: straight, or through a port forward."""
+        direct = forward is not True and await _tcp_ok(pod["address"], pod["port"])
+        if direct:
+            pod["url"] = f"http://{_hostport(pod['address'], pod['port'])}"
+            return
+        if forward is False:
+            raise DeployError(f"{c.label}: its pod server at {pod['address']}:{pod['port']} does not answer "
+                              "from here, and forward=False; allow SSH port forwarding (forward=None)")
+        c.forward = await c.conn.forward_local_port("127.0.0.1", 0, pod["address"], pod["port"])
+        pod["url"] = f"http://127.0.0.1:{c.forward.get_port()}"
+
+    async def _stop_pod(self, c: _Host | None, pod: dict[str, Any], grace: float) -> None:
+        """Stop a pod's server and everything of its session; remove its run dir."""
+        if c is None or c.conn is None:
+            return
+        code = ("import os, signal, sys, time\n"
+                f"sid = {int(pod['pid'])}\n"
+                "def members():\n"
+                "    out = []\n"
+                "    for e in os.listdir('/proc'):\n"
+                "        if e.isdigit():\n"
+                "            try:\n"
+                "                if os.getsid(int(e)) != sid: continue\n"
+                "                state = open(f'/proc/{e}/stat').read().rsplit(')', 1)[1].split()[0]\n"
+                "            except (OSError, IndexError): continue\n"
+                "            if state not in 'ZXx': out.append(int(e))  # a zombie has exited\n"
+                "    return out\n"
+                "try: cmd = open(f'/proc/{sid}/cmdline', 'rb').read()\n"
+                "except OSError: cmd = b''\n"
+                "if b'ktlite_server' in cmd:\n"
+                "    for sig, wait in ((signal.SIGTERM, " + f"{grace}" + "), (signal.SIGKILL, 5)):\n"
+                "        for p in members():\n"
+                "            try: os.kill(p, sig)\n"
+                "            except OSError: pass\n"
+                "        end = time.monotonic() + wait\n"
+                "        while members() and time.monotonic() < end: time.sleep(0.05)\n")
+        run_dir = pod.get("run_dir")
+        rm = f" && rm -rf {_remote_path(run_dir)}" if run_dir and "/run/" in run_dir else ""
+        python = shlex.quote(pod.get("python") or c.python)
+        await c.run(f"{python} -c {shlex.quote(code)}{rm}", timeout=grace + 30)
+
+    def _applied(self, state: dict[str, Any]) -> Applied:
+        eps = [PodEndpoint(name=p["name"], ordinal=p["ordinal"], url=p.get("url") or
+                           f"http://{_hostport(p['address'], p['port'])}",
+                           peer_url=f"http://{_hostport(p['address'], p['port'])}", ip=p["address"],
+                           incarnation=f"{p['pid']}")
+               for p in state["pods"]]
+        return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
+                       master_port=int(state["master_port"]), same_host=False)
+
+    def _current(self, name: str) -> dict[str, Any] | None:
+        """The deployment's state, or None (and the state dropped) when its servers went with
+        the process that started them (not detached: their SSH channels closed)."""
+        state = self._read(name)
+        if state is None or state.get("detached") or pid_alive(state.get("owner_pid")):
+            return state
+        if not any(_tcp_ok_now(p["address"], p["port"]) for p in state["pods"]):
+            self._forget(name)
+            return None
+        return state
+
+    def _forget(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            (self._dir(name) / "state.json").unlink()
+        with contextlib.suppress(OSError):
+            self._dir(name).rmdir()
+
+    def lookup(self, name: str) -> Applied | None:
+        state = self._current(name)
+        if state is None:
+            return None
+        if name not in self._live and any(p.get("url", "").startswith("http://127.0.0.1:")
+                                          and p["address"] not in ("127.0.0.1", "localhost") for p in state["pods"]):
+            # forwarded pods: this process needs its own forwards
+            hosts = _hosts_from_state(state)
+            try:
+                state = self._loop.run(self._rereach(name, hosts, state), 60)
+            except (DeployError, TimeoutError):
+                return None
+        return self._applied(state)
+
+    async def _rereach(self, name: str, hosts: Hosts, state: dict[str, Any]) -> dict[str, Any]:
+        conns = await self._connect(name, hosts)
+        await asyncio.gather(*(self._reach(conns[p["ordinal"]], p, hosts.forward) for p in state["pods"]))
+        return state
+
+    def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
+        state = self._read(name)
+        if state is None:
+            return False
+        hosts = _hosts_from_state(state)
+
+        async def stop() -> None:
+            conns = await self._connect(name, hosts)
+            await asyncio.gather(*(self._stop_pod(conns[p["ordinal"]], p, timeout) for p in state["pods"]))
+            for c in conns:
+                c.close()
+            self._live.pop(name, None)
+
+        try:
+            self._loop.run(stop(), timeout + 60)
+        finally:
+            self._forget(name)
+        return True
+
+    def list(self) -> list[dict[str, Any]]:
+        rows = []
+        root = _home()
+        for d in sorted(root.iterdir()) if root.is_dir() else []:
+            state = self._current(d.name)
+            if state is not None:
+                ready = sum(_tcp_ok_now(p["address"], p["port"]) for p in state["pods"])
+                rows.append({"name": d.name, "backend": self.name, "pods": len(state["pods"]), "ready": ready,
+                             "hosts": state.get("hosts"), "detached": state.get("detached", False)})
+        return rows
+
+    def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
+             tail: int | None = None) -> Iterator[str]:
+        """Each host's pod log, read over SSH (``tail -F`` when following)."""
+        state = self._current(name)
+        if state is None:
+            raise DeployError(f"no ssh deployment {name!r}")
+        pods = [p for p in state["pods"] if ordinal is None or p["ordinal"] == ordinal]
+        if not pods:
+            raise DeployError(f"deployment {name!r} has no pod {ordinal}")
+        hosts = _hosts_from_state(state)
+        lines: queue.Queue[str | None] = queue.Queue()
+        flag = "-F" if follow else ""
+        count = f"-n {int(tail)}" if tail else "-n +1"
+
+        async def read() -> None:
+            conns = await self._connect(name, hosts)
+
+            async def one(pod: dict[str, Any]) -> None:
+                log = _remote_path(f"{pod['run_dir']}/pod.log")
+                command = f"tail {count} {flag} {log} 2>/dev/null; true"
+                async with conns[pod["ordinal"]].conn.create_process(command, encoding="utf-8",
+                                                                     errors="replace") as proc:
+                    async for line in proc.stdout:
+                        lines.put(f"[{pod['name']}] {line.rstrip()}")
+
+            try:
+                await asyncio.gather(*(one(p) for p in pods))
+            finally:
+                lines.put(None)
+
+        task = asyncio.run_coroutine_threadsafe(read(), self._loop.loop)
+        try:
+            while (line := lines.get()) is not None:
+                yield line
+            task.result(60)
+        finally:
+            task.cancel()
+
+
+def _options(hosts: Hosts) -> dict[str, Any]:
+    return {"accept_new_host_keys": hosts.accept_new_host_keys, "python": hosts.python,
+            "forward": hosts.forward, "master_addr": hosts.master_addr, "ssh_config": hosts.ssh_config,
+            "known_hosts": hosts.known_hosts}
+
+
+def _hosts_from_state(state: dict[str, Any]) -> Hosts:
+    return Hosts(tuple(Host(a) for a in state["hosts"]), **state.get("options", {}))
+
+
+def _remote_path(path: str) -> str:
+    """``path`` for the host's shell, quoted, with a leading ``~`` still its home."""
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def _hostport(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _tcp_ok_now(address: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        socket.create_connection((address, port), timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+async def _tcp_ok(address: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(address, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+async def _answers(address: str, port: int, c: _Host) -> bool:
+    """Whether a kept pod's server still listens (from here, or from its host)."""
+    if await _tcp_ok(address, port):
+        return True
+    probe = (f"import socket; socket.create_connection(({address!r}, {int(port)}), 2).close()")
+    try:
+        await c.run(f"{shlex.quote(c.python)} -c {shlex.quote(probe)}", timeout=10)
+    except DeployError:
+        return False
+    return True
+

@@ -1,0 +1,196 @@
+"""``python -m ktlite_server.sshlaunch``: start a pod server on a host of the ssh backend.
+
+Run by the client over an SSH channel, with only the standard library and ktlite's source on
+``PYTHONPATH``. Its first stdin line is JSON: the deployment token, the server's arguments
+and environment (secrets stay off argv, which ``ps`` shows), the image's setup steps, the run
+directory. It makes sure the server's packages import (a per-user cache venv when they do
+not), runs the setup steps, starts the server in a session of its own with its output in
+the run directory's log, hands it the token, waits until it serves and prints one JSON line
+(``{"port", "pid", "python"}`` or ``{"error"}``).
+
+Detached, it exits then. Otherwise it stays as the channel's process: when the channel
+closes (the client's process or its SSH connection is gone) it closes the server's stdin,
+and the server (``--tether-stdin``) stops.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+from typing import Any
+
+SERVER_PACKAGES = ("fastapi", "uvicorn", "httpx", "cloudpickle")
+PORT_RANGE = (20000, 32000)
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _fail(message: str) -> None:
+    _reply({"error": message})
+    sys.exit(1)
+
+
+_CHECK = """
+import importlib.metadata, importlib.util, json, sys
+pins = json.loads(sys.argv[1])
+for p in sys.argv[2:]:
+    if importlib.util.find_spec(p) is None:
+        print(p)
+    elif p in pins:
+        try:
+            if importlib.metadata.version(p) != pins[p]:
+                print(p)
+        except importlib.metadata.PackageNotFoundError:
+            print(p)
+"""
+
+
+def _missing(python: str, pins: dict[str, str]) -> list[str]:
+    """The server's packages ``python`` cannot import, or has at another version than pinned."""
+    out = subprocess.run([python, "-c", _CHECK, json.dumps(pins), *SERVER_PACKAGES], capture_output=True,
+                         text=True, timeout=60)
+    return out.stdout.split()
+
+
+def server_python(cache: Path, log: Any, pins: dict[str, str]) -> str:
+    """This Python if the server's packages import in it (``pins``: at the client's version:
+    cloudpickle's format changes between versions), else a cache venv that sees this
+    Python's packages and gets the rest from the package index."""
+    missing = _missing(sys.executable, pins)
+    if not missing:
+        return sys.executable
+    root = cache / f"venv-py{sys.version_info.major}.{sys.version_info.minor}"
+    python = root / "bin" / "python"
+    if not python.exists():
+        venv.EnvBuilder(with_pip=True, system_site_packages=True, symlinks=True).create(root)
+    missing = _missing(str(python), pins)
+    if missing:
+        wanted = [f"{p}=={pins[p]}" if p in pins else "uvicorn[standard]" if p == "uvicorn" else p
+                  for p in missing]
+        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *wanted],
+                              stdout=log, stderr=subprocess.STDOUT, timeout=900)
+        if proc.returncode != 0:
+            _fail(f"the pod server needs {', '.join(wanted)}, which {sys.executable} lacks, and pip could "
+                  f"not install them into {root} (no package index reachable?); install them for that "
+                  "Python, or pass kt.Hosts(..., python=...) naming a Python that has them")
+    return str(python)
+
+
+def setup(steps: list[Any], cache: Path, log: Any, log_path: Path) -> str:
+    """The image's setup steps (``kt.Image.pip_install`` / ``run_bash``), as a Kubernetes pod
+    runs them (``ktlite_server.boot``), cached per user; their output goes to the log."""
+    from ktlite_server.boot import SETUP_FAILED_EXIT, run_steps
+
+    sys.stdout.flush()
+    reply_fd = os.dup(1)
+    os.dup2(log.fileno(), 1)  # the steps print to stdout: into the log, not into our reply
+    try:
+        return run_steps(steps, cache / "setup")
+    except SystemExit as e:
+        if e.code != SETUP_FAILED_EXIT:
+            raise
+    finally:
+        sys.stdout.flush()
+        os.dup2(reply_fd, 1)
+        os.close(reply_fd)
+    _fail(f"an image setup step failed; its output is in {log_path}")
+    raise AssertionError  # _fail exits
+
+
+def pick_ports(span: int, host: str) -> int:
+    """A MASTER_PORT with ``span`` free ports after it on this host."""
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+        return True
+
+    low, high = PORT_RANGE[0], PORT_RANGE[1] - span
+    start = random.SystemRandom().randrange(low, high)
+    for port in (*range(start, high), *range(low, start)):
+        if all(free(p) for p in range(port, port + span)):
+            return port
+    _fail(f"no {span} free ports in a row between {PORT_RANGE[0]} and {PORT_RANGE[1]} on this host; "
+          "pass distribute(port=...)")
+    raise AssertionError
+
+
+def bindable(address: str) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        try:
+            s.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+def main() -> None:
+    msg = json.loads(sys.stdin.readline())
+    run = Path(msg["run_dir"]).expanduser()
+    cache = Path(msg["cache_dir"]).expanduser()
+    run.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(run, 0o700)  # its log may hold what the user's code prints
+    log_path = run / "pod.log"
+    ready = run / "ready.json"
+    ready.unlink(missing_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log, open(cache / ".lock", "a") as lock:
+        # hosts may share a home directory (NFS; or several pods on one machine): one
+        # venv build or setup at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        python = server_python(cache, log, msg.get("pins", {}))
+        if msg.get("steps"):
+            python = setup(msg["steps"], cache, log, log_path)
+    bind = msg["bind"] if bindable(msg["bind"]) else "0.0.0.0"
+    reply: dict[str, Any] = {"python": python, "bind": bind}
+    if msg.get("pick_master_port"):
+        reply["master_port"] = pick_ports(int(msg["pick_master_port"]), bind)
+    argv = [python, "-m", "ktlite_server", "--host", bind, "--port", "0", "--token-stdin",
+            "--ready-file", str(ready), *msg["args"]]
+    if not msg["detached"]:
+        argv.append("--tether-stdin")
+    env = {**os.environ, **msg["env"]}
+    with open(log_path, "ab") as log:
+        server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  cwd=run, start_new_session=True)
+    assert server.stdin is not None
+    server.stdin.write(msg["token"].encode() + b"\n")
+    server.stdin.flush()
+    if msg["detached"]:
+        server.stdin.close()
+    deadline = time.monotonic() + float(msg.get("timeout", 300))
+    while not ready.exists():
+        if server.poll() is not None:
+            tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+            _fail(f"the pod server exited with code {server.returncode}; the end of {log_path}:\n{tail}")
+        if time.monotonic() > deadline:
+            server.kill()
+            _fail(f"the pod server did not serve within {msg.get('timeout', 300)}s; see {log_path}")
+        time.sleep(0.02)
+    reply.update(json.loads(ready.read_text()))
+    _reply(reply)
+    if msg["detached"]:
+        return
+    # tethered: the server lives as long as this channel
+    try:
+        while sys.stdin.buffer.read(4096):
+            pass
+    finally:
+        server.stdin.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The ssh backend against real OpenSSH servers (``ssh_hosts.py``): each "host" is an sshd
+on its own loopback address and port, reached through an ssh_config alias with strict host
+key checking; the pod servers run on this machine as that host's processes.
+
+Marked ``ssh``: not in the default run; ``.ci/run`` runs them with the other real-engine
+tests. The hosts run this client's own Python (``python=``): its packages (torch) are the
+"host's"."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ssh_hosts import SshHosts, sshd_available
+
+import ktlite as kt
+
+pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180),
+              pytest.mark.skipif(not sshd_available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)")]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory):
+    with SshHosts(tmp_path_factory.mktemp("ssh"), count=2) as h:
+        yield h
+
+
+def options(hosts: SshHosts, **kw) -> kt.Hosts:
+    names = kw.pop("names", [h.name for h in hosts.hosts])
+    kw.setdefault("known_hosts", str(hosts.known_hosts))
+    return kt.Hosts(names, ssh_config=str(hosts.ssh_config), python=sys.executable, **kw)
+
+
+def ddp_step(steps: int = 2) -> dict:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        torch.manual_seed(int(os.environ["RANK"]))  # each rank its own data
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(),
+            "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
+
+
+def layout() -> dict:
+    import os
+
+    keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR")
+    return {k: os.environ[k] for k in keys} | {"pod": os.environ["KTLITE_POD_NAME"]}
+
+
+def nap(seconds: float) -> int:
+    import time
+
+    time.sleep(seconds)
+    return 1
+
+
+def test_ddp_across_two_hosts_keeps_every_rank_identical(hosts: SshHosts) -> None:
+    assert all(h.port != 22 for h in hosts.hosts)  # reached through the config's aliases
+    remote = kt.fn(ddp_step, name="ssh-ddp").to(kt.Compute(hosts=options(hosts)).distribute("pytorch", num_proc=2))
+    try:
+        out = remote()
+        assert [o["rank"] for o in out] == [0, 1, 2, 3] and {o["world"] for o in out} == {4}
+        assert all(o["weights"] == out[0]["weights"] for o in out)
+        assert [ep.ip for ep in remote.deployment.endpoints] == [h.address for h in hosts.hosts]
+    finally:
+        remote.teardown()
+
+
+def test_uneven_hosts_get_their_own_ranks(hosts: SshHosts) -> None:
+    h = options(hosts, names=[kt.Host("host0", num_proc=1), kt.Host("host1", num_proc=3)])
+    remote = kt.fn(layout, name="ssh-uneven").to(kt.Compute(hosts=h))
+    try:
+        out = remote()
+        assert [o["RANK"] for o in out] == ["0", "1", "2", "3"]
+        assert [o["LOCAL_WORLD_SIZE"] for o in out] == ["1", "3", "3", "3"]
+        assert [o["pod"] for o in out] == ["ssh-uneven-0"] + ["ssh-uneven-1"] * 3
+        assert {o["MASTER_ADDR"] for o in out} == {hosts.hosts[0].address}
+    finally:
+        remote.teardown()
+
+
+def test_a_changed_host_key_is_refused_before_anything_starts(hosts: SshHosts) -> None:
+    h = options(hosts, known_hosts=str(hosts.wrong_host_key_known_hosts()))
+    with pytest.raises(kt.DeployError, match="host 0 \\(host0\\): its host key is not trusted") as info:
+        kt.fn(layout, name="ssh-badkey").to(kt.Compute(hosts=h))
+    assert "accept_new_host_keys" in str(info.value)
+    assert not _servers("ssh-badkey")  # host1 connected fine, and still nothing was started
+    h = options(hosts, known_hosts=str(hosts.wrong_host_key_known_hosts()), accept_new_host_keys=True)
+    with pytest.raises(kt.DeployError, match="host 0 \\(host0\\): its host key CHANGED"):
+        kt.fn(layout, name="ssh-badkey").to(kt.Compute(hosts=h))  # a changed key is never new
+    assert not _servers("ssh-badkey")
+
+
+def test_an_unknown_host_needs_accept_new_host_keys(hosts: SshHosts, tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    with pytest.raises(kt.DeployError, match="not trusted"):
+        kt.fn(layout, name="ssh-newkey").to(kt.Compute(hosts=options(hosts, known_hosts=str(known))))
+    remote = kt.fn(layout, name="ssh-newkey").to(
+        kt.Compute(hosts=options(hosts, known_hosts=str(known), accept_new_host_keys=True)))
+    try:
+        assert len(remote()) == 2
+        text = known.read_text()
+        assert all(h.host_key_pub in text for h in hosts.hosts)
+    finally:
+        remote.teardown()
+
+
+def test_an_unreachable_host_is_named_within_seconds(hosts: SshHosts, tmp_path: Path) -> None:
+    start = time.monotonic()
+    h = kt.Hosts(["host0", "root@127.0.1.250:1"], ssh_config=str(hosts.ssh_config),
+                 known_hosts=str(hosts.known_hosts), python=sys.executable)
+    with pytest.raises(kt.DeployError, match="host 1 \\(root@127.0.1.250:1\\): cannot connect over SSH"):
+        kt.fn(layout, name="ssh-unreachable").to(kt.Compute(hosts=h))
+    assert time.monotonic() - start < 20
+
+
+def test_a_host_that_dies_mid_call_fails_the_call_and_teardown_leaves_nothing(hosts: SshHosts) -> None:
+    remote = kt.fn(nap, name="ssh-dies").to(kt.Compute(hosts=options(hosts)))
+    pids = {p["pid"] for p in _state("ssh-dies")["pods"]}
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(_outcome(remote, 60)))
+    thread.start()
+    time.sleep(2)
+    hosts.hosts[1].stop()  # the machine goes: its sshd and every session on it
+    try:
+        thread.join(30)
+        assert not thread.is_alive(), "the call still waits for a dead host"
+        assert isinstance(out.get("error"), kt.KtliteError), out
+        assert "ssh-dies-1" in str(out["error"])
+    finally:
+        hosts.hosts[1].start()
+        remote.teardown()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _servers("ssh-dies"):
+        time.sleep(0.2)
+    assert not _servers("ssh-dies") and not [p for p in pids if _alive(p)]
+    assert not any(Path(os.path.expanduser("~/.cache/ktlite/run")).glob("ssh-dies-*"))
+
+
+def test_a_detached_server_stops_on_its_own_after_inactivity_ttl(hosts: SshHosts) -> None:
+    remote = kt.fn(layout, name="ssh-ttl").to(kt.Compute(hosts=options(hosts), inactivity_ttl=3), detached=True)
+    assert len(remote()) == 2
+    pids = [p["pid"] for p in _state("ssh-ttl")["pods"]]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in pids), "the servers outlived inactivity_ttl"
+    remote.teardown()
+
+
+def _outcome(remote, arg: float) -> dict:
+    try:
+        return {"value": remote(arg)}
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return {"error": e}
+
+
+def _state(name: str) -> dict:
+    from ktlite.backends.ssh import SshBackend
+
+    state = SshBackend.shared()._read(name)
+    assert state is not None
+    return state
+
+
+def _servers(name: str) -> list[int]:
+    """Pod servers of deployment ``name`` running on this machine (every test host is it)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"ktlite_server" in cmd and any(a.startswith(f"{name}-".encode()) for a in cmd) and _alive(int(p.name)):
+                found.append(int(p.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def shout(text: str) -> int:
+    print(f"hello from {text}", flush=True)
+    return 1
+
+
+def test_list_and_logs_of_an_ssh_deployment(hosts: SshHosts) -> None:
+    from ktlite.backends.ssh import SshBackend
+
+    backend = SshBackend.shared()
+    remote = kt.fn(shout, name="ssh-logs").to(kt.Compute(hosts=options(hosts), stream_logs=False))
+    try:
+        assert remote("ssh") == [1, 1]
+        (row,) = [r for r in backend.list() if r["name"] == "ssh-logs"]
+        assert (row["pods"], row["ready"], row["hosts"]) == (2, 2, ["host0", "host1"])
+        lines = list(backend.logs("ssh-logs"))
+        for pod in ("ssh-logs-0", "ssh-logs-1"):
+            assert any(line.startswith(f"[{pod}]") and "hello from ssh" in line for line in lines), lines
+        followed = backend.logs("ssh-logs", ordinal=1, follow=True, tail=50)
+        assert "hello from ssh" in next(line for line in followed if "hello" in line)
+        followed.close()  # stops the remote tail -F
+    finally:
+        remote.teardown()
+    assert not [r for r in backend.list() if r["name"] == "ssh-logs"]
