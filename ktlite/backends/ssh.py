@@ -337,10 +337,10 @@ class SshBackend(Backend):
 
     async def _start(self, spec: DeploymentSpec, c: _Host, token: str, version: str, bundle: bytes,
                      pick: int) -> dict[str, Any]:
-        python = c.python = await self._python(c)
         src = f"{CACHE}/src-{version}"
-        have = await c.run(f"test -f {src}/.complete && echo yes || echo no")
-        if have.strip() != "yes":
+        python, have = await self._python(c, f"test -f {src}/.complete")
+        c.python = python
+        if not have:
             await self._upload(c, src, bundle)
         image = spec.compute.image
         env = {**(image.env if image is not None else {}), **spec.compute.env,
@@ -379,23 +379,30 @@ class SshBackend(Backend):
                 "address": c.address, "port": reply["port"], "pid": reply["pid"], "run_dir": run_dir,
                 "python": python, "hash": spec.pod_hash(), "master_port": reply.get("master_port")}
 
-    async def _python(self, c: _Host) -> str:
+    async def _python(self, c: _Host, check: str) -> tuple[str, bool]:
         """The host's Python: the one asked for, else the first python3.X at least as new
-        as this client's minor, else python3 when new enough."""
+        as this client's minor, else python3 when new enough; and whether the shell test
+        ``check`` holds there (one round trip for both)."""
         want = sys.version_info[:2]
         if c.options.python:
             candidates = [c.options.python]
         else:
             candidates = [f"python3.{m}" for m in range(want[1], want[1] + 4)] + ["python3"]
-        probe = "; ".join(f"command -v {shlex.quote(p)} >/dev/null 2>&1 && {shlex.quote(p)} -c "
-                          "'import sys; print(sys.executable, *sys.version_info[:2])'" for p in candidates)
-        out = await c.run(f"{probe}; true")
+        # each candidate prints its version; the first new enough one ends the search
+        test = (f"'import sys; print(sys.executable, *sys.version_info[:2]); "
+                f"sys.exit(sys.version_info[:2] < {tuple(want)})'")
+        probe = " || ".join(f"(command -v {shlex.quote(p)} >/dev/null 2>&1 && {shlex.quote(p)} -c {test})"
+                            for p in candidates)
+        out = await c.run(f"{{ {probe}; }}; {check} && echo KTLITE_CHECK_OK; true")
         found = []
+        have = "KTLITE_CHECK_OK" in out.split()
         for line in out.splitlines():
+            if line == "KTLITE_CHECK_OK":
+                continue
             path, major, minor = line.rsplit(" ", 2)
             found.append(f"{path} ({major}.{minor})")
             if (int(major), int(minor)) >= want:
-                return path
+                return path, have
         raise DeployError(f"{c.label}: no Python {want[0]}.{want[1]} or newer (found: {', '.join(found) or 'none'} "
                           f"among {', '.join(candidates)}); install one, or name it with kt.Hosts(..., python=...)")
 

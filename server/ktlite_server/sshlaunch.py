@@ -57,7 +57,21 @@ for p in sys.argv[2:]:
 
 
 def _missing(python: str, pins: dict[str, str]) -> list[str]:
-    """The server's packages ``python`` cannot import, or has at another version than pinned."""
+    """The server's packages ``python`` cannot import, or has at another version than pinned
+    (asked in this process when it is this Python)."""
+    if python == sys.executable:
+        import importlib.metadata
+        import importlib.util
+
+        def bad(p: str) -> bool:
+            if importlib.util.find_spec(p) is None:
+                return True
+            try:
+                return p in pins and importlib.metadata.version(p) != pins[p]
+            except importlib.metadata.PackageNotFoundError:
+                return True
+
+        return [p for p in SERVER_PACKAGES if bad(p)]
     out = subprocess.run([python, "-c", _CHECK, json.dumps(pins), *SERVER_PACKAGES], capture_output=True,
                          text=True, timeout=60)
     return out.stdout.split()
