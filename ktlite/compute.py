@@ -263,6 +263,11 @@ class Compute:
     def _check_hosts(self) -> None:
         """``hosts`` means the ssh backend, one pod per host, each host's ranks its own."""
         hosts = as_hosts(self.hosts)
+        if hosts is None and self.backend == "ssh":  # `ktlite config set ssh.hosts gpu1,gpu2`
+            from ktlite import config
+
+            listed = [h.strip() for h in (config.get("ssh.hosts") or "").split(",") if h.strip()]
+            hosts = Hosts(tuple(listed)) if listed else None
         object.__setattr__(self, "hosts", hosts)
         if hosts is None:
             return

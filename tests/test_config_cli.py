@@ -133,7 +133,7 @@ def test_disallowed_value_in_a_real_process_has_no_traceback(home: Path) -> None
     done = ktlite(home, "config", "set", "backend", "nope")
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
-        "ktlite: error: backend='nope' is not allowed; allowed: local, kubernetes"]
+        "ktlite: error: backend='nope' is not allowed; allowed: local, kubernetes, ssh"]
     assert done.stdout == ""
 
 

@@ -224,3 +224,42 @@ def test_list_and_logs_of_an_ssh_deployment(hosts: SshHosts) -> None:
     finally:
         remote.teardown()
     assert not [r for r in backend.list() if r["name"] == "ssh-logs"]
+
+
+def test_calls_through_ssh_port_forwards(hosts: SshHosts) -> None:
+    remote = kt.fn(layout, name="ssh-forward").to(kt.Compute(hosts=options(hosts, forward=True)))
+    try:
+        urls = [ep.url for ep in remote.deployment.endpoints]
+        assert all(u.startswith("http://127.0.0.1:") for u in urls), urls  # this side of the tunnels
+        assert [o["RANK"] for o in remote()] == ["0", "1"]
+    finally:
+        remote.teardown()
+
+
+OWNER = """
+import sys
+import ktlite as kt
+
+def pid():
+    import os
+    return os.getpid()
+
+hosts = kt.Hosts(["host0", "host1"], ssh_config=sys.argv[1], known_hosts=sys.argv[2], python=sys.executable)
+remote = kt.fn(pid, name="ssh-owner").to(kt.Compute(hosts=hosts))
+print(remote(), flush=True)
+"""
+
+
+def test_servers_of_a_process_that_exits_go_with_its_connections(hosts: SshHosts, tmp_path: Path) -> None:
+    import subprocess
+
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    env = {**os.environ, "KTLITE_HOME": str(tmp_path / "home")}
+    done = subprocess.run([sys.executable, str(script), str(hosts.ssh_config), str(hosts.known_hosts)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _servers("ssh-owner"):
+        time.sleep(0.2)
+    assert not _servers("ssh-owner"), "the pod servers outlived the process that started them"

@@ -76,8 +76,16 @@ def test_bad_inactivity_ttl(value: object) -> None:
 
 def test_backend_ssh_without_hosts_says_what_it_needs() -> None:
     spec = DeploymentSpec("nohosts", kt.Compute(backend="ssh"))
-    with pytest.raises(kt.ConfigError, match="needs the machines: Compute\\(hosts="):
+    with pytest.raises(kt.ConfigError, match="needs the machines: Compute\\(hosts=.*ssh.hosts"):
         SshBackend.shared().plan(spec)
+
+
+def test_hosts_from_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KTLITE_SSH_HOSTS", "gpu1, alice@10.0.0.2:2222")
+    c = kt.Compute(backend="ssh").distribute("pytorch", num_proc=2)
+    assert [h.address for h in c.hosts.hosts] == ["gpu1", "alice@10.0.0.2:2222"]
+    assert c.distributed.workers == 2 and c.distributed.sizes == (2, 2)
+    assert kt.Compute().hosts is None  # only for the ssh backend
 
 
 def test_the_plan_names_every_host_and_no_secret() -> None:

@@ -240,7 +240,8 @@ class SshBackend(Backend):
     def _hosts(spec: DeploymentSpec) -> Hosts:
         hosts = spec.compute.hosts
         if hosts is None:
-            raise ConfigError("backend='ssh' needs the machines: Compute(hosts=['gpu1', 'gpu2', ...])")
+            raise ConfigError("backend='ssh' needs the machines: Compute(hosts=['gpu1', 'gpu2', ...]), or "
+                              "once for all: ktlite config set ssh.hosts gpu1,gpu2")
         return hosts
 
     def _server_args(self, spec: DeploymentSpec, ordinal: int) -> list[str]:
