@@ -263,3 +263,18 @@ def test_servers_of_a_process_that_exits_go_with_its_connections(hosts: SshHosts
     while time.monotonic() < deadline and _servers("ssh-owner"):
         time.sleep(0.2)
     assert not _servers("ssh-owner"), "the pod servers outlived the process that started them"
+
+
+def test_kt_app_runs_a_script_of_this_directory_on_each_host(hosts: SshHosts, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "project"
+    work.mkdir()
+    (work / "job.py").write_text("import os, socket\nprint('replica', os.environ['RANK'], 'of', "
+                                 "os.environ['WORLD_SIZE'], 'says', open('data.txt').read().strip())\n")
+    (work / "data.txt").write_text("hello from the caller's directory\n")
+    monkeypatch.chdir(work)
+    app = kt.app(cli_command=[sys.executable, "job.py"], replicas=2, name="ssh-app", hosts=options(hosts))
+    try:
+        assert app.run() == [0, 0]
+    finally:
+        app.teardown()
