@@ -278,3 +278,17 @@ def test_kt_app_runs_a_script_of_this_directory_on_each_host(hosts: SshHosts, tm
         assert app.run() == [0, 0]
     finally:
         app.teardown()
+
+
+def test_refused_authentication_names_the_host(hosts: SshHosts, tmp_path: Path) -> None:
+    stranger = tmp_path / "stranger"  # a key no host authorized
+    import subprocess
+
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
+    config = tmp_path / "ssh_config"
+    h = hosts.hosts[0]
+    config.write_text(f"Host stranger\n  HostName {h.address}\n  Port {h.port}\n  User root\n"
+                      f"  IdentityFile {stranger}\n  IdentitiesOnly yes\n")
+    opts = kt.Hosts(["stranger"], ssh_config=str(config), known_hosts=str(hosts.known_hosts), python=sys.executable)
+    with pytest.raises(kt.DeployError, match="host 0 \\(stranger\\): authentication refused"):
+        kt.fn(layout, name="ssh-stranger").to(kt.Compute(hosts=opts))
