@@ -34,6 +34,27 @@ WORKER_NODE_FIELDS = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gp
                       "priority_class")
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: Any, name: str) -> float | None:
+    """A duration in seconds: a number, or "90", "30m", "1h", "2d"; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = str(value).strip().lower() if isinstance(value, str) else ""
+        unit = _DURATION_UNITS.get(text[-1:], 0) if text[-1:].isalpha() else 1
+        try:
+            seconds = float(text[:-1] if text[-1:].isalpha() else text) * unit
+        except ValueError:
+            seconds = 0.0
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{name}={value!r} must be a duration such as 600, '30m', '1h' or '2d'")
+    return seconds
+
+
 def parse_memory(value: str, field_name: str = "memory") -> int:
     """Parse a Kubernetes memory quantity ("512Mi", "4Gi", "1G") into bytes."""
     text = str(value).strip()
@@ -168,6 +189,7 @@ class Compute:
 
     def __post_init__(self) -> None:
         self._check_hosts()
+        self.inactivity_seconds  # noqa: B018 - a bad duration fails here, before any deploy
         if self.env_vars is not None:
             if self.env:
                 raise ConfigError("pass env= or env_vars= (the Kubetorch name), not both")
@@ -259,6 +281,11 @@ class Compute:
         if d is not None and d.uniform and self.gpus and d.max_procs > self.gpus:
             raise ConfigError(f"num_proc={d.num_proc} has a pod of {d.max_procs} ranks, more than gpus={self.gpus} "
                               f"on a GPU pod; each rank needs at least one GPU: use num_proc<={self.gpus}")
+
+    @property
+    def inactivity_seconds(self) -> float | None:
+        """``inactivity_ttl`` in seconds (None: no limit)."""
+        return parse_duration(self.inactivity_ttl, "inactivity_ttl")
 
     def _check_hosts(self) -> None:
         """``hosts`` means the ssh backend, one pod per host, each host's ranks its own."""

@@ -621,3 +621,26 @@ def test_requires_grad_tensor_round_trip(echo, make):
     assert torch.equal(back.detach(), t.detach())
     back.sum().backward()  # still a usable leaf
     assert back.grad is not None and torch.equal(back.grad, torch.ones_like(base))
+
+
+def _answer_one() -> int:
+    return 1
+
+
+def test_a_detached_local_deployment_stops_after_inactivity_ttl() -> None:
+    remote = kt.fn(_answer_one, name="local-ttl").to(kt.Compute(inactivity_ttl=2), detached=True)
+    assert remote() == 1
+    pids = [pod["server_pid"] for pod in remote.status()]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.25)
+    assert not any(_running(p) for p in pids), "the pod outlived its inactivity_ttl"
+    remote.teardown()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

@@ -8,7 +8,8 @@ import pytest
 
 import ktlite as kt
 from ktlite.backends.base import get_backend
-from ktlite.backends.ssh import SshBackend, parse_ttl
+from ktlite.backends.ssh import SshBackend
+from ktlite.compute import parse_duration
 from ktlite.spec import DeploymentSpec
 
 
@@ -65,13 +66,14 @@ def test_hosts_that_disagree_with_the_layout_are_config_errors(make, match: str)
 @pytest.mark.parametrize("value, seconds", [(None, None), (600, 600.0), ("90", 90.0), ("30m", 1800.0),
                                             ("1h", 3600.0), ("2d", 172800.0), ("1.5h", 5400.0)])
 def test_inactivity_ttl_durations(value: object, seconds: float | None) -> None:
-    assert parse_ttl(value) == seconds
+    assert parse_duration(value, "inactivity_ttl") == seconds
+    assert kt.Compute(inactivity_ttl=value).inactivity_seconds == seconds
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-5m", "5x", True])
 def test_bad_inactivity_ttl(value: object) -> None:
     with pytest.raises(kt.ConfigError, match="inactivity_ttl"):
-        parse_ttl(value)
+        kt.Compute(inactivity_ttl=value)  # before anything is deployed
 
 
 def test_backend_ssh_without_hosts_says_what_it_needs() -> None:

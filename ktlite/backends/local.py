@@ -213,6 +213,9 @@ class LocalBackend(Backend):
                "--procs", str(spec.distributed.procs(ordinal)), "--ready-file", str(ready)]
         if not spec.detached:
             cmd += ["--parent-pid", str(os.getpid())]
+        ttl = spec.compute.inactivity_seconds
+        if ttl is not None:
+            cmd += ["--inactivity-ttl", f"{ttl:g}"]
         return cmd
 
     def _env(self, spec: DeploymentSpec, ordinal: int) -> dict[str, str]:

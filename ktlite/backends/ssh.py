@@ -45,29 +45,10 @@ from ktlite.spec import DeploymentSpec
 CACHE = "~/.cache/ktlite"
 CONNECT_TIMEOUT_S = 15.0
 COMMAND_TIMEOUT_S = 120.0
-TTL_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def _home() -> Path:
     return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "ssh"
-
-
-def parse_ttl(value: str | float | None) -> float | None:
-    """``inactivity_ttl``: seconds, or "30m", "1h", "2d"."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    text = str(value).strip().lower()
-    unit = TTL_UNITS.get(text[-1:]) if text[-1:].isalpha() else 1
-    number = text[:-1] if text[-1:].isalpha() else text
-    try:
-        seconds = float(number) * (unit or 0)
-    except ValueError:
-        seconds = 0
-    if not seconds or seconds <= 0:
-        raise ConfigError(f"inactivity_ttl={value!r} must be a duration such as 600, '30m', '1h' or '2d'")
-    return seconds
 
 
 def _source_bundle() -> tuple[str, bytes]:
@@ -247,14 +228,13 @@ class SshBackend(Backend):
     def _server_args(self, spec: DeploymentSpec, ordinal: int) -> list[str]:
         args = ["--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
                 "--procs", str(spec.distributed.procs(ordinal))]
-        ttl = parse_ttl(spec.compute.inactivity_ttl)
+        ttl = spec.compute.inactivity_seconds
         if ttl is not None:
             args += ["--inactivity-ttl", f"{ttl:g}"]
         return args
 
     def plan(self, spec: DeploymentSpec) -> Plan:
         hosts = self._hosts(spec)
-        parse_ttl(spec.compute.inactivity_ttl)
         lines = []
         for i, h in enumerate(hosts.hosts):
             keys = sorted(spec.compute.env)
@@ -266,7 +246,6 @@ class SshBackend(Backend):
 
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
         hosts = self._hosts(spec)
-        parse_ttl(spec.compute.inactivity_ttl)
         with self._lock:
             state = self._current(spec.name)
             if state is not None and state.get("token") != token:
