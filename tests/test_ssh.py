@@ -292,3 +292,17 @@ def test_refused_authentication_names_the_host(hosts: SshHosts, tmp_path: Path) 
     opts = kt.Hosts(["stranger"], ssh_config=str(config), known_hosts=str(hosts.known_hosts), python=sys.executable)
     with pytest.raises(kt.DeployError, match="host 0 \\(stranger\\): authentication refused"):
         kt.fn(layout, name="ssh-stranger").to(kt.Compute(hosts=opts))
+
+
+def test_a_code_only_redeploy_keeps_the_servers(hosts: SshHosts) -> None:
+    compute = kt.Compute(hosts=options(hosts))
+    first = kt.fn(layout, name="ssh-redeploy").to(compute)
+    try:
+        before = [(p["pid"], p["port"]) for p in _state("ssh-redeploy")["pods"]]
+        port = first.deployment.applied.master_port
+        again = kt.fn(shout, name="ssh-redeploy").to(compute)  # new code, same pods
+        assert again("again") == [1, 1]
+        assert [(p["pid"], p["port"]) for p in _state("ssh-redeploy")["pods"]] == before
+        assert again.deployment.applied.master_port == port
+    finally:
+        first.teardown()

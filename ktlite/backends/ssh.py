@@ -290,8 +290,8 @@ class SshBackend(Backend):
         await asyncio.gather(*(self._stop_pod(conns[i] if i < len(conns) else None, p, spec.compute.teardown_timeout)
                                for i, p in old.items() if i not in keep))
         span = spec.distributed.port_span
-        kept = (state or {}).get("master_port") if 0 in keep and (state or {}).get("port_span", 0) >= span else None
-        master_port = spec.distributed.port or kept  # else pod 0's launcher picks a free span there
+        # a kept pod 0 keeps its MASTER_PORT; a new one picks a free span on its host
+        master_port = spec.distributed.port or ((state or {}).get("master_port") if 0 in keep else None)
         version, bundle = self._bundle or _source_bundle()
         self._bundle = (version, bundle)
         started = await asyncio.gather(*(
