@@ -241,8 +241,8 @@ class PodClient:
         size = protocol.parts_size(parts)
         window_end, attempt = 0.0, 0
         delivered = False  # did any attempt possibly reach a pod server?
+        first_delivered = 0.0  # when the first attempt that may have reached one was sent
         accepted = False  # did the pod answer 200: it holds the call, and a re-attach needs no body
-        first_sent = time.monotonic()
         while True:
             headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
                                      "content-type": "application/octet-stream"})
@@ -255,6 +255,7 @@ class PodClient:
             else:  # sent again in whole until accepted: a pod that has the call id attaches
                 headers[protocol.LENGTH_HEADER] = str(size)
                 content = _chunks(parts)
+            sent_at = time.monotonic()
             try:
                 with self.http.stream("POST", f"{url}/call", content=content, headers=headers,
                                       timeout=timeout) as resp:
@@ -264,9 +265,9 @@ class PodClient:
                     try:
                         self._check(resp, url)
                     except NotDeployedError as e:
-                        if not delivered or _up_since(resp, first_sent):
+                        if not delivered or _up_since(resp, first_delivered):
                             # nothing reached a server with our code: this one, up since before
-                            # the first attempt, got every attempt that got anywhere
+                            # the first attempt that may have got anywhere, got them all
                             raise
                         # the server that had the call is gone: this one (a new pod, a restarted
                         # container) never saw it, and must not run it now
@@ -278,8 +279,9 @@ class PodClient:
             except (httpx.ReadTimeout, httpx.PoolTimeout):
                 raise
             except (httpx.TransportError, protocol.ProtocolError, _ProxyError) as e:
-                delivered = delivered or not (isinstance(e, httpx.ConnectError)
-                                              or (isinstance(e, _ProxyError) and e.undelivered))
+                if not delivered and not (isinstance(e, httpx.ConnectError)
+                                          or (isinstance(e, _ProxyError) and e.undelivered)):
+                    delivered, first_delivered = True, sent_at
                 now = time.monotonic()
                 window_end = window_end or now + RESUME_WINDOW_S
                 if now >= window_end:
