@@ -1452,7 +1452,9 @@ class FakeKube(httpx.BaseTransport):
         except httpx.TransportError as err:  # connected, then lost: Go says what the read saw
             raise ApiError(503, "ServiceUnavailable",
                            f"error trying to reach service: read tcp {host}: {err}") from None
-        return httpx.Response(answer.status_code, headers=answer.headers, stream=answer.stream)
+        # marked: a pod answered (a proxy can lose only such a response, never its own errors)
+        return httpx.Response(answer.status_code, headers=answer.headers, stream=answer.stream,
+                              extensions={"ktlite_from_pod": True})
 
 
 class _FollowStream(httpx.SyncByteStream):

@@ -328,7 +328,9 @@ def serve(root: Path) -> None:
                        if k.lower() not in ("host", "content-length", "transfer-encoding")]
             resp = fake.handle_request(httpx.Request(self.command, f"http://fake{self.path}",
                                                      headers=headers, content=body))
-            if "/proxy" in self.path and cuts.cut(self.command, sized):
+            # only what a pod answered is cut: the API server's own errors (503 "connection
+            # refused" while a pod boots) never went through the racing copy
+            if "/proxy" in self.path and resp.extensions.get("ktlite_from_pod") and cuts.cut(self.command, sized):
                 self._cut(resp)
                 return
             self.send_response(resp.status_code)
