@@ -306,3 +306,34 @@ def test_a_code_only_redeploy_keeps_the_servers(hosts: SshHosts) -> None:
         assert again.deployment.applied.master_port == port
     finally:
         first.teardown()
+
+
+def test_a_host_python_without_the_servers_packages_gets_them_from_this_client(hosts: SshHosts) -> None:
+    """No package index needed: the server's dependencies (fastapi, uvicorn, httpx,
+    cloudpickle at this client's version...) go over SFTP from this client's own install
+    when the host's Python lacks them and has this client's minor version and machine."""
+    import glob
+    import shutil
+
+    base = getattr(sys, "_base_executable", sys.executable)
+    probe = subprocess_run([base, "-c", "import importlib.util as u; print(u.find_spec('fastapi') is None)"])
+    if probe.strip() != "True":
+        pytest.skip(f"{base} has fastapi: nothing to ship")
+    cache = os.path.expanduser("~/.cache/ktlite")
+    for path in glob.glob(f"{cache}/venv-*") + glob.glob(f"{cache}/deps-*"):
+        shutil.rmtree(path, ignore_errors=True)
+    opts = kt.Hosts(["host0", "host1"], ssh_config=str(hosts.ssh_config), known_hosts=str(hosts.known_hosts),
+                    python=base)
+    remote = kt.fn(layout, name="ssh-deps").to(kt.Compute(hosts=opts))
+    try:
+        assert [o["RANK"] for o in remote()] == ["0", "1"]
+        assert glob.glob(f"{cache}/deps-*/fastapi/__init__.py")
+        assert not glob.glob(f"{cache}/venv-*"), "pip was needed after all"
+    finally:
+        remote.teardown()
+
+
+def subprocess_run(argv: list[str]) -> str:
+    import subprocess
+
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout

@@ -23,6 +23,7 @@ import importlib.metadata
 import io
 import json
 import os
+import platform
 import queue
 import shlex
 import socket
@@ -41,6 +42,7 @@ from ktlite.backends.local import pid_alive
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
 from ktlite.spec import DeploymentSpec
+from ktlite_server.sshlaunch import SERVER_PACKAGES
 
 CACHE = "~/.cache/ktlite"
 CONNECT_TIMEOUT_S = 15.0
@@ -73,6 +75,60 @@ def _source_bundle() -> tuple[str, bytes]:
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
     return digest.hexdigest()[:16], buf.getvalue()
+
+
+def _closure(names: tuple[str, ...]) -> list[Any]:
+    """The installed distributions ``names`` need (their requirements, no extras), here."""
+    from importlib import metadata
+
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pragma: no cover - pip's own copy is not importable
+        Requirement = None  # noqa: N806
+    seen: dict[str, Any] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        seen[key] = dist
+        for req in dist.requires or []:
+            if Requirement is not None:
+                r = Requirement(req)
+                if r.marker is None or r.marker.evaluate({"extra": ""}):
+                    todo.append(r.name)
+            elif "extra ==" not in req:
+                todo.append(req.split(";")[0].split("[")[0].split()[0].rstrip("<>=!~"))
+    return [seen[k] for k in sorted(seen)]
+
+
+def _deps_key() -> str:
+    """Which server dependencies this client would ship: their versions, this Python's
+    cache tag and the machine (compiled ones, such as pydantic-core, fit only those)."""
+    dists = _closure(SERVER_PACKAGES)
+    ident = [f"{d.metadata['Name']}=={d.version}" for d in dists]
+    ident += [sys.implementation.cache_tag, platform.machine()]
+    return hashlib.sha256("\n".join(ident).encode()).hexdigest()[:16]
+
+
+def _deps_bundle() -> bytes:
+    """The installed files of the server's dependencies, as a tar.gz of a directory to put on
+    ``PYTHONPATH`` (with their metadata: versions are checked there)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for dist in _closure(SERVER_PACKAGES):
+            for rel in dist.files or []:
+                if rel.parts[0] == ".." or "__pycache__" in rel.parts or rel.suffix == ".pyc":
+                    continue
+                path = Path(dist.locate_file(rel))
+                if path.is_file():
+                    tar.add(path, arcname=str(rel), recursive=False)
+    return buf.getvalue()
 
 
 class _Loop:
@@ -194,6 +250,19 @@ class SshBackend(Backend):
         self._live: dict[str, list[_Host]] = {}  # deployment -> its hosts' connections (this process)
         self._lock = threading.Lock()
         self._bundle: tuple[str, bytes] | None = None
+        self._deps: tuple[str, bytes | None] | None = None  # (key, bundle once built)
+
+    def _deps_key(self) -> str:
+        if self._deps is None:
+            self._deps = (_deps_key(), None)
+        return self._deps[0]
+
+    def _deps_files(self) -> bytes:
+        key, bundle = self._deps or (_deps_key(), None)
+        if bundle is None:
+            bundle = _deps_bundle()
+            self._deps = (key, bundle)
+        return bundle
 
     # ---- state --------------------------------------------------------------------------
 
@@ -318,10 +387,18 @@ class SshBackend(Backend):
     async def _start(self, spec: DeploymentSpec, c: _Host, token: str, version: str, bundle: bytes,
                      pick: int) -> dict[str, Any]:
         src = f"{CACHE}/src-{version}"
-        python, have = await self._python(c, f"test -f {src}/.complete")
+        deps = f"{CACHE}/deps-{self._deps_key()}"
+        python, missing, env_tag, holds = await self._python(
+            c, {"src": f"test -f {src}/.complete", "deps": f"test -f {deps}/.complete"})
         c.python = python
-        if not have:
+        if "src" not in holds:
             await self._upload(c, src, bundle)
+        path = src
+        if missing and env_tag == f"{sys.implementation.cache_tag} {platform.machine()}":
+            # the server's packages from this client's own installation: no index needed there
+            if "deps" not in holds:
+                await self._upload(c, deps, await asyncio.to_thread(self._deps_files))
+            path = f"{src}:{deps}"
         image = spec.compute.image
         env = {**(image.env if image is not None else {}), **spec.compute.env,
                "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
@@ -333,7 +410,8 @@ class SshBackend(Backend):
                "cache_dir": CACHE, "steps": steps, "detached": spec.detached, "bind": c.address,
                "pick_master_port": pick, "timeout": spec.compute.launch_timeout,
                "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")}}
-        command = f"cd ~ && PYTHONPATH={src}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
+        path = path.replace("~", "$HOME")  # expanded after ':' by every shell, unlike '~'
+        command = f"cd ~ && PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
                   "-m ktlite_server.sshlaunch"
         proc = await c.conn.create_process(command, encoding="utf-8")
         proc.stdin.write(json.dumps(msg) + "\n")
@@ -359,35 +437,48 @@ class SshBackend(Backend):
                 "address": c.address, "port": reply["port"], "pid": reply["pid"], "run_dir": run_dir,
                 "python": python, "hash": spec.pod_hash(), "master_port": reply.get("master_port")}
 
-    async def _python(self, c: _Host, check: str) -> tuple[str, bool]:
+    async def _python(self, c: _Host, checks: dict[str, str]) -> tuple[str, list[str], str, set[str]]:
         """The host's Python: the one asked for, else the first python3.X at least as new
-        as this client's minor, else python3 when new enough; and whether the shell test
-        ``check`` holds there (one round trip for both)."""
+        as this client's minor, else python3 when new enough. Also, in the same round trip:
+        which of the server's packages it lacks (cloudpickle: at this client's version), its
+        cache tag and machine, and which shell ``checks`` hold there (names of those true)."""
         want = sys.version_info[:2]
         if c.options.python:
             candidates = [c.options.python]
         else:
             candidates = [f"python3.{m}" for m in range(want[1], want[1] + 4)] + ["python3"]
-        # each candidate prints its version; the first new enough one ends the search
-        test = (f"'import sys; print(sys.executable, *sys.version_info[:2]); "
-                f"sys.exit(sys.version_info[:2] < {tuple(want)})'")
-        probe = " || ".join(f"(command -v {shlex.quote(p)} >/dev/null 2>&1 && {shlex.quote(p)} -c {test})"
-                            for p in candidates)
-        out = await c.run(f"{{ {probe}; }}; {check} && echo KTLITE_CHECK_OK; true")
-        found = []
-        have = "KTLITE_CHECK_OK" in out.split()
-        for line in out.splitlines():
-            if line == "KTLITE_CHECK_OK":
+        pins = {"cloudpickle": importlib.metadata.version("cloudpickle")}
+        code = (f"import sys\nprint(sys.executable, *sys.version_info[:2])\n"
+                f"sys.version_info[:2] < {tuple(want)} and sys.exit(1)\n"
+                "import importlib.metadata as m, importlib.util as u, platform\n"
+                f"pins = {pins!r}\n"
+                "def bad(p):\n"
+                "    if u.find_spec(p) is None: return True\n"
+                "    try: return p in pins and m.version(p) != pins[p]\n"
+                "    except m.PackageNotFoundError: return True\n"
+                "print('KTLITE_ENV', sys.implementation.cache_tag, platform.machine(), "
+                f"*[p for p in {SERVER_PACKAGES!r} if bad(p)])\n")
+        probe = " || ".join(f"(command -v {shlex.quote(p)} >/dev/null 2>&1 && {shlex.quote(p)} -c "
+                            f"{shlex.quote(code)})" for p in candidates)
+        tests = "; ".join(f"{test} && echo KTLITE_OK_{name}" for name, test in checks.items())
+        out = await c.run(f"{{ {probe}; }}; {tests}; true")
+        found: list[str] = []
+        holds = {line[len("KTLITE_OK_"):] for line in out.split() if line.startswith("KTLITE_OK_")}
+        lines = [line for line in out.splitlines() if not line.startswith("KTLITE_OK_")]
+        for i, line in enumerate(lines):
+            if line.startswith("KTLITE_ENV"):
                 continue
             path, major, minor = line.rsplit(" ", 2)
             found.append(f"{path} ({major}.{minor})")
-            if (int(major), int(minor)) >= want:
-                return path, have
+            env = lines[i + 1].split() if i + 1 < len(lines) and lines[i + 1].startswith("KTLITE_ENV") else None
+            if env is not None and (int(major), int(minor)) >= want:
+                return path, env[3:], f"{env[1]} {env[2]}", holds
         raise DeployError(f"{c.label}: no Python {want[0]}.{want[1]} or newer (found: {', '.join(found) or 'none'} "
                           f"among {', '.join(candidates)}); install one, or name it with kt.Hosts(..., python=...)")
 
     async def _upload(self, c: _Host, src: str, bundle: bytes) -> None:
-        """ktlite's source into the host's cache, over SFTP; complete only once unpacked."""
+        """A tar.gz (ktlite's source, or the server's dependencies) unpacked into the host's
+        cache directory ``src`` over SFTP; complete only once unpacked."""
         home = (await c.run("echo $HOME")).strip()
         target = src.replace("~", home, 1)
         staging = f"{target}.tmp-{os.urandom(4).hex()}"  # hosts may share the home directory
