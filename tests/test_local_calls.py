@@ -632,15 +632,7 @@ def test_a_detached_local_deployment_stops_after_inactivity_ttl() -> None:
     assert remote() == 1
     pids = [pod["server_pid"] for pod in remote.status()]
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_running(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.25)
-    assert not any(_running(p) for p in pids), "the pod outlived its inactivity_ttl"
+    assert not any(alive(p) for p in pids), "the pod outlived its inactivity_ttl"
     remote.teardown()
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
+from ktlite.backends.local import pid_alive
+from ktlite_server.engine import session_pids
 
 pytest.importorskip("monarch.actor")
 pytestmark = [pytest.mark.monarch, pytest.mark.timeout(240)]
@@ -155,7 +157,7 @@ def test_each_to_brings_fresh_loops_without_old_procs(mesh) -> None:
     after = _engines(remote)
     assert {e["pid"] for e in after}.isdisjoint(e["pid"] for e in before)
     assert [e["procs"] for e in after] == [0, 0]
-    assert not [p for p in leftover if _alive(p)]
+    assert not [p for p in leftover if pid_alive(p)]
     assert remote() == 4  # the new controller attaches to the new loops
 
 
@@ -183,9 +185,9 @@ def test_teardown_leaves_no_monarch_behind(mesh) -> None:
     assert len(pids) == 2 + 4  # two loops, two procs each
     remote.teardown()
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and [p for p in pids if _alive(p)]:
+    while time.monotonic() < deadline and [p for p in pids if pid_alive(p)]:
         time.sleep(0.2)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if pid_alive(p)]
     assert not sockets[0].parent.exists()  # the private socket directory is gone
 
 
@@ -204,20 +206,4 @@ def test_a_loop_that_cannot_start_fails_to_with_its_output(tmp_path: Path) -> No
 
 
 def _session_pids(sids: list[int]) -> list[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if os.getsid(int(p.name)) in sids:
-                    out.append(int(p.name))
-            except OSError:
-                pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+    return [pid for sid in sids for pid in session_pids(sid)]

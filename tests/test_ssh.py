@@ -18,6 +18,7 @@ import pytest
 from ssh_hosts import SshHosts, sshd_available
 
 import ktlite as kt
+from ktlite.backends.local import pid_alive
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180),
               pytest.mark.skipif(not sshd_available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)")]
@@ -149,7 +150,7 @@ def test_a_host_that_dies_mid_call_fails_the_call_and_teardown_leaves_nothing(ho
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and _servers("ssh-dies"):
         time.sleep(0.2)
-    assert not _servers("ssh-dies") and not [p for p in pids if _alive(p)]
+    assert not _servers("ssh-dies") and not [p for p in pids if pid_alive(p)]
     assert not any(Path(os.path.expanduser("~/.cache/ktlite/run")).glob("ssh-dies-*"))
 
 
@@ -158,9 +159,9 @@ def test_a_detached_server_stops_on_its_own_after_inactivity_ttl(hosts: SshHosts
     assert len(remote()) == 2
     pids = [p["pid"] for p in _state("ssh-ttl")["pods"]]
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.5)
-    assert not any(_alive(p) for p in pids), "the servers outlived inactivity_ttl"
+    assert not any(pid_alive(p) for p in pids), "the servers outlived inactivity_ttl"
     remote.teardown()
 
 
@@ -188,17 +189,9 @@ def _servers(name: str) -> list[int]:
                 cmd = (p / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"ktlite_server" in cmd and any(a.startswith(f"{name}-".encode()) for a in cmd) and _alive(int(p.name)):
+            if b"ktlite_server" in cmd and any(a.startswith(f"{name}-".encode()) for a in cmd) and pid_alive(int(p.name)):
                 found.append(int(p.name))
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def shout(text: str) -> int:

@@ -6,9 +6,12 @@ A backend never sees user code or calls: only a :class:`DeploymentSpec`. It answ
 
 from __future__ import annotations
 
+import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ktlite import config
@@ -69,6 +72,26 @@ class Plan:
             import json
             return "\n---\n".join(json.dumps(m, indent=2) for m in self.manifests)
         return yaml.safe_dump_all(self.manifests, sort_keys=False, default_flow_style=False)
+
+
+def read_state(directory: Path) -> dict[str, Any] | None:
+    """A deployment's ``state.json`` in ``directory``, or None when absent or unreadable."""
+    try:
+        with open(directory / "state.json") as f:
+            state: dict[str, Any] = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return state
+
+
+def write_state(directory: Path, state: dict[str, Any]) -> None:
+    """Write ``state.json`` atomically, readable by this user only (it holds the token)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = directory / "state.json.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, directory / "state.json")
 
 
 class Backend(ABC):

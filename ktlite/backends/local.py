@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
+from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.spec import DeploymentSpec, port_free
@@ -178,21 +178,10 @@ class LocalBackend(Backend):
         return _home() / name
 
     def _read(self, name: str) -> dict[str, Any] | None:
-        try:
-            with open(self._dir(name) / "state.json") as f:
-                state: dict[str, Any] = json.load(f)
-        except (OSError, ValueError):
-            return None
-        return state
+        return read_state(self._dir(name))
 
     def _write(self, name: str, state: dict[str, Any]) -> None:
-        d = self._dir(name)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / "state.json.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, d / "state.json")
+        write_state(self._dir(name), state)
 
     def _live_state(self, name: str) -> dict[str, Any] | None:
         state = self._read(name)

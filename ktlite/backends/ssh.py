@@ -17,6 +17,7 @@ that started it closes (this process or its connection is gone), and any of them
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import importlib.metadata
@@ -37,7 +38,7 @@ from typing import Any
 
 import asyncssh
 
-from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
+from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.local import pid_alive
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
@@ -142,9 +143,9 @@ class _Loop:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
-            raise
+            raise TimeoutError(f"over {timeout:.0f}s") from None
 
 
 class _Host:
@@ -270,19 +271,10 @@ class SshBackend(Backend):
         return _home() / name
 
     def _read(self, name: str) -> dict[str, Any] | None:
-        try:
-            return json.loads((self._dir(name) / "state.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_state(self._dir(name))
 
     def _write(self, name: str, state: dict[str, Any]) -> None:
-        d = self._dir(name)
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = d / "state.json.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, d / "state.json")
+        write_state(self._dir(name), state)
 
     # ---- backend API --------------------------------------------------------------------
 
@@ -508,6 +500,8 @@ class SshBackend(Backend):
         """Stop a pod's server and everything of its session; remove its run dir."""
         if c is None or c.conn is None:
             return
+        # inline, not ktlite_server.engine.session_pids: teardown must work even where the
+        # host's cached ktlite source is gone
         code = ("import os, signal, sys, time\n"
                 f"sid = {int(pod['pid'])}\n"
                 "def members():\n"
@@ -641,7 +635,14 @@ class SshBackend(Backend):
 
         task = asyncio.run_coroutine_threadsafe(read(), self._loop.loop)
         try:
-            while (line := lines.get()) is not None:
+            while True:
+                try:  # following waits as long as the logs go on; a plain read has a limit
+                    line = lines.get(timeout=None if follow else COMMAND_TIMEOUT_S)
+                except queue.Empty:
+                    raise DeployError(f"reading the logs of {name!r} over SSH took over "
+                                      f"{COMMAND_TIMEOUT_S:.0f}s; a host may be unreachable") from None
+                if line is None:
+                    break
                 yield line
             task.result(60)
         finally:

@@ -41,39 +41,29 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-_CHECK = """
-import importlib.metadata, importlib.util, json, sys
-pins = json.loads(sys.argv[1])
-for p in sys.argv[2:]:
-    if importlib.util.find_spec(p) is None:
-        print(p)
-    elif p in pins:
+def missing_here(pins: dict[str, str]) -> list[str]:
+    """The server's packages this Python cannot import, or has at another version than
+    pinned."""
+    import importlib.metadata
+    import importlib.util
+
+    def bad(package: str) -> bool:
+        if importlib.util.find_spec(package) is None:
+            return True
         try:
-            if importlib.metadata.version(p) != pins[p]:
-                print(p)
+            return package in pins and importlib.metadata.version(package) != pins[package]
         except importlib.metadata.PackageNotFoundError:
-            print(p)
-"""
+            return True
+
+    return [p for p in SERVER_PACKAGES if bad(p)]
 
 
 def _missing(python: str, pins: dict[str, str]) -> list[str]:
-    """The server's packages ``python`` cannot import, or has at another version than pinned
-    (asked in this process when it is this Python)."""
+    """:func:`missing_here` for ``python`` (in this process when it is this Python)."""
     if python == sys.executable:
-        import importlib.metadata
-        import importlib.util
-
-        def bad(p: str) -> bool:
-            if importlib.util.find_spec(p) is None:
-                return True
-            try:
-                return p in pins and importlib.metadata.version(p) != pins[p]
-            except importlib.metadata.PackageNotFoundError:
-                return True
-
-        return [p for p in SERVER_PACKAGES if bad(p)]
-    out = subprocess.run([python, "-c", _CHECK, json.dumps(pins), *SERVER_PACKAGES], capture_output=True,
-                         text=True, timeout=60)
+        return missing_here(pins)
+    code = "import json, sys; from ktlite_server.sshlaunch import missing_here; print(*missing_here(json.loads(sys.argv[1])))"
+    out = subprocess.run([python, "-c", code, json.dumps(pins)], capture_output=True, text=True, timeout=60)
     return out.stdout.split()
 
 
