@@ -29,7 +29,13 @@ _EXPORTS = {
         "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
         "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout",
         "RankDied", "RankFailure", "RemoteError", "RemoteException", "ReplicaFailed",
-        "SerializationError")},
+        "SerializationError",
+        # Kubetorch's names (ktlite.errors says which ktlite error each is)
+        "ControllerRequestError", "ImagePullError", "KnativeServiceConflictError", "KubernetesCredentialsError", "NotebookError",
+        "PodContainerError", "PodTerminatedError", "ResourceNotAvailableError", "RsyncError", "SecretNotFound",
+        "ServiceHealthError", "ServiceTimeoutError", "StartupError", "VersionMismatchError", "WorkerMembershipChanged")},
+    **{name: "ktlite.kubetorch" for name in (
+        "BroadcastWindow", "DebugConfig", "Endpoint", "LoggingConfig", "MetricsConfig", "autoscale", "deep_breakpoint")},
 }
 
 if TYPE_CHECKING:
@@ -42,10 +48,17 @@ if TYPE_CHECKING:
         CallCancelled,
         CallTimeout,
         ConfigError,
+        ControllerRequestError,
         DeployError,
+        ImagePullError,
+        KnativeServiceConflictError,
         KtliteError,
+        KubernetesCredentialsError,
         LaunchTimeout,
         NotDeployedError,
+        NotebookError,
+        PodContainerError,
+        PodTerminatedError,
         PodUnreachable,
         ProtocolMismatch,
         QuorumTimeout,
@@ -54,19 +67,42 @@ if TYPE_CHECKING:
         RemoteError,
         RemoteException,
         ReplicaFailed,
+        ResourceNotAvailableError,
+        RsyncError,
+        SecretNotFound,
         SerializationError,
+        ServiceHealthError,
+        ServiceTimeoutError,
+        StartupError,
+        VersionMismatchError,
+        WorkerMembershipChanged,
     )
     from ktlite.futures import Future
     from ktlite.hosts import Host, Hosts
     from ktlite.images import Image
+    from ktlite.kubetorch import (
+        BroadcastWindow,
+        DebugConfig,
+        Endpoint,
+        LoggingConfig,
+        MetricsConfig,
+        autoscale,
+        deep_breakpoint,
+    )
     from ktlite.rankdata import PerRank, per_rank
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
 
 
 # The submodule ktlite.compute (kt.Compute) shares its name with the @kt.compute decorator:
 # import it first, so that binding the decorator below is what stays.
+# Likewise the settings module ktlite.config and Kubetorch's kt.config object, which passes
+# the module's own functions through.
 from ktlite import compute as _compute_module  # noqa: E402, F401
-from ktlite.decorators import compute, distribute  # noqa: E402
+from ktlite import config as _config_module  # noqa: E402
+from ktlite.decorators import async_, compute, distribute  # noqa: E402
+from ktlite.kubetorch import Config as _Config  # noqa: E402
+
+config = _Config(_config_module)
 
 
 def __getattr__(name: str) -> Any:
@@ -86,22 +122,34 @@ def __dir__() -> list[str]:
 __all__ = [
     "App",
     "AuthError",
+    "BroadcastWindow",
     "CallCancelled",
     "CallTimeout",
     "Cls",
     "Compute",
     "ConfigError",
+    "ControllerRequestError",
+    "DebugConfig",
     "DeployError",
+    "Endpoint",
     "Fn",
     "Future",
     "Host",
     "Hosts",
     "Image",
+    "ImagePullError",
+    "KnativeServiceConflictError",
     "KtliteError",
+    "KubernetesCredentialsError",
     "LaunchTimeout",
+    "LoggingConfig",
+    "MetricsConfig",
     "NotDeployedError",
+    "NotebookError",
     "PerRank",
     "Plan",
+    "PodContainerError",
+    "PodTerminatedError",
     "PodUnreachable",
     "ProtocolMismatch",
     "QuorumTimeout",
@@ -112,12 +160,24 @@ __all__ = [
     "RemoteException",
     "RemoteFunction",
     "ReplicaFailed",
+    "ResourceNotAvailableError",
+    "RsyncError",
+    "SecretNotFound",
     "SerializationError",
+    "ServiceHealthError",
+    "ServiceTimeoutError",
+    "StartupError",
+    "VersionMismatchError",
     "Volume",
+    "WorkerMembershipChanged",
     "__version__",
     "app",
+    "async_",
+    "autoscale",
     "cls",
     "compute",
+    "config",
+    "deep_breakpoint",
     "distribute",
     "distributed",
     "fn",

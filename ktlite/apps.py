@@ -187,7 +187,7 @@ class App:
             raise ConfigError(f"rendezvous_timeout={rendezvous_timeout!r} must be a finite number of "
                               "seconds >= 1")
         self.command = command
-        self.compute = base.distribute("pytorch", workers=replicas, num_proc=1,
+        self.compute = base._distributed("pytorch", workers=replicas, num_proc=1,
                                        port=base.distributed.port if base.distributed else None)
         script = next((Path(c).stem for c in command[1:] if c.endswith(".py")), Path(command[0]).name)
         self.name = check_name(name) if name is not None else default_name(f"app-{script}")
@@ -238,7 +238,60 @@ def _replica_log(rank: int, pod: str, stream: str, text: str) -> None:
         print(f"[replica {rank}] {text}", file=out, flush=True)
 
 
-def app(cli_command: str | Sequence[str], replicas: int = 1, **kwargs: Any) -> App:
-    """Run a command on ``replicas`` pods. Example:
-    ``kt.app(cli_command="torchrun --nproc_per_node=2 train.py", replicas=2, cpus=2).run()``."""
-    return App(cli_command, replicas=replicas, **kwargs)
+RUN_ENV = "KTLITE_RUN_CMD"  # `ktlite run CMD...` hands its command to the script's kt.app()
+
+
+def app(cli_command: str | Sequence[str] | None = None, replicas: int = 1, *, name: str | None = None,
+        port: int | None = None, health_check: str | None = None, **kwargs: Any) -> App | None:
+    """Run a command on ``replicas`` pods.
+
+    ktlite's form: ``kt.app(cli_command="torchrun --nproc_per_node=2 train.py", replicas=2,
+    cpus=2).run()``.
+
+    Kubetorch's form: ``kt.app(name="train", cpus=2)`` with no command, at the top of a script
+    launched with ``ktlite run python train.py --epochs 3``. There it deploys that command
+    (the script itself, with the working directory's files) on the replicas, streams their
+    output and ends this process with their outcome; anywhere else (on the pods, or under
+    plain ``python train.py``) it returns None and the script goes on.
+    """
+    if port is not None or health_check is not None:
+        raise NotImplementedError(
+            "kt.app(port=..., health_check=...) serves an HTTP app through a proxy, which ktlite does "
+            "not do yet: ktlite's kt.app runs a command to completion on N replicas (torchrun, "
+            "python train.py). For a long-lived service, deploy a kt.cls and call its methods")
+    if cli_command is not None:
+        return App(cli_command, replicas=replicas, name=name, **kwargs)
+    command = os.environ.pop(RUN_ENV, None)  # popped: pods started from here must not see it
+    if command is None:
+        return None
+    import json
+
+    argv = json.loads(command)
+    chosen = App(argv, replicas=replicas, name=name or os.environ.pop("KTLITE_RUN_NAME", None), **kwargs)
+    timeout = os.environ.pop("KTLITE_RUN_TIMEOUT", None)
+    try:
+        codes = chosen.run(timeout=float(timeout) if timeout else None)
+    except ReplicaFailed as e:
+        print(f"ktlite: {chosen.name}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code) from None
+    print(f"ktlite: {chosen.name}: exit codes {codes}", file=sys.stderr, flush=True)
+    raise SystemExit(max(codes or [0]))
+
+
+def launches_itself(path: str | os.PathLike[str]) -> bool:
+    """Whether the script calls ``kt.app(...)`` with no command (Kubetorch's form, for
+    ``ktlite run python script.py``); read, never run."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            named = (isinstance(func, ast.Name) and func.id == "app") or \
+                (isinstance(func, ast.Attribute) and func.attr == "app")
+            if named and not node.args and not any(k.arg == "cli_command" for k in node.keywords):
+                return True
+    return False

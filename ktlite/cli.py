@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite import __version__, config
+from ktlite.apps import launches_itself
 from ktlite.backends.base import Backend, get_backend
 from ktlite.decorators import Decorated
 from ktlite.errors import ConfigError, KtliteError, NotDeployedError
@@ -179,6 +180,16 @@ def _call(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ktlite.apps import App
 
+    words = list(args.command_args or [])
+    args.script = None
+    if words and not args.command_line:
+        script = next((w for w in words if w.endswith(".py")), None)
+        if words == [script] and not launches_itself(script):
+            args.script = script  # a script declaring kt.app(cli_command=...) objects
+        elif script is not None and Path(script).is_file() and launches_itself(script):
+            return _run_script(args, words, script)
+        else:
+            args.command_line = words  # Kubetorch's `kt run CMD...` with no kt.app in it
     if args.command_line:
         command = args.command_line
         extra: dict[str, Any] = {k: v for k, v in (("cpus", args.cpus), ("gpus", args.gpus),
@@ -209,6 +220,29 @@ def _run(args: argparse.Namespace) -> int:
             failed += 1
             print(f"{app.name}: failed: {e}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _run_script(args: argparse.Namespace, command: list[str], script: str) -> int:
+    """``ktlite run python train.py ...`` where train.py calls ``kt.app(...)`` (Kubetorch's
+    form): the script runs here until its kt.app() call, which deploys ``command`` and ends
+    the script with the replicas' outcome."""
+    import os
+    import subprocess
+
+    from ktlite.apps import RUN_ENV
+
+    given = [f"--{k}" for k in ("replicas", "cpus", "gpus", "memory", "image", "backend", "namespace")
+             if getattr(args, k) not in (None, 1 if k == "replicas" else None)]
+    if given or args.dry_run:
+        raise ConfigError(f"{script} sets its pods with kt.app(...): pass {', '.join(given) or '--dry-run'} "
+                          "there (e.g. kt.app(name='train', cpus=2, replicas=2)), not to `ktlite run`")
+    env = {**os.environ, RUN_ENV: json.dumps(command)}
+    if args.name:
+        env["KTLITE_RUN_NAME"] = args.name
+    if args.timeout:
+        env["KTLITE_RUN_TIMEOUT"] = str(args.timeout)
+    proc = subprocess.run([sys.executable, script, *command[command.index(script) + 1:]], env=env)
+    return proc.returncode
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -343,7 +377,10 @@ def _parser() -> argparse.ArgumentParser:
     rn = command("run", "run kt.app commands: those a script declares, or one given after --",
                  "ktlite run train_app.py   |   ktlite run --replicas 2 -- torchrun "
                  "--nproc_per_node=2 train.py", _run)
-    rn.add_argument("script", nargs="?", default=None, help="a script declaring kt.app(...) objects")
+    rn.add_argument("command_args", nargs=argparse.REMAINDER, metavar="SCRIPT | COMMAND ...",
+                    help="a script declaring kt.app(cli_command=...) objects; or a command such as "
+                    "`python train.py --epochs 3` whose script calls kt.app(...) (Kubetorch's form), "
+                    "or any command to run on the replicas")
     rn.add_argument("--replicas", type=int, default=1)
     rn.add_argument("--name", default=None)
     rn.add_argument("--cpus", default=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ktlite.errors import ConfigError
@@ -34,6 +34,7 @@ WORKER_NODE_FIELDS = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gp
                       "priority_class")
 
 
+SERIALIZATIONS = ("json", "pickle")  # Kubetorch's call serialization formats ktlite takes
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -186,8 +187,28 @@ class Compute:
     worker_node_options: dict[str, Any] | None = None
     env_vars: dict[str, str] | None = None  # Kubetorch's name for env
     hosts: Hosts | None = None
+    # Kubetorch's fields (README, "Coming from Kubetorch")
+    disk_size: str | None = None  # ephemeral-storage request
+    gpu_memory: str | None = None  # an annotation, as in Kubetorch: a whole GPU is requested
+    freeze: bool = False  # the image already holds everything: no install at pod start
+    kubeconfig_path: str | None = None
+    gpu_anti_affinity: bool = False  # a CPU-only pod stays off nodes with GPUs
+    working_dir: str | None = None  # the rank processes' working directory on a pod
+    allowed_serialization: tuple[str, ...] | None = None
+    queue_name: str | None = None  # Kueue LocalQueue
+    service_template: dict[str, Any] | None = None  # merged deeply into each StatefulSet
+    restart_procs: bool = False  # every .to() starts fresh rank processes
+    replicas: int | None = None
+    logging_config: Any = None
+    selector: Any = None
+    endpoint: Any = None
+    # Kubetorch's spellings of fields above
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+    shared_memory_limit: str | None = None
 
     def __post_init__(self) -> None:
+        self._kubetorch_fields()
         self._check_hosts()
         self.inactivity_seconds  # noqa: B018 - a bad duration fails here, before any deploy
         if self.env_vars is not None:
@@ -282,6 +303,87 @@ class Compute:
             raise ConfigError(f"num_proc={d.num_proc} has a pod of {d.max_procs} ranks, more than gpus={self.gpus} "
                               f"on a GPU pod; each rank needs at least one GPU: use num_proc<={self.gpus}")
 
+    def _kubetorch_fields(self) -> None:
+        """Kubetorch's forms: None means "not set" for every field, GPU counts may be
+        strings, and its field names are spellings of ktlite's."""
+        for f in fields(self):
+            if getattr(self, f.name) is None:
+                default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+                if default is not None and default is not MISSING:
+                    object.__setattr__(self, f.name, default)
+        for alias, own in (("priority_class_name", "priority_class"),
+                           ("service_account_name", "service_account"),
+                           ("shared_memory_limit", "shared_memory")):
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            if getattr(self, own) is not None and getattr(self, own) != value:
+                raise ConfigError(f"pass {own}= or {alias}= (the Kubetorch name), not both")
+            object.__setattr__(self, own, value)
+            object.__setattr__(self, alias, None)
+        if isinstance(self.gpus, str):
+            text = self.gpus.strip()
+            if not text.isdigit():
+                raise ConfigError(f"gpus={self.gpus!r} must be a whole number of GPUs such as 1 or '1'; "
+                                  "pick the model with gpu_type=, e.g. gpu_type='NVIDIA-A100-SXM4-80GB'")
+            object.__setattr__(self, "gpus", int(text))
+        if self.disk_size is not None:
+            parse_memory(self.disk_size, "disk_size")
+        if self.gpu_memory is not None:
+            parse_memory(self.gpu_memory, "gpu_memory")
+        for name in ("freeze", "gpu_anti_affinity", "restart_procs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.working_dir is not None and (not isinstance(self.working_dir, str)
+                                             or not self.working_dir.startswith("/")):
+            raise ConfigError(f"working_dir={self.working_dir!r} must be an absolute path in the pod, "
+                              "e.g. '/workspace'")
+        if self.allowed_serialization is not None:
+            allowed = (self.allowed_serialization,) if isinstance(self.allowed_serialization, str) \
+                else tuple(self.allowed_serialization)
+            bad = [a for a in allowed if a not in SERIALIZATIONS]
+            if bad or not allowed:
+                raise ConfigError(f"allowed_serialization={self.allowed_serialization!r}; allowed entries: "
+                                  f"{', '.join(map(repr, SERIALIZATIONS))}")
+            object.__setattr__(self, "allowed_serialization", allowed)
+        if self.queue_name is not None and (not isinstance(self.queue_name, str) or not _DNS_LABEL.match(
+                self.queue_name)):
+            raise ConfigError(f"queue_name={self.queue_name!r} must name a Kueue LocalQueue (a DNS label)")
+        if self.service_template is not None and not isinstance(self.service_template, dict):
+            raise ConfigError(f"service_template={self.service_template!r} must be a dict merged into the "
+                              "generated StatefulSet, e.g. {'spec': {'template': {'spec': {...}}}}")
+        if self.kubeconfig_path is not None and not isinstance(self.kubeconfig_path, str):
+            raise ConfigError(f"kubeconfig_path={self.kubeconfig_path!r} must be a path string")
+        if self.logging_config is not None:
+            from ktlite.kubetorch import LoggingConfig
+
+            if not isinstance(self.logging_config, LoggingConfig):
+                raise ConfigError(f"logging_config={self.logging_config!r} must be a kt.LoggingConfig")
+            if self.logging_config.stream_logs is not None:
+                object.__setattr__(self, "stream_logs", bool(self.logging_config.stream_logs))
+        if self.selector is not None or self.endpoint is not None:
+            which = "selector" if self.selector is not None else "endpoint"
+            raise NotImplementedError(
+                f"Compute({which}=...) brings your own pods, which ktlite does not support: ktlite "
+                "creates and owns its pods. Give the resources instead (Compute(cpus=, gpus=, image=, "
+                "node_selector=...)), or run on existing machines with hosts=[...] (backend='ssh')")
+        if self.replicas is not None:
+            if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+                raise ConfigError(f"replicas={self.replicas!r} must be a whole number >= 1")
+            d = self.distributed
+            if d is not None and self.replicas != d.workers:
+                raise ConfigError(f"replicas={self.replicas} but distribute() asks for {d.workers} pods; "
+                                  "leave replicas out (distribute's workers sets it)")
+
+    def check_replicas(self) -> None:
+        """``replicas=N`` without ``distribute()``: Kubetorch's load-balanced replicas, refused
+        when deploying (a ``.distribute()`` may still come)."""
+        if self.replicas is not None and self.replicas > 1 and self.distributed is None:
+            raise NotImplementedError(
+                f"Compute(replicas={self.replicas}) alone asks for load-balanced replicas of one "
+                "service, which ktlite does not support yet. For N pods that each run every call, "
+                f"use .distribute('spmd', workers={self.replicas})")
+
     @property
     def inactivity_seconds(self) -> float | None:
         """``inactivity_ttl`` in seconds (None: no limit)."""
@@ -344,11 +446,59 @@ class Compute:
     def cpu_count(self) -> float | None:
         return None if self.cpus is None else parse_cpus(self.cpus)
 
-    def distribute(self, framework: str = "spmd", workers: int | None = None,
-                   num_proc: int | list[int] | tuple[int, ...] | None = None,
-                   port: int | None = None, quorum_timeout: float = 300.0,
-                   worker_node_options: dict[str, Any] | None = None, **unknown: Any) -> Compute:
-        """Return a copy of this Compute that runs on ``workers`` pods × ``num_proc`` ranks each.
+    def distribute(self, framework: str | None = None, workers: int | None = None,
+                   num_proc: int | list[int] | tuple[int, ...] | str | None = None,
+                   port: int | None = None, quorum_timeout: float | None = None,
+                   worker_node_options: dict[str, Any] | None = None, *,
+                   distribution_type: str | None = None, quorum_workers: int | None = None,
+                   monitor_members: bool | None = None, max_threads_per_proc: int | None = None,
+                   restart_procs: bool | None = None, tree_fanout: int | None = None,
+                   tree_minimum: int | None = None, **unknown: Any) -> Compute:
+        """Make this Compute run on ``workers`` pods × ``num_proc`` ranks each; returns it.
+
+        As in Kubetorch, the Compute it is called on changes (``compute.distribute(...)``
+        alone is enough), and it is returned for chaining. Kubetorch's keywords are taken:
+        ``distribution_type`` (``framework``), ``num_proc="auto"``, ``quorum_workers`` (must be
+        ``workers``: a call runs on every pod), ``monitor_members`` (ktlite always watches: a
+        lost pod fails the call with :class:`kt.WorkerMembershipChanged`),
+        ``max_threads_per_proc`` (``Compute.concurrency``), ``restart_procs`` and
+        ``tree_fanout``/``tree_minimum`` (ktlite's coordinator calls every pod itself).
+        """
+        if distribution_type is not None:
+            if framework is not None and framework != distribution_type:
+                raise ConfigError("pass framework= or distribution_type= (the Kubetorch name), not both")
+            framework = distribution_type
+        framework = "spmd" if framework is None else framework
+        framework = "tensorflow" if framework == "tf" else framework
+        if num_proc == "auto":
+            num_proc = None
+        if monitor_members is not None and not isinstance(monitor_members, bool):
+            raise ConfigError(f"monitor_members={monitor_members!r} must be True or False")
+        for key, value in (("tree_fanout", tree_fanout), ("tree_minimum", tree_minimum)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{key}={value!r} must be a whole number >= 1")
+        changes: dict[str, Any] = {}
+        if max_threads_per_proc is not None:
+            changes["concurrency"] = max_threads_per_proc
+        if restart_procs is not None:
+            changes["restart_procs"] = restart_procs
+        new = replace(self, **changes)._distributed(
+            framework, workers, num_proc, port, 300.0 if quorum_timeout is None else quorum_timeout,
+            worker_node_options, **unknown)
+        pods = new.distributed.workers if new.distributed is not None else 1
+        if quorum_workers is not None and quorum_workers != pods:
+            raise ConfigError(f"quorum_workers={quorum_workers!r}: ktlite runs a call on every pod, so it "
+                              f"waits for all {pods} (up to quorum_timeout) and fails naming the missing "
+                              "ones; leave quorum_workers out, or lower workers")
+        for f in fields(self):
+            object.__setattr__(self, f.name, getattr(new, f.name))
+        return self
+
+    def _distributed(self, framework: str = "spmd", workers: int | None = None,
+                     num_proc: int | list[int] | tuple[int, ...] | None = None,
+                     port: int | None = None, quorum_timeout: float = 300.0,
+                     worker_node_options: dict[str, Any] | None = None, **unknown: Any) -> Compute:
+        """A copy of this Compute that runs on ``workers`` pods × ``num_proc`` ranks each.
 
         ``num_proc`` defaults to the pod's GPU count (one rank per GPU), else 1. A list gives
         each pod its own size (``num_proc=[4, 8, 2]``: 3 pods, 14 ranks); ``workers`` is then
@@ -360,8 +510,10 @@ class Compute:
         """
         if unknown:
             raise ConfigError(f"distribute() got unknown option(s) {', '.join(sorted(unknown))}; "
-                              "allowed: framework, workers, num_proc, port, quorum_timeout, "
-                              "worker_node_options (framework='ray')")
+                              "allowed: framework (distribution_type), workers, num_proc, port, "
+                              "quorum_timeout, worker_node_options (framework='ray'), quorum_workers, "
+                              "monitor_members, max_threads_per_proc, restart_procs, tree_fanout, "
+                              "tree_minimum")
         if framework == "ray":
             if workers is None:
                 workers = 1
@@ -374,7 +526,7 @@ class Compute:
             if worker_node_options is not None and not isinstance(worker_node_options, dict):
                 raise ConfigError(f"worker_node_options={worker_node_options!r} must be a dict of Compute "
                                   "fields, e.g. {'cpus': '4', 'memory': '16Gi', 'gpus': 1}")
-            return replace(self, distributed=config, worker_node_options=(
+            return replace(self, distributed=config, replicas=None, worker_node_options=(
                 None if worker_node_options is None else dict(worker_node_options)))
         if worker_node_options is not None:
             raise ConfigError(f"distribute({framework!r}, worker_node_options=...): only framework='ray' "
@@ -393,12 +545,16 @@ class Compute:
             workers = len(num_proc) if isinstance(num_proc, (list, tuple)) else 1
         config = DistributedConfig(framework=framework, workers=workers, num_proc=num_proc,
                                    port=port, quorum_timeout=quorum_timeout)
-        return replace(self, distributed=config, worker_node_options=None)
+        return replace(self, distributed=config, worker_node_options=None,
+                       replicas=None if self.replicas is None else workers)
 
     def pod_fields(self) -> dict[str, Any]:
         """The fields that shape a pod: a change here restarts pods, anything else does not."""
         fields = asdict(self)
         for key in ("distributed", "launch_timeout", "stream_logs", "inactivity_ttl", "env_vars",
-                    "max_restarts", "call_timeout", "teardown_timeout", "concurrency"):
+                    "max_restarts", "call_timeout", "teardown_timeout", "concurrency", "replicas",
+                    "restart_procs", "logging_config", "allowed_serialization", "kubeconfig_path",
+                    "priority_class_name", "service_account_name", "shared_memory_limit",
+                    "selector", "endpoint"):
             fields.pop(key, None)
         return fields

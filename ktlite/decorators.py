@@ -35,6 +35,8 @@ class Decorated:
         self.compute_kwargs: dict[str, Any] | None = None
         self.distribute_kwargs: dict[str, Any] | None = None
         self.name = default_name(obj.__name__)
+        self.get_if_exists = False  # Kubetorch's: the first call attaches to a running deployment
+        self.async_ = False  # @kt.async_: calls return a kt.Future (awaitable)
         self._remote: Any = None
         self._lock = threading.Lock()
         functools.update_wrapper(self, obj, updated=())
@@ -59,9 +61,13 @@ class Decorated:
         """Deploy now; returns the remote object (or the Plan with ``dryrun=True``)."""
         source = self._source()
         if self.is_class:
-            remote = source.to(self.compute, detached=detached, dryrun=dryrun, init_args=init_args)
+            remote = source.to(self.compute, detached=detached, dryrun=dryrun, init_args=init_args,
+                               get_if_exists=self.get_if_exists)
         else:
-            remote = source.to(self.compute, detached=detached, dryrun=dryrun)
+            remote = source.to(self.compute, detached=detached, dryrun=dryrun,
+                               get_if_exists=self.get_if_exists)
+        if not dryrun:
+            remote.async_ = self.async_
         if not dryrun:
             self._remote = remote
         return remote
@@ -80,7 +86,9 @@ class Decorated:
                                    f"(or call it from `python {where}`, which deploys on first call)"
                                    ) from e
         source = self._source()
-        return RemoteClass(source, dep, None) if self.is_class else RemoteFunction(source, dep)
+        remote = RemoteClass(source, dep, None) if self.is_class else RemoteFunction(source, dep)
+        remote.async_ = self.async_
+        return remote
 
     def remote(self, *init_args: Any, **init_kwargs: Any) -> Any:
         """The deployed service: deployed here if this is the main script, else found by name."""
@@ -110,6 +118,16 @@ class Decorated:
             return self.remote(*args, **kwargs)
         return self.remote()(*args, **kwargs)
 
+    def __getattr__(self, attr: str) -> Any:
+        """A decorated class is a handle on its service, as in Kubetorch:
+        ``Model.predict(x)`` calls ``predict`` on the deployed instance(s)."""
+        if attr.startswith("_") or not self.__dict__.get("is_class"):
+            raise AttributeError(attr)
+        member = inspect.getattr_static(self.obj, attr, None)
+        if member is None or not callable(getattr(self.obj, attr, None)):
+            raise AttributeError(f"{self.obj.__name__} has no method {attr!r}")
+        return _ServiceMethod(self, attr)
+
     def teardown(self) -> None:
         remote, self._remote = self._remote, None
         if remote is None:
@@ -117,26 +135,52 @@ class Decorated:
         remote.teardown()
 
 
+class _ServiceMethod:
+    """``DecoratedClass.method``: calls the deployed instance's method (deploying or
+    attaching on first use, like calling the class)."""
+
+    def __init__(self, owner: Decorated, name: str) -> None:
+        self._owner, self._name = owner, name
+
+    def __repr__(self) -> str:
+        return f"<service method {self._owner.name}.{self._name}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._owner.remote(), self._name)(*args, **kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._owner.remote(), self._name).submit(*args, **kwargs)
+
+
 def _mark(obj: Any) -> Decorated:
     return obj if isinstance(obj, Decorated) else Decorated(obj)
 
 
-def compute(*, name: str | None = None, **compute_kwargs: Any) -> Any:
+def compute(*, name: str | None = None, get_if_exists: bool = False,
+            reload_prefixes: list[str] | str | None = None, prefix_username: bool | None = None,
+            **compute_kwargs: Any) -> Any:
     """Mark a function or class to run on ``kt.Compute(**compute_kwargs)``.
+
+    Kubetorch's keywords: ``name`` is normalised like Kubetorch's (``"GNN_Inference"`` →
+    ``"gnn-inference"``); ``get_if_exists=True`` makes the first call attach to a running
+    deployment of that name instead of deploying. ktlite never prefixes names with a user
+    name, so ``reload_prefixes`` and ``prefix_username=True`` are refused.
 
     Example:
         >>> @kt.compute(cpus=1, name="square")
         ... def square(x): return x * x
     """
+    _check_naming(reload_prefixes, prefix_username)
     Compute(**compute_kwargs)  # bad fields fail here, at import, naming the field
     if name is not None:
-        check_name(name)
+        name = check_name(name)
 
     def wrap(obj: Any) -> Decorated:
         marked = _mark(obj)
         if marked.compute_kwargs is not None:
             raise ConfigError(f"{marked.obj.__name__} has two @kt.compute decorators; keep one")
         marked.compute_kwargs = dict(compute_kwargs)
+        marked.get_if_exists = bool(get_if_exists)
         if name is not None:
             marked.name = name
         marked.compute  # noqa: B018  (validates the combination with @kt.distribute)
@@ -144,24 +188,44 @@ def compute(*, name: str | None = None, **compute_kwargs: Any) -> Any:
     return wrap
 
 
-def distribute(framework: str = "spmd", workers: int | None = None, num_proc: int | list[int] | None = None,
-               port: int | None = None, quorum_timeout: float = 300.0,
-               worker_node_options: dict[str, Any] | None = None) -> Any:
-    """Mark a function or class to run on ``workers`` pods × ``num_proc`` ranks.
+def _check_naming(reload_prefixes: Any, prefix_username: Any) -> None:
+    if reload_prefixes:
+        raise ConfigError(f"reload_prefixes={reload_prefixes!r}: ktlite names deployments exactly as "
+                          "given (no user or branch prefixes), so there is nothing to search; pass the "
+                          "deployment's name with name=...")
+    if prefix_username:
+        raise ConfigError("prefix_username=True: ktlite never prefixes deployment names with a user "
+                          "name; put it in name= yourself, e.g. name=f'{user}-train'")
+
+
+def distribute(framework: str | None = None, workers: int | None = None,
+               num_proc: int | list[int] | str | None = None, port: int | None = None,
+               quorum_timeout: float | None = None, worker_node_options: dict[str, Any] | None = None,
+               **kwargs: Any) -> Any:
+    """Mark a function or class to run on ``workers`` pods × ``num_proc`` ranks; takes what
+    :meth:`kt.Compute.distribute` takes (Kubetorch's keywords too).
 
     Example:
         >>> @kt.distribute("pytorch", workers=2, num_proc=2)
         ... def train(): ...
     """
-    kwargs = {"framework": framework, "workers": workers, "num_proc": num_proc, "port": port,
-              "quorum_timeout": quorum_timeout, "worker_node_options": worker_node_options}
-    Compute().distribute(**kwargs)  # bad values fail here
+    options = {"framework": framework, "workers": workers, "num_proc": num_proc, "port": port,
+               "quorum_timeout": quorum_timeout, "worker_node_options": worker_node_options, **kwargs}
+    Compute().distribute(**options)  # bad values fail here
 
     def wrap(obj: Any) -> Decorated:
         marked = _mark(obj)
         if marked.distribute_kwargs is not None:
             raise ConfigError(f"{marked.obj.__name__} has two @kt.distribute decorators; keep one")
-        marked.distribute_kwargs = kwargs
+        marked.distribute_kwargs = options
         marked.compute  # noqa: B018
         return marked
     return wrap
+
+
+def async_(obj: Any) -> Decorated:
+    """``@kt.async_``: calls of the decorated function (or methods of the decorated class)
+    return a :class:`kt.Future` at once, which can be awaited. Stacks with the others."""
+    marked = _mark(obj)
+    marked.async_ = True
+    return marked

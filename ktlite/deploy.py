@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from ktlite import engines, protocol, shm
 from ktlite.backends.base import Applied, Backend, get_backend
@@ -25,6 +26,7 @@ from ktlite.errors import (
     CallTimeout,
     ConfigError,
     DeployError,
+    KtliteError,
     LaunchTimeout,
     NotDeployedError,
     PodUnreachable,
@@ -34,6 +36,7 @@ from ktlite.errors import (
     RankFailure,
     RemoteError,
     RemoteException,
+    WorkerMembershipChanged,
     with_remote_context,
 )
 from ktlite.spec import DeploymentSpec
@@ -82,7 +85,7 @@ class CallOptions:
 
     timeout: float | None = None
     stream_logs: bool | None = None
-    workers: list[int] | None = None
+    workers: Any = None  # pod indices; Kubetorch's "any", "ready" and IPs too (Deployment._pick_workers)
     restart_procs: bool = False
     ranks: list[int] | None = None  # only these global ranks run the call
 
@@ -137,7 +140,8 @@ class Deployment:
                 "sources": sources, "distributed": asdict(d), "pod_ips": ips,
                 "master_port": self.applied.master_port, "max_restarts": self.spec.compute.max_restarts,
                 "cpus": self.spec.compute.cpu_count, "restart": restart,
-                "concurrency": self.spec.concurrency, "load_timeout": timeout}
+                "concurrency": self.spec.concurrency, "load_timeout": timeout,
+                "single": self.spec.compute.distributed is None}
 
         names = [ep.name for ep in self.endpoints]
 
@@ -251,6 +255,8 @@ class Deployment:
         call lost a pod, or while the coordinator waits for its quorum: the code is pushed to
         the new pods and the call runs, as long as no rank had started it."""
         eps = self.endpoints
+        if options.workers is not None:
+            options = replace(options, workers=self._pick_workers(options.workers))
         if self.spec.distributed.engine:
             options = self._on_head(options, per_rank)
         if options.workers is not None:
@@ -272,6 +278,42 @@ class Deployment:
             if not self._heal(e.why):
                 raise e.error from None
         return self._call_once(parts, options, log, on_send, per_rank)
+
+    def _pick_workers(self, workers: Any) -> list[int]:
+        """Kubetorch's ``workers=`` forms as pod indices: ``"any"`` (the coordinator pod),
+        ``"ready"`` (the pods that answer /health now), an IP or a piece of one, or a list of
+        indices and IPs."""
+        eps = self.endpoints
+        if workers == "any":
+            return [0]
+        if workers == "ready":
+            def answers(ep: Any) -> bool:
+                try:
+                    self.client.health(ep.url, timeout=2.0)
+                    return True
+                except KtliteError:
+                    return False
+            ready = [ep.ordinal for ep, ok in zip(eps, list(_pool.map(answers, eps)), strict=True) if ok]
+            if not ready:
+                raise PodUnreachable(f"workers='ready': no pod of {self.name!r} answered /health within "
+                                     f"2 s ({', '.join(ep.name for ep in eps)}); see `ktlite status "
+                                     f"{self.name}` and remote.logs()", delivered=False)
+            return ready
+        items = [workers] if isinstance(workers, (str, int)) else workers
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"workers={workers!r}: give pod indices, pod IPs, 'any' or 'ready'")
+        picked: list[int] = []
+        for item in items:
+            if isinstance(item, str):
+                hits = [ep.ordinal for ep in eps if item == ep.ip] or \
+                    [ep.ordinal for ep in eps if item in ep.ip]
+                if not hits:
+                    raise ConfigError(f"workers={workers!r}: no pod of {self.name!r} has an IP matching "
+                                      f"{item!r}; its pods: {', '.join(f'{ep.ordinal}={ep.ip}' for ep in eps)}")
+                picked += hits
+            else:
+                picked.append(item)
+        return picked
 
     def _on_head(self, options: CallOptions, per_rank: dict[str, Any] | None) -> CallOptions:
         """A Ray or Monarch deployment's call runs on pod 0 (rank 0) only: the function is the
@@ -330,6 +372,11 @@ class Deployment:
                 gone = watch.replaced or self._replaced(sorted(missing - {-1}))
                 if gone:
                     raise _NotStarted(error, f"the coordinator could not reach {', '.join(gone)}")
+            lost = {self._ordinal_of(f.pod) for f in failures if f.kind in ("died", "unreachable")} - {-1}
+            if lost and reply.started and isinstance(error, RemoteError):
+                changed = self._membership_changed(sorted(lost), error, failures, values)
+                if changed is not None:
+                    raise changed from None
             raise error
         self._suspect = False
         return [values[r] for r in sorted(values)]
@@ -357,6 +404,8 @@ class Deployment:
                                        "call .to(compute) again") from e
             if not e.delivered and self._replaced([0], current):
                 raise _NotStarted(e, f"the proxy could not reach {eps[0].name}") from e
+            if self._replaced([0], current):
+                raise self._membership_error([eps[0].name], current, str(e)) from e
             raise PodUnreachable(f"{e}; the other pods were told to stop the call. "
                                  f"{self._pod_state(0, current)}", delivered=e.delivered) from e
         except KeyboardInterrupt:
@@ -379,6 +428,39 @@ class Deployment:
         now = {ep.ordinal: ep.incarnation for ep in current.endpoints}
         return [ep.name for ep in self.endpoints
                 if ep.ordinal in ordinals and ep.incarnation and now.get(ep.ordinal) != ep.incarnation]
+
+    def _ips(self, applied: Applied | None) -> list[str]:
+        """Each pod's address by ordinal: its IP, or host:port where pods share one host."""
+        if applied is None:
+            return []
+        eps = sorted(applied.endpoints, key=lambda ep: ep.ordinal)
+        return [urlsplit(ep.peer_url).netloc if applied.same_host else ep.ip for ep in eps]
+
+    def _membership_changed(self, ordinals: list[int], error: RemoteError, failures: list[RankFailure],
+                            values: dict[int, Any]) -> WorkerMembershipChanged | None:
+        """The call's error as :class:`WorkerMembershipChanged` when pods among ``ordinals``
+        were lost or replaced (not merely a rank process that died on a pod that lives on)."""
+        try:
+            current = self.backend.lookup(self.name)
+            gone = self._replaced(ordinals, current) if current is not None else \
+                [ep.name for ep in self.endpoints if ep.ordinal in ordinals]
+        except Exception:  # noqa: BLE001 - the call's own error is what matters then
+            return None
+        if not gone:
+            return None
+        changed = self._membership_error(gone, current, str(error), failures, error.outcomes)
+        changed.__cause__ = error
+        return changed
+
+    def _membership_error(self, gone: list[str], current: Applied | None, detail: str,
+                          failures: list[RankFailure] | None = None,
+                          outcomes: dict[int, Any] | None = None) -> WorkerMembershipChanged:
+        self._suspect = True  # the next call waits for the replacements and pushes the code
+        return WorkerMembershipChanged(
+            f"pod(s) {', '.join(gone)} of {self.name!r} were lost or replaced during the call; the "
+            f"next call runs on their replacements (the code is pushed again"
+            f"{', class instances are created anew' if self.spec.kind == 'cls' else ''}).\n{detail}",
+            failures, outcomes, previous_ips=self._ips(self.applied), current_ips=self._ips(current))
 
     def _pod_state(self, ordinal: int, current: Applied) -> str:
         ep = self.endpoints[ordinal]
@@ -474,7 +556,7 @@ def _check_python(health: dict[str, Any], url: str) -> None:
 def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: bytes | None,
            restart: bool = False) -> Deployment:
     engines.check_client(spec)
-    backend = get_backend(spec.compute.backend, spec.compute.namespace)
+    backend = get_backend(spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path)
     existing = backend.lookup(spec.name)
     token = existing.token if existing is not None else secrets.token_urlsafe(32)
     applied = backend.apply(spec, token)
@@ -493,7 +575,7 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
 
 def attach(spec: DeploymentSpec) -> Deployment:
     """The running deployment for ``spec.name``, without deploying."""
-    backend = get_backend(spec.compute.backend, spec.compute.namespace)
+    backend = get_backend(spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path)
     applied = backend.lookup(spec.name)
     if applied is None:
         raise NotDeployedError(f"deployment {spec.name!r} is not running on backend {backend.name!r}; "

@@ -6,7 +6,12 @@ Hierarchy::
     ├── ConfigError (ValueError)          bad user input, raised before anything starts
     │   └── SerializationError (TypeError)  a function or argument that cannot be pickled
     ├── DeployError                        pods could not be started or loaded
-    │   └── LaunchTimeout (TimeoutError)   pods did not become ready within launch_timeout
+    │   ├── LaunchTimeout (TimeoutError)   pods did not become ready within launch_timeout
+    │   ├── ImagePullError                 a pod's image cannot be pulled
+    │   ├── ResourceNotAvailableError      no node can hold a pod (unschedulable)
+    │   ├── SecretNotFound                 a Secret the pods name does not exist
+    │   ├── StartupError                   a pod's container or setup failed while starting
+    │   └── PodTerminatedError             a pod was evicted, OOM-killed or failed
     ├── NotDeployedError                   calling a deployment that does not exist (anymore)
     ├── PodUnreachable (ConnectionError)   a pod's server cannot be reached or died mid-call
     ├── AuthError                          the server refused the deployment token
@@ -14,10 +19,16 @@ Hierarchy::
     └── RemoteError                        one or more ranks failed a call
         ├── RemoteException                a rank raised an exception that cannot be rebuilt here
         ├── RankDied                       a rank process exited during the call
+        │   └── WorkerMembershipChanged    (also PodUnreachable) a pod was lost or replaced
+        │                                  during the call
         ├── CallTimeout (TimeoutError)     the call ran past its timeout
         ├── QuorumTimeout (TimeoutError)   a pod was unreachable before the call: nothing ran
         └── CallCancelled                  the call was cancelled (Ctrl-C, sibling failure)
     ReplicaFailed                          (raised on a pod) a kt.app replica's command failed
+
+Kubetorch's exception names are these classes (``ServiceTimeoutError`` is ``LaunchTimeout``,
+``VersionMismatchError`` is ``ProtocolMismatch``), so ``except kt.PodTerminatedError`` written for
+Kubetorch works unchanged.
 
 A user exception raised on a rank is re-raised in the caller *with its own type*: ktlite
 builds a subclass of both the original type and :class:`RemoteError`, so
@@ -51,6 +62,71 @@ class LaunchTimeout(DeployError, TimeoutError):
     """Pods were not ready before ``launch_timeout``."""
 
 
+class ImagePullError(DeployError):
+    """A pod's image cannot be pulled (wrong name or tag, a private registry, no network)."""
+
+
+class ResourceNotAvailableError(DeployError):
+    """No node can hold a pod: not enough CPU, memory or GPUs, or no node matches its
+    selectors and tolerations."""
+
+
+class SecretNotFound(DeployError):
+    """A Kubernetes Secret the pods name (``Compute(secrets=[...])``) does not exist."""
+
+
+class StartupError(DeployError):
+    """A pod's container or its setup steps failed while starting; the message holds its log."""
+
+
+class PodTerminatedError(DeployError):
+    """A pod was evicted, OOM-killed or failed.
+
+    Attributes:
+        pod_name: the pod.
+        reason: Kubernetes' reason ("OOMKilled", "Evicted", "Error", ...).
+        events: what Kubernetes said about the pod, newest last.
+    """
+
+    def __init__(self, message: str, pod_name: str = "", reason: str = "",
+                 events: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.pod_name, self.reason, self.events = pod_name, reason, list(events or [])
+
+    @property
+    def is_oom(self) -> bool:
+        return self.reason == "OOMKilled"
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.args[0], self.pod_name, self.reason, self.events))
+
+
+class ControllerRequestError(DeployError):
+    """A request to the cluster failed: ktlite has no controller, so this is the API server
+    refusing or not answering (Kubetorch's name; ``KubeApiError`` is one)."""
+
+
+class KubernetesCredentialsError(ConfigError):
+    """The kubeconfig (or in-cluster credentials) could not be loaded."""
+
+
+class NotebookError(KtliteError):
+    """Kubetorch's notebook launcher failed. ktlite has no notebook launcher: never raised."""
+
+
+class KnativeServiceConflictError(DeployError):
+    """Kubetorch's Knative service clash. ktlite creates no Knative services: never raised."""
+
+
+class RsyncError(DeployError):
+    """Kubetorch's file sync failed. ktlite ships code by value (no rsync): never raised."""
+
+
+# Kubetorch's names for the same errors
+ServiceTimeoutError = LaunchTimeout
+PodContainerError = StartupError
+
+
 class NotDeployedError(KtliteError):
     """The deployment does not exist: it was never deployed or has been torn down."""
 
@@ -70,6 +146,10 @@ class AuthError(KtliteError):
 
 class ProtocolMismatch(KtliteError):
     """The client and the pod's server speak different protocol versions."""
+
+
+VersionMismatchError = ProtocolMismatch  # Kubetorch's name
+ServiceHealthError = PodUnreachable  # Kubetorch's name: a pod that does not answer
 
 
 @dataclass
@@ -135,6 +215,35 @@ class RemoteException(RemoteError):
 
 class RankDied(RemoteError):
     """A rank process exited (crash, signal, OOM kill) while running a call."""
+
+
+class WorkerMembershipChanged(RankDied, PodUnreachable):
+    """A pod of the deployment was lost or replaced while a call ran on it (Kubetorch's name).
+
+    It is a :class:`RankDied` (the lost pod's ranks died) and a :class:`PodUnreachable`, so
+    ktlite's ``except`` forms catch it too; the next call finds the replacement pods and
+    pushes the code to them.
+
+    Attributes:
+        previous_ips: the pods' IPs when the call started, by ordinal.
+        current_ips: the pods' IPs now (a pod still being replaced is missing).
+        removed_ips, added_ips: the difference.
+    """
+
+    def __init__(self, message: str = "", failures: list[RankFailure] | None = None,
+                 outcomes: dict[int, Any] | None = None, *, previous_ips: list[str] | None = None,
+                 current_ips: list[str] | None = None) -> None:
+        super().__init__(message, failures, outcomes)
+        self.previous_ips = list(previous_ips or [])
+        self.current_ips = list(current_ips or [])
+
+    @property
+    def removed_ips(self) -> list[str]:
+        return [ip for ip in self.previous_ips if ip not in self.current_ips]
+
+    @property
+    def added_ips(self) -> list[str]:
+        return [ip for ip in self.current_ips if ip not in self.previous_ips]
 
 
 class CallTimeout(RemoteError, TimeoutError):

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from dataclasses import fields, replace
 from typing import Any
 
 from ktlite import packaging, sharding
 from ktlite.backends.base import Backend, Plan, get_backend
-from ktlite.compute import Compute
-from ktlite.deploy import CallOptions, Deployment, deploy
-from ktlite.errors import ConfigError, NotDeployedError
+from ktlite.compute import SERIALIZATIONS, Compute
+from ktlite.deploy import CallOptions, Deployment, attach, deploy
+from ktlite.errors import ConfigError, NotDeployedError, SerializationError
 from ktlite.futures import Future
 from ktlite.rankdata import per_rank
 from ktlite.spec import DeploymentSpec, check_name, default_name
@@ -33,6 +34,8 @@ def _options(kwargs: dict[str, Any]) -> CallOptions:
 
 
 def _takes(fn: Any, name: str) -> bool:
+    if fn is None:  # reattached by name: the code is not here; Kubetorch's keywords are ours
+        return False
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -55,7 +58,9 @@ class _Source:
         if not isinstance(compute, Compute):
             raise ConfigError(f".to() needs a kt.Compute, got {type(compute).__name__}; "
                               "e.g. .to(kt.Compute(cpus=1))")
-        return DeploymentSpec(name=check_name(name) if name else self.name, compute=compute,
+        compute.check_replicas()
+        # the deployment's own copy: distribute() changes the Compute it is called on
+        return DeploymentSpec(name=check_name(name) if name else self.name, compute=replace(compute),
                               kind=self.kind, detached=detached)
 
     def _colocate(self, host: _Remote, name: str | None, dryrun: bool,
@@ -73,13 +78,35 @@ class _Source:
         host.deployment.colocate(target, self.kind, bundle, packaging.local_sources(), init)
         return host, target
 
+    def _existing(self, compute: Compute, name: str | None) -> Deployment | None:
+        """``get_if_exists=True``: the running deployment of this name as it is, or None.
+        Its layout must be the one ``compute`` asks for (calls are split by rank)."""
+        spec = self._spec(compute, name, False)
+        try:
+            dep = attach(spec)
+        except NotDeployedError:
+            return None
+        status = dep.client.status(dep.endpoints[0].url)
+        running = _layout(status, len(dep.endpoints))
+        asked = spec.distributed
+        if (running.workers, running.sizes) != (asked.workers, asked.sizes) or \
+                status.get("kind") not in (None, self.kind):
+            dep.close()
+            raise ConfigError(
+                f"get_if_exists=True: {spec.name!r} runs as a {status.get('kind')} on "
+                f"{running.workers} pod(s) x {list(running.sizes)} rank(s), but this asks for a "
+                f"{self.kind} on {asked.workers} x {list(asked.sizes)}; deploy it again without "
+                "get_if_exists, or match the running layout")
+        return dep
+
     def _deploy(self, compute: Compute, name: str | None, detached: bool, dryrun: bool,
                 restart_procs: bool, init: bytes | None) -> Deployment | Plan:
         spec = self._spec(compute, name, detached)
         bundle = packaging.bundle(self.obj)  # fails before anything starts
         if dryrun:
-            return get_backend(compute.backend, compute.namespace).plan(spec)
-        return deploy(spec, bundle, packaging.local_sources(), init, restart=restart_procs)
+            return get_backend(compute.backend, compute.namespace, compute.kubeconfig_path).plan(spec)
+        return deploy(spec, bundle, packaging.local_sources(), init,
+                      restart=restart_procs or compute.restart_procs)
 
 
 class Fn(_Source):
@@ -88,8 +115,10 @@ class Fn(_Source):
     kind = "fn"
 
     def to(self, compute: Compute | _Remote, *, name: str | None = None, detached: bool = False,
-           dryrun: bool = False, restart_procs: bool = False,
-           concurrency: int | None = None) -> RemoteFunction | Plan:
+           dryrun: bool = False, restart_procs: bool = False, concurrency: int | None = None,
+           get_if_exists: bool = False, stream_logs: bool | None = None,
+           reload_prefixes: list[str] | None = None, prefix_username: bool | None = None,
+           init_args: Any = None) -> RemoteFunction | Plan:
         """Deploy onto ``compute``; returns a callable :class:`RemoteFunction`.
 
         Args:
@@ -101,12 +130,19 @@ class Fn(_Source):
             dryrun: touch nothing; return the :class:`Plan` (commands or manifests).
             restart_procs: start fresh rank processes instead of reloading code into them.
             concurrency: calls each rank process runs at once (``Compute(concurrency=K)``).
+            get_if_exists: if ``name`` already runs, use it as it is (no new code is sent).
+            stream_logs: the calls' default for streaming rank output (``Compute.stream_logs``).
         """
-        compute = _with_concurrency(compute, concurrency)
+        if init_args is not None:
+            raise ConfigError("init_args= constructs a class; kt.fn deploys a function, which takes its "
+                              "arguments at each call")
+        _check_naming(reload_prefixes, prefix_username)
+        compute = _with_concurrency(_with_stream_logs(compute, stream_logs), concurrency)
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, None)
             return RemoteFunction(self, host.deployment, host=host, target=target)
-        dep = self._deploy(compute, name, detached, dryrun, restart_procs, None)
+        dep = self._existing(compute, name) if get_if_exists and not dryrun else None
+        dep = dep or self._deploy(compute, name, detached, dryrun, restart_procs, None)
         if isinstance(dep, Plan):
             return dep
         return RemoteFunction(self, dep)
@@ -120,10 +156,12 @@ class Cls(_Source):
 
     kind = "cls"
 
-    def to(self, compute: Compute | _Remote, *,
-           init_args: dict[str, Any] | tuple[Any, ...] | list[Any] | None = None,
+    def to(self, compute: Compute | _Remote,
+           init_args: dict[str, Any] | tuple[Any, ...] | list[Any] | None = None, *,
            name: str | None = None, detached: bool = False, dryrun: bool = False,
-           restart_procs: bool = False, concurrency: int | None = None) -> RemoteClass | Plan:
+           restart_procs: bool = False, concurrency: int | None = None, get_if_exists: bool = False,
+           stream_logs: bool | None = None, reload_prefixes: list[str] | None = None,
+           prefix_username: bool | None = None) -> RemoteClass | Plan:
         """Deploy onto ``compute`` and construct one instance per rank.
 
         Args:
@@ -159,11 +197,13 @@ class Cls(_Source):
             raise ConfigError(f"init_args={init_args!r} must be a dict of keyword arguments or a "
                               "tuple of positional arguments")
         init = packaging.encode_value((args, kwargs), "init_args")
-        compute = _with_concurrency(compute, concurrency)
+        _check_naming(reload_prefixes, prefix_username)
+        compute = _with_concurrency(_with_stream_logs(compute, stream_logs), concurrency)
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, init)
             return RemoteClass(self, host.deployment, init_args, host=host, target=target)
-        dep = self._deploy(compute, name, detached, dryrun, restart_procs, init)
+        dep = self._existing(compute, name) if get_if_exists and not dryrun else None
+        dep = dep or self._deploy(compute, name, detached, dryrun, restart_procs, init)
         if isinstance(dep, Plan):
             return dep
         return RemoteClass(self, dep, init_args)
@@ -179,8 +219,124 @@ def _with_concurrency(compute: Any, concurrency: int | None) -> Any:
     return replace(compute, concurrency=concurrency)
 
 
-def fn(func: Any, name: str | None = None) -> Fn:
-    """Wrap a function for deployment. Example: ``kt.fn(train).to(kt.Compute(cpus=1))(epochs=3)``."""
+def _check_serialization(value: Any) -> str:
+    if value == "none":
+        raise ConfigError("serialization='none' (raw bytes) is not supported; use 'pickle' (any Python "
+                          "object, the default) or 'json'")
+    if value not in SERIALIZATIONS:
+        raise ConfigError(f"serialization={value!r}; allowed: {', '.join(map(repr, SERIALIZATIONS))}")
+    return str(value)
+
+
+def _json_only(value: Any, what: str) -> Any:
+    """``value`` as JSON gives it back (tuples become lists); refused if it is not JSON."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise SerializationError(f"serialization='json': {what} are not JSON ({e}); pass JSON values "
+                                 "(dict, list, str, numbers, bool, None) or use serialization='pickle'"
+                                 ) from None
+
+
+_DEBUG_KWARGS = ("debug", "pdb")
+
+
+def _refuse_call_kwargs(kwargs: dict[str, Any], target: Any) -> None:
+    """Kubetorch's per-call keywords that ktlite does not have, refused before the call."""
+    for key in _DEBUG_KWARGS:
+        if key in kwargs and not _takes(target, key):
+            raise NotImplementedError(
+                f"{key}=...: ktlite has no remote debugger. A ktlite function is a plain Python function: "
+                "call it in this process to step through it; remote.logs(rank=R) shows a rank's output "
+                "and remote.status() what every rank is doing")
+    if "stream_metrics" in kwargs and not _takes(target, "stream_metrics") and kwargs.pop("stream_metrics"):
+        raise NotImplementedError("stream_metrics=True: ktlite streams no metrics during calls; "
+                                  "remote.status() (or `ktlite status NAME --watch`) shows each rank's "
+                                  "CPU, memory and GPU use")
+
+
+def _with_stream_logs(compute: Any, stream_logs: bool | None) -> Any:
+    """``.to(compute, stream_logs=False)``: the calls' default (``Compute(stream_logs=...)``)."""
+    if stream_logs is None:
+        return compute
+    if not isinstance(stream_logs, bool):
+        raise ConfigError(f"stream_logs={stream_logs!r} must be True or False")
+    if not isinstance(compute, Compute):
+        raise ConfigError("stream_logs= belongs to the deployment: set it on the host's Compute")
+    return replace(compute, stream_logs=stream_logs)
+
+
+def _check_naming(reload_prefixes: Any, prefix_username: Any) -> None:
+    from ktlite.decorators import _check_naming as check
+    check(reload_prefixes, prefix_username)
+
+
+def _check_sync(**given: Any) -> None:
+    """Kubetorch's file-sync parameters of kt.fn / kt.cls: ktlite ships code by value."""
+    named = [k for k, v in given.items() if v is not None]
+    if named:
+        raise NotImplementedError(
+            f"{', '.join(named)}: ktlite does not sync folders to pods or import code by path there; "
+            "it ships the function or class by value with the local modules it imports (no "
+            "rsync, no image rebuild). Data files: kt.put(key, path), then kt.get(key, dest) on the pods")
+
+
+def _layout(status: dict[str, Any], pods: int) -> Any:
+    """The running deployment's layout, as its pod 0 reports it."""
+    from ktlite.spec import DistributedConfig
+
+    layout = status.get("layout") or {}
+    if layout.get("distributed"):
+        return DistributedConfig(**layout["distributed"])
+    return DistributedConfig(workers=pods, num_proc=max(1, len(status.get("ranks") or [])))
+
+
+def _reattach(kind: str, name: str, backend: str | None = None,
+              namespace: str | None = None) -> RemoteFunction | RemoteClass:
+    """``kt.fn(name="svc")`` / ``kt.cls(name="svc")``: a handle on a running deployment whose
+    code is not here (deployed by another process, notebook or ``ktlite deploy``)."""
+    from ktlite.deploy import Deployment
+
+    name = check_name(name)
+    be = get_backend(backend, namespace)
+    applied = be.lookup(name)
+    if applied is None:
+        raise NotDeployedError(f"no deployment {name!r} on backend {be.name!r} to attach to; deploy it "
+                               f"with kt.{kind}(obj).to(compute) or `ktlite deploy` (`ktlite list` shows "
+                               "what runs)")
+    dep = Deployment(DeploymentSpec(name, Compute(backend=be.name, namespace=namespace), kind=kind),
+                     be, applied)
+    status = dep.client.status(applied.endpoints[0].url)
+    running = status.get("kind")
+    if running not in (None, kind):
+        dep.close()
+        other = "kt.cls" if running == "cls" else "kt.fn"
+        raise ConfigError(f"{name!r} runs a {'class' if running == 'cls' else 'function'}: attach with "
+                          f"{other}(name={name!r})")
+    single = bool((status.get("layout") or {}).get("single"))
+    compute = Compute(backend=be.name, namespace=namespace,
+                      distributed=None if single else _layout(status, len(applied.endpoints)))
+    dep.spec = DeploymentSpec(name, compute, kind=kind)
+    source = _Named(kind, name)
+    return RemoteClass(source, dep, None) if kind == "cls" else RemoteFunction(source, dep)
+
+
+def fn(func: Any = None, name: str | None = None, get_if_exists: bool = True,
+       reload_prefixes: list[str] | None = None, prefix_username: bool | None = None,
+       sync_dir: Any = None, remote_dir: Any = None, remote_import_path: Any = None) -> Any:
+    """Wrap a function for deployment. Example: ``kt.fn(train).to(kt.Compute(cpus=1))(epochs=3)``.
+
+    ``kt.fn(name="train")`` with no function attaches to the running deployment ``train``
+    (deployed from another process): the result is called like the deployed function."""
+    _check_naming(reload_prefixes, prefix_username)
+    _check_sync(sync_dir=sync_dir, remote_dir=remote_dir, remote_import_path=remote_import_path)
+    if func is None:
+        if name is None:
+            raise ConfigError("kt.fn() needs a function, or name= of a running deployment to attach to")
+        if not get_if_exists:
+            raise ConfigError(f"kt.fn(name={name!r}, get_if_exists=False) has nothing to deploy: pass the "
+                              "function")
+        return _reattach("fn", name)
     if not inspect.isfunction(func) and not inspect.isbuiltin(func) and not callable(func):
         raise ConfigError(f"kt.fn() needs a function, got {type(func).__name__}")
     if inspect.isclass(func):
@@ -188,14 +344,64 @@ def fn(func: Any, name: str | None = None) -> Fn:
     return Fn(func, name)
 
 
-def cls(klass: type, name: str | None = None) -> Cls:
-    """Wrap a class for deployment. Example: ``kt.cls(Model).to(compute, init_args={"lr": 0.1})``."""
+def cls(klass: Any = None, name: str | None = None, get_if_exists: bool = True,
+        reload_prefixes: list[str] | None = None, prefix_username: bool | None = None,
+        sync_dir: Any = None, remote_dir: Any = None, remote_import_path: Any = None) -> Any:
+    """Wrap a class for deployment. Example: ``kt.cls(Model).to(compute, init_args={"lr": 0.1})``.
+
+    ``kt.cls(name="model")`` with no class attaches to the running deployment ``model``."""
+    _check_naming(reload_prefixes, prefix_username)
+    _check_sync(sync_dir=sync_dir, remote_dir=remote_dir, remote_import_path=remote_import_path)
+    if klass is None:
+        if name is None:
+            raise ConfigError("kt.cls() needs a class, or name= of a running deployment to attach to")
+        if not get_if_exists:
+            raise ConfigError(f"kt.cls(name={name!r}, get_if_exists=False) has nothing to deploy: pass the "
+                              "class")
+        return _reattach("cls", name)
     if not inspect.isclass(klass):
         raise ConfigError(f"kt.cls() needs a class, got {type(klass).__name__}; use kt.fn() for functions")
     return Cls(klass, name)
 
 
+class _Named(_Source):
+    """The source of a deployment attached by name: its code is on the pods, not here."""
+
+    def __init__(self, kind: str, name: str) -> None:
+        self.kind, self.obj, self.name = kind, None, name
+
+    def __repr__(self) -> str:
+        return f"kt.{self.kind}(name={self.name!r})"
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(f"{self!r} was attached by name and its code is not here: deploy it again "
+                          f"from kt.{self.kind}(obj, name={self.name!r})")
+
+
+# what a Kubetorch user may set on a deployed handle (``remote.async_ = True``); anything
+# else is refused rather than silently stored
+_SETTABLE = ("async_", "serialization", "stream_logs")
+
+
 class _Remote:
+    # Kubetorch's handle attributes: calls return a kt.Future (awaitable); how arguments and
+    # results travel ("pickle", or "json": JSON values only, as Kubetorch's default); the
+    # calls' default for streaming rank output
+    async_: bool = False
+    serialization: str | None = None
+    stream_logs: bool | None = None
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        if not attr.startswith("_") and attr not in _SETTABLE:
+            raise AttributeError(f"{type(self).__name__} has no setting {attr!r}; settable: "
+                                 f"{', '.join(_SETTABLE)}")
+        if attr in ("async_", "stream_logs") and not isinstance(value, bool) and \
+                not (attr == "stream_logs" and value is None):
+            raise ConfigError(f"remote.{attr}={value!r} must be True or False")
+        if attr == "serialization" and value is not None:
+            _check_serialization(value)
+        object.__setattr__(self, attr, value)
+
     def __init__(self, source: _Source, deployment: Deployment, *, host: _Remote | None = None,
                  target: str | None = None) -> None:
         self._source = source
@@ -264,20 +470,30 @@ class _Remote:
         if self._host is not None:
             raise ConfigError(f"{self._source.name!r} is colocated with {self._host._source.name!r}: "
                               "distribute that deployment, then colocate again")
-        compute = self.compute.distribute(framework, workers, num_proc, port, quorum_timeout,
-                                          worker_node_options, **unknown)
+        compute = replace(self.compute).distribute(framework, workers, num_proc, port, quorum_timeout,
+                                                   worker_node_options, **unknown)
         self._redeploy(compute)
         return self
 
     def _invoke(self, method: str | None, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 options: CallOptions | None, submit: bool = False) -> Any:
+        serialization = None
         if options is None:
             taken = {k: kwargs.pop(k) for k in _KT_CALL_KWARGS if k in kwargs and not _takes(target, k)}
             # Kubetorch's async_=True: a future (awaitable), unless the function takes async_
             if "async_" in kwargs and not _takes(target, "async_"):
                 submit = bool(kwargs.pop("async_")) or submit
+            if "serialization" in kwargs and not _takes(target, "serialization"):
+                serialization = _check_serialization(kwargs.pop("serialization"))
+            _refuse_call_kwargs(kwargs, target)
             options = _options(taken)
+        submit = submit or self.async_
+        if options.stream_logs is None and self.stream_logs is not None:
+            options = replace(options, stream_logs=self.stream_logs)
         dep = self.deployment
+        serialization = self._serialization(serialization, dep)
+        if serialization == "json":
+            _json_only((args, kwargs), "the arguments")
         call = (self._target, method) if self._host is not None else method  # type: ignore[attr-defined]
         parts, layout = packaging.encode_ranked_call(call, args, kwargs, dep.spec.distributed.world_size)
         single = dep.spec.compute.distributed is None or dep.spec.distributed.engine
@@ -285,7 +501,20 @@ class _Remote:
             future = Future(dep.name, method or getattr(target, "__name__", "call"), single=single)
             return dep.submit(method, parts, options, future, layout)
         values = dep.call(method, parts, options, per_rank=layout)
+        if serialization == "json":  # what Kubetorch's JSON transport gives: lists for tuples
+            values = [_json_only(v, f"rank {r}'s result") for r, v in enumerate(values)]
         return values[0] if single else values
+
+    def _serialization(self, given: str | None, dep: Deployment) -> str:
+        """The call's format: per call, else ``remote.serialization``, else pickle (JSON when
+        the Compute allows only JSON); one ``allowed_serialization`` forbids is refused."""
+        allowed = dep.spec.compute.allowed_serialization
+        chosen = given or self.serialization or ("pickle" if allowed is None or "pickle" in allowed
+                                                  else "json")
+        if allowed is not None and chosen not in allowed:
+            raise ConfigError(f"serialization={chosen!r} is not in this deployment's "
+                              f"allowed_serialization={list(allowed)}")
+        return chosen
 
     def _sharded(self, method: str | None, target: Any, data: Any, layout: dict[str, int],
                  in_sharded_axes: Any, replicate_on_axes: Any, args: tuple[Any, ...],
@@ -443,6 +672,8 @@ class RemoteClass(_Remote):
         if attr.startswith("_"):
             raise AttributeError(attr)
         klass = self._source.obj
+        if klass is None:  # attached by name (kt.cls(name=...)): the pods know its methods
+            return RemoteMethod(self, attr, None)
         member = inspect.getattr_static(klass, attr, None)
         if member is None or not callable(getattr(klass, attr, None)):
             raise AttributeError(f"{klass.__name__} has no method {attr!r}; remote instances expose "

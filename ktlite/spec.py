@@ -209,12 +209,21 @@ def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = Non
 
 
 def check_name(name: str) -> str:
-    """Deployment names become pod names and Kubernetes object names: DNS-1123 labels."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        suggestion = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:52] or "my-fn"
+    """A deployment name as a DNS-1123 label (it names pods and Kubernetes objects).
+
+    Like Kubetorch, a name is normalised: ``"GNN_Inference"`` becomes ``"gnn-inference"``
+    (lowercase; every run of other characters one '-'). Only a name that normalises to
+    nothing, or to more than 52 characters, is refused."""
+    if not isinstance(name, str):
+        raise ConfigError(f"name={name!r} must be a string such as 'train', not {type(name).__name__}")
+    if _NAME_RE.match(name):
+        return name
+    normal = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    if not normal or len(normal) > 52 or not _NAME_RE.match(normal):
+        suggestion = normal[:52].strip("-") or "my-fn"
         raise ConfigError(f"name={name!r} is not a valid deployment name: use lowercase letters, "
                           f"digits and '-', at most 52 characters, e.g. {suggestion!r}")
-    return name
+    return normal
 
 
 def default_name(obj_name: str) -> str:

@@ -362,7 +362,7 @@ def test_run_replica_closes_the_commands_pipe(monkeypatch: pytest.MonkeyPatch) -
     (("torchrun x.py",), {"rendezvous_timeout": "15"}, "rendezvous_timeout"),
     (("torchrun x.py",), {"workdir": "/no/such/folder"}, "workdir"),
     (("torchrun x.py",), {"cpus": "lots"}, "cpus"),
-    (("torchrun x.py",), {"name": "Bad_Name"}, "Bad_Name"),
+    (("torchrun x.py",), {"name": "__"}, "name='__'"),
 ], ids=["empty", "blank", "empty-list", "replicas-0", "replicas-negative", "timeout-negative",
         "timeout-0", "timeout-str", "workdir", "cpus", "name"])
 def test_bad_input_fails_before_anything_starts(args: tuple, kwargs: dict, words: str) -> None:

@@ -463,6 +463,6 @@ def test_invalid_config_starts_nothing() -> None:
     with pytest.raises(kt.ConfigError):
         kt.fn(job, name="el-bad").to(kt.Compute().distribute("torch", workers=2))
     with pytest.raises(kt.ConfigError, match="name"):
-        kt.fn(job, name="Bad_Name").to(kt.Compute())
+        kt.fn(job, name="?").to(kt.Compute())
     assert not _local_dir("el-bad").exists()
     assert _server_children() == before

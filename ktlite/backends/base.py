@@ -124,16 +124,18 @@ class Backend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not serve pod logs")
 
 
-def get_backend(name: str | None, namespace: str | None = None) -> Backend:
+def get_backend(name: str | None, namespace: str | None = None,
+                kubeconfig: str | None = None) -> Backend:
     """The backend called ``name``; default: KTLITE_BACKEND, then ``ktlite config``'s
-    backend, else "local". ``namespace`` picks the Kubernetes namespace."""
+    backend, else "local". ``namespace`` picks the Kubernetes namespace, ``kubeconfig``
+    the cluster (default: ``ktlite config``'s, else KUBECONFIG / ~/.kube/config)."""
     chosen = name or config.get("backend") or "local"
     if chosen == "local":
         from ktlite.backends.local import LocalBackend
         return LocalBackend.shared()
     if chosen == "kubernetes":
         from ktlite.backends.kubernetes import KubernetesBackend
-        return KubernetesBackend.shared(namespace)
+        return KubernetesBackend.shared(namespace, kubeconfig)
     if chosen == "ssh":
         try:
             from ktlite.backends.ssh import SshBackend

@@ -23,7 +23,11 @@ from typing import Any
 
 import httpx
 
-from ktlite.errors import ConfigError, DeployError
+from ktlite.errors import (
+    ConfigError,
+    ControllerRequestError,
+    KubernetesCredentialsError,
+)
 
 PATHS = {
     "Pod": "/api/v1/namespaces/{ns}/pods",
@@ -37,7 +41,7 @@ PATHS = {
 _TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 
 
-class KubeApiError(DeployError):
+class KubeApiError(ControllerRequestError):
     """The API server refused a request, or could not be reached."""
 
     def __init__(self, message: str, status: int | None = None, reason: str = "") -> None:
@@ -119,7 +123,7 @@ def load(kubeconfig: str | None = None, context: str | None = None,
             default_ns = chosen.get("context", {}).get("namespace") or "default"
     except (kconfig.ConfigException, OSError, TypeError, ValueError) as e:
         where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-        raise ConfigError(f"could not load a Kubernetes configuration from {where}"
+        raise KubernetesCredentialsError(f"could not load a Kubernetes configuration from {where}"
                           f"{f' (context {context!r})' if context else ''}: {e}; point KUBECONFIG at "
                           "your cluster's kubeconfig, or check `kubectl config get-contexts`") from e
     # TCP_NODELAY: a proxied call's body ends with a few bytes (its last chunk) that Nagle's

@@ -23,6 +23,10 @@ class PodProblem:
     fatal: bool
     want_logs: bool = False  # the container ran: its log says why it stopped
     fix: str = ""
+    # what kind of problem (the error class the deploy raises): "image_pull", "unschedulable",
+    # "secret", "config", "oom", "evicted", "failed", "setup", "crash", or "" (still waiting)
+    kind: str = ""
+    reason: str = ""  # Kubernetes' own reason word, e.g. "OOMKilled", "Evicted"
 
 
 def _condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -51,8 +55,10 @@ def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] =
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
-        return PodProblem(name, f"the pod failed: {status.get('reason', '')} {status.get('message', '')}"
-                          .rstrip(), fatal=True, want_logs=True)
+        reason = status.get("reason", "")
+        return PodProblem(name, f"the pod failed: {reason} {status.get('message', '')}".rstrip(),
+                          fatal=True, want_logs=True, kind="evicted" if reason == "Evicted" else "failed",
+                          reason=reason or "Failed")
     scheduled = _condition(status, "PodScheduled")
     if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         message = f"Unschedulable: {scheduled.get('message', 'no node fits')}"
@@ -61,12 +67,13 @@ def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] =
             why = claims(pod)
             if why is None:
                 return PodProblem(name, "waiting for its volume(s) to be bound", fatal=False)
-            return PodProblem(name, f"its volume cannot be bound: {why}", fatal=True,
+            return PodProblem(name, f"its volume cannot be bound: {why}", fatal=True, kind="unschedulable",
+                              reason="Unschedulable",
                               fix="check the Volume's storage_class and access_mode against "
                               "`kubectl get storageclass`, or create the PersistentVolumeClaim")
         if scaling_up(pod):
             return PodProblem(name, message + " (the cluster autoscaler is adding a node)", fatal=False)
-        return PodProblem(name, message, fatal=True,
+        return PodProblem(name, message, fatal=True, kind="unschedulable", reason="Unschedulable",
                           fix="lower cpus/memory/gpus, fix node_selector/gpu_type/tolerations, or add nodes")
     for cs in status.get("containerStatuses") or []:
         waiting = (cs.get("state") or {}).get("waiting") or {}
@@ -75,20 +82,22 @@ def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] =
         term = _terminated(cs)
         if reason in _PULL_ERRORS:
             return PodProblem(name, f"{reason}: image {cs.get('image')!r} cannot be pulled: {detail}",
-                              fatal=True, fix="check the image name and tag; for an image loaded into the "
+                              fatal=True, kind="image_pull", reason=reason, fix="check the image name and tag; for an image loaded into the "
                               "cluster (kind load, minikube image load) use image_pull_policy='IfNotPresent' "
                               "or 'Never'; for a private registry add imagePullSecrets to the "
                               "service account")
         if reason in _CONFIG_ERRORS:
-            return PodProblem(name, f"{reason}: {detail}", fatal=True,
+            secret = "secret" in detail.lower() and "not found" in detail.lower()
+            return PodProblem(name, f"{reason}: {detail}", fatal=True, reason=reason,
+                              kind="secret" if secret else "config",
                               fix="check that the Secrets, ConfigMaps and volumes the pod names exist")
         if term is not None and term.get("reason") == "OOMKilled":
             return PodProblem(name, "OOMKilled: the container ran out of memory while starting "
                               f"(exit code {term.get('exitCode')})", fatal=True, want_logs=True,
-                              fix="raise memory (and memory_limit)")
+                              kind="oom", reason="OOMKilled", fix="raise memory (and memory_limit)")
         if term is not None and term.get("exitCode") == SETUP_FAILED_EXIT:
             return PodProblem(name, "the pod's setup failed (installing ktlite or an image step)",
-                              fatal=True, want_logs=True,
+                              fatal=True, want_logs=True, kind="setup", reason="Error",
                               fix="fix the failing step; or build an image that already holds ktlite "
                               "and the packages (images/Dockerfile), with freeze=True")
         if reason == "CrashLoopBackOff" or (term is not None and term.get("exitCode", 0) != 0):
@@ -96,7 +105,8 @@ def diagnose(pod: dict[str, Any], scaling_up: Callable[[dict[str, Any]], bool] =
             what = ("CrashLoopBackOff: the container keeps exiting" if reason == "CrashLoopBackOff"
                     else "the container exited while starting")
             return PodProblem(name, f"{what} (last exit code {code}, {cs.get('restartCount', 0)} "
-                              "restart(s))", fatal=True, want_logs=True)
+                              "restart(s))", fatal=True, want_logs=True, kind="crash",
+                              reason=reason or (term or {}).get("reason", "Error"))
         if reason and reason != "ContainerCreating" and reason != "PodInitializing":
             return PodProblem(name, f"{reason}: {detail}".rstrip(": "), fatal=False)
     if status.get("phase") == "Pending":

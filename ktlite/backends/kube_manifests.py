@@ -21,6 +21,7 @@ it pinned to the client's version when the image lacks it, unless ``freeze=True`
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -45,7 +46,8 @@ MAX_STATEFULSET_NAME = 52  # its pods' controller-revision-hash label adds 11 ch
 # Finds a Python that can import ktlite_server, installing ktlite into a venv on the
 # emptyDir when the image has none; everything else happens in ktlite_server.boot.
 BOOTSTRAP = r"""set -e
-if [ -x /ktlite/venv/bin/python ]; then PY=/ktlite/venv/bin/python
+if [ -n "$KTLITE_PYTHON" ]; then PY=$KTLITE_PYTHON
+elif [ -x /ktlite/venv/bin/python ]; then PY=/ktlite/venv/bin/python
 else PY=$(command -v python3 || command -v python || true); fi
 if [ -z "$PY" ] || ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
   if [ "$KTLITE_FREEZE" = 1 ]; then
@@ -158,6 +160,8 @@ def _resources(compute: Any, gpus: int) -> dict[str, Any]:
         limits["cpu"] = cpu_quantity(compute.cpu_limit)
     if compute.memory_limit is not None:
         limits["memory"] = compute.memory_limit
+    if compute.disk_size is not None:
+        requests["ephemeral-storage"] = compute.disk_size
     if gpus:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
     out: dict[str, Any] = {}
@@ -203,9 +207,14 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
         {"name": "KTLITE_PORT", "value": str(SERVER_PORT)},
         {"name": "KTLITE_PROCS", "value": str(max(gpus, 1))},
         {"name": "KTLITE_INSTALL", "value": install},
-        {"name": "KTLITE_FREEZE", "value": "1" if image is not None and image.freeze else "0"},
+        {"name": "KTLITE_FREEZE", "value": "1" if compute.freeze or (image is not None and image.freeze)
+         else "0"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
+    if image is not None and image.python_path:
+        env.append({"name": "KTLITE_PYTHON", "value": image.python_path})
+    if image is not None and image.install_cmd:
+        env.append({"name": "KTLITE_PIP_CMD", "value": image.install_cmd})
     steps = setup_steps(spec)
     if steps:
         env.append({"name": "KTLITE_SETUP", "value": json.dumps(steps)})
@@ -241,8 +250,14 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str,
         container["resources"] = resources
     if compute.image_pull_policy:
         container["imagePullPolicy"] = compute.image_pull_policy
+    if compute.working_dir:
+        container["workingDir"] = compute.working_dir
     pod: dict[str, Any] = {"containers": [container], "volumes": volumes,
                            "terminationGracePeriodSeconds": 15}
+    if compute.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
+        pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "nvidia.com/gpu.present", "operator": "DoesNotExist"}]}]}}}
     node_selector = dict(compute.node_selector)
     if compute.gpu_type:
         node_selector["nvidia.com/gpu.product"] = compute.gpu_type
@@ -254,8 +269,11 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str,
         pod["serviceAccountName"] = compute.service_account
     if compute.priority_class:
         pod["priorityClassName"] = compute.priority_class
-    meta = {"labels": {**compute.labels, **labels(spec.name), **part_selector(spec.name, part)},
+    meta = {"labels": {**compute.labels, **queue_label(compute), **labels(spec.name),
+                       **part_selector(spec.name, part)},
             "annotations": dict(compute.annotations)}
+    if compute.gpu_memory:
+        meta["annotations"][GPU_MEMORY_ANNOTATION] = compute.gpu_memory
     template = {"metadata": meta, "spec": pod}
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
     meta["annotations"][HASH_ANNOTATION] = digest
@@ -295,10 +313,54 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
                                     "template": pod_template(spec, image=image, install=install, part=part)}
         if part.start:
             sts_spec["ordinals"] = {"start": part.start}
-        statefulsets.append({"apiVersion": "apps/v1", "kind": "StatefulSet",
-                             "metadata": {**meta, "name": part.name}, "spec": sts_spec})
+        sts = {"apiVersion": "apps/v1", "kind": "StatefulSet",
+               "metadata": {**meta, "name": part.name,
+                            "labels": {**queue_label(spec.compute), **meta["labels"]}},
+               "spec": sts_spec}
+        if spec.compute.service_template:
+            sts = _with_template(sts, spec.compute.service_template)
+        statefulsets.append(sts)
     policies = [network_policy(name, meta)] if spec.distributed.framework == "monarch" else []
     return [secret, service, *claims, *policies, *statefulsets]
+
+
+GPU_MEMORY_ANNOTATION = "ktlite.dev/gpu-memory"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def queue_label(compute: Any) -> dict[str, str]:
+    """Kueue's queue label (``Compute(queue_name=...)``), on the StatefulSet and its pods."""
+    return {QUEUE_LABEL: compute.queue_name} if compute.queue_name else {}
+
+
+def _with_template(sts: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``Compute(service_template=...)`` merged into a StatefulSet. ktlite's labels, selector
+    and name stay its own (teardown and pod lookup use them), and the pod hash is taken again
+    over the merged pod template, so a changed template replaces the pods."""
+    merged = merge_template(sts, extra)
+    merged["metadata"] = {**merged["metadata"], "name": sts["metadata"]["name"],
+                          "namespace": sts["metadata"]["namespace"],
+                          "labels": {**merged["metadata"].get("labels", {}), **sts["metadata"]["labels"]}}
+    merged["spec"]["selector"] = sts["spec"]["selector"]
+    template = merged["spec"]["template"]
+    own = sts["spec"]["template"]["metadata"]["labels"]
+    template["metadata"]["labels"] = {**template["metadata"].get("labels", {}), **own}
+    annotations = dict(template["metadata"].get("annotations") or {})
+    annotations.pop(HASH_ANNOTATION, None)
+    template["metadata"]["annotations"] = annotations
+    annotations[HASH_ANNOTATION] = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+    return merged
+
+
+def merge_template(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` merged deeply into ``base``: dicts merge, anything else in ``extra`` replaces."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_template(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def network_policy(name: str, meta: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,15 @@ from ktlite.backends import kube_manifests as km
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
-from ktlite.errors import DeployError, LaunchTimeout
+from ktlite.errors import (
+    DeployError,
+    ImagePullError,
+    LaunchTimeout,
+    PodTerminatedError,
+    ResourceNotAvailableError,
+    SecretNotFound,
+    StartupError,
+)
 from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
 
 POLL_S = 1.0
@@ -92,12 +100,16 @@ class KubernetesBackend(Backend):
         self._sleep = sleep
 
     @classmethod
-    def shared(cls, namespace: str | None = None) -> KubernetesBackend:
-        return cls(namespace=namespace)
+    def shared(cls, namespace: str | None = None, kubeconfig: str | None = None) -> KubernetesBackend:
+        backend = cls(namespace=namespace)
+        backend._kubeconfig = kubeconfig
+        return backend
+
+    _kubeconfig: str | None = None  # Compute(kubeconfig_path=...), else ktlite config's
 
     def _connect(self) -> tuple[httpx.Client, ClusterInfo]:
         if self._http is None or self._info is None:
-            key = (config.get("kubeconfig"), config.get("context"))
+            key = (self._kubeconfig or config.get("kubeconfig"), config.get("context"))
             with self._lock:
                 if key not in self._clients:
                     self._clients[key] = load(*key)
@@ -326,7 +338,7 @@ class KubernetesBackend(Backend):
                 if problem is None:
                     continue
                 if problem.fatal:
-                    raise DeployError(self._explain(api, spec, problem))
+                    raise deploy_error(problem, self._explain(api, spec, problem))
                 last_reason = problem.message
             now = self._clock()
             if now > deadline:
@@ -542,3 +554,15 @@ def _decode_token(secret: dict[str, Any]) -> str | None:
             return base64.b64decode(data["token"]).decode()
     string_data: str | None = (secret.get("stringData") or {}).get("token")
     return string_data
+
+
+_PROBLEM_ERRORS: dict[str, type[DeployError]] = {
+    "image_pull": ImagePullError, "unschedulable": ResourceNotAvailableError, "secret": SecretNotFound,
+    "setup": StartupError, "crash": StartupError, "config": StartupError}
+
+
+def deploy_error(problem: PodProblem, message: str) -> DeployError:
+    """The error a pod's fatal problem fails the deploy with (Kubetorch's names)."""
+    if problem.kind in ("oom", "evicted", "failed"):
+        return PodTerminatedError(message, pod_name=problem.pod, reason=problem.reason)
+    return _PROBLEM_ERRORS.get(problem.kind, DeployError)(message)

@@ -26,7 +26,7 @@ from typing import Any
 
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.compute import parse_memory
-from ktlite.errors import ConfigError, DeployError, LaunchTimeout
+from ktlite.errors import ConfigError, DeployError, LaunchTimeout, StartupError
 from ktlite.spec import DeploymentSpec, port_free
 
 
@@ -327,7 +327,7 @@ class LocalBackend(Backend):
         while time.monotonic() < deadline:
             code = proc.poll()
             if code is not None:
-                raise DeployError(f"pod {spec.name}-{ordinal} exited with code {code} while starting; "
+                raise StartupError(f"pod {spec.name}-{ordinal} exited with code {code} while starting; "
                                   f"last lines of {log}:\n{_tail(log)}")
             try:
                 with open(ready) as f:

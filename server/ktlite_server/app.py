@@ -225,7 +225,8 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 ordinal=int(msg["ordinal"]), master_port=int(msg["master_port"]),
                 max_restarts=int(msg.get("max_restarts", 3)), cpus=msg.get("cpus"),
                 load_timeout=float(msg.get("load_timeout", 300)),
-                concurrency=max(1, int(msg.get("concurrency", 1))), engine=msg.get("engine"))
+                concurrency=max(1, int(msg.get("concurrency", 1))), engine=msg.get("engine"),
+                single=bool(msg.get("single", False)))
             # the same env every rank would get: a bad layout is refused here, before it
             # replaces the deployment the pod is serving
             distributed_env(dep.config, node_rank=dep.ordinal, local_rank=0, pod_ips=dep.pod_ips,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import site
 import subprocess
@@ -69,13 +70,18 @@ def run_steps(steps: list[list[Any]], state: Path) -> str:
     marker = state / f"setup-{digest}.done"
     cached = marker.exists()
     python = sys.executable
-    if any(kind == "pip_install" for kind, _ in steps):
+    # Image(install_cmd=...): the image's own installer (e.g. uv) into the image's Python
+    pip_cmd = os.environ.get("KTLITE_PIP_CMD")
+    if any(kind == "pip_install" for kind, _ in steps) and not pip_cmd:
         python = str(_venv(state))
     shell = shutil.which("bash") or "/bin/sh"
     for i, (kind, arg) in enumerate(steps, 1):
         if kind == "pip_install":
             if cached:
                 _say(f"step {i}: pip install {' '.join(arg)} (cached, {digest})")
+                continue
+            if pip_cmd:
+                _run([shell, "-c", f"{pip_cmd} {shlex.join(arg)}"], f"step {i}: {pip_cmd} {' '.join(arg)}")
                 continue
             _run([python, "-m", "pip", "install", "--disable-pip-version-check", *arg],
                  f"step {i}: pip install {' '.join(arg)}")

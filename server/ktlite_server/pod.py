@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ktlite import rankdata, shm
@@ -65,6 +65,7 @@ class Deployment:
     load_timeout: float = 300.0
     concurrency: int = 1  # calls each rank process runs at once
     engine: dict[str, Any] | None = None  # distribute("ray"/"monarch"): this pod's engine (ktlite.engines)
+    single: bool = False  # not distributed: a call returns one value, not a list by rank
 
 
 INTERRUPT_GRACE_S = 1.0  # a call stopped on its own has this long to end before its rank is killed
@@ -710,6 +711,9 @@ class Pod:
             "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
             "kind": self.dep.kind if self.dep else None,
             "launch_id": self.dep.launch_id if self.dep else None,
+            # how the caller laid it out: what reattaching by name (kt.fn(name=...)) needs
+            "layout": {"distributed": asdict(self.dep.config), "single": self.dep.single}
+            if self.dep else None,
             "colocated": sorted(self.colocated),
             "ranks": rows,
             "active_calls": list(self.calls),

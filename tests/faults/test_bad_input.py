@@ -109,16 +109,15 @@ CASES: list[tuple[str, Callable[[], Any], type[BaseException], list[str]]] = [
      ["env=", "env_vars=", "not both"]),
     ("env-not-strings", lambda: C(env={"A": 1}), kt.ConfigError, ["env=", "str to str", "str()"]),
     # deployment names
-    ("name-underscore", lambda: kt.fn(target, name="My_Fn"), kt.ConfigError,
-     ["name='My_Fn'", "lowercase letters, digits and '-'", "'my-fn'"]),
-    ("name-in-to", lambda: kt.fn(target).to(C(), name="My_Fn"), kt.ConfigError,
-     ["name='My_Fn'", "'my-fn'"]),
-    ("name-spaces", lambda: kt.cls(Plain, name="my model!"), kt.ConfigError,
-     ["name='my model!'", "'my-model'"]),
+    # deployment names: Kubetorch's normalisation makes "My_Fn" "my-fn"; only a name that
+    # normalises to nothing, or to too long a name, is refused
+    ("name-nothing-left", lambda: kt.fn(target, name="__"), kt.ConfigError,
+     ["name='__'", "lowercase letters, digits and '-'", "'my-fn'"]),
+    ("name-in-to", lambda: kt.fn(target).to(C(), name="!!"), kt.ConfigError, ["name='!!'"]),
+    ("name-not-a-string", lambda: kt.cls(Plain, name=3), kt.ConfigError, ["name=3", "string"]),
     ("name-too-long", lambda: kt.fn(target, name="x" * 60), kt.ConfigError,
      ["at most 52 characters", "'" + "x" * 52 + "'"]),
-    ("name-decorator", lambda: kt.compute(cpus=1, name="Bad_Name"), kt.ConfigError,
-     ["name='Bad_Name'", "'bad-name'"]),
+    ("name-decorator", lambda: kt.compute(cpus=1, name="--"), kt.ConfigError, ["name='--'"]),
     # resources
     ("memory-4Gb", lambda: kt.fn(target, name="badin-res").to(C(memory="4Gb")), kt.ConfigError,
      ["memory='4Gb'", "did you mean 4Gi?", "allowed", "'512Mi'"]),
@@ -244,9 +243,13 @@ def test_bad_call_options_fail_before_the_call(remote, tmp_path) -> None:
                 [f"timeout={bad!r}", "positive number of seconds", "None for no limit"])
     _expect(kt.ConfigError, lambda: remote.options(timeuot=5)("touch", str(marker)),
             ["unknown call option", "timeuot", "allowed", "timeout"])
-    for workers in ([5], [], [-1], ["0"]):
+    for workers in ([5], [], [-1], [0.5]):
         _expect(kt.ConfigError, lambda w=workers: remote.options(workers=w)("touch", str(marker)),
                 [f"workers={workers!r}", "between 0 and 0"])
+    # Kubetorch's forms: an IP (or a piece of one) that no pod has, or a word that is not one
+    for workers in (["10.9.9.9"], "10.9.", "some"):
+        _expect(kt.ConfigError, lambda w=workers: remote.options(workers=w)("touch", str(marker)),
+                [f"workers={workers!r}", "no pod", "127.0.0.1"])
     _expect(kt.ConfigError, lambda: remote.distribute("pytorch", workers=0), ["workers=0", ">= 1"],
             (TARGET,))
     _expect(kt.ConfigError, lambda: remote.logs(rank=3), ["rank=3", "between 0 and 0"])
