@@ -259,11 +259,15 @@ def _list(args: argparse.Namespace) -> int:
 
 def _teardown(args: argparse.Namespace) -> int:
     backend = _backend(args)
-    names = [r["name"] for r in backend.list()] if args.all else args.names
+    if args.prefix:  # Kubetorch's --prefix: every deployment whose name starts with it
+        names = [r["name"] for r in backend.list() if r["name"].startswith(args.prefix)]
+    else:
+        names = [r["name"] for r in backend.list()] if args.all else args.names
     if not names:
-        print("nothing to tear down; name a deployment or pass --all", file=sys.stderr)
+        print("nothing to tear down; name a deployment or pass --all"
+              + (f" (none starts with {args.prefix!r})" if args.prefix else ""), file=sys.stderr)
         return 1
-    if args.all and not args.yes:
+    if (args.all or args.prefix) and not args.yes:
         answer = input(f"tear down {len(names)} deployment(s): {', '.join(names)}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing torn down")
@@ -316,6 +320,30 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+# Kubetorch's commands that ktlite does not have, and what to use instead
+_REFUSED_COMMANDS = {
+    "debug": "ktlite has no remote debugger; `ktlite logs NAME --rank R` shows a rank's output and "
+             "`ktlite status NAME` what every rank is doing",
+    "port-forward": "ktlite reaches pods through the API server's pod proxy itself; for your own "
+                    "access use `kubectl port-forward pod/NAME-0 PORT`",
+    "apply": "ktlite builds its own manifests from kt.Compute (`ktlite deploy --dry-run` prints them); "
+             "run a raw manifest with `kubectl apply`",
+    "ssh": "use `kubectl exec -it NAME-0 -- bash` (Kubernetes) or ssh to the host (backend ssh)",
+    "volumes": "volumes are created with a deployment (kt.Compute(volumes=[kt.Volume(...)])) and "
+               "deleted with `ktlite teardown NAME --volumes`; list them with `kubectl get pvc`",
+    "notebook": "run Jupyter where you like and deploy from it: kt.fn(f).to(compute) works in a notebook",
+    "dashboard": "`ktlite status NAME --watch` shows every rank live",
+    "secrets": "secrets are given per Compute (kt.Compute(secrets=['aws', kt.secret(...)])) and "
+               "created with the deployment; list them with `kubectl get secrets`",
+}
+
+
+def _refused(args: argparse.Namespace) -> int:
+    print(f"ktlite: `{args.command}` is Kubetorch's command and not ktlite's: "
+          f"{_REFUSED_COMMANDS[args.command]}", file=sys.stderr)
+    return 2
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ktlite", description="Run Python functions on N pods.")
     p.add_argument("--version", action="version", version=f"ktlite {__version__}")
@@ -342,16 +370,18 @@ def _parser() -> argparse.ArgumentParser:
                  "ktlite teardown train   |   ktlite teardown --all -y", _teardown)
     td.add_argument("names", nargs="*")
     td.add_argument("--all", action="store_true", help="every deployment of the backend")
-    td.add_argument("-y", "--yes", action="store_true", help="do not ask before --all")
+    td.add_argument("--prefix", default=None, help="every deployment whose name starts with PREFIX")
+    td.add_argument("-y", "--yes", "-f", "--force", action="store_true",
+                    help="do not ask before --all / --prefix")
     td.add_argument("--volumes", action="store_true", help="also delete the deployment's PVCs")
     td.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for pods to go")
     where(td)
     lg = command("logs", "print a deployment's pod logs", "ktlite logs train -f --pod 1", _logs)
     lg.add_argument("name")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    lg.add_argument("--pod", type=int, default=None, help="only this pod (its ordinal)")
+    lg.add_argument("-p", "--pod", type=int, default=None, help="only this pod (its ordinal)")
     lg.add_argument("--rank", type=int, default=None, help="only the pod holding this rank")
-    lg.add_argument("--tail", type=int, default=None, help="only the last N lines of each pod")
+    lg.add_argument("-t", "--tail", type=int, default=None, help="only the last N lines of each pod")
     where(lg)
     st = command("status", "show a deployment's ranks: state, CPU, memory, GPUs, running calls "
                  "(exit 2 if a rank is stuck)",
@@ -390,6 +420,18 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped")
     rn.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
     where(rn)
+    for alias in ("check", "describe"):  # Kubetorch's names for a deployment's health and status
+        ck = command(alias, f"Kubetorch's `kt {alias}`: the same as `ktlite status`",
+                     f"ktlite {alias} train", _status)
+        ck.add_argument("name")
+        ck.add_argument("--watch", "-w", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS")
+        ck.add_argument("--json", action="store_true")
+        ck.add_argument("--stuck-after", type=float, default=None)
+        where(ck)
+    for name, instead in _REFUSED_COMMANDS.items():
+        rc = command(name, f"Kubetorch's `kt {name}`: not in ktlite ({instead.split(';')[0]})",
+                     f"ktlite {name}", _refused)
+        rc.add_argument("rest", nargs=argparse.REMAINDER)
     cf = command("config", "read and change settings", "ktlite config set backend kubernetes", _config)
     cf.add_argument("action", choices=["get", "set", "unset", "list"])
     cf.add_argument("key", nargs="?", default=None, choices=sorted(config.KEYS))

@@ -360,7 +360,11 @@ class LocalBackend(Backend):
 
     def lookup(self, name: str) -> Applied | None:
         state = self._live_state(name)
-        return None if state is None else self._applied(state)
+        if state is None:
+            return None
+        # a pod whose server died is gone from the deployment, as a deleted pod is on a
+        # cluster: the next call (or .to()) starts it again and pushes the code
+        return self._applied({**state, "pods": [p for p in state["pods"] if pid_alive(p["pid"])]})
 
     def _stop_pods(self, pods: list[dict[str, Any]], timeout: float) -> None:
         pids = [p["pid"] for p in pods if p.get("pid")]
