@@ -38,8 +38,10 @@ from typing import Any
 
 import asyncssh
 
+from ktlite import secrets as kt_secrets
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.local import pid_alive
+from ktlite.compute import _RESERVED_ENV
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
 from ktlite.spec import DeploymentSpec
@@ -294,11 +296,32 @@ class SshBackend(Backend):
             args += ["--inactivity-ttl", f"{ttl:g}"]
         return args
 
+    @staticmethod
+    def _secrets(spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
+        """The env vars of the Compute's secrets; file secrets and Kubernetes Secrets' names
+        have no way to the hosts yet: ConfigError before anything connects."""
+        for s in spec.compute.secrets:
+            if s.existing:
+                raise ConfigError(f"secrets names {s.key!r}, which is no provider preset; as a Kubernetes "
+                                  "Secret's name it has no meaning on backend 'ssh'. Use a preset, or "
+                                  f"kt.secret(name={s.key!r}, env_vars=[...]) with values from this environment")
+        image_env = dict(spec.compute.image.env) if spec.compute.image is not None else {}
+        resolved = kt_secrets.resolve(spec.compute.secrets, {**image_env, **spec.compute.env}, _RESERVED_ENV)
+        files = [(r.key, f.source) for r in resolved for f in r.files]
+        if files:
+            key, source = files[0]
+            raise ConfigError(f"secret {key!r} is a file ({source}); backend 'ssh' passes secrets as env vars "
+                              "only. Pass the values as env vars instead (e.g. kt.secret(provider='aws', "
+                              "env_vars=['AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY'])), or put the file on "
+                              "the hosts yourself")
+        return resolved
+
     def plan(self, spec: DeploymentSpec) -> Plan:
         hosts = self._hosts(spec)
+        secret_env = _env_of(self._secrets(spec))
         lines = []
         for i, h in enumerate(hosts.hosts):
-            keys = sorted(spec.compute.env)
+            keys = sorted([*spec.compute.env, *secret_env])
             env = " ".join(f"{k}=..." for k in keys)
             lines.append(f"ssh {h.address}: python -m ktlite_server.sshlaunch  # token{', ' + env if env else ''} "
                          f"on stdin; then: python -m ktlite_server --host <its address> --port 0 "
@@ -307,13 +330,14 @@ class SshBackend(Backend):
 
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
         hosts = self._hosts(spec)
+        resolved = self._secrets(spec)  # before anything connects
         with self._lock:
             state = self._current(spec.name)
             if state is not None and state.get("token") != token:
                 raise DeployError(f"deployment {spec.name!r} exists with another token; tear it down first")
             timeout = spec.compute.launch_timeout
             try:
-                state = self._loop.run(self._apply(spec, hosts, token, state), timeout + 30)
+                state = self._loop.run(self._apply(spec, hosts, token, state, resolved), timeout + 30)
             except TimeoutError:
                 raise LaunchTimeout(f"deploying {spec.name!r} over SSH took over {timeout:.0f}s "
                                     "(launch_timeout)") from None
@@ -341,9 +365,12 @@ class SshBackend(Backend):
         return conns
 
     async def _apply(self, spec: DeploymentSpec, hosts: Hosts, token: str,
-                     state: dict[str, Any] | None) -> dict[str, Any]:
+                     state: dict[str, Any] | None, resolved: list[kt_secrets.Resolved]) -> dict[str, Any]:
         conns = await self._connect(spec.name, hosts)
         pod_hash = spec.pod_hash()
+        if resolved:  # pods restart when a secret's value changes (the digest tells nothing of it)
+            pod_hash += "-" + kt_secrets.fingerprint(resolved, token)
+        secret_env = _env_of(resolved)
         old = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
         keep = {i for i, p in old.items() if p.get("hash") == pod_hash and i < len(conns)
                 and await _answers(p["address"], p["port"], conns[i])}
@@ -356,7 +383,8 @@ class SshBackend(Backend):
         version, bundle = self._bundle or _source_bundle()
         self._bundle = (version, bundle)
         started = await asyncio.gather(*(
-            self._start(spec, c, token, version, bundle, pick=span if (c.index == 0 and not master_port) else 0)
+            self._start(spec, c, token, version, bundle, pick=span if (c.index == 0 and not master_port) else 0,
+                        pod_hash=pod_hash, secret_env=secret_env)
             for c in conns if c.index not in keep), return_exceptions=True)
         errors = [str(r) for r in started if isinstance(r, BaseException)]
         pods = {i: old[i] for i in keep}
@@ -377,7 +405,7 @@ class SshBackend(Backend):
                 "pods": [pods[i] for i in sorted(pods)], "_restarted": sorted(set(pods) - keep)}
 
     async def _start(self, spec: DeploymentSpec, c: _Host, token: str, version: str, bundle: bytes,
-                     pick: int) -> dict[str, Any]:
+                     pick: int, pod_hash: str, secret_env: dict[str, str]) -> dict[str, Any]:
         src = f"{CACHE}/src-{version}"
         deps = f"{CACHE}/deps-{self._deps_key()}"
         python, missing, env_tag, holds = await self._python(
@@ -392,7 +420,7 @@ class SshBackend(Backend):
                 await self._upload(c, deps, await asyncio.to_thread(self._deps_files))
             path = f"{src}:{deps}"
         image = spec.compute.image
-        env = {**(image.env if image is not None else {}), **spec.compute.env,
+        env = {**(image.env if image is not None else {}), **spec.compute.env, **secret_env,
                "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
                "PYTHONUNBUFFERED": "1"}
         steps = [[kind, list(arg) if kind == "pip_install" else arg]
@@ -427,7 +455,7 @@ class SshBackend(Backend):
             c.tether = proc  # the server lives as long as this channel
         return {"ordinal": c.index, "name": f"{spec.name}-{c.index}", "host": c.host.address,
                 "address": c.address, "port": reply["port"], "pid": reply["pid"], "run_dir": run_dir,
-                "python": python, "hash": spec.pod_hash(), "master_port": reply.get("master_port")}
+                "python": python, "hash": pod_hash, "master_port": reply.get("master_port")}
 
     async def _python(self, c: _Host, checks: dict[str, str]) -> tuple[str, list[str], str, set[str]]:
         """The host's Python: the one asked for, else the first python3.X at least as new
@@ -647,6 +675,10 @@ class SshBackend(Backend):
             task.result(60)
         finally:
             task.cancel()
+
+
+def _env_of(resolved: list[kt_secrets.Resolved]) -> dict[str, str]:
+    return {k: v for r in resolved for k, v in r.env.items()}
 
 
 def _options(hosts: Hosts) -> dict[str, Any]:
