@@ -43,7 +43,8 @@ class Secret:
 
     Args:
         name: the secret's name (default: the provider's). Alone, it names an existing
-            Kubernetes Secret in the deployment's namespace, reused as it is.
+            Kubernetes Secret in the deployment's namespace, reused as it is (a provider's
+            name alone means that preset, as in ``Compute(secrets=["aws"])``).
         provider: a preset: aws, azure, anthropic, cohere, gcp, github, huggingface, kubeconfig,
             lambda, langchain, openai, pinecone, ssh, wandb.
         path: where to read instead of the preset's usual place (a file, or for aws and ssh a
@@ -65,6 +66,9 @@ class Secret:
     override: bool = False
 
     def __post_init__(self) -> None:
+        if self.provider is None and self.name in PROVIDERS and self.path is None and self.env_vars is None:
+            object.__setattr__(self, "provider", self.name)  # kt.secret("aws"): the preset, as in a list
+            object.__setattr__(self, "name", None)
         if self.provider is not None and self.provider not in PROVIDERS:
             raise ConfigError(f"kt.secret(provider={self.provider!r}) is not a known provider; allowed: "
                               f"{', '.join(PROVIDERS)} (or give name= and env_vars= / path= for your own)")
@@ -155,6 +159,8 @@ def secret(name: str | None = None, provider: str | None = None, path: str | Non
 def normalize(entries: Any) -> tuple[Secret, ...]:
     """``Compute(secrets=...)`` as Secrets: a preset's name is that preset, any other string
     an existing Kubernetes Secret. ConfigError for other types and for duplicates."""
+    if entries is None:
+        return ()
     if isinstance(entries, (str, Secret)) or not isinstance(entries, (list, tuple)):
         raise ConfigError(f"secrets={entries!r} must be a list, e.g. secrets=['aws', kt.secret(...)]")
     out: list[Secret] = []

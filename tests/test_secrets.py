@@ -69,6 +69,9 @@ def test_kubetorch_form_secret_factory_makes_the_class() -> None:
     assert kt.secret(name="my-existing").existing
     assert kt.Compute(secrets=["aws"]).secrets == (kt.Secret(provider="aws"),)
     assert kt.Compute(secrets=["my-existing"]).secrets == (kt.Secret(name="my-existing"),)
+    assert kt.secret("aws") == kt.secret(provider="aws")  # a preset's name alone is the preset
+    assert kt.secret(name="aws", env_vars=["A"]).provider is None  # values of your own, called aws
+    assert kt.Compute(secrets=None).secrets == ()
 
 
 def test_kubetorch_form_compute_secrets_reads_nothing_until_deploy(home: Path) -> None:
@@ -362,16 +365,44 @@ def test_local_refuses_before_anything_starts(home: Path, secret: str) -> None:
     assert not (Path(os.environ["KTLITE_HOME"]) / "local" / name).exists()
 
 
-def test_ssh_passes_env_secrets_and_refuses_file_secrets_before_connecting(home: Path) -> None:
+def test_ssh_plan_names_keys_and_files_never_values(home: Path) -> None:
     pytest.importorskip("asyncssh")
     from ktlite.backends.ssh import SshBackend
 
-    env_only = kt.Compute(hosts=["gpu1"], secrets=[kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})])
-    text = str(SshBackend().plan(DeploymentSpec("ssh-secrets", env_only)))
+    put(home, ".aws/credentials", f"[default]\nkey = {VALUE}\n")
+    compute = kt.Compute(hosts=["gpu1"], secrets=["aws", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})])
+    text = str(SshBackend().plan(DeploymentSpec("ssh-secrets", compute)))
     assert "DB_PASSWORD=..." in text and VALUE not in text
-    put(home, ".aws/credentials", "[default]\n")
-    with pytest.raises(kt.ConfigError, match="env vars only"):
-        SshBackend().apply(DeploymentSpec("ssh-secrets", kt.Compute(hosts=["gpu1"], secrets=["aws"])), "tok")
+    assert "bytes from ~/.aws/credentials> goes to <run dir>/secrets/.aws/credentials" in text
+    with pytest.raises(kt.ConfigError, match="no meaning on backend 'ssh'"):
+        SshBackend().plan(DeploymentSpec("ssh-secrets", kt.Compute(hosts=["gpu1"], secrets=["team-secret"])))
+
+
+@pytest.mark.ssh
+@pytest.mark.timeout(180)
+def test_kubetorch_form_ssh_ranks_get_env_and_file_secrets(home: Path, tmp_path: Path) -> None:
+    import sys
+
+    from ssh_hosts import SshHosts, sshd_available
+    if not sshd_available():
+        pytest.skip("needs /usr/sbin/sshd")
+    credentials = put(home, ".aws/credentials", f"[default]\nkey = {VALUE}\n").read_bytes()
+    with SshHosts(tmp_path / "ssh", count=1) as hosts:
+        options = kt.Hosts([h.name for h in hosts.hosts], ssh_config=str(hosts.ssh_config),
+                           known_hosts=str(hosts.known_hosts), python=sys.executable)
+        compute = kt.Compute(hosts=options, secrets=["aws", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})])
+        remote = kt.fn(read_on_rank).to(compute, name=unique("secrets-ssh"))
+        try:
+            (r,) = remote(["DB_PASSWORD"], ["AWS_SHARED_CREDENTIALS_FILE"])
+            assert r["env"] == {"DB_PASSWORD": digest(VALUE)}
+            aws = r["files"]["AWS_SHARED_CREDENTIALS_FILE"]
+            assert aws["digest"] == digest(credentials) and aws["mode"] == "0o600", aws
+            assert aws["path"].endswith("/secrets/.aws/credentials")
+            secret_dir = Path(aws["path"]).parent.parent  # the host is this machine
+            assert stat.S_IMODE(secret_dir.stat().st_mode) == 0o700
+        finally:
+            remote.teardown()
+        assert not secret_dir.exists(), "teardown removes the run dir and its secrets"
 
 
 # ---- a known value, searched for everywhere ktlite writes --------------------------------------

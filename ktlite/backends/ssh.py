@@ -17,6 +17,7 @@ that started it closes (this process or its connection is gone), and any of them
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import hashlib
@@ -298,28 +299,23 @@ class SshBackend(Backend):
 
     @staticmethod
     def _secrets(spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
-        """The env vars of the Compute's secrets; file secrets and Kubernetes Secrets' names
-        have no way to the hosts yet: ConfigError before anything connects."""
+        """The Compute's secrets, read, before anything connects. Env vars and files travel in
+        the launch message on the channel's stdin (never argv); files land in the pod's run
+        dir (``secrets/``, 0700; files 0600), removed with it."""
         for s in spec.compute.secrets:
             if s.existing:
                 raise ConfigError(f"secrets names {s.key!r}, which is no provider preset; as a Kubernetes "
                                   "Secret's name it has no meaning on backend 'ssh'. Use a preset, or "
                                   f"kt.secret(name={s.key!r}, env_vars=[...]) with values from this environment")
         image_env = dict(spec.compute.image.env) if spec.compute.image is not None else {}
-        resolved = kt_secrets.resolve(spec.compute.secrets, {**image_env, **spec.compute.env}, _RESERVED_ENV)
-        files = [(r.key, f.source) for r in resolved for f in r.files]
-        if files:
-            key, source = files[0]
-            raise ConfigError(f"secret {key!r} is a file ({source}); backend 'ssh' passes secrets as env vars "
-                              "only. Pass the values as env vars instead (e.g. kt.secret(provider='aws', "
-                              "env_vars=['AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY'])), or put the file on "
-                              "the hosts yourself")
-        return resolved
+        return kt_secrets.resolve(spec.compute.secrets, {**image_env, **spec.compute.env}, _RESERVED_ENV)
 
     def plan(self, spec: DeploymentSpec) -> Plan:
         hosts = self._hosts(spec)
-        secret_env = _env_of(self._secrets(spec))
-        lines = []
+        resolved = self._secrets(spec)
+        secret_env = _env_of(resolved)
+        lines = [f"# secret {r.key!r}: {r.placeholders()[f.key]} goes to <run dir>/secrets/{f.pod_path} (0600)"
+                 + (f"; {f.pointer} names it" if f.pointer else "") for r in resolved for f in r.files]
         for i, h in enumerate(hosts.hosts):
             keys = sorted([*spec.compute.env, *secret_env])
             env = " ".join(f"{k}=..." for k in keys)
@@ -371,6 +367,8 @@ class SshBackend(Backend):
         if resolved:  # pods restart when a secret's value changes (the digest tells nothing of it)
             pod_hash += "-" + kt_secrets.fingerprint(resolved, token)
         secret_env = _env_of(resolved)
+        secret_files = [{"path": f.pod_path, "data": base64.b64encode(f.data).decode(), "pointer": f.pointer}
+                        for r in resolved for f in r.files]
         old = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
         keep = {i for i, p in old.items() if p.get("hash") == pod_hash and i < len(conns)
                 and await _answers(p["address"], p["port"], conns[i])}
@@ -384,7 +382,7 @@ class SshBackend(Backend):
         self._bundle = (version, bundle)
         started = await asyncio.gather(*(
             self._start(spec, c, token, version, bundle, pick=span if (c.index == 0 and not master_port) else 0,
-                        pod_hash=pod_hash, secret_env=secret_env)
+                        pod_hash=pod_hash, secret_env=secret_env, secret_files=secret_files)
             for c in conns if c.index not in keep), return_exceptions=True)
         errors = [str(r) for r in started if isinstance(r, BaseException)]
         pods = {i: old[i] for i in keep}
@@ -405,7 +403,8 @@ class SshBackend(Backend):
                 "pods": [pods[i] for i in sorted(pods)], "_restarted": sorted(set(pods) - keep)}
 
     async def _start(self, spec: DeploymentSpec, c: _Host, token: str, version: str, bundle: bytes,
-                     pick: int, pod_hash: str, secret_env: dict[str, str]) -> dict[str, Any]:
+                     pick: int, pod_hash: str, secret_env: dict[str, str],
+                     secret_files: list[dict[str, Any]]) -> dict[str, Any]:
         src = f"{CACHE}/src-{version}"
         deps = f"{CACHE}/deps-{self._deps_key()}"
         python, missing, env_tag, holds = await self._python(
@@ -428,7 +427,7 @@ class SshBackend(Backend):
         run_dir = f"{CACHE}/run/{spec.name}-{c.index}"
         msg = {"token": token, "env": env, "args": self._server_args(spec, c.index), "run_dir": run_dir,
                "cache_dir": CACHE, "steps": steps, "detached": spec.detached, "bind": c.address,
-               "pick_master_port": pick, "timeout": spec.compute.launch_timeout,
+               "pick_master_port": pick, "timeout": spec.compute.launch_timeout, "secret_files": secret_files,
                "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")}}
         path = path.replace("~", "$HOME")  # expanded after ':' by every shell, unlike '~'
         command = f"cd ~ && PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
