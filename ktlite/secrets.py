@@ -285,6 +285,25 @@ def resolve(secrets: tuple[Secret, ...], env: dict[str, str] | None = None,
     return out
 
 
+def for_compute(compute: Any, backend: str, namespace: str | None = None) -> list[Resolved]:
+    """``compute.secrets`` read for ``backend``, checked against its ``env`` (and the image's)
+    and the names ktlite sets: what every backend calls before it makes anything. Only the
+    kubernetes backend has existing Secrets to reuse, in the pods' own ``namespace``."""
+    from ktlite.compute import _RESERVED_ENV  # compute imports this module
+
+    for s in compute.secrets:
+        if s.existing and backend != "kubernetes":
+            raise ConfigError(f"secrets names {s.key!r}, which is no provider preset; as a Kubernetes Secret's "
+                              f"name it has no meaning on backend {backend!r}. Use a preset ({', '.join(PROVIDERS)}), "
+                              f"or kt.secret(name={s.key!r}, env_vars=[...]) with values from this environment")
+        if s.namespace is not None and namespace is not None and s.namespace != namespace:
+            raise ConfigError(f"secret {s.key!r} is in namespace {s.namespace!r}, but the deployment's pods run "
+                              f"in {namespace!r} and can only use Secrets of their own namespace; leave "
+                              "namespace= out, or deploy to that namespace")
+    env = {**(compute.image.env if compute.image is not None else {}), **compute.env}
+    return resolve(compute.secrets, env, _RESERVED_ENV)
+
+
 def fingerprint(resolved: list[Resolved], key: str) -> str:
     """A keyed digest of every value (HMAC with the deployment token): pods restart when a
     value changes, and the digest tells nothing about the values."""

@@ -32,9 +32,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ktlite.compute import _RESERVED_ENV, Volume, parse_cpus
+from ktlite.compute import Volume, parse_cpus
 from ktlite.errors import ConfigError
-from ktlite.secrets import Resolved, fingerprint, resolve
+from ktlite.secrets import Resolved, fingerprint, for_compute
 from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
 
 NAME_LABEL = "ktlite.dev/name"
@@ -97,13 +97,7 @@ def user_secret_name(name: str, key: str) -> str:
 
 def resolve_secrets(spec: DeploymentSpec, namespace: str) -> list[Resolved]:
     """The Compute's secrets, read (ConfigError when a preset finds nothing), in ``namespace``."""
-    for s in spec.compute.secrets:
-        if s.namespace is not None and s.namespace != namespace:
-            raise ConfigError(f"secret {s.key!r} is in namespace {s.namespace!r}, but the deployment's pods run "
-                              f"in {namespace!r} and can only use Secrets of their own namespace; leave "
-                              "namespace= out, or deploy to that namespace")
-    env = dict(spec.compute.image.env) if spec.compute.image is not None else {}
-    return resolve(spec.compute.secrets, {**env, **spec.compute.env}, _RESERVED_ENV)
+    return for_compute(spec.compute, "kubernetes", namespace)
 
 
 def _secret_wiring(name: str, secrets: list[Resolved], token: str | None

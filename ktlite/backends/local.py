@@ -29,7 +29,7 @@ from typing import Any
 
 from ktlite import secrets as kt_secrets
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
-from ktlite.compute import _RESERVED_ENV, parse_memory
+from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.spec import DeploymentSpec, port_free
 
@@ -228,14 +228,7 @@ class LocalBackend(Backend):
 
     def _secrets(self, spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
         """The Compute's secrets, read; there are no Kubernetes Secrets to reuse here."""
-        for s in spec.compute.secrets:
-            if s.existing:
-                raise ConfigError(f"secrets names {s.key!r}, which is no provider preset; as a Kubernetes "
-                                  f"Secret's name it has no meaning on backend 'local'. Use a preset "
-                                  f"({', '.join(kt_secrets.PROVIDERS)}), or kt.secret(name={s.key!r}, "
-                                  "env_vars=[...]) with values from this environment")
-        image_env = dict(spec.compute.image.env) if spec.compute.image is not None else {}
-        return kt_secrets.resolve(spec.compute.secrets, {**image_env, **spec.compute.env}, _RESERVED_ENV)
+        return kt_secrets.for_compute(spec.compute, self.name)
 
     def _secret_env(self, spec: DeploymentSpec, resolved: list[kt_secrets.Resolved]) -> dict[str, str]:
         """Write the file secrets into the deployment's own dir; the env vars ranks get."""

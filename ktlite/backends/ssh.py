@@ -42,7 +42,6 @@ import asyncssh
 from ktlite import secrets as kt_secrets
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.local import pid_alive
-from ktlite.compute import _RESERVED_ENV
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
 from ktlite.spec import DeploymentSpec
@@ -297,18 +296,11 @@ class SshBackend(Backend):
             args += ["--inactivity-ttl", f"{ttl:g}"]
         return args
 
-    @staticmethod
-    def _secrets(spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
+    def _secrets(self, spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
         """The Compute's secrets, read, before anything connects. Env vars and files travel in
         the launch message on the channel's stdin (never argv); files land in the pod's run
         dir (``secrets/``, 0700; files 0600), removed with it."""
-        for s in spec.compute.secrets:
-            if s.existing:
-                raise ConfigError(f"secrets names {s.key!r}, which is no provider preset; as a Kubernetes "
-                                  "Secret's name it has no meaning on backend 'ssh'. Use a preset, or "
-                                  f"kt.secret(name={s.key!r}, env_vars=[...]) with values from this environment")
-        image_env = dict(spec.compute.image.env) if spec.compute.image is not None else {}
-        return kt_secrets.resolve(spec.compute.secrets, {**image_env, **spec.compute.env}, _RESERVED_ENV)
+        return kt_secrets.for_compute(spec.compute, self.name)
 
     def plan(self, spec: DeploymentSpec) -> Plan:
         hosts = self._hosts(spec)
