@@ -23,6 +23,7 @@ _EXPORTS = {
     "Future": "ktlite.futures",
     "Host": "ktlite.hosts", "Hosts": "ktlite.hosts",
     "PerRank": "ktlite.rankdata", "per_rank": "ktlite.rankdata",
+    "Secret": "ktlite.secrets", "secret": "ktlite.secrets",
     "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
@@ -91,6 +92,7 @@ if TYPE_CHECKING:
     )
     from ktlite.rankdata import PerRank, per_rank
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
+    from ktlite.secrets import Secret, secret
 
 
 # The submodule ktlite.compute (kt.Compute) shares its name with the @kt.compute decorator:
@@ -162,6 +164,7 @@ __all__ = [
     "ReplicaFailed",
     "ResourceNotAvailableError",
     "RsyncError",
+    "Secret",
     "SecretNotFound",
     "SerializationError",
     "ServiceHealthError",
@@ -183,4 +186,5 @@ __all__ = [
     "fn",
     "images",
     "per_rank",
+    "secret",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 from ktlite.errors import ConfigError
 from ktlite.hosts import Hosts, as_hosts
 from ktlite.images import Image
+from ktlite.secrets import Secret, normalize
 from ktlite.spec import DistributedConfig
 
 BACKENDS = ("local", "kubernetes", "ssh")
@@ -133,6 +134,8 @@ class Compute:
         image: a :class:`kt.Image` or an image name.
         env: environment variables for every rank (``env_vars=`` is accepted too).
         volumes: :class:`kt.Volume` objects or names of existing PVCs.
+        secrets: provider presets ("aws", "huggingface", ...), names of existing Kubernetes
+            Secrets, or :func:`kt.secret` objects; see docs/secrets.md.
         backend: "local", "kubernetes" or "ssh"; default from KTLITE_BACKEND, else "local"
             ("ssh" when ``hosts`` is given).
         hosts: the machines of the "ssh" backend, one pod each: SSH destinations
@@ -177,7 +180,7 @@ class Compute:
     tolerations: tuple[dict[str, Any], ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
-    secrets: tuple[str, ...] = ()
+    secrets: tuple[str | Secret, ...] = ()  # presets, existing Secrets' names, kt.secret(...)
     service_account: str | None = None
     image_pull_policy: str | None = None
     priority_class: str | None = None
@@ -273,7 +276,7 @@ class Compute:
             raise ConfigError(f"image={self.image!r} must be a kt.Image or an image name string")
         object.__setattr__(self, "volumes", tuple(self.volumes))
         object.__setattr__(self, "tolerations", tuple(self.tolerations))
-        object.__setattr__(self, "secrets", tuple(self.secrets))
+        object.__setattr__(self, "secrets", normalize(self.secrets))
         mounts: dict[str, Any] = {}
         for v in self.volumes:
             if not isinstance(v, (Volume, str)):
@@ -557,4 +560,5 @@ class Compute:
                     "priority_class_name", "service_account_name", "shared_memory_limit",
                     "selector", "endpoint"):
             fields.pop(key, None)
+        fields["secrets"] = [s.describe() for s in self.secrets]  # never values (see ktlite.secrets)
         return fields

@@ -7,7 +7,9 @@ Only the control plane is fake. Each pod is a real server process bound to its o
 address (127.0.0.10, .11, ...) on the pod port, in its own UTS and mount namespace (hostname =
 pod name, resolved by the pod's own /etc/hosts as the kubelet writes it; PVCs bind-mounted from DIR/pvc/<claim>; /tmp and tests/ empty, since a real pod
 sees none of the caller's files), started with the env the pod spec names
-(token from the Secret, downward-API fields), and reported Ready once it accepts
+(token from the Secret, ``envFrom`` Secrets, downward-API fields) and with its secret volumes'
+files (mounted read-only, on a fresh tmpfs home at /root where they go there, as in a
+container of a root image; the Python this machine runs from stays visible), and reported Ready once it accepts
 connections. The pod proxy forwards to it; its output becomes the pod log; deleting the pod
 stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
 unschedulable, as on a small real cluster.
@@ -83,8 +85,17 @@ class Pods:
             return (kf.ready(ip) if up() else kf.running_not_ready(ip)).status(ctx)
         return kf.PodState(status, ip=ip)
 
+    def _secret(self, name: str) -> dict[str, Any]:
+        # the store itself: fake.get() would run the controllers again, re-entrantly, from
+        # inside the pod creation that called behavior()
+        return self.fake._store.get(("secrets", NAMESPACE, name)) or {}
+
     def _env(self, pod: dict[str, Any], ip: str) -> dict[str, str]:
         env: dict[str, str] = {}
+        for source in pod["spec"]["containers"][0].get("envFrom", []):
+            if "secretRef" in source:
+                data = self._secret(source["secretRef"]["name"]).get("data") or {}
+                env.update({k: base64.b64decode(v).decode() for k, v in data.items()})
         for item in pod["spec"]["containers"][0].get("env", []):
             if "value" in item:
                 env[item["name"]] = item["value"]
@@ -92,9 +103,7 @@ class Pods:
             source = item.get("valueFrom", {})
             if "secretKeyRef" in source:
                 ref = source["secretKeyRef"]
-                # the store itself: fake.get() would run the controllers again, re-entrantly,
-                # from inside the pod creation that called behavior()
-                secret = self.fake._store.get(("secrets", NAMESPACE, ref["name"])) or {}
+                secret = self._secret(ref["name"])
                 env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
             elif "fieldRef" in source:
                 path = source["fieldRef"]["fieldPath"]
@@ -126,6 +135,10 @@ class Pods:
                 src.mkdir(parents=True, exist_ok=True)
                 os.makedirs(m["mountPath"], exist_ok=True)
                 mounts.append(f"mount --bind {src} {m['mountPath']}")
+        secret_mounts = self._secret_mounts(pod)
+        if secret_mounts:
+            env["HOME"] = "/root"
+            mounts += secret_mounts
         # the kubelet's hosts file: the pod's own name resolves to its IP, nothing else does
         hosts = self.root / "etc-hosts" / name
         hosts.parent.mkdir(exist_ok=True)
@@ -140,6 +153,45 @@ class Pods:
                                 cwd="/tmp", start_new_session=True)
         threading.Thread(target=self._pump, args=(proc, name), daemon=True).start()
         return proc
+
+    def _secret_mounts(self, pod: dict[str, Any]) -> list[str]:
+        """Shell commands that mount the pod's secret volumes: each item written (with its
+        mode) under DIR/secret-volumes/<pod uid>/, then bind-mounted read-only, one file per
+        ``subPath`` mount. Mounts under /root get a fresh tmpfs there first (a container's own
+        home), so nothing is written into this machine's /root."""
+        volumes = {v["name"]: v["secret"] for v in pod["spec"].get("volumes", []) if "secret" in v}
+        wanted = [m for m in pod["spec"]["containers"][0].get("volumeMounts", []) if m["name"] in volumes]
+        if not wanted:
+            return []
+        base = self.root / "secret-volumes" / pod["metadata"]["uid"]
+        for name, vol in volumes.items():
+            data = self._secret(vol["secretName"]).get("data") or {}
+            items = vol.get("items") or [{"key": k, "path": k} for k in data]
+            for item in items:
+                target = base / name / item["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(base64.b64decode(data[item["key"]]))
+                target.chmod(item.get("mode", vol.get("defaultMode", 0o644)))
+        commands = []
+        if any(m["mountPath"].startswith("/root/") for m in wanted):
+            # what this machine runs from stays (a pyenv Python under /root): bound aside first,
+            # then back onto the fresh home
+            keep = sorted({p for p in (Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve(),
+                                       Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent)
+                           if Path("/root") in p.parents})
+            stage = base / "keep"
+            for i, path in enumerate(keep):
+                commands += [f"mkdir -p {stage}/{i}", f"mount --bind {shlex.quote(str(path))} {stage}/{i}"]
+            commands.append("mount -t tmpfs -o mode=0700 tmpfs /root")
+            for i, path in enumerate(keep):
+                commands += [f"mkdir -p {shlex.quote(str(path))}", f"mount --bind {stage}/{i} {shlex.quote(str(path))}"]
+        for m in wanted:
+            src, path = base / m["name"] / m.get("subPath", ""), shlex.quote(m["mountPath"])
+            make = (f"mkdir -p {shlex.quote(str(Path(m['mountPath']).parent))} && touch {path}"
+                    if m.get("subPath") else f"mkdir -p {path}")
+            commands += [make, f"mount --bind {shlex.quote(str(src))} {path}",
+                         f"mount -o remount,bind,ro {path}"]
+        return commands
 
     def _pump(self, proc: subprocess.Popen[bytes], name: str) -> None:
         assert proc.stdout is not None

@@ -140,7 +140,7 @@ def EVERYTHING() -> kt.Compute:
                  "existing-claim"],
         namespace="ml-team", node_selector={"pool": "gpu"}, tolerations=[GPU_TOLERATION],
         labels={"team": "ml"}, annotations={"owner": "alice@example.com"},
-        secrets=["hf-token", "wandb"], service_account="trainer", image_pull_policy="IfNotPresent",
+        secrets=["hf-token", "wandb-creds"], service_account="trainer", image_pull_policy="IfNotPresent",
         priority_class="high-priority", shared_memory="16Gi",
     ).distribute("pytorch", workers=4, num_proc=2, port=23456)
 
@@ -292,9 +292,9 @@ def test_annotations_go_on_the_pod_template() -> None:
 
 
 def test_secrets_become_env_from_secret_refs() -> None:
-    container = _container(_plan(K(secrets=["hf-token", "wandb"])).manifests)
+    container = _container(_plan(K(secrets=["hf-token", "wandb-creds"])).manifests)
     assert container["envFrom"] == [{"secretRef": {"name": "hf-token"}},
-                                    {"secretRef": {"name": "wandb"}}]
+                                    {"secretRef": {"name": "wandb-creds"}}]
     assert "envFrom" not in _container(_plan(K()).manifests)
 
 

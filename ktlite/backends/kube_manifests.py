@@ -4,7 +4,11 @@ Per deployment NAME: a Secret ``NAME-token`` (the call token), a headless Servic
 (``publishNotReadyAddresses``: peers are reachable before they report ready), one PVC per
 ``kt.Volume``, and a StatefulSet ``NAME`` (Parallel pod management: all pods start at once;
 ``OnDelete`` updates: the backend decides which pods to replace). Everything carries
-``ktlite.dev/name=NAME`` so list and teardown find it.
+``ktlite.dev/name=NAME`` so list and teardown find it. Each secret given by value or preset
+(``Compute(secrets=["aws", kt.secret(...)])``) is a Secret ``NAME-secret-KEY`` (labelled
+``ktlite.dev/secret=KEY`` too), read by the pods as ``env[].valueFrom.secretKeyRef`` or as
+read-only files (``subPath`` mounts of a secret volume) at the provider's path under
+``POD_HOME``; an existing Secret named alone is ``envFrom``. Plans hold placeholders, never values.
 
 Pods of different sizes (a GPU deployment with ``num_proc=[4, 8, 2]``: 4, 8 and 2 GPUs) cannot
 share a pod template, so such a deployment has one StatefulSet per run of pods of one size:
@@ -21,6 +25,7 @@ it pinned to the client's version when the image lacks it, unless ``freeze=True`
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -30,12 +35,16 @@ from typing import Any
 
 from ktlite.compute import Volume, parse_cpus
 from ktlite.errors import ConfigError
+from ktlite.secrets import Resolved, fingerprint, for_compute
 from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
 
 NAME_LABEL = "ktlite.dev/name"
 PART_LABEL = "ktlite.dev/part"  # the first ordinal of the pod's StatefulSet, where there are several
 MANAGED_LABELS = {"app.kubernetes.io/managed-by": "ktlite"}
 HASH_ANNOTATION = "ktlite.dev/pod-hash"
+SECRET_LABEL = "ktlite.dev/secret"  # on the Secrets that hold the user's values: their KEY
+SECRETS_ANNOTATION = "ktlite.dev/secrets-digest"  # changes (and so rolls the pods) with a value
+POD_HOME = "/root"  # where file secrets go: the home of the images' (root) user
 SERVER_PORT = 32300
 STATE_DIR = "/ktlite"  # an emptyDir: survives container restarts, not pod replacement
 SETUP_FAILED_EXIT = 78  # the bootstrap's exit code when a setup step or the ktlite install fails
@@ -82,6 +91,65 @@ def selector(name: str) -> str:
 
 def token_secret_name(name: str) -> str:
     return f"{name}-token"
+
+
+def user_secret_name(name: str, key: str) -> str:
+    return f"{name}-secret-{key}"
+
+
+def resolve_secrets(spec: DeploymentSpec, namespace: str) -> list[Resolved]:
+    """The Compute's secrets, read (ConfigError when a preset finds nothing), in ``namespace``."""
+    return for_compute(spec.compute, "kubernetes", namespace)
+
+
+def _secret_wiring(name: str, secrets: list[Resolved], token: str | None
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]],
+                              list[dict[str, Any]], dict[str, str]]:
+    """(env, envFrom, volumes, mounts, annotations) that give a pod its secrets."""
+    env: list[dict[str, Any]] = []
+    env_from: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for i, r in enumerate(secrets):
+        if r.existing:
+            env_from.append({"secretRef": {"name": r.existing}})
+            continue
+        obj = user_secret_name(name, r.key)
+        env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": obj, "key": k}}} for k in r.env]
+        if r.files:
+            volume = f"secret-{i}"
+            volumes.append({"name": volume, "secret": {
+                "secretName": obj, "defaultMode": 0o400,
+                "items": [{"key": f.key, "path": f.key, "mode": f.mode} for f in r.files]}})
+            for f in r.files:
+                path = f"{POD_HOME}/{f.pod_path}"
+                # one file per mount: the directory (~/.ssh: known_hosts) stays writable
+                mounts.append({"name": volume, "mountPath": path, "subPath": f.key, "readOnly": True})
+                if f.pointer:
+                    env.append({"name": f.pointer, "value": path})
+    values = [r for r in secrets if not r.existing]
+    annotations = {SECRETS_ANNOTATION: fingerprint(values, token) if token is not None else TOKEN_PLACEHOLDER} \
+        if values else {}
+    return env, env_from, volumes, mounts, annotations
+
+
+def secret_objects(name: str, namespace: str, secrets: list[Resolved], token: str | None
+                   ) -> list[dict[str, Any]]:
+    """A Secret per secret given by value; without ``token`` (a plan) placeholders hold the
+    place of each value: how many bytes, from where."""
+    out = []
+    for r in secrets:
+        if r.existing:
+            continue
+        meta = {"name": user_secret_name(name, r.key), "namespace": namespace,
+                "labels": {**labels(name), SECRET_LABEL: r.key}}
+        obj: dict[str, Any] = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta}
+        if token is None:
+            obj["stringData"] = r.placeholders()
+        else:
+            obj["data"] = {k: base64.b64encode(v).decode() for k, v in r.data().items()}
+        out.append(obj)
+    return out
 
 
 def master_port(spec: DeploymentSpec) -> int:
@@ -224,27 +292,33 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
     return env
 
 
-def pod_template(spec: DeploymentSpec, *, image: str, install: str,
-                 part: Part | None = None) -> dict[str, Any]:
+def pod_template(spec: DeploymentSpec, *, image: str, install: str, part: Part | None = None,
+                 secrets: list[Resolved] | None = None, token: str | None = None) -> dict[str, Any]:
     """The pod template of ``part`` (default: the StatefulSet holding pod 0), annotated with a
-    hash of itself."""
+    hash of itself. ``secrets``: the Compute's, read (default: read now); ``token`` keys the
+    digest of their values (a plan, without it, shows a placeholder)."""
     part = part or parts(spec)[0]
     compute = part.compute or spec.compute
+    if secrets is None:
+        secrets = resolve_secrets(spec, "default")
     volumes, mounts = _volumes(compute)
+    secret_env, env_from, secret_volumes, secret_mounts, secret_notes = _secret_wiring(spec.name, secrets, token)
+    volumes += secret_volumes
+    mounts += secret_mounts
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image,
         "command": ["/bin/sh", "-c", BOOTSTRAP],
         # the pod names its image in errors (e.g. Ray missing from it)
-        "env": [*_env(spec, install, part.gpus), {"name": "KTLITE_IMAGE", "value": image}],
+        "env": [*_env(spec, install, part.gpus), *secret_env, {"name": "KTLITE_IMAGE", "value": image}],
         "ports": [{"name": "server", "containerPort": SERVER_PORT},
                   {"name": "master", "containerPort": master_port(spec)}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": SERVER_PORT},
                            "periodSeconds": 1, "failureThreshold": 3, "timeoutSeconds": 2},
         "volumeMounts": mounts,
     }
-    if compute.secrets:
-        container["envFrom"] = [{"secretRef": {"name": s}} for s in compute.secrets]
+    if env_from:
+        container["envFrom"] = env_from
     resources = _resources(compute, part.gpus)
     if resources:
         container["resources"] = resources
@@ -271,7 +345,7 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str,
         pod["priorityClassName"] = compute.priority_class
     meta = {"labels": {**compute.labels, **queue_label(compute), **labels(spec.name),
                        **part_selector(spec.name, part)},
-            "annotations": dict(compute.annotations)}
+            "annotations": {**compute.annotations, **secret_notes}}
     if compute.gpu_memory:
         meta["annotations"][GPU_MEMORY_ANNOTATION] = compute.gpu_memory
     template = {"metadata": meta, "spec": pod}
@@ -281,10 +355,13 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str,
 
 
 def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
-           token: str | None = None) -> list[dict[str, Any]]:
-    """Every object deploying ``spec`` applies, in apply order. Without ``token`` the Secret
-    holds a placeholder (plans are printed; tokens never are)."""
+           token: str | None = None, secrets: list[Resolved] | None = None) -> list[dict[str, Any]]:
+    """Every object deploying ``spec`` applies, in apply order. Without ``token`` the Secrets
+    hold placeholders (plans are printed; tokens and secret values never are). ``secrets``:
+    the Compute's, read (default: read now)."""
     name = spec.name
+    if secrets is None:
+        secrets = resolve_secrets(spec, namespace)
     meta = {"name": name, "namespace": namespace, "labels": labels(name)}
     secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
               "metadata": {**meta, "name": token_secret_name(name)},
@@ -310,7 +387,8 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
                                     "podManagementPolicy": "Parallel",
                                     "updateStrategy": {"type": "OnDelete"},
                                     "selector": {"matchLabels": part_selector(name, part)},
-                                    "template": pod_template(spec, image=image, install=install, part=part)}
+                                    "template": pod_template(spec, image=image, install=install, part=part,
+                                                             secrets=secrets, token=token)}
         if part.start:
             sts_spec["ordinals"] = {"start": part.start}
         sts = {"apiVersion": "apps/v1", "kind": "StatefulSet",
@@ -321,7 +399,8 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
             sts = _with_template(sts, spec.compute.service_template)
         statefulsets.append(sts)
     policies = [network_policy(name, meta)] if spec.distributed.framework == "monarch" else []
-    return [secret, service, *claims, *policies, *statefulsets]
+    users = secret_objects(name, namespace, secrets, token)
+    return [secret, service, *users, *claims, *policies, *statefulsets]
 
 
 GPU_MEMORY_ANNOTATION = "ktlite.dev/gpu-memory"

@@ -26,6 +26,7 @@ from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
 from ktlite.errors import (
+    ConfigError,
     DeployError,
     ImagePullError,
     LaunchTimeout,
@@ -34,6 +35,7 @@ from ktlite.errors import (
     SecretNotFound,
     StartupError,
 )
+from ktlite.secrets import Resolved
 from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
 
 POLL_S = 1.0
@@ -132,13 +134,14 @@ class KubernetesBackend(Backend):
 
     # ---- plan -------------------------------------------------------------------------
 
-    def _render(self, spec: DeploymentSpec, namespace: str, token: str | None) -> list[dict[str, Any]]:
+    def _render(self, spec: DeploymentSpec, namespace: str, token: str | None,
+                secrets: list[Resolved] | None = None) -> list[dict[str, Any]]:
         compute = spec.compute
         image = compute.image.image_id if compute.image is not None else default_image()
         if compute.image_pull_policy is None and config.get("image_pull_policy"):
             from dataclasses import replace
             spec = replace(spec, compute=replace(compute, image_pull_policy=config.get("image_pull_policy")))
-        return km.render(spec, namespace, image=image, install=install_spec(), token=token)
+        return km.render(spec, namespace, image=image, install=install_spec(), token=token, secrets=secrets)
 
     def plan(self, spec: DeploymentSpec) -> Plan:
         """The objects deploying would apply; reads no cluster (the namespace comes from
@@ -155,8 +158,10 @@ class KubernetesBackend(Backend):
             self._announced.add(info.host)
             self._say(f"backend kubernetes, context {info.context!r}, namespace {api.namespace!r} "
                       f"({info.host})")
-        objects = self._render(spec, api.namespace, token)
+        resolved = km.resolve_secrets(spec, api.namespace)  # a preset that finds nothing fails here
+        objects = self._render(spec, api.namespace, token, resolved)
         secret, service = objects[:2]
+        users = self._check_user_secrets(api, spec.name, objects, resolved)  # before anything is made
         claims = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
         policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
         statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
@@ -165,6 +170,8 @@ class KubernetesBackend(Backend):
         try:
             token_changed = self._apply_secret(api, secret, token, created)
             self._ensure(api, service, created)
+            for obj, current in users:
+                self._apply_user_secret(api, obj, current, created)
             for claim in claims:
                 self._ensure(api, claim, created)
             for policy in policies:  # before the pods: no moment where their ports are open
@@ -178,6 +185,7 @@ class KubernetesBackend(Backend):
                 restarted += self._apply_statefulset(api, sts, roll_all=token_changed)
                 if first and new:
                     created.append(("StatefulSet", sts["metadata"]["name"]))
+            self._drop_stale_secrets(api, spec.name, {o["metadata"]["name"] for o, _ in users})
             pods = self.wait_ready(api, spec, _ordinal_hashes(statefulsets))
         except BaseException as e:
             raise self._failed(api, spec.name, e, created if first else None) from e
@@ -209,8 +217,9 @@ class KubernetesBackend(Backend):
             note = (f"the deployment's objects (StatefulSet {name} and its pods, Service, Secret, "
                     f"volumes) are still there; `ktlite teardown {name} -n {api.namespace}` removes "
                     "them")
-        if type(error) in (DeployError, LaunchTimeout):
-            return type(error)(f"{error}\n{note}")
+        if isinstance(error, DeployError) and error.args and isinstance(error.args[0], str):
+            error.args = (f"{error.args[0]}\n{note}", *error.args[1:])  # its own type kept
+            return error
         error.add_note(note)
         return error
 
@@ -241,6 +250,49 @@ class KubernetesBackend(Backend):
             if e.status in (403, 404):  # forbidden, or the API group is not served
                 return False
             raise
+
+    def _check_user_secrets(self, api: KubeApi, name: str, objects: list[dict[str, Any]],
+                            resolved: list[Resolved]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+        """Each Secret of the user's values with the one there now (None: absent); ConfigError,
+        before anything is made, for an existing Secret named alone that is not there, and for
+        a Secret of ours that another owner has (unless its ``override=True``)."""
+        override = {km.user_secret_name(name, r.key): r.secret.override for r in resolved}
+        for r in resolved:
+            if r.existing and api.get("Secret", r.existing) is None:
+                raise ConfigError(f"secrets names Kubernetes Secret {r.existing!r}, which does not exist in "
+                                  f"namespace {api.namespace!r}; create it (kubectl -n {api.namespace} create "
+                                  f"secret generic {r.existing} --from-literal=KEY=VALUE), or name a provider "
+                                  "preset or kt.secret(...) with values")
+        out = []
+        for obj in objects:
+            if obj["kind"] != "Secret" or km.SECRET_LABEL not in obj["metadata"]["labels"]:
+                continue
+            current = api.get("Secret", obj["metadata"]["name"])
+            owner = ((current or {}).get("metadata", {}).get("labels") or {}).get(km.NAME_LABEL)
+            if current is not None and owner != name and not override[obj["metadata"]["name"]]:
+                key = obj["metadata"]["labels"][km.SECRET_LABEL]
+                raise ConfigError(f"Kubernetes Secret {obj['metadata']['name']!r} already exists in namespace "
+                                  f"{api.namespace!r} and deployment {name!r} did not make it; pass "
+                                  f"kt.secret(..., override=True) to replace its data (secret {key!r}), or give "
+                                  "the secret another name=")
+            out.append((obj, current))
+        return out
+
+    def _apply_user_secret(self, api: KubeApi, obj: dict[str, Any], current: dict[str, Any] | None,
+                           created: list[tuple[str, str]]) -> None:
+        if current is None:
+            api.create(obj)
+            created.append(("Secret", obj["metadata"]["name"]))
+        elif current.get("data") != obj["data"] or \
+                (current["metadata"].get("labels") or {}) != obj["metadata"]["labels"]:
+            api.replace(obj, current["metadata"]["resourceVersion"])
+
+    def _drop_stale_secrets(self, api: KubeApi, name: str, keep: set[str]) -> None:
+        """Delete the Secrets of values this deployment no longer names."""
+        for obj in api.list("Secret", km.selector(name)):
+            meta = obj["metadata"]
+            if km.SECRET_LABEL in (meta.get("labels") or {}) and meta["name"] not in keep:
+                api.delete("Secret", meta["name"])
 
     def _apply_secret(self, api: KubeApi, secret: dict[str, Any], token: str,
                       created: list[tuple[str, str]]) -> bool:
@@ -456,6 +508,9 @@ class KubernetesBackend(Backend):
         found |= api.delete("StatefulSet", name)  # one an older ktlite made without the label
         found |= api.delete("Service", name)
         found |= api.delete("Secret", km.token_secret_name(name))
+        for obj in api.list("Secret", km.selector(name)):  # the user's values (kt.secret / presets)
+            if km.SECRET_LABEL in (obj["metadata"].get("labels") or {}):
+                found |= api.delete("Secret", obj["metadata"]["name"])
         found |= self._drop_policy(api, name)
         pods = api.list("Pod", km.selector(name))
         for pod in pods:

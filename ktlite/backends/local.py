@@ -1,7 +1,10 @@
 """The embedded local backend: a pod is a ``python -m ktlite_server`` process on this machine.
 
 Each deployment keeps its state in ``$KTLITE_HOME/local/<name>/`` (default ``~/.ktlite``):
-``state.json`` (mode 0600: it holds the token) and one log file per pod. Pods of a normal
+``state.json`` (mode 0600: it holds the token), one log file per pod, and the files of its
+file secrets under ``secrets/`` (mode 0700; each file 0600) laid out as under a home
+(``secrets/.aws/credentials``), with the provider's variable pointing at each
+(``AWS_SHARED_CREDENTIALS_FILE``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``KUBECONFIG``). Pods of a normal
 deployment watch the Python process that created them and exit with it; a detached
 deployment lives until ``teardown``.
 """
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ktlite import secrets as kt_secrets
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, StartupError
@@ -207,12 +211,13 @@ class LocalBackend(Backend):
             cmd += ["--inactivity-ttl", f"{ttl:g}"]
         return cmd
 
-    def _env(self, spec: DeploymentSpec, ordinal: int) -> dict[str, str]:
+    def _env(self, spec: DeploymentSpec, ordinal: int, secret_env: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
         image = spec.compute.image
         if image is not None:
             env.update(image.env)
         env.update(spec.compute.env)
+        env.update(secret_env or {})
         first = sum(spec.compute.pod_gpus(i) for i in range(ordinal))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[first:first + spec.compute.pod_gpus(ordinal)])
         env["KTLITE_POD_ORDINAL"] = str(ordinal)
@@ -221,11 +226,25 @@ class LocalBackend(Backend):
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
+    def _secrets(self, spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
+        """The Compute's secrets, read; there are no Kubernetes Secrets to reuse here."""
+        return kt_secrets.for_compute(spec.compute, self.name)
+
+    def _secret_env(self, spec: DeploymentSpec, resolved: list[kt_secrets.Resolved]) -> dict[str, str]:
+        """Write the file secrets into the deployment's own dir; the env vars ranks get."""
+        env = {k: v for r in resolved for k, v in r.env.items()}
+        if any(r.files for r in resolved):
+            env.update(kt_secrets.write_files(resolved, self._dir(spec.name) / "secrets"))
+        return env
+
     def plan(self, spec: DeploymentSpec) -> Plan:
         self._check_gpus(spec)
-        cmds = []
+        resolved = self._secrets(spec)
+        cmds = [f"# secret {r.key!r}: write {r.placeholders()[f.key]} to "
+                f"{self._dir(spec.name) / 'secrets' / f.pod_path} (0600)"
+                + (f"; {f.pointer} names it" if f.pointer else "") for r in resolved for f in r.files]
         for i in range(spec.workers):
-            keys = sorted(spec.compute.env)
+            keys = sorted([*spec.compute.env, *(k for r in resolved for k in r.env)])
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
             cmds.append((prefix + " " if prefix else "") + "echo <token> | "
@@ -245,11 +264,15 @@ class LocalBackend(Backend):
 
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
         self._check_gpus(spec)
+        resolved = self._secrets(spec)  # a preset that finds nothing fails before any pod starts
         with self._lock:
             state = self._live_state(spec.name)
             if state is not None and state.get("token") != token:
                 raise DeployError(f"deployment {spec.name!r} exists with another token; tear it down first")
             pod_hash = spec.pod_hash()
+            if resolved:  # pods restart when a secret's value changes (the digest tells nothing of it)
+                pod_hash += "-" + kt_secrets.fingerprint(resolved, token)
+            secret_env = self._secret_env(spec, resolved)
             old_pods = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
             pods: list[dict[str, Any]] = []
             starting: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
@@ -268,7 +291,7 @@ class LocalBackend(Backend):
                 with contextlib.suppress(FileNotFoundError):
                     ready.unlink()
                 with open(log, "ab") as logf:
-                    proc = subprocess.Popen(self._command(spec, i, ready), env=self._env(spec, i),
+                    proc = subprocess.Popen(self._command(spec, i, ready), env=self._env(spec, i, secret_env),
                                             stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
                                             start_new_session=True)
                 assert proc.stdin is not None

@@ -17,6 +17,7 @@ that started it closes (this process or its connection is gone), and any of them
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import hashlib
@@ -38,6 +39,7 @@ from typing import Any
 
 import asyncssh
 
+from ktlite import secrets as kt_secrets
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.local import pid_alive
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
@@ -294,11 +296,20 @@ class SshBackend(Backend):
             args += ["--inactivity-ttl", f"{ttl:g}"]
         return args
 
+    def _secrets(self, spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
+        """The Compute's secrets, read, before anything connects. Env vars and files travel in
+        the launch message on the channel's stdin (never argv); files land in the pod's run
+        dir (``secrets/``, 0700; files 0600), removed with it."""
+        return kt_secrets.for_compute(spec.compute, self.name)
+
     def plan(self, spec: DeploymentSpec) -> Plan:
         hosts = self._hosts(spec)
-        lines = []
+        resolved = self._secrets(spec)
+        secret_env = _env_of(resolved)
+        lines = [f"# secret {r.key!r}: {r.placeholders()[f.key]} goes to <run dir>/secrets/{f.pod_path} (0600)"
+                 + (f"; {f.pointer} names it" if f.pointer else "") for r in resolved for f in r.files]
         for i, h in enumerate(hosts.hosts):
-            keys = sorted(spec.compute.env)
+            keys = sorted([*spec.compute.env, *secret_env])
             env = " ".join(f"{k}=..." for k in keys)
             lines.append(f"ssh {h.address}: python -m ktlite_server.sshlaunch  # token{', ' + env if env else ''} "
                          f"on stdin; then: python -m ktlite_server --host <its address> --port 0 "
@@ -307,13 +318,14 @@ class SshBackend(Backend):
 
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
         hosts = self._hosts(spec)
+        resolved = self._secrets(spec)  # before anything connects
         with self._lock:
             state = self._current(spec.name)
             if state is not None and state.get("token") != token:
                 raise DeployError(f"deployment {spec.name!r} exists with another token; tear it down first")
             timeout = spec.compute.launch_timeout
             try:
-                state = self._loop.run(self._apply(spec, hosts, token, state), timeout + 30)
+                state = self._loop.run(self._apply(spec, hosts, token, state, resolved), timeout + 30)
             except TimeoutError:
                 raise LaunchTimeout(f"deploying {spec.name!r} over SSH took over {timeout:.0f}s "
                                     "(launch_timeout)") from None
@@ -341,9 +353,14 @@ class SshBackend(Backend):
         return conns
 
     async def _apply(self, spec: DeploymentSpec, hosts: Hosts, token: str,
-                     state: dict[str, Any] | None) -> dict[str, Any]:
+                     state: dict[str, Any] | None, resolved: list[kt_secrets.Resolved]) -> dict[str, Any]:
         conns = await self._connect(spec.name, hosts)
         pod_hash = spec.pod_hash()
+        if resolved:  # pods restart when a secret's value changes (the digest tells nothing of it)
+            pod_hash += "-" + kt_secrets.fingerprint(resolved, token)
+        secret_env = _env_of(resolved)
+        secret_files = [{"path": f.pod_path, "data": base64.b64encode(f.data).decode(), "pointer": f.pointer}
+                        for r in resolved for f in r.files]
         old = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
         keep = {i for i, p in old.items() if p.get("hash") == pod_hash and i < len(conns)
                 and await _answers(p["address"], p["port"], conns[i])}
@@ -356,7 +373,8 @@ class SshBackend(Backend):
         version, bundle = self._bundle or _source_bundle()
         self._bundle = (version, bundle)
         started = await asyncio.gather(*(
-            self._start(spec, c, token, version, bundle, pick=span if (c.index == 0 and not master_port) else 0)
+            self._start(spec, c, token, version, bundle, pick=span if (c.index == 0 and not master_port) else 0,
+                        pod_hash=pod_hash, secret_env=secret_env, secret_files=secret_files)
             for c in conns if c.index not in keep), return_exceptions=True)
         errors = [str(r) for r in started if isinstance(r, BaseException)]
         pods = {i: old[i] for i in keep}
@@ -377,7 +395,8 @@ class SshBackend(Backend):
                 "pods": [pods[i] for i in sorted(pods)], "_restarted": sorted(set(pods) - keep)}
 
     async def _start(self, spec: DeploymentSpec, c: _Host, token: str, version: str, bundle: bytes,
-                     pick: int) -> dict[str, Any]:
+                     pick: int, pod_hash: str, secret_env: dict[str, str],
+                     secret_files: list[dict[str, Any]]) -> dict[str, Any]:
         src = f"{CACHE}/src-{version}"
         deps = f"{CACHE}/deps-{self._deps_key()}"
         python, missing, env_tag, holds = await self._python(
@@ -392,7 +411,7 @@ class SshBackend(Backend):
                 await self._upload(c, deps, await asyncio.to_thread(self._deps_files))
             path = f"{src}:{deps}"
         image = spec.compute.image
-        env = {**(image.env if image is not None else {}), **spec.compute.env,
+        env = {**(image.env if image is not None else {}), **spec.compute.env, **secret_env,
                "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
                "PYTHONUNBUFFERED": "1"}
         steps = [[kind, list(arg) if kind == "pip_install" else arg]
@@ -400,7 +419,7 @@ class SshBackend(Backend):
         run_dir = f"{CACHE}/run/{spec.name}-{c.index}"
         msg = {"token": token, "env": env, "args": self._server_args(spec, c.index), "run_dir": run_dir,
                "cache_dir": CACHE, "steps": steps, "detached": spec.detached, "bind": c.address,
-               "pick_master_port": pick, "timeout": spec.compute.launch_timeout,
+               "pick_master_port": pick, "timeout": spec.compute.launch_timeout, "secret_files": secret_files,
                "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")}}
         path = path.replace("~", "$HOME")  # expanded after ':' by every shell, unlike '~'
         command = f"cd ~ && PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
@@ -427,7 +446,7 @@ class SshBackend(Backend):
             c.tether = proc  # the server lives as long as this channel
         return {"ordinal": c.index, "name": f"{spec.name}-{c.index}", "host": c.host.address,
                 "address": c.address, "port": reply["port"], "pid": reply["pid"], "run_dir": run_dir,
-                "python": python, "hash": spec.pod_hash(), "master_port": reply.get("master_port")}
+                "python": python, "hash": pod_hash, "master_port": reply.get("master_port")}
 
     async def _python(self, c: _Host, checks: dict[str, str]) -> tuple[str, list[str], str, set[str]]:
         """The host's Python: the one asked for, else the first python3.X at least as new
@@ -647,6 +666,10 @@ class SshBackend(Backend):
             task.result(60)
         finally:
             task.cancel()
+
+
+def _env_of(resolved: list[kt_secrets.Resolved]) -> dict[str, str]:
+    return {k: v for r in resolved for k, v in r.env.items()}
 
 
 def _options(hosts: Hosts) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Run by the client over an SSH channel, with only the standard library and ktlite's source on
 ``PYTHONPATH``. Its first stdin line is JSON: the deployment token, the server's arguments
-and environment (secrets stay off argv, which ``ps`` shows), the image's setup steps, the run
-directory. It makes sure the server's packages import (a per-user cache venv when they do
+and environment (secrets stay off argv, which ``ps`` shows), file secrets (written under the
+run directory's ``secrets/``, 0600), the image's setup steps, the run directory. It makes sure the server's packages import (a per-user cache venv when they do
 not), runs the setup steps, starts the server in a session of its own with its output in
 the run directory's log, hands it the token, waits until it serves and prints one JSON line
 (``{"port", "pid", "python"}`` or ``{"error"}``).
@@ -141,6 +141,29 @@ def bindable(address: str) -> bool:
     return True
 
 
+def write_secret_files(files: list[dict[str, Any]], run: Path) -> dict[str, str]:
+    """The deployment's file secrets, under ``run/secrets`` as under a home (dirs 0700, files
+    0600, never readable by others); the env vars that name them."""
+    import base64
+
+    pointers: dict[str, str] = {}
+    home = run / "secrets"
+    for item in files:
+        target = home / item["path"]
+        if ".." in Path(item["path"]).parts or Path(item["path"]).is_absolute():
+            _fail(f"secret file path {item['path']!r} leaves the run directory")
+        for parent in reversed(target.relative_to(run).parents):
+            (run / parent).mkdir(exist_ok=True, mode=0o700)
+        tmp = target.with_name(target.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(base64.b64decode(item["data"]))
+        os.replace(tmp, target)
+        if item.get("pointer"):
+            pointers[item["pointer"]] = str(target)
+    return pointers
+
+
 def main() -> None:
     msg = json.loads(sys.stdin.readline())
     run = Path(msg["run_dir"]).expanduser()
@@ -166,7 +189,7 @@ def main() -> None:
             "--ready-file", str(ready), *msg["args"]]
     if not msg["detached"]:
         argv.append("--tether-stdin")
-    env = {**os.environ, **msg["env"]}
+    env = {**os.environ, **msg["env"], **write_secret_files(msg.get("secret_files") or [], run)}
     with open(log_path, "ab") as log:
         server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
                                   cwd=run, start_new_session=True)

@@ -1,0 +1,266 @@
+"""Secrets on the Kubernetes backend: the manifests (strictly valid, placeholders in plans), the
+backend against the fake API server (``kube_fake.py``, fake clock: which Secrets it makes,
+updates, adopts, leaves alone and deletes), and the cluster suite's secrets test run against
+the stand-in cluster (``kube_harness.py``: real pod processes reading the env vars and files).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kube_fake as kf
+import kubernetes_validate
+import pytest
+
+import ktlite as kt
+from ktlite import config
+from ktlite.backends import kube_manifests as km
+from ktlite.backends.kube_api import ClusterInfo
+from ktlite.backends.kubernetes import KubernetesBackend
+from ktlite.spec import DeploymentSpec
+
+HERE = Path(__file__).parent
+HOST = "https://fake-apiserver"
+API_TOKEN = "api-bearer-secrets"
+TOKEN = "tok-deployment-1"
+NAME = "job"
+VALUE = "sk-KNOWN-" + uuid.uuid4().hex
+VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No cached clients, no user settings, an empty HOME and no provider variables."""
+    monkeypatch.setattr(KubernetesBackend, "_announced", set())
+    monkeypatch.setattr(KubernetesBackend, "_clients", {})
+    monkeypatch.setenv("KTLITE_HOME", str(tmp_path / "ktlite-home"))
+    for env, _, _ in config.KEYS.values():
+        monkeypatch.delenv(env, raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                 "KUBECONFIG", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HOME", "HF_TOKEN_PATH", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    return home
+
+
+def put(rel: str, text: str) -> Path:
+    path = Path(os.environ["HOME"]) / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.clock = kf.FakeClock()
+        self.fake = kf.FakeKube(token=API_TOKEN, clock=self.clock)
+        self.http = httpx.Client(transport=self.fake, base_url=HOST,
+                                 headers={"authorization": f"Bearer {API_TOKEN}"})
+        self.out = io.StringIO()
+        self.backend = KubernetesBackend(self.http, ClusterInfo(HOST, "fake-ctx", "default", False),
+                                         out=self.out, clock=self.clock, sleep=self.clock.advance)
+
+    def secrets(self) -> dict[str, dict[str, Any]]:
+        return {o["metadata"]["name"]: o for o in self.fake.objects("secrets")}
+
+    def data(self, name: str) -> dict[str, str]:
+        return {k: base64.b64decode(v).decode() for k, v in self.secrets()[name]["data"].items()}
+
+    def writes(self, since: int = 0) -> list[tuple[str, str]]:
+        return [(r.method, r.path) for r in self.fake.requests[since:] if r.method != "GET"]
+
+    def uids(self) -> list[str]:
+        return sorted(p["metadata"]["uid"] for p in self.fake.objects("pods"))
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    yield c
+    c.http.close()
+
+
+def spec(*secrets: Any, name: str = NAME, **compute: Any) -> DeploymentSpec:
+    return DeploymentSpec(name, kt.Compute(backend="kubernetes", secrets=list(secrets), launch_timeout=60,
+                                           **compute).distribute(workers=2))
+
+
+def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    sts = next(o for o in objects if o["kind"] == "StatefulSet")
+    result: dict[str, Any] = sts["spec"]["template"]["spec"]["containers"][0]
+    return result
+
+
+# ---- manifests ---------------------------------------------------------------------------------
+
+def test_kubetorch_form_plan_is_valid_and_holds_placeholders_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    put(".aws/credentials", f"[default]\naws_secret_access_key = {VALUE}\n")
+    put(".aws/config", "[default]\n")
+    put(".kube/config", f"token: {VALUE}\n")
+    put(".ssh/id_ed25519", VALUE)
+    put(".config/gcloud/application_default_credentials.json", f'{{"secret": "{VALUE}"}}')
+    monkeypatch.setenv("HF_TOKEN", VALUE)
+    compute = kt.Compute(backend="kubernetes", secrets=[
+        "aws", "kubeconfig", "ssh", "gcp", "huggingface", "existing-one",
+        kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})])
+    plan = kt.fn(len).to(compute, name=NAME, dryrun=True)
+    text = str(plan)
+    assert VALUE not in text
+    for obj in plan.manifests:
+        for version in VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+    made = {o["metadata"]["name"]: o for o in plan.manifests if o["kind"] == "Secret"}
+    assert sorted(made) == sorted([f"{NAME}-token", *(f"{NAME}-secret-{k}" for k in
+                                   ("aws", "kubeconfig", "ssh", "gcp", "huggingface", "db"))])
+    aws = made[f"{NAME}-secret-aws"]
+    size = len(f"[default]\naws_secret_access_key = {VALUE}\n")
+    assert aws["stringData"]["credentials"] == f"<redacted: {size} bytes from ~/.aws/credentials>"
+    assert aws["metadata"]["labels"] == {**km.labels(NAME), km.SECRET_LABEL: "aws"} and aws["type"] == "Opaque"
+    assert made[f"{NAME}-secret-huggingface"]["stringData"] == {"HF_TOKEN": f"<redacted: {len(VALUE)} bytes from $HF_TOKEN>"}
+    assert "existing-one" not in made  # reused, never made
+
+    c = container(plan.manifests)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": f"{NAME}-secret-huggingface", "key": "HF_TOKEN"}}
+    assert env["DB_PASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": f"{NAME}-secret-db", "key": "DB_PASSWORD"}}
+    assert env["AWS_SHARED_CREDENTIALS_FILE"]["value"] == "/root/.aws/credentials"
+    assert env["AWS_CONFIG_FILE"]["value"] == "/root/.aws/config"
+    assert env["KUBECONFIG"]["value"] == "/root/.kube/config"
+    assert env["GOOGLE_APPLICATION_CREDENTIALS"]["value"] == "/root/.config/gcloud/application_default_credentials.json"
+    assert c["envFrom"] == [{"secretRef": {"name": "existing-one"}}]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/root/.aws/credentials"]["subPath"] == "credentials" and mounts["/root/.aws/credentials"]["readOnly"]
+    assert mounts["/root/.ssh/id_ed25519"]["subPath"] == "id_ed25519"
+    sts = next(o for o in plan.manifests if o["kind"] == "StatefulSet")
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    aws_volume = volumes[mounts["/root/.aws/credentials"]["name"]]["secret"]
+    assert aws_volume["secretName"] == f"{NAME}-secret-aws" and aws_volume["defaultMode"] == 0o400
+    assert aws_volume["items"] == [{"key": "credentials", "path": "credentials", "mode": 0o400},
+                                   {"key": "config", "path": "config", "mode": 0o400}]
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[km.SECRETS_ANNOTATION] == km.TOKEN_PLACEHOLDER
+
+
+def test_render_with_a_token_holds_the_values_and_a_keyed_digest() -> None:
+    s = spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE}))
+    objects = km.render(s, "default", image="img", install="ktlite", token=TOKEN)
+    for obj in objects:
+        kubernetes_validate.validate(obj, VERSIONS[-1], strict=True)
+    db = next(o for o in objects if o["metadata"]["name"] == f"{NAME}-secret-db")
+    assert base64.b64decode(db["data"]["DB_PASSWORD"]).decode() == VALUE
+    digest = container(objects) and next(o for o in objects if o["kind"] == "StatefulSet")[
+        "spec"]["template"]["metadata"]["annotations"][km.SECRETS_ANNOTATION]
+    other = km.render(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE + "x"})), "default",
+                      image="img", install="ktlite", token=TOKEN)
+    assert digest != next(o for o in other if o["kind"] == "StatefulSet")[
+        "spec"]["template"]["metadata"]["annotations"][km.SECRETS_ANNOTATION]
+    assert VALUE not in digest and len(digest) == 16
+
+
+def test_a_secret_of_another_namespace_is_refused() -> None:
+    with pytest.raises(kt.ConfigError, match="own namespace"):
+        km.render(spec(kt.secret(name="db", env_vars={"A": "1"}, namespace="other")), "default",
+                  image="img", install="ktlite")
+
+
+# ---- the backend against the fake API server -----------------------------------------------------
+
+def test_apply_makes_labelled_secrets_and_teardown_deletes_only_those(cluster: Cluster) -> None:
+    put(".aws/credentials", "[default]\nkey = 1\n")
+    cluster.fake.create("secrets", "default", {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "shared"},
+                                                      "stringData": {"TEAM_TOKEN": "t"}})
+    cluster.backend.apply(spec("aws", "shared", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})), TOKEN)
+    assert sorted(cluster.secrets()) == [f"{NAME}-secret-aws", f"{NAME}-secret-db", f"{NAME}-token", "shared"]
+    assert cluster.data(f"{NAME}-secret-db") == {"DB_PASSWORD": VALUE}
+    assert cluster.data(f"{NAME}-secret-aws") == {"credentials": "[default]\nkey = 1\n"}
+    assert cluster.secrets()[f"{NAME}-secret-db"]["metadata"]["labels"][km.NAME_LABEL] == NAME
+    assert VALUE not in cluster.out.getvalue()
+
+    assert cluster.backend.teardown(NAME, timeout=30)
+    assert sorted(cluster.secrets()) == ["shared"], "the user's own Secret stays"
+
+
+def test_an_unchanged_redeploy_writes_nothing_and_a_changed_value_rolls_the_pods(cluster: Cluster) -> None:
+    cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": "one"})), TOKEN)
+    uids, since = cluster.uids(), len(cluster.fake.requests)
+    cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": "one"})), TOKEN)
+    assert cluster.writes(since) == [] and cluster.uids() == uids
+
+    applied = cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": "two"})), TOKEN)
+    assert cluster.data(f"{NAME}-secret-db") == {"DB_PASSWORD": "two"}
+    assert ("PUT", f"/api/v1/namespaces/default/secrets/{NAME}-secret-db") in cluster.writes(since)
+    assert sorted(applied.restarted) == [0, 1] and not set(cluster.uids()) & set(uids)
+
+
+def test_a_secret_no_longer_named_is_deleted_on_redeploy(cluster: Cluster) -> None:
+    cluster.backend.apply(spec(kt.secret(name="a", env_vars={"A": "1"}), kt.secret(name="b", env_vars={"B": "2"})),
+                          TOKEN)
+    cluster.backend.apply(spec(kt.secret(name="a", env_vars={"A": "1"})), TOKEN)
+    assert sorted(cluster.secrets()) == [f"{NAME}-secret-a", f"{NAME}-token"]
+
+
+def test_a_foreign_secret_of_that_name_needs_override(cluster: Cluster) -> None:
+    cluster.fake.create("secrets", "default", {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{NAME}-secret-db"},
+                                                      "stringData": {"DB_PASSWORD": "theirs"}})
+    since = len(cluster.fake.requests)
+    with pytest.raises(kt.ConfigError, match="override=True"):
+        cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})), TOKEN)
+    assert cluster.writes(since) == [], "nothing is made before the clash is found"
+    cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE}, override=True)), TOKEN)
+    assert cluster.data(f"{NAME}-secret-db") == {"DB_PASSWORD": VALUE}
+    assert cluster.secrets()[f"{NAME}-secret-db"]["metadata"]["labels"][km.NAME_LABEL] == NAME
+
+
+@pytest.mark.parametrize(("secret", "message"), [
+    ("not-there", "does not exist in namespace 'default'"),
+    ("aws", "provider 'aws' found nothing"),
+])
+def test_refused_before_anything_is_made(cluster: Cluster, secret: str, message: str) -> None:
+    with pytest.raises(kt.ConfigError, match=message):
+        cluster.backend.apply(spec(secret), TOKEN)
+    assert cluster.writes() == []
+
+
+# ---- the cluster suite's secrets test, against the stand-in cluster ------------------------------
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="the stand-in cluster's pods need root and unshare (own hostname)")
+@pytest.mark.timeout(300)
+def test_cluster_secrets_test_against_the_stand_in_cluster(tmp_path: Path) -> None:
+    with open(tmp_path / "harness.log", "wb") as log:
+        harness = subprocess.Popen([sys.executable, str(HERE / "kube_harness.py"), str(tmp_path)],
+                                   stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "kubeconfig").exists():
+            assert harness.poll() is None, (tmp_path / "harness.log").read_text()
+            assert time.monotonic() < deadline, "the stand-in cluster did not start within 30 s"
+            time.sleep(0.05)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KTLITE_", "PYTEST_", "KUBECONFIG"))}
+        env.update(KTLITE_TEST_KUBECONFIG=str(tmp_path / "kubeconfig"), KTLITE_HOME=str(tmp_path / "ktlite-home"))
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kubernetes",
+                              str(HERE / "kubernetes" / "test_secrets_cluster.py")],
+                             env=env, capture_output=True, text=True, timeout=240, cwd=HERE.parent)
+        tail = "\n".join((run.stdout + run.stderr).splitlines()[-60:])
+        assert run.returncode == 0 and "1 passed" in run.stdout and "skipped" not in run.stdout, tail
+    finally:
+        os.killpg(harness.pid, signal.SIGTERM)
+        try:
+            harness.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(harness.pid, signal.SIGKILL)
+            harness.wait(5)
