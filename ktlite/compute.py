@@ -105,6 +105,32 @@ class Volume:
     mount_path: str = ""
     access_mode: str = "ReadWriteMany"
     storage_class: str | None = None
+    namespace: str | None = None  # Kubetorch's: must be the deployment's (pods mount their own namespace's PVCs)
+    volume_name: str | None = None  # bind the claim to this PersistentVolume
+
+    @classmethod
+    def from_name(cls, name: str, mount_path: str | None = None, **kwargs: Any) -> Volume:
+        """An existing PersistentVolumeClaim, mounted at ``mount_path`` (default ``/<name>``);
+        the same as naming it in ``Compute(volumes=["name"])``."""
+        return cls(name, mount_path=mount_path or "", **kwargs)
+
+    def _refuse(self, what: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"Volume.{what}() is not supported: ktlite creates a kt.Volume's claim with the deployment that "
+            "mounts it and deletes it with teardown(volumes=True) (`ktlite teardown NAME --volumes`); "
+            "look at claims with `kubectl get pvc`")
+
+    def create(self) -> Volume:
+        raise self._refuse("create")
+
+    def delete(self) -> None:
+        raise self._refuse("delete")
+
+    def exists(self) -> bool:
+        raise self._refuse("exists")
+
+    def ssh(self) -> None:
+        raise self._refuse("ssh")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _DNS_LABEL.match(self.name):
@@ -284,6 +310,9 @@ class Compute:
             if isinstance(v, str) and not _DNS_LABEL.match(v):
                 raise ConfigError(f"volumes entry {v!r} is not a valid PVC name (lowercase letters, "
                                   "digits and '-')")
+            if isinstance(v, Volume) and v.namespace and self.namespace and v.namespace != self.namespace:
+                raise ConfigError(f"Volume({v.name!r}, namespace={v.namespace!r}) is not in the deployment's "
+                                  f"namespace {self.namespace!r}; pods mount claims of their own namespace")
             path = v.mount_path if isinstance(v, Volume) else f"/{v}"
             if path.rstrip("/") in _RESERVED_MOUNTS:
                 raise ConfigError(f"volume {v!r} mounts at {path}, which ktlite uses on every pod; "
@@ -386,6 +415,43 @@ class Compute:
                 f"Compute(replicas={self.replicas}) alone asks for load-balanced replicas of one "
                 "service, which ktlite does not support yet. For N pods that each run every call, "
                 f"use .distribute('spmd', workers={self.replicas})")
+
+    # Kubetorch's live operations on a Compute's pods: ktlite's Compute describes pods and is
+    # not bound to a deployment, so each names what to use instead
+    def _live(self, what: str, instead: str) -> NotImplementedError:
+        return NotImplementedError(f"compute.{what} is not supported: a ktlite Compute describes pods and "
+                                   f"is not bound to a deployment; {instead}")
+
+    def pip_install(self, *args: Any, **kwargs: Any) -> None:
+        raise self._live("pip_install()", "put the packages in the image, kt.Image(...).pip_install([...]), "
+                         "and .to() again (installed at pod start, cached per pod)")
+
+    def run_bash(self, *args: Any, **kwargs: Any) -> None:
+        raise self._live("run_bash()", "run the command from a function on the pods, e.g. "
+                         "kt.fn(setup).to(compute), or at pod start with kt.Image(...).run_bash(cmd)")
+
+    def sync_package(self, *args: Any, **kwargs: Any) -> None:
+        raise self._live("sync_package()", "ktlite ships the local packages your code imports with every .to()")
+
+    def ssh(self, *args: Any, **kwargs: Any) -> None:
+        raise self._live("ssh()", "`kubectl exec -it NAME-0 -- bash` opens a shell in pod 0")
+
+    def pods(self) -> None:
+        raise self._live("pods()", "remote.status() lists the deployment's pods and ranks")
+
+    def is_up(self) -> None:
+        raise self._live("is_up()", "remote.status() (or `ktlite status NAME`) answers it")
+
+    def autoscale(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("compute.autoscale() (Knative autoscaling) is not supported by ktlite; for N pods "
+                                  "that each run every call use .distribute('spmd', workers=N); load-balanced, "
+                                  "autoscaled serving is not built yet")
+
+    @classmethod
+    def from_manifest(cls, *args: Any, **kwargs: Any) -> Compute:
+        raise NotImplementedError("Compute.from_manifest() (bring your own manifest) is not supported by ktlite: "
+                                  "ktlite builds its own manifests from kt.Compute's fields (service_template= "
+                                  "merges extra fields into them; `ktlite deploy --dry-run` prints them)")
 
     @property
     def inactivity_seconds(self) -> float | None:

@@ -125,7 +125,11 @@ class Image:
             f"Image.copy({source!r}) is not supported: ktlite ships the code your function imports with "
             "every .to(); for data files use kt.put(key, path) here and kt.get(key, dest) on the pods")
 
-    rsync = copy
+    def rsync(self, source: str, dest: str | None = None, *args: Any, **kwargs: Any) -> Image:
+        raise NotImplementedError(
+            f"Image.rsync({source!r}) (Kubetorch's old name of copy) is not supported: ktlite ships the code "
+            "your function imports with every .to(); for data files use kt.put(key, path) here and "
+            "kt.get(key, dest) on the pods")
 
     def pip_install(self, packages: str | list[str], force: bool = False) -> Image:
         """Install ``packages`` at pod start (cached across container restarts of a pod);

@@ -109,7 +109,16 @@ class _Source:
                       restart=restart_procs or compute.restart_procs)
 
 
-class Fn(_Source):
+class _ToAsync:
+    async def to_async(self, *args: Any, **kwargs: Any) -> Any:
+        """``.to(...)`` as a coroutine (Kubetorch's ``to_async``): the deploy runs in a thread,
+        so several can be awaited together with ``asyncio.gather``."""
+        import asyncio
+
+        return await asyncio.to_thread(self.to, *args, **kwargs)  # type: ignore[attr-defined]
+
+
+class Fn(_Source, _ToAsync):
     """A function ready to be deployed: ``kt.fn(train).to(kt.Compute(cpus=1))``."""
 
     kind = "fn"
@@ -151,7 +160,7 @@ class Fn(_Source):
         raise NotDeployedError(f"{self!r} is not deployed: call .to(kt.Compute(...)) first")
 
 
-class Cls(_Source):
+class Cls(_Source, _ToAsync):
     """A class ready to be deployed: ``kt.cls(Model).to(compute, init_args={...})``."""
 
     kind = "cls"

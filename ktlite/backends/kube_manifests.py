@@ -379,6 +379,8 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
                                           "resources": {"requests": {"storage": vol.size}}}
             if vol.storage_class:
                 claim_spec["storageClassName"] = vol.storage_class
+            if vol.volume_name:
+                claim_spec["volumeName"] = vol.volume_name
             claims.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                            "metadata": {**meta, "name": vol.name}, "spec": claim_spec})
     statefulsets = []
