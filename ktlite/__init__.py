@@ -23,10 +23,12 @@ _EXPORTS = {
     "Future": "ktlite.futures",
     "Host": "ktlite.hosts", "Hosts": "ktlite.hosts",
     "PerRank": "ktlite.rankdata", "per_rank": "ktlite.rankdata",
+    "get": "ktlite.store", "ls": "ktlite.store", "put": "ktlite.store", "rm": "ktlite.store",
     "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
-        "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
+        "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DataStoreError", "DeployError",
+        "KtliteError",
         "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout",
         "RankDied", "RankFailure", "RemoteError", "RemoteException", "ReplicaFailed",
         "SerializationError")},
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
         CallCancelled,
         CallTimeout,
         ConfigError,
+        DataStoreError,
         DeployError,
         KtliteError,
         LaunchTimeout,
@@ -61,6 +64,7 @@ if TYPE_CHECKING:
     from ktlite.images import Image
     from ktlite.rankdata import PerRank, per_rank
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
+    from ktlite.store import get, ls, put, rm
 
 
 # The submodule ktlite.compute (kt.Compute) shares its name with the @kt.compute decorator:
@@ -91,6 +95,7 @@ __all__ = [
     "Cls",
     "Compute",
     "ConfigError",
+    "DataStoreError",
     "DeployError",
     "Fn",
     "Future",
@@ -121,6 +126,10 @@ __all__ = [
     "distribute",
     "distributed",
     "fn",
+    "get",
     "images",
+    "ls",
     "per_rank",
+    "put",
+    "rm",
 ]

@@ -353,6 +353,8 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped")
     rn.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
     where(rn)
+    from ktlite import store_cli
+    store_cli.add_commands(command, where)
     cf = command("config", "read and change settings", "ktlite config set backend kubernetes", _config)
     cf.add_argument("action", choices=["get", "set", "unset", "list"])
     cf.add_argument("key", nargs="?", default=None, choices=sorted(config.KEYS))

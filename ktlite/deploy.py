@@ -138,6 +138,10 @@ class Deployment:
                 "master_port": self.applied.master_port, "max_restarts": self.spec.compute.max_restarts,
                 "cpus": self.spec.compute.cpu_count, "restart": restart,
                 "concurrency": self.spec.concurrency, "load_timeout": timeout}
+        from ktlite.store import handoff
+        store = handoff(self.backend)  # where the data store is, for kt.put/get in the ranks
+        if store is not None:
+            base["store"] = store
 
         names = [ep.name for ep in self.endpoints]
 
