@@ -101,6 +101,9 @@ class StoreClient:
         if resp.status_code == 401:
             raise AuthError(f"{self.describe} refused the store token (HTTP 401) for {what}; the store "
                             "was probably re-created: call .to() again to hand the pods its new token")
+        if not detail.strip():  # not the store's server (it always explains itself)
+            raise DataStoreError(f"{self.describe} answered HTTP {resp.status_code} with no detail to "
+                                 f"{what}; is the store server there?" + self._hint(), key=key)
         if resp.status_code == 400:
             raise ConfigError(detail)
         raise DataStoreError(detail, key=key)
