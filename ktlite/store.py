@@ -171,18 +171,15 @@ def _open(backend: str | None, namespace: str | None, create: bool, absent_ok: b
     from ktlite.backends.kubernetes import KubernetesBackend
     from ktlite.store_client import StoreClient
     kube = KubeStore(KubernetesBackend.shared(namespace))
-    if create:
-        address = kube.ensure(timeout=_timeout())
-    else:
-        address = kube.find()
-        if address is None:
-            if kube.exists():  # made, not running yet (or being replaced): wait for it
-                address = kube.ensure(timeout=_timeout())
-            elif absent_ok:
-                return None
-            else:
-                raise DataStoreError(f"there is no data store in namespace {kube.api.namespace!r} yet: "
-                                     "kt.put creates it")
+    address = kube.find()
+    if address is None or not kube.answers(address):
+        if create or kube.exists():  # to make, or made and not answering yet (being replaced)
+            address = kube.ensure(timeout=_timeout())
+        elif absent_ok:
+            return None
+        else:
+            raise DataStoreError(f"there is no data store in namespace {kube.api.namespace!r} yet: "
+                                 "kt.put creates it")
     return _Remote(StoreClient(address.url, address.token, http=address.http,
                                describe=f"the data store pod {address.pod} in namespace {address.namespace!r}",
                                stale_hint="`ktlite store status` shows the store's state"))

@@ -156,7 +156,10 @@ class Pods:
                 pod = self.fake.get("pods", NAMESPACE, name)
                 if pod is None or pod["metadata"]["uid"] != uid or pod["metadata"].get("deletionTimestamp"):
                     _stop(proc)
-                    hole = _black_hole(ip)
+                    try:
+                        hole = _black_hole(ip)
+                    except OSError:  # the address is not free yet: the next round tries again
+                        continue
                     with self.lock:
                         self.procs.pop(uid, None)
                         self.holes.append(hole)

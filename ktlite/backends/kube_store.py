@@ -188,7 +188,7 @@ class KubeStore:
                     last = line
                 if (pod.get("status") or {}).get("podIP"):
                     address = self._address(api, pod, token)
-                    if self._answers(address):
+                    if self.answers(address):
                         return address
                 problem = diagnose(pod, claims=lambda p: self._claim_problem(api))
                 if problem is not None:
@@ -211,7 +211,7 @@ class KubeStore:
                                      "KTLITE_STORE_TIMEOUT")
             sleep(min(1.0, 0.1 + (clock() - start) / 20))
 
-    def _answers(self, address: StoreAddress) -> bool:
+    def answers(self, address: StoreAddress) -> bool:
         try:
             client = address.http or httpx
             return bool(client.get(f"{address.url}/health", timeout=3.0).status_code == 200)
