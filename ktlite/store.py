@@ -4,7 +4,7 @@ a namespace, from the caller's machine and from inside pods.
 Where the values live:
 
 - backend ``local``: the directory ``$KTLITE_HOME/store/<namespace or "default">`` (local
-  pods get the same ``KTLITE_HOME``, so their ranks use the same directory);
+  pods are handed its home, so their ranks use the same directory);
 - backend ``kubernetes``: the namespace's ``ktlite-store`` pod and its PVC, created by the
   first ``put`` (``ktlite.backends.kube_store``); inside a pod, at the address the client
   handed the pod when it pushed the deployment's code.
@@ -153,15 +153,22 @@ def _backend_name(backend: str | None) -> str:
     return chosen
 
 
+def _local_namespace(namespace: str | None) -> str:
+    return namespace or os.environ.get("KTLITE_STORE_NAMESPACE") or config.get("namespace") or "default"
+
+
 def local_root(namespace: str | None = None) -> Path:
-    return config.home() / "store" / (namespace or config.get("namespace") or "default")
+    """The local backend's store directory (local pods are handed the caller's home as
+    KTLITE_STORE_HOME, and the deployment's namespace as KTLITE_STORE_NAMESPACE)."""
+    home = Path(os.environ["KTLITE_STORE_HOME"]) if os.environ.get("KTLITE_STORE_HOME") else config.home()
+    return home / "store" / _local_namespace(namespace)
 
 
 def _open(backend: str | None, namespace: str | None, create: bool, absent_ok: bool = False) -> Any:
     name = _backend_name(backend)
     if name == "local":
-        ns = namespace or config.get("namespace") or "default"
-        return _Local(StoreDir(local_root(ns), where=f"of namespace {ns!r} ({local_root(ns)})"))
+        root = local_root(namespace)
+        return _Local(StoreDir(root, where=f"of namespace {_local_namespace(namespace)!r} ({root})"))
     if name == "ssh":
         raise DataStoreError("the data store is not available on the ssh backend; use backend='local' "
                              "or 'kubernetes'")

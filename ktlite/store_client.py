@@ -134,16 +134,16 @@ class StoreClient:
         return entries
 
     def remove(self, key: str, recursive: bool) -> None:
-        sent = False
+        attempts = 0
 
         def attempt() -> None:
-            nonlocal sent
+            nonlocal attempts
+            attempts += 1
             resp = self.http.delete(self.url + PREFIX + "/key", headers=self._headers(),
                                     params={"key": key, "recursive": "1" if recursive else "0"},
                                     timeout=self._timeout())
-            if resp.status_code == 404 and sent and "no key" in resp.text:
-                return  # an earlier attempt removed it and lost the answer
-            sent = True
+            if resp.status_code == 404 and attempts > 1 and "no key" in resp.text:
+                return  # an earlier attempt may have removed it and lost the answer
             self._check(resp, f"rm {key!r}", key)
         self._run(f"rm {key!r}", attempt)
 

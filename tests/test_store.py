@@ -104,6 +104,8 @@ def test_progress_is_quiet_unless_a_tty_or_forced(monkeypatch: pytest.MonkeyPatc
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KTLITE_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("KTLITE_NAMESPACE", raising=False)
+    monkeypatch.delenv("KTLITE_STORE_HOME", raising=False)
+    monkeypatch.delenv("KTLITE_STORE_NAMESPACE", raising=False)
     monkeypatch.delenv("KTLITE_BACKEND", raising=False)
     return tmp_path / "home"
 
@@ -308,7 +310,7 @@ def _rank_puts_and_gets(tag: str) -> dict[str, object]:
     seen = kt.get(f"{tag}/from-caller")
     out = kt.get(f"{tag}/dir", f"/tmp/{tag}-rank-{rank}")
     return {"rank": rank, "seen": seen, "files": sorted(p.name for p in out.iterdir()),
-            "home": os.environ.get("KTLITE_HOME")}
+            "home": os.environ.get("KTLITE_STORE_HOME")}
 
 
 @pytest.mark.timeout(120)
@@ -328,6 +330,53 @@ def test_ranks_of_a_deployed_fn_share_the_callers_store(home: Path, tmp_path: Pa
     assert all(r["home"] == str(home) for r in results)
     assert kt.get(f"{tag}/from-rank-0") == {"rank": 0}
     assert kt.get(f"{tag}/from-rank-1") == {"rank": 1}
+
+
+def _rank_puts(tag: str) -> str:
+    import os
+
+    import ktlite as kt
+    kt.put(f"{tag}/r{os.environ['RANK']}", data="x")
+    return os.environ.get("KTLITE_STORE_NAMESPACE", "")
+
+
+@pytest.mark.timeout(120)
+def test_ranks_use_their_deployments_namespace(home: Path) -> None:
+    tag = f"t{uuid.uuid4().hex[:6]}"
+    remote = kt.fn(_rank_puts, name=f"store-ns-{tag}").to(kt.Compute(cpus=1, namespace="team-x"))
+    try:
+        assert remote(tag) == "team-x"
+    finally:
+        remote.teardown()
+    assert kt.get(f"{tag}/r0", namespace="team-x") == "x"
+    with pytest.raises(DataStoreError, match="no key"):
+        kt.get(f"{tag}/r0")
+
+
+def test_a_broken_directory_upload_leaves_nothing(store_server: str, tmp_path: Path) -> None:
+    """The store server unpacks a directory while it arrives; a stream that breaks leaves the
+    old value and no staged files, and the server is not stuck waiting for the rest."""
+    import httpx
+    auth = {"x-ktlite-token": "Bearer store-secret"}
+    httpx.put(f"{store_server}/store/v1/key", params={"key": "d"}, content=b"old", headers=auth)
+    _, chunks = tar_stream(_tree(tmp_path / "src"))
+
+    def broken() -> Iterator[bytes]:
+        for i, chunk in enumerate(chunks):
+            if i == 3:
+                raise OSError("connection lost")
+            yield chunk
+
+    with pytest.raises(OSError):
+        httpx.put(f"{store_server}/store/v1/key", params={"key": "d", "kind": "dir"}, content=broken(),
+                  headers=auth)
+    t0 = time.monotonic()
+    assert httpx.get(f"{store_server}/store/v1/key", params={"key": "d"}, headers=auth).content == b"old"
+    deadline = time.monotonic() + 10
+    while list((tmp_path / "pvc" / "tmp").iterdir()):  # the server cleans up when it sees the break
+        assert time.monotonic() < deadline, list((tmp_path / "pvc" / "tmp").iterdir())
+        time.sleep(0.05)
+    assert time.monotonic() - t0 < 10
 
 
 # ---- the store server (the Kubernetes store pod's), served for real ----------------------------------

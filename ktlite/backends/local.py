@@ -219,9 +219,9 @@ class LocalBackend(Backend):
         env["KTLITE_POD_ORDINAL"] = str(ordinal)
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
-        env["KTLITE_HOME"] = str(config.home())  # kt.put/get in the ranks: the same data store
+        env["KTLITE_STORE_HOME"] = str(config.home())  # kt.put/get in the ranks: the caller's store
         if spec.compute.namespace:
-            env["KTLITE_NAMESPACE"] = spec.compute.namespace
+            env["KTLITE_STORE_NAMESPACE"] = spec.compute.namespace
         env["PYTHONUNBUFFERED"] = "1"
         return env
 

@@ -62,6 +62,7 @@ class _BodyReader:
             if item is _END:
                 self.done = True
             elif isinstance(item, BaseException):
+                self.done = True  # the feeder stopped: nothing more will come
                 raise item
             else:
                 self.buf += item
