@@ -109,7 +109,7 @@ def get(key: str, dest: str | os.PathLike[str] | None = None, *, namespace: str 
             progress.close()
 
     try:
-        what, value = store.fetch(key, receive)
+        _, value = store.fetch(key, receive)
     finally:
         store.close()
     return value

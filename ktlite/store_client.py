@@ -175,16 +175,12 @@ class StoreClient:
                 counted = _Counted(resp.iter_raw(1 << 20))
                 try:
                     result = receive(entry, iter(counted))
-                except (httpx.TransportError, _Truncated) as e:
+                except httpx.TransportError as e:
                     raise _Retry(f"the download broke: {e!r}") from e
                 if length >= 0 and counted.n != length:
                     raise _Retry(f"the download ended after {counted.n} of {length} bytes")
                 return result
         return self._run(what, attempt)
-
-
-class _Truncated(Exception):
-    pass
 
 
 class _Counted:
