@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import os
 import shutil
 import signal
@@ -358,5 +359,22 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(harness: Path, tmp
         api_after = kt.ls(tag)  # a deployment's teardown leaves the store
         assert api_after
         kt.rm(tag, recursive=True)
-        for client in closing:
-            client.close()
+    # the CLI: status names the store's current address; teardown keeps the data's claim
+    status = _cli("store", "status")
+    new_ip = api.get("Pod", ks.POD)["status"]["podIP"]  # type: ignore[index]
+    assert status.returncode == 0 and f"http://{new_ip}:{km.SERVER_PORT}" in status.stdout, status.stderr
+    assert _cli("put", "cli/k", "--value", "v").returncode == 0
+    assert json.loads(_cli("get", "cli/k").stdout) == "v"
+    down = _cli("store", "teardown")
+    assert "torn down (its PersistentVolumeClaim and data are kept" in down.stdout
+    assert api.get("StatefulSet", ks.NAME) is None and api.get("PersistentVolumeClaim", ks.CLAIM) is not None
+    assert "none" in _cli("store", "status").stdout
+    with pytest.raises(DataStoreError, match="no data store in namespace 'default' yet"):
+        kt.get("cli/k")
+    for client in closing:
+        client.close()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ktlite.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ))
