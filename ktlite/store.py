@@ -38,7 +38,8 @@ Receive = Callable[[dict[str, Any], Iterator[bytes]], Any]
 # ---- public API ----------------------------------------------------------------------------
 
 def put(key: str, src: Any = _MISSING, *, data: Any = _MISSING, namespace: str | None = None,
-        backend: str | None = None) -> None:
+        backend: str | None = None, locale: str = "store", force: bool = False,
+        verbose: bool = False) -> None:
     """Store a file, a directory or a Python object under ``key``, replacing what was there.
 
     Args:
@@ -49,12 +50,17 @@ def put(key: str, src: Any = _MISSING, *, data: Any = _MISSING, namespace: str |
         namespace: the store's namespace (default: ``ktlite config``'s, else the
             kubeconfig context's on Kubernetes, "default" locally).
         backend: "local" or "kubernetes" (default: ``ktlite config``'s backend).
+        locale, force, verbose: Kubetorch's; only ``locale="store"`` exists here, a put always
+            replaces (``force``), and ``verbose`` changes nothing (big transfers show progress).
 
     Example:
         >>> kt.put("datasets/mnist", "./mnist")          # a directory
         >>> kt.put("runs/1/config", {"lr": 0.1})         # an object
     """
     key = check_key(key)
+    if locale != "store":
+        raise ConfigError(f"locale={locale!r}: ktlite's data store keeps every value in the store "
+                          "(locale='store'); Kubetorch's peer-to-peer locale='local' is not supported")
     if (src is _MISSING) == (data is _MISSING):
         raise ConfigError("kt.put(key, src) takes a path or an object as src, or data=<object>; "
                           "give exactly one of them")
@@ -78,13 +84,14 @@ def put(key: str, src: Any = _MISSING, *, data: Any = _MISSING, namespace: str |
 
 
 def get(key: str, dest: str | os.PathLike[str] | None = None, *, namespace: str | None = None,
-        backend: str | None = None) -> Any:
+        backend: str | None = None, force: bool = False, verbose: bool = False) -> Any:
     """Fetch ``key``: a Python object is returned; a file or directory is written to ``dest``
     (default: the key's last segment in the current directory) and its path returned.
 
     A file goes into ``dest`` if that is an existing directory, else to ``dest`` itself. A
     directory becomes ``dest``, or is merged into it if it exists (files of the same name
     are replaced). Every file is written to a temporary name and renamed into place.
+    ``force`` and ``verbose`` are Kubetorch's and change nothing (files are always replaced).
     """
     key = check_key(key)
     store = _open(backend, namespace, create=False)
@@ -116,7 +123,7 @@ def get(key: str, dest: str | os.PathLike[str] | None = None, *, namespace: str 
 
 
 def ls(prefix: str = "", *, recursive: bool = False, namespace: str | None = None,
-       backend: str | None = None, key: str | None = None) -> list[dict[str, Any]]:
+       backend: str | None = None, key: str | None = None, verbose: bool = False) -> list[dict[str, Any]]:
     """The entries under ``prefix`` (``key`` is Kubetorch's name for it): each a dict with
     ``key``, ``name`` (directories end in '/'), ``type`` ("file", "dir" or "object"),
     ``size`` in bytes and ``is_directory``. With ``recursive``, every file and object below.
@@ -134,7 +141,7 @@ def ls(prefix: str = "", *, recursive: bool = False, namespace: str | None = Non
 
 
 def rm(key: str, recursive: bool = False, *, namespace: str | None = None,
-       backend: str | None = None) -> None:
+       backend: str | None = None, verbose: bool = False) -> None:
     """Delete ``key``; a directory only with ``recursive=True``."""
     key = check_key(key, allow_root=recursive)
     store = _open(backend, namespace, create=False)

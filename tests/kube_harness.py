@@ -70,7 +70,7 @@ class Pods:
             return kf.unschedulable("0/3 nodes are available: 3 Insufficient cpu. preemption: 0/3 "
                                     "nodes are available: 3 No preemption victims found for "
                                     "incoming pod.")
-        ip = f"127.0.0.{next(self.ips)}"
+        ip = self._free_ip()
         proc = self._start(pod, ip)
         with self.lock:
             self.procs[pod["metadata"]["uid"]] = (proc, pod["metadata"]["name"], ip)
@@ -82,6 +82,21 @@ class Pods:
                 return kf.terminated_error(exit_code=code).status(ctx)
             return (kf.ready(ip) if up() else kf.running_not_ready(ip)).status(ctx)
         return kf.PodState(status, ip=ip)
+
+    def _free_ip(self) -> str:
+        """The next loopback address whose pod port no one holds: other stand-in clusters (other
+        test runs on this machine) hand out the same addresses."""
+        for n in self.ips:
+            if n % 256 in (0, 255):
+                continue
+            ip = f"127.0.{n // 256}.{n % 256}"
+            with socket.socket() as probe:
+                try:
+                    probe.bind((ip, SERVER_PORT))
+                except OSError:
+                    continue
+            return ip
+        raise AssertionError("unreachable: the counter is endless")
 
     def _env(self, pod: dict[str, Any], ip: str) -> dict[str, str]:
         env: dict[str, str] = {}

@@ -238,6 +238,14 @@ def test_an_image_that_cannot_be_pulled_fails_early(make_cluster: Callable[..., 
     assert c.clock() < 60
 
 
+def test_a_store_server_that_exits_shows_its_log(make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(lambda pod: [(0, kf.pending()), (2, kf.terminated_error(
+        exit_code=1, logs="OSError: [Errno 98] Address already in use\n"))])
+    with pytest.raises(DataStoreError, match="(?s)exited while starting.*last lines of its log:\n"
+                       "OSError: \\[Errno 98\\] Address already in use"):
+        c.store.ensure(timeout=300)
+
+
 def test_a_pod_that_never_answers_times_out_saying_what_was_awaited(
         make_cluster: Callable[..., Cluster]) -> None:
     c = make_cluster()  # ready, but no server behind the proxy

@@ -167,6 +167,17 @@ def test_objects_by_value(home: Path) -> None:
         kt.get("runs/1/config", "somewhere")
 
 
+def test_kubetorch_keywords_are_accepted(home: Path, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    kt.put(key="k/f", src=str(tmp_path / "f"), locale="store", force=True, verbose=True)
+    assert kt.get(key="k/f", dest=tmp_path / "g", force=True, verbose=True).read_text() == "x"
+    assert [e["key"] for e in kt.ls(key="k", verbose=True)] == ["k/f"]
+    with pytest.raises(ConfigError, match="locale='local' is not supported"):
+        kt.put("k/f", str(tmp_path / "f"), locale="local")
+    kt.rm(key="k", recursive=True, verbose=True)
+    assert kt.ls() == []
+
+
 def test_a_string_src_must_be_a_path(home: Path) -> None:
     with pytest.raises(ConfigError, match="no such file or directory; to store a string"):
         kt.put("k", "/no/such/path")

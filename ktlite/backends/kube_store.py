@@ -193,9 +193,11 @@ class KubeStore:
                 problem = diagnose(pod, claims=lambda p: self._claim_problem(api))
                 if problem is not None:
                     if problem.fatal:
+                        log = api.pod_log(POD, tail=20) if problem.want_logs else ""
                         raise DataStoreError(f"the data store cannot start: pod {POD} in namespace "
                                              f"{api.namespace!r}: {problem.message}"
-                                             + (f"; {problem.fix}" if problem.fix else ""))
+                                             + (f"; {problem.fix}" if problem.fix else "")
+                                             + (f"\nlast lines of its log:\n{log.rstrip()}" if log.strip() else ""))
                     reason = problem.message
             if clock() - start > timeout:
                 claim = api.get("PersistentVolumeClaim", CLAIM)
