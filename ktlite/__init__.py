@@ -24,10 +24,12 @@ _EXPORTS = {
     "Host": "ktlite.hosts", "Hosts": "ktlite.hosts",
     "PerRank": "ktlite.rankdata", "per_rank": "ktlite.rankdata",
     "Secret": "ktlite.secrets", "secret": "ktlite.secrets",
+    "get": "ktlite.store", "ls": "ktlite.store", "put": "ktlite.store", "rm": "ktlite.store",
     "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
-        "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
+        "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DataStoreError", "DeployError",
+        "KtliteError",
         "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout",
         "RankDied", "RankFailure", "RemoteError", "RemoteException", "ReplicaFailed",
         "SerializationError",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
         CallTimeout,
         ConfigError,
         ControllerRequestError,
+        DataStoreError,
         DeployError,
         ImagePullError,
         KnativeServiceConflictError,
@@ -93,6 +96,7 @@ if TYPE_CHECKING:
     from ktlite.rankdata import PerRank, per_rank
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
     from ktlite.secrets import Secret, secret
+    from ktlite.store import get, ls, put, rm
 
 
 # The submodule ktlite.compute (kt.Compute) shares its name with the @kt.compute decorator:
@@ -131,6 +135,7 @@ __all__ = [
     "Compute",
     "ConfigError",
     "ControllerRequestError",
+    "DataStoreError",
     "DebugConfig",
     "DeployError",
     "Endpoint",
@@ -184,7 +189,11 @@ __all__ = [
     "distribute",
     "distributed",
     "fn",
+    "get",
     "images",
+    "ls",
     "per_rank",
+    "put",
+    "rm",
     "secret",
 ]

@@ -432,6 +432,8 @@ def _parser() -> argparse.ArgumentParser:
         rc = command(name, f"Kubetorch's `kt {name}`: not in ktlite ({instead.split(';')[0]})",
                      f"ktlite {name}", _refused)
         rc.add_argument("rest", nargs=argparse.REMAINDER)
+    from ktlite import store_cli
+    store_cli.add_commands(command, where)
     cf = command("config", "read and change settings", "ktlite config set backend kubernetes", _config)
     cf.add_argument("action", choices=["get", "set", "unset", "list"])
     cf.add_argument("key", nargs="?", default=None, choices=sorted(config.KEYS))

@@ -142,12 +142,18 @@ class Deployment:
                 "cpus": self.spec.compute.cpu_count, "restart": restart,
                 "concurrency": self.spec.concurrency, "load_timeout": timeout,
                 "single": self.spec.compute.distributed is None}
+        from ktlite.store import handoff
+        # where the data store is, for kt.put/get in the ranks: read while the pods are asked for
+        # /health (queued before them: a one() waiting for it never holds up its task)
+        store = _pool.submit(handoff, self.backend)
 
         names = [ep.name for ep in self.endpoints]
 
         def one(ep: Any) -> list[Any]:
             self._wait_healthy(ep.url, timeout)
             msg = {**base, "ordinal": ep.ordinal}
+            if store.result() is not None:
+                msg["store"] = store.result()
             if d.engine:
                 msg["engine"] = engines.engine_settings(self.spec, ep.ordinal, ips, names, self.applied.master_port,
                                                         self.launch_id, self.endpoints[0].peer_url,

@@ -16,6 +16,7 @@ Hierarchy::
     ├── PodUnreachable (ConnectionError)   a pod's server cannot be reached or died mid-call
     ├── AuthError                          the server refused the deployment token
     ├── ProtocolMismatch                   client and server speak different protocol versions
+    ├── DataStoreError                     kt.put/get/ls/rm failed: a missing key, an unreachable store
     └── RemoteError                        one or more ranks failed a call
         ├── RemoteException                a rank raised an exception that cannot be rebuilt here
         ├── RankDied                       a rank process exited during the call
@@ -150,6 +151,15 @@ class ProtocolMismatch(KtliteError):
 
 VersionMismatchError = ProtocolMismatch  # Kubetorch's name
 ServiceHealthError = PodUnreachable  # Kubetorch's name: a pod that does not answer
+
+
+class DataStoreError(KtliteError):
+    """The data store (``kt.put/get/ls/rm``) failed: a missing key, a key of another type, a
+    store that cannot be created or reached. ``key`` names the key concerned, if any."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass

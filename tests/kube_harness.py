@@ -72,7 +72,7 @@ class Pods:
             return kf.unschedulable("0/3 nodes are available: 3 Insufficient cpu. preemption: 0/3 "
                                     "nodes are available: 3 No preemption victims found for "
                                     "incoming pod.")
-        ip = f"127.0.0.{next(self.ips)}"
+        ip = self._free_ip()
         proc = self._start(pod, ip)
         with self.lock:
             self.procs[pod["metadata"]["uid"]] = (proc, pod["metadata"]["name"], ip)
@@ -89,6 +89,21 @@ class Pods:
         # the store itself: fake.get() would run the controllers again, re-entrantly, from
         # inside the pod creation that called behavior()
         return self.fake._store.get(("secrets", NAMESPACE, name)) or {}
+
+    def _free_ip(self) -> str:
+        """The next loopback address whose pod port no one holds: other stand-in clusters (other
+        test runs on this machine) hand out the same addresses."""
+        for n in self.ips:
+            if n % 256 in (0, 255):
+                continue
+            ip = f"127.0.{n // 256}.{n % 256}"
+            with socket.socket() as probe:
+                try:
+                    probe.bind((ip, SERVER_PORT))
+                except OSError:
+                    continue
+            return ip
+        raise AssertionError("unreachable: the counter is endless")
 
     def _env(self, pod: dict[str, Any], ip: str) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -208,7 +223,10 @@ class Pods:
                 pod = self.fake.get("pods", NAMESPACE, name)
                 if pod is None or pod["metadata"]["uid"] != uid or pod["metadata"].get("deletionTimestamp"):
                     _stop(proc)
-                    hole = _black_hole(ip)
+                    try:
+                        hole = _black_hole(ip)
+                    except OSError:  # the address is not free yet: the next round tries again
+                        continue
                     with self.lock:
                         self.procs.pop(uid, None)
                         self.holes.append(hole)

@@ -49,7 +49,8 @@ class Counter:
         return self.total
 '''
 
-COMMANDS = ["deploy", "list", "status", "logs", "call", "teardown", "run", "config"]
+COMMANDS = ["deploy", "list", "status", "logs", "call", "teardown", "run", "config", "put", "get", "ls", "rm",
+            "store"]
 
 
 @dataclass

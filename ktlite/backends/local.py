@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ktlite import config
 from ktlite import secrets as kt_secrets
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.compute import parse_memory
@@ -223,6 +224,9 @@ class LocalBackend(Backend):
         env["KTLITE_POD_ORDINAL"] = str(ordinal)
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
+        env["KTLITE_STORE_HOME"] = str(config.home())  # kt.put/get in the ranks: the caller's store
+        if spec.compute.namespace:
+            env["KTLITE_STORE_NAMESPACE"] = spec.compute.namespace
         env["PYTHONUNBUFFERED"] = "1"
         return env
 

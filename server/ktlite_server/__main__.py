@@ -95,6 +95,10 @@ def main() -> None:
         token = sys.stdin.readline().strip()
     if not token:
         raise SystemExit("KTLITE_TOKEN is not set: the server refuses to run without a deployment token")
+    if os.environ.get("KTLITE_STORE_ROOT"):  # the namespace's data store pod (kt.put/get)
+        from ktlite_server.store import serve
+        serve(os.environ["KTLITE_STORE_ROOT"], token, args.host, args.port, args.ready_file)
+        return
     max_body = int(os.environ.get("KTLITE_MAX_BODY", DEFAULT_MAX_BODY))
     pod = Pod(args.pod, args.ordinal, procs=args.procs)
     app = create_app(pod, token, max_body=max_body)

@@ -241,6 +241,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         if dep.ordinal != pod.ordinal:
             raise HTTPException(400, f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} "
                                      f"(ordinal {pod.ordinal})")
+        if "store" in msg:  # the data store's address, for kt.put/get in the ranks
+            from ktlite_server.store import remember
+            remember(msg["store"], pod.pod_ips_file)
         # a launch is installed once: a caller that lost the answer (a proxy dropped it) sends
         # the same launch again and gets the same answer
         deploys: collections.OrderedDict[str, asyncio.Task[Any]] = state["deploys"]

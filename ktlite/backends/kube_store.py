@@ -1,0 +1,259 @@
+"""The data store on Kubernetes: one ``ktlite-store`` pod per namespace, made on first use.
+
+Objects (nothing for an administrator to install): a Secret ``ktlite-store-token`` (the store's
+own token), a PersistentVolumeClaim ``ktlite-store`` (the data; kept when the store is torn
+down unless asked), and a StatefulSet ``ktlite-store`` of one pod running the ktlite server
+image with ``KTLITE_STORE_ROOT=/store`` (``ktlite_server.store``). They are labelled
+``ktlite.dev/store=ktlite-store`` and not ``ktlite.dev/name`` nor managed-by ``ktlite``: the
+store is no deployment, so ``ktlite list`` does not show it and ``ktlite teardown --all``
+leaves it alone; ``ktlite store teardown`` removes it.
+
+Reaching it: from outside the cluster through the API server's pod proxy; from a pod by the
+store pod's IP (no cluster DNS, no kube-proxy). Pods cannot ask the API for that IP, so the
+client hands the store's current address and token to a deployment's pods each time it
+pushes code (``handoff``); a pod whose store moved since fails with an error that says so.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ktlite.backends import kube_manifests as km
+from ktlite.backends.kube_api import KubeApi, KubeApiError
+from ktlite.backends.kube_diagnose import diagnose, progress
+from ktlite.errors import DataStoreError
+
+NAME = "ktlite-store"
+SECRET = "ktlite-store-token"
+CLAIM = "ktlite-store"
+POD = f"{NAME}-0"
+ROOT = "/store"
+LABEL = "ktlite.dev/store"
+LABELS = {LABEL: NAME, "app.kubernetes.io/part-of": "ktlite"}
+DEFAULT_SIZE = "10Gi"
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the store pod answers: ``url`` for this process (a pod proxy URL, or the pod IP
+    inside the cluster), ``peer_url`` for other pods."""
+
+    pod: str
+    namespace: str
+    url: str
+    peer_url: str
+    token: str = field(repr=False)
+    http: Any = field(default=None, repr=False)
+
+
+def render(namespace: str, *, image: str, install: str, token: str | None, size: str = DEFAULT_SIZE,
+           storage_class: str | None = None, pull_policy: str | None = None) -> list[dict[str, Any]]:
+    """Pure: the store's objects, in apply order (the Secret holds a placeholder without
+    ``token``, for printing)."""
+    meta = {"namespace": namespace, "labels": dict(LABELS)}
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {**meta, "name": SECRET},
+              "stringData": {"token": token if token is not None else km.TOKEN_PLACEHOLDER}}
+    claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
+    if storage_class:
+        claim_spec["storageClassName"] = storage_class
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {**meta, "name": CLAIM},
+             "spec": claim_spec}
+    env = [
+        {"name": "KTLITE_TOKEN", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "token"}}},
+        {"name": "KTLITE_STORE_ROOT", "value": ROOT},
+        {"name": "KTLITE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "KTLITE_PORT", "value": str(km.SERVER_PORT)},
+        {"name": "KTLITE_INSTALL", "value": install},
+        {"name": "KTLITE_FREEZE", "value": "0"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    container: dict[str, Any] = {
+        "name": km.CONTAINER, "image": image, "command": ["/bin/sh", "-c", km.BOOTSTRAP], "env": env,
+        "ports": [{"name": "server", "containerPort": km.SERVER_PORT}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": km.SERVER_PORT},
+                           "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+        "volumeMounts": [{"name": "ktlite-state", "mountPath": km.STATE_DIR},
+                         {"name": "data", "mountPath": ROOT}],
+    }
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    template = {"metadata": {"labels": dict(LABELS)},
+                "spec": {"containers": [container], "terminationGracePeriodSeconds": 10,
+                         "volumes": [{"name": "ktlite-state", "emptyDir": {}},
+                                     {"name": "data", "persistentVolumeClaim": {"claimName": CLAIM}}]}}
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {**meta, "name": NAME},
+           "spec": {"serviceName": NAME, "replicas": 1, "selector": {"matchLabels": {LABEL: NAME}},
+                    "template": template}}
+    return [secret, claim, sts]
+
+
+def _token(secret: dict[str, Any] | None) -> str | None:
+    if secret is None:
+        return None
+    data = secret.get("data") or {}
+    if "token" in data:
+        with contextlib.suppress(ValueError):
+            return base64.b64decode(data["token"]).decode()
+    value: str | None = (secret.get("stringData") or {}).get("token")
+    return value
+
+
+class KubeStore:
+    """The store of one namespace, through a :class:`KubernetesBackend` (its API client,
+    clock and messages)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    @property
+    def api(self) -> KubeApi:
+        api: KubeApi = self.backend._api()
+        return api
+
+    def _address(self, api: KubeApi, pod: dict[str, Any], token: str) -> StoreAddress:
+        from ktlite.backends.kubernetes import _url
+        http, info = self.backend._connect()
+        peer = _url(pod["status"]["podIP"], km.SERVER_PORT)
+        url = peer if info.in_cluster else api.proxy_url(POD, km.SERVER_PORT)
+        return StoreAddress(pod=POD, namespace=api.namespace, url=url, peer_url=peer, token=token,
+                            http=None if info.in_cluster else http)
+
+    def find(self) -> StoreAddress | None:
+        """The store's address if its pod runs with an IP (not checked to answer), else None."""
+        api = self.api
+        pod = api.get("Pod", POD)
+        if pod is None or pod["metadata"].get("deletionTimestamp") or not (pod.get("status") or {}).get("podIP"):
+            return None
+        token = _token(api.get("Secret", SECRET))
+        return None if token is None else self._address(api, pod, token)
+
+    def exists(self) -> bool:
+        return self.api.get("StatefulSet", NAME) is not None
+
+    def ensure(self, timeout: float | None = None, size: str | None = None,
+               storage_class: str | None = None, image: str | None = None) -> StoreAddress:
+        """Create what is missing of the store, then wait (at most ``timeout`` seconds) for
+        its pod to answer; fails early with the reason it cannot start."""
+        from ktlite import config
+        from ktlite.backends.kubernetes import default_image, install_spec
+        api = self.api
+        token = _token(api.get("Secret", SECRET))
+        new_token = token is None
+        if new_token:
+            token = secrets.token_urlsafe(32)
+        objects = render(api.namespace, image=image or default_image(), install=install_spec(), token=token,
+                         size=size or os.environ.get("KTLITE_STORE_SIZE") or DEFAULT_SIZE,
+                         storage_class=storage_class or os.environ.get("KTLITE_STORE_STORAGE_CLASS") or None,
+                         pull_policy=config.get("image_pull_policy"))
+        created = []
+        for obj in objects:
+            if api.get(obj["kind"], obj["metadata"]["name"]) is None:
+                try:
+                    api.create(obj)
+                    created.append(obj["kind"])
+                except KubeApiError as e:
+                    if e.status != 409:
+                        raise DataStoreError(f"could not create the data store in namespace "
+                                             f"{api.namespace!r}: {e}") from e
+        if new_token and "StatefulSet" not in created:
+            # the pod started with a Secret that is gone: it must restart to read the new one
+            with contextlib.suppress(KubeApiError):
+                api.delete("Pod", POD)
+        if created:
+            self.backend._say(f"creating the data store in namespace {api.namespace!r} "
+                              f"({', '.join(created)} {NAME})")
+        assert token is not None
+        return self.wait(token, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+
+    def wait(self, token: str, timeout: float) -> StoreAddress:
+        api = self.api
+        clock, sleep = self.backend._clock, self.backend._sleep
+        start = clock()
+        last, reason = "", "no pod was created yet"
+        while True:
+            pod = api.get("Pod", POD)
+            if pod is not None and not pod["metadata"].get("deletionTimestamp"):
+                line = progress([pod], 1)
+                if line != last and clock() - start > 1.0:
+                    self.backend._say(f"{NAME}: {line}")
+                    last = line
+                if (pod.get("status") or {}).get("podIP"):
+                    address = self._address(api, pod, token)
+                    if self.answers(address):
+                        return address
+                problem = diagnose(pod, claims=lambda p: self._claim_problem(api))
+                if problem is not None:
+                    if problem.fatal:
+                        log = api.pod_log(POD, tail=20) if problem.want_logs else ""
+                        raise DataStoreError(f"the data store cannot start: pod {POD} in namespace "
+                                             f"{api.namespace!r}: {problem.message}"
+                                             + (f"; {problem.fix}" if problem.fix else "")
+                                             + (f"\nlast lines of its log:\n{log.rstrip()}" if log.strip() else ""))
+                    reason = problem.message
+            if clock() - start > timeout:
+                claim = api.get("PersistentVolumeClaim", CLAIM)
+                if claim is not None and (claim.get("status") or {}).get("phase") != "Bound":
+                    raise DataStoreError(
+                        f"the data store's PersistentVolumeClaim {CLAIM!r} in namespace {api.namespace!r} "
+                        f"was not bound after {timeout:g}s; check `kubectl -n {api.namespace} describe pvc "
+                        f"{CLAIM}` (set KTLITE_STORE_STORAGE_CLASS to a StorageClass of "
+                        "`kubectl get storageclass`), then `ktlite store teardown --volumes` and try again")
+                raise DataStoreError(f"the data store pod {POD} in namespace {api.namespace!r} was not "
+                                     f"ready after {timeout:g}s (last reason: {reason}); look at "
+                                     f"`kubectl -n {api.namespace} describe pod {POD}`, or raise "
+                                     "KTLITE_STORE_TIMEOUT")
+            sleep(min(1.0, 0.1 + (clock() - start) / 20))
+
+    def answers(self, address: StoreAddress) -> bool:
+        try:
+            client = address.http or httpx
+            return bool(client.get(f"{address.url}/health", timeout=3.0).status_code == 200)
+        except httpx.HTTPError:
+            return False
+
+    def _claim_problem(self, api: KubeApi) -> str | None:
+        claim = api.get("PersistentVolumeClaim", CLAIM)
+        if claim is None:
+            return f"PersistentVolumeClaim {CLAIM!r} does not exist"
+        if (claim.get("status") or {}).get("phase") == "Bound":
+            return None
+        events = api.list("Event", field_selector=f"involvedObject.name={CLAIM},"
+                          "involvedObject.kind=PersistentVolumeClaim")
+        for event in events:
+            if event.get("reason") == "ProvisioningFailed":
+                return (f"PersistentVolumeClaim {CLAIM!r}: ProvisioningFailed: {event.get('message', '')}; "
+                        "set KTLITE_STORE_STORAGE_CLASS, then `ktlite store teardown --volumes`")
+        return None
+
+    def teardown(self, volumes: bool = False) -> bool:
+        """Delete the store (its data too with ``volumes``); True if something was there."""
+        api = self.api
+        found = api.delete("StatefulSet", NAME)
+        found |= api.delete("Pod", POD)
+        found |= api.delete("Secret", SECRET)
+        if volumes:
+            found |= api.delete("PersistentVolumeClaim", CLAIM)
+        return found
+
+
+def handoff(backend: Any) -> dict[str, Any] | None:
+    """What a deployment's pods need to reach the store: its pod IP URL and token, or
+    ``{"url": None}`` when the namespace has no running store. None when the API could not
+    tell (the pods keep what they had)."""
+    try:
+        address = KubeStore(backend).find()
+    except Exception:  # noqa: BLE001 - the deploy must not fail for the store's sake
+        return None
+    if address is None:
+        return {"url": None, "namespace": backend.namespace}
+    return {"url": address.peer_url, "token": address.token, "pod": address.pod,
+            "namespace": address.namespace}

@@ -1,0 +1,276 @@
+"""The data store's server: ``python -m ktlite_server`` with ``KTLITE_STORE_ROOT`` set serves
+that directory (a PVC on Kubernetes) as ktlite's data store instead of running code.
+
+Wire contract (every endpoint but ``/health`` needs ``x-ktlite-token: Bearer <store token>``;
+keys go as the ``key`` query parameter and are checked by ``ktlite.storedir.check_key``):
+
+- ``GET /health``
+- ``GET /store/v1/stat?key=K`` → the entry ``{"key", "name", "type", "size"}``
+- ``GET /store/v1/ls?prefix=P&recursive=0|1`` → a list of entries
+- ``PUT /store/v1/key?key=K&kind=file|object|dir`` with the value as the body (a tar stream
+  for ``dir``), streamed to disk and renamed into place when complete → the entry
+- ``GET /store/v1/key?key=K`` → the value (a tar stream for a directory) with its exact
+  Content-Length and the entry as JSON in ``x-ktlite-entry``
+- ``DELETE /store/v1/key?key=K&recursive=0|1``
+
+Errors: 400 a bad key (JSON ``detail``), 401 a wrong token, 404 a missing key, 409 a key of
+another type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import queue
+import threading
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from ktlite import protocol
+from ktlite.errors import ConfigError, DataStoreError
+from ktlite.storedir import OBJECT_MAGIC, StoreDir, check_key
+
+PREFIX = "/store/v1"
+_END = object()
+
+
+def _fail(e: Exception) -> HTTPException:
+    if isinstance(e, ConfigError):
+        return HTTPException(400, str(e))
+    text = str(e)
+    return HTTPException(404 if text.startswith("no key") else 409, text)
+
+
+class _BodyReader:
+    """A blocking file over a request body fed chunk by chunk from the event loop (a tar
+    stream is unpacked in a thread while it arrives)."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[Any] = queue.Queue(maxsize=16)
+        self.buf = b""
+        self.done = False
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.done and (n < 0 or len(self.buf) < n):
+            item = self.q.get()
+            if item is _END:
+                self.done = True
+            elif isinstance(item, BaseException):
+                self.done = True  # the feeder stopped: nothing more will come
+                raise item
+            else:
+                self.buf += item
+        if n < 0:
+            out, self.buf = self.buf, b""
+        else:
+            out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+
+def create_store_app(root: str, token: str) -> FastAPI:
+    expected = protocol.bearer(token).encode()
+    store = StoreDir(root, where="of this namespace (the ktlite-store pod)")
+    app = FastAPI(title="ktlite data store", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def authorize(request: Request) -> None:
+        got = request.headers.get(protocol.TOKEN_HEADER, "").encode()
+        if not hmac.compare_digest(got, expected):
+            raise HTTPException(401, "missing or wrong store token")
+
+    def key_of(request: Request, name: str = "key", allow_root: bool = False) -> str:
+        try:
+            return check_key(request.query_params.get(name, ""), what=name, allow_root=allow_root)
+        except ConfigError as e:
+            raise HTTPException(400, str(e)) from None
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "store": True, "protocol": protocol.PROTOCOL_VERSION}
+
+    @app.get(PREFIX + "/stat")
+    async def stat(request: Request) -> dict[str, Any]:
+        authorize(request)
+        key = key_of(request)
+        entry = await asyncio.to_thread(store.entry, key)
+        if entry is None:
+            raise HTTPException(404, f"no key {key!r} in the data store of this namespace")
+        return entry
+
+    @app.get(PREFIX + "/ls")
+    async def ls(request: Request) -> JSONResponse:
+        authorize(request)
+        prefix = key_of(request, "prefix", allow_root=True)
+        recursive = request.query_params.get("recursive", "0") in ("1", "true")
+        try:
+            return JSONResponse(await asyncio.to_thread(store.ls, prefix, recursive))
+        except DataStoreError as e:
+            raise _fail(e) from None
+
+    @app.delete(PREFIX + "/key")
+    async def remove(request: Request) -> dict[str, Any]:
+        authorize(request)
+        key = key_of(request, allow_root=True)
+        recursive = request.query_params.get("recursive", "0") in ("1", "true")
+        try:
+            return await asyncio.to_thread(store.remove, key, recursive)
+        except DataStoreError as e:
+            raise _fail(e) from None
+
+    @app.put(PREFIX + "/key")
+    async def put(request: Request) -> dict[str, Any]:
+        authorize(request)
+        key = key_of(request)
+        kind = request.query_params.get("kind", "file")
+        if kind not in ("file", "object", "dir"):
+            raise HTTPException(400, f"kind={kind!r}; allowed: file, object, dir")
+        length = request.headers.get(protocol.LENGTH_HEADER) or request.headers.get("content-length")
+        expected_size = int(length) if length and length.isdigit() else None
+        try:
+            if kind == "dir":
+                return await _put_tar(request, key)
+            return await _put_file(request, key, kind, expected_size)
+        except DataStoreError as e:
+            raise _fail(e) from None
+        except ClientDisconnect:
+            raise HTTPException(400, "the client left before the upload was complete") from None
+
+    async def _put_file(request: Request, key: str, kind: str, expected_size: int | None) -> dict[str, Any]:
+        staged = store.staging()
+        got = 0
+        try:
+            with open(staged, "wb") as f:
+                if kind == "object":
+                    f.write(OBJECT_MAGIC)
+                async for chunk in request.stream():
+                    f.write(chunk)
+                    got += len(chunk)
+                if expected_size is not None and got != expected_size:
+                    raise HTTPException(400, f"upload of {key!r} truncated: got {got} of {expected_size} bytes")
+                f.flush()
+                await asyncio.to_thread(os.fsync, f.fileno())
+            await asyncio.to_thread(store.install, staged, key)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                staged.unlink()
+            raise
+        entry = store.entry(key)
+        assert entry is not None
+        return entry
+
+    async def _put_tar(request: Request, key: str) -> dict[str, Any]:
+        reader = _BodyReader()
+        result: dict[str, Any] = {}
+
+        def unpack() -> None:
+            try:
+                result["entry"] = store.write_tar(key, reader)  # type: ignore[arg-type]
+            except BaseException as e:  # noqa: BLE001 - handed to the request
+                result["error"] = e
+            finally:
+                while not reader.done:  # drain, so the feeder never blocks on a full queue
+                    with contextlib.suppress(BaseException):
+                        reader.read(1 << 20)
+        thread = threading.Thread(target=unpack, daemon=True)
+        thread.start()
+        try:
+            async for chunk in request.stream():
+                await asyncio.to_thread(reader.q.put, chunk)
+            await asyncio.to_thread(reader.q.put, _END)
+        except BaseException as e:
+            await asyncio.to_thread(reader.q.put, DataStoreError(f"upload of {key!r} broke: {e!r}"))
+            await asyncio.to_thread(thread.join, 60)
+            raise
+        await asyncio.to_thread(thread.join)
+        if "error" in result:
+            error = result["error"]
+            if isinstance(error, (DataStoreError, ConfigError)):
+                raise error
+            raise HTTPException(400, f"could not unpack the directory for {key!r}: {error}")
+        return dict(result["entry"])
+
+    @app.get(PREFIX + "/key")
+    async def get(request: Request) -> Response:
+        authorize(request)
+        key = key_of(request)
+        try:
+            entry = await asyncio.to_thread(store.entry, key)
+            if entry is None:
+                raise DataStoreError(f"no key {key!r} in the data store of this namespace", key=key)
+            if entry["type"] == "dir":
+                size, chunks = await asyncio.to_thread(store.tar, key)
+            else:
+                f, entry = await asyncio.to_thread(store.open, key)
+                size, chunks = entry["size"], _read(f)
+        except DataStoreError as e:
+            raise _fail(e) from None
+        headers = {"content-length": str(size), "x-ktlite-entry": json.dumps(entry)}
+        return StreamingResponse(chunks, headers=headers, media_type="application/octet-stream")
+
+    return app
+
+
+def _read(f: Any) -> Any:
+    with f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                return
+            yield chunk
+
+
+def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -> None:
+    """Run the store server until SIGTERM."""
+    import importlib.util
+    import signal
+    import socket
+
+    import uvicorn
+
+    app = create_store_app(root, token)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(app, log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"),
+                            access_log=False, timeout_graceful_shutdown=3,
+                            http="httptools" if importlib.util.find_spec("httptools") else "h11")
+    server = uvicorn.Server(config)
+
+    async def run() -> None:
+        serving = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.005)
+        if server.started and ready_file:
+            tmp = ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"port": sock.getsockname()[1], "pid": os.getpid()}, f)
+            os.replace(tmp, ready_file)
+        await serving
+
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+
+
+def remember(info: Any, pod_ips_file: str) -> None:
+    """Keep the store address a deploy message brought (for this pod's ranks; mode 0600: it
+    holds the store token); ``{"url": None}`` means the namespace has no store (any old
+    address goes); a message without one changes nothing."""
+    from ktlite.storedir import address_file
+    if not isinstance(info, dict):
+        return
+    path = address_file(pod_ips_file)
+    if not info.get("url"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({k: info.get(k) for k in ("url", "token", "pod", "namespace")}, f)
+    os.replace(tmp, path)
