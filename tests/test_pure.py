@@ -150,7 +150,7 @@ def test_cpus_valid(cpus: object, count: float) -> None:
     assert kt.Compute(cpus=cpus).cpu_count == count
 
 
-@pytest.mark.parametrize("gpus", [-1, 1.5, "2", True])
+@pytest.mark.parametrize("gpus", [-1, 1.5, "two", "1.5", True])  # "2" is Kubetorch's form of 2
 def test_gpus_invalid(gpus: object) -> None:
     with pytest.raises(kt.ConfigError, match="gpus"):
         kt.Compute(gpus=gpus)
@@ -182,13 +182,15 @@ def test_known_frameworks_accepted() -> None:
         assert c.distributed.world_size == 6
 
 
-def test_distribute_returns_new_compute() -> None:
+def test_distribute_changes_the_compute_it_is_called_on() -> None:
+    # Kubetorch's meaning: `compute.distribute(...)` alone distributes `compute`; a deployment
+    # keeps its own copy (tests/test_kubetorch_compat.py)
     base = kt.Compute(cpus=1)
     dist = base.distribute("pytorch", workers=2)
-    assert base.distributed is None
-    assert dist is not base and dist.distributed.workers == 2
+    assert dist is base and base.distributed.workers == 2
     with pytest.raises(kt.ConfigError, match="unknown option"):
         base.distribute("pytorch", workers=2, nprocs=2)
+    assert base.distributed.workers == 2  # a refused distribute() changes nothing
 
 
 @pytest.mark.parametrize("key", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"])
