@@ -100,6 +100,7 @@ def _call_in_thread(remote: Any, *args: Any) -> tuple[threading.Thread, dict[str
 def test_a_pod_deleted_mid_call_fails_that_call_and_the_next_call_works(napper, kube, ordinal):
     pod = f"{napper.name}-{ordinal}"
     old = _uid(kube, pod)
+    old_ip = kube.pod(pod).status.pod_ip
     thread, out = _call_in_thread(napper, 60)
     time.sleep(3)
     deleted = time.monotonic()
@@ -107,7 +108,12 @@ def test_a_pod_deleted_mid_call_fails_that_call_and_the_next_call_works(napper, 
     thread.join(FAIL_BOUND_S + 10)
     assert not thread.is_alive(), f"the call on deleted pod {pod} still waits"
     assert "error" in out, f"the call on deleted pod {pod} returned {out.get('value')!r}"
-    assert isinstance(out["error"], kt.KtliteError), repr(out["error"])
+    # Kubetorch's name for it, which is ktlite's RankDied and PodUnreachable too
+    error = out["error"]
+    assert isinstance(error, kt.WorkerMembershipChanged), repr(error)
+    assert isinstance(error, kt.RankDied) and isinstance(error, kt.PodUnreachable)
+    assert old_ip in error.previous_ips and old_ip in error.removed_ips, (error.previous_ips, error.current_ips)
+    assert pod in str(error), str(error)
     failed_after = time.monotonic() - deleted
     assert failed_after < FAIL_BOUND_S, f"the call failed {failed_after:.1f}s after the delete"
 
