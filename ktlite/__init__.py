@@ -27,9 +27,9 @@ _EXPORTS = {
     "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
     **{name: "ktlite.errors" for name in (
         "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DeployError", "KtliteError",
-        "LaunchTimeout", "NotDeployedError", "PodUnreachable", "ProtocolMismatch", "QuorumTimeout",
-        "RankDied", "RankFailure", "RemoteError", "RemoteException", "ReplicaFailed",
-        "SerializationError")},
+        "LaunchTimeout", "LocalBackendWarning", "NotDeployedError", "PodUnreachable",
+        "ProtocolMismatch", "QuorumTimeout", "RankDied", "RankFailure", "RemoteError",
+        "RemoteException", "ReplicaFailed", "SerializationError")},
 }
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         DeployError,
         KtliteError,
         LaunchTimeout,
+        LocalBackendWarning,
         NotDeployedError,
         PodUnreachable,
         ProtocolMismatch,
@@ -99,6 +100,7 @@ __all__ = [
     "Image",
     "KtliteError",
     "LaunchTimeout",
+    "LocalBackendWarning",
     "NotDeployedError",
     "PerRank",
     "Plan",

@@ -19,6 +19,8 @@ Hierarchy::
         └── CallCancelled                  the call was cancelled (Ctrl-C, sibling failure)
     ReplicaFailed                          (raised on a pod) a kt.app replica's command failed
 
+    LocalBackendWarning (UserWarning)      Compute fields that do nothing on the local backend
+
 A user exception raised on a rank is re-raised in the caller *with its own type*: ktlite
 builds a subclass of both the original type and :class:`RemoteError`, so
 ``except ValueError`` and ``except kt.RemoteError`` both catch it, and the per-rank
@@ -154,6 +156,11 @@ class ReplicaFailed(KtliteError):
 
     def __reduce__(self) -> Any:  # travels back from the pod by pickle
         return (type(self), (self.args[0], self.exit_code))
+
+
+class LocalBackendWarning(UserWarning):
+    """A local deployment sets Compute fields that only Kubernetes acts on (named in the
+    message); see docs/local_backend.md. Silence it with ``warnings.filterwarnings``."""
 
 
 class CallCancelled(RemoteError):

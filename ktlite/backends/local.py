@@ -3,7 +3,9 @@
 Each deployment keeps its state in ``$KTLITE_HOME/local/<name>/`` (default ``~/.ktlite``):
 ``state.json`` (mode 0600: it holds the token) and one log file per pod. Pods of a normal
 deployment watch the Python process that created them and exit with it; a detached
-deployment lives until ``teardown``.
+deployment lives until ``teardown``. Volumes are directories that outlive it
+(``local_volumes``); the Compute fields only Kubernetes acts on get one warning per
+deployment (``kube_only``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
+from ktlite.backends.kube_only import unused_fields, warn_unused
+from ktlite.backends.local_volumes import LocalVolume
 from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.spec import DeploymentSpec, port_free
@@ -170,6 +175,7 @@ class LocalBackend(Backend):
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._owned: set[str] = set()
         self._lock = threading.RLock()
+        self._warned: set[tuple[str, str]] = set()  # (deployment, what it was told)
         atexit.register(self._atexit)
 
     # ---- state ------------------------------------------------------------------------
@@ -196,7 +202,8 @@ class LocalBackend(Backend):
 
     # ---- backend API ------------------------------------------------------------------
 
-    def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path) -> list[str]:
+    def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path,
+                 mounted: list[LocalVolume]) -> list[str]:
         cmd = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0", "--token-stdin",
                "--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
                "--procs", str(spec.distributed.procs(ordinal)), "--ready-file", str(ready)]
@@ -205,9 +212,35 @@ class LocalBackend(Backend):
         ttl = spec.compute.inactivity_seconds
         if ttl is not None:
             cmd += ["--inactivity-ttl", f"{ttl:g}"]
+        if mounted:  # the same process, in a mount namespace of its own: see ktlite_server.mountns
+            cmd = local_volumes.wrap(cmd, [(v.source, v.mount_path) for v in mounted],
+                                     self._dir(spec.name) / "root")
         return cmd
 
-    def _env(self, spec: DeploymentSpec, ordinal: int) -> dict[str, str]:
+    def _volumes(self, spec: DeploymentSpec) -> tuple[list[LocalVolume], bool]:
+        """The deployment's volumes, and whether its pods get them at their mount paths."""
+        volumes = local_volumes.local_volumes(spec.compute)
+        return volumes, bool(volumes) and local_volumes.mounts_available()[0]
+
+    def _warn_unused(self, spec: DeploymentSpec, volumes: list[LocalVolume], mounted: bool) -> None:
+        """One warning per deployment (and process) naming what does nothing locally."""
+        fields = unused_fields(spec.compute, spec.workers)
+        notes = []
+        if volumes and not mounted:
+            fields.append("volumes")
+            where = ", ".join(f"{v.name!r} ({v.mount_path}) is the directory {v.source}, in the pods' "
+                              f"environment as ${v.env_name}" for v in volumes)
+            notes.append(f"volumes are not mounted at their mount_path ({local_volumes.mounts_available()[1]}): "
+                         f"{where}")
+        if not fields:
+            return
+        key = (spec.name, ",".join(fields))
+        if key not in self._warned:
+            self._warned.add(key)
+            warn_unused(spec.name, fields, notes)
+
+    def _env(self, spec: DeploymentSpec, ordinal: int, volumes: list[LocalVolume] | None = None,
+             mounted: bool = False) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
         image = spec.compute.image
         if image is not None:
@@ -219,17 +252,20 @@ class LocalBackend(Backend):
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
         env["PYTHONUNBUFFERED"] = "1"
+        for vol in reversed(volumes or []):  # the first mount of a volume wins
+            env[vol.env_name] = vol.mount_path if mounted else str(vol.source)
         return env
 
     def plan(self, spec: DeploymentSpec) -> Plan:
         self._check_gpus(spec)
+        volumes, mounted = self._volumes(spec)
         cmds = []
         for i in range(spec.workers):
             keys = sorted(spec.compute.env)
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
             cmds.append((prefix + " " if prefix else "") + "echo <token> | "
-                        + shlex.join(self._command(spec, i, ready)))
+                        + shlex.join(self._command(spec, i, ready, volumes if mounted else [])))
         return Plan(backend=self.name, name=spec.name, commands=cmds)
 
     def _check_gpus(self, spec: DeploymentSpec) -> None:
@@ -245,6 +281,8 @@ class LocalBackend(Backend):
 
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
         self._check_gpus(spec)
+        volumes, mounted = self._volumes(spec)
+        self._warn_unused(spec, volumes, mounted)
         with self._lock:
             state = self._live_state(spec.name)
             if state is not None and state.get("token") != token:
@@ -254,6 +292,9 @@ class LocalBackend(Backend):
             pods: list[dict[str, Any]] = []
             starting: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
             self._dir(spec.name).mkdir(parents=True, exist_ok=True)
+            local_volumes.prepare(volumes, owner=spec.name)
+            if mounted:
+                (self._dir(spec.name) / "root").mkdir(exist_ok=True)  # where each pod builds its root
             for i in range(spec.workers):
                 old = old_pods.pop(i, None)
                 # reuse a pod only if it answers: a killed one can look alive for a few ms,
@@ -268,7 +309,8 @@ class LocalBackend(Backend):
                 with contextlib.suppress(FileNotFoundError):
                     ready.unlink()
                 with open(log, "ab") as logf:
-                    proc = subprocess.Popen(self._command(spec, i, ready), env=self._env(spec, i),
+                    proc = subprocess.Popen(self._command(spec, i, ready, volumes if mounted else []),
+                                            env=self._env(spec, i, volumes, mounted),
                                             stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
                                             start_new_session=True)
                 assert proc.stdin is not None
@@ -389,11 +431,11 @@ class LocalBackend(Backend):
         with self._lock:
             state = self._read(name)
             self._owned.discard(name)
-            if state is None:
-                return False
-            self._stop_pods(state["pods"], timeout=timeout)
-            shutil.rmtree(self._dir(name), ignore_errors=True)
-            return True
+            if state is not None:
+                self._stop_pods(state["pods"], timeout=timeout)
+                shutil.rmtree(self._dir(name), ignore_errors=True)
+            deleted = local_volumes.delete_owned(name) if volumes else []
+            return state is not None or bool(deleted)
 
     def list(self) -> list[dict[str, Any]]:
         home = _home()
