@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 import ktlite as kt
+from ktlite import cli
 from ktlite.backends import local_volumes
 from ktlite.backends.kube_only import KUBE_ONLY, unused_fields
 from ktlite.backends.local import LocalBackend, pid_alive
@@ -252,7 +253,9 @@ def test_fallback_warns_once_naming_the_fields_and_where_the_volume_is(monkeypat
             remote = kt.fn(on_pod, name=name).to(compute)  # a redeploy: told once already
         assert remote("read", str(volume_dir(vol)))[1] == "via the env var"
     finally:
-        remote.teardown(volumes=True)
+        remote.teardown()
+    assert volume_dir(vol).is_dir()
+    assert cli.main(["teardown", name, "--volumes", "--backend", "local"]) == 0
     assert not volume_dir(vol).exists()
     assert not os.path.exists(path)
 
