@@ -69,6 +69,14 @@ def on_pod(op: str, path: str, text: str = "") -> Any:
             return f.read()
     if op == "listdir":
         return sorted(os.listdir(path))
+    if op == "touch":  # a new name: private to the pod, or refused, never on the host
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as e:
+            return e.strerror
+        with open(path) as f:
+            return f.read()
     if op == "look":
         return {"exists": os.path.exists(path), "env": env, "uid": os.getuid()}
     return rank
@@ -156,6 +164,8 @@ def test_mount_paths_below_or_at_existing_host_directories(mounts, tmp_path: Pat
         assert remote("listdir", over) == []  # the volume, over the host's directory
         remote("write", deep, "deep")
         remote("write", over, "over")
+        assert remote("touch", str(tmp_path / "pod-made.txt"), "pod's own") == "pod's own"
+        assert remote("touch", f"/{unique('ktlite-test-top')}", "x") == "Read-only file system"
     finally:
         remote.teardown(volumes=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -13,7 +13,9 @@ tracks and signals it as before.
 
 Every mount is private to the namespace, so the host's filesystem never changes: a
 ``DST`` that does not exist on the host does not exist there afterwards either. The new
-root is read-only outside the bound paths (a write there fails instead of vanishing).
+root itself is read-only (a new name at ``/`` fails instead of vanishing); new names in a
+directory laid over by a tmpfs (``/tmp`` for ``/tmp/new/dir``) live in that tmpfs, so the
+pod's own temporary files keep working there, seen by the pod alone.
 Setuid programs gain no privileges inside a user namespace (``sudo`` does not work).
 Failures exit with code 75 and one line on stderr; nothing runs then.
 """
@@ -85,7 +87,6 @@ class NewRoot:
     def __init__(self, root: str) -> None:
         self.root = root
         self.ours = {"/"}  # directories on a tmpfs of ours (or in a volume): safe to add to
-        self.tmpfs = [root]
 
     def at(self, path: str) -> str:
         return self.root + path if path != "/" else self.root
@@ -108,7 +109,6 @@ class NewRoot:
         try:
             mode = stat.S_IMODE(os.fstat(fd).st_mode)
             _mount("tmpfs", where, "tmpfs", MS_NOSUID, f"mode={mode:04o}")
-            self.tmpfs.append(where)
             for name in os.listdir(fd):
                 st = os.lstat(name, dir_fd=fd)
                 link = os.readlink(name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
@@ -137,9 +137,8 @@ class NewRoot:
         self.ours.add(path)  # a volume nested in this one gets its mount point in the volume
 
     def enter(self) -> None:
-        """Seal the tmpfs read-only, chroot into the new root, go back to the same directory."""
-        for where in self.tmpfs:
-            _mount(None, where, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
+        """Seal the new root read-only, chroot into it, go back to the same directory."""
+        _mount(None, self.root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
         cwd = os.getcwd()
         os.chroot(self.root)
         try:
