@@ -373,7 +373,7 @@ def _parser() -> argparse.ArgumentParser:
     td.add_argument("--prefix", default=None, help="every deployment whose name starts with PREFIX")
     td.add_argument("-y", "--yes", "-f", "--force", action="store_true",
                     help="do not ask before --all / --prefix")
-    td.add_argument("--volumes", action="store_true", help="also delete the deployment's PVCs")
+    td.add_argument("--volumes", action="store_true", help="also delete the deployment's PVCs (local: the volume directories it made)")
     td.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for pods to go")
     where(td)
     lg = command("logs", "print a deployment's pod logs", "ktlite logs train -f --pod 1", _logs)

@@ -90,7 +90,8 @@ def parse_cpus(value: Any, field_name: str = "cpus") -> float:
 
 @dataclass(frozen=True)
 class Volume:
-    """A persistent volume mounted into every pod (a PVC on Kubernetes; a directory locally).
+    """A persistent volume mounted into every pod: a PVC on Kubernetes; locally the directory
+    ``$KTLITE_HOME/volumes/<name>`` (see docs/local_backend.md).
 
     Args:
         name: the volume (and PVC) name.

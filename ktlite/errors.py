@@ -26,6 +26,7 @@ Hierarchy::
         ├── QuorumTimeout (TimeoutError)   a pod was unreachable before the call: nothing ran
         └── CallCancelled                  the call was cancelled (Ctrl-C, sibling failure)
     ReplicaFailed                          (raised on a pod) a kt.app replica's command failed
+    LocalBackendWarning (UserWarning)      Compute fields that do nothing on the local backend
 
 Kubetorch's exception names are these classes (``ServiceTimeoutError`` is ``LaunchTimeout``,
 ``VersionMismatchError`` is ``ProtocolMismatch``), so ``except kt.PodTerminatedError`` written for
@@ -273,6 +274,11 @@ class ReplicaFailed(KtliteError):
 
     def __reduce__(self) -> Any:  # travels back from the pod by pickle
         return (type(self), (self.args[0], self.exit_code))
+
+
+class LocalBackendWarning(UserWarning):
+    """A local deployment sets Compute fields that only Kubernetes acts on (named in the
+    message); see docs/local_backend.md. Silence it with ``warnings.filterwarnings``."""
 
 
 class CallCancelled(RemoteError):

@@ -6,7 +6,9 @@ file secrets under ``secrets/`` (mode 0700; each file 0600) laid out as under a 
 (``secrets/.aws/credentials``), with the provider's variable pointing at each
 (``AWS_SHARED_CREDENTIALS_FILE``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``KUBECONFIG``). Pods of a normal
 deployment watch the Python process that created them and exit with it; a detached
-deployment lives until ``teardown``.
+deployment lives until ``teardown``. Volumes are directories that outlive it
+(``local_volumes``); the Compute fields only Kubernetes acts on get one warning per
+deployment (``kube_only``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from typing import Any
 
 from ktlite import config
 from ktlite import secrets as kt_secrets
+from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
+from ktlite.backends.kube_only import unused_fields, warn_unused
+from ktlite.backends.local_volumes import LocalVolume
 from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, StartupError
 from ktlite.spec import DeploymentSpec, port_free
@@ -175,6 +180,7 @@ class LocalBackend(Backend):
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._owned: set[str] = set()
         self._lock = threading.RLock()
+        self._warned: set[tuple[str, str]] = set()  # (deployment, what it was told)
         atexit.register(self._atexit)
 
     # ---- state ------------------------------------------------------------------------
@@ -201,7 +207,8 @@ class LocalBackend(Backend):
 
     # ---- backend API ------------------------------------------------------------------
 
-    def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path) -> list[str]:
+    def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path,
+                 mounted: list[LocalVolume]) -> list[str]:
         cmd = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0", "--token-stdin",
                "--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
                "--procs", str(spec.distributed.procs(ordinal)), "--ready-file", str(ready)]
@@ -210,9 +217,35 @@ class LocalBackend(Backend):
         ttl = spec.compute.inactivity_seconds
         if ttl is not None:
             cmd += ["--inactivity-ttl", f"{ttl:g}"]
+        if mounted:  # the same process, in a mount namespace of its own: see ktlite_server.mountns
+            cmd = local_volumes.wrap(cmd, [(v.source, v.mount_path) for v in mounted],
+                                     self._dir(spec.name) / "root")
         return cmd
 
-    def _env(self, spec: DeploymentSpec, ordinal: int, secret_env: dict[str, str] | None = None) -> dict[str, str]:
+    def _volumes(self, spec: DeploymentSpec) -> tuple[list[LocalVolume], bool]:
+        """The deployment's volumes, and whether its pods get them at their mount paths."""
+        volumes = local_volumes.local_volumes(spec.compute)
+        return volumes, bool(volumes) and local_volumes.mounts_available()[0]
+
+    def _warn_unused(self, spec: DeploymentSpec, volumes: list[LocalVolume], mounted: bool) -> None:
+        """One warning per deployment (and process) naming what does nothing locally."""
+        fields = unused_fields(spec.compute, spec.workers)
+        notes = []
+        if volumes and not mounted:
+            fields.append("volumes")
+            where = ", ".join(f"{v.name!r} ({v.mount_path}) is the directory {v.source}, in the pods' "
+                              f"environment as ${v.env_name}" for v in volumes)
+            notes.append(f"volumes are not mounted at their mount_path ({local_volumes.mounts_available()[1]}): "
+                         f"{where}")
+        if not fields:
+            return
+        key = (spec.name, ",".join(fields))
+        if key not in self._warned:
+            self._warned.add(key)
+            warn_unused(spec.name, fields, notes)
+
+    def _env(self, spec: DeploymentSpec, ordinal: int, volumes: list[LocalVolume] | None = None,
+             mounted: bool = False, secret_env: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
         image = spec.compute.image
         if image is not None:
@@ -228,6 +261,8 @@ class LocalBackend(Backend):
         if spec.compute.namespace:
             env["KTLITE_STORE_NAMESPACE"] = spec.compute.namespace
         env["PYTHONUNBUFFERED"] = "1"
+        for vol in reversed(volumes or []):  # the first mount of a volume wins
+            env[vol.env_name] = vol.mount_path if mounted else str(vol.source)
         return env
 
     def _secrets(self, spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
@@ -247,12 +282,13 @@ class LocalBackend(Backend):
         cmds = [f"# secret {r.key!r}: write {r.placeholders()[f.key]} to "
                 f"{self._dir(spec.name) / 'secrets' / f.pod_path} (0600)"
                 + (f"; {f.pointer} names it" if f.pointer else "") for r in resolved for f in r.files]
+        volumes, mounted = self._volumes(spec)
         for i in range(spec.workers):
             keys = sorted([*spec.compute.env, *(k for r in resolved for k in r.env)])
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
             cmds.append((prefix + " " if prefix else "") + "echo <token> | "
-                        + shlex.join(self._command(spec, i, ready)))
+                        + shlex.join(self._command(spec, i, ready, volumes if mounted else [])))
         return Plan(backend=self.name, name=spec.name, commands=cmds)
 
     def _check_gpus(self, spec: DeploymentSpec) -> None:
@@ -269,6 +305,8 @@ class LocalBackend(Backend):
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
         self._check_gpus(spec)
         resolved = self._secrets(spec)  # a preset that finds nothing fails before any pod starts
+        volumes, mounted = self._volumes(spec)
+        self._warn_unused(spec, volumes, mounted)
         with self._lock:
             state = self._live_state(spec.name)
             if state is not None and state.get("token") != token:
@@ -281,6 +319,9 @@ class LocalBackend(Backend):
             pods: list[dict[str, Any]] = []
             starting: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
             self._dir(spec.name).mkdir(parents=True, exist_ok=True)
+            local_volumes.prepare(volumes, owner=spec.name)
+            if mounted:
+                (self._dir(spec.name) / "root").mkdir(exist_ok=True)  # where each pod builds its root
             for i in range(spec.workers):
                 old = old_pods.pop(i, None)
                 # reuse a pod only if it answers: a killed one can look alive for a few ms,
@@ -295,7 +336,8 @@ class LocalBackend(Backend):
                 with contextlib.suppress(FileNotFoundError):
                     ready.unlink()
                 with open(log, "ab") as logf:
-                    proc = subprocess.Popen(self._command(spec, i, ready), env=self._env(spec, i, secret_env),
+                    proc = subprocess.Popen(self._command(spec, i, ready, volumes if mounted else []),
+                                            env=self._env(spec, i, volumes, mounted, secret_env),
                                             stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
                                             start_new_session=True)
                 assert proc.stdin is not None
@@ -420,11 +462,11 @@ class LocalBackend(Backend):
         with self._lock:
             state = self._read(name)
             self._owned.discard(name)
-            if state is None:
-                return False
-            self._stop_pods(state["pods"], timeout=timeout)
-            shutil.rmtree(self._dir(name), ignore_errors=True)
-            return True
+            if state is not None:
+                self._stop_pods(state["pods"], timeout=timeout)
+                shutil.rmtree(self._dir(name), ignore_errors=True)
+            deleted = local_volumes.delete_owned(name) if volumes else []
+            return state is not None or bool(deleted)
 
     def list(self) -> list[dict[str, Any]]:
         home = _home()

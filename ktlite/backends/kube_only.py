@@ -1,0 +1,50 @@
+"""Compute fields that only a Kubernetes cluster acts on, and the warning that names them.
+
+A local pod is a process of this machine: no scheduler places it (``node_selector``,
+``tolerations``, ``priority_class``, ``gpu_type``), no API object carries its metadata
+(``labels``, ``annotations``, ``service_account``, ``queue_name``, ``gpu_memory``,
+``service_template``), no container runtime runs an image (``image``'s base image and its
+``pip_install`` / ``run_bash`` steps, ``image_pull_policy``, ``freeze``, ``working_dir``), and it
+shares this machine's ``/dev/shm``, disk and CPUs (``shared_memory``, ``cpu_limit``,
+``disk_size``, ``gpu_anti_affinity``). ``namespace`` and ``secrets`` do act locally (the data
+store's namespace; secrets reach the ranks). docs/local_backend.md says what each field does
+locally.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ktlite.compute import Compute
+from ktlite.errors import LocalBackendWarning
+from ktlite.images import DEFAULT_IMAGE
+
+KUBE_ONLY = ("gpu_type", "cpu_limit", "shared_memory", "node_selector", "tolerations",
+             "priority_class", "labels", "annotations", "service_account", "image_pull_policy",
+             # Kubetorch's fields that shape a Kubernetes pod
+             "disk_size", "gpu_memory", "gpu_anti_affinity", "working_dir", "queue_name",
+             "service_template", "freeze")
+
+
+def unused_fields(compute: Compute, workers: int) -> list[str]:
+    """The fields of ``compute`` (or of its Ray worker pods' options) that a local pod ignores."""
+    found: list[str] = []
+    for pod in [compute.pod_compute(i) for i in range(min(workers, 2))]:  # the head, a worker
+        image = pod.image
+        if image is not None and (image.image_id != DEFAULT_IMAGE
+                                  or any(kind != "env" for kind, _ in image.steps)):
+            found.append("image")
+        found += [name for name in KUBE_ONLY if getattr(pod, name) not in (None, "", {}, (), False)]
+    return sorted(set(found), key=found.index)
+
+
+def warn_unused(name: str, fields: list[str], notes: list[str]) -> None:
+    """One warning for deployment ``name``: the ``fields`` that do nothing locally, and
+    ``notes`` on what happens instead (where a volume's data is)."""
+    parts = []
+    if fields:
+        parts.append(f"on the local backend these Compute fields do nothing (Kubernetes acts on them): "
+                     f"{', '.join(fields)}")
+    parts += notes
+    warnings.warn(f"deployment {name!r}: {'; '.join(parts)}; see docs/local_backend.md",
+                  LocalBackendWarning, stacklevel=3)
