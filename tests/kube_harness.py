@@ -56,6 +56,7 @@ class Pods:
         self.holes: list[tuple[socket.socket, socket.socket]] = []  # addresses of pods that are gone
         self.fake.proxy_handlers = _Handlers(self)
         self.procs: dict[str, tuple[subprocess.Popen[bytes], str, str]] = {}  # uid -> (process, pod, ip)
+        self.made_dirs: list[Path] = []  # mount points made on this machine, parents first
         self.lock = threading.Lock()
         self.ips = itertools.count(10)
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # as Go's net/http has it
@@ -148,7 +149,7 @@ class Pods:
             if m["name"] in claims:
                 src = self.root / "pvc" / claims[m["name"]]
                 src.mkdir(parents=True, exist_ok=True)
-                os.makedirs(m["mountPath"], exist_ok=True)
+                self._mount_point(Path(m["mountPath"]))
                 mounts.append(f"mount --bind {src} {m['mountPath']}")
         secret_mounts = self._secret_mounts(pod)
         if secret_mounts:
@@ -231,6 +232,15 @@ class Pods:
                         self.procs.pop(uid, None)
                         self.holes.append(hole)
 
+    def _mount_point(self, path: Path) -> None:
+        """A claim's mount point, which a bind mount needs on this machine's filesystem (a
+        private mount namespace does not make one): made here and removed again at
+        stop_all, so no /data or /store is left in this machine's root."""
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(parents=True, exist_ok=True)
+        with self.lock:
+            self.made_dirs.extend(reversed(missing))
+
     def stop_all(self) -> None:
         with self.lock:
             for proc, _, _ in self.procs.values():
@@ -239,6 +249,10 @@ class Pods:
             for hole in self.holes:
                 for sock in hole:
                     sock.close()
+            for made in reversed(self.made_dirs):  # deepest first; only if empty (nothing mounted)
+                with contextlib.suppress(OSError):
+                    made.rmdir()
+            self.made_dirs.clear()
 
 
 def _black_hole(ip: str) -> tuple[socket.socket, socket.socket]:
