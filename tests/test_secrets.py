@@ -21,7 +21,7 @@ from ktlite.backends.local import LocalBackend
 from ktlite.secrets import Resolved, resolve
 from ktlite.spec import DeploymentSpec
 
-VALUE = "sk-KNOWN-" + uuid.uuid4().hex  # a secret value searched for wherever ktlite writes
+VALUE = "sk-KNOWN-9f3b2c7e51d84a06b1c2d3e4f5a6b7c8"  # a secret value searched for wherever ktlite writes (fixed: it is in test ids, which xdist workers must agree on)
 # every variable a preset reads: cleared so the developer's own credentials never leak in
 PROVIDER_ENV = sorted({*(n for p in secret_providers.TOKENS.values() for n in p.env),
                        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",

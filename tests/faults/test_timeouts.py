@@ -167,7 +167,11 @@ def test_launch_timeout_is_one_deadline_and_says_which_pods_came_up(tmp_path) ->
 # ---- quorum ----------------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_quorum_timeout_when_a_worker_pod_is_gone(deployment, tmp_path) -> None:
+def test_a_worker_pod_gone_before_the_call_is_started_again_and_the_call_runs_on_every_rank(
+        deployment, tmp_path) -> None:
+    # as on a cluster, where a deleted pod is replaced: the coordinator cannot reach pod 1, the
+    # client sees it gone, starts it again, pushes the code and sends the call, which no rank
+    # had started (a stopped pod, alive but silent, is the quorum timeout below)
     remote = _fresh()
     assert remote(str(tmp_path), "warm", 0) == [0, 1]  # the coordinator knows pod 1
     pid = remote.status()[1]["server_pid"]
@@ -175,23 +179,11 @@ def test_quorum_timeout_when_a_worker_pod_is_gone(deployment, tmp_path) -> None:
     assert fm.wait_for(lambda: not fm.pid_alive(pid), 5.0)
     quorum = COMPUTE.distributed.quorum_timeout
     t0 = time.monotonic()
-    with pytest.raises(kt.QuorumTimeout) as info:
-        remote(str(tmp_path), "q", 5)
+    assert remote(str(tmp_path), "q", 0) == [0, 1]
     took = time.monotonic() - t0
-    fm.report("quorum: worker pod killed before the call -> QuorumTimeout", took, quorum + SLACK_S)
-    assert quorum - 0.1 <= took <= quorum + SLACK_S
-    err = info.value
-    assert isinstance(err, TimeoutError) and isinstance(err, kt.RemoteError)
-    msg = str(err)
-    assert f"pod {NAME}-1" in msg and "quorum_timeout=2s" in msg, msg  # what was awaited
-    assert "1 of 2 pods" in msg and "no rank started" in msg, msg  # what arrived
-    assert "distribute(quorum_timeout=" in msg, msg  # what to try
-    assert {f.rank: f.kind for f in err.failures} == {0: "cancelled", 1: "unreachable"}
-    _no_rank_started(tmp_path, "q")  # never runs with fewer ranks
-    # a fresh .to() restarts the pod; the next call runs on every rank
-    remote = _fresh()
+    fm.report("quorum: worker pod killed before the call -> restarted, call runs", took, quorum + 10)
+    assert remote.status()[1]["server_pid"] != pid
     assert remote(str(tmp_path), "after", 0) == [0, 1]
-    _no_rank_started(tmp_path, "q")
 
 
 @pytest.mark.timeout(60)
