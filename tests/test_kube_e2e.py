@@ -37,7 +37,7 @@ def _outcomes(junit: Path) -> list[tuple[str, str]]:
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="the stand-in cluster's pods need root and unshare (own hostname)")
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(560)
 def test_cluster_suite_against_the_stand_in_cluster(tmp_path: Path) -> None:
     # the pod proxy cuts streams as the API server's does (Go's race on Content-Length bodies),
     # and then some more: every call of the suite must survive them
@@ -61,7 +61,7 @@ def test_cluster_suite_against_the_stand_in_cluster(tmp_path: Path) -> None:
         junit = tmp_path / "suite.xml"
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                               "-m", "kubernetes", f"--junitxml={junit}", str(HERE / "kubernetes")],
-                             env=env, capture_output=True, text=True, timeout=360, cwd=HERE.parent)
+                             env=env, capture_output=True, text=True, timeout=500, cwd=HERE.parent)
         tail = "\n".join((run.stdout + run.stderr).splitlines()[-60:])
         assert run.returncode == 0, tail
         # every collected test passed, but those skipped for the one reason expected here: a

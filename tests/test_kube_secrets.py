@@ -9,11 +9,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,30 +232,5 @@ def test_refused_before_anything_is_made(cluster: Cluster, secret: str, message:
 
 # ---- the cluster suite's secrets test, against the stand-in cluster ------------------------------
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                    reason="the stand-in cluster's pods need root and unshare (own hostname)")
-@pytest.mark.timeout(300)
-def test_cluster_secrets_test_against_the_stand_in_cluster(tmp_path: Path) -> None:
-    with open(tmp_path / "harness.log", "wb") as log:
-        harness = subprocess.Popen([sys.executable, str(HERE / "kube_harness.py"), str(tmp_path)],
-                                   stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "kubeconfig").exists():
-            assert harness.poll() is None, (tmp_path / "harness.log").read_text()
-            assert time.monotonic() < deadline, "the stand-in cluster did not start within 30 s"
-            time.sleep(0.05)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KTLITE_", "PYTEST_", "KUBECONFIG"))}
-        env.update(KTLITE_TEST_KUBECONFIG=str(tmp_path / "kubeconfig"), KTLITE_HOME=str(tmp_path / "ktlite-home"))
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kubernetes",
-                              str(HERE / "kubernetes" / "test_secrets_cluster.py")],
-                             env=env, capture_output=True, text=True, timeout=240, cwd=HERE.parent)
-        tail = "\n".join((run.stdout + run.stderr).splitlines()[-60:])
-        assert run.returncode == 0 and "1 passed" in run.stdout and "skipped" not in run.stdout, tail
-    finally:
-        os.killpg(harness.pid, signal.SIGTERM)
-        try:
-            harness.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(harness.pid, signal.SIGKILL)
-            harness.wait(5)
+# tests/kubernetes/test_secrets_cluster.py runs against the stand-in cluster with the rest of the
+# cluster suite: tests/test_kube_e2e.py
