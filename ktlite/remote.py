@@ -330,6 +330,16 @@ def _reattach(kind: str, name: str, backend: str | None = None,
     return RemoteClass(source, dep, None) if kind == "cls" else RemoteFunction(source, dep)
 
 
+def _attach_by_name(kind: str, name: str | None, get_if_exists: bool) -> RemoteFunction | RemoteClass:
+    """``kt.fn(name=...)`` / ``kt.cls(name=...)`` with no code: the running deployment."""
+    what = "function" if kind == "fn" else "class"
+    if name is None:
+        raise ConfigError(f"kt.{kind}() needs a {what}, or name= of a running deployment to attach to")
+    if not get_if_exists:
+        raise ConfigError(f"kt.{kind}(name={name!r}, get_if_exists=False) has nothing to deploy: pass the {what}")
+    return _reattach(kind, name)
+
+
 def fn(func: Any = None, name: str | None = None, get_if_exists: bool = True,
        reload_prefixes: list[str] | None = None, prefix_username: bool | None = None,
        sync_dir: Any = None, remote_dir: Any = None, remote_import_path: Any = None) -> Any:
@@ -340,12 +350,7 @@ def fn(func: Any = None, name: str | None = None, get_if_exists: bool = True,
     _check_naming(reload_prefixes, prefix_username)
     _check_sync(sync_dir=sync_dir, remote_dir=remote_dir, remote_import_path=remote_import_path)
     if func is None:
-        if name is None:
-            raise ConfigError("kt.fn() needs a function, or name= of a running deployment to attach to")
-        if not get_if_exists:
-            raise ConfigError(f"kt.fn(name={name!r}, get_if_exists=False) has nothing to deploy: pass the "
-                              "function")
-        return _reattach("fn", name)
+        return _attach_by_name("fn", name, get_if_exists)
     if not inspect.isfunction(func) and not inspect.isbuiltin(func) and not callable(func):
         raise ConfigError(f"kt.fn() needs a function, got {type(func).__name__}")
     if inspect.isclass(func):
@@ -362,12 +367,7 @@ def cls(klass: Any = None, name: str | None = None, get_if_exists: bool = True,
     _check_naming(reload_prefixes, prefix_username)
     _check_sync(sync_dir=sync_dir, remote_dir=remote_dir, remote_import_path=remote_import_path)
     if klass is None:
-        if name is None:
-            raise ConfigError("kt.cls() needs a class, or name= of a running deployment to attach to")
-        if not get_if_exists:
-            raise ConfigError(f"kt.cls(name={name!r}, get_if_exists=False) has nothing to deploy: pass the "
-                              "class")
-        return _reattach("cls", name)
+        return _attach_by_name("cls", name, get_if_exists)
     if not inspect.isclass(klass):
         raise ConfigError(f"kt.cls() needs a class, got {type(klass).__name__}; use kt.fn() for functions")
     return Cls(klass, name)
