@@ -254,7 +254,12 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
 
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run())
+        if importlib.util.find_spec("uvloop"):  # as the pod server runs
+            import uvloop
+
+            uvloop.run(run())
+        else:
+            asyncio.run(run())
 
 
 def remember(info: Any, pod_ips_file: str) -> None:
