@@ -380,9 +380,9 @@ class Deployment:
                     raise _NotStarted(error, f"the coordinator could not reach {', '.join(gone)}")
             lost = {self._ordinal_of(f.pod) for f in failures if f.kind in ("died", "unreachable")} - {-1}
             if lost and reply.started and isinstance(error, RemoteError):
-                changed = self._membership_changed(sorted(lost), error, failures, values)
+                changed = self._membership_changed(sorted(lost), error, failures)
                 if changed is not None:
-                    raise changed from None
+                    raise changed from error
             raise error
         self._suspect = False
         return [values[r] for r in sorted(values)]
@@ -442,8 +442,8 @@ class Deployment:
         eps = sorted(applied.endpoints, key=lambda ep: ep.ordinal)
         return [urlsplit(ep.peer_url).netloc if applied.same_host else ep.ip for ep in eps]
 
-    def _membership_changed(self, ordinals: list[int], error: RemoteError, failures: list[RankFailure],
-                            values: dict[int, Any]) -> WorkerMembershipChanged | None:
+    def _membership_changed(self, ordinals: list[int], error: RemoteError,
+                            failures: list[RankFailure]) -> WorkerMembershipChanged | None:
         """The call's error as :class:`WorkerMembershipChanged` when pods among ``ordinals``
         were lost or replaced (not merely a rank process that died on a pod that lives on)."""
         try:
@@ -454,9 +454,7 @@ class Deployment:
             return None
         if not gone:
             return None
-        changed = self._membership_error(gone, current, str(error), failures, error.outcomes)
-        changed.__cause__ = error
-        return changed
+        return self._membership_error(gone, current, str(error), failures, error.outcomes)
 
     def _membership_error(self, gone: list[str], current: Applied | None, detail: str,
                           failures: list[RankFailure] | None = None,

@@ -97,6 +97,15 @@ def write_state(directory: Path, state: dict[str, Any]) -> None:
 class Backend(ABC):
     name: str = "base"
 
+    @classmethod
+    def shared(cls) -> Any:
+        """This process's one instance of the backend (its connections and child processes)."""
+        instance = cls.__dict__.get("_instance")
+        if instance is None:
+            instance = cls()
+            cls._instance = instance
+        return instance
+
     @abstractmethod
     def plan(self, spec: DeploymentSpec) -> Plan:
         """Pure: what ``apply`` would create."""

@@ -349,8 +349,7 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str, part: Part |
     if compute.gpu_memory:
         meta["annotations"][GPU_MEMORY_ANNOTATION] = compute.gpu_memory
     template = {"metadata": meta, "spec": pod}
-    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
-    meta["annotations"][HASH_ANNOTATION] = digest
+    meta["annotations"][HASH_ANNOTATION] = _template_hash(template)
     return template
 
 
@@ -429,8 +428,13 @@ def _with_template(sts: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]
     annotations = dict(template["metadata"].get("annotations") or {})
     annotations.pop(HASH_ANNOTATION, None)
     template["metadata"]["annotations"] = annotations
-    annotations[HASH_ANNOTATION] = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+    annotations[HASH_ANNOTATION] = _template_hash(template)
     return merged
+
+
+def _template_hash(template: dict[str, Any]) -> str:
+    """The pod hash: of the template without its own hash annotation."""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def merge_template(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -168,14 +168,6 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 class LocalBackend(Backend):
     name = "local"
-    _shared: LocalBackend | None = None
-
-    @classmethod
-    def shared(cls) -> LocalBackend:
-        if cls._shared is None:
-            cls._shared = cls()
-        return cls._shared
-
     def __init__(self) -> None:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._owned: set[str] = set()

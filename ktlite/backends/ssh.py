@@ -240,14 +240,6 @@ class _Host:
 
 class SshBackend(Backend):
     name = "ssh"
-    _shared: SshBackend | None = None
-
-    @classmethod
-    def shared(cls) -> SshBackend:
-        if cls._shared is None:
-            cls._shared = cls()
-        return cls._shared
-
     def __init__(self) -> None:
         self._loop = _Loop()
         self._live: dict[str, list[_Host]] = {}  # deployment -> its hosts' connections (this process)
