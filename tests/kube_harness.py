@@ -4,7 +4,7 @@ over real HTTP, with a real ``ktlite_server`` process behind each pod it creates
     python tests/kube_harness.py DIR     # writes DIR/kubeconfig, serves until SIGTERM
 
 Only the control plane is fake. Each pod is a real server process bound to its own loopback
-address (127.0.0.10, .11, ...) on the pod port, in its own UTS and mount namespace (hostname =
+address (127.X.0.10, .11, ..., X from the stand-in's pid) on the pod port, in its own UTS and mount namespace (hostname =
 pod name, resolved by the pod's own /etc/hosts as the kubelet writes it; PVCs bind-mounted from DIR/pvc/<claim>; /tmp and tests/ empty, since a real pod
 sees none of the caller's files), started with the env the pod spec names
 (token from the Secret, ``envFrom`` Secrets, downward-API fields) and with its secret volumes'
@@ -59,6 +59,9 @@ class Pods:
         self.made_dirs: list[Path] = []  # mount points made on this machine, parents first
         self.lock = threading.Lock()
         self.ips = itertools.count(10)
+        # each stand-in its own 127.X.0.0/16 (X from its pid): two stand-ins of one test run
+        # (xdist workers) would otherwise both find an address free and then race for it
+        self.net = f"127.{os.getpid() % 253 + 1}"
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # as Go's net/http has it
         self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0),
                                  transport=httpx.HTTPTransport(socket_options=nodelay))
@@ -97,7 +100,7 @@ class Pods:
         for n in self.ips:
             if n % 256 in (0, 255):
                 continue
-            ip = f"127.0.{n // 256}.{n % 256}"
+            ip = f"{self.net}.{n // 256}.{n % 256}"
             with socket.socket() as probe:
                 try:
                     probe.bind((ip, SERVER_PORT))
