@@ -38,7 +38,7 @@ _EXPORTS = {
         "PodContainerError", "PodTerminatedError", "ResourceNotAvailableError", "RsyncError", "SecretNotFound",
         "ServiceHealthError", "ServiceTimeoutError", "StartupError", "VersionMismatchError", "WorkerMembershipChanged")},
     **{name: "ktlite.kubetorch" for name in (
-        "BroadcastWindow", "DebugConfig", "Endpoint", "LoggingConfig", "MetricsConfig", "autoscale", "deep_breakpoint")},
+        "BroadcastWindow", "DebugConfig", "Endpoint", "LoggingConfig", "MetricsConfig", "deep_breakpoint")},
 }
 
 if TYPE_CHECKING:
@@ -91,7 +91,6 @@ if TYPE_CHECKING:
         Endpoint,
         LoggingConfig,
         MetricsConfig,
-        autoscale,
         deep_breakpoint,
     )
     from ktlite.rankdata import PerRank, per_rank
@@ -106,7 +105,7 @@ if TYPE_CHECKING:
 # the module's own functions through.
 from ktlite import compute as _compute_module  # noqa: E402, F401
 from ktlite import config as _config_module  # noqa: E402
-from ktlite.decorators import async_, compute, distribute  # noqa: E402
+from ktlite.decorators import async_, autoscale, compute, distribute  # noqa: E402
 from ktlite.kubetorch import Config as _Config  # noqa: E402
 
 config = _Config(_config_module)

@@ -229,6 +229,7 @@ class Compute:
     service_template: dict[str, Any] | None = None  # merged deeply into each StatefulSet
     restart_procs: bool = False  # every .to() starts fresh rank processes
     replicas: int | None = None
+    autoscaling: Any = None  # ktlite.autoscaling.AutoscaleConfig: set by .autoscale()
     logging_config: Any = None
     selector: Any = None
     endpoint: Any = None
@@ -400,6 +401,13 @@ class Compute:
                 f"Compute({which}=...) brings your own pods, which ktlite does not support: ktlite "
                 "creates and owns its pods. Give the resources instead (Compute(cpus=, gpus=, image=, "
                 "node_selector=...)), or run on existing machines with hosts=[...] (backend='ssh')")
+        if self.autoscaling is not None:
+            from ktlite.autoscaling import AutoscaleConfig
+
+            if not isinstance(self.autoscaling, AutoscaleConfig):
+                raise ConfigError(f"autoscaling={self.autoscaling!r}: use compute.autoscale(min_scale=..., ...)")
+            if self.distributed is not None:
+                raise ConfigError("a Compute cannot use both .distribute() and .autoscale(); pick one")
         if self.replicas is not None:
             if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
                 raise ConfigError(f"replicas={self.replicas!r} must be a whole number >= 1")
@@ -443,10 +451,26 @@ class Compute:
     def is_up(self) -> None:
         raise self._live("is_up()", "remote.status() (or `ktlite status NAME`) answers it")
 
-    def autoscale(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("compute.autoscale() (Knative autoscaling) is not supported by ktlite; for N pods "
-                                  "that each run every call use .distribute('spmd', workers=N); load-balanced, "
-                                  "autoscaled serving is not built yet")
+    def autoscale(self, **kwargs: Any) -> Compute:
+        """Serve this Compute's function or class from replicas that grow and shrink with load
+        (Kubetorch's ``.autoscale``); changes this Compute and returns it. Each call goes to
+        one replica and returns one value. The options and their defaults are in
+        :mod:`ktlite.autoscaling` (``min_scale``, ``max_scale``, ``concurrency``, ``target``,
+        ``metric``, ``window``, ``scale_down_delay``, ...)."""
+        from ktlite.autoscaling import from_kwargs
+
+        if self.distributed is not None:
+            raise ConfigError("a Compute cannot use both .distribute() and .autoscale(): distribute() runs "
+                              "every call on every rank of N pods, autoscale() one call on one of N "
+                              "interchangeable replicas; pick one")
+        if self.replicas is not None:
+            raise ConfigError(f"Compute(replicas={self.replicas}) with .autoscale(): the autoscaler sets the "
+                              "replicas; use autoscale(initial_scale=..., min_scale=..., max_scale=...)")
+        if self.hosts is not None:
+            raise ConfigError("autoscale() with hosts= (backend='ssh'): the ssh backend runs a fixed set of "
+                              "hosts; autoscaled serving runs on the local and kubernetes backends")
+        object.__setattr__(self, "autoscaling", from_kwargs(kwargs))
+        return self
 
     @classmethod
     def from_manifest(cls, *args: Any, **kwargs: Any) -> Compute:
@@ -578,6 +602,10 @@ class Compute:
         function runs) plus ``workers`` worker-node pods (default 1), sized by this Compute
         with ``worker_node_options`` applied (``{"cpus": "4", "memory": "16Gi", "gpus": 1}``).
         """
+        if self.autoscaling is not None:
+            raise ConfigError("a Compute cannot use both .autoscale() and .distribute(): autoscale() sends "
+                              "each call to one of N interchangeable replicas, distribute() runs every call "
+                              "on every rank of N pods; pick one")
         if unknown:
             raise ConfigError(f"distribute() got unknown option(s) {', '.join(sorted(unknown))}; "
                               "allowed: framework (distribution_type), workers, num_proc, port, "
@@ -622,7 +650,7 @@ class Compute:
         """The fields that shape a pod: a change here restarts pods, anything else does not."""
         fields = asdict(self)
         for key in ("distributed", "launch_timeout", "stream_logs", "inactivity_ttl", "env_vars",
-                    "max_restarts", "call_timeout", "teardown_timeout", "concurrency", "replicas",
+                    "max_restarts", "call_timeout", "teardown_timeout", "concurrency", "replicas", "autoscaling",
                     "restart_procs", "logging_config", "allowed_serialization", "kubeconfig_path",
                     "priority_class_name", "service_account_name", "shared_memory_limit",
                     "selector", "endpoint"):

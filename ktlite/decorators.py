@@ -34,6 +34,7 @@ class Decorated:
         self.is_class = inspect.isclass(obj)
         self.compute_kwargs: dict[str, Any] | None = None
         self.distribute_kwargs: dict[str, Any] | None = None
+        self.autoscale_kwargs: dict[str, Any] | None = None
         self.name = default_name(obj.__name__)
         self.get_if_exists = False  # Kubetorch's: the first call attaches to a running deployment
         self.async_ = False  # @kt.async_: calls return a kt.Future (awaitable)
@@ -50,6 +51,8 @@ class Decorated:
         compute = Compute(**(self.compute_kwargs or {}))
         if self.distribute_kwargs is not None:
             compute = compute.distribute(**self.distribute_kwargs)
+        if self.autoscale_kwargs is not None:
+            compute = compute.autoscale(**self.autoscale_kwargs)
         return compute
 
     def _source(self) -> Any:
@@ -219,6 +222,28 @@ def distribute(framework: str | None = None, workers: int | None = None,
             raise ConfigError(f"{marked.obj.__name__} has two @kt.distribute decorators; keep one")
         marked.distribute_kwargs = options
         marked.compute  # noqa: B018
+        return marked
+    return wrap
+
+
+def autoscale(**kwargs: Any) -> Any:
+    """Mark a function or class to be served by replicas that scale with load; takes what
+    :meth:`kt.Compute.autoscale` takes (Kubetorch's keywords). Cannot be stacked with
+    ``@kt.distribute``.
+
+    Example:
+        >>> @kt.compute(cpus=1)
+        ... @kt.autoscale(min_scale=1, max_scale=4, concurrency=2)
+        ... class Model: ...
+    """
+    Compute().autoscale(**kwargs)  # bad values fail here
+
+    def wrap(obj: Any) -> Decorated:
+        marked = _mark(obj)
+        if marked.autoscale_kwargs is not None:
+            raise ConfigError(f"{marked.obj.__name__} has two @kt.autoscale decorators; keep one")
+        marked.autoscale_kwargs = dict(kwargs)
+        marked.compute  # noqa: B018  (a @kt.distribute on it fails here, naming both)
         return marked
     return wrap
 

@@ -84,13 +84,6 @@ class BroadcastWindow:
                       "between ranks use torch.distributed.broadcast inside the call")
 
 
-_AUTOSCALE_INSTEAD = ("for N pods that each run every call use .distribute('spmd', workers=N); "
-                      "load-balanced, autoscaled serving is not built yet")
-
-
-def autoscale(*args: Any, **kwargs: Any) -> Any:
-    """``@kt.autoscale(...)``: refused (see README)."""
-    raise _refuse("@kt.autoscale (Knative autoscaling)", _AUTOSCALE_INSTEAD)
 
 
 # Kubetorch's global config keys that ktlite has no meaning for, and why

@@ -239,19 +239,34 @@ class DeploymentSpec:
     compute: Any  # ktlite.compute.Compute (kept untyped to avoid an import cycle)
     kind: str = "fn"  # "fn" | "cls"
     detached: bool = False
+    # an autoscaled deployment's replica count now (the backends that start replicas
+    # themselves, local: the autoscaler asks for this many); None: the initial scale
+    replicas: int | None = None
 
     @property
     def distributed(self) -> DistributedConfig:
+        """The rank layout of one pod's world: an autoscaled deployment's replicas are each a
+        world of one pod (RANK 0 of WORLD_SIZE 1)."""
         return self.compute.distributed or DistributedConfig()
 
     @property
+    def autoscale(self) -> Any:
+        """The :class:`ktlite.autoscaling.AutoscaleConfig` of a served deployment, else None."""
+        return self.compute.autoscaling
+
+    @property
     def workers(self) -> int:
+        """Pods: the distributed layout's, or an autoscaled deployment's replicas now."""
+        if self.autoscale is not None:
+            return self.autoscale.initial if self.replicas is None else self.replicas
         return self.distributed.workers
 
     @property
     def concurrency(self) -> int:
         """Calls each rank process runs at once: ``Compute.concurrency``, else 8 for a
         single-rank class (a server), else 1 (a distributed call's collectives need order)."""
+        if self.autoscale is not None:  # Knative's containerConcurrency; unset: a replica takes many
+            return int(self.autoscale.concurrency or self.compute.concurrency or 32)
         if self.compute.concurrency is not None:
             return int(self.compute.concurrency)
         return 8 if self.kind == "cls" and self.distributed.world_size == 1 else 1

@@ -41,7 +41,7 @@ TOP_LEVEL = {
     "fn": "same", "Fn": "same", "cls": "same", "Cls": "same", "app": "same", "App": "same",
     "Compute": "same", "Endpoint": REFUSED, "Image": "same", "images": "same", "Volume": "same",
     "Secret": "same", "secret": "same", "compute": "same", "distribute": "same",
-    "autoscale": REFUSED, "async_": "same", "distributed": "same", "put": "same", "get": "same",
+    "autoscale": "same", "async_": "same", "distributed": "same", "put": "same", "get": "same",
     "ls": "same", "rm": "same", "BroadcastWindow": REFUSED, "config": "same",
     "LoggingConfig": "same", "DebugConfig": REFUSED, "MetricsConfig": REFUSED,
     "deep_breakpoint": REFUSED,
@@ -87,7 +87,7 @@ VOLUME_PARAMS = ("name", "size", "mount_path", "storage_class", "access_mode", "
 VOLUME_METHODS = {"from_name": "same", "create": REFUSED, "delete": REFUSED, "exists": REFUSED,
                   "ssh": REFUSED}
 SECRET_PARAMS = ("name", "provider", "path", "env_vars", "namespace", "override")
-COMPUTE_METHODS = {"distribute": "same", "autoscale": REFUSED, "pip_install": REFUSED,
+COMPUTE_METHODS = {"distribute": "same", "autoscale": "same", "pip_install": REFUSED,
                    "run_bash": REFUSED, "sync_package": REFUSED, "ssh": REFUSED, "pods": REFUSED,
                    "is_up": REFUSED, "from_manifest": REFUSED}
 CALL_KWARGS = ("async_", "stream_logs", "stream_metrics", "debug", "pdb", "serialization",
@@ -222,7 +222,10 @@ def test_decorators_take_kubetorchs_keywords() -> None:
         assert name in inspect.signature(kt.compute).parameters, name
     marked = kt.async_(kt.distribute(distribution_type="pytorch", workers=2)(kt.compute(cpus="1")(work)))
     assert marked.async_ and marked.compute.distributed.workers == 2
-    _refused_clearly(lambda: kt.autoscale(min_scale=0), "autoscale")
+    served = kt.autoscale(min_scale=0, max_scale=3, concurrency=2)(kt.compute(cpus="1")(work))
+    assert served.compute.autoscaling.max_scale == 3 and served.compute.distributed is None
+    with pytest.raises(kt.ConfigError, match=r"\.distribute\(\).*\.autoscale\(\)|\.autoscale\(\).*\.distribute\(\)"):
+        kt.autoscale(min_scale=1)(kt.distribute("pytorch", workers=2)(lambda: None))
 
 
 def test_call_keywords_are_all_known() -> None:

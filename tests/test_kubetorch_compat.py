@@ -274,7 +274,6 @@ def test_kubetorch_names_ktlite_refuses_say_what_to_use() -> None:
         (lambda: kt.MetricsConfig(interval=30), "remote.status()"),
         (lambda: kt.Endpoint(url="http://x"), "kt.Compute"),
         (lambda: kt.BroadcastWindow(), "kt.get"),
-        (lambda: kt.autoscale(min_scale=1), "distribute"),
     ]:
         with pytest.raises(NotImplementedError, match="not supported by ktlite") as info:
             thunk()

@@ -127,6 +127,30 @@ class Backend(ABC):
     def list(self) -> list[dict[str, Any]]:
         """Deployments this backend can see."""
 
+    # ---- autoscaled deployments (spec.autoscale is set; see ktlite.serving) ----------------
+    # Their replicas are each a world of one pod (RANK 0, WORLD_SIZE 1), started with
+    # KTLITE_POD_ORDINAL=0 and KTLITE_LAUNCH_FILE naming where write_launch() keeps the current
+    # launch, so a replica the autoscaler starts later loads the code before it is ready
+    # (GET /health?ready=1 answers 503 until then). apply() returns the replicas that run, by
+    # ordinal (local: the pod's own; Kubernetes: their order by name), without waiting for
+    # the readiness the first launch gives.
+
+    def autoscaler(self, spec: DeploymentSpec) -> str:
+        """Who scales an autoscaled deployment: ``"client"`` (ktlite's autoscaler in the
+        caller asks ``apply`` for ``spec.replicas`` pods), or the cluster (``"hpa"``,
+        ``"knative"``), whose replicas ``lookup`` reports."""
+        raise ConfigError(f"backend {self.name!r} does not serve autoscaled deployments; use backend='local' "
+                          "or 'kubernetes'")
+
+    def write_launch(self, name: str, launch: bytes) -> None:
+        """Keep ``launch`` (the pickled deploy message) where replicas started later read it."""
+        raise ConfigError(f"backend {self.name!r} does not serve autoscaled deployments")
+
+    def scaling_status(self, name: str) -> dict[str, Any] | None:
+        """The cluster autoscaler's view (desired and current replicas, its last decision and
+        why); None where ktlite's own autoscaler decides (its decisions are in ktlite.serving)."""
+        return None
+
     def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
              tail: int | None = None) -> Iterator[str]:
         """Lines of the pods' logs (all pods, or pod ``ordinal``), prefixed with the pod."""

@@ -2,7 +2,8 @@
 
 Endpoints (all but ``/health`` need ``x-ktlite-token: Bearer <deployment token>``):
 
-- ``GET /health``: liveness, protocol version, launch id.
+- ``GET /health``: liveness, protocol version, launch id, calls running; ``?ready=1`` answers
+  503 until a launch is loaded (a replica's readiness probe).
 - ``POST /deploy``: install a code bundle on this pod's ranks (ktlite message body).
 - ``POST /call``: run a call; ``x-ktlite-call`` header carries the plan, the body the opaque
   argument payload; answers with a frame stream (logs, heartbeats, then the result).
@@ -162,6 +163,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         if state["client"] is None:
             state["client"] = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=30.0)
         await pod.prespawn()
+        launch_file = os.environ.get("KTLITE_LAUNCH_FILE")
+        if launch_file:
+            state["boot_task"] = asyncio.get_running_loop().create_task(boot_launch(launch_file))
         yield
         state["streams"].close()
         await pod.shutdown()
@@ -183,11 +187,32 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                                      "install the same ktlite version on both sides")
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, "version": ktlite.__version__,
+    async def health(request: Request) -> Response:
+        """Liveness; with ``?ready=1``, readiness: 503 until a launch is loaded (an autoscaled
+        replica must not take calls before it has the code). ``calls`` is the number running."""
+        body = {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, "version": ktlite.__version__,
                 "python": platform.python_version(), "pod": pod.name, "ordinal": pod.ordinal,
                 "launch_id": pod.dep.launch_id if pod.dep else None, "started": started,
-                "engine_failed": pod.engine_failed}
+                "engine_failed": pod.engine_failed, "calls": len(pod.calls)}
+        if request.query_params.get("ready") and (pod.dep is None or pod.ready_launch != pod.dep.launch_id):
+            body.update(status="not ready", detail=state.get("boot") or (
+                "no launch loaded yet" if pod.dep is None else f"launch {pod.dep.launch_id} is loading or failed"))
+            return JSONResponse(body, status_code=503)
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text: the calls running now (what an HPA on ``metric="concurrency"``
+        scales on, through a metrics adapter) and the calls taken since start. Scrapes send the
+        deployment token, as every other caller does."""
+        authorize(request)
+        text = ("# HELP ktlite_inflight_calls Calls running on this pod now.\n"
+                "# TYPE ktlite_inflight_calls gauge\n"
+                f"ktlite_inflight_calls {len(pod.calls)}\n"
+                "# HELP ktlite_calls_total Calls this pod has taken since it started.\n"
+                "# TYPE ktlite_calls_total counter\n"
+                f"ktlite_calls_total {pod.calls_total}\n")
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
@@ -218,6 +243,21 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 os.unlink(path)
             return await _colocate(msg, name, target)
         try:
+            outs = await install(msg)
+        finally:
+            if path:
+                os.unlink(path)
+        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
+        return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
+
+    async def install(msg: dict[str, Any]) -> list[Any]:
+        """Install a launch (a POST /deploy body, or the launch file a replica boots from)."""
+        if msg.get("replica"):
+            # an autoscaled deployment's replica is a world of its own: rank 0 of one pod, at
+            # this pod's own address (a replica started later reads the launch the client wrote)
+            msg = {**msg, "ordinal": pod.ordinal,
+                   "pod_ips": [os.environ.get("KTLITE_POD_IP") or msg.get("pod_ips", ["127.0.0.1"])[0]]}
+        try:
             dep = Deployment(
                 launch_id=msg["launch_id"], bundle=bytes(msg["bundle"]), kind=msg["kind"],
                 init=msg.get("init"), sources=msg.get("sources") or {},
@@ -235,9 +275,6 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 raise ValueError(f"ordinal {dep.ordinal} is outside 0..{dep.config.workers - 1}")
         except Exception as e:  # noqa: BLE001 - any undecodable or inconsistent body is the client's fault
             raise HTTPException(400, f"malformed deploy request: {type(e).__name__}: {e}") from e
-        finally:
-            if path:
-                os.unlink(path)
         if dep.ordinal != pod.ordinal:
             raise HTTPException(400, f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} "
                                      f"(ordinal {pod.ordinal})")
@@ -253,9 +290,33 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             deploys[dep.launch_id] = task
             while len(deploys) > 8:
                 deploys.popitem(last=False)
-        outs = await asyncio.shield(task)
-        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
-        return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
+        outs: list[Any] = await asyncio.shield(task)
+        return outs
+
+    async def boot_launch(path: str) -> None:
+        """A replica started by an autoscaler loads the launch the client left for it (a
+        mounted Secret on Kubernetes, a file locally) before it reports ready."""
+        try:
+            with open(path, "rb") as f:
+                msg = protocol.loads(f.read())
+        except FileNotFoundError:
+            state["boot"] = "no launch yet: waiting for the client's POST /deploy"
+            return
+        except Exception as e:  # noqa: BLE001 - shown by /health?ready=1 and the log
+            state["boot"] = f"the launch file {path} could not be read: {type(e).__name__}: {e}"
+            print(f"ktlite_server: {state['boot']}", file=sys.stderr, flush=True)
+            return
+        try:
+            outs = await install(msg)
+        except HTTPException as e:
+            state["boot"] = f"the launch file {path} was refused: {e.detail}"
+            print(f"ktlite_server: {state['boot']}", file=sys.stderr, flush=True)
+            return
+        failed = [o for o in outs if o.status != "ok"]
+        state["boot"] = (f"loading launch {msg.get('launch_id')} failed on rank(s) "
+                         f"{', '.join(str(o.rank) for o in failed)}: {failed[0].message}" if failed else None)
+        if failed:
+            print(f"ktlite_server: {state['boot']}", file=sys.stderr, flush=True)
 
     async def _colocate(msg: dict[str, Any], name: str, target: Colocated | None) -> Response:
         """A colocation launch (``kt.cls(B).to(remote_a)``): add, replace or (``drop``) remove

@@ -154,6 +154,7 @@ class Pod:
         self.base_env = {k: v for k, v in os.environ.items() if k not in _RESERVED}
         self.ranks: list[RankProcess] = []
         self.dep: Deployment | None = None
+        self.ready_launch: str | None = None  # the launch every rank loaded (readiness)
         # colocated targets by name: kept across redeploys of the primary code, loaded into
         # every rank process this pod starts (a restarted rank gets them all back)
         self.colocated: dict[str, Colocated] = {}
@@ -166,6 +167,7 @@ class Pod:
         self.lost_groups: dict[int, str] = {}  # ranks that died idle holding a process group
         self.last_generation = 0  # the process-group generation of the last call run here
         self.calls: dict[str, _CallHandle] = {}
+        self.calls_total = 0
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
         self.cancelled_early: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._sinks: dict[int, dict[str, LogEmit]] = {}  # local rank -> call id -> its log stream
@@ -327,9 +329,13 @@ class Pod:
         # running calls end first (before the lock: an admitted call takes it briefly to
         # start), and new ones wait for the new code
         await self.gate.close()
+        self.ready_launch = None
         try:
             async with self.lock:
-                return await self._deploy(dep, restart)
+                outs = await self._deploy(dep, restart)
+            if all(o.status == "ok" for o in outs):
+                self.ready_launch = dep.launch_id
+            return outs
         finally:
             self.gate.open(dep.concurrency)
 
@@ -473,6 +479,7 @@ class Pod:
         if early is not None:  # the stop overtook the call on its way here: never start it
             handle.stop_kind, handle.stop_reason = early
         self.calls[call_id] = handle
+        self.calls_total += 1
         try:
             handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank, generation, ranks,
                                               group_port)
