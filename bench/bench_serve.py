@@ -1,0 +1,349 @@
+"""Serving benchmark (issue 14): an autoscaled ktlite class beside a plain server and Ray Serve.
+
+    python bench/bench_serve.py                        # every row, about 4 minutes on 2 cores
+    python bench/bench_serve.py --quick                # shorter windows (about 2 minutes)
+    python bench/bench_serve.py --only ktlite,floor    # leave Ray Serve out
+    python bench/bench_serve.py --json out.json        # also write every number to out.json
+
+One small torch model (``bench/_serve_peers.py``: ``Model.predict``, a 32 x 256 float32 batch
+in, 32 class ids out, one torch thread, a few ms a call) served three ways, each with 1 and 4
+replicas, each driven by the same load generator (N threads, each keeping one blocking call
+in flight, at N = 1, 8 and 32) for a fixed window after a warm-up:
+
+- ktlite: ``kt.cls(Model).to(Compute(cpus=1).autoscale(min_scale=R, max_scale=R,
+  concurrency=8))`` on the local backend, called with ``remote.predict(x)``;
+- the floor: ``bench/_raw_server.py`` (uvicorn + FastAPI, uvloop + httptools) serving the
+  same model in R processes, called over HTTP with cloudpickled bodies, each call to the
+  least-loaded of the R ports;
+- the peer: Ray Serve, a deployment with ``num_replicas=R`` and ``max_ongoing_requests=8``,
+  called through its ``DeploymentHandle`` (in its own process, after ktlite is torn down).
+
+Then the scale-to-zero cold start: a ``min_scale=0`` deployment is left idle until it has no
+replica, and the first call (which starts one) is timed against the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+_HOME = tempfile.mkdtemp(prefix="ktlite-bench-serve-")
+os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
+os.environ.pop("KTLITE_BACKEND", None)
+sys.path.insert(0, str(HERE))
+
+import _serve_peers as peers  # noqa: E402
+
+import ktlite as kt  # noqa: E402
+
+clock = time.perf_counter
+INFLIGHT = (1, 8, 32)
+REPLICAS = (1, 4)
+CONCURRENCY = 8  # calls one replica runs at once: ktlite's concurrency, Ray's max_ongoing_requests
+TARGET = 0.8  # issue 14: ktlite >= 0.8x the plain server's throughput per replica
+SYSTEMS = ("ktlite", "floor", "ray")
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def replica_count(status: Any) -> int:
+    """Replicas in ``remote.status()`` of an autoscaled deployment."""
+    if isinstance(status, dict):
+        status = status.get("replicas", [])
+    return len(status)
+
+
+def wait_replicas(remote: Any, want: int, timeout: float) -> float:
+    """Poll ``remote.status()`` until it shows ``want`` replicas; returns the seconds waited."""
+    t0 = clock()
+    while (n := replica_count(remote.status())) != want:
+        if clock() - t0 > timeout:
+            raise RuntimeError(f"{remote.name}: {n} replica(s) after {timeout:.0f} s, waiting for {want}")
+        time.sleep(0.1)
+    return clock() - t0
+
+
+class Bench:
+    def __init__(self, seconds: float, warmup: float) -> None:
+        self.seconds, self.warmup = seconds, warmup
+        self.rows: dict[str, dict[str, float]] = {}  # "system/replicas/inflight" -> rps, p50, p99
+        self.cold: dict[str, dict[str, float]] = {}  # system -> cold, warm (seconds)
+        self.notes: list[str] = []
+        self.meta: dict[str, Any] = {}
+        self.x = peers.example_input()
+        self.expected = peers.Model().predict(self.x)  # every row must answer this
+
+    def drive(self, system: str, replicas: int, call: Any) -> None:
+        for n in INFLIGHT:
+            log(f"{system}: {replicas} replica(s), {n} in flight, {self.warmup:g} s + {self.seconds:g} s")
+            self.rows[f"{system}/{replicas}/{n}"] = peers.drive(call, n, self.seconds, self.warmup)
+
+    # ---- ktlite ----------------------------------------------------------------------------
+
+    def ktlite(self) -> None:
+        x = self.x
+        for r in REPLICAS:
+            compute = kt.Compute(cpus=1, stream_logs=False).autoscale(
+                min_scale=r, max_scale=r, concurrency=CONCURRENCY)
+            t = clock()
+            remote = kt.cls(peers.Model, name=f"serve-bench-{r}").to(compute, init_args={"width": peers.WIDTH})
+            try:
+                wait_replicas(remote, r, 120)
+                if remote.predict(x) != self.expected:
+                    raise RuntimeError("ktlite's replica answered something else than the local model")
+                self.meta[f"ktlite_deploy_{r}"] = clock() - t
+                self.drive("ktlite", r, lambda m=remote.predict: m(x))
+            finally:
+                remote.teardown()
+
+    def ktlite_cold(self) -> None:
+        x = self.x
+        compute = kt.Compute(cpus=1, stream_logs=False).autoscale(
+            min_scale=0, max_scale=1, concurrency=CONCURRENCY, window="2s", scale_down_delay="1s",
+            scale_to_zero_pod_retention_period="2s")
+        remote = kt.cls(peers.Model, name="serve-bench-cold").to(compute, init_args={"width": peers.WIDTH})
+        try:
+            remote.predict(x)
+            log("ktlite: waiting for 0 replicas (retention 2 s)")
+            idle = wait_replicas(remote, 0, 90)
+            t = clock()
+            remote.predict(x)
+            cold = clock() - t
+            t = clock()
+            remote.predict(x)
+            self.cold["ktlite"] = {"cold": cold, "warm": clock() - t, "to_zero": idle}
+        finally:
+            remote.teardown()
+
+    # ---- the floor -------------------------------------------------------------------------
+
+    def floor(self) -> None:
+        procs: list[subprocess.Popen[str]] = []
+        ports: list[int] = []
+        try:
+            for r in REPLICAS:
+                while len(ports) < r:  # only as many server processes as the row's replicas
+                    proc = subprocess.Popen([sys.executable, str(HERE / "_serve_peers.py"), "floor",
+                                             "--width", str(peers.WIDTH), "--parent-pid", str(os.getpid())],
+                                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+                    procs.append(proc)
+                    line = proc.stdout.readline() if proc.stdout else ""
+                    if not line.startswith("PORT "):
+                        raise RuntimeError(f"the floor server did not start: {line!r}")
+                    ports.append(int(line.split()[1]))
+                    self.meta["floor_server"] = " + ".join(line.split()[2:4])
+                client = peers.FloorClient(ports)
+                try:
+                    if client(self.x) != self.expected:
+                        raise RuntimeError("the floor answered something else than the local model")
+                    self.drive("floor", r, lambda c=client: c(self.x))
+                finally:
+                    client.close()
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+    # ---- Ray Serve -------------------------------------------------------------------------
+
+    def ray(self, python: str, cold: bool) -> None:
+        out = Path(_HOME) / "ray.json"
+        cmd = [python, str(HERE / "_serve_peers.py"), "ray", "--out", str(out), "--width", str(peers.WIDTH),
+               "--seconds", str(self.seconds), "--warmup", str(self.warmup), "--concurrency", str(CONCURRENCY),
+               "--inflight", *map(str, INFLIGHT), "--replicas", *map(str, REPLICAS), *(["--cold"] if cold else [])]
+        log(f"ray serve: {' '.join(cmd[1:3])} (with {python})")
+        env = {**os.environ, "TMPDIR": _HOME, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env=env)
+        try:
+            text, _ = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+            raise RuntimeError("the Ray Serve peer ran past 600 s") from None
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever Ray's runtime left behind
+        if proc.returncode != 0 or not out.exists():
+            tail = " | ".join(line for line in text.strip().splitlines() if "[bench]" not in line)[-600:]
+            raise RuntimeError(f"the Ray Serve peer exited with code {proc.returncode}: {tail}")
+        data = json.loads(out.read_text())
+        if "skipped" in data:
+            self.notes.append(f"Ray Serve skipped: {data['skipped']}")
+            return
+        self.meta["ray_version"] = data["version"]
+        for key, row in data["rows"].items():
+            r, n = key.split("x")
+            self.rows[f"ray/{r}/{n}"] = row
+        if "cold" in data:
+            self.cold["ray"] = data["cold"]
+
+    # ---- the table -------------------------------------------------------------------------
+
+    def table(self, systems: list[str]) -> str:
+        header = ["replicas", "in flight"]
+        for s in systems:
+            header += [f"{LABEL[s]} req/s", "p50", "p99"]
+        if "ktlite" in systems:
+            header += [f"kt/{LABEL[s]} {what}" for s in systems if s != "ktlite" for what in ("rps", "p50")]
+        rows = []
+        for r in REPLICAS:
+            for n in INFLIGHT:
+                row = [str(r), str(n)]
+                got = {s: self.rows.get(f"{s}/{r}/{n}") for s in systems}
+                for s in systems:
+                    v = got[s]
+                    row += ["-", "-", "-"] if v is None else [f"{v['rps']:,.0f}", ms(v["p50"]), ms(v["p99"])]
+                if "ktlite" in systems:
+                    k = got["ktlite"]
+                    for s in systems:
+                        if s == "ktlite":
+                            continue
+                        v = got[s]
+                        ok = k is not None and v is not None and v["rps"] > 0 and v["p50"] > 0
+                        row += [f"{k['rps'] / v['rps']:.2f}", f"{k['p50'] / v['p50']:.2f}"] if ok else ["-", "-"]
+                rows.append(row)
+        return render(rows, header)
+
+    def verdict(self) -> str | None:
+        ratios = []
+        for r in REPLICAS:
+            for n in INFLIGHT:
+                k, f = self.rows.get(f"ktlite/{r}/{n}"), self.rows.get(f"floor/{r}/{n}")
+                if k and f and f["rps"] > 0:
+                    ratios.append((k["rps"] / f["rps"], r, n))
+        if not ratios:
+            return None
+        met = sum(1 for q, _, _ in ratios if q >= TARGET)
+        worst = min(ratios)
+        return (f"target: ktlite >= {TARGET}x the plain server's throughput per replica: met in {met} of "
+                f"{len(ratios)} rows (lowest {worst[0]:.2f}x at {worst[1]} replica(s), {worst[2]} in flight)")
+
+
+LABEL = {"ktlite": "ktlite", "floor": "floor", "ray": "Ray"}
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def render(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 s windows after 0.5 s warm-ups (noisier)")
+    p.add_argument("--seconds", type=float, help="measured window per row (default 4, --quick 2)")
+    p.add_argument("--warmup", type=float, help="warm-up before each window (default 1, --quick 0.5)")
+    p.add_argument("--only", default=",".join(SYSTEMS), help="comma-separated: ktlite,floor,ray")
+    p.add_argument("--no-cold", action="store_true", help="leave the scale-to-zero cold start out")
+    p.add_argument("--peer-python", default=sys.executable, metavar="PATH",
+                   help="the Python that runs Ray Serve (default: this one)")
+    p.add_argument("--json", metavar="PATH", help="also write every measurement to PATH")
+    args = p.parse_args()
+    systems = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        p.error(f"--only {args.only!r}: choose from {','.join(SYSTEMS)}")
+    systems = [s for s in SYSTEMS if s in systems]
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # runs the cleanup below
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    bench = Bench(args.seconds or (2.0 if args.quick else 4.0), args.warmup or (0.5 if args.quick else 1.0))
+    started, load_before = clock(), loadavg()
+    steps: list[tuple[str, Any]] = []
+    if "ktlite" in systems:
+        steps.append(("ktlite", bench.ktlite))
+        if not args.no_cold:
+            steps.append(("ktlite cold start", bench.ktlite_cold))
+    if "floor" in systems:
+        steps.append(("floor", bench.floor))
+    if "ray" in systems:  # last: Ray's runtime never shares the machine with ktlite's pods
+        steps.append(("ray", lambda: bench.ray(args.peer_python, not args.no_cold)))
+    try:
+        for name, step in steps:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - one broken row must not hide the others
+                bench.notes.append(f"{name} failed: {type(e).__name__}: {e}")
+                log(f"{name} FAILED: {type(e).__name__}: {e}")
+    finally:
+        import shutil
+
+        shutil.rmtree(_HOME, ignore_errors=True)
+
+    cores = os.cpu_count() or 1
+    ray = f"; Ray {bench.meta['ray_version']}" if "ray_version" in bench.meta else ""
+    print(f"\nktlite {kt.__version__} serving benchmark{' (--quick)' if args.quick else ''}: Python "
+          f"{platform.python_version()}, {cores} CPU(s), {clock() - started:.0f} s{ray}; load average "
+          f"{load_before} before, {loadavg()} after")
+    print(f"each row: N threads each keeping one call of Model.predict in flight, {bench.warmup:g} s warm-up "
+          f"then {bench.seconds:g} s measured; concurrency {CONCURRENCY} per replica; p50/p99 nearest rank")
+    print("kt/X rps = ktlite's req/s / X's (above 1: ktlite serves more); kt/X p50 = ktlite's p50 / X's "
+          "(below 1: ktlite answers faster)\n")
+    print(bench.table(systems))
+    verdict = bench.verdict()
+    if verdict:
+        print(f"\n{verdict}")
+    if cores < max(REPLICAS) + 1:
+        print(f"\nthis machine has {cores} core(s): {max(REPLICAS)} replicas, the load threads and the servers' "
+              "own work share them, so 4 replicas cannot scale linearly over 1 (the 4-replica rows show "
+              "the cost of spreading calls, not 4 cores' throughput)")
+    if bench.cold:
+        print("\nscale-to-zero cold start (min_scale=0, idle until no replica is left; first call vs the next):")
+        for s, c in bench.cold.items():
+            extra = f", scaled to zero {c['to_zero']:.1f} s after the wait began" if "to_zero" in c else ""
+            print(f"  {LABEL[s]:<7} first call {c['cold']:.2f} s, next call {ms(c['warm'])}{extra}")
+    if "floor_server" in bench.meta:
+        print(f"\nthe floor ran on uvicorn with {bench.meta['floor_server']}")
+    if "ray_version" in bench.meta:
+        print("Ray Serve was called through its DeploymentHandle (its Python API, as remote.predict is "
+              "ktlite's; its HTTP proxy would add a hop and a process on these cores), proxy disabled")
+    if bench.notes:
+        print("\nnotes:")
+        for n in bench.notes:
+            print(f"- {n}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"quick": args.quick, "ktlite": kt.__version__, "cores": cores, "rows": bench.rows,
+                       "cold": bench.cold, "meta": bench.meta, "notes": bench.notes,
+                       "loadavg": [load_before, loadavg()]}, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
