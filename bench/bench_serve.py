@@ -186,6 +186,11 @@ class Bench:
             tail = " | ".join(line for line in text.strip().splitlines() if "[bench]" not in line)[-600:]
             raise RuntimeError(f"the Ray Serve peer exited with code {proc.returncode}: {tail}")
         data = json.loads(out.read_text())
+        probes = text.count("Failed to get queue length")
+        if probes:
+            self.notes.append(f"Ray Serve's router logged {probes} queue-length probes to its replicas that missed "
+                              "their deadline (RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S, 0.1 s): calls wait for "
+                              "them, which is most of its latency at 32 in flight on a busy machine")
         if "skipped" in data:
             self.notes.append(f"Ray Serve skipped: {data['skipped']}")
             return
