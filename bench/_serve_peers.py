@@ -101,8 +101,10 @@ def drive(call: Callable[[], Any], inflight: int, seconds: float, warmup: float)
     flat = [r for rs in records for r in rs]
     done = sum(1 for _, e in flat if start <= e <= end)
     latencies = [e - b for b, e in flat if b < end and e > start]
+    per_thread = [sum(1 for _, e in rs if start <= e <= end) for rs in records]
     return {"rps": done / seconds, "p50": nearest_rank(latencies, 0.50),
-            "p99": nearest_rank(latencies, 0.99), "calls": float(len(latencies))}
+            "p99": nearest_rank(latencies, 0.99), "calls": float(len(latencies)),
+            "fewest_per_thread": float(min(per_thread)), "most_per_thread": float(max(per_thread))}
 
 
 # ---- the floor: bench/_raw_server.py serving the model --------------------------------------
