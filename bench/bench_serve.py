@@ -1,7 +1,7 @@
 """Serving benchmark (issue 14): an autoscaled ktlite class beside a plain server and Ray Serve.
 
     python bench/bench_serve.py                        # every row, about 4 minutes on 2 cores
-    python bench/bench_serve.py --quick                # shorter windows (about 2 minutes)
+    python bench/bench_serve.py --quick                # 1 round of 2 s windows (about 3 minutes)
     python bench/bench_serve.py --only ktlite,floor    # leave Ray Serve out
     python bench/bench_serve.py --json out.json        # also write every number to out.json
 
@@ -272,7 +272,7 @@ class Bench:
             if most >= 8 and fewest < most / 4:
                 system, r, n = key.split("/")
                 out.append(f"{LABEL[system]}, {r} replica(s), {n} in flight: one load thread finished "
-                           f"{fewest:.0f} calls in the window, another {most:.0f}")
+                           f"{fewest:.0f} call(s) in the window, another {most:.0f}")
         return out
 
     def verdict(self) -> str | None:
@@ -314,7 +314,7 @@ def loadavg() -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 round of 2 s windows (noisier; about 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="1 round of 2 s windows (noisier; about 3 minutes)")
     p.add_argument("--seconds", type=float, help="measured window per cell (default 3, --quick 2)")
     p.add_argument("--warmup", type=float, help="warm-up before each window (default 0.5)")
     p.add_argument("--rounds", type=int, help="ktlite and the floor alternate this many times per cell, "
