@@ -97,6 +97,7 @@ class ServingDeployment(Deployment):
         self._stale: str | None = None  # set when another .to() replaced this handle's code
         self._leading = False  # this process scales the deployment (see _lead)
         self._published = 0  # the waiting calls this process last told the one that scales
+        self._usage_at = (0.0, 0.0)  # when the replicas' CPU/memory was last read, and its sum
         self._pushing = threading.Lock()
         self._submit_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -339,9 +340,14 @@ class ServingDeployment(Deployment):
         if not self._lead():
             return  # another process scales this deployment; it counts our waiting calls
         now = time.monotonic()
+        metric = self.spec.autoscale.metric_name
+        # what takes I/O is read before the lock that calls take
+        usage = self._usage(metric) if metric in ("cpu", "memory") else 0.0
+        others = getattr(self.backend, "waiting_elsewhere", None)
+        elsewhere = others(self.name) if others is not None else 0
         with self._cond:
             current = len([r for r in self._replicas.values() if not r.draining])
-            load = self._measure(now)
+            load = usage if metric in ("cpu", "memory") else self._measure(now, elsewhere)
             if load > 0:
                 self._load.last_call = now
             last_call = self._load.last_call
@@ -355,6 +361,7 @@ class ServingDeployment(Deployment):
             self._scale_to(decision.desired)
         elif decision.desired < current:
             self._drain(current - decision.desired)
+        self._fill_gaps()
         self._stop_drained()
 
     def _lead(self) -> bool:
@@ -376,23 +383,22 @@ class ServingDeployment(Deployment):
                 self._published = waiting
         return self._leading
 
-    def _measure(self, now: float) -> float:
-        """The load now, summed over replicas. Holds ``_cond``."""
-        metric = self.spec.autoscale.metric_name
-        if metric == "rps":
-            span = 1.0
-            self._load.finished = [t for t in self._load.finished if t >= now - span]
-            return len(self._load.finished) / span
-        if metric in ("cpu", "memory"):
-            return self._usage(metric)
-        others = getattr(self.backend, "waiting_elsewhere", None)
-        elsewhere = others(self.name) if others is not None else 0
+    def _measure(self, now: float, elsewhere: int) -> float:
+        """The load now, summed over replicas (``elsewhere``: calls waiting in other
+        processes). Holds ``_cond``."""
+        self._load.finished = [t for t in self._load.finished if t >= now - 1.0]
+        if self.spec.autoscale.metric_name == "rps":
+            return float(len(self._load.finished))
         return float(sum(max(r.inflight, r.reported) for r in self._replicas.values()) + self._waiting + elsewhere)
 
     def _usage(self, metric: str) -> float:
-        """The replicas' CPU percent (100 = one core) or memory (percent of ``memory``)."""
+        """The replicas' CPU percent (100 = one core) or memory (percent of ``memory``), read
+        from their status at most once a second."""
         from ktlite.compute import parse_memory
 
+        now = time.monotonic()
+        if now - self._usage_at[0] < 1.0:
+            return self._usage_at[1]
         total = 0.0
         for r in list(self._replicas.values()):
             with contextlib.suppress(KtliteError):
@@ -401,6 +407,7 @@ class ServingDeployment(Deployment):
                     total += sum(row.get("cpu_percent") or 0 for row in rows) / max(self.spec.compute.cpu_count or 1, 1e-9)
                 elif self.spec.compute.memory:
                     total += 100 * sum(row.get("rss_bytes") or 0 for row in rows) / parse_memory(self.spec.compute.memory)
+        self._usage_at = (now, total)
         return total
 
     def _refresh(self) -> None:
@@ -509,15 +516,24 @@ class ServingDeployment(Deployment):
             for r in live[len(live) - how_many:]:
                 r.draining = True
 
+    def _fill_gaps(self) -> None:
+        """Replace a replica that died below the highest one that runs (the backend starts
+        and stops by ordinal: the highest go first when scaling down)."""
+        with self._cond:
+            live = sorted(r.ep.ordinal for r in self._replicas.values() if not r.draining)
+            if not live or live[-1] + 1 == len(live) or any(r.draining for r in self._replicas.values()):
+                return
+        self.applied = self.backend.scale(self.name, self.applied.token, live[-1] + 1)
+        self._refresh()
+
     def _stop_drained(self) -> None:
         with self._cond:
             draining = [r for r in self._replicas.values() if r.draining]
             if not draining or any(r.inflight or r.reported for r in draining):
                 return
             keep = len(self._replicas) - len(draining)
-            # the backend stops the highest ordinals: only when those are the drained ones
-            top = sorted(self._replicas.values(), key=lambda r: r.ep.ordinal)[keep:]
-            if any(not r.draining for r in top):
+            # the backend stops the ordinals from ``keep`` up: only when those are the drained ones
+            if any(r.ep.ordinal >= keep for r in self._replicas.values() if not r.draining):
                 return
         applied = self.backend.scale(self.name, self.applied.token, keep)
         self.applied = applied

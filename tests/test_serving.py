@@ -308,3 +308,18 @@ def test_a_detached_deployment_scales_to_zero_with_no_client_and_back(tmp_path: 
         backend.teardown(name)
     supervisor = backend.scaling_status(name)
     assert supervisor is None  # its directory went with the deployment
+
+
+def test_rps_metric_scales_on_calls_per_second() -> None:
+    compute = kt.Compute(cpus=0.5).autoscale(min_scale=1, max_scale=2, metric="rps", target=5, window="1s",
+                                             scale_down_delay="60s")
+    remote = kt.cls(Model, name=_name("rps")).to(compute)
+    try:
+        deadline = time.monotonic() + 30
+        while _replicas(remote) < 2 and time.monotonic() < deadline:
+            remote.predict(1)  # one at a time, far more than 5 per second
+        status = remote.status()
+        assert len(status["replicas"]) == 2, status["autoscaler"]
+        assert status["autoscaler"]["metric"] == "rps" and "rps" in status["autoscaler"]["last_decision"]["reason"]
+    finally:
+        remote.teardown()
