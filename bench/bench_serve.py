@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,17 +61,10 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def replica_count(status: Any) -> int:
-    """Replicas in ``remote.status()`` of an autoscaled deployment."""
-    if isinstance(status, dict):
-        status = status.get("replicas", [])
-    return len(status)
-
-
 def wait_replicas(remote: Any, want: int, timeout: float) -> float:
     """Poll ``remote.status()`` until it shows ``want`` replicas; returns the seconds waited."""
     t0 = clock()
-    while (n := replica_count(remote.status())) != want:
+    while (n := len(remote.status()["replicas"])) != want:
         if clock() - t0 > timeout:
             raise RuntimeError(f"{remote.name}: {n} replica(s) after {timeout:.0f} s, waiting for {want}")
         time.sleep(0.1)
@@ -354,13 +348,12 @@ def main() -> int:
                 bench.notes.append(f"{name} failed: {type(e).__name__}: {e}")
                 log(f"{name} FAILED: {type(e).__name__}: {e}")
     finally:
-        import shutil
-
         shutil.rmtree(_HOME, ignore_errors=True)
 
     cores = os.cpu_count() or 1
     ray = f"; Ray {bench.meta['ray_version']}" if "ray_version" in bench.meta else ""
-    print(f"\nktlite {kt.__version__} serving benchmark{' (--quick)' if args.quick else ''}: Python "
+    print(f"\nktlite {kt.__version__} ({Path(kt.__file__).parent}) serving benchmark"
+          f"{' (--quick)' if args.quick else ''}: Python "
           f"{platform.python_version()}, {cores} CPU(s), {clock() - started:.0f} s{ray}; load average "
           f"{load_before} before, {loadavg()} after")
     print(f"each row: N threads each keeping one call of Model.predict in flight, {bench.warmup:g} s warm-up "
