@@ -834,7 +834,7 @@ class FakeKube(httpx.BaseTransport):
         """Set an object's status as its controller would (an HPA's, for tests that play it)."""
         with self.lock:
             obj = self._get(self._resource(kind), ns, name)
-            obj["status"] = copy.deepcopy(status)
+            obj["status"] = {"observedGeneration": obj["metadata"].get("generation", 1), **copy.deepcopy(status)}
             obj["metadata"]["resourceVersion"] = self._next_rv()
 
     # ----------------------------------------------------------------- storage verbs
@@ -1264,6 +1264,47 @@ class FakeKube(httpx.BaseTransport):
             self._sts_status(sts)
         for dep in [o for (r, _, _), o in self._store.items() if r in ("deployments", "ksvc")]:
             self._replicas_status(dep)
+        for hpa in [o for (r, _, _), o in self._store.items() if r == "horizontalpodautoscalers"]:
+            self._hpa_status(hpa)
+
+    def _hpa_status(self, hpa: Obj) -> None:
+        """The HPA controller of a cluster without metrics-server (or a custom metrics adapter):
+        it reads the target's scale, finds no metric and says so; it never scales. Once per spec
+        (``observedGeneration``): a status set by ``set_status`` stays."""
+        md, spec = hpa["metadata"], hpa["spec"]
+        status = hpa.get("status") or {}
+        if status.get("observedGeneration") == md.get("generation", 1):
+            return
+        ref = spec["scaleTargetRef"]
+        target = self._store.get(("deployments", md["namespace"], ref["name"])) if ref["kind"] == "Deployment" else None
+        at = self._iso()
+        if target is None:
+            conditions = [{"type": "AbleToScale", "status": "False", "lastTransitionTime": at,
+                           "reason": "FailedGetScale", "message": f'the HPA controller was unable to get the '
+                           f'target\'s current scale: deployments/scale.apps "{ref["name"]}" not found'}]
+            replicas = 0
+        else:
+            replicas = int(target["spec"].get("replicas", 1))
+            metric = (spec.get("metrics") or [{}])[0]
+            if metric.get("type") == "Pods":
+                name = metric["pods"]["metric"]["name"]
+                reason, why = "FailedGetPodsMetric", (f"unable to get metric {name}: unable to fetch metrics from "
+                                                      "custom metrics API: the server could not find the "
+                                                      "metric " + name + " for pods")
+            else:
+                resource = (metric.get("resource") or {}).get("name", "cpu")
+                reason, why = "FailedGetResourceMetric", (
+                    f"failed to get {resource} utilization: unable to get metrics for resource {resource}: "
+                    "unable to fetch metrics from resource metrics API: the server could not find the requested "
+                    "resource (get pods.metrics.k8s.io)")
+            conditions = [{"type": "AbleToScale", "status": "True", "lastTransitionTime": at,
+                           "reason": "SucceededGetScale",
+                           "message": "the HPA controller was able to get the target's current scale"},
+                          {"type": "ScalingActive", "status": "False", "lastTransitionTime": at, "reason": reason,
+                           "message": f"the HPA was unable to compute the replica count: {why}"}]
+        hpa["status"] = {"observedGeneration": md.get("generation", 1), "currentReplicas": replicas,
+                         "desiredReplicas": 0, "conditions": conditions}
+        md["resourceVersion"] = self._next_rv()
 
     def _owned(self, owner: Obj) -> list[Obj]:
         md = owner["metadata"]

@@ -417,6 +417,11 @@ def test_write_launch_fills_the_secret_and_refuses_what_a_secret_cannot_hold(clu
 
 def test_scaling_status_shows_the_hpa_and_its_failed_metric(cluster: Cluster) -> None:
     cluster.backend.apply(served(min_scale=1, max_scale=4, concurrency=2)(cpus=1), TOKEN)
+    # the fake's HPA controller is a cluster's without metrics-server: it says it has no metric
+    said = cluster.backend.scaling_status(NAME)
+    assert said is not None and said["current"] == 1
+    assert [(c["type"], c["status"], c["reason"]) for c in said["conditions"]] == [
+        ("AbleToScale", "True", "SucceededGetScale"), ("ScalingActive", "False", "FailedGetResourceMetric")]
     cluster.fake.set_status("hpa", "default", NAME, {
         "currentReplicas": 2, "desiredReplicas": 3, "lastScaleTime": "2026-11-25T18:00:00Z",
         "conditions": [
