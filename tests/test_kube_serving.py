@@ -344,7 +344,7 @@ def test_apply_makes_the_hpa_form_and_returns_replicas_without_waiting_for_code(
         ("Secret", f"{NAME}-token"), ("Secret", f"{NAME}-launch"), ("Service", NAME), ("Deployment", NAME),
         ("HorizontalPodAutoscaler", NAME), *[("Pod", p["metadata"]["name"]) for p in cluster.pods()]])
     pods = sorted(cluster.pods(), key=lambda p: p["metadata"]["name"])
-    assert len(pods) == 2 and all(not p["status"]["conditions"][2]["status"] == "True" for p in pods)
+    assert len(pods) == 2 and all(p["status"]["conditions"][2]["status"] != "True" for p in pods)
     assert [(e.ordinal, e.name, e.ip, e.incarnation.split("/")[0]) for e in applied.endpoints] == [
         (i, p["metadata"]["name"], p["status"]["podIP"], p["metadata"]["uid"]) for i, p in enumerate(pods)]
     assert applied.endpoints[0].url == f"{HOST}/api/v1/namespaces/default/pods/{pods[0]['metadata']['name']}:32300/proxy"

@@ -237,7 +237,8 @@ class ServedDeployments(_Base):
         while True:
             pods = [p for p in api.list("Pod", km.selector(spec.name))
                     if _pod_hash(p) == want and not p["metadata"].get("deletionTimestamp")]
-            line = "replicas " + progress(pods, len(pods)).removeprefix("pods ")
+            line = ("replicas " + progress(pods, len(pods)).removeprefix("pods ")) if pods \
+                else "no replica created yet"
             if line != last_line:
                 self._say(f"{spec.name}: {line}")
                 last_line = line

@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 from conftest import NAME_LABEL
 
-import ktlite as kt
 from ktlite import protocol
 from ktlite.backends.base import get_backend
 from ktlite.spec import DeploymentSpec, DistributedConfig
