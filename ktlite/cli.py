@@ -97,6 +97,11 @@ def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     if applied is None:
         raise NotDeployedError(f"no deployment {args.name!r} on backend {backend.name!r}; "
                                "`ktlite list` shows what runs")
+    if applied.autoscale is not None:  # replicas, each a world of one (and maybe none now)
+        from ktlite.autoscaling import AutoscaleConfig
+        served = Compute(backend=backend.name, autoscaling=AutoscaleConfig(**applied.autoscale))
+        dep = Deployment(DeploymentSpec(args.name, served), backend, applied)
+        return dep, _pods_status(dep, None)
     # the layout (ranks per pod) is the pods' to tell: the CLI has no Compute
     status = PodClient(applied.token, http=applied.http).status(applied.endpoints[0].url)
     procs = max(1, len(status["ranks"]))
@@ -130,6 +135,8 @@ def _status(args: argparse.Namespace) -> int:
     dep, pods = _attach(args)
     if args.stuck_after is not None:
         pods = _pods_status(dep, args.stuck_after)
+    if dep.applied.autoscale is not None:
+        return _serving_status(args, dep, pods)
     if args.watch is None:
         print(json.dumps(pods, indent=2) if args.json else status.table(args.name, pods))
         if status.stuck_ranks(pods):
@@ -148,6 +155,34 @@ def _status(args: argparse.Namespace) -> int:
             pods = _pods_status(dep, args.stuck_after)  # a pod restarting shows as not answering
     except KeyboardInterrupt:
         return 0
+
+
+def _serving_status(args: argparse.Namespace, dep: Any, pods: list[dict[str, Any]]) -> int:
+    """`ktlite status` of an autoscaled deployment: replicas, calls in flight, the autoscaler."""
+    from ktlite import status
+
+    while True:
+        scaling = dep.backend.scaling_status(args.name)
+        if args.json:
+            print(json.dumps({"replicas": pods, "autoscale": dep.applied.autoscale, "autoscaler": scaling},
+                             indent=None if args.watch else 2, default=str), flush=True)
+        else:
+            text = status.serving(args.name, dep.applied.autoscale, scaling, pods)
+            if pods:
+                text += "\n" + status.table(args.name, pods)
+            print(text if args.watch is None else f"\n{time.strftime('%H:%M:%S')}\n{text}", flush=True)
+        if args.watch is None:
+            return 1 if any("error" in p for p in pods) else 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+        applied = dep.backend.lookup(args.name)
+        if applied is None:
+            print(f"{args.name}: torn down")
+            return 1
+        dep.applied = applied
+        pods = _pods_status(dep, args.stuck_after)
 
 
 def _call(args: argparse.Namespace) -> int:
@@ -250,10 +285,12 @@ def _list(args: argparse.Namespace) -> int:
     if not rows:
         print("no deployments")
         return 0
-    print(f"{'NAME':30} {'BACKEND':12} {'NAMESPACE':16} {'READY':8} DETACHED")
+    print(f"{'NAME':30} {'BACKEND':12} {'NAMESPACE':16} {'READY':8} {'MODE':11} DETACHED")
     for r in rows:
         ready = f"{r['ready']}/{r['pods']}"
-        print(f"{r['name']:30} {r['backend']:12} {r.get('namespace') or '-':16} {ready:8} {r['detached']}")
+        mode = "autoscaled" if r.get("autoscaled") else "pods"
+        print(f"{r['name']:30} {r['backend']:12} {r.get('namespace') or '-':16} {ready:8} {mode:11} "
+              f"{r['detached']}")
     return 0
 
 

@@ -125,6 +125,20 @@ class PodClient:
                                    f"{data.get('protocol')}; this client speaks {protocol.PROTOCOL_VERSION}")
         return data
 
+    def ready(self, url: str, timeout: float = 2.0) -> dict[str, Any] | None:
+        """``GET /health?ready=1``: the pod's health when it has a launch loaded, None when it
+        answers but has none yet (or the proxy cannot reach it yet); PodUnreachable when the
+        pod does not answer at all."""
+        try:
+            resp = self.http.get(f"{url}/health", params={"ready": "1"}, timeout=timeout)
+        except httpx.HTTPError as e:
+            raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
+        if resp.status_code in (502, 503, 504):
+            return None
+        self._check(resp, url)
+        data: dict[str, Any] = resp.json()
+        return data
+
     def deploy(self, url: str, message: bytes, timeout: float) -> Outcomes:
         """Install a launch on the pod at ``url``. A pod installs a launch once, so a request
         whose answer a proxy dropped is sent again (chunked, for the reason in

@@ -459,6 +459,9 @@ class Compute:
         ``metric``, ``window``, ``scale_down_delay``, ...)."""
         from ktlite.autoscaling import from_kwargs
 
+        if self.hosts is not None:
+            raise ConfigError("autoscale() with hosts= (backend='ssh'): the ssh backend runs a fixed set of "
+                              "hosts; autoscaled serving runs on the local and kubernetes backends")
         if self.distributed is not None:
             raise ConfigError("a Compute cannot use both .distribute() and .autoscale(): distribute() runs "
                               "every call on every rank of N pods, autoscale() one call on one of N "
@@ -466,9 +469,6 @@ class Compute:
         if self.replicas is not None:
             raise ConfigError(f"Compute(replicas={self.replicas}) with .autoscale(): the autoscaler sets the "
                               "replicas; use autoscale(initial_scale=..., min_scale=..., max_scale=...)")
-        if self.hosts is not None:
-            raise ConfigError("autoscale() with hosts= (backend='ssh'): the ssh backend runs a fixed set of "
-                              "hosts; autoscaled serving runs on the local and kubernetes backends")
         object.__setattr__(self, "autoscaling", from_kwargs(kwargs))
         return self
 

@@ -563,8 +563,13 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
     backend = get_backend(spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path)
     existing = backend.lookup(spec.name)
     token = existing.token if existing is not None else secrets.token_urlsafe(32)
+    if spec.autoscale is not None and backend.autoscaler(spec) == "client" and existing is not None:
+        # a redeploy keeps the replicas that run (within the bounds); the autoscaler goes on
+        a = spec.autoscale
+        spec = replace(spec, replicas=min(max(len(existing.endpoints), a.initial),
+                                          a.max_scale or len(existing.endpoints) or 1))
     applied = backend.apply(spec, token)
-    dep = Deployment(spec, backend, applied)
+    dep = _deployment(spec, backend, applied)
     try:
         dep.push(bundle, sources, init, restart)
     except BaseException as e:
@@ -584,7 +589,17 @@ def attach(spec: DeploymentSpec) -> Deployment:
     if applied is None:
         raise NotDeployedError(f"deployment {spec.name!r} is not running on backend {backend.name!r}; "
                                "deploy it with .to(compute) or `ktlite deploy`")
-    return Deployment(spec, backend, applied)
+    dep = _deployment(spec, backend, applied)
+    if spec.autoscale is not None:
+        dep.adopt()  # type: ignore[attr-defined]
+    return dep
+
+
+def _deployment(spec: DeploymentSpec, backend: Backend, applied: Applied) -> Deployment:
+    if spec.autoscale is None:
+        return Deployment(spec, backend, applied)
+    from ktlite.serving import ServingDeployment
+    return ServingDeployment(spec, backend, applied)
 
 
 # ---- outcomes → values / errors ------------------------------------------------------------

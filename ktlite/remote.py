@@ -86,6 +86,13 @@ class _Source:
             dep = attach(spec)
         except NotDeployedError:
             return None
+        if spec.autoscale is not None or getattr(dep.applied, "autoscale", None) is not None:
+            if spec.autoscale is None or dep.applied.autoscale is None:
+                dep.close()
+                what = "an autoscaled service" if spec.autoscale is None else "a fixed set of pods"
+                raise ConfigError(f"get_if_exists=True: {spec.name!r} runs as {what}, unlike the Compute "
+                                  "given; deploy it again without get_if_exists")
+            return dep
         status = dep.client.status(dep.endpoints[0].url)
         running = _layout(status, len(dep.endpoints))
         asked = spec.distributed
@@ -313,6 +320,8 @@ def _reattach(kind: str, name: str, backend: str | None = None,
         raise NotDeployedError(f"no deployment {name!r} on backend {be.name!r} to attach to; deploy it "
                                f"with kt.{kind}(obj).to(compute) or `ktlite deploy` (`ktlite list` shows "
                                "what runs)")
+    if applied.autoscale is not None:
+        return _reattach_served(kind, name, be, applied, namespace)
     dep = Deployment(DeploymentSpec(name, Compute(backend=be.name, namespace=namespace), kind=kind),
                      be, applied)
     status = dep.client.status(applied.endpoints[0].url)
@@ -326,6 +335,26 @@ def _reattach(kind: str, name: str, backend: str | None = None,
     compute = Compute(backend=be.name, namespace=namespace,
                       distributed=None if single else _layout(status, len(applied.endpoints)))
     dep.spec = DeploymentSpec(name, compute, kind=kind)
+    source = _Named(kind, name)
+    return RemoteClass(source, dep, None) if kind == "cls" else RemoteFunction(source, dep)
+
+
+def _reattach_served(kind: str, name: str, be: Backend, applied: Any,
+                     namespace: str | None) -> RemoteFunction | RemoteClass:
+    """:func:`_reattach` for an autoscaled service (it may run no replica now)."""
+    from ktlite.autoscaling import AutoscaleConfig
+    from ktlite.serving import ServingDeployment
+
+    compute = Compute(backend=be.name, namespace=namespace, autoscaling=AutoscaleConfig(**applied.autoscale))
+    spec = DeploymentSpec(name, compute, kind=kind)
+    dep = ServingDeployment(spec, be, applied)
+    if applied.endpoints:
+        running = dep.client.status(applied.endpoints[0].url).get("kind")
+        if running not in (None, kind):
+            dep.close()
+            raise ConfigError(f"{name!r} runs a {'class' if running == 'cls' else 'function'}: attach with "
+                              f"kt.{'cls' if running == 'cls' else 'fn'}(name={name!r})")
+    dep.adopt()
     source = _Named(kind, name)
     return RemoteClass(source, dep, None) if kind == "cls" else RemoteFunction(source, dep)
 

@@ -6,6 +6,7 @@ only flattens and formats it, so the command line and ``ktlite.groups`` show the
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 COLUMNS = ["RANK", "POD", "PID", "STATE", "CPU%", "RSS", "GPU MEM", "GPU%", "CALL", "RUNNING", "RESTARTS"]
@@ -87,3 +88,39 @@ def table(name: str, pods: list[dict[str, Any]]) -> str:
 
 def stuck_ranks(pods: list[dict[str, Any]]) -> list[int]:
     return [r["rank"] for r in rank_rows(pods) if r.get("stuck")]
+
+
+def serving(name: str, config: dict[str, Any], scaling: dict[str, Any] | None,
+            pods: list[dict[str, Any]]) -> str:
+    """An autoscaled deployment: its replicas with their calls in flight, and the
+    autoscaler's bounds, target and last decision with its reason."""
+    bounds = f"{config.get('min_scale') or 0}..{config.get('max_scale') or 'no limit'}"
+    lines = [f"{name}: autoscaled, {len(pods)} replica(s) running ({bounds}), metric "
+             f"{config.get('metric') or 'concurrency'}" + (f", at most {config['concurrency']} calls per replica"
+                                                          if config.get("concurrency") else "")]
+    for p in pods:
+        state = f"not answering: {p['error']}" if p.get("error") else \
+            f"{len(p.get('active_calls') or [])} call(s) in flight, launch {p.get('launch_id') or '-'}"
+        lines.append(f"  replica {p['pod']}: {state}")
+    if not pods:
+        lines.append("  no replica runs (scaled to zero): the next call starts one")
+    if scaling is None:
+        lines.append("  autoscaler: no decision recorded yet (ktlite's autoscaler runs in the process that calls "
+                     "the service)")
+        return "\n".join(lines)
+    who = scaling.get("autoscaler", "?")
+    if scaling.get("alive") is False:
+        who += " (that process has exited: nothing scales until a client calls again)"
+    lines.append(f"  autoscaler: {who}")
+    last = scaling.get("last_decision")
+    if last:
+        when = last.get("wall_time")
+        ago = f" {fmt_seconds(time.time() - when)} ago" if isinstance(when, (int, float)) else ""
+        lines.append(f"  last decision{ago}: {last.get('current')} -> {last.get('desired')} replica(s): "
+                     f"{last.get('reason')}")
+    for c in scaling.get("conditions") or []:  # a cluster autoscaler's (an HPA's) own words
+        lines.append(f"  {c.get('type')}={c.get('status')} {c.get('reason') or ''}: {c.get('message') or ''}")
+    if scaling.get("error"):
+        lines.append(f"  error: {scaling['error']}")
+    return "\n".join(lines)
+

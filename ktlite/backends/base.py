@@ -46,6 +46,7 @@ class Applied:
     same_host: bool = False  # pods share this machine's /dev/shm (local backend)
     http: Any = field(default=None, repr=False)  # an httpx.Client that reaches ``url`` s (a proxy)
     spec_hash: str = ""  # what the pods were made from: another spec means another deployment
+    autoscale: dict[str, Any] | None = None  # an autoscaled deployment's AutoscaleConfig fields
 
 
 @dataclass(frozen=True)

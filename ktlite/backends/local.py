@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,10 @@ class LocalBackend(Backend):
         if state is None:
             return None
         owner_gone = not state.get("detached") and not pid_alive(state.get("owner_pid"))
-        if owner_gone or not any(pid_alive(p["pid"]) for p in state["pods"]):
+        # an autoscaled deployment may run no replica at all (scaled to zero)
+        all_dead = not any(pid_alive(p["pid"]) for p in state["pods"]) and \
+            (bool(state["pods"]) or not state.get("autoscaled"))
+        if owner_gone or all_dead:
             self._stop_pods(state["pods"], timeout=2.0)
             shutil.rmtree(self._dir(name), ignore_errors=True)
             return None
@@ -201,8 +205,10 @@ class LocalBackend(Backend):
 
     def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path,
                  mounted: list[LocalVolume]) -> list[str]:
+        # an autoscaled deployment's replicas are each rank 0 of a world of their own
+        served = spec.autoscale is not None
         cmd = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0", "--token-stdin",
-               "--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
+               "--pod", f"{spec.name}-{ordinal}", "--ordinal", "0" if served else str(ordinal),
                "--procs", str(spec.distributed.procs(ordinal)), "--ready-file", str(ready)]
         if not spec.detached:
             cmd += ["--parent-pid", str(os.getpid())]
@@ -246,7 +252,9 @@ class LocalBackend(Backend):
         env.update(secret_env or {})
         first = sum(spec.compute.pod_gpus(i) for i in range(ordinal))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[first:first + spec.compute.pod_gpus(ordinal)])
-        env["KTLITE_POD_ORDINAL"] = str(ordinal)
+        env["KTLITE_POD_ORDINAL"] = "0" if spec.autoscale is not None else str(ordinal)
+        if spec.autoscale is not None:  # a replica started later loads the current code at boot
+            env["KTLITE_LAUNCH_FILE"] = str(self._dir(spec.name) / "launch.pkl")
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
         env["KTLITE_STORE_HOME"] = str(config.home())  # kt.put/get in the ranks: the caller's store
@@ -356,6 +364,8 @@ class LocalBackend(Backend):
                 raise
             pods.sort(key=lambda p: p["ordinal"])
             state = {"name": spec.name, "detached": spec.detached, "owner_pid": os.getpid(),
+                     "autoscaled": spec.autoscale is not None,
+                     "autoscale": asdict(spec.autoscale) if spec.autoscale is not None else None,
                      "master_port": master_port, "port_span": span, "token": token, "pods": pods,
                      "created": (state or {}).get("created", time.time())}
             self._write(spec.name, state)
@@ -404,7 +414,7 @@ class LocalBackend(Backend):
                            peer_url=f"http://127.0.0.1:{p['port']}", ip="127.0.0.1",
                            incarnation=str(p["pid"])) for p in state["pods"]]
         return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
-                       master_port=state["master_port"], same_host=True,
+                       master_port=state["master_port"], same_host=True, autoscale=state.get("autoscale"),
                        spec_hash=str(state["pods"][0].get("hash", "")) if state["pods"] else "")
 
     def _ports_in_use(self, except_name: str) -> set[int]:
@@ -470,8 +480,40 @@ class LocalBackend(Backend):
                     continue
                 alive = sum(pid_alive(p["pid"]) for p in state["pods"])
                 out.append({"name": state["name"], "backend": self.name, "namespace": None,
-                            "pods": len(state["pods"]), "ready": alive, "detached": state["detached"]})
+                            "pods": len(state["pods"]), "ready": alive, "detached": state["detached"],
+                            "autoscaled": bool(state.get("autoscaled"))})
         return out
+
+    # ---- autoscaled deployments: ktlite's autoscaler runs in the caller (ktlite.serving) ---
+
+    def autoscaler(self, spec: DeploymentSpec) -> str:
+        return "client"
+
+    def write_launch(self, name: str, launch: bytes) -> None:
+        """``launch.pkl`` in the deployment's directory (0600), which replicas load at boot."""
+        directory = self._dir(name)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = directory / "launch.pkl.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(launch)
+        os.replace(tmp, directory / "launch.pkl")
+
+    def record_scaling(self, name: str, info: dict[str, Any]) -> None:
+        """The autoscaler's last decision, for `ktlite status` in another process."""
+        directory = self._dir(name)
+        if directory.is_dir():
+            tmp = directory / "autoscaler.json.tmp"
+            tmp.write_text(json.dumps({**info, "pid": os.getpid()}, default=str))
+            os.replace(tmp, directory / "autoscaler.json")
+
+    def scaling_status(self, name: str) -> dict[str, Any] | None:
+        try:
+            info: dict[str, Any] = json.loads((self._dir(name) / "autoscaler.json").read_text())
+        except (OSError, ValueError):
+            return None
+        info["alive"] = pid_alive(info.get("pid"))  # the process whose autoscaler decided it
+        return info
 
     def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
              tail: int | None = None) -> Iterator[str]:
