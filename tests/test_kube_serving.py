@@ -12,6 +12,7 @@ that boot from the launch Secret.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import shutil
@@ -374,6 +375,13 @@ def test_redeploy_of_code_only_writes_nothing_and_a_new_shape_rolls_the_replicas
     assert {e.name for e in bigger.endpoints}.isdisjoint({e.name for e in first.endpoints})
     svc = cluster.fake.get("services", "default", NAME)
     assert svc is not None and svc["spec"]["selector"][kss.HASH_LABEL] == bigger.spec_hash
+    # the config is kept on the Deployment: another process serves it the same way
+    found = cluster.backend.lookup(NAME)
+    assert found is not None and found.autoscale == asdict(served(min_scale=1, max_scale=5)(cpus=2).autoscale)
+    seen = len(cluster.fake.requests)
+    cluster.backend.apply(served(min_scale=2, max_scale=5)(cpus=2), TOKEN)  # new bounds only: no pod restarts
+    assert [m for m, _ in cluster.writes(seen)] == ["PATCH", "PUT"]  # the Deployment's annotation, the HPA
+    assert cluster.backend.lookup(NAME).autoscale["min_scale"] == 2  # type: ignore[union-attr]
 
 
 def test_a_new_token_restarts_the_replicas(cluster: Cluster) -> None:
@@ -499,6 +507,7 @@ def test_knative_form_against_a_cluster_with_knative() -> None:
     assert c.fake.objects("deployments") == [] and c.fake.objects("hpa") == []
     assert c.fake.get("services", "default", NAME) is None  # Knative makes its own
     assert len(applied.endpoints) == 2 and all("-00001-deployment-" in e.name for e in applied.endpoints)
+    assert c.backend.lookup(NAME).autoscale == asdict(spec.autoscale)  # type: ignore[union-attr]
     status = c.backend.scaling_status(NAME)
     assert status is not None and status["autoscaler"] == "knative" and status["revision"] == f"{NAME}-00001"
     assert (status["min"], status["max"]) == (0, 4)
@@ -623,3 +632,68 @@ def test_a_replica_the_autoscaler_adds_boots_from_the_launch_secret(real: Kubern
                                                         "HorizontalPodAutoscaler")
             for o in api.list(kind, km.selector(name))]
     assert left == []
+
+
+# ---- end to end through the public API, on the stand-in cluster ---------------------------------
+
+class Echo:
+    def who(self, sleep: float = 0.0) -> tuple[str, str]:
+        import os
+        import time
+        time.sleep(sleep)
+        return os.environ["KTLITE_POD_NAME"], "v1"
+
+
+class EchoV2:
+    def who(self, sleep: float = 0.0) -> tuple[str, str]:
+        import os
+        import time
+        time.sleep(sleep)
+        return os.environ["KTLITE_POD_NAME"], "v2"
+
+
+@pytest.mark.timeout(240)
+def test_a_served_class_end_to_end_through_the_public_api(stand_in: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KTLITE_KUBECONFIG", str(stand_in / "kubeconfig"))
+    monkeypatch.setattr(KubernetesBackend, "_clients", {})
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    compute = kt.Compute(backend="kubernetes", cpus=1, launch_timeout=60).autoscale(
+        min_scale=1, max_scale=3, concurrency=2)
+    backend = KubernetesBackend.shared()
+    remote = kt.cls(Echo, name=name).to(compute)
+    second = None
+    try:
+        pod, version = remote.who()  # one call, one replica, one value
+        assert version == "v1" and pod.startswith(f"{name}-")
+        status = remote.status()
+        assert [r["name"] for r in status["replicas"]] == [pod]
+        assert status["autoscaler"]["autoscaler"] == "hpa"
+        # the cluster's HPA adds a replica (played here): it boots with the current code and takes calls
+        backend._api().patch("Deployment", name, {"spec": {"replicas": 2}})
+        wait_for(lambda: len(remote.status()["replicas"]), lambda n: n == 2, 90, "the client to route to 2 replicas")
+        futures = [remote.who.submit(sleep=1.0) for _ in range(4)]  # 4 calls, at most 2 per replica
+        served_by = {f.result(timeout=60) for f in futures}
+        assert {v for _, v in served_by} == {"v1"} and len({p for p, _ in served_by}) == 2
+        # new code: every replica runs it once .to() returns, none restarts
+        pods = {r["name"] for r in remote.status()["replicas"]}
+        second = kt.cls(EchoV2, name=name).to(compute)
+        answers = {second.who() for _ in range(6)}
+        assert {v for _, v in answers} == {"v2"} and {p for p, _ in answers} <= pods
+        assert {r["name"] for r in second.status()["replicas"]} == pods
+        # a replica started after the redeploy loads the new code from the launch Secret
+        backend._api().patch("Deployment", name, {"spec": {"replicas": 3}})
+        wait_for(lambda: len(second.status()["replicas"]), lambda n: n == 3, 90, "a third replica")
+        third = ({r["name"] for r in second.status()["replicas"]} - pods).pop()
+        futures = [second.who.submit(sleep=1.0) for _ in range(6)]
+        results = [f.result(timeout=60) for f in futures]
+        assert {v for _, v in results} == {"v2"} and third in {p for p, _ in results}
+        assert [r for r in backend.list() if r["name"] == name][0]["autoscaled"] is True
+        (second or remote).teardown()
+        api = backend._api()
+        assert [o["metadata"]["name"] for kind in ("Pod", "Secret", "Service", "Deployment", "HorizontalPodAutoscaler")
+                for o in api.list(kind, km.selector(name))] == []
+    finally:
+        with contextlib.suppress(Exception):
+            (second or remote).teardown()
+        for client, _ in KubernetesBackend._clients.values():
+            client.close()

@@ -135,7 +135,7 @@ class ServedDeployments(_Base):
             pods = self._wait_served(api, spec, want, caps)
         except BaseException as e:
             raise self._failed(api, name, e, created if first else None) from e
-        return self._applied_served(name, pods, token, want, before)
+        return self._applied_served(name, pods, token, want, kss.autoscale_of(workload), before)
 
     def _render_served(self, spec: DeploymentSpec, namespace: str, token: str | None,
                        secrets: list[Any] | None, caps: kss.Capabilities) -> list[dict[str, Any]]:
@@ -173,6 +173,9 @@ class ServedDeployments(_Base):
             created.append((kind, name))
             return
         if _pod_hash(kss.template_of(current)) == _pod_hash(kss.template_of(obj)):
+            if kss.autoscale_of(current) != kss.autoscale_of(obj):  # new bounds: the pods stay
+                api.patch(kind, name, {"metadata": {"annotations": {
+                    kss.AUTOSCALE_ANNOTATION: obj["metadata"]["annotations"][kss.AUTOSCALE_ANNOTATION]}}})
             return
         if kind == "Deployment":
             obj = {**obj, "spec": {**obj["spec"], "replicas": current["spec"].get("replicas", 1)}}
@@ -283,7 +286,7 @@ class ServedDeployments(_Base):
             self._sleep(0.5)
 
     def _applied_served(self, name: str, pods: list[dict[str, Any]], token: str, spec_hash: str,
-                        before: set[str] | None = None) -> Applied:
+                        autoscale: dict[str, Any] | None, before: set[str] | None = None) -> Applied:
         """Replicas by name; ordinal = place in that order (replicas have no ordinals of their own)."""
         api = self._api()
         http, info = self._connect()
@@ -299,7 +302,7 @@ class ServedDeployments(_Base):
                 restarted.append(i)
         return Applied(name=name, backend=self.name, endpoints=endpoints, token=token,
                        master_port=DEFAULT_MASTER_PORT, restarted=restarted,
-                       http=None if info.in_cluster else http, spec_hash=spec_hash)
+                       http=None if info.in_cluster else http, spec_hash=spec_hash, autoscale=autoscale)
 
     # ---- lookup, launch, status ------------------------------------------------------------
 
@@ -314,7 +317,7 @@ class ServedDeployments(_Base):
             return None
         want = _pod_hash(kss.template_of(obj)) or ""
         pods = [p for p in api.list("Pod", km.selector(name)) if _pod_hash(p) == want and _alive(p)]
-        return self._applied_served(name, pods, token, want)
+        return self._applied_served(name, pods, token, want, kss.autoscale_of(obj))
 
     def write_launch(self, name: str, launch: bytes) -> None:
         """Keep ``launch`` in the ``NAME-launch`` Secret, which replicas started later mount."""

@@ -25,7 +25,8 @@ cluster's capabilities change (shown at deploy time and in dry runs).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+import json
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ktlite.backends import kube_manifests as km
@@ -44,6 +45,7 @@ MAX_LAUNCH_BYTES = 1_000_000
 DEFAULT_MAX_REPLICAS = 10  # an HPA needs a maximum; autoscale(max_scale=) sets another
 DEFAULT_UTILIZATION = 80  # percent of the requested CPU (or memory) an HPA aims for
 READY_PATH = "/health?ready=1"
+AUTOSCALE_ANNOTATION = "ktlite.dev/autoscale"  # on the Deployment / Knative Service: the config, as JSON
 SPEC_ANNOTATION = "ktlite.dev/spec-digest"  # on the HPA: a digest of the spec ktlite asked for
 INFLIGHT_METRIC = "ktlite_inflight_calls"
 RATE_METRIC = "ktlite_calls_per_second"  # what an adapter's rule names the rate of ktlite_calls_total
@@ -185,10 +187,26 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str, ca
     template = pod_template(one, image=image, install=install, secrets=secrets, token=token,
                             knative=caps.knative)
     meta = {"name": name, "namespace": namespace, "labels": served_labels(name)}
+    # what `kt.cls(name=...)` in another process reads back to serve it the same way
+    workload_meta = {**meta, "annotations": {AUTOSCALE_ANNOTATION: autoscale_json(spec)}}
     if caps.knative:
-        return [token_secret, launch_secret(name, namespace), *kept, knative_service(spec, meta, template)]
+        return [token_secret, launch_secret(name, namespace), *kept, knative_service(spec, workload_meta, template)]
     return [token_secret, launch_secret(name, namespace), *kept, service(spec, meta, template),
-            deployment(spec, meta, template), hpa(spec, meta, caps)]
+            deployment(spec, workload_meta, template), hpa(spec, meta, caps)]
+
+
+def autoscale_json(spec: DeploymentSpec) -> str:
+    return json.dumps(asdict(spec.autoscale), sort_keys=True)
+
+
+def autoscale_of(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The AutoscaleConfig fields a Deployment or Knative Service was made with (None: unknown)."""
+    text = ((obj.get("metadata") or {}).get("annotations") or {}).get(AUTOSCALE_ANNOTATION)
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def service(spec: DeploymentSpec, meta: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
