@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from conftest import NAME_LABEL
 
+import ktlite as kt
 from ktlite import protocol
 from ktlite.backends.base import get_backend
 from ktlite.spec import DeploymentSpec, DistributedConfig
@@ -114,3 +115,43 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
         backend.teardown(name)
     left = kube.wait_gone(f"{NAME_LABEL}={name}", timeout=120)
     assert left == {}
+
+
+class Echo:
+    version = "v1"
+
+    def who(self, sleep: float = 0.0) -> tuple[str, str]:
+        import os
+        import time
+        time.sleep(sleep)
+        return os.environ["KTLITE_POD_NAME"], type(self).version
+
+
+class EchoV2(Echo):
+    version = "v2"
+
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_served_class_through_the_public_api(settings, deployments, make_compute, kube):
+    """kt.cls(...).to(compute.autoscale(...)): calls go to one replica; a replica the HPA adds
+    (played here) takes calls with the current code; a redeploy reaches every replica."""
+    name = deployments.name("serve-api")
+    compute = make_compute(launch_timeout=240).autoscale(min_scale=1, max_scale=2, concurrency=2)
+    deployments.names.append(name)
+    remote = kt.cls(Echo).to(compute, name=name)
+    deployments.remotes.append(remote)
+    pod, version = remote.who()
+    assert version == "v1" and pod.startswith(f"{name}-")
+    kube.apps.patch_namespaced_deployment(name, settings.namespace, {"spec": {"replicas": 2}})
+    wait_for(lambda: len(remote.status()["replicas"]), lambda n: n == 2, 240, "the client to route to 2 replicas")
+    answers = {f.result(timeout=120) for f in [remote.who.submit(sleep=1.0) for _ in range(4)]}
+    assert {v for _, v in answers} == {"v1"} and len({p for p, _ in answers}) == 2
+    pods = {r["name"] for r in remote.status()["replicas"]}
+    second = kt.cls(EchoV2).to(compute, name=name)
+    deployments.remotes.append(second)
+    answers = {second.who() for _ in range(6)}
+    assert {v for _, v in answers} == {"v2"} and {p for p, _ in answers} <= pods
+    status = second.status()
+    assert {r["name"] for r in status["replicas"]} == pods  # no replica restarted for new code
+    print(f"\nstatus: {status['autoscaler']}")
