@@ -697,3 +697,15 @@ def test_a_served_class_end_to_end_through_the_public_api(stand_in: Path, monkey
             (second or remote).teardown()
         for client, _ in KubernetesBackend._clients.values():
             client.close()
+
+
+def test_an_account_without_rights_on_served_kinds_still_runs_distributed_deployments() -> None:
+    """The Role of docs/kubernetes.md before serving: no deployments, HPAs or Knative Services."""
+    c = Cluster()
+    c.fake.fail_next("*", r"deployments|horizontalpodautoscalers|serving\.knative\.dev", status=403,
+                     reason="Forbidden", message="forbidden: the Role has no such rule", times=10_000)
+    plain = DeploymentSpec("plain", kt.Compute(backend="kubernetes", launch_timeout=60).distribute(workers=1))
+    assert len(c.backend.apply(plain, TOKEN).endpoints) == 1
+    assert [r["name"] for r in c.backend.list()] == ["plain"]
+    assert c.backend.lookup("missing") is None and c.backend.scaling_status("plain") is None
+    assert c.backend.teardown("plain") is True

@@ -189,7 +189,8 @@ class KubeApi:
         hint = {401: "your kubeconfig's credentials were refused; log in again",
                 403: f"your account may not do this in namespace {self.namespace!r}; ask for RBAC "
                      "permissions on statefulsets, services, secrets, pods, pods/log, pods/proxy, "
-                     "persistentvolumeclaims",
+                     "persistentvolumeclaims (serving: deployments, horizontalpodautoscalers, or Knative "
+                     "services; docs/kubernetes.md)",
                 404: f"does namespace {self.namespace!r} exist?"}.get(resp.status_code, "")
         return KubeApiError(f"Kubernetes API: {what} failed: HTTP {resp.status_code} "
                             f"{reason or resp.reason_phrase}: {message}" + (f"; {hint}" if hint else ""),

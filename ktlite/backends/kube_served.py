@@ -46,6 +46,27 @@ def _conditions(obj: dict[str, Any]) -> list[dict[str, Any]]:
             for c in (obj.get("status") or {}).get("conditions") or []]
 
 
+def _peek(api: KubeApi, kind: str, name: str) -> dict[str, Any] | None:
+    """``api.get`` for the kinds only served deployments use: None also where this account may
+    not read them (403: it cannot have made any) or the cluster does not serve the kind (404)."""
+    try:
+        return api.get(kind, name)
+    except KubeApiError as e:
+        if e.status in (403, 404):
+            return None
+        raise
+
+
+def _scan(api: KubeApi, kind: str, selector: str) -> list[dict[str, Any]]:
+    """``api.list`` of such a kind: empty where it may not be read or is not served."""
+    try:
+        return api.list(kind, selector)
+    except KubeApiError as e:
+        if e.status in (403, 404):
+            return []
+        raise
+
+
 def _served(obj: dict[str, Any] | None, name: str) -> bool:
     """``obj`` is a served deployment's object ktlite made for ``name``."""
     labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
@@ -134,7 +155,7 @@ class ServedDeployments(_Base):
             self._drop_stale_secrets(api, name, {o["metadata"]["name"] for o, _ in users})
             pods = self._wait_served(api, spec, want, caps)
         except BaseException as e:
-            raise self._failed(api, name, e, created if first else None) from e
+            raise self._failed(api, name, e, created if first else None, served=True) from e
         return self._applied_served(name, pods, token, want, kss.autoscale_of(workload), before)
 
     def _render_served(self, spec: DeploymentSpec, namespace: str, token: str | None,
@@ -146,7 +167,7 @@ class ServedDeployments(_Base):
     def _served_object(self, api: KubeApi, name: str) -> dict[str, Any] | None:
         """The Deployment or Knative Service of the served deployment ``name``, or None."""
         for kind in ("Deployment", "KnativeService"):
-            obj = api.get(kind, name)  # a cluster without Knative answers 404 as for a missing one
+            obj = _peek(api, kind, name)
             if _served(obj, name):
                 return obj
         return None
@@ -205,14 +226,14 @@ class ServedDeployments(_Base):
 
     def _drop_hpa_form(self, api: KubeApi, name: str) -> None:
         for kind in ("HorizontalPodAutoscaler", "Deployment"):
-            if _served(api.get(kind, name), name):
+            if _served(_peek(api, kind, name), name):
                 api.delete(kind, name)
         svc = api.get("Service", name)
         if _served(svc, name):
             api.delete("Service", name)
 
     def _drop_knative(self, api: KubeApi, name: str) -> None:
-        if _served(api.get("KnativeService", name), name):
+        if _served(_peek(api, "KnativeService", name), name):
             api.delete("KnativeService", name)
 
     def drop_served(self, api: KubeApi, name: str) -> None:
@@ -342,7 +363,7 @@ class ServedDeployments(_Base):
         scaled, its conditions (e.g. FailedGetResourceMetric without metrics-server) and its
         metric; None for a deployment that is not served."""
         api = self._api()
-        hpa = api.get("HorizontalPodAutoscaler", name)
+        hpa = _peek(api, "HorizontalPodAutoscaler", name)
         if _served(hpa, name):
             assert hpa is not None
             spec, status = hpa["spec"], hpa.get("status") or {}
@@ -350,7 +371,7 @@ class ServedDeployments(_Base):
                     "desired": status.get("desiredReplicas", 0), "min": spec.get("minReplicas", 1),
                     "max": spec.get("maxReplicas"), "last_scale_time": status.get("lastScaleTime"),
                     "conditions": _conditions(hpa), "metric": _describe_metric(spec, status)}
-        ksvc = api.get("KnativeService", name)
+        ksvc = _peek(api, "KnativeService", name)
         if not _served(ksvc, name):
             return None
         assert ksvc is not None
@@ -358,7 +379,7 @@ class ServedDeployments(_Base):
         notes = kss.template_of(ksvc)["metadata"].get("annotations") or {}
         prefix = "autoscaling.knative.dev/"
         revision = status.get("latestCreatedRevisionName")
-        scaler = (api.get("PodAutoscaler", revision) or {}) if revision else {}
+        scaler = (_peek(api, "PodAutoscaler", revision) or {}) if revision else {}
         pods = [p for p in api.list("Pod", km.selector(name)) if _alive(p)]
         scaler_status = scaler.get("status") or {}
         return {"autoscaler": "knative", "current": scaler_status.get("actualScale", len(pods)),
@@ -376,13 +397,7 @@ class ServedDeployments(_Base):
         """Delete a served deployment's own objects (the shared ones go with the rest)."""
         found = False
         for kind in ("HorizontalPodAutoscaler", "Deployment", "KnativeService"):
-            try:
-                objs = api.list(kind, km.selector(name))
-            except KubeApiError as e:
-                if e.status == 404:  # no Knative here
-                    continue
-                raise
-            for obj in objs:
+            for obj in _scan(api, kind, km.selector(name)):
                 found |= api.delete(kind, obj["metadata"]["name"])
         found |= api.delete("Secret", kss.launch_secret_name(name))
         return found
@@ -390,19 +405,13 @@ class ServedDeployments(_Base):
     def _served_rows(self, api: KubeApi) -> list[dict[str, Any]]:
         rows = []
         managed = ",".join(f"{k}={v}" for k, v in {**km.MANAGED_LABELS, kss.MODE_LABEL: kss.SERVE}.items())
-        for dep in api.list("Deployment", managed):
+        for dep in _scan(api, "Deployment", managed):
             status = dep.get("status") or {}
             rows.append({"name": dep["metadata"]["labels"].get(km.NAME_LABEL, dep["metadata"]["name"]),
                          "backend": self.name, "namespace": api.namespace,
                          "pods": status.get("replicas", 0), "ready": status.get("readyReplicas", 0),
                          "detached": True, "autoscaled": True, "autoscaler": "hpa"})
-        try:
-            services = api.list("KnativeService", managed)
-        except KubeApiError as e:
-            if e.status != 404:
-                raise
-            services = []
-        for ksvc in services:
+        for ksvc in _scan(api, "KnativeService", managed):
             name = ksvc["metadata"]["labels"].get(km.NAME_LABEL, ksvc["metadata"]["name"])
             pods = [p for p in api.list("Pod", km.selector(name)) if _alive(p)]
             ready = sum(1 for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"

@@ -221,7 +221,7 @@ class KubernetesBackend(ServedDeployments, Backend):
         return self._applied(spec.name, pods, token, km.master_port(spec), sorted(set(restarted)))
 
     def _failed(self, api: KubeApi, name: str, error: BaseException,
-                created: list[tuple[str, str]] | None) -> BaseException:
+                created: list[tuple[str, str]] | None, served: bool = False) -> BaseException:
         """A deploy that failed: a first deploy's objects are removed again (pods that did
         start would hold their CPUs for nothing) unless the keep_failed setting says keep them;
         otherwise the error says what is left and how to remove it."""
@@ -243,7 +243,9 @@ class KubernetesBackend(ServedDeployments, Backend):
             note = (f"kept (keep_failed=true): {', '.join(f'{kind} {obj}' for kind, obj in created)}"
                     f"; `ktlite teardown {name} -n {api.namespace}` removes them")
         else:
-            note = (f"the deployment's objects (StatefulSet {name} and its pods, Service, Secret, "
+            parts = ("its Deployment and HorizontalPodAutoscaler (or Knative Service), replicas" if served
+                     else f"StatefulSet {name} and its pods")
+            note = (f"the deployment's objects ({parts}, Service, Secrets, "
                     f"volumes) are still there; `ktlite teardown {name} -n {api.namespace}` removes "
                     "them")
         if isinstance(error, DeployError) and error.args and isinstance(error.args[0], str):
