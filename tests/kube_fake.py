@@ -1234,6 +1234,9 @@ class FakeKube(httpx.BaseTransport):
         """Knative's webhook, in part: one container, at most one port, named for its protocol."""
         res = "ksvc"
         template = (spec or {}).get("template") or {}
+        for c in (template.get("spec") or {}).get("containers") or []:
+            if isinstance(c, dict):
+                c.setdefault("name", "user-container")  # Knative names an unnamed container so
         self._pod_spec(res, name, template.get("spec"), "spec.template.spec")
         containers = template["spec"]["containers"]
         if len(containers) != 1:

@@ -709,3 +709,56 @@ def test_an_account_without_rights_on_served_kinds_still_runs_distributed_deploy
     assert [r["name"] for r in c.backend.list()] == ["plain"]
     assert c.backend.lookup("missing") is None and c.backend.scaling_status("plain") is None
     assert c.backend.teardown("plain") is True
+
+
+# ---- the fake's controllers for these kinds --------------------------------------------------------
+
+def _deployment(replicas: int, cpu: str = "1") -> dict[str, Any]:
+    labels = {"app": "web"}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": {"containers": [
+                         {"name": "c", "image": "python:3.11-slim", "resources": {"requests": {"cpu": cpu}}}]}}}}
+
+
+def test_fake_deployments_scale_the_newest_away_and_roll_with_no_unavailable_replica() -> None:
+    state: dict[str, kf.PodState] = {"next": kf.ready()}
+    c = Cluster(lambda pod: state["next"])
+    c.fake.create("deployments", "default", _deployment(2))
+    first = [p["metadata"]["name"] for p in c.pods()]
+    assert len(first) == 2 and all(n.startswith("web-") and len(n.split("-")) == 3 for n in first)
+    c.clock.advance(1)
+    c.http.patch("/apis/apps/v1/namespaces/default/deployments/web", json={"spec": {"replicas": 3}},
+                 headers={"content-type": "application/merge-patch+json"})
+    newest = ({p["metadata"]["name"] for p in c.pods()} - set(first)).pop()
+    c.http.patch("/apis/apps/v1/namespaces/default/deployments/web", json={"spec": {"replicas": 2}},
+                 headers={"content-type": "application/merge-patch+json"})
+    assert sorted(p["metadata"]["name"] for p in c.pods()) == sorted(first) and newest not in first
+    # a new template: the old replicas stay until as many new ones are ready
+    state["next"] = kf.running_not_ready()
+    c.http.put("/apis/apps/v1/namespaces/default/deployments/web", json=_deployment(2, cpu="2"))
+    names = {p["metadata"]["name"] for p in c.pods()}
+    assert set(first) <= names and len(names) == 4
+    for pod in c.pods():
+        if pod["metadata"]["name"] not in first:
+            c.fake.set_pod_script(pod["metadata"]["name"], kf.ready())
+    assert not {p["metadata"]["name"] for p in c.pods()} & set(first)
+    status = c.fake.get("deployments", "default", "web")["status"]  # type: ignore[index]
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
+    c.http.delete("/apis/apps/v1/namespaces/default/deployments/web")
+    assert c.pods() == []  # its replicas go with it
+
+
+def test_fake_knative_is_served_only_when_switched_on() -> None:
+    c = Cluster()
+    path = "/apis/serving.knative.dev/v1/namespaces/default/services"
+    assert c.http.get(path).status_code == 404
+    assert c.http.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/services.serving.knative.dev"
+                      ).status_code == 404
+    c.fake.knative = True
+    assert c.http.get(path).json()["items"] == []
+    two_ports = {"apiVersion": "serving.knative.dev/v1", "kind": "Service", "metadata": {"name": "k"},
+                 "spec": {"template": {"spec": {"containers": [{"image": "x", "ports": [
+                     {"containerPort": 1}, {"containerPort": 2}]}]}}}}
+    refused = c.http.post(path, json=two_ports)
+    assert refused.status_code == 422 and "more than one container port" in refused.json()["message"]
