@@ -416,14 +416,18 @@ class Compute:
                 raise ConfigError(f"replicas={self.replicas} but distribute() asks for {d.workers} pods; "
                                   "leave replicas out (distribute's workers sets it)")
 
-    def check_replicas(self) -> None:
-        """``replicas=N`` without ``distribute()``: Kubetorch's load-balanced replicas, refused
-        when deploying (a ``.distribute()`` may still come)."""
-        if self.replicas is not None and self.replicas > 1 and self.distributed is None:
-            raise NotImplementedError(
-                f"Compute(replicas={self.replicas}) alone asks for load-balanced replicas of one "
-                "service, which ktlite does not support yet. For N pods that each run every call, "
-                f"use .distribute('spmd', workers={self.replicas})")
+    def served(self) -> Compute:
+        """What ``.to()`` deploys: ``Compute(replicas=N)`` without ``distribute()`` is Kubetorch's
+        N load-balanced replicas, i.e. ``autoscale(min_scale=N, max_scale=N)`` (a
+        ``.distribute()`` may still come, so this is decided at ``.to()``)."""
+        if self.replicas is not None and self.distributed is None and self.autoscaling is None:
+            from ktlite.autoscaling import AutoscaleConfig
+            if self.hosts is not None or self.backend == "ssh":
+                raise ConfigError(f"Compute(replicas={self.replicas}) asks for load-balanced replicas, which the "
+                                  "ssh backend does not run; use .distribute('spmd', workers=N)")
+            return replace(self, replicas=None, autoscaling=AutoscaleConfig(
+                min_scale=self.replicas, max_scale=self.replicas, initial_scale=self.replicas))
+        return self
 
     # Kubetorch's live operations on a Compute's pods: ktlite's Compute describes pods and is
     # not bound to a deployment, so each names what to use instead

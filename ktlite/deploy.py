@@ -579,6 +579,8 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
             e.add_note(f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
                        f"`ktlite teardown {spec.name}` removes them")
         raise
+    if spec.autoscale is not None and spec.detached and hasattr(backend, "supervise"):
+        backend.supervise(spec.name)  # scales it once this process is gone
     return dep
 
 

@@ -58,9 +58,8 @@ class _Source:
         if not isinstance(compute, Compute):
             raise ConfigError(f".to() needs a kt.Compute, got {type(compute).__name__}; "
                               "e.g. .to(kt.Compute(cpus=1))")
-        compute.check_replicas()
         # the deployment's own copy: distribute() changes the Compute it is called on
-        return DeploymentSpec(name=check_name(name) if name else self.name, compute=replace(compute),
+        return DeploymentSpec(name=check_name(name) if name else self.name, compute=replace(compute.served()),
                               kind=self.kind, detached=detached)
 
     def _colocate(self, host: _Remote, name: str | None, dryrun: bool,

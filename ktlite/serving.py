@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ktlite import protocol, shm
@@ -95,6 +95,9 @@ class ServingDeployment(Deployment):
         self._thread: threading.Thread | None = None
         self._scale_error: str | None = None
         self._stale: str | None = None  # set when another .to() replaced this handle's code
+        self._leading = False  # this process scales the deployment (see _lead)
+        self._published = 0  # the waiting calls this process last told the one that scales
+        self._usage_at = (0.0, 0.0)  # when the replicas' CPU/memory was last read, and its sum
         self._pushing = threading.Lock()
         self._submit_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -334,10 +337,19 @@ class ServingDeployment(Deployment):
         self._refresh()
         if self._who != "client" or self._stop.is_set():
             return
+        if not self._lead():
+            return  # another process scales this deployment; it counts our waiting calls
         now = time.monotonic()
+        metric = self.spec.autoscale.metric_name
+        # what takes I/O is read before the lock that calls take
+        usage = self._usage(metric) if metric in ("cpu", "memory") else 0.0
+        others = getattr(self.backend, "waiting_elsewhere", None)
+        elsewhere = others(self.name) if others is not None else 0
         with self._cond:
             current = len([r for r in self._replicas.values() if not r.draining])
-            load = self._measure(now)
+            load = usage if metric in ("cpu", "memory") else self._measure(now, elsewhere)
+            if load > 0:
+                self._load.last_call = now
             last_call = self._load.last_call
         decision = self._scaler.decide(now, load, current, last_call)
         changed = self._decision is None or (decision.desired, decision.current) != \
@@ -349,23 +361,44 @@ class ServingDeployment(Deployment):
             self._scale_to(decision.desired)
         elif decision.desired < current:
             self._drain(current - decision.desired)
+        self._fill_gaps()
         self._stop_drained()
 
-    def _measure(self, now: float) -> float:
-        """The load now, summed over replicas. Holds ``_cond``."""
-        metric = self.spec.autoscale.metric_name
-        if metric == "rps":
-            span = 1.0
-            self._load.finished = [t for t in self._load.finished if t >= now - span]
-            return len(self._load.finished) / span
-        if metric in ("cpu", "memory"):
-            return self._usage(metric)
-        return float(sum(max(r.inflight, r.reported) for r in self._replicas.values()) + self._waiting)
+    def _lead(self) -> bool:
+        """Whether this process is the deployment's one autoscaler (the backend's lock: every
+        process that calls a local deployment routes, one scales). The others publish the
+        calls waiting in them, which the one that scales counts as load."""
+        if self._leading:
+            return True
+        lead = getattr(self.backend, "lead_scaling", None)
+        if lead is None:
+            self._leading = True
+            return True
+        self._leading = bool(lead(self.name))
+        if not self._leading:
+            with self._cond:
+                waiting = self._waiting
+            if waiting != self._published:
+                self.backend.publish_waiting(self.name, waiting)  # type: ignore[attr-defined]
+                self._published = waiting
+        return self._leading
+
+    def _measure(self, now: float, elsewhere: int) -> float:
+        """The load now, summed over replicas (``elsewhere``: calls waiting in other
+        processes). Holds ``_cond``."""
+        self._load.finished = [t for t in self._load.finished if t >= now - 1.0]
+        if self.spec.autoscale.metric_name == "rps":
+            return float(len(self._load.finished))
+        return float(sum(max(r.inflight, r.reported) for r in self._replicas.values()) + self._waiting + elsewhere)
 
     def _usage(self, metric: str) -> float:
-        """The replicas' CPU percent (100 = one core) or memory (percent of ``memory``)."""
+        """The replicas' CPU percent (100 = one core) or memory (percent of ``memory``), read
+        from their status at most once a second."""
         from ktlite.compute import parse_memory
 
+        now = time.monotonic()
+        if now - self._usage_at[0] < 1.0:
+            return self._usage_at[1]
         total = 0.0
         for r in list(self._replicas.values()):
             with contextlib.suppress(KtliteError):
@@ -374,6 +407,7 @@ class ServingDeployment(Deployment):
                     total += sum(row.get("cpu_percent") or 0 for row in rows) / max(self.spec.compute.cpu_count or 1, 1e-9)
                 elif self.spec.compute.memory:
                     total += 100 * sum(row.get("rss_bytes") or 0 for row in rows) / parse_memory(self.spec.compute.memory)
+        self._usage_at = (now, total)
         return total
 
     def _refresh(self) -> None:
@@ -465,9 +499,8 @@ class ServingDeployment(Deployment):
         running = len([r for r in self._replicas.values() if not r.draining])
         if count <= running:
             return
-        spec = replace(self.spec, replicas=count)
         started = time.monotonic()
-        applied = self.backend.apply(spec, self.applied.token)
+        applied = self.backend.scale(self.name, self.applied.token, count)
         self.applied = applied
         self._desired = count
         self._refresh()
@@ -483,17 +516,26 @@ class ServingDeployment(Deployment):
             for r in live[len(live) - how_many:]:
                 r.draining = True
 
+    def _fill_gaps(self) -> None:
+        """Replace a replica that died below the highest one that runs (the backend starts
+        and stops by ordinal: the highest go first when scaling down)."""
+        with self._cond:
+            live = sorted(r.ep.ordinal for r in self._replicas.values() if not r.draining)
+            if not live or live[-1] + 1 == len(live) or any(r.draining for r in self._replicas.values()):
+                return
+        self.applied = self.backend.scale(self.name, self.applied.token, live[-1] + 1)
+        self._refresh()
+
     def _stop_drained(self) -> None:
         with self._cond:
             draining = [r for r in self._replicas.values() if r.draining]
             if not draining or any(r.inflight or r.reported for r in draining):
                 return
             keep = len(self._replicas) - len(draining)
-            # the backend stops the highest ordinals: only when those are the drained ones
-            top = sorted(self._replicas.values(), key=lambda r: r.ep.ordinal)[keep:]
-            if any(not r.draining for r in top):
+            # the backend stops the ordinals from ``keep`` up: only when those are the drained ones
+            if any(r.ep.ordinal >= keep for r in self._replicas.values() if not r.draining):
                 return
-        applied = self.backend.apply(replace(self.spec, replicas=keep), self.applied.token)
+        applied = self.backend.scale(self.name, self.applied.token, keep)
         self.applied = applied
         self._desired = keep
         with self._cond:
@@ -588,3 +630,30 @@ class ServingDeployment(Deployment):
                 return have
             time.sleep(0.05)
         return have
+
+
+def supervise(name: str) -> int:
+    """The autoscaler of a detached local deployment, in a process of its own (started by
+    ``.to(detached=True)`` and ``ktlite deploy``): it scales on the replicas' own counts of
+    running calls and the calls waiting in clients, so the deployment shrinks (and goes to
+    zero) with no client running; it exits once the deployment is torn down."""
+    from ktlite.autoscaling import AutoscaleConfig
+    from ktlite.backends.local import LocalBackend
+    from ktlite.compute import Compute
+
+    backend = LocalBackend.shared()
+    applied = backend.lookup(name)
+    if applied is None or applied.autoscale is None:
+        print(f"ktlite: no autoscaled local deployment {name!r}", file=sys.stderr)
+        return 1
+    spec = DeploymentSpec(name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)), detached=True)
+    dep = ServingDeployment(spec, backend, applied)
+    dep.adopt()
+    while not dep._stop.wait(1.0):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(sys.argv[1]))
+

@@ -306,8 +306,8 @@ def test_list_and_teardown_all_asks_first(home: Path, monkeypatch: pytest.Monkey
         code, out, _ = main(capsys, "list")
         assert code == 0
         header, *rows = out.splitlines()
-        assert header.split() == ["NAME", "BACKEND", "NAMESPACE", "READY", "DETACHED"]
-        assert [r.split()[:4] for r in rows] == [[name, "local", "-", "1/1"]]
+        assert header.split() == ["NAME", "BACKEND", "NAMESPACE", "READY", "MODE", "DETACHED"]
+        assert [r.split()[:5] for r in rows] == [[name, "local", "-", "1/1", "pods"]]
 
         prompts: list[str] = []
         monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or "n")

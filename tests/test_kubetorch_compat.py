@@ -174,9 +174,9 @@ def test_kubetorch_compute_fields_ktlite_refuses_before_deploying() -> None:
         kt.Compute(selector={"app": "mine"})
     with pytest.raises(NotImplementedError, match="creates and owns"):
         kt.Compute(endpoint="http://x")
-    before = kt.Compute(replicas=2)  # may still be distributed
-    with pytest.raises(NotImplementedError, match="load-balanced.*distribute\\('spmd', workers=2\\)"):
-        kt.fn(echo).to(before)
+    fixed = kt.Compute(replicas=2)  # may still be distributed; alone: 2 load-balanced replicas
+    plan = kt.fn(echo).to(fixed, dryrun=True)
+    assert "autoscaled: 2..2 replicas" in str(plan) and str(plan).count("--pod echo-") == 2, str(plan)
     assert kt.Compute(replicas=2).distribute("pytorch", workers=2).distributed.workers == 2
     with pytest.raises(kt.ConfigError, match="replicas=3"):
         kt.Compute(replicas=3, distributed=kt.Compute().distribute(workers=2).distributed)

@@ -276,3 +276,50 @@ def test_status_list_and_reattach_by_name(tmp_path: Any) -> None:
 def test_the_ssh_backend_refuses_autoscale_before_deploying() -> None:
     with pytest.raises(kt.ConfigError, match="ssh"):
         kt.fn(v1).to(kt.Compute(backend="ssh").autoscale(max_scale=2))
+
+
+def test_a_detached_deployment_scales_to_zero_with_no_client_and_back(tmp_path: Any) -> None:
+    """Its autoscaler is a process of its own: the deploying process exits, the replicas still
+    go to zero after the retention period, and a later caller (attached by name) starts one."""
+    name = _name("detached")
+    script = tmp_path / "deploy_it.py"
+    script.write_text(
+        "import sys, ktlite as kt\n"
+        "def square(x):\n"
+        "    return x * x\n"
+        "compute = kt.Compute(cpus=0.5).autoscale(min_scale=0, max_scale=2, window='1s',\n"
+        "    scale_down_delay='0.5s', scale_to_zero_pod_retention_period='2s')\n"
+        f"remote = kt.fn(square, name={name!r}).to(compute, detached=True)\n"
+        "assert remote(3) == 9\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    backend = kt.backends.base.get_backend("local")
+
+    def pods() -> int:
+        rows = [r for r in backend.list() if r["name"] == name]
+        return rows[0]["pods"] if rows else -1
+    try:
+        _wait(lambda: pods() == 0, 30, "the supervisor scaling the detached deployment to zero")
+        remote = kt.fn(name=name)
+        assert remote(4) == 16  # a cold start from a process that only attached
+        assert pods() == 1
+    finally:
+        backend.teardown(name)
+    supervisor = backend.scaling_status(name)
+    assert supervisor is None  # its directory went with the deployment
+
+
+def test_rps_metric_scales_on_calls_per_second() -> None:
+    compute = kt.Compute(cpus=0.5).autoscale(min_scale=1, max_scale=2, metric="rps", target=5, window="1s",
+                                             scale_down_delay="60s")
+    remote = kt.cls(Model, name=_name("rps")).to(compute)
+    try:
+        deadline = time.monotonic() + 30
+        while _replicas(remote) < 2 and time.monotonic() < deadline:
+            remote.predict(1)  # one at a time, far more than 5 per second
+        status = remote.status()
+        assert len(status["replicas"]) == 2, status["autoscaler"]
+        assert status["autoscaler"]["metric"] == "rps" and "rps" in status["autoscaler"]["last_decision"]["reason"]
+    finally:
+        remote.teardown()

@@ -143,6 +143,11 @@ class Backend(ABC):
         raise ConfigError(f"backend {self.name!r} does not serve autoscaled deployments; use backend='local' "
                           "or 'kubernetes'")
 
+    def scale(self, name: str, token: str, replicas: int) -> Applied:
+        """Where ``autoscaler`` is ``"client"``: run ``replicas`` replicas of ``name`` as it was
+        deployed (stopping the highest ordinals first)."""
+        raise ConfigError(f"backend {self.name!r} scales autoscaled deployments itself")
+
     def write_launch(self, name: str, launch: bytes) -> None:
         """Keep ``launch`` (the pickled deploy message) where replicas started later read it."""
         raise ConfigError(f"backend {self.name!r} does not serve autoscaled deployments")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import json
 import os
+import pickle
 import random
 import shlex
 import shutil
@@ -26,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.compute import parse_memory
-from ktlite.errors import ConfigError, DeployError, LaunchTimeout, StartupError
+from ktlite.errors import ConfigError, DeployError, LaunchTimeout, NotDeployedError, StartupError
 from ktlite.spec import DeploymentSpec, port_free
 
 
@@ -174,6 +176,7 @@ class LocalBackend(Backend):
         self._owned: set[str] = set()
         self._lock = threading.RLock()
         self._warned: set[tuple[str, str]] = set()  # (deployment, what it was told)
+        self._leads: dict[str, int] = {}  # autoscaler locks this process holds, by deployment
         atexit.register(self._atexit)
 
     # ---- state ------------------------------------------------------------------------
@@ -283,6 +286,10 @@ class LocalBackend(Backend):
                 f"{self._dir(spec.name) / 'secrets' / f.pod_path} (0600)"
                 + (f"; {f.pointer} names it" if f.pointer else "") for r in resolved for f in r.files]
         volumes, mounted = self._volumes(spec)
+        if spec.autoscale is not None:
+            cmds.append(f"# autoscaled: {spec.autoscale.describe()}; ktlite's autoscaler in the calling process "
+                        f"starts and stops replicas like these; each loads {self._dir(spec.name) / 'launch.pkl'} "
+                        "(KTLITE_LAUNCH_FILE) at boot")
         for i in range(spec.workers):
             keys = sorted([*spec.compute.env, *(k for r in resolved for k in r.env)])
             prefix = " ".join(f"{k}=..." for k in keys)
@@ -369,6 +376,11 @@ class LocalBackend(Backend):
                      "master_port": master_port, "port_span": span, "token": token, "pods": pods,
                      "created": (state or {}).get("created", time.time())}
             self._write(spec.name, state)
+            if spec.autoscale is not None:  # what scale() starts more replicas of
+                fd = os.open(self._dir(spec.name) / "spec.pkl.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    pickle.dump(replace(spec, replicas=None), f)
+                os.replace(self._dir(spec.name) / "spec.pkl.tmp", self._dir(spec.name) / "spec.pkl")
             if not spec.detached:
                 self._owned.add(spec.name)
             applied = self._applied(state)
@@ -464,6 +476,9 @@ class LocalBackend(Backend):
         with self._lock:
             state = self._read(name)
             self._owned.discard(name)
+            if name in self._leads:
+                with contextlib.suppress(OSError):
+                    os.close(self._leads.pop(name))
             if state is not None:
                 self._stop_pods(state["pods"], timeout=timeout)
                 shutil.rmtree(self._dir(name), ignore_errors=True)
@@ -498,6 +513,63 @@ class LocalBackend(Backend):
         with os.fdopen(fd, "wb") as f:
             f.write(launch)
         os.replace(tmp, directory / "launch.pkl")
+
+    def lead_scaling(self, name: str) -> bool:
+        """Whether this process holds the deployment's autoscaler lock (taken once, kept until
+        it exits); one process scales a local deployment, the others route."""
+        path = self._dir(name) / "autoscaler.lock"
+        if name in self._leads:
+            with contextlib.suppress(OSError):  # still the lock of this deployment, not a torn-down one's
+                if os.fstat(self._leads[name]).st_ino == os.stat(path).st_ino:
+                    return True
+            os.close(self._leads.pop(name))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._leads[name] = fd
+        return True
+
+    def scale(self, name: str, token: str, replicas: int) -> Applied:
+        """Run ``replicas`` replicas of the autoscaled deployment ``name``, as it was deployed
+        (its spec is kept in its directory: a process that attached by name has no Compute)."""
+        try:
+            with open(self._dir(name) / "spec.pkl", "rb") as f:
+                spec = pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError) as e:
+            raise NotDeployedError(f"deployment {name!r} is not running here (or was torn down): {e}") from None
+        return self.apply(replace(spec, replicas=replicas), token)
+
+    def publish_waiting(self, name: str, count: int) -> None:
+        """The calls waiting for a replica in this process, for the process that scales."""
+        directory = self._dir(name) / "waiting"
+        with contextlib.suppress(OSError):
+            directory.mkdir(exist_ok=True)
+            tmp = directory / f"{os.getpid()}.tmp"
+            tmp.write_text(str(count))
+            os.replace(tmp, directory / str(os.getpid()))
+
+    def waiting_elsewhere(self, name: str) -> int:
+        """The calls waiting in the other live processes that call ``name``."""
+        total = 0
+        with contextlib.suppress(OSError):
+            for f in (self._dir(name) / "waiting").iterdir():
+                if f.name.isdigit() and int(f.name) != os.getpid() and pid_alive(int(f.name)):
+                    with contextlib.suppress(OSError, ValueError):
+                        total += int(f.read_text() or 0)
+        return total
+
+    def supervise(self, name: str) -> None:
+        """Start the autoscaler process of a detached deployment (ktlite.serving.supervise)."""
+        log = self._dir(name) / "autoscaler.log"
+        with open(log, "ab") as logf:
+            subprocess.Popen([sys.executable, "-m", "ktlite.serving", name], stdin=subprocess.DEVNULL,
+                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
 
     def record_scaling(self, name: str, info: dict[str, Any]) -> None:
         """The autoscaler's last decision, for `ktlite status` in another process."""
