@@ -279,6 +279,11 @@ def test_notes_say_what_the_cluster_cannot_do() -> None:
     assert f"using {kss.DEFAULT_MAX_REPLICAS} replicas" in text
     assert "needs a CPU request: set Compute(cpus=...)" in text
     assert kss.notes(spec, KNATIVE) == []  # Knative does all of it
+    fixed = DeploymentSpec(NAME, kt.Compute(backend="kubernetes", replicas=3).served())  # Kubetorch's replicas=N
+    assert kss.notes(fixed, HPA_FORM) == []
+    h = hpa_of(fixed)
+    assert (h["minReplicas"], h["maxReplicas"]) == (3, 3)
+    assert one(render(fixed, HPA_FORM), "Deployment")["spec"]["replicas"] == 3
     assert kss.notes(served(min_scale=1, max_scale=4, concurrency=2)(cpus=1), kss.Capabilities(custom_metrics=True)) == []
 
 

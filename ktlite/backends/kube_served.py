@@ -81,6 +81,12 @@ class ServedDeployments(_Base):
         weakref.WeakKeyDictionary()
     _noted: set[tuple[str, str]] = set()
 
+    @property
+    def _served_names(self) -> set[str]:
+        """Names this backend object found served (lookup asks for their kind first)."""
+        names: set[str] = self.__dict__.setdefault("_served_names_set", set())
+        return names
+
     # ---- what the cluster has -----------------------------------------------------------------
 
     def capabilities(self, api: KubeApi | None = None) -> kss.Capabilities:
@@ -338,6 +344,7 @@ class ServedDeployments(_Base):
             return None
         want = _pod_hash(kss.template_of(obj)) or ""
         pods = [p for p in api.list("Pod", km.selector(name)) if _pod_hash(p) == want and _alive(p)]
+        self._served_names.add(name)
         return self._applied_served(name, pods, token, want, kss.autoscale_of(obj))
 
     def write_launch(self, name: str, launch: bytes) -> None:

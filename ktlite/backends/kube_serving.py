@@ -100,6 +100,8 @@ def notes(spec: DeploymentSpec, caps: Capabilities) -> list[str]:
     if config.max_scale is None:
         out.append(f"max_scale is not set and a HorizontalPodAutoscaler needs one: using {DEFAULT_MAX_REPLICAS} "
                    "replicas (set autoscale(max_scale=...))")
+    if config.max_scale is not None and max(1, config.min) >= config.max_scale:
+        return out  # a fixed count (Compute(replicas=N)): the HPA's metric never changes it
     metric = config.metric_name
     on_cpu = metric == "cpu"
     if metric in ("concurrency", "rps") and not caps.custom_metrics:

@@ -515,6 +515,11 @@ class KubernetesBackend(ServedDeployments, Backend):
 
     def lookup(self, name: str) -> Applied | None:
         api = self._api()
+        if name in self._served_names:  # a serving client asks several times a second: its kind first
+            found = self._lookup_served(api, name)
+            if found is not None:
+                return found
+            self._served_names.discard(name)
         statefulsets = api.list("StatefulSet", km.selector(name))
         secret = api.get("Secret", km.token_secret_name(name))
         if not any(s["metadata"]["name"] == name for s in statefulsets):
