@@ -576,6 +576,8 @@ class ServingDeployment(Deployment):
         if self._who != "client":
             with contextlib.suppress(Exception):
                 info["cluster"] = self.backend.scaling_status(self.name)
+                if (info["cluster"] or {}).get("metric"):  # what the cluster scales on (a CPU fallback)
+                    info["metric"] = info["cluster"]["metric"]
         return info
 
     # ---- status and lifecycle ---------------------------------------------------------------

@@ -767,3 +767,19 @@ def test_fake_knative_is_served_only_when_switched_on() -> None:
                      {"containerPort": 1}, {"containerPort": 2}]}]}}}}
     refused = c.http.post(path, json=two_ports)
     assert refused.status_code == 422 and "more than one container port" in refused.json()["message"]
+
+
+def test_calls_to_a_knative_replica_go_through_its_queue_proxy() -> None:
+    """Knative's autoscaler counts the calls its queue-proxy sees: a replica Knative made is
+    called on the queue-proxy's port, a replica of the HPA form on the server's."""
+    from ktlite.backends.kube_served import call_port
+
+    plain = {"spec": {"containers": [{"name": "server", "ports": [{"containerPort": km.SERVER_PORT}]}]}}
+    knative = {"spec": {"containers": [plain["spec"]["containers"][0], {
+        "name": "queue-proxy", "ports": [{"name": "http-queueadm", "containerPort": 8022},
+                                         {"name": "queue-port", "containerPort": 8013}]}]}}
+    assert call_port(plain) == km.SERVER_PORT
+    assert call_port(knative) == 8013
+    knative["spec"]["containers"][1]["ports"] = []
+    assert call_port(knative) == 8012
+

@@ -35,6 +35,17 @@ def _pod_hash(obj: dict[str, Any]) -> str | None:
     return value
 
 
+def call_port(pod: dict[str, Any]) -> int:
+    """The port calls reach a replica on: Knative's queue-proxy (which counts the calls
+    Knative's autoscaler scales on, and holds a replica to ``containerConcurrency``) where
+    Knative injected one, else the pod server's own."""
+    for container in pod.get("spec", {}).get("containers", []):
+        if container.get("name") == "queue-proxy":
+            ports = {p.get("name"): p.get("containerPort") for p in container.get("ports", [])}
+            return int(ports.get("queue-port") or 8012)
+    return km.SERVER_PORT
+
+
 def _alive(pod: dict[str, Any]) -> bool:
     status = pod.get("status") or {}
     return status.get("phase") == "Running" and bool(status.get("podIP")) \
@@ -322,8 +333,9 @@ class ServedDeployments(_Base):
         for i, pod in enumerate(sorted(pods, key=lambda p: p["metadata"]["name"])):
             ip, pod_name = pod["status"].get("podIP", ""), pod["metadata"]["name"]
             peer = _url(ip, km.SERVER_PORT)
+            port = call_port(pod)
             endpoints.append(PodEndpoint(name=pod_name, ordinal=i, ip=ip, peer_url=peer,
-                                         url=peer if info.in_cluster else api.proxy_url(pod_name, km.SERVER_PORT),
+                                         url=_url(ip, port) if info.in_cluster else api.proxy_url(pod_name, port),
                                          incarnation=_incarnation(pod)))
             if before is not None and pod["metadata"]["uid"] not in before:
                 restarted.append(i)
