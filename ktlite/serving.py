@@ -48,6 +48,9 @@ from ktlite.spec import DeploymentSpec
 
 # how often the scaling thread samples the load and looks at the replicas
 TICK_S = 0.25
+# how often it asks a cluster that scales by itself (an HPA, Knative) which replicas run;
+# at once when a call found no replica with room or a replica left the routing
+CLUSTER_REFRESH_S = 2.0
 
 
 @dataclass
@@ -97,7 +100,9 @@ class ServingDeployment(Deployment):
         self._stale: str | None = None  # set when another .to() replaced this handle's code
         self._leading = False  # this process scales the deployment (see _lead)
         self._published = 0  # the waiting calls this process last told the one that scales
-        self._usage_at = (0.0, 0.0)  # when the replicas' CPU/memory was last read, and its sum
+        self._usage_at = (0.0, 0.0)
+        self._refreshed = 0.0  # when the replicas were last looked up
+        self._urgent = False  # look them up at the next tick  # when the replicas' CPU/memory was last read, and its sum
         self._pushing = threading.Lock()
         self._submit_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -222,7 +227,6 @@ class ServingDeployment(Deployment):
                 raise NotDeployedError(self._stale)
             self._waiting += 1
             self._load.last_call = time.monotonic()
-            self._wake.set()
             try:
                 while True:
                     free = [r for r in self._replicas.values() if r.launch_id == self.launch_id
@@ -234,6 +238,9 @@ class ServingDeployment(Deployment):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise self._no_replica(limit)
+                    if not self._urgent:  # no room: the scaling thread looks now (once per tick)
+                        self._urgent = True
+                        self._wake.set()
                     if self._closed or self._stale:
                         raise NotDeployedError(self._stale or f"deployment {self.name!r} was torn down while "
                                                "this call waited for a replica")
@@ -310,6 +317,7 @@ class ServingDeployment(Deployment):
                 replica.launch_id = ""
         print(f"ktlite: {self.name}: replica {replica.ep.name} left the routing ({why.splitlines()[0][:200]})",
               file=sys.stderr, flush=True)
+        self._urgent = True
         self._wake.set()
 
     # ---- the scaling thread -------------------------------------------------------------
@@ -334,7 +342,9 @@ class ServingDeployment(Deployment):
                 self._stop.wait(1.0)
 
     def _tick(self) -> None:
-        self._refresh()
+        if self._who == "client" or self._urgent or time.monotonic() - self._refreshed >= CLUSTER_REFRESH_S:
+            self._urgent = False
+            self._refresh()
         if self._who != "client" or self._stop.is_set():
             return
         if not self._lead():
@@ -413,6 +423,7 @@ class ServingDeployment(Deployment):
     def _refresh(self) -> None:
         """Follow the replicas the backend reports: new ones get the current launch before
         they take calls, gone ones leave the routing; each one's own count of running calls."""
+        self._refreshed = time.monotonic()
         current = self.backend.lookup(self.name)
         if current is None or current.token != self.applied.token:  # torn down (and maybe re-created)
             self._stop.set()
@@ -565,6 +576,8 @@ class ServingDeployment(Deployment):
         if self._who != "client":
             with contextlib.suppress(Exception):
                 info["cluster"] = self.backend.scaling_status(self.name)
+                if (info["cluster"] or {}).get("metric"):  # what the cluster scales on (a CPU fallback)
+                    info["metric"] = info["cluster"]["metric"]
         return info
 
     # ---- status and lifecycle ---------------------------------------------------------------

@@ -14,7 +14,12 @@ os.environ["KTLITE_HOME"] = _HOME
 os.environ.pop("KTLITE_BACKEND", None)
 
 
+# the longest tests go first, so that under xdist they run beside the rest, not after it
+_FIRST = ("tests/test_kube_e2e.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: 0 if item.nodeid.startswith(_FIRST) else 1)  # stable: else as collected
     if os.environ.get("KTLITE_TEST_KUBECONFIG"):
         return
     skip = pytest.mark.skip(reason="set KTLITE_TEST_KUBECONFIG to run against a real cluster")

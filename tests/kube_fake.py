@@ -16,6 +16,12 @@ What it simulates, with the JSON shapes a v1.31 API server returns:
   ``creationTimestamp``, ``generation``, ``*List`` kinds whose items carry no kind/apiVersion,
   a few defaults (pod spec, service clusterIP, secret stringData) and the validations backends
   most often trip on (names, label values, containers, StatefulSet selector and immutable spec).
+* Deployments (``/apis/apps/v1``; their ReplicaSets folded in: pods ``NAME-<hash>-<xxxxx>`` owned by
+  the Deployment, ``spec.replicas`` followed, the newest removed first, a changed template rolled
+  with maxUnavailable 0), HorizontalPodAutoscalers (``/apis/autoscaling/v2``; stored: no metrics,
+  tests play the autoscaler by patching replicas and ``set_status``), and with ``knative=True``
+  Knative Services (``/apis/serving.knative.dev/v1``, its CRD readable; revisions run as pods of
+  the template) and an Available custom metrics APIService with ``custom_metrics=True``.
 * A StatefulSet controller (OrderedReady or Parallel; RollingUpdate one pod at a time from the
   highest ordinal with ``partition``, or OnDelete; PVCs from volumeClaimTemplates; adoption) and
   a garbage collector that follows ``ownerReferences``.
@@ -62,9 +68,16 @@ _RESOURCES: dict[str, tuple[str, str]] = {  # plural -> (apiVersion, kind)
     "persistentvolumeclaims": ("v1", "PersistentVolumeClaim"), "events": ("v1", "Event"),
     "statefulsets": ("apps/v1", "StatefulSet"),
     "networkpolicies": ("networking.k8s.io/v1", "NetworkPolicy"),
+    "deployments": ("apps/v1", "Deployment"),
+    "horizontalpodautoscalers": ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    "ksvc": ("serving.knative.dev/v1", "Service"),  # Knative's; served only with knative=True
 }
+_PLURALS = {("serving.knative.dev", "services"): "ksvc"}  # (group, URL plural) -> key, where they differ
 _RETURNS_OBJECT = {"pods", "services", "persistentvolumeclaims"}  # DELETE answers the object
-_HAS_STATUS = {"pods", "services", "persistentvolumeclaims", "statefulsets"}
+_HAS_STATUS = {"pods", "services", "persistentvolumeclaims", "statefulsets", "deployments",
+               "horizontalpodautoscalers", "ksvc"}
+KNATIVE_CRD = "services.serving.knative.dev"
+METRICS_APISERVICE = "v1beta1.custom.metrics.k8s.io"
 _NODES = (("kind-worker", "172.18.0.2"), ("kind-worker2", "172.18.0.3"),
           ("kind-worker3", "172.18.0.4"))
 _UNSCHEDULABLE = ("0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes "
@@ -103,8 +116,12 @@ def _group(res: str) -> str:
     return version.rpartition("/")[0]
 
 
+def _plural(res: str) -> str:
+    return next((p for (_, p), r in _PLURALS.items() if r == res), res)
+
+
 def _qualified(res: str) -> str:
-    return res + (f".{_group(res)}" if _group(res) else "")
+    return _plural(res) + (f".{_group(res)}" if _group(res) else "")
 
 
 def _details(res: str, name: str, kind: str | None = None) -> Obj:
@@ -587,14 +604,21 @@ class FakeKube(httpx.BaseTransport):
                  pod_behavior: PodBehavior | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  pod_termination_seconds: float = 0.0, follow_idle_timeout: float = 0.0,
-                 pvc_bind_seconds: float = 0.0) -> None:
+                 pvc_bind_seconds: float = 0.0, knative: bool = False,
+                 custom_metrics: bool = False) -> None:
         """``pod_behavior`` scripts each new pod (None: ``ready()`` at once); a deleted pod
         stays Terminating for min(its grace period, ``pod_termination_seconds``) on ``clock``;
         a ``follow=true`` log stream ends after ``follow_idle_timeout`` real seconds without
         new text, or when its pod goes away or its container stops running. A claim binds
         ``pvc_bind_seconds`` after it is created (one whose storage class contains
         ``does-not-exist`` never does); until then pods that mount it are Unschedulable, and
-        their scripts start when it binds."""
+        their scripts start when it binds. ``knative``: Knative Serving's CRD exists and its
+        Services are served (and run, see ``_reconcile_ksvc``); ``custom_metrics``: an
+        Available APIService for the custom metrics API exists. Both may be switched later."""
+        self.knative = knative
+        self.custom_metrics = custom_metrics
+        self.knative_scale: dict[tuple[str, str], int] = {}  # (ns, name) -> replicas Knative's autoscaler wants
+        self._revisions: dict[str, dict[str, int]] = {}  # ksvc uid -> template hash -> revision number
         self.token = token
         self.namespaces = tuple(namespaces)
         self.pod_behavior = pod_behavior
@@ -728,12 +752,20 @@ class FakeKube(httpx.BaseTransport):
         if path == "/version" and method == "GET":
             return _json(200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0",
                                "platform": "linux/amd64"})
+        if m := re.fullmatch(r"/apis/(apiextensions\.k8s\.io|apiregistration\.k8s\.io)/v1/"
+                             r"(customresourcedefinitions|apiservices)/([^/]+)", path):
+            return self._cluster_object(method, m[2], m[3])
         m = re.fullmatch(
-            r"/(?:api/v1|apis/(apps|networking\.k8s\.io)/v1)(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+)(?:/(\w+))?)?/?",
+            r"/(?:api/v1|apis/([^/]+)/(v[^/]+))(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+)(?:/(\w+))?)?/?",
             path)
         if m is None:
             raise _unknown()
-        group, ns, res, name, sub = m.groups()
+        group, version, ns, res, name, sub = m.groups()
+        res = _PLURALS.get((group or "", res), res)
+        if res in _RESOURCES and _RESOURCES[res][0] != (f"{group}/{version}" if group else "v1"):
+            raise _unknown()
+        if res == "ksvc" and not self.knative:
+            raise _unknown()
         if res == "namespaces" and not group and not ns:
             if method != "GET" or sub:
                 raise _not_allowed()
@@ -778,10 +810,41 @@ class FakeKube(httpx.BaseTransport):
             return _json(200, self._delete(res, ns, name, opts))
         raise _not_allowed()
 
+    def _cluster_object(self, method: str, plural: str, name: str) -> httpx.Response:
+        """The two cluster-scoped objects backends ask about: Knative's CRD and the custom
+        metrics APIService (present as the switches say)."""
+        if method != "GET":
+            raise _not_allowed()
+        if plural == "customresourcedefinitions" and name == KNATIVE_CRD and self.knative:
+            return _json(200, {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                               "metadata": {"name": name}, "spec": {"group": "serving.knative.dev", "names": {
+                                   "kind": "Service", "plural": "services", "shortNames": ["kservice", "ksvc"]},
+                                   "scope": "Namespaced"}})
+        if plural == "apiservices" and name == METRICS_APISERVICE and self.custom_metrics:
+            return _json(200, {"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+                               "metadata": {"name": name}, "spec": {"group": "custom.metrics.k8s.io",
+                                                                    "version": "v1beta1"},
+                               "status": {"conditions": [{"type": "Available", "status": "True",
+                                                          "reason": "Passed", "message": "all checks passed"}]}})
+        group = "apiextensions.k8s.io" if plural == "customresourcedefinitions" else "apiregistration.k8s.io"
+        raise ApiError(404, "NotFound", f'{plural}.{group} "{name}" not found',
+                       {"name": name, "group": group, "kind": plural})
+
+    def set_status(self, kind: str, ns: str, name: str, status: Obj) -> None:
+        """Set an object's status as its controller would (an HPA's, for tests that play it)."""
+        with self.lock:
+            obj = self._get(self._resource(kind), ns, name)
+            obj["status"] = {"observedGeneration": obj["metadata"].get("generation", 1), **copy.deepcopy(status)}
+            obj["metadata"]["resourceVersion"] = self._next_rv()
+
     # ----------------------------------------------------------------- storage verbs
     @staticmethod
     def _resource(kind: str) -> str:
         k = kind.lower()
+        if k in ("ksvc", "knativeservice", "knativeservices"):
+            return "ksvc"
+        if k == "hpa":
+            return "horizontalpodautoscalers"
         for res in (k, k + "s"):
             if res in _RESOURCES:
                 return res
@@ -865,7 +928,7 @@ class FakeKube(httpx.BaseTransport):
         meta.update(namespace=ns, uid=str(uuid.uuid4()), resourceVersion=self._next_rv(),
                     creationTimestamp=self._iso())
         self._prepare(res, obj, None)
-        if res in ("pods", "statefulsets"):
+        if res in ("pods", "statefulsets", "deployments", "ksvc", "horizontalpodautoscalers"):
             meta["generation"] = 1
         self._store[(res, ns, name)] = obj
         if res == "pods":
@@ -1011,9 +1074,9 @@ class FakeKube(httpx.BaseTransport):
     # ----------------------------------------------------------------- defaults, validation
     def _prepare(self, res: str, obj: Obj, old: Obj | None) -> None:
         meta, name = obj["metadata"], obj["metadata"]["name"]
-        pattern, what = (_DNS1035, "a DNS-1035 label") if res == "services" else \
+        pattern, what = (_DNS1035, "a DNS-1035 label") if res in ("services", "ksvc") else \
             (_DNS1123, "a lowercase RFC 1123 subdomain")
-        too_long = len(name) > (63 if res == "services" else 253)
+        too_long = len(name) > (63 if res in ("services", "ksvc") else 253)
         if old is None and (too_long or not pattern.fullmatch(name)):
             raise _invalid(res, name, "metadata.name", f'Invalid value: "{name}": {what} must '
                            f"consist of lower case alphanumeric characters, '-' or '.' "
@@ -1034,6 +1097,18 @@ class FakeKube(httpx.BaseTransport):
             self._sts_spec(name, spec, old)
             if old is None:
                 obj["status"] = {"replicas": 0, "availableReplicas": 0}
+        elif res == "deployments":
+            self._deployment_spec(name, spec, old)
+            if old is None:
+                obj["status"] = {}
+        elif res == "horizontalpodautoscalers":
+            self._hpa_spec(name, spec)
+            if old is None:
+                obj["status"] = {"currentReplicas": 0, "desiredReplicas": 0}
+        elif res == "ksvc":
+            self._ksvc_spec(name, spec)
+            if old is None:
+                obj["status"] = {}
         elif res == "secrets":
             obj.setdefault("type", "Opaque")
             for k, v in (obj.pop("stringData", None) or {}).items():
@@ -1120,6 +1195,58 @@ class FakeKube(httpx.BaseTransport):
                            "'revisionHistoryLimit', 'persistentVolumeClaimRetentionPolicy' and "
                            "'minReadySeconds' are forbidden", "FieldValueForbidden")
 
+    def _selector_matches_template(self, res: str, name: str, spec: Obj) -> None:
+        if not isinstance(spec, dict) or not (spec.get("selector") or {}).get("matchLabels"):
+            raise _invalid(res, name, "spec.selector", "Required value", "FieldValueRequired")
+        tlabels = (spec.get("template") or {}).get("metadata", {}).get("labels") or {}
+        if any(tlabels.get(k) != v for k, v in spec["selector"]["matchLabels"].items()):
+            raise _invalid(res, name, "spec.template.metadata.labels",
+                           f"Invalid value: {tlabels!r}: `selector` does not match template `labels`")
+
+    def _deployment_spec(self, name: str, spec: Any, old: Obj | None) -> None:
+        res = "deployments"
+        self._selector_matches_template(res, name, spec)
+        self._pod_spec(res, name, spec["template"].get("spec"), "spec.template.spec")
+        if spec["template"]["spec"]["restartPolicy"] != "Always":
+            raise _invalid(res, name, "spec.template.spec.restartPolicy", "Unsupported value: supported "
+                           'values: "Always"', "FieldValueNotSupported")
+        for k, v in (("replicas", 1), ("revisionHistoryLimit", 10), ("progressDeadlineSeconds", 600),
+                     ("strategy", {"type": "RollingUpdate",
+                                   "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}})):
+            spec.setdefault(k, v)
+        if old is not None and spec["selector"] != old["spec"]["selector"]:
+            raise _invalid(res, name, "spec.selector", f"Invalid value: {spec['selector']!r}: field is "
+                           "immutable", "FieldValueInvalid")
+
+    def _hpa_spec(self, name: str, spec: Any) -> None:
+        res = "horizontalpodautoscalers"
+        ref = (spec or {}).get("scaleTargetRef") or {}
+        if not ref.get("kind") or not ref.get("name"):
+            raise _invalid(res, name, "spec.scaleTargetRef", "Required value", "FieldValueRequired")
+        low, high = spec.setdefault("minReplicas", 1), spec.get("maxReplicas")
+        if not isinstance(high, int) or high < 1:
+            raise _invalid(res, name, "spec.maxReplicas", f"Invalid value: {high}: must be greater than 0")
+        if low < 1 or low > high:
+            raise _invalid(res, name, "spec.minReplicas", f"Invalid value: {low}: must be between 1 and "
+                           "maxReplicas (0 needs the HPAScaleToZero feature gate)")
+
+    def _ksvc_spec(self, name: str, spec: Any) -> None:
+        """Knative's webhook, in part: one container, at most one port, named for its protocol."""
+        res = "ksvc"
+        template = (spec or {}).get("template") or {}
+        for c in (template.get("spec") or {}).get("containers") or []:
+            if isinstance(c, dict):
+                c.setdefault("name", "user-container")  # Knative names an unnamed container so
+        self._pod_spec(res, name, template.get("spec"), "spec.template.spec")
+        containers = template["spec"]["containers"]
+        if len(containers) != 1:
+            raise _invalid(res, name, "spec.template.spec.containers", "expected exactly one, got "
+                           f"{len(containers)}")
+        ports = containers[0].get("ports") or []
+        if len(ports) > 1 or any(p.get("name") not in (None, "http1", "h2c") for p in ports):
+            raise _invalid(res, name, "spec.template.spec.containers[0].ports", "more than one container "
+                           "port is set, or its name is not one of http1, h2c")
+
     # ----------------------------------------------------------------- controllers
     def _tick(self) -> None:
         """Bring pods, kubelet and controllers up to the clock, until nothing changes."""
@@ -1128,11 +1255,166 @@ class FakeKube(httpx.BaseTransport):
             changed = False
             for sts in [o for (r, _, _), o in self._store.items() if r == "statefulsets"]:
                 changed |= self._reconcile(sts)
+            for dep in [o for (r, _, _), o in self._store.items() if r == "deployments"]:
+                changed |= self._reconcile_replicas(dep, dep["spec"]["template"], int(dep["spec"].get("replicas", 1)),
+                                                    f"{dep['metadata']['name']}-{_hash(dep['spec']['template'])}")
+            for ksvc in [o for (r, _, _), o in self._store.items() if r == "ksvc"]:
+                changed |= self._reconcile_ksvc(ksvc)
             changed |= self._refresh_pods()
             if not changed:
                 break
         for sts in [o for (r, _, _), o in self._store.items() if r == "statefulsets"]:
             self._sts_status(sts)
+        for dep in [o for (r, _, _), o in self._store.items() if r in ("deployments", "ksvc")]:
+            self._replicas_status(dep)
+        for hpa in [o for (r, _, _), o in self._store.items() if r == "horizontalpodautoscalers"]:
+            self._hpa_status(hpa)
+
+    def _hpa_status(self, hpa: Obj) -> None:
+        """The HPA controller of a cluster without metrics-server (or a custom metrics adapter):
+        it reads the target's scale, finds no metric and says so; it never scales. Once per spec
+        (``observedGeneration``): a status set by ``set_status`` stays."""
+        md, spec = hpa["metadata"], hpa["spec"]
+        status = hpa.get("status") or {}
+        if status.get("observedGeneration") == md.get("generation", 1):
+            return
+        ref = spec["scaleTargetRef"]
+        target = self._store.get(("deployments", md["namespace"], ref["name"])) if ref["kind"] == "Deployment" else None
+        at = self._iso()
+        if target is None:
+            conditions = [{"type": "AbleToScale", "status": "False", "lastTransitionTime": at,
+                           "reason": "FailedGetScale", "message": f'the HPA controller was unable to get the '
+                           f'target\'s current scale: deployments/scale.apps "{ref["name"]}" not found'}]
+            replicas = 0
+        else:
+            replicas = int(target["spec"].get("replicas", 1))
+            metric = (spec.get("metrics") or [{}])[0]
+            if metric.get("type") == "Pods":
+                name = metric["pods"]["metric"]["name"]
+                reason, why = "FailedGetPodsMetric", (f"unable to get metric {name}: unable to fetch metrics from "
+                                                      "custom metrics API: the server could not find the "
+                                                      "metric " + name + " for pods")
+            else:
+                resource = (metric.get("resource") or {}).get("name", "cpu")
+                reason, why = "FailedGetResourceMetric", (
+                    f"failed to get {resource} utilization: unable to get metrics for resource {resource}: "
+                    "unable to fetch metrics from resource metrics API: the server could not find the requested "
+                    "resource (get pods.metrics.k8s.io)")
+            conditions = [{"type": "AbleToScale", "status": "True", "lastTransitionTime": at,
+                           "reason": "SucceededGetScale",
+                           "message": "the HPA controller was able to get the target's current scale"},
+                          {"type": "ScalingActive", "status": "False", "lastTransitionTime": at, "reason": reason,
+                           "message": f"the HPA was unable to compute the replica count: {why}"}]
+        hpa["status"] = {"observedGeneration": md.get("generation", 1), "currentReplicas": replicas,
+                         "desiredReplicas": 0, "conditions": conditions}
+        md["resourceVersion"] = self._next_rv()
+
+    def _owned(self, owner: Obj) -> list[Obj]:
+        md = owner["metadata"]
+        return [o for (r, n, _), o in self._store.items() if r == "pods" and n == md["namespace"]
+                and any(ref["uid"] == md["uid"] for ref in o["metadata"].get("ownerReferences", []))]
+
+    def _reconcile_replicas(self, owner: Obj, template: Obj, want: int, prefix: str,
+                            extra_labels: dict[str, str] | None = None) -> bool:
+        """A Deployment's (and its ReplicaSets', folded in) sync: ``want`` pods of ``template``
+        named ``PREFIX-xxxxx``, the newest (not-ready first) removed on scale-down; pods of an older
+        template go once as many of the current one are ready (maxUnavailable 0), or at once
+        when none are wanted."""
+        digest = _hash(template)
+        pods = [p for p in self._owned(owner) if not p["metadata"].get("deletionTimestamp")]
+        current = [p for p in pods if _labels(p).get("pod-template-hash") == digest]
+        old = [p for p in pods if _labels(p).get("pod-template-hash") != digest]
+        changed = False
+        for _ in range(want - len(current)):
+            self._create_replica(owner, template, digest, prefix, extra_labels or {})
+            changed = True
+        if len(current) > want:
+            order = sorted(current, key=lambda p: (_healthy(p), -self._pods[p["metadata"]["uid"]].created))
+            for pod in order[: len(current) - want]:
+                self._owner_delete(owner, pod)
+                changed = True
+        if old and (want == 0 or sum(_healthy(p) for p in current) >= want):
+            for pod in old:
+                self._owner_delete(owner, pod)
+                changed = True
+        return changed
+
+    def _create_replica(self, owner: Obj, template: Obj, digest: str, prefix: str, extra: dict[str, str]) -> Obj:
+        md = owner["metadata"]
+        template = copy.deepcopy(template)
+        tmeta = template.get("metadata") or {}
+        pod_meta: Obj = {"generateName": f"{prefix}-",
+                         "labels": {**(tmeta.get("labels") or {}), **extra, "pod-template-hash": digest},
+                         "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                                              "name": md["name"], "uid": md["uid"], "controller": True,
+                                              "blockOwnerDeletion": True}]}
+        if tmeta.get("annotations"):
+            pod_meta["annotations"] = dict(tmeta["annotations"])
+        spec = template["spec"]
+        spec.pop("containerConcurrency", None)  # Knative's, not a pod's
+        pod = self._create("pods", md["namespace"], {"metadata": pod_meta, "spec": spec})
+        self._event(md["namespace"], owner["kind"], md["name"], md["uid"], "Normal", "SuccessfulCreate",
+                    f"Created pod: {pod['metadata']['name']}", "replicaset-controller")
+        return pod
+
+    def _owner_delete(self, owner: Obj, pod: Obj) -> None:
+        md = owner["metadata"]
+        self._delete_pod(pod, None)
+        self._event(md["namespace"], owner["kind"], md["name"], md["uid"], "Normal", "SuccessfulDelete",
+                    f"Deleted pod: {pod['metadata']['name']}", "replicaset-controller")
+
+    def _reconcile_ksvc(self, ksvc: Obj) -> bool:
+        """Knative, in short: each template is a revision NAME-0000N whose pods
+        (NAME-0000N-deployment-...) number its initial scale (``autoscaling.knative.dev/
+        initial-scale``, default 1), or what ``knative_scale[(ns, name)]`` says its autoscaler wants."""
+        md = ksvc["metadata"]
+        template = ksvc["spec"]["template"]
+        revisions = self._revisions.setdefault(md["uid"], {})
+        digest = _hash(template)
+        number = revisions.setdefault(digest, len(revisions) + 1)
+        revision = f"{md['name']}-{number:05d}"
+        notes = (template.get("metadata") or {}).get("annotations") or {}
+        want = self.knative_scale.get((md["namespace"], md["name"]),
+                                      int(notes.get("autoscaling.knative.dev/initial-scale", 1)))
+        labels = {"serving.knative.dev/service": md["name"], "serving.knative.dev/revision": revision,
+                  "serving.knative.dev/configuration": md["name"]}
+        changed = self._reconcile_replicas(ksvc, template, want, f"{revision}-deployment-{digest[:9]}", labels)
+        healthy = [p for p in self._owned(ksvc) if _healthy(p) and _labels(p).get("pod-template-hash") == digest]
+        ready = bool(healthy) or want == 0
+        at = self._iso()
+        status = {"observedGeneration": md.get("generation", 1), "latestCreatedRevisionName": revision,
+                  "url": f"http://{md['name']}.{md['namespace']}.example.com",
+                  "conditions": [{"type": t, "status": "True" if ready else "Unknown", "lastTransitionTime": at,
+                                  **({} if ready else {"reason": "RevisionMissing",
+                                                       "message": f"Configuration \"{md['name']}\" is waiting "
+                                                       "for a Revision to become ready."})}
+                                 for t in ("ConfigurationsReady", "Ready", "RoutesReady")]}
+        if ready:
+            status["latestReadyRevisionName"] = revision
+        old = {k: v for k, v in (ksvc.get("status") or {}).items()}
+        if {**old, "conditions": [{k: v for k, v in c.items() if k != "lastTransitionTime"}
+                                  for c in old.get("conditions", [])]} != \
+                {**status, "conditions": [{k: v for k, v in c.items() if k != "lastTransitionTime"}
+                                          for c in status["conditions"]]}:
+            ksvc["status"] = status
+            md["resourceVersion"] = self._next_rv()
+        return changed
+
+    def _replicas_status(self, owner: Obj) -> None:
+        if owner["kind"] != "Deployment":
+            return
+        md = owner["metadata"]
+        digest = _hash(owner["spec"]["template"])
+        pods = [p for p in self._owned(owner) if not p["metadata"].get("deletionTimestamp")]
+        ready_count = sum(_healthy(p) for p in pods)
+        status = {"observedGeneration": md.get("generation", 1), "replicas": len(pods),
+                  "updatedReplicas": sum(_labels(p).get("pod-template-hash") == digest for p in pods),
+                  "readyReplicas": ready_count, "availableReplicas": ready_count,
+                  "unavailableReplicas": max(0, len(pods) - ready_count)}
+        status = {k: v for k, v in status.items() if v or k in ("observedGeneration", "replicas")}
+        if status != owner.get("status"):
+            owner["status"] = status
+            md["resourceVersion"] = self._next_rv()
 
     def _bind_claims(self) -> None:
         """The volume binder: claims whose time has come get a volume (or fail to)."""

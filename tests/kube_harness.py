@@ -10,9 +10,13 @@ sees none of the caller's files), started with the env the pod spec names
 (token from the Secret, ``envFrom`` Secrets, downward-API fields) and with its secret volumes'
 files (mounted read-only, on a fresh tmpfs home at /root where they go there, as in a
 container of a root image; the Python this machine runs from stays visible), and reported Ready once it accepts
-connections. The pod proxy forwards to it; its output becomes the pod log; deleting the pod
+connections (a pod whose readinessProbe asks another path, a served replica's
+``/health?ready=1``, while that path answers 200). The pod proxy forwards to it; its output becomes the pod log; deleting the pod
 stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
 unschedulable, as on a small real cluster.
+
+``KTLITE_HARNESS_KNATIVE=1`` makes it a cluster with Knative Serving (``kube_fake``'s ``knative``),
+``KTLITE_HARNESS_CUSTOM_METRICS=1`` one with a custom metrics adapter.
 
 Needs root (``unshare``), like the pods it imitates.
 """
@@ -52,7 +56,9 @@ class Pods:
         self.root = root
         bind_s = float(os.environ.get("KTLITE_HARNESS_PVC_BIND_S", "1.5"))
         self.fake = kf.FakeKube(token=TOKEN, pod_behavior=self.behavior, pod_termination_seconds=1.0,
-                                follow_idle_timeout=5.0, pvc_bind_seconds=bind_s)
+                                follow_idle_timeout=5.0, pvc_bind_seconds=bind_s,
+                                knative=os.environ.get("KTLITE_HARNESS_KNATIVE") == "1",
+                                custom_metrics=os.environ.get("KTLITE_HARNESS_CUSTOM_METRICS") == "1")
         self.holes: list[tuple[socket.socket, socket.socket]] = []  # addresses of pods that are gone
         self.fake.proxy_handlers = _Handlers(self)
         self.procs: dict[str, tuple[subprocess.Popen[bytes], str, str]] = {}  # uid -> (process, pod, ip)
@@ -80,7 +86,9 @@ class Pods:
         proc = self._start(pod, ip)
         with self.lock:
             self.procs[pod["metadata"]["uid"]] = (proc, pod["metadata"]["name"], ip)
-        up = _Probe(ip)
+        probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
+        up: Any = _Probe(ip) if probe.get("path", "/health") == "/health" else \
+            _HttpProbe(ip, probe["path"], proc)
 
         def status(ctx: kf.PodCtx) -> kf.Obj:
             code = proc.poll()  # the container ended (a failed setup step: exit code 78)
@@ -184,7 +192,8 @@ class Pods:
             return []
         base = self.root / "secret-volumes" / pod["metadata"]["uid"]
         for name, vol in volumes.items():
-            data = self._secret(vol["secretName"]).get("data") or {}
+            data = self._secret(vol["secretName"]).get("data") or {}  # optional: may be absent or empty
+            (base / name).mkdir(parents=True, exist_ok=True)
             items = vol.get("items") or [{"key": k, "path": k} for k in data]
             for item in items:
                 target = base / name / item["path"]
@@ -206,6 +215,8 @@ class Pods:
                 commands += [f"mkdir -p {shlex.quote(str(path))}", f"mount --bind {stage}/{i} {shlex.quote(str(path))}"]
         for m in wanted:
             src, path = base / m["name"] / m.get("subPath", ""), shlex.quote(m["mountPath"])
+            if not m.get("subPath"):  # a directory mount (the launch Secret): made here, removed at stop_all
+                self._mount_point(Path(m["mountPath"]))
             make = (f"mkdir -p {shlex.quote(str(Path(m['mountPath']).parent))} && touch {path}"
                     if m.get("subPath") else f"mkdir -p {path}")
             commands += [make, f"mount --bind {shlex.quote(str(src))} {path}",
@@ -342,6 +353,28 @@ class _Probe:
             except OSError:
                 pass
         return self.up
+
+
+class _HttpProbe:
+    """A readiness probe on a path (``/health?ready=1``), as the kubelet runs it: asked every
+    half second by a thread of its own (never under the fake's lock); True while it answers 200."""
+
+    def __init__(self, ip: str, path: str, proc: subprocess.Popen[bytes]) -> None:
+        self.url, self.proc, self.ok = f"http://{ip}:{SERVER_PORT}{path}", proc, False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while self.proc.poll() is None:
+                try:
+                    self.ok = client.get(self.url).status_code == 200
+                except httpx.HTTPError:
+                    self.ok = False
+                time.sleep(0.5)
+        self.ok = False
+
+    def __call__(self) -> bool:
+        return self.ok
 
 
 class _Handlers(dict):  # type: ignore[type-arg]

@@ -37,7 +37,22 @@ PATHS = {
     "Event": "/api/v1/namespaces/{ns}/events",
     "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets",
     "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+    "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
+    "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
+    # Knative Serving's Service shares its kind with the core one: keyed by this name instead
+    "KnativeService": "/apis/serving.knative.dev/v1/namespaces/{ns}/services",
+    "KnativeRevision": "/apis/serving.knative.dev/v1/namespaces/{ns}/revisions",
+    "PodAutoscaler": "/apis/autoscaling.internal.knative.dev/v1alpha1/namespaces/{ns}/podautoscalers",
 }
+KNATIVE_API = "serving.knative.dev/v1"
+
+
+def kind_of(obj: dict[str, Any]) -> str:
+    """The key of ``PATHS`` an object is stored under (a Knative Service: "KnativeService")."""
+    kind: str = obj["kind"]
+    if obj.get("apiVersion") == KNATIVE_API:
+        return "Knative" + kind
+    return kind
 _TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 
 
@@ -174,7 +189,8 @@ class KubeApi:
         hint = {401: "your kubeconfig's credentials were refused; log in again",
                 403: f"your account may not do this in namespace {self.namespace!r}; ask for RBAC "
                      "permissions on statefulsets, services, secrets, pods, pods/log, pods/proxy, "
-                     "persistentvolumeclaims",
+                     "persistentvolumeclaims (serving: deployments, horizontalpodautoscalers, or Knative "
+                     "services; docs/kubernetes.md)",
                 404: f"does namespace {self.namespace!r} exist?"}.get(resp.status_code, "")
         return KubeApiError(f"Kubernetes API: {what} failed: HTTP {resp.status_code} "
                             f"{reason or resp.reason_phrase}: {message}" + (f"; {hint}" if hint else ""),
@@ -196,13 +212,13 @@ class KubeApi:
         return items
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        kind, name = obj["kind"], obj["metadata"]["name"]
+        kind, name = kind_of(obj), obj["metadata"]["name"]
         resp = self.request("POST", self._path(kind), what=f"create {kind} {name}", json=obj)
         assert resp is not None
         return resp.json()
 
     def replace(self, obj: dict[str, Any], resource_version: str) -> dict[str, Any]:
-        kind, name = obj["kind"], obj["metadata"]["name"]
+        kind, name = kind_of(obj), obj["metadata"]["name"]
         body = {**obj, "metadata": {**obj["metadata"], "resourceVersion": resource_version}}
         resp = self.request("PUT", self._path(kind, name), what=f"update {kind} {name}", json=body)
         assert resp is not None
@@ -219,6 +235,17 @@ class KubeApi:
         resp = self.request("DELETE", self._path(kind, name), what=f"delete {kind} {name}",
                             ok_missing=True, json={"propagationPolicy": propagation})
         return resp is not None
+
+    def cluster_get(self, path: str, what: str) -> dict[str, Any] | None:
+        """A cluster-scoped object (a CustomResourceDefinition, an APIService) at ``path``, or
+        None when it is not there or this account may not read it."""
+        try:
+            resp = self.request("GET", path, what=what, ok_missing=True)
+        except KubeApiError as e:
+            if e.status == 403:
+                return None
+            raise
+        return None if resp is None else resp.json()
 
     # ---- pods ---------------------------------------------------------------------------
 

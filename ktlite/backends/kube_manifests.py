@@ -432,9 +432,12 @@ def _with_template(sts: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def _template_hash(template: dict[str, Any]) -> str:
+def template_hash(template: dict[str, Any]) -> str:
     """The pod hash: of the template without its own hash annotation."""
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_template_hash = template_hash
 
 
 def merge_template(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -22,9 +22,11 @@ import httpx
 import ktlite
 from ktlite import config
 from ktlite.backends import kube_manifests as km
+from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
+from ktlite.backends.kube_served import ServedDeployments
 from ktlite.errors import (
     ConfigError,
     DeployError,
@@ -82,7 +84,7 @@ def _pod_hash(obj: dict[str, Any]) -> str | None:
     return value
 
 
-class KubernetesBackend(Backend):
+class KubernetesBackend(ServedDeployments, Backend):
     name = "kubernetes"
     _clients: dict[tuple[str | None, str | None], tuple[httpx.Client, ClusterInfo]] = {}
     _announced: set[str] = set()
@@ -134,30 +136,55 @@ class KubernetesBackend(Backend):
 
     # ---- plan -------------------------------------------------------------------------
 
-    def _render(self, spec: DeploymentSpec, namespace: str, token: str | None,
-                secrets: list[Resolved] | None = None) -> list[dict[str, Any]]:
+    @staticmethod
+    def _with_settings(spec: DeploymentSpec) -> DeploymentSpec:
+        """``spec`` with ``ktlite config``'s image pull policy where the Compute names none."""
         compute = spec.compute
-        image = compute.image.image_id if compute.image is not None else default_image()
         if compute.image_pull_policy is None and config.get("image_pull_policy"):
             from dataclasses import replace
             spec = replace(spec, compute=replace(compute, image_pull_policy=config.get("image_pull_policy")))
-        return km.render(spec, namespace, image=image, install=install_spec(), token=token, secrets=secrets)
+        return spec
+
+    @staticmethod
+    def _image(spec: DeploymentSpec) -> str:
+        return spec.compute.image.image_id if spec.compute.image is not None else default_image()
+
+    @staticmethod
+    def _install() -> str:
+        return install_spec()
+
+    def _render(self, spec: DeploymentSpec, namespace: str, token: str | None,
+                secrets: list[Resolved] | None = None) -> list[dict[str, Any]]:
+        return km.render(self._with_settings(spec), namespace, image=self._image(spec), install=install_spec(),
+                         token=token, secrets=secrets)
 
     def plan(self, spec: DeploymentSpec) -> Plan:
         """The objects deploying would apply; reads no cluster (the namespace comes from
-        the Compute, ``ktlite config``, or "default")."""
+        the Compute, ``ktlite config``, or "default"). A served deployment's plan is the form
+        this backend has seen the cluster allow, else the HPA form without a metrics adapter;
+        what that form changes is said in comment lines."""
         namespace = self._namespace or config.get("namespace") or "default"
+        if spec.autoscale is not None:
+            caps = self._known_capabilities()
+            return Plan(backend=self.name, name=spec.name,
+                        commands=[f"# {text}" for text in kss.notes(spec, caps)],
+                        manifests=self._render_served(spec, namespace, None, None, caps))
         return Plan(backend=self.name, name=spec.name, manifests=self._render(spec, namespace, None))
 
     # ---- apply --------------------------------------------------------------------------
 
-    def apply(self, spec: DeploymentSpec, token: str) -> Applied:
-        api = self._api()
+    def _announce(self, api: KubeApi) -> None:
         info = self._connect()[1]
         if info.host not in self._announced:
             self._announced.add(info.host)
             self._say(f"backend kubernetes, context {info.context!r}, namespace {api.namespace!r} "
                       f"({info.host})")
+
+    def apply(self, spec: DeploymentSpec, token: str) -> Applied:
+        if spec.autoscale is not None:
+            return self._apply_served(spec, token)
+        api = self._api()
+        self._announce(api)
         resolved = km.resolve_secrets(spec, api.namespace)  # a preset that finds nothing fails here
         objects = self._render(spec, api.namespace, token, resolved)
         secret, service = objects[:2]
@@ -168,6 +195,8 @@ class KubernetesBackend(Backend):
         first = api.get("StatefulSet", spec.name) is None
         created: list[tuple[str, str]] = []  # (kind, name) of what this apply made
         try:
+            if first:  # it may have been a served deployment: its replicas go first
+                self.drop_served(api, spec.name)
             token_changed = self._apply_secret(api, secret, token, created)
             self._ensure(api, service, created)
             for obj, current in users:
@@ -192,7 +221,7 @@ class KubernetesBackend(Backend):
         return self._applied(spec.name, pods, token, km.master_port(spec), sorted(set(restarted)))
 
     def _failed(self, api: KubeApi, name: str, error: BaseException,
-                created: list[tuple[str, str]] | None) -> BaseException:
+                created: list[tuple[str, str]] | None, served: bool = False) -> BaseException:
         """A deploy that failed: a first deploy's objects are removed again (pods that did
         start would hold their CPUs for nothing) unless the keep_failed setting says keep them;
         otherwise the error says what is left and how to remove it."""
@@ -214,7 +243,9 @@ class KubernetesBackend(Backend):
             note = (f"kept (keep_failed=true): {', '.join(f'{kind} {obj}' for kind, obj in created)}"
                     f"; `ktlite teardown {name} -n {api.namespace}` removes them")
         else:
-            note = (f"the deployment's objects (StatefulSet {name} and its pods, Service, Secret, "
+            parts = ("its Deployment and HorizontalPodAutoscaler (or Knative Service), replicas" if served
+                     else f"StatefulSet {name} and its pods")
+            note = (f"the deployment's objects ({parts}, Service, Secrets, "
                     f"volumes) are still there; `ktlite teardown {name} -n {api.namespace}` removes "
                     "them")
         if isinstance(error, DeployError) and error.args and isinstance(error.args[0], str):
@@ -484,9 +515,16 @@ class KubernetesBackend(Backend):
 
     def lookup(self, name: str) -> Applied | None:
         api = self._api()
+        if name in self._served_names:  # a serving client asks several times a second: its kind first
+            found = self._lookup_served(api, name)
+            if found is not None:
+                return found
+            self._served_names.discard(name)
         statefulsets = api.list("StatefulSet", km.selector(name))
         secret = api.get("Secret", km.token_secret_name(name))
-        if not any(s["metadata"]["name"] == name for s in statefulsets) or secret is None:
+        if not any(s["metadata"]["name"] == name for s in statefulsets):
+            return self._lookup_served(api, name)
+        if secret is None:
             return None
         token = _decode_token(secret)
         if token is None:
@@ -512,6 +550,7 @@ class KubernetesBackend(Backend):
             if km.SECRET_LABEL in (obj["metadata"].get("labels") or {}):
                 found |= api.delete("Secret", obj["metadata"]["name"])
         found |= self._drop_policy(api, name)
+        found |= self._teardown_served(api, name)
         pods = api.list("Pod", km.selector(name))
         for pod in pods:
             api.delete("Pod", pod["metadata"]["name"])
@@ -536,10 +575,10 @@ class KubernetesBackend(Backend):
         for sts in api.list("StatefulSet", managed):
             name = (sts["metadata"].get("labels") or {}).get(km.NAME_LABEL, sts["metadata"]["name"])
             row = rows.setdefault(name, {"name": name, "backend": self.name, "namespace": api.namespace,
-                                         "pods": 0, "ready": 0, "detached": True})
+                                         "pods": 0, "ready": 0, "detached": True, "autoscaled": False})
             row["pods"] += sts["spec"].get("replicas", 0)
             row["ready"] += (sts.get("status") or {}).get("readyReplicas", 0)
-        return list(rows.values())
+        return [*rows.values(), *self._served_rows(api)]
 
     def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
              tail: int | None = None) -> Iterator[str]:

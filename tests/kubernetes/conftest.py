@@ -54,7 +54,8 @@ MANAGED_BY = "app.kubernetes.io/managed-by=ktlite"
 NAME_LABEL = "ktlite.dev/name"
 # what a deployment creates, in deletion order (the StatefulSet before its pods); the same
 # kinds ktlite itself needs rights on (docs/kubernetes.md), so the suite needs no others
-KINDS = ("statefulsets", "services", "secrets", "networkpolicies", "pods", "persistentvolumeclaims")
+KINDS = ("horizontalpodautoscalers", "deployments", "statefulsets", "services", "secrets", "networkpolicies",
+         "pods", "persistentvolumeclaims")
 WITHOUT_VOLUMES = KINDS[:-1]
 REQUEST_TIMEOUT = 30  # seconds, for every Kubernetes API request made here
 
@@ -148,8 +149,11 @@ class Kube:
         self.apps = client.AppsV1Api(self.api)
         self.storage = client.StorageV1Api(self.api)
         self.networking = client.NetworkingV1Api(self.api)
-        ns, core, apps, net = self.namespace, self.core, self.apps, self.networking
+        self.autoscaling = client.AutoscalingV2Api(self.api)
+        ns, core, apps, net, scaling = self.namespace, self.core, self.apps, self.networking, self.autoscaling
         self._list = {
+            "horizontalpodautoscalers": lambda **kw: scaling.list_namespaced_horizontal_pod_autoscaler(ns, **kw),
+            "deployments": lambda **kw: apps.list_namespaced_deployment(ns, **kw),
             "statefulsets": lambda **kw: apps.list_namespaced_stateful_set(ns, **kw),
             "services": lambda **kw: core.list_namespaced_service(ns, **kw),
             "secrets": lambda **kw: core.list_namespaced_secret(ns, **kw),
@@ -158,6 +162,9 @@ class Kube:
             "networkpolicies": lambda **kw: net.list_namespaced_network_policy(ns, **kw),
         }
         self._delete = {
+            "horizontalpodautoscalers":
+                lambda n, **kw: scaling.delete_namespaced_horizontal_pod_autoscaler(n, ns, **kw),
+            "deployments": lambda n, **kw: apps.delete_namespaced_deployment(n, ns, **kw),
             "statefulsets": lambda n, **kw: apps.delete_namespaced_stateful_set(n, ns, **kw),
             "services": lambda n, **kw: core.delete_namespaced_service(n, ns, **kw),
             "secrets": lambda n, **kw: core.delete_namespaced_secret(n, ns, **kw),
@@ -238,7 +245,7 @@ class Kube:
 
         # the answer (the object or a Status, depending on the kind) is not needed: read raw
         kwargs: dict[str, Any] = {"_request_timeout": REQUEST_TIMEOUT, "_preload_content": False}
-        if kind == "statefulsets":
+        if kind in ("statefulsets", "deployments"):
             kwargs["propagation_policy"] = "Background"
         elif kind == "pods":
             kwargs["grace_period_seconds"] = 5
