@@ -19,8 +19,8 @@ import time
 
 import ktlite as kt
 
-# (phase, calls kept in flight, seconds)
-PHASES = [("low", 1, 8), ("high", 12, 25), ("low again", 1, 18)]
+# (phase, calls kept in flight, pause after each call in seconds, how long in seconds)
+PHASES = [("low", 1, 0.01, 8), ("high", 12, 0.0, 25), ("low again", 1, 0.01, 18)]
 
 
 class Classifier:
@@ -56,8 +56,9 @@ def replicas(remote) -> tuple[list[int], str]:
     return [r["inflight"] for r in status["replicas"]], decision.get("reason", "no decision yet")
 
 
-def run_phase(remote, x, name: str, inflight: int, seconds: float, t0: float) -> None:
-    """Keep ``inflight`` futures in flight for ``seconds``; print the replicas as they change."""
+def run_phase(remote, x, name: str, inflight: int, pause: float, seconds: float, t0: float) -> None:
+    """Keep up to ``inflight`` futures in flight for ``seconds`` (a new one ``pause`` seconds
+    after one ends); print the replicas as they change."""
     latencies: list[float] = []
     started: dict[kt.Future, float] = {}
     shown: int | None = None
@@ -72,6 +73,8 @@ def run_phase(remote, x, name: str, inflight: int, seconds: float, t0: float) ->
         for fut in done:
             fut.result()  # raises if the call failed
             latencies.append(time.monotonic() - started.pop(fut))
+        if done and pause:
+            time.sleep(pause)
         if time.monotonic() >= next_look:  # look at the replicas once a second
             next_look = time.monotonic() + 1.0
             per_replica, why = replicas(remote)
@@ -80,7 +83,7 @@ def run_phase(remote, x, name: str, inflight: int, seconds: float, t0: float) ->
                 shown = len(per_replica)
                 print(f"  t={time.monotonic() - t0:5.1f}s  {shown} replica(s), calls in flight on each: "
                       f"{per_replica}  ({why})", flush=True)
-    print(f"phase {name!r} ({inflight} in flight, {seconds:g} s): {len(latencies)} calls, "
+    print(f"phase {name!r} (up to {inflight} in flight, {seconds:g} s): {len(latencies)} calls, "
           f"{len(latencies) / seconds:.0f}/s, p50 {percentile(latencies, 0.5) * 1e3:.1f} ms, "
           f"p99 {percentile(latencies, 0.99) * 1e3:.1f} ms; replicas during the phase: "
           f"{min(counts)}..{max(counts)}, at the end: {counts[-1]}\n", flush=True)
@@ -99,9 +102,10 @@ def main() -> None:
     try:
         x = torch.randn(16, 128)
         print("one call:", remote.predict(x))
-        for name, inflight, seconds in PHASES:
-            print(f"phase {name!r}: keeping {inflight} call(s) in flight for {seconds} s")
-            run_phase(remote, x, name, inflight, seconds, t0)
+        for name, inflight, pause, seconds in PHASES:
+            how = f", {pause * 1e3:g} ms apart" if pause else ""
+            print(f"phase {name!r}: up to {inflight} call(s) in flight{how}, for {seconds} s")
+            run_phase(remote, x, name, inflight, pause, seconds, t0)
         per_replica, why = replicas(remote)
         print(f"finally {len(per_replica)} replica(s); the autoscaler's last decision: {why}")
     finally:
