@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,12 +61,13 @@ class Replica:
     ep: PodEndpoint
     inflight: int = 0  # this caller's calls running on it
     reported: int = 0  # the calls its server says it runs (every caller's)
+    others: int = 0  # of those, the calls of other callers (the server's count less ours then)
     served: int = 0  # calls it finished for this caller
     draining: bool = False  # takes no new calls: it stops once idle
     launch_id: str = ""  # the launch it reported loaded
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.ep.name, "ip": self.ep.ip, "inflight": max(self.inflight, self.reported),
+        return {"name": self.ep.name, "ip": self.ep.ip, "inflight": self.inflight + self.others,
                 "served": self.served, "draining": self.draining, "launch_id": self.launch_id}
 
 
@@ -84,9 +86,11 @@ class ServingDeployment(Deployment):
 
     def __init__(self, spec: DeploymentSpec, backend: Backend, applied: Applied) -> None:
         super().__init__(spec, backend, applied)
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._replicas: dict[str, Replica] = {}
         self._waiting = 0
+        self._line: deque[threading.Condition] = deque()  # calls waiting for a replica, in arrival order
         self._load = _Load()
         self._launch: bytes | None = None
         self._scaler = Scaler(self.spec.autoscale, max_default=os.cpu_count() or 1)
@@ -141,7 +145,7 @@ class ServingDeployment(Deployment):
         with self._cond:
             for ep in eps:
                 self._admit(ep)
-            self._cond.notify_all()
+            self._everyone()
         self._start_thread()
 
     def adopt(self) -> None:
@@ -212,7 +216,7 @@ class ServingDeployment(Deployment):
                 replica.inflight -= 1
                 replica.served += 1
                 self._load.finished.append(time.monotonic())
-                self._cond.notify_all()
+                self._next_in_line()  # a slot is free
 
     def _acquire(self, options: Any) -> Replica:
         """The ready replica with the fewest calls in flight and room for one more; waits
@@ -227,26 +231,40 @@ class ServingDeployment(Deployment):
                 raise NotDeployedError(self._stale)
             self._waiting += 1
             self._load.last_call = time.monotonic()
-            try:
+            waiter = threading.Condition(self._lock)  # woken alone when its turn may have come
+            self._line.append(waiter)  # first come, first served: a caller that just ended a call
+            try:                       # and calls again queues behind the ones already waiting
                 while True:
                     free = [r for r in self._replicas.values() if r.launch_id == self.launch_id
                             and not r.draining and r.inflight < self.spec.concurrency]
-                    if free:
-                        best = min(free, key=lambda r: (max(r.inflight, r.reported), r.served))
+                    if free and self._line[0] is waiter:
+                        best = min(free, key=lambda r: (r.inflight + r.others, r.served))
                         best.inflight += 1
                         return best
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise self._no_replica(limit)
-                    if not self._urgent:  # no room: the scaling thread looks now (once per tick)
+                    if not free:  # no room: a cluster's replicas are looked up at the next tick
                         self._urgent = True
-                        self._wake.set()
                     if self._closed or self._stale:
                         raise NotDeployedError(self._stale or f"deployment {self.name!r} was torn down while "
                                                "this call waited for a replica")
-                    self._cond.wait(min(left, 1.0))
+                    waiter.wait(min(left, 1.0))
             finally:
+                self._line.remove(waiter)
                 self._waiting -= 1
+                self._next_in_line()  # the next in line may go
+
+    def _next_in_line(self) -> None:
+        """Wake the first waiting call (only it may take a free slot). Holds the lock."""
+        if self._line:
+            self._line[0].notify()
+
+    def _everyone(self) -> None:
+        """Wake every waiting call: replicas, code or the deployment changed. Holds the lock."""
+        for waiter in self._line:
+            waiter.notify()
+        self._cond.notify_all()
 
     def _no_replica(self, waited: float) -> KtliteError:
         busy = ", ".join(f"{r.ep.name}: {r.inflight}" for r in self._replicas.values()) or "none"
@@ -399,7 +417,7 @@ class ServingDeployment(Deployment):
         self._load.finished = [t for t in self._load.finished if t >= now - 1.0]
         if self.spec.autoscale.metric_name == "rps":
             return float(len(self._load.finished))
-        return float(sum(max(r.inflight, r.reported) for r in self._replicas.values()) + self._waiting + elsewhere)
+        return float(sum(r.inflight + r.others for r in self._replicas.values()) + self._waiting + elsewhere)
 
     def _usage(self, metric: str) -> float:
         """The replicas' CPU percent (100 = one core) or memory (percent of ``memory``), read
@@ -430,7 +448,7 @@ class ServingDeployment(Deployment):
             with self._cond:
                 self._replicas.clear()
                 self._stale = f"deployment {self.name!r} was torn down; call .to() again"
-                self._cond.notify_all()
+                self._everyone()
             return
         by_name = {ep.name: ep for ep in current.endpoints}
         with self._cond:
@@ -453,8 +471,9 @@ class ServingDeployment(Deployment):
                         r = self._replicas.get(ep.name)
                         if r is not None:
                             r.reported = int(health.get("calls") or 0)
+                            r.others = max(0, r.reported - r.inflight)
         with self._cond:
-            self._cond.notify_all()
+            self._everyone()
 
     def _superseded(self, ep: PodEndpoint, theirs: str) -> None:
         """Another ``.to()`` (this process or another) deployed new code: this handle stops
@@ -465,7 +484,7 @@ class ServingDeployment(Deployment):
             self._stale = (f"deployment {self.name!r} was redeployed by another .to() (replica {ep.name} runs "
                            f"launch {theirs}, this handle's is {self.launch_id}); use the new handle, or "
                            "call .to() again")
-            self._cond.notify_all()
+            self._everyone()
 
     def _bring_up(self, ep: PodEndpoint) -> None:
         """A replica not routed yet: route to it once it runs the current launch (it loads it
@@ -610,7 +629,7 @@ class ServingDeployment(Deployment):
         self._stop.set()
         self._wake.set()
         with self._cond:
-            self._cond.notify_all()
+            self._everyone()
         super().close()
         if self._submit_pool is not None:
             self._submit_pool.shutdown(wait=False, cancel_futures=True)
@@ -620,7 +639,7 @@ class ServingDeployment(Deployment):
         self._wake.set()
         super().fail_queued()
         with self._cond:
-            self._cond.notify_all()
+            self._everyone()
 
     def colocate(self, target: str, *args: Any, **kwargs: Any) -> None:
         raise ConfigError(f"{self.name!r} is an autoscaled service; colocating {target!r} into its replicas "
