@@ -106,7 +106,8 @@ class ServingDeployment(Deployment):
         self._published = 0  # the waiting calls this process last told the one that scales
         self._usage_at = (0.0, 0.0)
         self._refreshed = 0.0  # when the replicas were last looked up
-        self._urgent = False  # look them up at the next tick  # when the replicas' CPU/memory was last read, and its sum
+        self._urgent = False  # look them up at the next tick
+        self._waking: threading.Thread | None = None  # asking Knative for a replica (scaled to zero)  # when the replicas' CPU/memory was last read, and its sum
         self._pushing = threading.Lock()
         self._submit_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -246,6 +247,8 @@ class ServingDeployment(Deployment):
                         raise self._no_replica(limit)
                     if not free:  # no room: a cluster's replicas are looked up at the next tick
                         self._urgent = True
+                        if not self._replicas and self._who == "knative":
+                            self._wake_knative()
                     if self._closed or self._stale:
                         raise NotDeployedError(self._stale or f"deployment {self.name!r} was torn down while "
                                                "this call waited for a replica")
@@ -254,6 +257,23 @@ class ServingDeployment(Deployment):
                 self._line.remove(waiter)
                 self._waiting -= 1
                 self._next_in_line()  # the next in line may go
+
+    def _wake_knative(self) -> None:
+        """No replica (Knative scaled to zero): ask Knative's activator for one, in the
+        background (it answers once the replica does). Holds the lock."""
+        if self._waking is not None and self._waking.is_alive():
+            return
+        wake = getattr(self.backend, "wake", None)
+        if wake is None:
+            return
+
+        def run() -> None:
+            with contextlib.suppress(Exception):  # a failed wake leaves the call to its timeout
+                wake(self.name, self.spec.compute.launch_timeout)
+            self._urgent = True
+            self._wake.set()
+        self._waking = threading.Thread(target=run, name=f"ktlite-wake-{self.name}", daemon=True)
+        self._waking.start()
 
     def _next_in_line(self) -> None:
         """Wake the first waiting call (only it may take a free slot). Holds the lock."""

@@ -738,6 +738,9 @@ class FakeKube(httpx.BaseTransport):
         try:
             if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/proxy(/.*)?", path):
                 return self._proxy(request, m[1], m[2], m[3] or "/")
+            if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/services/([^/:]+)(?::[^/]+)?/proxy(/.*)?", path):
+                with self.lock:
+                    return self._activator(request, m[1], m[2])
             with self.lock:
                 self._tick()
                 response = self._route(request.method, path, query, content,
@@ -1648,6 +1651,21 @@ class FakeKube(httpx.BaseTransport):
             "reason": reason, "message": message, "type": type_, "source": source, "count": 1,
             "firstTimestamp": now, "lastTimestamp": now, "eventTime": None,
             "reportingComponent": component, "reportingInstance": node or ""})
+
+    def _activator(self, request: httpx.Request, ns: str, service: str) -> httpx.Response:
+        """A request through a Knative revision's Service reaches Knative's activator: with the
+        routing headers its ingress sets, the revision gets a replica (played here by
+        ``knative_scale``); the fake answers at once. Anything else: no such Service."""
+        revision = request.headers.get("knative-serving-revision")
+        for ksvc in (self.objects("ksvc") if self.knative else []):
+            md = ksvc["metadata"]
+            if md["namespace"] == ns and revision == service and service.startswith(md["name"] + "-") \
+                    and request.headers.get("knative-serving-namespace") == ns:
+                key = (ns, md["name"])
+                self.knative_scale[key] = max(1, self.knative_scale.get(key, 0))
+                self._tick()
+                return _json(200, {"status": "ok"})
+        return _json(404, status_body(404, "NotFound", f'services "{service}" not found'))
 
     # ----------------------------------------------------------------- logs, proxy
     def _log_text(self, ns: str, pod: str, container: str, previous: bool) -> str:

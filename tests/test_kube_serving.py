@@ -533,6 +533,14 @@ def test_knative_scaled_to_zero_applies_once_the_service_is_ready() -> None:
     c.fake.knative_scale[("default", NAME)] = 0
     applied = c.backend.apply(served(min_scale=0, initial_scale=0)(cpus=1), TOKEN)
     assert applied.endpoints == []
+    # the first call wakes it through the revision's Service (Knative's activator), with the
+    # headers Knative's ingress sets
+    assert c.backend.wake(NAME, timeout=5.0) is True
+    sent = [r for r in c.fake.requests if "/services/" in r.path and r.path.endswith("/proxy/health")][-1]
+    assert sent.path == f"/api/v1/namespaces/default/services/{NAME}-00001:http/proxy/health"
+    assert sent.headers["knative-serving-revision"] == f"{NAME}-00001"
+    assert sent.headers["knative-serving-namespace"] == "default"
+    assert len(c.backend.lookup(NAME).endpoints) == 1  # type: ignore[union-attr]
 
 
 # ---- the stand-in cluster: real servers behind the replicas --------------------------------------

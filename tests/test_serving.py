@@ -16,6 +16,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.autoscaling import AutoscaleConfig, Scaler, from_kwargs, seconds
+from ktlite.backends.base import get_backend
 
 
 def _name(prefix: str) -> str:
@@ -174,7 +175,7 @@ def test_scale_to_zero_and_back() -> None:
     try:
         first = remote.predict(1)
         _wait(lambda: _replicas(remote) == 0, 30, "scale to zero")
-        assert [r for r in kt.backends.base.get_backend("local").list() if r["name"] == name][0]["pods"] == 0
+        assert [r for r in get_backend("local").list() if r["name"] == name][0]["pods"] == 0
         status = remote.status()
         assert "zero" in status["autoscaler"]["last_decision"]["reason"]
         started = time.monotonic()
@@ -294,7 +295,7 @@ def test_a_detached_deployment_scales_to_zero_with_no_client_and_back(tmp_path: 
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    backend = kt.backends.base.get_backend("local")
+    backend = get_backend("local")
 
     def pods() -> int:
         rows = [r for r in backend.list() if r["name"] == name]

@@ -13,6 +13,8 @@ import base64
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, PodEndpoint
@@ -308,6 +310,27 @@ class ServedDeployments(_Base):
                     f"or look at `kubectl -n {api.namespace} describe pods -l {km.selector(spec.name)}` "
                     f"and `kubectl -n {api.namespace} describe {what.lower().replace(' ', '')} {spec.name}`")
             self._sleep(min(1.0, 0.1 + (now - start) / 20))
+
+    def wake(self, name: str, timeout: float) -> bool:
+        """Knative at zero replicas: ktlite calls replicas directly, which never reaches
+        Knative's activator, so the first call would wait for ever. One ``GET /health``
+        through the revision's Service (the API server's service proxy; Knative's routing
+        headers, as its ingress sets them) reaches the activator, which starts a replica and
+        holds the request until it answers. True when that answered."""
+        api = self._api()
+        status = (api.get("KnativeService", name) or {}).get("status") or {}
+        revision = status.get("latestReadyRevisionName") or status.get("latestCreatedRevisionName")
+        if not revision:
+            return False
+        namespace = self.namespace
+        http, _ = self._connect()
+        try:
+            resp = http.get(f"/api/v1/namespaces/{namespace}/services/{revision}:http/proxy/health",
+                            headers={"Knative-Serving-Revision": revision, "Knative-Serving-Namespace": namespace},
+                            timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
 
     def _knative_ready(self, api: KubeApi, name: str) -> bool:
         ksvc = api.get("KnativeService", name) or {}
