@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gzip
 import io
 import os
 import shutil
@@ -419,13 +420,16 @@ def test_write_launch_fills_the_secret_and_refuses_what_a_secret_cannot_hold(clu
     cluster.backend.write_launch(NAME, b"launch-1")
     cluster.backend.write_launch(NAME, b"launch-2")
     secret = cluster.fake.get("secrets", "default", f"{NAME}-launch")
-    assert secret is not None and base64.b64decode(secret["data"]["launch.pkl"]) == b"launch-2"
-    with pytest.raises(ConfigError, match=r"pickles to 1\.10 MB.*bake big dependencies"):
-        cluster.backend.write_launch(NAME, b"x" * 1_100_000)
+    assert secret is not None and gzip.decompress(base64.b64decode(secret["data"]["launch.pkl"])) == b"launch-2"
+    # it is kept gzipped (local modules travel as source text): 1.1 MB of text fits
+    cluster.backend.write_launch(NAME, b"def f(): return 1\n" * 60_000)
+    with pytest.raises(ConfigError, match=r"pickles to 1\.10 MB \(1\.10 MB compressed\).*bake big dependencies"):
+        cluster.backend.write_launch(NAME, os.urandom(1_100_000))
+    cluster.backend.write_launch(NAME, b"launch-2")
     # a redeploy does not empty it again
     cluster.backend.apply(served(min_scale=1)(cpus=1), TOKEN)
     secret = cluster.fake.get("secrets", "default", f"{NAME}-launch")
-    assert secret is not None and base64.b64decode(secret["data"]["launch.pkl"]) == b"launch-2"
+    assert secret is not None and gzip.decompress(base64.b64decode(secret["data"]["launch.pkl"])) == b"launch-2"
 
 
 def test_scaling_status_shows_the_hpa_and_its_failed_metric(cluster: Cluster) -> None:
@@ -673,9 +677,9 @@ def test_a_served_class_end_to_end_through_the_public_api(stand_in: Path, monkey
     compute = kt.Compute(backend="kubernetes", cpus=1, launch_timeout=60).autoscale(
         min_scale=1, max_scale=3, concurrency=2)
     backend = KubernetesBackend.shared()
-    remote = kt.cls(Echo, name=name).to(compute)
-    second = None
+    remote = second = None
     try:
+        remote = kt.cls(Echo, name=name).to(compute)
         pod, version = remote.who()  # one call, one replica, one value
         assert version == "v1" and pod.startswith(f"{name}-")
         status = remote.status()
@@ -707,7 +711,7 @@ def test_a_served_class_end_to_end_through_the_public_api(stand_in: Path, monkey
                 for o in api.list(kind, km.selector(name))] == []
     finally:
         with contextlib.suppress(Exception):
-            (second or remote).teardown()
+            backend.teardown(name)  # even when .to() failed half-way
         for client, _ in KubernetesBackend._clients.values():
             client.close()
 

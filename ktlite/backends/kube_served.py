@@ -10,6 +10,7 @@ launch in the ``NAME-launch`` Secret for replicas started later. Mixed into
 from __future__ import annotations
 
 import base64
+import gzip
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -383,15 +384,17 @@ class ServedDeployments(_Base):
         return self._applied_served(name, pods, token, want, kss.autoscale_of(obj))
 
     def write_launch(self, name: str, launch: bytes) -> None:
-        """Keep ``launch`` in the ``NAME-launch`` Secret, which replicas started later mount."""
-        if len(launch) > kss.MAX_LAUNCH_BYTES:
+        """Keep ``launch`` in the ``NAME-launch`` Secret (gzipped: the local modules that travel
+        by value are source text), which replicas started later mount."""
+        packed = gzip.compress(launch, compresslevel=6)
+        if len(packed) > kss.MAX_LAUNCH_BYTES:
             raise ConfigError(
-                f"the code of served deployment {name!r} pickles to {len(launch) / 1e6:.2f} MB, and a replica "
-                f"started later reads it from a Kubernetes Secret, which holds at most about "
-                f"{kss.MAX_LAUNCH_BYTES / 1e6:g} MB; bake big dependencies (data, weights, modules) into the "
-                "image or a volume and load them from there")
+                f"the code of served deployment {name!r} pickles to {len(launch) / 1e6:.2f} MB "
+                f"({len(packed) / 1e6:.2f} MB compressed), and a replica started later reads it from a "
+                f"Kubernetes Secret, which holds at most about {kss.MAX_LAUNCH_BYTES / 1e6:g} MB; bake big "
+                "dependencies (data, weights, modules) into the image or a volume and load them from there")
         api = self._api()
-        data = {kss.LAUNCH_KEY: base64.b64encode(launch).decode()}
+        data = {kss.LAUNCH_KEY: base64.b64encode(packed).decode()}
         secret_name = kss.launch_secret_name(name)
         try:
             api.patch("Secret", secret_name, {"data": data})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gzip
 import hmac
 import json
 import mmap
@@ -298,7 +299,10 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         mounted Secret on Kubernetes, a file locally) before it reports ready."""
         try:
             with open(path, "rb") as f:
-                msg = protocol.loads(f.read())
+                data = f.read()
+            if data[:2] == b"\x1f\x8b":  # gzip: a launch kept in a Kubernetes Secret
+                data = gzip.decompress(data)
+            msg = protocol.loads(data)
         except FileNotFoundError:
             state["boot"] = "no launch yet: waiting for the client's POST /deploy"
             return
