@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -88,6 +89,27 @@ class CallOptions:
     workers: Any = None  # pod indices; Kubetorch's "any", "ready" and IPs too (Deployment._pick_workers)
     restart_procs: bool = False
     ranks: list[int] | None = None  # only these global ranks run the call
+
+
+@contextlib.contextmanager
+def shm_arguments(applied: Applied, meta: dict[str, Any], parts: list[Any]) -> Iterator[list[Any]]:
+    """The call's parts as they are sent: where the pods share this machine (local backend;
+    ``KTLITE_SHM=0`` turns it off) results come back in shared-memory files, and arguments too
+    big to inline go in one, removed when the call ends."""
+    if not applied.same_host or os.environ.get("KTLITE_SHM", "1") == "0":
+        yield parts
+        return
+    meta["shm_results"] = True
+    if protocol.parts_size(parts) <= shm.INLINE_MAX:
+        yield parts
+        return
+    arg_file, size = shm.write(parts, shm.ARG_PREFIX)
+    meta["shm"] = [arg_file, size]
+    try:
+        yield []
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(arg_file)
 
 
 def print_log(rank: int, pod: str, stream: str, text: str) -> None:
@@ -355,19 +377,9 @@ class Deployment:
             if not pods:
                 raise ConfigError(f"ranks={options.ranks!r} are on none of workers={options.workers!r}")
             meta["ranks"], meta["workers"] = ranks, pods
-        arg_file = None
-        if self.applied.same_host and os.environ.get("KTLITE_SHM", "1") != "0":
-            meta["shm_results"] = True
-            if protocol.parts_size(parts) > shm.INLINE_MAX:
-                arg_file, size = shm.write(parts, shm.ARG_PREFIX)
-                meta["shm"], parts = [arg_file, size], []
         watch = _ReplacedWatch(self, call_id)
-        try:
-            reply = self._send(call_id, meta, parts, (log or print_log) if stream else None, watch)
-        finally:
-            if arg_file is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(arg_file)
+        with shm_arguments(self.applied, meta, parts) as sent:
+            reply = self._send(call_id, meta, sent, (log or print_log) if stream else None, watch)
         failures, values = _split(reply.outcomes)
         if failures:
             if any(f.kind in ("died", "unreachable", "stale") for f in failures):

@@ -32,10 +32,10 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ktlite import protocol, shm
+from ktlite import protocol
 from ktlite.autoscaling import Decision, Scaler
 from ktlite.backends.base import Applied, Backend, PodEndpoint
-from ktlite.deploy import Deployment, _pool, _split, _to_error, print_log
+from ktlite.deploy import Deployment, _pool, _split, _to_error, print_log, shm_arguments
 from ktlite.errors import (
     ConfigError,
     DeployError,
@@ -311,14 +311,10 @@ class ServingDeployment(Deployment):
             "workers": None, "timeout": options.timeout if options.timeout is not None else self.spec.compute.call_timeout,
             "stream_logs": stream, "restart": options.restart_procs, "fanout": True,
             "quorum_timeout": d.quorum_timeout, "num_proc": 1}
-        arg_file = None
-        if self.applied.same_host and os.environ.get("KTLITE_SHM", "1") != "0":
-            meta["shm_results"] = True
-            if protocol.parts_size(parts) > shm.INLINE_MAX:
-                arg_file, size = shm.write(parts, shm.ARG_PREFIX)
-                meta["shm"], parts = [arg_file, size], []
         try:
-            reply = self.client.call(ep.url, meta, parts, (log or print_log) if stream else None, None, pod=ep.name)
+            with shm_arguments(self.applied, meta, parts) as sent:
+                reply = self.client.call(ep.url, meta, sent, (log or print_log) if stream else None, None,
+                                         pod=ep.name)
         except NotDeployedError as e:
             # 409 before anything ran: the replica runs another launch (or none); it leaves the
             # routing until it reports ours, and the call may safely go to another replica
@@ -333,10 +329,6 @@ class ServingDeployment(Deployment):
             raise PodUnreachable(
                 f"replica {ep.name} of {self.name!r} went away during the call, which may have run there, so "
                 f"it is not sent again; the next call goes to another replica.\n{e}", delivered=True) from e
-        finally:
-            if arg_file is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(arg_file)
         failures, values = _split(reply.outcomes)
         if failures:
             error = _to_error(failures, values, f"call to {self.name!r} on replica {ep.name}", RemoteError)

@@ -126,6 +126,9 @@ class Model:
         time.sleep(sleep)
         return os.getpid(), x * self.scale
 
+    def size(self, blob: bytes) -> int:
+        return len(blob)
+
     def env(self) -> dict[str, str]:
         import os
         return {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "KTLITE_POD_ORDINAL")}
@@ -150,6 +153,7 @@ def test_load_grows_to_max_scale_and_shrinks_back_after_the_delay() -> None:
     remote = kt.cls(Model, name=_name("grow")).to(compute, init_args={"scale": 3})
     try:
         assert remote.predict(2)[1] == 6  # one call, one replica, one value
+        assert remote.size(b"x" * 3_000_000) == 3_000_000  # too big to inline: a shared-memory file
         env = remote.env()
         assert env == {"RANK": "0", "WORLD_SIZE": "1", "KTLITE_POD_ORDINAL": "0"}
         assert _replicas(remote) == 1
