@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -692,9 +693,13 @@ def supervise(name: str) -> int:
         return 1
     spec = DeploymentSpec(name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)), detached=True)
     dep = ServingDeployment(spec, backend, applied)
+    # teardown sends SIGTERM: the scaling step under way ends first (it may be starting pods)
+    signal.signal(signal.SIGTERM, lambda *_: dep._stop.set())
     dep.adopt()
     while not dep._stop.wait(1.0):
         pass
+    if dep._thread is not None:
+        dep._thread.join(spec.compute.launch_timeout)
     return 0
 
 

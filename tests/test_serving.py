@@ -17,6 +17,7 @@ import pytest
 import ktlite as kt
 from ktlite.autoscaling import AutoscaleConfig, Scaler, from_kwargs, seconds
 from ktlite.backends.base import get_backend
+from ktlite.backends.local import pid_alive
 
 
 def _name(prefix: str) -> str:
@@ -309,10 +310,12 @@ def test_a_detached_deployment_scales_to_zero_with_no_client_and_back(tmp_path: 
         remote = kt.fn(name=name)
         assert remote(4) == 16  # a cold start from a process that only attached
         assert pods() == 1
+        supervisor = int((backend._dir(name) / "supervisor.pid").read_text())
+        assert pid_alive(supervisor)
     finally:
         backend.teardown(name)
-    supervisor = backend.scaling_status(name)
-    assert supervisor is None  # its directory went with the deployment
+    assert not pid_alive(supervisor)  # teardown stops the autoscaler process first
+    assert backend.scaling_status(name) is None and backend.lookup(name) is None
 
 
 def test_rps_metric_scales_on_calls_per_second() -> None:

@@ -474,6 +474,7 @@ class LocalBackend(Backend):
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
         with self._lock:
+            self._stop_supervisor(name, timeout=min(timeout, 10.0))
             state = self._read(name)
             self._owned.discard(name)
             if name in self._leads:
@@ -538,12 +539,15 @@ class LocalBackend(Backend):
     def scale(self, name: str, token: str, replicas: int) -> Applied:
         """Run ``replicas`` replicas of the autoscaled deployment ``name``, as it was deployed
         (its spec is kept in its directory: a process that attached by name has no Compute)."""
-        try:
-            with open(self._dir(name) / "spec.pkl", "rb") as f:
-                spec = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError) as e:
-            raise NotDeployedError(f"deployment {name!r} is not running here (or was torn down): {e}") from None
-        return self.apply(replace(spec, replicas=replicas), token)
+        with self._lock:  # never after a teardown of this process (it takes the same lock)
+            try:
+                with open(self._dir(name) / "spec.pkl", "rb") as f:
+                    spec = pickle.load(f)
+            except (OSError, pickle.UnpicklingError, EOFError) as e:
+                raise NotDeployedError(f"deployment {name!r} is not running here (or was torn down): {e}") from None
+            if (self._read(name) or {}).get("token") != token:
+                raise NotDeployedError(f"deployment {name!r} was torn down or re-created")
+            return self.apply(replace(spec, replicas=replicas), token)
 
     def publish_waiting(self, name: str, count: int) -> None:
         """The calls waiting for a replica in this process, for the process that scales."""
@@ -568,8 +572,24 @@ class LocalBackend(Backend):
         """Start the autoscaler process of a detached deployment (ktlite.serving.supervise)."""
         log = self._dir(name) / "autoscaler.log"
         with open(log, "ab") as logf:
-            subprocess.Popen([sys.executable, "-m", "ktlite.serving", name], stdin=subprocess.DEVNULL,
-                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-m", "ktlite.serving", name], stdin=subprocess.DEVNULL,
+                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        (self._dir(name) / "supervisor.pid").write_text(str(proc.pid))  # teardown stops it first
+
+    def _stop_supervisor(self, name: str, timeout: float) -> None:
+        """Stop a detached deployment's autoscaler process before its pods: it ends the scaling
+        step it is in (it would start pods again), then exits."""
+        try:
+            pid = int((self._dir(name) / "supervisor.pid").read_text())
+        except (OSError, ValueError):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
     def record_scaling(self, name: str, info: dict[str, Any]) -> None:
         """The autoscaler's last decision, for `ktlite status` in another process."""
