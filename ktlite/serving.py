@@ -97,7 +97,6 @@ class ServingDeployment(Deployment):
         self._scaler = Scaler(self.spec.autoscale, max_default=os.cpu_count() or 1)
         self._who = self.backend.autoscaler(self.spec)
         self._decision: Decision | None = None
-        self._desired = len(self.applied.endpoints)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -545,7 +544,6 @@ class ServingDeployment(Deployment):
         started = time.monotonic()
         applied = self.backend.scale(self.name, self.applied.token, count)
         self.applied = applied
-        self._desired = count
         self._refresh()
         if os.environ.get("KTLITE_SERVING_DEBUG"):
             print(f"ktlite: {self.name}: {running} -> {count} replicas in {time.monotonic() - started:.2f}s",
@@ -580,7 +578,6 @@ class ServingDeployment(Deployment):
                 return
         applied = self.backend.scale(self.name, self.applied.token, keep)
         self.applied = applied
-        self._desired = keep
         with self._cond:
             for r in draining:
                 self._replicas.pop(r.ep.name, None)
@@ -633,11 +630,6 @@ class ServingDeployment(Deployment):
         return {"name": self.name, "launch_id": self.launch_id, "waiting": waiting,
                 "replicas": list(_pool.map(one, replicas)), "autoscaler": self._autoscaler_info()}
 
-    @property
-    def replica_count(self) -> int:
-        with self._cond:
-            return len([r for r in self._replicas.values() if not r.draining])
-
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -664,17 +656,6 @@ class ServingDeployment(Deployment):
     def restart_failed(self) -> dict[str, Any]:
         raise ConfigError(f"{self.name!r} is an autoscaled service: a replica whose process died leaves the "
                           "routing and is replaced; nothing to restart by hand")
-
-    def wait_for_replicas(self, count: int, timeout: float) -> int:
-        """Block until ``count`` replicas take calls (tests, examples); returns how many do."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._cond:
-                have = len([r for r in self._replicas.values() if not r.draining and r.launch_id == self.launch_id])
-            if have == count:
-                return have
-            time.sleep(0.05)
-        return have
 
 
 def supervise(name: str) -> int:
