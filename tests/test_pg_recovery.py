@@ -36,6 +36,14 @@ def act(mode: str, arg: float = 0.0) -> object:
     import torch
     import torch.distributed as dist
 
+    if mode in ("guarded", "guarded_fail"):  # Lightning's form: init only when not initialized
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        if mode == "guarded_fail" and rank == 1:
+            raise ValueError("rank 1 raises while the others wait in all_reduce")
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+        return t.item()
     if mode == "half_init":  # ranks 0 and 3 wait for ranks 1 and 2, which never join
         if rank in (1, 2):
             return rank
@@ -121,3 +129,18 @@ def test_a_new_process_group_skips_a_port_taken_on_pod_0(gloo) -> None:
         with pytest.raises(kt.RemoteError, match="rank 1 fails this call"):
             gloo.options(**QUIET, timeout=60)("fail")
         assert gloo.options(**QUIET, timeout=60)("port") == [(port + 2, 4.0)] * 4
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("form", ["guarded", "gloo"])
+def test_a_rank_that_raised_in_a_collective_recovers(gloo, form) -> None:
+    """Issue 23: one rank raises while its siblings wait in ``all_reduce``. The siblings are
+    stopped and restarted; the rank that raised keeps its process, and with it a group whose
+    peers are gone. Both the unconditional ``init_process_group`` and the guarded form
+    (``if not dist.is_initialized()``, as Lightning writes it) must get a fresh group next."""
+    assert gloo.options(**QUIET, timeout=60)(form) == [6.0] * 4
+    with pytest.raises(kt.RemoteError, match="rank 1 raises") as info:
+        gloo.options(**QUIET, timeout=60)("guarded_fail")
+    assert 1 in info.value.failed_ranks, info.value
+    for _ in range(2):  # before the fix the guarded form kept the stale group: every call failed
+        assert gloo.options(**QUIET, timeout=60)(form) == [6.0] * 4

@@ -625,6 +625,8 @@ class Pod:
             return Outcome(rank.global_rank, "died", message=str(e))
         finally:
             rank.running.pop(handle.call_id, None)
+        if rank.tainted:  # stopped inside an import: replaced before its next call
+            rank.kill()
         if not ok and handle.stop_kind:  # interrupted on its own (CallInterrupted): the stop's outcome
             return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
         return Outcome(rank.global_rank, "ok" if ok else "error", inline, path=path, size=size)

@@ -175,6 +175,13 @@ def _patch_dist(dist: Any) -> None:
     if not dist.is_available() or getattr(dist, "_ktlite_patched", False):
         return
     original_init, original_destroy = dist.init_process_group, dist.destroy_process_group
+    original_is_initialized = dist.is_initialized
+
+    def is_initialized() -> bool:
+        # a group the deployment has moved on from reads as none, so the guarded form that
+        # Lightning and Kubetorch's examples write (``if not dist.is_initialized():
+        # dist.init_process_group(...)``) re-forms it too; torch's own code keeps seeing it
+        return original_is_initialized() and not getattr(dist, "_ktlite_stale", False)
 
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         dist._ktlite_init_called = True  # even if it raises: see _holds_dist_state
@@ -183,7 +190,7 @@ def _patch_dist(dist: Any) -> None:
             # formed: leave it and rendezvous anew on this generation's MASTER_PORT, with the
             # group counter where a fresh process has it, so every rank names the group alike
             dist._ktlite_stale = False
-            if dist.is_initialized():
+            if original_is_initialized():
                 with contextlib.suppress(Exception):
                     original_destroy()
                 gc.collect()
@@ -203,9 +210,11 @@ def _patch_dist(dist: Any) -> None:
         return original_destroy(group)
 
     init_process_group.__doc__ = original_init.__doc__
+    is_initialized.__doc__ = original_is_initialized.__doc__
     destroy_process_group.__doc__ = original_destroy.__doc__
     dist.init_process_group = init_process_group
     dist.destroy_process_group = destroy_process_group
+    dist.is_initialized = is_initialized
     dist._ktlite_patched = True
 
 
@@ -253,6 +262,7 @@ class Rank:
         self.generation = 0  # of the deployment's process group: see regroup()
         self.base_port: int | None = None
         self.tasks: dict[str, concurrent.futures.Future[Any]] = {}  # call id -> its coroutine's future
+        self.tainted = False  # interrupted inside an import: see _result()
 
     def submit(self, msg: dict[str, Any]) -> None:
         """Run a call: inline (one at a time) or on the pool of ``concurrency`` threads."""
@@ -261,9 +271,7 @@ class Rank:
                 self.call(msg)
             except CallInterrupted as exc:  # between the user's code and the reply
                 self.inline = None
-                parts = protocol.dumps_parts(exception_info(exc))
-                self._reply("result", msg["id"], False, bytearray(b"".join(bytes(memoryview(p)) for p in parts)),
-                            None, protocol.parts_size(parts), _holds_dist_state())
+                self._result(msg["id"], False, exception_info(exc), exc)
             return
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="ktlite-call")
@@ -418,6 +426,7 @@ class Rank:
         self.regroup(int(msg.get("generation") or 0), msg.get("group_port"))
         # a private, writable copy either way: arrays decoded from it must be writable
         payload = bytearray(msg["args"]) if msg.get("args") is not None else shm.map_private(msg["path"], msg["size"])
+        error: BaseException | None = None
         try:
             method, args, kwargs = protocol.loads(payload)
             if msg.get("item") is not None:  # a per-rank call: this rank's own items
@@ -436,9 +445,20 @@ class Rank:
             ok = True
         except BaseException as exc:  # noqa: BLE001
             self.inline = None
-            ok, value = False, exception_info(exc)
+            ok, value, error = False, exception_info(exc), exc
         finally:
             del payload
+        self._result(call_id, ok, value, error)
+
+    def _result(self, call_id: str, ok: bool, value: Any, error: BaseException | None = None) -> None:
+        """Reply with a call's value (or its exception's info). An interrupt that landed
+        inside an import leaves this process unable to import that module again (a C
+        extension such as torch's registers its types once: "an object with that name is
+        already defined"), so the reply asks the pod to replace the process."""
+        if isinstance(error, CallInterrupted) and any(
+                frame.f_code.co_filename.startswith("<frozen importlib")
+                for frame, _ in traceback.walk_tb(error.__traceback__)):
+            self.tainted = True
         try:
             parts = protocol.dumps_parts(value)
         except Exception as exc:
@@ -452,7 +472,7 @@ class Rank:
             inline, path = bytearray(b"".join(bytes(memoryview(p)) for p in parts)), None
         else:
             inline, (path, size) = None, shm.write(parts, shm.RESULT_PREFIX)
-        self._reply("result", call_id, ok, inline, path, size, _holds_dist_state())
+        self._reply("result", call_id, ok, inline, path, size, _holds_dist_state(), self.tainted)
 
     def _reply(self, *msg: Any) -> None:
         self.chan.send(msg)

@@ -74,6 +74,7 @@ class RankProcess:
         self.busy_since: float | None = None
         self.running: dict[str, float] = {}  # call id -> when this rank began it (monotonic)
         self.has_pg = False  # torch.distributed state (a group, or a failed init's) lives in it
+        self.tainted = False
         self.stopping = False  # we killed it: its death is no crash
         self.restarts = 0
         self.streak = 0  # deaths between calls so far: what max_restarts limits
@@ -166,6 +167,7 @@ class RankProcess:
             self.kill()  # out of step with us: never trust its next reply either
             raise RankGone(f"rank process answered {reply[:2]!r} to call {msg['id']}; it was restarted")
         self.has_pg = bool(reply[6])
+        self.tainted = bool(reply[7])  # interrupted inside an import: the pod replaces it
         return reply[:6]  # ("result", call_id, ok, inline, path, size)
 
     def interrupt_main(self) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import faults_rank as fr
 import pytest
+import slow_import  # noqa: F401 - a local module: shipped to the ranks with the calls
 
 import ktlite as kt
 
@@ -225,3 +226,32 @@ def test_own_exit_is_not_reported_as_cancelled(sleepers, tmp_path) -> None:
     kinds = {f.rank: f.kind for f in info.value.failures}
     assert kinds[3] == "died", kinds
     assert "rank 3 on pod fre-sleep-1: rank process exited with code 3" in _context(info.value)
+
+
+def import_slowly(marker: str, hold: float) -> str:
+    """Rank 0 imports ``slow_import``; with ``hold``, rank 1 raises once that import began."""
+    import os
+
+    if int(os.environ["RANK"]) == 1 and hold:
+        deadline = time.monotonic() + 60
+        while not Path(marker).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raise ValueError("rank 1 fails while rank 0 is importing")
+    os.environ["SLOW_IMPORT_MARKER"], os.environ["SLOW_IMPORT_HOLD"] = marker, str(hold)
+
+    return slow_import.VALUE
+
+
+def test_a_rank_stopped_inside_an_import_is_replaced(tmp_path) -> None:
+    """A sibling stopped while it imported a C extension (torch, under load, takes seconds)
+    cannot import it again: the process must be replaced, not kept (issue 23, seen as
+    ``cannot initialize type "RpcBackendOptions"`` on every later call of that rank)."""
+    remote = kt.fn(import_slowly, name="fre-import").to(
+        kt.Compute(cpus=1).distribute("pytorch", workers=1, num_proc=2))
+    try:
+        with pytest.raises(kt.RemoteError, match="rank 1 fails while rank 0 is importing") as info:
+            remote.options(**QUIET, timeout=90)(str(tmp_path / "began"), 60.0)
+        assert info.value.failed_ranks == [0, 1], info.value  # rank 0 was stopped
+        assert remote.options(**QUIET, timeout=90)(str(tmp_path / "again"), 0.0) == ["imported"] * 2
+    finally:
+        remote.teardown()
