@@ -10,16 +10,12 @@ from typing import Any
 from ktlite.errors import ConfigError
 from ktlite.hosts import Hosts, as_hosts
 from ktlite.images import Image
+from ktlite.quantities import memory_quantity, parse_cpus, parse_duration, parse_memory
 from ktlite.secrets import Secret, normalize
 from ktlite.spec import DistributedConfig
 
 BACKENDS = ("local", "kubernetes", "ssh")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-_QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-_WRONG_UNIT = re.compile(r"^([0-9]+(\.[0-9]+)?)\s*([kKmMgGtTpP])(i?)[bB]?$")
-_CPU = re.compile(r"^([0-9]+(\.[0-9]+)?)(m)?$")
-_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # what Kubernetes accepts (and POSIX shells)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _RESERVED_MOUNTS = ("/ktlite", "/dev/shm")  # ktlite's state dir and shared memory on a pod
@@ -36,56 +32,6 @@ WORKER_NODE_FIELDS = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gp
 
 
 SERIALIZATIONS = ("json", "pickle")  # Kubetorch's call serialization formats ktlite takes
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: Any, name: str) -> float | None:
-    """A duration in seconds: a number, or "90", "30m", "1h", "2d"; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        text = str(value).strip().lower() if isinstance(value, str) else ""
-        unit = _DURATION_UNITS.get(text[-1:], 0) if text[-1:].isalpha() else 1
-        try:
-            seconds = float(text[:-1] if text[-1:].isalpha() else text) * unit
-        except ValueError:
-            seconds = 0.0
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"{name}={value!r} must be a duration such as 600, '30m', '1h' or '2d'")
-    return seconds
-
-
-def parse_memory(value: str, field_name: str = "memory") -> int:
-    """Parse a Kubernetes memory quantity ("512Mi", "4Gi", "1G") into bytes."""
-    text = str(value).strip()
-    m = _QUANTITY.match(text)
-    if m:
-        return int(float(m.group(1)) * _UNITS[m.group(3) or ""])
-    hint = ""
-    w = _WRONG_UNIT.match(text)
-    if w:
-        hint = f"; did you mean {w.group(1)}{w.group(3).upper() if w.group(3) != 'k' else 'K'}i?"
-    raise ConfigError(f"{field_name}={value!r} is not a valid memory quantity{hint} "
-                      "(allowed: a number with a unit such as '512Mi', '4Gi', '1Ti', or '2G')")
-
-
-def parse_cpus(value: Any, field_name: str = "cpus") -> float:
-    """Parse cpus given as a number (2, 0.5) or a Kubernetes quantity ("500m", "2")."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{field_name}={value!r} must be a number such as 2 or 0.5, or a string like '500m'")
-    if isinstance(value, (int, float)):
-        cpus = float(value)
-    else:
-        m = _CPU.match(str(value).strip())
-        if not m:
-            raise ConfigError(f"{field_name}={value!r} is not a valid CPU quantity "
-                              "(allowed: a number such as 2 or 0.5, or millicores such as '500m')")
-        cpus = float(m.group(1)) / (1000 if m.group(3) else 1)
-    if not math.isfinite(cpus) or cpus <= 0:
-        raise ConfigError(f"{field_name}={value!r} must be a finite number greater than 0")
-    return cpus
 
 
 @dataclass(frozen=True)
@@ -137,7 +83,7 @@ class Volume:
         if not isinstance(self.name, str) or not _DNS_LABEL.match(self.name):
             raise ConfigError(f"Volume(name={self.name!r}) is not a valid PVC name: use lowercase "
                               "letters, digits and '-', at most 63 characters, e.g. 'train-data'")
-        parse_memory(self.size, "Volume.size")
+        object.__setattr__(self, "size", memory_quantity(self.size, "Volume.size"))
         if self.access_mode not in ("ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"):
             raise ConfigError(f"Volume.access_mode={self.access_mode!r}; allowed: ReadWriteMany, "
                               "ReadWriteOnce, ReadOnlyMany, ReadWriteOncePod")
@@ -241,6 +187,9 @@ class Compute:
     def __post_init__(self) -> None:
         self._kubetorch_fields()
         self._check_hosts()
+        for name in ("memory", "memory_limit", "shared_memory", "disk_size", "gpu_memory"):
+            if getattr(self, name) is not None:  # "8GB" as NeMo and Ray users write it: "8G"
+                object.__setattr__(self, name, memory_quantity(getattr(self, name), name))
         self.inactivity_seconds  # noqa: B018 - a bad duration fails here, before any deploy
         if self.env_vars is not None:
             if self.env:
@@ -249,8 +198,6 @@ class Compute:
             object.__setattr__(self, "env_vars", None)
         if self.cpus is not None:
             parse_cpus(self.cpus)
-        if self.memory is not None:
-            parse_memory(self.memory)
         if self.cpu_limit is not None and parse_cpus(self.cpu_limit, "cpu_limit") < (self.cpu_count or 0):
             raise ConfigError(f"cpu_limit={self.cpu_limit!r} is below cpus={self.cpus!r}; a limit must be "
                               "at least the request")
@@ -261,8 +208,6 @@ class Compute:
         if self.image_pull_policy not in (None, *PULL_POLICIES):
             raise ConfigError(f"image_pull_policy={self.image_pull_policy!r}; allowed: "
                               f"{', '.join(PULL_POLICIES)}")
-        if self.shared_memory is not None:
-            parse_memory(self.shared_memory, "shared_memory")
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
             raise ConfigError(f"gpus={self.gpus!r} must be a whole number >= 0")
         if self.backend is not None and self.backend not in BACKENDS:
@@ -361,10 +306,6 @@ class Compute:
                 raise ConfigError(f"gpus={self.gpus!r} must be a whole number of GPUs such as 1 or '1'; "
                                   "pick the model with gpu_type=, e.g. gpu_type='NVIDIA-A100-SXM4-80GB'")
             object.__setattr__(self, "gpus", int(text))
-        if self.disk_size is not None:
-            parse_memory(self.disk_size, "disk_size")
-        if self.gpu_memory is not None:
-            parse_memory(self.gpu_memory, "gpu_memory")
         for name in ("freeze", "gpu_anti_affinity", "restart_procs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -686,13 +686,13 @@ def test_yaml_round_trips() -> None:
 # ---- bad input fails at construction -------------------------------------------------------------
 
 @pytest.mark.parametrize(("make", "words"), [
-    (lambda: K(memory="4Gb"), ["memory", "4Gi"]),
-    (lambda: K(memory="512mb"), ["memory", "512Mi"]),
+    (lambda: K(memory="4 gigs"), ["memory", "4Gi"]),
+    (lambda: K(memory="512m"), ["memory", "512Mi"]),
     (lambda: K(cpus=4, cpu_limit=2), ["cpu_limit", "cpus"]),
     (lambda: K(memory="4Gi", memory_limit="2Gi"), ["memory_limit", "memory"]),
     (lambda: K(image_pull_policy="sometimes"), ["image_pull_policy", "IfNotPresent"]),
     (lambda: kt.Volume("data", access_mode="ReadWriteSometimes"), ["access_mode", "ReadWriteMany"]),
-    (lambda: kt.Volume("data", size="10GB"), ["Volume.size", "10Gi"]),
+    (lambda: kt.Volume("data", size="10m"), ["Volume.size", "10Mi"]),
     (lambda: kt.Volume("data", size="lots"), ["Volume.size"]),
     (lambda: kt.Volume("data", mount_path="data"), ["mount_path", "absolute"]),
     (lambda: K(shared_memory="2 gigs"), ["shared_memory"]),
@@ -722,6 +722,18 @@ def test_master_port_cannot_collide_with_the_server_port() -> None:
 def test_volume_mount_paths_cannot_collide(volumes: Callable[[], list[Any]]) -> None:
     with pytest.raises(kt.ConfigError, match="mount"):
         K(volumes=volumes())
+
+
+def test_memory_written_in_decimal_units_reaches_the_pod_as_a_quantity() -> None:
+    """NeMo RL and Ray users write "8GB"; the API server only takes "8G" (issue 23)."""
+    compute = K(memory="8GB", memory_limit="16gb", shared_memory="1GiB",
+                volumes=[kt.Volume("data", size="20GB", mount_path="/data")])
+    objs = _plan(compute).manifests
+    resources = _container(objs)["resources"]
+    assert resources["requests"]["memory"] == "8G" and resources["limits"]["memory"] == "16G"
+    assert _pod_volumes(objs)["ktlite-shm"]["emptyDir"]["sizeLimit"] == "1Gi"
+    for obj in objs:
+        _validate(obj, VERSIONS[-1])
 
 
 def test_tiny_cpu_request_is_not_rounded_to_zero() -> None:
