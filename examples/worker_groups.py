@@ -41,8 +41,12 @@ class PolicyWorker:
         loss.backward()  # gradients all-reduced across the 4 ranks
         opt.step()
         self.steps += 1
-        return {"rank": dist.get_rank(), "loss": round(loss.item(), 4), "steps": self.steps,
-                "pid": os.getpid()}
+        return {
+            "rank": dist.get_rank(),
+            "loss": round(loss.item(), 4),
+            "steps": self.steps,
+            "pid": os.getpid(),
+        }
 
     def crash_if(self, rank: int) -> None:
         if int(os.environ["RANK"]) == rank:
@@ -55,7 +59,11 @@ class GenerationWorker:
 
     def generate(self, prompt: str) -> dict:
         rank = int(os.environ["RANK"])
-        return {"rank": rank, "pid": os.getpid(), "completion": f"{prompt} -> answer from rank {rank}"}
+        return {
+            "rank": rank,
+            "pid": os.getpid(),
+            "completion": f"{prompt} -> answer from rank {rank}",
+        }
 
 
 def main() -> None:
@@ -64,7 +72,7 @@ def main() -> None:
         policy = WorkerGroup(cluster, PolicyWorker, init_args={"lr": 0.05})
         generation = WorkerGroup(cluster, GenerationWorker)  # same pods, same processes
         for step in range(4):
-            prompts = [f"step {step} prompt {r}" for r in range(cluster.world_size)]
+            prompts = [f"step {step} prompt {r}" for r in range(cluster.world_size())]
             outs = generation.run_all_workers_multiple_data("generate", prompts)
             rewards = [float(len(o["completion"]) % 7) for o in outs]
             if step == 2:
@@ -74,9 +82,11 @@ def main() -> None:
                     print(f"step {step}: a rank died: {str(e).splitlines()[0]}")
                     print(f"step {step}: restarted only rank(s) {policy.restart_failed_workers()}")
             losses = policy.run_all_workers_single_data("train_step", rewards)
-            print(f"step {step}: losses by rank {[x['loss'] for x in losses]}, "
-                  f"steps by rank {[x['steps'] for x in losses]}, "
-                  f"same processes as generation: {[x['pid'] for x in losses] == [o['pid'] for o in outs]}")
+            print(
+                f"step {step}: losses by rank {[x['loss'] for x in losses]}, "
+                f"steps by rank {[x['steps'] for x in losses]}, "
+                f"same processes as generation: {[x['pid'] for x in losses] == [o['pid'] for o in outs]}"
+            )
         usage = policy.get_resource_usage()
         print("RSS MiB by rank:", [round(u["rss_bytes"] / 2**20) for u in usage])
     finally:

@@ -1,18 +1,19 @@
 """NeMo RL's worker-group API over ktlite: ``VirtualCluster`` and ``WorkerGroup``.
 
-A thin face for code written against NeMo RL's ``RayVirtualCluster``/``RayWorkerGroup``:
-change the import and it runs on ktlite's pods (local processes or Kubernetes), no Ray.
-Each method is a few lines over ktlite's own calls, which say more about the behaviour:
+A face for code written against NeMo RL's ``RayVirtualCluster``/``RayWorkerGroup``: change
+the import and it runs on ktlite's pods (local processes or Kubernetes), no Ray. Each
+method is a few lines over ktlite's own calls, which say more about the behaviour:
 
 ==================================  ==============================================
 NeMo                                 ktlite
 ==================================  ==============================================
 ``VirtualCluster([4, 8, 2])``        ``Compute(...).distribute("pytorch", num_proc=[4, 8, 2])``
 ``WorkerGroup(cluster, Worker)``     ``kt.cls(Worker).to(compute, init_args=...)``
+``RayWorkerBuilder(fqn, *a, **kw)``  the class imported and constructed on each rank
 second group on the same cluster     ``kt.cls(Gen).to(first_group_remote)`` (colocation)
 ``run_all_workers_single_data``      ``remote.method(*args, **kwargs)``
 ``run_all_workers_multiple_data``    ``remote.method(kt.per_rank(items), ...)``
-``run_all_workers_sharded_data``     ``remote.method.sharded(data, layout=..., ...)``
+``run_all_workers_sharded_data``     per-rank items to the ranks chosen (``ktlite.dispatch``)
 ``run_single_worker_single_data``    ``remote.method.options(ranks=[i])(...)``
 futures, ``get_all_worker_results``  ``remote.method.submit(...)``, ``Future.result()``
 ``restart_failed_workers``           ``remote.restart_failed()``
@@ -32,140 +33,53 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
-from ktlite.compute import Compute, parse_memory
+from ktlite.batched import BatchedDataDict, SlicedDataDict
+from ktlite.builder import RankSetup, WorkerBuilder, placement, shipment
+from ktlite.dispatch import First, MultiWorkerFuture, plan_sharded, rank0_only, wait_results
 from ktlite.errors import ConfigError, RemoteError
+from ktlite.sharding import NamedSharding, check_layout, row_major
 from ktlite.spec import default_name
+from ktlite.virtual_cluster import VirtualCluster, refuse_options
+
+logger = logging.getLogger(__name__)
 
 WorkerFailureError = RemoteError  # what a call raises when a worker failed or died
 
-# NeMo options whose job ktlite does differently: refused with the alternative, never ignored
-_CLUSTER_REFUSED = {
-    "gpu_ids": "ktlite gives each rank its own GPU (CUDA_VISIBLE_DEVICES per rank); pick GPUs with "
-               "Compute(gpus=..., gpu_type=...) instead",
-    "placement_group_strategy": "pods are ktlite's placement unit: one entry of the list per pod",
-}
 _GROUP_REFUSED = {
     "enable_gradient_compression": "compress gradients in your own training code (e.g. a DDP comm hook)",
     "async_communication": "use run_all_workers_single_data(..., _async=True) futures instead",
     "enable_load_balancing": "a worker group calls every worker; for load-balanced serving use a "
-                             "single-rank kt.cls with Compute(concurrency=K)",
+    "single-rank kt.cls with Compute(concurrency=K)",
     "load_balancing_strategy": "a worker group calls every worker",
-    "bundle_indices_list": "a worker group spans every rank of its cluster",
-    "workers_per_node": "set the ranks per pod in VirtualCluster([...])",
 }
+_GROUP_OPTIONS = (
+    "cluster",
+    "remote_worker_builder",
+    "worker_class",
+    "init_args",
+    "workers_per_node",
+    "name_prefix",
+    "bundle_indices_list",
+    "sharding_annotations",
+    "env_vars",
+    "max_restarts",
+    "restart_on_failure",
+    "memory_limit",
+    "concurrency",
+)
 
 
-def _refuse(what: str, given: dict[str, Any], refused: dict[str, str], allowed: Sequence[str]) -> None:
-    for key in given:
-        if key in refused:
-            raise ConfigError(f"{what}({key}=...) is not supported by ktlite: {refused[key]}")
-    if given:
-        raise ConfigError(f"{what}() got unknown option(s) {', '.join(sorted(given))}; "
-                          f"allowed: {', '.join(allowed)}")
-
-
-class VirtualCluster:
-    """Pods sized per node, for one or more colocated :class:`WorkerGroup` s.
-
-    Args:
-        bundle_ct_per_node_list: ranks (workers) per pod, e.g. ``[4, 4]`` or ``[4, 8, 2]``.
-        use_gpus: give each rank one GPU (each pod asks for as many GPUs as it has ranks).
-        max_colocated_worker_groups: how many worker groups may share these pods' ranks
-            (NeMo's ``enable_colocation=True`` means 2).
-        communication_backend: recorded for the workers' own ``init_process_group``
-            (``KTLITE_COMM_BACKEND`` in their environment): "gloo" or "nccl".
-        name: the deployment's name (default: the first worker class's name).
-        compute: a :class:`kt.Compute` with the pod settings (cpus, memory, image, backend,
-            ...); its ``distribute`` is set from the list.
-        num_gpus_per_node, cpus, memory, image, backend, env_vars: shortcuts for the
-            corresponding Compute fields.
-
-    Nothing starts until the first :class:`WorkerGroup` is made.
-    """
-
-    def __init__(self, bundle_ct_per_node_list: Sequence[int], *, use_gpus: bool = False,
-                 max_colocated_worker_groups: int = 1, enable_colocation: bool | None = None,
-                 communication_backend: str = "gloo", name: str | None = None,
-                 compute: Compute | None = None, num_gpus_per_node: int | None = None,
-                 cpus: float | str | None = None, memory: str | None = None, image: Any = None,
-                 backend: str | None = None, env_vars: dict[str, str] | None = None,
-                 monitor_memory: bool = True, **unknown: Any) -> None:
-        _refuse("VirtualCluster", unknown, _CLUSTER_REFUSED,
-                ("bundle_ct_per_node_list", "use_gpus", "max_colocated_worker_groups", "enable_colocation",
-                 "communication_backend", "name", "compute", "num_gpus_per_node", "cpus", "memory",
-                 "image", "backend", "env_vars", "monitor_memory"))
-        sizes = list(bundle_ct_per_node_list)
-        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-            raise ConfigError(f"VirtualCluster({bundle_ct_per_node_list!r}): give one whole number >= 1 "
-                              "per node, e.g. [4, 4]")
-        if communication_backend not in ("gloo", "nccl"):
-            raise ConfigError(f"communication_backend={communication_backend!r}: use 'gloo' or 'nccl'")
-        if enable_colocation is not None:
-            max_colocated_worker_groups = max(max_colocated_worker_groups, 2 if enable_colocation else 1)
-        if isinstance(max_colocated_worker_groups, bool) or not isinstance(max_colocated_worker_groups, int) \
-                or max_colocated_worker_groups < 1:
-            raise ConfigError(f"max_colocated_worker_groups={max_colocated_worker_groups!r} must be >= 1")
-        base = compute if compute is not None else Compute()
-        if not isinstance(base, Compute):
-            raise ConfigError(f"compute= needs a kt.Compute, got {type(base).__name__}")
-        changes: dict[str, Any] = {"env": {**base.env, **(env_vars or {}),
-                                           "KTLITE_COMM_BACKEND": communication_backend}}
-        if use_gpus or num_gpus_per_node is not None:
-            changes["gpus"] = num_gpus_per_node if num_gpus_per_node is not None else max(sizes)
-        for key, value in (("cpus", cpus), ("memory", memory), ("image", image), ("backend", backend)):
-            if value is not None:
-                changes[key] = value
-        self.sizes = sizes
-        self.name = name
-        self.max_colocated_worker_groups = max_colocated_worker_groups
-        self.communication_backend = communication_backend
-        self.monitor_memory = monitor_memory
-        self.compute = replace(base, **changes).distribute("pytorch", num_proc=sizes)
-        self.groups: list[WorkerGroup] = []
-
-    def __repr__(self) -> str:
-        return (f"VirtualCluster({self.sizes}, groups={[g.name for g in self.groups]}, "
-                f"max_colocated_worker_groups={self.max_colocated_worker_groups})")
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.sizes)
-
-    def node_count(self) -> int:
-        return len(self.sizes)
-
-    def get_placement_groups(self) -> list[list[int]]:
-        """The ranks of each pod (NeMo's placement groups): ``[[0, 1], [2, 3]]`` for ``[2, 2]``."""
-        out, start = [], 0
-        for size in self.sizes:
-            out.append(list(range(start, start + size)))
-            start += size
-        return out
-
-    def _host(self) -> Any:
-        live = [g for g in self.groups if g._remote is not None]
-        return live[0]._remote if live else None
-
-    def shutdown(self) -> bool:
-        """Tear down every worker group and the pods."""
-        for group in reversed(self.groups):
-            group.shutdown()
-        self.groups.clear()
-        return True
-
-
-def _init_args(args: tuple[Any, ...], init_args: Any) -> Any:
-    if args and init_args is not None:
-        raise ConfigError("give the worker's constructor arguments either positionally or as init_args=, not both")
-    return tuple(args) if args else init_args
+def _any_method(*args: Any, **kwargs: Any) -> Any:
+    """Stands for a builder's method, whose class is not imported here: every keyword of a
+    call belongs to the worker method (none is taken as a ktlite call option)."""
 
 
 class WorkerGroup:
-    """One instance of ``worker_class`` per rank of ``cluster``, called all together.
+    """One instance of the worker class per rank of ``cluster``, called all together.
 
     The first group on a cluster deploys its pods; later ones (up to
     ``max_colocated_worker_groups``) are colocated into the same rank processes: they share
@@ -174,8 +88,16 @@ class WorkerGroup:
 
     Args:
         cluster: the :class:`VirtualCluster`.
-        worker_class: the class to construct on every rank.
-        *args, init_args: its constructor arguments (positional, or ``init_args=`` a dict/tuple).
+        remote_worker_builder: the worker: a class (a ``@ray.remote`` one too), or a
+            :class:`RayWorkerBuilder` naming the class by import path with its constructor
+            arguments (the class is then imported on the pods only). ``worker_class=`` also.
+        *args, init_args: a class's constructor arguments (positional, or ``init_args=`` a
+            dict/tuple).
+        workers_per_node, bundle_indices_list: NeMo's worker layout; a group has one worker
+            per rank, in pod order; tied groups (``[(node, [bundles]), ...]``) set
+            ``dp_size``, ``get_dp_leader_worker_idx`` and ``worker_metadata``.
+        sharding_annotations: a :class:`NamedSharding` over the workers, read by
+            ``run_rank_0_only_axes`` and ``run_all_workers_sharded_data``.
         env_vars: environment variables for every rank (first group only: a colocated group
             shares its host's processes and environment).
         name_prefix: the group's name (default: the class's name).
@@ -187,54 +109,74 @@ class WorkerGroup:
         concurrency: calls that may run at once on each rank (1 for distributed groups).
     """
 
-    def __init__(self, cluster: VirtualCluster, worker_class: type, *args: Any, init_args: Any = None,
-                 env_vars: dict[str, str] | None = None, name_prefix: str | None = None,
-                 max_restarts: int | None = None, restart_on_failure: bool = True,
-                 memory_limit: str | None = None, concurrency: int | None = None, **unknown: Any) -> None:
-        import ktlite as kt
-
-        _refuse("WorkerGroup", unknown, _GROUP_REFUSED,
-                ("cluster", "worker_class", "init_args", "env_vars", "name_prefix", "max_restarts",
-                 "restart_on_failure", "memory_limit", "concurrency"))
+    def __init__(
+        self,
+        cluster: VirtualCluster,
+        remote_worker_builder: Any = None,
+        *args: Any,
+        worker_class: Any = None,
+        init_args: Any = None,
+        workers_per_node: int | list[int] | None = None,
+        name_prefix: str | None = None,
+        bundle_indices_list: list[tuple[int, list[int]]] | None = None,
+        sharding_annotations: Any = None,
+        env_vars: dict[str, str] | None = None,
+        max_restarts: int | None = None,
+        restart_on_failure: bool = True,
+        memory_limit: str | None = None,
+        concurrency: int | None = None,
+        **unknown: Any,
+    ) -> None:
+        refuse_options("WorkerGroup", unknown, _GROUP_REFUSED, _GROUP_OPTIONS)
         if not isinstance(cluster, VirtualCluster):
             raise ConfigError(f"WorkerGroup needs a VirtualCluster, got {type(cluster).__name__}")
+        if (remote_worker_builder is None) == (worker_class is None):
+            raise ConfigError(
+                "WorkerGroup(cluster, worker): give the worker class or RayWorkerBuilder once"
+            )
         if len(cluster.groups) >= cluster.max_colocated_worker_groups:
             raise ConfigError(
                 f"{cluster!r} already holds {len(cluster.groups)} worker group(s), its maximum; make it with "
                 f"max_colocated_worker_groups={len(cluster.groups) + 1} (or enable_colocation=True) to "
-                "colocate another group on the same ranks, or use a second VirtualCluster for new pods")
+                "colocate another group on the same ranks, or use a second VirtualCluster for new pods"
+            )
+        self._placement = placement(cluster.sizes, workers_per_node, bundle_indices_list)
+        self.sharding_annotations = check_layout(sharding_annotations, cluster.world_size())
         self.cluster = cluster
-        self.worker_class = worker_class
-        self.name = name_prefix or worker_class.__name__
         self.restart_on_failure = restart_on_failure
-        init = _init_args(args, init_args)
+        setup = RankSetup(
+            num_gpus=1 / cluster.max_colocated_worker_groups if cluster.use_gpus else 0,
+            num_gpus_per_node=cluster.num_gpus_per_node,
+            bundle_indices=self._placement.bundle_indices(),
+        )
+        self.worker_class = remote_worker_builder if worker_class is None else worker_class
+        self._shipment = shipment(self.worker_class, args, init_args, setup)
+        self.name = name_prefix or self._shipment.name
+        self.name_prefix = self.name
+        self._remote = self._deploy(env_vars, memory_limit, max_restarts, concurrency)
+        cluster.groups.append(self)
+
+    def _deploy(self, env_vars: Any, memory_limit: Any, max_restarts: Any, concurrency: Any) -> Any:
+        import ktlite as kt
+
+        cluster, ship = self.cluster, self._shipment
         host = cluster._host()
         if host is not None:
             if env_vars or memory_limit or max_restarts is not None or concurrency is not None:
-                raise ConfigError(f"WorkerGroup({self.name}) is colocated with {host.name!r}: it shares that "
-                                  "group's processes, so env_vars, memory_limit, max_restarts and concurrency "
-                                  "belong on the first group")
-            self._remote = kt.cls(worker_class).to(host, init_args=init, name=default_name(self.name))
-        else:
-            compute = cluster.compute
-            changes: dict[str, Any] = {}
-            if env_vars:
-                changes["env"] = {**compute.env, **env_vars}
-            if memory_limit is not None:
-                per = parse_memory(memory_limit, "memory_limit")
-                changes["memory_limit"] = str(per * max(cluster.sizes))
-            if max_restarts is not None:
-                changes["max_restarts"] = max_restarts
-            if concurrency is not None:
-                changes["concurrency"] = concurrency
-            if not restart_on_failure:
-                changes["max_restarts"] = 0
-            source = kt.cls(worker_class, name=cluster.name)
-            self._remote = source.to(replace(compute, **changes) if changes else compute, init_args=init)
-        cluster.groups.append(self)
+                raise ConfigError(
+                    f"WorkerGroup({self.name}) is colocated with {host.name!r}: it shares that group's "
+                    "processes, so env_vars, memory_limit, max_restarts and concurrency belong on the "
+                    "first group"
+                )
+            return kt.cls(ship.obj).to(host, init_args=ship.init, name=default_name(self.name))
+        compute = cluster.group_compute(
+            env_vars, memory_limit, max_restarts, concurrency, self.restart_on_failure
+        )
+        source = kt.cls(ship.obj, name=cluster.name or default_name(self.name))
+        return source.to(compute, init_args=ship.init)
 
     def __repr__(self) -> str:
-        return f"WorkerGroup({self.name}, ranks={self.cluster.world_size}, cluster={self.cluster.sizes})"
+        return f"WorkerGroup({self.name}, ranks={self.world_size}, cluster={self.cluster.sizes})"
 
     @property
     def remote(self) -> Any:
@@ -245,74 +187,191 @@ class WorkerGroup:
 
     @property
     def workers(self) -> list[int]:
-        return list(range(self.cluster.world_size))
+        return list(range(self.cluster.world_size()))
 
     @property
     def world_size(self) -> int:
-        return self.cluster.world_size
+        return self.cluster.world_size()
 
-    def _method(self, method_name: str) -> Any:
+    @property
+    def worker_metadata(self) -> list[dict[str, Any]]:
+        """Per worker, in rank order: ``node_idx``, ``local_rank`` (in its tied group),
+        ``global_rank``, ``name``, ``bundle_indices`` (leaders only) and ``dp_shard_idx``."""
+        return self._placement.metadata(self.name)
+
+    @property
+    def dp_leader_worker_indices(self) -> list[int]:
+        return self._placement.leaders
+
+    @property
+    def dp_size(self) -> int:
+        """The number of tied groups (data-parallel shards): each worker alone by default."""
+        return len(self._placement.leaders)
+
+    def get_dp_leader_worker_idx(self, dp_shard_idx: int) -> int:
+        """The first worker of tied group ``dp_shard_idx``."""
+        leaders = self._placement.leaders
+        if (
+            isinstance(dp_shard_idx, bool)
+            or not isinstance(dp_shard_idx, int)
+            or not 0 <= dp_shard_idx < len(leaders)
+        ):
+            raise IndexError(
+                f"dp_shard_idx={dp_shard_idx!r} is out of range: this group has {len(leaders)} shard(s)"
+            )
+        return leaders[dp_shard_idx]
+
+    def _method(self, method_name: str, ranks: list[int] | None = None) -> Any:
+        from ktlite.remote import RemoteMethod
+
         if not isinstance(method_name, str):
-            raise ConfigError(f"method_name={method_name!r} must be the name of a method of "
-                              f"{self.worker_class.__name__}")
-        return getattr(self.remote, method_name)
+            raise ConfigError(
+                f"method_name={method_name!r} must be the name of a method of the worker class"
+            )
+        method = (
+            RemoteMethod(self.remote, method_name, _any_method)
+            if self._shipment.by_path
+            else getattr(self.remote, method_name)
+        )
+        return (
+            method
+            if ranks is None or len(ranks) == self.world_size
+            else method.options(ranks=ranks)
+        )
 
-    def run_all_workers_single_data(self, method_name: str, *args: Any, _async: bool = False,
-                                    **kwargs: Any) -> Any:
-        """Call ``method_name(*args, **kwargs)`` on every worker: a list by rank (a future of it
-        with ``_async=True``)."""
-        method = self._method(method_name)
+    @staticmethod
+    def _run(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any], _async: bool) -> Any:
         return method.submit(*args, **kwargs) if _async else method(*args, **kwargs)
 
-    def run_all_workers_multiple_data(self, method_name: str, *args: Any, common_kwargs: dict[str, Any] | None = None,
-                                      _async: bool = False, **kwargs: Any) -> Any:
-        """Each positional and keyword argument is a list with one item per worker; worker r
-        gets item r of each (and only that item reaches its pod). ``common_kwargs`` go to
-        every worker."""
+    def run_all_workers_single_data(
+        self,
+        method_name: str,
+        *args: Any,
+        run_rank_0_only_axes: Sequence[str] | None = None,
+        _async: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Call ``method_name(*args, **kwargs)`` on every worker (only those at coordinate 0 of
+        ``run_rank_0_only_axes``): their results in worker order (a future of them with
+        ``_async=True``)."""
+        called = rank0_only(self.sharding_annotations, self.world_size, run_rank_0_only_axes)
+        return self._run(self._method(method_name, called), args, kwargs, _async)
+
+    def run_all_workers_multiple_data(
+        self,
+        method_name: str,
+        *args: Any,
+        run_rank_0_only_axes: Sequence[str] | None = None,
+        common_kwargs: dict[str, Any] | None = None,
+        _async: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Each positional and keyword argument is a list with one item per called worker
+        (every worker, or those at coordinate 0 of ``run_rank_0_only_axes``); the i-th called
+        worker gets item i of each, and only that item reaches its pod. ``common_kwargs`` go
+        to every called worker."""
         import ktlite as kt
 
-        method = self._method(method_name)
+        called = rank0_only(self.sharding_annotations, self.world_size, run_rank_0_only_axes)
         for key, value in list(enumerate(args)) + list(kwargs.items()):
-            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-                raise ConfigError(f"run_all_workers_multiple_data: argument {key!r} must be a list with one item "
-                                  f"per worker ({self.world_size}); pass shared values in common_kwargs=")
+            if (
+                isinstance(value, (str, bytes))
+                or not isinstance(value, Sequence)
+                or len(value) != len(called)
+            ):
+                raise ConfigError(
+                    f"run_all_workers_multiple_data: argument {key!r} must be a list with one item per "
+                    f"worker called ({len(called)}); pass shared values in common_kwargs="
+                )
         shared = dict(common_kwargs or {})
         clash = sorted(set(shared) & set(kwargs))
         if clash:
-            raise ConfigError(f"run_all_workers_multiple_data: {', '.join(clash)} given both per worker and in "
-                              "common_kwargs")
-        call_args = tuple(kt.per_rank(list(a)) for a in args)
-        call_kwargs = {**{k: kt.per_rank(list(v)) for k, v in kwargs.items()}, **shared}
-        return method.submit(*call_args, **call_kwargs) if _async else method(*call_args, **call_kwargs)
+            raise ConfigError(
+                f"run_all_workers_multiple_data: {', '.join(clash)} given both per worker and in common_kwargs"
+            )
 
-    def run_all_workers_sharded_data(self, method_name: str, data: Any, *, layout: dict[str, int],
-                                     in_sharded_axes: Sequence[str] = (), replicate_on_axes: Sequence[str] = (),
-                                     **kwargs: Any) -> Any:
-        """NeMo's sharded dispatch: ``data`` (a list, one item per coordinate of the sharded
-        axes) split along ``in_sharded_axes`` of ``layout`` and replicated along
-        ``replicate_on_axes``; one result per coordinate of the sharded axes."""
-        return self._method(method_name).sharded(data, *(), layout=layout, in_sharded_axes=in_sharded_axes,
-                                                 replicate_on_axes=replicate_on_axes, **kwargs)
+        def spread(items: Sequence[Any]) -> Any:
+            at = dict(zip(called, items, strict=True))
+            return kt.per_rank([at.get(r) for r in range(self.world_size)])
 
-    def run_single_worker_single_data(self, method_name: str, worker_idx: int, *args: Any,
-                                      _async: bool = False, **kwargs: Any) -> Any:
+        call_kwargs = {**{k: spread(v) for k, v in kwargs.items()}, **shared}
+        return self._run(
+            self._method(method_name, called), tuple(spread(a) for a in args), call_kwargs, _async
+        )
+
+    def run_all_workers_sharded_data(
+        self,
+        method_name: str,
+        *args: Any,
+        in_sharded_axes: Sequence[str] | None = None,
+        replicate_on_axes: Sequence[str] | None = None,
+        output_is_replicated: Sequence[str] | None = None,
+        make_dummy_calls_to_free_axes: bool = False,
+        common_kwargs: dict[str, Any] | None = None,
+        layout: dict[str, int] | None = None,
+        **kwargs: Any,
+    ) -> MultiWorkerFuture:
+        """NeMo's sharded dispatch over the group's ``sharding_annotations`` (or ``layout={"dp":
+        2, "tp": 2}``): each argument is nested lists, one level per axis of
+        ``in_sharded_axes``; a worker gets the item at its coordinates, the same one along
+        ``replicate_on_axes``. Workers off coordinate 0 of the other (free) axes are not
+        called, or called with None for each argument with ``make_dummy_calls_to_free_axes``.
+        Returns at once; ``get_all_worker_results(bundle)`` gives the results of the workers at
+        coordinate 0 of the free axes and of ``output_is_replicated``, in worker order."""
+        import ktlite as kt
+
+        sharding = row_major(layout) if layout is not None else self.sharding_annotations
+        if layout is not None:
+            check_layout(sharding, self.world_size)
+        plan = plan_sharded(
+            sharding,
+            self.world_size,
+            args,
+            kwargs,
+            in_sharded_axes,
+            replicate_on_axes,
+            output_is_replicated,
+            make_dummy_calls_to_free_axes,
+        )
+        shared = dict(common_kwargs or {})
+        clash = sorted(set(shared) & set(kwargs))
+        if clash:
+            raise ConfigError(
+                f"run_all_workers_sharded_data: {', '.join(clash)} given both sharded and in common_kwargs"
+            )
+        per_args, per_kwargs = plan.per_rank(self.world_size)
+        call_args = tuple(kt.per_rank(items) for items in per_args)
+        call_kwargs = {k: kt.per_rank(items) for k, items in per_kwargs.items()}
+        future = self._method(method_name, plan.called).submit(*call_args, **call_kwargs, **shared)
+        return MultiWorkerFuture(future, plan.called, plan.returned)
+
+    def run_single_worker_single_data(
+        self, method_name: str, worker_idx: int, *args: Any, _async: bool = False, **kwargs: Any
+    ) -> Any:
         """Call ``method_name`` on worker ``worker_idx`` only: its result (a future of it with
         ``_async=True``)."""
-        if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or not 0 <= worker_idx < self.world_size:
-            raise ConfigError(f"worker_idx={worker_idx!r} must be between 0 and {self.world_size - 1}")
+        if (
+            isinstance(worker_idx, bool)
+            or not isinstance(worker_idx, int)
+            or not 0 <= worker_idx < self.world_size
+        ):
+            raise ConfigError(
+                f"worker_idx={worker_idx!r} must be between 0 and {self.world_size - 1}"
+            )
         bound = self._method(method_name).options(ranks=[worker_idx])
         if _async:
-            return _First(bound.submit(*args, **kwargs))
+            return First(bound.submit(*args, **kwargs))
         return bound(*args, **kwargs)[0]
 
-    def get_all_worker_results(self, futures: Any, timeout: float | None = None) -> list[Any]:
-        """Wait for what the ``run_*`` methods returned with ``_async=True`` (a future, a list of
-        futures, or results already in hand): the results in order."""
-        if isinstance(futures, (concurrent.futures.Future, _First)):
-            return futures.result(timeout)
-        if isinstance(futures, (list, tuple)):
-            return [f.result(timeout) if isinstance(f, (concurrent.futures.Future, _First)) else f for f in futures]
-        return futures
+    def get_all_worker_results(
+        self,
+        future_bundle: Any,
+        return_generators_as_proxies: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Wait for what a ``run_*`` method returned: a sharded call's bundle (its returning
+        workers' results), a future, a list of futures, or results already in hand."""
+        return wait_results(future_bundle, timeout, return_generators_as_proxies)
 
     def restart_failed_workers(self) -> list[int]:
         """Restart the worker processes that died (only those: the others keep their state);
@@ -320,7 +379,11 @@ class WorkerGroup:
         return self.remote.restart_failed()["restarted"]
 
     def _ranks(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
-        rows = [{**r, "pod": pod["pod"]} for pod in self.remote.status(stuck_after) for r in pod.get("ranks", [])]
+        rows = [
+            {**r, "pod": pod["pod"]}
+            for pod in self.remote.status(stuck_after)
+            for r in pod.get("ranks", [])
+        ]
         return sorted(rows, key=lambda r: r["rank"])
 
     def get_worker_status(self) -> list[dict[str, Any]]:
@@ -336,44 +399,74 @@ class WorkerGroup:
         """Per worker: pid, CPU %, RSS bytes, and GPU memory/utilisation where GPUs exist
         (None where the pod has no ``nvidia-smi``)."""
         keys = ("rank", "pod", "pid", "cpu_percent", "rss_bytes", "gpu_memory_used_bytes",
-                "gpu_memory_total_bytes", "gpu_utilization_percent")
+                "gpu_memory_total_bytes", "gpu_utilization_percent")  # fmt: skip
         return [{k: r.get(k) for k in keys} for r in self._ranks()]
 
-    def shutdown(self, force: bool = False) -> bool:
+    def shutdown(
+        self, cleanup_method: str | None = None, timeout: float | None = 30.0, force: bool = False
+    ) -> bool:
         """Remove this group's workers (a colocated group leaves its host's pods running; the
-        first group takes the pods and every group on them down)."""
+        first group takes the pods and every group on them down). With ``cleanup_method``
+        (and not ``force``) that method runs on every worker first, for up to ``timeout``
+        seconds (None: until it ends); False when it failed or ran out of time, after which
+        the workers are removed all the same."""
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise ConfigError(
+                f"shutdown(timeout={timeout!r}): give a number of seconds > 0, or None to wait"
+            )
         if self._remote is None:
             return True
-        if self.cluster.groups and self.cluster.groups[0] is self:
-            for other in self.cluster.groups[1:]:
+        success = True
+        if cleanup_method is not None and not force:
+            future = self._method(cleanup_method).submit()
+            try:
+                future.result(timeout)
+            except concurrent.futures.TimeoutError:
+                success = False
+                future.cancel()
+                logger.warning(
+                    "%s.%s did not end within %ss; removing the workers anyway",
+                    self.name,
+                    cleanup_method,
+                    timeout,
+                )
+            except Exception as e:  # noqa: BLE001 - the workers are removed whatever the cleanup did
+                success = False
+                logger.warning(
+                    "%s.%s failed (%s); removing the workers anyway",
+                    self.name,
+                    cleanup_method,
+                    str(e).splitlines()[0],
+                )
+        groups = self.cluster.groups
+        if groups and groups[0] is self:  # the pods go, and every group on them
+            for other in groups[1:]:
                 other._remote = None
+            groups.clear()
+        elif self in groups:
+            groups.remove(self)
         self._remote.teardown()
         self._remote = None
-        return True
-
-
-class _First:
-    """A future of one worker's result over a future of the list ktlite returns."""
-
-    def __init__(self, future: Any) -> None:
-        self._future = future
-
-    def result(self, timeout: float | None = None) -> Any:
-        return self._future.result(timeout)[0]
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def __await__(self) -> Any:
-        return (yield from _await_first(self._future).__await__())
-
-
-async def _await_first(future: Any) -> Any:
-    return (await future)[0]
+        return success
 
 
 # NeMo's own names
 RayVirtualCluster = VirtualCluster
 RayWorkerGroup = WorkerGroup
+RayWorkerBuilder = WorkerBuilder
 
-__all__ = ["RayVirtualCluster", "RayWorkerGroup", "VirtualCluster", "WorkerFailureError", "WorkerGroup"]
+__all__ = [
+    "BatchedDataDict",
+    "MultiWorkerFuture",
+    "NamedSharding",
+    "RayVirtualCluster",
+    "RayWorkerBuilder",
+    "RayWorkerGroup",
+    "SlicedDataDict",
+    "VirtualCluster",
+    "WorkerBuilder",
+    "WorkerFailureError",
+    "WorkerGroup",
+]

@@ -25,8 +25,12 @@ class PolicyWorker:
 
     def train_step(self, batch: list[float]) -> dict:
         self.steps += 1
-        return {"rank": int(os.environ["RANK"]), "loss": sum(batch) * self.lr, "steps": self.steps,
-                "pid": os.getpid()}
+        return {
+            "rank": int(os.environ["RANK"]),
+            "loss": sum(batch) * self.lr,
+            "steps": self.steps,
+            "pid": os.getpid(),
+        }
 
     def crash(self, rank: int) -> None:
         if int(os.environ["RANK"]) == rank:
@@ -56,16 +60,22 @@ def test_bad_options_are_refused_before_anything_starts() -> None:
 def test_seed_patterns_on_uneven_nodes_with_a_colocated_group() -> None:
     cluster = RayVirtualCluster([1, 2], max_colocated_worker_groups=2, name="nemo-face")
     try:
-        assert cluster.get_placement_groups() == [[0], [1, 2]] and cluster.world_size == 3
+        assert cluster.get_placement_groups() == [[0], [1, 2]] and cluster.world_size() == 3
         policy = RayWorkerGroup(cluster, PolicyWorker, init_args={"lr": 0.5})
         losses = policy.run_all_workers_single_data("train_step", [1.0, 3.0])
-        assert [(x["rank"], x["loss"], x["steps"]) for x in losses] == [(r, 2.0, 1) for r in range(3)]
+        assert [(x["rank"], x["loss"], x["steps"]) for x in losses] == [
+            (r, 2.0, 1) for r in range(3)
+        ]
 
         generation = RayWorkerGroup(cluster, GenerationWorker)  # colocated: same processes
-        outs = generation.run_all_workers_multiple_data("generate", ["p0", "p1", "p2"], suffix=["?", "!", "."])
+        outs = generation.run_all_workers_multiple_data(
+            "generate", ["p0", "p1", "p2"], suffix=["?", "!", "."]
+        )
         assert [o["text"] for o in outs] == ["p0?", "p1!", "p2."]
         assert [o["pid"] for o in outs] == [x["pid"] for x in losses]
-        shared = generation.run_all_workers_multiple_data("generate", ["a", "b", "c"], common_kwargs={"suffix": "#"})
+        shared = generation.run_all_workers_multiple_data(
+            "generate", ["a", "b", "c"], common_kwargs={"suffix": "#"}
+        )
         assert [o["text"] for o in shared] == ["a#", "b#", "c#"]
         one = generation.run_single_worker_single_data("generate", 2, "solo")
         assert one["rank"] == 2 and one["text"] == "solo!"
@@ -76,7 +86,9 @@ def test_seed_patterns_on_uneven_nodes_with_a_colocated_group() -> None:
         assert generation.get_all_worker_results([single])[0]["text"] == "f!"
 
         status = policy.get_worker_status()
-        assert [s["rank"] for s in status] == [0, 1, 2] and all(s["state"] == "idle" for s in status)
+        assert [s["rank"] for s in status] == [0, 1, 2] and all(
+            s["state"] == "idle" for s in status
+        )
         usage = policy.get_resource_usage()
         assert all(u["rss_bytes"] and u["rss_bytes"] > 0 for u in usage)
         assert policy.detect_stuck_workers(threshold_s=60) == []
