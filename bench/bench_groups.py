@@ -264,9 +264,10 @@ class Bench:
         shards = [os.urandom(PERRANK_BYTES) for _ in range(PERRANK)]
 
         def setup() -> Callable[[int], list[float]]:
-            call = self.deploy(
+            self.deploy(
                 take, one_rank().distribute("spmd", workers=1, num_proc=PERRANK), "bg-perrank"
             )
+            call = self.remotes[-1]  # each() is the handle's own (its Compute streams no logs)
             if call.each(shards) != [PERRANK_BYTES] * PERRANK:
                 raise RuntimeError("remote.each did not give each rank its own 1 MB")
             return lambda r: timed_calls(lambda: call.each(shards), n, self.warm(r, warmup))
