@@ -38,9 +38,11 @@ import tempfile
 import time
 from typing import Any
 
-_HOME = tempfile.mkdtemp(prefix="ktlite-bench-ray-")
-os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
-os.environ.pop("KTLITE_BACKEND", None)
+if __name__ == "__main__":  # not in the drivers, which import this module for job()
+    _HOME = tempfile.mkdtemp(prefix="ktlite-bench-ray-")
+    # before ktlite is imported: never share the tests' deployments
+    os.environ["KTLITE_HOME"] = _HOME
+    os.environ.pop("KTLITE_BACKEND", None)
 # the peers run as Ray's defaults would without a ~/.ray/auth_token (ktlite's nodes use token
 # auth with the deployment's token whatever this says)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -125,8 +125,9 @@ def main() -> None:
         raise SystemExit("needs /usr/sbin/sshd: apt-get install openssh-server")
     rows = []
     load = LoadLog()
+    sshd_dir = Path(tempfile.mkdtemp(prefix="ktlite-bench-sshd-"))
     try:
-        with SshHosts(Path(tempfile.mkdtemp(prefix="ktlite-bench-sshd-")), 4) as hosts:
+        with SshHosts(sshd_dir, 4) as hosts:
             for count in (2, 4):
                 for cold in (True, False):
                     with load.step(
@@ -157,6 +158,7 @@ def main() -> None:
             )
     finally:
         shutil.rmtree(os.environ["KTLITE_HOME"], ignore_errors=True)
+        shutil.rmtree(sshd_dir, ignore_errors=True)
     print(load.summary())
     print(f"{'measurement':<34} {'total':>9} {'connect':>9} {'after connect':>14}")
     print(f"{'-' * 34} {'-' * 9} {'-' * 9} {'-' * 14}")
