@@ -1,59 +1,58 @@
-"""Peer side of ``bench/bench_groups.py``: the same worker-group calls on Ray or Monarch, run
-in its own process (and usually its own venv: ``--peer-python``), so that neither runtime
-shares a process with ktlite or with the other. Writes a JSON object of samples (seconds)
-to ``--out``.
+"""Peer side of ``bench/bench_groups.py``: the same worker-group calls on Ray or Monarch, in a
+process of its own (and usually its own venv: ``--peer-python``), so that neither runtime
+shares a process with ktlite or with the other. It starts its runtime and actors once, replies
+ready (with the version), then runs one round of one row per request over ``_peer_link``:
 
-    python bench/_group_peers.py ray --out /tmp/ray.json
-    python bench/_group_peers.py monarch --iters 100 --out /tmp/monarch.json
+- ``single(iters, warmup)``, ``fanout(n, iters, warmup)``, ``perrank(iters, warmup)``: the
+  seconds of each call;
+- ``submit(method, n)``: the seconds of one batch of ``n`` calls in flight at once (``noop``
+  or ``nap``), after one warm-up batch.
+
+    PeerProcess("ray", [python, "bench/_group_peers.py", "ray"], start_timeout=300)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import json
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from _peer_link import open_replies
+from _rounds import clock, timed_calls
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-clock = time.perf_counter
 SLEEP_S = 0.010
 
-
-def loop(fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    gc.collect()
-    out = []
-    for _ in range(iters):
-        t = clock()
-        fn()
-        out.append(clock() - t)
-    return out
+Handlers = dict[str, Callable[..., Any]]
 
 
-def rounds(fn: Callable[[], Any], n: int) -> list[float]:
-    """Wall seconds of ``fn`` (one batch of calls), after one warm-up batch."""
-    fn()
-    out = []
-    for _ in range(n):
-        t = clock()
-        fn()
-        out.append(clock() - t)
-    return out
+def batch_seconds(batch: Callable[[], None]) -> float:
+    """Wall seconds of one batch of calls, after a warm-up batch."""
+    batch()
+    t = clock()
+    batch()
+    return clock() - t
 
 
-def run_ray(args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def ray_peer(args: argparse.Namespace) -> Iterator[tuple[dict[str, Any], Handlers]]:
     import ray
 
     most = max([1, *args.fanout, args.perrank])
-    ray.init(address="local", num_cpus=max(most, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False, logging_level="ERROR")
+    ray.init(
+        address="local",
+        num_cpus=max(most, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
     try:
+
         @ray.remote(num_cpus=0)
         class Worker:
             def noop(self) -> None:
@@ -69,26 +68,37 @@ def run_ray(args: argparse.Namespace) -> dict[str, Any]:
         ray.get([a.noop.remote() for a in actors])
         server = Worker.options(max_concurrency=args.concurrency).remote()
         ray.get(server.noop.remote())
-        out: dict[str, Any] = {"version": ray.__version__}
         one = actors[0]
-        out["single"] = loop(lambda: ray.get(one.noop.remote()), args.iters, args.warmup)
-        for n in args.fanout:
-            group = actors[:n]
-            out[f"fanout_{n}"] = loop(lambda g=group: ray.get([a.noop.remote() for a in g]),
-                                      args.iters, args.warmup)
-        n = args.submit
-        out["submit_noop"] = rounds(lambda: ray.get([server.noop.remote() for _ in range(n)]), args.rounds)
-        out["submit_nap"] = rounds(lambda: ray.get([server.nap.remote() for _ in range(n)]), args.rounds)
         shards = [os.urandom(args.perrank_bytes) for _ in range(args.perrank)]
-        group = actors[:args.perrank]
-        out["perrank"] = loop(lambda: ray.get([a.take.remote(s) for a, s in zip(group, shards, strict=True)]),
-                              max(10, args.iters // 4), max(3, args.warmup // 4))
-        return out
+        ranks = actors[: args.perrank]
+
+        def submit(method: str, n: int) -> float:
+            call = getattr(server, method)
+            return batch_seconds(lambda: ray.get([call.remote() for _ in range(n)]))
+
+        yield (
+            {"version": ray.__version__},
+            {
+                "single": lambda iters, warmup: timed_calls(
+                    lambda: ray.get(one.noop.remote()), iters, warmup
+                ),
+                "fanout": lambda n, iters, warmup: timed_calls(
+                    lambda g=actors[:n]: ray.get([a.noop.remote() for a in g]), iters, warmup
+                ),
+                "submit": submit,
+                "perrank": lambda iters, warmup: timed_calls(
+                    lambda: ray.get([a.take.remote(s) for a, s in zip(ranks, shards, strict=True)]),
+                    iters,
+                    warmup,
+                ),
+            },
+        )
     finally:
         ray.shutdown()
 
 
-def run_monarch(args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def monarch_peer(args: argparse.Namespace) -> Iterator[tuple[dict[str, Any], Handlers]]:
     from importlib.metadata import version
 
     from monarch.actor import Actor, endpoint, this_host
@@ -116,35 +126,41 @@ def run_monarch(args: argparse.Namespace) -> dict[str, Any]:
     try:
         mesh = procs.spawn("worker", Worker)
         mesh.noop.call().get()
-        out: dict[str, Any] = {"version": version("torchmonarch")}
         one = mesh.slice(procs=0)
-        out["single"] = loop(lambda: one.noop.call_one().get(), args.iters, args.warmup)
-        for n in args.fanout:
-            part = mesh if n == most else mesh.slice(procs=slice(0, n))
-            out[f"fanout_{n}"] = loop(lambda p=part: p.noop.call().get(), args.iters, args.warmup)
-        n = args.submit
-
         napper = procs.slice(procs=0).spawn("napper", Napper)
         napper.noop.call_one().get()
-
-        def batch(method: str) -> None:
-            target = one if method == "noop" else napper
-            futures = [getattr(target, method).call_one() for _ in range(n)]
-            for f in futures:
-                f.get()
-
-        out["submit_noop"] = rounds(lambda: batch("noop"), args.rounds)
-        out["submit_nap"] = rounds(lambda: batch("nap"), args.rounds)
+        parts = {n: mesh if n == most else mesh.slice(procs=slice(0, n)) for n in args.fanout}
         shards = [os.urandom(args.perrank_bytes) for _ in range(args.perrank)]
         ranks = [mesh.slice(procs=i) for i in range(args.perrank)]
+
+        def submit(method: str, n: int) -> float:
+            target = one if method == "noop" else napper
+
+            def batch() -> None:
+                futures = [getattr(target, method).call_one() for _ in range(n)]
+                for f in futures:
+                    f.get()
+
+            return batch_seconds(batch)
 
         def perrank() -> None:
             futures = [r.take.call_one(s) for r, s in zip(ranks, shards, strict=True)]
             for f in futures:
                 f.get()
 
-        out["perrank"] = loop(perrank, max(10, args.iters // 4), max(3, args.warmup // 4))
-        return out
+        yield (
+            {"version": version("torchmonarch")},
+            {
+                "single": lambda iters, warmup: timed_calls(
+                    lambda: one.noop.call_one().get(), iters, warmup
+                ),
+                "fanout": lambda n, iters, warmup: timed_calls(
+                    lambda p=parts[n]: p.noop.call().get(), iters, warmup
+                ),
+                "submit": submit,
+                "perrank": lambda iters, warmup: timed_calls(perrank, iters, warmup),
+            },
+        )
     finally:
         procs.stop().get()
 
@@ -152,19 +168,17 @@ def run_monarch(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("engine", choices=["ray", "monarch"])
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--fanout", type=int, nargs="*", default=[4, 8])
-    p.add_argument("--submit", type=int, default=100, help="calls per throughput batch")
-    p.add_argument("--rounds", type=int, default=5, help="throughput batches")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="calls the submit rows' actor runs at once"
+    )
     p.add_argument("--perrank", type=int, default=8, help="ranks of the per-rank-data call")
     p.add_argument("--perrank-bytes", type=int, default=1_000_000)
-    p.add_argument("--out", required=True)
+    p.add_argument("--reply-fd", type=int, required=True)
     args = p.parse_args()
-    result = run_ray(args) if args.engine == "ray" else run_monarch(args)
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    replies = open_replies(args.reply_fd)
+    with (ray_peer if args.engine == "ray" else monarch_peer)(args) as (ready, handlers):
+        replies.serve(ready, handlers)
 
 
 if __name__ == "__main__":

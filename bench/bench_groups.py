@@ -12,18 +12,19 @@ Rows (see bench/README.md for the method):
   and a 10 ms sleep (where running calls side by side shows);
 - a per-rank-data call: 8 ranks, each given its own 1 MB, p50.
 
-The peers run in their own processes (``bench/_group_peers.py``), by default with this
-Python, or with ``--peer-python`` (a venv holding ``torch``, ``ray[default]`` and
-``torchmonarch``: the ``bench`` extra). It uses a private KTLITE_HOME and tears down what it
-deploys.
+The systems take turns round by round on each row (``_rounds.py``: every round runs each
+once, the order rotated between rounds), so that each system's samples come from the same
+stretch of time as its peers'; the load average is recorded before and after every round.
+The peers run in processes of their own (``bench/_group_peers.py``), up for the whole run, by
+default with this Python, or with ``--peer-python`` (a venv holding ``torch``,
+``ray[default]`` and ``torchmonarch``: the ``bench`` extra). It uses a private KTLITE_HOME
+and tears down what it deploys.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
-import gc
 import json
 import math
 import os
@@ -31,10 +32,10 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,19 +44,24 @@ HERE = Path(__file__).resolve().parent
 _HOME = tempfile.mkdtemp(prefix="ktlite-bench-groups-")
 os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
 os.environ.pop("KTLITE_BACKEND", None)
+sys.path.insert(0, str(HERE))
+
+from _peer_link import PeerProcess  # noqa: E402
+from _rounds import LoadLog, clock, run_rounds, timed_calls  # noqa: E402
 
 import ktlite as kt  # noqa: E402
 
-clock = time.perf_counter
 SUBMIT = 100
 CONCURRENCY = 8
 SLEEP_S = 0.010
 PERRANK = 8
 PERRANK_BYTES = 1_000_000
 PEERS = ("ray", "monarch")
+ASK_TIMEOUT = 300.0  # one round of one row on a peer; minutes on the busiest machine seen
 
 
 # ---- what runs remotely (defined in __main__: shipped by value) ------------------------------
+
 
 def noop() -> None:
     return None
@@ -71,6 +77,7 @@ def take(data: bytes) -> int:
 
 # ---- measuring -------------------------------------------------------------------------------
 
+
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
@@ -80,68 +87,47 @@ def p50(samples: list[float]) -> float:
     return s[max(0, math.ceil(len(s) / 2) - 1)]  # nearest rank
 
 
-def loop(fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    gc.collect()
-    out = []
-    for _ in range(iters):
-        t = clock()
-        fn()
-        out.append(clock() - t)
-    return out
+def one_rank(**changes: Any) -> kt.Compute:
+    """A fresh Compute for each row: ``distribute()`` changes the Compute it is called on."""
+    return kt.Compute(cpus=1, memory="1Gi", stream_logs=False, **changes)
 
 
-def rounds(fn: Callable[[], Any], n: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(n):
-        t = clock()
-        fn()
-        out.append(clock() - t)
-    return out
+def batch_seconds(remote: Any) -> Callable[[], float]:
+    """Wall seconds of one batch of SUBMIT ``remote.submit()`` futures, after a warm-up batch."""
 
-
-def _with_concurrency(compute: kt.Compute, k: int) -> tuple[kt.Compute, bool]:
-    """``Compute(concurrency=k)`` where this ktlite has it (issue 10's concurrency work)."""
-    try:
-        return kt.Compute(**{**_fields(compute), "concurrency": k}), True
-    except TypeError:
-        return compute, False
-
-
-def _batch(remote: Any) -> tuple[Callable[[], None], str]:
-    """One batch of SUBMIT calls in flight at once: through ``remote.submit`` (futures) where
-    this ktlite has it, else from CONCURRENCY threads each calling the deployment."""
-    call = remote.options(stream_logs=False)
-    target = call if hasattr(call, "submit") else remote
-    if hasattr(target, "submit"):
-        def by_futures() -> None:
-            futures = [target.submit() for _ in range(SUBMIT)]
-            for f in futures:
-                f.result(timeout=120)
-        return by_futures, "remote.submit"
-    pool = concurrent.futures.ThreadPoolExecutor(CONCURRENCY)
-
-    def by_threads() -> None:
-        for f in [pool.submit(call) for _ in range(SUBMIT)]:
+    def batch() -> None:
+        for f in [remote.submit() for _ in range(SUBMIT)]:
             f.result(timeout=120)
-    return by_threads, f"{CONCURRENCY} threads calling the deployment"
 
+    def timed() -> float:
+        batch()
+        t = clock()
+        batch()
+        return clock() - t
 
-def _fields(compute: kt.Compute) -> dict[str, Any]:
-    return {"cpus": compute.cpus, "memory": compute.memory, "stream_logs": compute.stream_logs}
+    return timed
 
 
 class Bench:
     def __init__(self, quick: bool) -> None:
-        self.iters = 50 if quick else 200
-        self.warmup = 10 if quick else 20
-        self.rounds = 2 if quick else 5
+        self.rounds = 3 if quick else 5
+        self.iters = 50 if quick else 200  # latency samples per system and row, over all rounds
+        self.warmup = (
+            10 if quick else 20
+        )  # before a system's first round of a row; later rounds: a quarter
         self.m: dict[str, Any] = {}  # metric -> seconds (p50 or median batch)
+        self.samples: dict[str, list[float]] = defaultdict(list)  # "system_row" -> every sample
         self.notes: list[str] = []
         self.remotes: list[Any] = []
-        self.base = kt.Compute(cpus=1, memory="1Gi", stream_logs=False)
+        self.peers: dict[str, PeerProcess] = {}
+        self.load = LoadLog()
+
+    def per_round(self, total: int) -> int:
+        return math.ceil(total / self.rounds)
+
+    def warm(self, r: int, warmup: int | None = None) -> int:
+        warmup = self.warmup if warmup is None else warmup
+        return warmup if r == 0 else max(2, warmup // 4)
 
     def deploy(self, fn: Any, compute: kt.Compute, name: str) -> Any:
         remote = kt.fn(fn, name=name).to(compute)
@@ -154,96 +140,171 @@ class Bench:
                 remote.teardown()
         self.remotes.clear()
 
-    # ---- ktlite rows ---------------------------------------------------------------------
+    def start_peers(self, python: str) -> None:
+        for engine in PEERS:
+            log(f"{engine}: starting its runtime and actors (with {python})")
+            cmd = [
+                python,
+                str(HERE / "_group_peers.py"),
+                engine,
+                "--fanout",
+                "4",
+                "8",
+                "--concurrency",
+                str(CONCURRENCY),
+                "--perrank",
+                str(PERRANK),
+                "--perrank-bytes",
+                str(PERRANK_BYTES),
+            ]
+            try:
+                with self.load.step(f"{engine}: start"):
+                    peer = PeerProcess(
+                        engine, cmd, start_timeout=ASK_TIMEOUT, env={**os.environ, "TMPDIR": _HOME}
+                    )
+            except Exception as e:  # noqa: BLE001 - the other systems' rows still run
+                self.notes.append(
+                    f"{engine} did not start, its columns are empty: {type(e).__name__}: {e}"
+                )
+                log(f"{engine} FAILED to start: {e}")
+                continue
+            self.peers[engine] = peer
+            self.m[f"{engine}_version"] = peer.ready["version"]
+
+    def stop_peers(self) -> None:
+        for peer in self.peers.values():
+            with contextlib.suppress(Exception):
+                peer.close()
+        self.peers.clear()
+
+    # ---- one row: ktlite's deployment, then the rounds -------------------------------------
+
+    def row(
+        self,
+        key: str,
+        setup: Callable[[], Callable[[int], list[float]]],
+        ask: Callable[[PeerProcess, int], list[float]],
+    ) -> None:
+        """``setup()`` deploys ktlite's side and returns its round; every system then runs
+        ``self.rounds`` rounds of this row in turn, and ktlite's deployment is torn down."""
+        systems: dict[str, Callable[[int], None]] = {}
+        try:
+            kt_round = setup()
+            systems["kt"] = lambda r: self.samples[f"kt_{key}"].extend(kt_round(r))
+        except Exception as e:  # noqa: BLE001 - the peers' rounds still run
+            self.notes.append(f"ktlite {key} failed before its rounds: {type(e).__name__}: {e}")
+            log(f"ktlite {key} FAILED: {type(e).__name__}: {e}")
+        for engine, peer in self.peers.items():
+            systems[engine] = lambda r, e=engine, p=peer: self.samples[f"{e}_{key}"].extend(
+                ask(p, r)
+            )
+
+        def failed(system: str, e: BaseException) -> None:
+            self.samples.pop(f"{system}_{key}", None)  # a row with rounds missing is no row
+            self.notes.append(f"{system} {key} failed: {type(e).__name__}: {e}")
+            log(f"{system} {key} FAILED: {type(e).__name__}: {e}")
+
+        try:
+            run_rounds(key, systems, self.rounds, self.load, failed)
+        finally:
+            self.close()  # idle rank processes would only compete with the next row
+
+    def latency_row(
+        self, key: str, fn: Any, compute: kt.Compute, expect: Any, op: str, **kw: Any
+    ) -> None:
+        n = self.per_round(self.iters)
+
+        def setup() -> Callable[[int], list[float]]:
+            call = self.deploy(fn, compute, f"bg-{key.replace('_', '-')}")
+            if call() != expect:
+                raise RuntimeError(f"the {key} deployment did not return {expect!r}")
+            return lambda r: timed_calls(call, n, self.warm(r))
+
+        self.row(
+            key,
+            setup,
+            lambda peer, r: peer.ask(op, ASK_TIMEOUT, iters=n, warmup=self.warm(r), **kw),
+        )
 
     def single(self) -> None:
-        log(f"ktlite single call, 1 rank: {self.iters} calls")
-        call = self.deploy(noop, self.base, "bg-single")
-        self.m["kt_single"] = p50(loop(call, self.iters, self.warmup))
+        self.latency_row("single", noop, one_rank(), None, "single")
 
     def fanout(self) -> None:
         for n in (4, 8):
-            log(f"ktlite fan-out to {n} ranks (1 pod x {n}): {self.iters} calls")
-            call = self.deploy(noop, self.base.distribute("spmd", workers=1, num_proc=n), f"bg-fanout-{n}")
-            if call() != [None] * n:
-                raise RuntimeError(f"the {n}-rank call did not return {n} results")
-            self.m[f"kt_fanout_{n}"] = p50(loop(call, self.iters, self.warmup))
-            self.close()  # 8 idle rank processes would only compete with the next row
+            self.latency_row(
+                f"fanout_{n}",
+                noop,
+                one_rank().distribute("spmd", workers=1, num_proc=n),
+                [None] * n,
+                "fanout",
+                n=n,
+            )
 
     def submit(self) -> None:
-        compute, explicit = _with_concurrency(self.base, CONCURRENCY)
-        if not explicit:
-            self.notes.append("this ktlite has no Compute(concurrency=...): the submit rows ran on "
-                              "its default concurrency")
         for fn in (noop, nap):
-            remote = kt.fn(fn, name=f"bg-submit-{fn.__name__}").to(compute)
-            self.remotes.append(remote)
-            batch, how = _batch(remote)
-            log(f"ktlite {SUBMIT} calls of {fn.__name__} at once via {how}: {self.rounds} rounds")
-            self.m[f"kt_submit_{fn.__name__}"] = statistics.median(rounds(batch, self.rounds))
-            self.m["kt_submit_how"] = how
-            self.close()
+
+            def setup(fn: Any = fn) -> Callable[[int], list[float]]:
+                remote = kt.fn(fn, name=f"bg-submit-{fn.__name__}").to(
+                    one_rank(concurrency=CONCURRENCY)
+                )
+                self.remotes.append(remote)
+                timed = batch_seconds(remote.options(stream_logs=False))
+                return lambda r: [timed()]
+
+            self.row(
+                f"submit_{fn.__name__}",
+                setup,
+                lambda peer, r, m=fn.__name__: [
+                    peer.ask("submit", ASK_TIMEOUT, method=m, n=SUBMIT)
+                ],
+            )
 
     def perrank(self) -> None:
-        call = self.deploy(take, self.base.distribute("spmd", workers=1, num_proc=PERRANK), "bg-perrank")
-        if not hasattr(call, "each"):
-            call = self.remotes[-1]
-        if not hasattr(call, "each"):
-            self.notes.append("per-rank data: this ktlite has no remote.each(...) yet; row skipped")
-            self.close()
-            return
+        n, warmup = self.per_round(max(10, self.iters // 4)), max(3, self.warmup // 4)
         shards = [os.urandom(PERRANK_BYTES) for _ in range(PERRANK)]
-        if call.each(shards) != [PERRANK_BYTES] * PERRANK:
-            raise RuntimeError("remote.each did not give each rank its own 1 MB")
-        iters, warm = max(10, self.iters // 4), max(3, self.warmup // 4)
-        log(f"ktlite per-rank data, {PERRANK} ranks x 1 MB: {iters} calls")
-        self.m["kt_perrank"] = p50(loop(lambda: call.each(shards), iters, warm))
-        self.close()
 
-    # ---- peers ---------------------------------------------------------------------------
+        def setup() -> Callable[[int], list[float]]:
+            self.deploy(
+                take, one_rank().distribute("spmd", workers=1, num_proc=PERRANK), "bg-perrank"
+            )
+            call = self.remotes[-1]  # each() is the handle's own (its Compute streams no logs)
+            if call.each(shards) != [PERRANK_BYTES] * PERRANK:
+                raise RuntimeError("remote.each did not give each rank its own 1 MB")
+            return lambda r: timed_calls(lambda: call.each(shards), n, self.warm(r, warmup))
 
-    def peer(self, engine: str, python: str) -> None:
-        out = Path(_HOME) / f"{engine}.json"
-        cmd = [python, str(HERE / "_group_peers.py"), engine, "--out", str(out), "--iters", str(self.iters),
-               "--warmup", str(self.warmup), "--rounds", str(self.rounds), "--submit", str(SUBMIT),
-               "--concurrency", str(CONCURRENCY), "--perrank", str(PERRANK),
-               "--perrank-bytes", str(PERRANK_BYTES)]
-        log(f"{engine}: {' '.join(cmd[1:3])} (with {python})")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, "TMPDIR": _HOME})
-        try:
-            text, _ = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            text, _ = proc.communicate()
-            raise RuntimeError(f"{engine} peer ran past 600 s") from None
-        finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever its runtime left behind
-        if proc.returncode != 0 or not out.exists():
-            tail = " | ".join(text.strip().splitlines()[-3:])
-            raise RuntimeError(f"{engine} peer exited with code {proc.returncode}: {tail}")
-        data = json.loads(out.read_text())
-        self.m[f"{engine}_version"] = data.pop("version")
-        for key, samples in data.items():
-            self.m[f"{engine}_{key}"] = statistics.median(samples) if key.startswith("submit") else p50(samples)
+        self.row(
+            "perrank",
+            setup,
+            lambda peer, r: peer.ask("perrank", ASK_TIMEOUT, iters=n, warmup=self.warm(r, warmup)),
+        )
+
+    def summarize(self) -> None:
+        for key, samples in self.samples.items():
+            if samples:
+                self.m[key] = statistics.median(samples) if "_submit_" in key else p50(samples)
 
     # ---- the table -----------------------------------------------------------------------
 
     def table(self) -> list[list[str]]:
         rows = []
-        spec = [("single call p50, 1 rank (no-op)", "single", "time"),
-                ("fan-out call p50, 4 ranks (no-op)", "fanout_4", "time"),
-                ("fan-out call p50, 8 ranks (no-op)", "fanout_8", "time"),
-                (f"{SUBMIT} submitted calls, concurrency {CONCURRENCY}, no-op", "submit_noop", "rate"),
-                (f"{SUBMIT} submitted calls, concurrency {CONCURRENCY}, 10 ms sleep", "submit_nap", "rate"),
-                (f"per-rank data p50, {PERRANK} ranks x 1 MB", "perrank", "time")]
+        spec = [
+            ("single call p50, 1 rank (no-op)", "single", "time"),
+            ("fan-out call p50, 4 ranks (no-op)", "fanout_4", "time"),
+            ("fan-out call p50, 8 ranks (no-op)", "fanout_8", "time"),
+            (f"{SUBMIT} submitted calls, concurrency {CONCURRENCY}, no-op", "submit_noop", "rate"),
+            (
+                f"{SUBMIT} submitted calls, concurrency {CONCURRENCY}, 10 ms sleep",
+                "submit_nap",
+                "rate",
+            ),
+            (f"per-rank data p50, {PERRANK} ranks x 1 MB", "perrank", "time"),
+        ]
         for what, key, kind in spec:
             kv = self.m.get(f"kt_{key}")
             row = [what, _fmt(kv, kind)]
             for engine in PEERS:
                 pv = self.m.get(f"{engine}_{key}")
-                row += [_fmt(pv, kind), _ratio(kv, pv, kind)]
+                row += [_fmt(pv, kind), "-" if kv is None or pv is None else f"{kv / pv:.2f}"]
             rows.append(row)
         return rows
 
@@ -256,27 +317,38 @@ def _fmt(seconds: float | None, kind: str) -> str:
     return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
 
 
-def _ratio(kv: float | None, pv: float | None, kind: str) -> str:
-    """ktlite's time / the peer's (for calls/s: the peer's rate / ktlite's): below 1, ktlite is faster."""
-    if kv is None or pv is None:
-        return "-"
-    return f"{kv / pv:.2f}"
-
-
 def render(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True))),
-           "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-            for r in rows]
+    out = [
+        "  ".join(
+            h.ljust(w) if i == 0 else h.rjust(w)
+            for i, (h, w) in enumerate(zip(header, widths, strict=True))
+        ),
+        "  ".join("-" * w for w in widths),
+    ]
+    out += [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
     return "\n".join(out)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run, noisier numbers)")
-    p.add_argument("--peer-python", default=sys.executable, metavar="PATH",
-                   help="the Python that runs the Ray and Monarch rows (a venv with the bench extra)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer rounds and iterations (a smoke run, noisier numbers)",
+    )
+    p.add_argument(
+        "--peer-python",
+        default=sys.executable,
+        metavar="PATH",
+        help="the Python that runs the Ray and Monarch rows (a venv with the bench extra)",
+    )
     p.add_argument("--skip-peers", action="store_true", help="ktlite rows only")
     p.add_argument("--json", metavar="PATH", help="also write every measurement to PATH")
     args = p.parse_args()
@@ -288,41 +360,58 @@ def main() -> int:
 
     bench = Bench(args.quick)
     started = clock()
-    steps: list[tuple[str, Callable[[], None]]] = [
-        ("single", bench.single), ("fanout", bench.fanout), ("submit", bench.submit),
-        ("perrank", bench.perrank)]
-    if not args.skip_peers:  # after ktlite is torn down: the runtimes never share a window
-        steps += [(e, lambda e=e: bench.peer(e, args.peer_python)) for e in PEERS]
     try:
-        for name, step in steps:
+        if not args.skip_peers:
+            bench.start_peers(args.peer_python)
+        for step in (bench.single, bench.fanout, bench.submit, bench.perrank):
             try:
                 step()
             except Exception as e:  # noqa: BLE001 - one broken row must not hide the others
-                bench.notes.append(f"{name} failed: {type(e).__name__}: {e}")
-                log(f"{name} FAILED: {type(e).__name__}: {e}")
-            finally:
-                bench.close()
+                bench.notes.append(f"{step.__name__} failed: {type(e).__name__}: {e}")
+                log(f"{step.__name__} FAILED: {type(e).__name__}: {e}")
     finally:
         bench.close()
+        bench.stop_peers()
         shutil.rmtree(_HOME, ignore_errors=True)
+    bench.summarize()
 
-    versions = ", ".join(f"{e} {bench.m[f'{e}_version']}" for e in PEERS if f"{e}_version" in bench.m)
-    print(f"\nktlite {kt.__version__} worker-group benchmark{' (--quick)' if args.quick else ''}: "
-          f"Python {platform.python_version()}, {os.cpu_count()} CPU(s), {clock() - started:.0f} s"
-          f"{'; ' + versions if versions else ''}; latencies p50 of {bench.iters} calls "
-          f"({max(10, bench.iters // 4)} for per-rank data), throughput median of {bench.rounds} batches")
-    print("ratio = ktlite time / peer time (for calls/s: peer rate / ktlite rate): below 1, ktlite is faster\n")
+    versions = ", ".join(
+        f"{e} {bench.m[f'{e}_version']}" for e in PEERS if f"{e}_version" in bench.m
+    )
+    print(
+        f"\nktlite {kt.__version__} worker-group benchmark{' (--quick)' if args.quick else ''}: "
+        f"Python {platform.python_version()}, {os.cpu_count()} CPU(s), {clock() - started:.0f} s"
+        f"{'; ' + versions if versions else ''}; systems interleaved, {bench.rounds} rounds per row (order "
+        f"rotated); latencies p50 of {bench.per_round(bench.iters) * bench.rounds} calls "
+        f"({bench.per_round(max(10, bench.iters // 4)) * bench.rounds} for per-rank data), throughput median "
+        f"of {bench.rounds} batches"
+    )
+    print(bench.load.summary())
+    print(
+        "ratio = ktlite time / peer time (for calls/s: peer rate / ktlite rate): below 1, ktlite is faster\n"
+    )
     print(render(bench.table(), ["measurement", "ktlite", "Ray", "ratio", "Monarch", "ratio"]))
-    if "kt_submit_how" in bench.m:
-        print(f"\nktlite's submitted calls went through {bench.m['kt_submit_how']}")
+    print("\nload average (1 min) before -> after each round:")
+    for line in bench.load.lines():
+        print(f"  {line}")
     if bench.notes:
         print("\nnotes:")
         for n in bench.notes:
             print(f"- {n}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"quick": args.quick, "ktlite": kt.__version__, "metrics": bench.m,
-                       "notes": bench.notes}, f, indent=1)
+            json.dump(
+                {
+                    "quick": args.quick,
+                    "ktlite": kt.__version__,
+                    "metrics": bench.m,
+                    "samples": bench.samples,
+                    "load": bench.load.as_json(),
+                    "notes": bench.notes,
+                },
+                f,
+                indent=1,
+            )
         print(f"\nwrote {args.json}")
     return 0
 

@@ -31,6 +31,7 @@ import uuid
 from typing import Any
 
 import httpx
+from _rounds import LoadLog
 
 import ktlite as kt
 from ktlite.backends.kube_api import KubeApi, load
@@ -90,31 +91,56 @@ class Bench:
         self.api = KubeApi(self.http, self.info.namespace)
         self.rows: list[tuple[str, str, str, str, str]] = []
         self.data: dict[str, Any] = {}
+        self.load = LoadLog()
 
     def compute(self, workers: int, **extra: Any) -> kt.Compute:
-        c = kt.Compute(cpus="250m", memory="1Gi", backend="kubernetes", image=kt.Image(self.args.image),
-                       image_pull_policy=self.args.pull_policy, launch_timeout=300, stream_logs=False,
-                       **extra)
+        c = kt.Compute(
+            cpus="250m",
+            memory="1Gi",
+            backend="kubernetes",
+            image=kt.Image(self.args.image),
+            image_pull_policy=self.args.pull_policy,
+            launch_timeout=300,
+            stream_logs=False,
+            **extra,
+        )
         return c.distribute("spmd", workers=workers) if workers > 1 else c
 
-    def row(self, what: str, ours: float, peer: str, theirs: float | None, unit: str = "time") -> None:
+    def row(
+        self, what: str, ours: float, peer: str, theirs: float | None, unit: str = "time"
+    ) -> None:
         if unit == "time":
             ratio = f"{ours / theirs:.2f}" if theirs else ""
             self.rows.append((what, us(ours), peer, us(theirs) if theirs else "", ratio))
         else:
             ratio = f"{ours / theirs:.2f}" if theirs else ""
-            self.rows.append((what, f"{ours:,.0f} MB/s", peer, f"{theirs:,.0f} MB/s" if theirs else "", ratio))
+            self.rows.append(
+                (what, f"{ours:,.0f} MB/s", peer, f"{theirs:,.0f} MB/s" if theirs else "", ratio)
+            )
         self.data[what] = {"ktlite": ours, "peer": peer, "peer_value": theirs}
 
     # ---- the raw peer --------------------------------------------------------------------
 
     def start_raw(self) -> str:
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": "ktb-raw", "labels": {"app.kubernetes.io/managed-by": "ktlite-bench"}},
-               "spec": {"containers": [{"name": "raw", "image": self.args.image,
-                                        "imagePullPolicy": self.args.pull_policy,
-                                        "command": ["python", "-c", RAW_SERVER],
-                                        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}}}]}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "ktb-raw",
+                "labels": {"app.kubernetes.io/managed-by": "ktlite-bench"},
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "raw",
+                        "image": self.args.image,
+                        "imagePullPolicy": self.args.pull_policy,
+                        "command": ["python", "-c", RAW_SERVER],
+                        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}},
+                    }
+                ]
+            },
+        }
         self.api.delete("Pod", "ktb-raw")
         while self.api.get("Pod", "ktb-raw") is not None:
             time.sleep(0.5)
@@ -151,8 +177,12 @@ class Bench:
             finally:
                 remote.teardown()
             for q, name in ((0.5, "p50"), (0.99, "p99")):
-                self.row(f"warm proxied call {name} ({workers} pod{'s' if workers > 1 else ''})",
-                         pct(ours, q), "raw proxied GET", pct(theirs, q))
+                self.row(
+                    f"warm proxied call {name} ({workers} pod{'s' if workers > 1 else ''})",
+                    pct(ours, q),
+                    "raw proxied GET",
+                    pct(theirs, q),
+                )
 
     def transfers(self, raw: str) -> None:
         payload = os.urandom(100 * MB)
@@ -173,10 +203,15 @@ class Bench:
                 assert r.text == str(len(payload)), r.text
                 best["raw up"] = max(best["raw up"], 100 / (time.perf_counter() - t))
                 t = time.perf_counter()  # the same body chunked, as ktlite sends it
-                r = self.http.post(f"{raw}/sink", content=iter([payload[i:i + MB] for i in range(0, len(payload), MB)]),
-                                   timeout=120)
+                r = self.http.post(
+                    f"{raw}/sink",
+                    content=iter([payload[i : i + MB] for i in range(0, len(payload), MB)]),
+                    timeout=120,
+                )
                 assert r.text == str(len(payload)), r.text
-                best["raw up chunked"] = max(best["raw up chunked"], 100 / (time.perf_counter() - t))
+                best["raw up chunked"] = max(
+                    best["raw up chunked"], 100 / (time.perf_counter() - t)
+                )
                 t = time.perf_counter()
                 r = self.http.get(f"{raw}/blob", params={"n": 100 * MB}, timeout=120)
                 assert len(r.content) == 100 * MB
@@ -184,10 +219,19 @@ class Bench:
         finally:
             up.teardown()
             down.teardown()
-        self.row("100 MB argument (up)", best["up"], "raw proxied POST", best["raw up"], unit="MB/s")
-        self.row("100 MB argument (up)", best["up"], "raw proxied POST, chunked", best["raw up chunked"],
-                 unit="MB/s")
-        self.row("100 MB result (down)", best["down"], "raw proxied GET", best["raw down"], unit="MB/s")
+        self.row(
+            "100 MB argument (up)", best["up"], "raw proxied POST", best["raw up"], unit="MB/s"
+        )
+        self.row(
+            "100 MB argument (up)",
+            best["up"],
+            "raw proxied POST, chunked",
+            best["raw up chunked"],
+            unit="MB/s",
+        )
+        self.row(
+            "100 MB result (down)", best["down"], "raw proxied GET", best["raw down"], unit="MB/s"
+        )
 
     def cold(self) -> None:
         walls, after_start = [], []
@@ -198,20 +242,32 @@ class Bench:
             try:
                 remote()
                 done = time.time()
-                started = max(s["started"] for s in (self.http.get(f"{ep.url}/health").json()
-                                                    for ep in remote.deployment.endpoints))
+                started = max(
+                    s["started"]
+                    for s in (
+                        self.http.get(f"{ep.url}/health").json()
+                        for ep in remote.deployment.endpoints
+                    )
+                )
             finally:
                 remote.teardown()
             walls.append(done - t0)
             after_start.append(done - started)
         self.row("cold .to() of 2 pods -> first result", statistics.median(walls), "", None)
-        self.row("  of which after the later container started", statistics.median(after_start),
-                 "target", 1.0)
+        self.row(
+            "  of which after the later container started",
+            statistics.median(after_start),
+            "target",
+            1.0,
+        )
 
     def loops(self) -> None:
         remote = kt.fn(noop, name="ktb-loop").to(self.compute(2))
         try:
-            for label, n, arg in (("no-op", 10_000, None), ("1 MB argument", 1_000, os.urandom(MB))):
+            for label, n, arg in (
+                ("no-op", 10_000, None),
+                ("1 MB argument", 1_000, os.urandom(MB)),
+            ):
                 fails, lat = [], []
                 for i in range(n):
                     t = time.perf_counter()
@@ -220,10 +276,22 @@ class Bench:
                     except kt.KtliteError as e:
                         fails.append(f"{i}: {type(e).__name__}: {str(e)[:200]}")
                     lat.append(time.perf_counter() - t)
-                self.data[f"loop {label}"] = {"calls": n, "failed": len(fails), "p50": pct(lat, 0.5),
-                                              "p99": pct(lat, 0.99), "errors": fails[:5]}
-                self.rows.append((f"{n:,} proxied calls, {label}: failed", str(len(fails)),
-                                  f"p50 {us(pct(lat, 0.5))}", f"p99 {us(pct(lat, 0.99))}", ""))
+                self.data[f"loop {label}"] = {
+                    "calls": n,
+                    "failed": len(fails),
+                    "p50": pct(lat, 0.5),
+                    "p99": pct(lat, 0.99),
+                    "errors": fails[:5],
+                }
+                self.rows.append(
+                    (
+                        f"{n:,} proxied calls, {label}: failed",
+                        str(len(fails)),
+                        f"p50 {us(pct(lat, 0.5))}",
+                        f"p99 {us(pct(lat, 0.99))}",
+                        "",
+                    )
+                )
                 for line in fails[:3]:
                     print(f"  failure {line}", file=sys.stderr)
         finally:
@@ -233,25 +301,47 @@ class Bench:
         t0 = time.monotonic()
         raw = self.start_raw()
         try:
-            self.warm(raw)
-            self.transfers(raw)
-            self.cold()
-            if self.args.loops:
-                self.loops()
+            steps = [
+                ("warm calls", lambda: self.warm(raw)),
+                ("transfers", lambda: self.transfers(raw)),
+                ("cold starts", self.cold),
+                *([("loops", self.loops)] if self.args.loops else []),
+            ]
+            for name, step in steps:
+                with self.load.step(name):
+                    step()
         finally:
             self.api.delete("Pod", "ktb-raw")
-        head = (f"ktlite {kt.__version__} on Kubernetes ({self.info.host}), through the pod proxy, "
-                f"{time.monotonic() - t0:.0f} s; {self.args.calls} calls per latency; ratio = ktlite / peer")
+        head = (
+            f"ktlite {kt.__version__} on Kubernetes ({self.info.host}), through the pod proxy, "
+            f"{time.monotonic() - t0:.0f} s; {self.args.calls} calls per latency; ratio = ktlite / peer"
+        )
         print(head)
-        widths = [max(len(r[i]) for r in self.rows + [("measurement", "ktlite", "peer", "peer value", "ratio")])
-                  for i in range(5)]
-        for r in [("measurement", "ktlite", "peer", "peer value", "ratio"), tuple("-" * w for w in widths),
-                  *self.rows]:
-            print("  ".join(c.ljust(w) if i in (0, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                                     strict=True))))
+        print(self.load.summary())
+        widths = [
+            max(
+                len(r[i])
+                for r in self.rows + [("measurement", "ktlite", "peer", "peer value", "ratio")]
+            )
+            for i in range(5)
+        ]
+        for r in [
+            ("measurement", "ktlite", "peer", "peer value", "ratio"),
+            tuple("-" * w for w in widths),
+            *self.rows,
+        ]:
+            print(
+                "  ".join(
+                    c.ljust(w) if i in (0, 2) else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(r, widths, strict=True))
+                )
+            )
+        print("load average (1 min) before -> after each step:")
+        for line in self.load.lines():
+            print(f"  {line}")
         if self.args.json:
             with open(self.args.json, "w") as f:
-                json.dump(self.data, f, indent=2)
+                json.dump({**self.data, "load": self.load.as_json()}, f, indent=2)
 
 
 def main() -> None:

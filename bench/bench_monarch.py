@@ -15,7 +15,9 @@ Rows, each the median of ``--runs`` (cold rows) or of 30 calls (warm rows):
   ktlite method call on the controller class, against the hand-run controller calling it
   in a loop.
 
-``overhead`` is ktlite's time minus the peer's.
+``overhead`` is ktlite's time minus the peer's. Each run starts ktlite's mesh and the
+hand-started one in turn, the order rotated between runs (``_rounds.py``); the load average is
+recorded before and after each run and printed with the table.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ from typing import Any
 
 if __name__ == "__main__":  # not in the hand-run controller, which imports this module
     _HOME = tempfile.mkdtemp(prefix="ktlite-bench-monarch-")
-    os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
+    os.environ["KTLITE_HOME"] = (
+        _HOME  # before ktlite is imported: never share the tests' deployments
+    )
     os.environ.pop("KTLITE_BACKEND", None)
+
+from _rounds import LoadLog, run_rounds  # noqa: E402
 
 import ktlite as kt  # noqa: E402
 
@@ -73,10 +79,12 @@ class Controller:
 
 # ---- ktlite ----------------------------------------------------------------------------------
 
+
 def ktlite_cold(i: int) -> tuple[float, Any]:
     t0 = clock()
     remote = kt.cls(Controller, name=f"bench-monarch-{i}").to(
-        kt.Compute(stream_logs=False).distribute("monarch", workers=2, num_proc=2))
+        kt.Compute(stream_logs=False).distribute("monarch", workers=2, num_proc=2)
+    )
     assert remote.ping() == 4
     return clock() - t0, remote
 
@@ -92,8 +100,10 @@ def ktlite_warm(remote: Any) -> list[float]:
 
 # ---- Monarch by hand -------------------------------------------------------------------------
 
-WORKER = ("import sys; from monarch.actor import run_worker_loop_forever; "
-          "run_worker_loop_forever(address=sys.argv[1], ca='trust_all_connections')")
+WORKER = (
+    "import sys; from monarch.actor import run_worker_loop_forever; "
+    "run_worker_loop_forever(address=sys.argv[1], ca='trust_all_connections')"
+)
 
 DRIVER = """
 import sys, time, json
@@ -127,18 +137,29 @@ def by_hand(warm_calls: int) -> tuple[float, list[float]]:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         t0 = clock()
-        procs = [subprocess.Popen([sys.executable, "-c", WORKER, w], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True) for w in workers]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, w],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            for w in workers
+        ]
         for w in workers:
-            _until_listening(w[len("ipc://"):], clock() + 60)
-        driver = subprocess.run([sys.executable, "-c", DRIVER.format(here=here, workers=workers), str(warm_calls)],
-                                capture_output=True, text=True, timeout=300)
+            _until_listening(w[len("ipc://") :], clock() + 60)
+        driver = subprocess.run(
+            [sys.executable, "-c", DRIVER.format(here=here, workers=workers), str(warm_calls)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         cold = clock() - t0
         line = next((x for x in driver.stdout.splitlines() if x.startswith("TIMES ")), None)
         if driver.returncode != 0 or line is None:
             raise RuntimeError(driver.stdout[-1000:] + driver.stderr[-2000:])
         # the driver's cold time includes its warm loop: take it out
-        warm = json.loads(line[len("TIMES "):])
+        warm = json.loads(line[len("TIMES ") :])
         return cold - sum(warm), warm
     finally:
         for p in procs:
@@ -149,42 +170,92 @@ def by_hand(warm_calls: int) -> tuple[float, list[float]]:
         shutil.rmtree(sockets, ignore_errors=True)
 
 
-def _ms(s: float) -> str:
-    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+def _ms(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1000:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
+
+
+def _median(samples: list[float]) -> float | None:
+    return statistics.median(samples) if samples else None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
-    kt_cold, hand_cold = [], []
+    kt_cold: list[float] = []
+    hand_cold: list[float] = []
     kt_warm: list[float] = []
     hand_warm: list[float] = []
-    try:
-        for i in range(args.runs):
-            t, remote = ktlite_cold(i)
+    load, notes = LoadLog(), []
+
+    def ktlite(r: int) -> None:
+        t, remote = ktlite_cold(r)
+        try:
             kt_cold.append(t)
-            if i == 0:
-                kt_warm = ktlite_warm(remote)
+            if r == 0:
+                kt_warm.extend(ktlite_warm(remote))
+        finally:
             remote.teardown()
-            t, warm = by_hand(WARM_CALLS if i == 0 else 0)
-            hand_cold.append(t)
-            hand_warm = hand_warm or warm
+
+    def hand(r: int) -> None:
+        t, warm = by_hand(WARM_CALLS if r == 0 else 0)
+        hand_cold.append(t)
+        hand_warm.extend(warm)
+
+    def failed(name: str, e: BaseException) -> None:
+        notes.append(f"{name} failed: {type(e).__name__}: {e}")
+
+    try:  # each run: ktlite's mesh and the hand-started one, in turn (order rotated)
+        run_rounds("cold mesh", {"ktlite": ktlite, "by hand": hand}, args.runs, load, failed)
     finally:
         shutil.rmtree(_HOME, ignore_errors=True)
-    rows = [("cold 2x2 mesh to the first endpoint result", statistics.median(kt_cold), statistics.median(hand_cold),
-             "2 worker loops + controller"),
-            (f"warm endpoint call on 4 actors (p50 of {WARM_CALLS})", statistics.median(kt_warm),
-             statistics.median(hand_warm), "controller in a loop")]
+    rows = [
+        (
+            "cold 2x2 mesh to the first endpoint result",
+            _median(kt_cold),
+            _median(hand_cold),
+            "2 worker loops + controller",
+        ),
+        (
+            f"warm endpoint call on 4 actors (p50 of {WARM_CALLS})",
+            _median(kt_warm),
+            _median(hand_warm),
+            "controller in a loop",
+        ),
+    ]
+    print(load.summary())
     print(f"{'measurement':<46} {'ktlite':>9} {'peer':>9} {'overhead':>9}  peer is")
     print(f"{'-' * 46} {'-' * 9} {'-' * 9} {'-' * 9}  {'-' * 27}")
     for name, ours, theirs, peer in rows:
-        print(f"{name:<46} {_ms(ours):>9} {_ms(theirs):>9} {_ms(ours - theirs):>9}  {peer}")
-    print(f"runs: ktlite cold {[round(t, 2) for t in kt_cold]}, by hand {[round(t, 2) for t in hand_cold]}")
+        overhead = None if ours is None or theirs is None else ours - theirs
+        print(f"{name:<46} {_ms(ours):>9} {_ms(theirs):>9} {_ms(overhead):>9}  {peer}")
+    print(
+        f"runs: ktlite cold {[round(t, 2) for t in kt_cold]}, by hand {[round(t, 2) for t in hand_cold]}"
+    )
+    print(
+        "load average (1 min) before -> after each run:\n"
+        + "\n".join(f"  {line}" for line in load.lines())
+    )
+    for note in notes:
+        print(f"- {note}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": [{"name": n, "ktlite_s": a, "peer_s": b, "peer": p} for n, a, b, p in rows]}, f, indent=2)
+            json.dump(
+                {
+                    "rows": [
+                        {"name": n, "ktlite_s": a, "peer_s": b, "peer": p} for n, a, b, p in rows
+                    ],
+                    "load": load.as_json(),
+                    "notes": notes,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

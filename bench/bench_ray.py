@@ -16,7 +16,10 @@ Rows, each the median of ``--runs`` (cold rows) or of 30 calls (warm rows):
   connected to the hand-started cluster running the job function in a loop.
 
 ``overhead`` is ktlite's time minus the peer's. The targets of issue 11: formation adds
-under 0.5 s over bare ``ray start``; a warm call adds under 2 ms to the job itself.
+under 0.5 s over bare ``ray start``; a warm call adds under 2 ms to the job itself. Each run
+starts ktlite's cluster, the hand-started one and ``ray.init()`` alone in turn, the order
+rotated between runs (``_rounds.py``); the load average is recorded before and after each run
+and printed with the table.
 """
 
 from __future__ import annotations
@@ -35,12 +38,16 @@ import tempfile
 import time
 from typing import Any
 
-_HOME = tempfile.mkdtemp(prefix="ktlite-bench-ray-")
-os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
-os.environ.pop("KTLITE_BACKEND", None)
+if __name__ == "__main__":  # not in the drivers, which import this module for job()
+    _HOME = tempfile.mkdtemp(prefix="ktlite-bench-ray-")
+    # before ktlite is imported: never share the tests' deployments
+    os.environ["KTLITE_HOME"] = _HOME
+    os.environ.pop("KTLITE_BACKEND", None)
 # the peers run as Ray's defaults would without a ~/.ray/auth_token (ktlite's nodes use token
 # auth with the deployment's token whatever this says)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from _rounds import LoadLog, run_rounds  # noqa: E402
 
 import ktlite as kt  # noqa: E402
 from ktlite.spec import ray_ports  # noqa: E402
@@ -64,10 +71,12 @@ def job(n: int = TASKS) -> int:
 
 # ---- ktlite ----------------------------------------------------------------------------------
 
+
 def ktlite_cold(i: int) -> tuple[float, Any]:
     t0 = clock()
     remote = kt.fn(job, name=f"bench-ray-{i}").to(
-        kt.Compute(cpus=1, stream_logs=False).distribute("ray", workers=2))
+        kt.Compute(cpus=1, stream_logs=False).distribute("ray", workers=2)
+    )
     assert remote() == sum(range(TASKS))
     return clock() - t0, remote
 
@@ -83,6 +92,7 @@ def ktlite_warm(remote: Any) -> list[float]:
 
 # ---- Ray by hand -----------------------------------------------------------------------------
 
+
 def _free_base() -> int:
     for base in range(40000, 60000, 500):
         with socket.socket() as s:
@@ -97,27 +107,49 @@ def _free_base() -> int:
 def _args(base: int, ordinal: int, temp: str) -> list[str]:
     p = ray_ports(base, ordinal)
     head = ray_ports(base, 0)
-    args = ["start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", f"--temp-dir={temp}",
-            f"--node-manager-port={p['node_manager']}", f"--object-manager-port={p['object_manager']}",
-            f"--runtime-env-agent-port={p['runtime_env_agent']}",
-            f"--dashboard-agent-grpc-port={p['dashboard_agent_grpc']}",
-            f"--dashboard-agent-listen-port={p['dashboard_agent_listen']}",
-            f"--metrics-export-port={p['metrics_export']}",
-            f"--min-worker-port={p['min_worker']}", f"--max-worker-port={p['max_worker']}",
-            "--num-cpus=1" if ordinal == 0 else "--num-cpus=2", f"--object-store-memory={256 * 2**20}"]
+    args = [
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+        f"--temp-dir={temp}",
+        f"--node-manager-port={p['node_manager']}",
+        f"--object-manager-port={p['object_manager']}",
+        f"--runtime-env-agent-port={p['runtime_env_agent']}",
+        f"--dashboard-agent-grpc-port={p['dashboard_agent_grpc']}",
+        f"--dashboard-agent-listen-port={p['dashboard_agent_listen']}",
+        f"--metrics-export-port={p['metrics_export']}",
+        f"--min-worker-port={p['min_worker']}",
+        f"--max-worker-port={p['max_worker']}",
+        "--num-cpus=1" if ordinal == 0 else "--num-cpus=2",
+        f"--object-store-memory={256 * 2**20}",
+    ]
     if ordinal == 0:
-        args += ["--head", f"--port={head['gcs']}", "--include-dashboard=false",
-                 f"--ray-client-server-port={p['client_server']}", f"--dashboard-port={p['dashboard']}"]
+        args += [
+            "--head",
+            f"--port={head['gcs']}",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={p['client_server']}",
+            f"--dashboard-port={p['dashboard']}",
+        ]
     else:
         args.append(f"--address=127.0.0.1:{head['gcs']}")
     return args
 
 
 def _ray(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "import sys; from ray.scripts.scripts import main; "
-                             "sys.argv[0] = 'ray'; main()", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"},
+    )
 
 
 def _until_started(proc: subprocess.Popen[bytes]) -> None:
@@ -165,19 +197,32 @@ def by_hand(warm_calls: int) -> tuple[float, list[float]]:
         for p in procs:
             _until_started(p)
         here = os.path.dirname(os.path.abspath(__file__))
-        driver = subprocess.run([sys.executable, "-c", DRIVER.format(here=here, address=f"127.0.0.1:{gcs}"),
-                                 "0"], capture_output=True, text=True, timeout=120)
+        driver = subprocess.run(
+            [sys.executable, "-c", DRIVER.format(here=here, address=f"127.0.0.1:{gcs}"), "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         cold = clock() - t0
         if driver.returncode != 0:
             raise RuntimeError(driver.stderr[-2000:])
         warm: list[float] = []
         if warm_calls:
-            driver = subprocess.run([sys.executable, "-c", DRIVER.format(here=here, address=f"127.0.0.1:{gcs}"),
-                                     str(warm_calls)], capture_output=True, text=True, timeout=300)
+            driver = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    DRIVER.format(here=here, address=f"127.0.0.1:{gcs}"),
+                    str(warm_calls),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             line = next((x for x in driver.stdout.splitlines() if x.startswith("TIMES ")), None)
             if line is None:
                 raise RuntimeError(driver.stdout[-1000:] + driver.stderr[-2000:])
-            warm = json.loads(line[len("TIMES "):])
+            warm = json.loads(line[len("TIMES ") :])
         return cold, warm
     finally:
         for p in procs:
@@ -207,51 +252,115 @@ ray.shutdown()
 def init_alone() -> float:
     here = os.path.dirname(os.path.abspath(__file__))
     t0 = clock()
-    subprocess.run([sys.executable, "-c", INIT_ALONE.format(here=here)], check=True, capture_output=True,
-                   timeout=120, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"})
+    subprocess.run(
+        [sys.executable, "-c", INIT_ALONE.format(here=here)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"},
+    )
     return clock() - t0
 
 
-def _ms(s: float) -> str:
-    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+def _ms(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1000:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
+
+
+def _median(samples: list[float]) -> float | None:
+    return statistics.median(samples) if samples else None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
-    kt_cold, hand_cold, alone = [], [], []
+    kt_cold: list[float] = []
+    hand_cold: list[float] = []
+    alone: list[float] = []
     kt_warm: list[float] = []
     hand_warm: list[float] = []
-    try:
-        for i in range(args.runs):
-            t, remote = ktlite_cold(i)
+    load, notes = LoadLog(), []
+
+    def ktlite(r: int) -> None:
+        t, remote = ktlite_cold(r)
+        try:
             kt_cold.append(t)
-            if i == 0:
-                kt_warm = ktlite_warm(remote)
+            if r == 0:
+                kt_warm.extend(ktlite_warm(remote))
+        finally:
             remote.teardown()
-            t, warm = by_hand(WARM_CALLS if i == 0 else 0)
-            hand_cold.append(t)
-            hand_warm = hand_warm or warm
-            alone.append(init_alone())
+
+    def hand(r: int) -> None:
+        t, warm = by_hand(WARM_CALLS if r == 0 else 0)
+        hand_cold.append(t)
+        hand_warm.extend(warm)
+
+    def failed(name: str, e: BaseException) -> None:
+        notes.append(f"{name} failed: {type(e).__name__}: {e}")
+
+    try:  # each run: ktlite, the hand-started cluster and ray.init() alone, in turn (order rotated)
+        run_rounds(
+            "cold cluster",
+            {
+                "ktlite": ktlite,
+                "by hand": hand,
+                "ray.init() alone": lambda r: alone.append(init_alone()),
+            },
+            args.runs,
+            load,
+            failed,
+        )
     finally:
         shutil.rmtree(_HOME, ignore_errors=True)
-    rows = [("cold 1+2 node cluster to the first result", statistics.median(kt_cold), statistics.median(hand_cold),
-             "ray start x3 + driver"),
-            ("cold, against ray.init() alone (1 node)", statistics.median(kt_cold), statistics.median(alone),
-             "ray.init()"),
-            (f"warm call, {TASKS}-task job (p50 of {WARM_CALLS})", statistics.median(kt_warm),
-             statistics.median(hand_warm), "connected driver")]
+    rows = [
+        (
+            "cold 1+2 node cluster to the first result",
+            _median(kt_cold),
+            _median(hand_cold),
+            "ray start x3 + driver",
+        ),
+        ("cold, against ray.init() alone (1 node)", _median(kt_cold), _median(alone), "ray.init()"),
+        (
+            f"warm call, {TASKS}-task job (p50 of {WARM_CALLS})",
+            _median(kt_warm),
+            _median(hand_warm),
+            "connected driver",
+        ),
+    ]
+    print(load.summary())
     print(f"{'measurement':<46} {'ktlite':>9} {'peer':>9} {'overhead':>9}  peer is")
     print(f"{'-' * 46} {'-' * 9} {'-' * 9} {'-' * 9}  {'-' * 22}")
     for name, ours, theirs, peer in rows:
-        print(f"{name:<46} {_ms(ours):>9} {_ms(theirs):>9} {_ms(ours - theirs):>9}  {peer}")
-    print(f"runs: ktlite cold {[round(t, 2) for t in kt_cold]}, by hand {[round(t, 2) for t in hand_cold]}, "
-          f"ray.init() {[round(t, 2) for t in alone]}")
+        overhead = None if ours is None or theirs is None else ours - theirs
+        print(f"{name:<46} {_ms(ours):>9} {_ms(theirs):>9} {_ms(overhead):>9}  {peer}")
+    print(
+        f"runs: ktlite cold {[round(t, 2) for t in kt_cold]}, by hand {[round(t, 2) for t in hand_cold]}, "
+        f"ray.init() {[round(t, 2) for t in alone]}"
+    )
+    print(
+        "load average (1 min) before -> after each run:\n"
+        + "\n".join(f"  {line}" for line in load.lines())
+    )
+    for note in notes:
+        print(f"- {note}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": [{"name": n, "ktlite_s": a, "peer_s": b, "peer": p} for n, a, b, p in rows]}, f, indent=2)
+            json.dump(
+                {
+                    "rows": [
+                        {"name": n, "ktlite_s": a, "peer_s": b, "peer": p} for n, a, b, p in rows
+                    ],
+                    "load": load.as_json(),
+                    "notes": notes,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ One small torch model (``bench/_serve_peers.py``: ``Model.predict``, a 32 x 256 
 in, 32 class ids out, one torch thread, a few ms a call) served three ways, each with 1 and 4
 replicas, each driven by the same load generator (N threads, each keeping one blocking call
 in flight, at N = 1, 8 and 32) for a fixed window after a warm-up. ktlite and the floor are up
-together and take turns on each cell (best of 2 rounds), so both see the same background load:
+together and take turns on each cell (best of 2 rounds, the order rotated between rounds:
+``_rounds.py``), so both see the same background load; the load average is recorded around
+each round and printed with the table:
 
 - ktlite: ``kt.cls(Model).to(Compute(cpus=1).autoscale(min_scale=R, max_scale=R,
   concurrency=8))`` on the local backend, called with ``remote.predict(x)``;
@@ -46,14 +48,13 @@ os.environ.pop("KTLITE_BACKEND", None)
 sys.path.insert(0, str(HERE))
 
 import _serve_peers as peers  # noqa: E402
+from _rounds import LoadLog, run_rounds  # noqa: E402
+from _serve_report import INFLIGHT, LABEL, REPLICAS, fairness, ms, table, verdict  # noqa: E402
 
 import ktlite as kt  # noqa: E402
 
 clock = time.perf_counter
-INFLIGHT = (1, 8, 32)
-REPLICAS = (1, 4)
 CONCURRENCY = 8  # calls one replica runs at once: ktlite's concurrency, Ray's max_ongoing_requests
-TARGET = 0.8  # issue 14: ktlite >= 0.8x the plain server's throughput per replica
 SYSTEMS = ("ktlite", "floor", "ray")
 
 
@@ -66,7 +67,9 @@ def wait_replicas(remote: Any, want: int, timeout: float) -> float:
     t0 = clock()
     while (n := len(remote.status()["replicas"])) != want:
         if clock() - t0 > timeout:
-            raise RuntimeError(f"{remote.name}: {n} replica(s) after {timeout:.0f} s, waiting for {want}")
+            raise RuntimeError(
+                f"{remote.name}: {n} replica(s) after {timeout:.0f} s, waiting for {want}"
+            )
         time.sleep(0.1)
     return clock() - t0
 
@@ -81,9 +84,20 @@ class FloorServers:
 
     def grow(self, count: int) -> list[int]:
         while len(self.ports) < count:
-            proc = subprocess.Popen([sys.executable, str(HERE / "_serve_peers.py"), "floor", "--width",
-                                     str(peers.WIDTH), "--parent-pid", str(os.getpid())],
-                                    stdout=subprocess.PIPE, text=True, start_new_session=True)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE / "_serve_peers.py"),
+                    "floor",
+                    "--width",
+                    str(peers.WIDTH),
+                    "--parent-pid",
+                    str(os.getpid()),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             self.procs.append(proc)
             line = proc.stdout.readline() if proc.stdout else ""
             if not line.startswith("PORT "):
@@ -109,6 +123,7 @@ class Bench:
         self.cold: dict[str, dict[str, float]] = {}  # system -> cold, warm (seconds)
         self.notes: list[str] = []
         self.meta: dict[str, Any] = {}
+        self.load = LoadLog()
         self.x = peers.example_input()
         self.expected = peers.Model().predict(self.x)  # every row must answer this
 
@@ -129,23 +144,28 @@ class Bench:
                             remote = self.deploy(r)
                             calls["ktlite"] = lambda m=remote.predict: m(self.x)
                         except Exception as e:  # noqa: BLE001 - the floor's rows still run
-                            self.notes.append(f"ktlite with {r} replica(s) failed: {type(e).__name__}: {e}")
+                            self.notes.append(
+                                f"ktlite with {r} replica(s) failed: {type(e).__name__}: {e}"
+                            )
                             log(f"ktlite FAILED: {type(e).__name__}: {e}")
                     if floor is not None:
                         client = peers.FloorClient(floor.grow(r))
                         self.meta["floor_server"] = floor.how
                         if client(self.x) != self.expected:
-                            raise RuntimeError("the floor answered something else than the local model")
+                            raise RuntimeError(
+                                "the floor answered something else than the local model"
+                            )
                         calls["floor"] = lambda c=client: c(self.x)
-                    for n in INFLIGHT:
-                        for i in range(self.rounds):
-                            for system, call in calls.items():
-                                log(f"{system}: {r} replica(s), {n} in flight, round {i + 1}/{self.rounds}: "
-                                    f"{self.warmup:g} s + {self.seconds:g} s")
-                                row = peers.drive(call, n, self.seconds, self.warmup)
-                                key = f"{system}/{r}/{n}"
-                                if key not in self.rows or row["rps"] > self.rows[key]["rps"]:
-                                    self.rows[key] = row
+                    for n in INFLIGHT:  # each round drives each system once, the order rotated
+                        run_rounds(
+                            f"{r} replica(s), {n} in flight",
+                            {s: self.cell(s, call, r, n) for s, call in calls.items()},
+                            self.rounds,
+                            self.load,
+                            lambda s, e, r=r, n=n: self.failed(
+                                f"{s}, {r} replica(s), {n} in flight", e
+                            ),
+                        )
                 finally:
                     if client is not None:
                         client.close()
@@ -155,12 +175,34 @@ class Bench:
             if floor is not None:
                 floor.stop()
 
+    def cell(self, system: str, call: Any, replicas: int, inflight: int) -> Any:
+        """One round of a cell: ``call`` driven with ``inflight`` calls in flight; the best round is kept."""
+
+        def one(i: int) -> None:
+            log(
+                f"{system}: {replicas} replica(s), {inflight} in flight, round {i + 1}/{self.rounds}: "
+                f"{self.warmup:g} s + {self.seconds:g} s"
+            )
+            row = peers.drive(call, inflight, self.seconds, self.warmup)
+            key = f"{system}/{replicas}/{inflight}"
+            if key not in self.rows or row["rps"] > self.rows[key]["rps"]:
+                self.rows[key] = row
+
+        return one
+
+    def failed(self, system: str, e: BaseException) -> None:
+        self.notes.append(f"{system} failed: {type(e).__name__}: {e}")
+        log(f"{system} FAILED: {type(e).__name__}: {e}")
+
     def deploy(self, replicas: int) -> Any:
         """``kt.cls(Model)`` on exactly ``replicas`` replicas, each taking calls."""
         compute = kt.Compute(cpus=1, stream_logs=False).autoscale(
-            min_scale=replicas, max_scale=replicas, concurrency=CONCURRENCY)
+            min_scale=replicas, max_scale=replicas, concurrency=CONCURRENCY
+        )
         t = clock()
-        remote = kt.cls(peers.Model, name=f"serve-bench-{replicas}").to(compute, init_args={"width": peers.WIDTH})
+        remote = kt.cls(peers.Model, name=f"serve-bench-{replicas}").to(
+            compute, init_args={"width": peers.WIDTH}
+        )
         try:
             wait_replicas(remote, replicas, 120)
             if remote.predict(self.x) != self.expected:
@@ -174,9 +216,16 @@ class Bench:
     def ktlite_cold(self) -> None:
         x = self.x
         compute = kt.Compute(cpus=1, stream_logs=False).autoscale(
-            min_scale=0, max_scale=1, concurrency=CONCURRENCY, window="2s", scale_down_delay="1s",
-            scale_to_zero_pod_retention_period="2s")
-        remote = kt.cls(peers.Model, name="serve-bench-cold").to(compute, init_args={"width": peers.WIDTH})
+            min_scale=0,
+            max_scale=1,
+            concurrency=CONCURRENCY,
+            window="2s",
+            scale_down_delay="1s",
+            scale_to_zero_pod_retention_period="2s",
+        )
+        remote = kt.cls(peers.Model, name="serve-bench-cold").to(
+            compute, init_args={"width": peers.WIDTH}
+        )
         try:
             remote.predict(x)
             log("ktlite: waiting for 0 replicas (retention 2 s)")
@@ -194,14 +243,42 @@ class Bench:
 
     def ray(self, python: str, cold: bool) -> None:
         out = Path(_HOME) / "ray.json"
-        cmd = [python, str(HERE / "_serve_peers.py"), "ray", "--out", str(out), "--width", str(peers.WIDTH),
-               "--seconds", str(self.seconds), "--warmup", str(self.warmup), "--concurrency", str(CONCURRENCY),
-               "--inflight", *map(str, INFLIGHT), "--replicas", *map(str, REPLICAS), *(["--cold"] if cold else [])]
+        cmd = [
+            python,
+            str(HERE / "_serve_peers.py"),
+            "ray",
+            "--out",
+            str(out),
+            "--width",
+            str(peers.WIDTH),
+            "--seconds",
+            str(self.seconds),
+            "--warmup",
+            str(self.warmup),
+            "--concurrency",
+            str(CONCURRENCY),
+            "--inflight",
+            *map(str, INFLIGHT),
+            "--replicas",
+            *map(str, REPLICAS),
+            *(["--cold"] if cold else []),
+        ]
         log(f"ray serve: {' '.join(cmd[1:3])} (with {python})")
-        env = {**os.environ, "TMPDIR": _HOME, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env=env)
+        env = {
+            **os.environ,
+            "TMPDIR": _HOME,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p
+            ),
+        }
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
         try:
             text, _ = proc.communicate(timeout=600)
         except subprocess.TimeoutExpired:
@@ -212,14 +289,18 @@ class Bench:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # whatever Ray's runtime left behind
         if proc.returncode != 0 or not out.exists():
-            tail = " | ".join(line for line in text.strip().splitlines() if "[bench]" not in line)[-600:]
+            tail = " | ".join(line for line in text.strip().splitlines() if "[bench]" not in line)[
+                -600:
+            ]
             raise RuntimeError(f"the Ray Serve peer exited with code {proc.returncode}: {tail}")
         data = json.loads(out.read_text())
         probes = text.count("Failed to get queue length")
         if probes:
-            self.notes.append(f"Ray Serve's router logged {probes} queue-length probes to its replicas that missed "
-                              "their deadline (RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S, 0.1 s): calls wait for "
-                              "them, which is most of its latency at 32 in flight on a busy machine")
+            self.notes.append(
+                f"Ray Serve's router logged {probes} queue-length probes to its replicas that missed "
+                "their deadline (RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S, 0.1 s): calls wait for "
+                "them, which is most of its latency at 32 in flight on a busy machine"
+            )
         if "skipped" in data:
             self.notes.append(f"Ray Serve skipped: {data['skipped']}")
             return
@@ -230,93 +311,28 @@ class Bench:
         if "cold" in data:
             self.cold["ray"] = data["cold"]
 
-    # ---- the table -------------------------------------------------------------------------
-
-    def table(self, systems: list[str]) -> str:
-        header = ["replicas", "in flight"]
-        for s in systems:
-            header += [f"{LABEL[s]} req/s", "p50", "p99"]
-        if "ktlite" in systems:
-            header += [f"kt/{LABEL[s]} {what}" for s in systems if s != "ktlite" for what in ("rps", "p50")]
-        rows = []
-        for r in REPLICAS:
-            for n in INFLIGHT:
-                row = [str(r), str(n)]
-                got = {s: self.rows.get(f"{s}/{r}/{n}") for s in systems}
-                for s in systems:
-                    v = got[s]
-                    row += ["-", "-", "-"] if v is None else [f"{v['rps']:,.0f}", ms(v["p50"]), ms(v["p99"])]
-                if "ktlite" in systems:
-                    k = got["ktlite"]
-                    for s in systems:
-                        if s == "ktlite":
-                            continue
-                        v = got[s]
-                        ok = k is not None and v is not None and v["rps"] > 0 and v["p50"] > 0
-                        row += [f"{k['rps'] / v['rps']:.2f}", f"{k['p50'] / v['p50']:.2f}"] if ok else ["-", "-"]
-                rows.append(row)
-        return render(rows, header)
-
-    def fairness(self) -> list[str]:
-        """Rows where one load thread got far fewer calls done than another: calls waiting for
-        a replica were not served in the order they came."""
-        out = []
-        for key, v in self.rows.items():
-            most, fewest = v.get("most_per_thread", 0), v.get("fewest_per_thread", 0)
-            if most >= 8 and fewest < most / 4:
-                system, r, n = key.split("/")
-                out.append(f"{LABEL[system]}, {r} replica(s), {n} in flight: one load thread finished "
-                           f"{fewest:.0f} call(s) in the window, another {most:.0f}")
-        return out
-
-    def verdict(self) -> str | None:
-        ratios = []
-        for r in REPLICAS:
-            for n in INFLIGHT:
-                k, f = self.rows.get(f"ktlite/{r}/{n}"), self.rows.get(f"floor/{r}/{n}")
-                if k and f and f["rps"] > 0:
-                    ratios.append((k["rps"] / f["rps"], r, n))
-        if not ratios:
-            return None
-        met = sum(1 for q, _, _ in ratios if q >= TARGET)
-        worst = min(ratios)
-        return (f"target: ktlite >= {TARGET}x the plain server's throughput per replica: met in {met} of "
-                f"{len(ratios)} rows (lowest {worst[0]:.2f}x at {worst[1]} replica(s), {worst[2]} in flight)")
-
-
-LABEL = {"ktlite": "ktlite", "floor": "floor", "ray": "Ray"}
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
-
-
-def render(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
-           "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(out)
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        return "?"
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 round of 2 s windows (noisier; about 3 minutes)")
+    p.add_argument(
+        "--quick", action="store_true", help="1 round of 2 s windows (noisier; about 3 minutes)"
+    )
     p.add_argument("--seconds", type=float, help="measured window per cell (default 3, --quick 2)")
     p.add_argument("--warmup", type=float, help="warm-up before each window (default 0.5)")
-    p.add_argument("--rounds", type=int, help="ktlite and the floor alternate this many times per cell, "
-                   "the best kept (default 2, --quick 1)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="ktlite and the floor alternate this many times per cell, "
+        "the best kept (default 2, --quick 1)",
+    )
     p.add_argument("--only", default=",".join(SYSTEMS), help="comma-separated: ktlite,floor,ray")
     p.add_argument("--no-cold", action="store_true", help="leave the scale-to-zero cold start out")
-    p.add_argument("--peer-python", default=sys.executable, metavar="PATH",
-                   help="the Python that runs Ray Serve (default: this one)")
+    p.add_argument(
+        "--peer-python",
+        default=sys.executable,
+        metavar="PATH",
+        help="the Python that runs Ray Serve (default: this one)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write every measurement to PATH")
     args = p.parse_args()
     systems = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -330,20 +346,29 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
 
-    bench = Bench(args.seconds or (2.0 if args.quick else 3.0), args.warmup or 0.5,
-                  args.rounds or (1 if args.quick else 2))
-    started, load_before = clock(), loadavg()
+    bench = Bench(
+        args.seconds or (2.0 if args.quick else 3.0),
+        args.warmup or 0.5,
+        args.rounds or (1 if args.quick else 2),
+    )
+    started = clock()
     steps: list[tuple[str, Any]] = []
     if "ktlite" in systems or "floor" in systems:
         steps.append(("ktlite and the floor", lambda: bench.served(systems)))
     if "ktlite" in systems and not args.no_cold:
         steps.append(("ktlite cold start", bench.ktlite_cold))
-    if "ray" in systems:  # last and alone: Ray's runtime never shares the machine with ktlite's pods
+    if (
+        "ray" in systems
+    ):  # last and alone: Ray's runtime never shares the machine with ktlite's pods
         steps.append(("ray", lambda: bench.ray(args.peer_python, not args.no_cold)))
     try:
         for name, step in steps:
             try:
-                step()
+                if name == "ktlite and the floor":  # records each round's load itself
+                    step()
+                else:
+                    with bench.load.step(name):
+                        step()
             except Exception as e:  # noqa: BLE001 - one broken row must not hide the others
                 bench.notes.append(f"{name} failed: {type(e).__name__}: {e}")
                 log(f"{name} FAILED: {type(e).__name__}: {e}")
@@ -352,48 +377,81 @@ def main() -> int:
 
     cores = os.cpu_count() or 1
     ray = f"; Ray {bench.meta['ray_version']}" if "ray_version" in bench.meta else ""
-    print(f"\nktlite {kt.__version__} ({Path(kt.__file__).parent}) serving benchmark"
-          f"{' (--quick)' if args.quick else ''}: Python "
-          f"{platform.python_version()}, {cores} CPU(s), {clock() - started:.0f} s{ray}; load average "
-          f"{load_before} before, {loadavg()} after")
-    print(f"each row: N threads each keeping one call of Model.predict in flight, {bench.warmup:g} s warm-up "
-          f"then {bench.seconds:g} s measured; ktlite and the floor alternate, best of {bench.rounds} round(s); "
-          f"Ray once, alone; concurrency {CONCURRENCY} per replica; p50/p99 nearest rank")
-    print("kt/X rps = ktlite's req/s / X's (above 1: ktlite serves more); kt/X p50 = ktlite's p50 / X's "
-          "(below 1: ktlite answers faster)\n")
-    print(bench.table(systems))
-    verdict = bench.verdict()
-    if verdict:
-        print(f"\n{verdict}")
+    print(
+        f"\nktlite {kt.__version__} ({Path(kt.__file__).parent}) serving benchmark"
+        f"{' (--quick)' if args.quick else ''}: Python "
+        f"{platform.python_version()}, {cores} CPU(s), {clock() - started:.0f} s{ray}"
+    )
+    print(bench.load.summary())
+    print(
+        f"each row: N threads each keeping one call of Model.predict in flight, {bench.warmup:g} s warm-up "
+        f"then {bench.seconds:g} s measured; ktlite and the floor alternate (order rotated), best of "
+        f"{bench.rounds} round(s); "
+        f"Ray once, alone; concurrency {CONCURRENCY} per replica; p50/p99 nearest rank"
+    )
+    print(
+        "kt/X rps = ktlite's req/s / X's (above 1: ktlite serves more); kt/X p50 = ktlite's p50 / X's "
+        "(below 1: ktlite answers faster)\n"
+    )
+    print(table(bench.rows, systems))
+    met = verdict(bench.rows)
+    if met:
+        print(f"\n{met}")
     if cores < max(REPLICAS) + 1:
-        print(f"\nthis machine has {cores} core(s): {max(REPLICAS)} replicas, the load threads and the servers' "
-              "own work share them, so 4 replicas cannot scale linearly over 1 (the 4-replica rows show "
-              "the cost of spreading calls, not 4 cores' throughput)")
+        print(
+            f"\nthis machine has {cores} core(s): {max(REPLICAS)} replicas, the load threads and the servers' "
+            "own work share them, so 4 replicas cannot scale linearly over 1 (the 4-replica rows show "
+            "the cost of spreading calls, not 4 cores' throughput)"
+        )
     if bench.cold:
-        print("\nscale-to-zero cold start (min_scale=0, idle until no replica is left; first call vs the next):")
+        print(
+            "\nscale-to-zero cold start (min_scale=0, idle until no replica is left; first call vs the next):"
+        )
         for s, c in bench.cold.items():
-            extra = f", scaled to zero {c['to_zero']:.1f} s after the wait began" if "to_zero" in c else ""
+            extra = (
+                f", scaled to zero {c['to_zero']:.1f} s after the wait began"
+                if "to_zero" in c
+                else ""
+            )
             print(f"  {LABEL[s]:<7} first call {c['cold']:.2f} s, next call {ms(c['warm'])}{extra}")
     if "floor_server" in bench.meta:
-        print(f"\nthe floor ran on uvicorn with {bench.meta['floor_server']}; its servers and ktlite's replicas "
-              "were up together, each idle while the other was driven")
+        print(
+            f"\nthe floor ran on uvicorn with {bench.meta['floor_server']}; its servers and ktlite's replicas "
+            "were up together, each idle while the other was driven"
+        )
     if "ray_version" in bench.meta:
-        print("Ray Serve was called through its DeploymentHandle (its Python API, as remote.predict is "
-              "ktlite's; its HTTP proxy would add a hop and a process on these cores), proxy disabled")
-    unfair = bench.fairness()
+        print(
+            "Ray Serve was called through its DeploymentHandle (its Python API, as remote.predict is "
+            "ktlite's; its HTTP proxy would add a hop and a process on these cores), proxy disabled"
+        )
+    unfair = fairness(bench.rows)
     if unfair:
         print("\nunfair queueing (calls waiting for a replica not served in arrival order):")
         for line in unfair:
             print(f"  {line}")
+    print("\nload average (1 min) before -> after each round or step:")
+    for line in bench.load.lines():
+        print(f"  {line}")
     if bench.notes:
         print("\nnotes:")
         for n in bench.notes:
             print(f"- {n}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"quick": args.quick, "ktlite": kt.__version__, "cores": cores, "rows": bench.rows,
-                       "cold": bench.cold, "meta": bench.meta, "notes": bench.notes,
-                       "loadavg": [load_before, loadavg()]}, f, indent=1)
+            json.dump(
+                {
+                    "quick": args.quick,
+                    "ktlite": kt.__version__,
+                    "cores": cores,
+                    "rows": bench.rows,
+                    "cold": bench.cold,
+                    "meta": bench.meta,
+                    "notes": bench.notes,
+                    "load": bench.load.as_json(),
+                },
+                f,
+                indent=1,
+            )
         print(f"\nwrote {args.json}")
     return 0
 

@@ -34,10 +34,14 @@ from pathlib import Path
 
 if __name__ == "__main__":
     _HOME = tempfile.mkdtemp(prefix="ktlite-bench-ssh-")
-    os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
+    os.environ["KTLITE_HOME"] = (
+        _HOME  # before ktlite is imported: never share the tests' deployments
+    )
     os.environ.pop("KTLITE_BACKEND", None)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from _rounds import LoadLog  # noqa: E402
 
 import ktlite as kt  # noqa: E402
 from ktlite.backends import ssh as ssh_backend  # noqa: E402
@@ -50,8 +54,12 @@ def noop() -> int:
 
 
 def _options(hosts, names: list[str]) -> kt.Hosts:
-    return kt.Hosts(names, ssh_config=str(hosts.ssh_config), known_hosts=str(hosts.known_hosts),
-                    python=sys.executable)
+    return kt.Hosts(
+        names,
+        ssh_config=str(hosts.ssh_config),
+        known_hosts=str(hosts.known_hosts),
+        python=sys.executable,
+    )
 
 
 def bring_up(hosts, count: int, name: str, cold: bool) -> tuple[float, float]:
@@ -73,8 +81,11 @@ def bring_up(hosts, count: int, name: str, cold: bool) -> tuple[float, float]:
     backend._connect = timed
     try:
         t0 = clock()
-        remote = kt.fn(noop, name=name).to(kt.Compute(hosts=_options(hosts, [h.name for h in hosts.hosts[:count]]),
-                                                      stream_logs=False))
+        remote = kt.fn(noop, name=name).to(
+            kt.Compute(
+                hosts=_options(hosts, [h.name for h in hosts.hosts[:count]]), stream_logs=False
+            )
+        )
         assert remote() == [1] * count
         took = clock() - t0
     finally:
@@ -103,7 +114,9 @@ def _ms(s: float) -> str:
 def main() -> None:
     from ssh_hosts import SshHosts, sshd_available
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--json")
@@ -111,32 +124,66 @@ def main() -> None:
     if not sshd_available():
         raise SystemExit("needs /usr/sbin/sshd: apt-get install openssh-server")
     rows = []
+    load = LoadLog()
+    sshd_dir = Path(tempfile.mkdtemp(prefix="ktlite-bench-sshd-"))
     try:
-        with SshHosts(Path(tempfile.mkdtemp(prefix="ktlite-bench-sshd-")), 4) as hosts:
+        with SshHosts(sshd_dir, 4) as hosts:
             for count in (2, 4):
                 for cold in (True, False):
-                    runs = [bring_up(hosts, count, f"bench-ssh-{count}-{int(cold)}-{i}", cold)
-                            for i in range(args.runs)]
+                    with load.step(
+                        f"bring-up {count} hosts, {'cold' if cold else 'warm'} x{args.runs}"
+                    ):
+                        runs = [
+                            bring_up(hosts, count, f"bench-ssh-{count}-{int(cold)}-{i}", cold)
+                            for i in range(args.runs)
+                        ]
                     took = statistics.median(t for t, _ in runs)
                     connect = statistics.median(c for _, c in runs)
-                    rows.append((f"bring-up {count} hosts, {'cold' if cold else 'warm'}", took, connect))
-            ssh = warm_calls(kt.Compute(hosts=_options(hosts, ["host0", "host1"]), stream_logs=False)
-                             .distribute("pytorch", num_proc=2), "bench-ssh-warm", args.calls)
-        local = warm_calls(kt.Compute(stream_logs=False).distribute("pytorch", workers=2, num_proc=2),
-                           "bench-local-warm", args.calls)
+                    rows.append(
+                        (f"bring-up {count} hosts, {'cold' if cold else 'warm'}", took, connect)
+                    )
+            with load.step(f"warm calls, ssh x{args.calls}"):
+                ssh = warm_calls(
+                    kt.Compute(
+                        hosts=_options(hosts, ["host0", "host1"]), stream_logs=False
+                    ).distribute("pytorch", num_proc=2),
+                    "bench-ssh-warm",
+                    args.calls,
+                )
+        with load.step(f"warm calls, local x{args.calls}"):
+            local = warm_calls(
+                kt.Compute(stream_logs=False).distribute("pytorch", workers=2, num_proc=2),
+                "bench-local-warm",
+                args.calls,
+            )
     finally:
         shutil.rmtree(os.environ["KTLITE_HOME"], ignore_errors=True)
+        shutil.rmtree(sshd_dir, ignore_errors=True)
+    print(load.summary())
     print(f"{'measurement':<34} {'total':>9} {'connect':>9} {'after connect':>14}")
     print(f"{'-' * 34} {'-' * 9} {'-' * 9} {'-' * 14}")
     for name, took, connect in rows:
         print(f"{name:<34} {_ms(took):>9} {_ms(connect):>9} {_ms(took - connect):>14}")
     p50_ssh, p50_local = statistics.median(ssh), statistics.median(local)
-    print(f"\nwarm call, 2 hosts x 2 ranks (p50 of {args.calls}): ssh {_ms(p50_ssh)}, local {_ms(p50_local)}, "
-          f"ratio {p50_ssh / p50_local:.2f}x")
+    print(
+        f"\nwarm call, 2 hosts x 2 ranks (p50 of {args.calls}): ssh {_ms(p50_ssh)}, local {_ms(p50_local)}, "
+        f"ratio {p50_ssh / p50_local:.2f}x"
+    )
+    print(
+        "load average (1 min) before -> after each step:\n"
+        + "\n".join(f"  {line}" for line in load.lines())
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bring_up": [{"name": n, "total_s": t, "connect_s": c} for n, t, c in rows],
-                       "warm_call_p50_s": {"ssh": p50_ssh, "local": p50_local}}, f, indent=2)
+            json.dump(
+                {
+                    "bring_up": [{"name": n, "total_s": t, "connect_s": c} for n, t, c in rows],
+                    "warm_call_p50_s": {"ssh": p50_ssh, "local": p50_local},
+                    "load": load.as_json(),
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _rounds import LoadLog
+
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
 
@@ -83,7 +85,7 @@ def bench_local(data: Path, work: Path, reps: int) -> dict[str, float]:
     return {"put": put, "get": get, "floor_put": fput, "floor_get": fget}
 
 
-_FLOOR_APP = textwrap.dedent('''
+_FLOOR_APP = textwrap.dedent("""
     import os, sys
     from fastapi import FastAPI, Request
     from fastapi.responses import FileResponse
@@ -109,7 +111,7 @@ _FLOOR_APP = textwrap.dedent('''
 
     open(sys.argv[3], "w").close()
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
-''')
+""")
 
 
 def bench_http(data: Path, work: Path, reps: int) -> dict[str, float]:
@@ -121,20 +123,45 @@ def bench_http(data: Path, work: Path, reps: int) -> dict[str, float]:
     port, ready = _free_port(), work / "store.ready"
     token = "bench-store-token"
     env = {**os.environ, "KTLITE_STORE_ROOT": str(work / "pvc"), "KTLITE_TOKEN": token}
-    store = subprocess.Popen([sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", str(port),
-                              "--ready-file", str(ready)], env=env)
+    store = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ktlite_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--ready-file",
+            str(ready),
+        ],
+        env=env,
+    )
     fport, fready = _free_port(), work / "floor.ready"
     (work / "floor-root").mkdir(exist_ok=True)
-    floor = subprocess.Popen([sys.executable, "-c", _FLOOR_APP, str(fport), str(work / "floor-root"), str(fready)])
-    saved = {k: os.environ.get(k) for k in ("KTLITE_POD_IPS_FILE", "KTLITE_BACKEND", "KTLITE_NAMESPACE")}
+    floor = subprocess.Popen(
+        [sys.executable, "-c", _FLOOR_APP, str(fport), str(work / "floor-root"), str(fready)]
+    )
+    saved = {
+        k: os.environ.get(k) for k in ("KTLITE_POD_IPS_FILE", "KTLITE_BACKEND", "KTLITE_NAMESPACE")
+    }
     try:
         _wait_file(ready, store, "the store server")
         _wait_file(fready, floor, "the FastAPI floor")
         time.sleep(0.5)  # uvicorn binds after the floor's ready file
         ips = work / "ktlite-pod-ips-0.json"
-        os.environ.update(KTLITE_POD_IPS_FILE=str(ips), KTLITE_BACKEND="kubernetes", KTLITE_NAMESPACE="default")
-        remember({"url": f"http://127.0.0.1:{port}", "token": token, "pod": "ktlite-store-0",
-                  "namespace": "default"}, str(ips))
+        os.environ.update(
+            KTLITE_POD_IPS_FILE=str(ips), KTLITE_BACKEND="kubernetes", KTLITE_NAMESPACE="default"
+        )
+        remember(
+            {
+                "url": f"http://127.0.0.1:{port}",
+                "token": token,
+                "pod": "ktlite-store-0",
+                "namespace": "default",
+            },
+            str(ips),
+        )
         out = work / "http.out"
         put = _best(reps, lambda: kt.put("bench/data", data))
         get = _best(reps, lambda: kt.get("bench/data", out))
@@ -144,15 +171,25 @@ def bench_http(data: Path, work: Path, reps: int) -> dict[str, float]:
 
         def fput() -> None:
             with open(data, "rb") as f:
-                client.put("/blob/data", content=iter(lambda: f.read(CHUNK), b"")).raise_for_status()
+                client.put(
+                    "/blob/data", content=iter(lambda: f.read(CHUNK), b"")
+                ).raise_for_status()
 
         def fget() -> None:
-            with client.stream("GET", "/blob/data") as resp, open(work / "floor-http.out", "wb") as f:
+            with (
+                client.stream("GET", "/blob/data") as resp,
+                open(work / "floor-http.out", "wb") as f,
+            ):
                 resp.raise_for_status()
                 for chunk in resp.iter_bytes(CHUNK):
                     f.write(chunk)
 
-        return {"put": put, "get": get, "floor_put": _best(reps, fput), "floor_get": _best(reps, fget)}
+        return {
+            "put": put,
+            "get": get,
+            "floor_put": _best(reps, fput),
+            "floor_get": _best(reps, fget),
+        }
     finally:
         for k, v in saved.items():
             if v is None:
@@ -164,7 +201,7 @@ def bench_http(data: Path, work: Path, reps: int) -> dict[str, float]:
             proc.wait(10)
 
 
-_RAY_PEER = textwrap.dedent('''
+_RAY_PEER = textwrap.dedent("""
     import json, os, sys, time
     import ray
 
@@ -185,7 +222,7 @@ _RAY_PEER = textwrap.dedent('''
     get = best(lambda: ray.get(refs[-1]))
     print(json.dumps({"put": put, "get": get}))
     ray.shutdown()
-''')
+""")
 
 
 def bench_ray(size: int, work: Path, reps: int) -> dict[str, float] | None:
@@ -193,19 +230,27 @@ def bench_ray(size: int, work: Path, reps: int) -> dict[str, float] | None:
 
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
     try:
-        out = subprocess.run([sys.executable, "-c", _RAY_PEER, str(size), str(reps), temp], capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", _RAY_PEER, str(size), str(reps), temp],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     if out.returncode != 0:
-        print(f"ray: skipped ({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode})")
+        print(
+            f"ray: skipped ({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode})"
+        )
         return None
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mb", type=int, default=100)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-ray", action="store_true")
@@ -217,24 +262,44 @@ def main() -> None:
         with open(data, "wb") as f:
             for _ in range(args.mb):
                 f.write(os.urandom(10**6))
-        local = bench_local(data, work, args.reps)
-        http = bench_http(data, work, args.reps)
-        ray = None if args.skip_ray else bench_ray(size, work, args.reps)
+        load = LoadLog()
+        with load.step("local store and its floor"):
+            local = bench_local(data, work, args.reps)
+        with load.step("store server over HTTP and its floor"):
+            http = bench_http(data, work, args.reps)
+        ray = None
+        if not args.skip_ray:
+            with load.step("Ray object store"):
+                ray = bench_ray(size, work, args.reps)
 
     def mbs(seconds: float) -> str:
         return f"{size / 1e6 / seconds:8.0f} MB/s"
 
-    print(f"\n{args.mb} MB, best of {args.reps} (throughput; ratio = ktlite time / peer time, < 1 is faster)")
+    print(
+        f"\n{args.mb} MB, best of {args.reps} (throughput; ratio = ktlite time / peer time, < 1 is faster)"
+    )
+    print(load.summary())
     print(f"{'row':46} {'put':>13} {'get':>13} {'put ratio':>10} {'get ratio':>10}")
-    rows = [("ktlite local store (kt.put/kt.get)", local["put"], local["get"], None),
-            ("  floor: copyfile + fsync / copyfile", local["floor_put"], local["floor_get"], local),
-            ("ktlite store server over HTTP (as from a pod)", http["put"], http["get"], None),
-            ("  floor: bare FastAPI stream + fsync / FileResponse", http["floor_put"], http["floor_get"], http)]
+    rows = [
+        ("ktlite local store (kt.put/kt.get)", local["put"], local["get"], None),
+        ("  floor: copyfile + fsync / copyfile", local["floor_put"], local["floor_get"], local),
+        ("ktlite store server over HTTP (as from a pod)", http["put"], http["get"], None),
+        (
+            "  floor: bare FastAPI stream + fsync / FileResponse",
+            http["floor_put"],
+            http["floor_get"],
+            http,
+        ),
+    ]
     if ray is not None:
         rows += [("  Ray object store (ray.put/ray.get, in memory)", ray["put"], ray["get"], http)]
     for label, put, get, ours in rows:
         ratio = "" if ours is None else f"{ours['put'] / put:10.2f} {ours['get'] / get:10.2f}"
         print(f"{label:46} {mbs(put):>13} {mbs(get):>13} {ratio}")
+    print(
+        "load average (1 min) before -> after each step:\n"
+        + "\n".join(f"  {line}" for line in load.lines())
+    )
 
 
 if __name__ == "__main__":
