@@ -37,9 +37,11 @@ def client_ray_version() -> str | None:
 def check_client(spec: DeploymentSpec) -> None:
     """Before anything is deployed: what the engine needs on this machine."""
     if spec.distributed.framework == "ray" and client_ray_version() is None:
-        raise ConfigError("distribute('ray') needs Ray on this machine too, at the version of the pods' "
-                          "image (it is checked at .to()): pip install 'ktlite[ray]', or "
-                          "pip install 'ray[default]==<the image's version>'")
+        raise ConfigError(
+            "distribute('ray') needs Ray on this machine too, at the version of the pods' "
+            "image (it is checked at .to()): pip install 'ktlite[ray]', or "
+            "pip install 'ray[default]==<the image's version>'"
+        )
 
 
 def _host_memory() -> int:
@@ -55,17 +57,30 @@ def ray_token(deployment_token: str) -> str:
     return hmac.new(deployment_token.encode(), b"ktlite-ray-cluster", hashlib.sha256).hexdigest()
 
 
-def engine_settings(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: list[str],
-                    master_port: int, launch_id: str, head_url: str | None = None,
-                    token: str | None = None) -> dict[str, Any]:
+def engine_settings(
+    spec: DeploymentSpec,
+    ordinal: int,
+    pod_ips: list[str],
+    pod_names: list[str],
+    master_port: int,
+    launch_id: str,
+    head_url: str | None = None,
+    token: str | None = None,
+) -> dict[str, Any]:
     """Pod ``ordinal``'s engine settings for the deployment's framework."""
     if spec.distributed.framework == "monarch":
         return monarch_host(spec, ordinal, pod_ips, pod_names, master_port, launch_id)
     return ray_node(spec, ordinal, pod_ips, pod_names, master_port, head_url, token)
 
 
-def monarch_host(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: list[str],
-                 master_port: int, launch_id: str) -> dict[str, Any]:
+def monarch_host(
+    spec: DeploymentSpec,
+    ordinal: int,
+    pod_ips: list[str],
+    pod_names: list[str],
+    master_port: int,
+    launch_id: str,
+) -> dict[str, Any]:
     """Pod ``ordinal``'s Monarch worker loop. Pods that share a host (the local backend) talk
     over unix sockets in a directory only this user can enter (Monarch's TCP transport has no
     authentication yet); pods of a cluster over TCP on the pod IP, at a pinned port. Every
@@ -74,11 +89,16 @@ def monarch_host(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_nam
     d = spec.distributed
     one_host = len(set(pod_ips)) == 1
     cfg: dict[str, Any] = {
-        "kind": "monarch", "head": ordinal == 0, "ordinal": ordinal,
+        "kind": "monarch",
+        "head": ordinal == 0,
+        "ordinal": ordinal,
         "transport": "ipc" if one_host else "tcp",
-        "hosts": [{"pod": name, "ip": ip, "port": monarch_port(master_port, k)}
-                  for k, (ip, name) in enumerate(zip(pod_ips, pod_names, strict=True))],
-        "per_host": d.procs_per_host or 1, "generation": launch_id,
+        "hosts": [
+            {"pod": name, "ip": ip, "port": monarch_port(master_port, k)}
+            for k, (ip, name) in enumerate(zip(pod_ips, pod_names, strict=True))
+        ],
+        "per_host": d.procs_per_host or 1,
+        "generation": launch_id,
     }
     if one_host:
         key = hashlib.sha256(f"{spec.name}/{launch_id}".encode()).hexdigest()[:12]
@@ -86,8 +106,15 @@ def monarch_host(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_nam
     return cfg
 
 
-def ray_node(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: list[str],
-             master_port: int, head_url: str | None = None, token: str | None = None) -> dict[str, Any]:
+def ray_node(
+    spec: DeploymentSpec,
+    ordinal: int,
+    pod_ips: list[str],
+    pod_names: list[str],
+    master_port: int,
+    head_url: str | None = None,
+    token: str | None = None,
+) -> dict[str, Any]:
     """Pod ``ordinal``'s Ray node: what ``ktlite_server.raynode`` starts. A worker node asks
     the head's pod server at ``head_url`` whether the head failed, rather than wait it out.
     With the deployment's ``token``, the cluster uses Ray's token authentication."""
@@ -100,14 +127,25 @@ def ray_node(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: 
         store: int | None = max(MIN_OBJECT_STORE, int(memory * (1 - HEAP_SHARE)))
         heap: int | None = max(MIN_OBJECT_STORE, memory - store)
     elif same_host:  # several nodes on this machine: Ray's default (30% of it) each would not fit
-        store, heap = max(MIN_OBJECT_STORE, min(LOCAL_OBJECT_STORE_MAX, int(_host_memory() * 0.3 / len(pod_ips)))), None
+        store, heap = (
+            max(
+                MIN_OBJECT_STORE,
+                min(LOCAL_OBJECT_STORE_MAX, int(_host_memory() * 0.3 / len(pod_ips))),
+            ),
+            None,
+        )
     else:
         store = heap = None  # Ray reads the pod's own limits
     cfg: dict[str, Any] = {
-        "kind": "ray", "head": ordinal == 0, "address": f"{pod_ips[0]}:{head['gcs']}",
-        "node_ip": pod_ips[ordinal], "ports": ports,
+        "kind": "ray",
+        "head": ordinal == 0,
+        "address": f"{pod_ips[0]}:{head['gcs']}",
+        "node_ip": pod_ips[ordinal],
+        "ports": ports,
         "num_cpus": None if pod.cpus is None else max(1, math.floor(pod.cpu_count or 0)),
-        "num_gpus": spec.compute.pod_gpus(ordinal), "memory": heap, "object_store_memory": store,
+        "num_gpus": spec.compute.pod_gpus(ordinal),
+        "memory": heap,
+        "object_store_memory": store,
         "version": client_ray_version(),
     }
     if ordinal and head_url:
@@ -115,6 +153,8 @@ def ray_node(spec: DeploymentSpec, ordinal: int, pod_ips: list[str], pod_names: 
     if token is not None:
         cfg["auth_token"] = ray_token(token)  # a secret: never logged, never in status
     if ordinal == 0:
-        cfg["expected"] = [{"pod": name, "ip": ip, "port": ray_ports(master_port, k)["node_manager"]}
-                           for k, (ip, name) in enumerate(zip(pod_ips, pod_names, strict=True))]
+        cfg["expected"] = [
+            {"pod": name, "ip": ip, "port": ray_ports(master_port, k)["node_manager"]}
+            for k, (ip, name) in enumerate(zip(pod_ips, pod_names, strict=True))
+        ]
     return cfg

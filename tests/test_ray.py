@@ -52,8 +52,10 @@ def cluster_size() -> dict[str, int]:
     import ray
 
     ray.init()
-    return {"nodes": len([n for n in ray.nodes() if n["Alive"]]),
-            "cpus": int(ray.cluster_resources().get("CPU", 0))}
+    return {
+        "nodes": len([n for n in ray.nodes() if n["Alive"]]),
+        "cpus": int(ray.cluster_resources().get("CPU", 0)),
+    }
 
 
 COMPUTE = kt.Compute(cpus=1).distribute("ray", workers=2, worker_node_options={"cpus": 2})
@@ -87,7 +89,9 @@ def test_nodes_sized_head_and_workers(cluster) -> None:
 
 def test_code_only_redeploy_keeps_the_cluster(cluster) -> None:
     before = _engines(cluster)
-    assert all(e["alive"] for e in before) and before[0]["lost"] == [] and len(before[0]["nodes"]) == 3
+    assert (
+        all(e["alive"] for e in before) and before[0]["lost"] == [] and len(before[0]["nodes"]) == 3
+    )
 
     def run_ray_job(n: int = 10) -> int:  # noqa: F811 - new code under the same name
         import ray
@@ -98,7 +102,9 @@ def test_code_only_redeploy_keeps_the_cluster(cluster) -> None:
     again = deploy(run_ray_job)
     assert again() == sum(i * i for i in range(10))
     after = _engines(again)
-    assert [(e["pid"], e["started_at"]) for e in after] == [(e["pid"], e["started_at"]) for e in before]
+    assert [(e["pid"], e["started_at"]) for e in after] == [
+        (e["pid"], e["started_at"]) for e in before
+    ]
 
 
 def test_a_task_error_keeps_its_type(cluster) -> None:
@@ -160,10 +166,16 @@ def test_ray_start_failure_fails_to_with_the_pods_output(tmp_path: Path) -> None
     fake.mkdir(parents=True)
     (tmp_path / "ray" / "__init__.py").write_text("")
     (fake / "__init__.py").write_text("")
-    (fake / "scripts.py").write_text("raise SystemExit('this ray cannot start: broken on purpose')\n")
+    (fake / "scripts.py").write_text(
+        "raise SystemExit('this ray cannot start: broken on purpose')\n"
+    )
     compute = kt.Compute(env={"PYTHONPATH": str(tmp_path)}).distribute("ray", workers=1)
     with pytest.raises(kt.DeployError) as info:
         kt.fn(run_ray_job, name="ray-broken").to(compute)
     text = str(info.value)
-    assert "ray start exited with code 1" in text and "broken on purpose" in text and "ray-broken-0" in text
+    assert (
+        "ray start exited with code 1" in text
+        and "broken on purpose" in text
+        and "ray-broken-0" in text
+    )
     kt.fn(run_ray_job, name="ray-broken").to(kt.Compute()).teardown()

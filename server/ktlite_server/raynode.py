@@ -37,7 +37,11 @@ def auth_env(cfg: dict[str, Any]) -> dict[str, str]:
     the deployment's Ray token, or explicitly none (a ~/.ray/auth_token left by some other
     ray.init() on this machine must not switch one node on and leave another off)."""
     token = cfg.get("auth_token")
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {"RAY_AUTH_MODE": "disabled"}
+    return (
+        {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        if token
+        else {"RAY_AUTH_MODE": "disabled"}
+    )
 
 
 def pod_ray_version() -> str | None:
@@ -50,23 +54,37 @@ def pod_ray_version() -> str | None:
 def start_args(cfg: dict[str, Any], temp_dir: str) -> list[str]:
     """``ray start`` arguments for one node (pure: tested without Ray)."""
     ports = cfg["ports"]
-    args = ["start", "--block", "--disable-usage-stats", f"--node-ip-address={cfg['node_ip']}",
-            f"--temp-dir={temp_dir}",
-            f"--node-manager-port={ports['node_manager']}",
-            f"--object-manager-port={ports['object_manager']}",
-            f"--runtime-env-agent-port={ports['runtime_env_agent']}",
-            f"--dashboard-agent-grpc-port={ports['dashboard_agent_grpc']}",
-            f"--dashboard-agent-listen-port={ports['dashboard_agent_listen']}",
-            f"--metrics-export-port={ports['metrics_export']}",
-            f"--min-worker-port={ports['min_worker']}", f"--max-worker-port={ports['max_worker']}"]
+    args = [
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        f"--node-ip-address={cfg['node_ip']}",
+        f"--temp-dir={temp_dir}",
+        f"--node-manager-port={ports['node_manager']}",
+        f"--object-manager-port={ports['object_manager']}",
+        f"--runtime-env-agent-port={ports['runtime_env_agent']}",
+        f"--dashboard-agent-grpc-port={ports['dashboard_agent_grpc']}",
+        f"--dashboard-agent-listen-port={ports['dashboard_agent_listen']}",
+        f"--metrics-export-port={ports['metrics_export']}",
+        f"--min-worker-port={ports['min_worker']}",
+        f"--max-worker-port={ports['max_worker']}",
+    ]
     if cfg["head"]:
-        args += ["--head", f"--port={ports['gcs']}", f"--ray-client-server-port={ports['client_server']}",
-                 f"--dashboard-port={ports['dashboard']}",
-                 f"--include-dashboard={'true' if cfg.get('dashboard') else 'false'}"]
+        args += [
+            "--head",
+            f"--port={ports['gcs']}",
+            f"--ray-client-server-port={ports['client_server']}",
+            f"--dashboard-port={ports['dashboard']}",
+            f"--include-dashboard={'true' if cfg.get('dashboard') else 'false'}",
+        ]
     else:
         args.append(f"--address={cfg['address']}")
-    for key, flag in (("num_cpus", "--num-cpus"), ("num_gpus", "--num-gpus"), ("memory", "--memory"),
-                      ("object_store_memory", "--object-store-memory")):
+    for key, flag in (
+        ("num_cpus", "--num-cpus"),
+        ("num_gpus", "--num-gpus"),
+        ("memory", "--memory"),
+        ("object_store_memory", "--object-store-memory"),
+    ):
         if cfg.get(key) is not None:
             args.append(f"{flag}={int(cfg[key])}")
     return args
@@ -85,35 +103,59 @@ class RayNode(Engine):
         theirs, ours = pod_ray_version(), self.cfg.get("version")
         image = os.environ.get("KTLITE_IMAGE") or "this pod's image"
         if theirs is None:
-            raise EngineError(f"pod {self.pod}: Ray is not installed in {image} ({sys.executable}); "
-                              f"add it to the image: kt.Image(...).pip_install('ray[default]=={ours or 'X'}'), "
-                              "or use kt.images.ray(...)")
+            raise EngineError(
+                f"pod {self.pod}: Ray is not installed in {image} ({sys.executable}); "
+                f"add it to the image: kt.Image(...).pip_install('ray[default]=={ours or 'X'}'), "
+                "or use kt.images.ray(...)"
+            )
         if ours and theirs != ours:
-            raise EngineError(f"pod {self.pod} has Ray {theirs}, this client Ray {ours}: Ray needs the same "
-                              f"version on the driver's side and the cluster's; install ray=={theirs} here "
-                              f"or pip_install('ray[default]=={ours}') in the image")
+            raise EngineError(
+                f"pod {self.pod} has Ray {theirs}, this client Ray {ours}: Ray needs the same "
+                f"version on the driver's side and the cluster's; install ray=={theirs} here "
+                f"or pip_install('ray[default]=={ours}') in the image"
+            )
         deadline = time.monotonic() + timeout
         if not self.cfg["head"]:
             host, _, port = self.cfg["address"].rpartition(":")
-            await wait_port(host, int(port), deadline, f"pod {self.pod}: the Ray head's GCS at "
-                            f"{self.cfg['address']} (pod 0)", "pod 0's log (remote.logs()) has its ray "
-                            "start output", self._head_failed)
+            await wait_port(
+                host,
+                int(port),
+                deadline,
+                f"pod {self.pod}: the Ray head's GCS at {self.cfg['address']} (pod 0)",
+                "pod 0's log (remote.logs()) has its ray start output",
+                self._head_failed,
+            )
         # short: Ray's unix sockets live under it and their paths must fit 107 bytes
         self.temp_dir = tempfile.mkdtemp(prefix="ktray-")
         env = env_without_token()
         # no drain on SIGTERM (30 s by default, for Ray Serve): ktlite stops a node only when
         # its deployment goes
-        env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-                   **auth_env(self.cfg))
-        cmd = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()",
-               *start_args(self.cfg, self.temp_dir)]
-        self.log("starting Ray " + ("head" if self.cfg["head"] else "worker node") + f" on {self.cfg['node_ip']}")
+        env.update(
+            RAY_USAGE_STATS_ENABLED="0",
+            PYTHONUNBUFFERED="1",
+            RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+            **auth_env(self.cfg),
+        )
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()",
+            *start_args(self.cfg, self.temp_dir),
+        ]
+        self.log(
+            "starting Ray "
+            + ("head" if self.cfg["head"] else "worker node")
+            + f" on {self.cfg['node_ip']}"
+        )
         started = self._expect(STARTED)
         await self._spawn(cmd, env)
         if not await self._until(started.wait(), deadline - time.monotonic()):
             assert self.proc is not None
-            why = (f"exited with code {self.proc.returncode}" if not self.alive
-                   else f"did not report '{STARTED}' within {timeout:.0f}s")
+            why = (
+                f"exited with code {self.proc.returncode}"
+                if not self.alive
+                else f"did not report '{STARTED}' within {timeout:.0f}s"
+            )
             await self.stop()
             raise EngineError(f"pod {self.pod}: ray start {why}; its output:\n{self.tail()}")
         self.started_at = time.time()
@@ -132,12 +174,16 @@ class RayNode(Engine):
         found = await nodes(cfg, len(expected), timeout)
         missing = missing_nodes(expected, found)
         if missing:
-            names = ", ".join(f"{e['pod']} ({e['ip']}, node manager port {e['port']})" for e in missing)
+            names = ", ".join(
+                f"{e['pod']} ({e['ip']}, node manager port {e['port']})" for e in missing
+            )
             joined = ", ".join(f"{n['ip']}:{n['port']}" for n in found if n["alive"]) or "none"
-            raise EngineError(f"{len(expected) - len(missing)} of {len(expected)} Ray nodes joined the head "
-                              f"at {cfg['address']} within {timeout:.0f}s; missing: {names} (alive in "
-                              f"the cluster: {joined}). Their pods' own errors follow, or their logs "
-                              "(remote.logs()) hold ray start's output")
+            raise EngineError(
+                f"{len(expected) - len(missing)} of {len(expected)} Ray nodes joined the head "
+                f"at {cfg['address']} within {timeout:.0f}s; missing: {names} (alive in "
+                f"the cluster: {joined}). Their pods' own errors follow, or their logs "
+                "(remote.logs()) hold ray start's output"
+            )
 
     async def cluster_status(self) -> dict[str, Any]:
         """This node, and on the head the cluster's nodes with the lost ones named."""
@@ -173,11 +219,17 @@ class RayNode(Engine):
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "address": self.cfg["address"], "node_ip": self.cfg["node_ip"],
-                "temp_dir": self.temp_dir}
+        return {
+            **super().status(),
+            "address": self.cfg["address"],
+            "node_ip": self.cfg["node_ip"],
+            "temp_dir": self.temp_dir,
+        }
 
 
-def missing_nodes(expected: list[dict[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def missing_nodes(
+    expected: list[dict[str, Any]], found: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The expected Ray nodes (``{"pod", "ip", "port"}``) the GCS does not list alive. Nodes
     that share a host (the local backend) are told apart by port alone: Ray reports a node
     given 127.0.0.1 by the host's own address."""
@@ -194,17 +246,30 @@ async def nodes(cfg: dict[str, Any], want: int, timeout: float) -> list[dict[str
     env = env_without_token()
     env.update(auth_env(cfg))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ktlite_server.ray_probe", address, str(want), str(timeout),
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+        sys.executable,
+        "-m",
+        "ktlite_server.ray_probe",
+        address,
+        str(want),
+        str(timeout),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout + PROBE_TIMEOUT_S)
     except asyncio.TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
-        raise EngineError(f"asking the Ray GCS at {address} for its nodes took over "
-                          f"{timeout + PROBE_TIMEOUT_S:.0f}s") from None
+        raise EngineError(
+            f"asking the Ray GCS at {address} for its nodes took over "
+            f"{timeout + PROBE_TIMEOUT_S:.0f}s"
+        ) from None
     if proc.returncode != 0:
-        raise EngineError(f"asking the Ray GCS at {address} for its nodes failed: "
-                          f"{err.decode(errors='replace').strip()[-2000:]}")
+        raise EngineError(
+            f"asking the Ray GCS at {address} for its nodes failed: "
+            f"{err.decode(errors='replace').strip()[-2000:]}"
+        )
     return list(json.loads(out)["nodes"])
