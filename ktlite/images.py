@@ -210,7 +210,15 @@ def pytorch(tag: str = "24.08-py3") -> Image:
     return Image(f"nvcr.io/nvidia/pytorch:{tag}")
 
 
-def ray(tag: str = "2.60.0-py311") -> Image:
+def ray(tag: str = "2.60.0-py311", *, v: str | None = None) -> Image:
+    """Ray's image, ``rayproject/ray:<tag>`` (``v=`` is Kubetorch's name for the tag). The
+    client's Ray must be the same version (checked at ``.to()``)."""
+    tag = v if v is not None else tag
+    if not isinstance(tag, str) or not tag.strip() or any(c.isspace() or c in ":/@" for c in tag):
+        raise ConfigError(
+            f"kt.images.ray(tag={tag!r}) must be a tag of rayproject/ray, a string such as "
+            "'2.60.0-py311' (Ray's version, then the Python it runs)"
+        )
     return Image(f"rayproject/ray:{tag}")
 
 
@@ -243,5 +251,6 @@ def Pytorch2312() -> Image:  # noqa: N802
     return pytorch("23.12-py3")
 
 
-def Ray() -> Image:  # noqa: N802
-    return ray()
+def Ray(tag: str = "2.60.0-py311", *, v: str | None = None) -> Image:  # noqa: N802
+    """Kubetorch's spelling of :func:`ray`: ``kt.images.Ray("2.32.0-py311")``."""
+    return ray(tag, v=v)

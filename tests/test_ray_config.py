@@ -208,6 +208,18 @@ def test_head_names_the_nodes_that_did_not_join() -> None:
     )
 
 
+def test_the_seeds_ray_image_spelling() -> None:
+    assert kt.images.Ray("2.32.0-py311").image_id == "rayproject/ray:2.32.0-py311"  # seed 004
+    # Kubetorch's keyword for the tag
+    assert kt.images.ray(v="2.60.0-py312").image_id == "rayproject/ray:2.60.0-py312"
+    assert kt.images.Ray().image_id == kt.images.ray().image_id == "rayproject/ray:2.60.0-py311"
+    for bad in (2.32, "", "2.32 py311", "rayproject/ray:2.32.0"):
+        with pytest.raises(
+            kt.ConfigError, match="kt.images.ray\\(tag=.*must be a tag of rayproject/ray"
+        ):
+            kt.images.Ray(bad)
+
+
 def test_a_pod_without_ray_names_its_image_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(raynode, "pod_ray_version", lambda: None)
     monkeypatch.setenv("KTLITE_IMAGE", "python:3.11-slim")
