@@ -179,3 +179,15 @@ def test_ray_start_failure_fails_to_with_the_pods_output(tmp_path: Path) -> None
         and "ray-broken-0" in text
     )
     kt.fn(run_ray_job, name="ray-broken").to(kt.Compute()).teardown()
+
+
+def test_a_head_alone_forms_and_runs() -> None:
+    remote = kt.fn(cluster_size, name="ray-alone").to(
+        kt.Compute(cpus=1).distribute("ray", workers=0)
+    )
+    try:
+        assert remote() == {"nodes": 1, "cpus": 1}
+        head = remote.status()[0]["engine"]
+        assert head["lost"] == [] and [n["alive"] for n in head["nodes"]] == [True]
+    finally:
+        remote.teardown()

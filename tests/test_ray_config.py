@@ -158,6 +158,30 @@ def test_local_nodes_cap_their_object_store() -> None:
     assert cfg["ports"]["node_manager"] == 20000 + 32 + 64 + 1
 
 
+def test_local_object_stores_stay_bounded_whatever_memory_says() -> None:
+    # the seed's memory="16Gi" on 5 nodes of one machine: 4.8 GiB of /dev/shm each before
+    spec = DeploymentSpec(name="r", compute=kt.Compute(memory="16Gi").distribute("ray", workers=4))
+    ips, names = ["127.0.0.1"] * 5, [f"r-{k}" for k in range(5)]
+    for k in range(5):
+        cfg = engines.ray_node(spec, k, ips, names, 20000, one_machine=True)
+        assert (
+            engines.MIN_OBJECT_STORE <= cfg["object_store_memory"] <= engines.LOCAL_OBJECT_STORE_MAX
+        )
+        assert cfg["memory"] + cfg["object_store_memory"] == 16 * 2**30  # the heap is the rest
+    # a head alone on this machine (one pod: no address repeats) is bounded too
+    alone = DeploymentSpec(name="a", compute=kt.Compute().distribute("ray", workers=0))
+    cfg = engines.ray_node(alone, 0, ["127.0.0.1"], ["a-0"], 20000, one_machine=True)
+    assert engines.MIN_OBJECT_STORE <= cfg["object_store_memory"] <= engines.LOCAL_OBJECT_STORE_MAX
+    # a small pod's store stays within its own 30%
+    small = DeploymentSpec(name="s", compute=kt.Compute(memory="1Gi").distribute("ray", workers=1))
+    assert engines.ray_node(small, 1, ["127.0.0.1"] * 2, ["s-0", "s-1"], 20000, one_machine=True)[
+        "object_store_memory"
+    ] == int(2**30 * 0.3)
+    # pods of their own machines split their memory 70/30, as before
+    cfg = engines.ray_node(spec, 1, [f"10.0.0.{k}" for k in range(5)], names, 20000)
+    assert cfg["object_store_memory"] == int(16 * 2**30 * 0.3)
+
+
 def test_manifests_size_head_and_worker_pods_apart() -> None:
     spec = _spec(worker_node_options={"gpus": 1, "cpus": "4", "memory": "16Gi"})
     objs = km.render(spec, "default", image="rayproject/ray:2.60.0-py311", install="none")
@@ -206,6 +230,25 @@ def test_head_names_the_nodes_that_did_not_join() -> None:
         )
         == []
     )
+    # a head alone (workers=0) is reported by the host's address too
+    alone = [{"pod": "r-0", "ip": "127.0.0.1", "port": 20033}]
+    assert raynode.missing_nodes(alone, [{"ip": "192.0.2.2", "port": 20033, "alive": True}]) == []
+    assert (
+        raynode.missing_nodes(alone, [{"ip": "192.0.2.2", "port": 20033, "alive": False}]) == alone
+    )
+
+
+def test_every_pod_is_told_where_the_others_say_their_node_failed() -> None:
+    ips, names = ["10.0.0.5", "10.0.0.6", "10.0.0.7"], ["rayjob-0", "rayjob-1", "rayjob-2"]
+    urls = [f"http://{ip}:32300" for ip in ips]
+    head = engines.engine_settings(_spec(), 0, ips, names, 29500, "l1", urls)
+    assert [e.get("health") for e in head["expected"]] == [
+        None,
+        f"{urls[1]}/health",
+        f"{urls[2]}/health",
+    ]
+    worker = engines.engine_settings(_spec(), 2, ips, names, 29500, "l1", urls)
+    assert worker["head_health"] == f"{urls[0]}/health" and "expected" not in worker
 
 
 def test_the_seeds_ray_image_spelling() -> None:

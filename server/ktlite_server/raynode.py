@@ -231,9 +231,10 @@ def missing_nodes(
     expected: list[dict[str, Any]], found: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """The expected Ray nodes (``{"pod", "ip", "port"}``) the GCS does not list alive. Nodes
-    that share a host (the local backend) are told apart by port alone: Ray reports a node
-    given 127.0.0.1 by the host's own address."""
-    one_host = len({e["ip"] for e in expected}) == 1 and len(expected) > 1
+    of one host (the local backend; a head alone there too) are told apart by port alone: Ray
+    reports a node given 127.0.0.1 by the host's own address, and every pod's node has ports
+    of its own."""
+    one_host = len({e["ip"] for e in expected}) == 1
     alive = {n["port"] if one_host else (n["ip"], n["port"]) for n in found if n["alive"]}
     return [e for e in expected if (e["port"] if one_host else (e["ip"], e["port"])) not in alive]
 
