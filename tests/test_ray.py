@@ -87,6 +87,19 @@ def test_nodes_sized_head_and_workers(cluster) -> None:
     assert deploy(cluster_size)() == {"nodes": 3, "cpus": 1 + 2 + 2}
 
 
+def test_nodes_wait_for_startup_as_long_as_the_launch_timeout(cluster) -> None:
+    # Ray's own startup waits (10-30 s) gave up on a busy machine while ktlite still waited
+    want = str(int(COMPUTE.launch_timeout))
+    for engine in _engines(cluster):
+        env = dict(
+            kv.split("=", 1)
+            for kv in Path(f"/proc/{engine['pid']}/environ").read_text().split("\0")
+            if "=" in kv
+        )
+        assert env["RAY_raylet_start_wait_time_s"] == env["RAY_gcs_server_port_wait_time_s"] == want
+        assert env["RAY_agent_register_timeout_ms"] == want + "000"
+
+
 def test_code_only_redeploy_keeps_the_cluster(cluster) -> None:
     before = _engines(cluster)
     assert (
@@ -179,6 +192,48 @@ def test_ray_start_failure_fails_to_with_the_pods_output(tmp_path: Path) -> None
         and "ray-broken-0" in text
     )
     kt.fn(run_ray_job, name="ray-broken").to(kt.Compute()).teardown()
+
+
+def _free_master_port(compute: kt.Compute) -> int:
+    """A MASTER_PORT whose whole span of ports is free here now."""
+    from ktlite.spec import port_free
+
+    span = compute.distributed.port_span
+    for base in range(31000, 60000, 1009):
+        if all(port_free(p) for p in range(base, base + span)):
+            return base
+    raise AssertionError("no free span of ports for the test's deployment")
+
+
+def test_a_worker_whose_ray_start_fails_is_reported_with_its_own_error() -> None:
+    import socket
+
+    from ktlite.backends.local import LocalBackend
+    from ktlite.spec import ray_ports
+
+    port = _free_master_port(kt.Compute().distribute("ray", workers=1))
+    compute = kt.Compute(launch_timeout=120).distribute("ray", workers=1, port=port)
+    held = ray_ports(port, 1)["node_manager"]  # the worker's raylet cannot bind it
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("", held))
+            sock.listen()
+            with pytest.raises(kt.DeployError) as info:
+                kt.fn(run_ray_job, name="ray-held").to(compute)
+    finally:
+        LocalBackend.shared().teardown("ray-held")
+    text = str(info.value)
+    # the worker's own error: what its raylet logged, not the head's timeout
+    assert (
+        "rank 1 on pod ray-held-1" in text and "raylet.out" in text and f"port is {held}" in text
+    ), text
+    assert "joined the head" not in text, text
+    # and the head stopped waiting for it
+    assert (
+        "rank 0 on pod ray-held-0: the Ray cluster at" in text
+        and "- pod ray-held-1: ray start failed" in text
+    )
 
 
 def test_a_head_alone_forms_and_runs() -> None:

@@ -251,6 +251,40 @@ def test_every_pod_is_told_where_the_others_say_their_node_failed() -> None:
     assert worker["head_health"] == f"{urls[0]}/health" and "expected" not in worker
 
 
+def test_ray_waits_as_long_as_the_launch_timeout() -> None:
+    env = raynode.startup_env(120)
+    assert env == {
+        "RAY_raylet_start_wait_time_s": "120",
+        "RAY_gcs_server_port_wait_time_s": "120",
+        "RAY_agent_register_timeout_ms": "120000",
+    }
+    assert (
+        raynode.startup_env(0.5)["RAY_raylet_start_wait_time_s"] == "1"
+    )  # Ray takes whole seconds
+
+
+def test_a_fatal_line_in_the_nodes_logs_is_found(tmp_path) -> None:
+    logs = tmp_path / "session_latest" / "logs"
+    assert raynode.fatal_line(str(tmp_path)) is None  # ray start has not got that far
+    logs.mkdir(parents=True)
+    (logs / "raylet.out").write_text(
+        "[2026-11-26 06:25:25,101 I 11723 11723] (raylet) main.cc:280: Setting cluster ID to: 5f1\n"
+        "[2026-11-26 06:25:25,150 W 11723 11723] (raylet) store.cc:40: a warning\n"
+    )
+    assert raynode.fatal_line(str(tmp_path)) is None
+    with open(logs / "raylet.out", "a") as f:
+        f.write(
+            "[2026-11-26 06:25:25,211 C 11723 11723] (raylet) grpc_server.cc:134: Check failed: "
+            "server_ Failed to start the grpc server. The specified port is 24161.\n*** StackTrace ***\n"
+        )
+    line = raynode.fatal_line(str(tmp_path))
+    assert (
+        line is not None
+        and line.startswith("raylet.out: [2026")
+        and "The specified port is 24161" in line
+    )
+
+
 def test_the_seeds_ray_image_spelling() -> None:
     assert kt.images.Ray("2.32.0-py311").image_id == "rayproject/ray:2.32.0-py311"  # seed 004
     # Kubetorch's keyword for the tag

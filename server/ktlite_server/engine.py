@@ -174,19 +174,24 @@ class Engine:
         self._lines.append((text, seen))
         return seen
 
-    async def _until(self, ready: Awaitable[Any], timeout: float) -> bool:
-        """Wait for ``ready`` until ``timeout`` or the process's end; whether it came."""
+    async def _until(
+        self, ready: Awaitable[Any], timeout: float, failed: Awaitable[Any] | None = None
+    ) -> bool:
+        """Wait for ``ready`` until ``timeout``, the process's end or ``failed`` (a sign that
+        it will never come); whether it came."""
         waiter = asyncio.ensure_future(ready)
         assert self._reader is not None
+        also = [asyncio.ensure_future(failed)] if failed is not None else []
         try:
             await asyncio.wait(
-                [waiter, self._reader],
+                [waiter, self._reader, *also],
                 timeout=max(0.0, timeout),
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            if not waiter.done():
-                waiter.cancel()
+            for task in (waiter, *also):
+                if not task.done():
+                    task.cancel()
         return waiter.done() and not waiter.cancelled() and waiter.exception() is None
 
     async def _read(self) -> None:
