@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
+from ktlite_server.ray_members import FRESH_S
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -244,5 +245,36 @@ def test_a_head_alone_forms_and_runs() -> None:
         assert remote() == {"nodes": 1, "cpus": 1}
         head = remote.status()[0]["engine"]
         assert head["lost"] == [] and [n["alive"] for n in head["nodes"]] == [True]
+    finally:
+        remote.teardown()
+
+
+SLOW_PROBE = """\
+import time
+try:
+    with open("/proc/self/cmdline", "rb") as f:
+        cmdline = f.read()
+except OSError:
+    cmdline = b""
+if b"ktlite_server.ray_probe" in cmdline:
+    time.sleep(8)  # Ray's import in the probe, on a busy machine
+"""
+
+
+def test_status_answers_while_the_gcs_probe_is_slow(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(SLOW_PROBE)
+    compute = kt.Compute(cpus=1, env={"PYTHONPATH": str(tmp_path)}).distribute("ray", workers=0)
+    remote = kt.fn(cluster_size, name="ray-slow-probe").to(compute)
+    try:
+        time.sleep(FRESH_S + 0.5)  # the list is no longer fresh: status asks the GCS again, slowly
+        head = remote.status()[0]["engine"]  # the client gives /status 5 s
+        assert head["alive"] and head["probe"] == "pending" and head["lost"] == [], head
+        assert [n["alive"] for n in head["nodes"]] == [True]  # the last list the GCS gave
+        first = head["nodes_as_of"]
+        deadline = time.monotonic() + 120
+        while head["nodes_as_of"] == first and time.monotonic() < deadline:
+            time.sleep(1)
+            head = remote.status()[0]["engine"]
+        assert head["nodes_as_of"] > first and head["lost"] == []  # the slow probe's answer came
     finally:
         remote.teardown()

@@ -1,8 +1,10 @@
 """The members of a pod's Ray cluster, as the head's pod server knows them.
 
 The GCS is asked in a subprocess (``ktlite_server.ray_probe``): the pod server never imports
-Ray. The pods' servers say whether their node failed (``engine_failed`` in ``/health``): the
-head stops waiting for a node that never comes.
+Ray. That probe imports Ray first, which takes seconds on a busy machine, so ``status()``
+never waits for one: :class:`Members` answers from the last list the GCS gave (with its
+time), and refreshes it in the background. The pods' servers say whether their node failed
+(``engine_failed`` in ``/health``): the head stops waiting for a node that never comes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -18,6 +21,8 @@ import httpx
 from ktlite_server.engine import EngineError, env_without_token
 
 PROBE_TIMEOUT_S = 15.0  # beyond its own wait, for the probe to import Ray and answer
+FRESH_S = 2.0  # a list younger than this is not asked again
+STATUS_WAIT_S = 1.0  # how long status() waits for a fresh list before it answers the last one
 
 
 def auth_env(cfg: dict[str, Any]) -> dict[str, str]:
@@ -101,3 +106,52 @@ async def failed_members(
     asking = [e for e in expected if e.get("health")]
     answers = await asyncio.gather(*(engine_failed(client, e["health"], launch_id) for e in asking))
     return [(e["pod"], why) for e, why in zip(asking, answers, strict=True) if why]
+
+
+class Members:
+    """The head's last list of its cluster's nodes, refreshed in the background."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.found: list[dict[str, Any]] | None = None
+        self.at: float | None = None  # time.time() of the list
+        self.error: str | None = None  # the last probe's failure, if it failed
+        self._probe: asyncio.Task[None] | None = None
+
+    def seed(self, found: list[dict[str, Any]]) -> None:
+        self.found, self.at, self.error = found, time.time(), None
+
+    async def snapshot(self, wait: float = STATUS_WAIT_S) -> dict[str, Any]:
+        """``nodes`` and ``lost`` as of ``nodes_as_of``; ``probe`` is "pending" while a fresher
+        list is being asked for (at most ``wait`` seconds are spent waiting for it here)."""
+        if self._probe is None and (self.at is None or time.time() - self.at >= FRESH_S):
+            self._probe = asyncio.get_running_loop().create_task(self._refresh())
+        if self._probe is not None:
+            await asyncio.wait(
+                [self._probe], timeout=wait
+            )  # never cancels it: the next status gets it
+        out: dict[str, Any] = {
+            "nodes_as_of": self.at,
+            "probe": "pending" if self._probe is not None else "done",
+        }
+        if self.found is not None:
+            out["nodes"] = self.found
+            out["lost"] = [e["pod"] for e in missing_nodes(self.cfg["expected"], self.found)]
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+    async def _refresh(self) -> None:
+        try:
+            self.seed(await nodes(self.cfg, 0, 0))
+        except EngineError as e:
+            self.error = str(e)
+        finally:
+            self._probe = None
+
+    async def close(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe

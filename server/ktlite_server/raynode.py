@@ -11,7 +11,7 @@ deployment's range, the pod's CPUs, GPUs and memory. A deploy with the same sett
 the running node (a code-only redeploy does not restart Ray). Ray's own startup waits are
 the deployment's ``launch_timeout`` (:func:`startup_env`), and a node whose raylet or GCS
 dies while ``ray start`` waits fails at once with the line Ray logged (:func:`fatal_line`).
-The head asks its GCS for the cluster's members through ``ktlite_server.ray_members``.
+The head knows the cluster's members through ``ktlite_server.ray_members``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from typing import Any
 
 import httpx
 
-from ktlite_server.engine import Engine, EngineError, env_without_token, wait_port
+from ktlite_server.engine import STOP_GRACE_S, Engine, EngineError, env_without_token, wait_port
 from ktlite_server.ray_members import (
+    Members,
     auth_env,
     engine_failed,
     failed_members,
@@ -134,6 +135,7 @@ class RayNode(Engine):
     def __init__(self, cfg: dict[str, Any], pod: str, log: Any, launch_id: str = "") -> None:
         super().__init__(cfg, pod, log, launch_id)
         self.temp_dir = ""
+        self.members = Members(cfg) if cfg.get("head") else None
 
     async def start(self, timeout: float) -> None:
         """Start the node and wait until Ray says it runs (the node is then registered with
@@ -259,18 +261,15 @@ class RayNode(Engine):
                 f"the cluster: {joined}). Their pods' own errors follow, or their logs "
                 "(remote.logs()) hold ray start's output"
             )
+        assert self.members is not None
+        self.members.seed(found)
 
     async def cluster_status(self) -> dict[str, Any]:
-        """This node, and on the head the cluster's nodes with the lost ones named."""
+        """This node, and on the head the cluster's nodes with the lost ones named, as of
+        ``nodes_as_of`` (the last list the GCS gave: asking it can take seconds)."""
         out = self.status()
-        if self.cfg["head"] and self.alive:
-            try:
-                found = await nodes(self.cfg, 0, 0)
-            except EngineError as e:
-                out["error"] = str(e)
-            else:
-                out["nodes"] = found
-                out["lost"] = [e["pod"] for e in missing_nodes(self.cfg["expected"], found)]
+        if self.members is not None and self.alive:
+            out.update(await self.members.snapshot())
         return out
 
     async def _head_failed(self) -> str | None:
@@ -280,6 +279,11 @@ class RayNode(Engine):
             return None
         async with httpx.AsyncClient(timeout=1.0) as client:
             return await engine_failed(client, url, self.launch_id)
+
+    async def stop(self, grace: float = STOP_GRACE_S) -> None:
+        if self.members is not None:
+            await self.members.close()  # a status probe under way
+        await super().stop(grace)
 
     def _cleanup(self) -> None:
         if self.temp_dir:
