@@ -178,8 +178,8 @@ class Deployment:
                 msg["store"] = store.result()
             if d.engine:
                 msg["engine"] = engines.engine_settings(self.spec, ep.ordinal, ips, names, self.applied.master_port,
-                                                        self.launch_id, self.endpoints[0].peer_url,
-                                                        self.applied.token)
+                                                        self.launch_id, [e.peer_url for e in self.endpoints],
+                                                        self.applied.token, self.applied.same_host)
             return self.client.deploy(ep.url, protocol.dumps(msg), timeout + 30)
 
         outcomes = [o for outs in _pool.map(one, self.endpoints) for o in outs]

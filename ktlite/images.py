@@ -43,18 +43,36 @@ class Image:
     python_path: str | None = None
     install_cmd: str | None = None
 
-    def __init__(self, image_id: str | None = None, *, base: str | None = None,
-                 steps: tuple[tuple[str, Any], ...] = (), freeze: bool = False, name: str | None = None,
-                 python_path: str | None = None, install_cmd: str | None = None) -> None:
+    def __init__(
+        self,
+        image_id: str | None = None,
+        *,
+        base: str | None = None,
+        steps: tuple[tuple[str, Any], ...] = (),
+        freeze: bool = False,
+        name: str | None = None,
+        python_path: str | None = None,
+        install_cmd: str | None = None,
+    ) -> None:
         chosen = image_id or base or DEFAULT_IMAGE
         if not isinstance(chosen, str) or not chosen.strip() or any(c.isspace() for c in chosen):
-            raise ConfigError(f"Image(image_id={chosen!r}) must be an image reference like 'python:3.11-slim'")
-        if python_path is not None and (not isinstance(python_path, str) or not python_path.startswith("/")):
-            raise ConfigError(f"Image(python_path={python_path!r}) must be an absolute path in the image, "
-                              "e.g. '/opt/conda/bin/python'")
-        if install_cmd is not None and (not isinstance(install_cmd, str) or not install_cmd.strip()):
-            raise ConfigError(f"Image(install_cmd={install_cmd!r}) must be a command such as "
-                              "'uv pip install --system'")
+            raise ConfigError(
+                f"Image(image_id={chosen!r}) must be an image reference like 'python:3.11-slim'"
+            )
+        if python_path is not None and (
+            not isinstance(python_path, str) or not python_path.startswith("/")
+        ):
+            raise ConfigError(
+                f"Image(python_path={python_path!r}) must be an absolute path in the image, "
+                "e.g. '/opt/conda/bin/python'"
+            )
+        if install_cmd is not None and (
+            not isinstance(install_cmd, str) or not install_cmd.strip()
+        ):
+            raise ConfigError(
+                f"Image(install_cmd={install_cmd!r}) must be a command such as "
+                "'uv pip install --system'"
+            )
         object.__setattr__(self, "image_id", chosen)
         object.__setattr__(self, "steps", tuple(steps))
         object.__setattr__(self, "freeze", bool(freeze))
@@ -99,17 +117,23 @@ class Image:
             elif word == "RUN":
                 image = image.run_bash(rest)
             elif word == "ENV":
-                pairs = dict(p.split("=", 1) for p in shlex.split(rest) if "=" in p) if "=" in rest.split()[0] \
+                pairs = (
+                    dict(p.split("=", 1) for p in shlex.split(rest) if "=" in p)
+                    if "=" in rest.split()[0]
                     else dict([rest.split(None, 1)])
+                )
                 image = image.set_env_vars(pairs)
             elif word in ("ARG", "LABEL", "WORKDIR", "EXPOSE", "USER", "SHELL"):
-                raise ConfigError(f"{path}: {word} is not replayed at pod start ({line!r}); remove it, "
-                                  "or build the image and pass kt.Image('your/image:tag', freeze=True)")
+                raise ConfigError(
+                    f"{path}: {word} is not replayed at pod start ({line!r}); remove it, "
+                    "or build the image and pass kt.Image('your/image:tag', freeze=True)"
+                )
             else:
                 raise NotImplementedError(
                     f"{path}: {word} ({line!r}) is not supported by Image.from_dockerfile: ktlite replays "
                     "FROM, RUN and ENV at pod start. Ship files with the function's own modules (ktlite "
-                    "packs what it imports) or kt.put/kt.get, and run a command with kt.app")
+                    "packs what it imports) or kt.put/kt.get, and run a command with kt.app"
+                )
         if image is None:
             raise ConfigError(f"{path} has no FROM line")
         return image
@@ -118,25 +142,30 @@ class Image:
         raise NotImplementedError(
             f"Image.sync_package({package!r}) is not supported: ktlite ships the local modules and "
             "packages your function imports with every .to() (no rsync); a package from an index: "
-            ".pip_install([...])")
+            ".pip_install([...])"
+        )
 
     def copy(self, source: str, dest: str | None = None, *args: Any, **kwargs: Any) -> Image:
         raise NotImplementedError(
             f"Image.copy({source!r}) is not supported: ktlite ships the code your function imports with "
-            "every .to(); for data files use kt.put(key, path) here and kt.get(key, dest) on the pods")
+            "every .to(); for data files use kt.put(key, path) here and kt.get(key, dest) on the pods"
+        )
 
     def rsync(self, source: str, dest: str | None = None, *args: Any, **kwargs: Any) -> Image:
         raise NotImplementedError(
             f"Image.rsync({source!r}) (Kubetorch's old name of copy) is not supported: ktlite ships the code "
             "your function imports with every .to(); for data files use kt.put(key, path) here and "
-            "kt.get(key, dest) on the pods")
+            "kt.get(key, dest) on the pods"
+        )
 
     def pip_install(self, packages: str | list[str], force: bool = False) -> Image:
         """Install ``packages`` at pod start (cached across container restarts of a pod);
         ``force=True`` reinstalls them (``pip install --force-reinstall``)."""
         pkgs = [packages] if isinstance(packages, str) else list(packages)
         if not pkgs or not all(isinstance(p, str) and p.strip() for p in pkgs):
-            raise ConfigError(f"pip_install({packages!r}) needs package names such as 'numpy' or ['numpy']")
+            raise ConfigError(
+                f"pip_install({packages!r}) needs package names such as 'numpy' or ['numpy']"
+            )
         if force:
             pkgs = ["--force-reinstall", *pkgs]
         return replace(self, steps=(*self.steps, ("pip_install", tuple(pkgs))))
@@ -149,7 +178,9 @@ class Image:
         return replace(self, steps=(*self.steps, ("run_bash", command)))
 
     def set_env_vars(self, env: dict[str, str]) -> Image:
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
             raise ConfigError(f"set_env_vars({env!r}) needs a dict of str to str")
         return replace(self, steps=(*self.steps, ("env", tuple(sorted(env.items())))))
 
@@ -179,7 +210,15 @@ def pytorch(tag: str = "24.08-py3") -> Image:
     return Image(f"nvcr.io/nvidia/pytorch:{tag}")
 
 
-def ray(tag: str = "2.60.0-py311") -> Image:
+def ray(tag: str = "2.60.0-py311", *, v: str | None = None) -> Image:
+    """Ray's image, ``rayproject/ray:<tag>`` (``v=`` is Kubetorch's name for the tag). The
+    client's Ray must be the same version (checked at ``.to()``)."""
+    tag = v if v is not None else tag
+    if not isinstance(tag, str) or not tag.strip() or any(c.isspace() or c in ":/@" for c in tag):
+        raise ConfigError(
+            f"kt.images.ray(tag={tag!r}) must be a tag of rayproject/ray, a string such as "
+            "'2.60.0-py311' (Ray's version, then the Python it runs)"
+        )
     return Image(f"rayproject/ray:{tag}")
 
 
@@ -212,5 +251,6 @@ def Pytorch2312() -> Image:  # noqa: N802
     return pytorch("23.12-py3")
 
 
-def Ray() -> Image:  # noqa: N802
-    return ray()
+def Ray(tag: str = "2.60.0-py311", *, v: str | None = None) -> Image:  # noqa: N802
+    """Kubetorch's spelling of :func:`ray`: ``kt.images.Ray("2.32.0-py311")``."""
+    return ray(tag, v=v)

@@ -68,8 +68,14 @@ def env_without_token() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "KTLITE_TOKEN"}
 
 
-async def wait_port(host: str, port: int, deadline: float, what: str, hint: str,
-                    gave_up: Callable[[], Awaitable[str | None]] | None = None) -> None:
+async def wait_port(
+    host: str,
+    port: int,
+    deadline: float,
+    what: str,
+    hint: str,
+    gave_up: Callable[[], Awaitable[str | None]] | None = None,
+) -> None:
     """Until ``host:port`` accepts a connection; ``gave_up()`` (every 0.5 s) says why it
     never will (the head failed), or None. ``hint`` ends the timeout's message: where to look."""
     last = ""
@@ -87,8 +93,10 @@ async def wait_port(host: str, port: int, deadline: float, what: str, hint: str,
             asked = time.monotonic()
             why = await gave_up()
             if why:
-                raise EngineError(f"{what} will not answer: the head could not start its engine "
-                                  f"({why.splitlines()[0]})")
+                raise EngineError(
+                    f"{what} will not answer: the head could not start its engine "
+                    f"({why.splitlines()[0]})"
+                )
         await asyncio.sleep(0.05)
 
 
@@ -136,8 +144,13 @@ class Engine:
         return self.status()
 
     def status(self) -> dict[str, Any]:
-        return {"kind": self.kind, "head": bool(self.cfg.get("head")), "pid": self.proc.pid if self.proc else None,
-                "alive": self.alive, "started_at": self.started_at}
+        return {
+            "kind": self.kind,
+            "head": bool(self.cfg.get("head")),
+            "pid": self.proc.pid if self.proc else None,
+            "alive": self.alive,
+            "started_at": self.started_at,
+        }
 
     def _cleanup(self) -> None:
         """After the process tree is gone: remove what it left on disk."""
@@ -146,8 +159,13 @@ class Engine:
 
     async def _spawn(self, cmd: list[str], env: dict[str, str]) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+            *cmd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            preexec_fn=die_with_parent,
+        )
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     def _expect(self, text: str) -> asyncio.Event:
@@ -156,15 +174,24 @@ class Engine:
         self._lines.append((text, seen))
         return seen
 
-    async def _until(self, ready: Awaitable[Any], timeout: float) -> bool:
-        """Wait for ``ready`` until ``timeout`` or the process's end; whether it came."""
+    async def _until(
+        self, ready: Awaitable[Any], timeout: float, failed: Awaitable[Any] | None = None
+    ) -> bool:
+        """Wait for ``ready`` until ``timeout``, the process's end or ``failed`` (a sign that
+        it will never come); whether it came."""
         waiter = asyncio.ensure_future(ready)
         assert self._reader is not None
+        also = [asyncio.ensure_future(failed)] if failed is not None else []
         try:
-            await asyncio.wait([waiter, self._reader], timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [waiter, self._reader, *also],
+                timeout=max(0.0, timeout),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
-            if not waiter.done():
-                waiter.cancel()
+            for task in (waiter, *also):
+                if not task.done():
+                    task.cancel()
         return waiter.done() and not waiter.cancelled() and waiter.exception() is None
 
     async def _read(self) -> None:

@@ -348,10 +348,9 @@ class Pod:
         try:
             await self._ensure_engine(dep)
         except EngineError as e:
-            # worker nodes waiting for this head learn it from /health and stop waiting
+            # peers waiting for this pod's engine learn it from /health; a pod without ranks reports it too
             self.engine_failed = {"launch_id": dep.launch_id, "message": str(e)[:2000]}
-            first = dep.config.first_rank(dep.ordinal)
-            return [Outcome(first + i, "died", message=str(e)) for i in range(want)]
+            return [Outcome(dep.config.first_rank(dep.ordinal) + i, "died", message=str(e)) for i in range(max(want, 1))]
         self.dep = dep
         self._publish_pod_ips(dep)
         for extra in self.ranks[want:]:
@@ -380,6 +379,7 @@ class Pod:
                                                                            flush=True), launch_id=dep.launch_id)
             await engine.start(dep.load_timeout)
             self.engine = engine
+        self.engine.launch_id = dep.launch_id  # a kept engine serves this launch (peers' failures name it)
         await self.engine.await_cluster(max(1.0, deadline - time.monotonic()))
 
     async def engine_status(self) -> dict[str, Any] | None:

@@ -8,7 +8,10 @@ temp dir is removed.
 
 The node's settings come from the client (``ktlite.engines.ray_node``): ports from the
 deployment's range, the pod's CPUs, GPUs and memory. A deploy with the same settings keeps
-the running node (a code-only redeploy does not restart Ray).
+the running node (a code-only redeploy does not restart Ray). Ray's own startup waits are
+the deployment's ``launch_timeout`` (:func:`startup_env`), and a node whose raylet or GCS
+dies while ``ray start`` waits fails at once with the line Ray logged (:func:`fatal_line`).
+The head knows the cluster's members through ``ktlite_server.ray_members``.
 """
 
 from __future__ import annotations
@@ -16,28 +19,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
-import json
+import math
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
 from typing import Any
 
-from ktlite_server.engine import Engine, EngineError, env_without_token, wait_port
+import httpx
+
+from ktlite_server.engine import STOP_GRACE_S, Engine, EngineError, env_without_token, wait_port
+from ktlite_server.ray_members import (
+    Members,
+    auth_env,
+    engine_failed,
+    failed_members,
+    missing_nodes,
+    nodes,
+)
 
 STARTED = "Ray runtime started."
-PROBE_TIMEOUT_S = 15.0
+WATCH_S = 0.5  # how often a starting node's logs, and the head's peers, are looked at
+# a line of Ray's C++ log at severity C (fatal: a failed check, such as a port already in use)
+FATAL = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+ C \d+ \d+\]")
 
-__all__ = ["EngineError", "RayNode", "auth_env", "missing_nodes", "nodes", "start_args"]
-
-
-def auth_env(cfg: dict[str, Any]) -> dict[str, str]:
-    """Environment of every process that talks to the node's cluster: Ray's token mode with
-    the deployment's Ray token, or explicitly none (a ~/.ray/auth_token left by some other
-    ray.init() on this machine must not switch one node on and leave another off)."""
-    token = cfg.get("auth_token")
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {"RAY_AUTH_MODE": "disabled"}
+__all__ = [
+    "EngineError",
+    "RayNode",
+    "auth_env",
+    "fatal_line",
+    "missing_nodes",
+    "nodes",
+    "start_args",
+    "startup_env",
+]
 
 
 def pod_ray_version() -> str | None:
@@ -50,26 +67,66 @@ def pod_ray_version() -> str | None:
 def start_args(cfg: dict[str, Any], temp_dir: str) -> list[str]:
     """``ray start`` arguments for one node (pure: tested without Ray)."""
     ports = cfg["ports"]
-    args = ["start", "--block", "--disable-usage-stats", f"--node-ip-address={cfg['node_ip']}",
-            f"--temp-dir={temp_dir}",
-            f"--node-manager-port={ports['node_manager']}",
-            f"--object-manager-port={ports['object_manager']}",
-            f"--runtime-env-agent-port={ports['runtime_env_agent']}",
-            f"--dashboard-agent-grpc-port={ports['dashboard_agent_grpc']}",
-            f"--dashboard-agent-listen-port={ports['dashboard_agent_listen']}",
-            f"--metrics-export-port={ports['metrics_export']}",
-            f"--min-worker-port={ports['min_worker']}", f"--max-worker-port={ports['max_worker']}"]
+    args = [
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        f"--node-ip-address={cfg['node_ip']}",
+        f"--temp-dir={temp_dir}",
+        f"--node-manager-port={ports['node_manager']}",
+        f"--object-manager-port={ports['object_manager']}",
+        f"--runtime-env-agent-port={ports['runtime_env_agent']}",
+        f"--dashboard-agent-grpc-port={ports['dashboard_agent_grpc']}",
+        f"--dashboard-agent-listen-port={ports['dashboard_agent_listen']}",
+        f"--metrics-export-port={ports['metrics_export']}",
+        f"--min-worker-port={ports['min_worker']}",
+        f"--max-worker-port={ports['max_worker']}",
+    ]
     if cfg["head"]:
-        args += ["--head", f"--port={ports['gcs']}", f"--ray-client-server-port={ports['client_server']}",
-                 f"--dashboard-port={ports['dashboard']}",
-                 f"--include-dashboard={'true' if cfg.get('dashboard') else 'false'}"]
+        args += [
+            "--head",
+            f"--port={ports['gcs']}",
+            f"--ray-client-server-port={ports['client_server']}",
+            f"--dashboard-port={ports['dashboard']}",
+            f"--include-dashboard={'true' if cfg.get('dashboard') else 'false'}",
+        ]
     else:
         args.append(f"--address={cfg['address']}")
-    for key, flag in (("num_cpus", "--num-cpus"), ("num_gpus", "--num-gpus"), ("memory", "--memory"),
-                      ("object_store_memory", "--object-store-memory")):
+    for key, flag in (
+        ("num_cpus", "--num-cpus"),
+        ("num_gpus", "--num-gpus"),
+        ("memory", "--memory"),
+        ("object_store_memory", "--object-store-memory"),
+    ):
         if cfg.get(key) is not None:
             args.append(f"{flag}={int(cfg[key])}")
     return args
+
+
+def startup_env(timeout: float) -> dict[str, str]:
+    """Ray's own waits while a node starts, as long as ktlite's (the deployment's
+    ``launch_timeout``): on a busy machine a node's registration with the GCS, its connection
+    to the GCS and its agents take longer than Ray's defaults (10-30 s), and Ray then gives
+    up ("The current node timed out during startup") while ktlite would still wait."""
+    seconds = max(1, math.ceil(timeout))
+    return {
+        "RAY_raylet_start_wait_time_s": str(seconds),  # the node's registration with the GCS
+        "RAY_gcs_server_port_wait_time_s": str(seconds),  # connecting to the GCS (~1 s a try)
+        "RAY_agent_register_timeout_ms": str(seconds * 1000),  # the raylet's agents
+    }
+
+
+def fatal_line(temp_dir: str) -> str | None:
+    """The first fatal line the raylet or GCS of the node under ``temp_dir`` logged, with the
+    log's name. ``ray start`` does not notice its raylet dying (a port already in use): it
+    waits for the node to register, as long as it is let."""
+    logs = os.path.join(temp_dir, "session_latest", "logs")
+    for name in ("raylet.out", "gcs_server.out"):
+        with contextlib.suppress(OSError), open(os.path.join(logs, name), errors="replace") as f:
+            for line in f:
+                if FATAL.match(line):
+                    return f"{name}: {line.strip()[:1500]}"
+    return None
 
 
 class RayNode(Engine):
@@ -78,6 +135,7 @@ class RayNode(Engine):
     def __init__(self, cfg: dict[str, Any], pod: str, log: Any, launch_id: str = "") -> None:
         super().__init__(cfg, pod, log, launch_id)
         self.temp_dir = ""
+        self.members = Members(cfg) if cfg.get("head") else None
 
     async def start(self, timeout: float) -> None:
         """Start the node and wait until Ray says it runs (the node is then registered with
@@ -85,38 +143,81 @@ class RayNode(Engine):
         theirs, ours = pod_ray_version(), self.cfg.get("version")
         image = os.environ.get("KTLITE_IMAGE") or "this pod's image"
         if theirs is None:
-            raise EngineError(f"pod {self.pod}: Ray is not installed in {image} ({sys.executable}); "
-                              f"add it to the image: kt.Image(...).pip_install('ray[default]=={ours or 'X'}'), "
-                              "or use kt.images.ray(...)")
+            raise EngineError(
+                f"pod {self.pod}: Ray is not installed in {image} ({sys.executable}); "
+                f"add it to the image: kt.Image(...).pip_install('ray[default]=={ours or 'X'}'), "
+                "or use kt.images.ray(...)"
+            )
         if ours and theirs != ours:
-            raise EngineError(f"pod {self.pod} has Ray {theirs}, this client Ray {ours}: Ray needs the same "
-                              f"version on the driver's side and the cluster's; install ray=={theirs} here "
-                              f"or pip_install('ray[default]=={ours}') in the image")
+            raise EngineError(
+                f"pod {self.pod} has Ray {theirs}, this client Ray {ours}: Ray needs the same "
+                f"version on the driver's side and the cluster's; install ray=={theirs} here "
+                f"or pip_install('ray[default]=={ours}') in the image"
+            )
         deadline = time.monotonic() + timeout
         if not self.cfg["head"]:
             host, _, port = self.cfg["address"].rpartition(":")
-            await wait_port(host, int(port), deadline, f"pod {self.pod}: the Ray head's GCS at "
-                            f"{self.cfg['address']} (pod 0)", "pod 0's log (remote.logs()) has its ray "
-                            "start output", self._head_failed)
+            await wait_port(
+                host,
+                int(port),
+                deadline,
+                f"pod {self.pod}: the Ray head's GCS at {self.cfg['address']} (pod 0)",
+                "pod 0's log (remote.logs()) has its ray start output",
+                self._head_failed,
+            )
         # short: Ray's unix sockets live under it and their paths must fit 107 bytes
         self.temp_dir = tempfile.mkdtemp(prefix="ktray-")
         env = env_without_token()
+        for key, value in startup_env(timeout).items():
+            env.setdefault(key, value)  # the user's own setting (Compute(env=...)) wins
         # no drain on SIGTERM (30 s by default, for Ray Serve): ktlite stops a node only when
         # its deployment goes
-        env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-                   **auth_env(self.cfg))
-        cmd = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()",
-               *start_args(self.cfg, self.temp_dir)]
-        self.log("starting Ray " + ("head" if self.cfg["head"] else "worker node") + f" on {self.cfg['node_ip']}")
+        env.update(
+            RAY_USAGE_STATS_ENABLED="0",
+            PYTHONUNBUFFERED="1",
+            RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+            **auth_env(self.cfg),
+        )
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()",
+            *start_args(self.cfg, self.temp_dir),
+        ]
+        self.log(
+            "starting Ray "
+            + ("head" if self.cfg["head"] else "worker node")
+            + f" on {self.cfg['node_ip']}"
+        )
         started = self._expect(STARTED)
         await self._spawn(cmd, env)
-        if not await self._until(started.wait(), deadline - time.monotonic()):
+        fatal = asyncio.ensure_future(self._fatal())
+        if not await self._until(started.wait(), deadline - time.monotonic(), fatal):
             assert self.proc is not None
-            why = (f"exited with code {self.proc.returncode}" if not self.alive
-                   else f"did not report '{STARTED}' within {timeout:.0f}s")
+            died = (
+                fatal.result()
+                if fatal.done() and not fatal.cancelled()
+                else fatal_line(self.temp_dir)
+            )
+            why = (
+                f"exited with code {self.proc.returncode}"
+                if not self.alive
+                else "failed: its raylet or GCS died"
+                if died
+                else f"did not report '{STARTED}' within {timeout:.0f}s"
+            )
             await self.stop()
-            raise EngineError(f"pod {self.pod}: ray start {why}; its output:\n{self.tail()}")
+            detail = f" (Ray logged {died})" if died else ""
+            raise EngineError(
+                f"pod {self.pod}: ray start {why}{detail}; its output:\n{self.tail()}"
+            )
         self.started_at = time.time()
+
+    async def _fatal(self) -> str:
+        """Once the node's raylet or GCS logs a fatal line: that line."""
+        while (line := fatal_line(self.temp_dir)) is None:
+            await asyncio.sleep(WATCH_S)
+        return line
 
     @classmethod
     def rank_env(cls, cfg: dict[str, Any]) -> dict[str, str]:
@@ -124,32 +225,51 @@ class RayNode(Engine):
         return {"RAY_ADDRESS": cfg["address"], **auth_env(cfg)}
 
     async def await_cluster(self, timeout: float) -> None:
-        """On the head: until the GCS lists every pod's node alive."""
+        """On the head: until the GCS lists every pod's node alive. A pod whose node failed
+        (its server says so) ends the wait at once, with that pod's own error."""
         if not self.cfg["head"]:
             return
         cfg = self.cfg
-        expected = cfg["expected"]  # every pod's node: {"pod", "ip", "port"}
-        found = await nodes(cfg, len(expected), timeout)
+        expected = cfg["expected"]  # every pod's node: {"pod", "ip", "port"[, "health"]}
+        probe = asyncio.ensure_future(nodes(cfg, len(expected), timeout))
+        try:
+            async with httpx.AsyncClient(timeout=1.0) as client:
+                while not (await asyncio.wait([probe], timeout=WATCH_S))[0]:
+                    failed = await failed_members(client, expected, self.launch_id)
+                    if failed:
+                        # each pod's first line (its whole error is its own outcome)
+                        lines = "\n".join(f"- {why.splitlines()[0]}" for _, why in failed)
+                        raise EngineError(
+                            f"the Ray cluster at {cfg['address']} cannot form: "
+                            f"{len(failed)} of {len(expected)} node(s) failed to start:\n{lines}"
+                        )
+        finally:
+            if not probe.done():
+                probe.cancel()
+                with contextlib.suppress(asyncio.CancelledError, EngineError):
+                    await probe
+        found = probe.result()
         missing = missing_nodes(expected, found)
         if missing:
-            names = ", ".join(f"{e['pod']} ({e['ip']}, node manager port {e['port']})" for e in missing)
+            names = ", ".join(
+                f"{e['pod']} ({e['ip']}, node manager port {e['port']})" for e in missing
+            )
             joined = ", ".join(f"{n['ip']}:{n['port']}" for n in found if n["alive"]) or "none"
-            raise EngineError(f"{len(expected) - len(missing)} of {len(expected)} Ray nodes joined the head "
-                              f"at {cfg['address']} within {timeout:.0f}s; missing: {names} (alive in "
-                              f"the cluster: {joined}). Their pods' own errors follow, or their logs "
-                              "(remote.logs()) hold ray start's output")
+            raise EngineError(
+                f"{len(expected) - len(missing)} of {len(expected)} Ray nodes joined the head "
+                f"at {cfg['address']} within {timeout:.0f}s; missing: {names} (alive in "
+                f"the cluster: {joined}). Their pods' own errors follow, or their logs "
+                "(remote.logs()) hold ray start's output"
+            )
+        assert self.members is not None
+        self.members.seed(found)
 
     async def cluster_status(self) -> dict[str, Any]:
-        """This node, and on the head the cluster's nodes with the lost ones named."""
+        """This node, and on the head the cluster's nodes with the lost ones named, as of
+        ``nodes_as_of`` (the last list the GCS gave: asking it can take seconds)."""
         out = self.status()
-        if self.cfg["head"] and self.alive:
-            try:
-                found = await nodes(self.cfg, 0, 0)
-            except EngineError as e:
-                out["error"] = str(e)
-            else:
-                out["nodes"] = found
-                out["lost"] = [e["pod"] for e in missing_nodes(self.cfg["expected"], found)]
+        if self.members is not None and self.alive:
+            out.update(await self.members.snapshot())
         return out
 
     async def _head_failed(self) -> str | None:
@@ -157,54 +277,22 @@ class RayNode(Engine):
         url = self.cfg.get("head_health")
         if not url:
             return None
-        import httpx
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            return await engine_failed(client, url, self.launch_id)
 
-        try:
-            async with httpx.AsyncClient(timeout=1.0) as client:
-                failed = (await client.get(url)).json().get("engine_failed")
-        except (httpx.HTTPError, ValueError):
-            return None
-        if failed and failed.get("launch_id") == self.launch_id:
-            return str(failed.get("message"))
-        return None
+    async def stop(self, grace: float = STOP_GRACE_S) -> None:
+        if self.members is not None:
+            await self.members.close()  # a status probe under way
+        await super().stop(grace)
 
     def _cleanup(self) -> None:
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "address": self.cfg["address"], "node_ip": self.cfg["node_ip"],
-                "temp_dir": self.temp_dir}
-
-
-def missing_nodes(expected: list[dict[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The expected Ray nodes (``{"pod", "ip", "port"}``) the GCS does not list alive. Nodes
-    that share a host (the local backend) are told apart by port alone: Ray reports a node
-    given 127.0.0.1 by the host's own address."""
-    one_host = len({e["ip"] for e in expected}) == 1 and len(expected) > 1
-    alive = {n["port"] if one_host else (n["ip"], n["port"]) for n in found if n["alive"]}
-    return [e for e in expected if (e["port"] if one_host else (e["ip"], e["port"])) not in alive]
-
-
-async def nodes(cfg: dict[str, Any], want: int, timeout: float) -> list[dict[str, Any]]:
-    """The nodes of ``cfg``'s cluster as its GCS lists them, once ``want`` are alive or
-    ``timeout`` ran out (``want`` 0: at once). Asked in a subprocess: the pod server never
-    imports Ray."""
-    address = cfg["address"]
-    env = env_without_token()
-    env.update(auth_env(cfg))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ktlite_server.ray_probe", address, str(want), str(timeout),
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout + PROBE_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise EngineError(f"asking the Ray GCS at {address} for its nodes took over "
-                          f"{timeout + PROBE_TIMEOUT_S:.0f}s") from None
-    if proc.returncode != 0:
-        raise EngineError(f"asking the Ray GCS at {address} for its nodes failed: "
-                          f"{err.decode(errors='replace').strip()[-2000:]}")
-    return list(json.loads(out)["nodes"])
+        return {
+            **super().status(),
+            "address": self.cfg["address"],
+            "node_ip": self.cfg["node_ip"],
+            "temp_dir": self.temp_dir,
+        }
