@@ -332,3 +332,43 @@ def test_a_worker_gives_up_on_a_head_that_never_answers() -> None:
         raynode.EngineError, match="GCS at 127.0.0.1:1032 \\(pod 0\\) did not accept"
     ):
         asyncio.run(node.start(0.5))
+
+
+def test_a_raylet_that_exits_without_a_fatal_line_fails_the_start(tmp_path) -> None:
+    """A raylet killed while ``ray start`` waits for it (OOM, a signal) logs nothing fatal, and
+    ``ray start`` would wait the whole launch_timeout (Ray's waits follow it since issue 23):
+    the node's watch notices that the raylet, a child of ``ray start``, is gone."""
+    import contextlib
+    import os
+    import shutil
+    import signal
+
+    raylet = tmp_path / "raylet"  # a process named "raylet", as Ray's binary is
+    os.symlink(shutil.which("sleep"), raylet)
+    spec = DeploymentSpec(name="r", compute=kt.Compute().distribute("ray", workers=0))
+    node = raynode.RayNode(engines.ray_node(spec, 0, ["127.0.0.1"], ["r-0"], 20000), "r-0", print)
+    node.temp_dir = str(tmp_path)  # no session logs: nothing fatal is logged
+
+    async def scenario() -> str:
+        node.proc = await asyncio.create_subprocess_exec("/bin/sh", "-c", f"{raylet} 60 & wait")
+        watch = asyncio.ensure_future(node._fatal())
+        try:
+            pid = None
+            for _ in range(600):
+                await asyncio.sleep(0.05)
+                pid = raynode._child_named(node.proc.pid, "raylet")
+                if pid is not None:
+                    break
+            assert pid is not None
+            await asyncio.sleep(3 * raynode.WATCH_S)
+            assert not watch.done()  # a running raylet is no failure
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.wait_for(watch, 30)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(ProcessLookupError):  # the shell ends with its child
+                node.proc.kill()
+            await node.proc.wait()
+
+    line = asyncio.run(scenario())
+    assert line.startswith("nothing: its raylet (pid ") and line.endswith(") exited"), line

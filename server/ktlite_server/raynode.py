@@ -129,6 +129,19 @@ def fatal_line(temp_dir: str) -> str | None:
     return None
 
 
+def _child_named(parent: int, name: str) -> int | None:
+    """The pid of ``parent``'s child process called ``name`` (Linux ``/proc``), if any."""
+    with contextlib.suppress(OSError), os.scandir("/proc") as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{entry.name}/stat") as f:
+                    # "pid (comm) state ppid ...": comm may hold spaces, so split after ')'
+                    head, _, rest = f.read().rpartition(")")
+                    if head.partition("(")[2] == name and int(rest.split()[1]) == parent:
+                        return int(entry.name)
+    return None
+
+
 class RayNode(Engine):
     kind = "ray"
 
@@ -214,8 +227,16 @@ class RayNode(Engine):
         self.started_at = time.time()
 
     async def _fatal(self) -> str:
-        """Once the node's raylet or GCS logs a fatal line: that line."""
+        """Once the node's raylet or GCS logs a fatal line, or its raylet (a child of ``ray
+        start`` until the node runs) exits without one (killed, out of memory): what
+        happened."""
+        raylet: int | None = None
         while (line := fatal_line(self.temp_dir)) is None:
+            if raylet is None:
+                raylet = self.proc and _child_named(self.proc.pid, "raylet")
+            elif not os.path.exists(f"/proc/{raylet}"):
+                await asyncio.sleep(WATCH_S)  # its last words reach the log first
+                return fatal_line(self.temp_dir) or f"nothing: its raylet (pid {raylet}) exited"
             await asyncio.sleep(WATCH_S)
         return line
 
