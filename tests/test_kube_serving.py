@@ -34,7 +34,7 @@ import pytest
 
 import ktlite
 import ktlite as kt
-from ktlite import config, protocol, status
+from ktlite import cli, config, protocol, status
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.kube_api import ClusterInfo
@@ -713,7 +713,9 @@ class EchoV2:
 
 
 @pytest.mark.timeout(240)
-def test_a_served_class_end_to_end_through_the_public_api(stand_in: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_served_class_end_to_end_through_the_public_api(
+    stand_in: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KTLITE_KUBECONFIG", str(stand_in / "kubeconfig"))
     monkeypatch.setattr(KubernetesBackend, "_clients", {})
     name = f"e2e-{uuid.uuid4().hex[:6]}"
@@ -728,6 +730,13 @@ def test_a_served_class_end_to_end_through_the_public_api(stand_in: Path, monkey
         status = remote.status()
         assert [r["name"] for r in status["replicas"]] == [pod]
         assert status["autoscaler"]["autoscaler"] == "hpa"
+        # the handle's scaling_status() is the cluster's HPA (the stand-in has no adapter: CPU)
+        said = remote.scaling_status()
+        assert said["autoscaler"] == "hpa" and (said["min"], said["max"]) == (1, 3)
+        assert said["metric"]["name"] == "cpu" and said["metric"]["instead_of"] == "concurrency"
+        capsys.readouterr()
+        assert cli.main(["status", name, "--backend", "kubernetes"]) == 0
+        assert "metric cpu (target 80%), instead of concurrency" in capsys.readouterr().out
         # the cluster's HPA adds a replica (played here): it boots with the current code and takes calls
         backend._api().patch("Deployment", name, {"spec": {"replicas": 2}})
         wait_for(lambda: len(remote.status()["replicas"]), lambda n: n == 2, 90, "the client to route to 2 replicas")
