@@ -28,7 +28,7 @@ import httpx
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
-from ktlite.errors import DataStoreError
+from ktlite.errors import DataStoreError, KtliteError
 
 NAME = "ktlite-store"
 SECRET = "ktlite-store-token"
@@ -327,9 +327,9 @@ class KubeStore:
                 f"{SECRET}, PersistentVolumeClaim {CLAIM}); `{command}` removes it and keeps the "
                 f"data, `{command} --volumes` deletes the data too; then try again"
             )
-        if isinstance(error, DataStoreError) and error.args and isinstance(error.args[0], str):
-            error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
-        else:
+        if isinstance(error, KtliteError) and error.args and isinstance(error.args[0], str):
+            error.args = (f"{error.args[0]}\n{note}", *error.args[1:])  # its own type kept
+        elif hasattr(error, "add_note"):  # Python 3.11+
             error.add_note(note)
 
     def _remove(self, api: KubeApi, created: list[str]) -> None:
