@@ -333,8 +333,10 @@ class KubeStore:
             error.add_note(note)
 
     def _remove(self, api: KubeApi, created: list[str]) -> None:
-        api.delete("StatefulSet", NAME)
-        api.delete("Pod", POD)
+        """Delete what this attempt ``created`` (not what another process made meanwhile)."""
+        if "StatefulSet" in created:
+            api.delete("StatefulSet", NAME)
+            api.delete("Pod", POD)
         if "PersistentVolumeClaim" in created:  # Terminating until the pod has gone
             api.delete("PersistentVolumeClaim", CLAIM)
         if "Secret" in created:
