@@ -15,6 +15,7 @@ from ktlite.deploy import CallOptions, Deployment, attach, deploy
 from ktlite.errors import ConfigError, NotDeployedError, SerializationError
 from ktlite.futures import Future
 from ktlite.rankdata import per_rank
+from ktlite.serving_status import ServedHandle
 from ktlite.spec import DeploymentSpec, check_name, default_name
 
 # Kubetorch's call keywords, accepted as options only when the user's callable can't take them
@@ -98,8 +99,7 @@ class _Source:
         if (running.workers, running.sizes) != (asked.workers, asked.sizes) or \
                 status.get("kind") not in (None, self.kind):
             dep.close()
-            raise ConfigError(
-                f"get_if_exists=True: {spec.name!r} runs as a {status.get('kind')} on "
+            raise ConfigError(f"get_if_exists=True: {spec.name!r} runs as a {status.get('kind')} on "
                 f"{running.workers} pod(s) x {list(running.sizes)} rank(s), but this asks for a "
                 f"{self.kind} on {asked.workers} x {list(asked.sizes)}; deploy it again without "
                 "get_if_exists, or match the running layout")
@@ -420,7 +420,7 @@ class _Named(_Source):
 _SETTABLE = ("async_", "serialization", "stream_logs")
 
 
-class _Remote:
+class _Remote(ServedHandle):
     # Kubetorch's handle attributes: calls return a kt.Future (awaitable); how arguments and
     # results travel ("pickle", or "json": JSON values only, as Kubetorch's default); the
     # calls' default for streaming rank output

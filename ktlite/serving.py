@@ -46,6 +46,7 @@ from ktlite.errors import (
     PodUnreachable,
     RemoteError,
 )
+from ktlite.serving_status import AutoscalerReport
 from ktlite.spec import DeploymentSpec
 
 # how often the scaling thread samples the load and looks at the replicas
@@ -80,7 +81,7 @@ class _Load:
     last_call: float | None = None
 
 
-class ServingDeployment(Deployment):
+class ServingDeployment(AutoscalerReport, Deployment):
     """An autoscaled deployment; see the module docstring. Its ``status()`` is a dict: ``replicas`` (each ``name``, ``ip``, ``inflight``,
     ``served``, ``draining``, ``launch_id``), ``waiting`` (calls queued here) and
     ``autoscaler`` (who scales, the bounds, the target, the last decision and why)."""
@@ -581,33 +582,6 @@ class ServingDeployment(Deployment):
         with self._cond:
             for r in draining:
                 self._replicas.pop(r.ep.name, None)
-
-    def _record(self) -> None:
-        """Keep the last decision where `ktlite status` (another process) reads it."""
-        record = getattr(self.backend, "record_scaling", None)
-        if record is not None and self._decision is not None:
-            with contextlib.suppress(OSError):
-                record(self.name, self._autoscaler_info())
-
-    def _autoscaler_info(self) -> dict[str, Any]:
-        a = self.spec.autoscale
-        info: dict[str, Any] = {
-            "autoscaler": "ktlite (in this process)" if self._who == "client" else self._who,
-            "min": a.min, "max": a.max_scale if a.max_scale is not None else self._scaler.max,
-            "metric": a.metric_name, "target_per_replica": a.target_per_replica,
-            "concurrency": self.spec.concurrency, "window_s": a.window_s,
-            "scale_down_delay_s": a.scale_down_delay_s, "retention_s": a.retention_s,
-            "desired": self._decision.desired if self._decision else len(self._replicas),
-            "last_decision": self._decision.as_dict() if self._decision else None,
-            "error": self._scale_error}
-        if self._decision is not None:
-            info["last_decision"]["wall_time"] = time.time() - (time.monotonic() - self._decision.at)
-        if self._who != "client":
-            with contextlib.suppress(Exception):
-                info["cluster"] = self.backend.scaling_status(self.name)
-                if (info["cluster"] or {}).get("metric"):  # what the cluster scales on (a CPU fallback)
-                    info["metric"] = info["cluster"]["metric"]
-        return info
 
     # ---- status and lifecycle ---------------------------------------------------------------
 

@@ -9,7 +9,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-COLUMNS = ["RANK", "POD", "PID", "STATE", "CPU%", "RSS", "GPU MEM", "GPU%", "CALL", "RUNNING", "RESTARTS"]
+COLUMNS = [
+    "RANK",
+    "POD",
+    "PID",
+    "STATE",
+    "CPU%",
+    "RSS",
+    "GPU MEM",
+    "GPU%",
+    "CALL",
+    "RUNNING",
+    "RESTARTS",
+]
 
 
 def rank_rows(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -62,9 +74,19 @@ def _cells(r: dict[str, Any]) -> list[str]:
         running = max(c["running_s"] for c in calls)
     cpu = r.get("cpu_percent")
     util = r.get("gpu_utilization_percent")
-    return [str(r["rank"]), str(r["pod"]), str(r.get("pid") or "-"), _state(r),
-            "-" if cpu is None else f"{cpu:.1f}", fmt_bytes(r.get("rss_bytes")), _gpu_mem(r),
-            "-" if util is None else f"{util:.0f}", call, fmt_seconds(running), str(r.get("restarts", 0))]
+    return [
+        str(r["rank"]),
+        str(r["pod"]),
+        str(r.get("pid") or "-"),
+        _state(r),
+        "-" if cpu is None else f"{cpu:.1f}",
+        fmt_bytes(r.get("rss_bytes")),
+        _gpu_mem(r),
+        "-" if util is None else f"{util:.0f}",
+        call,
+        fmt_seconds(running),
+        str(r.get("restarts", 0)),
+    ]
 
 
 def table(name: str, pods: list[dict[str, Any]]) -> str:
@@ -72,17 +94,25 @@ def table(name: str, pods: list[dict[str, Any]]) -> str:
     launches = sorted({str(p.get("launch_id")) for p in pods if "error" not in p})
     active = sorted({c for p in pods for c in p.get("active_calls", [])})
     rows = rank_rows(pods)
-    head = (f"{name}: {len(pods)} pod(s), {len(rows)} rank(s), launch {', '.join(launches) or '-'}, "
-            f"{len(active)} active call(s)")
+    head = (
+        f"{name}: {len(pods)} pod(s), {len(rows)} rank(s), launch {', '.join(launches) or '-'}, "
+        f"{len(active)} active call(s)"
+    )
     errors = [f"  {p['pod']}: not answering: {p['error']}" for p in pods if p.get("error")]
-    errors += [f"  {p['pod']}: nvidia-smi failed: {p['gpu_error']}" for p in pods if p.get("gpu_error")]
+    errors += [
+        f"  {p['pod']}: nvidia-smi failed: {p['gpu_error']}" for p in pods if p.get("gpu_error")
+    ]
     cells = [COLUMNS] + [_cells(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     numeric = {"RANK", "PID", "CPU%", "RSS", "GPU MEM", "GPU%", "RUNNING", "RESTARTS"}
     lines = []
     for c in cells:
-        lines.append("  ".join((v.rjust(w) if col in numeric else v.ljust(w))
-                               for v, w, col in zip(c, widths, COLUMNS, strict=True)).rstrip())
+        lines.append(
+            "  ".join(
+                (v.rjust(w) if col in numeric else v.ljust(w))
+                for v, w, col in zip(c, widths, COLUMNS, strict=True)
+            ).rstrip()
+        )
     return "\n".join([head, *errors, *lines])
 
 
@@ -90,23 +120,35 @@ def stuck_ranks(pods: list[dict[str, Any]]) -> list[int]:
     return [r["rank"] for r in rank_rows(pods) if r.get("stuck")]
 
 
-def serving(name: str, config: dict[str, Any], scaling: dict[str, Any] | None,
-            pods: list[dict[str, Any]]) -> str:
+def serving(
+    name: str, config: dict[str, Any], scaling: dict[str, Any] | None, pods: list[dict[str, Any]]
+) -> str:
     """An autoscaled deployment: its replicas with their calls in flight, and the
     autoscaler's bounds, target and last decision with its reason."""
     bounds = f"{config.get('min_scale') or 0}..{config.get('max_scale') or 'no limit'}"
-    lines = [f"{name}: autoscaled, {len(pods)} replica(s) running ({bounds}), metric "
-             f"{config.get('metric') or 'concurrency'}" + (f", at most {config['concurrency']} calls per replica"
-                                                          if config.get("concurrency") else "")]
+    lines = [
+        f"{name}: autoscaled, {len(pods)} replica(s) running ({bounds}), metric "
+        f"{_metric(config, scaling)}"
+        + (
+            f", at most {config['concurrency']} calls per replica"
+            if config.get("concurrency")
+            else ""
+        )
+    ]
     for p in pods:
-        state = f"not answering: {p['error']}" if p.get("error") else \
-            f"{len(p.get('active_calls') or [])} call(s) in flight, launch {p.get('launch_id') or '-'}"
+        state = (
+            f"not answering: {p['error']}"
+            if p.get("error")
+            else f"{len(p.get('active_calls') or [])} call(s) in flight, launch {p.get('launch_id') or '-'}"
+        )
         lines.append(f"  replica {p['pod']}: {state}")
     if not pods:
         lines.append("  no replica runs (scaled to zero): the next call starts one")
     if scaling is None:
-        lines.append("  autoscaler: no decision recorded yet (ktlite's autoscaler runs in the process that calls "
-                     "the service)")
+        lines.append(
+            "  autoscaler: no decision recorded yet (ktlite's autoscaler runs in the process that calls "
+            "the service)"
+        )
         return "\n".join(lines)
     who = scaling.get("autoscaler", "?")
     if scaling.get("alive") is False:
@@ -116,11 +158,34 @@ def serving(name: str, config: dict[str, Any], scaling: dict[str, Any] | None,
     if last:
         when = last.get("wall_time")
         ago = f" {fmt_seconds(time.time() - when)} ago" if isinstance(when, (int, float)) else ""
-        lines.append(f"  last decision{ago}: {last.get('current')} -> {last.get('desired')} replica(s): "
-                     f"{last.get('reason')}")
+        lines.append(
+            f"  last decision{ago}: {last.get('current')} -> {last.get('desired')} replica(s): "
+            f"{last.get('reason')}"
+        )
     for c in scaling.get("conditions") or []:  # a cluster autoscaler's (an HPA's) own words
-        lines.append(f"  {c.get('type')}={c.get('status')} {c.get('reason') or ''}: {c.get('message') or ''}")
+        lines.append(
+            f"  {c.get('type')}={c.get('status')} {c.get('reason') or ''}: {c.get('message') or ''}"
+        )
     if scaling.get("error"):
         lines.append(f"  error: {scaling['error']}")
     return "\n".join(lines)
 
+
+def _metric(config: dict[str, Any], scaling: dict[str, Any] | None) -> str:
+    """What the autoscaler scales on: the cluster's own metric where it reports one (an HPA
+    scales on CPU where the metric asked for needs a custom-metrics adapter the cluster
+    lacks), else the metric asked for (ktlite's own autoscaler)."""
+    said = (scaling or {}).get("metric")
+    if not isinstance(said, dict) or not said.get("name"):
+        return str(config.get("metric") or "concurrency")
+    parts = [
+        f"target {said['target']}" if said.get("target") is not None else "",
+        f"now {said['current']}" if said.get("current") is not None else "",
+    ]
+    text = f"{said['name']}" + (f" ({', '.join(p for p in parts if p)})" if any(parts) else "")
+    if said.get("instead_of"):
+        text += (
+            f", instead of {said['instead_of']} (asked for, but it needs a custom-metrics adapter, "
+            "which this cluster lacks)"
+        )
+    return text

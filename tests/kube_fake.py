@@ -37,7 +37,8 @@ What it does not do: watches, ``limit``/``continue`` paging, other resources or 
 (``/status`` is GET only), RBAC, admission beyond the checks above, JSON patch (RFC 6902),
 field managers (apply is a strategic merge that may create), the full strategic-merge-patch
 rules (lists merge by ``name``/``mountPath``/``containerPort``/``port`` only), ControllerRevisions,
-finalizers (Foreground/Orphan deletion completes at once), init containers, pod spec
+finalizers (Foreground/Orphan deletion completes at once; a claim deleted while a pod mounts
+it stays Terminating until no pod does, as pvc-protection has it), init containers, pod spec
 immutability, a pod restarting after its image is patched. Nothing runs in the background:
 every request (and ``objects``/``get``) first brings pods and controllers up to the clock.
 """
@@ -1013,6 +1014,13 @@ class FakeKube(httpx.BaseTransport):
         grace = opts.get("gracePeriodSeconds")
         if res == "pods":
             return copy.deepcopy(self._delete_pod(obj, None if grace is None else int(grace)))
+        if res == "persistentvolumeclaims" and self._claim_in_use(ns, name):
+            # the pvc-protection finalizer: Terminating until no pod mounts it (_release_claims)
+            if "deletionTimestamp" not in obj["metadata"]:
+                obj["metadata"]["deletionTimestamp"] = self._iso()
+                obj["metadata"]["deletionGracePeriodSeconds"] = 0
+                obj["metadata"]["resourceVersion"] = self._next_rv()
+            return copy.deepcopy(obj)
         del self._store[(res, ns, name)]
         policy = opts.get("propagationPolicy") or "Background"
         self._collect_dependents(ns, obj["metadata"]["uid"], orphan=policy == "Orphan")
@@ -1251,6 +1259,28 @@ class FakeKube(httpx.BaseTransport):
                            "port is set, or its name is not one of http1, h2c")
 
     # ----------------------------------------------------------------- controllers
+    def _claim_in_use(self, ns: str, name: str) -> bool:
+        """A pod that still exists (Terminating too) mounts claim ``name``."""
+        return any(
+            r == "pods"
+            and n == ns
+            and any(
+                (v.get("persistentVolumeClaim") or {}).get("claimName") == name
+                for v in o["spec"].get("volumes") or []
+            )
+            for (r, n, _), o in self._store.items()
+        )
+
+    def _release_claims(self) -> None:
+        """The pvc-protection controller: a claim deleted while in use goes once no pod mounts it."""
+        for (r, ns, name), obj in list(self._store.items()):
+            if (
+                r == "persistentvolumeclaims"
+                and obj["metadata"].get("deletionTimestamp")
+                and not self._claim_in_use(ns, name)
+            ):
+                del self._store[(r, ns, name)]
+
     def _tick(self) -> None:
         """Bring pods, kubelet and controllers up to the clock, until nothing changes."""
         self._bind_claims()
@@ -1272,6 +1302,7 @@ class FakeKube(httpx.BaseTransport):
             self._replicas_status(dep)
         for hpa in [o for (r, _, _), o in self._store.items() if r == "horizontalpodautoscalers"]:
             self._hpa_status(hpa)
+        self._release_claims()
 
     def _hpa_status(self, hpa: Obj) -> None:
         """The HPA controller of a cluster without metrics-server (or a custom metrics adapter):

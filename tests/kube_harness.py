@@ -13,7 +13,9 @@ container of a root image; the Python this machine runs from stays visible), and
 connections (a pod whose readinessProbe asks another path, a served replica's
 ``/health?ready=1``, while that path answers 200). The pod proxy forwards to it; its output becomes the pod log; deleting the pod
 stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
-unschedulable, as on a small real cluster.
+unschedulable, as on a small real cluster; a pod whose ``KTLITE_INSTALL`` names a
+``*does-not-exist*`` package exits 78 and crash-loops, as the bootstrap does in an image
+without ktlite that cannot install it.
 
 ``KTLITE_HARNESS_KNATIVE=1`` makes it a cluster with Knative Serving (``kube_fake``'s ``knative``),
 ``KTLITE_HARNESS_CUSTOM_METRICS=1`` one with a custom metrics adapter.
@@ -77,6 +79,22 @@ class Pods:
         container = pod["spec"]["containers"][0]
         if "does-not-exist" in container.get("image", ""):
             return [(0, kf.pending()), (1, kf.err_image_pull()), (3, kf.image_pull_backoff())]
+        install = next(
+            (e.get("value", "") for e in container.get("env", []) if e["name"] == "KTLITE_INSTALL"),
+            "",
+        )
+        if (
+            "does-not-exist" in install
+        ):  # as the bootstrap in an image without ktlite that cannot install it
+            log = (
+                f"ktlite: the image has no ktlite; installing {install}\nERROR: Could not find a version that "
+                f"satisfies the requirement {install}\nktlite: could not install {install}\n"
+            )
+            return [
+                (0, kf.pending()),
+                (1, kf.terminated_error(exit_code=78, logs=log)),
+                (3, kf.crash_loop(exit_code=78, logs=log)),
+            ]
         cpu = ((container.get("resources") or {}).get("requests") or {}).get("cpu", "0")
         if not cpu.endswith("m") and float(cpu) > 64:
             return kf.unschedulable("0/3 nodes are available: 3 Insufficient cpu. preemption: 0/3 "

@@ -34,7 +34,7 @@ import pytest
 
 import ktlite
 import ktlite as kt
-from ktlite import config, protocol
+from ktlite import cli, config, protocol, status
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.kube_api import ClusterInfo
@@ -454,8 +454,51 @@ def test_scaling_status_shows_the_hpa_and_its_failed_metric(cluster: Cluster) ->
         "last_scale_time": "2026-11-25T18:00:00Z"}
     assert status["conditions"][1]["reason"] == "FailedGetResourceMetric"
     assert "no metrics returned" in status["conditions"][1]["message"]
-    assert status["metric"] == {"name": "cpu", "target": "80%", "current": None}
+    assert status["metric"] == {"name": "cpu", "target": "80%", "current": None, "instead_of": "concurrency"}
     assert cluster.backend.scaling_status("nothing-here") is None
+
+
+def test_ktlite_status_says_what_the_cluster_scales_on() -> None:
+    """Asked for concurrency, a cluster without a custom-metrics adapter scales on CPU (as the
+    deploy said): `ktlite status` shows CPU, and the metric asked for as the one it replaces."""
+    for adapter, said in (
+        (
+            False,
+            "metric cpu (target 80%, now 12%), instead of concurrency (asked for, "
+            "but it needs a custom-metrics adapter, which this cluster lacks)",
+        ),
+        (True, "metric ktlite_inflight_calls (target 1400m),"),
+    ):
+        c = Cluster(lambda pod: kf.running_not_ready(), custom_metrics=adapter)
+        c.backend.apply(served(min_scale=1, max_scale=4, concurrency=2)(cpus=1), TOKEN)
+        if not adapter:
+            c.fake.set_status(
+                "hpa",
+                "default",
+                NAME,
+                {
+                    "currentReplicas": 1,
+                    "desiredReplicas": 1,
+                    "currentMetrics": [
+                        {
+                            "type": "Resource",
+                            "resource": {"name": "cpu", "current": {"averageUtilization": 12}},
+                        }
+                    ],
+                },
+            )
+        applied = c.backend.lookup(NAME)  # asked for: the default metric, concurrency
+        assert applied is not None and applied.autoscale["metric"] is None
+        first = status.serving(
+            NAME, applied.autoscale, c.backend.scaling_status(NAME), []
+        ).splitlines()[0]
+        assert f"{NAME}: autoscaled, 0 replica(s) running (1..4), {said}" in first, first
+        assert "metric concurrency" not in first
+        c.http.close()
+    # ktlite's own autoscaler (local) reports the metric by name: the one asked for
+    assert "metric rps," in status.serving(
+        NAME, {"metric": "rps", "concurrency": 4}, {"metric": "rps"}, []
+    )
 
 
 def test_teardown_leaves_nothing_labelled_and_list_marks_served_deployments(cluster: Cluster) -> None:
@@ -670,7 +713,9 @@ class EchoV2:
 
 
 @pytest.mark.timeout(240)
-def test_a_served_class_end_to_end_through_the_public_api(stand_in: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_served_class_end_to_end_through_the_public_api(
+    stand_in: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KTLITE_KUBECONFIG", str(stand_in / "kubeconfig"))
     monkeypatch.setattr(KubernetesBackend, "_clients", {})
     name = f"e2e-{uuid.uuid4().hex[:6]}"
@@ -685,6 +730,13 @@ def test_a_served_class_end_to_end_through_the_public_api(stand_in: Path, monkey
         status = remote.status()
         assert [r["name"] for r in status["replicas"]] == [pod]
         assert status["autoscaler"]["autoscaler"] == "hpa"
+        # the handle's scaling_status() is the cluster's HPA (the stand-in has no adapter: CPU)
+        said = remote.scaling_status()
+        assert said["autoscaler"] == "hpa" and (said["min"], said["max"]) == (1, 3)
+        assert said["metric"]["name"] == "cpu" and said["metric"]["instead_of"] == "concurrency"
+        capsys.readouterr()
+        assert cli.main(["status", name, "--backend", "kubernetes"]) == 0
+        assert "metric cpu (target 80%), instead of concurrency" in capsys.readouterr().out
         # the cluster's HPA adds a replica (played here): it boots with the current code and takes calls
         backend._api().patch("Deployment", name, {"spec": {"replicas": 2}})
         wait_for(lambda: len(remote.status()["replicas"]), lambda n: n == 2, 90, "the client to route to 2 replicas")

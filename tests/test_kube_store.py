@@ -32,7 +32,7 @@ import kube_fake as kf
 import pytest
 
 import ktlite as kt
-from ktlite import config
+from ktlite import cli, config
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_store as ks
 from ktlite.backends.kube_api import ClusterInfo
@@ -277,6 +277,94 @@ def test_a_new_token_restarts_a_store_pod_that_kept_the_old_one(cluster: Cluster
     assert cluster.fake.get("pods", "default", ks.POD)["metadata"]["uid"] != uid  # type: ignore[index]
 
 
+INSTALL_FAILED = (
+    "ktlite: the image has no ktlite; installing ktlite==0.1.0\n"
+    "ERROR: Could not find a version that satisfies the requirement ktlite==0.1.0\n"
+    "ktlite: could not install ktlite==0.1.0\n"
+)
+
+
+def install_fails(pod: dict[str, Any]) -> kf.PodScript:
+    """The default image without ktlite, on a cluster that cannot install it: the bootstrap
+    exits 78, the kubelet restarts it, and it crash-loops (as on the real cluster)."""
+    return [
+        (0, kf.pending()),
+        (2, kf.terminated_error(exit_code=km.SETUP_FAILED_EXIT, logs=INSTALL_FAILED)),
+        (14, kf.crash_loop(exit_code=km.SETUP_FAILED_EXIT, logs=INSTALL_FAILED, restarts=1)),
+    ]
+
+
+def test_a_store_that_cannot_start_is_rolled_back_and_the_next_attempt_starts_afresh(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    c = make_cluster(install_fails, pod_termination_seconds=5)
+    with pytest.raises(DataStoreError) as err:
+        c.store.ensure(timeout=300)
+    text = str(err.value)
+    assert "the data store cannot start: pod ktlite-store-0" in text and "setup failed" in text
+    assert "could not install ktlite==0.1.0" in text  # its log
+    assert "ktlite store create --image IMAGE" in text  # the store's own fix, not a Compute's
+    assert (
+        "removed what this attempt created (Secret ktlite-store-token, PersistentVolumeClaim "
+        "ktlite-store, StatefulSet ktlite-store)"
+    ) in text
+    assert c.clock() < 60  # failed early
+    assert c.names("statefulsets") == [] and c.names("secrets") == []
+    old = c.fake.get(
+        "persistentvolumeclaims", "default", ks.CLAIM
+    )  # Terminating until its pod has gone
+    assert old is not None and old["metadata"].get("deletionTimestamp")
+    # the next attempt (the image fixed) makes a new store instead of failing on the old one
+    c.fake.pod_behavior = lambda pod: kf.ready()
+    c.fake.proxy_handlers[(ks.POD, km.SERVER_PORT)] = lambda r: httpx.Response(200, json={})
+    address = c.store.ensure(timeout=60)
+    assert address.pod == ks.POD and c.names("statefulsets") == ["ktlite-store"]
+    claim = c.fake.get("persistentvolumeclaims", "default", ks.CLAIM)
+    assert claim is not None and not claim["metadata"].get("deletionTimestamp")
+    assert (
+        claim["metadata"]["uid"] != old["metadata"]["uid"]
+    )  # a new claim, once the old one had gone
+
+
+def test_a_failed_store_keeps_a_claim_from_before_and_names_the_commands_for_what_is_left(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster.fake.pod_behavior = install_fails
+    _, claim, _ = ks.render("default", image="img", install="ktlite", token=None)
+    cluster.fake.create("persistentvolumeclaims", "default", claim)  # the store's data, from before
+    command = "ktlite store teardown --backend kubernetes -n default"
+    with pytest.raises(DataStoreError) as err:
+        cluster.store.ensure(timeout=300)
+    assert (
+        "removed what this attempt created (Secret ktlite-store-token, StatefulSet ktlite-store); "
+        "kept PersistentVolumeClaim 'ktlite-store', which holds the store's data from before: "
+        f"`{command} --volumes` deletes it with that data"
+    ) in str(err.value)
+    assert cluster.names("statefulsets") == [] and cluster.names("secrets") == []
+    kept = cluster.fake.get("persistentvolumeclaims", "default", ks.CLAIM)
+    assert kept is not None and not kept["metadata"].get("deletionTimestamp")
+    # keep_failed=true keeps a failed store (for kubectl describe); the next attempt meets it
+    monkeypatch.setenv("KTLITE_KEEP_FAILED", "true")
+    with pytest.raises(
+        DataStoreError,
+        match=f"kept \\(keep_failed=true\\): Secret ktlite-store-token, "
+        f"StatefulSet ktlite-store; `{command}` removes them",
+    ):
+        cluster.store.ensure(timeout=300)
+    with pytest.raises(DataStoreError) as again:
+        cluster.store.ensure(timeout=300)
+    assert "setup failed" in str(again.value)
+    assert (
+        f"the data store from before is still there (StatefulSet ktlite-store, its pod, Secret "
+        f"ktlite-store-token, PersistentVolumeClaim ktlite-store); `{command}` removes it and keeps "
+        f"the data, `{command} --volumes` deletes the data too"
+    ) in str(again.value)
+    # the command it names removes what is left
+    assert cli.main([*command.split()[1:], "--volumes", "-y"]) == 0
+    assert [cluster.names(k) for k in ("statefulsets", "secrets", "pods")] == [[], [], []]
+    assert cluster.fake.get("persistentvolumeclaims", "default", ks.CLAIM) is None
+
+
 # ---- end to end on the stand-in cluster (real servers behind the pods) ------------------------------
 
 @pytest.fixture
@@ -381,6 +469,33 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(harness: Path, tmp
         kt.get("cli/k")
     for client in closing:
         client.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_store_whose_install_fails_leaves_nothing_and_the_next_attempt_works(
+    harness: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real cluster's case: the default image has no ktlite and cannot install it, so the
+    store pod crash-loops; the failed attempt is rolled back, the next one makes a new store."""
+    from ktlite.backends.kube_api import KubeApi, load
+
+    monkeypatch.setenv("KTLITE_INSTALL", "ktlite-does-not-exist==0.1")
+    failed = _cli("put", "k", "--value", "v")
+    assert failed.returncode == 1 and "the pod's setup failed" in failed.stderr, failed.stderr
+    assert "could not install ktlite-does-not-exist==0.1" in failed.stderr
+    assert (
+        "removed what this attempt created (Secret ktlite-store-token, PersistentVolumeClaim ktlite-store, "
+        "StatefulSet ktlite-store)" in failed.stderr
+    )
+    http, info = load(str(harness / "kubeconfig"))
+    with http:
+        api = KubeApi(http, info.namespace)
+        assert api.get("StatefulSet", ks.NAME) is None and api.get("Secret", ks.SECRET) is None
+        monkeypatch.delenv("KTLITE_INSTALL")
+        kt.put("k", {"v": 1})  # a new store, not the crash-looping one
+        assert kt.get("k") == {"v": 1}
+        assert api.get("StatefulSet", ks.NAME) is not None
+        assert _cli("store", "teardown", "--volumes", "-y").returncode == 0
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

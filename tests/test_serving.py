@@ -273,10 +273,39 @@ def test_status_list_and_reattach_by_name(tmp_path: Any) -> None:
         assert shown.returncode == 0, shown.stderr
         assert "autoscaled, 1 replica(s) running (1..2)" in shown.stdout
         assert "last decision" in shown.stdout and f"replica {name}-0" in shown.stdout
+        # one process scales (the deployment's own autoscaler process, or this one if it took the
+        # lead first): scaling_status() is that one's last decision
+        said = remote.scaling_status()
+        assert said["autoscaler"].startswith("ktlite") and said["last_decision"]["reason"]
+        assert said.get("alive", True) is True  # another process's record says whether it lives
+        assert (said["current"], said["min"], said["max"]) == (1, 1, 2)
         with pytest.raises(kt.ConfigError, match="one replica"):
             remote(4, workers=[0])
     finally:
         subprocess.run([*cli, "teardown", name], capture_output=True, env=env, timeout=60)
+
+
+def test_scaling_status_of_the_handle_is_what_ktlites_autoscaler_says() -> None:
+    """docs/kubernetes.md and docs/serving.md name ``scaling_status()`` on the handle: on the
+    local backend it is ktlite's own autoscaler (in this process)."""
+    compute = kt.Compute(cpus=0.5).autoscale(
+        min_scale=1, max_scale=2, concurrency=2, window="1s", scale_down_delay="1s"
+    )
+    remote = kt.cls(Model, name=_name("said")).to(compute)
+    plain = kt.fn(v1, name=_name("plain")).to(kt.Compute(cpus=0.5))
+    try:
+        assert remote.predict(2)[1] == 2
+        _wait(lambda: remote.scaling_status()["last_decision"] is not None, 30, "a first decision")
+        said = remote.scaling_status()
+        assert said["autoscaler"] == "ktlite (in this process)"
+        assert (said["current"], said["desired"], said["min"], said["max"]) == (1, 1, 1, 2)
+        assert said["metric"] == "concurrency" and said["target_per_replica"] == pytest.approx(1.4)
+        assert said["last_decision"]["reason"] and said["error"] is None
+        with pytest.raises(kt.ConfigError, match="is not an autoscaled service: scaling_status"):
+            plain.scaling_status()
+    finally:
+        remote.teardown()
+        plain.teardown()
 
 
 def test_the_ssh_backend_refuses_autoscale_before_deploying() -> None:

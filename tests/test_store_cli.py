@@ -12,12 +12,23 @@ from pathlib import Path
 import pytest
 
 
-def run(home: Path, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-        ok: bool = True) -> subprocess.CompletedProcess[str]:
+def run(
+    home: Path,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    ok: bool = True,
+) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     full.update(KTLITE_HOME=str(home), **(env or {}))
-    proc = subprocess.run([sys.executable, "-m", "ktlite.cli", *args], env=full, cwd=cwd,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ktlite.cli", *args],
+        env=full,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if ok:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -58,7 +69,10 @@ def test_put_ls_get_rm_round_trip(home: Path, tmp_path: Path) -> None:
 def test_errors_are_one_line_and_exit_1(home: Path, tmp_path: Path) -> None:
     missing = run(home, "get", "nope", ok=False)
     assert missing.returncode == 1
-    assert missing.stderr.startswith("ktlite: error: no key 'nope'") and "Traceback" not in missing.stderr
+    assert (
+        missing.stderr.startswith("ktlite: error: no key 'nope'")
+        and "Traceback" not in missing.stderr
+    )
     bad = run(home, "put", "../up", str(tmp_path), ok=False)
     assert bad.returncode == 1 and "not a valid data store key" in bad.stderr
     nothing = run(home, "put", "k", ok=False)
@@ -92,4 +106,60 @@ def test_help_names_the_store_commands(home: Path) -> None:
     top = run(home, "--help").stdout
     for command in ("put", "get", "ls", "rm", "store"):
         assert command in top
-    assert "Example: ktlite put datasets/mnist ./mnist" in " ".join(run(home, "put", "--help").stdout.split())
+    assert "Example: ktlite put datasets/mnist ./mnist" in " ".join(
+        run(home, "put", "--help").stdout.split()
+    )
+
+
+def on_terminal(home: Path, typed: str, *args: str) -> tuple[int, str]:
+    """Run the CLI with a pseudo-terminal as its stdin/stdout (as a user at a shell), having
+    typed ``typed``; its exit code and what it printed."""
+    import pty
+    import select
+    import time
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
+    full["KTLITE_HOME"] = str(home)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ktlite.cli", *args],
+        env=full,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+    )
+    os.close(slave)
+    os.write(master, typed.encode())
+    out, deadline = b"", time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1.0)[0]:
+                continue
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(master)
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the CLI did not exit within 60 s; it printed {out!r}") from None
+    return code, out.decode(errors="replace")
+
+
+def test_store_teardown_takes_yes_as_teardown_does_and_asks_on_a_terminal(home: Path) -> None:
+    run(home, "put", "k", "--value", "A", "-n", "team-a")
+    code, said = on_terminal(home, "n\n", "store", "teardown", "-n", "team-a", "--volumes")
+    assert code == 1 and "with all its data? [y/N]" in said and "nothing torn down" in said, said
+    assert (home / "store" / "team-a").exists()
+    code, said = on_terminal(home, "", "store", "teardown", "-n", "team-a", "--volumes", "-y")
+    assert code == 0 and "[y/N]" not in said and ": removed" in said, said
+    assert not (home / "store" / "team-a").exists()
+    run(home, "put", "k", "--value", "A", "-n", "team-b")
+    run(home, "store", "teardown", "-n", "team-b", "--volumes", "--yes")  # no terminal: not asked
+    assert not (home / "store" / "team-b").exists()

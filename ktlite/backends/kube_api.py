@@ -1,8 +1,9 @@
 """The Kubernetes API as ktlite uses it: a few JSON REST calls over one ``httpx.Client``.
 
-Credentials come from the official ``kubernetes`` client's configuration loaders
-(``KUBECONFIG`` / ``~/.kube/config`` with its TLS settings, tokens, client certificates and
-exec plugins, or a pod's service account), so anything ``kubectl`` can reach, ktlite can.
+Credentials come from ``ktlite.backends.kubeconfig`` (``KUBECONFIG`` / ``~/.kube/config``
+with its TLS settings, tokens, client certificates and exec plugins, or a pod's service
+account, read as kubectl reads them; an ``auth-provider`` user through the official
+``kubernetes`` client's loader), so anything ``kubectl`` can reach, ktlite can.
 The same client carries calls to pods through the API server's pod proxy, and tests
 inject a transport in its place.
 
@@ -17,17 +18,15 @@ import contextlib
 import os
 import socket
 import ssl
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from ktlite.errors import (
-    ConfigError,
-    ControllerRequestError,
-    KubernetesCredentialsError,
-)
+from ktlite.backends import kubeconfig
+from ktlite.errors import ControllerRequestError, KubernetesCredentialsError
 
 PATHS = {
     "Pod": "/api/v1/namespaces/{ns}/pods",
@@ -53,6 +52,8 @@ def kind_of(obj: dict[str, Any]) -> str:
     if obj.get("apiVersion") == KNATIVE_API:
         return "Knative" + kind
     return kind
+
+
 _TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 
 
@@ -76,80 +77,87 @@ class ClusterInfo:
 
 
 class _KubeAuth(httpx.Auth):
-    """The kubeconfig's bearer token, read per request: exec plugins and service-account
-    tokens rotate, and the configuration's refresh hook renews them."""
+    """The credential's Authorization header, asked per request: exec plugins and
+    service-account tokens rotate."""
 
-    def __init__(self, configuration: Any) -> None:
-        self._configuration = configuration
+    def __init__(self, authorization: Callable[[], str | None]) -> None:
+        self._authorization = authorization
 
     def auth_flow(self, request: httpx.Request) -> Iterator[httpx.Request]:
-        # auth_settings() names the header and its value whatever key this client release
-        # stores the token under ("authorization" in older ones, "BearerToken" in newer)
-        for setting in self._configuration.auth_settings().values():
-            if setting.get("in") == "header" and setting.get("value"):
-                request.headers[setting["key"]] = setting["value"]
-        if "authorization" not in request.headers and self._configuration.username \
-                and self._configuration.password:
-            request.headers["authorization"] = self._configuration.get_basic_auth_token()
+        try:
+            value = self._authorization()
+        except (kubeconfig.CredentialsError, OSError) as e:  # a plugin failed, a token file went
+            raise KubernetesCredentialsError(
+                f"could not renew the Kubernetes credentials: {e}"
+            ) from e
+        if value:
+            request.headers["authorization"] = value
         yield request
 
     def __repr__(self) -> str:
         return "_KubeAuth(<credentials hidden>)"
 
 
-def _ssl_context(configuration: Any) -> ssl.SSLContext | bool:
-    if not configuration.verify_ssl:
-        return False
-    ctx = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
-    if configuration.cert_file:
-        ctx.load_cert_chain(configuration.cert_file, configuration.key_file or None)
+def _ssl_context(creds: kubeconfig.Credentials) -> ssl.SSLContext:
+    """Trust the kubeconfig's CA (else the system's), present its client certificate; with
+    insecure-skip-tls-verify, trust any server (and still present the certificate)."""
+    ctx = ssl.create_default_context(
+        cafile=creds.ca_file, cadata=creds.ca_pem.decode() if creds.ca_pem else None
+    )
+    if not creds.verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if creds.cert_file or creds.cert_pem:
+        if creds.cert_pem is None:
+            ctx.load_cert_chain(creds.cert_file or "", creds.key_file or None)
+        else:  # the ssl module loads certificates from files only: a private one, gone at once
+            with tempfile.TemporaryDirectory(prefix="ktlite-cert-") as tmp:
+                cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+                for path, data in ((cert, creds.cert_pem), (key, creds.key_pem or b"")):
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                ctx.load_cert_chain(cert, key if creds.key_pem else None)
     return ctx
 
 
-def load(kubeconfig: str | None = None, context: str | None = None,
-         namespace: str | None = None) -> tuple[httpx.Client, ClusterInfo]:
+def load(
+    kubeconfig_path: str | None = None, context: str | None = None, namespace: str | None = None
+) -> tuple[httpx.Client, ClusterInfo]:
     """An authenticated client for the cluster, and where it points.
 
     In a pod (service account mounted) the in-cluster configuration is used unless a
-    kubeconfig is named (argument or KUBECONFIG); otherwise KUBECONFIG or ~/.kube/config.
+    kubeconfig is named (argument or KUBECONFIG); otherwise KUBECONFIG or ~/.kube/config
+    (``ktlite.backends.kubeconfig`` reads them; the ``kubernetes`` package is not imported).
     """
+    creds = kubeconfig.load(kubeconfig_path, context)
     try:
-        from kubernetes import client as kclient
-        from kubernetes import config as kconfig
-    except ImportError as e:
-        raise ConfigError("backend='kubernetes' needs the kubernetes client: "
-                          "pip install 'ktlite[kubernetes]'") from e
-    configuration = kclient.Configuration()
-    in_cluster = kubeconfig is None and context is None and not os.environ.get("KUBECONFIG") \
-        and "KUBERNETES_SERVICE_HOST" in os.environ \
-        and os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token")
-    try:
-        if in_cluster:
-            kconfig.load_incluster_config(client_configuration=configuration)
-            context_name = "in-cluster"
-            with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
-                default_ns = f.read().strip() or "default"
-        else:
-            kconfig.load_kube_config(config_file=kubeconfig, context=context,
-                                     client_configuration=configuration, persist_config=False)
-            contexts, current = kconfig.list_kube_config_contexts(config_file=kubeconfig)
-            chosen = next((c for c in contexts if c["name"] == context), current) if context else current
-            context_name = chosen["name"]
-            default_ns = chosen.get("context", {}).get("namespace") or "default"
-    except (kconfig.ConfigException, OSError, TypeError, ValueError) as e:
-        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-        raise KubernetesCredentialsError(f"could not load a Kubernetes configuration from {where}"
-                          f"{f' (context {context!r})' if context else ''}: {e}; point KUBECONFIG at "
-                          "your cluster's kubeconfig, or check `kubectl config get-contexts`") from e
+        verify = _ssl_context(creds)
+    except (OSError, ValueError) as e:  # ssl.SSLError too
+        raise KubernetesCredentialsError(
+            f"the TLS settings of Kubernetes context {creds.context!r} do not load: {e}; check its "
+            "certificate-authority and client-certificate/client-key"
+        ) from e
     # TCP_NODELAY: a proxied call's body ends with a few bytes (its last chunk) that Nagle's
     # algorithm would hold back until the API server's delayed ACK, ~40 ms later
-    transport = httpx.HTTPTransport(verify=_ssl_context(configuration), proxy=configuration.proxy or None,
-                                    limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
-                                    socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    http = httpx.Client(base_url=configuration.host, auth=_KubeAuth(configuration), timeout=_TIMEOUT,
-                        transport=transport)
-    info = ClusterInfo(host=configuration.host, context=context_name,
-                       namespace=namespace or default_ns, in_cluster=in_cluster)
+    transport = httpx.HTTPTransport(
+        verify=verify,
+        proxy=creds.proxy,
+        limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+    )
+    http = httpx.Client(
+        base_url=creds.host,
+        auth=_KubeAuth(creds.authorization),
+        timeout=_TIMEOUT,
+        transport=transport,
+    )
+    info = ClusterInfo(
+        host=creds.host,
+        context=creds.context,
+        namespace=namespace or creds.namespace,
+        in_cluster=creds.in_cluster,
+    )
     return http, info
 
 
@@ -167,13 +175,16 @@ class KubeApi:
         base = PATHS[kind].format(ns=self.namespace)
         return f"{base}/{name}" if name else base
 
-    def request(self, method: str, path: str, *, what: str, ok_missing: bool = False,
-                **kwargs: Any) -> httpx.Response | None:
+    def request(
+        self, method: str, path: str, *, what: str, ok_missing: bool = False, **kwargs: Any
+    ) -> httpx.Response | None:
         try:
             resp = self.http.request(method, path, **kwargs)
         except httpx.HTTPError as e:
-            raise KubeApiError(f"could not reach the Kubernetes API server at {self.http.base_url} to "
-                               f"{what}: {e!r}; check the cluster is up and your kubeconfig") from e
+            raise KubeApiError(
+                f"could not reach the Kubernetes API server at {self.http.base_url} to "
+                f"{what}: {e!r}; check the cluster is up and your kubeconfig"
+            ) from e
         if resp.status_code == 404 and ok_missing:
             return None
         if resp.status_code >= 400:
@@ -186,26 +197,37 @@ class KubeApi:
             message, reason = body.get("message", resp.text), body.get("reason", "")
         except ValueError:
             message, reason = resp.text.strip()[:500], ""
-        hint = {401: "your kubeconfig's credentials were refused; log in again",
-                403: f"your account may not do this in namespace {self.namespace!r}; ask for RBAC "
-                     "permissions on statefulsets, services, secrets, pods, pods/log, pods/proxy, "
-                     "persistentvolumeclaims (serving: deployments, horizontalpodautoscalers, or Knative "
-                     "services; docs/kubernetes.md)",
-                404: f"does namespace {self.namespace!r} exist?"}.get(resp.status_code, "")
-        return KubeApiError(f"Kubernetes API: {what} failed: HTTP {resp.status_code} "
-                            f"{reason or resp.reason_phrase}: {message}" + (f"; {hint}" if hint else ""),
-                            status=resp.status_code, reason=reason)
+        hint = {
+            401: "your kubeconfig's credentials were refused; log in again",
+            403: f"your account may not do this in namespace {self.namespace!r}; ask for RBAC "
+            "permissions on statefulsets, services, secrets, pods, pods/log, pods/proxy, "
+            "persistentvolumeclaims (serving: deployments, horizontalpodautoscalers, or Knative "
+            "services; docs/kubernetes.md)",
+            404: f"does namespace {self.namespace!r} exist?",
+        }.get(resp.status_code, "")
+        return KubeApiError(
+            f"Kubernetes API: {what} failed: HTTP {resp.status_code} "
+            f"{reason or resp.reason_phrase}: {message}" + (f"; {hint}" if hint else ""),
+            status=resp.status_code,
+            reason=reason,
+        )
 
     # ---- objects ----------------------------------------------------------------------
 
     def get(self, kind: str, name: str) -> dict[str, Any] | None:
-        resp = self.request("GET", self._path(kind, name), what=f"read {kind} {name}", ok_missing=True)
+        resp = self.request(
+            "GET", self._path(kind, name), what=f"read {kind} {name}", ok_missing=True
+        )
         return None if resp is None else resp.json()
 
-    def list(self, kind: str, label_selector: str | None = None,
-             field_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {k: v for k, v in (("labelSelector", label_selector),
-                                    ("fieldSelector", field_selector)) if v}
+    def list(
+        self, kind: str, label_selector: str | None = None, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        params = {
+            k: v
+            for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector))
+            if v
+        }
         resp = self.request("GET", self._path(kind), what=f"list {kind}s", params=params)
         assert resp is not None
         items: list[dict[str, Any]] = resp.json().get("items") or []
@@ -225,15 +247,25 @@ class KubeApi:
         return resp.json()
 
     def patch(self, kind: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        resp = self.request("PATCH", self._path(kind, name), what=f"patch {kind} {name}", json=patch,
-                            headers={"content-type": "application/merge-patch+json"})
+        resp = self.request(
+            "PATCH",
+            self._path(kind, name),
+            what=f"patch {kind} {name}",
+            json=patch,
+            headers={"content-type": "application/merge-patch+json"},
+        )
         assert resp is not None
         return resp.json()
 
     def delete(self, kind: str, name: str, propagation: str = "Background") -> bool:
         """Delete one object; False if it was already gone."""
-        resp = self.request("DELETE", self._path(kind, name), what=f"delete {kind} {name}",
-                            ok_missing=True, json={"propagationPolicy": propagation})
+        resp = self.request(
+            "DELETE",
+            self._path(kind, name),
+            what=f"delete {kind} {name}",
+            ok_missing=True,
+            json={"propagationPolicy": propagation},
+        )
         return resp is not None
 
     def cluster_get(self, path: str, what: str) -> dict[str, Any] | None:
@@ -256,8 +288,13 @@ class KubeApi:
         if previous:
             params["previous"] = "true"
         with contextlib.suppress(KubeApiError):
-            resp = self.request("GET", f"{self._path('Pod', name)}/log", what=f"read the log of pod {name}",
-                                ok_missing=True, params=params)
+            resp = self.request(
+                "GET",
+                f"{self._path('Pod', name)}/log",
+                what=f"read the log of pod {name}",
+                ok_missing=True,
+                params=params,
+            )
             text = "" if resp is None else resp.text
             # for a container the runtime no longer has, the kubelet answers 200 with a line of
             # its own, "unable to retrieve container logs for containerd://<id>" (or docker://,
@@ -275,8 +312,9 @@ class KubeApi:
             params["tailLines"] = tail
         path = f"{self._path('Pod', name)}/log"
         try:
-            with self.http.stream("GET", path, params=params,
-                                  timeout=httpx.Timeout(30.0, connect=10.0, read=None)) as resp:
+            with self.http.stream(
+                "GET", path, params=params, timeout=httpx.Timeout(30.0, connect=10.0, read=None)
+            ) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     raise self._error(resp, f"follow the log of pod {name}")

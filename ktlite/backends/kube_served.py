@@ -412,10 +412,16 @@ class ServedDeployments(_Base):
         if _served(hpa, name):
             assert hpa is not None
             spec, status = hpa["spec"], hpa.get("status") or {}
-            return {"autoscaler": "hpa", "current": status.get("currentReplicas", 0),
-                    "desired": status.get("desiredReplicas", 0), "min": spec.get("minReplicas", 1),
-                    "max": spec.get("maxReplicas"), "last_scale_time": status.get("lastScaleTime"),
-                    "conditions": _conditions(hpa), "metric": _describe_metric(spec, status)}
+            return {
+                "autoscaler": "hpa",
+                "current": status.get("currentReplicas", 0),
+                "desired": status.get("desiredReplicas", 0),
+                "min": spec.get("minReplicas", 1),
+                "max": spec.get("maxReplicas"),
+                "last_scale_time": status.get("lastScaleTime"),
+                "conditions": _conditions(hpa),
+                "metric": _describe_metric(spec, status, _peek(api, "Deployment", name)),
+            }
         ksvc = _peek(api, "KnativeService", name)
         if not _served(ksvc, name):
             return None
@@ -466,15 +472,26 @@ class ServedDeployments(_Base):
         return rows
 
 
-def _describe_metric(spec: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
-    """The HPA's metric, its target and the value it last read (None: none read)."""
+def _describe_metric(
+    spec: dict[str, Any], status: dict[str, Any], deployment: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The HPA's metric, its target and the value it last read (None: none read); with
+    ``instead_of``, the metric the deployment asked for where the HPA scales on CPU in its
+    place (a cluster without a custom-metrics adapter)."""
     metric = (spec.get("metrics") or [{}])[0]
     current = (status.get("currentMetrics") or [{}])[0]
     if metric.get("type") == "Resource":
         target = metric["resource"]["target"]
         value = ((current.get("resource") or {}).get("current") or {}).get("averageUtilization")
-        return {"name": metric["resource"]["name"], "target": f"{target.get('averageUtilization')}%",
-                "current": None if value is None else f"{value}%"}
+        out = {
+            "name": metric["resource"]["name"],
+            "target": f"{target.get('averageUtilization')}%",
+            "current": None if value is None else f"{value}%",
+        }
+        asked = ((kss.autoscale_of(deployment or {}) or {}).get("metric")) or "concurrency"
+        if asked != out["name"]:
+            out["instead_of"] = asked  # what kss.notes announced at deploy time
+        return out
     if metric.get("type") == "Pods":
         value = ((current.get("pods") or {}).get("current") or {}).get("averageValue")
         return {"name": metric["pods"]["metric"]["name"], "target": metric["pods"]["target"].get("averageValue"),

@@ -28,7 +28,7 @@ import httpx
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
-from ktlite.errors import DataStoreError
+from ktlite.errors import DataStoreError, KtliteError
 
 NAME = "ktlite-store"
 SECRET = "ktlite-store-token"
@@ -39,6 +39,11 @@ LABEL = "ktlite.dev/store"
 LABELS = {LABEL: NAME, "app.kubernetes.io/part-of": "ktlite"}
 DEFAULT_SIZE = "10Gi"
 DEFAULT_TIMEOUT_S = 600.0
+_SETUP_FIX = (
+    "give the store an image that already holds ktlite: `ktlite store create --image IMAGE` "
+    "or `ktlite config set image IMAGE` (images/Dockerfile builds one), or `ktlite config set "
+    "install SPEC` with a pip spec the pod can install"
+)
 
 
 @dataclass(frozen=True)
@@ -54,18 +59,38 @@ class StoreAddress:
     http: Any = field(default=None, repr=False)
 
 
-def render(namespace: str, *, image: str, install: str, token: str | None, size: str = DEFAULT_SIZE,
-           storage_class: str | None = None, pull_policy: str | None = None) -> list[dict[str, Any]]:
+def render(
+    namespace: str,
+    *,
+    image: str,
+    install: str,
+    token: str | None,
+    size: str = DEFAULT_SIZE,
+    storage_class: str | None = None,
+    pull_policy: str | None = None,
+) -> list[dict[str, Any]]:
     """Pure: the store's objects, in apply order (the Secret holds a placeholder without
     ``token``, for printing)."""
     meta = {"namespace": namespace, "labels": dict(LABELS)}
-    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {**meta, "name": SECRET},
-              "stringData": {"token": token if token is not None else km.TOKEN_PLACEHOLDER}}
-    claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {**meta, "name": SECRET},
+        "stringData": {"token": token if token is not None else km.TOKEN_PLACEHOLDER},
+    }
+    claim_spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": size}},
+    }
     if storage_class:
         claim_spec["storageClassName"] = storage_class
-    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {**meta, "name": CLAIM},
-             "spec": claim_spec}
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {**meta, "name": CLAIM},
+        "spec": claim_spec,
+    }
     env = [
         {"name": "KTLITE_TOKEN", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "token"}}},
         {"name": "KTLITE_STORE_ROOT", "value": ROOT},
@@ -76,23 +101,47 @@ def render(namespace: str, *, image: str, install: str, token: str | None, size:
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
     container: dict[str, Any] = {
-        "name": km.CONTAINER, "image": image, "command": ["/bin/sh", "-c", km.BOOTSTRAP], "env": env,
+        "name": km.CONTAINER,
+        "image": image,
+        "command": ["/bin/sh", "-c", km.BOOTSTRAP],
+        "env": env,
         "ports": [{"name": "server", "containerPort": km.SERVER_PORT}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": km.SERVER_PORT},
-                           "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": km.SERVER_PORT},
+            "periodSeconds": 2,
+            "failureThreshold": 3,
+            "timeoutSeconds": 2,
+        },
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-        "volumeMounts": [{"name": "ktlite-state", "mountPath": km.STATE_DIR},
-                         {"name": "data", "mountPath": ROOT}],
+        "volumeMounts": [
+            {"name": "ktlite-state", "mountPath": km.STATE_DIR},
+            {"name": "data", "mountPath": ROOT},
+        ],
     }
     if pull_policy:
         container["imagePullPolicy"] = pull_policy
-    template = {"metadata": {"labels": dict(LABELS)},
-                "spec": {"containers": [container], "terminationGracePeriodSeconds": 10,
-                         "volumes": [{"name": "ktlite-state", "emptyDir": {}},
-                                     {"name": "data", "persistentVolumeClaim": {"claimName": CLAIM}}]}}
-    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {**meta, "name": NAME},
-           "spec": {"serviceName": NAME, "replicas": 1, "selector": {"matchLabels": {LABEL: NAME}},
-                    "template": template}}
+    template = {
+        "metadata": {"labels": dict(LABELS)},
+        "spec": {
+            "containers": [container],
+            "terminationGracePeriodSeconds": 10,
+            "volumes": [
+                {"name": "ktlite-state", "emptyDir": {}},
+                {"name": "data", "persistentVolumeClaim": {"claimName": CLAIM}},
+            ],
+        },
+    }
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {**meta, "name": NAME},
+        "spec": {
+            "serviceName": NAME,
+            "replicas": 1,
+            "selector": {"matchLabels": {LABEL: NAME}},
+            "template": template,
+        },
+    }
     return [secret, claim, sts]
 
 
@@ -121,17 +170,28 @@ class KubeStore:
 
     def _address(self, api: KubeApi, pod: dict[str, Any], token: str) -> StoreAddress:
         from ktlite.backends.kubernetes import _url
+
         http, info = self.backend._connect()
         peer = _url(pod["status"]["podIP"], km.SERVER_PORT)
         url = peer if info.in_cluster else api.proxy_url(POD, km.SERVER_PORT)
-        return StoreAddress(pod=POD, namespace=api.namespace, url=url, peer_url=peer, token=token,
-                            http=None if info.in_cluster else http)
+        return StoreAddress(
+            pod=POD,
+            namespace=api.namespace,
+            url=url,
+            peer_url=peer,
+            token=token,
+            http=None if info.in_cluster else http,
+        )
 
     def find(self) -> StoreAddress | None:
         """The store's address if its pod runs with an IP (not checked to answer), else None."""
         api = self.api
         pod = api.get("Pod", POD)
-        if pod is None or pod["metadata"].get("deletionTimestamp") or not (pod.get("status") or {}).get("podIP"):
+        if (
+            pod is None
+            or pod["metadata"].get("deletionTimestamp")
+            or not (pod.get("status") or {}).get("podIP")
+        ):
             return None
         token = _token(api.get("Secret", SECRET))
         return None if token is None else self._address(api, pod, token)
@@ -139,40 +199,148 @@ class KubeStore:
     def exists(self) -> bool:
         return self.api.get("StatefulSet", NAME) is not None
 
-    def ensure(self, timeout: float | None = None, size: str | None = None,
-               storage_class: str | None = None, image: str | None = None) -> StoreAddress:
+    def ensure(
+        self,
+        timeout: float | None = None,
+        size: str | None = None,
+        storage_class: str | None = None,
+        image: str | None = None,
+    ) -> StoreAddress:
         """Create what is missing of the store, then wait (at most ``timeout`` seconds) for
-        its pod to answer; fails early with the reason it cannot start."""
+        its pod to answer; fails early with the reason it cannot start. A store this call
+        created and that does not start is removed again (a claim from before, which may hold
+        data, is kept), and the error names the command that removes what is left."""
         from ktlite import config
         from ktlite.backends.kubernetes import default_image, install_spec
+
         api = self.api
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        start = self.backend._clock()
+        self._wait_released(api, timeout)
         token = _token(api.get("Secret", SECRET))
         new_token = token is None
         if new_token:
             token = secrets.token_urlsafe(32)
-        objects = render(api.namespace, image=image or default_image(), install=install_spec(), token=token,
-                         size=size or os.environ.get("KTLITE_STORE_SIZE") or DEFAULT_SIZE,
-                         storage_class=storage_class or os.environ.get("KTLITE_STORE_STORAGE_CLASS") or None,
-                         pull_policy=config.get("image_pull_policy"))
-        created = []
-        for obj in objects:
-            if api.get(obj["kind"], obj["metadata"]["name"]) is None:
+        objects = render(
+            api.namespace,
+            image=image or default_image(),
+            install=install_spec(),
+            token=token,
+            size=size or os.environ.get("KTLITE_STORE_SIZE") or DEFAULT_SIZE,
+            storage_class=storage_class or os.environ.get("KTLITE_STORE_STORAGE_CLASS") or None,
+            pull_policy=config.get("image_pull_policy"),
+        )
+        missing = [o for o in objects if api.get(o["kind"], o["metadata"]["name"]) is None]
+        created: list[str] = []  # the kinds this call made (each named NAME, SECRET or CLAIM)
+        try:
+            for obj in missing:
                 try:
                     api.create(obj)
                     created.append(obj["kind"])
                 except KubeApiError as e:
-                    if e.status != 409:
-                        raise DataStoreError(f"could not create the data store in namespace "
-                                             f"{api.namespace!r}: {e}") from e
-        if new_token and "StatefulSet" not in created:
-            # the pod started with a Secret that is gone: it must restart to read the new one
-            with contextlib.suppress(KubeApiError):
-                api.delete("Pod", POD)
-        if created:
-            self.backend._say(f"creating the data store in namespace {api.namespace!r} "
-                              f"({', '.join(created)} {NAME})")
-        assert token is not None
-        return self.wait(token, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+                    if e.status != 409:  # 409: made concurrently (another process's ensure)
+                        raise DataStoreError(
+                            f"could not create the data store in namespace {api.namespace!r}: {e}"
+                        ) from e
+            if new_token and "StatefulSet" not in created:
+                # the pod started with a Secret that is gone: it must restart to read the new one
+                with contextlib.suppress(KubeApiError):
+                    api.delete("Pod", POD)
+            if created:
+                self.backend._say(
+                    f"creating the data store in namespace {api.namespace!r} "
+                    f"({', '.join(created)} {NAME})"
+                )
+            assert token is not None
+            return self.wait(token, max(0.0, timeout - (self.backend._clock() - start)))
+        except BaseException as e:
+            self._roll_back(api, e, [o["kind"] for o in missing], created)
+            raise
+
+    def _wait_released(self, api: KubeApi, timeout: float) -> None:
+        """A claim being deleted (a store torn down or rolled back a moment ago) stays until
+        its pod has gone (pvc-protection): wait for it, or the new pod would mount a claim
+        about to vanish."""
+        clock, start = self.backend._clock, self.backend._clock()
+        while (claim := api.get("PersistentVolumeClaim", CLAIM)) is not None and claim[
+            "metadata"
+        ].get("deletionTimestamp"):
+            if clock() - start > timeout:
+                raise DataStoreError(
+                    f"the data store's PersistentVolumeClaim {CLAIM!r} in namespace {api.namespace!r} "
+                    f"was still being deleted after {timeout:g}s; a pod still mounts it (`kubectl -n "
+                    f"{api.namespace} get pods`); try again once it is gone"
+                )
+            self.backend._sleep(0.5)
+
+    def _roll_back(
+        self, api: KubeApi, error: BaseException, missing: list[str], created: list[str]
+    ) -> None:
+        """After a failed ``ensure`` that found the kinds ``missing`` and ``created`` some: a
+        new store is removed again (a claim from before, which may hold data, stays; nothing
+        is removed with the keep_failed setting); ``error`` says what is left and the command
+        that removes it."""
+        from ktlite import config
+
+        command = f"ktlite store teardown --backend kubernetes -n {api.namespace}"
+        keep = (config.get("keep_failed") or "").lower() == "true"
+        new_store = "StatefulSet" in missing
+        if new_store and not created:  # it failed before making anything
+            return
+        if not isinstance(error, Exception):  # Ctrl-C: roll back too, say nothing
+            if new_store and not keep:
+                with contextlib.suppress(Exception):
+                    self._remove(api, created)
+            return
+        names = {
+            "StatefulSet": f"StatefulSet {NAME}",
+            "Secret": f"Secret {SECRET}",
+            "PersistentVolumeClaim": f"PersistentVolumeClaim {CLAIM}",
+        }
+        made = ", ".join(names[kind] for kind in created)
+        old_claim = "PersistentVolumeClaim" not in missing
+        data = (
+            (
+                f"; kept PersistentVolumeClaim {CLAIM!r}, which holds the store's data from before: "
+                f"`{command} --volumes` deletes it with that data"
+            )
+            if old_claim
+            else ""
+        )
+        if new_store and not keep:
+            try:
+                self._remove(api, created)
+                note = f"removed what this attempt created ({made}){data}"
+            except Exception as e:  # noqa: BLE001 - the store's own error matters more
+                note = (
+                    f"could not remove what this attempt created ({made}): {e}; `{command}"
+                    f"{'' if old_claim else ' --volumes'}` removes it"
+                )
+        elif new_store:
+            note = (
+                f"kept (keep_failed=true): {made}; `{command}` removes them (its claim and data "
+                f"too with --volumes)"
+            )
+        else:
+            note = (
+                f"the data store from before is still there (StatefulSet {NAME}, its pod, Secret "
+                f"{SECRET}, PersistentVolumeClaim {CLAIM}); `{command}` removes it and keeps the "
+                f"data, `{command} --volumes` deletes the data too; then try again"
+            )
+        if isinstance(error, KtliteError) and error.args and isinstance(error.args[0], str):
+            error.args = (f"{error.args[0]}\n{note}", *error.args[1:])  # its own type kept
+        elif hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(note)
+
+    def _remove(self, api: KubeApi, created: list[str]) -> None:
+        """Delete what this attempt ``created`` (not what another process made meanwhile)."""
+        if "StatefulSet" in created:
+            api.delete("StatefulSet", NAME)
+            api.delete("Pod", POD)
+        if "PersistentVolumeClaim" in created:  # Terminating until the pod has gone
+            api.delete("PersistentVolumeClaim", CLAIM)
+        if "Secret" in created:
+            api.delete("Secret", SECRET)
 
     def wait(self, token: str, timeout: float) -> StoreAddress:
         api = self.api
@@ -194,10 +362,13 @@ class KubeStore:
                 if problem is not None:
                     if problem.fatal:
                         log = api.pod_log(POD, tail=20) if problem.want_logs else ""
-                        raise DataStoreError(f"the data store cannot start: pod {POD} in namespace "
-                                             f"{api.namespace!r}: {problem.message}"
-                                             + (f"; {problem.fix}" if problem.fix else "")
-                                             + (f"\nlast lines of its log:\n{log.rstrip()}" if log.strip() else ""))
+                        fix = _SETUP_FIX if problem.kind == "setup" else problem.fix
+                        raise DataStoreError(
+                            f"the data store cannot start: pod {POD} in namespace "
+                            f"{api.namespace!r}: {problem.message}"
+                            + (f"; {fix}" if fix else "")
+                            + (f"\nlast lines of its log:\n{log.rstrip()}" if log.strip() else "")
+                        )
                     reason = problem.message
             if clock() - start > timeout:
                 claim = api.get("PersistentVolumeClaim", CLAIM)
@@ -206,11 +377,14 @@ class KubeStore:
                         f"the data store's PersistentVolumeClaim {CLAIM!r} in namespace {api.namespace!r} "
                         f"was not bound after {timeout:g}s; check `kubectl -n {api.namespace} describe pvc "
                         f"{CLAIM}` (set KTLITE_STORE_STORAGE_CLASS to a StorageClass of "
-                        "`kubectl get storageclass`), then `ktlite store teardown --volumes` and try again")
-                raise DataStoreError(f"the data store pod {POD} in namespace {api.namespace!r} was not "
-                                     f"ready after {timeout:g}s (last reason: {reason}); look at "
-                                     f"`kubectl -n {api.namespace} describe pod {POD}`, or raise "
-                                     "KTLITE_STORE_TIMEOUT")
+                        "`kubectl get storageclass`), then `ktlite store teardown --volumes` and try again"
+                    )
+                raise DataStoreError(
+                    f"the data store pod {POD} in namespace {api.namespace!r} was not "
+                    f"ready after {timeout:g}s (last reason: {reason}); look at "
+                    f"`kubectl -n {api.namespace} describe pod {POD}`, or raise "
+                    "KTLITE_STORE_TIMEOUT"
+                )
             sleep(min(1.0, 0.1 + (clock() - start) / 20))
 
     def answers(self, address: StoreAddress) -> bool:
@@ -226,12 +400,16 @@ class KubeStore:
             return f"PersistentVolumeClaim {CLAIM!r} does not exist"
         if (claim.get("status") or {}).get("phase") == "Bound":
             return None
-        events = api.list("Event", field_selector=f"involvedObject.name={CLAIM},"
-                          "involvedObject.kind=PersistentVolumeClaim")
+        events = api.list(
+            "Event",
+            field_selector=f"involvedObject.name={CLAIM},involvedObject.kind=PersistentVolumeClaim",
+        )
         for event in events:
             if event.get("reason") == "ProvisioningFailed":
-                return (f"PersistentVolumeClaim {CLAIM!r}: ProvisioningFailed: {event.get('message', '')}; "
-                        "set KTLITE_STORE_STORAGE_CLASS, then `ktlite store teardown --volumes`")
+                return (
+                    f"PersistentVolumeClaim {CLAIM!r}: ProvisioningFailed: {event.get('message', '')}; "
+                    "set KTLITE_STORE_STORAGE_CLASS, then `ktlite store teardown --volumes`"
+                )
         return None
 
     def teardown(self, volumes: bool = False) -> bool:
@@ -255,5 +433,9 @@ def handoff(backend: Any) -> dict[str, Any] | None:
         return None
     if address is None:
         return {"url": None, "namespace": backend.namespace}
-    return {"url": address.peer_url, "token": address.token, "pod": address.pod,
-            "namespace": address.namespace}
+    return {
+        "url": address.peer_url,
+        "token": address.token,
+        "pod": address.pod,
+        "namespace": address.namespace,
+    }

@@ -12,6 +12,8 @@ itself says (its conditions, e.g. FailedGetResourceMetric without metrics-server
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -155,3 +157,30 @@ def test_served_class_through_the_public_api(settings, deployments, make_compute
     status = second.status()
     assert {r["name"] for r in status["replicas"]} == pods  # no replica restarted for new code
     print(f"\nstatus: {status['autoscaler']}")
+    # the handle's scaling_status() is the HPA's own word; without a custom-metrics adapter it
+    # scales on CPU in place of concurrency, and `ktlite status` says so
+    said = second.scaling_status()
+    assert said["autoscaler"] == "hpa" and (said["min"], said["max"]) == (1, 2)
+    adapter = said["metric"]["name"] != "cpu"
+    assert adapter or said["metric"]["instead_of"] == "concurrency", said
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ktlite.cli",
+            "status",
+            name,
+            "--backend",
+            "kubernetes",
+            "-n",
+            settings.namespace,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert (
+        "metric ktlite_inflight_calls" if adapter else "metric cpu (target 80%"
+    ) in shown.stdout, shown.stdout
+    assert "metric concurrency" not in shown.stdout

@@ -125,3 +125,48 @@ def test_store_from_the_caller_and_from_pods(settings, deployments, make_compute
                 from ktlite.backends.kube_store import KubeStore
                 from ktlite.backends.kubernetes import KubernetesBackend
                 KubeStore(KubernetesBackend.shared(settings.namespace)).teardown(volumes=True)
+
+
+@pytest.mark.kubernetes
+@pytest.mark.kubernetes_volumes
+@pytest.mark.timeout(900)
+def test_a_store_that_cannot_start_is_rolled_back(
+    settings, kube, storage_class, run_prefix, monkeypatch: pytest.MonkeyPatch
+):
+    """The default image without ktlite on a cluster whose pods cannot install it: the store
+    pod's setup exits 78 and the pod crash-loops. The attempt removes what it made (nothing of
+    it is left but a claim that goes with its pod), and the next attempt, with an image that
+    holds ktlite, makes a new store instead of failing against the old one."""
+    if any(
+        s.metadata.name == "ktlite-store" for s in kube.list("statefulsets", "ktlite.dev/store")
+    ):
+        pytest.skip("the namespace has a data store already (someone's data): not replaced here")
+    monkeypatch.setenv("KTLITE_IMAGE", "python:3.11-slim")  # no ktlite in it; pods have no network
+    monkeypatch.setenv("KTLITE_IMAGE_PULL_POLICY", settings.pull_policy)
+    monkeypatch.setenv("KTLITE_NAMESPACE", settings.namespace)
+    monkeypatch.setenv("KTLITE_STORE_TIMEOUT", "600")
+    if storage_class:
+        monkeypatch.setenv("KTLITE_STORE_STORAGE_CLASS", storage_class)
+    where = {"backend": "kubernetes", "namespace": settings.namespace}
+    from ktlite.backends.kube_store import KubeStore
+    from ktlite.backends.kubernetes import KubernetesBackend
+
+    try:
+        with pytest.raises(kt.DataStoreError) as err:
+            kt.put(f"{run_prefix}-rollback/k", {"v": 1}, **where)
+        text = str(err.value)
+        print(f"\n{text}")
+        assert "the pod's setup failed" in text and "ktlite store create --image IMAGE" in text
+        assert (
+            "removed what this attempt created (Secret ktlite-store-token, PersistentVolumeClaim "
+            "ktlite-store, StatefulSet ktlite-store)" in text
+        )
+        assert [s.metadata.name for s in kube.list("statefulsets", "ktlite.dev/store")] == []
+        assert [s.metadata.name for s in kube.list("secrets", "ktlite.dev/store")] == []
+        monkeypatch.setenv("KTLITE_IMAGE", settings.image)
+        started = time.monotonic()
+        kt.put(f"{run_prefix}-rollback/k", {"v": 1}, **where)  # a new store
+        print(f"the next attempt made a store in {time.monotonic() - started:.1f} s")
+        assert kt.get(f"{run_prefix}-rollback/k", **where) == {"v": 1}
+    finally:
+        KubeStore(KubernetesBackend.shared(settings.namespace)).teardown(volumes=True)
