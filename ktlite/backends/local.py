@@ -569,10 +569,10 @@ class LocalBackend(Backend):
         return total
 
     def supervise(self, name: str) -> None:
-        """Start the autoscaler process of a detached deployment (ktlite.serving.supervise)."""
+        """Start the autoscaler process of a detached deployment (ktlite.autoscalers.supervise)."""
         log = self._dir(name) / "autoscaler.log"
         with open(log, "ab") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "ktlite.serving", name], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, "-m", "ktlite.autoscalers", name], stdin=subprocess.DEVNULL,
                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         (self._dir(name) / "supervisor.pid").write_text(str(proc.pid))  # teardown stops it first
 
