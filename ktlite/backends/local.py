@@ -37,6 +37,7 @@ from ktlite import secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
+from ktlite.backends.local_cgroups import memory_cgroup, remove_cgroup
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, NotDeployedError, StartupError
@@ -100,49 +101,6 @@ def visible_gpus() -> list[str]:
         else:
             _gpu_cache = []
     return _gpu_cache
-
-
-def _memory_cgroup(name: str, limit: int) -> Path | None:
-    """A memory cgroup for one local pod, capped at ``limit`` bytes, under this process's
-    own (so ``memory_limit`` OOM-kills locally as on a cluster); None where cgroups cannot be
-    written (not root, no memory controller, cgroup v2 without delegation)."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return None
-    for _, controllers, path in lines:
-        if "memory" in controllers.split(","):  # cgroup v1
-            group = Path(f"/sys/fs/cgroup/memory{path.rstrip('/')}") / f"ktlite-{name}"
-            limit_file = "memory.limit_in_bytes"
-            break
-    else:
-        path = next((p for _, c, p in lines if c == ""), None)
-        if path is None:
-            return None
-        group = Path(f"/sys/fs/cgroup{path.rstrip('/')}") / f"ktlite-{name}"
-        limit_file = "memory.max"
-    try:
-        group.mkdir(exist_ok=True)
-        (group / limit_file).write_text(str(limit))
-    except OSError:
-        with contextlib.suppress(OSError):
-            group.rmdir()
-        return None
-    return group
-
-
-def _remove_cgroup(path: str | None) -> None:
-    if not path:
-        return
-    for _ in range(50):  # the kernel frees a cgroup once its last process is reaped
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.02)
 
 
 def _answers(port: int, timeout: float = 2.0) -> bool:
@@ -322,6 +280,10 @@ class LocalBackend(Backend):
             if resolved:  # pods restart when a secret's value changes (the digest tells nothing of it)
                 pod_hash += "-" + kt_secrets.fingerprint(resolved, token)
             secret_env = self._secret_env(spec, resolved)
+            # the ranks' working directory: the caller's (an autoscaled deployment's replicas all
+            # get the first one's); pod servers start in the deployment's own directory, where
+            # no file of the caller's can shadow ktlite (``python -m`` imports from its cwd first)
+            workdir = ((state or {}).get("workdir") if spec.autoscale is not None else None) or os.getcwd()
             old_pods = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
             pods: list[dict[str, Any]] = []
             starting: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
@@ -344,9 +306,9 @@ class LocalBackend(Backend):
                     ready.unlink()
                 with open(log, "ab") as logf:
                     proc = subprocess.Popen(self._command(spec, i, ready, volumes if mounted else []),
-                                            env=self._env(spec, i, volumes, mounted, secret_env),
+                                            env={**self._env(spec, i, volumes, mounted, secret_env), "KTLITE_WORKDIR": workdir},
                                             stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, cwd=self._dir(spec.name))
                 assert proc.stdin is not None
                 with contextlib.suppress(OSError):  # the token goes through a pipe, never env or argv
                     proc.stdin.write(token.encode() + b"\n")
@@ -374,6 +336,7 @@ class LocalBackend(Backend):
                      "autoscaled": spec.autoscale is not None,
                      "autoscale": asdict(spec.autoscale) if spec.autoscale is not None else None,
                      "master_port": master_port, "port_span": span, "token": token, "pods": pods,
+                     "workdir": workdir,
                      "created": (state or {}).get("created", time.time())}
             self._write(spec.name, state)
             if spec.autoscale is not None:  # what scale() starts more replicas of
@@ -392,7 +355,7 @@ class LocalBackend(Backend):
         limit = spec.compute.memory_limit
         if limit is None:
             return None
-        group = _memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", parse_memory(limit, "memory_limit"))
+        group = memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", parse_memory(limit, "memory_limit"))
         if group is None:
             print(f"ktlite: memory_limit={limit!r} is not enforced for local pod {spec.name}-{ordinal}: "
                   "this machine does not let ktlite create memory cgroups", file=sys.stderr)
@@ -400,7 +363,7 @@ class LocalBackend(Backend):
         try:
             (group / "cgroup.procs").write_text(str(proc.pid))
         except OSError:
-            _remove_cgroup(str(group))
+            remove_cgroup(str(group))
             return None
         return str(group)
 
@@ -470,7 +433,7 @@ class LocalBackend(Backend):
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(2.0)
         for pod in pods:
-            _remove_cgroup(pod.get("cgroup"))
+            remove_cgroup(pod.get("cgroup"))
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
         with self._lock:
@@ -573,7 +536,8 @@ class LocalBackend(Backend):
         log = self._dir(name) / "autoscaler.log"
         with open(log, "ab") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "ktlite.autoscalers", name], stdin=subprocess.DEVNULL,
-                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=self._dir(name))  # not the caller's: see apply()
         (self._dir(name) / "supervisor.pid").write_text(str(proc.pid))  # teardown stops it first
 
     def _stop_supervisor(self, name: str, timeout: float) -> None:

@@ -333,7 +333,7 @@ class SshBackend(Backend):
         image = spec.compute.image
         env = {**(image.env if image is not None else {}), **spec.compute.env, **secret_env,
                "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "KTLITE_WORKDIR": "~"}  # ranks run in the login's home
         steps = [[kind, list(arg) if kind == "pip_install" else arg]
                  for kind, arg in (image.steps if image is not None else ()) if kind in ("pip_install", "run_bash")]
         run_dir = f"{CACHE}/run/{spec.name}-{c.index}"
@@ -342,7 +342,8 @@ class SshBackend(Backend):
                "pick_master_port": pick, "timeout": spec.compute.launch_timeout, "secret_files": secret_files,
                "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")}}
         path = path.replace("~", "$HOME")  # expanded after ':' by every shell, unlike '~'
-        command = f"cd ~ && PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
+        # started in ktlite's cache, not the home: a ~/ktlite folder there would shadow ktlite
+        command = f"cd {CACHE} && PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
                   "-m ktlite_server.sshlaunch"
         proc = await c.conn.create_process(command, encoding="utf-8")
         proc.stdin.write(json.dumps(msg) + "\n")
