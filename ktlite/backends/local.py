@@ -252,7 +252,8 @@ class LocalBackend(Backend):
             keys = sorted([*spec.compute.env, *(k for r in resolved for k in r.env)])
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
-            cmds.append((prefix + " " if prefix else "") + "echo <token> | "
+            cmds.append(f"cd {shlex.quote(str(self._dir(spec.name)))} && echo <token> | KTLITE_WORKDIR="
+                        f"{shlex.quote(os.getcwd())} " + (prefix + " " if prefix else "")
                         + shlex.join(self._command(spec, i, ready, volumes if mounted else [])))
         return Plan(backend=self.name, name=spec.name, commands=cmds)
 
