@@ -299,6 +299,40 @@ def test_status_list_and_reattach_by_name(tmp_path: Any) -> None:
         subprocess.run([*cli, "teardown", name], capture_output=True, env=env, timeout=60)
 
 
+def test_replicas_stopped_by_a_scale_down_leave_the_state_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process reading a deployment's state while its replicas stop must never find
+    only dead replicas listed: it takes such a deployment for gone and deletes its directory,
+    spec and code with it (a detached deployment scaling to zero then waited for ever for a
+    replica that could not start: ``test_a_detached_deployment_scales_to_zero...`` hung so on
+    a busy machine)."""
+    import secrets
+    from dataclasses import replace
+
+    from ktlite.spec import DeploymentSpec
+
+    backend = get_backend("local")
+    spec = DeploymentSpec(_name("order"), kt.Compute(cpus=0.1).autoscale(min_scale=0, max_scale=2),
+                          detached=True)
+    token = secrets.token_urlsafe(16)
+    backend.apply(replace(spec, replicas=2), token)
+    stopped: list[tuple[int, bool]] = []
+    real = backend._stop_pods
+
+    def stop_pods(pods: list[dict[str, Any]], timeout: float) -> None:
+        listed = {p["pid"] for p in (backend._read(spec.name) or {}).get("pods", [])}
+        stopped.extend((p["pid"], p["pid"] in listed) for p in pods)
+        real(pods, timeout)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(backend, "_stop_pods", stop_pods)
+            applied = backend.apply(replace(spec, replicas=1), token)
+        assert [ep.ordinal for ep in applied.endpoints] == [0]
+        assert len(stopped) == 1 and stopped[0][1] is False, stopped  # out of the state, then stopped
+        assert not pid_alive(stopped[0][0])
+    finally:
+        backend.teardown(spec.name)
+
+
 def test_the_ssh_backend_refuses_autoscale_before_deploying() -> None:
     with pytest.raises(kt.ConfigError, match="ssh"):
         kt.fn(v1).to(kt.Compute(backend="ssh").autoscale(max_scale=2))

@@ -317,7 +317,6 @@ class LocalBackend(Backend):
                 self._procs[proc.pid] = proc
                 cgroup = self._limit_memory(spec, i, proc)
                 starting.append((i, proc, ready, log, cgroup))
-            self._stop_pods(list(old_pods.values()), timeout=5.0)  # ordinals beyond workers
             span = spec.distributed.port_span
             kept = (state or {}).get("master_port") if (state or {}).get("port_span", 0) >= span else None
             master_port = spec.distributed.port or kept or _master_port(self._ports_in_use(spec.name), span)
@@ -340,6 +339,9 @@ class LocalBackend(Backend):
                      "workdir": workdir,
                      "created": (state or {}).get("created", time.time())}
             self._write(spec.name, state)
+            # ordinals beyond workers stop only once the state no longer lists them: another
+            # process reading it meanwhile took a deployment whose pods were all dead for gone
+            self._stop_pods(list(old_pods.values()), timeout=5.0)
             if spec.autoscale is not None:  # what scale() starts more replicas of
                 fd = os.open(self._dir(spec.name) / "spec.pkl.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "wb") as f:
