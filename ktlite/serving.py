@@ -664,4 +664,3 @@ class ServingDeployment(Deployment):
     def restart_failed(self) -> dict[str, Any]:
         raise ConfigError(f"{self.name!r} is an autoscaled service: a replica whose process died leaves the "
                           "routing and is replaced; nothing to restart by hand")
-
