@@ -278,20 +278,24 @@ def app(cli_command: str | Sequence[str] | None = None, replicas: int = 1, *, na
     raise SystemExit(max(codes or [0]))
 
 
-def launches_itself(path: str | os.PathLike[str]) -> bool:
-    """Whether the script calls ``kt.app(...)`` with no command (Kubetorch's form, for
-    ``ktlite run python script.py``); read, never run."""
+def app_form(path: str | os.PathLike[str]) -> str | None:
+    """How a script uses ``kt.app``, read, never run: ``"launcher"`` when it calls
+    ``kt.app(...)`` with no command (Kubetorch's form, for ``ktlite run python script.py``),
+    ``"declares"`` when it declares apps with their commands (``kt.app(cli_command=...)``,
+    ``kt.App(...)``), else None."""
     import ast
 
     try:
         tree = ast.parse(Path(path).read_text(), filename=str(path))
     except (OSError, SyntaxError, ValueError):
-        return False
+        return None
+    declares = False
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
-            named = (isinstance(func, ast.Name) and func.id == "app") or \
-                (isinstance(func, ast.Attribute) and func.attr == "app")
-            if named and not node.args and not any(k.arg == "cli_command" for k in node.keywords):
-                return True
-    return False
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            given = bool(node.args) or any(k.arg == "cli_command" for k in node.keywords)
+            if name == "app" and not given:
+                return "launcher"
+            declares = declares or (name in ("app", "App") and given)
+    return "declares" if declares else None

@@ -10,7 +10,9 @@ The names and meanings are Kubetorch's (which are Knative's autoscaling annotati
   default ``concurrency``, else Knative's 100 (``"rps"``: 200, ``"cpu"``: 80).
 - ``target_utilization``: the percentage of ``target`` at which it scales up (default 70).
 - ``min_scale`` (default 0: scale to zero), ``max_scale`` (default: no limit; the local
-  backend caps it at this machine's CPU count), ``initial_scale`` (default 1).
+  backend caps it at this machine's CPU count), ``initial_scale`` (default 1): the replicas
+  started at deploy, kept at least ``scale_down_delay`` (Kubetorch's examples say
+  ``initial_replicas``, ``min_replicas``, ``max_replicas``: the same three).
 - ``window`` (default ``"60s"``): the load is averaged over it; a burst above twice what the
   replicas can take scales up at once (Knative's panic mode, over a tenth of the window).
 - ``scale_down_delay`` (default ``"1m"``, as Kubetorch sets it): a lower replica count must be
@@ -191,9 +193,11 @@ class AutoscaleConfig:
 
 def from_kwargs(kwargs: dict[str, Any]) -> AutoscaleConfig:
     """Kubetorch's ``autoscale(**kwargs)``: known names are fields, the rest Knative annotations.
-    ``min_replicas``/``max_replicas`` (in Kubetorch's own docstring) are taken as the scales."""
+    ``min_replicas``/``max_replicas`` (in Kubetorch's own docstring) and ``initial_replicas``
+    (in its examples) are taken as the scales."""
     kwargs = dict(kwargs)
-    for alias, name in (("min_replicas", "min_scale"), ("max_replicas", "max_scale")):
+    for alias, name in (("min_replicas", "min_scale"), ("max_replicas", "max_scale"),
+                        ("initial_replicas", "initial_scale")):
         if alias in kwargs:
             if name in kwargs:
                 raise ConfigError(f"autoscale(): pass {name}= or {alias}=, not both")
@@ -241,6 +245,11 @@ class Scaler:
         self.max = config.max_scale if config.max_scale is not None else max(max_default, config.min, 1)
         self.samples: deque[tuple[float, float]] = deque()
         self.wants: deque[tuple[float, int]] = deque()
+
+    def started(self, now: float, replicas: int) -> None:
+        """The autoscaler starts with ``replicas`` running (``initial_scale``'s at a deploy):
+        they count as wanted at ``now``, so none stops before ``scale_down_delay``."""
+        self.wants.append((now, replicas))
 
     def _average(self, now: float, span: float) -> float:
         recent = [v for t, v in self.samples if t >= now - span]

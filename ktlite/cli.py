@@ -4,45 +4,25 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import json
-import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from ktlite import __version__, config
-from ktlite.apps import launches_itself
+from ktlite import __version__, config, run_cli
 from ktlite.backends.base import Backend, get_backend
 from ktlite.decorators import Decorated
 from ktlite.errors import ConfigError, KtliteError, NotDeployedError
+from ktlite.scripts import load_script
 
 
 def _backend(args: argparse.Namespace) -> Backend:
     return get_backend(args.backend, getattr(args, "namespace", None))
 
 
-def _load_script(path: str) -> Any:
-    """Import a user's script as a module named after its file (so ``__main__`` blocks do
-    not run), with its directory importable, as ``python script.py`` would have it."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"{path}: no such file; give a Python script, e.g. `ktlite deploy train.py`")
-    sys.path.insert(0, str(file.resolve().parent))
-    name = file.stem
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{path} is not a Python script")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _marked(target: str) -> list[Decorated]:
     path, _, only = target.partition(":")
-    module = _load_script(path)
+    module = load_script(path)
     found: dict[int, Decorated] = {}
     for value in vars(module).values():
         if isinstance(value, Decorated):
@@ -212,74 +192,6 @@ def _call(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    from ktlite.apps import App
-
-    words = list(args.command_args or [])
-    args.script = None
-    if words and not args.command_line:
-        script = next((w for w in words if w.endswith(".py")), None)
-        if words == [script] and not launches_itself(script):
-            args.script = script  # a script declaring kt.app(cli_command=...) objects
-        elif script is not None and Path(script).is_file() and launches_itself(script):
-            return _run_script(args, words, script)
-        else:
-            args.command_line = words  # Kubetorch's `kt run CMD...` with no kt.app in it
-    if args.command_line:
-        command = args.command_line
-        extra: dict[str, Any] = {k: v for k, v in (("cpus", args.cpus), ("gpus", args.gpus),
-                                                   ("memory", args.memory), ("image", args.image))
-                                 if v is not None}
-        apps = [App(command, replicas=args.replicas, name=args.name, backend=args.backend,
-                    namespace=args.namespace, **extra)]
-    elif args.script:
-        module = _load_script(args.script)
-        apps = list({id(v): v for v in vars(module).values() if isinstance(v, App)}.values())
-        if not apps:
-            raise ConfigError(f"{args.script} declares no kt.app(...); or run a command directly: "
-                              "`ktlite run --replicas 2 -- torchrun --nproc_per_node=2 train.py`")
-    else:
-        raise ConfigError("give a script that declares kt.app(...) objects, or a command after --")
-    if args.dry_run:
-        for app in apps:
-            print(app.deploy(dryrun=True))
-            print(f"# then, on each of the {app.compute.distributed.workers} replica(s), in "
-                  f"{app.workdir}: {shlex.join(app.command)}")
-        return 0
-    failed = 0
-    for app in apps:
-        try:
-            codes = app.run(timeout=args.timeout)
-            print(f"{app.name}: exit codes {codes}")
-        except KtliteError as e:
-            failed += 1
-            print(f"{app.name}: failed: {e}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-def _run_script(args: argparse.Namespace, command: list[str], script: str) -> int:
-    """``ktlite run python train.py ...`` where train.py calls ``kt.app(...)`` (Kubetorch's
-    form): the script runs here until its kt.app() call, which deploys ``command`` and ends
-    the script with the replicas' outcome."""
-    import os
-    import subprocess
-
-    from ktlite.apps import RUN_ENV
-
-    given = [f"--{k}" for k in ("replicas", "cpus", "gpus", "memory", "image", "backend", "namespace")
-             if getattr(args, k) not in (None, 1 if k == "replicas" else None)]
-    if given or args.dry_run:
-        raise ConfigError(f"{script} sets its pods with kt.app(...): pass {', '.join(given) or '--dry-run'} "
-                          "there (e.g. kt.app(name='train', cpus=2, replicas=2)), not to `ktlite run`")
-    env = {**os.environ, RUN_ENV: json.dumps(command)}
-    if args.name:
-        env["KTLITE_RUN_NAME"] = args.name
-    if args.timeout:
-        env["KTLITE_RUN_TIMEOUT"] = str(args.timeout)
-    proc = subprocess.run([sys.executable, script, *command[command.index(script) + 1:]], env=env)
-    return proc.returncode
-
-
 def _list(args: argparse.Namespace) -> int:
     rows = _backend(args).list()
     if not rows:
@@ -441,22 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("--method", default=None, help="for a deployed class: the method to call")
     cl.add_argument("--timeout", type=float, default=None, help="seconds before the call is stopped")
     where(cl)
-    rn = command("run", "run kt.app commands: those a script declares, or one given after --",
-                 "ktlite run train_app.py   |   ktlite run --replicas 2 -- torchrun "
-                 "--nproc_per_node=2 train.py", _run)
-    rn.add_argument("command_args", nargs=argparse.REMAINDER, metavar="SCRIPT | COMMAND ...",
-                    help="a script declaring kt.app(cli_command=...) objects; or a command such as "
-                    "`python train.py --epochs 3` whose script calls kt.app(...) (Kubetorch's form), "
-                    "or any command to run on the replicas")
-    rn.add_argument("--replicas", type=int, default=1)
-    rn.add_argument("--name", default=None)
-    rn.add_argument("--cpus", default=None)
-    rn.add_argument("--gpus", type=int, default=None)
-    rn.add_argument("--memory", default=None)
-    rn.add_argument("--image", default=None)
-    rn.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped")
-    rn.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
-    where(rn)
+    run_cli.add_command(command, where)
     for alias in ("check", "describe"):  # Kubetorch's names for a deployment's health and status
         ck = command(alias, f"Kubetorch's `kt {alias}`: the same as `ktlite status`",
                      f"ktlite {alias} train", _status)

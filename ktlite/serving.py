@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ktlite import protocol
+from ktlite import autoscalers, protocol
 from ktlite.autoscaling import Decision, Scaler
 from ktlite.backends.base import Applied, Backend, PodEndpoint
 from ktlite.deploy import Deployment, _pool, _split, _to_error, print_log, shm_arguments
@@ -54,6 +54,7 @@ TICK_S = 0.25
 # how often it asks a cluster that scales by itself (an HPA, Knative) which replicas run;
 # at once when a call found no replica with room or a replica left the routing
 CLUSTER_REFRESH_S = 2.0
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -355,6 +356,10 @@ class ServingDeployment(AutoscalerReport, Deployment):
 
     def _start_thread(self) -> None:
         if self._thread is None:
+            # a new autoscaler has no history: the replicas running now (initial_scale's at a
+            # deploy) count as wanted now, so they stay at least scale_down_delay
+            self._scaler.started(time.monotonic(), len(self.applied.endpoints))
+            autoscalers.track(self)  # stopped at exit before the backend and the client
             self._thread = threading.Thread(target=self._loop, name=f"ktlite-scale-{self.name}", daemon=True)
             self._thread.start()
 
@@ -368,6 +373,9 @@ class ServingDeployment(AutoscalerReport, Deployment):
                 self._tick()
                 self._scale_error = None
             except Exception as e:  # noqa: BLE001 - shown by status and by waiting calls' errors
+                if self._stop.is_set():  # closed (or exiting) mid-step: nobody waits on it
+                    logger.debug("%s: scaling step ended by close: %r", self.name, e)
+                    return
                 self._scale_error = f"{type(e).__name__}: {str(e)[:500]}"
                 print(f"ktlite: {self.name}: scaling: {self._scale_error}", file=sys.stderr, flush=True)
                 self._stop.wait(1.0)
@@ -630,34 +638,3 @@ class ServingDeployment(AutoscalerReport, Deployment):
     def restart_failed(self) -> dict[str, Any]:
         raise ConfigError(f"{self.name!r} is an autoscaled service: a replica whose process died leaves the "
                           "routing and is replaced; nothing to restart by hand")
-
-
-def supervise(name: str) -> int:
-    """The autoscaler of a detached local deployment, in a process of its own (started by
-    ``.to(detached=True)`` and ``ktlite deploy``): it scales on the replicas' own counts of
-    running calls and the calls waiting in clients, so the deployment shrinks (and goes to
-    zero) with no client running; it exits once the deployment is torn down."""
-    from ktlite.autoscaling import AutoscaleConfig
-    from ktlite.backends.local import LocalBackend
-    from ktlite.compute import Compute
-
-    backend = LocalBackend.shared()
-    applied = backend.lookup(name)
-    if applied is None or applied.autoscale is None:
-        print(f"ktlite: no autoscaled local deployment {name!r}", file=sys.stderr)
-        return 1
-    spec = DeploymentSpec(name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)), detached=True)
-    dep = ServingDeployment(spec, backend, applied)
-    # teardown sends SIGTERM: the scaling step under way ends first (it may be starting pods)
-    signal.signal(signal.SIGTERM, lambda *_: dep._stop.set())
-    dep.adopt()
-    while not dep._stop.wait(1.0):
-        pass
-    if dep._thread is not None:
-        dep._thread.join(spec.compute.launch_timeout)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(supervise(sys.argv[1]))
-

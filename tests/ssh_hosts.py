@@ -7,7 +7,10 @@ Each host is a real ``sshd`` (its own config, host key and loopback address; nev
 config) that the real client, or any library speaking SSH, reaches through the generated
 ``ssh_config`` aliases with strict host key checking. ``Host.stop()`` kills the daemon and every
 session on it at once, as when a machine dies; ``Host.start()`` brings it back with the same
-key and port. Everything lives under the caller's directory; nothing is ever deleted.
+key and port. ``SshHosts(..., sftp=False)`` leaves out the SFTP subsystem (as some hosts do);
+``own_home=True`` gives each host's sessions a ``HOME`` of its own (sshd's ``SetEnv``), so
+its ``~/.cache/ktlite`` starts empty. Everything lives under the caller's directory; nothing
+is ever deleted.
 
 Needs root (sshd's privilege separation; tests log in as root) and ``/usr/sbin/sshd``
 (``apt-get install openssh-server``).
@@ -111,12 +114,17 @@ class Host:
     """One sshd on its own loopback address and port."""
 
     def __init__(self, name: str, address: str, root: Path, authorized_keys: Path,
-                 extra_config: list[str]) -> None:
+                 extra_config: list[str], sftp: bool = True, own_home: bool = False) -> None:
         self.name = name
         self.address = address
         self.port = _free_port(address)
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.sftp = sftp  # False: no `Subsystem sftp` line, as on hosts whose sshd offers none
+        # its sessions' HOME (sshd's SetEnv), so that its ~/.cache/ktlite is its own
+        self.home = self.dir / "home" if own_home else None
+        if self.home is not None:
+            self.home.mkdir(exist_ok=True)
         self.host_key = self.dir / "ssh_host_ed25519_key"
         self.host_key_pub = _keygen(self.host_key, name)
         self.config = self.dir / "sshd_config"
@@ -141,7 +149,8 @@ class Host:
             "UsePAM no",
             "StrictModes no",  # pytest's tmp dirs are not as private as sshd wants
             "AllowTcpForwarding yes",
-            "Subsystem sftp internal-sftp",
+            *(["Subsystem sftp internal-sftp"] if self.sftp else []),
+            *([f"SetEnv HOME={self.home}"] if self.home is not None else []),
             "MaxSessions 50",
             "MaxStartups 100",
             "LogLevel ERROR",
@@ -224,7 +233,8 @@ class SshHosts:
     """``count`` sshd hosts under ``root``, a user key authorized on all of them, and the
     client files (``ssh_config`` aliases ``host0``.., ``known_hosts``) to reach them."""
 
-    def __init__(self, root: Path, count: int, user: str = "root") -> None:
+    def __init__(self, root: Path, count: int, user: str = "root", sftp: bool = True,
+                 own_home: bool = False) -> None:
         if not 0 < count <= HOSTS_PER_WORKER:
             raise ValueError(f"count must be 1..{HOSTS_PER_WORKER}, not {count}")
         self.root = root
@@ -238,7 +248,7 @@ class SshHosts:
         first = FIRST_ADDRESS + HOSTS_PER_WORKER * (_worker_index() % 12)  # stays below .255
         extra = self._supported_extras()
         self.hosts = [Host(f"host{i}", f"{ADDRESS_PREFIX}{first + i}", root, authorized_keys,
-                           extra) for i in range(count)]
+                           extra, sftp, own_home) for i in range(count)]
 
     def _supported_extras(self) -> list[str]:
         """``PerSourcePenalties no`` where this sshd knows it (OpenSSH >= 9.8): otherwise a test

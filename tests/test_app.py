@@ -454,6 +454,22 @@ def test_ktlite_run_a_script_runs_the_apps_it_declares() -> None:
     assert "MAIN BLOCK RAN" not in out  # the script is imported, not run as __main__
 
 
+@pytest.mark.timeout(120)
+def test_ktlite_run_python_script_runs_the_torchrun_job_it_declares() -> None:
+    # seed 004's form: `kt run python my_script.py` where my_script declares
+    # kt.app(cli_command="torchrun ...", replicas=2); it once ran `python launch_ddp.py` on one
+    # replica, where the script only declared the app, and said "exit codes [0]"
+    rc, out, err = _done(_ktlite("run", "python", "launch_ddp.py", "--epochs", "3"), timeout=110)
+    assert rc == 0, out + err
+    lines = out.splitlines()
+    assert "launch-ddp: exit codes [0, 0]" in lines, out
+    seen = [json.loads(ln.split("ALLREDUCE ", 1)[1]) for ln in lines if "ALLREDUCE " in ln]
+    assert sorted(s["rank"] for s in seen) == [0, 1], out
+    assert all(s["world"] == 2 and s["sum"] == 3 for s in seen), seen  # across both replicas
+    assert all(s["argv"] == ["--epochs", "3"] for s in seen), seen  # the script's own arguments
+    assert "MAIN BLOCK RAN" not in out
+
+
 @pytest.mark.timeout(60)
 def test_ktlite_run_dry_run_and_bad_input_change_nothing(tmp_path: Path) -> None:
     home = tmp_path / "home"
@@ -464,7 +480,14 @@ def test_ktlite_run_dry_run_and_bad_input_change_nothing(tmp_path: Path) -> None
         assert rc == 0, err
         assert out.startswith("# ktlite plan for "), out
         assert not home.exists() or not any(home.rglob("*")), list(home.rglob("*"))
+    rc, out, err = _done(_ktlite("run", "--dry-run", "python", "launch_ddp.py", home=home))
+    assert rc == 0 and "torchrun --nproc_per_node=1 allreduce.py" in out, out + err
     for args, words in ((("run", "--replicas", "0", "--", "python", "-c", "print(1)"), "workers"),
+                        # a declared app is run as declared, or not at all
+                        (("run", "torchrun", "launch_ddp.py"), "ktlite run launch_ddp.py"),
+                        (("run", "python", "-m", "launch_ddp.py"), "only declares them"),
+                        (("run", "--replicas", "3", "python", "launch_ddp.py"), "set --replicas there"),
+                        (("run", "--name", "x", "launch_ddp.py"), "set --name there"),
                         (("run",), "give a script"),
                         (("run", str(tmp_path / "plain.py")), "declares no kt.app"),
                         (("run", "missing.py"), "no such file")):

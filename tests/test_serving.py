@@ -43,6 +43,14 @@ def test_autoscale_takes_kubetorchs_names_and_knative_annotations() -> None:
     assert ann["autoscaling.knative.dev/scale-down-delay"] == "1m"
     assert ann["autoscaling.knative.dev/scale-to-zero-pod-retention-period"] == "10m"
     assert from_kwargs({"min_replicas": 1, "max_replicas": 2}).max_scale == 2
+    # Kubetorch's examples: @kt.autoscale(initial_replicas=1, min_replicas=0, max_replicas=10, ...);
+    # initial_replicas was taken for a Knative annotation of that name, which nothing reads
+    named = from_kwargs({"initial_replicas": 2, "min_replicas": 0, "max_replicas": 10})
+    assert (named.initial, named.min, named.max_scale, named.extra) == (2, 0, 10, {})
+    assert named.annotations()["autoscaling.knative.dev/initial-scale"] == "2"
+    assert not any("replicas" in k for k in named.annotations())
+    with pytest.raises(kt.ConfigError, match="initial_scale= or initial_replicas="):
+        from_kwargs({"initial_replicas": 2, "initial_scale": 2})
     assert seconds("1m5s", "x") == 65 and seconds(2.5, "x") == 2.5
     # concurrency is the target when none is given; Knative's 100 otherwise
     assert AutoscaleConfig(concurrency=2).target_per_replica == pytest.approx(1.4)
@@ -113,6 +121,18 @@ def test_scaler_scales_to_zero_only_after_the_retention_period() -> None:
         assert d.desired == 1, d.reason
     d = s.decide(6.0, 0.0, current, 0.0)
     assert d.desired == 0 and "scaled to zero" in d.reason
+
+
+def test_scaler_keeps_the_initial_replicas_for_the_scale_down_delay() -> None:
+    # initial_scale=2 with no calls: both replicas stay scale_down_delay, then one goes (it
+    # once went at the first tick, so initial_scale above 1 lasted a quarter of a second)
+    s = Scaler(AutoscaleConfig(min_scale=0, max_scale=3, initial_scale=2, scale_down_delay="5s",
+                               scale_to_zero_pod_retention_period="60s"), max_default=8)
+    s.started(0.0, 2)
+    for t in (0.25, 1.0, 4.9):
+        d = s.decide(t, 0.0, 2, None)
+        assert d.desired == 2, (t, d.reason)
+    assert s.decide(5.5, 0.0, 2, None).desired < 2
 
 
 # ---- real local replicas ---------------------------------------------------------------------
@@ -308,6 +328,40 @@ def test_scaling_status_of_the_handle_is_what_ktlites_autoscaler_says() -> None:
         plain.teardown()
 
 
+def test_replicas_stopped_by_a_scale_down_leave_the_state_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process reading a deployment's state while its replicas stop must never find
+    only dead replicas listed: it takes such a deployment for gone and deletes its directory,
+    spec and code with it (a detached deployment scaling to zero then waited for ever for a
+    replica that could not start: ``test_a_detached_deployment_scales_to_zero...`` hung so on
+    a busy machine)."""
+    import secrets
+    from dataclasses import replace
+
+    from ktlite.spec import DeploymentSpec
+
+    backend = get_backend("local")
+    spec = DeploymentSpec(_name("order"), kt.Compute(cpus=0.1).autoscale(min_scale=0, max_scale=2),
+                          detached=True)
+    token = secrets.token_urlsafe(16)
+    backend.apply(replace(spec, replicas=2), token)
+    stopped: list[tuple[int, bool]] = []
+    real = backend._stop_pods
+
+    def stop_pods(pods: list[dict[str, Any]], timeout: float) -> None:
+        listed = {p["pid"] for p in (backend._read(spec.name) or {}).get("pods", [])}
+        stopped.extend((p["pid"], p["pid"] in listed) for p in pods)
+        real(pods, timeout)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(backend, "_stop_pods", stop_pods)
+            applied = backend.apply(replace(spec, replicas=1), token)
+        assert [ep.ordinal for ep in applied.endpoints] == [0]
+        assert len(stopped) == 1 and stopped[0][1] is False, stopped  # out of the state, then stopped
+        assert not pid_alive(stopped[0][0])
+    finally:
+        backend.teardown(spec.name)
+
+
 def test_the_ssh_backend_refuses_autoscale_before_deploying() -> None:
     with pytest.raises(kt.ConfigError, match="ssh"):
         kt.fn(v1).to(kt.Compute(backend="ssh").autoscale(max_scale=2))
@@ -360,3 +414,31 @@ def test_rps_metric_scales_on_calls_per_second() -> None:
         assert status["autoscaler"]["metric"] == "rps" and "rps" in status["autoscaler"]["last_decision"]["reason"]
     finally:
         remote.teardown()
+
+
+def test_kubetorchs_decorated_autoscaled_class_exits_cleanly_without_teardown(tmp_path: Any) -> None:
+    """Kubetorch's serving example as a script: initial_replicas is the replicas at deploy,
+    and the script ends without teardown: nothing but its own output at interpreter exit
+    (its scaling thread once sent a request on the closed HTTP client and printed
+    "scaling: RuntimeError: Cannot send a request, as the client has been closed")."""
+    script = tmp_path / "serve_gnn.py"
+    script.write_text(
+        "import ktlite as kt\n\n"
+        f"@kt.compute(cpus='0.5', name={_name('gnn')!r})\n"
+        "@kt.autoscale(initial_replicas=2, min_replicas=0, max_replicas=3, concurrency=10)\n"
+        "class GNNInference:\n"
+        "    def predict(self, batch):\n"
+        "        return [x * 2 for x in batch]\n\n"
+        "if __name__ == '__main__':\n"
+        "    print('PREDICTED', GNNInference.predict([1, 2]))\n"
+        "    print('REPLICAS', len(GNNInference.remote().status()['replicas']))\n")
+    home = tmp_path / "home"
+    env = {**os.environ, "KTLITE_HOME": str(home)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["PREDICTED [2, 4]", "REPLICAS 2"], done.stdout + done.stderr
+    assert "client has been closed" not in done.stderr and "scaling:" not in done.stderr, done.stderr
+    listed = subprocess.run([sys.executable, "-m", "ktlite.cli", "list"], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert listed.stdout.strip() == "no deployments", listed.stdout  # torn down at exit all the same

@@ -37,6 +37,7 @@ from ktlite import secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
+from ktlite.backends.local_cgroups import memory_cgroup, remove_cgroup
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.compute import parse_memory
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, NotDeployedError, StartupError
@@ -100,49 +101,6 @@ def visible_gpus() -> list[str]:
         else:
             _gpu_cache = []
     return _gpu_cache
-
-
-def _memory_cgroup(name: str, limit: int) -> Path | None:
-    """A memory cgroup for one local pod, capped at ``limit`` bytes, under this process's
-    own (so ``memory_limit`` OOM-kills locally as on a cluster); None where cgroups cannot be
-    written (not root, no memory controller, cgroup v2 without delegation)."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return None
-    for _, controllers, path in lines:
-        if "memory" in controllers.split(","):  # cgroup v1
-            group = Path(f"/sys/fs/cgroup/memory{path.rstrip('/')}") / f"ktlite-{name}"
-            limit_file = "memory.limit_in_bytes"
-            break
-    else:
-        path = next((p for _, c, p in lines if c == ""), None)
-        if path is None:
-            return None
-        group = Path(f"/sys/fs/cgroup{path.rstrip('/')}") / f"ktlite-{name}"
-        limit_file = "memory.max"
-    try:
-        group.mkdir(exist_ok=True)
-        (group / limit_file).write_text(str(limit))
-    except OSError:
-        with contextlib.suppress(OSError):
-            group.rmdir()
-        return None
-    return group
-
-
-def _remove_cgroup(path: str | None) -> None:
-    if not path:
-        return
-    for _ in range(50):  # the kernel frees a cgroup once its last process is reaped
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.02)
 
 
 def _answers(port: int, timeout: float = 2.0) -> bool:
@@ -294,7 +252,8 @@ class LocalBackend(Backend):
             keys = sorted([*spec.compute.env, *(k for r in resolved for k in r.env)])
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
-            cmds.append((prefix + " " if prefix else "") + "echo <token> | "
+            cmds.append(f"cd {shlex.quote(str(self._dir(spec.name)))} && echo <token> | KTLITE_WORKDIR="
+                        f"{shlex.quote(os.getcwd())} " + (prefix + " " if prefix else "")
                         + shlex.join(self._command(spec, i, ready, volumes if mounted else [])))
         return Plan(backend=self.name, name=spec.name, commands=cmds)
 
@@ -322,6 +281,10 @@ class LocalBackend(Backend):
             if resolved:  # pods restart when a secret's value changes (the digest tells nothing of it)
                 pod_hash += "-" + kt_secrets.fingerprint(resolved, token)
             secret_env = self._secret_env(spec, resolved)
+            # the ranks' working directory: the caller's (an autoscaled deployment's replicas all
+            # get the first one's); pod servers start in the deployment's own directory, where
+            # no file of the caller's can shadow ktlite (``python -m`` imports from its cwd first)
+            workdir = ((state or {}).get("workdir") if spec.autoscale is not None else None) or os.getcwd()
             old_pods = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
             pods: list[dict[str, Any]] = []
             starting: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
@@ -344,9 +307,9 @@ class LocalBackend(Backend):
                     ready.unlink()
                 with open(log, "ab") as logf:
                     proc = subprocess.Popen(self._command(spec, i, ready, volumes if mounted else []),
-                                            env=self._env(spec, i, volumes, mounted, secret_env),
+                                            env={**self._env(spec, i, volumes, mounted, secret_env), "KTLITE_WORKDIR": workdir},
                                             stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, cwd=self._dir(spec.name))
                 assert proc.stdin is not None
                 with contextlib.suppress(OSError):  # the token goes through a pipe, never env or argv
                     proc.stdin.write(token.encode() + b"\n")
@@ -354,7 +317,6 @@ class LocalBackend(Backend):
                 self._procs[proc.pid] = proc
                 cgroup = self._limit_memory(spec, i, proc)
                 starting.append((i, proc, ready, log, cgroup))
-            self._stop_pods(list(old_pods.values()), timeout=5.0)  # ordinals beyond workers
             span = spec.distributed.port_span
             kept = (state or {}).get("master_port") if (state or {}).get("port_span", 0) >= span else None
             master_port = spec.distributed.port or kept or _master_port(self._ports_in_use(spec.name), span)
@@ -374,8 +336,12 @@ class LocalBackend(Backend):
                      "autoscaled": spec.autoscale is not None,
                      "autoscale": asdict(spec.autoscale) if spec.autoscale is not None else None,
                      "master_port": master_port, "port_span": span, "token": token, "pods": pods,
+                     "workdir": workdir,
                      "created": (state or {}).get("created", time.time())}
             self._write(spec.name, state)
+            # ordinals beyond workers stop only once the state no longer lists them: another
+            # process reading it meanwhile took a deployment whose pods were all dead for gone
+            self._stop_pods(list(old_pods.values()), timeout=5.0)
             if spec.autoscale is not None:  # what scale() starts more replicas of
                 fd = os.open(self._dir(spec.name) / "spec.pkl.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "wb") as f:
@@ -392,7 +358,7 @@ class LocalBackend(Backend):
         limit = spec.compute.memory_limit
         if limit is None:
             return None
-        group = _memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", parse_memory(limit, "memory_limit"))
+        group = memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", parse_memory(limit, "memory_limit"))
         if group is None:
             print(f"ktlite: memory_limit={limit!r} is not enforced for local pod {spec.name}-{ordinal}: "
                   "this machine does not let ktlite create memory cgroups", file=sys.stderr)
@@ -400,7 +366,7 @@ class LocalBackend(Backend):
         try:
             (group / "cgroup.procs").write_text(str(proc.pid))
         except OSError:
-            _remove_cgroup(str(group))
+            remove_cgroup(str(group))
             return None
         return str(group)
 
@@ -470,7 +436,7 @@ class LocalBackend(Backend):
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(2.0)
         for pod in pods:
-            _remove_cgroup(pod.get("cgroup"))
+            remove_cgroup(pod.get("cgroup"))
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
         with self._lock:
@@ -569,11 +535,12 @@ class LocalBackend(Backend):
         return total
 
     def supervise(self, name: str) -> None:
-        """Start the autoscaler process of a detached deployment (ktlite.serving.supervise)."""
+        """Start the autoscaler process of a detached deployment (ktlite.autoscalers.supervise)."""
         log = self._dir(name) / "autoscaler.log"
         with open(log, "ab") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "ktlite.serving", name], stdin=subprocess.DEVNULL,
-                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-m", "ktlite.autoscalers", name], stdin=subprocess.DEVNULL,
+                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=self._dir(name))  # not the caller's: see apply()
         (self._dir(name) / "supervisor.pid").write_text(str(proc.pid))  # teardown stops it first
 
     def _stop_supervisor(self, name: str, timeout: float) -> None:

@@ -138,7 +138,8 @@ def _probe() -> tuple[bool, str]:
         check = f"import os, sys; sys.exit(0 if os.path.isfile({target + '/seen'!r}) else 3)"
         cmd = wrap([sys.executable, "-c", check], [(scratch / "vol", target)], scratch / "root")
         try:
-            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30,
+                                  cwd=scratch)  # as a pod starts: not in the caller's directory
         except (OSError, subprocess.TimeoutExpired) as e:
             return False, f"the mount namespace probe failed: {e}"
         if os.path.lexists(target):  # mounts leaked to the host: never use them

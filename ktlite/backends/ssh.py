@@ -3,7 +3,8 @@
 ``Compute(hosts=[...])`` names the machines, one pod each. At ``.to()`` the client connects to
 every host at once (the user's ``~/.ssh/config``, agent and keys; host keys checked against
 ``known_hosts``), finds a Python at least as new as its own minor version, copies ktlite's
-source over SFTP into a per-user cache (``~/.cache/ktlite``) when that version is missing,
+source into a per-user cache (``~/.cache/ktlite``) when that version is missing (over the
+SSH connection itself: :mod:`ktlite.backends.ssh_copy`),
 and starts the pod server through ``ktlite_server.sshlaunch``: the token and environment go
 over the channel, never on a command line. Calls then go straight to the pod servers over
 TCP (the protocol of every backend), or through SSH port forwards where a host's port does
@@ -20,9 +21,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
-import hashlib
 import importlib.metadata
-import io
 import json
 import os
 import platform
@@ -30,7 +29,6 @@ import queue
 import shlex
 import socket
 import sys
-import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -40,9 +38,10 @@ from typing import Any
 import asyncssh
 
 from ktlite import secrets as kt_secrets
+from ktlite.backends import ssh_copy
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.local import pid_alive
-from ktlite.errors import ConfigError, DeployError, LaunchTimeout
+from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
 from ktlite.spec import DeploymentSpec
 from ktlite_server.sshlaunch import SERVER_PACKAGES
@@ -54,84 +53,6 @@ COMMAND_TIMEOUT_S = 120.0
 
 def _home() -> Path:
     return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "ssh"
-
-
-def _source_bundle() -> tuple[str, bytes]:
-    """ktlite's own source (client and server packages) as a tar.gz, and its content hash:
-    the hosts run exactly this client's code."""
-    import ktlite
-    import ktlite_server
-
-    files: list[tuple[str, Path]] = []
-    for pkg in (ktlite, ktlite_server):
-        root = Path(pkg.__file__).parent
-        for path in sorted(root.rglob("*.py")):
-            if "__pycache__" not in path.parts:
-                files.append((f"{root.name}/{path.relative_to(root)}", path))
-    digest = hashlib.sha256()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for name, path in files:
-            data = path.read_bytes()
-            digest.update(name.encode() + b"\0" + data + b"\0")
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-    return digest.hexdigest()[:16], buf.getvalue()
-
-
-def _closure(names: tuple[str, ...]) -> list[Any]:
-    """The installed distributions ``names`` need (their requirements, no extras), here."""
-    from importlib import metadata
-
-    try:
-        from packaging.requirements import Requirement
-    except ImportError:  # pragma: no cover - pip's own copy is not importable
-        Requirement = None  # noqa: N806
-    seen: dict[str, Any] = {}
-    todo = list(names)
-    while todo:
-        name = todo.pop()
-        key = name.lower().replace("_", "-")
-        if key in seen:
-            continue
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-        seen[key] = dist
-        for req in dist.requires or []:
-            if Requirement is not None:
-                r = Requirement(req)
-                if r.marker is None or r.marker.evaluate({"extra": ""}):
-                    todo.append(r.name)
-            elif "extra ==" not in req:
-                todo.append(req.split(";")[0].split("[")[0].split()[0].rstrip("<>=!~"))
-    return [seen[k] for k in sorted(seen)]
-
-
-def _deps_key() -> str:
-    """Which server dependencies this client would ship: their versions, this Python's
-    cache tag and the machine (compiled ones, such as pydantic-core, fit only those)."""
-    dists = _closure(SERVER_PACKAGES)
-    ident = [f"{d.metadata['Name']}=={d.version}" for d in dists]
-    ident += [sys.implementation.cache_tag, platform.machine()]
-    return hashlib.sha256("\n".join(ident).encode()).hexdigest()[:16]
-
-
-def _deps_bundle() -> bytes:
-    """The installed files of the server's dependencies, as a tar.gz of a directory to put on
-    ``PYTHONPATH`` (with their metadata: versions are checked there)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for dist in _closure(SERVER_PACKAGES):
-            for rel in dist.files or []:
-                if rel.parts[0] == ".." or "__pycache__" in rel.parts or rel.suffix == ".pyc":
-                    continue
-                path = Path(dist.locate_file(rel))
-                if path.is_file():
-                    tar.add(path, arcname=str(rel), recursive=False)
-    return buf.getvalue()
 
 
 class _Loop:
@@ -223,7 +144,12 @@ class _Host:
         return conn
 
     async def run(self, command: str, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
-        result = await asyncio.wait_for(self.conn.run(command, input=input, check=False), timeout)
+        try:
+            result = await asyncio.wait_for(self.conn.run(command, input=input, check=False), timeout)
+        except asyncio.TimeoutError:
+            raise DeployError(f"{self.label}: `{command[:200]}` did not end within {timeout:.0f}s") from None
+        except (asyncssh.Error, OSError) as e:  # e.g. the host refuses another session
+            raise DeployError(f"{self.label}: `{command[:200]}` could not run: {type(e).__name__}: {e}") from None
         if result.exit_status != 0:
             raise DeployError(f"{self.label}: `{command[:200]}` failed (exit {result.exit_status}): "
                               f"{(result.stderr or result.stdout or '').strip()[-1500:]}")
@@ -249,13 +175,13 @@ class SshBackend(Backend):
 
     def _deps_key(self) -> str:
         if self._deps is None:
-            self._deps = (_deps_key(), None)
+            self._deps = (ssh_copy.deps_key(), None)
         return self._deps[0]
 
     def _deps_files(self) -> bytes:
-        key, bundle = self._deps or (_deps_key(), None)
+        key, bundle = self._deps or (ssh_copy.deps_key(), None)
         if bundle is None:
-            bundle = _deps_bundle()
+            bundle = ssh_copy.deps_bundle()
             self._deps = (key, bundle)
         return bundle
 
@@ -362,13 +288,15 @@ class SshBackend(Backend):
         span = spec.distributed.port_span
         # a kept pod 0 keeps its MASTER_PORT; a new one picks a free span on its host
         master_port = spec.distributed.port or ((state or {}).get("master_port") if 0 in keep else None)
-        version, bundle = self._bundle or _source_bundle()
+        version, bundle = self._bundle or ssh_copy.source_bundle()
         self._bundle = (version, bundle)
+        starting = [c for c in conns if c.index not in keep]
         started = await asyncio.gather(*(
             self._start(spec, c, token, version, bundle, pick=span if (c.index == 0 and not master_port) else 0,
                         pod_hash=pod_hash, secret_env=secret_env, secret_files=secret_files)
-            for c in conns if c.index not in keep), return_exceptions=True)
-        errors = [str(r) for r in started if isinstance(r, BaseException)]
+            for c in starting), return_exceptions=True)
+        errors = [str(r) if isinstance(r, KtliteError) else f"{c.label}: {type(r).__name__}: {r}"
+                  for c, r in zip(starting, started, strict=True) if isinstance(r, BaseException)]
         pods = {i: old[i] for i in keep}
         for result in started:
             if not isinstance(result, BaseException):
@@ -395,17 +323,17 @@ class SshBackend(Backend):
             c, {"src": f"test -f {src}/.complete", "deps": f"test -f {deps}/.complete"})
         c.python = python
         if "src" not in holds:
-            await self._upload(c, src, bundle)
+            await ssh_copy.upload(c, src, bundle)
         path = src
         if missing and env_tag == f"{sys.implementation.cache_tag} {platform.machine()}":
             # the server's packages from this client's own installation: no index needed there
             if "deps" not in holds:
-                await self._upload(c, deps, await asyncio.to_thread(self._deps_files))
+                await ssh_copy.upload(c, deps, await asyncio.to_thread(self._deps_files))
             path = f"{src}:{deps}"
         image = spec.compute.image
         env = {**(image.env if image is not None else {}), **spec.compute.env, **secret_env,
                "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "KTLITE_WORKDIR": "~"}  # ranks run in the login's home
         steps = [[kind, list(arg) if kind == "pip_install" else arg]
                  for kind, arg in (image.steps if image is not None else ()) if kind in ("pip_install", "run_bash")]
         run_dir = f"{CACHE}/run/{spec.name}-{c.index}"
@@ -414,7 +342,8 @@ class SshBackend(Backend):
                "pick_master_port": pick, "timeout": spec.compute.launch_timeout, "secret_files": secret_files,
                "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")}}
         path = path.replace("~", "$HOME")  # expanded after ':' by every shell, unlike '~'
-        command = f"cd ~ && PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
+        # started in ktlite's cache, not the home: a ~/ktlite folder there would shadow ktlite
+        command = f"cd {CACHE} && PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
                   "-m ktlite_server.sshlaunch"
         proc = await c.conn.create_process(command, encoding="utf-8")
         proc.stdin.write(json.dumps(msg) + "\n")
@@ -478,22 +407,6 @@ class SshBackend(Backend):
                 return path, env[3:], f"{env[1]} {env[2]}", holds
         raise DeployError(f"{c.label}: no Python {want[0]}.{want[1]} or newer (found: {', '.join(found) or 'none'} "
                           f"among {', '.join(candidates)}); install one, or name it with kt.Hosts(..., python=...)")
-
-    async def _upload(self, c: _Host, src: str, bundle: bytes) -> None:
-        """A tar.gz (ktlite's source, or the server's dependencies) unpacked into the host's
-        cache directory ``src`` over SFTP; complete only once unpacked."""
-        home = (await c.run("echo $HOME")).strip()
-        target = src.replace("~", home, 1)
-        staging = f"{target}.tmp-{os.urandom(4).hex()}"  # hosts may share the home directory
-        await c.run(f"mkdir -p {shlex.quote(staging)}")
-        async with c.conn.start_sftp_client() as sftp, sftp.open(f"{staging}/src.tar.gz", "wb") as f:
-            await f.write(bundle)
-        unpack = (f"import os, tarfile\nwith tarfile.open({staging + '/src.tar.gz'!r}) as t:\n"
-                  f"    t.extractall({staging!r})\nos.remove({staging + '/src.tar.gz'!r})\n"
-                  f"open({staging + '/.complete'!r}, 'w').close()\n"
-                  f"try:\n    os.rename({staging!r}, {target!r})\n"
-                  "except OSError:\n    pass  # another host's upload got there first\n")
-        await c.run(f"{shlex.quote(c.python)} -c {shlex.quote(unpack)}; rm -rf {shlex.quote(staging)}")
 
     async def _reach(self, c: _Host, pod: dict[str, Any], forward: bool | None) -> None:
         """How this client reaches the pod: straight, or through a port forward."""

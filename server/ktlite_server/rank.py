@@ -28,6 +28,7 @@ from typing import Any
 
 from ktlite import protocol, rankdata, shm, sourcelines
 from ktlite.spec import GROUP_PORTS
+from ktlite_server import workdir
 
 _LEN = struct.Struct("<Q")
 
@@ -495,11 +496,10 @@ PORT_SPAN = GROUP_PORTS  # process-group generations cycle through MASTER_PORT .
 
 
 def main() -> None:
-    fd = int(sys.argv[1])
-    sock = socket.socket(fileno=fd)
-    chan = Channel(sock)
+    chan = Channel(socket.socket(fileno=int(sys.argv[1])))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sys.meta_path.insert(0, _KeepProcessGroup())
+    workdir.enter()  # started where no user file can shadow ktlite; user code runs here
     rank = Rank(chan)
 
     def interrupted(signum: int, frame: Any) -> None:
