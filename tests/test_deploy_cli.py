@@ -115,7 +115,7 @@ def test_decorators_stack_in_either_order_and_validate_early() -> None:
     assert a.compute == b.compute == kt.Compute(cpus=2).distribute("pytorch", workers=3)
     assert a.__name__ == "f" and a.__wrapped__ is f
     with pytest.raises(kt.ConfigError, match="memory"):
-        kt.compute(memory="4Gb")
+        kt.compute(memory="4 gigs")
     with pytest.raises(kt.ConfigError, match="workers"):
         kt.distribute("pytorch", workers=0)
     with pytest.raises(kt.ConfigError, match="two @kt.compute"):

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import faults_rank as fr
 import pytest
-import slow_import  # noqa: F401 - a local module: shipped to the ranks with the calls
 
 import ktlite as kt
 
@@ -228,9 +227,32 @@ def test_own_exit_is_not_reported_as_cancelled(sleepers, tmp_path) -> None:
     assert "rank 3 on pod fre-sleep-1: rank process exited with code 3" in _context(info.value)
 
 
-def import_slowly(marker: str, hold: float) -> str:
-    """Rank 0 imports ``slow_import``; with ``hold``, rank 1 raises once that import began."""
+# A module that stands for a C extension such as torch's: importing it registers it with the
+# process (in ``sys``, which outlives a failed import), and a second registration is refused,
+# as pybind11 refuses to define a type twice. ``SLOW_IMPORT_HOLD`` seconds of its import are
+# spent after registering (torch's import takes seconds on a busy machine).
+SLOW_IMPORT = """
+import os, sys, time
+from pathlib import Path
+
+if getattr(sys, "_slow_import_registered", False):
+    raise RuntimeError("generic_type: cannot initialize type 'SlowImport': an object with that "
+                       "name is already defined")
+sys._slow_import_registered = True
+Path(os.environ["SLOW_IMPORT_MARKER"]).touch()
+_end = time.monotonic() + float(os.environ["SLOW_IMPORT_HOLD"])
+while time.monotonic() < _end:
+    time.sleep(0.02)
+VALUE = "imported"
+"""
+
+
+def import_slowly(folder: str, marker: str, hold: float) -> str:
+    """Rank 0 imports ``slow_import`` from ``folder``; with ``hold``, rank 1 raises once that
+    import began."""
+    import importlib
     import os
+    import sys
 
     if int(os.environ["RANK"]) == 1 and hold:
         deadline = time.monotonic() + 60
@@ -238,20 +260,23 @@ def import_slowly(marker: str, hold: float) -> str:
             time.sleep(0.02)
         raise ValueError("rank 1 fails while rank 0 is importing")
     os.environ["SLOW_IMPORT_MARKER"], os.environ["SLOW_IMPORT_HOLD"] = marker, str(hold)
-
-    return slow_import.VALUE
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("slow_import").VALUE
 
 
 def test_a_rank_stopped_inside_an_import_is_replaced(tmp_path) -> None:
     """A sibling stopped while it imported a C extension (torch, under load, takes seconds)
     cannot import it again: the process must be replaced, not kept (issue 23, seen as
     ``cannot initialize type "RpcBackendOptions"`` on every later call of that rank)."""
+    (tmp_path / "slow_import.py").write_text(SLOW_IMPORT)
     remote = kt.fn(import_slowly, name="fre-import").to(
         kt.Compute(cpus=1).distribute("pytorch", workers=1, num_proc=2))
     try:
         with pytest.raises(kt.RemoteError, match="rank 1 fails while rank 0 is importing") as info:
-            remote.options(**QUIET, timeout=90)(str(tmp_path / "began"), 60.0)
+            remote.options(**QUIET, timeout=90)(str(tmp_path), str(tmp_path / "began"), 60.0)
         assert info.value.failed_ranks == [0, 1], info.value  # rank 0 was stopped
-        assert remote.options(**QUIET, timeout=90)(str(tmp_path / "again"), 0.0) == ["imported"] * 2
+        assert remote.options(**QUIET, timeout=90)(str(tmp_path), str(tmp_path / "again"), 0.0) == \
+            ["imported"] * 2
     finally:
         remote.teardown()
