@@ -123,3 +123,38 @@ def timed_calls(fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
         fn()
         out.append(clock() - t)
     return out
+
+
+def fmt_s(s: float | None) -> str:
+    """Seconds as the overhead tables print them: ms below a second, else s; None is '-'."""
+    if s is None:
+        return "-"
+    return f"{s * 1000:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
+
+
+def print_overheads(
+    rows: list[tuple[str, float | None, float | None, str]],
+    runs: str,
+    load: LoadLog,
+    notes: list[str],
+    json_path: str | None,
+) -> None:
+    """The table of ``(measurement, ktlite s, peer s, what the peer is)`` rows with ktlite's
+    overhead, the raw runs, the load of every step and the notes; the same as JSON."""
+    print(load.summary())
+    print(f"{'measurement':<46} {'ktlite':>9} {'peer':>9} {'overhead':>9}  peer is")
+    print(f"{'-' * 46} {'-' * 9} {'-' * 9} {'-' * 9}  {'-' * 27}")
+    for name, ours, theirs, peer in rows:
+        overhead = None if ours is None or theirs is None else ours - theirs
+        print(f"{name:<46} {fmt_s(ours):>9} {fmt_s(theirs):>9} {fmt_s(overhead):>9}  {peer}")
+    print(f"runs: {runs}")
+    print("load average (1 min) before -> after each run:")
+    print("\n".join(f"  {line}" for line in load.lines()))
+    for note in notes:
+        print(f"- {note}")
+    if json_path:
+        import json
+
+        rows_json = [{"name": n, "ktlite_s": a, "peer_s": b, "peer": p} for n, a, b, p in rows]
+        with open(json_path, "w") as f:
+            json.dump({"rows": rows_json, "load": load.as_json(), "notes": notes}, f, indent=2)

@@ -43,7 +43,7 @@ if __name__ == "__main__":  # not in the hand-run controller, which imports this
     )
     os.environ.pop("KTLITE_BACKEND", None)
 
-from _rounds import LoadLog, run_rounds  # noqa: E402
+from _rounds import LoadLog, print_overheads, run_rounds  # noqa: E402
 
 import ktlite as kt  # noqa: E402
 
@@ -170,12 +170,6 @@ def by_hand(warm_calls: int) -> tuple[float, list[float]]:
         shutil.rmtree(sockets, ignore_errors=True)
 
 
-def _ms(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1000:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
-
-
 def _median(samples: list[float]) -> float | None:
     return statistics.median(samples) if samples else None
 
@@ -228,34 +222,13 @@ def main() -> None:
             "controller in a loop",
         ),
     ]
-    print(load.summary())
-    print(f"{'measurement':<46} {'ktlite':>9} {'peer':>9} {'overhead':>9}  peer is")
-    print(f"{'-' * 46} {'-' * 9} {'-' * 9} {'-' * 9}  {'-' * 27}")
-    for name, ours, theirs, peer in rows:
-        overhead = None if ours is None or theirs is None else ours - theirs
-        print(f"{name:<46} {_ms(ours):>9} {_ms(theirs):>9} {_ms(overhead):>9}  {peer}")
-    print(
-        f"runs: ktlite cold {[round(t, 2) for t in kt_cold]}, by hand {[round(t, 2) for t in hand_cold]}"
+    print_overheads(
+        rows,
+        f"ktlite cold {[round(t, 2) for t in kt_cold]}, by hand {[round(t, 2) for t in hand_cold]}",
+        load,
+        notes,
+        args.json,
     )
-    print(
-        "load average (1 min) before -> after each run:\n"
-        + "\n".join(f"  {line}" for line in load.lines())
-    )
-    for note in notes:
-        print(f"- {note}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "rows": [
-                        {"name": n, "ktlite_s": a, "peer_s": b, "peer": p} for n, a, b, p in rows
-                    ],
-                    "load": load.as_json(),
-                    "notes": notes,
-                },
-                f,
-                indent=2,
-            )
 
 
 if __name__ == "__main__":
