@@ -17,7 +17,7 @@ _EXPORTS = {
     "images": "ktlite.images",
     "distributed": "ktlite.distributed",
     "Plan": "ktlite.backends.base",
-    "Compute": "ktlite.compute", "Volume": "ktlite.compute",
+    "Compute": "ktlite.compute", "Volume": "ktlite.volume",
     "Image": "ktlite.images",
     "App": "ktlite.apps", "app": "ktlite.apps",  # not "ktlite.app": kt.app is the function
     "Future": "ktlite.futures",
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ktlite import distributed, images
     from ktlite.apps import App, app
     from ktlite.backends.base import Plan
-    from ktlite.compute import Compute, Volume
+    from ktlite.compute import Compute
     from ktlite.errors import (
         AuthError,
         CallCancelled,
@@ -97,6 +97,7 @@ if TYPE_CHECKING:
     from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
     from ktlite.secrets import Secret, secret
     from ktlite.store import get, ls, put, rm
+    from ktlite.volume import Volume
 
 
 # The submodule ktlite.compute (kt.Compute) shares its name with the @kt.compute decorator:

@@ -58,8 +58,8 @@ def supervise(name: str) -> int:
     from ktlite.autoscaling import AutoscaleConfig
     from ktlite.backends.local import LocalBackend
     from ktlite.compute import Compute
+    from ktlite.deployment_spec import DeploymentSpec
     from ktlite.serving import ServingDeployment
-    from ktlite.spec import DeploymentSpec
 
     backend = LocalBackend.shared()
     applied = backend.lookup(name)

@@ -70,7 +70,7 @@ def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     from ktlite.client import PodClient
     from ktlite.compute import Compute
     from ktlite.deploy import Deployment
-    from ktlite.spec import DeploymentSpec
+    from ktlite.deployment_spec import DeploymentSpec
 
     backend = _backend(args)
     applied = backend.lookup(args.name)

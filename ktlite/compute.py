@@ -1,99 +1,73 @@
-"""``kt.Compute`` and ``kt.Volume``: what one pod looks like, validated at construction."""
+"""``kt.Compute``: what one pod looks like, validated at construction.
+
+A Compute holds a pod's resources and image itself, and its other settings in parts of
+their own: ``kubernetes`` (:class:`~ktlite.kube_options.KubernetesOptions`), ``calls``
+(:class:`~ktlite.call_defaults.CallDefaults`) and ``serving``
+(:class:`~ktlite.serving_options.ServingOptions`). Its constructor takes every keyword flat,
+as users write them (Kubetorch's spellings through :mod:`ktlite.kubetorch_compute`), and
+reading ``compute.namespace`` still works. :meth:`Compute.pod_spec` parses it once into the
+:class:`~ktlite.podspec.PodSpec` a backend reads.
+"""
 
 from __future__ import annotations
 
-import math
+import difflib
 import re
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ktlite import kubetorch_compute
+from ktlite.autoscaling import AutoscaleConfig, from_kwargs
+from ktlite.call_defaults import CALL_FIELDS, SERIALIZATIONS, CallDefaults
 from ktlite.errors import ConfigError
 from ktlite.hosts import Hosts, as_hosts
 from ktlite.images import Image
+from ktlite.kube_options import KUBERNETES_FIELDS, PULL_POLICIES, KubernetesOptions
+from ktlite.podspec import PodSpec, Resources
 from ktlite.quantities import memory_quantity, parse_cpus, parse_duration, parse_memory
 from ktlite.secrets import Secret, normalize
-from ktlite.spec import DistributedConfig
+from ktlite.serving_options import SERVING_FIELDS, ServingOptions
+from ktlite.spec import RESERVED_ENV, DistributedConfig
+from ktlite.volume import DNS_LABEL, Volume
+
+__all__ = ["BACKENDS", "PULL_POLICIES", "SERIALIZATIONS", "WORKER_NODE_FIELDS", "Compute", "Volume",
+           "parse_cpus", "parse_duration", "parse_memory"]
 
 BACKENDS = ("local", "kubernetes", "ssh")
-PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # what Kubernetes accepts (and POSIX shells)
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _RESERVED_MOUNTS = ("/ktlite", "/dev/shm")  # ktlite's state dir and shared memory on a pod
-_RESERVED_ENV = (
-    "KTLITE_TOKEN", "KTLITE_POD_NAME", "KTLITE_POD_IP", "KTLITE_POD_ORDINAL", "KTLITE_NAMESPACE",
-    "KTLITE_DEPLOYMENT", "KTLITE_BACKEND", "KTLITE_PORT", "KTLITE_PROCS", "KTLITE_INSTALL",
-    "KTLITE_FREEZE", "KTLITE_SETUP", "KTLITE_IMAGE",
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "POD_IPS", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 # what distribute("ray", worker_node_options={...}) may size differently on the worker pods
 WORKER_NODE_FIELDS = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gpu_type",
                       "shared_memory", "node_selector", "tolerations", "labels", "annotations",
                       "priority_class")
+_MEMORY_FIELDS = ("memory", "memory_limit", "shared_memory", "disk_size", "gpu_memory")
+# the parts a flat keyword goes to, and its keywords
+_PARTS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "kubernetes": (KubernetesOptions, KUBERNETES_FIELDS),
+    "calls": (CallDefaults, CALL_FIELDS),
+    "serving": (ServingOptions, SERVING_FIELDS),
+}
+_PART_OF = {name: part for part, (_, names) in _PARTS.items() for name in names}
+_POSITIONAL = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gpu_type", "image", "env", "volumes")
 
 
-SERIALIZATIONS = ("json", "pickle")  # Kubetorch's call serialization formats ktlite takes
+def _default(f: Any) -> Any:
+    return f.default_factory() if callable(f.default_factory) else f.default
 
 
-@dataclass(frozen=True)
-class Volume:
-    """A persistent volume mounted into every pod: a PVC on Kubernetes; locally the directory
-    ``$KTLITE_HOME/volumes/<name>`` (see docs/local_backend.md).
-
-    Args:
-        name: the volume (and PVC) name.
-        size: capacity such as "10Gi".
-        mount_path: where it appears in the pod.
-        access_mode: "ReadWriteMany" (shared across pods) or "ReadWriteOnce".
-        storage_class: the Kubernetes StorageClass; None uses the cluster default.
-    """
-
-    name: str
-    size: str = "10Gi"
-    mount_path: str = ""
-    access_mode: str = "ReadWriteMany"
-    storage_class: str | None = None
-    namespace: str | None = None  # Kubetorch's: must be the deployment's (pods mount their own namespace's PVCs)
-    volume_name: str | None = None  # bind the claim to this PersistentVolume
-
-    @classmethod
-    def from_name(cls, name: str, mount_path: str | None = None, **kwargs: Any) -> Volume:
-        """An existing PersistentVolumeClaim, mounted at ``mount_path`` (default ``/<name>``);
-        the same as naming it in ``Compute(volumes=["name"])``."""
-        return cls(name, mount_path=mount_path or "", **kwargs)
-
-    def _refuse(self, what: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"Volume.{what}() is not supported: ktlite creates a kt.Volume's claim with the deployment that "
-            "mounts it and deletes it with teardown(volumes=True) (`ktlite teardown NAME --volumes`); "
-            "look at claims with `kubectl get pvc`")
-
-    def create(self) -> Volume:
-        raise self._refuse("create")
-
-    def delete(self) -> None:
-        raise self._refuse("delete")
-
-    def exists(self) -> bool:
-        raise self._refuse("exists")
-
-    def ssh(self) -> None:
-        raise self._refuse("ssh")
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _DNS_LABEL.match(self.name):
-            raise ConfigError(f"Volume(name={self.name!r}) is not a valid PVC name: use lowercase "
-                              "letters, digits and '-', at most 63 characters, e.g. 'train-data'")
-        object.__setattr__(self, "size", memory_quantity(self.size, "Volume.size"))
-        if self.access_mode not in ("ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"):
-            raise ConfigError(f"Volume.access_mode={self.access_mode!r}; allowed: ReadWriteMany, "
-                              "ReadWriteOnce, ReadOnlyMany, ReadWriteOncePod")
-        if not self.mount_path:
-            object.__setattr__(self, "mount_path", f"/{self.name}")
-        if not self.mount_path.startswith("/"):
-            raise ConfigError(f"Volume.mount_path={self.mount_path!r} must be an absolute path like '/data'")
+def _unknown(kwargs: dict[str, Any]) -> ConfigError:
+    """The error for keywords Compute does not take, with the closest names it does."""
+    known = sorted({f.name for f in fields(Compute) if f.init} | set(_PART_OF)
+                   | set(kubetorch_compute.ALIASES) | set(kubetorch_compute.EXTRA))
+    hints = []
+    for name in sorted(kwargs):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hints.append(f"{name!r} (did you mean {close[0]}?)" if close else repr(name))
+    return ConfigError(f"Compute() got unknown keyword(s) {', '.join(hints)}; see help(kt.Compute) for "
+                       "the keywords it takes")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Compute:
     """The resources and settings of one pod; ``.distribute()`` makes it N pods.
 
@@ -137,137 +111,86 @@ class Compute:
     cpu_limit: float | str | None = None
     memory_limit: str | None = None
     gpu_type: str | None = None
-    image: Image | str | None = None
+    image: Image | None = None
     env: dict[str, str] = field(default_factory=dict)
     volumes: tuple[Volume | str, ...] = ()
     backend: str | None = None
-    namespace: str | None = None
-    launch_timeout: float = 600.0
-    call_timeout: float | None = None
-    teardown_timeout: float = 30.0
-    inactivity_ttl: str | None = None
-    stream_logs: bool = True
-    max_restarts: int = 3
-    concurrency: int | None = None
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: tuple[dict[str, Any], ...] = ()
-    labels: dict[str, str] = field(default_factory=dict)
-    annotations: dict[str, str] = field(default_factory=dict)
-    secrets: tuple[str | Secret, ...] = ()  # presets, existing Secrets' names, kt.secret(...)
-    service_account: str | None = None
-    image_pull_policy: str | None = None
-    priority_class: str | None = None
+    secrets: tuple[Secret, ...] = ()  # presets, existing Secrets' names, kt.secret(...)
     shared_memory: str | None = None
-    distributed: DistributedConfig | None = None
-    # distribute("ray", worker_node_options=...): the worker pods' own sizes (the head: this)
-    worker_node_options: dict[str, Any] | None = None
-    env_vars: dict[str, str] | None = None  # Kubetorch's name for env
-    hosts: Hosts | None = None
-    # Kubetorch's fields (README, "Coming from Kubetorch")
     disk_size: str | None = None  # ephemeral-storage request
     gpu_memory: str | None = None  # an annotation, as in Kubetorch: a whole GPU is requested
     freeze: bool = False  # the image already holds everything: no install at pod start
-    kubeconfig_path: str | None = None
-    gpu_anti_affinity: bool = False  # a CPU-only pod stays off nodes with GPUs
     working_dir: str | None = None  # the rank processes' working directory on a pod
-    allowed_serialization: tuple[str, ...] | None = None
-    queue_name: str | None = None  # Kueue LocalQueue
-    service_template: dict[str, Any] | None = None  # merged deeply into each StatefulSet
-    restart_procs: bool = False  # every .to() starts fresh rank processes
-    replicas: int | None = None
-    autoscaling: Any = None  # ktlite.autoscaling.AutoscaleConfig: set by .autoscale()
-    logging_config: Any = None
-    selector: Any = None
-    endpoint: Any = None
-    # Kubetorch's spellings of fields above
-    priority_class_name: str | None = None
-    service_account_name: str | None = None
-    shared_memory_limit: str | None = None
+    hosts: Hosts | None = None
+    distributed: DistributedConfig | None = None
+    # distribute("ray", worker_node_options=...): the worker pods' own sizes (the head: this)
+    worker_node_options: dict[str, Any] | None = None
+    kubernetes: KubernetesOptions = field(default_factory=KubernetesOptions)
+    calls: CallDefaults = field(default_factory=CallDefaults)
+    serving: ServingOptions = field(default_factory=ServingOptions)
+    resources: Resources = field(init=False, repr=False, compare=False)  # the parsed sizes
 
-    def __post_init__(self) -> None:
-        self._kubetorch_fields()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) > len(_POSITIONAL):
+            raise ConfigError(f"Compute() takes at most {len(_POSITIONAL)} positional arguments "
+                              f"({', '.join(_POSITIONAL)}); pass the others by name")
+        for name, value in zip(_POSITIONAL, args, strict=False):
+            if name in kwargs:
+                raise ConfigError(f"Compute() got {name}= twice (by position and by name)")
+            kwargs[name] = value
+        kwargs = kubetorch_compute.adapt(kwargs)
+        for part, (kind, names) in _PARTS.items():
+            base = kwargs.pop(part, None) or kind()
+            if not isinstance(base, kind):
+                raise ConfigError(f"{part}={base!r} must be a {kind.__name__}")
+            defaults = {f.name: f for f in fields(kind)}
+            own = {name: _default(defaults[name]) if kwargs[name] is None else kwargs[name]
+                   for name in names if name in kwargs}
+            for name in own:
+                del kwargs[name]
+            object.__setattr__(self, part, replace(base, **own) if own else base)
+        for f in fields(self):
+            if f.init and f.name not in _PARTS:
+                value = kwargs.pop(f.name, None)
+                object.__setattr__(self, f.name, _default(f) if value is None else value)
+        if kwargs:
+            raise _unknown(kwargs)
+        self._validate()
+
+    def __getattr__(self, name: str) -> Any:
+        """The flat names of the parts' settings (``compute.namespace``, ``compute.launch_timeout``)."""
+        if name in kubetorch_compute.ALIASES or name in kubetorch_compute.EXTRA:
+            return None  # Kubetorch's names are read into ktlite's at construction, never stored
+        part = _PART_OF.get(name) or ("calls" if name == "inactivity_seconds" else None)
+        if part is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, part), name)
+
+    def _validate(self) -> None:
         self._check_hosts()
-        for name in ("memory", "memory_limit", "shared_memory", "disk_size", "gpu_memory"):
+        for name in _MEMORY_FIELDS:
             if getattr(self, name) is not None:  # "8GB" as NeMo and Ray users write it: "8G"
                 object.__setattr__(self, name, memory_quantity(getattr(self, name), name))
-        self.inactivity_seconds  # noqa: B018 - a bad duration fails here, before any deploy
-        if self.env_vars is not None:
-            if self.env:
-                raise ConfigError("pass env= or env_vars= (the Kubetorch name), not both")
-            object.__setattr__(self, "env", dict(self.env_vars))
-            object.__setattr__(self, "env_vars", None)
-        if self.cpus is not None:
-            parse_cpus(self.cpus)
-        if self.cpu_limit is not None and parse_cpus(self.cpu_limit, "cpu_limit") < (self.cpu_count or 0):
-            raise ConfigError(f"cpu_limit={self.cpu_limit!r} is below cpus={self.cpus!r}; a limit must be "
-                              "at least the request")
-        if self.memory_limit is not None and \
-                parse_memory(self.memory_limit, "memory_limit") < parse_memory(self.memory or "0"):
-            raise ConfigError(f"memory_limit={self.memory_limit!r} is below memory={self.memory!r}; a limit "
-                              "must be at least the request")
-        if self.image_pull_policy not in (None, *PULL_POLICIES):
-            raise ConfigError(f"image_pull_policy={self.image_pull_policy!r}; allowed: "
-                              f"{', '.join(PULL_POLICIES)}")
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
-            raise ConfigError(f"gpus={self.gpus!r} must be a whole number >= 0")
+        object.__setattr__(self, "resources", Resources.parse(
+            cpus=self.cpus, memory=self.memory, gpus=self.gpus, cpu_limit=self.cpu_limit,
+            memory_limit=self.memory_limit, gpu_type=self.gpu_type, shared_memory=self.shared_memory,
+            disk_size=self.disk_size, gpu_memory=self.gpu_memory))
         if self.backend is not None and self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}; allowed: {', '.join(map(repr, BACKENDS))}")
-        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                     for k, v in self.env.items()):
-            raise ConfigError(f"env={self.env!r} must map str to str; convert values with str()")
-        bad = [k for k in self.env if not _ENV_NAME.match(k)]
-        if bad:
-            raise ConfigError(f"env names {bad!r} are not valid environment variable names: use "
-                              "letters, digits and '_' (not starting with a digit), e.g. 'MY_VAR'")
-        nul = [k for k, v in self.env.items() if "\0" in v]
-        if nul:
-            raise ConfigError(f"env values of {nul!r} contain a NUL character, which no environment can hold")
-        clash = sorted(set(self.env) & set(_RESERVED_ENV))
-        if clash:
-            raise ConfigError(f"env sets {', '.join(clash)}, which ktlite sets per rank; remove "
-                              "them (use distribute(port=...) for MASTER_PORT)")
-        if isinstance(self.launch_timeout, bool) or not isinstance(self.launch_timeout, (int, float)) \
-                or not math.isfinite(self.launch_timeout) or self.launch_timeout <= 0:
-            raise ConfigError(f"launch_timeout={self.launch_timeout!r} must be a positive number of seconds")
-        for field_name in ("call_timeout", "teardown_timeout"):
-            value = getattr(self, field_name)
-            if value is None and field_name == "call_timeout":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ConfigError(f"{field_name}={value!r} must be a positive number of seconds (finite)"
-                                  + (" (or None for no limit)" if field_name == "call_timeout" else ""))
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ConfigError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0")
-        if self.concurrency is not None and (isinstance(self.concurrency, bool) or not isinstance(
-                self.concurrency, int) or not 1 <= self.concurrency <= 1024):
-            raise ConfigError(f"concurrency={self.concurrency!r} must be a whole number between 1 and 1024 "
-                              "(calls each rank process runs at once)")
+        for name in ("freeze",):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.working_dir is not None and (not isinstance(self.working_dir, str)
+                                             or not self.working_dir.startswith("/")):
+            raise ConfigError(f"working_dir={self.working_dir!r} must be an absolute path in the pod, "
+                              "e.g. '/workspace'")
+        self._check_env()
         if isinstance(self.image, str):
             object.__setattr__(self, "image", Image(self.image))
         if self.image is not None and not isinstance(self.image, Image):
             raise ConfigError(f"image={self.image!r} must be a kt.Image or an image name string")
-        object.__setattr__(self, "volumes", tuple(self.volumes))
-        object.__setattr__(self, "tolerations", tuple(self.tolerations))
         object.__setattr__(self, "secrets", normalize(self.secrets))
-        mounts: dict[str, Any] = {}
-        for v in self.volumes:
-            if not isinstance(v, (Volume, str)):
-                raise ConfigError(f"volumes entry {v!r} must be a kt.Volume or the name of an existing PVC")
-            if isinstance(v, str) and not _DNS_LABEL.match(v):
-                raise ConfigError(f"volumes entry {v!r} is not a valid PVC name (lowercase letters, "
-                                  "digits and '-')")
-            if isinstance(v, Volume) and v.namespace and self.namespace and v.namespace != self.namespace:
-                raise ConfigError(f"Volume({v.name!r}, namespace={v.namespace!r}) is not in the deployment's "
-                                  f"namespace {self.namespace!r}; pods mount claims of their own namespace")
-            path = v.mount_path if isinstance(v, Volume) else f"/{v}"
-            if path.rstrip("/") in _RESERVED_MOUNTS:
-                raise ConfigError(f"volume {v!r} mounts at {path}, which ktlite uses on every pod; "
-                                  "pass another mount_path")
-            if path in mounts:
-                raise ConfigError(f"volumes {mounts[path]!r} and {v!r} both mount at {path}; give "
-                                  "each its own mount_path")
-            mounts[path] = v
+        self._check_volumes()
         d = self.distributed
         if self.worker_node_options is not None:
             if not isinstance(self.worker_node_options, dict):
@@ -281,88 +204,64 @@ class Compute:
         if d is not None and d.uniform and self.gpus and d.max_procs > self.gpus:
             raise ConfigError(f"num_proc={d.num_proc} has a pod of {d.max_procs} ranks, more than gpus={self.gpus} "
                               f"on a GPU pod; each rank needs at least one GPU: use num_proc<={self.gpus}")
+        if self.serving.autoscaling is not None and d is not None:
+            raise ConfigError("a Compute cannot use both .distribute() and .autoscale(); pick one")
+        replicas = self.serving.replicas
+        if replicas is not None and d is not None and replicas != d.workers:
+            raise ConfigError(f"replicas={replicas} but distribute() asks for {d.workers} pods; "
+                              "leave replicas out (distribute's workers sets it)")
 
-    def _kubetorch_fields(self) -> None:
-        """Kubetorch's forms: None means "not set" for every field, GPU counts may be
-        strings, and its field names are spellings of ktlite's."""
-        for f in fields(self):
-            if getattr(self, f.name) is None:
-                default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
-                if default is not None and default is not MISSING:
-                    object.__setattr__(self, f.name, default)
-        for alias, own in (("priority_class_name", "priority_class"),
-                           ("service_account_name", "service_account"),
-                           ("shared_memory_limit", "shared_memory")):
-            value = getattr(self, alias)
-            if value is None:
-                continue
-            if getattr(self, own) is not None and getattr(self, own) != value:
-                raise ConfigError(f"pass {own}= or {alias}= (the Kubetorch name), not both")
-            object.__setattr__(self, own, value)
-            object.__setattr__(self, alias, None)
-        if isinstance(self.gpus, str):
-            text = self.gpus.strip()
-            if not text.isdigit():
-                raise ConfigError(f"gpus={self.gpus!r} must be a whole number of GPUs such as 1 or '1'; "
-                                  "pick the model with gpu_type=, e.g. gpu_type='NVIDIA-A100-SXM4-80GB'")
-            object.__setattr__(self, "gpus", int(text))
-        for name in ("freeze", "gpu_anti_affinity", "restart_procs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.working_dir is not None and (not isinstance(self.working_dir, str)
-                                             or not self.working_dir.startswith("/")):
-            raise ConfigError(f"working_dir={self.working_dir!r} must be an absolute path in the pod, "
-                              "e.g. '/workspace'")
-        if self.allowed_serialization is not None:
-            allowed = (self.allowed_serialization,) if isinstance(self.allowed_serialization, str) \
-                else tuple(self.allowed_serialization)
-            bad = [a for a in allowed if a not in SERIALIZATIONS]
-            if bad or not allowed:
-                raise ConfigError(f"allowed_serialization={self.allowed_serialization!r}; allowed entries: "
-                                  f"{', '.join(map(repr, SERIALIZATIONS))}")
-            object.__setattr__(self, "allowed_serialization", allowed)
-        if self.queue_name is not None and (not isinstance(self.queue_name, str) or not _DNS_LABEL.match(
-                self.queue_name)):
-            raise ConfigError(f"queue_name={self.queue_name!r} must name a Kueue LocalQueue (a DNS label)")
-        if self.service_template is not None and not isinstance(self.service_template, dict):
-            raise ConfigError(f"service_template={self.service_template!r} must be a dict merged into the "
-                              "generated StatefulSet, e.g. {'spec': {'template': {'spec': {...}}}}")
-        if self.kubeconfig_path is not None and not isinstance(self.kubeconfig_path, str):
-            raise ConfigError(f"kubeconfig_path={self.kubeconfig_path!r} must be a path string")
-        if self.logging_config is not None:
-            from ktlite.kubetorch import LoggingConfig
+    def _check_env(self) -> None:
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in self.env.items()):
+            raise ConfigError(f"env={self.env!r} must map str to str; convert values with str()")
+        bad = [k for k in self.env if not _ENV_NAME.match(k)]
+        if bad:
+            raise ConfigError(f"env names {bad!r} are not valid environment variable names: use "
+                              "letters, digits and '_' (not starting with a digit), e.g. 'MY_VAR'")
+        nul = [k for k, v in self.env.items() if "\0" in v]
+        if nul:
+            raise ConfigError(f"env values of {nul!r} contain a NUL character, which no environment can hold")
+        clash = sorted(set(self.env) & set(RESERVED_ENV))
+        if clash:
+            raise ConfigError(f"env sets {', '.join(clash)}, which ktlite sets per rank; remove "
+                              "them (use distribute(port=...) for MASTER_PORT)")
 
-            if not isinstance(self.logging_config, LoggingConfig):
-                raise ConfigError(f"logging_config={self.logging_config!r} must be a kt.LoggingConfig")
-            if self.logging_config.stream_logs is not None:
-                object.__setattr__(self, "stream_logs", bool(self.logging_config.stream_logs))
-        if self.selector is not None or self.endpoint is not None:
-            which = "selector" if self.selector is not None else "endpoint"
-            raise NotImplementedError(
-                f"Compute({which}=...) brings your own pods, which ktlite does not support: ktlite "
-                "creates and owns its pods. Give the resources instead (Compute(cpus=, gpus=, image=, "
-                "node_selector=...)), or run on existing machines with hosts=[...] (backend='ssh')")
-        if self.autoscaling is not None:
-            from ktlite.autoscaling import AutoscaleConfig
+    def _check_volumes(self) -> None:
+        object.__setattr__(self, "volumes", tuple(self.volumes))
+        namespace = self.kubernetes.namespace
+        mounts: dict[str, Any] = {}
+        for v in self.volumes:
+            if not isinstance(v, (Volume, str)):
+                raise ConfigError(f"volumes entry {v!r} must be a kt.Volume or the name of an existing PVC")
+            if isinstance(v, str) and not DNS_LABEL.match(v):
+                raise ConfigError(f"volumes entry {v!r} is not a valid PVC name (lowercase letters, "
+                                  "digits and '-')")
+            if isinstance(v, Volume) and v.namespace and namespace and v.namespace != namespace:
+                raise ConfigError(f"Volume({v.name!r}, namespace={v.namespace!r}) is not in the deployment's "
+                                  f"namespace {namespace!r}; pods mount claims of their own namespace")
+            path = v.mount_path if isinstance(v, Volume) else f"/{v}"
+            if path.rstrip("/") in _RESERVED_MOUNTS:
+                raise ConfigError(f"volume {v!r} mounts at {path}, which ktlite uses on every pod; "
+                                  "pass another mount_path")
+            if path in mounts:
+                raise ConfigError(f"volumes {mounts[path]!r} and {v!r} both mount at {path}; give "
+                                  "each its own mount_path")
+            mounts[path] = v
 
-            if not isinstance(self.autoscaling, AutoscaleConfig):
-                raise ConfigError(f"autoscaling={self.autoscaling!r}: use compute.autoscale(min_scale=..., ...)")
-            if self.distributed is not None:
-                raise ConfigError("a Compute cannot use both .distribute() and .autoscale(); pick one")
-        if self.replicas is not None:
-            if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-                raise ConfigError(f"replicas={self.replicas!r} must be a whole number >= 1")
-            d = self.distributed
-            if d is not None and self.replicas != d.workers:
-                raise ConfigError(f"replicas={self.replicas} but distribute() asks for {d.workers} pods; "
-                                  "leave replicas out (distribute's workers sets it)")
+    def pod_spec(self) -> PodSpec:
+        """This Compute parsed into the :class:`~ktlite.podspec.PodSpec` a backend reads."""
+        worker = self.pod_compute(1).pod_spec() if self.worker_node_options else None
+        return PodSpec(resources=self.resources, image=self.image, env=dict(self.env), volumes=self.volumes,
+                       secrets=self.secrets, working_dir=self.working_dir, freeze=self.freeze,
+                       backend=self.backend, kubernetes=self.kubernetes, hosts=self.hosts, calls=self.calls,
+                       distributed=self.distributed, autoscaling=self.serving.autoscaling, worker=worker)
 
     def served(self) -> Compute:
         """What ``.to()`` deploys: ``Compute(replicas=N)`` without ``distribute()`` is Kubetorch's
         N load-balanced replicas, i.e. ``autoscale(min_scale=N, max_scale=N)`` (a
         ``.distribute()`` may still come, so this is decided at ``.to()``)."""
         if self.replicas is not None and self.distributed is None and self.autoscaling is None:
-            from ktlite.autoscaling import AutoscaleConfig
             if self.hosts is not None or self.backend == "ssh":
                 raise ConfigError(f"Compute(replicas={self.replicas}) asks for load-balanced replicas, which the "
                                   "ssh backend does not run; use .distribute('spmd', workers=N)")
@@ -402,8 +301,6 @@ class Compute:
         one replica and returns one value. The options and their defaults are in
         :mod:`ktlite.autoscaling` (``min_scale``, ``max_scale``, ``concurrency``, ``target``,
         ``metric``, ``window``, ``scale_down_delay``, ...)."""
-        from ktlite.autoscaling import from_kwargs
-
         if self.hosts is not None:
             raise ConfigError("autoscale() with hosts= (backend='ssh'): the ssh backend runs a fixed set of "
                               "hosts; autoscaled serving runs on the local and kubernetes backends")
@@ -414,7 +311,7 @@ class Compute:
         if self.replicas is not None:
             raise ConfigError(f"Compute(replicas={self.replicas}) with .autoscale(): the autoscaler sets the "
                               "replicas; use autoscale(initial_scale=..., min_scale=..., max_scale=...)")
-        object.__setattr__(self, "autoscaling", from_kwargs(kwargs))
+        object.__setattr__(self, "serving", replace(self.serving, autoscaling=from_kwargs(kwargs)))
         return self
 
     @classmethod
@@ -422,11 +319,6 @@ class Compute:
         raise NotImplementedError("Compute.from_manifest() (bring your own manifest) is not supported by ktlite: "
                                   "ktlite builds its own manifests from kt.Compute's fields (service_template= "
                                   "merges extra fields into them; `ktlite deploy --dry-run` prints them)")
-
-    @property
-    def inactivity_seconds(self) -> float | None:
-        """``inactivity_ttl`` in seconds (None: no limit)."""
-        return parse_duration(self.inactivity_ttl, "inactivity_ttl")
 
     def _check_hosts(self) -> None:
         """``hosts`` means the ssh backend, one pod per host, each host's ranks its own."""
@@ -483,7 +375,8 @@ class Compute:
 
     @property
     def cpu_count(self) -> float | None:
-        return None if self.cpus is None else parse_cpus(self.cpus)
+        """``cpus`` as a number (None: no request)."""
+        return self.resources.cpus
 
     def distribute(self, framework: str | None = None, workers: int | None = None,
                    num_proc: int | list[int] | tuple[int, ...] | str | None = None,
@@ -590,15 +483,3 @@ class Compute:
                                    port=port, quorum_timeout=quorum_timeout)
         return replace(self, distributed=config, worker_node_options=None,
                        replicas=None if self.replicas is None else workers)
-
-    def pod_fields(self) -> dict[str, Any]:
-        """The fields that shape a pod: a change here restarts pods, anything else does not."""
-        fields = asdict(self)
-        for key in ("distributed", "launch_timeout", "stream_logs", "inactivity_ttl", "env_vars",
-                    "max_restarts", "call_timeout", "teardown_timeout", "concurrency", "replicas", "autoscaling",
-                    "restart_procs", "logging_config", "allowed_serialization", "kubeconfig_path",
-                    "priority_class_name", "service_account_name", "shared_memory_limit",
-                    "selector", "endpoint"):
-            fields.pop(key, None)
-        fields["secrets"] = [s.describe() for s in self.secrets]  # never values (see ktlite.secrets)
-        return fields

@@ -77,8 +77,8 @@ class Decorated:
 
     def _attach(self) -> Any:
         from ktlite.deploy import attach
+        from ktlite.deployment_spec import DeploymentSpec
         from ktlite.remote import RemoteClass, RemoteFunction
-        from ktlite.spec import DeploymentSpec
 
         spec = DeploymentSpec(name=self.name, compute=self.compute, kind="cls" if self.is_class else "fn")
         try:

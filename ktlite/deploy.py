@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from ktlite import engines, protocol, shm
 from ktlite.backends.base import Applied, Backend, get_backend
 from ktlite.client import CallReply, PodClient
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (
     CallCancelled,
     CallTimeout,
@@ -40,7 +41,6 @@ from ktlite.errors import (
     WorkerMembershipChanged,
     with_remote_context,
 )
-from ktlite.spec import DeploymentSpec
 
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")
 

@@ -18,9 +18,9 @@ import math
 import os
 from typing import Any
 
-from ktlite.compute import parse_memory
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError
-from ktlite.spec import DeploymentSpec, monarch_port, ray_ports
+from ktlite.spec import monarch_port, ray_ports
 
 MIN_OBJECT_STORE = 80 * 2**20  # Ray refuses less than 75 MiB
 LOCAL_OBJECT_STORE_MAX = (
@@ -149,8 +149,8 @@ def ray_node(
     one_machine = one_machine or len(set(pod_ips)) < len(pod_ips)
     ports = ray_ports(master_port, ordinal)
     head = ray_ports(master_port, 0)
-    pod = spec.compute.pod_compute(ordinal)
-    memory = parse_memory(pod.memory) if pod.memory is not None else None
+    res = spec.pod.for_ordinal(ordinal).resources
+    memory = res.memory.bytes if res.memory is not None else None
     store, heap = object_store(memory, len(pod_ips), one_machine)
     cfg: dict[str, Any] = {
         "kind": "ray",
@@ -158,8 +158,8 @@ def ray_node(
         "address": f"{pod_ips[0]}:{head['gcs']}",
         "node_ip": pod_ips[ordinal],
         "ports": ports,
-        "num_cpus": None if pod.cpus is None else max(1, math.floor(pod.cpu_count or 0)),
-        "num_gpus": spec.compute.pod_gpus(ordinal),
+        "num_cpus": None if res.cpus is None else max(1, math.floor(res.cpus)),
+        "num_gpus": spec.pod.pod_gpus(ordinal),
         "memory": heap,
         "object_store_memory": store,
         "version": client_ray_version(),

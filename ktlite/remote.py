@@ -12,11 +12,12 @@ from ktlite import packaging, sharding
 from ktlite.backends.base import Backend, Plan, get_backend
 from ktlite.compute import SERIALIZATIONS, Compute
 from ktlite.deploy import CallOptions, Deployment, attach, deploy
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, NotDeployedError, SerializationError
 from ktlite.futures import Future
 from ktlite.rankdata import per_rank
 from ktlite.serving_status import ServedHandle
-from ktlite.spec import DeploymentSpec, check_name, default_name
+from ktlite.spec import check_name, default_name
 
 # Kubetorch's call keywords, accepted as options only when the user's callable can't take them
 _KT_CALL_KWARGS = ("stream_logs", "workers", "restart_procs")  # ranks= only through .options()

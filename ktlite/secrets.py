@@ -29,6 +29,7 @@ from typing import Any
 
 from ktlite.errors import ConfigError
 from ktlite.secret_providers import PROVIDERS, SecretFile, find, read_file, shown
+from ktlite.spec import RESERVED_ENV
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")  # a Secret name, and a label value
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -285,13 +286,13 @@ def resolve(secrets: tuple[Secret, ...], env: dict[str, str] | None = None,
     return out
 
 
-def for_compute(compute: Any, backend: str, namespace: str | None = None) -> list[Resolved]:
-    """``compute.secrets`` read for ``backend``, checked against its ``env`` (and the image's)
-    and the names ktlite sets: what every backend calls before it makes anything. Only the
-    kubernetes backend has existing Secrets to reuse, in the pods' own ``namespace``."""
-    from ktlite.compute import _RESERVED_ENV  # compute imports this module
-
-    for s in compute.secrets:
+def for_pod(secrets: tuple[Secret, ...], env: dict[str, str], backend: str,
+            namespace: str | None = None) -> list[Resolved]:
+    """A pod spec's ``secrets`` read for ``backend``, checked against its ``env`` (the image's
+    and the user's) and the names ktlite sets: what every backend calls before it makes
+    anything. Only the kubernetes backend has existing Secrets to reuse, in the pods' own
+    ``namespace``."""
+    for s in secrets:
         if s.existing and backend != "kubernetes":
             raise ConfigError(f"secrets names {s.key!r}, which is no provider preset; as a Kubernetes Secret's "
                               f"name it has no meaning on backend {backend!r}. Use a preset ({', '.join(PROVIDERS)}), "
@@ -300,8 +301,7 @@ def for_compute(compute: Any, backend: str, namespace: str | None = None) -> lis
             raise ConfigError(f"secret {s.key!r} is in namespace {s.namespace!r}, but the deployment's pods run "
                               f"in {namespace!r} and can only use Secrets of their own namespace; leave "
                               "namespace= out, or deploy to that namespace")
-    env = {**(compute.image.env if compute.image is not None else {}), **compute.env}
-    return resolve(compute.secrets, env, _RESERVED_ENV)
+    return resolve(secrets, env, RESERVED_ENV)
 
 
 def fingerprint(resolved: list[Resolved], key: str) -> str:

@@ -37,6 +37,7 @@ from ktlite import autoscalers, protocol
 from ktlite.autoscaling import Decision, Scaler
 from ktlite.backends.base import Applied, Backend, PodEndpoint
 from ktlite.deploy import Deployment, _pool, _split, _to_error, print_log, shm_arguments
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (
     ConfigError,
     DeployError,
@@ -47,7 +48,6 @@ from ktlite.errors import (
     RemoteError,
 )
 from ktlite.serving_status import AutoscalerReport
-from ktlite.spec import DeploymentSpec
 
 # how often the scaling thread samples the load and looks at the replicas
 TICK_S = 0.25

@@ -6,7 +6,6 @@ computed: every backend and the pod server use it, so ranks mean the same everyw
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -33,6 +32,13 @@ RAY_PORTS = {"gcs": 0, "node_manager": 1, "object_manager": 2, "runtime_env_agen
 RAY_WORKER_PORTS = (16, RAY_STRIDE - 1)
 # pod k's Monarch worker loop listens on MASTER_PORT + GROUP_PORTS + k (the procs it spawns
 # pick their own ports)
+# the env names ktlite sets on every pod or rank: a user's env or secret may not set them
+RESERVED_ENV = (
+    "KTLITE_TOKEN", "KTLITE_POD_NAME", "KTLITE_POD_IP", "KTLITE_POD_ORDINAL", "KTLITE_NAMESPACE",
+    "KTLITE_DEPLOYMENT", "KTLITE_BACKEND", "KTLITE_PORT", "KTLITE_PROCS", "KTLITE_INSTALL",
+    "KTLITE_FREEZE", "KTLITE_SETUP", "KTLITE_IMAGE",
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "POD_IPS", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
 
 
@@ -229,54 +235,6 @@ def check_name(name: str) -> str:
 def default_name(obj_name: str) -> str:
     name = re.sub(r"[^a-z0-9-]+", "-", obj_name.lower()).strip("-")[:52].strip("-")
     return name or "fn"
-
-
-@dataclass(frozen=True)
-class DeploymentSpec:
-    """Everything a backend needs to run a deployment: the only object it sees."""
-
-    name: str
-    compute: Any  # ktlite.compute.Compute (kept untyped to avoid an import cycle)
-    kind: str = "fn"  # "fn" | "cls"
-    detached: bool = False
-    # an autoscaled deployment's replica count now (the backends that start replicas
-    # themselves, local: the autoscaler asks for this many); None: the initial scale
-    replicas: int | None = None
-
-    @property
-    def distributed(self) -> DistributedConfig:
-        """The rank layout of one pod's world: an autoscaled deployment's replicas are each a
-        world of one pod (RANK 0 of WORLD_SIZE 1)."""
-        return self.compute.distributed or DistributedConfig()
-
-    @property
-    def autoscale(self) -> Any:
-        """The :class:`ktlite.autoscaling.AutoscaleConfig` of a served deployment, else None."""
-        return self.compute.autoscaling
-
-    @property
-    def workers(self) -> int:
-        """Pods: the distributed layout's, or an autoscaled deployment's replicas now."""
-        if self.autoscale is not None:
-            return self.autoscale.initial if self.replicas is None else self.replicas
-        return self.distributed.workers
-
-    @property
-    def concurrency(self) -> int:
-        """Calls each rank process runs at once: ``Compute.concurrency``, else 8 for a
-        single-rank class (a server), else 1 (a distributed call's collectives need order)."""
-        if self.autoscale is not None:  # Knative's containerConcurrency; unset: a replica takes many
-            return int(self.autoscale.concurrency or self.compute.concurrency or 32)
-        if self.compute.concurrency is not None:
-            return int(self.compute.concurrency)
-        return 8 if self.kind == "cls" and self.distributed.world_size == 1 else 1
-
-    def pod_hash(self) -> str:
-        """Hash of the fields that shape a pod; code and rank layout are not among them."""
-        fields = self.compute.pod_fields()
-        blob = json.dumps(fields, sort_keys=True, default=repr).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
 
 
 def distributed_env(config: DistributedConfig, *, node_rank: int, local_rank: int,

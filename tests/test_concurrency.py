@@ -12,7 +12,7 @@ import time
 import pytest
 
 import ktlite as kt
-from ktlite.spec import DeploymentSpec
+from ktlite.deployment_spec import DeploymentSpec
 
 
 def nap(seconds: float, fail: bool = False) -> dict:
@@ -76,7 +76,7 @@ def test_concurrency_is_validated_and_defaults_by_kind() -> None:
     assert (single_cls.concurrency, dist_cls.concurrency, single_fn.concurrency) == (8, 1, 1)
     assert DeploymentSpec(name="a", compute=kt.Compute(concurrency=3), kind="fn").concurrency == 3
     # not a pod-shaping field: changing it reloads code, it does not replace pods
-    assert "concurrency" not in kt.Compute(concurrency=2).pod_fields()
+    assert DeploymentSpec("a", kt.Compute(concurrency=2)).pod_hash() == DeploymentSpec("a", kt.Compute()).pod_hash()
 
 
 def test_four_sync_calls_run_at_once_on_concurrency_4(napper) -> None:

@@ -34,9 +34,9 @@ from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import diagnose, progress
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.deploy import Deployment
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.remote import RemoteFunction
-from ktlite.spec import DeploymentSpec
 
 HOST = "https://fake-apiserver"
 API_TOKEN = "api-bearer-7f3a"  # the kubeconfig's credential (the fake checks it)

@@ -39,8 +39,9 @@ from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, ImagePullError, LaunchTimeout
-from ktlite.spec import DeploymentSpec, DistributedConfig
+from ktlite.spec import DistributedConfig
 
 HERE = Path(__file__).parent
 HOST = "https://fake-apiserver"

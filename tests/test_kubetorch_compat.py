@@ -25,7 +25,7 @@ import ktlite as kt
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_diagnose import diagnose
 from ktlite.backends.kubernetes import deploy_error
-from ktlite.spec import DeploymentSpec
+from ktlite.deployment_spec import DeploymentSpec
 
 TAG = uuid.uuid4().hex[:6]
 ROOT = Path(__file__).resolve().parent.parent

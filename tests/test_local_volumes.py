@@ -25,10 +25,10 @@ import pytest
 
 import ktlite as kt
 from ktlite import cli
-from ktlite.backends import local_volumes
-from ktlite.backends.kube_only import KUBE_ONLY, unused_fields
+from ktlite.backends import kube_only, local_volumes
+from ktlite.backends.kube_only import KUBE_ONLY
 from ktlite.backends.local import LocalBackend, pid_alive
-from ktlite.spec import DeploymentSpec
+from ktlite.deployment_spec import DeploymentSpec
 
 SERVER = Path(__file__).resolve().parents[1] / "server"
 
@@ -285,6 +285,10 @@ def test_no_warning_when_nothing_kubernetes_only_is_set(monkeypatch) -> None:
 
 # ---- pure: which fields, which mount paths -------------------------------------------------------
 
+def unused_fields(compute: kt.Compute, workers: int) -> list[str]:
+    return kube_only.unused_fields(compute.pod_spec(), workers)
+
+
 @pytest.mark.parametrize("field", sorted(ALL_KUBE_ONLY))
 def test_each_kubernetes_only_field_is_named_alone(field: str) -> None:
     assert unused_fields(kt.Compute(**{field: ALL_KUBE_ONLY[field]}), workers=1) == [field]
@@ -309,14 +313,14 @@ def test_a_ray_worker_pods_options_count_too() -> None:
 @pytest.mark.parametrize("path", ["/proc/x", "/sys", "/dev/data"])
 def test_mount_paths_under_kernel_trees_are_refused(path: str) -> None:
     with pytest.raises(kt.ConfigError, match="cannot mount into"):
-        local_volumes.local_volumes(kt.Compute(volumes=[kt.Volume("v", mount_path=path)]))
+        local_volumes.local_volumes(kt.Compute(volumes=[kt.Volume("v", mount_path=path)]).pod_spec())
 
 
 def test_a_mount_path_hiding_ktlites_home_is_refused() -> None:
     home = os.environ["KTLITE_HOME"]
     for path in (home, str(Path(home).parent)):
         with pytest.raises(kt.ConfigError, match="hide ktlite's own state"):
-            local_volumes.local_volumes(kt.Compute(volumes=[kt.Volume("v", mount_path=path)]))
+            local_volumes.local_volumes(kt.Compute(volumes=[kt.Volume("v", mount_path=path)]).pod_spec())
 
 
 def test_the_plan_shows_the_mount_namespace_only_when_it_is_used(monkeypatch) -> None:

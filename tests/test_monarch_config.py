@@ -15,7 +15,8 @@ import pytest
 import ktlite as kt
 from ktlite import distributed, engines
 from ktlite.backends import kube_manifests as km
-from ktlite.spec import GROUP_PORTS, DeploymentSpec, DistributedConfig
+from ktlite.deployment_spec import DeploymentSpec
+from ktlite.spec import GROUP_PORTS, DistributedConfig
 from ktlite_server import monarchhost
 from ktlite_server.engine import EngineError
 from ktlite_server.rank import _task_cause

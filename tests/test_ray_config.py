@@ -12,7 +12,8 @@ import ktlite as kt
 from ktlite import engines
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.local import LocalBackend
-from ktlite.spec import DeploymentSpec, ray_ports
+from ktlite.deployment_spec import DeploymentSpec
+from ktlite.spec import ray_ports
 from ktlite_server import raynode
 
 

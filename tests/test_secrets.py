@@ -18,8 +18,8 @@ import pytest
 import ktlite as kt
 from ktlite import secret_providers
 from ktlite.backends.local import LocalBackend
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.secrets import Resolved, resolve
-from ktlite.spec import DeploymentSpec
 
 VALUE = "sk-KNOWN-9f3b2c7e51d84a06b1c2d3e4f5a6b7c8"  # a secret value searched for wherever ktlite writes (fixed: it is in test ids, which xdist workers must agree on)
 # every variable a preset reads: cleared so the developer's own credentials never leak in
@@ -84,7 +84,7 @@ def test_kubetorch_form_compute_secrets_reads_nothing_until_deploy(home: Path) -
 def test_reprs_name_keys_never_values() -> None:
     s = kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})
     compute = kt.Compute(secrets=[s])
-    for text in (repr(s), str(s), repr(compute), repr(compute.pod_fields()), repr(one(s))):
+    for text in (repr(s), str(s), repr(compute), repr(compute.pod_spec().shape()), repr(one(s))):
         assert VALUE not in text, text
     assert repr(s) == "Secret(name='db', env_vars=['DB_PASSWORD'])"
     assert "DB_PASSWORD" in repr(one(s))

@@ -337,7 +337,7 @@ def test_replicas_stopped_by_a_scale_down_leave_the_state_first(monkeypatch: pyt
     import secrets
     from dataclasses import replace
 
-    from ktlite.spec import DeploymentSpec
+    from ktlite.deployment_spec import DeploymentSpec
 
     backend = get_backend("local")
     spec = DeploymentSpec(_name("order"), kt.Compute(cpus=0.1).autoscale(min_scale=0, max_scale=2),

@@ -10,7 +10,7 @@ import ktlite as kt
 from ktlite.backends.base import get_backend
 from ktlite.backends.ssh import SshBackend
 from ktlite.compute import parse_duration
-from ktlite.spec import DeploymentSpec
+from ktlite.deployment_spec import DeploymentSpec
 
 
 @pytest.mark.parametrize("address, target", [

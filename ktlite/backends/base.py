@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ktlite import config
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError
-from ktlite.spec import DeploymentSpec
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ktlite.compute import Volume, parse_cpus
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError
-from ktlite.secrets import Resolved, fingerprint, for_compute
-from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
+from ktlite.podspec import PodSpec, Resources
+from ktlite.secrets import Resolved, fingerprint, for_pod
+from ktlite.spec import DEFAULT_MASTER_PORT
+from ktlite.volume import Volume
 
 NAME_LABEL = "ktlite.dev/name"
 PART_LABEL = "ktlite.dev/part"  # the first ordinal of the pod's StatefulSet, where there are several
@@ -98,8 +100,8 @@ def user_secret_name(name: str, key: str) -> str:
 
 
 def resolve_secrets(spec: DeploymentSpec, namespace: str) -> list[Resolved]:
-    """The Compute's secrets, read (ConfigError when a preset finds nothing), in ``namespace``."""
-    return for_compute(spec.compute, "kubernetes", namespace)
+    """The pod spec's secrets, read (ConfigError when a preset finds nothing), in ``namespace``."""
+    return for_pod(spec.pod.secrets, spec.pod.merged_env, "kubernetes", namespace)
 
 
 def _secret_wiring(name: str, secrets: list[Resolved], token: str | None
@@ -160,15 +162,14 @@ def master_port(spec: DeploymentSpec) -> int:
     return port
 
 
-def cpu_quantity(value: float | str) -> str:
-    cpus = parse_cpus(value)
+def cpu_quantity(cpus: float) -> str:
     # Kubernetes' smallest CPU unit is 1m; round up so a tiny request never becomes zero
     return str(int(cpus)) if cpus == int(cpus) else f"{max(1, math.ceil(cpus * 1000))}m"
 
 
 def setup_steps(spec: DeploymentSpec) -> list[list[Any]]:
     """The image's pip/bash steps as JSON for ``ktlite_server.boot`` (env steps become env)."""
-    image = spec.compute.image
+    image = spec.pod.image
     if image is None:
         return []
     return [[kind, list(arg) if kind == "pip_install" else arg]
@@ -184,25 +185,25 @@ class Part:
     replicas: int
     gpus: int
     labelled: bool  # one of several: selects its pods by PART_LABEL too
-    compute: Any = None  # its pods' size (a Ray worker node's own); None: the deployment's
+    pod: PodSpec | None = None  # its pods' spec (a Ray worker node's own); None: the deployment's
 
 
 def parts(spec: DeploymentSpec) -> list[Part]:
     """The deployment's StatefulSets: one, or one per run of pods alike (the same GPU count;
     for Ray, the head and the worker nodes sized by ``worker_node_options``)."""
-    runs: list[list[Any]] = []  # [start, replicas, gpus, compute, key]
+    runs: list[list[Any]] = []  # [start, replicas, gpus, pod, key]
     for ordinal in range(spec.workers):
-        gpus = spec.compute.pod_gpus(ordinal)
-        compute = spec.compute.pod_compute(ordinal)
-        shape = {k: v for k, v in compute.pod_fields().items() if k != "worker_node_options"}
+        gpus = spec.pod.pod_gpus(ordinal)
+        pod = spec.pod.for_ordinal(ordinal)
+        shape = {k: v for k, v in pod.shape().items() if k != "worker"}
         key = (gpus, json.dumps(shape, sort_keys=True, default=repr))
         if runs and runs[-1][4] == key:
             runs[-1][1] += 1
         else:
-            runs.append([ordinal, 1, gpus, compute, key])
+            runs.append([ordinal, 1, gpus, pod, key])
     several = len(runs) > 1
     out = [Part(name=spec.name if start == 0 else f"{spec.name}-s{start}", start=start, replicas=replicas,
-                gpus=gpus, labelled=several, compute=compute) for start, replicas, gpus, compute, _ in runs]
+                gpus=gpus, labelled=several, pod=pod) for start, replicas, gpus, pod, _ in runs]
     for part in out:
         if len(part.name) > MAX_STATEFULSET_NAME:
             raise ConfigError(
@@ -217,19 +218,19 @@ def part_selector(spec_name: str, part: Part) -> dict[str, str]:
     return {NAME_LABEL: spec_name, PART_LABEL: str(part.start)} if part.labelled else {NAME_LABEL: spec_name}
 
 
-def _resources(compute: Any, gpus: int) -> dict[str, Any]:
+def _resources(res: Resources, gpus: int) -> dict[str, Any]:
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
-    if compute.cpus is not None:
-        requests["cpu"] = cpu_quantity(compute.cpus)
-    if compute.memory is not None:
-        requests["memory"] = compute.memory
-    if compute.cpu_limit is not None:
-        limits["cpu"] = cpu_quantity(compute.cpu_limit)
-    if compute.memory_limit is not None:
-        limits["memory"] = compute.memory_limit
-    if compute.disk_size is not None:
-        requests["ephemeral-storage"] = compute.disk_size
+    if res.cpus is not None:
+        requests["cpu"] = cpu_quantity(res.cpus)
+    if res.memory is not None:
+        requests["memory"] = res.memory.quantity
+    if res.cpu_limit is not None:
+        limits["cpu"] = cpu_quantity(res.cpu_limit)
+    if res.memory_limit is not None:
+        limits["memory"] = res.memory_limit.quantity
+    if res.disk_size is not None:
+        requests["ephemeral-storage"] = res.disk_size.quantity
     if gpus:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
     out: dict[str, Any] = {}
@@ -240,16 +241,16 @@ def _resources(compute: Any, gpus: int) -> dict[str, Any]:
     return out
 
 
-def _volumes(compute: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(pod: PodSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pod volumes, container mounts): ktlite's state dir, /dev/shm, then the user's volumes."""
     shm: dict[str, Any] = {"medium": "Memory"}
-    if compute.shared_memory is not None:
-        shm["sizeLimit"] = compute.shared_memory
+    if pod.resources.shared_memory is not None:
+        shm["sizeLimit"] = pod.resources.shared_memory.quantity
     volumes: list[dict[str, Any]] = [{"name": "ktlite-state", "emptyDir": {}},
                                      {"name": "ktlite-shm", "emptyDir": shm}]
     mounts = [{"name": "ktlite-state", "mountPath": STATE_DIR},
               {"name": "ktlite-shm", "mountPath": "/dev/shm"}]
-    for i, vol in enumerate(compute.volumes):
+    for i, vol in enumerate(pod.volumes):
         claim, path = (vol.name, vol.mount_path) if isinstance(vol, Volume) else (vol, f"/{vol}")
         volumes.append({"name": f"vol-{i}", "persistentVolumeClaim": {"claimName": claim}})
         mounts.append({"name": f"vol-{i}", "mountPath": path})
@@ -257,8 +258,7 @@ def _volumes(compute: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
-    compute = spec.compute
-    image = compute.image
+    image = spec.pod.image
 
     def field(path: str) -> dict[str, Any]:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -275,7 +275,7 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
         {"name": "KTLITE_PORT", "value": str(SERVER_PORT)},
         {"name": "KTLITE_PROCS", "value": str(max(gpus, 1))},
         {"name": "KTLITE_INSTALL", "value": install},
-        {"name": "KTLITE_FREEZE", "value": "1" if compute.freeze or (image is not None and image.freeze)
+        {"name": "KTLITE_FREEZE", "value": "1" if spec.pod.freeze or (image is not None and image.freeze)
          else "0"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
@@ -286,9 +286,7 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
     steps = setup_steps(spec)
     if steps:
         env.append({"name": "KTLITE_SETUP", "value": json.dumps(steps)})
-    user = dict(image.env) if image is not None else {}
-    user.update(compute.env)
-    env += [{"name": k, "value": v} for k, v in user.items()]
+    env += [{"name": k, "value": v} for k, v in spec.pod.merged_env.items()]
     return env
 
 
@@ -298,10 +296,12 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str, part: Part |
     hash of itself. ``secrets``: the Compute's, read (default: read now); ``token`` keys the
     digest of their values (a plan, without it, shows a placeholder)."""
     part = part or parts(spec)[0]
-    compute = part.compute or spec.compute
+    pod_spec = part.pod or spec.pod
+    kube = pod_spec.kubernetes
+    res = pod_spec.resources
     if secrets is None:
         secrets = resolve_secrets(spec, "default")
-    volumes, mounts = _volumes(compute)
+    volumes, mounts = _volumes(pod_spec)
     secret_env, env_from, secret_volumes, secret_mounts, secret_notes = _secret_wiring(spec.name, secrets, token)
     volumes += secret_volumes
     mounts += secret_mounts
@@ -319,35 +319,35 @@ def pod_template(spec: DeploymentSpec, *, image: str, install: str, part: Part |
     }
     if env_from:
         container["envFrom"] = env_from
-    resources = _resources(compute, part.gpus)
+    resources = _resources(res, part.gpus)
     if resources:
         container["resources"] = resources
-    if compute.image_pull_policy:
-        container["imagePullPolicy"] = compute.image_pull_policy
-    if compute.working_dir:
-        container["workingDir"] = compute.working_dir
+    if kube.image_pull_policy:
+        container["imagePullPolicy"] = kube.image_pull_policy
+    if pod_spec.working_dir:
+        container["workingDir"] = pod_spec.working_dir
     pod: dict[str, Any] = {"containers": [container], "volumes": volumes,
                            "terminationGracePeriodSeconds": 15}
-    if compute.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
+    if kube.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
         pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchExpressions": [
                 {"key": "nvidia.com/gpu.present", "operator": "DoesNotExist"}]}]}}}
-    node_selector = dict(compute.node_selector)
-    if compute.gpu_type:
-        node_selector["nvidia.com/gpu.product"] = compute.gpu_type
+    node_selector = dict(kube.node_selector)
+    if res.gpu_type:
+        node_selector["nvidia.com/gpu.product"] = res.gpu_type
     if node_selector:
         pod["nodeSelector"] = node_selector
-    if compute.tolerations:
-        pod["tolerations"] = [dict(t) for t in compute.tolerations]
-    if compute.service_account:
-        pod["serviceAccountName"] = compute.service_account
-    if compute.priority_class:
-        pod["priorityClassName"] = compute.priority_class
-    meta = {"labels": {**compute.labels, **queue_label(compute), **labels(spec.name),
+    if kube.tolerations:
+        pod["tolerations"] = [dict(t) for t in kube.tolerations]
+    if kube.service_account:
+        pod["serviceAccountName"] = kube.service_account
+    if kube.priority_class:
+        pod["priorityClassName"] = kube.priority_class
+    meta = {"labels": {**kube.labels, **queue_label(pod_spec), **labels(spec.name),
                        **part_selector(spec.name, part)},
-            "annotations": {**compute.annotations, **secret_notes}}
-    if compute.gpu_memory:
-        meta["annotations"][GPU_MEMORY_ANNOTATION] = compute.gpu_memory
+            "annotations": {**kube.annotations, **secret_notes}}
+    if res.gpu_memory:
+        meta["annotations"][GPU_MEMORY_ANNOTATION] = res.gpu_memory.quantity
     template = {"metadata": meta, "spec": pod}
     meta["annotations"][HASH_ANNOTATION] = _template_hash(template)
     return template
@@ -372,7 +372,7 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
                                   {"name": "master", "port": master_port(spec),
                                    "targetPort": master_port(spec)}]}}
     claims = []
-    for vol in spec.compute.volumes:
+    for vol in spec.pod.volumes:
         if isinstance(vol, Volume):
             claim_spec: dict[str, Any] = {"accessModes": [vol.access_mode],
                                           "resources": {"requests": {"storage": vol.size}}}
@@ -394,10 +394,10 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
             sts_spec["ordinals"] = {"start": part.start}
         sts = {"apiVersion": "apps/v1", "kind": "StatefulSet",
                "metadata": {**meta, "name": part.name,
-                            "labels": {**queue_label(spec.compute), **meta["labels"]}},
+                            "labels": {**queue_label(spec.pod), **meta["labels"]}},
                "spec": sts_spec}
-        if spec.compute.service_template:
-            sts = _with_template(sts, spec.compute.service_template)
+        if spec.pod.kubernetes.service_template:
+            sts = _with_template(sts, spec.pod.kubernetes.service_template)
         statefulsets.append(sts)
     policies = [network_policy(name, meta)] if spec.distributed.framework == "monarch" else []
     users = secret_objects(name, namespace, secrets, token)
@@ -408,9 +408,10 @@ GPU_MEMORY_ANNOTATION = "ktlite.dev/gpu-memory"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
-def queue_label(compute: Any) -> dict[str, str]:
+def queue_label(pod: PodSpec) -> dict[str, str]:
     """Kueue's queue label (``Compute(queue_name=...)``), on the StatefulSet and its pods."""
-    return {QUEUE_LABEL: compute.queue_name} if compute.queue_name else {}
+    queue = pod.kubernetes.queue_name
+    return {QUEUE_LABEL: queue} if queue else {}
 
 
 def _with_template(sts: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import warnings
 
-from ktlite.compute import Compute
 from ktlite.errors import LocalBackendWarning
 from ktlite.images import DEFAULT_IMAGE
+from ktlite.podspec import PodSpec
 
 KUBE_ONLY = ("gpu_type", "cpu_limit", "shared_memory", "node_selector", "tolerations",
              "priority_class", "labels", "annotations", "service_account", "image_pull_policy",
@@ -26,15 +26,23 @@ KUBE_ONLY = ("gpu_type", "cpu_limit", "shared_memory", "node_selector", "tolerat
              "service_template", "freeze")
 
 
-def unused_fields(compute: Compute, workers: int) -> list[str]:
-    """The fields of ``compute`` (or of its Ray worker pods' options) that a local pod ignores."""
+def _setting(pod: PodSpec, name: str) -> object:
+    """The Compute field ``name`` as the pod spec holds it."""
+    for part in (pod.resources, pod.kubernetes):
+        if hasattr(part, name):
+            return getattr(part, name)
+    return getattr(pod, name)
+
+
+def unused_fields(pod: PodSpec, workers: int) -> list[str]:
+    """The fields of ``pod`` (or of its Ray worker pods') that a local pod ignores."""
     found: list[str] = []
-    for pod in [compute.pod_compute(i) for i in range(min(workers, 2))]:  # the head, a worker
-        image = pod.image
+    for one in [pod.for_ordinal(i) for i in range(min(workers, 2))]:  # the head, a worker
+        image = one.image
         if image is not None and (image.image_id != DEFAULT_IMAGE
                                   or any(kind != "env" for kind, _ in image.steps)):
             found.append("image")
-        found += [name for name in KUBE_ONLY if getattr(pod, name) not in (None, "", {}, (), False)]
+        found += [name for name in KUBE_ONLY if _setting(one, name) not in (None, "", {}, (), False)]
     return sorted(set(found), key=found.index)
 
 

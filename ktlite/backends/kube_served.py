@@ -21,8 +21,9 @@ from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, PodEndpoint
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
-from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
+from ktlite.spec import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
     from ktlite.backends.kubernetes import KubernetesBackend as _Base
@@ -273,7 +274,7 @@ class ServedDeployments(_Base):
         (waited for ``SETTLE_S`` more); fails early with the reason a replica cannot start and
         after ``launch_timeout`` with the last reason seen. A Knative Service that keeps no
         replica (``initial_scale=0``) counts once Knative reports it Ready."""
-        timeout = spec.compute.launch_timeout
+        timeout = spec.pod.calls.launch_timeout
         start = self._clock()
         deadline, settle_until = start + timeout, None
         last_line, last_reason = "", "no replica was created yet"

@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ktlite.backends import kube_manifests as km
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.secrets import Resolved
-from ktlite.spec import DeploymentSpec
 
 MODE_LABEL = "ktlite.dev/mode"
 SERVE = "serve"
@@ -111,10 +111,10 @@ def notes(spec: DeploymentSpec, caps: Capabilities) -> list[str]:
                    f"has none, so the HorizontalPodAutoscaler scales on CPU instead, at {DEFAULT_UTILIZATION}% "
                    "of the requested CPU (docs/kubernetes.md, 'Serving (autoscale)')")
         on_cpu = True
-    if on_cpu and spec.compute.cpus is None:
+    if on_cpu and spec.pod.resources.cpus is None:
         out.append("the HorizontalPodAutoscaler scales on CPU utilization, which needs a CPU request: set "
                    "Compute(cpus=...); without one it reports FailedGetResourceMetric and never scales")
-    if metric == "memory" and spec.compute.memory is None:
+    if metric == "memory" and spec.pod.resources.memory is None:
         out.append("metric='memory' scales on memory utilization, which needs a memory request: set "
                    "Compute(memory=...)")
     return out
@@ -229,14 +229,14 @@ def deployment(spec: DeploymentSpec, meta: dict[str, Any], template: dict[str, A
     selector = {km.NAME_LABEL: spec.name, MODE_LABEL: SERVE}
     obj = {"apiVersion": "apps/v1", "kind": "Deployment",
            "metadata": {**copy.deepcopy(meta),
-                        "labels": {**km.queue_label(spec.compute), **meta["labels"]}},
+                        "labels": {**km.queue_label(spec.pod), **meta["labels"]}},
            "spec": {"replicas": initial_replicas(spec), "selector": {"matchLabels": selector},
                     # a new replica comes up before an old one goes: serving never stops
                     "strategy": {"type": "RollingUpdate",
                                  "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}},
                     "template": copy.deepcopy(template)}}
-    if spec.compute.service_template:
-        obj = _with_template(obj, spec.compute.service_template)
+    if spec.pod.kubernetes.service_template:
+        obj = _with_template(obj, spec.pod.kubernetes.service_template)
     return obj
 
 
@@ -302,6 +302,6 @@ def knative_service(spec: DeploymentSpec, meta: dict[str, Any], template: dict[s
     template["spec"] = {"containerConcurrency": spec.concurrency, **template["spec"]}
     obj = {"apiVersion": "serving.knative.dev/v1", "kind": "Service", "metadata": copy.deepcopy(meta),
            "spec": {"template": _hashed(template)}}
-    if spec.compute.service_template:
-        obj = _with_template(obj, spec.compute.service_template)
+    if spec.pod.kubernetes.service_template:
+        obj = _with_template(obj, spec.pod.kubernetes.service_template)
     return obj

@@ -27,6 +27,7 @@ from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
 from ktlite.backends.kube_served import ServedDeployments
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (
     ConfigError,
     DeployError,
@@ -38,7 +39,7 @@ from ktlite.errors import (
     StartupError,
 )
 from ktlite.secrets import Resolved
-from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
+from ktlite.spec import DEFAULT_MASTER_PORT
 
 POLL_S = 1.0
 
@@ -139,15 +140,16 @@ class KubernetesBackend(ServedDeployments, Backend):
     @staticmethod
     def _with_settings(spec: DeploymentSpec) -> DeploymentSpec:
         """``spec`` with ``ktlite config``'s image pull policy where the Compute names none."""
-        compute = spec.compute
-        if compute.image_pull_policy is None and config.get("image_pull_policy"):
+        kube = spec.pod.kubernetes
+        if kube.image_pull_policy is None and config.get("image_pull_policy"):
             from dataclasses import replace
-            spec = replace(spec, compute=replace(compute, image_pull_policy=config.get("image_pull_policy")))
+            kube = replace(kube, image_pull_policy=config.get("image_pull_policy"))
+            spec = replace(spec, pod=replace(spec.pod, kubernetes=kube))
         return spec
 
     @staticmethod
     def _image(spec: DeploymentSpec) -> str:
-        return spec.compute.image.image_id if spec.compute.image is not None else default_image()
+        return spec.pod.image.image_id if spec.pod.image is not None else default_image()
 
     @staticmethod
     def _install() -> str:
@@ -400,7 +402,7 @@ class KubernetesBackend(ServedDeployments, Backend):
         for the kubelet's readiness probe (and then for the next poll) would round every
         cold start up by a second or two. Polls start fast and slow down as the wait goes on."""
         n = spec.workers
-        timeout = spec.compute.launch_timeout
+        timeout = spec.pod.calls.launch_timeout
         start = self._clock()
         deadline = start + timeout
         last_line, last_reason = "", "no pod was created yet"

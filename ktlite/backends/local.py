@@ -39,9 +39,9 @@ from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
 from ktlite.backends.local_cgroups import memory_cgroup, remove_cgroup
 from ktlite.backends.local_volumes import LocalVolume
-from ktlite.compute import parse_memory
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, NotDeployedError, StartupError
-from ktlite.spec import DeploymentSpec, port_free
+from ktlite.spec import port_free
 
 
 def _home() -> Path:
@@ -173,7 +173,7 @@ class LocalBackend(Backend):
                "--procs", str(spec.distributed.procs(ordinal)), "--ready-file", str(ready)]
         if not spec.detached:
             cmd += ["--parent-pid", str(os.getpid())]
-        ttl = spec.compute.inactivity_seconds
+        ttl = spec.pod.calls.inactivity_seconds
         if ttl is not None:
             cmd += ["--inactivity-ttl", f"{ttl:g}"]
         if mounted:  # the same process, in a mount namespace of its own: see ktlite_server.mountns
@@ -183,12 +183,12 @@ class LocalBackend(Backend):
 
     def _volumes(self, spec: DeploymentSpec) -> tuple[list[LocalVolume], bool]:
         """The deployment's volumes, and whether its pods get them at their mount paths."""
-        volumes = local_volumes.local_volumes(spec.compute)
+        volumes = local_volumes.local_volumes(spec.pod)
         return volumes, bool(volumes) and local_volumes.mounts_available()[0]
 
     def _warn_unused(self, spec: DeploymentSpec, volumes: list[LocalVolume], mounted: bool) -> None:
         """One warning per deployment (and process) naming what does nothing locally."""
-        fields = unused_fields(spec.compute, spec.workers)
+        fields = unused_fields(spec.pod, spec.workers)
         notes = []
         if volumes and not mounted:
             fields.append("volumes")
@@ -206,21 +206,21 @@ class LocalBackend(Backend):
     def _env(self, spec: DeploymentSpec, ordinal: int, volumes: list[LocalVolume] | None = None,
              mounted: bool = False, secret_env: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
-        image = spec.compute.image
+        image = spec.pod.image
         if image is not None:
             env.update(image.env)
-        env.update(spec.compute.env)
+        env.update(spec.pod.env)
         env.update(secret_env or {})
-        first = sum(spec.compute.pod_gpus(i) for i in range(ordinal))
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[first:first + spec.compute.pod_gpus(ordinal)])
+        first = sum(spec.pod.pod_gpus(i) for i in range(ordinal))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[first:first + spec.pod.pod_gpus(ordinal)])
         env["KTLITE_POD_ORDINAL"] = "0" if spec.autoscale is not None else str(ordinal)
         if spec.autoscale is not None:  # a replica started later loads the current code at boot
             env["KTLITE_LAUNCH_FILE"] = str(self._dir(spec.name) / "launch.pkl")
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
         env["KTLITE_STORE_HOME"] = str(config.home())  # kt.put/get in the ranks: the caller's store
-        if spec.compute.namespace:
-            env["KTLITE_STORE_NAMESPACE"] = spec.compute.namespace
+        if spec.pod.kubernetes.namespace:
+            env["KTLITE_STORE_NAMESPACE"] = spec.pod.kubernetes.namespace
         env["PYTHONUNBUFFERED"] = "1"
         for vol in reversed(volumes or []):  # the first mount of a volume wins
             env[vol.env_name] = vol.mount_path if mounted else str(vol.source)
@@ -228,7 +228,7 @@ class LocalBackend(Backend):
 
     def _secrets(self, spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
         """The Compute's secrets, read; there are no Kubernetes Secrets to reuse here."""
-        return kt_secrets.for_compute(spec.compute, self.name)
+        return kt_secrets.for_pod(spec.pod.secrets, spec.pod.merged_env, self.name)
 
     def _secret_env(self, spec: DeploymentSpec, resolved: list[kt_secrets.Resolved]) -> dict[str, str]:
         """Write the file secrets into the deployment's own dir; the env vars ranks get."""
@@ -249,7 +249,7 @@ class LocalBackend(Backend):
                         f"starts and stops replicas like these; each loads {self._dir(spec.name) / 'launch.pkl'} "
                         "(KTLITE_LAUNCH_FILE) at boot")
         for i in range(spec.workers):
-            keys = sorted([*spec.compute.env, *(k for r in resolved for k in r.env)])
+            keys = sorted([*spec.pod.env, *(k for r in resolved for k in r.env)])
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
             cmds.append(f"cd {shlex.quote(str(self._dir(spec.name)))} && echo <token> | KTLITE_WORKDIR="
@@ -258,11 +258,11 @@ class LocalBackend(Backend):
         return Plan(backend=self.name, name=spec.name, commands=cmds)
 
     def _check_gpus(self, spec: DeploymentSpec) -> None:
-        per_pod = [spec.compute.pod_gpus(i) for i in range(spec.workers)]
+        per_pod = [spec.pod.pod_gpus(i) for i in range(spec.workers)]
         want = sum(per_pod)
         have = len(visible_gpus())
         if want > have:
-            shape = (f"gpus={spec.compute.gpus} × workers={spec.workers}" if len(set(per_pod)) == 1
+            shape = (f"gpus={spec.pod.resources.gpus} × workers={spec.workers}" if len(set(per_pod)) == 1
                      else f"pods of {per_pod} GPUs (one per rank)")
             raise ConfigError(f"{shape} needs {want} GPU(s), "
                               f"but this machine has {have}; lower gpus/workers, or use "
@@ -320,7 +320,7 @@ class LocalBackend(Backend):
             span = spec.distributed.port_span
             kept = (state or {}).get("master_port") if (state or {}).get("port_span", 0) >= span else None
             master_port = spec.distributed.port or kept or _master_port(self._ports_in_use(spec.name), span)
-            deadline = time.monotonic() + spec.compute.launch_timeout  # one deadline for all pods
+            deadline = time.monotonic() + spec.pod.calls.launch_timeout  # one deadline for all pods
             try:
                 for i, proc, ready, log, cgroup in starting:
                     ready_names = ", ".join(p["name"] for p in pods) or "none"
@@ -355,12 +355,12 @@ class LocalBackend(Backend):
 
     def _limit_memory(self, spec: DeploymentSpec, ordinal: int, proc: subprocess.Popen[bytes]) -> str | None:
         """Put the pod (and the rank processes it will start) under ``memory_limit``."""
-        limit = spec.compute.memory_limit
+        limit = spec.pod.resources.memory_limit
         if limit is None:
             return None
-        group = memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", parse_memory(limit, "memory_limit"))
+        group = memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", limit.bytes)
         if group is None:
-            print(f"ktlite: memory_limit={limit!r} is not enforced for local pod {spec.name}-{ordinal}: "
+            print(f"ktlite: memory_limit={limit.quantity!r} is not enforced for local pod {spec.name}-{ordinal}: "
                   "this machine does not let ktlite create memory cgroups", file=sys.stderr)
             return None
         try:
@@ -372,7 +372,7 @@ class LocalBackend(Backend):
 
     def _wait_ready(self, spec: DeploymentSpec, ordinal: int, proc: subprocess.Popen[bytes],
                     ready: Path, log: Path, deadline: float, progress: str) -> int:
-        timeout = spec.compute.launch_timeout
+        timeout = spec.pod.calls.launch_timeout
         while time.monotonic() < deadline:
             code = proc.poll()
             if code is not None:

@@ -25,8 +25,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ktlite.compute import Compute, Volume
 from ktlite.errors import ConfigError
+from ktlite.podspec import PodSpec
+from ktlite.volume import Volume
 
 _NO_MOUNTS_UNDER = ("/proc", "/sys", "/dev")  # kernel trees: ktlite never lays a tmpfs over them
 _probed: tuple[bool, str] | None = None
@@ -58,11 +59,11 @@ class LocalVolume:
         return "KTLITE_VOLUME_" + self.name.upper().replace("-", "_")
 
 
-def local_volumes(compute: Compute) -> list[LocalVolume]:
+def local_volumes(pod: PodSpec) -> list[LocalVolume]:
     """The Compute's volumes; ConfigError for a mount path local pods cannot have."""
     out = []
     home = str(ktlite_home())
-    for vol in compute.volumes:
+    for vol in pod.volumes:
         if isinstance(vol, Volume):
             local = LocalVolume(vol.name, os.path.normpath(vol.mount_path), declared=True)
         else:

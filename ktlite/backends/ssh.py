@@ -41,9 +41,9 @@ from ktlite import secrets as kt_secrets
 from ktlite.backends import ssh_copy
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.local import pid_alive
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
-from ktlite.spec import DeploymentSpec
 from ktlite_server.sshlaunch import SERVER_PACKAGES
 
 CACHE = "~/.cache/ktlite"
@@ -200,7 +200,7 @@ class SshBackend(Backend):
 
     @staticmethod
     def _hosts(spec: DeploymentSpec) -> Hosts:
-        hosts = spec.compute.hosts
+        hosts = spec.pod.hosts
         if hosts is None:
             raise ConfigError("backend='ssh' needs the machines: Compute(hosts=['gpu1', 'gpu2', ...]), or "
                               "once for all: ktlite config set ssh.hosts gpu1,gpu2")
@@ -209,7 +209,7 @@ class SshBackend(Backend):
     def _server_args(self, spec: DeploymentSpec, ordinal: int) -> list[str]:
         args = ["--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
                 "--procs", str(spec.distributed.procs(ordinal))]
-        ttl = spec.compute.inactivity_seconds
+        ttl = spec.pod.calls.inactivity_seconds
         if ttl is not None:
             args += ["--inactivity-ttl", f"{ttl:g}"]
         return args
@@ -218,7 +218,7 @@ class SshBackend(Backend):
         """The Compute's secrets, read, before anything connects. Env vars and files travel in
         the launch message on the channel's stdin (never argv); files land in the pod's run
         dir (``secrets/``, 0700; files 0600), removed with it."""
-        return kt_secrets.for_compute(spec.compute, self.name)
+        return kt_secrets.for_pod(spec.pod.secrets, spec.pod.merged_env, self.name)
 
     def plan(self, spec: DeploymentSpec) -> Plan:
         hosts = self._hosts(spec)
@@ -227,7 +227,7 @@ class SshBackend(Backend):
         lines = [f"# secret {r.key!r}: {r.placeholders()[f.key]} goes to <run dir>/secrets/{f.pod_path} (0600)"
                  + (f"; {f.pointer} names it" if f.pointer else "") for r in resolved for f in r.files]
         for i, h in enumerate(hosts.hosts):
-            keys = sorted([*spec.compute.env, *secret_env])
+            keys = sorted([*spec.pod.env, *secret_env])
             env = " ".join(f"{k}=..." for k in keys)
             lines.append(f"ssh {h.address}: python -m ktlite_server.sshlaunch  # token{', ' + env if env else ''} "
                          f"on stdin; then: python -m ktlite_server --host <its address> --port 0 "
@@ -241,7 +241,7 @@ class SshBackend(Backend):
             state = self._current(spec.name)
             if state is not None and state.get("token") != token:
                 raise DeployError(f"deployment {spec.name!r} exists with another token; tear it down first")
-            timeout = spec.compute.launch_timeout
+            timeout = spec.pod.calls.launch_timeout
             try:
                 state = self._loop.run(self._apply(spec, hosts, token, state, resolved), timeout + 30)
             except TimeoutError:
@@ -283,7 +283,7 @@ class SshBackend(Backend):
         keep = {i for i, p in old.items() if p.get("hash") == pod_hash and i < len(conns)
                 and await _answers(p["address"], p["port"], conns[i])}
         # pods whose host or shape changed stop; ordinals beyond the hosts too
-        await asyncio.gather(*(self._stop_pod(conns[i] if i < len(conns) else None, p, spec.compute.teardown_timeout)
+        await asyncio.gather(*(self._stop_pod(conns[i] if i < len(conns) else None, p, spec.pod.calls.teardown_timeout)
                                for i, p in old.items() if i not in keep))
         span = spec.distributed.port_span
         # a kept pod 0 keeps its MASTER_PORT; a new one picks a free span on its host
@@ -330,8 +330,8 @@ class SshBackend(Backend):
             if "deps" not in holds:
                 await ssh_copy.upload(c, deps, await asyncio.to_thread(self._deps_files))
             path = f"{src}:{deps}"
-        image = spec.compute.image
-        env = {**(image.env if image is not None else {}), **spec.compute.env, **secret_env,
+        image = spec.pod.image
+        env = {**spec.pod.merged_env, **secret_env,
                "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
                "PYTHONUNBUFFERED": "1", "KTLITE_WORKDIR": "~"}  # ranks run in the login's home
         steps = [[kind, list(arg) if kind == "pip_install" else arg]
@@ -339,7 +339,7 @@ class SshBackend(Backend):
         run_dir = f"{CACHE}/run/{spec.name}-{c.index}"
         msg = {"token": token, "env": env, "args": self._server_args(spec, c.index), "run_dir": run_dir,
                "cache_dir": CACHE, "steps": steps, "detached": spec.detached, "bind": c.address,
-               "pick_master_port": pick, "timeout": spec.compute.launch_timeout, "secret_files": secret_files,
+               "pick_master_port": pick, "timeout": spec.pod.calls.launch_timeout, "secret_files": secret_files,
                "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")}}
         path = path.replace("~", "$HOME")  # expanded after ':' by every shell, unlike '~'
         # started in ktlite's cache, not the home: a ~/ktlite folder there would shadow ktlite
@@ -350,11 +350,11 @@ class SshBackend(Backend):
         if spec.detached:
             proc.stdin.write_eof()
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), spec.compute.launch_timeout + 10)
+            line = await asyncio.wait_for(proc.stdout.readline(), spec.pod.calls.launch_timeout + 10)
         except asyncio.TimeoutError:
             proc.close()
             raise LaunchTimeout(f"{c.label}: the pod server did not start within "
-                                f"{spec.compute.launch_timeout:.0f}s") from None
+                                f"{spec.pod.calls.launch_timeout:.0f}s") from None
         if not line:
             err = (await proc.stderr.read()).strip()
             raise DeployError(f"{c.label}: starting the pod server failed: {err[-2000:] or 'no output'}")

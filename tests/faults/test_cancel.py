@@ -44,7 +44,7 @@ import faults_mod
 import ktlite as kt
 from ktlite.deploy import attach
 from ktlite.remote import RemoteFunction
-from ktlite.spec import DeploymentSpec
+from ktlite.deployment_spec import DeploymentSpec
 
 compute = kt.Compute(cpus=1, stream_logs=False).distribute("pytorch", workers=2, num_proc=2)
 remote = RemoteFunction(kt.fn(faults_mod.beat, name=name),

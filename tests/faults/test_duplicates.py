@@ -30,8 +30,8 @@ import ktlite as kt
 from ktlite import packaging, protocol, shm
 from ktlite.backends.local import LocalBackend
 from ktlite.deploy import attach
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.remote import RemoteFunction
-from ktlite.spec import DeploymentSpec
 
 NAME = "fx-dup"
 COMPUTE = kt.Compute(cpus=1, stream_logs=False).distribute("pytorch", workers=2, num_proc=1)

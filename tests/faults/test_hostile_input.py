@@ -41,7 +41,8 @@ from ktlite.backends.base import Applied, PodEndpoint
 from ktlite.backends.local import LocalBackend
 from ktlite.client import PodClient
 from ktlite.deploy import Deployment
-from ktlite.spec import DeploymentSpec, DistributedConfig
+from ktlite.deployment_spec import DeploymentSpec
+from ktlite.spec import DistributedConfig
 
 NAME = "hostile-srv"
 PV = str(protocol.PROTOCOL_VERSION)

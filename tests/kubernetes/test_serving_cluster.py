@@ -25,7 +25,8 @@ from conftest import NAME_LABEL
 import ktlite as kt
 from ktlite import protocol
 from ktlite.backends.base import get_backend
-from ktlite.spec import DeploymentSpec, DistributedConfig
+from ktlite.deployment_spec import DeploymentSpec
+from ktlite.spec import DistributedConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 
