@@ -6,10 +6,10 @@ Example:
     >>> results = remote(epochs=3)   # results[r] came from RANK r
 """
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from ktlite.version import __version__
 
 # Public names load on first use: rank processes import only ktlite.protocol, and must
 # not pay for the client (httpx) at every start.

@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from ktlite import __version__, config, run_cli
-from ktlite.backends.base import Backend, get_backend
+from ktlite.backends.base import Backend
+from ktlite.backends.registry import get_backend
 from ktlite.decorators import Decorated
 from ktlite.errors import ConfigError, KtliteError, NotDeployedError
 from ktlite.scripts import load_script

@@ -18,6 +18,7 @@ from typing import Any
 
 from ktlite import kubetorch_compute
 from ktlite.autoscaling import AutoscaleConfig, from_kwargs
+from ktlite.backends.registry import NAMES
 from ktlite.call_defaults import CALL_FIELDS, SERIALIZATIONS, CallDefaults
 from ktlite.errors import ConfigError
 from ktlite.hosts import Hosts, as_hosts
@@ -33,7 +34,7 @@ from ktlite.volume import DNS_LABEL, Volume
 __all__ = ["BACKENDS", "PULL_POLICIES", "SERIALIZATIONS", "WORKER_NODE_FIELDS", "Compute", "Volume",
            "parse_cpus", "parse_duration", "parse_memory"]
 
-BACKENDS = ("local", "kubernetes", "ssh")
+BACKENDS = NAMES
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # what Kubernetes accepts (and POSIX shells)
 _RESERVED_MOUNTS = ("/ktlite", "/dev/shm")  # ktlite's state dir and shared memory on a pod
 # what distribute("ray", worker_node_options={...}) may size differently on the worker pods

@@ -20,7 +20,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ktlite import engines, protocol, shm
-from ktlite.backends.base import Applied, Backend, get_backend
+from ktlite.backends.base import Applied, Backend
+from ktlite.backends.registry import get_backend
 from ktlite.client import CallReply, PodClient
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (

@@ -9,7 +9,8 @@ from dataclasses import fields, replace
 from typing import Any
 
 from ktlite import packaging, sharding
-from ktlite.backends.base import Backend, Plan, get_backend
+from ktlite.backends.base import Backend, Plan
+from ktlite.backends.registry import get_backend
 from ktlite.compute import SERIALIZATIONS, Compute
 from ktlite.deploy import CallOptions, Deployment, attach, deploy
 from ktlite.deployment_spec import DeploymentSpec

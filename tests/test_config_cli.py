@@ -19,9 +19,10 @@ import pytest
 
 import ktlite as kt
 from ktlite import cli, config
-from ktlite.backends.base import Plan, get_backend
+from ktlite.backends.base import Plan
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.backends.local import LocalBackend
+from ktlite.backends.registry import get_backend
 
 KEYS = sorted(config.KEYS)
 ENV_VARS = [env for env, _, _ in config.KEYS.values()]

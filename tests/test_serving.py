@@ -16,8 +16,8 @@ import pytest
 
 import ktlite as kt
 from ktlite.autoscaling import AutoscaleConfig, Scaler, from_kwargs, seconds
-from ktlite.backends.base import get_backend
 from ktlite.backends.local import pid_alive
+from ktlite.backends.registry import get_backend
 
 
 def _name(prefix: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ktlite as kt
-from ktlite.backends.base import get_backend
+from ktlite.backends.registry import get_backend
 from ktlite.backends.ssh import SshBackend
 from ktlite.compute import parse_duration
 from ktlite.deployment_spec import DeploymentSpec

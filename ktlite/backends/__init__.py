@@ -1,5 +1,6 @@
 """Backends: where pods run. ``local`` is embedded; ``kubernetes`` loads lazily."""
 
-from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, get_backend
+from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
+from ktlite.backends.registry import get_backend
 
 __all__ = ["Applied", "Backend", "Plan", "PodEndpoint", "get_backend"]

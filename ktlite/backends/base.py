@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ktlite import config
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError
 
@@ -99,8 +98,9 @@ class Backend(ABC):
     name: str = "base"
 
     @classmethod
-    def shared(cls) -> Any:
-        """This process's one instance of the backend (its connections and child processes)."""
+    def shared(cls, namespace: str | None = None, kubeconfig: str | None = None) -> Any:
+        """This process's one instance of the backend (its connections and child processes);
+        ``namespace`` and ``kubeconfig`` pick a cluster's, where the backend has any."""
         instance = cls.__dict__.get("_instance")
         if instance is None:
             instance = cls()
@@ -161,24 +161,3 @@ class Backend(ABC):
              tail: int | None = None) -> Iterator[str]:
         """Lines of the pods' logs (all pods, or pod ``ordinal``), prefixed with the pod."""
         raise NotImplementedError(f"{type(self).__name__} does not serve pod logs")
-
-
-def get_backend(name: str | None, namespace: str | None = None,
-                kubeconfig: str | None = None) -> Backend:
-    """The backend called ``name``; default: KTLITE_BACKEND, then ``ktlite config``'s
-    backend, else "local". ``namespace`` picks the Kubernetes namespace, ``kubeconfig``
-    the cluster (default: ``ktlite config``'s, else KUBECONFIG / ~/.kube/config)."""
-    chosen = name or config.get("backend") or "local"
-    if chosen == "local":
-        from ktlite.backends.local import LocalBackend
-        return LocalBackend.shared()
-    if chosen == "kubernetes":
-        from ktlite.backends.kubernetes import KubernetesBackend
-        return KubernetesBackend.shared(namespace, kubeconfig)
-    if chosen == "ssh":
-        try:
-            from ktlite.backends.ssh import SshBackend
-        except ImportError as e:
-            raise ConfigError(f"backend='ssh' needs asyncssh: pip install 'ktlite[ssh]' ({e})") from None
-        return SshBackend.shared()
-    raise ConfigError(f"backend={chosen!r} is not known; allowed: 'local', 'kubernetes', 'ssh'")

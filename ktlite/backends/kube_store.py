@@ -210,8 +210,8 @@ class KubeStore:
         its pod to answer; fails early with the reason it cannot start. A store this call
         created and that does not start is removed again (a claim from before, which may hold
         data, is kept), and the error names the command that removes what is left."""
-        from ktlite import config
         from ktlite.backends.kubernetes import default_image, install_spec
+        from ktlite.config import get as setting
 
         api = self.api
         timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
@@ -228,7 +228,7 @@ class KubeStore:
             token=token,
             size=size or os.environ.get("KTLITE_STORE_SIZE") or DEFAULT_SIZE,
             storage_class=storage_class or os.environ.get("KTLITE_STORE_STORAGE_CLASS") or None,
-            pull_policy=config.get("image_pull_policy"),
+            pull_policy=setting("image_pull_policy"),
         )
         missing = [o for o in objects if api.get(o["kind"], o["metadata"]["name"]) is None]
         created: list[str] = []  # the kinds this call made (each named NAME, SECRET or CLAIM)
@@ -280,10 +280,10 @@ class KubeStore:
         new store is removed again (a claim from before, which may hold data, stays; nothing
         is removed with the keep_failed setting); ``error`` says what is left and the command
         that removes it."""
-        from ktlite import config
+        from ktlite.config import get as setting
 
         command = f"ktlite store teardown --backend kubernetes -n {api.namespace}"
-        keep = (config.get("keep_failed") or "").lower() == "true"
+        keep = (setting("keep_failed") or "").lower() == "true"
         new_store = "StatefulSet" in missing
         if new_store and not created:  # it failed before making anything
             return

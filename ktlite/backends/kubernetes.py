@@ -19,14 +19,13 @@ from typing import Any, TextIO
 
 import httpx
 
-import ktlite
-from ktlite import config
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
 from ktlite.backends.kube_served import ServedDeployments
+from ktlite.config import get as setting
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (
     ConfigError,
@@ -40,16 +39,17 @@ from ktlite.errors import (
 )
 from ktlite.secrets import Resolved
 from ktlite.spec import DEFAULT_MASTER_PORT
+from ktlite.version import __version__
 
 POLL_S = 1.0
 
 
 def default_image() -> str:
-    return config.get("image") or f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+    return setting("image") or f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
 
 
 def install_spec() -> str:
-    return config.get("install") or f"ktlite=={ktlite.__version__}"
+    return setting("install") or f"ktlite=={__version__}"
 
 
 def _url(ip: str, port: int) -> str:
@@ -114,7 +114,7 @@ class KubernetesBackend(ServedDeployments, Backend):
 
     def _connect(self) -> tuple[httpx.Client, ClusterInfo]:
         if self._http is None or self._info is None:
-            key = (self._kubeconfig or config.get("kubeconfig"), config.get("context"))
+            key = (self._kubeconfig or setting("kubeconfig"), setting("context"))
             with self._lock:
                 if key not in self._clients:
                     self._clients[key] = load(*key)
@@ -126,7 +126,7 @@ class KubernetesBackend(ServedDeployments, Backend):
         """The Compute's namespace, else ``ktlite config``'s, else the kubeconfig context's
         (resolved once per backend object)."""
         if not self._namespace:
-            self._namespace = config.get("namespace") or self._connect()[1].namespace
+            self._namespace = setting("namespace") or self._connect()[1].namespace
         return self._namespace
 
     def _api(self) -> KubeApi:
@@ -141,9 +141,9 @@ class KubernetesBackend(ServedDeployments, Backend):
     def _with_settings(spec: DeploymentSpec) -> DeploymentSpec:
         """``spec`` with ``ktlite config``'s image pull policy where the Compute names none."""
         kube = spec.pod.kubernetes
-        if kube.image_pull_policy is None and config.get("image_pull_policy"):
+        if kube.image_pull_policy is None and setting("image_pull_policy"):
             from dataclasses import replace
-            kube = replace(kube, image_pull_policy=config.get("image_pull_policy"))
+            kube = replace(kube, image_pull_policy=setting("image_pull_policy"))
             spec = replace(spec, pod=replace(spec.pod, kubernetes=kube))
         return spec
 
@@ -165,7 +165,7 @@ class KubernetesBackend(ServedDeployments, Backend):
         the Compute, ``ktlite config``, or "default"). A served deployment's plan is the form
         this backend has seen the cluster allow, else the HPA form without a metrics adapter;
         what that form changes is said in comment lines."""
-        namespace = self._namespace or config.get("namespace") or "default"
+        namespace = self._namespace or setting("namespace") or "default"
         if spec.autoscale is not None:
             caps = self._known_capabilities()
             return Plan(backend=self.name, name=spec.name,
@@ -232,7 +232,7 @@ class KubernetesBackend(ServedDeployments, Backend):
                 with contextlib.suppress(Exception):
                     self._remove(api, name, created)
             return error
-        keep = (config.get("keep_failed") or "").lower() == "true"
+        keep = (setting("keep_failed") or "").lower() == "true"
         if created and not keep:
             try:
                 self._remove(api, name, created)

@@ -32,13 +32,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ktlite import config
-from ktlite import secrets as kt_secrets
+import ktlite.secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
 from ktlite.backends.local_cgroups import memory_cgroup, remove_cgroup
 from ktlite.backends.local_volumes import LocalVolume
+from ktlite.config import home as store_home
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, NotDeployedError, StartupError
 from ktlite.spec import port_free
@@ -218,7 +218,7 @@ class LocalBackend(Backend):
             env["KTLITE_LAUNCH_FILE"] = str(self._dir(spec.name) / "launch.pkl")
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
-        env["KTLITE_STORE_HOME"] = str(config.home())  # kt.put/get in the ranks: the caller's store
+        env["KTLITE_STORE_HOME"] = str(store_home())  # kt.put/get in the ranks: the caller's store
         if spec.pod.kubernetes.namespace:
             env["KTLITE_STORE_NAMESPACE"] = spec.pod.kubernetes.namespace
         env["PYTHONUNBUFFERED"] = "1"

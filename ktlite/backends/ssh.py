@@ -37,14 +37,14 @@ from typing import Any
 
 import asyncssh
 
-from ktlite import secrets as kt_secrets
+import ktlite.secrets as kt_secrets
 from ktlite.backends import ssh_copy
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.local import pid_alive
+from ktlite.backends.server_source import server_packages
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
-from ktlite_server.sshlaunch import SERVER_PACKAGES
 
 CACHE = "~/.cache/ktlite"
 CONNECT_TIMEOUT_S = 15.0
@@ -389,7 +389,7 @@ class SshBackend(Backend):
                 "    try: return p in pins and m.version(p) != pins[p]\n"
                 "    except m.PackageNotFoundError: return True\n"
                 "print('KTLITE_ENV', sys.implementation.cache_tag, platform.machine(), "
-                f"*[p for p in {SERVER_PACKAGES!r} if bad(p)])\n")
+                f"*[p for p in {server_packages()!r} if bad(p)])\n")
         probe = " || ".join(f"(command -v {shlex.quote(p)} >/dev/null 2>&1 && {shlex.quote(p)} -c "
                             f"{shlex.quote(code)})" for p in candidates)
         tests = "; ".join(f"{test} && echo KTLITE_OK_{name}" for name, test in checks.items())

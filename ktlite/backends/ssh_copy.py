@@ -25,8 +25,8 @@ from typing import Any
 
 import asyncssh
 
+from ktlite.backends.server_source import client_root, server_packages, server_root
 from ktlite.errors import DeployError
-from ktlite_server.sshlaunch import SERVER_PACKAGES
 
 COPY_TIMEOUT_S = 300.0
 
@@ -78,12 +78,8 @@ async def upload(c: Any, target: str, bundle: bytes, timeout: float = COPY_TIMEO
 def source_bundle() -> tuple[str, bytes]:
     """ktlite's own source (client and server packages) as a tar.gz, and its content hash:
     the hosts run exactly this client's code."""
-    import ktlite
-    import ktlite_server
-
     files: list[tuple[str, Path]] = []
-    for pkg in (ktlite, ktlite_server):
-        root = Path(pkg.__file__).parent
+    for root in (client_root(), server_root()):
         for path in sorted(root.rglob("*.py")):
             if "__pycache__" not in path.parts:
                 files.append((f"{root.name}/{path.relative_to(root)}", path))
@@ -132,7 +128,7 @@ def _closure(names: tuple[str, ...]) -> list[Any]:
 def deps_key() -> str:
     """Which server dependencies this client would ship: their versions, this Python's
     cache tag and the machine (compiled ones, such as pydantic-core, fit only those)."""
-    dists = _closure(SERVER_PACKAGES)
+    dists = _closure(server_packages())
     ident = [f"{d.metadata['Name']}=={d.version}" for d in dists]
     ident += [sys.implementation.cache_tag, platform.machine()]
     return hashlib.sha256("\n".join(ident).encode()).hexdigest()[:16]
@@ -143,7 +139,7 @@ def deps_bundle() -> bytes:
     ``PYTHONPATH`` (with their metadata: versions are checked there)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for dist in _closure(SERVER_PACKAGES):
+        for dist in _closure(server_packages()):
             for rel in dist.files or []:
                 if rel.parts[0] == ".." or "__pycache__" in rel.parts or rel.suffix == ".pyc":
                     continue

@@ -24,7 +24,7 @@ from conftest import NAME_LABEL
 
 import ktlite as kt
 from ktlite import protocol
-from ktlite.backends.base import get_backend
+from ktlite.backends.registry import get_backend
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.spec import DistributedConfig
 
