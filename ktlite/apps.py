@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite.archive import check_members, extract
+from ktlite.backends.registry import traits
 from ktlite.compute import Compute
 from ktlite.errors import ConfigError, ReplicaFailed
 from ktlite.spec import check_name, default_name
@@ -216,7 +217,7 @@ class App:
             self.deploy()
         dep = self._remote.deployment
         # the local backend's replicas run in this very folder; elsewhere its files travel
-        files = None if dep.backend.name == "local" else pack(self.workdir)
+        files = None if traits(dep.backend.name).local_files else pack(self.workdir)
         options = _options({"timeout": timeout})
         parts = packaging.encode_call(None, (self.command, files, str(self.workdir), self.rendezvous_timeout,
                                              dict(env or {})), {})

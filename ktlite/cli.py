@@ -59,8 +59,7 @@ def _deploy(args: argparse.Namespace) -> int:
                 continue
             dep = remote.deployment
             d = dep.spec.distributed
-            where = dep.backend.name + (f" (namespace {dep.backend.namespace})"
-                                        if dep.backend.name == "kubernetes" else "")
+            where = dep.backend.where()
             print(f"{m.name}: deployed on {where}: {len(dep.endpoints)} pod(s), "
                   f"{d.world_size}/{d.world_size} ranks ready")
     return 1 if failed else 0

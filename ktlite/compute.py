@@ -18,7 +18,7 @@ from typing import Any
 
 from ktlite import kubetorch_compute
 from ktlite.autoscaling import AutoscaleConfig, from_kwargs
-from ktlite.backends.registry import NAMES
+from ktlite.backends.registry import HOSTS_BACKEND, NAMES, traits
 from ktlite.call_defaults import CALL_FIELDS, SERIALIZATIONS, CallDefaults
 from ktlite.errors import ConfigError
 from ktlite.hosts import Hosts, as_hosts
@@ -263,7 +263,7 @@ class Compute:
         N load-balanced replicas, i.e. ``autoscale(min_scale=N, max_scale=N)`` (a
         ``.distribute()`` may still come, so this is decided at ``.to()``)."""
         if self.replicas is not None and self.distributed is None and self.autoscaling is None:
-            if self.hosts is not None or self.backend == "ssh":
+            if self.hosts is not None or not traits(self.backend).serves:
                 raise ConfigError(f"Compute(replicas={self.replicas}) asks for load-balanced replicas, which the "
                                   "ssh backend does not run; use .distribute('spmd', workers=N)")
             return replace(self, replicas=None, autoscaling=AutoscaleConfig(
@@ -324,7 +324,7 @@ class Compute:
     def _check_hosts(self) -> None:
         """``hosts`` means the ssh backend, one pod per host, each host's ranks its own."""
         hosts = as_hosts(self.hosts)
-        if hosts is None and self.backend == "ssh":  # `ktlite config set ssh.hosts gpu1,gpu2`
+        if hosts is None and traits(self.backend).hosts:  # `ktlite config set ssh.hosts gpu1,gpu2`
             from ktlite import config
 
             listed = [h.strip() for h in (config.get("ssh.hosts") or "").split(",") if h.strip()]
@@ -333,8 +333,8 @@ class Compute:
         if hosts is None:
             return
         if self.backend is None:
-            object.__setattr__(self, "backend", "ssh")
-        elif self.backend != "ssh":
+            object.__setattr__(self, "backend", HOSTS_BACKEND)
+        elif not traits(self.backend).hosts:
             raise ConfigError(f"hosts= names the machines of backend='ssh', not backend={self.backend!r}; "
                               "leave backend out (or 'ssh') to run on those hosts")
         d = self.distributed

@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 
 from ktlite import engines, protocol, shm
 from ktlite.backends.base import Applied, Backend
-from ktlite.backends.registry import get_backend
+from ktlite.backends.capabilities import ClientScaling, optional
+from ktlite.backends.registry import get_backend, traits
 from ktlite.client import CallReply, PodClient
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (
@@ -587,13 +588,14 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
         dep.push(bundle, sources, init, restart)
     except BaseException as e:
         dep.close()
-        if isinstance(e, Exception) and (backend.name != "local" or spec.detached):
+        if isinstance(e, Exception) and (traits(backend.name).pods_outlive_caller or spec.detached):
             # the pods are fine, the code is not: they stay warm for the next .to()
             e.add_note(f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
                        f"`ktlite teardown {spec.name}` removes them")
         raise
-    if spec.autoscale is not None and spec.detached and hasattr(backend, "supervise"):
-        backend.supervise(spec.name)  # scales it once this process is gone
+    scaling = optional(backend, ClientScaling)
+    if spec.autoscale is not None and spec.detached and scaling is not None:
+        scaling.supervise(spec.name)  # scales it once this process is gone
     return dep
 
 

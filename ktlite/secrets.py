@@ -287,13 +287,13 @@ def resolve(secrets: tuple[Secret, ...], env: dict[str, str] | None = None,
 
 
 def for_pod(secrets: tuple[Secret, ...], env: dict[str, str], backend: str,
-            namespace: str | None = None) -> list[Resolved]:
+            namespace: str | None = None, *, existing: bool = False) -> list[Resolved]:
     """A pod spec's ``secrets`` read for ``backend``, checked against its ``env`` (the image's
     and the user's) and the names ktlite sets: what every backend calls before it makes
-    anything. Only the kubernetes backend has existing Secrets to reuse, in the pods' own
-    ``namespace``."""
+    anything. Only a backend with ``existing`` Secrets (kubernetes) reuses them, in the pods'
+    own ``namespace``."""
     for s in secrets:
-        if s.existing and backend != "kubernetes":
+        if s.existing and not existing:
             raise ConfigError(f"secrets names {s.key!r}, which is no provider preset; as a Kubernetes Secret's "
                               f"name it has no meaning on backend {backend!r}. Use a preset ({', '.join(PROVIDERS)}), "
                               f"or kt.secret(name={s.key!r}, env_vars=[...]) with values from this environment")

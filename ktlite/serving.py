@@ -36,6 +36,7 @@ from typing import Any
 from ktlite import autoscalers, protocol
 from ktlite.autoscaling import Decision, Scaler
 from ktlite.backends.base import Applied, Backend, PodEndpoint
+from ktlite.backends.capabilities import ClientScaling, Serving, Waking, optional, require
 from ktlite.deploy import Deployment, _pool, _split, _to_error, print_log, shm_arguments
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (
@@ -97,7 +98,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
         self._load = _Load()
         self._launch: bytes | None = None
         self._scaler = Scaler(self.spec.autoscale, max_default=os.cpu_count() or 1)
-        self._who = self.backend.autoscaler(self.spec)
+        self._who = require(self.backend, Serving).autoscaler(self.spec)
         self._decision: Decision | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -135,7 +136,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
             msg["store"] = store
         launch = protocol.dumps(msg)
         with self._pushing:
-            self.backend.write_launch(self.name, launch)
+            require(self.backend, Serving).write_launch(self.name, launch)
             self._launch = launch
             with self._cond:  # old replicas take no calls until they report the new launch
                 for r in self._replicas.values():
@@ -265,13 +266,13 @@ class ServingDeployment(AutoscalerReport, Deployment):
         background (it answers once the replica does). Holds the lock."""
         if self._waking is not None and self._waking.is_alive():
             return
-        wake = getattr(self.backend, "wake", None)
-        if wake is None:
+        waking = optional(self.backend, Waking)
+        if waking is None:
             return
 
         def run() -> None:
             with contextlib.suppress(Exception):  # a failed wake leaves the call to its timeout
-                wake(self.name, self.spec.compute.launch_timeout)
+                waking.wake(self.name, self.spec.compute.launch_timeout)
             self._urgent = True
             self._wake.set()
         self._waking = threading.Thread(target=run, name=f"ktlite-wake-{self.name}", daemon=True)
@@ -392,8 +393,8 @@ class ServingDeployment(AutoscalerReport, Deployment):
         metric = self.spec.autoscale.metric_name
         # what takes I/O is read before the lock that calls take
         usage = self._usage(metric) if metric in ("cpu", "memory") else 0.0
-        others = getattr(self.backend, "waiting_elsewhere", None)
-        elsewhere = others(self.name) if others is not None else 0
+        others = optional(self.backend, ClientScaling)
+        elsewhere = others.waiting_elsewhere(self.name) if others is not None else 0
         with self._cond:
             current = len([r for r in self._replicas.values() if not r.draining])
             load = usage if metric in ("cpu", "memory") else self._measure(now, elsewhere)
@@ -419,16 +420,16 @@ class ServingDeployment(AutoscalerReport, Deployment):
         calls waiting in them, which the one that scales counts as load."""
         if self._leading:
             return True
-        lead = getattr(self.backend, "lead_scaling", None)
-        if lead is None:
+        scaling = optional(self.backend, ClientScaling)
+        if scaling is None:
             self._leading = True
             return True
-        self._leading = bool(lead(self.name))
+        self._leading = scaling.lead_scaling(self.name)
         if not self._leading:
             with self._cond:
                 waiting = self._waiting
             if waiting != self._published:
-                self.backend.publish_waiting(self.name, waiting)  # type: ignore[attr-defined]
+                scaling.publish_waiting(self.name, waiting)
                 self._published = waiting
         return self._leading
 
@@ -551,7 +552,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
         if count <= running:
             return
         started = time.monotonic()
-        applied = self.backend.scale(self.name, self.applied.token, count)
+        applied = require(self.backend, ClientScaling).scale(self.name, self.applied.token, count)
         self.applied = applied
         self._refresh()
         if os.environ.get("KTLITE_SERVING_DEBUG"):
@@ -573,7 +574,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
             live = sorted(r.ep.ordinal for r in self._replicas.values() if not r.draining)
             if not live or live[-1] + 1 == len(live) or any(r.draining for r in self._replicas.values()):
                 return
-        self.applied = self.backend.scale(self.name, self.applied.token, live[-1] + 1)
+        self.applied = require(self.backend, ClientScaling).scale(self.name, self.applied.token, live[-1] + 1)
         self._refresh()
 
     def _stop_drained(self) -> None:
@@ -585,7 +586,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
             # the backend stops the ordinals from ``keep`` up: only when those are the drained ones
             if any(r.ep.ordinal >= keep for r in self._replicas.values() if not r.draining):
                 return
-        applied = self.backend.scale(self.name, self.applied.token, keep)
+        applied = require(self.backend, ClientScaling).scale(self.name, self.applied.token, keep)
         self.applied = applied
         with self._cond:
             for r in draining:

@@ -13,6 +13,7 @@ import contextlib
 import time
 from typing import Any
 
+from ktlite.backends.capabilities import ClientScaling, optional
 from ktlite.errors import ConfigError, NotDeployedError
 
 
@@ -31,10 +32,10 @@ class AutoscalerReport:
 
     def _record(self) -> None:
         """Keep the last decision where `ktlite status` (another process) reads it."""
-        record = getattr(self.backend, "record_scaling", None)
-        if record is not None and self._decision is not None:
+        scaling = optional(self.backend, ClientScaling)
+        if scaling is not None and self._decision is not None:
             with contextlib.suppress(OSError):
-                record(self.name, self._autoscaler_info())
+                scaling.record_scaling(self.name, self._autoscaler_info())
 
     def _autoscaler_info(self) -> dict[str, Any]:
         a = self.spec.autoscale

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite import config, protocol
+from ktlite.backends.registry import NAMES, get_backend, traits
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite.progress import Progress
 from ktlite.storedir import CHUNK, StoreDir, check_key, missing, tar_stream
@@ -155,7 +156,7 @@ def rm(key: str, recursive: bool = False, *, namespace: str | None = None,
 
 def _backend_name(backend: str | None) -> str:
     chosen = backend or config.get("backend") or "local"
-    if chosen not in ("local", "kubernetes", "ssh"):
+    if chosen not in NAMES:
         raise ConfigError(f"backend={chosen!r} is not known; allowed: 'local', 'kubernetes'")
     return chosen
 
@@ -173,18 +174,18 @@ def local_root(namespace: str | None = None) -> Path:
 
 def _open(backend: str | None, namespace: str | None, create: bool, absent_ok: bool = False) -> Any:
     name = _backend_name(backend)
-    if name == "local":
+    kind = traits(name).store
+    if kind == "directory":
         root = local_root(namespace)
         return _Local(StoreDir(root, where=f"of namespace {_local_namespace(namespace)!r} ({root})"))
-    if name == "ssh":
-        raise DataStoreError("the data store is not available on the ssh backend; use backend='local' "
+    if kind is None:
+        raise DataStoreError(f"the data store is not available on the {name} backend; use backend='local' "
                              "or 'kubernetes'")
     if in_pod():
         return _Remote(pod_client(namespace))
     from ktlite.backends.kube_store import KubeStore
-    from ktlite.backends.kubernetes import KubernetesBackend
     from ktlite.store_client import StoreClient
-    kube = KubeStore(KubernetesBackend.shared(namespace))
+    kube = KubeStore(get_backend(name, namespace))
     address = kube.find()
     if address is None or not kube.answers(address):
         if create or kube.exists():  # to make, or made and not answering yet (being replaced)
@@ -206,7 +207,7 @@ def _timeout() -> float:
 
 def in_pod() -> bool:
     """Whether this process runs in a Kubernetes pod of a ktlite deployment (a rank)."""
-    return bool(os.environ.get("KTLITE_POD_IPS_FILE")) and os.environ.get("KTLITE_BACKEND") == "kubernetes"
+    return bool(os.environ.get("KTLITE_POD_IPS_FILE")) and traits(os.environ.get("KTLITE_BACKEND")).store == "pod"
 
 
 def address_file() -> Path:
@@ -243,10 +244,7 @@ def pod_client(namespace: str | None) -> Any:
 
 def handoff(backend: Any) -> dict[str, Any] | None:
     """What ``Deployment.push`` sends each pod about the store (Kubernetes only), or None."""
-    if getattr(backend, "name", "") != "kubernetes":
-        return None
-    from ktlite.backends.kube_store import handoff as kube_handoff
-    return kube_handoff(backend)
+    return backend.store_handoff()  # type: ignore[no-any-return]
 
 
 # ---- the two kinds of store ----------------------------------------------------------------

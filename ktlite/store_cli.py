@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ktlite import store
+from ktlite.backends.registry import get_backend, traits
 from ktlite.errors import ConfigError
 from ktlite.progress import _size
 
@@ -60,12 +61,12 @@ def _rm(args: argparse.Namespace) -> int:
 
 
 def _kube(args: argparse.Namespace) -> Any:
-    if store._backend_name(args.backend) != "kubernetes":
+    name = store._backend_name(args.backend)
+    if traits(name).store != "pod":
         return None
     from ktlite.backends.kube_store import KubeStore
-    from ktlite.backends.kubernetes import KubernetesBackend
 
-    return KubeStore(KubernetesBackend.shared(args.namespace))
+    return KubeStore(get_backend(name, args.namespace))
 
 
 def _confirmed(args: argparse.Namespace, what: str) -> bool:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from ktlite.deployment_spec import DeploymentSpec
-from ktlite.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -129,6 +128,8 @@ class Backend(ABC):
         """Deployments this backend can see."""
 
     # ---- autoscaled deployments (spec.autoscale is set; see ktlite.serving) ----------------
+    # A backend that runs them has the methods of ktlite.backends.capabilities.Serving (and
+    # ClientScaling where ktlite's own autoscaler scales them).
     # Their replicas are each a world of one pod (RANK 0, WORLD_SIZE 1), started with
     # KTLITE_POD_ORDINAL=0 and KTLITE_LAUNCH_FILE naming where write_launch() keeps the current
     # launch, so a replica the autoscaler starts later loads the code before it is ready
@@ -136,21 +137,14 @@ class Backend(ABC):
     # ordinal (local: the pod's own; Kubernetes: their order by name), without waiting for
     # the readiness the first launch gives.
 
-    def autoscaler(self, spec: DeploymentSpec) -> str:
-        """Who scales an autoscaled deployment: ``"client"`` (ktlite's autoscaler in the
-        caller asks ``apply`` for ``spec.replicas`` pods), or the cluster (``"hpa"``,
-        ``"knative"``), whose replicas ``lookup`` reports."""
-        raise ConfigError(f"backend {self.name!r} does not serve autoscaled deployments; use backend='local' "
-                          "or 'kubernetes'")
+    def where(self) -> str:
+        """Where its pods run, for people: the backend's name (Kubernetes: and the namespace)."""
+        return self.name
 
-    def scale(self, name: str, token: str, replicas: int) -> Applied:
-        """Where ``autoscaler`` is ``"client"``: run ``replicas`` replicas of ``name`` as it was
-        deployed (stopping the highest ordinals first)."""
-        raise ConfigError(f"backend {self.name!r} scales autoscaled deployments itself")
-
-    def write_launch(self, name: str, launch: bytes) -> None:
-        """Keep ``launch`` (the pickled deploy message) where replicas started later read it."""
-        raise ConfigError(f"backend {self.name!r} does not serve autoscaled deployments")
+    def store_handoff(self) -> dict[str, Any] | None:
+        """What each pod is told about the data store where the store is itself a pod the
+        deployment's pods reach (Kubernetes); None where ranks reach the caller's own store."""
+        return None
 
     def scaling_status(self, name: str) -> dict[str, Any] | None:
         """The cluster autoscaler's view (desired and current replicas, its last decision and

@@ -101,7 +101,7 @@ def user_secret_name(name: str, key: str) -> str:
 
 def resolve_secrets(spec: DeploymentSpec, namespace: str) -> list[Resolved]:
     """The pod spec's secrets, read (ConfigError when a preset finds nothing), in ``namespace``."""
-    return for_pod(spec.pod.secrets, spec.pod.merged_env, "kubernetes", namespace)
+    return for_pod(spec.pod.secrets, spec.pod.merged_env, "kubernetes", namespace, existing=True)
 
 
 def _secret_wiring(name: str, secrets: list[Resolved], token: str | None

@@ -112,6 +112,14 @@ class KubernetesBackend(ServedDeployments, Backend):
 
     _kubeconfig: str | None = None  # Compute(kubeconfig_path=...), else ktlite config's
 
+    def where(self) -> str:
+        return f"{self.name} (namespace {self.namespace})"
+
+    def store_handoff(self) -> dict[str, Any] | None:
+        from ktlite.backends.kube_store import handoff  # the store's objects load when asked for
+
+        return handoff(self)
+
     def _connect(self) -> tuple[httpx.Client, ClusterInfo]:
         if self._http is None or self._info is None:
             key = (self._kubeconfig or setting("kubeconfig"), setting("context"))
