@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite import config, protocol
-from ktlite.backends.registry import NAMES, get_backend, traits
+from ktlite.backends.registry import NAMES, backend_class, traits
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite.progress import Progress
 from ktlite.storedir import CHUNK, StoreDir, check_key, missing, tar_stream
@@ -185,7 +185,7 @@ def _open(backend: str | None, namespace: str | None, create: bool, absent_ok: b
         return _Remote(pod_client(namespace))
     from ktlite.backends.kube_store import KubeStore
     from ktlite.store_client import StoreClient
-    kube = KubeStore(get_backend(name, namespace))
+    kube = KubeStore(backend_class(name).shared(namespace))
     address = kube.find()
     if address is None or not kube.answers(address):
         if create or kube.exists():  # to make, or made and not answering yet (being replaced)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ktlite import store
-from ktlite.backends.registry import get_backend, traits
+from ktlite.backends.registry import backend_class, traits
 from ktlite.errors import ConfigError
 from ktlite.progress import _size
 
@@ -66,7 +66,7 @@ def _kube(args: argparse.Namespace) -> Any:
         return None
     from ktlite.backends.kube_store import KubeStore
 
-    return KubeStore(get_backend(name, args.namespace))
+    return KubeStore(backend_class(name).shared(args.namespace))
 
 
 def _confirmed(args: argparse.Namespace, what: str) -> bool:

@@ -24,7 +24,7 @@ import pytest
 import ktlite as kt
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_diagnose import diagnose
-from ktlite.backends.kubernetes import deploy_error
+from ktlite.backends.kube_pods import deploy_error
 from ktlite.deployment_spec import DeploymentSpec
 
 TAG = uuid.uuid4().hex[:6]

@@ -29,7 +29,7 @@ from helpers_mod import Scaler, double
 
 import ktlite as kt
 from ktlite.backends.local import LocalBackend
-from ktlite.backends.local import pid_alive as alive
+from ktlite.backends.processes import pid_alive as alive
 
 # ---- helpers (local side) -----------------------------------------------------------------
 

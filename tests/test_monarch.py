@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite.backends.local import pid_alive
+from ktlite.backends.processes import pid_alive
 from ktlite_server.engine import session_pids
 
 pytest.importorskip("monarch.actor")

@@ -16,7 +16,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.autoscaling import AutoscaleConfig, Scaler, from_kwargs, seconds
-from ktlite.backends.local import pid_alive
+from ktlite.backends.processes import pid_alive
 from ktlite.backends.registry import get_backend
 
 

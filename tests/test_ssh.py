@@ -18,7 +18,7 @@ import pytest
 from ssh_hosts import SshHosts, sshd_available
 
 import ktlite as kt
-from ktlite.backends.local import pid_alive
+from ktlite.backends.processes import pid_alive
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180),
               pytest.mark.skipif(not sshd_available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)")]

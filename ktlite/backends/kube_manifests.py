@@ -30,14 +30,17 @@ import copy
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ktlite.config import get as setting
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError
 from ktlite.podspec import PodSpec, Resources
 from ktlite.secrets import Resolved, fingerprint, for_pod
 from ktlite.spec import DEFAULT_MASTER_PORT
+from ktlite.version import __version__
 from ktlite.volume import Volume
 
 NAME_LABEL = "ktlite.dev/name"
@@ -461,3 +464,13 @@ def network_policy(name: str, meta: dict[str, Any]) -> dict[str, Any]:
             "spec": {"podSelector": {"matchLabels": {NAME_LABEL: name}}, "policyTypes": ["Ingress"],
                      "ingress": [{"ports": [{"protocol": "TCP", "port": SERVER_PORT}]},
                                  {"from": [{"podSelector": {"matchLabels": {NAME_LABEL: name}}}]}]}}
+
+
+def default_image() -> str:
+    """The pods' image where the Compute names none: ``ktlite config``'s, else this Python's slim one."""
+    return setting("image") or f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+
+
+def install_spec() -> str:
+    """What a pod without ktlite installs: ``ktlite config``'s install, else this version."""
+    return setting("install") or f"ktlite=={__version__}"

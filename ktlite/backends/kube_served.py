@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ktlite.backends import kube_manifests as km
+from ktlite.backends import kube_pods as kp
+from ktlite.backends import kube_secrets as ksec
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, PodEndpoint
 from ktlite.backends.kube_api import KubeApi, KubeApiError
@@ -147,7 +149,7 @@ class ServedDeployments(_Base):
             self._note(spec.name, text)
         resolved = km.resolve_secrets(spec, api.namespace)
         objects = self._render_served(spec, api.namespace, token, resolved, caps)
-        users = self._check_user_secrets(api, spec.name, objects, resolved)
+        users = ksec.check_user_secrets(api, spec.name, objects, resolved)
         name = spec.name
         workload = objects[-1] if caps.knative else next(o for o in objects if o["kind"] == "Deployment")
         want = _pod_hash(kss.template_of(workload)) or ""
@@ -156,10 +158,10 @@ class ServedDeployments(_Base):
         created: list[tuple[str, str]] = []
         try:
             self._drop_statefulsets(api, name)  # it was a distributed deployment before
-            token_changed = self._apply_secret(api, objects[0], token, created)
+            token_changed = ksec.apply_token_secret(api, objects[0], token, created)
             self._ensure(api, objects[1], created)  # the launch Secret: made empty, never reset here
             for obj, current in users:
-                self._apply_user_secret(api, obj, current, created)
+                ksec.apply_user_secret(api, obj, current, created)
             for claim in (o for o in objects if o["kind"] == "PersistentVolumeClaim"):
                 self._ensure(api, claim, created)
             if caps.knative:
@@ -173,7 +175,7 @@ class ServedDeployments(_Base):
             if token_changed and not first:  # replicas read the token at start: restart them
                 for pod in api.list("Pod", km.selector(name)):
                     api.delete("Pod", pod["metadata"]["name"])
-            self._drop_stale_secrets(api, name, {o["metadata"]["name"] for o, _ in users})
+            ksec.drop_stale_secrets(api, name, {o["metadata"]["name"] for o, _ in users})
             pods = self._wait_served(api, spec, want, caps)
         except BaseException as e:
             raise self._failed(api, name, e, created if first else None, served=True) from e
@@ -301,8 +303,7 @@ class ServedDeployments(_Base):
                 if problem is None:
                     continue
                 if problem.fatal and not serving:
-                    from ktlite.backends.kubernetes import deploy_error
-                    raise deploy_error(problem, self._explain(api, spec, problem))
+                    raise kp.deploy_error(problem, self._explain(api, spec, problem))
                 last_reason = problem.message
             if now > deadline:
                 what = "Knative Service" if caps.knative else "Deployment"
@@ -354,14 +355,13 @@ class ServedDeployments(_Base):
         api = self._api()
         http, info = self._connect()
         endpoints, restarted = [], []
-        from ktlite.backends.kubernetes import _incarnation, _url
         for i, pod in enumerate(sorted(pods, key=lambda p: p["metadata"]["name"])):
             ip, pod_name = pod["status"].get("podIP", ""), pod["metadata"]["name"]
-            peer = _url(ip, km.SERVER_PORT)
+            peer = kp.url(ip, km.SERVER_PORT)
             port = call_port(pod)
             endpoints.append(PodEndpoint(name=pod_name, ordinal=i, ip=ip, peer_url=peer,
-                                         url=_url(ip, port) if info.in_cluster else api.proxy_url(pod_name, port),
-                                         incarnation=_incarnation(pod)))
+                                         url=kp.url(ip, port) if info.in_cluster else api.proxy_url(pod_name, port),
+                                         incarnation=kp.incarnation(pod)))
             if before is not None and pod["metadata"]["uid"] not in before:
                 restarted.append(i)
         return Applied(name=name, backend=self.name, endpoints=endpoints, token=token,
@@ -375,8 +375,7 @@ class ServedDeployments(_Base):
         secret = api.get("Secret", km.token_secret_name(name))
         if obj is None or secret is None:
             return None
-        from ktlite.backends.kubernetes import _decode_token
-        token = _decode_token(secret)
+        token = ksec.decode_token(secret)
         if token is None:
             return None
         want = _pod_hash(kss.template_of(obj)) or ""

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from ktlite.backends import kube_manifests as km
+from ktlite.backends import kube_pods as kp
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
 from ktlite.errors import DataStoreError, KtliteError
@@ -169,10 +170,9 @@ class KubeStore:
         return api
 
     def _address(self, api: KubeApi, pod: dict[str, Any], token: str) -> StoreAddress:
-        from ktlite.backends.kubernetes import _url
 
         http, info = self.backend._connect()
-        peer = _url(pod["status"]["podIP"], km.SERVER_PORT)
+        peer = kp.url(pod["status"]["podIP"], km.SERVER_PORT)
         url = peer if info.in_cluster else api.proxy_url(POD, km.SERVER_PORT)
         return StoreAddress(
             pod=POD,
@@ -210,7 +210,6 @@ class KubeStore:
         its pod to answer; fails early with the reason it cannot start. A store this call
         created and that does not start is removed again (a claim from before, which may hold
         data, is kept), and the error names the command that removes what is left."""
-        from ktlite.backends.kubernetes import default_image, install_spec
         from ktlite.config import get as setting
 
         api = self.api
@@ -223,8 +222,8 @@ class KubeStore:
             token = secrets.token_urlsafe(32)
         objects = render(
             api.namespace,
-            image=image or default_image(),
-            install=install_spec(),
+            image=image or km.default_image(),
+            install=km.install_spec(),
             token=token,
             size=size or os.environ.get("KTLITE_STORE_SIZE") or DEFAULT_SIZE,
             storage_class=storage_class or os.environ.get("KTLITE_STORE_STORAGE_CLASS") or None,

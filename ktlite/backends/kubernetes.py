@@ -9,7 +9,6 @@ cluster and by pod IP inside it; ranks find each other by pod IP (no cluster DNS
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import sys
 import threading
@@ -19,73 +18,25 @@ from typing import Any, TextIO
 
 import httpx
 
+from ktlite.backends import kube_logs
 from ktlite.backends import kube_manifests as km
+from ktlite.backends import kube_pods as kp
+from ktlite.backends import kube_secrets as ksec
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
-from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
+from ktlite.backends.kube_readiness import POLL_S, PodReadiness
 from ktlite.backends.kube_served import ServedDeployments
 from ktlite.config import get as setting
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (
-    ConfigError,
     DeployError,
-    ImagePullError,
-    LaunchTimeout,
-    PodTerminatedError,
-    ResourceNotAvailableError,
-    SecretNotFound,
-    StartupError,
 )
 from ktlite.secrets import Resolved
 from ktlite.spec import DEFAULT_MASTER_PORT
-from ktlite.version import __version__
-
-POLL_S = 1.0
 
 
-def default_image() -> str:
-    return setting("image") or f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
-
-
-def install_spec() -> str:
-    return setting("install") or f"ktlite=={__version__}"
-
-
-def _url(ip: str, port: int) -> str:
-    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
-
-
-def _ordinal(pod: dict[str, Any]) -> int:
-    return int(pod["metadata"]["name"].rsplit("-", 1)[1])
-
-
-def _first_ordinal(sts: dict[str, Any]) -> int:
-    return int((sts["spec"].get("ordinals") or {}).get("start", 0))
-
-
-def _match(sts: dict[str, Any]) -> str:
-    """A label selector for the pods of ``sts``."""
-    return ",".join(f"{k}={v}" for k, v in sts["spec"]["selector"]["matchLabels"].items())
-
-
-def _ordinal_hashes(statefulsets: list[dict[str, Any]]) -> dict[int, str]:
-    """ordinal → the pod hash its StatefulSet's template asks for."""
-    want: dict[int, str] = {}
-    for sts in statefulsets:
-        start = _first_ordinal(sts)
-        for ordinal in range(start, start + sts["spec"].get("replicas", 0)):
-            want[ordinal] = _pod_hash(sts["spec"]["template"]) or ""
-    return want
-
-
-def _pod_hash(obj: dict[str, Any]) -> str | None:
-    meta = obj.get("metadata", {})
-    value: str | None = (meta.get("annotations") or {}).get(km.HASH_ANNOTATION)
-    return value
-
-
-class KubernetesBackend(ServedDeployments, Backend):
+class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
     name = "kubernetes"
     _clients: dict[tuple[str | None, str | None], tuple[httpx.Client, ClusterInfo]] = {}
     _announced: set[str] = set()
@@ -157,15 +108,15 @@ class KubernetesBackend(ServedDeployments, Backend):
 
     @staticmethod
     def _image(spec: DeploymentSpec) -> str:
-        return spec.pod.image.image_id if spec.pod.image is not None else default_image()
+        return spec.pod.image.image_id if spec.pod.image is not None else km.default_image()
 
     @staticmethod
     def _install() -> str:
-        return install_spec()
+        return km.install_spec()
 
     def _render(self, spec: DeploymentSpec, namespace: str, token: str | None,
                 secrets: list[Resolved] | None = None) -> list[dict[str, Any]]:
-        return km.render(self._with_settings(spec), namespace, image=self._image(spec), install=install_spec(),
+        return km.render(self._with_settings(spec), namespace, image=self._image(spec), install=km.install_spec(),
                          token=token, secrets=secrets)
 
     def plan(self, spec: DeploymentSpec) -> Plan:
@@ -198,7 +149,7 @@ class KubernetesBackend(ServedDeployments, Backend):
         resolved = km.resolve_secrets(spec, api.namespace)  # a preset that finds nothing fails here
         objects = self._render(spec, api.namespace, token, resolved)
         secret, service = objects[:2]
-        users = self._check_user_secrets(api, spec.name, objects, resolved)  # before anything is made
+        users = ksec.check_user_secrets(api, spec.name, objects, resolved)  # before anything is made
         claims = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
         policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
         statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
@@ -207,10 +158,10 @@ class KubernetesBackend(ServedDeployments, Backend):
         try:
             if first:  # it may have been a served deployment: its replicas go first
                 self.drop_served(api, spec.name)
-            token_changed = self._apply_secret(api, secret, token, created)
+            token_changed = ksec.apply_token_secret(api, secret, token, created)
             self._ensure(api, service, created)
             for obj, current in users:
-                self._apply_user_secret(api, obj, current, created)
+                ksec.apply_user_secret(api, obj, current, created)
             for claim in claims:
                 self._ensure(api, claim, created)
             for policy in policies:  # before the pods: no moment where their ports are open
@@ -224,8 +175,8 @@ class KubernetesBackend(ServedDeployments, Backend):
                 restarted += self._apply_statefulset(api, sts, roll_all=token_changed)
                 if first and new:
                     created.append(("StatefulSet", sts["metadata"]["name"]))
-            self._drop_stale_secrets(api, spec.name, {o["metadata"]["name"] for o, _ in users})
-            pods = self.wait_ready(api, spec, _ordinal_hashes(statefulsets))
+            ksec.drop_stale_secrets(api, spec.name, {o["metadata"]["name"] for o, _ in users})
+            pods = self.wait_ready(api, spec, kp.ordinal_hashes(statefulsets))
         except BaseException as e:
             raise self._failed(api, spec.name, e, created if first else None) from e
         return self._applied(spec.name, pods, token, km.master_port(spec), sorted(set(restarted)))
@@ -292,76 +243,19 @@ class KubernetesBackend(ServedDeployments, Backend):
                 return False
             raise
 
-    def _check_user_secrets(self, api: KubeApi, name: str, objects: list[dict[str, Any]],
-                            resolved: list[Resolved]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
-        """Each Secret of the user's values with the one there now (None: absent); ConfigError,
-        before anything is made, for an existing Secret named alone that is not there, and for
-        a Secret of ours that another owner has (unless its ``override=True``)."""
-        override = {km.user_secret_name(name, r.key): r.secret.override for r in resolved}
-        for r in resolved:
-            if r.existing and api.get("Secret", r.existing) is None:
-                raise ConfigError(f"secrets names Kubernetes Secret {r.existing!r}, which does not exist in "
-                                  f"namespace {api.namespace!r}; create it (kubectl -n {api.namespace} create "
-                                  f"secret generic {r.existing} --from-literal=KEY=VALUE), or name a provider "
-                                  "preset or kt.secret(...) with values")
-        out = []
-        for obj in objects:
-            if obj["kind"] != "Secret" or km.SECRET_LABEL not in obj["metadata"]["labels"]:
-                continue
-            current = api.get("Secret", obj["metadata"]["name"])
-            owner = ((current or {}).get("metadata", {}).get("labels") or {}).get(km.NAME_LABEL)
-            if current is not None and owner != name and not override[obj["metadata"]["name"]]:
-                key = obj["metadata"]["labels"][km.SECRET_LABEL]
-                raise ConfigError(f"Kubernetes Secret {obj['metadata']['name']!r} already exists in namespace "
-                                  f"{api.namespace!r} and deployment {name!r} did not make it; pass "
-                                  f"kt.secret(..., override=True) to replace its data (secret {key!r}), or give "
-                                  "the secret another name=")
-            out.append((obj, current))
-        return out
-
-    def _apply_user_secret(self, api: KubeApi, obj: dict[str, Any], current: dict[str, Any] | None,
-                           created: list[tuple[str, str]]) -> None:
-        if current is None:
-            api.create(obj)
-            created.append(("Secret", obj["metadata"]["name"]))
-        elif current.get("data") != obj["data"] or \
-                (current["metadata"].get("labels") or {}) != obj["metadata"]["labels"]:
-            api.replace(obj, current["metadata"]["resourceVersion"])
-
-    def _drop_stale_secrets(self, api: KubeApi, name: str, keep: set[str]) -> None:
-        """Delete the Secrets of values this deployment no longer names."""
-        for obj in api.list("Secret", km.selector(name)):
-            meta = obj["metadata"]
-            if km.SECRET_LABEL in (meta.get("labels") or {}) and meta["name"] not in keep:
-                api.delete("Secret", meta["name"])
-
-    def _apply_secret(self, api: KubeApi, secret: dict[str, Any], token: str,
-                      created: list[tuple[str, str]]) -> bool:
-        """Create or update the token Secret; True if running pods may hold another token
-        (a missing Secret counts: its pods started with the deleted one's)."""
-        current = api.get("Secret", secret["metadata"]["name"])
-        if current is None:
-            api.create(secret)
-            created.append(("Secret", secret["metadata"]["name"]))
-            return True
-        if _decode_token(current) == token:
-            return False
-        api.replace(secret, current["metadata"]["resourceVersion"])
-        return True
-
     def _apply_statefulset(self, api: KubeApi, sts: dict[str, Any], roll_all: bool) -> list[int]:
         """Create or update one StatefulSet; delete its pods whose template is out of date (the
         controller re-creates them). Returns the ordinals that get new pods."""
         name = sts["metadata"]["name"]
-        start, replicas = _first_ordinal(sts), sts["spec"]["replicas"]
+        start, replicas = kp.first_ordinal(sts), sts["spec"]["replicas"]
         ordinals = range(start, start + replicas)
         current = api.get("StatefulSet", name)
         if current is None:
             api.create(sts)
             return list(ordinals)
-        want = _pod_hash(sts["spec"]["template"])
+        want = kp.pod_hash(sts["spec"]["template"])
         old_replicas = current["spec"].get("replicas", 0)
-        if _pod_hash(current["spec"]["template"]) != want:
+        if kp.pod_hash(current["spec"]["template"]) != want:
             try:
                 api.replace(sts, current["metadata"]["resourceVersion"])
             except KubeApiError as e:
@@ -375,10 +269,10 @@ class KubernetesBackend(ServedDeployments, Backend):
             api.patch("StatefulSet", name, {"spec": {"replicas": replicas}})
         restarted = list(range(start + old_replicas, start + replicas))  # new ordinals of a scale-up
         present = set()
-        for pod in api.list("Pod", _match(sts)):
-            ordinal = _ordinal(pod)
+        for pod in api.list("Pod", kp.match(sts)):
+            ordinal = kp.ordinal(pod)
             present.add(ordinal)
-            if ordinal in ordinals and (roll_all or _pod_hash(pod) != want) \
+            if ordinal in ordinals and (roll_all or kp.pod_hash(pod) != want) \
                     and not pod["metadata"].get("deletionTimestamp"):
                 api.delete("Pod", pod["metadata"]["name"])
                 restarted.append(ordinal)
@@ -401,125 +295,21 @@ class KubernetesBackend(ServedDeployments, Backend):
                 raise DeployError(f"{kind} {name} was still being deleted after {timeout:g}s")
             self._sleep(POLL_S)
 
-    def wait_ready(self, api: KubeApi, spec: DeploymentSpec, want: dict[int, str]) -> list[dict[str, Any]]:
-        """Pods 0..N-1, each running its StatefulSet's template (``want``: ordinal → pod hash)
-        and answering; fails early with the reason a pod cannot start, and after
-        ``launch_timeout`` with the last reason seen.
-
-        A pod counts as soon as its server answers /health, which we ask ourselves: waiting
-        for the kubelet's readiness probe (and then for the next poll) would round every
-        cold start up by a second or two. Polls start fast and slow down as the wait goes on."""
-        n = spec.workers
-        timeout = spec.pod.calls.launch_timeout
-        start = self._clock()
-        deadline = start + timeout
-        last_line, last_reason = "", "no pod was created yet"
-        answering: set[str] = set()  # uids of pods whose server answered
-        while True:
-            pods = {_ordinal(p): p for p in api.list("Pod", km.selector(spec.name))
-                    if _pod_hash(p) == want.get(_ordinal(p)) and not p["metadata"].get("deletionTimestamp")}
-            current = [pods[i] for i in range(n) if i in pods]
-            line = progress(current, n)
-            if line != last_line:
-                self._say(f"{spec.name}: {line}")
-                last_line = line
-            if len(current) == n and all(self._serving(api, p, answering) for p in current):
-                return current
-            for pod in current:
-                problem = diagnose(pod, scaling_up=lambda p: self._scaling_up(api, p),
-                                   claims=lambda p: self._claims_problem(api, p))
-                if problem is None:
-                    continue
-                if problem.fatal:
-                    raise deploy_error(problem, self._explain(api, spec, problem))
-                last_reason = problem.message
-            now = self._clock()
-            if now > deadline:
-                raise LaunchTimeout(
-                    f"deployment {spec.name!r} was not ready after launch_timeout={timeout:g}s: {line}; "
-                    f"last reason: {last_reason}. Raise launch_timeout, or look at "
-                    f"`kubectl -n {api.namespace} describe pod {spec.name}-0`")
-            self._sleep(min(POLL_S, 0.1 + (now - start) / 20))
-
-    def _serving(self, api: KubeApi, pod: dict[str, Any], answering: set[str]) -> bool:
-        """Ready, or its server already answers /health (asked once it runs)."""
-        uid = pod["metadata"].get("uid", "")
-        if _is_ready(pod) or uid in answering:
-            return True
-        status = pod.get("status") or {}
-        running = any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or [])
-        if status.get("phase") != "Running" or not status.get("podIP") or not running:
-            return False
-        http, info = self._connect()
-        try:
-            if info.in_cluster:  # straight to the pod, without the API credentials
-                ok = httpx.get(f"{_url(status['podIP'], km.SERVER_PORT)}/health", timeout=2.0).status_code == 200
-            else:
-                url = api.proxy_url(pod["metadata"]["name"], km.SERVER_PORT)
-                ok = http.get(f"{url}/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
-            answering.add(uid)
-        return ok
-
-    def _scaling_up(self, api: KubeApi, pod: dict[str, Any]) -> bool:
-        """True if the cluster autoscaler is adding a node for this unschedulable pod."""
-        events = api.list("Event", field_selector=f"involvedObject.name={pod['metadata']['name']}")
-        return any(e.get("reason") == "TriggeredScaleUp" for e in events)
-
-    def _claims_problem(self, api: KubeApi, pod: dict[str, Any]) -> str | None:
-        """Why a claim ``pod`` mounts will not bind, or None while it may still: a missing
-        claim, or one the provisioner failed (no such StorageClass, an access mode it cannot
-        give) or that no volume can match and no StorageClass would provision."""
-        for volume in pod["spec"].get("volumes") or []:
-            name = (volume.get("persistentVolumeClaim") or {}).get("claimName")
-            if not name:
-                continue
-            claim = api.get("PersistentVolumeClaim", name)
-            if claim is None:
-                return f"PersistentVolumeClaim {name!r} does not exist"
-            if (claim.get("status") or {}).get("phase") == "Bound":
-                continue
-            events = api.list("Event", field_selector=f"involvedObject.name={name},"
-                              "involvedObject.kind=PersistentVolumeClaim")
-            for event in sorted(events, key=lambda e: e.get("lastTimestamp") or "", reverse=True):
-                reason, message = event.get("reason", ""), event.get("message", "")
-                if reason == "ProvisioningFailed" or (reason == "FailedBinding" and
-                                                      "no storage class is set" in message):
-                    return f"PersistentVolumeClaim {name!r}: {reason}: {message}"
-        return None
-
-    def _explain(self, api: KubeApi, spec: DeploymentSpec, problem: PodProblem) -> str:
-        text = f"deployment {spec.name!r} cannot start: pod {problem.pod}: {problem.message}"
-        if problem.want_logs:
-            # the container that failed may be the previous one (restarted since) or the current
-            # one (its predecessor's log may be gone): show each log that has text, oldest first
-            previous = api.pod_log(problem.pod, tail=30, previous=True)
-            current = api.pod_log(problem.pod, tail=30)
-            if previous.strip() and current.strip() and previous != current:
-                shown = [("the previous container's log", previous), ("the current container's log", current)]
-            else:  # one log, or the same one twice (in back-off "current" is the last run's)
-                shown = [("its log", log) for log in (previous, current) if log.strip()][:1]
-            for label, log in shown:
-                text += f"\nlast lines of {label}:\n" + "\n".join("    " + ln for ln in log.splitlines())
-        return text + (f"\n{problem.fix}" if problem.fix else "")
-
     def _applied(self, name: str, pods: list[dict[str, Any]], token: str, master_port: int,
                  restarted: list[int]) -> Applied:
         api = self._api()
         http, info = self._connect()
         endpoints = []
-        for pod in sorted(pods, key=_ordinal):
+        for pod in sorted(pods, key=kp.ordinal):
             ip = pod["status"].get("podIP", "")
             pod_name = pod["metadata"]["name"]
-            peer = _url(ip, km.SERVER_PORT)
-            endpoints.append(PodEndpoint(name=pod_name, ordinal=_ordinal(pod), ip=ip, peer_url=peer,
+            peer = kp.url(ip, km.SERVER_PORT)
+            endpoints.append(PodEndpoint(name=pod_name, ordinal=kp.ordinal(pod), ip=ip, peer_url=peer,
                                          url=peer if info.in_cluster else api.proxy_url(pod_name, km.SERVER_PORT),
-                                         incarnation=_incarnation(pod)))
+                                         incarnation=kp.incarnation(pod)))
         return Applied(name=name, backend=self.name, endpoints=endpoints, token=token,
                        master_port=master_port, restarted=restarted,
-                       http=None if info.in_cluster else http, spec_hash=_pod_hash(pods[0]) if pods else "")
+                       http=None if info.in_cluster else http, spec_hash=kp.pod_hash(pods[0]) if pods else "")
 
     # ---- lookup / teardown / list / logs ------------------------------------------------------
 
@@ -536,12 +326,12 @@ class KubernetesBackend(ServedDeployments, Backend):
             return self._lookup_served(api, name)
         if secret is None:
             return None
-        token = _decode_token(secret)
+        token = ksec.decode_token(secret)
         if token is None:
             return None
-        want = _ordinal_hashes(statefulsets)
+        want = kp.ordinal_hashes(statefulsets)
         pods = [p for p in api.list("Pod", km.selector(name))
-                if _pod_hash(p) == want.get(_ordinal(p)) and p.get("status", {}).get("podIP")
+                if kp.pod_hash(p) == want.get(kp.ordinal(p)) and p.get("status", {}).get("podIP")
                 and not p["metadata"].get("deletionTimestamp")]
         head = next(s for s in statefulsets if s["metadata"]["name"] == name)
         ports = [p.get("containerPort") for p in head["spec"]["template"]["spec"]["containers"][0]["ports"]
@@ -592,81 +382,4 @@ class KubernetesBackend(ServedDeployments, Backend):
 
     def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
              tail: int | None = None) -> Iterator[str]:
-        api = self._api()
-        pods = sorted(api.list("Pod", km.selector(name)), key=_ordinal)
-        if ordinal is not None:
-            pods = [p for p in pods if _ordinal(p) == ordinal]
-        if not pods:
-            which = f"pod {ordinal} of " if ordinal is not None else ""
-            raise DeployError(f"no {which}deployment {name!r} in namespace {api.namespace!r}")
-        if follow:
-            if len(pods) > 1:
-                yield from _merge_follow(api, [p["metadata"]["name"] for p in pods], tail)
-            else:
-                pod_name = pods[0]["metadata"]["name"]
-                yield from (f"[{pod_name}] {line}" for line in api.follow_log(pod_name, tail))
-            return
-        for pod in pods:
-            pod_name = pod["metadata"]["name"]
-            for line in api.pod_log(pod_name, tail=tail).splitlines():
-                yield f"[{pod_name}] {line}"
-
-
-def _merge_follow(api: KubeApi, pods: list[str], tail: int | None) -> Iterator[str]:
-    """Follow several pods' logs at once (one reader thread each), lines as they come."""
-    import queue
-
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read(pod: str) -> None:
-        try:
-            for line in api.follow_log(pod, tail):
-                lines.put(f"[{pod}] {line}")
-        except KubeApiError as e:
-            lines.put(f"[{pod}] ktlite: {e}")
-        finally:
-            lines.put(None)
-
-    for pod in pods:
-        threading.Thread(target=read, args=(pod,), daemon=True).start()
-    open_streams = len(pods)
-    while open_streams:
-        item = lines.get()
-        if item is None:
-            open_streams -= 1
-        else:
-            yield item
-
-
-def _incarnation(pod: dict[str, Any]) -> str:
-    """The pod's uid, IP and container restarts: any change means a server without our code."""
-    status = pod.get("status") or {}
-    restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
-    return f"{pod['metadata'].get('uid', '')}/{status.get('podIP', '')}/{restarts}"
-
-
-def _is_ready(pod: dict[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    return bool(status.get("podIP")) and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-
-
-def _decode_token(secret: dict[str, Any]) -> str | None:
-    data = secret.get("data") or {}
-    if "token" in data:
-        with contextlib.suppress(ValueError):
-            return base64.b64decode(data["token"]).decode()
-    string_data: str | None = (secret.get("stringData") or {}).get("token")
-    return string_data
-
-
-_PROBLEM_ERRORS: dict[str, type[DeployError]] = {
-    "image_pull": ImagePullError, "unschedulable": ResourceNotAvailableError, "secret": SecretNotFound,
-    "setup": StartupError, "crash": StartupError, "config": StartupError}
-
-
-def deploy_error(problem: PodProblem, message: str) -> DeployError:
-    """The error a pod's fatal problem fails the deploy with (Kubetorch's names)."""
-    if problem.kind in ("oom", "evicted", "failed"):
-        return PodTerminatedError(message, pod_name=problem.pod, reason=problem.reason)
-    return _PROBLEM_ERRORS.get(problem.kind, DeployError)(message)
+        yield from kube_logs.pod_logs(self._api(), name, ordinal, follow, tail)

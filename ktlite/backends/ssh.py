@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import contextlib
 import importlib.metadata
 import json
@@ -27,7 +26,6 @@ import os
 import platform
 import queue
 import shlex
-import socket
 import sys
 import threading
 import time
@@ -35,140 +33,29 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncssh
-
 import ktlite.secrets as kt_secrets
 from ktlite.backends import ssh_copy
+from ktlite.backends import ssh_hosts as sh
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
-from ktlite.backends.local import pid_alive
+from ktlite.backends.processes import pid_alive
 from ktlite.backends.server_source import server_packages
+from ktlite.backends.ssh_hosts import COMMAND_TIMEOUT_S
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
 
 CACHE = "~/.cache/ktlite"
-CONNECT_TIMEOUT_S = 15.0
-COMMAND_TIMEOUT_S = 120.0
 
 
 def _home() -> Path:
     return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "ssh"
 
 
-class _Loop:
-    """An asyncio loop on a thread of its own: the SSH connections live there."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="ktlite-ssh", daemon=True).start()
-
-    def run(self, coro: Any, timeout: float) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
-            future.cancel()
-            raise TimeoutError(f"over {timeout:.0f}s") from None
-
-
-class _Host:
-    """One host's connection and what the client learned about it."""
-
-    def __init__(self, index: int, host: Host, options: Hosts) -> None:
-        self.index = index
-        self.host = host
-        self.options = options
-        self.conn: Any = None
-        self.address = ""  # the IP address SSH reached: where the other hosts reach this one
-        self.tether: Any = None  # a non-detached server's launcher channel
-        self.forward: Any = None  # a local port forward to its server, when used
-        self.python = "python3"  # the host's Python, once found
-
-    @property
-    def label(self) -> str:
-        return f"host {self.index} ({self.host.address})"
-
-    async def connect(self) -> None:
-        user, hostname, port = self.host.target
-        known = self.options.known_hosts
-        kwargs: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalive_interval": 5,
-                                  "keepalive_count_max": 3}
-        if self.options.ssh_config:
-            kwargs["config"] = [os.path.expanduser(self.options.ssh_config)]
-        if known:
-            kwargs["known_hosts"] = os.path.expanduser(known)
-        if user:
-            kwargs["username"] = user
-        if port:
-            kwargs["port"] = port
-        try:
-            self.conn = await asyncssh.connect(hostname, **kwargs)
-        except asyncssh.HostKeyNotVerifiable as e:
-            if not self.options.accept_new_host_keys:
-                raise DeployError(f"{self.label}: its host key is not trusted ({e}); a host not yet in "
-                                  "known_hosts is accepted only with kt.Hosts(..., accept_new_host_keys=True), "
-                                  "a changed key never (check with the host's owner, then fix known_hosts)"
-                                  ) from None
-            self.conn = await self._accept_new(hostname, kwargs)
-        except asyncssh.PermissionDenied as e:
-            raise DeployError(f"{self.label}: authentication refused ({e.reason}); check the user, the "
-                              "key (IdentityFile, ssh-agent) and the host's authorized_keys") from None
-        except (OSError, asyncio.TimeoutError, asyncssh.Error) as e:
-            raise DeployError(f"{self.label}: cannot connect over SSH: {type(e).__name__}: {e}") from None
-        peer = self.conn.get_extra_info("peername")
-        self.address = self.options.master_addr if self.index == 0 and self.options.master_addr else peer[0]
-
-    async def _accept_new(self, hostname: str, kwargs: dict[str, Any]) -> Any:
-        """``accept_new_host_keys``: connect without checking the key, refuse if known_hosts
-        lists the host with another key (a changed key, never accepted), else record it."""
-        conn = await asyncssh.connect(hostname, **{**kwargs, "known_hosts": None})
-        key = conn.get_server_host_key()
-        path = Path(os.path.expanduser(self.options.known_hosts or "~/.ssh/known_hosts"))
-        addr, port = conn.get_extra_info("peername")[:2]
-        listed = []
-        if path.exists():
-            known = asyncssh.read_known_hosts(str(path))
-            for name_ in {hostname, addr}:
-                keys, ca_keys, revoked = known.match(name_, addr, port)[:3]
-                listed += [*keys, *ca_keys, *revoked]
-        if listed:
-            conn.close()
-            raise DeployError(f"{self.label}: its host key CHANGED: {path} lists another key for it. It is "
-                              "refused even with accept_new_host_keys (someone may be in the middle); check "
-                              "with the host's owner, then remove the old line from known_hosts")
-        name = addr if port == 22 else f"[{addr}]:{port}"
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(f"{name} {key.export_public_key().decode().strip()}\n")
-        print(f"ktlite: added {self.label}'s host key to {path} (accept_new_host_keys)", file=sys.stderr)
-        return conn
-
-    async def run(self, command: str, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
-        try:
-            result = await asyncio.wait_for(self.conn.run(command, input=input, check=False), timeout)
-        except asyncio.TimeoutError:
-            raise DeployError(f"{self.label}: `{command[:200]}` did not end within {timeout:.0f}s") from None
-        except (asyncssh.Error, OSError) as e:  # e.g. the host refuses another session
-            raise DeployError(f"{self.label}: `{command[:200]}` could not run: {type(e).__name__}: {e}") from None
-        if result.exit_status != 0:
-            raise DeployError(f"{self.label}: `{command[:200]}` failed (exit {result.exit_status}): "
-                              f"{(result.stderr or result.stdout or '').strip()[-1500:]}")
-        return str(result.stdout)
-
-    def close(self) -> None:
-        if self.forward is not None:
-            self.forward.close()
-        if self.tether is not None:
-            self.tether.close()
-        if self.conn is not None:
-            self.conn.close()
-
-
 class SshBackend(Backend):
     name = "ssh"
     def __init__(self) -> None:
-        self._loop = _Loop()
-        self._live: dict[str, list[_Host]] = {}  # deployment -> its hosts' connections (this process)
+        self._loop = sh.Loop()
+        self._live: dict[str, list[sh.HostConnection]] = {}  # deployment -> its hosts' connections (this process)
         self._lock = threading.Lock()
         self._bundle: tuple[str, bytes] | None = None
         self._deps: tuple[str, bytes | None] | None = None  # (key, bundle once built)
@@ -252,14 +139,14 @@ class SshBackend(Backend):
             applied.restarted = state.pop("_restarted", [])
             return applied
 
-    async def _connect(self, name: str, hosts: Hosts) -> list[_Host]:
+    async def _connect(self, name: str, hosts: Hosts) -> list[sh.HostConnection]:
         live = self._live.get(name)
         if live is not None and [h.host for h in live] == list(hosts.hosts) and \
                 all(h.conn is not None and not h.conn.is_closed() for h in live):
             return live
         for h in live or []:
             h.close()
-        conns = [_Host(i, h, hosts) for i, h in enumerate(hosts.hosts)]
+        conns = [sh.HostConnection(i, h, hosts) for i, h in enumerate(hosts.hosts)]
         results = await asyncio.gather(*(c.connect() for c in conns), return_exceptions=True)
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
@@ -281,7 +168,7 @@ class SshBackend(Backend):
                         for r in resolved for f in r.files]
         old = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
         keep = {i for i, p in old.items() if p.get("hash") == pod_hash and i < len(conns)
-                and await _answers(p["address"], p["port"], conns[i])}
+                and await sh.answers(p["address"], p["port"], conns[i])}
         # pods whose host or shape changed stop; ordinals beyond the hosts too
         await asyncio.gather(*(self._stop_pod(conns[i] if i < len(conns) else None, p, spec.pod.calls.teardown_timeout)
                                for i, p in old.items() if i not in keep))
@@ -314,7 +201,7 @@ class SshBackend(Backend):
                 "options": _options(hosts), "created": (state or {}).get("created", time.time()),
                 "pods": [pods[i] for i in sorted(pods)], "_restarted": sorted(set(pods) - keep)}
 
-    async def _start(self, spec: DeploymentSpec, c: _Host, token: str, version: str, bundle: bytes,
+    async def _start(self, spec: DeploymentSpec, c: sh.HostConnection, token: str, version: str, bundle: bytes,
                      pick: int, pod_hash: str, secret_env: dict[str, str],
                      secret_files: list[dict[str, Any]]) -> dict[str, Any]:
         src = f"{CACHE}/src-{version}"
@@ -369,7 +256,7 @@ class SshBackend(Backend):
                 "address": c.address, "port": reply["port"], "pid": reply["pid"], "run_dir": run_dir,
                 "python": python, "hash": pod_hash, "master_port": reply.get("master_port")}
 
-    async def _python(self, c: _Host, checks: dict[str, str]) -> tuple[str, list[str], str, set[str]]:
+    async def _python(self, c: sh.HostConnection, checks: dict[str, str]) -> tuple[str, list[str], str, set[str]]:
         """The host's Python: the one asked for, else the first python3.X at least as new
         as this client's minor, else python3 when new enough. Also, in the same round trip:
         which of the server's packages it lacks (cloudpickle: at this client's version), its
@@ -408,11 +295,11 @@ class SshBackend(Backend):
         raise DeployError(f"{c.label}: no Python {want[0]}.{want[1]} or newer (found: {', '.join(found) or 'none'} "
                           f"among {', '.join(candidates)}); install one, or name it with kt.Hosts(..., python=...)")
 
-    async def _reach(self, c: _Host, pod: dict[str, Any], forward: bool | None) -> None:
+    async def _reach(self, c: sh.HostConnection, pod: dict[str, Any], forward: bool | None) -> None:
         """How this client reaches the pod: straight, or through a port forward."""
-        direct = forward is not True and await _tcp_ok(pod["address"], pod["port"])
+        direct = forward is not True and await sh.tcp_ok(pod["address"], pod["port"])
         if direct:
-            pod["url"] = f"http://{_hostport(pod['address'], pod['port'])}"
+            pod["url"] = f"http://{sh.hostport(pod['address'], pod['port'])}"
             return
         if forward is False:
             raise DeployError(f"{c.label}: its pod server at {pod['address']}:{pod['port']} does not answer "
@@ -420,7 +307,7 @@ class SshBackend(Backend):
         c.forward = await c.conn.forward_local_port("127.0.0.1", 0, pod["address"], pod["port"])
         pod["url"] = f"http://127.0.0.1:{c.forward.get_port()}"
 
-    async def _stop_pod(self, c: _Host | None, pod: dict[str, Any], grace: float) -> None:
+    async def _stop_pod(self, c: sh.HostConnection | None, pod: dict[str, Any], grace: float) -> None:
         """Stop a pod's server and everything of its session; remove its run dir."""
         if c is None or c.conn is None:
             return
@@ -448,14 +335,14 @@ class SshBackend(Backend):
                 "        end = time.monotonic() + wait\n"
                 "        while members() and time.monotonic() < end: time.sleep(0.05)\n")
         run_dir = pod.get("run_dir")
-        rm = f" && rm -rf {_remote_path(run_dir)}" if run_dir and "/run/" in run_dir else ""
+        rm = f" && rm -rf {sh.remote_path(run_dir)}" if run_dir and "/run/" in run_dir else ""
         python = shlex.quote(pod.get("python") or c.python)
         await c.run(f"{python} -c {shlex.quote(code)}{rm}", timeout=grace + 30)
 
     def _applied(self, state: dict[str, Any]) -> Applied:
         eps = [PodEndpoint(name=p["name"], ordinal=p["ordinal"], url=p.get("url") or
-                           f"http://{_hostport(p['address'], p['port'])}",
-                           peer_url=f"http://{_hostport(p['address'], p['port'])}", ip=p["address"],
+                           f"http://{sh.hostport(p['address'], p['port'])}",
+                           peer_url=f"http://{sh.hostport(p['address'], p['port'])}", ip=p["address"],
                            incarnation=f"{p['pid']}")
                for p in state["pods"]]
         return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
@@ -467,7 +354,7 @@ class SshBackend(Backend):
         state = self._read(name)
         if state is None or state.get("detached") or pid_alive(state.get("owner_pid")):
             return state
-        if not any(_tcp_ok_now(p["address"], p["port"]) for p in state["pods"]):
+        if not any(sh.tcp_ok_now(p["address"], p["port"]) for p in state["pods"]):
             self._forget(name)
             return None
         return state
@@ -522,7 +409,7 @@ class SshBackend(Backend):
         for d in sorted(root.iterdir()) if root.is_dir() else []:
             state = self._current(d.name)
             if state is not None:
-                ready = sum(_tcp_ok_now(p["address"], p["port"]) for p in state["pods"])
+                ready = sum(sh.tcp_ok_now(p["address"], p["port"]) for p in state["pods"])
                 rows.append({"name": d.name, "backend": self.name, "pods": len(state["pods"]), "ready": ready,
                              "hosts": state.get("hosts"), "detached": state.get("detached", False)})
         return rows
@@ -545,7 +432,7 @@ class SshBackend(Backend):
             conns = await self._connect(name, hosts)
 
             async def one(pod: dict[str, Any]) -> None:
-                log = _remote_path(f"{pod['run_dir']}/pod.log")
+                log = sh.remote_path(f"{pod['run_dir']}/pod.log")
                 command = f"tail {count} {flag} {log} 2>/dev/null; true"
                 async with conns[pod["ordinal"]].conn.create_process(command, encoding="utf-8",
                                                                      errors="replace") as proc:
@@ -585,44 +472,3 @@ def _options(hosts: Hosts) -> dict[str, Any]:
 
 def _hosts_from_state(state: dict[str, Any]) -> Hosts:
     return Hosts(tuple(Host(a) for a in state["hosts"]), **state.get("options", {}))
-
-
-def _remote_path(path: str) -> str:
-    """``path`` for the host's shell, quoted, with a leading ``~`` still its home."""
-    if path.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(path[2:])
-    return shlex.quote(path)
-
-
-def _hostport(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
-def _tcp_ok_now(address: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        socket.create_connection((address, port), timeout).close()
-    except OSError:
-        return False
-    return True
-
-
-async def _tcp_ok(address: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(address, port), timeout)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
-
-
-async def _answers(address: str, port: int, c: _Host) -> bool:
-    """Whether a kept pod's server still listens (from here, or from its host)."""
-    if await _tcp_ok(address, port):
-        return True
-    probe = (f"import socket; socket.create_connection(({address!r}, {int(port)}), 2).close()")
-    try:
-        await c.run(f"{shlex.quote(c.python)} -c {shlex.quote(probe)}", timeout=10)
-    except DeployError:
-        return False
-    return True
-

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ktlite.backends.local import pid_alive  # noqa: F401  (the tests use it from here)
+from ktlite.backends.processes import pid_alive  # noqa: F401  (the tests use it from here)
 
 BEAT_S = 0.05
 

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ktlite.backends.local import pid_alive  # noqa: F401  (the tests use it from here)
+from ktlite.backends.processes import pid_alive  # noqa: F401  (the tests use it from here)
 
 LAST_WORDS = "last words of rank {rank}: about to {what}"
 

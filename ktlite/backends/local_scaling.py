@@ -1,0 +1,142 @@
+"""Autoscaled deployments on the local backend: ktlite's autoscaler runs in the callers.
+
+One calling process leads (it holds the deployment's ``autoscaler.lock``) and scales; the
+others route calls and publish how many wait in them. A detached deployment gets a process
+of its own (``ktlite.autoscalers``). The current launch is kept as ``launch.pkl`` for
+replicas started later. The files live in the deployment's directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ktlite.backends.base import Applied
+from ktlite.backends.processes import pid_alive
+from ktlite.deployment_spec import DeploymentSpec
+from ktlite.errors import NotDeployedError
+
+if TYPE_CHECKING:
+    from ktlite.backends.local import LocalBackend as _Base
+else:
+    _Base = object
+
+
+class LocalScaling(_Base):
+    """The local backend's :class:`~ktlite.backends.capabilities.Serving` and
+    :class:`~ktlite.backends.capabilities.ClientScaling` (mixed into it)."""
+
+    def autoscaler(self, spec: DeploymentSpec) -> str:
+        return "client"
+
+    def write_launch(self, name: str, launch: bytes) -> None:
+        """``launch.pkl`` in the deployment's directory (0600), which replicas load at boot."""
+        directory = self._dir(name)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = directory / "launch.pkl.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(launch)
+        os.replace(tmp, directory / "launch.pkl")
+
+    def lead_scaling(self, name: str) -> bool:
+        """Whether this process holds the deployment's autoscaler lock (taken once, kept until
+        it exits); one process scales a local deployment, the others route."""
+        path = self._dir(name) / "autoscaler.lock"
+        if name in self._leads:
+            with contextlib.suppress(OSError):  # still the lock of this deployment, not a torn-down one's
+                if os.fstat(self._leads[name]).st_ino == os.stat(path).st_ino:
+                    return True
+            os.close(self._leads.pop(name))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._leads[name] = fd
+        return True
+
+    def scale(self, name: str, token: str, replicas: int) -> Applied:
+        """Run ``replicas`` replicas of the autoscaled deployment ``name``, as it was deployed
+        (its spec is kept in its directory: a process that attached by name has no Compute)."""
+        with self._lock:  # never after a teardown of this process (it takes the same lock)
+            try:
+                with open(self._dir(name) / "spec.pkl", "rb") as f:
+                    spec = pickle.load(f)
+            except (OSError, pickle.UnpicklingError, EOFError) as e:
+                raise NotDeployedError(f"deployment {name!r} is not running here (or was torn down): {e}") from None
+            if (self._read(name) or {}).get("token") != token:
+                raise NotDeployedError(f"deployment {name!r} was torn down or re-created")
+            return self.apply(replace(spec, replicas=replicas), token)
+
+    def publish_waiting(self, name: str, count: int) -> None:
+        """The calls waiting for a replica in this process, for the process that scales."""
+        directory = self._dir(name) / "waiting"
+        with contextlib.suppress(OSError):
+            directory.mkdir(exist_ok=True)
+            tmp = directory / f"{os.getpid()}.tmp"
+            tmp.write_text(str(count))
+            os.replace(tmp, directory / str(os.getpid()))
+
+    def waiting_elsewhere(self, name: str) -> int:
+        """The calls waiting in the other live processes that call ``name``."""
+        total = 0
+        with contextlib.suppress(OSError):
+            for f in (self._dir(name) / "waiting").iterdir():
+                if f.name.isdigit() and int(f.name) != os.getpid() and pid_alive(int(f.name)):
+                    with contextlib.suppress(OSError, ValueError):
+                        total += int(f.read_text() or 0)
+        return total
+
+    def supervise(self, name: str) -> None:
+        """Start the autoscaler process of a detached deployment (ktlite.autoscalers.supervise)."""
+        log = self._dir(name) / "autoscaler.log"
+        with open(log, "ab") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "ktlite.autoscalers", name], stdin=subprocess.DEVNULL,
+                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=self._dir(name))  # not the caller's: see apply()
+        (self._dir(name) / "supervisor.pid").write_text(str(proc.pid))  # teardown stops it first
+
+    def _stop_supervisor(self, name: str, timeout: float) -> None:
+        """Stop a detached deployment's autoscaler process before its pods: it ends the scaling
+        step it is in (it would start pods again), then exits."""
+        try:
+            pid = int((self._dir(name) / "supervisor.pid").read_text())
+        except (OSError, ValueError):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+    def record_scaling(self, name: str, info: dict[str, Any]) -> None:
+        """The autoscaler's last decision, for `ktlite status` in another process."""
+        directory = self._dir(name)
+        if directory.is_dir():
+            tmp = directory / "autoscaler.json.tmp"
+            tmp.write_text(json.dumps({**info, "pid": os.getpid()}, default=str))
+            os.replace(tmp, directory / "autoscaler.json")
+
+    def scaling_status(self, name: str) -> dict[str, Any] | None:
+        try:
+            info: dict[str, Any] = json.loads((self._dir(name) / "autoscaler.json").read_text())
+        except (OSError, ValueError):
+            return None
+        info["alive"] = pid_alive(info.get("pid"))  # the process whose autoscaler decided it
+        return info
