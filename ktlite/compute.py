@@ -149,7 +149,7 @@ class Compute:
                    for name in names if name in kwargs}
             for name in own:
                 del kwargs[name]
-            object.__setattr__(self, part, replace(base, **own) if own else base)
+            object.__setattr__(self, part, replace(base, **own) if own else base)  # type: ignore[type-var]
         for f in fields(self):
             if f.init and f.name not in _PARTS:
                 value = kwargs.pop(f.name, None)
@@ -157,6 +157,10 @@ class Compute:
         if kwargs:
             raise _unknown(kwargs)
         self._validate()
+
+    def _with(self, **changes: Any) -> Compute:
+        """A copy with ``changes``, which may name any keyword the constructor takes."""
+        return replace(self, **changes)
 
     def __getattr__(self, name: str) -> Any:
         """The flat names of the parts' settings (``compute.namespace``, ``compute.launch_timeout``)."""
@@ -266,7 +270,7 @@ class Compute:
             if self.hosts is not None or not traits(self.backend).serves:
                 raise ConfigError(f"Compute(replicas={self.replicas}) asks for load-balanced replicas, which the "
                                   "ssh backend does not run; use .distribute('spmd', workers=N)")
-            return replace(self, replicas=None, autoscaling=AutoscaleConfig(
+            return self._with(replicas=None, autoscaling=AutoscaleConfig(
                 min_scale=self.replicas, max_scale=self.replicas, initial_scale=self.replicas))
         return self
 
@@ -363,7 +367,7 @@ class Compute:
             raise ConfigError(f"worker_node_options has unknown or head-only field(s) {', '.join(map(repr, unknown))}; "
                               f"allowed: {', '.join(WORKER_NODE_FIELDS)} (image, env, volumes and the "
                               "rest are the head's for every node)")
-        return replace(self, **options, distributed=None, worker_node_options=None)
+        return self._with(**options, distributed=None, worker_node_options=None)
 
     def pod_gpus(self, ordinal: int) -> int:
         """GPUs pod ``ordinal`` requests: ``gpus`` (a Ray worker node's own), and on a GPU
@@ -415,7 +419,7 @@ class Compute:
             changes["concurrency"] = max_threads_per_proc
         if restart_procs is not None:
             changes["restart_procs"] = restart_procs
-        new = replace(self, **changes)._distributed(
+        new = self._with(**changes)._distributed(
             framework, workers, num_proc, port, 300.0 if quorum_timeout is None else quorum_timeout,
             worker_node_options, **unknown)
         pods = new.distributed.workers if new.distributed is not None else 1
@@ -463,7 +467,7 @@ class Compute:
             if worker_node_options is not None and not isinstance(worker_node_options, dict):
                 raise ConfigError(f"worker_node_options={worker_node_options!r} must be a dict of Compute "
                                   "fields, e.g. {'cpus': '4', 'memory': '16Gi', 'gpus': 1}")
-            return replace(self, distributed=config, replicas=None, worker_node_options=(
+            return self._with(distributed=config, replicas=None, worker_node_options=(
                 None if worker_node_options is None else dict(worker_node_options)))
         if worker_node_options is not None:
             raise ConfigError(f"distribute({framework!r}, worker_node_options=...): only framework='ray' "
@@ -482,5 +486,5 @@ class Compute:
             workers = len(num_proc) if isinstance(num_proc, (list, tuple)) else 1
         config = DistributedConfig(framework=framework, workers=workers, num_proc=num_proc,
                                    port=port, quorum_timeout=quorum_timeout)
-        return replace(self, distributed=config, worker_node_options=None,
+        return self._with(distributed=config, worker_node_options=None,
                        replicas=None if self.replicas is None else workers)

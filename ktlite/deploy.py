@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from ktlite import engines, protocol, shm
 from ktlite.backends.base import Applied, Backend
-from ktlite.backends.capabilities import ClientScaling, optional
+from ktlite.backends.capabilities import ClientScaling, Serving, optional, require
 from ktlite.backends.registry import get_backend, traits
 from ktlite.client import CallReply, PodClient
 from ktlite.deployment_spec import DeploymentSpec
@@ -577,7 +577,7 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
     backend = get_backend(spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path)
     existing = backend.lookup(spec.name)
     token = existing.token if existing is not None else secrets.token_urlsafe(32)
-    if spec.autoscale is not None and backend.autoscaler(spec) == "client" and existing is not None:
+    if spec.autoscale is not None and require(backend, Serving).autoscaler(spec) == "client" and existing is not None:
         # a redeploy keeps the replicas that run (within the bounds); the autoscaler goes on
         a = spec.autoscale
         spec = replace(spec, replicas=min(max(len(existing.endpoints), a.initial),

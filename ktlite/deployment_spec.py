@@ -27,7 +27,9 @@ class DeploymentSpec:
     """
 
     name: str
-    compute: Compute | None = field(default=None, compare=False, repr=False)
+    # the user's Compute; None only in a spec built from a pod spec alone (backend tests),
+    # which no caller reads
+    compute: Compute = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     kind: str = "fn"  # "fn" | "cls"
     detached: bool = False
     # an autoscaled deployment's replica count now (the backends that start replicas

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ktlite.deployment_spec import DeploymentSpec
 
@@ -97,13 +97,13 @@ class Backend(ABC):
     name: str = "base"
 
     @classmethod
-    def shared(cls, namespace: str | None = None, kubeconfig: str | None = None) -> Any:
+    def shared(cls, namespace: str | None = None, kubeconfig: str | None = None) -> Self:
         """This process's one instance of the backend (its connections and child processes);
         ``namespace`` and ``kubeconfig`` pick a cluster's, where the backend has any."""
         instance = cls.__dict__.get("_instance")
-        if instance is None:
+        if not isinstance(instance, cls):
             instance = cls()
-            cls._instance = instance
+            setattr(cls, "_instance", instance)  # noqa: B010  (one per class, not inherited)
         return instance
 
     @abstractmethod

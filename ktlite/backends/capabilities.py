@@ -17,7 +17,6 @@ class; :func:`optional` returns it or None.
 from __future__ import annotations
 
 import inspect
-from functools import cache
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from ktlite.errors import ConfigError
@@ -91,10 +90,15 @@ def _members(protocol: type) -> tuple[str, ...]:
                  if not name.startswith("_") and inspect.isfunction(value))
 
 
-@cache
+_checked: dict[tuple[type, type], bool] = {}
+
+
 def _has(cls: type, protocol: type) -> bool:
     """Checked once per backend class: every method of ``protocol`` is there."""
-    return all(callable(getattr(cls, name, None)) for name in _members(protocol))
+    key = (cls, protocol)
+    if key not in _checked:
+        _checked[key] = all(callable(getattr(cls, name, None)) for name in _members(protocol))
+    return _checked[key]
 
 
 def optional(backend: object, protocol: type[P]) -> P | None:

@@ -19,7 +19,7 @@ import os
 import socket
 import ssl
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +83,7 @@ class _KubeAuth(httpx.Auth):
     def __init__(self, authorization: Callable[[], str | None]) -> None:
         self._authorization = authorization
 
-    def auth_flow(self, request: httpx.Request) -> Iterator[httpx.Request]:
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         try:
             value = self._authorization()
         except (kubeconfig.CredentialsError, OSError) as e:  # a plugin failed, a token file went
@@ -237,14 +237,16 @@ class KubeApi:
         kind, name = kind_of(obj), obj["metadata"]["name"]
         resp = self.request("POST", self._path(kind), what=f"create {kind} {name}", json=obj)
         assert resp is not None
-        return resp.json()
+        body: dict[str, Any] = resp.json()
+        return body
 
     def replace(self, obj: dict[str, Any], resource_version: str) -> dict[str, Any]:
         kind, name = kind_of(obj), obj["metadata"]["name"]
-        body = {**obj, "metadata": {**obj["metadata"], "resourceVersion": resource_version}}
-        resp = self.request("PUT", self._path(kind, name), what=f"update {kind} {name}", json=body)
+        sent = {**obj, "metadata": {**obj["metadata"], "resourceVersion": resource_version}}
+        resp = self.request("PUT", self._path(kind, name), what=f"update {kind} {name}", json=sent)
         assert resp is not None
-        return resp.json()
+        body: dict[str, Any] = resp.json()
+        return body
 
     def patch(self, kind: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         resp = self.request(
@@ -255,7 +257,8 @@ class KubeApi:
             headers={"content-type": "application/merge-patch+json"},
         )
         assert resp is not None
-        return resp.json()
+        body: dict[str, Any] = resp.json()
+        return body
 
     def delete(self, kind: str, name: str, propagation: str = "Background") -> bool:
         """Delete one object; False if it was already gone."""

@@ -364,7 +364,7 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str,
     name = spec.name
     if secrets is None:
         secrets = resolve_secrets(spec, namespace)
-    meta = {"name": name, "namespace": namespace, "labels": labels(name)}
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels(name)}
     secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
               "metadata": {**meta, "name": token_secret_name(name)},
               "stringData": {"token": token if token is not None else TOKEN_PLACEHOLDER}}

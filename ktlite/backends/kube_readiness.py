@@ -15,7 +15,7 @@ from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import LaunchTimeout
 
 if TYPE_CHECKING:
-    from ktlite.backends.kubernetes import KubernetesBackend as _Base
+    from ktlite.backends.kube_host import KubeHost as _Base
 else:
     _Base = object
 

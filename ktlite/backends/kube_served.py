@@ -28,7 +28,7 @@ from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.spec import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
-    from ktlite.backends.kubernetes import KubernetesBackend as _Base
+    from ktlite.backends.kube_host import KubeHost as _Base
 else:
     _Base = object
 

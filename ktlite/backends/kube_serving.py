@@ -29,8 +29,10 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ktlite.autoscaling import AutoscaleConfig
 from ktlite.backends import kube_manifests as km
 from ktlite.deployment_spec import DeploymentSpec
+from ktlite.errors import ConfigError
 from ktlite.secrets import Resolved
 
 MODE_LABEL = "ktlite.dev/mode"
@@ -80,17 +82,24 @@ def quantity(value: float) -> str:
     return f"{max(1, round(value * 1000))}m"
 
 
+def _config(spec: DeploymentSpec) -> AutoscaleConfig:
+    """The autoscaler's config of ``spec``: every function here takes a served deployment."""
+    if spec.autoscale is None:
+        raise ConfigError(f"deployment {spec.name!r} is not autoscaled: use compute.autoscale(...)")
+    return spec.autoscale
+
+
 # ---- what the cluster's capabilities change, in words ------------------------------------------
 
 def _resource_metric(spec: DeploymentSpec) -> bool:
     """True when the HPA scales on CPU or memory (asked, or the fallback)."""
-    return spec.autoscale.metric_name in ("cpu", "memory")
+    return _config(spec).metric_name in ("cpu", "memory")
 
 
 def notes(spec: DeploymentSpec, caps: Capabilities) -> list[str]:
     """Plain sentences on what this cluster makes of ``spec.autoscale``: empty when it gets
     what it asked for."""
-    config = spec.autoscale
+    config = _config(spec)
     if caps.knative:
         return []
     out = []
@@ -198,7 +207,7 @@ def render(spec: DeploymentSpec, namespace: str, *, image: str, install: str, ca
 
 
 def autoscale_json(spec: DeploymentSpec) -> str:
-    return json.dumps(asdict(spec.autoscale), sort_keys=True)
+    return json.dumps(asdict(_config(spec)), sort_keys=True)
 
 
 def autoscale_of(obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -222,7 +231,7 @@ def service(spec: DeploymentSpec, meta: dict[str, Any], template: dict[str, Any]
 
 def initial_replicas(spec: DeploymentSpec) -> int:
     """The Deployment's first replica count: an HPA leaves a Deployment at zero alone."""
-    return max(1, spec.autoscale.min, spec.autoscale.initial)
+    return max(1, _config(spec).min, _config(spec).initial)
 
 
 def deployment(spec: DeploymentSpec, meta: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
@@ -259,7 +268,7 @@ def _with_template(obj: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]
 def hpa_metric(spec: DeploymentSpec, caps: Capabilities) -> dict[str, Any]:
     """The HPA's one metric: CPU/memory utilization, or the replicas' own load through a
     custom-metrics adapter (CPU where there is none; :func:`notes` says so)."""
-    config = spec.autoscale
+    config = _config(spec)
     metric = config.metric_name
     if metric in ("concurrency", "rps") and caps.custom_metrics:
         series = INFLIGHT_METRIC if metric == "concurrency" else RATE_METRIC
@@ -277,7 +286,7 @@ def hpa_metric(spec: DeploymentSpec, caps: Capabilities) -> dict[str, Any]:
 
 
 def hpa(spec: DeploymentSpec, meta: dict[str, Any], caps: Capabilities) -> dict[str, Any]:
-    config = spec.autoscale
+    config = _config(spec)
     low = max(1, config.min)
     high = max(low, config.max_scale if config.max_scale is not None else DEFAULT_MAX_REPLICAS)
     hpa_spec = {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec.name},
@@ -292,7 +301,7 @@ def hpa(spec: DeploymentSpec, meta: dict[str, Any], caps: Capabilities) -> dict[
 def knative_service(spec: DeploymentSpec, meta: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
     """A Knative Service: the replicas' pod spec, one port, ``containerConcurrency`` (the
     most calls a replica runs at once) and the autoscaling annotations on its revisions."""
-    config = spec.autoscale
+    config = _config(spec)
     template = copy.deepcopy(template)
     annotations = {**template["metadata"]["annotations"], **config.annotations()}
     if config.progress_deadline is not None:

@@ -362,7 +362,7 @@ def _official(paths: str, context: str, namespace: str) -> Credentials:
         ) from e
     configuration = kclient.Configuration()
     try:
-        kconfig.load_kube_config(
+        kconfig.load_kube_config(  # type: ignore[no-untyped-call]  # the kubernetes client has no types
             config_file=paths,
             context=context,
             client_configuration=configuration,
@@ -374,7 +374,8 @@ def _official(paths: str, context: str, namespace: str) -> Credentials:
     def authorization() -> str | None:
         # auth_settings() runs the loader's refresh hook, and names the header whatever key this
         # client release keeps the token under
-        for setting in configuration.auth_settings().values():
+        settings: dict[str, Any] = dict(configuration.auth_settings())
+        for setting in settings.values():
             if setting.get("in") == "header" and setting.get("value"):
                 return str(setting["value"])
         return None

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TextIO
+from typing import Any, Self, TextIO
 
 import httpx
 
@@ -56,7 +56,7 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         self._sleep = sleep
 
     @classmethod
-    def shared(cls, namespace: str | None = None, kubeconfig: str | None = None) -> KubernetesBackend:
+    def shared(cls, namespace: str | None = None, kubeconfig: str | None = None) -> Self:
         backend = cls(namespace=namespace)
         backend._kubeconfig = kubeconfig
         return backend
@@ -309,7 +309,7 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                                          incarnation=kp.incarnation(pod)))
         return Applied(name=name, backend=self.name, endpoints=endpoints, token=token,
                        master_port=master_port, restarted=restarted,
-                       http=None if info.in_cluster else http, spec_hash=kp.pod_hash(pods[0]) if pods else "")
+                       http=None if info.in_cluster else http, spec_hash=(kp.pod_hash(pods[0]) or "") if pods else "")
 
     # ---- lookup / teardown / list / logs ------------------------------------------------------
 

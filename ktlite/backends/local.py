@@ -62,7 +62,7 @@ def _master_port(taken: set[int], span: int) -> int:
     for port in (*range(start, high), *range(low, start)):  # random start, then every port
         ports = range(port, port + max(span, 1))
         if not taken.intersection(ports) and all(port_free(p) for p in ports):
-            return port
+            return int(port)
     raise DeployError(f"found no free MASTER_PORT in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}; "
                       "pass distribute(port=...)")
 
@@ -272,7 +272,7 @@ class LocalBackend(LocalScaling, Backend):
             workdir = ((state or {}).get("workdir") if spec.autoscale is not None else None) or os.getcwd()
             old_pods = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
             pods: list[dict[str, Any]] = []
-            starting: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
+            starting: list[tuple[int, subprocess.Popen[bytes], Path, Path, str | None]] = []
             self._dir(spec.name).mkdir(parents=True, exist_ok=True)
             local_volumes.prepare(volumes, owner=spec.name)
             if mounted:

@@ -23,10 +23,10 @@ def memory_cgroup(name: str, limit: int) -> Path | None:
             limit_file = "memory.limit_in_bytes"
             break
     else:
-        path = next((p for _, c, p in lines if c == ""), None)
-        if path is None:
+        unified = next((p for _, c, p in lines if c == ""), None)
+        if unified is None:
             return None
-        group = Path(f"/sys/fs/cgroup{path.rstrip('/')}") / f"ktlite-{name}"
+        group = Path(f"/sys/fs/cgroup{unified.rstrip('/')}") / f"ktlite-{name}"
         limit_file = "memory.max"
     try:
         group.mkdir(exist_ok=True)

@@ -16,8 +16,10 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ktlite.backends.base import Applied
@@ -25,15 +27,18 @@ from ktlite.backends.processes import pid_alive
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import NotDeployedError
 
-if TYPE_CHECKING:
-    from ktlite.backends.local import LocalBackend as _Base
-else:
-    _Base = object
 
-
-class LocalScaling(_Base):
+class LocalScaling:
     """The local backend's :class:`~ktlite.backends.capabilities.Serving` and
     :class:`~ktlite.backends.capabilities.ClientScaling` (mixed into it)."""
+
+    _leads: dict[str, int]  # deployment -> the fd of the autoscaler lock this process holds
+    _lock: threading.RLock
+
+    if TYPE_CHECKING:  # the local backend's, which this is mixed into
+        def _dir(self, name: str) -> Path: ...
+        def _read(self, name: str) -> dict[str, Any] | None: ...
+        def apply(self, spec: DeploymentSpec, token: str) -> Applied: ...
 
     def autoscaler(self, spec: DeploymentSpec) -> str:
         return "client"

@@ -20,6 +20,7 @@ import platform
 import shlex
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +100,11 @@ def _closure(names: tuple[str, ...]) -> list[Any]:
     """The installed distributions ``names`` need (their requirements, no extras), here."""
     from importlib import metadata
 
+    parse: Callable[[str], Any] | None
     try:
-        from packaging.requirements import Requirement
+        from packaging.requirements import Requirement as parse
     except ImportError:  # pragma: no cover - pip's own copy is not importable
-        Requirement = None  # noqa: N806
+        parse = None
     seen: dict[str, Any] = {}
     todo = list(names)
     while todo:
@@ -116,8 +118,8 @@ def _closure(names: tuple[str, ...]) -> list[Any]:
             continue
         seen[key] = dist
         for req in dist.requires or []:
-            if Requirement is not None:
-                r = Requirement(req)
+            if parse is not None:
+                r = parse(req)
                 if r.marker is None or r.marker.evaluate({"extra": ""}):
                     todo.append(r.name)
             elif "extra ==" not in req:

@@ -90,6 +90,9 @@ class HostConnection:
         lists the host with another key (a changed key, never accepted), else record it."""
         conn = await asyncssh.connect(hostname, **{**kwargs, "known_hosts": None})
         key = conn.get_server_host_key()
+        if key is None:
+            conn.close()
+            raise DeployError(f"{self.label}: the SSH server sent no host key; not connecting")
         path = Path(os.path.expanduser(self.options.known_hosts or "~/.ssh/known_hosts"))
         addr, port = conn.get_extra_info("peername")[:2]
         listed = []
