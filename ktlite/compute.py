@@ -16,14 +16,15 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ktlite import kubetorch_compute
 from ktlite.autoscaling import AutoscaleConfig, from_kwargs
 from ktlite.backends.registry import HOSTS_BACKEND, NAMES, traits
 from ktlite.call_defaults import CALL_FIELDS, SERIALIZATIONS, CallDefaults
+from ktlite.config import get as setting
 from ktlite.errors import ConfigError
 from ktlite.hosts import Hosts, as_hosts
 from ktlite.images import Image
 from ktlite.kube_options import KUBERNETES_FIELDS, PULL_POLICIES, KubernetesOptions
+from ktlite.kubetorch_compute import ALIASES, EXTRA, adapt
 from ktlite.podspec import PodSpec, Resources
 from ktlite.quantities import memory_quantity, parse_cpus, parse_duration, parse_memory
 from ktlite.secrets import Secret, normalize
@@ -59,7 +60,7 @@ def _default(f: Any) -> Any:
 def _unknown(kwargs: dict[str, Any]) -> ConfigError:
     """The error for keywords Compute does not take, with the closest names it does."""
     known = sorted({f.name for f in fields(Compute) if f.init} | set(_PART_OF)
-                   | set(kubetorch_compute.ALIASES) | set(kubetorch_compute.EXTRA))
+                   | set(ALIASES) | set(EXTRA))
     hints = []
     for name in sorted(kwargs):
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
@@ -139,7 +140,7 @@ class Compute:
             if name in kwargs:
                 raise ConfigError(f"Compute() got {name}= twice (by position and by name)")
             kwargs[name] = value
-        kwargs = kubetorch_compute.adapt(kwargs)
+        kwargs = adapt(kwargs)
         for part, (kind, names) in _PARTS.items():
             base = kwargs.pop(part, None) or kind()
             if not isinstance(base, kind):
@@ -164,7 +165,7 @@ class Compute:
 
     def __getattr__(self, name: str) -> Any:
         """The flat names of the parts' settings (``compute.namespace``, ``compute.launch_timeout``)."""
-        if name in kubetorch_compute.ALIASES or name in kubetorch_compute.EXTRA:
+        if name in ALIASES or name in EXTRA:
             return None  # Kubetorch's names are read into ktlite's at construction, never stored
         part = _PART_OF.get(name) or ("calls" if name == "inactivity_seconds" else None)
         if part is None:
@@ -329,9 +330,7 @@ class Compute:
         """``hosts`` means the ssh backend, one pod per host, each host's ranks its own."""
         hosts = as_hosts(self.hosts)
         if hosts is None and traits(self.backend).hosts:  # `ktlite config set ssh.hosts gpu1,gpu2`
-            from ktlite import config
-
-            listed = [h.strip() for h in (config.get("ssh.hosts") or "").split(",") if h.strip()]
+            listed = [h.strip() for h in (setting("ssh.hosts") or "").split(",") if h.strip()]
             hosts = Hosts(tuple(listed)) if listed else None
         object.__setattr__(self, "hosts", hosts)
         if hosts is None:
