@@ -12,6 +12,7 @@ reading ``compute.namespace`` still works. :meth:`Compute.pod_spec` parses it on
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -24,7 +25,7 @@ from ktlite.errors import ConfigError
 from ktlite.hosts import Hosts, as_hosts
 from ktlite.images import Image
 from ktlite.kube_options import KUBERNETES_FIELDS, PULL_POLICIES, KubernetesOptions
-from ktlite.kubetorch_compute import ALIASES, EXTRA, adapt
+from ktlite.kubetorch_compute import ALIASES, EXTRA, KubetorchOperations, adapt
 from ktlite.podspec import PodSpec, Resources
 from ktlite.quantities import memory_quantity, parse_cpus, parse_duration, parse_memory
 from ktlite.secrets import Secret, normalize
@@ -70,7 +71,7 @@ def _unknown(kwargs: dict[str, Any]) -> ConfigError:
 
 
 @dataclass(frozen=True, init=False)
-class Compute:
+class Compute(KubetorchOperations):
     """The resources and settings of one pod; ``.distribute()`` makes it N pods.
 
     Args:
@@ -275,32 +276,6 @@ class Compute:
                 min_scale=self.replicas, max_scale=self.replicas, initial_scale=self.replicas))
         return self
 
-    # Kubetorch's live operations on a Compute's pods: ktlite's Compute describes pods and is
-    # not bound to a deployment, so each names what to use instead
-    def _live(self, what: str, instead: str) -> NotImplementedError:
-        return NotImplementedError(f"compute.{what} is not supported: a ktlite Compute describes pods and "
-                                   f"is not bound to a deployment; {instead}")
-
-    def pip_install(self, *args: Any, **kwargs: Any) -> None:
-        raise self._live("pip_install()", "put the packages in the image, kt.Image(...).pip_install([...]), "
-                         "and .to() again (installed at pod start, cached per pod)")
-
-    def run_bash(self, *args: Any, **kwargs: Any) -> None:
-        raise self._live("run_bash()", "run the command from a function on the pods, e.g. "
-                         "kt.fn(setup).to(compute), or at pod start with kt.Image(...).run_bash(cmd)")
-
-    def sync_package(self, *args: Any, **kwargs: Any) -> None:
-        raise self._live("sync_package()", "ktlite ships the local packages your code imports with every .to()")
-
-    def ssh(self, *args: Any, **kwargs: Any) -> None:
-        raise self._live("ssh()", "`kubectl exec -it NAME-0 -- bash` opens a shell in pod 0")
-
-    def pods(self) -> None:
-        raise self._live("pods()", "remote.status() lists the deployment's pods and ranks")
-
-    def is_up(self) -> None:
-        raise self._live("is_up()", "remote.status() (or `ktlite status NAME`) answers it")
-
     def autoscale(self, **kwargs: Any) -> Compute:
         """Serve this Compute's function or class from replicas that grow and shrink with load
         (Kubetorch's ``.autoscale``); changes this Compute and returns it. Each call goes to
@@ -319,12 +294,6 @@ class Compute:
                               "replicas; use autoscale(initial_scale=..., min_scale=..., max_scale=...)")
         object.__setattr__(self, "serving", replace(self.serving, autoscaling=from_kwargs(kwargs)))
         return self
-
-    @classmethod
-    def from_manifest(cls, *args: Any, **kwargs: Any) -> Compute:
-        raise NotImplementedError("Compute.from_manifest() (bring your own manifest) is not supported by ktlite: "
-                                  "ktlite builds its own manifests from kt.Compute's fields (service_template= "
-                                  "merges extra fields into them; `ktlite deploy --dry-run` prints them)")
 
     def _check_hosts(self) -> None:
         """``hosts`` means the ssh backend, one pod per host, each host's ranks its own."""
@@ -486,4 +455,18 @@ class Compute:
         config = DistributedConfig(framework=framework, workers=workers, num_proc=num_proc,
                                    port=port, quorum_timeout=quorum_timeout)
         return self._with(distributed=config, worker_node_options=None,
-                       replicas=None if self.replicas is None else workers)
+                          replicas=None if self.replicas is None else workers)
+
+
+def _signature() -> inspect.Signature:
+    """``Compute(...)``'s keywords for help() and editors: its own fields, then its parts'."""
+    own = [f for f in fields(Compute) if f.init and f.name not in _PARTS]
+    kinds = {name: inspect.Parameter.POSITIONAL_OR_KEYWORD for name in _POSITIONAL}
+    params = [inspect.Parameter(f.name, kinds.get(f.name, inspect.Parameter.KEYWORD_ONLY), default=_default(f))
+              for f in sorted(own, key=lambda f: f.name not in kinds)]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f))
+               for kind, _ in _PARTS.values() for f in fields(kind)]
+    return inspect.Signature(params)
+
+
+Compute.__signature__ = _signature()  # type: ignore[attr-defined]

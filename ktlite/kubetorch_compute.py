@@ -53,3 +53,38 @@ def adapt(kwargs: dict[str, Any]) -> dict[str, Any]:
                 "creates and owns its pods. Give the resources instead (Compute(cpus=, gpus=, image=, "
                 "node_selector=...)), or run on existing machines with hosts=[...] (backend='ssh')")
     return out
+
+
+class KubetorchOperations:
+    """Kubetorch's live operations on a Compute's pods. A ktlite Compute describes pods and is
+    not bound to a deployment, so each names what to use instead."""
+
+    def _live(self, what: str, instead: str) -> NotImplementedError:
+        return NotImplementedError(f"compute.{what} is not supported: a ktlite Compute describes pods and "
+                                   f"is not bound to a deployment; {instead}")
+
+    def pip_install(self, *args: Any, **kwargs: Any) -> None:
+        raise self._live("pip_install()", "put the packages in the image, kt.Image(...).pip_install([...]), "
+                         "and .to() again (installed at pod start, cached per pod)")
+
+    def run_bash(self, *args: Any, **kwargs: Any) -> None:
+        raise self._live("run_bash()", "run the command from a function on the pods, e.g. "
+                         "kt.fn(setup).to(compute), or at pod start with kt.Image(...).run_bash(cmd)")
+
+    def sync_package(self, *args: Any, **kwargs: Any) -> None:
+        raise self._live("sync_package()", "ktlite ships the local packages your code imports with every .to()")
+
+    def ssh(self, *args: Any, **kwargs: Any) -> None:
+        raise self._live("ssh()", "`kubectl exec -it NAME-0 -- bash` opens a shell in pod 0")
+
+    def pods(self) -> None:
+        raise self._live("pods()", "remote.status() lists the deployment's pods and ranks")
+
+    def is_up(self) -> None:
+        raise self._live("is_up()", "remote.status() (or `ktlite status NAME`) answers it")
+
+    @classmethod
+    def from_manifest(cls, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("Compute.from_manifest() (bring your own manifest) is not supported by ktlite: "
+                                  "ktlite builds its own manifests from kt.Compute's fields (service_template= "
+                                  "merges extra fields into them; `ktlite deploy --dry-run` prints them)")
