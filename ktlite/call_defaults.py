@@ -16,9 +16,16 @@ SERIALIZATIONS = ("json", "pickle")  # Kubetorch's call serialization formats kt
 def _seconds(name: str, value: object, *, none_ok: bool = False) -> None:
     if value is None and none_ok:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}={value!r} must be a positive number of seconds (finite)"
-                          + (" (or None for no limit)" if none_ok else ""))
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(
+            f"{name}={value!r} must be a positive number of seconds (finite)"
+            + (" (or None for no limit)" if none_ok else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -48,18 +55,33 @@ class CallDefaults:
     allowed_serialization: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.launch_timeout, bool) or not isinstance(self.launch_timeout, (int, float)) \
-                or not math.isfinite(self.launch_timeout) or self.launch_timeout <= 0:
-            raise ConfigError(f"launch_timeout={self.launch_timeout!r} must be a positive number of seconds")
+        if (
+            isinstance(self.launch_timeout, bool)
+            or not isinstance(self.launch_timeout, (int, float))
+            or not math.isfinite(self.launch_timeout)
+            or self.launch_timeout <= 0
+        ):
+            raise ConfigError(
+                f"launch_timeout={self.launch_timeout!r} must be a positive number of seconds"
+            )
         _seconds("call_timeout", self.call_timeout, none_ok=True)
         _seconds("teardown_timeout", self.teardown_timeout)
         self.inactivity_seconds  # noqa: B018 - a bad duration fails here, before any deploy
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+        if (
+            isinstance(self.max_restarts, bool)
+            or not isinstance(self.max_restarts, int)
+            or self.max_restarts < 0
+        ):
             raise ConfigError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0")
-        if self.concurrency is not None and (isinstance(self.concurrency, bool) or not isinstance(
-                self.concurrency, int) or not 1 <= self.concurrency <= 1024):
-            raise ConfigError(f"concurrency={self.concurrency!r} must be a whole number between 1 and 1024 "
-                              "(calls each rank process runs at once)")
+        if self.concurrency is not None and (
+            isinstance(self.concurrency, bool)
+            or not isinstance(self.concurrency, int)
+            or not 1 <= self.concurrency <= 1024
+        ):
+            raise ConfigError(
+                f"concurrency={self.concurrency!r} must be a whole number between 1 and 1024 "
+                "(calls each rank process runs at once)"
+            )
         if not isinstance(self.restart_procs, bool):
             raise ConfigError(f"restart_procs={self.restart_procs!r} must be True or False")
         if self.allowed_serialization is not None:
@@ -67,8 +89,10 @@ class CallDefaults:
             allowed = (given,) if isinstance(given, str) else tuple(self.allowed_serialization)
             bad = [a for a in allowed if a not in SERIALIZATIONS]
             if bad or not allowed:
-                raise ConfigError(f"allowed_serialization={self.allowed_serialization!r}; allowed entries: "
-                                  f"{', '.join(map(repr, SERIALIZATIONS))}")
+                raise ConfigError(
+                    f"allowed_serialization={self.allowed_serialization!r}; allowed entries: "
+                    f"{', '.join(map(repr, SERIALIZATIONS))}"
+                )
             object.__setattr__(self, "allowed_serialization", allowed)
 
     @property

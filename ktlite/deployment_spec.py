@@ -40,8 +40,10 @@ class DeploymentSpec:
     def __post_init__(self) -> None:
         if self.pod is None:
             if self.compute is None:
-                raise ConfigError(f"DeploymentSpec({self.name!r}) needs compute= (a kt.Compute) or pod= "
-                                  "(a ktlite.podspec.PodSpec)")
+                raise ConfigError(
+                    f"DeploymentSpec({self.name!r}) needs compute= (a kt.Compute) or pod= "
+                    "(a ktlite.podspec.PodSpec)"
+                )
             object.__setattr__(self, "pod", self.compute.pod_spec())
         elif not isinstance(self.pod, PodSpec):
             raise ConfigError(f"DeploymentSpec.pod={self.pod!r} must be a ktlite.podspec.PodSpec")
@@ -69,7 +71,9 @@ class DeploymentSpec:
         """Calls each rank process runs at once: ``Compute.concurrency``, else 8 for a
         single-rank class (a server), else 1 (a distributed call's collectives need order)."""
         own = self.pod.calls.concurrency
-        if self.autoscale is not None:  # Knative's containerConcurrency; unset: a replica takes many
+        if (
+            self.autoscale is not None
+        ):  # Knative's containerConcurrency; unset: a replica takes many
             return int(self.autoscale.concurrency or own or 32)
         if own is not None:
             return int(own)

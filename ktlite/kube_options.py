@@ -50,15 +50,22 @@ class KubernetesOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tolerations", tuple(self.tolerations))
         if self.image_pull_policy not in (None, *PULL_POLICIES):
-            raise ConfigError(f"image_pull_policy={self.image_pull_policy!r}; allowed: {', '.join(PULL_POLICIES)}")
+            raise ConfigError(
+                f"image_pull_policy={self.image_pull_policy!r}; allowed: {', '.join(PULL_POLICIES)}"
+            )
         if not isinstance(self.gpu_anti_affinity, bool):
             raise ConfigError(f"gpu_anti_affinity={self.gpu_anti_affinity!r} must be True or False")
-        if self.queue_name is not None and (not isinstance(self.queue_name, str)
-                                            or not DNS_LABEL.match(self.queue_name)):
-            raise ConfigError(f"queue_name={self.queue_name!r} must name a Kueue LocalQueue (a DNS label)")
+        if self.queue_name is not None and (
+            not isinstance(self.queue_name, str) or not DNS_LABEL.match(self.queue_name)
+        ):
+            raise ConfigError(
+                f"queue_name={self.queue_name!r} must name a Kueue LocalQueue (a DNS label)"
+            )
         if self.service_template is not None and not isinstance(self.service_template, dict):
-            raise ConfigError(f"service_template={self.service_template!r} must be a dict merged into the "
-                              "generated StatefulSet, e.g. {'spec': {'template': {'spec': {...}}}}")
+            raise ConfigError(
+                f"service_template={self.service_template!r} must be a dict merged into the "
+                "generated StatefulSet, e.g. {'spec': {'template': {'spec': {...}}}}"
+            )
         if self.kubeconfig_path is not None and not isinstance(self.kubeconfig_path, str):
             raise ConfigError(f"kubeconfig_path={self.kubeconfig_path!r} must be a path string")
 

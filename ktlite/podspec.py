@@ -67,29 +67,58 @@ class Resources:
     def __post_init__(self) -> None:
         for name in ("cpus", "cpu_limit"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
-                raise ConfigError(f"Resources.{name}={value!r} must be a number of CPUs > 0; use "
-                                  "Resources.parse() for spellings such as '500m'")
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ConfigError(
+                    f"Resources.{name}={value!r} must be a number of CPUs > 0; use "
+                    "Resources.parse() for spellings such as '500m'"
+                )
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
             raise ConfigError(f"gpus={self.gpus!r} must be a whole number >= 0")
         if self.cpu_limit is not None and self.cpu_limit < (self.cpus or 0):
-            raise ConfigError(f"cpu_limit={self.cpu_limit!r} is below cpus={self.cpus!r}; a limit must be "
-                              "at least the request")
-        if self.memory_limit is not None and self.memory_limit.bytes < (self.memory.bytes if self.memory else 0):
-            raise ConfigError(f"memory_limit={self.memory_limit.quantity!r} is below memory="
-                              f"{self.memory.quantity if self.memory else None!r}; a limit must be at least the request")
+            raise ConfigError(
+                f"cpu_limit={self.cpu_limit!r} is below cpus={self.cpus!r}; a limit must be "
+                "at least the request"
+            )
+        if self.memory_limit is not None and self.memory_limit.bytes < (
+            self.memory.bytes if self.memory else 0
+        ):
+            raise ConfigError(
+                f"memory_limit={self.memory_limit.quantity!r} is below memory="
+                f"{self.memory.quantity if self.memory else None!r}; a limit must be at least the request"
+            )
 
     @classmethod
-    def parse(cls, *, cpus: object = None, memory: object = None, gpus: int = 0, cpu_limit: object = None,
-              memory_limit: object = None, gpu_type: str | None = None, shared_memory: object = None,
-              disk_size: object = None, gpu_memory: object = None) -> Resources:
+    def parse(
+        cls,
+        *,
+        cpus: object = None,
+        memory: object = None,
+        gpus: int = 0,
+        cpu_limit: object = None,
+        memory_limit: object = None,
+        gpu_type: str | None = None,
+        shared_memory: object = None,
+        disk_size: object = None,
+        gpu_memory: object = None,
+    ) -> Resources:
         """Resources from the spellings users write: cpus 2, 0.5 or "500m"; memory "4Gi",
         "8GB" or a number of bytes."""
-        return cls(cpus=_cpus(cpus, "cpus"), memory=_memory(memory, "memory"), gpus=gpus,
-                   cpu_limit=_cpus(cpu_limit, "cpu_limit"), memory_limit=_memory(memory_limit, "memory_limit"),
-                   gpu_type=gpu_type, shared_memory=_memory(shared_memory, "shared_memory"),
-                   disk_size=_memory(disk_size, "disk_size"), gpu_memory=_memory(gpu_memory, "gpu_memory"))
+        return cls(
+            cpus=_cpus(cpus, "cpus"),
+            memory=_memory(memory, "memory"),
+            gpus=gpus,
+            cpu_limit=_cpus(cpu_limit, "cpu_limit"),
+            memory_limit=_memory(memory_limit, "memory_limit"),
+            gpu_type=gpu_type,
+            shared_memory=_memory(shared_memory, "shared_memory"),
+            disk_size=_memory(disk_size, "disk_size"),
+            gpu_memory=_memory(gpu_memory, "gpu_memory"),
+        )
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,16 @@ class ServingOptions:
     autoscaling: AutoscaleConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.replicas is not None and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
-                                          or self.replicas < 1):
+        if self.replicas is not None and (
+            isinstance(self.replicas, bool)
+            or not isinstance(self.replicas, int)
+            or self.replicas < 1
+        ):
             raise ConfigError(f"replicas={self.replicas!r} must be a whole number >= 1")
         if self.autoscaling is not None and not isinstance(self.autoscaling, AutoscaleConfig):
-            raise ConfigError(f"autoscaling={self.autoscaling!r}: use compute.autoscale(min_scale=..., ...)")
+            raise ConfigError(
+                f"autoscaling={self.autoscaling!r}: use compute.autoscale(min_scale=..., ...)"
+            )
 
 
 SERVING_FIELDS = tuple(f.name for f in fields(ServingOptions))

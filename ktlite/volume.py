@@ -31,7 +31,9 @@ class Volume:
     mount_path: str = ""
     access_mode: str = "ReadWriteMany"
     storage_class: str | None = None
-    namespace: str | None = None  # Kubetorch's: must be the deployment's (pods mount their own namespace's PVCs)
+    namespace: str | None = (
+        None  # Kubetorch's: must be the deployment's (pods mount their own namespace's PVCs)
+    )
     volume_name: str | None = None  # bind the claim to this PersistentVolume
 
     @classmethod
@@ -44,7 +46,8 @@ class Volume:
         return NotImplementedError(
             f"Volume.{what}() is not supported: ktlite creates a kt.Volume's claim with the deployment that "
             "mounts it and deletes it with teardown(volumes=True) (`ktlite teardown NAME --volumes`); "
-            "look at claims with `kubectl get pvc`")
+            "look at claims with `kubectl get pvc`"
+        )
 
     def create(self) -> Volume:
         raise self._refuse("create")
@@ -60,13 +63,19 @@ class Volume:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not DNS_LABEL.match(self.name):
-            raise ConfigError(f"Volume(name={self.name!r}) is not a valid PVC name: use lowercase "
-                              "letters, digits and '-', at most 63 characters, e.g. 'train-data'")
+            raise ConfigError(
+                f"Volume(name={self.name!r}) is not a valid PVC name: use lowercase "
+                "letters, digits and '-', at most 63 characters, e.g. 'train-data'"
+            )
         object.__setattr__(self, "size", memory_quantity(self.size, "Volume.size"))
         if self.access_mode not in ACCESS_MODES:
-            raise ConfigError(f"Volume.access_mode={self.access_mode!r}; allowed: ReadWriteMany, "
-                              "ReadWriteOnce, ReadOnlyMany, ReadWriteOncePod")
+            raise ConfigError(
+                f"Volume.access_mode={self.access_mode!r}; allowed: ReadWriteMany, "
+                "ReadWriteOnce, ReadOnlyMany, ReadWriteOncePod"
+            )
         if not self.mount_path:
             object.__setattr__(self, "mount_path", f"/{self.name}")
         if not self.mount_path.startswith("/"):
-            raise ConfigError(f"Volume.mount_path={self.mount_path!r} must be an absolute path like '/data'")
+            raise ConfigError(
+                f"Volume.mount_path={self.mount_path!r} must be an absolute path like '/data'"
+            )

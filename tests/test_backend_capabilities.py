@@ -42,10 +42,15 @@ class BareBackend(Backend):
 def test_a_backend_lacking_a_capability_gets_an_error_naming_its_class() -> None:
     bare = BareBackend()
     assert optional(bare, Serving) is None and optional(bare, ClientScaling) is None
-    with pytest.raises(kt.ConfigError, match=r"BareBackend \(backend 'bare'\) cannot serve autoscaled "
-                                             r"deployments.*no autoscaler, write_launch"):
+    with pytest.raises(
+        kt.ConfigError,
+        match=r"BareBackend \(backend 'bare'\) cannot serve autoscaled "
+        r"deployments.*no autoscaler, write_launch",
+    ):
         require(bare, Serving)
-    with pytest.raises(kt.ConfigError, match=r"BareBackend .* no scale, lead_scaling, publish_waiting"):
+    with pytest.raises(
+        kt.ConfigError, match=r"BareBackend .* no scale, lead_scaling, publish_waiting"
+    ):
         require(bare, ClientScaling)
 
 
@@ -83,12 +88,19 @@ def test_the_bare_backend_plans_and_says_where() -> None:
 
 
 # what callers wrote to tell backends apart: a name compared, a method probed
-_BRANCH = re.compile(r"""backend\.name\s*[!=]=|backend\s*[!=]=\s*["']|(?:get|has)attr\([\w.]*backend\b"""
-                     r"""|[!=]=\s*["'](?:local|kubernetes|ssh)["']|["'](?:local|kubernetes|ssh)["']\s*[!=]=""")
+_BRANCH = re.compile(
+    r"""backend\.name\s*[!=]=|backend\s*[!=]=\s*["']|(?:get|has)attr\([\w.]*backend\b"""
+    r"""|[!=]=\s*["'](?:local|kubernetes|ssh)["']|["'](?:local|kubernetes|ssh)["']\s*[!=]="""
+)
 
 
-@pytest.mark.parametrize("path", sorted(Path(ktlite.__file__).parent.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(Path(ktlite.__file__).parent.glob("*.py")), ids=lambda p: p.name
+)
 def test_no_caller_branches_on_a_backend(path: Path) -> None:
-    found = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-             if _BRANCH.search(line)]
+    found = [
+        f"{path.name}:{n}: {line.strip()}"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _BRANCH.search(line)
+    ]
     assert found == [], "ask ktlite.backends.capabilities or registry.traits instead"

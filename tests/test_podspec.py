@@ -33,15 +33,26 @@ def test_cpus_are_a_number(cpus: Any, number: float) -> None:
     assert kt.Compute(cpus=cpus).pod_spec().resources.cpus == number
 
 
-@pytest.mark.parametrize(("memory", "size", "quantity"), [
-    ("8GB", 8 * 10**9, "8G"), ("4Gi", 4 * 2**30, "4Gi"), ("512MiB", 512 * 2**20, "512Mi"), (1024, 1024, "1024")])
-def test_memory_is_bytes_with_its_kubernetes_spelling(memory: Any, size: int, quantity: str) -> None:
+@pytest.mark.parametrize(
+    ("memory", "size", "quantity"),
+    [
+        ("8GB", 8 * 10**9, "8G"),
+        ("4Gi", 4 * 2**30, "4Gi"),
+        ("512MiB", 512 * 2**20, "512Mi"),
+        (1024, 1024, "1024"),
+    ],
+)
+def test_memory_is_bytes_with_its_kubernetes_spelling(
+    memory: Any, size: int, quantity: str
+) -> None:
     res = kt.Compute(memory=memory, memory_limit=memory, shared_memory=memory).pod_spec().resources
     assert res.memory == res.memory_limit == res.shared_memory == Memory(size, quantity)
 
 
 def test_limits_are_parsed_and_checked_against_requests() -> None:
-    res = kt.Compute(cpus="500m", cpu_limit=2, memory="1Gi", memory_limit="2Gi").pod_spec().resources
+    res = (
+        kt.Compute(cpus="500m", cpu_limit=2, memory="1Gi", memory_limit="2Gi").pod_spec().resources
+    )
     assert (res.cpu_limit, res.memory_limit) == (2.0, Memory(2 * 2**30, "2Gi"))
     with pytest.raises(kt.ConfigError, match="cpu_limit"):
         Resources(cpus=2.0, cpu_limit=1.0)
@@ -69,19 +80,34 @@ def test_parsed_once_backends_never_parse_again(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_a_backend_plans_from_a_pod_spec_built_without_compute() -> None:
-    pod = PodSpec(resources=Resources(cpus=0.5, memory=Memory.parse("4Gi"), gpus=1, gpu_type="A100"),
-                  env={"A": "1"}, kubernetes=KubernetesOptions(node_selector={"pool": "gpu"}),
-                  calls=CallDefaults(launch_timeout=60))
+    pod = PodSpec(
+        resources=Resources(cpus=0.5, memory=Memory.parse("4Gi"), gpus=1, gpu_type="A100"),
+        env={"A": "1"},
+        kubernetes=KubernetesOptions(node_selector={"pool": "gpu"}),
+        calls=CallDefaults(launch_timeout=60),
+    )
     objs = _render(DeploymentSpec("direct", pod=pod))
     container = _container(objs)
-    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "4Gi", "nvidia.com/gpu": "1"},
-                                      "limits": {"nvidia.com/gpu": "1"}}
+    assert container["resources"] == {
+        "requests": {"cpu": "500m", "memory": "4Gi", "nvidia.com/gpu": "1"},
+        "limits": {"nvidia.com/gpu": "1"},
+    }
     assert {"name": "A", "value": "1"} in container["env"]
     (sts,) = [o for o in objs if o["kind"] == "StatefulSet"]
-    assert sts["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "A100"}
+    assert sts["spec"]["template"]["spec"]["nodeSelector"] == {
+        "pool": "gpu",
+        "nvidia.com/gpu.product": "A100",
+    }
     # the same settings through kt.Compute render the same objects
-    same = kt.Compute(cpus="500m", memory="4Gi", gpus=1, gpu_type="A100", env={"A": "1"},
-                      node_selector={"pool": "gpu"}, launch_timeout=60)
+    same = kt.Compute(
+        cpus="500m",
+        memory="4Gi",
+        gpus=1,
+        gpu_type="A100",
+        env={"A": "1"},
+        node_selector={"pool": "gpu"},
+        launch_timeout=60,
+    )
     assert _render(DeploymentSpec("direct", same)) == objs
 
 
@@ -99,9 +125,13 @@ def _imports(path: Path) -> set[str]:
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names
-                      if importlib.util.find_spec(node.module) is not None
-                      and node.module.startswith("ktlite") and _is_module(f"{node.module}.{a.name}")}
+            found |= {
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if importlib.util.find_spec(node.module) is not None
+                and node.module.startswith("ktlite")
+                and _is_module(f"{node.module}.{a.name}")
+            }
     return found
 
 
@@ -118,8 +148,12 @@ BACKENDS = sorted((Path(km.__file__).parent).glob("*.py"))
 @pytest.mark.parametrize("path", BACKENDS, ids=lambda p: p.name)
 def test_a_backend_imports_neither_compute_nor_the_package_face_nor_the_server(path: Path) -> None:
     imports = _imports(path)
-    up = sorted(m for m in imports if m in ("ktlite", "ktlite.compute", "ktlite.remote", "ktlite.deploy",
-                                            "ktlite.decorators") or m.split(".")[0] == "ktlite_server")
+    up = sorted(
+        m
+        for m in imports
+        if m in ("ktlite", "ktlite.compute", "ktlite.remote", "ktlite.deploy", "ktlite.decorators")
+        or m.split(".")[0] == "ktlite_server"
+    )
     assert up == [], f"{path.name} imports {up}: a backend reads the pod spec only"
 
 
@@ -130,7 +164,9 @@ def test_the_backend_base_imports_no_backend() -> None:
 
 
 def test_compute_keeps_its_parts_apart_and_reads_flat() -> None:
-    c = kt.Compute(cpus=1, namespace="team", launch_timeout=30, replicas=2, service_account_name="sa")
+    c = kt.Compute(
+        cpus=1, namespace="team", launch_timeout=30, replicas=2, service_account_name="sa"
+    )
     assert c.kubernetes.namespace == c.namespace == "team"
     assert c.kubernetes.service_account == "sa" and c.service_account_name is None
     assert c.calls.launch_timeout == c.launch_timeout == 30
@@ -139,8 +175,15 @@ def test_compute_keeps_its_parts_apart_and_reads_flat() -> None:
     assert moved.kubernetes.namespace == "team" and moved.serving.replicas == 2
 
 
-@pytest.mark.parametrize(("typo", "hint"), [("cpu", "cpus"), ("memroy", "memory"), ("namespce", "namespace"),
-                                            ("launch_timout", "launch_timeout")])
+@pytest.mark.parametrize(
+    ("typo", "hint"),
+    [
+        ("cpu", "cpus"),
+        ("memroy", "memory"),
+        ("namespce", "namespace"),
+        ("launch_timout", "launch_timeout"),
+    ],
+)
 def test_a_mistyped_keyword_is_a_config_error_with_did_you_mean(typo: str, hint: str) -> None:
     with pytest.raises(kt.ConfigError, match=f"{typo!r} \\(did you mean {hint}\\?\\)"):
         kt.Compute(**{typo: 2})

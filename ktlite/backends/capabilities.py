@@ -80,14 +80,19 @@ class Waking(Protocol):
 
 
 P = TypeVar("P")
-_WHAT = {Serving: "serve autoscaled deployments (.autoscale(), Compute(replicas=N))",
-         ClientScaling: "let ktlite's autoscaler scale its replicas",
-         Waking: "wake a deployment scaled to zero"}
+_WHAT = {
+    Serving: "serve autoscaled deployments (.autoscale(), Compute(replicas=N))",
+    ClientScaling: "let ktlite's autoscaler scale its replicas",
+    Waking: "wake a deployment scaled to zero",
+}
 
 
 def _members(protocol: type) -> tuple[str, ...]:
-    return tuple(name for name, value in vars(protocol).items()
-                 if not name.startswith("_") and inspect.isfunction(value))
+    return tuple(
+        name
+        for name, value in vars(protocol).items()
+        if not name.startswith("_") and inspect.isfunction(value)
+    )
 
 
 _checked: dict[tuple[type, type], bool] = {}
@@ -115,7 +120,9 @@ def require(backend: object, protocol: type[P]) -> P:
         what = _WHAT.get(protocol, protocol.__name__)
         missing = [m for m in _members(protocol) if not callable(getattr(type(backend), m, None))]
         name = getattr(backend, "name", "?")
-        raise ConfigError(f"{type(backend).__name__} (backend {name!r}) cannot {what}: it has no "
-                          f"{', '.join(missing)} ({protocol.__name__} in ktlite.backends.capabilities); "
-                          "use backend='local' or 'kubernetes'")
+        raise ConfigError(
+            f"{type(backend).__name__} (backend {name!r}) cannot {what}: it has no "
+            f"{', '.join(missing)} ({protocol.__name__} in ktlite.backends.capabilities); "
+            "use backend='local' or 'kubernetes'"
+        )
     return found

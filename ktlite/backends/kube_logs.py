@@ -11,8 +11,13 @@ from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.errors import DeployError
 
 
-def pod_logs(api: KubeApi, name: str, ordinal: int | None = None, follow: bool = False,
-         tail: int | None = None) -> Iterator[str]:
+def pod_logs(
+    api: KubeApi,
+    name: str,
+    ordinal: int | None = None,
+    follow: bool = False,
+    tail: int | None = None,
+) -> Iterator[str]:
     pods = sorted(api.list("Pod", km.selector(name)), key=kp.ordinal)
     if ordinal is not None:
         pods = [p for p in pods if kp.ordinal(p) == ordinal]

@@ -60,12 +60,19 @@ def incarnation(pod: dict[str, Any]) -> str:
 def is_ready(pod: dict[str, Any]) -> bool:
     status = pod.get("status") or {}
     return bool(status.get("podIP")) and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
 
 
 _PROBLEM_ERRORS: dict[str, type[DeployError]] = {
-    "image_pull": ImagePullError, "unschedulable": ResourceNotAvailableError, "secret": SecretNotFound,
-    "setup": StartupError, "crash": StartupError, "config": StartupError}
+    "image_pull": ImagePullError,
+    "unschedulable": ResourceNotAvailableError,
+    "secret": SecretNotFound,
+    "setup": StartupError,
+    "crash": StartupError,
+    "config": StartupError,
+}
 
 
 def deploy_error(problem: PodProblem, message: str) -> DeployError:

@@ -25,7 +25,9 @@ POLL_S = 1.0
 class PodReadiness(_Base):
     """How the Kubernetes backend waits for pods (mixed into it)."""
 
-    def wait_ready(self, api: KubeApi, spec: DeploymentSpec, want: dict[int, str]) -> list[dict[str, Any]]:
+    def wait_ready(
+        self, api: KubeApi, spec: DeploymentSpec, want: dict[int, str]
+    ) -> list[dict[str, Any]]:
         """Pods 0..N-1, each running its StatefulSet's template (``want``: ordinal → pod hash)
         and answering; fails early with the reason a pod cannot start, and after
         ``launch_timeout`` with the last reason seen.
@@ -40,8 +42,12 @@ class PodReadiness(_Base):
         last_line, last_reason = "", "no pod was created yet"
         answering: set[str] = set()  # uids of pods whose server answered
         while True:
-            pods = {kp.ordinal(p): p for p in api.list("Pod", km.selector(spec.name))
-                    if kp.pod_hash(p) == want.get(kp.ordinal(p)) and not p["metadata"].get("deletionTimestamp")}
+            pods = {
+                kp.ordinal(p): p
+                for p in api.list("Pod", km.selector(spec.name))
+                if kp.pod_hash(p) == want.get(kp.ordinal(p))
+                and not p["metadata"].get("deletionTimestamp")
+            }
             current = [pods[i] for i in range(n) if i in pods]
             line = progress(current, n)
             if line != last_line:
@@ -50,8 +56,11 @@ class PodReadiness(_Base):
             if len(current) == n and all(self._serving(api, p, answering) for p in current):
                 return current
             for pod in current:
-                problem = diagnose(pod, scaling_up=lambda p: self._scaling_up(api, p),
-                                   claims=lambda p: self._claims_problem(api, p))
+                problem = diagnose(
+                    pod,
+                    scaling_up=lambda p: self._scaling_up(api, p),
+                    claims=lambda p: self._claims_problem(api, p),
+                )
                 if problem is None:
                     continue
                 if problem.fatal:
@@ -62,7 +71,8 @@ class PodReadiness(_Base):
                 raise LaunchTimeout(
                     f"deployment {spec.name!r} was not ready after launch_timeout={timeout:g}s: {line}; "
                     f"last reason: {last_reason}. Raise launch_timeout, or look at "
-                    f"`kubectl -n {api.namespace} describe pod {spec.name}-0`")
+                    f"`kubectl -n {api.namespace} describe pod {spec.name}-0`"
+                )
             self._sleep(min(POLL_S, 0.1 + (now - start) / 20))
 
     def _serving(self, api: KubeApi, pod: dict[str, Any], answering: set[str]) -> bool:
@@ -71,13 +81,20 @@ class PodReadiness(_Base):
         if kp.is_ready(pod) or uid in answering:
             return True
         status = pod.get("status") or {}
-        running = any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or [])
+        running = any(
+            "running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []
+        )
         if status.get("phase") != "Running" or not status.get("podIP") or not running:
             return False
         http, info = self._connect()
         try:
             if info.in_cluster:  # straight to the pod, without the API credentials
-                ok = httpx.get(f"{kp.url(status['podIP'], km.SERVER_PORT)}/health", timeout=2.0).status_code == 200
+                ok = (
+                    httpx.get(
+                        f"{kp.url(status['podIP'], km.SERVER_PORT)}/health", timeout=2.0
+                    ).status_code
+                    == 200
+                )
             else:
                 url = api.proxy_url(pod["metadata"]["name"], km.SERVER_PORT)
                 ok = http.get(f"{url}/health", timeout=2.0).status_code == 200
@@ -105,12 +122,16 @@ class PodReadiness(_Base):
                 return f"PersistentVolumeClaim {name!r} does not exist"
             if (claim.get("status") or {}).get("phase") == "Bound":
                 continue
-            events = api.list("Event", field_selector=f"involvedObject.name={name},"
-                              "involvedObject.kind=PersistentVolumeClaim")
+            events = api.list(
+                "Event",
+                field_selector=f"involvedObject.name={name},"
+                "involvedObject.kind=PersistentVolumeClaim",
+            )
             for event in sorted(events, key=lambda e: e.get("lastTimestamp") or "", reverse=True):
                 reason, message = event.get("reason", ""), event.get("message", "")
-                if reason == "ProvisioningFailed" or (reason == "FailedBinding" and
-                                                      "no storage class is set" in message):
+                if reason == "ProvisioningFailed" or (
+                    reason == "FailedBinding" and "no storage class is set" in message
+                ):
                     return f"PersistentVolumeClaim {name!r}: {reason}: {message}"
         return None
 
@@ -122,9 +143,14 @@ class PodReadiness(_Base):
             previous = api.pod_log(problem.pod, tail=30, previous=True)
             current = api.pod_log(problem.pod, tail=30)
             if previous.strip() and current.strip() and previous != current:
-                shown = [("the previous container's log", previous), ("the current container's log", current)]
+                shown = [
+                    ("the previous container's log", previous),
+                    ("the current container's log", current),
+                ]
             else:  # one log, or the same one twice (in back-off "current" is the last run's)
                 shown = [("its log", log) for log in (previous, current) if log.strip()][:1]
             for label, log in shown:
-                text += f"\nlast lines of {label}:\n" + "\n".join("    " + ln for ln in log.splitlines())
+                text += f"\nlast lines of {label}:\n" + "\n".join(
+                    "    " + ln for ln in log.splitlines()
+                )
         return text + (f"\n{problem.fix}" if problem.fix else "")

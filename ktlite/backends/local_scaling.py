@@ -36,6 +36,7 @@ class LocalScaling:
     _lock: threading.RLock
 
     if TYPE_CHECKING:  # the local backend's, which this is mixed into
+
         def _dir(self, name: str) -> Path: ...
         def _read(self, name: str) -> dict[str, Any] | None: ...
         def apply(self, spec: DeploymentSpec, token: str) -> Applied: ...
@@ -58,7 +59,9 @@ class LocalScaling:
         it exits); one process scales a local deployment, the others route."""
         path = self._dir(name) / "autoscaler.lock"
         if name in self._leads:
-            with contextlib.suppress(OSError):  # still the lock of this deployment, not a torn-down one's
+            with contextlib.suppress(
+                OSError
+            ):  # still the lock of this deployment, not a torn-down one's
                 if os.fstat(self._leads[name]).st_ino == os.stat(path).st_ino:
                     return True
             os.close(self._leads.pop(name))
@@ -82,7 +85,9 @@ class LocalScaling:
                 with open(self._dir(name) / "spec.pkl", "rb") as f:
                     spec = pickle.load(f)
             except (OSError, pickle.UnpicklingError, EOFError) as e:
-                raise NotDeployedError(f"deployment {name!r} is not running here (or was torn down): {e}") from None
+                raise NotDeployedError(
+                    f"deployment {name!r} is not running here (or was torn down): {e}"
+                ) from None
             if (self._read(name) or {}).get("token") != token:
                 raise NotDeployedError(f"deployment {name!r} was torn down or re-created")
             return self.apply(replace(spec, replicas=replicas), token)
@@ -110,9 +115,14 @@ class LocalScaling:
         """Start the autoscaler process of a detached deployment (ktlite.autoscalers.supervise)."""
         log = self._dir(name) / "autoscaler.log"
         with open(log, "ab") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "ktlite.autoscalers", name], stdin=subprocess.DEVNULL,
-                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=self._dir(name))  # not the caller's: see apply()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ktlite.autoscalers", name],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self._dir(name),
+            )  # not the caller's: see apply()
         (self._dir(name) / "supervisor.pid").write_text(str(proc.pid))  # teardown stops it first
 
     def _stop_supervisor(self, name: str, timeout: float) -> None:

@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # for annotations only: importing a backend is what get_backe
     from ktlite.backends.base import Backend
 
 
-
 @dataclass(frozen=True)
 class Traits:
     """What a backend is, declared here so that callers decide without importing it (its
@@ -28,14 +27,23 @@ class Traits:
     existing_secrets: bool = False  # reuses Secrets that already exist where its pods run
     local_files: bool = False  # its pods run on this machine and see the caller's folders
     pods_outlive_caller: bool = True  # pods not detached keep running after the caller exits
-    store: str | None = None  # kt.put/get's store: "directory" (the caller's), "pod" (one of its own), none
+    store: str | None = (
+        None  # kt.put/get's store: "directory" (the caller's), "pod" (one of its own), none
+    )
 
 
 # name -> (module, class, traits); extras name the pip extra a backend's dependencies come with
 BACKENDS: dict[str, tuple[str, str, Traits]] = {
-    "local": ("ktlite.backends.local", "LocalBackend", Traits(local_files=True, pods_outlive_caller=False,
-                                                                     store="directory")),
-    "kubernetes": ("ktlite.backends.kubernetes", "KubernetesBackend", Traits(existing_secrets=True, store="pod")),
+    "local": (
+        "ktlite.backends.local",
+        "LocalBackend",
+        Traits(local_files=True, pods_outlive_caller=False, store="directory"),
+    ),
+    "kubernetes": (
+        "ktlite.backends.kubernetes",
+        "KubernetesBackend",
+        Traits(existing_secrets=True, store="pod"),
+    ),
     "ssh": ("ktlite.backends.ssh", "SshBackend", Traits(hosts=True, serves=False)),
 }
 NAMES = tuple(BACKENDS)
@@ -55,8 +63,10 @@ def backend_class(name: str) -> type[Backend]:
         if e.name is not None and e.name.split(".")[0] == "ktlite":
             raise
         extra = _EXTRAS.get(name, name)
-        raise ConfigError(f"backend={name!r} needs {e.name or 'a missing package'}: pip install "
-                          f"'ktlite[{extra}]' ({e})") from None
+        raise ConfigError(
+            f"backend={name!r} needs {e.name or 'a missing package'}: pip install "
+            f"'ktlite[{extra}]' ({e})"
+        ) from None
     cls: type[Backend] = getattr(module, class_name)
     return cls
 
@@ -68,7 +78,9 @@ def traits(name: str | None) -> Traits:
     return entry[2] if entry is not None else Traits()
 
 
-def get_backend(name: str | None, namespace: str | None = None, kubeconfig: str | None = None) -> Backend:
+def get_backend(
+    name: str | None, namespace: str | None = None, kubeconfig: str | None = None
+) -> Backend:
     """The backend called ``name``; default: KTLITE_BACKEND, then ``ktlite config``'s
     backend, else "local". ``namespace`` picks the Kubernetes namespace, ``kubeconfig``
     the cluster (default: ``ktlite config``'s, else KUBECONFIG / ~/.kube/config)."""

@@ -23,8 +23,10 @@ def server_root() -> Path:
     spec = importlib.util.find_spec(SERVER)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
-        raise ConfigError(f"the pod server package {SERVER!r} is not installed next to ktlite; reinstall "
-                          "ktlite (pip install ktlite), which ships both")
+        raise ConfigError(
+            f"the pod server package {SERVER!r} is not installed next to ktlite; reinstall "
+            "ktlite (pip install ktlite), which ships both"
+        )
     return Path(locations[0])
 
 
@@ -39,10 +41,13 @@ def server_packages() -> tuple[str, ...]:
     needs on a host, read from the source without running it."""
     path = server_root() / "sshlaunch.py"
     for node in ast.parse(path.read_text(), str(path)).body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "SERVER_PACKAGES"
-                                                for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "SERVER_PACKAGES" for t in node.targets
+        ):
             value = ast.literal_eval(node.value)
             if isinstance(value, tuple) and all(isinstance(v, str) for v in value):
                 return value
-    raise ConfigError(f"{path} defines no SERVER_PACKAGES tuple of strings; the ktlite installation is "
-                      "damaged: reinstall it")
+    raise ConfigError(
+        f"{path} defines no SERVER_PACKAGES tuple of strings; the ktlite installation is "
+        "damaged: reinstall it"
+    )

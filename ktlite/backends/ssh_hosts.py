@@ -58,8 +58,11 @@ class HostConnection:
     async def connect(self) -> None:
         user, hostname, port = self.host.target
         known = self.options.known_hosts
-        kwargs: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalive_interval": 5,
-                                  "keepalive_count_max": 3}
+        kwargs: dict[str, Any] = {
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "keepalive_interval": 5,
+            "keepalive_count_max": 3,
+        }
         if self.options.ssh_config:
             kwargs["config"] = [os.path.expanduser(self.options.ssh_config)]
         if known:
@@ -72,18 +75,25 @@ class HostConnection:
             self.conn = await asyncssh.connect(hostname, **kwargs)
         except asyncssh.HostKeyNotVerifiable as e:
             if not self.options.accept_new_host_keys:
-                raise DeployError(f"{self.label}: its host key is not trusted ({e}); a host not yet in "
-                                  "known_hosts is accepted only with kt.Hosts(..., accept_new_host_keys=True), "
-                                  "a changed key never (check with the host's owner, then fix known_hosts)"
-                                  ) from None
+                raise DeployError(
+                    f"{self.label}: its host key is not trusted ({e}); a host not yet in "
+                    "known_hosts is accepted only with kt.Hosts(..., accept_new_host_keys=True), "
+                    "a changed key never (check with the host's owner, then fix known_hosts)"
+                ) from None
             self.conn = await self._accept_new(hostname, kwargs)
         except asyncssh.PermissionDenied as e:
-            raise DeployError(f"{self.label}: authentication refused ({e.reason}); check the user, the "
-                              "key (IdentityFile, ssh-agent) and the host's authorized_keys") from None
+            raise DeployError(
+                f"{self.label}: authentication refused ({e.reason}); check the user, the "
+                "key (IdentityFile, ssh-agent) and the host's authorized_keys"
+            ) from None
         except (OSError, asyncio.TimeoutError, asyncssh.Error) as e:
-            raise DeployError(f"{self.label}: cannot connect over SSH: {type(e).__name__}: {e}") from None
+            raise DeployError(
+                f"{self.label}: cannot connect over SSH: {type(e).__name__}: {e}"
+            ) from None
         peer = self.conn.get_extra_info("peername")
-        self.address = self.options.master_addr if self.index == 0 and self.options.master_addr else peer[0]
+        self.address = (
+            self.options.master_addr if self.index == 0 and self.options.master_addr else peer[0]
+        )
 
     async def _accept_new(self, hostname: str, kwargs: dict[str, Any]) -> Any:
         """``accept_new_host_keys``: connect without checking the key, refuse if known_hosts
@@ -103,26 +113,41 @@ class HostConnection:
                 listed += [*keys, *ca_keys, *revoked]
         if listed:
             conn.close()
-            raise DeployError(f"{self.label}: its host key CHANGED: {path} lists another key for it. It is "
-                              "refused even with accept_new_host_keys (someone may be in the middle); check "
-                              "with the host's owner, then remove the old line from known_hosts")
+            raise DeployError(
+                f"{self.label}: its host key CHANGED: {path} lists another key for it. It is "
+                "refused even with accept_new_host_keys (someone may be in the middle); check "
+                "with the host's owner, then remove the old line from known_hosts"
+            )
         name = addr if port == 22 else f"[{addr}]:{port}"
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(f"{name} {key.export_public_key().decode().strip()}\n")
-        print(f"ktlite: added {self.label}'s host key to {path} (accept_new_host_keys)", file=sys.stderr)
+        print(
+            f"ktlite: added {self.label}'s host key to {path} (accept_new_host_keys)",
+            file=sys.stderr,
+        )
         return conn
 
-    async def run(self, command: str, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
+    async def run(
+        self, command: str, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S
+    ) -> str:
         try:
-            result = await asyncio.wait_for(self.conn.run(command, input=input, check=False), timeout)
+            result = await asyncio.wait_for(
+                self.conn.run(command, input=input, check=False), timeout
+            )
         except asyncio.TimeoutError:
-            raise DeployError(f"{self.label}: `{command[:200]}` did not end within {timeout:.0f}s") from None
+            raise DeployError(
+                f"{self.label}: `{command[:200]}` did not end within {timeout:.0f}s"
+            ) from None
         except (asyncssh.Error, OSError) as e:  # e.g. the host refuses another session
-            raise DeployError(f"{self.label}: `{command[:200]}` could not run: {type(e).__name__}: {e}") from None
+            raise DeployError(
+                f"{self.label}: `{command[:200]}` could not run: {type(e).__name__}: {e}"
+            ) from None
         if result.exit_status != 0:
-            raise DeployError(f"{self.label}: `{command[:200]}` failed (exit {result.exit_status}): "
-                              f"{(result.stderr or result.stdout or '').strip()[-1500:]}")
+            raise DeployError(
+                f"{self.label}: `{command[:200]}` failed (exit {result.exit_status}): "
+                f"{(result.stderr or result.stdout or '').strip()[-1500:]}"
+            )
         return str(result.stdout)
 
     def close(self) -> None:
@@ -166,7 +191,7 @@ async def answers(address: str, port: int, c: HostConnection) -> bool:
     """Whether a kept pod's server still listens (from here, or from its host)."""
     if await tcp_ok(address, port):
         return True
-    probe = (f"import socket; socket.create_connection(({address!r}, {int(port)}), 2).close()")
+    probe = f"import socket; socket.create_connection(({address!r}, {int(port)}), 2).close()"
     try:
         await c.run(f"{shlex.quote(c.python)} -c {shlex.quote(probe)}", timeout=10)
     except DeployError:
