@@ -187,3 +187,21 @@ def test_compute_keeps_its_parts_apart_and_reads_flat() -> None:
 def test_a_mistyped_keyword_is_a_config_error_with_did_you_mean(typo: str, hint: str) -> None:
     with pytest.raises(kt.ConfigError, match=f"{typo!r} \\(did you mean {hint}\\?\\)"):
         kt.Compute(**{typo: 2})
+
+
+def test_the_local_and_ssh_backends_plan_from_a_pod_spec_alone() -> None:
+    from ktlite.backends.local import LocalBackend
+    from ktlite.backends.ssh import SshBackend
+    from ktlite.hosts import Hosts
+    from ktlite.spec import DistributedConfig
+
+    two = DistributedConfig(workers=2)
+    local = str(
+        LocalBackend().plan(
+            DeploymentSpec("pod-only", pod=PodSpec(env={"A": "1"}, distributed=two))
+        )
+    )
+    assert local.count("-m ktlite_server") == 2 and "A=..." in local
+    hosts = PodSpec(backend="ssh", hosts=Hosts(("gpu1", "gpu2")), distributed=two)
+    ssh = str(SshBackend().plan(DeploymentSpec("pod-only", pod=hosts)))
+    assert "ssh gpu1:" in ssh and "ssh gpu2:" in ssh and "--ordinal 1" in ssh
