@@ -79,10 +79,18 @@ def test_sdist_ships_license_and_type_hints(tmp_path: Path) -> None:
         _check_metadata(pkg_info.read().decode(), stderr)
 
 
+def _set_up_commands(page: Path) -> list[str]:
+    return re.findall(r"^\s*(python3 -m venv \.venv && .*)$", page.read_text(), re.M)
+
+
 def _readme_commands() -> list[str]:
-    commands = re.findall(r"^\s*(python3 -m venv \.venv && .*)$", README.read_text(), re.M)
+    commands = _set_up_commands(README)
     assert len(commands) == 2, f"README should show exactly two set-up commands: {commands}"
     return commands
+
+
+def test_install_page_shows_readmes_commands() -> None:
+    assert _set_up_commands(ROOT / "docs" / "install.md") == _readme_commands()
 
 
 def test_readme_is_a_short_front_page_with_working_links() -> None:
