@@ -74,8 +74,10 @@ class Shape:
 
     @property
     def label(self) -> str:
+        pods = f"{self.workers} pod{'s' if self.workers > 1 else ''}"
+        ranks = f" x {self.num_proc} ranks" if self.num_proc > 1 else ""
         c = f", concurrency {self.concurrency}" if self.concurrency else ""
-        return f"{self.workers} pod(s) x {self.num_proc} rank(s){c}"
+        return f"{self.key}: {pods}{ranks}{c}"
 
 
 SHAPES = (
@@ -194,7 +196,7 @@ class Bench:
         up: list[str] = []
         try:
             for side in order:
-                log(f"{side}: deploying {shape.key} ({shape.label})")
+                log(f"{side}: deploying {shape.label}")
                 try:
                     with self.load.step(f"{shape.key}: {side} .to()"):
                         got = self.peers[side].ask(
@@ -311,7 +313,7 @@ def table(
     for shape in shapes:
         b, a = to_s["before"].get(shape.key), to_s["after"].get(shape.key)
         if b is not None or a is not None:
-            line(f"cold .to(), {shape.label} (1 sample)", b, a, None)
+            line(f"cold .to() ({shape.label}), 1 sample", b, a, None)
     return out
 
 

@@ -44,7 +44,7 @@ def test_table_shows_a_missing_side_as_a_dash(ab: ModuleType) -> None:
         "warm call, 1 pod, no-op, p50",
         "warm call, 1 pod, no-op, p99",
         "100 submitted calls, concurrency 8, median",
-        "cold .to(), 1 pod(s) x 1 rank(s) (1 sample)",
+        "cold .to() (warm: 1 pod), 1 sample",
     ]
     assert rows[0][1:] == ["2.00 ms", "-", "-", "-"]
     assert rows[1][1] == "4.00 ms"
@@ -68,7 +68,8 @@ def test_driver_runs_each_row_on_this_tree(ab: ModuleType, tmp_path: Path) -> No
         )
         assert got["world"] == 2
         root = os.path.dirname(peer.ready["ktlite_dir"])
-        assert got["rank_modules"]["ktlite_server"].startswith(root + os.sep)
+        assert got["rank_modules"]  # the pod server's packages at least
+        assert all(f.startswith(root + os.sep) for f in got["rank_modules"].values() if f)
         calls = peer.ask("measure", 120, key="t", row="call", n=2, warmup=1)
         perrank = peer.ask("measure", 120, key="t", row="perrank", n=1, warmup=0)
         submit = peer.ask("measure", 120, key="t", row="submit", n=1, warmup=0)
