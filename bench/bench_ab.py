@@ -101,6 +101,7 @@ SHAPES = (
         (Row("xfer_arg", "arg", "100 MB argument"), Row("xfer_result", "result", "100 MB result")),
     ),
 )
+Stat = Callable[[list[float]], float]
 RATES = {"submit": "calls/s", "xfer_arg": "MB/s", "xfer_result": "MB/s"}
 
 
@@ -129,7 +130,10 @@ class Bench:
         self.batches = 1 if quick else 2  # per round: submit batches, 100 MB transfers
         self.peers: dict[str, PeerProcess] = {}
         self.ready: dict[str, Any] = {}
-        self.samples: dict[str, dict[str, list[float]]] = {s: defaultdict(list) for s in SIDES}
+        # side -> row -> one list of samples per round
+        self.samples: dict[str, dict[str, list[list[float]]]] = {
+            s: defaultdict(list) for s in SIDES
+        }
         self.to_s: dict[str, dict[str, float]] = {s: {} for s in SIDES}
         self.rank_modules: dict[str, dict[str, Any]] = {}
         self.notes: list[str] = []
@@ -232,7 +236,7 @@ class Bench:
         def one(r: int) -> None:
             for row in shape.rows:
                 n, warmup = self.counts(row, r)
-                self.samples[side][row.key] += self.peers[side].ask(
+                got = self.peers[side].ask(
                     "measure",
                     ASK_TIMEOUT,
                     key=shape.key,
@@ -241,6 +245,7 @@ class Bench:
                     warmup=warmup,
                     kind=self.kind,
                 )
+                self.samples[side][row.key].append(got)
 
         return one
 
@@ -269,51 +274,55 @@ def change(before: float | None, after: float | None, rate: bool) -> tuple[str, 
     return f"{ratio:.2f}", f"{factor:.2f}x {'faster' if better else 'slower'}"
 
 
+def p50(samples: list[float]) -> float:
+    return report.percentile(samples, 50)
+
+
+def p99(samples: list[float]) -> float:
+    return report.percentile(samples, 99)
+
+
+def spread(before: list[list[float]], after: list[list[float]], f: Stat) -> str:
+    """The lowest and highest after / before of ``f`` over the rounds both sides ran."""
+    # a side left out after a failure ran fewer rounds: compare the rounds both ran
+    pairs = zip(before, after, strict=False)
+    ratios = [f(a) / f(b) for b, a in pairs if a and b and f(b) > 0]
+    return "-" if not ratios else f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def table(
     shapes: list[Shape],
-    samples: dict[str, dict[str, list[float]]],
+    samples: dict[str, dict[str, list[list[float]]]],
     to_s: dict[str, dict[str, float]],
 ) -> list[list[str]]:
     """One line per row of ``shapes`` and statistic: measurement, before, after, after / before,
-    in words; "-" where a side has no sample."""
+    in words, and for p50s and medians the range of that ratio over the rounds; "-" where a
+    side has no sample."""
     out: list[list[str]] = []
 
-    def stat(side: str, key: str, f: Callable[[list[float]], float]) -> float | None:
-        got = samples[side].get(key)
-        return f(got) if got else None
-
-    def line(what: str, b: float | None, a: float | None, unit: str | None) -> None:
+    def line(what: str, b: float | None, a: float | None, unit: str | None, rounds: str) -> None:
         if unit is None:
             cells = [report.fmt_time(b), report.fmt_time(a)]
         else:
             cells = [fmt_rate(b, unit), fmt_rate(a, unit)]
-        out.append([what, *cells, *change(b, a, unit is not None)])
+        out.append([what, *cells, *change(b, a, unit is not None), rounds])
+
+    def measured(what: str, key: str, f: Stat, unit: str | None, per_round: bool) -> None:
+        rounds = {side: samples[side].get(key, []) for side in SIDES}
+        b, a = (f(flat) if flat else None for flat in (sum(rounds[s], []) for s in SIDES))
+        line(what, b, a, unit, spread(rounds["before"], rounds["after"], f) if per_round else "")
 
     for shape in shapes:
         for row in shape.rows:
             if row.key in RATES:
-                line(
-                    f"{row.label}, median",
-                    stat("before", row.key, statistics.median),
-                    stat("after", row.key, statistics.median),
-                    RATES[row.key],
-                )
-                continue
-            for q in (50, 99):
-
-                def pq(s: list[float], q: int = q) -> float:
-                    return report.percentile(s, q)
-
-                line(
-                    f"{row.label}, p{q}",
-                    stat("before", row.key, pq),
-                    stat("after", row.key, pq),
-                    None,
-                )
+                measured(f"{row.label}, median", row.key, statistics.median, RATES[row.key], True)
+            else:
+                measured(f"{row.label}, p50", row.key, p50, None, True)
+                measured(f"{row.label}, p99", row.key, p99, None, False)
     for shape in shapes:
         b, a = to_s["before"].get(shape.key), to_s["after"].get(shape.key)
         if b is not None or a is not None:
-            line(f"cold .to() ({shape.label}), 1 sample", b, a, None)
+            line(f"cold .to() ({shape.label}), 1 sample", b, a, None, "")
     return out
 
 
@@ -386,8 +395,11 @@ def main() -> int:
                 f"({ready['executable']})"
             )
     print(bench.load.summary())
-    print("ratio = after / before: for times below 1 is faster, for rates above 1 is faster\n")
-    header = ["measurement", "before", "after", "after/before", "after is"]
+    print(
+        "ratio = after / before: for times below 1 is faster, for rates above 1 is faster; "
+        "per round: the lowest and highest ratio of one round's p50s (medians)\n"
+    )
+    header = ["measurement", "before", "after", "after/before", "after is", "per round"]
     print(report.render(rows, header, left=(0,)))
     print("\nload average (1 min) before -> after each round or step:")
     for line in bench.load.lines():

@@ -38,7 +38,7 @@ def test_change_reads_times_and_rates_the_right_way_round(ab: ModuleType) -> Non
 def test_table_shows_a_missing_side_as_a_dash(ab: ModuleType) -> None:
     warm = next(s for s in ab.SHAPES if s.key == "warm")
     submit = next(s for s in ab.SHAPES if s.key == "submit")
-    samples = {"before": {"warm_call": [0.002, 0.004], "submit": [500.0]}, "after": {}}
+    samples = {"before": {"warm_call": [[0.002], [0.004]], "submit": [[500.0]]}, "after": {}}
     rows = ab.table([warm, submit], samples, {"before": {"warm": 3.0}, "after": {}})
     assert [r[0] for r in rows] == [
         "warm call, 1 pod, no-op, p50",
@@ -46,9 +46,20 @@ def test_table_shows_a_missing_side_as_a_dash(ab: ModuleType) -> None:
         "100 submitted calls, concurrency 8, median",
         "cold .to() (warm: 1 pod), 1 sample",
     ]
-    assert rows[0][1:] == ["2.00 ms", "-", "-", "-"]
+    assert rows[0][1:] == ["2.00 ms", "-", "-", "-", "-"]
     assert rows[1][1] == "4.00 ms"
     assert rows[2][1:3] == ["500 calls/s", "-"]
+
+
+def test_per_round_ratios_pair_each_round_of_both_sides(ab: ModuleType) -> None:
+    warm = next(s for s in ab.SHAPES if s.key == "warm")
+    samples = {
+        "before": {"warm_call": [[1.0, 1.0, 9.0], [2.0], [4.0]]},
+        "after": {"warm_call": [[1.5], [1.0]]},  # left out after its second round
+    }
+    p50, p99 = ab.table([warm], samples, {"before": {}, "after": {}})
+    assert p50[1:] == ["2.00 s", "1.00 s", "0.50", "2.00x faster", "0.50-1.50"]
+    assert p99[5] == ""
 
 
 def test_driver_runs_each_row_on_this_tree(ab: ModuleType, tmp_path: Path) -> None:
