@@ -7,7 +7,8 @@ runtime must outlive one measurement: the peer process starts its runtime once, 
 
 Both sides are here; standard library only (the peer may run in another venv):
 
-- bench side: ``PeerProcess(name, cmd, start_timeout, env=None, cwd=None)``; ``.ready`` is the peer's first reply;
+- bench side: ``PeerProcess(name, cmd, start_timeout, env=None, cwd=None)``; ``.ready`` is the
+  peer's first reply;
   ``.ask(op, timeout, **kwargs)`` returns the handler's result; ``.close()`` stops it all.
 - peer side: ``replies = open_replies(fd)`` first thing (before the runtime starts, so its
   children do not inherit the pipe), then ``replies.serve(ready, handlers)``.
