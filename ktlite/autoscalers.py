@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ktlite.serving import ServingDeployment
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ktlite.autoscalers")  # not __name__: this module also runs as __main__
 EXIT_JOIN_S = 5.0
 
 _running: weakref.WeakSet[ServingDeployment] = weakref.WeakSet()

@@ -323,6 +323,7 @@ def _refused(command: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ktlite", description="Run Python functions on N pods.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog stays one line
         epilog=f"Kubetorch commands not in ktlite: {', '.join(_REFUSED_COMMANDS)} "
                "(`ktlite COMMAND` says what to use instead).")
     p.add_argument("--version", action="version", version=f"ktlite {__version__}")

@@ -585,7 +585,6 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
     applied = backend.apply(spec, token)
     dep = _deployment(spec, backend, applied)
     try:
-        logger.info("%s: %d pod(s) up; pushing the code", spec.name, len(applied.endpoints))
         dep.push(bundle, sources, init, restart)
         logger.info("%s: launch %s ready on %d pod(s)", spec.name, dep.launch_id, len(applied.endpoints))
     except BaseException as e:

@@ -67,7 +67,6 @@ def pid_alive(pid: int | None) -> bool:
 
 # Below Linux's ephemeral range (32768+): bind(0) there hands the same few ports out again
 # and again, and two deployments sharing a MASTER_PORT would join each other's rendezvous.
-logger = logging.getLogger(__name__)
 _PORT_RANGE = (20000, 32000)
 
 
@@ -362,7 +361,7 @@ class LocalBackend(Backend):
             return None
         group = memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", parse_memory(limit, "memory_limit"))
         if group is None:
-            logger.warning("memory_limit=%r is not enforced for local pod %s-%d: this machine does not let ktlite create memory cgroups", limit, spec.name, ordinal)
+            logging.getLogger(__name__).warning("memory_limit=%r is not enforced for local pod %s-%d: this machine does not let ktlite create memory cgroups", limit, spec.name, ordinal)
             return None
         try:
             (group / "cgroup.procs").write_text(str(proc.pid))

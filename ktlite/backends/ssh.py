@@ -48,7 +48,6 @@ from ktlite.hosts import Host, Hosts
 from ktlite.spec import DeploymentSpec
 from ktlite_server.sshlaunch import SERVER_PACKAGES
 
-logger = logging.getLogger(__name__)
 CACHE = "~/.cache/ktlite"
 CONNECT_TIMEOUT_S = 15.0
 COMMAND_TIMEOUT_S = 120.0
@@ -143,7 +142,7 @@ class _Host:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(f"{name} {key.export_public_key().decode().strip()}\n")
-        logger.warning("added %s's host key to %s (accept_new_host_keys)", self.label, path)
+        logging.getLogger(__name__).warning("added %s's host key to %s (accept_new_host_keys)", self.label, path)
         return conn
 
     async def run(self, command: str, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:

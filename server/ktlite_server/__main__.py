@@ -25,7 +25,7 @@ from ktlite_server import logconfig
 from ktlite_server.app import DEFAULT_MAX_BODY, create_app
 from ktlite_server.pod import Pod
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ktlite_server.__main__")  # not __name__: this module also runs as __main__
 
 
 def _ordinal() -> int:

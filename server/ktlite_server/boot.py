@@ -29,7 +29,7 @@ from typing import Any
 
 from ktlite_server import logconfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ktlite_server.boot")  # not __name__: this module also runs as __main__
 SETUP_FAILED_EXIT = 78
 
 

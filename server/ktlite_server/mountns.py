@@ -30,7 +30,7 @@ import sys
 
 from ktlite_server import logconfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ktlite_server.mountns")  # not __name__: this module also runs as __main__
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 32, 4096, 16384, 1 << 18
