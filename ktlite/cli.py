@@ -219,11 +219,13 @@ def _teardown(args: argparse.Namespace) -> int:
     else:
         names = deployed if args.all else args.names
     if not names:
-        print("nothing to tear down: " + (
-            f"nothing is deployed on {where}" if not deployed
-            else f"no deployment name starts with {args.prefix!r}; deployed: {', '.join(deployed)}"
-            if args.prefix else f"name a deployment or pass --all; deployed: {', '.join(deployed)}"),
-            file=sys.stderr)
+        if not deployed:
+            why = f"nothing is deployed on {where}"
+        elif args.prefix:
+            why = f"no deployment name starts with {args.prefix!r}; deployed: {', '.join(deployed)}"
+        else:
+            why = f"name a deployment or pass --all; deployed: {', '.join(deployed)}"
+        print(f"nothing to tear down: {why}", file=sys.stderr)
         return 1
     if (args.all or args.prefix) and not args.yes:
         which = "--all" if args.all else f"--prefix {args.prefix}"
@@ -314,10 +316,11 @@ _REFUSED_COMMANDS = {
 }
 
 
-def _refused(command: str) -> int:
+def _refused(command: str, asked_help: bool) -> int:
+    """Kubetorch's ``kt COMMAND`` that ktlite lacks: what to use instead (exit 2; 0 for --help)."""
     print(f"ktlite: `{command}` is Kubetorch's command and not ktlite's: "
-          f"{_REFUSED_COMMANDS[command]}", file=sys.stderr)
-    return 2
+          f"{_REFUSED_COMMANDS[command]}", file=sys.stdout if asked_help else sys.stderr)
+    return 0 if asked_help else 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     word = next((a for a in raw if not a.startswith("-")), None)
     if word in _REFUSED_COMMANDS:
-        return _refused(word)
+        return _refused(word, asked_help=bool({"-h", "--help"} & set(raw)))
     p = _parser()
     command_line: list[str] = []
     if "--" in raw and "run" in raw[:raw.index("--")]:  # `ktlite run [opts] -- CMD ...`

@@ -112,6 +112,8 @@ def test_help_lists_every_command_and_each_shows_an_example(tmp_path: Path) -> N
     for name in REFUSED:  # each still says what to use instead
         refused = ktlite(tmp_path, tmp_path / "home", name, "x")
         assert refused.returncode == 2 and "Kubetorch's command" in refused.stderr, refused.stderr
+        helped = ktlite(tmp_path, tmp_path / "home", name, "--help")  # Kubetorch's table asks this
+        assert helped.returncode == 0 and "Kubetorch's command" in helped.stdout, helped.stderr
     for command in ("deploy", "status", "call", "run"):  # the others: test_config_cli.py
         done = ktlite(tmp_path, tmp_path / "home", command, "--help")
         assert done.returncode == 0, done.stderr
@@ -365,6 +367,13 @@ def test_teardown_a_misspelt_name_fails_and_says_what_exists(deployed: Deployed)
     line = one_error_line(ktlite(w, h, "teardown", "cli-ad"),
                           "no deployment named 'cli-ad'", "did you mean 'cli-add'?", "cli-counter")
     assert "not found" not in line, line
+    bare = ktlite(w, h, "teardown")
+    assert bare.returncode == 1, bare.stderr
+    assert bare.stderr.startswith("nothing to tear down: name a deployment or pass --all; deployed: ")
+    assert "cli-add" in bare.stderr and "cli-counter" in bare.stderr, bare.stderr
+    prefix = ktlite(w, h, "teardown", "--prefix", "zz", "-y")
+    assert prefix.returncode == 1, prefix.stderr
+    assert prefix.stderr.startswith("nothing to tear down: no deployment name starts with 'zz'"), prefix.stderr
     assert ktlite(w, h, "call", "cli-add", "--args", "[2]").stdout.splitlines()[-1] == "[2, 2]"
 
 

@@ -91,7 +91,7 @@ def run_steps(steps: list[list[Any]], state: Path) -> str:
         elif kind == "run_bash":
             _run([shell, "-c", arg], f"step {i}: {arg}")
         else:
-            logger.error("unknown setup step %r; this server is older than the client", kind)
+            logger.error("unknown step %r; this server is older than the client", kind)
             sys.exit(SETUP_FAILED_EXIT)
     marker.write_text(json.dumps(steps))
     return python
