@@ -15,11 +15,13 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import ktlite as kt
 import ktlite.backends.kube_manifests as km
+import ktlite.backends.kube_store as ks
 from ktlite import autoscalers, logconfig
 from ktlite.backends.local import LocalBackend
 from ktlite.spec import DeploymentSpec
@@ -100,18 +102,23 @@ def test_the_pod_server_logs_through_ktlite_server_at_its_level(tmp_path: Path) 
 # ---- KTLITE_LOG_LEVEL reaches the pods --------------------------------------------------------
 
 def test_pod_env_and_manifests_carry_the_level_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    def rendered_env() -> dict[str, str]:
-        objs = km.render(DeploymentSpec(name="logging-k", compute=kt.Compute(backend="kubernetes")),
-                         "default", image="python:3.12-slim", install="ktlite==0", token="t")
+    def env(objs: list[dict[str, Any]]) -> dict[str, str]:
         sts = next(o for o in objs if o["kind"] == "StatefulSet")
         return {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
 
+    def rendered_env() -> dict[str, str]:  # a deployment's pods
+        return env(km.render(DeploymentSpec(name="logging-k", compute=kt.Compute(backend="kubernetes")),
+                             "default", image="python:3.12-slim", install="ktlite==0", token="t"))
+
+    def store_env() -> dict[str, str]:  # the namespace's data store pod
+        return env(ks.render("default", image="python:3.12-slim", install="ktlite==0", token=None))
+
     monkeypatch.delenv(LOG_ENV, raising=False)
     assert logconfig.pod_env() == {}
-    assert LOG_ENV not in rendered_env()
+    assert LOG_ENV not in rendered_env() and LOG_ENV not in store_env()
     monkeypatch.setenv(LOG_ENV, "DEBUG")
     assert logconfig.pod_env() == {LOG_ENV: "DEBUG"}
-    assert rendered_env()[LOG_ENV] == "DEBUG"
+    assert rendered_env()[LOG_ENV] == "DEBUG" and store_env()[LOG_ENV] == "DEBUG"
     monkeypatch.setenv(LOG_ENV, "loud")  # not a level: the pods keep their default
     assert logconfig.pod_env() == {}
 
