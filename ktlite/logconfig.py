@@ -73,8 +73,12 @@ def configure(level: str | None = None) -> None:
         if value in _refused:
             return
         _refused.add(value)
-        logger.warning("%s=%r is not a log level; give one of %s (default WARNING)", ENV, value,
-                       ", ".join(LEVELS))
+        logger.warning(
+            "%s=%r is not a log level; give one of %s (default WARNING)",
+            ENV,
+            value,
+            ", ".join(LEVELS),
+        )
         return
     root.setLevel(parsed)
 
@@ -93,7 +97,13 @@ def http_hook(log: logging.Logger) -> Any:
     def hook(response: Any) -> None:
         if log.isEnabledFor(logging.DEBUG):
             request, url = response.request, response.request.url
-            log.debug("%s %s://%s%s -> %d", request.method, url.scheme, url.netloc.decode(), url.path,
-                      response.status_code)
+            log.debug(
+                "%s %s://%s%s -> %d",
+                request.method,
+                url.scheme,
+                url.netloc.decode(),
+                url.path,
+                response.status_code,
+            )
 
     return hook

@@ -32,8 +32,14 @@ LOG_ENV = "KTLITE_LOG_LEVEL"
 def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != LOG_ENV}
     environ.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=environ,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # ---- the client's handler and level -----------------------------------------------------------
@@ -54,7 +60,9 @@ def test_warnings_show_on_stderr_once_and_the_level_comes_from_the_environment()
     assert plain.stderr == "WARNING ktlite.backends.local: w-1\n"
 
     info = _python(LIBRARY_USE.format(setup=""), env={LOG_ENV: "info"})
-    assert info.stderr == "WARNING ktlite.backends.local: w-1\nINFO ktlite.deploy: i-2\n", info.stderr
+    assert info.stderr == "WARNING ktlite.backends.local: w-1\nINFO ktlite.deploy: i-2\n", (
+        info.stderr
+    )
     debug = _python(LIBRARY_USE.format(setup=""), env={LOG_ENV: "DEBUG"})
     assert debug.stderr.splitlines()[-1] == "DEBUG ktlite.client: d-3", debug.stderr
 
@@ -69,17 +77,21 @@ def test_an_application_that_configures_logging_gets_the_records_once() -> None:
     assert app.stderr == "APP WARNING ktlite.backends.local w-1\n", app.stderr
     # the application's level for ktlite is its own; KTLITE_LOG_LEVEL still lowers it
     app_info = _python(LIBRARY_USE.format(setup=setup), env={LOG_ENV: "INFO"})
-    assert app_info.stderr.splitlines() == ["APP WARNING ktlite.backends.local w-1",
-                                            "APP INFO ktlite.deploy i-2"], app_info.stderr
+    assert app_info.stderr.splitlines() == [
+        "APP WARNING ktlite.backends.local w-1",
+        "APP INFO ktlite.deploy i-2",
+    ], app_info.stderr
 
 
 def test_a_diagnostic_that_printed_is_a_log_record_at_its_level(
-        caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     caplog.set_level(logging.WARNING, logger="ktlite")
     assert autoscalers.supervise("logging-no-such-deployment") == 1
     records = [r for r in caplog.records if r.name == "ktlite.autoscalers"]
     assert [(r.levelno, r.getMessage()) for r in records] == [
-        (logging.ERROR, "no autoscaled local deployment 'logging-no-such-deployment'")]
+        (logging.ERROR, "no autoscaled local deployment 'logging-no-such-deployment'")
+    ]
     assert capsys.readouterr().err == ""  # the application (pytest) logs: no second copy
 
 
@@ -88,9 +100,24 @@ def test_the_pod_server_logs_through_ktlite_server_at_its_level(tmp_path: Path) 
     of ``ktlite_server.__main__`` on its stderr (the pod log), in the pod's format."""
     env = {k: v for k, v in os.environ.items() if k != LOG_ENV}
     env["KTLITE_TOKEN"] = "tok-" + "s3cret" * 4
-    done = subprocess.run([sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0",
-                           "--inactivity-ttl", "0.3"], env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ktlite_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--inactivity-ttl",
+            "0.3",
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     stopping = [line for line in done.stderr.splitlines() if "inactivity_ttl" in line]
     assert len(stopping) == 1, done.stderr
@@ -101,14 +128,27 @@ def test_the_pod_server_logs_through_ktlite_server_at_its_level(tmp_path: Path) 
 
 # ---- KTLITE_LOG_LEVEL reaches the pods --------------------------------------------------------
 
-def test_pod_env_and_manifests_carry_the_level_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_pod_env_and_manifests_carry_the_level_only_when_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def env(objs: list[dict[str, Any]]) -> dict[str, str]:
         sts = next(o for o in objs if o["kind"] == "StatefulSet")
-        return {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+        return {
+            e["name"]: e.get("value")
+            for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
 
     def rendered_env() -> dict[str, str]:  # a deployment's pods
-        return env(km.render(DeploymentSpec(name="logging-k", compute=kt.Compute(backend="kubernetes")),
-                             "default", image="python:3.12-slim", install="ktlite==0", token="t"))
+        return env(
+            km.render(
+                DeploymentSpec(name="logging-k", compute=kt.Compute(backend="kubernetes")),
+                "default",
+                image="python:3.12-slim",
+                install="ktlite==0",
+                token="t",
+            )
+        )
 
     def store_env() -> dict[str, str]:  # the namespace's data store pod
         return env(ks.render("default", image="python:3.12-slim", install="ktlite==0", token=None))
@@ -140,8 +180,10 @@ def debug_deployment(monkeypatch: pytest.MonkeyPatch) -> Iterator[kt.RemoteFunct
 
 @pytest.mark.timeout(180)
 def test_debug_level_logs_requests_on_both_sides_and_never_the_token(
-        debug_deployment: kt.RemoteFunction, caplog: pytest.LogCaptureFixture,
-        capfd: pytest.CaptureFixture[str]) -> None:
+    debug_deployment: kt.RemoteFunction,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     caplog.set_level(logging.DEBUG, logger="ktlite")
     remote = debug_deployment
     assert remote(21) == 42
@@ -157,8 +199,14 @@ def test_debug_level_logs_requests_on_both_sides_and_never_the_token(
 
     # the same from the command line, which installs its stderr handler
     env = {**os.environ, LOG_ENV: "DEBUG"}
-    done = subprocess.run([sys.executable, "-m", "ktlite.cli", "status", "logging-debug"], env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ktlite.cli", "status", "logging-debug"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "DEBUG ktlite.client: GET http://127.0.0.1:" in done.stderr, done.stderr
 

@@ -81,7 +81,13 @@ def request_log(app: ASGIApp) -> ASGIApp:
             await app(scope, receive, sending)
         finally:
             client = scope.get("client") or ("-", 0)
-            log.debug("%s %s from %s -> %s in %.3fs", scope["method"], scope["path"], client[0],
-                      status[0] or "no answer", time.monotonic() - started)
+            log.debug(
+                "%s %s from %s -> %s in %.3fs",
+                scope["method"],
+                scope["path"],
+                client[0],
+                status[0] or "no answer",
+                time.monotonic() - started,
+            )
 
     return logged
