@@ -37,17 +37,10 @@ class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__(sys.stderr)
         self.setFormatter(logging.Formatter(FORMAT))
 
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:  # StreamHandler.__init__ sets it; sys.stderr wins
-        pass
-
-    def emit(self, record: logging.LogRecord) -> None:
+    def emit(self, record: logging.LogRecord) -> None:  # called holding the handler's lock
         if logging.getLogger().handlers:  # the application's own handlers get it by propagation
             return
+        self.stream = sys.stderr  # the current one: replaced by a test's capture, a redirect
         super().emit(record)
 
 
