@@ -8,12 +8,15 @@ pod log read as ``ktlite logs`` reads it) and the real ``ktlite`` command.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -220,3 +223,66 @@ def test_debug_level_logs_requests_on_both_sides_and_never_the_token(
     for text in (caplog.text, pod_log, done.stdout, done.stderr):
         assert token not in text
     assert "Bearer" not in caplog.text and "Bearer" not in pod_log
+
+
+# ---- the Kubernetes API client: its requests at DEBUG, never its credentials ---------------
+
+
+class _ApiServer(BaseHTTPRequestHandler):
+    """A stand-in API server that lists no pods and remembers the Authorization it got."""
+
+    seen: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        type(self).seen.append(self.headers.get("Authorization", ""))
+        body = json.dumps({"kind": "PodList", "items": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_kubernetes_api_requests_are_debug_records_without_the_credentials(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ktlite.backends import kube_api
+
+    secret = "kube-" + "t0ken" * 6
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ApiServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "stand-in",
+                    "clusters": [
+                        {
+                            "name": "stand-in",
+                            "cluster": {"server": f"http://127.0.0.1:{server.server_port}"},
+                        }
+                    ],
+                    "users": [{"name": "me", "user": {"token": secret}}],
+                    "contexts": [
+                        {"name": "stand-in", "context": {"cluster": "stand-in", "user": "me"}}
+                    ],
+                }
+            )
+        )
+        caplog.set_level(logging.DEBUG, logger="ktlite")
+        http, info = kube_api.load(str(kubeconfig))
+        with http:
+            pods = kube_api.KubeApi(http, "team").list("Pod")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert pods == []
+    assert _ApiServer.seen == [f"Bearer {secret}"]  # the token did travel, in its header
+    records = [r.getMessage() for r in caplog.records if r.name == "ktlite.backends.kube_api"]
+    assert records == [
+        f"GET http://127.0.0.1:{server.server_port}/api/v1/namespaces/team/pods -> 200"
+    ], records
+    assert secret not in caplog.text and "Bearer" not in caplog.text
