@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -286,3 +288,48 @@ def test_kubernetes_api_requests_are_debug_records_without_the_credentials(
         f"GET http://127.0.0.1:{server.server_port}/api/v1/namespaces/team/pods -> 200"
     ], records
     assert secret not in caplog.text and "Bearer" not in caplog.text
+
+
+# ---- the data store's server and client --------------------------------------------------------
+
+
+def test_the_store_server_and_client_log_requests_at_debug_without_the_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ktlite.store_client import StoreClient
+
+    token = "store-" + "s3cret" * 4
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready = tmp_path / "ready.json"
+    env = {**os.environ, "KTLITE_STORE_ROOT": str(tmp_path / "pvc"), "KTLITE_TOKEN": token}
+    env[LOG_ENV] = "DEBUG"
+    argv = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*argv, "--ready-file", str(ready)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the store server did not start"
+            )
+            time.sleep(0.05)
+        caplog.set_level(logging.DEBUG, logger="ktlite")
+        client = StoreClient(f"http://127.0.0.1:{port}", token)
+        try:
+            assert client.ls("", recursive=True) == []
+        finally:
+            client.close()
+    finally:
+        proc.terminate()
+        _, server_log = proc.communicate(timeout=30)
+    records = [r.getMessage() for r in caplog.records if r.name == "ktlite.store_client"]
+    assert records == [f"GET http://127.0.0.1:{port}/store/v1/ls -> 200"], records
+    served = [line for line in server_log.splitlines() if "DEBUG ktlite_server.requests" in line]
+    assert len(served) == 1 and "GET /store/v1/ls from 127.0.0.1 -> 200 in " in served[0], (
+        server_log
+    )
+    for text in (caplog.text, server_log):
+        assert token not in text and "s3cret" not in text
