@@ -328,7 +328,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="ktlite", description="Run Python functions on N pods.",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog stays one line
         epilog=f"Kubetorch commands not in ktlite: {', '.join(_REFUSED_COMMANDS)} "
-               "(`ktlite COMMAND` says what to use instead).")
+               "(`ktlite COMMAND` says what to use instead).\n"
+               "KTLITE_LOG_LEVEL=INFO (or DEBUG) shows ktlite's diagnostics on stderr, and in the pods' logs.")
     p.add_argument("--version", action="version", version=f"ktlite {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)

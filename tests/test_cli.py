@@ -109,6 +109,7 @@ def test_help_lists_every_command_and_each_shows_an_example(tmp_path: Path) -> N
     assert lines == [f"Kubetorch commands not in ktlite: {', '.join(REFUSED)} (`ktlite COMMAND` "
                      "says what to use instead)."], done.stdout
     assert not any(line.split()[:1] == [name] for line in done.stdout.splitlines() for name in REFUSED)
+    assert "KTLITE_LOG_LEVEL=INFO (or DEBUG) shows ktlite's diagnostics" in done.stdout
     for name in REFUSED:  # each still says what to use instead
         refused = ktlite(tmp_path, tmp_path / "home", name, "x")
         assert refused.returncode == 2 and "Kubetorch's command" in refused.stderr, refused.stderr
