@@ -37,6 +37,7 @@ from typing import Any
 from ktlite.config import get as setting
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError
+from ktlite.logconfig import pod_env
 from ktlite.podspec import PodSpec, Resources
 from ktlite.secrets import Resolved, fingerprint, for_pod
 from ktlite.spec import DEFAULT_MASTER_PORT
@@ -281,6 +282,7 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
         {"name": "KTLITE_FREEZE", "value": "1" if spec.pod.freeze or (image is not None and image.freeze)
          else "0"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": k, "value": v} for k, v in pod_env().items() if k not in spec.pod.env),  # KTLITE_LOG_LEVEL
     ]
     if image is not None and image.python_path:
         env.append({"name": "KTLITE_PYTHON", "value": image.python_path})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import pickle
 import random
@@ -42,6 +43,7 @@ from ktlite.backends.processes import pid_alive
 from ktlite.config import home as store_home
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, StartupError
+from ktlite.logconfig import pod_env
 from ktlite.spec import port_free
 
 
@@ -190,7 +192,7 @@ class LocalBackend(LocalScaling, Backend):
 
     def _env(self, spec: DeploymentSpec, ordinal: int, volumes: list[LocalVolume] | None = None,
              mounted: bool = False, secret_env: dict[str, str] | None = None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")} | pod_env()
         image = spec.pod.image
         if image is not None:
             env.update(image.env)
@@ -345,8 +347,9 @@ class LocalBackend(LocalScaling, Backend):
             return None
         group = memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", limit.bytes)
         if group is None:
-            print(f"ktlite: memory_limit={limit.quantity!r} is not enforced for local pod {spec.name}-{ordinal}: "
-                  "this machine does not let ktlite create memory cgroups", file=sys.stderr)
+            logging.getLogger(__name__).warning("memory_limit=%r is not enforced for local pod %s-%d: this machine "
+                                                "does not let ktlite create memory cgroups", limit.quantity,
+                                                spec.name, ordinal)
             return None
         try:
             (group / "cgroup.procs").write_text(str(proc.pid))

@@ -43,6 +43,7 @@ from ktlite.backends.ssh_hosts import COMMAND_TIMEOUT_S
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
 from ktlite.hosts import Host, Hosts
+from ktlite.logconfig import pod_env
 
 CACHE = "~/.cache/ktlite"
 
@@ -218,7 +219,7 @@ class SshBackend(Backend):
                 await ssh_copy.upload(c, deps, await asyncio.to_thread(self._deps_files))
             path = f"{src}:{deps}"
         image = spec.pod.image
-        env = {**spec.pod.merged_env, **secret_env,
+        env = {**pod_env(), **spec.pod.merged_env, **secret_env,
                "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
                "PYTHONUNBUFFERED": "1", "KTLITE_WORKDIR": "~"}  # ranks run in the login's home
         steps = [[kind, list(arg) if kind == "pip_install" else arg]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import shlex
 import socket
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,8 @@ import asyncssh
 
 from ktlite.errors import DeployError
 from ktlite.hosts import Host, Hosts
+
+logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 15.0
 COMMAND_TIMEOUT_S = 120.0
@@ -122,10 +124,7 @@ class HostConnection:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(f"{name} {key.export_public_key().decode().strip()}\n")
-        print(
-            f"ktlite: added {self.label}'s host key to {path} (accept_new_host_keys)",
-            file=sys.stderr,
-        )
+        logger.warning("added %s's host key to %s (accept_new_host_keys)", self.label, path)
         return conn
 
     async def run(
