@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import gzip
-import hmac
 import json
 import mmap
 import os
@@ -37,12 +37,12 @@ from starlette.requests import ClientDisconnect
 import ktlite
 from ktlite import protocol, shm
 from ktlite.spec import DistributedConfig, distributed_env
+from ktlite_server.admission import Gate, Token
+from ktlite_server.connections import Limits
 from ktlite_server.coordinator import CallPlan, Coordinator, run_local
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, LOG_BODIES, Colocated, Deployment, Pod
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
-
-DEFAULT_MAX_BODY = 8 << 30
 
 
 class StreamResponse(Response):
@@ -151,10 +151,14 @@ class FastCall:
         await self.app(scope, receive, send)
 
 
-def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
-               client: httpx.AsyncClient | None = None) -> FastCall:
+def create_app(pod: Pod, token: str, *, max_body: int | None = None, limits: Limits | None = None,
+               client: httpx.AsyncClient | None = None) -> Gate:
     """Build the pod server app; ``client`` is the HTTP client used to reach peer pods."""
-    expected = protocol.bearer(token).encode()
+    limits = limits or Limits()
+    if max_body is not None:
+        limits = dataclasses.replace(limits, max_body=max_body)
+    max_body = limits.max_body
+    gate_token = Token(token)
     started = _process_start()
     state: dict[str, Any] = {"client": client, "peers": PeerPool(), "streams": Streams(),
                              "deploys": collections.OrderedDict(), "coordinators": {}}
@@ -177,9 +181,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                   lifespan=lifespan)
 
     def authorize(request: Request) -> None:
-        got = request.headers.get(protocol.TOKEN_HEADER, "").encode()
-        if not hmac.compare_digest(got, expected):
-            raise HTTPException(401, "missing or wrong deployment token")
+        """The token was checked by the Gate; here: a client still uses this pod, speaking our version."""
         pod.last_active = time.monotonic()  # a client (or a peer pod) still uses this pod
         version = request.headers.get(protocol.VERSION_HEADER)
         if version is not None and version != str(protocol.PROTOCOL_VERSION):
@@ -190,14 +192,19 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
     @app.get("/health")
     async def health(request: Request) -> Response:
         """Liveness; with ``?ready=1``, readiness: 503 until a launch is loaded (an autoscaled
-        replica must not take calls before it has the code). ``calls`` is the number running."""
-        body = {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, "version": ktlite.__version__,
-                "python": platform.python_version(), "pod": pod.name, "ordinal": pod.ordinal,
-                "launch_id": pod.dep.launch_id if pod.dep else None, "started": started,
-                "engine_failed": pod.engine_failed, "calls": len(pod.calls)}
+        replica must not take calls before it has the code). ``calls`` is the number running.
+        Without the token it tells only that (liveness, readiness) and the protocol version."""
+        body: dict[str, Any] = {"status": "ok", "protocol": protocol.PROTOCOL_VERSION}
+        authed = gate_token.in_scope(request.scope)
+        if authed:
+            body.update(version=ktlite.__version__, python=platform.python_version(), pod=pod.name,
+                        ordinal=pod.ordinal, launch_id=pod.dep.launch_id if pod.dep else None, started=started,
+                        engine_failed=pod.engine_failed, calls=len(pod.calls))
         if request.query_params.get("ready") and (pod.dep is None or pod.ready_launch != pod.dep.launch_id):
-            body.update(status="not ready", detail=state.get("boot") or (
-                "no launch loaded yet" if pod.dep is None else f"launch {pod.dep.launch_id} is loading or failed"))
+            body["status"] = "not ready"
+            if authed:
+                body["detail"] = state.get("boot") or (
+                    "no launch loaded yet" if pod.dep is None else f"launch {pod.dep.launch_id} is loading or failed")
             return JSONResponse(body, status_code=503)
         return JSONResponse(body)
 
@@ -476,4 +483,4 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             pod.reset()
         return JSONResponse({"cancelled": found})
 
-    return FastCall(app, call)
+    return Gate(FastCall(app, call), gate_token, limits)
