@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import ktlite as kt
 from ktlite import protocol
 

@@ -29,7 +29,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
@@ -151,22 +150,22 @@ class FastCall:
         await self.app(scope, receive, send)
 
 
-def create_app(pod: Pod, token: str, *, max_body: int | None = None, limits: Limits | None = None,
-               client: httpx.AsyncClient | None = None) -> Gate:
-    """Build the pod server app; ``client`` is the HTTP client used to reach peer pods."""
+def create_app(pod: Pod, token: str, *, max_body: int | None = None, limits: Limits | None = None) -> Gate:
+    """Build the pod server app."""
     limits = limits or Limits()
     if max_body is not None:
         limits = dataclasses.replace(limits, max_body=max_body)
     max_body = limits.max_body
     gate_token = Token(token)
     started = _process_start()
-    state: dict[str, Any] = {"client": client, "peers": PeerPool(), "streams": Streams(),
+    # every request this pod makes to another carries the deployment's token
+    pod.peers = PeerPool({protocol.TOKEN_HEADER: protocol.bearer(token),
+                          protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)})
+    state: dict[str, Any] = {"streams": Streams(),
                              "deploys": collections.OrderedDict(), "coordinators": {}}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
-        if state["client"] is None:
-            state["client"] = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=30.0)
         await pod.prespawn()
         launch_file = os.environ.get("KTLITE_LAUNCH_FILE")
         if launch_file:
@@ -174,8 +173,7 @@ def create_app(pod: Pod, token: str, *, max_body: int | None = None, limits: Lim
         yield
         state["streams"].close()
         await pod.shutdown()
-        await state["client"].aclose()
-        await state["peers"].aclose()
+        await pod.peers.aclose()
 
     app = FastAPI(title="ktlite pod server", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
@@ -376,7 +374,7 @@ def create_app(pod: Pod, token: str, *, max_body: int | None = None, limits: Lim
             raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
                                 f"{plan.launch_id}: it was redeployed since (by another process, or it "
                                 "restarted); call .to() again")
-        coordinator = Coordinator(pod, token, state["client"], state["peers"], plan) if plan.fanout else None
+        coordinator = Coordinator(pod, token, pod.peers, plan) if plan.fanout else None
 
         def abandoned() -> None:
             if coordinator is not None:

@@ -142,7 +142,7 @@ def _deploy_message(srv: dict[str, Any], marker: Path, ordinal: int = 0) -> byte
 
 
 def _launch_ids(http: httpx.Client, srv: dict[str, Any]) -> list[str]:
-    return [http.get(f"{u}/health").json()["launch_id"] for u in srv["urls"]]
+    return [http.get(f"{u}/health", headers=_auth(srv["token"])).json()["launch_id"] for u in srv["urls"]]
 
 
 def _json_4xx(resp: httpx.Response, codes: tuple[int, ...] = (), what: str = "") -> Any:
