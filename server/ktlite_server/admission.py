@@ -2,7 +2,7 @@
 
 Every endpoint but ``/health`` needs the deployment token; a request without it is answered
 401 before anything of its body is read, and the connection is closed (the body is never
-read). A body declared larger than its endpoint allows (``Limits.max_body`` for ``/call`` and
+read). A client speaking another protocol version is answered 409, naming both. A body declared larger than its endpoint allows (``Limits.max_body`` for ``/call`` and
 ``/deploy``, ``Limits.max_small_body`` for the rest, which take none) is answered 413 the same
 way.
 """
@@ -12,8 +12,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import ktlite
 from ktlite import protocol
 from ktlite_server.connections import Limits
 
@@ -24,6 +26,8 @@ LARGE_BODIES = frozenset({"/call", "/deploy"})
 
 _TOKEN = protocol.TOKEN_HEADER.encode()
 _LENGTH = protocol.LENGTH_HEADER.encode()
+_VERSION = protocol.VERSION_HEADER.encode()
+_OURS = str(protocol.PROTOCOL_VERSION).encode()
 
 
 class Token:
@@ -55,17 +59,18 @@ async def refuse(send: Any, status: int, detail: str) -> None:
 class Gate:
     """ASGI middleware in front of the pod server's app: the token, then the declared size."""
 
-    def __init__(self, app: Any, token: Token, limits: Limits) -> None:
+    def __init__(self, app: Any, token: Token, limits: Limits, on_admit: Callable[[], None] = lambda: None) -> None:
         self.app = app
         self.token = token
         self.limits = limits
+        self.on_admit = on_admit  # called for each request that carries the token
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        token = length = chunked_length = None
+        token = length = chunked_length = version = None
         for k, v in scope["headers"]:
             if k == _TOKEN:
                 token = v
@@ -73,9 +78,19 @@ class Gate:
                 length = v
             elif k == _LENGTH:
                 chunked_length = v
-        if path not in PUBLIC and not self.token.matches(token):
-            await refuse(send, 401, "missing or wrong deployment token")
-            return
+            elif k == _VERSION:
+                version = v
+        if path not in PUBLIC:
+            if not self.token.matches(token):
+                await refuse(send, 401, "missing or wrong deployment token")
+                return
+            self.on_admit()
+            if version is not None and version != _OURS:
+                theirs = version[:20].decode("latin-1")
+                await refuse(send, 409, f"protocol version mismatch: client speaks {theirs}, server "
+                                        f"(ktlite {ktlite.__version__}) speaks {protocol.PROTOCOL_VERSION}; "
+                                        "install the same ktlite version on both sides")
+                return
         declared = length or chunked_length  # a chunked body (through a proxy) names its length
         if declared is not None and declared.isdigit():
             limit = self.limits.max_body if path in LARGE_BODIES else self.limits.max_small_body

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from ktlite_server.engine import STOP_GRACE_S, Engine, EngineError, env_without_token, wait_port
+from ktlite_server.peers import PeerPool
 from ktlite_server.ray_members import (
     Members,
     auth_env,
@@ -143,8 +144,9 @@ def _child_named(parent: int, name: str) -> int | None:
 class RayNode(Engine):
     kind = "ray"
 
-    def __init__(self, cfg: dict[str, Any], pod: str, log: Any, launch_id: str = "") -> None:
-        super().__init__(cfg, pod, log, launch_id)
+    def __init__(self, cfg: dict[str, Any], pod: str, log: Any, launch_id: str = "",
+                 peers: PeerPool | None = None) -> None:
+        super().__init__(cfg, pod, log, launch_id, peers)
         self.temp_dir = ""
         self.members = Members(cfg) if cfg.get("head") else None
 
