@@ -44,7 +44,10 @@ FD_RESERVE = 64
 class Limits:
     """What one client may send and hold; each field has a ``KTLITE_*`` variable."""
 
-    max_head: int = 64 << 10  # KTLITE_MAX_HEADER_BYTES: request line + headers
+    # KTLITE_MAX_HEADER_BYTES: request line + headers. A call's plan travels in a header and
+    # grows with the pods (their addresses and names) and per-rank items: 256 KiB holds a
+    # thousand pods' plan, and parsing that much costs httptools about a millisecond.
+    max_head: int = 256 << 10
     header_timeout: float = 15.0  # KTLITE_HEADER_TIMEOUT: seconds to send a complete head
     idle_timeout: float = 75.0  # KTLITE_IDLE_TIMEOUT: a keep-alive connection with no request
     max_connections: int = 1024  # KTLITE_MAX_CONNECTIONS (and below the open-file limit)
