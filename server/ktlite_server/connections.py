@@ -168,7 +168,10 @@ class GuardedHttpTools(HttpToolsProtocol):
             if room <= 0:
                 self._refuse_head()
                 return
-            piece, data = data[:room], data[room:]
+            if len(data) <= room:  # the usual case: no copy
+                piece, data = data, b""
+            else:
+                piece, data = data[:room], data[room:]
             self._head += len(piece)
             super().data_received(piece)
             if self.transport.is_closing():
