@@ -170,6 +170,14 @@ def test_idle_connections_are_closed(tmp_path) -> None:
             kept.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
             answer = _read_until_closed(kept, "an idle keep-alive connection")
             assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        with server.connect() as late:  # answered before its body came (no code here), body sent after
+            late.sendall(("POST /call HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n"
+                          f"{protocol.CALL_HEADER}: {json.dumps({'id': 'c1'})}\r\n"
+                          + "".join(f"{k}: {v}\r\n" for k, v in _auth(server.token).items()) + "\r\n").encode())
+            first = late.recv(65536)
+            assert first.startswith(b"HTTP/1.1 409 "), first[:300]
+            late.sendall(b"body")
+            _read_until_closed(late, "a connection idle after a body that came after its answer")
 
 
 def test_held_connections_under_a_low_fd_limit_leave_room_for_health(tmp_path) -> None:

@@ -186,8 +186,10 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._head is None:  # a pipelined request right after a body
+        if self._head is None:  # a request right after a body not yet counted (pipelined, or refused)
             self._head = 0
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
         self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
@@ -197,11 +199,23 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)
         super().on_response_complete()
-        if self.cycle is not None and self.cycle.more_body:
-            return  # the request's body is still arriving (a refused upload): not idle yet
+        if pipelined or self._head is not None or (self.cycle is not None and self.cycle.more_body):
+            # a request queued behind this one, the next head already arriving (counted since
+            # its first byte), or this request's body still arriving: not idle
+            return
         self._head = 0
         self._waiting_since = time.monotonic()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self.cycle is not None and self.cycle.response_complete and self._head is None:
+            # the body ended after its answer (a refused upload): idle from now, and bounded,
+            # since uvicorn's keep-alive timer was cancelled by the body's arrival
+            self._head = 0
+            self._waiting_since = time.monotonic()
+            self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
