@@ -378,8 +378,7 @@ class Pod:
         if self.engine is None:
             kind = cfg["kind"]
             engine = ENGINE_KINDS[kind](cfg, self.name, lambda line: print(f"[{kind}] {line}", file=sys.stderr,
-                                                                           flush=True), launch_id=dep.launch_id,
-                                             peers=self.peers)
+                                        flush=True), launch_id=dep.launch_id, peers=self.peers)
             await engine.start(dep.load_timeout)
             self.engine = engine
         self.engine.launch_id = dep.launch_id  # a kept engine serves this launch (peers' failures name it)
