@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import ktlite
 from ktlite import protocol
 from ktlite_server.connections import Limits
-
-log = logging.getLogger(__name__)
 
 PUBLIC = frozenset({"/health"})
 LARGE_BODIES = frozenset({"/call", "/deploy"})

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,7 +26,7 @@ from ktlite_server.coordinator import CallPlan, Coordinator, run_local
 from ktlite_server.pod import LOG_BODIES, Pod
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class StreamResponse(Response):
@@ -166,8 +165,7 @@ class Calls:
             raise
         stream.decide(True)
         if LOG_BODIES:
-            print(f"[pod] call {plan.id}: received {memoryview(body).nbytes if plan.shm is None else 0} bytes "
-                  f"over HTTP", file=sys.stderr, flush=True)
+            logger.info("call %s: received %d bytes over HTTP", plan.id, memoryview(body).nbytes if plan.shm is None else 0)
         coordinators = self.coordinators
         if coordinator is not None:
             coordinators[plan.id] = coordinator

@@ -33,7 +33,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 # descriptors the server keeps for itself (rank pipes, shared-memory files, peer connections,
 # logs) out of a low open-file limit
@@ -121,7 +121,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.cap and not self._evict_one():
-            log.info("refused a connection: %d open, every one carries a request (cap %d)",
+            logger.info("refused a connection: %d open, every one carries a request (cap %d)",
                         len(self.connections) - 1, self.cap)
             transport.write(_answer(503, "Service Unavailable",
                                     f"this pod server has {len(self.connections) - 1} connections open, each "
@@ -143,7 +143,7 @@ class GuardedHttpTools(HttpToolsProtocol):
                 oldest = conn
         if oldest is None:
             return False
-        log.debug("connection cap %d reached: closed the connection waiting longest", self.cap)
+        logger.debug("connection cap %d reached: closed the connection waiting longest", self.cap)
         oldest._close()
         return True
 
@@ -178,7 +178,7 @@ class GuardedHttpTools(HttpToolsProtocol):
                 return
 
     def _refuse_head(self) -> None:
-        log.info("refused a request head over %d bytes (KTLITE_MAX_HEADER_BYTES)", self.limits.max_head)
+        logger.info("refused a request head over %d bytes (KTLITE_MAX_HEADER_BYTES)", self.limits.max_head)
         self.transport.write(_answer(431, "Request Header Fields Too Large",
                                      f"the request line and headers are over {self.limits.max_head} bytes, this "
                                      "server's limit (KTLITE_MAX_HEADER_BYTES)"))

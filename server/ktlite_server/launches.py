@@ -22,7 +22,7 @@ from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.bodies import read_body
 from ktlite_server.pod import Colocated, Deployment, Pod
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 KEEP_INSTALLS = 8  # launches whose install (and answer) is kept for a caller that asks again
 
@@ -123,19 +123,19 @@ class Launches:
             return
         except Exception as e:  # noqa: BLE001 - shown by /health?ready=1 and the log
             self.boot = f"the launch file {path} could not be read: {type(e).__name__}: {e}"
-            log.warning("%s", self.boot)
+            logger.error("%s", self.boot)
             return
         try:
             outs = await self.install(msg)
         except HTTPException as e:
             self.boot = f"the launch file {path} was refused: {e.detail}"
-            log.warning("%s", self.boot)
+            logger.error("%s", self.boot)
             return
         failed = [o for o in outs if o.status != "ok"]
         self.boot = (f"loading launch {msg.get('launch_id')} failed on rank(s) "
                          f"{', '.join(str(o.rank) for o in failed)}: {failed[0].message}" if failed else None)
         if failed:
-            log.warning("%s", self.boot)
+            logger.error("%s", self.boot)
 
     async def _colocate(self, msg: dict[str, Any], name: str, target: Colocated | None) -> Response:
         """A colocation launch (``kt.cls(B).to(remote_a)``): add, replace or (``drop``) remove
