@@ -34,7 +34,17 @@ import time
 def start_server(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
     ready = tempfile.mktemp(prefix="ktlite-hostile-", suffix=".json")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0", "--ready-file", ready],
+        [
+            sys.executable,
+            "-m",
+            "ktlite_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--ready-file",
+            ready,
+        ],
         env={**os.environ, **env, "KTLITE_TOKEN": secrets.token_hex(16)},
     )
     deadline = time.monotonic() + 60
@@ -157,7 +167,9 @@ def body_before_401(port: int, size: int, cap: float) -> tuple[int, str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default="0.0625,1,4,16", help="header sizes in MiB, comma-separated")
     p.add_argument("--slowloris", type=int, default=50)
     p.add_argument("--drip", type=float, default=5.0)
@@ -172,7 +184,9 @@ def main() -> None:
             took, how = huge_header(port, int(mib * (1 << 20)), args.cap)
             print(f"header {mib:g} MiB: {took:.3f}s ({how})")
         big = int(max(float(x) for x in args.sizes.split(",")) * (1 << 20))
-        attackers = [threading.Thread(target=huge_header, args=(port, big, args.cap)) for _ in range(2)]
+        attackers = [
+            threading.Thread(target=huge_header, args=(port, big, args.cap)) for _ in range(2)
+        ]
         for t in attackers:
             t.start()
         worst = 0.0
@@ -182,9 +196,13 @@ def main() -> None:
         print(f"/health while 2 clients send {big >> 20} MiB headers: worst {worst:.3f}s")
         sent, answer = body_before_401(port, 256 << 20, min(args.cap, 30.0))
         print(f"256 MiB body without a token: {sent >> 20} MiB sent before '{answer}'")
-        print(f"idle connection still open after {args.hold:g}s: {idle_open_after(port, args.hold)}")
+        print(
+            f"idle connection still open after {args.hold:g}s: {idle_open_after(port, args.hold)}"
+        )
         left = slowloris(port, args.slowloris, args.drip, args.hold)
-        print(f"slowloris: {left} of {args.slowloris} still open after {args.hold:g}s (a byte every {args.drip:g}s)")
+        print(
+            f"slowloris: {left} of {args.slowloris} still open after {args.hold:g}s (a byte every {args.drip:g}s)"
+        )
     finally:
         proc.terminate()
         proc.wait(10)

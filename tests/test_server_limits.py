@@ -51,10 +51,26 @@ def pod_server(tmp_path: Path, nofile: int | None = None, **limits: str) -> Iter
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0", "--procs", "0",
-         "--ready-file", str(ready)], env=env, preexec_fn=lower_fd_limit)
+        [
+            sys.executable,
+            "-m",
+            "ktlite_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--procs",
+            "0",
+            "--ready-file",
+            str(ready),
+        ],
+        env=env,
+        preexec_fn=lower_fd_limit,
+    )
     try:
-        _wait_until(lambda: ready.exists() or proc.poll() is not None, "the pod server's ready file")
+        _wait_until(
+            lambda: ready.exists() or proc.poll() is not None, "the pod server's ready file"
+        )
         assert proc.poll() is None, f"the pod server exited with {proc.returncode}"
         yield Server(proc, int(json.loads(ready.read_text())["port"]), token)
     finally:
@@ -84,11 +100,15 @@ def _read_until_closed(s: socket.socket, what: str, timeout: float = WAIT) -> by
     except ConnectionResetError:
         pass
     except TimeoutError:
-        raise AssertionError(f"the server kept {what} open for {timeout:g}s (it sent {got[:200]!r})") from None
+        raise AssertionError(
+            f"the server kept {what} open for {timeout:g}s (it sent {got[:200]!r})"
+        ) from None
     return got
 
 
-def _get(server: Server, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+def _get(
+    server: Server, path: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
     lines = [f"GET {path} HTTP/1.1", "host: x", "connection: close"]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     with server.connect() as s:
@@ -99,7 +119,10 @@ def _get(server: Server, path: str, headers: dict[str, str] | None = None) -> tu
 
 
 def _auth(token: str) -> dict[str, str]:
-    return {protocol.TOKEN_HEADER: protocol.bearer(token), protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+    return {
+        protocol.TOKEN_HEADER: protocol.bearer(token),
+        protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION),
+    }
 
 
 def _send_header(server: Server, size: int) -> bytes:
@@ -158,22 +181,33 @@ def test_slowloris_connections_are_closed_after_the_header_timeout(tmp_path) -> 
             time.sleep(0.2)
         for s in socks:
             s.close()
-        assert not open_, f"{len(open_)} of {len(socks)} slowloris connections still open after {WAIT:g}s"
+        assert not open_, (
+            f"{len(open_)} of {len(socks)} slowloris connections still open after {WAIT:g}s"
+        )
         assert any(a.startswith(b"HTTP/1.1 408 ") for a in answers.values()), answers
 
 
 def test_idle_connections_are_closed(tmp_path) -> None:
     with pod_server(tmp_path, KTLITE_HEADER_TIMEOUT="1", KTLITE_IDLE_TIMEOUT="1") as server:
         with server.connect() as silent:  # connects and never sends a byte
-            assert _read_until_closed(silent, "a connection that sent nothing").startswith(b"HTTP/1.1 408 ")
+            assert _read_until_closed(silent, "a connection that sent nothing").startswith(
+                b"HTTP/1.1 408 "
+            )
         with server.connect() as kept:  # one request, then idle on keep-alive
             kept.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
             answer = _read_until_closed(kept, "an idle keep-alive connection")
             assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
-        with server.connect() as late:  # answered before its body came (no code here), body sent after
-            late.sendall(("POST /call HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n"
-                          f"{protocol.CALL_HEADER}: {json.dumps({'id': 'c1'})}\r\n"
-                          + "".join(f"{k}: {v}\r\n" for k, v in _auth(server.token).items()) + "\r\n").encode())
+        with (
+            server.connect() as late
+        ):  # answered before its body came (no code here), body sent after
+            late.sendall(
+                (
+                    "POST /call HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n"
+                    f"{protocol.CALL_HEADER}: {json.dumps({'id': 'c1'})}\r\n"
+                    + "".join(f"{k}: {v}\r\n" for k, v in _auth(server.token).items())
+                    + "\r\n"
+                ).encode()
+            )
             first = late.recv(65536)
             assert first.startswith(b"HTTP/1.1 409 "), first[:300]
             late.sendall(b"body")
@@ -200,8 +234,11 @@ def test_a_full_server_answers_503_with_the_reason(tmp_path) -> None:
     """Every slot carries a request (an authenticated upload in progress): a new connection
     is told why it is refused; once one finishes, /health is answered again."""
     with pod_server(tmp_path, KTLITE_MAX_CONNECTIONS="8") as server:
-        head = ("POST /deploy HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n"
-                + "".join(f"{k}: {v}\r\n" for k, v in _auth(server.token).items()) + "\r\n").encode()
+        head = (
+            "POST /deploy HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in _auth(server.token).items())
+            + "\r\n"
+        ).encode()
         busy = []
         try:
             for _ in range(8):
@@ -230,9 +267,14 @@ def test_health_without_the_token_tells_only_liveness_and_protocol(tmp_path) -> 
         status, body = _get(server, "/health")
         assert status == 200 and body == {"status": "ok", "protocol": protocol.PROTOCOL_VERSION}
         status, body = _get(server, "/health?ready=1")
-        assert status == 503 and body == {"status": "not ready", "protocol": protocol.PROTOCOL_VERSION}
+        assert status == 503 and body == {
+            "status": "not ready",
+            "protocol": protocol.PROTOCOL_VERSION,
+        }
         status, body = _get(server, "/health", _auth(server.token))
-        assert status == 200 and {"python", "pod", "launch_id", "calls", "engine_failed"} <= set(body)
+        assert status == 200 and {"python", "pod", "launch_id", "calls", "engine_failed"} <= set(
+            body
+        )
         status, body = _get(server, "/health?ready=1", _auth(server.token))
         assert status == 503 and "no launch loaded yet" in body["detail"]
 
@@ -247,7 +289,11 @@ def test_a_running_call_survives_huge_headers_and_slowloris(tmp_path) -> None:
     slowloris connections while a call runs; /health stays answered, the call returns."""
     remote = kt.fn(sleeper, name="limits-survivor").to(kt.Compute(cpus=1))
     try:
-        state = json.loads((Path(os.environ["KTLITE_HOME"]) / "local" / "limits-survivor" / "state.json").read_text())
+        state = json.loads(
+            (
+                Path(os.environ["KTLITE_HOME"]) / "local" / "limits-survivor" / "state.json"
+            ).read_text()
+        )
         server = Server(None, int(state["pods"][0]["port"]), "")  # type: ignore[arg-type]
         result: dict[str, Any] = {}
 
@@ -259,7 +305,9 @@ def test_a_running_call_survives_huge_headers_and_slowloris(tmp_path) -> None:
 
         call = threading.Thread(target=run)
         call.start()
-        attackers = [threading.Thread(target=_send_header, args=(server, 96 << 20)) for _ in range(3)]
+        attackers = [
+            threading.Thread(target=_send_header, args=(server, 96 << 20)) for _ in range(3)
+        ]
         for t in attackers:
             t.start()
         loris = []

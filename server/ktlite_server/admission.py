@@ -47,16 +47,26 @@ class Token:
 async def refuse(send: Any, status: int, detail: str) -> None:
     """Answer ``status`` with a JSON ``detail`` and close the connection (its body unread)."""
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 class Gate:
     """ASGI middleware in front of the pod server's app: the token, then the declared size."""
 
-    def __init__(self, app: Any, token: Token, limits: Limits, on_admit: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, app: Any, token: Token, limits: Limits, on_admit: Callable[[], None] = lambda: None
+    ) -> None:
         self.app = app
         self.token = token
         self.limits = limits
@@ -84,16 +94,24 @@ class Gate:
             self.on_admit()
             if version is not None and version != _OURS:
                 theirs = version[:20].decode("latin-1")
-                await refuse(send, 409, f"protocol version mismatch: client speaks {theirs}, server "
-                                        f"(ktlite {ktlite.__version__}) speaks {protocol.PROTOCOL_VERSION}; "
-                                        "install the same ktlite version on both sides")
+                await refuse(
+                    send,
+                    409,
+                    f"protocol version mismatch: client speaks {theirs}, server "
+                    f"(ktlite {ktlite.__version__}) speaks {protocol.PROTOCOL_VERSION}; "
+                    "install the same ktlite version on both sides",
+                )
                 return
         declared = length or chunked_length  # a chunked body (through a proxy) names its length
         if declared is not None and declared.isdigit():
             limit = self.limits.max_body if path in LARGE_BODIES else self.limits.max_small_body
             if int(declared) > limit:
                 what = "KTLITE_MAX_BODY" if path in LARGE_BODIES else f"{path} takes no body"
-                await refuse(send, 413, f"body of {int(declared)} bytes is larger than this server's limit "
-                                        f"of {limit} bytes ({what})")
+                await refuse(
+                    send,
+                    413,
+                    f"body of {int(declared)} bytes is larger than this server's limit "
+                    f"of {limit} bytes ({what})",
+                )
                 return
         await self.app(scope, receive, send)

@@ -78,8 +78,13 @@ class PodServer:
     asgi: Gate = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.app = FastAPI(title="ktlite pod server", docs_url=None, redoc_url=None, openapi_url=None,
-                           lifespan=self._lifespan)
+        self.app = FastAPI(
+            title="ktlite pod server",
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+            lifespan=self._lifespan,
+        )
         self.app.add_api_route("/health", self.health, methods=["GET"])
         self.app.add_api_route("/metrics", self.metrics, methods=["GET"])
         self.app.add_api_route("/status", self.status, methods=["GET"])
@@ -87,17 +92,29 @@ class PodServer:
         self.app.add_api_route("/call", self.calls.call, methods=["POST"])
         self.app.add_api_route("/restart_failed", self.restart_failed, methods=["POST"])
         self.app.add_api_route("/cancel/{call_id}", self.cancel, methods=["POST"])
-        self.asgi = Gate(FastCall(self.app, self.calls.call), self.token, self.limits, on_admit=self._touch)
+        self.asgi = Gate(
+            FastCall(self.app, self.calls.call), self.token, self.limits, on_admit=self._touch
+        )
 
     @classmethod
     def create(cls, pod: Pod, token: str, limits: Limits | None = None) -> PodServer:
         limits = limits or Limits()
         # every request this pod makes to another carries the deployment's token
-        pod.peers = PeerPool({protocol.TOKEN_HEADER: protocol.bearer(token),
-                              protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)})
+        pod.peers = PeerPool(
+            {
+                protocol.TOKEN_HEADER: protocol.bearer(token),
+                protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION),
+            }
+        )
         started = process_start()
-        return cls(pod, Token(token), limits, calls=Calls(pod, token, limits.max_body, started),
-                   launches=Launches(pod, limits.max_body), started=started)
+        return cls(
+            pod,
+            Token(token),
+            limits,
+            calls=Calls(pod, token, limits.max_body, started),
+            launches=Launches(pod, limits.max_body),
+            started=started,
+        )
 
     def _touch(self) -> None:
         self.pod.last_active = time.monotonic()  # a client (or a peer pod) still uses this pod
@@ -107,7 +124,9 @@ class PodServer:
         await self.pod.prespawn()
         launch_file = os.environ.get("KTLITE_LAUNCH_FILE")
         if launch_file:
-            self.launches.boot_task = asyncio.get_running_loop().create_task(self.launches.boot_launch(launch_file))
+            self.launches.boot_task = asyncio.get_running_loop().create_task(
+                self.launches.boot_launch(launch_file)
+            )
         yield
         self.calls.streams.close()
         await self.pod.shutdown()
@@ -121,14 +140,26 @@ class PodServer:
         body: dict[str, Any] = {"status": "ok", "protocol": protocol.PROTOCOL_VERSION}
         authed = self.token.in_scope(request.scope)
         if authed:
-            body.update(version=ktlite.__version__, python=platform.python_version(), pod=pod.name,
-                        ordinal=pod.ordinal, launch_id=pod.dep.launch_id if pod.dep else None, started=self.started,
-                        engine_failed=pod.engine_failed, calls=len(pod.calls))
-        if request.query_params.get("ready") and (pod.dep is None or pod.ready_launch != pod.dep.launch_id):
+            body.update(
+                version=ktlite.__version__,
+                python=platform.python_version(),
+                pod=pod.name,
+                ordinal=pod.ordinal,
+                launch_id=pod.dep.launch_id if pod.dep else None,
+                started=self.started,
+                engine_failed=pod.engine_failed,
+                calls=len(pod.calls),
+            )
+        if request.query_params.get("ready") and (
+            pod.dep is None or pod.ready_launch != pod.dep.launch_id
+        ):
             body["status"] = "not ready"
             if authed:
                 body["detail"] = self.launches.boot or (
-                    "no launch loaded yet" if pod.dep is None else f"launch {pod.dep.launch_id} is loading or failed")
+                    "no launch loaded yet"
+                    if pod.dep is None
+                    else f"launch {pod.dep.launch_id} is loading or failed"
+                )
             return JSONResponse(body, status_code=503)
         return JSONResponse(body)
 
@@ -136,12 +167,14 @@ class PodServer:
         """Prometheus text: the calls running now (what an HPA on ``metric="concurrency"``
         scales on, through a metrics adapter) and the calls taken since start. Scrapes send the
         deployment token, as every other caller does."""
-        text = ("# HELP ktlite_inflight_calls Calls running on this pod now.\n"
-                "# TYPE ktlite_inflight_calls gauge\n"
-                f"ktlite_inflight_calls {len(self.pod.calls)}\n"
-                "# HELP ktlite_calls_total Calls this pod has taken since it started.\n"
-                "# TYPE ktlite_calls_total counter\n"
-                f"ktlite_calls_total {self.pod.calls_total}\n")
+        text = (
+            "# HELP ktlite_inflight_calls Calls running on this pod now.\n"
+            "# TYPE ktlite_inflight_calls gauge\n"
+            f"ktlite_inflight_calls {len(self.pod.calls)}\n"
+            "# HELP ktlite_calls_total Calls this pod has taken since it started.\n"
+            "# TYPE ktlite_calls_total counter\n"
+            f"ktlite_calls_total {self.pod.calls_total}\n"
+        )
         return Response(text, media_type="text/plain; version=0.0.4")
 
     async def status(self, request: Request) -> dict[str, Any]:
@@ -171,7 +204,9 @@ class PodServer:
         return JSONResponse({"cancelled": self.calls.cancel(call_id, kind, reason[:500], reset)})
 
 
-def create_app(pod: Pod, token: str, *, max_body: int | None = None, limits: Limits | None = None) -> Gate:
+def create_app(
+    pod: Pod, token: str, *, max_body: int | None = None, limits: Limits | None = None
+) -> Gate:
     """The ASGI app of a pod server for ``pod`` (``PodServer.create(...).asgi``)."""
     limits = limits or Limits()
     if max_body is not None:

@@ -19,11 +19,16 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     # a chunked body (through a proxy) names its length in LENGTH_HEADER
     length = request.headers.get("content-length") or request.headers.get(protocol.LENGTH_HEADER)
     if length is None or not length.isdigit():
-        raise HTTPException(411, f"a Content-Length (or {protocol.LENGTH_HEADER}) header is required")
+        raise HTTPException(
+            411, f"a Content-Length (or {protocol.LENGTH_HEADER}) header is required"
+        )
     n = int(length)
     if n > limit:
-        raise HTTPException(413, f"body of {n} bytes is larger than this server's limit of {limit} bytes "
-                                 "(KTLITE_MAX_BODY)")
+        raise HTTPException(
+            413,
+            f"body of {n} bytes is larger than this server's limit of {limit} bytes "
+            "(KTLITE_MAX_BODY)",
+        )
     path = None
     if n > shm.INLINE_MAX:
         fd, path = tempfile.mkstemp(prefix=shm.ARG_PREFIX, dir=shm.shm_dir())
@@ -39,7 +44,7 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
             k = len(chunk)
             if got + k > n:
                 raise HTTPException(400, f"body is longer than its Content-Length of {n} bytes")
-            view[got:got + k] = chunk
+            view[got : got + k] = chunk
             got += k
     except (ClientDisconnect, HTTPException):
         if path:

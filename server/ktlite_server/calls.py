@@ -70,7 +70,9 @@ class FastCall:
             try:
                 response = await self._call(Request(scope, receive))
             except HTTPException as e:
-                response = JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
+                response = JSONResponse(
+                    {"detail": e.detail}, status_code=e.status_code, headers=e.headers
+                )
             except ClientDisconnect:
                 return  # the caller left mid-upload: nothing to answer, nothing ran
             await response(scope, receive, send)
@@ -100,8 +102,9 @@ class Calls:
             plan = CallPlan(json.loads(request.headers.get(protocol.CALL_HEADER, "")))
             resume = _resume_from(request)
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise HTTPException(400, f"malformed {protocol.CALL_HEADER} header: {type(e).__name__}: "
-                                     f"{str(e)[:300]}") from e
+            raise HTTPException(
+                400, f"malformed {protocol.CALL_HEADER} header: {type(e).__name__}: {str(e)[:300]}"
+            ) from e
         live = streams.get(plan.id)
         # a request for a call this pod holds attaches to it (once its first request told
         # whether it runs: its body may still be arriving)
@@ -112,19 +115,31 @@ class Calls:
         if resume is not None:  # a re-attach: never runs anything
             await discard_body(request)
             if streams.ended_before(plan.id):
-                raise HTTPException(410, f"call {plan.id} ended on pod {pod.name} and its result is no "
-                                         f"longer kept (it waits {RETAIN_S:g}s for a caller to re-attach)")
-            raise HTTPException(404, f"pod {pod.name} does not know call {plan.id}: its server restarted "
-                                     "since the call began, and the call was lost with it")
+                raise HTTPException(
+                    410,
+                    f"call {plan.id} ended on pod {pod.name} and its result is no "
+                    f"longer kept (it waits {RETAIN_S:g}s for a caller to re-attach)",
+                )
+            raise HTTPException(
+                404,
+                f"pod {pod.name} does not know call {plan.id}: its server restarted "
+                "since the call began, and the call was lost with it",
+            )
         if pod.dep is None:
-            raise HTTPException(409, f"pod {pod.name} has no code deployed: its server started after the "
-                                "deploy (a restarted container, a replaced pod); call .to() again, which "
-                                "pushes the code and reuses the pods",
-                                headers={protocol.UPTIME_HEADER: f"{max(0.0, time.time() - self.started):.3f}"})
+            raise HTTPException(
+                409,
+                f"pod {pod.name} has no code deployed: its server started after the "
+                "deploy (a restarted container, a replaced pod); call .to() again, which "
+                "pushes the code and reuses the pods",
+                headers={protocol.UPTIME_HEADER: f"{max(0.0, time.time() - self.started):.3f}"},
+            )
         if plan.launch_id and plan.launch_id != pod.dep.launch_id:
-            raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
-                                f"{plan.launch_id}: it was redeployed since (by another process, or it "
-                                "restarted); call .to() again")
+            raise HTTPException(
+                409,
+                f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
+                f"{plan.launch_id}: it was redeployed since (by another process, or it "
+                "restarted); call .to() again",
+            )
         coordinator = Coordinator(pod, self.token, pod.peers, plan) if plan.fanout else None
 
         def abandoned() -> None:
@@ -153,8 +168,10 @@ class Calls:
                     protocol.split(view[:shared])
                     for off, n in plan.per_rank["items"]:
                         if off + n > view.nbytes:
-                            raise protocol.ProtocolError(f"per-rank item at {off}+{n} runs past the body "
-                                                         f"({view.nbytes} bytes)")
+                            raise protocol.ProtocolError(
+                                f"per-rank item at {off}+{n} runs past the body "
+                                f"({view.nbytes} bytes)"
+                            )
             except protocol.ProtocolError as e:
                 if path and own_file:
                     with contextlib.suppress(OSError):
@@ -165,18 +182,28 @@ class Calls:
             raise
         stream.decide(True)
         if LOG_BODIES:
-            logger.info("call %s: received %d bytes over HTTP", plan.id, memoryview(body).nbytes if plan.shm is None else 0)
+            logger.info(
+                "call %s: received %d bytes over HTTP",
+                plan.id,
+                memoryview(body).nbytes if plan.shm is None else 0,
+            )
         coordinators = self.coordinators
         if coordinator is not None:
             coordinators[plan.id] = coordinator
             early = pod.cancelled_early.get(plan.id)
-            if early is not None:  # the caller's cancel overtook the call: it starts stopped everywhere
+            if (
+                early is not None
+            ):  # the caller's cancel overtook the call: it starts stopped everywhere
                 coordinator.cancel(*early)
 
         async def produce() -> None:
             try:
-                if coordinator is not None and pod.dep is not None and pod.dep.concurrency == 1 \
-                        and pod.dep.config.world_size > 1:
+                if (
+                    coordinator is not None
+                    and pod.dep is not None
+                    and pod.dep.concurrency == 1
+                    and pod.dep.config.world_size > 1
+                ):
                     # collectives must run in the same order on every rank: a distributed
                     # deployment runs its calls one at a time, in the order they arrived here
                     async with pod.order:
@@ -190,7 +217,9 @@ class Calls:
                     # group: the next call forms a new one (every rank, on a new port)
                     pod.next_generation()
                 started = coordinator.started if coordinator is not None else True
-                stream.emit(protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs, started)))
+                stream.emit(
+                    protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs, started))
+                )
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
                 stream.emit(protocol.error_frame(type(e).__name__, str(e)))
             finally:

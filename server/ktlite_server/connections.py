@@ -65,10 +65,14 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("max_head", "max_connections", "max_body", "max_small_body"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{self._ENV.get(name, name)}={getattr(self, name)!r}: must be a positive integer")
+                raise ValueError(
+                    f"{self._ENV.get(name, name)}={getattr(self, name)!r}: must be a positive integer"
+                )
         for name in ("header_timeout", "idle_timeout"):
             if not float(getattr(self, name)) > 0:
-                raise ValueError(f"{self._ENV[name]}={getattr(self, name)!r}: must be a positive number of seconds")
+                raise ValueError(
+                    f"{self._ENV[name]}={getattr(self, name)!r}: must be a positive number of seconds"
+                )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Limits:
@@ -82,7 +86,9 @@ class Limits:
             try:
                 kwargs[field] = kind(raw)
             except ValueError:
-                raise ValueError(f"{var}={raw!r}: must be a {'number of seconds' if kind is float else 'whole number'}") from None
+                raise ValueError(
+                    f"{var}={raw!r}: must be a {'number of seconds' if kind is float else 'whole number'}"
+                ) from None
         return cls(**kwargs)
 
     def connection_cap(self) -> int:
@@ -95,8 +101,10 @@ class Limits:
 
 def _answer(status: int, reason: str, detail: str) -> bytes:
     body = json.dumps({"detail": detail}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode("latin-1") + body
 
 
@@ -121,12 +129,20 @@ class GuardedHttpTools(HttpToolsProtocol):
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.cap and not self._evict_one():
-            logger.info("refused a connection: %d open, every one carries a request (cap %d)",
-                        len(self.connections) - 1, self.cap)
-            transport.write(_answer(503, "Service Unavailable",
-                                    f"this pod server has {len(self.connections) - 1} connections open, each "
-                                    f"carrying a request (the limit is {self.cap}: KTLITE_MAX_CONNECTIONS, and "
-                                    "half of what the open-file limit leaves); retry shortly"))
+            logger.info(
+                "refused a connection: %d open, every one carries a request (cap %d)",
+                len(self.connections) - 1,
+                self.cap,
+            )
+            transport.write(
+                _answer(
+                    503,
+                    "Service Unavailable",
+                    f"this pod server has {len(self.connections) - 1} connections open, each "
+                    f"carrying a request (the limit is {self.cap}: KTLITE_MAX_CONNECTIONS, and "
+                    "half of what the open-file limit leaves); retry shortly",
+                )
+            )
             self._close()
             return
         self._arm_head_timer()
@@ -135,7 +151,11 @@ class GuardedHttpTools(HttpToolsProtocol):
         """Close the connection that has waited longest with no request in progress."""
         oldest: GuardedHttpTools | None = None
         for conn in self.connections:
-            if conn is self or not isinstance(conn, GuardedHttpTools) or conn._waiting_since is None:
+            if (
+                conn is self
+                or not isinstance(conn, GuardedHttpTools)
+                or conn._waiting_since is None
+            ):
                 continue
             if conn.transport is None or conn.transport.is_closing():
                 continue
@@ -178,15 +198,24 @@ class GuardedHttpTools(HttpToolsProtocol):
                 return
 
     def _refuse_head(self) -> None:
-        logger.info("refused a request head over %d bytes (KTLITE_MAX_HEADER_BYTES)", self.limits.max_head)
-        self.transport.write(_answer(431, "Request Header Fields Too Large",
-                                     f"the request line and headers are over {self.limits.max_head} bytes, this "
-                                     "server's limit (KTLITE_MAX_HEADER_BYTES)"))
+        logger.info(
+            "refused a request head over %d bytes (KTLITE_MAX_HEADER_BYTES)", self.limits.max_head
+        )
+        self.transport.write(
+            _answer(
+                431,
+                "Request Header Fields Too Large",
+                f"the request line and headers are over {self.limits.max_head} bytes, this "
+                "server's limit (KTLITE_MAX_HEADER_BYTES)",
+            )
+        )
         self._close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._head is None:  # a request right after a body not yet counted (pipelined, or refused)
+        if (
+            self._head is None
+        ):  # a request right after a body not yet counted (pipelined, or refused)
             self._head = 0
         if self._waiting_since is None:
             self._waiting_since = time.monotonic()
@@ -219,7 +248,9 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
+            self._head_timer = self.loop.call_later(
+                self.limits.header_timeout, self._head_timed_out
+            )
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -230,12 +261,19 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._head_timer = None
         if self._head is None or self.transport.is_closing():
             return
-        self.transport.write(_answer(408, "Request Timeout",
-                                     f"the request head was not complete within {self.limits.header_timeout:g}s "
-                                     "(KTLITE_HEADER_TIMEOUT)"))
+        self.transport.write(
+            _answer(
+                408,
+                "Request Timeout",
+                f"the request head was not complete within {self.limits.header_timeout:g}s "
+                "(KTLITE_HEADER_TIMEOUT)",
+            )
+        )
         self._close()
 
 
 def guarded(limits: Limits) -> type[GuardedHttpTools]:
     """A protocol class for one server with these limits (given to ``uvicorn.Config(http=...)``)."""
-    return type("PodHttpProtocol", (GuardedHttpTools,), {"limits": limits, "cap": limits.connection_cap()})
+    return type(
+        "PodHttpProtocol", (GuardedHttpTools,), {"limits": limits, "cap": limits.connection_cap()}
+    )

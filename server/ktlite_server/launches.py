@@ -34,8 +34,12 @@ class Launches:
         self.pod = pod
         self.max_body = max_body
         # by launch id, the newest last: each launch is installed once
-        self.installing: collections.OrderedDict[str, asyncio.Task[list[Any]]] = collections.OrderedDict()
-        self.boot: str | None = None  # why the boot launch is not loaded (``/health?ready=1`` says it)
+        self.installing: collections.OrderedDict[str, asyncio.Task[list[Any]]] = (
+            collections.OrderedDict()
+        )
+        self.boot: str | None = (
+            None  # why the boot launch is not loaded (``/health?ready=1`` says it)
+        )
         self.boot_task: asyncio.Task[None] | None = None
 
     async def deploy(self, request: Request) -> Response:
@@ -46,9 +50,16 @@ class Launches:
             msg = protocol.loads(body)
             if msg.get("colocate"):
                 name = str(msg["colocate"])
-                target = None if msg.get("drop") else Colocated(
-                    bundle=bytes(msg["bundle"]), kind=str(msg["kind"]), init=msg.get("init"),
-                    sources=dict(msg.get("sources") or {}))
+                target = (
+                    None
+                    if msg.get("drop")
+                    else Colocated(
+                        bundle=bytes(msg["bundle"]),
+                        kind=str(msg["kind"]),
+                        init=msg.get("init"),
+                        sources=dict(msg.get("sources") or {}),
+                    )
+                )
         except Exception as e:  # noqa: BLE001
             if path:
                 os.unlink(path)
@@ -62,8 +73,12 @@ class Launches:
         finally:
             if path:
                 os.unlink(path)
-        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
-        return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
+        parts = protocol.gather_parts(
+            [(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs]
+        )
+        return Response(
+            b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream"
+        )
 
     async def install(self, msg: dict[str, Any]) -> list[Any]:
         """Install a launch (a POST /deploy body, or the launch file a replica boots from)."""
@@ -71,38 +86,61 @@ class Launches:
         if msg.get("replica"):
             # an autoscaled deployment's replica is a world of its own: rank 0 of one pod, at
             # this pod's own address (a replica started later reads the launch the client wrote)
-            msg = {**msg, "ordinal": pod.ordinal,
-                   "pod_ips": [os.environ.get("KTLITE_POD_IP") or msg.get("pod_ips", ["127.0.0.1"])[0]]}
+            msg = {
+                **msg,
+                "ordinal": pod.ordinal,
+                "pod_ips": [
+                    os.environ.get("KTLITE_POD_IP") or msg.get("pod_ips", ["127.0.0.1"])[0]
+                ],
+            }
         try:
             dep = Deployment(
-                launch_id=msg["launch_id"], bundle=bytes(msg["bundle"]), kind=msg["kind"],
-                init=msg.get("init"), sources=msg.get("sources") or {},
-                config=DistributedConfig(**msg["distributed"]), pod_ips=list(msg["pod_ips"]),
-                ordinal=int(msg["ordinal"]), master_port=int(msg["master_port"]),
-                max_restarts=int(msg.get("max_restarts", 3)), cpus=msg.get("cpus"),
+                launch_id=msg["launch_id"],
+                bundle=bytes(msg["bundle"]),
+                kind=msg["kind"],
+                init=msg.get("init"),
+                sources=msg.get("sources") or {},
+                config=DistributedConfig(**msg["distributed"]),
+                pod_ips=list(msg["pod_ips"]),
+                ordinal=int(msg["ordinal"]),
+                master_port=int(msg["master_port"]),
+                max_restarts=int(msg.get("max_restarts", 3)),
+                cpus=msg.get("cpus"),
                 load_timeout=float(msg.get("load_timeout", 300)),
-                concurrency=max(1, int(msg.get("concurrency", 1))), engine=msg.get("engine"),
-                single=bool(msg.get("single", False)))
+                concurrency=max(1, int(msg.get("concurrency", 1))),
+                engine=msg.get("engine"),
+                single=bool(msg.get("single", False)),
+            )
             # the same env every rank would get: a bad layout is refused here, before it
             # replaces the deployment the pod is serving
-            distributed_env(dep.config, node_rank=dep.ordinal, local_rank=0, pod_ips=dep.pod_ips,
-                            master_port=dep.master_port)
+            distributed_env(
+                dep.config,
+                node_rank=dep.ordinal,
+                local_rank=0,
+                pod_ips=dep.pod_ips,
+                master_port=dep.master_port,
+            )
             if not 0 <= dep.ordinal < dep.config.workers:
                 raise ValueError(f"ordinal {dep.ordinal} is outside 0..{dep.config.workers - 1}")
         except Exception as e:  # noqa: BLE001 - any undecodable or inconsistent body is the client's fault
             raise HTTPException(400, f"malformed deploy request: {type(e).__name__}: {e}") from e
         if dep.ordinal != pod.ordinal:
-            raise HTTPException(400, f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} "
-                                     f"(ordinal {pod.ordinal})")
+            raise HTTPException(
+                400,
+                f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} (ordinal {pod.ordinal})",
+            )
         if "store" in msg:  # the data store's address, for kt.put/get in the ranks
             from ktlite_server.store import remember
+
             remember(msg["store"], pod.pod_ips_file)
         # a launch is installed once: a caller that lost the answer (a proxy dropped it) sends
         # the same launch again and gets the same answer
         deploys = self.installing
         task = deploys.get(dep.launch_id)
         if task is None:
-            task = asyncio.get_running_loop().create_task(pod.deploy(dep, restart=bool(msg.get("restart"))))
+            task = asyncio.get_running_loop().create_task(
+                pod.deploy(dep, restart=bool(msg.get("restart")))
+            )
             deploys[dep.launch_id] = task
             while len(deploys) > KEEP_INSTALLS:
                 deploys.popitem(last=False)
@@ -132,8 +170,12 @@ class Launches:
             logger.error("%s", self.boot)
             return
         failed = [o for o in outs if o.status != "ok"]
-        self.boot = (f"loading launch {msg.get('launch_id')} failed on rank(s) "
-                         f"{', '.join(str(o.rank) for o in failed)}: {failed[0].message}" if failed else None)
+        self.boot = (
+            f"loading launch {msg.get('launch_id')} failed on rank(s) "
+            f"{', '.join(str(o.rank) for o in failed)}: {failed[0].message}"
+            if failed
+            else None
+        )
         if failed:
             logger.error("%s", self.boot)
 
@@ -142,12 +184,22 @@ class Launches:
         a named target in the rank processes of the deployment this pod serves."""
         pod = self.pod
         if pod.dep is None:
-            raise HTTPException(409, f"pod {pod.name} has no code deployed to colocate {name!r} with; "
-                                "deploy the first group again")
+            raise HTTPException(
+                409,
+                f"pod {pod.name} has no code deployed to colocate {name!r} with; "
+                "deploy the first group again",
+            )
         if msg.get("launch_id") and msg["launch_id"] != pod.dep.launch_id and target is not None:
-            raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
-                                f"{msg['launch_id']}: the deployment to colocate {name!r} with was "
-                                "redeployed since")
+            raise HTTPException(
+                409,
+                f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
+                f"{msg['launch_id']}: the deployment to colocate {name!r} with was "
+                "redeployed since",
+            )
         outs = await pod.colocate(name, target, if_missing=bool(msg.get("if_missing")))
-        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
-        return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
+        parts = protocol.gather_parts(
+            [(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs]
+        )
+        return Response(
+            b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream"
+        )
