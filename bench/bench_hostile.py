@@ -189,7 +189,7 @@ def main() -> None:
         ]
         for t in attackers:
             t.start()
-        worst = 0.0
+        worst = health_latency(port, args.cap)  # at least one sample, even when they are cut off at once
         while any(t.is_alive() for t in attackers):
             worst = max(worst, health_latency(port, args.cap))
             time.sleep(0.2)
