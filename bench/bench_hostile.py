@@ -189,7 +189,8 @@ def main() -> None:
         ]
         for t in attackers:
             t.start()
-        worst = health_latency(port, args.cap)  # at least one sample, even when they are cut off at once
+        # at least one sample, even when the attackers are cut off at once
+        worst = health_latency(port, args.cap)
         while any(t.is_alive() for t in attackers):
             worst = max(worst, health_latency(port, args.cap))
             time.sleep(0.2)
