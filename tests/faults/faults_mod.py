@@ -137,6 +137,19 @@ def signal_quietly(pid: int | None, sig: int) -> None:
             os.kill(pid, sig)
 
 
+def stop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped (bounded)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+        return False
+
+    assert wait_for(stopped, timeout), f"process {pid} was not stopped {timeout:g} s after SIGSTOP"
+
+
 def release(pids: Iterable[int]) -> None:
     """Cleanup for stopped processes: kill them (a stopped process takes SIGKILL)."""
     for pid in pids:
