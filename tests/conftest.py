@@ -14,12 +14,35 @@ os.environ["KTLITE_HOME"] = _HOME
 os.environ.pop("KTLITE_BACKEND", None)
 
 
-# the longest tests go first, so that under xdist they run beside the rest, not after it
-_FIRST = ("tests/test_kube_e2e.py",)
+# The modules that take longest go first, longest first (the stand-in cluster's parts, then
+# measured order), the rest as collected: with pyproject's `--dist load --maxschedchunk 1` each
+# xdist worker takes the next test when it is done with its own, so the long ones run beside the
+# rest and the run ends on short ones. A module stays in one piece, so its module fixtures
+# (warm deployments) are made at most once per worker.
+_FIRST = (
+    "tests/test_kube_e2e.py",
+    "tests/faults/test_soak.py",
+    "tests/test_app.py",
+    "tests/test_kube_serving.py",
+    "tests/test_serving.py",
+    "tests/test_kube_store.py",
+    "tests/faults/test_rank_error.py",
+    "tests/test_local_calls.py",
+    "tests/test_errors_logs.py",
+    "tests/test_pg_recovery.py",
+    "tests/test_local_volumes.py",
+    "tests/faults/test_pod_death.py",
+    "tests/faults/test_timeouts.py",
+)
+
+
+def _rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return _FIRST.index(path) if path in _FIRST else len(_FIRST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: 0 if item.nodeid.startswith(_FIRST) else 1)  # stable: else as collected
+    items.sort(key=_rank)  # stable: else as collected
     if os.environ.get("KTLITE_TEST_KUBECONFIG"):
         return
     skip = pytest.mark.skip(reason="set KTLITE_TEST_KUBECONFIG to run against a real cluster")
