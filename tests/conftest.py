@@ -8,6 +8,7 @@ import shutil
 import tempfile
 
 import pytest
+from loadscale import time_scale
 
 _HOME = tempfile.mkdtemp(prefix=f"ktlite-test-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
 os.environ["KTLITE_HOME"] = _HOME
@@ -41,8 +42,23 @@ def _rank(item: pytest.Item) -> int:
     return _FIRST.index(path) if path in _FIRST else len(_FIRST)
 
 
+def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's pytest-timeout limit (its marker's, else the configured one) times the load
+    scale: on a busy machine a test may take longer without being taken for a hang."""
+    scale = time_scale()
+    if scale <= 1:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        limit = marker.kwargs.get("timeout", marker.args[0] if marker.args else None) if marker else default
+        if limit:
+            item.add_marker(pytest.mark.timeout(float(limit) * scale), append=False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_rank)  # stable: else as collected
+    _scale_timeouts(config, items)
     if os.environ.get("KTLITE_TEST_KUBECONFIG"):
         return
     skip = pytest.mark.skip(reason="set KTLITE_TEST_KUBECONFIG to run against a real cluster")

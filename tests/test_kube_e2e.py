@@ -22,6 +22,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+from loadscale import time_scale
 
 HERE = Path(__file__).parent
 SUITE = HERE / "kubernetes"
@@ -82,9 +83,10 @@ PARTS: dict[str, tuple[str, ...]] = {
     ),
 }
 # one part, in its own pytest process: the longest takes about a quarter of it alone on a quiet
-# 2-core machine; on a loaded one it gets more, up to 4 times, by the load when collected
-LOAD = min(4.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
-PART_TIMEOUT_S = round(300 * LOAD)
+# 2-core machine; on a loaded one it gets more (loadscale; tests/conftest.py scales the
+# pytest-timeout marker below alike)
+PART_S = 300
+PART_TIMEOUT_S = round(PART_S * time_scale())
 START_TIMEOUT_S = 60  # the stand-in cluster writing its kubeconfig
 
 needs_root = pytest.mark.skipif(
@@ -175,7 +177,7 @@ def stand_in(
 
 
 @needs_root
-@pytest.mark.timeout(PART_TIMEOUT_S + 60)
+@pytest.mark.timeout(PART_S + 60)
 @pytest.mark.parametrize("part", list(PARTS))  # as listed: the longest first
 def test_cluster_suite_against_the_stand_in_cluster(
     stand_in: tuple[Path, subprocess.Popen[bytes]], part: str, tmp_path: Path
