@@ -67,6 +67,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def torch():
+    """The torch module, for the tests that take it: they alone skip where the torch extra is
+    not installed (a module-level importorskip would skip its neighbours too)."""
+    return pytest.importorskip("torch")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _teardown_everything():
     yield

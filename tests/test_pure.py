@@ -25,13 +25,6 @@ from ktlite import protocol
 from ktlite.quantities import parse_memory
 from ktlite.spec import DistributedConfig, distributed_env
 
-try:  # only the tests marked needs_torch need it: the rest run without the torch extra
-    import torch
-except ImportError:
-    torch = None
-
-needs_torch = pytest.mark.skipif(torch is None, reason="needs torch (pip install -e '.[torch]')")
-
 IPS = ["10.0.0.1", "10.0.0.2"]
 PORT = 29555
 
@@ -332,9 +325,8 @@ def _inside(t: object, buf: bytearray) -> bool:
     return lo <= t.data_ptr() < hi  # type: ignore[attr-defined]
 
 
-@needs_torch
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", "uint8", "bool"])
-def test_protocol_torch_tensor_out_of_band(dtype: str) -> None:
+def test_protocol_torch_tensor_out_of_band(dtype: str, torch) -> None:
     tdtype = getattr(torch, dtype)
     t = (torch.arange(8192) % 7).to(tdtype).reshape(64, 128)
     data = bytearray(protocol.dumps({"t": t}))
@@ -346,8 +338,7 @@ def test_protocol_torch_tensor_out_of_band(dtype: str) -> None:
     assert len(data) < t.numel() * t.element_size() + 2048
 
 
-@needs_torch
-def test_protocol_torch_bf16_values_exact() -> None:
+def test_protocol_torch_bf16_values_exact(torch) -> None:
     t = torch.randn(3000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     data = bytearray(protocol.dumps(t))
     out = protocol.loads(data)
@@ -356,8 +347,7 @@ def test_protocol_torch_bf16_values_exact() -> None:
     assert _inside(out, data)
 
 
-@needs_torch
-def test_protocol_torch_parameter_and_requires_grad() -> None:
+def test_protocol_torch_parameter_and_requires_grad(torch) -> None:
     p = torch.nn.Parameter(torch.randn(4096))
     frozen = torch.nn.Parameter(torch.randn(4096), requires_grad=False)
     leaf = torch.randn(2048, 2, requires_grad=True)
@@ -376,8 +366,7 @@ def test_protocol_torch_parameter_and_requires_grad() -> None:
     assert torch.equal(out["p"].grad, torch.full((4096,), 2.0))
 
 
-@needs_torch
-def test_protocol_torch_noncontiguous_and_empty() -> None:
+def test_protocol_torch_noncontiguous_and_empty(torch) -> None:
     t = torch.arange(20000, dtype=torch.float32).reshape(100, 200).t()
     e = torch.empty(0, 3)
     out = protocol.loads(bytearray(protocol.dumps([t, e])))
