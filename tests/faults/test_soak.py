@@ -28,7 +28,6 @@ restart the rank processes (``restart_procs=True``).
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import os
 import random
@@ -49,7 +48,12 @@ BIG = 2 << 20  # above shm.INLINE_MAX: arguments and results travel through /dev
 # every big payload starts with this, so a /dev/shm file left behind is known as this test's by
 # its content (other ktlite processes on the machine, other tests included, make files there too)
 STAMP = f"soak-{MARK[1]}".encode()
-TORCH = importlib.util.find_spec("torch") is not None  # without it: no gloo calls
+try:  # without torch: no gloo calls
+    import torch  # noqa: F401
+
+    TORCH = True
+except ImportError:
+    TORCH = False
 WORLD = 4
 
 # per-process slack (servers and the test process) and for the rank processes together.
