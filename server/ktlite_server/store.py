@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from ktlite import protocol
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite.storedir import OBJECT_MAGIC, StoreDir, check_key
+from ktlite_server.logconfig import request_log
 
 PREFIX = "/store/v1"
 _END = object()
@@ -232,13 +233,16 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
 
     import uvicorn
 
-    app = create_store_app(root, token)
+    app = request_log(create_store_app(root, token))  # each request at DEBUG (KTLITE_LOG_LEVEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    from ktlite_server.connections import Limits, guarded
+
+    limits = Limits.from_env()  # bounded heads, header and idle timeouts, a connection cap
     config = uvicorn.Config(app, log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"),
                             access_log=False, timeout_graceful_shutdown=3,
-                            http="httptools" if importlib.util.find_spec("httptools") else "h11")
+                            http=guarded(limits), timeout_keep_alive=limits.idle_timeout)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
 
     async def run() -> None:
