@@ -18,9 +18,32 @@ from typing import Any
 
 import httpx
 
-from ktlite import protocol
 from ktlite.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
+from ktlite_wire import envelope, version
+from ktlite_wire.errors import ErrorCode, ProtocolError
+from ktlite_wire.frames import (
+    ERROR,
+    HEARTBEAT,
+    LOG,
+    NOTICE,
+    RESULT,
+    LogLine,
+    Notice,
+    decode_error,
+    read_frames,
+)
+from ktlite_wire.headers import (
+    CALL_HEADER,
+    ERROR_CODE_HEADER,
+    LENGTH_HEADER,
+    RESUME_HEADER,
+    TOKEN_HEADER,
+    UPTIME_HEADER,
+    VERSION_HEADER,
+    bearer,
+)
+from ktlite_wire.outcome import CallResult, RankOutcome
 
 # The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
 SILENCE_TIMEOUT = 10.0
@@ -35,7 +58,7 @@ _UNDELIVERED = ("dial tcp", "connect: ", "no route to host", "i/o timeout", "add
                 "not found")
 LogSink = Callable[[int, str, str, str], None]  # (rank, pod, stream, text)
 NoticeSink = Callable[[dict[str, Any]], None]
-Outcomes = list[tuple[int, str, str, Any, str, float]]  # (rank, pod, status, data, message, at)
+Outcomes = list[RankOutcome]
 
 
 @dataclass
@@ -93,8 +116,8 @@ class PodClient:
                     conn.close()
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        h = {protocol.TOKEN_HEADER: protocol.bearer(self._token),
-             protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+        h = {TOKEN_HEADER: bearer(self._token),
+             VERSION_HEADER: str(version.PROTOCOL_VERSION)}
         if extra:
             h.update(extra)
         return h
@@ -108,7 +131,7 @@ class PodClient:
             detail = resp.json().get("detail", resp.text)
         except (ValueError, AttributeError, httpx.HTTPError):
             detail = resp.text if resp.is_stream_consumed else ""
-        _raise_for_status(resp.status_code, str(detail), url)
+        _raise_for_status(resp.status_code, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
 
     def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
         try:
@@ -120,9 +143,10 @@ class PodClient:
                                  f"(HTTP {resp.status_code}): {resp.text[:300]}")
         self._check(resp, url)
         data: dict[str, Any] = resp.json()
-        if data.get("protocol") != protocol.PROTOCOL_VERSION:
-            raise ProtocolMismatch(f"pod at {url} runs ktlite {data.get('version')} speaking protocol "
-                                   f"{data.get('protocol')}; this client speaks {protocol.PROTOCOL_VERSION}")
+        if data.get("protocol") != version.PROTOCOL_VERSION:
+            raise ProtocolMismatch(version.mismatch(
+                data.get("protocol"), version.PROTOCOL_VERSION,
+                them=f"the pod at {url} (ktlite {data.get('version')})", us="this client"))
         return data
 
     def ready(self, url: str, timeout: float = 2.0) -> dict[str, Any] | None:
@@ -146,7 +170,7 @@ class PodClient:
         window_end = 0.0
         while True:
             sized = len(message) > CHUNKED_MAX  # as for calls: see _call_resumable
-            headers = self._headers({protocol.LENGTH_HEADER: str(len(message))})
+            headers = self._headers({LENGTH_HEADER: str(len(message))})
             try:
                 resp = self.http.post(f"{url}/deploy", content=message if sized else _chunks([message]),
                                       headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
@@ -164,7 +188,10 @@ class PodClient:
                 raise PodUnreachable(f"could not deploy to pod at {url}: {error!r}") from error
             time.sleep(0.1)
         self._check(resp, url)
-        return list(protocol.loads(bytearray(resp.content))["outcomes"])
+        try:
+            return CallResult.decode(bytearray(resp.content)).outcomes
+        except ProtocolError as e:
+            raise PodUnreachable(f"pod at {url} answered the deploy with a malformed result: {e}") from e
 
     def status(self, url: str, stuck_after: float | None = None) -> dict[str, Any]:
         params = {} if stuck_after is None else {"stuck_after": str(stuck_after)}
@@ -200,7 +227,7 @@ class PodClient:
         frames = _Frames(on_log, on_notice, url)
         try:
             if self._lean and url.startswith("http://"):
-                headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
+                headers = self._headers({CALL_HEADER: json.dumps(meta),
                                          "content-type": "application/octet-stream"})
                 return self._call_lean(url, headers, parts, frames)
             return self._call_resumable(url, meta, parts, frames, who)
@@ -211,7 +238,7 @@ class PodClient:
                                  "heartbeat): it probably died") from e
         except (httpx.HTTPError, ConnectionFailed, OSError) as e:
             raise PodUnreachable(f"lost the connection to {who}: {e!r}") from e
-        except protocol.ProtocolError as e:
+        except ProtocolError as e:
             raise PodUnreachable(f"{who} closed the stream mid-call: {e}") from e
 
     def _call_lean(self, url: str, headers: dict[str, str], parts: list[Any], frames: _Frames) -> CallReply:
@@ -227,7 +254,7 @@ class PodClient:
                     detail = str(json.loads(body).get("detail", body))
                 except ValueError:
                     detail = body.decode(errors="replace")
-                _raise_for_status(status, detail, url)
+                _raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
             result = frames.read(conn.body(hdrs))
         except BaseException:
             conn.close()
@@ -252,22 +279,22 @@ class PodClient:
         """
         meta = {**meta, "reattach": REATTACH_S}
         timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
-        size = protocol.parts_size(parts)
+        size = envelope.parts_size(parts)
         window_end, attempt = 0.0, 0
         delivered = False  # did any attempt possibly reach a pod server?
         first_delivered = 0.0  # when the first attempt that may have reached one was sent
         accepted = False  # did the pod answer 200: it holds the call, and a re-attach needs no body
         while True:
-            headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
+            headers = self._headers({CALL_HEADER: json.dumps(meta),
                                      "content-type": "application/octet-stream"})
             if accepted:
-                headers[protocol.RESUME_HEADER] = str(frames.seen)
+                headers[RESUME_HEADER] = str(frames.seen)
                 content: Any = b""
             elif size > CHUNKED_MAX:
                 headers["content-length"] = str(size)
-                content = protocol.chunked(parts)
+                content = envelope.chunked(parts)
             else:  # sent again in whole until accepted: a pod that has the call id attaches
-                headers[protocol.LENGTH_HEADER] = str(size)
+                headers[LENGTH_HEADER] = str(size)
                 content = _chunks(parts)
             sent_at = time.monotonic()
             try:
@@ -292,7 +319,7 @@ class PodClient:
                     return frames.read(resp.iter_raw())
             except (httpx.ReadTimeout, httpx.PoolTimeout):
                 raise
-            except (httpx.TransportError, protocol.ProtocolError, _ProxyError) as e:
+            except (httpx.TransportError, ProtocolError, _ProxyError) as e:
                 if not delivered and not (isinstance(e, httpx.ConnectError)
                                           or (isinstance(e, _ProxyError) and e.undelivered)):
                     delivered, first_delivered = True, sent_at
@@ -317,7 +344,7 @@ def _up_since(resp: httpx.Response, since: float, margin: float = 0.1) -> bool:
     (imports, bind: ~0.5 s), so one that got an attempt sent at ``since`` started well
     before it."""
     try:
-        uptime = float(resp.headers.get(protocol.UPTIME_HEADER, ""))
+        uptime = float(resp.headers.get(UPTIME_HEADER, ""))
     except ValueError:
         return False
     return uptime > time.monotonic() - since + margin
@@ -357,7 +384,7 @@ class _ProxyError(Exception):
 
 def _chunks(parts: list[Any]) -> Iterator[bytes]:
     # a generator: httpx sends it with Transfer-Encoding: chunked
-    yield from protocol.chunked(parts, size=1 << 20)
+    yield from envelope.chunked(parts, size=1 << 20)
 
 
 class _Frames:
@@ -372,44 +399,48 @@ class _Frames:
         """Reads the stream to its end (it ends right after the result) so the connection can
         be reused."""
         result = None
-        for kind, payload in protocol.read_frames(chunks):
-            if kind == protocol.HEARTBEAT:
+        for kind, payload in read_frames(chunks):
+            if kind == HEARTBEAT:
                 continue
-            if kind == protocol.NOTICE:
-                info = json.loads(payload)
-                if info.get("kind") == "skip":
-                    self.seen = int(info["to"])
-                    print(f"ktlite: {info.get('message')} while the connection to the pod was "
+            if kind == NOTICE:
+                notice = Notice.decode(payload)
+                if notice.kind == "skip":
+                    self.seen = int(notice.fields["to"])
+                    print(f"ktlite: {notice.message} while the connection to the pod was "
                           "re-established", file=sys.stderr, flush=True)
                     continue
                 if self.on_notice is not None:
-                    self.on_notice(info)
-            elif kind == protocol.LOG:
+                    self.on_notice(notice.as_dict())
+            elif kind == LOG:
                 if self.on_log is not None:
-                    self.on_log(*json.loads(payload))
-            elif kind == protocol.RESULT:
-                got = protocol.loads(payload)
-                result = CallReply(list(got["outcomes"]), bool(got.get("started", True)))
-            elif kind == protocol.ERROR:
-                err = json.loads(payload)
-                raise KtliteError(f"pod at {self.url} failed the call: {err['type']}: {err['message']}")
+                    line = LogLine.decode(payload)
+                    self.on_log(line.rank, line.pod, line.stream, line.text)
+            elif kind == RESULT:
+                got = CallResult.decode(payload)
+                result = CallReply(got.outcomes, got.started)
+            elif kind == ERROR:
+                err = decode_error(payload)
+                raise KtliteError(f"pod at {self.url} failed the call: {err.type_name or err.code}: {err.message}")
             self.seen += 1
         if result is None:
             raise PodUnreachable(f"the coordinator pod at {self.url} ended the call without a result")
         return result
 
 
-def _raise_for_status(status: int, detail: str, url: str) -> None:
+def _raise_for_status(status: int, detail: str, url: str, code: str | None = None) -> None:
+    """Raise the ktlite error for a refusal, classified by its error code (the HTTP status
+    only where a proxy, not the pod, answered)."""
     if status < 400:
         return
-    if status == 401:
+    error = ErrorCode.parse(code)
+    if error is ErrorCode.UNAUTHORIZED or (error is None and status == 401):
         raise AuthError(f"pod at {url} refused the deployment token (HTTP 401): {detail}; "
                         "the deployment was probably re-created: call .to() again")
-    if status == 409 and "protocol version" in detail:
+    if error is ErrorCode.PROTOCOL_MISMATCH:
         raise ProtocolMismatch(detail)
-    if status == 409:
+    if error in (ErrorCode.NOT_DEPLOYED, ErrorCode.REDEPLOYED):
         raise NotDeployedError(detail)
-    if status == 404 and "does not know call" in detail:
+    if error is ErrorCode.UNKNOWN_CALL:
         raise PodUnreachable(detail)
     if status in _PROXY_ERRORS:
         raise PodUnreachable(f"pod at {url} is not reachable through the proxy (HTTP {status}): "

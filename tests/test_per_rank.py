@@ -10,6 +10,7 @@ import pytest
 import ktlite as kt
 from ktlite import rankdata
 from ktlite.packaging import encode_ranked_call
+from ktlite_wire import codec
 
 
 def show(x: object = None, shared: object = None, scale: int = 1) -> tuple:
@@ -93,8 +94,7 @@ def test_wire_layout_offsets_cover_each_rank() -> None:
     assert layout is not None and layout["base"] == 0
     (o0, n0), (o1, n1) = layout["items"]
     assert o0 == layout["shared"] and o1 == o0 + n0 and o1 + n1 == len(body)
-    from ktlite import protocol
-    assert protocol.loads(body[o1:o1 + n1]) == (b"b" * 20,)
+    assert codec.loads(body[o1:o1 + n1]) == (b"b" * 20,)
 
 
 @pytest.mark.parametrize("bad", [{"shared": -1, "items": []}, {"shared": 1, "items": [[1]]},

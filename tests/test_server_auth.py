@@ -19,9 +19,13 @@ import httpx
 import pytest
 
 import ktlite as kt
-from ktlite import packaging, protocol
+from ktlite import packaging
 from ktlite.client import PodClient
 from ktlite.spec import DistributedConfig
+from ktlite_wire import codec, envelope
+from ktlite_wire.frames import RESULT, read_frames
+from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER
+from ktlite_wire.version import PROTOCOL_VERSION
 
 NAME = "sa-target"
 
@@ -75,7 +79,7 @@ def http():
 
 
 def _auth(token: str) -> dict[str, str]:
-    return {protocol.TOKEN_HEADER: f"Bearer {token}", protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+    return {TOKEN_HEADER: f"Bearer {token}", VERSION_HEADER: str(PROTOCOL_VERSION)}
 
 
 def _launch_ids(http: httpx.Client, state: dict) -> list[str]:
@@ -86,7 +90,7 @@ def _call_request(path: Path) -> tuple[dict[str, str], bytes]:
     """A complete, valid single-pod /call request that makes ``target`` write ``path``."""
     meta = {"id": uuid.uuid4().hex, "fanout": False, "stream_logs": False}
     body = b"".join(bytes(memoryview(p)) for p in packaging.encode_call(None, ("touch", str(path)), {}))
-    return {protocol.CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}, body
+    return {CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}, body
 
 
 def _deploy_message(state: dict, ordinal: int, marker: Path = Path("/nonexistent/evil"),
@@ -104,12 +108,12 @@ def _bad_headers(token: str) -> dict[str, dict[str, str]]:
     wrong = ("A" if token[0] != "A" else "B") + token[1:]
     return {
         "none": {},
-        "wrong-token": {protocol.TOKEN_HEADER: f"Bearer {wrong}"},
-        "prefix-of-token": {protocol.TOKEN_HEADER: f"Bearer {token[:-1]}"},
-        "token-plus-extra": {protocol.TOKEN_HEADER: f"Bearer {token}x"},
-        "empty-bearer": {protocol.TOKEN_HEADER: "Bearer"},
-        "no-scheme": {protocol.TOKEN_HEADER: token},
-        "basic-scheme": {protocol.TOKEN_HEADER: f"Basic {token}"},
+        "wrong-token": {TOKEN_HEADER: f"Bearer {wrong}"},
+        "prefix-of-token": {TOKEN_HEADER: f"Bearer {token[:-1]}"},
+        "token-plus-extra": {TOKEN_HEADER: f"Bearer {token}x"},
+        "empty-bearer": {TOKEN_HEADER: "Bearer"},
+        "no-scheme": {TOKEN_HEADER: token},
+        "basic-scheme": {TOKEN_HEADER: f"Basic {token}"},
         "other-header": {"x-ktlite-token": token},
     }
 
@@ -131,7 +135,7 @@ def test_health_needs_no_token(remote, state, http) -> None:
         assert resp.status_code == 200
         body = resp.json()
         assert body["status"] == "ok" and body["ordinal"] == i
-        assert body["protocol"] == protocol.PROTOCOL_VERSION
+        assert body["protocol"] == PROTOCOL_VERSION
         assert state["token"] not in resp.text
 
 
@@ -165,10 +169,10 @@ def test_call_with_token_runs(state, http, tmp_path) -> None:
         headers, body = _call_request(marker)
         resp = http.post(f"{url}/call", content=body, headers={**headers, **_auth(state["token"])})
         assert resp.status_code == 200
-        frames = list(protocol.read_frames([resp.content]))
-        assert frames[-1][0] == protocol.RESULT
-        (rank, _pod, status, data, _msg, _at), = protocol.loads(frames[-1][1])["outcomes"]
-        assert (rank, status) == (i, "ok") and protocol.loads(data) == "touched"
+        frames = list(read_frames([resp.content]))
+        assert frames[-1][0] == RESULT
+        (rank, _pod, status, data, _msg, _at), = codec.loads(frames[-1][1])["outcomes"]
+        assert (rank, status) == (i, "ok") and codec.loads(data) == "touched"
         assert marker.read_text() == "ran"
 
 
@@ -177,7 +181,7 @@ def test_deploy_needs_token(remote, state, http, tmp_path, bad) -> None:
     marker = tmp_path / "evil"
     before = _launch_ids(http, state)
     for i, url in enumerate(state["urls"]):
-        body = protocol.dumps(_deploy_message(state, i, marker))
+        body = codec.dumps(_deploy_message(state, i, marker))
         resp = http.post(f"{url}/deploy", content=body, headers=_bad_headers(state["token"])[bad])
         assert resp.status_code == 401, resp.text
     assert _launch_ids(http, state) == before
@@ -216,7 +220,7 @@ def test_unauthenticated_cancel_does_not_stop_a_running_call(remote, state, http
         time.sleep(0.02)
     assert call_id is not None
     for url in state["urls"]:
-        resp = http.post(f"{url}/cancel/{call_id}", headers={protocol.TOKEN_HEADER: "Bearer nope"})
+        resp = http.post(f"{url}/cancel/{call_id}", headers={TOKEN_HEADER: "Bearer nope"})
         assert resp.status_code == 401
     t.join(10)
     assert result == {"value": [None, None]}
@@ -236,25 +240,25 @@ def test_client_with_wrong_token_gets_auth_error(state) -> None:
 # ---- malformed requests with a valid token ------------------------------------------------------
 
 def _raw_message(pickle_bytes: bytes) -> bytes:
-    return protocol._HEAD.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, 0, len(pickle_bytes)) + pickle_bytes
+    return envelope.HEAD.pack(codec.MAGIC, PROTOCOL_VERSION, 0, len(pickle_bytes)) + pickle_bytes
 
 
 MALFORMED = {
     "garbage": lambda st: b"this is not a ktlite message",
     "empty": lambda st: b"",
-    "truncated": lambda st: protocol.dumps(_deploy_message(st, 0))[:40],
-    "bad-version": lambda st: b"KTL\x63" + protocol.dumps({})[4:],
-    "not-a-dict": lambda st: protocol.dumps([1, 2, 3]),
-    "empty-dict": lambda st: protocol.dumps({}),
-    "missing-bundle": lambda st: protocol.dumps({k: v for k, v in _deploy_message(st, 0).items()
+    "truncated": lambda st: codec.dumps(_deploy_message(st, 0))[:40],
+    "bad-version": lambda st: b"KTL\x63" + codec.dumps({})[4:],
+    "not-a-dict": lambda st: codec.dumps([1, 2, 3]),
+    "empty-dict": lambda st: codec.dumps({}),
+    "missing-bundle": lambda st: codec.dumps({k: v for k, v in _deploy_message(st, 0).items()
                                                  if k != "bundle"}),
-    "wrong-ordinal": lambda st: protocol.dumps(_deploy_message(st, 7)),
-    "zero-workers": lambda st: protocol.dumps(_deploy_message(st, 0, distributed={"workers": 0})),
-    "unknown-distributed-key": lambda st: protocol.dumps(_deploy_message(st, 0, distributed={"bogus": 1})),
-    "bad-int": lambda st: protocol.dumps(_deploy_message(st, 0, master_port="not-a-port")),
+    "wrong-ordinal": lambda st: codec.dumps(_deploy_message(st, 7)),
+    "zero-workers": lambda st: codec.dumps(_deploy_message(st, 0, distributed={"workers": 0})),
+    "unknown-distributed-key": lambda st: codec.dumps(_deploy_message(st, 0, distributed={"bogus": 1})),
+    "bad-int": lambda st: codec.dumps(_deploy_message(st, 0, master_port="not-a-port")),
     "corrupt-pickle": lambda st: _raw_message(b"\x80\x05this is not a pickle"),
     "empty-pickle": lambda st: _raw_message(b""),
-    "pod-ips-mismatch": lambda st: protocol.dumps(_deploy_message(st, 0, pod_ips=["127.0.0.1"])),
+    "pod-ips-mismatch": lambda st: codec.dumps(_deploy_message(st, 0, pod_ips=["127.0.0.1"])),
 }
 
 
@@ -297,14 +301,14 @@ def test_malformed_call_requests_are_4xx(remote, state, http, tmp_path) -> None:
     # no or broken call header
     for bad_meta in ("", "{not json", json.dumps({"no-id": 1}), json.dumps([1])):
         resp = http.post(f"{url}/call", content=body,
-                         headers={**headers, protocol.CALL_HEADER: bad_meta, **_auth(state["token"])})
+                         headers={**headers, CALL_HEADER: bad_meta, **_auth(state["token"])})
         assert 400 <= resp.status_code < 500, (bad_meta, resp.status_code, resp.text)
     # a chunked body without Content-Length
     resp = http.post(f"{url}/call", content=iter([body]), headers={**headers, **_auth(state["token"])})
     assert 400 <= resp.status_code < 500
     # a protocol version the server does not speak
     resp = http.post(f"{url}/call", content=body,
-                     headers={**headers, **_auth(state["token"]), protocol.VERSION_HEADER: "999"})
+                     headers={**headers, **_auth(state["token"]), VERSION_HEADER: "999"})
     assert resp.status_code == 409
     assert not (tmp_path / "x").exists()
     assert remote("rank", stream_logs=False) == [0, 1]

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import gzip
 import hmac
-import json
 import mmap
 import os
 import platform
@@ -34,13 +34,19 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-import ktlite
-from ktlite import protocol, shm
-from ktlite.spec import DistributedConfig, distributed_env
-from ktlite_server.coordinator import CallPlan, Coordinator, run_local
+from ktlite_server.coordinator import Coordinator, run_local
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, LOG_BODIES, Colocated, Deployment, Pod
+from ktlite_server.refusal import refuse
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
+from ktlite_wire import codec, frames, headers, shm
+from ktlite_wire.distenv import distributed_env
+from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
+from ktlite_wire.launch import Colocation, Launch, decode_deploy
+from ktlite_wire.outcome import CallResult, RankOutcome
+from ktlite_wire.plan import decode_plan
+from ktlite_wire.status import Status
+from ktlite_wire.version import PROTOCOL_VERSION, RELEASE, mismatch
 
 DEFAULT_MAX_BODY = 8 << 30
 
@@ -62,12 +68,12 @@ class StreamResponse(Response):
 async def _read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     """Read the body into memory, or straight into a shared-memory file when large."""
     # a chunked body (through a proxy) names its length in LENGTH_HEADER
-    length = request.headers.get("content-length") or request.headers.get(protocol.LENGTH_HEADER)
+    length = request.headers.get("content-length") or request.headers.get(headers.LENGTH_HEADER)
     if length is None or not length.isdigit():
-        raise HTTPException(411, f"a Content-Length (or {protocol.LENGTH_HEADER}) header is required")
+        raise refuse(411, ErrorCode.LENGTH_REQUIRED, f"a Content-Length (or {headers.LENGTH_HEADER}) header is required")
     n = int(length)
     if n > limit:
-        raise HTTPException(413, f"body of {n} bytes is larger than this server's limit of {limit} bytes "
+        raise refuse(413, ErrorCode.TOO_LARGE, f"body of {n} bytes is larger than this server's limit of {limit} bytes "
                                  "(KTLITE_MAX_BODY)")
     path = None
     if n > shm.INLINE_MAX:
@@ -83,7 +89,7 @@ async def _read_body(request: Request, limit: int) -> tuple[Any, str | None]:
         async for chunk in request.stream():
             k = len(chunk)
             if got + k > n:
-                raise HTTPException(400, f"body is longer than its Content-Length of {n} bytes")
+                raise refuse(400, ErrorCode.BAD_REQUEST, f"body is longer than its Content-Length of {n} bytes")
             view[got:got + k] = chunk
             got += k
     except (ClientDisconnect, HTTPException):
@@ -93,7 +99,7 @@ async def _read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     if got != n:
         if path:
             os.unlink(path)
-        raise HTTPException(400, f"body truncated: got {got} of {n} bytes")
+        raise refuse(400, ErrorCode.BAD_REQUEST, f"body truncated: got {got} of {n} bytes")
     return view, path
 
 
@@ -112,11 +118,11 @@ def _process_start() -> float:
 
 def _resume_from(request: Request) -> int | None:
     """The first frame a re-attaching caller lacks (None: a new call)."""
-    value = request.headers.get(protocol.RESUME_HEADER)
+    value = request.headers.get(headers.RESUME_HEADER)
     if value is None:
         return None
     if not value.isdigit():
-        raise ValueError(f"{protocol.RESUME_HEADER} must be a frame number, got {value[:40]!r}")
+        raise ValueError(f"{headers.RESUME_HEADER} must be a frame number, got {value[:40]!r}")
     return int(value)
 
 
@@ -154,7 +160,7 @@ class FastCall:
 def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                client: httpx.AsyncClient | None = None) -> FastCall:
     """Build the pod server app; ``client`` is the HTTP client used to reach peer pods."""
-    expected = protocol.bearer(token).encode()
+    expected = headers.bearer(token).encode()
     started = _process_start()
     state: dict[str, Any] = {"client": client, "peers": PeerPool(), "streams": Streams(),
                              "deploys": collections.OrderedDict(), "coordinators": {}}
@@ -177,21 +183,20 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                   lifespan=lifespan)
 
     def authorize(request: Request) -> None:
-        got = request.headers.get(protocol.TOKEN_HEADER, "").encode()
+        got = request.headers.get(headers.TOKEN_HEADER, "").encode()
         if not hmac.compare_digest(got, expected):
-            raise HTTPException(401, "missing or wrong deployment token")
+            raise refuse(401, ErrorCode.UNAUTHORIZED, "missing or wrong deployment token")
         pod.last_active = time.monotonic()  # a client (or a peer pod) still uses this pod
-        version = request.headers.get(protocol.VERSION_HEADER)
-        if version is not None and version != str(protocol.PROTOCOL_VERSION):
-            raise HTTPException(409, f"protocol version mismatch: client speaks {version}, server "
-                                     f"(ktlite {ktlite.__version__}) speaks {protocol.PROTOCOL_VERSION}; "
-                                     "install the same ktlite version on both sides")
+        version = request.headers.get(headers.VERSION_HEADER)
+        if version is not None and version != str(PROTOCOL_VERSION):
+            raise refuse(409, ErrorCode.PROTOCOL_MISMATCH, mismatch(
+                version[:20], them="the client", us=f"pod {pod.name}'s server (ktlite {RELEASE})"))
 
     @app.get("/health")
     async def health(request: Request) -> Response:
         """Liveness; with ``?ready=1``, readiness: 503 until a launch is loaded (an autoscaled
         replica must not take calls before it has the code). ``calls`` is the number running."""
-        body = {"status": "ok", "protocol": protocol.PROTOCOL_VERSION, "version": ktlite.__version__,
+        body = {"status": "ok", "protocol": PROTOCOL_VERSION, "version": RELEASE,
                 "python": platform.python_version(), "pod": pod.name, "ordinal": pod.ordinal,
                 "launch_id": pod.dep.launch_id if pod.dep else None, "started": started,
                 "engine_failed": pod.engine_failed, "calls": len(pod.calls)}
@@ -221,7 +226,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         try:
             stuck_after = float(request.query_params.get("stuck_after", DEFAULT_STUCK_AFTER_S))
         except ValueError:
-            raise HTTPException(400, "stuck_after must be a number of seconds") from None
+            raise refuse(400, ErrorCode.BAD_REQUEST, "stuck_after must be a number of seconds") from None
         return await pod.status(stuck_after)
 
     @app.post("/deploy")
@@ -229,65 +234,54 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         authorize(request)
         body, path = await _read_body(request, max_body)
         try:
-            msg = protocol.loads(body)
-            if msg.get("colocate"):
-                name = str(msg["colocate"])
-                target = None if msg.get("drop") else Colocated(
-                    bundle=bytes(msg["bundle"]), kind=str(msg["kind"]), init=msg.get("init"),
-                    sources=dict(msg.get("sources") or {}))
-        except Exception as e:  # noqa: BLE001
-            if path:
-                os.unlink(path)
-            raise HTTPException(400, f"malformed deploy request: {type(e).__name__}: {e}") from e
-        if msg.get("colocate"):
-            if path:
-                os.unlink(path)
-            return await _colocate(msg, name, target)
-        try:
-            outs = await install(msg)
+            msg = decode_deploy(body)  # JSON and opaque buffers: nothing is unpickled here
+        except ProtocolError as e:
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed deploy request: {e}") from e
         finally:
             if path:
                 os.unlink(path)
-        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
-        return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
+        if isinstance(msg, Colocation):
+            return await _colocate(msg)
+        outs = await install(msg)
+        return _outcomes_response(outs)
 
-    async def install(msg: dict[str, Any]) -> list[Any]:
+    def _outcomes_response(outs: list[Any]) -> Response:
+        result = CallResult([RankOutcome(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
+        return Response(result.encode_bytes(), media_type="application/octet-stream")
+
+    async def install(msg: Launch) -> list[Any]:
         """Install a launch (a POST /deploy body, or the launch file a replica boots from)."""
-        if msg.get("replica"):
+        if msg.replica:
             # an autoscaled deployment's replica is a world of its own: rank 0 of one pod, at
             # this pod's own address (a replica started later reads the launch the client wrote)
-            msg = {**msg, "ordinal": pod.ordinal,
-                   "pod_ips": [os.environ.get("KTLITE_POD_IP") or msg.get("pod_ips", ["127.0.0.1"])[0]]}
+            msg = dataclasses.replace(msg, ordinal=pod.ordinal, pod_ips=[
+                os.environ.get("KTLITE_POD_IP") or (msg.pod_ips or ["127.0.0.1"])[0]])
         try:
             dep = Deployment(
-                launch_id=msg["launch_id"], bundle=bytes(msg["bundle"]), kind=msg["kind"],
-                init=msg.get("init"), sources=msg.get("sources") or {},
-                config=DistributedConfig(**msg["distributed"]), pod_ips=list(msg["pod_ips"]),
-                ordinal=int(msg["ordinal"]), master_port=int(msg["master_port"]),
-                max_restarts=int(msg.get("max_restarts", 3)), cpus=msg.get("cpus"),
-                load_timeout=float(msg.get("load_timeout", 300)),
-                concurrency=max(1, int(msg.get("concurrency", 1))), engine=msg.get("engine"),
-                single=bool(msg.get("single", False)))
+                launch_id=msg.launch_id, bundle=msg.bundle, kind=msg.kind, init=msg.init, sources=msg.sources,
+                config=msg.distributed, pod_ips=msg.pod_ips, ordinal=msg.ordinal, master_port=msg.master_port,
+                max_restarts=msg.max_restarts, cpus=msg.cpus, load_timeout=msg.load_timeout,
+                concurrency=msg.concurrency, engine=msg.engine, single=msg.single)
             # the same env every rank would get: a bad layout is refused here, before it
             # replaces the deployment the pod is serving
             distributed_env(dep.config, node_rank=dep.ordinal, local_rank=0, pod_ips=dep.pod_ips,
                             master_port=dep.master_port)
             if not 0 <= dep.ordinal < dep.config.workers:
                 raise ValueError(f"ordinal {dep.ordinal} is outside 0..{dep.config.workers - 1}")
-        except Exception as e:  # noqa: BLE001 - any undecodable or inconsistent body is the client's fault
-            raise HTTPException(400, f"malformed deploy request: {type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - any inconsistent layout is the client's fault
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed deploy request: {type(e).__name__}: {e}") from e
         if dep.ordinal != pod.ordinal:
-            raise HTTPException(400, f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} "
-                                     f"(ordinal {pod.ordinal})")
-        if "store" in msg:  # the data store's address, for kt.put/get in the ranks
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} "
+                                                     f"(ordinal {pod.ordinal})")
+        if msg.store is not None:  # the data store's address, for kt.put/get in the ranks
             from ktlite_server.store import remember
-            remember(msg["store"], pod.pod_ips_file)
+            remember(msg.store, pod.pod_ips_file)
         # a launch is installed once: a caller that lost the answer (a proxy dropped it) sends
         # the same launch again and gets the same answer
         deploys: collections.OrderedDict[str, asyncio.Task[Any]] = state["deploys"]
         task = deploys.get(dep.launch_id)
         if task is None:
-            task = asyncio.get_running_loop().create_task(pod.deploy(dep, restart=bool(msg.get("restart"))))
+            task = asyncio.get_running_loop().create_task(pod.deploy(dep, restart=msg.restart))
             deploys[dep.launch_id] = task
             while len(deploys) > 8:
                 deploys.popitem(last=False)
@@ -302,7 +296,9 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                 data = f.read()
             if data[:2] == b"\x1f\x8b":  # gzip: a launch kept in a Kubernetes Secret
                 data = gzip.decompress(data)
-            msg = protocol.loads(data)
+            msg = decode_deploy(data)
+            if not isinstance(msg, Launch):
+                raise ProtocolError("it holds a colocation, not a launch")
         except FileNotFoundError:
             state["boot"] = "no launch yet: waiting for the client's POST /deploy"
             return
@@ -316,34 +312,36 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             state["boot"] = f"the launch file {path} was refused: {e.detail}"
             print(f"ktlite_server: {state['boot']}", file=sys.stderr, flush=True)
             return
-        failed = [o for o in outs if o.status != "ok"]
-        state["boot"] = (f"loading launch {msg.get('launch_id')} failed on rank(s) "
+        failed = [o for o in outs if o.status is not Status.OK]
+        state["boot"] = (f"loading launch {msg.launch_id} failed on rank(s) "
                          f"{', '.join(str(o.rank) for o in failed)}: {failed[0].message}" if failed else None)
         if failed:
             print(f"ktlite_server: {state['boot']}", file=sys.stderr, flush=True)
 
-    async def _colocate(msg: dict[str, Any], name: str, target: Colocated | None) -> Response:
+    async def _colocate(msg: Colocation) -> Response:
         """A colocation launch (``kt.cls(B).to(remote_a)``): add, replace or (``drop``) remove
         a named target in the rank processes of the deployment this pod serves."""
+        name = msg.target
+        target = None if msg.drop or msg.bundle is None else Colocated(
+            bundle=msg.bundle, kind=msg.kind, init=msg.init, sources=msg.sources)
         if pod.dep is None:
-            raise HTTPException(409, f"pod {pod.name} has no code deployed to colocate {name!r} with; "
-                                "deploy the first group again")
-        if msg.get("launch_id") and msg["launch_id"] != pod.dep.launch_id and target is not None:
-            raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
-                                f"{msg['launch_id']}: the deployment to colocate {name!r} with was "
-                                "redeployed since")
-        outs = await pod.colocate(name, target, if_missing=bool(msg.get("if_missing")))
-        parts = protocol.gather_parts([(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs])
-        return Response(b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream")
+            raise refuse(409, ErrorCode.NOT_DEPLOYED, f"pod {pod.name} has no code deployed to colocate "
+                                                      f"{name!r} with; deploy the first group again")
+        if msg.launch_id and msg.launch_id != pod.dep.launch_id and target is not None:
+            raise refuse(409, ErrorCode.REDEPLOYED, f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
+                                                    f"{msg.launch_id}: the deployment to colocate {name!r} with "
+                                                    "was redeployed since")
+        outs = await pod.colocate(name, target, if_missing=msg.if_missing)
+        return _outcomes_response(outs)
 
     @app.post("/call")
     async def call(request: Request) -> Response:
         authorize(request)
         try:
-            plan = CallPlan(json.loads(request.headers.get(protocol.CALL_HEADER, "")))
+            plan = decode_plan(request.headers.get(headers.CALL_HEADER, ""))
             resume = _resume_from(request)
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise HTTPException(400, f"malformed {protocol.CALL_HEADER} header: {type(e).__name__}: "
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed {headers.CALL_HEADER} header: {type(e).__name__}: "
                                      f"{str(e)[:300]}") from e
         streams: Streams = state["streams"]
         live = streams.get(plan.id)
@@ -356,26 +354,26 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         if resume is not None:  # a re-attach: never runs anything
             await _discard_body(request)
             if streams.ended_before(plan.id):
-                raise HTTPException(410, f"call {plan.id} ended on pod {pod.name} and its result is no "
+                raise refuse(410, ErrorCode.CALL_EXPIRED, f"call {plan.id} ended on pod {pod.name} and its result is no "
                                          f"longer kept (it waits {RETAIN_S:g}s for a caller to re-attach)")
-            raise HTTPException(404, f"pod {pod.name} does not know call {plan.id}: its server restarted "
+            raise refuse(404, ErrorCode.UNKNOWN_CALL, f"pod {pod.name} does not know call {plan.id}: its server restarted "
                                      "since the call began, and the call was lost with it")
         if pod.dep is None:
-            raise HTTPException(409, f"pod {pod.name} has no code deployed: its server started after the "
+            raise refuse(409, ErrorCode.NOT_DEPLOYED, f"pod {pod.name} has no code deployed: its server started after the "
                                 "deploy (a restarted container, a replaced pod); call .to() again, which "
                                 "pushes the code and reuses the pods",
-                                headers={protocol.UPTIME_HEADER: f"{max(0.0, time.time() - started):.3f}"})
+                                headers={headers.UPTIME_HEADER: f"{max(0.0, time.time() - started):.3f}"})
         if plan.launch_id and plan.launch_id != pod.dep.launch_id:
-            raise HTTPException(409, f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
+            raise refuse(409, ErrorCode.REDEPLOYED, f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
                                 f"{plan.launch_id}: it was redeployed since (by another process, or it "
                                 "restarted); call .to() again")
         coordinator = Coordinator(pod, token, state["client"], state["peers"], plan) if plan.fanout else None
 
         def abandoned() -> None:
             if coordinator is not None:
-                coordinator.cancel("cancelled", "the caller disconnected")
+                coordinator.cancel(Status.CANCELLED, "the caller disconnected")
             else:
-                pod.cancel(plan.id, "cancelled", "the caller disconnected")
+                pod.cancel(plan.id, Status.CANCELLED, "the caller disconnected")
 
         stream = streams.open(plan.id, plan.reattach, abandoned)
         own_file = plan.shm is None
@@ -387,23 +385,23 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                     path = shm.check(str(plan.shm[0]), shm.ARG_PREFIX)
                     body = shm.map_private(path, int(plan.shm[1]))
                 except (ValueError, OSError, IndexError, TypeError) as e:
-                    raise HTTPException(400, f"bad shared-memory argument: {e}") from e
+                    raise refuse(400, ErrorCode.BAD_REQUEST, f"bad shared-memory argument: {e}") from e
             try:
                 if plan.per_rank is None:
-                    protocol.split(body)  # framing only: the server never unpickles user data
+                    codec.check(body)  # framing only: the server never unpickles user data
                 else:  # the shared message, then this pod's ranks' items
                     view = memoryview(body).cast("B")
                     shared = plan.per_rank["shared"]
-                    protocol.split(view[:shared])
+                    codec.check(view[:shared])
                     for off, n in plan.per_rank["items"]:
                         if off + n > view.nbytes:
-                            raise protocol.ProtocolError(f"per-rank item at {off}+{n} runs past the body "
+                            raise ProtocolError(f"per-rank item at {off}+{n} runs past the body "
                                                          f"({view.nbytes} bytes)")
-            except protocol.ProtocolError as e:
+            except ProtocolError as e:
                 if path and own_file:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
-                raise HTTPException(400, f"malformed call body: {e}") from e
+                raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed call body: {e}") from e
         except BaseException:
             streams.refused(stream)
             raise
@@ -430,14 +428,14 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
                     outs = await coordinator.run(body, path, stream.emit)
                 else:
                     outs = await run_local(pod, plan, body, path, stream.emit)
-                if coordinator is not None and any(o[2] != "ok" for o in outs):
+                if coordinator is not None and any(o.status is not Status.OK for o in outs):
                     # a failed or stopped call may leave ranks out of step in their process
                     # group: the next call forms a new one (every rank, on a new port)
                     pod.next_generation()
                 started = coordinator.started if coordinator is not None else True
-                stream.emit(protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs, started)))
+                stream.emit(frames.frame_parts(frames.RESULT, CallResult(outs, started).encode()))
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
-                stream.emit(protocol.error_frame(type(e).__name__, str(e)))
+                stream.emit(frames.error_frame(WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)))
             finally:
                 if path and own_file:
                     with contextlib.suppress(OSError):
@@ -453,7 +451,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
         """Restart this pod's dead rank processes (only those: the others keep their state)."""
         authorize(request)
         if pod.dep is None:
-            raise HTTPException(409, f"pod {pod.name} has no code deployed; call .to() first")
+            raise refuse(409, ErrorCode.NOT_DEPLOYED, f"pod {pod.name} has no code deployed; call .to() first")
         result = await pod.restart_failed()
         if result["restarted"] or request.query_params.get("regroup", "").lower() in ("1", "true", "yes"):
             pod.next_generation()  # on pod 0 this re-forms the process group at the next call
@@ -463,11 +461,12 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
     async def cancel(call_id: str, request: Request) -> JSONResponse:
         authorize(request)  # before anything of the request is looked at
         query = request.query_params
-        kind = query.get("kind", "cancelled")
         reason = query.get("reason", "cancelled by the caller")
         reset = query.get("reset", "false").lower() in ("1", "true", "yes")
-        if kind not in ("cancelled", "timeout"):
-            raise HTTPException(400, f"kind={kind!r}; allowed: cancelled, timeout")
+        stops = {s.value: s for s in (Status.CANCELLED, Status.TIMEOUT)}
+        kind = stops.get(query.get("kind", "cancelled"))
+        if kind is None:
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"kind={query.get('kind')!r}; allowed: cancelled, timeout")
         coordinator = state["coordinators"].get(call_id)
         if coordinator is not None:  # this pod coordinates the call: stop it on every pod
             coordinator.cancel(kind, reason[:500])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -21,14 +22,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ktlite import rankdata, shm
-from ktlite.spec import DistributedConfig, distributed_env, port_free
 from ktlite_server.engine import Engine, EngineError
 from ktlite_server.monarchhost import MonarchHost
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
 from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
+from ktlite_wire import rankchannel, rankdata, shm
+from ktlite_wire.distenv import DistributedLayout, distributed_env, port_free
+from ktlite_wire.launch import Sources
+from ktlite_wire.status import Status
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
@@ -55,8 +58,8 @@ class Deployment:
     bundle: bytes
     kind: str
     init: bytes | None
-    sources: dict[str, tuple[str, str, bool]]
-    config: DistributedConfig
+    sources: Sources
+    config: DistributedLayout
     pod_ips: list[str]
     ordinal: int
     master_port: int
@@ -131,13 +134,13 @@ class Colocated:
     bundle: bytes
     kind: str
     init: bytes | None
-    sources: dict[str, tuple[str, str, bool]]
+    sources: Sources
 
 
 @dataclass
 class _CallHandle:
     call_id: str
-    stop_kind: str | None = None
+    stop_kind: Status | None = None
     stop_reason: str = ""
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -169,7 +172,7 @@ class Pod:
         self.calls: dict[str, _CallHandle] = {}
         self.calls_total = 0
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
-        self.cancelled_early: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self.cancelled_early: collections.OrderedDict[str, tuple[Status, str]] = collections.OrderedDict()
         self._sinks: dict[int, dict[str, LogEmit]] = {}  # local rank -> call id -> its log stream
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
@@ -236,45 +239,41 @@ class Pod:
     async def _load(self, rank: RankProcess, dep: Deployment) -> Outcome:
         env = self.rank_env(dep, rank.local_rank)
         rank.global_rank = dep.config.first_rank(dep.ordinal) + rank.local_rank
-        msg = {"env": env, "bundle": dep.bundle, "kind": dep.kind, "init": dep.init, "sources": dep.sources,
-               "concurrency": dep.concurrency}
+        msg = rankchannel.Load(env=env, kind=dep.kind, bundle=dep.bundle, init=dep.init, sources=dep.sources,
+                               concurrency=dep.concurrency)
         try:
-            ok, info = await rank.load(msg, dep.load_timeout)
+            loaded = await rank.load(msg, dep.load_timeout)
         except RankGone as e:
-            return Outcome(rank.global_rank, "died", message=f"while loading the code: {e}")
-        if not ok:
-            from ktlite import protocol
-            return Outcome(rank.global_rank, "error", protocol.dumps(info))
+            return Outcome(rank.global_rank, Status.DIED, message=f"while loading the code: {e}")
+        if not loaded.ok:
+            return Outcome(rank.global_rank, Status.ERROR, loaded.error)
         # a process that lacks a colocated target (a new or restarted one) loads it; one that
         # kept its instances through a reload of the primary code keeps them
         for name, target in list(self.colocated.items()):
             if name not in rank.targets:
                 out = await self._load_target(rank, dep, name, target)
-                if out.status != "ok":
+                if out.status is not Status.OK:
                     return out
-        return Outcome(rank.global_rank, "ok")
+        return Outcome(rank.global_rank, Status.OK)
 
     async def _load_target(self, rank: RankProcess, dep: Deployment, name: str,
                            target: Colocated | None) -> Outcome:
         """Load (or with ``target`` None, drop) one colocated target in one rank process."""
-        msg: dict[str, Any] = {"env": self.rank_env(dep, rank.local_rank), "target": name}
-        if target is None:
-            msg["drop"] = True
-        else:
-            msg.update(bundle=target.bundle, kind=target.kind, init=target.init, sources=target.sources)
+        env = self.rank_env(dep, rank.local_rank)
+        msg = rankchannel.Load(env=env, target=name, drop=True) if target is None else rankchannel.Load(
+            env=env, target=name, kind=target.kind, bundle=target.bundle, init=target.init, sources=target.sources)
         try:
-            ok, info = await rank.load(msg, dep.load_timeout)
+            loaded = await rank.load(msg, dep.load_timeout)
         except RankGone as e:
-            return Outcome(rank.global_rank, "died", message=f"while loading colocated {name!r}: {e}")
-        if ok:
+            return Outcome(rank.global_rank, Status.DIED, message=f"while loading colocated {name!r}: {e}")
+        if loaded.ok:
             if target is None:
                 rank.targets.discard(name)
             else:
                 rank.targets.add(name)
-            return Outcome(rank.global_rank, "ok")
+            return Outcome(rank.global_rank, Status.OK)
         rank.targets.discard(name)
-        from ktlite import protocol
-        return Outcome(rank.global_rank, "error", protocol.dumps(info))
+        return Outcome(rank.global_rank, Status.ERROR, loaded.error)
 
     async def colocate(self, name: str, target: Colocated | None, if_missing: bool = False) -> list[Outcome]:
         """Add/replace (``target`` given) or remove (None) a colocated target on every local
@@ -294,7 +293,7 @@ class Pod:
                 raise RuntimeError(f"pod {self.name} has no code deployed to colocate {name!r} with")
             if if_missing and target is not None and self.colocated.get(name) == target:
                 bad = await self._heal()  # a restarted rank loads every target
-                return bad or [Outcome(r.global_rank, "ok") for r in self.ranks if r is not None]
+                return bad or [Outcome(r.global_rank, Status.OK) for r in self.ranks if r is not None]
             if target is None:
                 self.colocated.pop(name, None)
             else:
@@ -303,7 +302,7 @@ class Pod:
             if not bad:
                 bad = outs = list(await asyncio.gather(*(self._load_target(r, dep, name, target)
                                                          for r in self.ranks if r is not None)))
-                if all(o.status == "ok" for o in outs):
+                if all(o.status is Status.OK for o in outs):
                     return outs
             if target is not None:
                 # a target that failed to load stays nowhere: a rank restart must not trip on it
@@ -321,7 +320,7 @@ class Pod:
             try:
                 rank = await self._spawn(local_rank)
             except Exception as e:  # noqa: BLE001
-                return Outcome(dep.config.first_rank(dep.ordinal) + local_rank, "died",
+                return Outcome(dep.config.first_rank(dep.ordinal) + local_rank, Status.DIED,
                                message=f"rank process failed to start: {e}")
         return await self._load(rank, dep)
 
@@ -333,7 +332,7 @@ class Pod:
         try:
             async with self.lock:
                 outs = await self._deploy(dep, restart)
-            if all(o.status == "ok" for o in outs):
+            if all(o.status is Status.OK for o in outs):
                 self.ready_launch = dep.launch_id
             return outs
         finally:
@@ -350,7 +349,7 @@ class Pod:
         except EngineError as e:
             # peers waiting for this pod's engine learn it from /health; a pod without ranks reports it too
             self.engine_failed = {"launch_id": dep.launch_id, "message": str(e)[:2000]}
-            return [Outcome(dep.config.first_rank(dep.ordinal) + i, "died", message=str(e)) for i in range(max(want, 1))]
+            return [Outcome(dep.config.first_rank(dep.ordinal) + i, Status.DIED, message=str(e)) for i in range(max(want, 1))]
         self.dep = dep
         self._publish_pod_ips(dep)
         for extra in self.ranks[want:]:
@@ -413,20 +412,20 @@ class Pod:
                     # it died between calls holding a process group: its peers still hold theirs
                     self.lost_groups[r.global_rank] = r.death_message()
                 if charged and r.streak >= dep.max_restarts:
-                    broken.append(Outcome(r.global_rank, "died", message=(
+                    broken.append(Outcome(r.global_rank, Status.DIED, message=(
                         f"rank process died {r.streak + 1} times; max_restarts={dep.max_restarts} "
                         f"reached (last: {r.death_message()}); call with restart_procs=True or redeploy")))
                     continue
                 todo.append((r.local_rank, crashed, charged))
             outs = await asyncio.gather(*(self._ready_rank(i, dep, restart=True) for i, _, _ in todo))
             for (i, crashed, charged), out in zip(todo, outs, strict=True):
-                if out.status == "ok":
+                if out.status is Status.OK:
                     self.restarted.append(self.ranks[i].global_rank)
                 if crashed:
                     self.ranks[i].restarts += 1
                 if charged:
                     self.ranks[i].streak += 1
-            return broken + [o for o in outs if o.status != "ok"]
+            return broken + [o for o in outs if o.status is not Status.OK]
 
     def _heal_later(self) -> None:
         """Heal in the background so the next call finds the pod ready; never two at once."""
@@ -514,7 +513,7 @@ class Pod:
                     if r is not None:
                         r.restarts = r.streak = 0
                 loads = await asyncio.gather(*(self._ready_rank(i, dep, True) for i in range(len(self.ranks))))
-                bad = [o for o in loads if o.status != "ok"]
+                bad = [o for o in loads if o.status is not Status.OK]
             else:
                 bad = await self._heal()
             if bad:
@@ -529,11 +528,11 @@ class Pod:
                 # pod 0 then moves the deployment to a new generation, and the next call runs.
                 lost, self.lost_groups = self.lost_groups, {}
                 first = dep.config.first_rank(dep.ordinal)
-                return [Outcome(first + i, "died", message=(
+                return [Outcome(first + i, Status.DIED, message=(
                     f"rank {first + i} died between calls ({lost[first + i]}) and was restarted; the "
                     "deployment's process group is formed anew at the next call: call again"))
                         if first + i in lost else
-                        Outcome(first + i, "cancelled", message="not started: a rank of this pod was restarted")
+                        Outcome(first + i, Status.CANCELLED, message="not started: a rank of this pod was restarted")
                         for i in range(dep.config.procs(dep.ordinal))]
             if handle.stop_kind:  # cancelled before it started, or while ranks were restarted
                 # the ranks keep their groups: pod 0 moves the deployment to a new
@@ -564,14 +563,13 @@ class Pod:
         elif LOG_BODIES:
             print(f"[pod] call {handle.call_id}: message {view.nbytes} bytes", file=sys.stderr, flush=True)
         size = view.nbytes
-        msg: dict[str, Any] = {"id": handle.call_id, "args": None if path else bytes(view), "path": path,
-                               "size": size, "items": items, "item_at": item_at, "generation": generation,
-                               "group_port": group_port}
+        msg = rankchannel.Call(id=handle.call_id, args=None if path else view, path=path, size=size,
+                               generation=generation, group_port=group_port)
         if emit is not None:
             for r in self.ranks:
                 self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
         try:
-            return await self._fan_in(handle, msg, None if ranks is None else set(ranks))
+            return await self._fan_in(handle, msg, items, item_at, None if ranks is None else set(ranks))
         finally:
             for sinks in self._sinks.values():
                 sinks.pop(handle.call_id, None)
@@ -579,14 +577,18 @@ class Pod:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
 
-    async def _fan_in(self, handle: _CallHandle, msg: dict[str, Any], only: set[int] | None = None) -> list[Outcome]:
+    async def _fan_in(self, handle: _CallHandle, msg: rankchannel.Call, items: dict[int, bytes] | None,
+                      item_at: dict[int, list[int]] | None, only: set[int] | None = None) -> list[Outcome]:
         now = time.monotonic()
         tasks = {}
         for r in self.ranks:
             if only is not None and r.global_rank not in only:
                 continue  # the call names other ranks
             r.busy_since = r.busy_since or now
-            tasks[asyncio.get_running_loop().create_task(self._call_rank(handle, r, msg))] = r
+            own = msg if items is None and item_at is None else dataclasses.replace(
+                msg, item=None if items is None else items[r.local_rank],
+                item_at=None if item_at is None else item_at[r.local_rank])
+            tasks[asyncio.get_running_loop().create_task(self._call_rank(handle, r, own))] = r
         outcomes: dict[int, Outcome] = {}
         pending = set(tasks)
         while pending:
@@ -596,8 +598,8 @@ class Pod:
                 outcomes[o.rank] = o
                 if not tasks[t].running:
                     tasks[t].busy_since = None
-                if o.status != "ok" and not handle.stop_kind:
-                    handle.stop_kind = "cancelled"
+                if o.status is not Status.OK and not handle.stop_kind:
+                    handle.stop_kind = Status.CANCELLED
                     handle.stop_reason = f"stopped because rank {o.rank} failed"
                     for other in pending:
                         self._stop_rank(tasks[other], handle.call_id)
@@ -605,16 +607,10 @@ class Pod:
             self._heal_later()
         return [outcomes[k] for k in sorted(outcomes)]
 
-    async def _call_rank(self, handle: _CallHandle, rank: RankProcess, msg: dict[str, Any]) -> Outcome:
+    async def _call_rank(self, handle: _CallHandle, rank: RankProcess, msg: rankchannel.Call) -> Outcome:
         rank.running[handle.call_id] = time.monotonic()
-        items, item_at = msg.get("items"), msg.get("item_at")
-        msg = {k: v for k, v in msg.items() if k not in ("items", "item_at")}
-        if items is not None:
-            msg["item"] = items[rank.local_rank]
-        elif item_at is not None:
-            msg["item_at"] = item_at[rank.local_rank]
         try:
-            _, _, ok, inline, path, size = await rank.call(msg)
+            result = await rank.call(msg)
         except RankGone as e:
             # we stopped it (SIGKILL); a rank that exited by itself, even while we were
             # stopping it, keeps its own exit code and is reported as a death. A rank that
@@ -622,14 +618,15 @@ class Pod:
             if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
                 return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
             rank.died_in_call = True
-            return Outcome(rank.global_rank, "died", message=str(e))
+            return Outcome(rank.global_rank, Status.DIED, message=str(e))
         finally:
             rank.running.pop(handle.call_id, None)
         if rank.tainted:  # stopped inside an import: replaced before its next call
             rank.kill()
-        if not ok and handle.stop_kind:  # interrupted on its own (CallInterrupted): the stop's outcome
+        if not result.ok and handle.stop_kind:  # interrupted on its own (CallInterrupted): the stop's outcome
             return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
-        return Outcome(rank.global_rank, "ok" if ok else "error", inline, path=path, size=size)
+        return Outcome(rank.global_rank, Status.OK if result.ok else Status.ERROR, result.inline, path=result.path,
+                       size=result.size)
 
     def _stop_rank(self, rank: RankProcess, call_id: str) -> None:
         """Stop one call on one rank and keep the process (and its state): the call is
@@ -666,7 +663,7 @@ class Pod:
         return {"pod": self.name, "restarted": restarted,
                 "failed": [{"rank": o.rank, "status": o.status, "message": o.message} for o in broken]}
 
-    def cancel(self, call_id: str, kind: str = "cancelled", reason: str = "cancelled") -> bool:
+    def cancel(self, call_id: str, kind: Status = Status.CANCELLED, reason: str = "cancelled") -> bool:
         handle = self.calls.get(call_id)
         if handle is None:
             if call_id not in self.finished:

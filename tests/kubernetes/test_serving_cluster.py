@@ -23,9 +23,9 @@ import pytest
 from conftest import NAME_LABEL
 
 import ktlite as kt
-from ktlite import protocol
 from ktlite.backends.base import get_backend
 from ktlite.spec import DeploymentSpec, DistributedConfig
+from ktlite_wire import codec
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 def launch(launch_id: str) -> bytes:
     """A deploy message as the client leaves it for replicas (a class of the standard library)."""
     from ktlite.packaging import bundle
-    return protocol.dumps({"launch_id": launch_id, "bundle": bundle(dict), "kind": "cls", "init": None,
+    return codec.dumps({"launch_id": launch_id, "bundle": bundle(dict), "kind": "cls", "init": None,
                            "sources": {}, "distributed": asdict(DistributedConfig()), "pod_ips": ["127.0.0.1"],
                            "master_port": 29500, "ordinal": 0, "replica": True, "cpus": None, "restart": False,
                            "concurrency": 4, "load_timeout": 120.0, "single": True})
