@@ -23,9 +23,11 @@ import ktlite as kt
 from ktlite.backends.local import LocalBackend
 from ktlite.client import PodClient
 from ktlite_wire import envelope
+from ktlite_wire.errors import ErrorCode
 from ktlite_wire.frames import HEARTBEAT, RESULT, read_frames
 from ktlite_wire.headers import (
     CALL_HEADER,
+    ERROR_CODE_HEADER,
     LENGTH_HEADER,
     RESUME_HEADER,
     TOKEN_HEADER,
@@ -263,7 +265,9 @@ def test_a_cut_attempt_then_no_code_is_lost_only_if_the_server_is_newer(uptime, 
         asked.append(request)
         if len(asked) == 1:
             raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
-        headers = {} if uptime is None else {UPTIME_HEADER: uptime}
+        headers = {ERROR_CODE_HEADER: ErrorCode.NOT_DEPLOYED.value}
+        if uptime is not None:
+            headers[UPTIME_HEADER] = uptime
         return httpx.Response(409, json={"detail": "pod job-0 has no code deployed"}, headers=headers)
 
     client = PodClient("t0k3n", transport=httpx.MockTransport(proxy))

@@ -25,6 +25,8 @@ from ktlite.spec import DistributedConfig
 from ktlite_wire import codec, envelope
 from ktlite_wire.frames import RESULT, read_frames
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER
+from ktlite_wire.outcome import CallResult
+from ktlite_wire.status import Status
 from ktlite_wire.version import PROTOCOL_VERSION
 
 NAME = "sa-target"
@@ -171,8 +173,8 @@ def test_call_with_token_runs(state, http, tmp_path) -> None:
         assert resp.status_code == 200
         frames = list(read_frames([resp.content]))
         assert frames[-1][0] == RESULT
-        (rank, _pod, status, data, _msg, _at), = codec.loads(frames[-1][1])["outcomes"]
-        assert (rank, status) == (i, "ok") and codec.loads(data) == "touched"
+        (rank, _pod, status, data, _msg, _at), = CallResult.decode(frames[-1][1]).outcomes
+        assert (rank, status) == (i, Status.OK) and codec.loads(data) == "touched"
         assert marker.read_text() == "ran"
 
 

@@ -35,6 +35,8 @@ from ktlite.spec import DeploymentSpec
 from ktlite_wire import codec, shm
 from ktlite_wire.frames import ERROR, RESULT, read_frames
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.outcome import CallResult, ShmRef
+from ktlite_wire.status import Status
 from ktlite_wire.version import PROTOCOL_VERSION
 
 NAME = "fx-dup"
@@ -82,11 +84,11 @@ def _outcomes(frames: list[tuple[int, bytearray]]) -> dict[int, tuple[str, Any]]
     results = [p for k, p in frames if k == RESULT]
     assert len(results) == 1, frames
     out = {}
-    for outcome in codec.loads(results[0])["outcomes"]:
+    for outcome in CallResult.decode(results[0]).outcomes:
         rank, _pod, status, data, message = outcome[:5]
-        if isinstance(data, tuple):  # a shared-memory hand-off (not asked for here)
-            data = shm.take(data[1], data[2])
-        out[rank] = (status, codec.loads(data)) if status == "ok" else (status, message)
+        if isinstance(data, ShmRef):  # a shared-memory hand-off (not asked for here)
+            data = shm.take(data.path, data.size)
+        out[rank] = (status, codec.loads(data)) if status is Status.OK else (status, message)
     return out
 
 

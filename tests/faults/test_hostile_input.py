@@ -47,6 +47,7 @@ from ktlite_wire import version as wire_version
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import FRAME, RESULT, read_frames
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.outcome import CallResult
 from ktlite_wire.version import PROTOCOL_VERSION
 
 NAME = "hostile-srv"
@@ -354,7 +355,7 @@ def test_fuzz_call_headers_are_4xx(remote, srv, http, marker_dir) -> None:
 def _call_outcome_statuses(resp: httpx.Response) -> list[str]:
     frames = list(read_frames([resp.content]))
     assert frames and frames[-1][0] == RESULT, frames[-1:]
-    return [o[2] for o in codec.loads(frames[-1][1])["outcomes"]]
+    return [o.status for o in CallResult.decode(frames[-1][1]).outcomes]
 
 
 @pytest.mark.timeout(90)

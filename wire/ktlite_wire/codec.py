@@ -26,7 +26,7 @@ _OOB_MIN = 4096
 parts_size = envelope.parts_size
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle has no type hints
     """cloudpickle plus out-of-band buffers for CPU torch tensors (cloudpickle copies them)."""
 
     def reducer_override(self, obj: Any) -> Any:

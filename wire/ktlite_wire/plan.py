@@ -20,8 +20,8 @@ class CallPlan:
         if not isinstance(meta, dict):
             raise ValueError("the call plan must be a JSON object")
         self.id = _str(meta, "id", required=True)
-        self.pods = _list(meta, "pods", str)
-        self.names = _list(meta, "names", str)
+        self.pods: list[str] = _list(meta, "pods", str)
+        self.names: list[str] = _list(meta, "names", str)
         workers = meta.get("workers")
         self.workers: list[int] | None = None if workers is None else _list(meta, "workers", int)
         if self.workers is not None and (not self.workers or any(
