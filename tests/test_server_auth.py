@@ -12,7 +12,6 @@ import stat
 import threading
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ from ktlite.spec import DistributedConfig
 from ktlite_wire import codec, envelope
 from ktlite_wire.frames import RESULT, read_frames
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER
+from ktlite_wire.launch import Launch
 from ktlite_wire.outcome import CallResult
 from ktlite_wire.status import Status
 from ktlite_wire.version import PROTOCOL_VERSION
@@ -97,13 +97,18 @@ def _call_request(path: Path) -> tuple[dict[str, str], bytes]:
 
 def _deploy_message(state: dict, ordinal: int, marker: Path = Path("/nonexistent/evil"),
                     **override: object) -> dict:
-    msg = {"launch_id": "intruder", "bundle": packaging.bundle(make_evil(marker)), "kind": "fn", "init": None,
-           "sources": {}, "distributed": asdict(DistributedConfig(workers=2)),
-           "pod_ips": ["127.0.0.1", "127.0.0.1"], "ordinal": ordinal,
-           "master_port": state["master_port"], "max_restarts": 3, "cpus": 1.0, "restart": False,
-           "load_timeout": 30.0}
-    msg.update(override)
-    return msg
+    """A launch's JSON header (its bundle in ``_bufs``), with fields overridden."""
+    launch = Launch(launch_id="intruder", bundle=packaging.bundle(make_evil(marker)), kind="fn",
+                    distributed=DistributedConfig(workers=2), pod_ips=["127.0.0.1", "127.0.0.1"],
+                    ordinal=ordinal, master_port=state["master_port"], cpus=1.0, load_timeout=30.0)
+    header, bufs = envelope.decode(launch.encode())
+    return {**header, "_bufs": [bytes(b) for b in bufs], **override}
+
+
+def _encode(msg: dict) -> bytes:
+    """A deploy body: the header as JSON, the buffers it names."""
+    bufs = msg.get("_bufs", [])
+    return envelope.encode_bytes({k: v for k, v in msg.items() if k != "_bufs"}, bufs)
 
 
 def _bad_headers(token: str) -> dict[str, dict[str, str]]:
@@ -183,7 +188,7 @@ def test_deploy_needs_token(remote, state, http, tmp_path, bad) -> None:
     marker = tmp_path / "evil"
     before = _launch_ids(http, state)
     for i, url in enumerate(state["urls"]):
-        body = codec.dumps(_deploy_message(state, i, marker))
+        body = _encode(_deploy_message(state, i, marker))
         resp = http.post(f"{url}/deploy", content=body, headers=_bad_headers(state["token"])[bad])
         assert resp.status_code == 401, resp.text
     assert _launch_ids(http, state) == before
@@ -248,19 +253,22 @@ def _raw_message(pickle_bytes: bytes) -> bytes:
 MALFORMED = {
     "garbage": lambda st: b"this is not a ktlite message",
     "empty": lambda st: b"",
-    "truncated": lambda st: codec.dumps(_deploy_message(st, 0))[:40],
-    "bad-version": lambda st: b"KTL\x63" + codec.dumps({})[4:],
-    "not-a-dict": lambda st: codec.dumps([1, 2, 3]),
-    "empty-dict": lambda st: codec.dumps({}),
-    "missing-bundle": lambda st: codec.dumps({k: v for k, v in _deploy_message(st, 0).items()
-                                                 if k != "bundle"}),
-    "wrong-ordinal": lambda st: codec.dumps(_deploy_message(st, 7)),
-    "zero-workers": lambda st: codec.dumps(_deploy_message(st, 0, distributed={"workers": 0})),
-    "unknown-distributed-key": lambda st: codec.dumps(_deploy_message(st, 0, distributed={"bogus": 1})),
-    "bad-int": lambda st: codec.dumps(_deploy_message(st, 0, master_port="not-a-port")),
+    "truncated": lambda st: _encode(_deploy_message(st, 0))[:40],
+    "bad-version": lambda st: b"KTJ\x63" + envelope.encode_bytes({})[4:],
+    "not-a-dict": lambda st: envelope.join(envelope.pack(envelope.MAGIC, [b"[1, 2, 3]"], [])),
+    "empty-dict": lambda st: envelope.encode_bytes({}),
+    "missing-bundle": lambda st: _encode({k: v for k, v in _deploy_message(st, 0).items() if k != "bundle"}),
+    "bundle-out-of-range": lambda st: _encode(_deploy_message(st, 0, bundle=5)),
+    "wrong-ordinal": lambda st: _encode(_deploy_message(st, 7)),
+    "zero-workers": lambda st: _encode(_deploy_message(st, 0, distributed={"workers": 0})),
+    "unknown-framework": lambda st: _encode(_deploy_message(st, 0, distributed={"framework": "mpi"})),
+    "bad-int": lambda st: _encode(_deploy_message(st, 0, master_port="not-a-port")),
+    "not-json": lambda st: envelope.join(envelope.pack(envelope.MAGIC, [b"{not json"], [])),
+    # what protocol 3 sent: a pickle the server would have loaded (now never unpickled)
+    "a-pickle": lambda st: codec.dumps({k: v for k, v in _deploy_message(st, 0).items() if k != "_bufs"}),
     "corrupt-pickle": lambda st: _raw_message(b"\x80\x05this is not a pickle"),
     "empty-pickle": lambda st: _raw_message(b""),
-    "pod-ips-mismatch": lambda st: codec.dumps(_deploy_message(st, 0, pod_ips=["127.0.0.1"])),
+    "pod-ips-mismatch": lambda st: _encode(_deploy_message(st, 0, pod_ips=["127.0.0.1"])),
 }
 
 

@@ -35,8 +35,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from ktlite_server.coordinator import Coordinator, run_local
+from ktlite_server.deployment import Colocated, Deployment
+from ktlite_server.localcall import LOG_BODIES
 from ktlite_server.peers import PeerPool
-from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, LOG_BODIES, Colocated, Deployment, Pod
+from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
 from ktlite_server.refusal import refuse
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
 from ktlite_wire import codec, frames, headers, shm

@@ -11,140 +11,33 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ktlite_server.deployment import Colocated, Deployment, layout_of
 from ktlite_server.engine import Engine, EngineError
+from ktlite_server.gate import Gate
+from ktlite_server.localcall import CallHandle, LocalCall, stop_rank
 from ktlite_server.monarchhost import MonarchHost
+from ktlite_server.podstatus import pod_status
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
-from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
-from ktlite_wire import rankchannel, rankdata, shm
-from ktlite_wire.distenv import DistributedLayout, distributed_env, port_free
-from ktlite_wire.launch import Sources
+from ktlite_server.usage import GpuQuery, ProcessUsage
+from ktlite_wire import rankchannel
+from ktlite_wire.distenv import distributed_env, port_free
 from ktlite_wire.status import Status
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
 
-# debugging aid (and the per-rank tests): the pod's log says what each call brought
-LOG_BODIES = os.environ.get("KTLITE_LOG_CALL_BODIES", "") not in ("", "0")
 
 DEFAULT_STUCK_AFTER_S = 600.0  # a rank busy with one call longer than this is reported stuck
-
-
-_PER_LAUNCH = ("KTLITE_LAUNCH_ID", "TORCHELASTIC_RUN_ID")
-
-
-def _layout(env: dict[str, str]) -> dict[str, str]:
-    """The part of a rank env that, when changed, needs a fresh process (not per-launch ids)."""
-    return {k: v for k, v in env.items() if k not in _PER_LAUNCH}
-
-
-@dataclass
-class Deployment:
-    """What ``POST /deploy`` installs on a pod (all plain data; the code stays pickled bytes)."""
-
-    launch_id: str
-    bundle: bytes
-    kind: str
-    init: bytes | None
-    sources: Sources
-    config: DistributedLayout
-    pod_ips: list[str]
-    ordinal: int
-    master_port: int
-    max_restarts: int = 3
-    cpus: float | None = None
-    load_timeout: float = 300.0
-    concurrency: int = 1  # calls each rank process runs at once
-    engine: dict[str, Any] | None = None  # distribute("ray"/"monarch"): this pod's engine (ktlite.engines)
-    single: bool = False  # not distributed: a call returns one value, not a list by rank
-
-
-INTERRUPT_GRACE_S = 1.0  # a call stopped on its own has this long to end before its rank is killed
-
-
-class Gate:
-    """Admits at most ``limit`` calls at once, the others in arrival order (FIFO). A deploy
-    closes it, waits for the running calls to end, and reopens it with the new limit."""
-
-    def __init__(self, limit: int = 1) -> None:
-        self.limit = limit
-        self.active = 0
-        self._closed = False
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._idle: asyncio.Event | None = None
-
-    async def acquire(self) -> None:
-        if not self._closed and self.active < self.limit and not self._waiters:
-            self.active += 1
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(future)
-        try:
-            await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self.release()  # admitted just as the waiter went away: pass it on
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(future)
-            raise
-
-    def release(self) -> None:
-        self.active -= 1
-        if self.active == 0 and self._idle is not None:
-            self._idle.set()
-        self._wake()
-
-    def _wake(self) -> None:
-        while not self._closed and self.active < self.limit and self._waiters:
-            future = self._waiters.popleft()
-            if not future.done():
-                self.active += 1
-                future.set_result(None)
-
-    async def close(self) -> None:
-        """Admit nothing new and wait until no call runs."""
-        self._closed = True
-        while self.active:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
-        self._idle = None
-
-    def open(self, limit: int) -> None:
-        self.limit, self._closed = max(1, limit), False
-        self._wake()
-
-
-@dataclass
-class Colocated:
-    """A second function/class loaded into the same rank processes (``kt.cls(B).to(remote_a)``)."""
-
-    bundle: bytes
-    kind: str
-    init: bytes | None
-    sources: Sources
-
-
-@dataclass
-class _CallHandle:
-    call_id: str
-    stop_kind: Status | None = None
-    stop_reason: str = ""
-    started: float = field(default_factory=time.monotonic)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    outcomes: list[Outcome] = field(default_factory=list)
 
 
 ENGINE_KINDS: dict[str, type[Engine]] = {"ray": RayNode, "monarch": MonarchHost}
@@ -169,7 +62,7 @@ class Pod:
         self.restarted: list[int] = []  # ranks restarted since restart_failed() last asked
         self.lost_groups: dict[int, str] = {}  # ranks that died idle holding a process group
         self.last_generation = 0  # the process-group generation of the last call run here
-        self.calls: dict[str, _CallHandle] = {}
+        self.calls: dict[str, CallHandle] = {}
         self.calls_total = 0
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
         self.cancelled_early: collections.OrderedDict[str, tuple[Status, str]] = collections.OrderedDict()
@@ -315,7 +208,7 @@ class Pod:
         rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
         env = self.rank_env(dep, local_rank)
         fresh = rank is not None and rank.alive and rank.loaded_env is None
-        same = rank is not None and rank.loaded_env is not None and _layout(rank.loaded_env) == _layout(env)
+        same = rank is not None and rank.loaded_env is not None and layout_of(rank.loaded_env) == layout_of(env)
         if rank is None or not rank.alive or restart or not (fresh or same):
             try:
                 rank = await self._spawn(local_rank)
@@ -473,7 +366,7 @@ class Pod:
             handle = self.calls[call_id]
             await handle.done.wait()
             return handle.outcomes
-        handle = _CallHandle(call_id)
+        handle = CallHandle(call_id)
         early = self.cancelled_early.pop(call_id, None)
         if early is not None:  # the stop overtook the call on its way here: never start it
             handle.stop_kind, handle.stop_reason = early
@@ -490,7 +383,7 @@ class Pod:
                 self.finished.popitem(last=False)
         return handle.outcomes
 
-    async def _run(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
+    async def _run(self, handle: CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
                    restart: bool, per_rank: dict[str, Any] | None = None, generation: int = 0,
                    ranks: list[int] | None = None, group_port: int | None = None) -> list[Outcome]:
         await self.gate.acquire()  # FIFO: at most the deployment's concurrency run at once
@@ -500,7 +393,7 @@ class Pod:
         finally:
             self.gate.release()
 
-    async def _admitted(self, handle: _CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
+    async def _admitted(self, handle: CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
                         restart: bool, per_rank: dict[str, Any] | None, generation: int,
                         ranks: list[int] | None = None, group_port: int | None = None) -> list[Outcome]:
         async with self.lock:  # heals and restarts happen between calls, never under one
@@ -542,110 +435,20 @@ class Pod:
                 first = dep.config.first_rank(dep.ordinal)
                 return [Outcome(first + i, handle.stop_kind, message=handle.stop_reason)
                         for i in range(dep.config.procs(dep.ordinal)) if ranks is None or first + i in ranks]
-        view = memoryview(payload).cast("B")
-        items: dict[int, bytes] | None = None  # small per-rank items, sent inline
-        item_at: dict[int, list[int]] | None = None  # or where they are in the shared-memory file
-        own_file = path is None and view.nbytes > shm.INLINE_MAX
-        if own_file:  # large: the ranks map it (a per-rank body whole: each maps its own slices)
-            path, _ = shm.write([view], shm.ARG_PREFIX)
-        if per_rank is not None:  # each rank gets the shared message and its own items
-            first = dep.config.first_rank(dep.ordinal)
-            slices = rankdata.pod_slices(per_rank, range(first, first + len(self.ranks)))
-            if path is not None:
-                item_at = {i: [off, n] for i, (off, n) in enumerate(slices)}
-            else:
-                items = {i: bytes(view[off:off + n]) for i, (off, n) in enumerate(slices)}
-            view = view[:per_rank["shared"]]
-            if LOG_BODIES:
-                print(f"[pod] call {handle.call_id}: shared message {view.nbytes} bytes; per-rank items "
-                      + ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)),
-                      file=sys.stderr, flush=True)
-        elif LOG_BODIES:
-            print(f"[pod] call {handle.call_id}: message {view.nbytes} bytes", file=sys.stderr, flush=True)
-        size = view.nbytes
-        msg = rankchannel.Call(id=handle.call_id, args=None if path else view, path=path, size=size,
-                               generation=generation, group_port=group_port)
+        call = LocalCall(handle, dep, [r for r in self.ranks if r is not None])
+        msg, items, item_at, own_file = call.prepare(payload, path, per_rank, generation, group_port)
         if emit is not None:
             for r in self.ranks:
                 self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
         try:
-            return await self._fan_in(handle, msg, items, item_at, None if ranks is None else set(ranks))
+            return await call.fan_in(msg, items, item_at, None if ranks is None else set(ranks))
         finally:
             for sinks in self._sinks.values():
                 sinks.pop(handle.call_id, None)
-            if own_file and path:
+            if own_file is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
-
-    async def _fan_in(self, handle: _CallHandle, msg: rankchannel.Call, items: dict[int, bytes] | None,
-                      item_at: dict[int, list[int]] | None, only: set[int] | None = None) -> list[Outcome]:
-        now = time.monotonic()
-        tasks = {}
-        for r in self.ranks:
-            if only is not None and r.global_rank not in only:
-                continue  # the call names other ranks
-            r.busy_since = r.busy_since or now
-            own = msg if items is None and item_at is None else dataclasses.replace(
-                msg, item=None if items is None else items[r.local_rank],
-                item_at=None if item_at is None else item_at[r.local_rank])
-            tasks[asyncio.get_running_loop().create_task(self._call_rank(handle, r, own))] = r
-        outcomes: dict[int, Outcome] = {}
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                o = t.result()
-                outcomes[o.rank] = o
-                if not tasks[t].running:
-                    tasks[t].busy_since = None
-                if o.status is not Status.OK and not handle.stop_kind:
-                    handle.stop_kind = Status.CANCELLED
-                    handle.stop_reason = f"stopped because rank {o.rank} failed"
-                    for other in pending:
-                        self._stop_rank(tasks[other], handle.call_id)
-        if any(self._needs_heal(r) for r in self.ranks):
-            self._heal_later()
-        return [outcomes[k] for k in sorted(outcomes)]
-
-    async def _call_rank(self, handle: _CallHandle, rank: RankProcess, msg: rankchannel.Call) -> Outcome:
-        rank.running[handle.call_id] = time.monotonic()
-        try:
-            result = await rank.call(msg)
-        except RankGone as e:
-            # we stopped it (SIGKILL); a rank that exited by itself, even while we were
-            # stopping it, keeps its own exit code and is reported as a death. A rank that
-            # ran other calls too fails each of them with its death.
-            if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
-                return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
-            rank.died_in_call = True
-            return Outcome(rank.global_rank, Status.DIED, message=str(e))
-        finally:
-            rank.running.pop(handle.call_id, None)
-        if rank.tainted:  # stopped inside an import: replaced before its next call
-            rank.kill()
-        if not result.ok and handle.stop_kind:  # interrupted on its own (CallInterrupted): the stop's outcome
-            return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
-        return Outcome(rank.global_rank, Status.OK if result.ok else Status.ERROR, result.inline, path=result.path,
-                       size=result.size)
-
-    def _stop_rank(self, rank: RankProcess, call_id: str) -> None:
-        """Stop one call on one rank and keep the process (and its state): the call is
-        interrupted (CallInterrupted raised in it: SIGUSR2 on the main thread, an async
-        exception on a pool thread, a cancelled coroutine), and only if it has not ended
-        within INTERRUPT_GRACE_S (blocked in C code, in a collective) the rank is killed."""
-        async def interrupt() -> None:
-            if self.dep is not None and self.dep.concurrency > 1:
-                await rank.interrupt(call_id)
-            else:
-                rank.interrupt_main()
-            deadline = time.monotonic() + INTERRUPT_GRACE_S
-            while call_id in rank.running and rank.alive and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if call_id in rank.running and rank.alive:
-                print(f"[pod] call {call_id} ignored its interrupt for {INTERRUPT_GRACE_S:g}s: killing rank "
-                      f"{rank.global_rank} and the calls it ran", file=sys.stderr, flush=True)
-                rank.kill()
-        asyncio.get_running_loop().create_task(interrupt())
+                    os.unlink(own_file)
+            self.reset()  # ranks that died or were killed in the call: healed before the next
 
     def reset(self) -> None:
         """A call failed elsewhere: restart this pod's dead ranks, if any, in the background."""
@@ -675,69 +478,12 @@ class Pod:
             handle.stop_kind, handle.stop_reason = kind, reason
         for r in self.ranks:
             if r is not None and call_id in r.running:
-                self._stop_rank(r, call_id)
+                stop_rank(r, call_id, concurrent=self.dep is not None and self.dep.concurrency > 1)
         return True
 
     async def status(self, stuck_after: float = DEFAULT_STUCK_AFTER_S) -> dict[str, Any]:
-        """Each rank's state and what it uses; ``stuck`` marks a rank busy with one call for
-        longer than ``stuck_after`` seconds (a hang in a collective, a deadlock: NeMo RL's
-        stuck-worker check).
-
-        Per rank: ``pid``, ``cpu_percent`` / ``rss_bytes`` / ``procs`` (the rank process and
-        everything it started), ``calls`` (each running call's ``id`` and ``running_s``), and
-        where this pod has ``nvidia-smi``: the rank's GPUs (its ``CUDA_VISIBLE_DEVICES``) with
-        memory used/total and utilisation. Fields that cannot be known are None.
-        """
-        ranks = [r for r in self.ranks if r is not None]
-        live = [r.pid for r in ranks if r.alive and r.pid is not None]
-        usage, (gpus, apps, gpu_error) = await asyncio.gather(self.usage.measure(live),
-                                                              self.gpu_query.snapshot())
-        now = time.monotonic()
-        server_cvd = self.base_env.get("CUDA_VISIBLE_DEVICES")
-        rows = []
-        for r in ranks:
-            used = usage.get(r.pid) if r.alive and r.pid is not None else None
-            row = {
-                "rank": r.global_rank, "local_rank": r.local_rank, "pid": r.pid,
-                "state": "busy" if r.alive and r.busy_since else ("idle" if r.alive else "dead"),
-                "busy_for_s": round(now - r.busy_since, 3) if r.busy_since else None,
-                "stuck": bool(r.alive and r.busy_since and now - r.busy_since > stuck_after),
-                "last_exit": r.exit_code if r.exit_code is not None else r.last_exit,
-                "restarts": r.restarts,
-                "calls": [{"id": cid, "running_s": round(now - t, 3)}
-                          for cid, t in sorted(r.running.items(), key=lambda kv: kv[1])],
-                "cpu_percent": used["cpu_percent"] if used else None,
-                "rss_bytes": used["rss_bytes"] if used else None,
-                "procs": used["procs"] if used else None,
-                "targets": sorted(r.targets),
-            }
-            row.update(self._gpu_fields(r, gpus, apps, server_cvd))
-            rows.append(row)
-        return {
-            "pod": self.name, "ordinal": self.ordinal, "server_pid": os.getpid(),
-            "kind": self.dep.kind if self.dep else None,
-            "launch_id": self.dep.launch_id if self.dep else None,
-            # how the caller laid it out: what reattaching by name (kt.fn(name=...)) needs
-            "layout": {"distributed": asdict(self.dep.config), "single": self.dep.single}
-            if self.dep else None,
-            "colocated": sorted(self.colocated),
-            "ranks": rows,
-            "active_calls": list(self.calls),
-            "gpus": None if gpus is None else visible(gpus, server_cvd),
-            "gpu_error": gpu_error,
-            "engine": await self.engine_status(),
-        }
-
-    def _gpu_fields(self, r: RankProcess, gpus: list[dict[str, Any]] | None, apps: Apps | None,
-                    server_cvd: str | None) -> dict[str, Any]:
-        """The GPUs rank ``r`` sees (its CUDA_VISIBLE_DEVICES, else the server's), their memory
-        and utilisation, and what the rank's own processes hold on them."""
-        if gpus is None:  # no nvidia-smi on this pod
-            return dict(gpus=None, gpu_memory_used_bytes=None, gpu_memory_total_bytes=None,
-                        gpu_utilization_percent=None, gpu_process_memory_bytes=None)
-        env = r.loaded_env if r.loaded_env is not None else r.env
-        pids = set(self.usage.tree_pids(r.pid)) if r.alive and r.pid is not None else set()
-        return rank_gpu_summary(visible(gpus, env.get("CUDA_VISIBLE_DEVICES", server_cvd)), apps, pids)
+        """Each rank's state and what it uses (see :func:`ktlite_server.podstatus.pod_status`)."""
+        return await pod_status(self, stuck_after)
 
     async def shutdown(self) -> None:
         if self.engine is not None:

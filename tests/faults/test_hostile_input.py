@@ -23,7 +23,6 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -42,11 +41,12 @@ from ktlite.backends.local import LocalBackend
 from ktlite.client import PodClient
 from ktlite.deploy import Deployment
 from ktlite.spec import DeploymentSpec, DistributedConfig
-from ktlite_wire import codec
+from ktlite_wire import codec, envelope
 from ktlite_wire import version as wire_version
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import FRAME, RESULT, read_frames
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.launch import Launch
 from ktlite_wire.outcome import CallResult
 from ktlite_wire.version import PROTOCOL_VERSION
 
@@ -140,12 +140,9 @@ def _call_meta(**extra: Any) -> str:
 
 
 def _deploy_message(srv: dict[str, Any], marker: Path, ordinal: int = 0) -> bytes:
-    msg = {"launch_id": "intruder", "bundle": packaging.bundle(make_evil(marker)), "kind": "fn",
-           "init": None, "sources": {}, "distributed": asdict(DistributedConfig(workers=2)),
-           "pod_ips": ["127.0.0.1", "127.0.0.1"], "ordinal": ordinal,
-           "master_port": srv["master_port"], "max_restarts": 3, "cpus": 1.0, "restart": False,
-           "load_timeout": 30.0}
-    return codec.dumps(msg)
+    return Launch(launch_id="intruder", bundle=packaging.bundle(make_evil(marker)), kind="fn",
+                  distributed=DistributedConfig(workers=2), pod_ips=["127.0.0.1", "127.0.0.1"],
+                  ordinal=ordinal, master_port=srv["master_port"], cpus=1.0, load_timeout=30.0).encode()
 
 
 def _launch_ids(http: httpx.Client, srv: dict[str, Any]) -> list[str]:
@@ -308,6 +305,7 @@ def test_fuzz_deploy_bodies_are_4xx(remote, srv, http, marker_dir) -> None:
             st.integers(0, len(message) - 1).map(lambda k: message[:k]),  # truncated
             st.binary(min_size=1, max_size=64).map(lambda b: message[:16] + b),  # valid head, junk
             st.binary(max_size=256).map(lambda b: codec.MAGIC + b),
+            st.binary(max_size=256).map(lambda b: envelope.MAGIC + b),
         ), label="body")
         headers = _auth(srv["token"]) if authed else {}
         resp = http.post(f"{srv['urls'][pod]}/deploy", content=body, headers=headers)

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ from conftest import NAME_LABEL
 import ktlite as kt
 from ktlite.backends.base import get_backend
 from ktlite.spec import DeploymentSpec, DistributedConfig
-from ktlite_wire import codec
+from ktlite_wire.launch import Launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 
@@ -33,10 +32,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 def launch(launch_id: str) -> bytes:
     """A deploy message as the client leaves it for replicas (a class of the standard library)."""
     from ktlite.packaging import bundle
-    return codec.dumps({"launch_id": launch_id, "bundle": bundle(dict), "kind": "cls", "init": None,
-                           "sources": {}, "distributed": asdict(DistributedConfig()), "pod_ips": ["127.0.0.1"],
-                           "master_port": 29500, "ordinal": 0, "replica": True, "cpus": None, "restart": False,
-                           "concurrency": 4, "load_timeout": 120.0, "single": True})
+    return Launch(launch_id=launch_id, bundle=bundle(dict), kind="cls", distributed=DistributedConfig(),
+                  pod_ips=["127.0.0.1"], master_port=29500, replica=True, concurrency=4, load_timeout=120.0,
+                  single=True).encode()
 
 
 def wait_for(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str) -> Any:
