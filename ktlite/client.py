@@ -20,6 +20,7 @@ import httpx
 
 from ktlite.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
+from ktlite.transport import PodSilent, PodTransport, Reply, _shared_http
 from ktlite_wire import envelope, version
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.frames import (
@@ -69,19 +70,8 @@ class CallReply:
     started: bool = True
 
 
-_shared: httpx.Client | None = None
-_pool = Pool()
+_pool = Pool()  # one keep-alive pool for every deployment of this process (tokens go per request)
 atexit.register(_pool.close)
-
-
-def _shared_http() -> httpx.Client:
-    """One keep-alive pool for every deployment of this process (tokens go per request)."""
-    global _shared
-    if _shared is None:
-        _shared = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0),
-                               limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
-        atexit.register(_shared.close)
-    return _shared
 
 
 class PodClient:
@@ -94,6 +84,8 @@ class PodClient:
         self.reattempts = 0  # proxied requests sent again after a broken connection (a count)
         if transport is not None:
             http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0))
+        # direct pods (plain http://, nothing injected) take the lean pool, every endpoint
+        self.transport = PodTransport(_pool, http)
         self.http = http or _shared_http()
 
     def __repr__(self) -> str:
@@ -104,16 +96,9 @@ class PodClient:
             self.http.close()
 
     def forget(self, url: str) -> None:
-        """Drop pooled connections to a pod that is gone (after a teardown), in the call pool
-        and in httpx's (whose idle sockets would otherwise wait for their next use)."""
+        """Drop pooled connections to a pod that is gone (after a teardown). Every request
+        to a direct pod goes through this pool; a proxied pod's go to the proxy, not the pod."""
         _pool.drop(url)
-        with contextlib.suppress(Exception):  # httpx keeps its pool private: best effort
-            import httpcore
-            u = httpx.URL(url)
-            origin = httpcore.Origin(u.scheme.encode(), u.host.encode(), u.port or 80)
-            for conn in list(self.http._transport._pool.connections):
-                if conn.is_idle() and conn.can_handle_request(origin):
-                    conn.close()
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {TOKEN_HEADER: bearer(self._token),
@@ -123,24 +108,29 @@ class PodClient:
         return h
 
     @staticmethod
-    def _check(resp: httpx.Response, url: str) -> None:
-        if resp.status_code < 400:
+    def _check(resp: httpx.Response | Reply, url: str) -> None:
+        """Raise the ktlite error of a refusal (by its error code)."""
+        if isinstance(resp, httpx.Response):  # a streamed call's answer (the proxied path)
+            if resp.status_code < 400:
+                return
+            try:
+                content = resp.read()
+            except httpx.HTTPError:  # the refusal's text is lost; its status and code are not
+                content = b""
+            resp = Reply(resp.status_code, {k.lower(): v for k, v in resp.headers.items()}, content)
+        if resp.status < 400:
             return
         try:
-            resp.read()
             detail = resp.json().get("detail", resp.text)
-        except (ValueError, AttributeError, httpx.HTTPError):
-            detail = resp.text if resp.is_stream_consumed else ""
-        _raise_for_status(resp.status_code, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
+        except (ValueError, AttributeError):
+            detail = resp.text
+        _raise_for_status(resp.status, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
 
     def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
-        try:
-            resp = self.http.get(f"{url}/health", timeout=timeout)
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
-        if resp.status_code in (502, 503, 504):  # a proxy (the API server's) cannot reach it yet
+        resp = self.transport.request("GET", url, "/health", what="/health", timeout=timeout)
+        if resp.status in (502, 503, 504):  # a proxy (the API server's) cannot reach it yet
             raise PodUnreachable(f"pod at {url} is not reachable through the proxy yet "
-                                 f"(HTTP {resp.status_code}): {resp.text[:300]}")
+                                 f"(HTTP {resp.status}): {resp.text[:300]}")
         self._check(resp, url)
         data: dict[str, Any] = resp.json()
         if data.get("protocol") != version.PROTOCOL_VERSION:
@@ -153,11 +143,9 @@ class PodClient:
         """``GET /health?ready=1``: the pod's health when it has a launch loaded, None when it
         answers but has none yet (or the proxy cannot reach it yet); PodUnreachable when the
         pod does not answer at all."""
-        try:
-            resp = self.http.get(f"{url}/health", params={"ready": "1"}, timeout=timeout)
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
-        if resp.status_code in (502, 503, 504):
+        resp = self.transport.request("GET", url, "/health", params={"ready": "1"}, what="/health",
+                                      timeout=timeout)
+        if resp.status in (502, 503, 504):
             return None
         self._check(resp, url)
         data: dict[str, Any] = resp.json()
@@ -171,16 +159,16 @@ class PodClient:
         while True:
             sized = len(message) > CHUNKED_MAX  # as for calls: see _call_resumable
             headers = self._headers({LENGTH_HEADER: str(len(message))})
+            content = message if sized or self.transport.direct(url) else _chunks([message])
             try:
-                resp = self.http.post(f"{url}/deploy", content=message if sized else _chunks([message]),
-                                      headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
-                if resp.status_code not in _PROXY_ERRORS:
+                resp = self.transport.request("POST", url, "/deploy", what="the deploy", timeout=timeout,
+                                              headers=headers, content=content)
+                if resp.status not in _PROXY_ERRORS:
                     break
-                error: Exception = _ProxyError(resp.status_code, resp.text)
-            except (httpx.ReadTimeout, httpx.PoolTimeout) as e:
-                raise PodUnreachable(f"pod at {url} did not answer the deploy within {timeout:g}s: "
-                                     f"{e!r}") from e
-            except httpx.TransportError as e:
+                error: Exception = _ProxyError(resp.status, resp.text)
+            except PodSilent:
+                raise
+            except PodUnreachable as e:
                 error = e
             now = time.monotonic()
             window_end = window_end or now + RESUME_WINDOW_S
@@ -195,20 +183,15 @@ class PodClient:
 
     def status(self, url: str, stuck_after: float | None = None) -> dict[str, Any]:
         params = {} if stuck_after is None else {"stuck_after": str(stuck_after)}
-        try:
-            resp = self.http.get(f"{url}/status", headers=self._headers(), params=params, timeout=5.0)
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"pod at {url} is not answering /status: {e!r}") from e
+        resp = self.transport.request("GET", url, "/status", headers=self._headers(), params=params,
+                                      what="/status", timeout=5.0)
         self._check(resp, url)
         result: dict[str, Any] = resp.json()
         return result
 
     def restart_failed(self, url: str, timeout: float, regroup: bool = False) -> dict[str, Any]:
-        try:
-            resp = self.http.post(f"{url}/restart_failed", headers=self._headers(), timeout=timeout,
-                                  params={"regroup": "true"} if regroup else {})
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"pod at {url} is not answering /restart_failed: {e!r}") from e
+        resp = self.transport.request("POST", url, "/restart_failed", headers=self._headers(), timeout=timeout,
+                                      params={"regroup": "true"} if regroup else None, what="/restart_failed")
         self._check(resp, url)
         result: dict[str, Any] = resp.json()
         return result
@@ -216,9 +199,9 @@ class PodClient:
     def cancel(self, url: str, call_id: str, reason: str = "cancelled by the caller",
                timeout: float = 5.0) -> None:
         # best effort: the pod also cancels when our stream closes
-        with contextlib.suppress(httpx.HTTPError):
-            self.http.post(f"{url}/cancel/{call_id}", params={"reason": reason},
-                           headers=self._headers(), timeout=timeout)
+        with contextlib.suppress(PodUnreachable):
+            self.transport.request("POST", url, f"/cancel/{call_id}", params={"reason": reason},
+                                   headers=self._headers(), timeout=timeout, what="the cancel")
 
     def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None,
              on_notice: NoticeSink | None = None, pod: str = "") -> CallReply:
