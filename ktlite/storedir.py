@@ -12,7 +12,7 @@ from typing import IO, Any
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite_wire import storedir as _wire
 from ktlite_wire.errors import ErrorCode
-from ktlite_wire.storedir import (  # noqa: F401 - the format's names, for the client's modules
+from ktlite_wire.storedir import (
     CHUNK,
     KINDS,
     MAX_KEY,
@@ -23,6 +23,9 @@ from ktlite_wire.storedir import (  # noqa: F401 - the format's names, for the c
     missing_text,
     open_reader,
 )
+
+__all__ = ["CHUNK", "KINDS", "MAX_KEY", "OBJECT_MAGIC", "ChunkReader", "StoreDir", "StoreFault", "address_file",
+           "check_key", "extract", "missing", "missing_text", "open_reader", "tar_stream", "translate"]
 
 
 def translate(e: StoreFault) -> Exception:

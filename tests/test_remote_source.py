@@ -1,7 +1,7 @@
 """Issue 9, item 5: a remote traceback shows the caller's source lines, although the pod
 has none of the caller's files.
 
-Code pickled by value carries its file's lines (``ktlite.sourcelines``); local modules
+Code pickled by value carries its file's lines (``ktlite_wire.sourcelines``); local modules
 imported on the pod register their shipped text. The local-backend tests delete the
 caller's file after ``.to()``, so the pod, which could read it on this machine, cannot; a
 notebook cell never had a file at all.

@@ -22,7 +22,8 @@ from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome
 from ktlite_wire import frames, headers, shm
-from ktlite_wire.errors import ProtocolError
+from ktlite_wire.errors import ErrorCode, ProtocolError
+from ktlite_wire.headers import ERROR_CODE_HEADER
 from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef
 from ktlite_wire.plan import CallPlan
 from ktlite_wire.status import Status
@@ -243,9 +244,11 @@ class Coordinator:
                         text = (await resp.read()).decode(errors="replace")[:500]
                         with contextlib.suppress(ValueError, AttributeError):
                             text = json.loads(text)["detail"]
-                        # 409: the pod lost or replaced the deployment's code; nothing ran there
+                        # the pod lost or replaced the deployment's code: nothing ran there
+                        stale = ErrorCode.parse(resp.headers.get(ERROR_CODE_HEADER)) in (
+                            ErrorCode.NOT_DEPLOYED, ErrorCode.REDEPLOYED)
                         return self._failed_pod(plan, i, f"pod {name} answered HTTP {resp.status}: {text}",
-                                                status=Status.STALE if resp.status == 409 else Status.DIED)
+                                                status=Status.STALE if stale else Status.DIED)
                     parser = frames.FrameParser()
                     result: list[PodOutcome] | None = None
                     async for chunk in resp.iter_chunks():

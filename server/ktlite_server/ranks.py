@@ -154,7 +154,7 @@ class RankProcess:
         if not isinstance(reply, rankchannel.Loaded):
             self.kill()  # out of step with us: never trust its next reply either
             raise RankGone(f"rank process answered {type(reply).__name__} to a load; it was restarted")
-        if reply.ok and not msg.target:
+        if reply.ok:
             self.loaded_env = dict(msg.env)
         return reply
 
