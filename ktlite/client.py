@@ -20,7 +20,7 @@ import httpx
 
 from ktlite.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
-from ktlite.transport import PodSilent, PodTransport, Reply, _shared_http
+from ktlite.transport import PodSilent, PodTransport, Reply, shared_http
 from ktlite_wire import envelope, version
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.frames import (
@@ -86,7 +86,7 @@ class PodClient:
             http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0))
         # direct pods (plain http://, nothing injected) take the lean pool, every endpoint
         self.transport = PodTransport(_pool, http)
-        self.http = http or _shared_http()
+        self.http = http or shared_http()
 
     def __repr__(self) -> str:
         return "PodClient(token=<hidden>)"

@@ -24,8 +24,23 @@ from ktlite_wire.storedir import (
     open_reader,
 )
 
-__all__ = ["CHUNK", "KINDS", "MAX_KEY", "OBJECT_MAGIC", "ChunkReader", "StoreDir", "StoreFault", "address_file",
-           "check_key", "extract", "missing", "missing_text", "open_reader", "tar_stream", "translate"]
+__all__ = [
+    "CHUNK",
+    "KINDS",
+    "MAX_KEY",
+    "OBJECT_MAGIC",
+    "ChunkReader",
+    "StoreDir",
+    "StoreFault",
+    "address_file",
+    "check_key",
+    "extract",
+    "missing",
+    "missing_text",
+    "open_reader",
+    "tar_stream",
+    "translate",
+]
 
 
 def translate(e: StoreFault) -> Exception:
@@ -50,7 +65,9 @@ def missing(key: str, where: str) -> DataStoreError:
 class StoreDir(_wire.StoreDir):
     """A data store kept in a directory, raising DataStoreError."""
 
-    def fault(self, message: str, key: str | None = None, code: ErrorCode = ErrorCode.CONFLICT) -> Exception:
+    def fault(
+        self, message: str, key: str | None = None, code: ErrorCode = ErrorCode.CONFLICT
+    ) -> Exception:
         return DataStoreError(message, key=key)
 
 
@@ -62,6 +79,7 @@ def tar_stream(base: Path) -> tuple[int, Iterator[bytes]]:
             yield from chunks
         except StoreFault as e:
             raise translate(e) from e
+
     return size, translated()
 
 

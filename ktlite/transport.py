@@ -54,26 +54,57 @@ class PodTransport:
     def direct(self, url: str) -> bool:
         return self.http is None and url.startswith("http://")
 
-    def request(self, method: str, url: str, path: str, *, what: str, timeout: float,
-                headers: Mapping[str, str] | None = None, params: Mapping[str, str] | None = None,
-                content: Any = b"", length: int | None = None) -> Reply:
+    def request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        *,
+        what: str,
+        timeout: float,
+        headers: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | None = None,
+        content: Any = b"",
+        length: int | None = None,
+    ) -> Reply:
         """One request; ``what`` names it in errors ("/health", "the deploy"). ``content`` is
         bytes, or (through httpx only) an iterator sent chunked with ``length`` announced."""
         query = f"?{urlencode(params)}" if params else ""
         try:
             if self.direct(url):
-                parts = [content] if isinstance(content, (bytes, bytearray, memoryview)) else list(content)
-                status, hdrs, body = self.pool.fetch(method, url, path + query, dict(headers or {}), parts,
-                                                     CONNECT_TIMEOUT_S, timeout)
+                parts = (
+                    [content]
+                    if isinstance(content, (bytes, bytearray, memoryview))
+                    else list(content)
+                )
+                status, hdrs, body = self.pool.fetch(
+                    method,
+                    url,
+                    path + query,
+                    dict(headers or {}),
+                    parts,
+                    CONNECT_TIMEOUT_S,
+                    timeout,
+                )
                 return Reply(status, hdrs, body)
-            http = self.http or _shared_http()
-            resp = http.request(method, f"{url}{path}", params=params, headers=headers, content=content,
-                                timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
-            return Reply(resp.status_code, {k.lower(): v for k, v in resp.headers.items()}, resp.content)
+            http = self.http or shared_http()
+            resp = http.request(
+                method,
+                f"{url}{path}",
+                params=params,
+                headers=headers,
+                content=content,
+                timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S),
+            )
+            return Reply(
+                resp.status_code, {k.lower(): v for k, v in resp.headers.items()}, resp.content
+            )
         except (httpx.ReadTimeout, httpx.PoolTimeout, TimeoutError) as e:
             raise PodSilent(f"pod at {url} did not answer {what} within {timeout:g}s: {e!r}") from e
         except ConnectionRefused as e:
-            raise PodUnreachable(f"pod at {url} is not answering {what}: {e}", delivered=False) from e
+            raise PodUnreachable(
+                f"pod at {url} is not answering {what}: {e}", delivered=False
+            ) from e
         except (httpx.HTTPError, ConnectionFailed, OSError) as e:
             raise PodUnreachable(f"pod at {url} is not answering {what}: {e!r}") from e
 
@@ -81,14 +112,16 @@ class PodTransport:
 _shared: httpx.Client | None = None
 
 
-def _shared_http() -> httpx.Client:
+def shared_http() -> httpx.Client:
     """A client for pods that are neither direct nor behind an injected client (an https://
     address given by hand): one keep-alive pool for the process."""
     global _shared
     if _shared is None:
         import atexit
 
-        _shared = httpx.Client(timeout=httpx.Timeout(30.0, connect=CONNECT_TIMEOUT_S),
-                               limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+        _shared = httpx.Client(
+            timeout=httpx.Timeout(30.0, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+        )
         atexit.register(_shared.close)
     return _shared

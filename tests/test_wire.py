@@ -26,8 +26,13 @@ from ktlite_wire.version import PROTOCOL_VERSION
 
 def _modules_after(code: str) -> list[str]:
     """The modules a fresh interpreter holds after running ``code``."""
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -37,8 +42,12 @@ def _all(pkg: object) -> list[str]:
 
 def test_the_wire_package_imports_neither_side() -> None:
     mods = _modules_after("\n".join(f"import {m}" for m in ["ktlite_wire", *_all(ktlite_wire)]))
-    bad = [m for m in mods if m.split(".")[0] in ("ktlite", "ktlite_server", "fastapi", "httpx", "starlette",
-                                                  "uvicorn")]
+    bad = [
+        m
+        for m in mods
+        if m.split(".")[0]
+        in ("ktlite", "ktlite_server", "fastapi", "httpx", "starlette", "uvicorn")
+    ]
     assert not bad, f"importing ktlite_wire imported {bad}"
 
 
@@ -53,13 +62,16 @@ def test_the_pod_server_and_the_rank_process_import_no_client_module() -> None:
     ``ktlite_server.rank``), imported in a fresh interpreter, leaves ``ktlite`` out."""
     names = [m for m in _all(ktlite_server) if m != "ktlite_server.__main__"]
     assert "ktlite_server.rank" in names and "ktlite_server.app" in names
-    mods = _modules_after("import ktlite_server.__main__ as m\n" + "\n".join(f"import {n}" for n in names))
+    mods = _modules_after(
+        "import ktlite_server.__main__ as m\n" + "\n".join(f"import {n}" for n in names)
+    )
     assert "ktlite_server.app" in mods
     bad = [m for m in mods if m == "ktlite" or m.startswith("ktlite.")]
     assert not bad, f"the pod server imported client modules: {bad}"
 
 
 # ---- the envelope -----------------------------------------------------------------------------
+
 
 def test_an_envelope_carries_json_and_buffers_untouched() -> None:
     big = bytes(range(256)) * 300
@@ -107,10 +119,20 @@ LAYOUT = DistributedLayout("pytorch", workers=2, num_proc=[1, 2])
 
 
 def _launch(**kw: object) -> Launch:
-    base = Launch(launch_id="abc", bundle=b"\x80code", kind="cls", distributed=LAYOUT,
-                  pod_ips=["10.0.0.1", "10.0.0.2"], master_port=29500, init=b"init",
-                  sources={"mod": ("/x/mod.py", "X = 1\n", False)}, cpus=2.5, concurrency=3,
-                  engine={"kind": "ray", "token": "s3cret"}, store={"url": "http://s", "token": "s3cret"})
+    base = Launch(
+        launch_id="abc",
+        bundle=b"\x80code",
+        kind="cls",
+        distributed=LAYOUT,
+        pod_ips=["10.0.0.1", "10.0.0.2"],
+        master_port=29500,
+        init=b"init",
+        sources={"mod": ("/x/mod.py", "X = 1\n", False)},
+        cpus=2.5,
+        concurrency=3,
+        engine={"kind": "ray", "token": "s3cret"},
+        store={"url": "http://s", "token": "s3cret"},
+    )
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
@@ -122,17 +144,34 @@ def test_a_launch_round_trips_and_hides_its_secrets() -> None:
 
 
 def test_a_colocation_round_trips() -> None:
-    col = Colocation(target="b", launch_id="abc", kind="fn", bundle=b"fn", init=None,
-                     sources={"m": ("/m.py", "", True)}, if_missing=True)
+    col = Colocation(
+        target="b",
+        launch_id="abc",
+        kind="fn",
+        bundle=b"fn",
+        init=None,
+        sources={"m": ("/m.py", "", True)},
+        if_missing=True,
+    )
     assert decode_deploy(col.encode()) == col
     drop = Colocation(target="b", launch_id="abc", drop=True)
     assert decode_deploy(drop.encode()) == drop
 
 
-@pytest.mark.parametrize("field,value", [("kind", "lambda"), ("pod_ips", "10.0.0.1"), ("master_port", "29500"),
-                                         ("launch_id", ""), ("distributed", {"framework": "mpi"}),
-                                         ("distributed", {"workers": 2, "num_proc": [1]}),
-                                         ("sources", {"m": "text"}), ("bundle", 7), ("type", "exec")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("kind", "lambda"),
+        ("pod_ips", "10.0.0.1"),
+        ("master_port", "29500"),
+        ("launch_id", ""),
+        ("distributed", {"framework": "mpi"}),
+        ("distributed", {"workers": 2, "num_proc": [1]}),
+        ("sources", {"m": "text"}),
+        ("bundle", 7),
+        ("type", "exec"),
+    ],
+)
 def test_a_malformed_launch_is_a_protocol_error(field: str, value: object) -> None:
     header, bufs = envelope.decode(_launch().encode())
     header[field] = value
@@ -142,20 +181,35 @@ def test_a_malformed_launch_is_a_protocol_error(field: str, value: object) -> No
 
 def test_a_call_result_round_trips_without_copying_values() -> None:
     value = codec.dumps([1, 2, 3])
-    result = CallResult([RankOutcome(0, "p0", Status.OK, value, "", 1.5),
-                         RankOutcome(1, "p0", Status.ERROR, b"info", "", 2.0),
-                         RankOutcome(2, "p1", Status.OK, ShmRef("/dev/shm/ktlite-res-x", 9), "", 3.0),
-                         RankOutcome(3, "p1", Status.UNREACHABLE, None, "gone", 4.0)], started=False)
+    result = CallResult(
+        [
+            RankOutcome(0, "p0", Status.OK, value, "", 1.5),
+            RankOutcome(1, "p0", Status.ERROR, b"info", "", 2.0),
+            RankOutcome(2, "p1", Status.OK, ShmRef("/dev/shm/ktlite-res-x", 9), "", 3.0),
+            RankOutcome(3, "p1", Status.UNREACHABLE, None, "gone", 4.0),
+        ],
+        started=False,
+    )
     got = CallResult.decode(bytearray(result.encode_bytes()))
     assert got.started is False
-    assert [(o.rank, o.pod, o.status, o.message, o.at) for o in got.outcomes] == \
-        [(o.rank, o.pod, o.status, o.message, o.at) for o in result.outcomes]
+    assert [(o.rank, o.pod, o.status, o.message, o.at) for o in got.outcomes] == [
+        (o.rank, o.pod, o.status, o.message, o.at) for o in result.outcomes
+    ]
     assert codec.loads(got.outcomes[0].data) == [1, 2, 3]
-    assert got.outcomes[2].data == ShmRef("/dev/shm/ktlite-res-x", 9) and got.outcomes[3].data is None
+    assert (
+        got.outcomes[2].data == ShmRef("/dev/shm/ktlite-res-x", 9) and got.outcomes[3].data is None
+    )
 
 
-@pytest.mark.parametrize("row", [{"rank": "0", "pod": "p", "status": "ok"}, {"rank": 0, "pod": "p", "status": "fine"},
-                                 {"rank": 0, "pod": "p", "status": "ok", "buf": 3}, {"rank": 0, "status": "ok"}])
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"rank": "0", "pod": "p", "status": "ok"},
+        {"rank": 0, "pod": "p", "status": "fine"},
+        {"rank": 0, "pod": "p", "status": "ok", "buf": 3},
+        {"rank": 0, "status": "ok"},
+    ],
+)
 def test_a_malformed_outcome_is_a_protocol_error(row: dict[str, object]) -> None:
     with pytest.raises(ProtocolError):
         CallResult.decode(envelope.encode_bytes({"outcomes": [row]}))
@@ -164,23 +218,39 @@ def test_a_malformed_outcome_is_a_protocol_error(row: dict[str, object]) -> None
 def test_statuses_are_their_own_json() -> None:
     assert json.dumps([Status.OK, Status.STALE]) == '["ok", "stale"]'
     assert Status.parse("died") is Status.DIED
-    assert [s for s in Status if s.failed] == [Status.ERROR, Status.DIED, Status.UNREACHABLE, Status.STALE]
+    assert [s for s in Status if s.failed] == [
+        Status.ERROR,
+        Status.DIED,
+        Status.UNREACHABLE,
+        Status.STALE,
+    ]
     with pytest.raises(ValueError, match="not one of"):
         Status.parse("fine")
 
 
-@pytest.mark.parametrize("msg", [
-    rankchannel.Ready(42),
-    rankchannel.Load(env={"RANK": "0"}, kind="cls", bundle=b"b", init=b"i", sources={"m": ("/m.py", "", False)},
-                     concurrency=2),
-    rankchannel.Load(env={}, target="t", drop=True),
-    rankchannel.Loaded(False, b"err"),
-    rankchannel.Call(id="c1", args=b"args", size=4, item=b"item", generation=3, group_port=29501),
-    rankchannel.Call(id="c2", path="/dev/shm/ktlite-arg-x", size=10, item_at=[4, 6]),
-    rankchannel.Result(id="c1", ok=True, inline=b"value", has_pg=True, tainted=False),
-    rankchannel.Interrupt("c1"),
-    rankchannel.Exit(),
-])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        rankchannel.Ready(42),
+        rankchannel.Load(
+            env={"RANK": "0"},
+            kind="cls",
+            bundle=b"b",
+            init=b"i",
+            sources={"m": ("/m.py", "", False)},
+            concurrency=2,
+        ),
+        rankchannel.Load(env={}, target="t", drop=True),
+        rankchannel.Loaded(False, b"err"),
+        rankchannel.Call(
+            id="c1", args=b"args", size=4, item=b"item", generation=3, group_port=29501
+        ),
+        rankchannel.Call(id="c2", path="/dev/shm/ktlite-arg-x", size=10, item_at=[4, 6]),
+        rankchannel.Result(id="c1", ok=True, inline=b"value", has_pg=True, tainted=False),
+        rankchannel.Interrupt("c1"),
+        rankchannel.Exit(),
+    ],
+)
 def test_rank_channel_messages_round_trip(msg: rankchannel.Message) -> None:
     parts = rankchannel.encode(msg)
     data = envelope.join(parts)
@@ -196,19 +266,33 @@ def test_a_rank_channel_message_of_another_kind_is_refused() -> None:
 
 
 def test_frames_and_errors_carry_a_code() -> None:
-    stream = [LogLine(3, "p1", "err", "hi").encode(), Notice("waiting", "pods 1", {"pods": [1]}).encode(),
-              error_frame(WireError(ErrorCode.INTERNAL, "boom", "RuntimeError"))]
+    stream = [
+        LogLine(3, "p1", "err", "hi").encode(),
+        Notice("waiting", "pods 1", {"pods": [1]}).encode(),
+        error_frame(WireError(ErrorCode.INTERNAL, "boom", "RuntimeError")),
+    ]
     frames = list(read_frames(stream))
     assert LogLine.decode(frames[0][1]) == LogLine(3, "p1", "err", "hi")
-    assert Notice.decode(frames[1][1]).as_dict() == {"pods": [1], "kind": "waiting", "message": "pods 1"}
+    assert Notice.decode(frames[1][1]).as_dict() == {
+        "pods": [1],
+        "kind": "waiting",
+        "message": "pods 1",
+    }
     assert frames[2][0] == ERROR
     assert decode_error(frames[2][1]) == WireError(ErrorCode.INTERNAL, "boom", "RuntimeError")
     assert decode_error(b"not json").code is ErrorCode.INTERNAL
-    assert ErrorCode.parse("what") is None and ErrorCode.parse("not_deployed") is ErrorCode.NOT_DEPLOYED
+    assert (
+        ErrorCode.parse("what") is None
+        and ErrorCode.parse("not_deployed") is ErrorCode.NOT_DEPLOYED
+    )
 
 
 def test_a_call_plan_is_validated_at_decode() -> None:
-    plan = decode_plan(json.dumps({"id": "c", "pods": ["http://a", "http://b"], "fanout": True, "num_proc": [1, 2]}))
+    plan = decode_plan(
+        json.dumps(
+            {"id": "c", "pods": ["http://a", "http://b"], "fanout": True, "num_proc": [1, 2]}
+        )
+    )
     assert list(plan.pod_ranks(1)) == [1, 2]
     for bad in ('{"id": ""}', "[]", '{"id": "c", "fanout": true}', "{" * 100000):
         with pytest.raises(ValueError):

@@ -52,7 +52,9 @@ def test_the_pod_server_never_unpickles(tmp_path) -> None:
     pod 1: the pod servers' processes unpickle nothing (their rank processes do, and the audit
     hook shows the hook itself works)."""
     compute = kt.Compute(cpus=1, stream_logs=False, env=_audit_env(tmp_path))
-    remote = kt.fn(probe, name="wire-nopickle").to(compute.distribute("spmd", workers=2, num_proc=1))
+    remote = kt.fn(probe, name="wire-nopickle").to(
+        compute.distribute("spmd", workers=2, num_proc=1)
+    )
     try:
         got = remote("value")
         assert [g["rank"] for g in got] == [0, 1]
@@ -85,8 +87,11 @@ def test_rank_processes_load_no_client_module(tmp_path) -> None:
 def old_server(tmp_path_factory):
     """A real pod server that speaks the previous protocol version (as an older ktlite does)."""
     old = str(PROTOCOL_VERSION - 1)
-    compute = kt.Compute(cpus=1, stream_logs=False, env=_audit_env(tmp_path_factory.mktemp("old"),
-                                                                   KTLITE_WIRE_VERSION=old))
+    compute = kt.Compute(
+        cpus=1,
+        stream_logs=False,
+        env=_audit_env(tmp_path_factory.mktemp("old"), KTLITE_WIRE_VERSION=old),
+    )
     with pytest.raises(kt.ProtocolMismatch) as info:  # the new client refuses it at once
         kt.fn(probe, name="wire-old-server").to(compute)
     yield info.value, old
@@ -110,7 +115,9 @@ def test_a_new_server_refuses_an_old_client_with_a_code(tmp_path) -> None:
         token = remote._deployment.applied.token
         url = remote._deployment.endpoints[0].url
         old = str(PROTOCOL_VERSION - 1)
-        resp = httpx.get(f"{url}/status", headers={TOKEN_HEADER: bearer(token), VERSION_HEADER: old}, timeout=30)
+        resp = httpx.get(
+            f"{url}/status", headers={TOKEN_HEADER: bearer(token), VERSION_HEADER: old}, timeout=30
+        )
         assert resp.status_code == 409, resp.text
         assert resp.headers[ERROR_CODE_HEADER] == ErrorCode.PROTOCOL_MISMATCH.value
         detail = resp.json()["detail"]

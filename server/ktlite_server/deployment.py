@@ -34,7 +34,9 @@ class Deployment:
     cpus: float | None = None
     load_timeout: float = 300.0
     concurrency: int = 1  # calls each rank process runs at once
-    engine: dict[str, Any] | None = None  # distribute("ray"/"monarch"): this pod's engine (ktlite.engines)
+    engine: dict[str, Any] | None = (
+        None  # distribute("ray"/"monarch"): this pod's engine (ktlite.engines)
+    )
     single: bool = False  # not distributed: a call returns one value, not a list by rank
 
 

@@ -39,9 +39,14 @@ class LocalCall:
         self.dep = dep
         self.ranks = ranks
 
-    def prepare(self, payload: Any, path: str | None, per_rank: dict[str, Any] | None, generation: int,
-                group_port: int | None) -> tuple[rankchannel.Call, dict[int, bytes] | None,
-                                                 dict[int, list[int]] | None, str | None]:
+    def prepare(
+        self,
+        payload: Any,
+        path: str | None,
+        per_rank: dict[str, Any] | None,
+        generation: int,
+        group_port: int | None,
+    ) -> tuple[rankchannel.Call, dict[int, bytes] | None, dict[int, list[int]] | None, str | None]:
         """The call's message to the ranks, each rank's own items (inline, or where they are in
         the shared-memory file), and the shared-memory file made here for a large payload
         (the caller removes it once the call ends)."""
@@ -58,21 +63,39 @@ class LocalCall:
             if path is not None:
                 item_at = {i: [off, n] for i, (off, n) in enumerate(slices)}
             else:
-                items = {i: bytes(view[off:off + n]) for i, (off, n) in enumerate(slices)}
-            view = view[:per_rank["shared"]]
+                items = {i: bytes(view[off : off + n]) for i, (off, n) in enumerate(slices)}
+            view = view[: per_rank["shared"]]
             if LOG_BODIES:
-                print(f"[pod] call {self.handle.call_id}: shared message {view.nbytes} bytes; per-rank items "
-                      + ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[pod] call {self.handle.call_id}: shared message {view.nbytes} bytes; per-rank items "
+                    + ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)),
+                    file=sys.stderr,
+                    flush=True,
+                )
         elif LOG_BODIES:
-            print(f"[pod] call {self.handle.call_id}: message {view.nbytes} bytes", file=sys.stderr, flush=True)
+            print(
+                f"[pod] call {self.handle.call_id}: message {view.nbytes} bytes",
+                file=sys.stderr,
+                flush=True,
+            )
         size = view.nbytes
-        msg = rankchannel.Call(id=self.handle.call_id, args=None if path else view, path=path, size=size,
-                               generation=generation, group_port=group_port)
+        msg = rankchannel.Call(
+            id=self.handle.call_id,
+            args=None if path else view,
+            path=path,
+            size=size,
+            generation=generation,
+            group_port=group_port,
+        )
         return msg, items, item_at, path if own_file else None
 
-    async def fan_in(self, msg: rankchannel.Call, items: dict[int, bytes] | None,
-                     item_at: dict[int, list[int]] | None, only: set[int] | None = None) -> list[Outcome]:
+    async def fan_in(
+        self,
+        msg: rankchannel.Call,
+        items: dict[int, bytes] | None,
+        item_at: dict[int, list[int]] | None,
+        only: set[int] | None = None,
+    ) -> list[Outcome]:
         handle = self.handle
         now = time.monotonic()
         tasks = {}
@@ -80,9 +103,15 @@ class LocalCall:
             if only is not None and r.global_rank not in only:
                 continue  # the call names other ranks
             r.busy_since = r.busy_since or now
-            own = msg if items is None and item_at is None else dataclasses.replace(
-                msg, item=None if items is None else items[r.local_rank],
-                item_at=None if item_at is None else item_at[r.local_rank])
+            own = (
+                msg
+                if items is None and item_at is None
+                else dataclasses.replace(
+                    msg,
+                    item=None if items is None else items[r.local_rank],
+                    item_at=None if item_at is None else item_at[r.local_rank],
+                )
+            )
             tasks[asyncio.get_running_loop().create_task(self._call_rank(r, own))] = r
         outcomes: dict[int, Outcome] = {}
         pending = set(tasks)
@@ -117,10 +146,17 @@ class LocalCall:
             rank.running.pop(handle.call_id, None)
         if rank.tainted:  # stopped inside an import: replaced before its next call
             rank.kill()
-        if not result.ok and handle.stop_kind:  # interrupted on its own (CallInterrupted): the stop's outcome
+        if (
+            not result.ok and handle.stop_kind
+        ):  # interrupted on its own (CallInterrupted): the stop's outcome
             return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
-        return Outcome(rank.global_rank, Status.OK if result.ok else Status.ERROR, result.inline, path=result.path,
-                       size=result.size)
+        return Outcome(
+            rank.global_rank,
+            Status.OK if result.ok else Status.ERROR,
+            result.inline,
+            path=result.path,
+            size=result.size,
+        )
 
 
 def stop_rank(rank: RankProcess, call_id: str, concurrent: bool) -> None:
@@ -128,6 +164,7 @@ def stop_rank(rank: RankProcess, call_id: str, concurrent: bool) -> None:
     interrupted (CallInterrupted raised in it: SIGUSR2 on the main thread, an async
     exception on a pool thread, a cancelled coroutine), and only if it has not ended
     within INTERRUPT_GRACE_S (blocked in C code, in a collective) the rank is killed."""
+
     async def interrupt() -> None:
         if concurrent:
             await rank.interrupt(call_id)
@@ -137,7 +174,12 @@ def stop_rank(rank: RankProcess, call_id: str, concurrent: bool) -> None:
         while call_id in rank.running and rank.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if call_id in rank.running and rank.alive:
-            print(f"[pod] call {call_id} ignored its interrupt for {INTERRUPT_GRACE_S:g}s: killing rank "
-                  f"{rank.global_rank} and the calls it ran", file=sys.stderr, flush=True)
+            print(
+                f"[pod] call {call_id} ignored its interrupt for {INTERRUPT_GRACE_S:g}s: killing rank "
+                f"{rank.global_rank} and the calls it ran",
+                file=sys.stderr,
+                flush=True,
+            )
             rank.kill()
+
     asyncio.get_running_loop().create_task(interrupt())

@@ -27,22 +27,27 @@ async def pod_status(pod: Pod, stuck_after: float) -> dict[str, Any]:
     """
     ranks = [r for r in pod.ranks if r is not None]
     live = [r.pid for r in ranks if r.alive and r.pid is not None]
-    usage, (gpus, apps, gpu_error) = await asyncio.gather(pod.usage.measure(live),
-                                                          pod.gpu_query.snapshot())
+    usage, (gpus, apps, gpu_error) = await asyncio.gather(
+        pod.usage.measure(live), pod.gpu_query.snapshot()
+    )
     now = time.monotonic()
     server_cvd = pod.base_env.get("CUDA_VISIBLE_DEVICES")
     rows = []
     for r in ranks:
         used = usage.get(r.pid) if r.alive and r.pid is not None else None
         row = {
-            "rank": r.global_rank, "local_rank": r.local_rank, "pid": r.pid,
+            "rank": r.global_rank,
+            "local_rank": r.local_rank,
+            "pid": r.pid,
             "state": "busy" if r.alive and r.busy_since else ("idle" if r.alive else "dead"),
             "busy_for_s": round(now - r.busy_since, 3) if r.busy_since else None,
             "stuck": bool(r.alive and r.busy_since and now - r.busy_since > stuck_after),
             "last_exit": r.exit_code if r.exit_code is not None else r.last_exit,
             "restarts": r.restarts,
-            "calls": [{"id": cid, "running_s": round(now - t, 3)}
-                      for cid, t in sorted(r.running.items(), key=lambda kv: kv[1])],
+            "calls": [
+                {"id": cid, "running_s": round(now - t, 3)}
+                for cid, t in sorted(r.running.items(), key=lambda kv: kv[1])
+            ],
             "cpu_percent": used["cpu_percent"] if used else None,
             "rss_bytes": used["rss_bytes"] if used else None,
             "procs": used["procs"] if used else None,
@@ -51,12 +56,15 @@ async def pod_status(pod: Pod, stuck_after: float) -> dict[str, Any]:
         row.update(_gpu_fields(pod, r, gpus, apps, server_cvd))
         rows.append(row)
     return {
-        "pod": pod.name, "ordinal": pod.ordinal, "server_pid": os.getpid(),
+        "pod": pod.name,
+        "ordinal": pod.ordinal,
+        "server_pid": os.getpid(),
         "kind": pod.dep.kind if pod.dep else None,
         "launch_id": pod.dep.launch_id if pod.dep else None,
         # how the caller laid it out: what reattaching by name (kt.fn(name=...)) needs
         "layout": {"distributed": asdict(pod.dep.config), "single": pod.dep.single}
-        if pod.dep else None,
+        if pod.dep
+        else None,
         "colocated": sorted(pod.colocated),
         "ranks": rows,
         "active_calls": list(pod.calls),
@@ -65,13 +73,24 @@ async def pod_status(pod: Pod, stuck_after: float) -> dict[str, Any]:
         "engine": await pod.engine_status(),
     }
 
-def _gpu_fields(pod: Pod, r: RankProcess, gpus: list[dict[str, Any]] | None, apps: Apps | None,
-                server_cvd: str | None) -> dict[str, Any]:
+
+def _gpu_fields(
+    pod: Pod,
+    r: RankProcess,
+    gpus: list[dict[str, Any]] | None,
+    apps: Apps | None,
+    server_cvd: str | None,
+) -> dict[str, Any]:
     """The GPUs rank ``r`` sees (its CUDA_VISIBLE_DEVICES, else the server's), their memory
     and utilisation, and what the rank's own processes hold on them."""
     if gpus is None:  # no nvidia-smi on this pod
-        return dict(gpus=None, gpu_memory_used_bytes=None, gpu_memory_total_bytes=None,
-                    gpu_utilization_percent=None, gpu_process_memory_bytes=None)
+        return dict(
+            gpus=None,
+            gpu_memory_used_bytes=None,
+            gpu_memory_total_bytes=None,
+            gpu_utilization_percent=None,
+            gpu_process_memory_bytes=None,
+        )
     env = r.loaded_env if r.loaded_env is not None else r.env
     pids = set(pod.usage.tree_pids(r.pid)) if r.alive and r.pid is not None else set()
     return rank_gpu_summary(visible(gpus, env.get("CUDA_VISIBLE_DEVICES", server_cvd)), apps, pids)

@@ -9,6 +9,10 @@ from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import ERROR_CODE_HEADER
 
 
-def refuse(status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> HTTPException:
+def refuse(
+    status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None
+) -> HTTPException:
     """An HTTPException that carries ``code``; raise it."""
-    return HTTPException(status, message, headers={**(headers or {}), ERROR_CODE_HEADER: code.value})
+    return HTTPException(
+        status, message, headers={**(headers or {}), ERROR_CODE_HEADER: code.value}
+    )

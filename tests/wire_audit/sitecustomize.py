@@ -36,7 +36,9 @@ if _AUDIT:
 
     pickle.loads, pickle.load, pickle.Unpickler = loads, load, Unpickler
     # what a C extension's unpickling (or a reference kept from before this ran) still shows
-    sys.addaudithook(lambda event, args: _record(f"{event} {args[:2]}") if event == "pickle.find_class" else None)
+    sys.addaudithook(
+        lambda event, args: _record(f"{event} {args[:2]}") if event == "pickle.find_class" else None
+    )
 
 _VERSION = os.environ.get("KTLITE_WIRE_VERSION")
 if _VERSION:

@@ -60,17 +60,26 @@ def _reduce_tensor(torch: Any, t: Any) -> Any:
     except (TypeError, RuntimeError):
         return None
     is_param = type(t) is not torch.Tensor
-    return _rebuild_tensor, (pickle.PickleBuffer(arr.reshape(-1).view("uint8")) if arr.size else b"",
-                             dtype, tuple(data.shape), bool(t.requires_grad), is_param)
+    return _rebuild_tensor, (
+        pickle.PickleBuffer(arr.reshape(-1).view("uint8")) if arr.size else b"",
+        dtype,
+        tuple(data.shape),
+        bool(t.requires_grad),
+        is_param,
+    )
 
 
-def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool,
-                    is_param: bool) -> Any:
+def _rebuild_tensor(
+    buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool, is_param: bool
+) -> Any:
     import torch
 
     tdtype = getattr(torch, dtype)
-    raw = torch.frombuffer(buf, dtype=torch.uint8) if len(memoryview(buf)) else \
-        torch.empty(0, dtype=torch.uint8)
+    raw = (
+        torch.frombuffer(buf, dtype=torch.uint8)
+        if len(memoryview(buf))
+        else torch.empty(0, dtype=torch.uint8)
+    )
     t = raw.view(tdtype).reshape(shape)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)

@@ -41,8 +41,10 @@ class DistributedLayout:
             raise ValueError(f"framework {self.framework!r} is not one of {', '.join(FRAMEWORKS)}")
         sizes = (self.num_proc,) if isinstance(self.num_proc, int) else self.num_proc
         if not _count(self.workers) or not sizes or not all(_count(n) for n in sizes):
-            raise ValueError(f"workers={self.workers!r} and num_proc={self.num_proc!r} must be whole "
-                             "numbers of at least 1")
+            raise ValueError(
+                f"workers={self.workers!r} and num_proc={self.num_proc!r} must be whole "
+                "numbers of at least 1"
+            )
         if not isinstance(self.num_proc, int) and len(self.num_proc) != self.workers:
             raise ValueError(f"num_proc names {len(self.num_proc)} pods for workers={self.workers}")
 
@@ -65,7 +67,11 @@ class DistributedLayout:
     @property
     def sizes(self) -> tuple[int, ...]:
         """Ranks of each pod."""
-        return (self.num_proc,) * self.workers if isinstance(self.num_proc, int) else tuple(self.num_proc)
+        return (
+            (self.num_proc,) * self.workers
+            if isinstance(self.num_proc, int)
+            else tuple(self.num_proc)
+        )
 
     @property
     def max_procs(self) -> int:
@@ -77,7 +83,11 @@ class DistributedLayout:
 
     def first_rank(self, ordinal: int) -> int:
         """The global rank of pod ``ordinal``'s LOCAL_RANK 0."""
-        return ordinal * self.num_proc if isinstance(self.num_proc, int) else sum(self.num_proc[:ordinal])
+        return (
+            ordinal * self.num_proc
+            if isinstance(self.num_proc, int)
+            else sum(self.num_proc[:ordinal])
+        )
 
     def ordinal_of(self, rank: int) -> int:
         """The pod that holds global rank ``rank``."""
@@ -110,9 +120,16 @@ def port_free(port: int) -> bool:
     return True
 
 
-def distributed_env(config: DistributedLayout, *, node_rank: int, local_rank: int,
-                    pod_ips: list[str], master_port: int, run_id: str = "ktlite",
-                    cpus_per_pod: float | None = None) -> dict[str, str]:
+def distributed_env(
+    config: DistributedLayout,
+    *,
+    node_rank: int,
+    local_rank: int,
+    pod_ips: list[str],
+    master_port: int,
+    run_id: str = "ktlite",
+    cpus_per_pod: float | None = None,
+) -> dict[str, str]:
     """The env vars one rank gets. Stable: RANK = the ranks of the pods before this one
     (NODE_RANK × num_proc when every pod has num_proc) + LOCAL_RANK."""
     if len(pod_ips) != config.workers:
@@ -142,13 +159,17 @@ def distributed_env(config: DistributedLayout, *, node_rank: int, local_rank: in
     if config.framework == "pytorch":
         env["TORCHELASTIC_RUN_ID"] = run_id
     elif config.framework == "jax":
-        env.update(JAX_COORDINATOR_ADDRESS=f"{master}:{master_port}",
-                   JAX_NUM_PROCESSES=str(world), JAX_PROCESS_ID=str(rank))
+        env.update(
+            JAX_COORDINATOR_ADDRESS=f"{master}:{master_port}",
+            JAX_NUM_PROCESSES=str(world),
+            JAX_PROCESS_ID=str(rank),
+        )
     elif config.framework == "tensorflow":
         # rank r listens on master_port + r: unique even when pods share a host (local backend)
         workers = [f"{pod_ips[config.ordinal_of(r)]}:{master_port + r}" for r in range(world)]
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers},
-                                       "task": {"type": "worker", "index": rank}})
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+        )
     if nproc > 1:
         cpus = cpus_per_pod or 1
         env["OMP_NUM_THREADS"] = str(max(1, int(cpus // nproc)))

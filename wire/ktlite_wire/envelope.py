@@ -35,7 +35,9 @@ def pack(magic: bytes, body: list[Any], buffers: list[memoryview]) -> list[Any]:
     buffers. Nothing is copied."""
     blen = sum(memoryview(b).nbytes for b in body)
     lens = [b.nbytes for b in buffers]
-    head = HEAD.pack(magic, PROTOCOL_VERSION, len(buffers), blen) + struct.pack(f"<{len(lens)}Q", *lens)
+    head = HEAD.pack(magic, PROTOCOL_VERSION, len(buffers), blen) + struct.pack(
+        f"<{len(lens)}Q", *lens
+    )
     parts: list[Any] = [head, *body]
     offset = len(head) + blen
     for buf in buffers:
@@ -57,14 +59,17 @@ def unpack(magic: bytes, data: Any, what: str) -> tuple[memoryview, list[memoryv
     if got != magic:
         raise ProtocolError(f"not a ktlite {what} (magic {bytes(got)!r}, expected {magic!r})")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(mismatch(version, them=f"a {what} of protocol version {version}:"
-                                     " its sender", us="this side"))
+        raise ProtocolError(
+            mismatch(
+                version, them=f"a {what} of protocol version {version}: its sender", us="this side"
+            )
+        )
     pos = HEAD.size
     if nbufs > MAX_BUFFERS or view.nbytes < pos + 8 * nbufs:
         raise ProtocolError(f"{what} truncated in its buffer table")
     lens = struct.unpack_from(f"<{nbufs}Q", view, pos)
     pos += 8 * nbufs
-    body = view[pos:pos + blen]
+    body = view[pos : pos + blen]
     if body.nbytes != blen:
         raise ProtocolError(f"{what} truncated in its header ({body.nbytes} of {blen} bytes)")
     pos += blen
@@ -72,8 +77,10 @@ def unpack(magic: bytes, data: Any, what: str) -> tuple[memoryview, list[memoryv
     for n in lens:
         pos += _pad(pos)
         if pos + n > view.nbytes:
-            raise ProtocolError(f"{what} truncated: a buffer of {n} bytes runs past its end ({view.nbytes})")
-        bufs.append(view[pos:pos + n])
+            raise ProtocolError(
+                f"{what} truncated: a buffer of {n} bytes runs past its end ({view.nbytes})"
+            )
+        bufs.append(view[pos : pos + n])
         pos += n
     return body, bufs
 
@@ -122,4 +129,4 @@ def chunked(parts: Iterable[Any], size: int = 4 << 20) -> Iterator[memoryview]:
     for part in parts:
         mv = memoryview(part).cast("B")
         for i in range(0, mv.nbytes, size):
-            yield mv[i:i + size]
+            yield mv[i : i + size]

@@ -56,7 +56,9 @@ class WireError:
     @classmethod
     def decode(cls, data: Any) -> WireError:
         if not isinstance(data, dict) or not isinstance(data.get("message"), str):
-            raise ProtocolError(f"an error must be an object with a message, got {str(data)[:200]!r}")
+            raise ProtocolError(
+                f"an error must be an object with a message, got {str(data)[:200]!r}"
+            )
         code = ErrorCode.parse(data.get("code")) or ErrorCode.INTERNAL
         return cls(code, data["message"], str(data.get("type") or ""))
 

@@ -29,8 +29,13 @@ class FrameKind(IntEnum):
     NOTICE = 5
 
 
-LOG, RESULT, ERROR, HEARTBEAT, NOTICE = (FrameKind.LOG, FrameKind.RESULT, FrameKind.ERROR,
-                                         FrameKind.HEARTBEAT, FrameKind.NOTICE)
+LOG, RESULT, ERROR, HEARTBEAT, NOTICE = (
+    FrameKind.LOG,
+    FrameKind.RESULT,
+    FrameKind.ERROR,
+    FrameKind.HEARTBEAT,
+    FrameKind.NOTICE,
+)
 
 
 def frame(kind: int, payload: bytes) -> bytes:
@@ -73,7 +78,9 @@ class Notice:
     fields: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return frame(NOTICE, json.dumps({**self.fields, "kind": self.kind, "message": self.message}).encode())
+        return frame(
+            NOTICE, json.dumps({**self.fields, "kind": self.kind, "message": self.message}).encode()
+        )
 
     @classmethod
     def decode(cls, payload: Any) -> Notice:
@@ -134,18 +141,20 @@ class FrameParser:
         while pos < view.nbytes:
             if self._payload is None:
                 need = FRAME.size - len(self._head)
-                self._head += view[pos:pos + need]
+                self._head += view[pos : pos + need]
                 pos += min(need, view.nbytes - pos)
                 if len(self._head) < FRAME.size:
                     break
                 self._kind, length = FRAME.unpack(self._head)
                 self._head.clear()
                 if length > MAX_FRAME:
-                    raise ProtocolError(f"a frame claims {length} bytes, more than the {MAX_FRAME} a "
-                                        "ktlite peer sends: not a ktlite stream, or a corrupt one")
+                    raise ProtocolError(
+                        f"a frame claims {length} bytes, more than the {MAX_FRAME} a "
+                        "ktlite peer sends: not a ktlite stream, or a corrupt one"
+                    )
                 self._payload, self._got = bytearray(length), 0
             take = min(len(self._payload) - self._got, view.nbytes - pos)
-            self._payload[self._got:self._got + take] = view[pos:pos + take]
+            self._payload[self._got : self._got + take] = view[pos : pos + take]
             self._got += take
             pos += take
             if self._got == len(self._payload):

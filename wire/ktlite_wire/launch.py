@@ -24,7 +24,8 @@ KINDS = ("fn", "cls")
 @dataclass(frozen=True)
 class Launch:
     """The code and layout one pod installs. Built once per deployment by the client
-    (``ktlite.launch.build_launch``), then per pod with :meth:`for_pod`."""
+    (``ktlite.launch.build_launch``), then made each pod's with ``dataclasses.replace``
+    (its ``ordinal``, its engine settings)."""
 
     launch_id: str
     bundle: bytes = field(repr=False)
@@ -48,15 +49,30 @@ class Launch:
     store: dict[str, Any] | None = field(default=None, repr=False)
 
     def encode(self) -> bytes:
-        header = {"type": "launch", "launch_id": self.launch_id, "kind": self.kind,
-                  "distributed": asdict(self.distributed), "pod_ips": self.pod_ips,
-                  "master_port": self.master_port, "ordinal": self.ordinal,
-                  "sources": _sources_json(self.sources), "max_restarts": self.max_restarts,
-                  "cpus": self.cpus, "load_timeout": self.load_timeout,
-                  "concurrency": self.concurrency, "single": self.single, "restart": self.restart,
-                  "replica": self.replica, "engine": self.engine, "store": self.store,
-                  "bundle": 0, "init": None if self.init is None else 1}
-        return envelope.encode_bytes(header, [self.bundle] + ([] if self.init is None else [self.init]))
+        header = {
+            "type": "launch",
+            "launch_id": self.launch_id,
+            "kind": self.kind,
+            "distributed": asdict(self.distributed),
+            "pod_ips": self.pod_ips,
+            "master_port": self.master_port,
+            "ordinal": self.ordinal,
+            "sources": sources_to_json(self.sources),
+            "max_restarts": self.max_restarts,
+            "cpus": self.cpus,
+            "load_timeout": self.load_timeout,
+            "concurrency": self.concurrency,
+            "single": self.single,
+            "restart": self.restart,
+            "replica": self.replica,
+            "engine": self.engine,
+            "store": self.store,
+            "bundle": 0,
+            "init": None if self.init is None else 1,
+        }
+        return envelope.encode_bytes(
+            header, [self.bundle] + ([] if self.init is None else [self.init])
+        )
 
     @classmethod
     def from_header(cls, h: dict[str, Any], bufs: list[memoryview]) -> Launch:
@@ -78,15 +94,25 @@ class Launch:
             if store is not None and not isinstance(store, dict):
                 raise ValueError("store must be an object")
             return cls(
-                launch_id=_text(h, "launch_id"), bundle=bytes(bundle), kind=kind,
-                distributed=DistributedLayout.from_json(h["distributed"]), pod_ips=list(pod_ips),
-                master_port=_int(h, "master_port"), ordinal=_int(h, "ordinal", 0),
-                init=None if init is None else bytes(init), sources=_sources(h.get("sources")),
-                max_restarts=_int(h, "max_restarts", 3), cpus=None if cpus is None else _seconds(cpus, "cpus"),
+                launch_id=_text(h, "launch_id"),
+                bundle=bytes(bundle),
+                kind=kind,
+                distributed=DistributedLayout.from_json(h["distributed"]),
+                pod_ips=list(pod_ips),
+                master_port=_int(h, "master_port"),
+                ordinal=_int(h, "ordinal", 0),
+                init=None if init is None else bytes(init),
+                sources=sources_from_json(h.get("sources")),
+                max_restarts=_int(h, "max_restarts", 3),
+                cpus=None if cpus is None else _seconds(cpus, "cpus"),
                 load_timeout=_seconds(h.get("load_timeout", 300.0), "load_timeout"),
-                concurrency=max(1, _int(h, "concurrency", 1)), single=bool(h.get("single", False)),
-                restart=bool(h.get("restart", False)), replica=bool(h.get("replica", False)),
-                engine=engine, store=store)
+                concurrency=max(1, _int(h, "concurrency", 1)),
+                single=bool(h.get("single", False)),
+                restart=bool(h.get("restart", False)),
+                replica=bool(h.get("replica", False)),
+                engine=engine,
+                store=store,
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"a malformed launch: {type(e).__name__}: {e}") from None
 
@@ -107,10 +133,17 @@ class Colocation:
 
     def encode(self) -> bytes:
         bufs = [b for b in (self.bundle, self.init) if b is not None]
-        header = {"type": "colocate", "target": self.target, "launch_id": self.launch_id,
-                  "kind": self.kind, "sources": _sources_json(self.sources), "drop": self.drop,
-                  "if_missing": self.if_missing, "bundle": None if self.bundle is None else 0,
-                  "init": None if self.init is None else len(bufs) - 1}
+        header = {
+            "type": "colocate",
+            "target": self.target,
+            "launch_id": self.launch_id,
+            "kind": self.kind,
+            "sources": sources_to_json(self.sources),
+            "drop": self.drop,
+            "if_missing": self.if_missing,
+            "bundle": None if self.bundle is None else 0,
+            "init": None if self.init is None else len(bufs) - 1,
+        }
         return envelope.encode_bytes(header, bufs)
 
     @classmethod
@@ -124,10 +157,16 @@ class Colocation:
             kind = h.get("kind", "cls")
             if kind not in KINDS:
                 raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
-            return cls(target=_text(h, "target"), launch_id=str(h.get("launch_id") or ""), kind=kind,
-                       bundle=None if bundle is None else bytes(bundle),
-                       init=None if init is None else bytes(init), sources=_sources(h.get("sources")),
-                       drop=drop, if_missing=bool(h.get("if_missing", False)))
+            return cls(
+                target=_text(h, "target"),
+                launch_id=str(h.get("launch_id") or ""),
+                kind=kind,
+                bundle=None if bundle is None else bytes(bundle),
+                init=None if init is None else bytes(init),
+                sources=sources_from_json(h.get("sources")),
+                drop=drop,
+                if_missing=bool(h.get("if_missing", False)),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"a malformed colocation: {type(e).__name__}: {e}") from None
 
@@ -143,19 +182,25 @@ def decode_deploy(data: Any) -> Launch | Colocation:
     raise ProtocolError(f"a deploy message of type {kind!r}; expected 'launch' or 'colocate'")
 
 
-def _sources_json(sources: Sources) -> dict[str, list[Any]]:
-    return {name: [filename, text, bool(is_pkg)] for name, (filename, text, is_pkg) in sources.items()}
+def sources_to_json(sources: Sources) -> dict[str, list[Any]]:
+    return {
+        name: [filename, text, bool(is_pkg)] for name, (filename, text, is_pkg) in sources.items()
+    }
 
 
-def _sources(data: Any) -> Sources:
+def sources_from_json(data: Any) -> Sources:
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ValueError("sources must be an object")
     out: Sources = {}
     for name, entry in data.items():
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                and isinstance(entry[1], str)):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], str)
+        ):
             raise ValueError(f"source of module {name!r} must be [file name, text, is package]")
         out[str(name)] = (entry[0], entry[1], bool(entry[2]))
     return out
@@ -176,6 +221,11 @@ def _int(h: dict[str, Any], key: str, default: int | None = None) -> int:
 
 
 def _seconds(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"{key}={value!r} must be a non-negative number")
     return float(value)

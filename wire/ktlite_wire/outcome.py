@@ -48,8 +48,13 @@ class CallResult:
         rows: list[dict[str, Any]] = []
         buffers: list[Any] = []
         for o in self.outcomes:
-            row: dict[str, Any] = {"rank": o.rank, "pod": o.pod, "status": Status(o.status).value,
-                                   "message": o.message, "at": o.at}
+            row: dict[str, Any] = {
+                "rank": o.rank,
+                "pod": o.pod,
+                "status": Status(o.status).value,
+                "message": o.message,
+                "at": o.at,
+            }
             if isinstance(o.data, ShmRef):
                 row["shm"] = [o.data.path, o.data.size]
             elif o.data is not None:
@@ -78,9 +83,16 @@ class CallResult:
                     raise ValueError(f"rank {rank!r} at {at!r}")
                 status = Status.parse(row["status"])
                 shm = row.get("shm")
-                data_: Any = ShmRef(str(shm[0]), int(shm[1])) if shm is not None else \
-                    envelope.buffer(bufs, row.get("buf"), f"rank {rank}'s outcome")
-                outs.append(RankOutcome(rank, str(row["pod"]), status, data_, str(row.get("message", "")), at))
+                data_: Any = (
+                    ShmRef(str(shm[0]), int(shm[1]))
+                    if shm is not None
+                    else envelope.buffer(bufs, row.get("buf"), f"rank {rank}'s outcome")
+                )
+                outs.append(
+                    RankOutcome(
+                        rank, str(row["pod"]), status, data_, str(row.get("message", "")), at
+                    )
+                )
             except (KeyError, ValueError, TypeError, IndexError) as e:
                 raise ProtocolError(f"a malformed outcome {str(row)[:200]}: {e}") from None
         return cls(outs, bool(header.get("started", True)))

@@ -24,9 +24,12 @@ class CallPlan:
         self.names: list[str] = _list(meta, "names", str)
         workers = meta.get("workers")
         self.workers: list[int] | None = None if workers is None else _list(meta, "workers", int)
-        if self.workers is not None and (not self.workers or any(
-                not 0 <= w < len(self.pods) for w in self.workers)):
-            raise ValueError(f"workers={workers!r} must be pod indices between 0 and {len(self.pods) - 1}")
+        if self.workers is not None and (
+            not self.workers or any(not 0 <= w < len(self.pods) for w in self.workers)
+        ):
+            raise ValueError(
+                f"workers={workers!r} must be pod indices between 0 and {len(self.pods) - 1}"
+            )
         self.timeout = _number(meta, "timeout", None)
         self.stream_logs = bool(meta.get("stream_logs", True))
         self.restart = bool(meta.get("restart", False))
@@ -38,8 +41,12 @@ class CallPlan:
         self.quorum_timeout = _number(meta, "quorum_timeout", 300.0) or 300.0
         num_proc = meta.get("num_proc") or 1
         sizes = num_proc if isinstance(num_proc, list) else [num_proc] * max(1, len(self.pods))
-        if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096 for n in sizes):
-            raise ValueError(f"num_proc={num_proc!r} must be a whole number between 1 and 4096, or one per pod")
+        if not sizes or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096 for n in sizes
+        ):
+            raise ValueError(
+                f"num_proc={num_proc!r} must be a whole number between 1 and 4096, or one per pod"
+            )
         if isinstance(num_proc, list) and self.pods and len(num_proc) != len(self.pods):
             raise ValueError(f"num_proc has {len(num_proc)} entries for {len(self.pods)} pods")
         self.num_proc = num_proc
@@ -58,18 +65,26 @@ class CallPlan:
         self.ranks: list[int] | None = None if ranks is None else _list(meta, "ranks", int)
         # the process-group generation, set by pod 0 (members get it in their plan)
         generation = meta.get("generation")
-        if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
-                                       or generation < 0):
+        if generation is not None and (
+            isinstance(generation, bool) or not isinstance(generation, int) or generation < 0
+        ):
             raise ValueError(f"generation={generation!r} must be a whole number")
         self.generation: int | None = generation
-        group_port = meta.get("group_port")  # its MASTER_PORT, picked by pod 0 (None: the first one)
-        if group_port is not None and (isinstance(group_port, bool) or not isinstance(group_port, int)
-                                       or not 0 < group_port < 65536):
+        group_port = meta.get(
+            "group_port"
+        )  # its MASTER_PORT, picked by pod 0 (None: the first one)
+        if group_port is not None and (
+            isinstance(group_port, bool)
+            or not isinstance(group_port, int)
+            or not 0 < group_port < 65536
+        ):
             raise ValueError(f"group_port={group_port!r} must be a TCP port")
         self.group_port: int | None = group_port
         # a per-rank call: the body is the shared message, then each rank's items
         per_rank = meta.get("per_rank")
-        self.per_rank: dict[str, Any] | None = None if per_rank is None else rankdata.check_plan(per_rank)
+        self.per_rank: dict[str, Any] | None = (
+            None if per_rank is None else rankdata.check_plan(per_rank)
+        )
 
     def name(self, i: int) -> str:
         """Pod ``i``'s name (its URL when the caller sent no names)."""
@@ -81,10 +96,19 @@ class CallPlan:
         return range(start, start + self.sizes[i])
 
     def member_meta(self, per_rank: dict[str, Any] | None = None) -> dict[str, Any]:
-        meta = {"id": self.id, "stream_logs": self.stream_logs, "restart": self.restart, "fanout": False,
-                "shm": self.shm, "shm_results": self.shm_results, "launch_id": self.launch_id,
-                "num_proc": self.num_proc, "generation": self.generation, "group_port": self.group_port,
-                "ranks": self.ranks}
+        meta = {
+            "id": self.id,
+            "stream_logs": self.stream_logs,
+            "restart": self.restart,
+            "fanout": False,
+            "shm": self.shm,
+            "shm_results": self.shm_results,
+            "launch_id": self.launch_id,
+            "num_proc": self.num_proc,
+            "generation": self.generation,
+            "group_port": self.group_port,
+            "ranks": self.ranks,
+        }
         if per_rank is not None:
             meta["per_rank"] = per_rank
         return meta
@@ -98,11 +122,13 @@ class CallPlan:
         slices = rankdata.pod_slices(self.per_rank, ranks)
         shared = self.per_rank["shared"]
         if self.shm:  # every pod maps the same file: offsets only
-            return self.member_meta({"shared": shared, "items": slices, "base": ranks.start}), memoryview(b"")
+            return self.member_meta(
+                {"shared": shared, "items": slices, "base": ranks.start}
+            ), memoryview(b"")
         view = memoryview(payload).cast("B")
         body, items, pos = [view[:shared]], [], shared
         for off, n in slices:
-            body.append(view[off:off + n])
+            body.append(view[off : off + n])
             items.append([pos, n])
             pos += n
         return self.member_meta({"shared": shared, "items": items, "base": ranks.start}), body
@@ -113,14 +139,17 @@ def _str(meta: dict[str, Any], key: str, required: bool = False) -> str:
     if value in (None, "") and not required:
         return ""
     if not isinstance(value, str) or not value or len(value) > 200:
-        raise ValueError(f"{key} must be a {'non-empty ' if required else ''}string of at most 200 characters")
+        raise ValueError(
+            f"{key} must be a {'non-empty ' if required else ''}string of at most 200 characters"
+        )
     return value
 
 
 def _list(meta: dict[str, Any], key: str, kind: type) -> list[Any]:
     value = meta.get(key) or []
-    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool)
-                                              for v in value):
+    if not isinstance(value, list) or not all(
+        isinstance(v, kind) and not isinstance(v, bool) for v in value
+    ):
         raise ValueError(f"{key} must be a list of {kind.__name__}")
     return value
 
@@ -129,8 +158,12 @@ def _number(meta: dict[str, Any], key: str, default: float | None) -> float | No
     value = meta.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ValueError(f"{key}={value!r} must be a positive number of seconds")
     return float(value)
 

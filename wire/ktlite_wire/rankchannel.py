@@ -18,7 +18,7 @@ from typing import Any
 
 from ktlite_wire import envelope
 from ktlite_wire.errors import ProtocolError
-from ktlite_wire.launch import Sources, _sources, _sources_json
+from ktlite_wire.launch import Sources, sources_from_json, sources_to_json
 
 Bytes = bytes | bytearray | memoryview
 LEN = struct.Struct("<Q")
@@ -105,18 +105,42 @@ def encode(msg: Message) -> list[Any]:
     if isinstance(msg, Ready):
         header = {"type": "ready", "pid": msg.pid}
     elif isinstance(msg, Load):
-        header = {"type": "load", "env": msg.env, "kind": msg.kind, "bundle": buf(msg.bundle),
-                  "init": buf(msg.init), "sources": _sources_json(msg.sources),
-                  "concurrency": msg.concurrency, "target": msg.target, "drop": msg.drop}
+        header = {
+            "type": "load",
+            "env": msg.env,
+            "kind": msg.kind,
+            "bundle": buf(msg.bundle),
+            "init": buf(msg.init),
+            "sources": sources_to_json(msg.sources),
+            "concurrency": msg.concurrency,
+            "target": msg.target,
+            "drop": msg.drop,
+        }
     elif isinstance(msg, Loaded):
         header = {"type": "loaded", "ok": msg.ok, "error": buf(msg.error)}
     elif isinstance(msg, Call):
-        header = {"type": "call", "id": msg.id, "args": buf(msg.args), "path": msg.path, "size": msg.size,
-                  "item": buf(msg.item), "item_at": msg.item_at, "generation": msg.generation,
-                  "group_port": msg.group_port}
+        header = {
+            "type": "call",
+            "id": msg.id,
+            "args": buf(msg.args),
+            "path": msg.path,
+            "size": msg.size,
+            "item": buf(msg.item),
+            "item_at": msg.item_at,
+            "generation": msg.generation,
+            "group_port": msg.group_port,
+        }
     elif isinstance(msg, Result):
-        header = {"type": "result", "id": msg.id, "ok": msg.ok, "inline": buf(msg.inline),
-                  "path": msg.path, "size": msg.size, "has_pg": msg.has_pg, "tainted": msg.tainted}
+        header = {
+            "type": "result",
+            "id": msg.id,
+            "ok": msg.ok,
+            "inline": buf(msg.inline),
+            "path": msg.path,
+            "size": msg.size,
+            "has_pg": msg.has_pg,
+            "tainted": msg.tainted,
+        }
     elif isinstance(msg, Interrupt):
         header = {"type": "interrupt", "id": msg.id}
     else:
@@ -140,21 +164,41 @@ def decode(data: Any) -> Message:
             env = h["env"]
             if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
                 raise ValueError("env must map names to strings")
-            return Load(env={str(k): v for k, v in env.items()}, kind=str(h["kind"]), bundle=buf("bundle"),
-                        init=buf("init"), sources=_sources(h.get("sources")),
-                        concurrency=int(h.get("concurrency", 1)), target=str(h.get("target") or ""),
-                        drop=bool(h.get("drop")))
+            return Load(
+                env={str(k): v for k, v in env.items()},
+                kind=str(h["kind"]),
+                bundle=buf("bundle"),
+                init=buf("init"),
+                sources=sources_from_json(h.get("sources")),
+                concurrency=int(h.get("concurrency", 1)),
+                target=str(h.get("target") or ""),
+                drop=bool(h.get("drop")),
+            )
         if kind == "loaded":
             return Loaded(bool(h["ok"]), buf("error"))
         if kind == "call":
             at = h.get("item_at")
             port = h.get("group_port")
-            return Call(id=str(h["id"]), args=buf("args"), path=h.get("path"), size=int(h.get("size", 0)),
-                        item=buf("item"), item_at=None if at is None else [int(at[0]), int(at[1])],
-                        generation=int(h.get("generation") or 0), group_port=None if port is None else int(port))
+            return Call(
+                id=str(h["id"]),
+                args=buf("args"),
+                path=h.get("path"),
+                size=int(h.get("size", 0)),
+                item=buf("item"),
+                item_at=None if at is None else [int(at[0]), int(at[1])],
+                generation=int(h.get("generation") or 0),
+                group_port=None if port is None else int(port),
+            )
         if kind == "result":
-            return Result(id=str(h["id"]), ok=bool(h["ok"]), inline=buf("inline"), path=h.get("path"),
-                          size=int(h.get("size", 0)), has_pg=bool(h.get("has_pg")), tainted=bool(h.get("tainted")))
+            return Result(
+                id=str(h["id"]),
+                ok=bool(h["ok"]),
+                inline=buf("inline"),
+                path=h.get("path"),
+                size=int(h.get("size", 0)),
+                has_pg=bool(h.get("has_pg")),
+                tainted=bool(h.get("tainted")),
+            )
         if kind == "interrupt":
             return Interrupt(str(h["id"]))
         if kind == "exit":

@@ -23,11 +23,14 @@ class Slot:
         return (Slot, (self.index,))
 
 
-def fill(args: tuple[Any, ...], kwargs: dict[str, Any], values: tuple[Any, ...]
-         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def fill(
+    args: tuple[Any, ...], kwargs: dict[str, Any], values: tuple[Any, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """On the rank: put its own items where the slots are."""
+
     def put(v: Any) -> Any:
         return values[v.index] if isinstance(v, Slot) else v
+
     return tuple(put(a) for a in args), {k: put(v) for k, v in kwargs.items()}
 
 
@@ -48,7 +51,10 @@ def check_plan(per_rank: Any) -> dict[str, Any]:
     if isinstance(base, bool) or not isinstance(base, int) or base < 0:
         raise ValueError("per_rank.base must be a rank")
     if not isinstance(items, list) or not all(
-            isinstance(it, list) and len(it) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                          and x >= 0 for x in it) for it in items):
+        isinstance(it, list)
+        and len(it) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in it)
+        for it in items
+    ):
         raise ValueError("per_rank.items must be a list of [offset, length]")
     return {"shared": shared, "items": items, "base": base}

@@ -11,7 +11,12 @@ RELEASE = "0.1.0"
 FIX = "install the same ktlite version on the client and in the pods (their image or venv)"
 
 
-def mismatch(theirs: object, ours: int = PROTOCOL_VERSION, *, them: str = "the other side",
-             us: str = "this side") -> str:
+def mismatch(
+    theirs: object,
+    ours: int = PROTOCOL_VERSION,
+    *,
+    them: str = "the other side",
+    us: str = "this side",
+) -> str:
     """The message for a version clash: both versions, and what to do."""
     return f"protocol version mismatch: {them} speaks {theirs}, {us} speaks {ours}; {FIX}"
