@@ -297,3 +297,43 @@ def test_a_call_plan_is_validated_at_decode() -> None:
     for bad in ('{"id": ""}', "[]", '{"id": "c", "fanout": true}', "{" * 100000):
         with pytest.raises(ValueError):
             decode_plan(bad)
+
+
+# ---- the client classifies refusals by code --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "code, detail, error",
+    [
+        (
+            "not_deployed",
+            "pod p-0 has no code deployed (its protocol version is fine)",
+            "NotDeployedError",
+        ),
+        ("protocol_mismatch", "protocol version mismatch: ...", "ProtocolMismatch"),
+        ("redeployed", "pod p-0 runs launch b, not the caller's a", "NotDeployedError"),
+        ("unknown_call", "pod p-0 does not know call x", "PodUnreachable"),
+        ("unauthorized", "missing or wrong deployment token", "AuthError"),
+        (None, "pod p-0 does not know call x (an older pod, no code)", "KtliteError"),
+    ],
+)
+def test_the_client_classifies_a_refusal_by_its_code_not_its_text(code, detail, error) -> None:
+    import httpx
+
+    import ktlite as kt
+    from ktlite.client import PodClient
+    from ktlite_wire.headers import ERROR_CODE_HEADER
+
+    status = {"unknown_call": 404, "unauthorized": 401}.get(code or "", 409)
+
+    def pod(request: httpx.Request) -> httpx.Response:
+        headers = {ERROR_CODE_HEADER: code} if code else {}
+        return httpx.Response(status, json={"detail": detail}, headers=headers)
+
+    client = PodClient("t0k3n", transport=httpx.MockTransport(pod))
+    try:
+        with pytest.raises(getattr(kt, error)) as info:
+            client.status("https://pod.example")
+        assert type(info.value).__name__ == error
+    finally:
+        client.close()
