@@ -204,13 +204,16 @@ def test_a_call_result_round_trips_without_copying_values() -> None:
 @pytest.mark.parametrize(
     "row",
     [
-        {"rank": "0", "pod": "p", "status": "ok"},
-        {"rank": 0, "pod": "p", "status": "fine"},
-        {"rank": 0, "pod": "p", "status": "ok", "buf": 3},
-        {"rank": 0, "status": "ok"},
+        ["0", "p", "ok", "", 0.0, None, None],
+        [0, "p", "fine", "", 0.0, None, None],
+        [0, "p", "ok", "", 0.0, 3, None],
+        [0, "p", "ok", "", "later", None, None],
+        [0, "p", "ok", "", 0.0, None, ["/dev/shm/x"]],
+        [0, "ok"],
+        {"rank": 0, "pod": "p", "status": "ok"},
     ],
 )
-def test_a_malformed_outcome_is_a_protocol_error(row: dict[str, object]) -> None:
+def test_a_malformed_outcome_is_a_protocol_error(row: object) -> None:
     with pytest.raises(ProtocolError):
         CallResult.decode(envelope.encode_bytes({"outcomes": [row]}))
 

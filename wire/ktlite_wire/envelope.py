@@ -85,25 +85,32 @@ def unpack(magic: bytes, data: Any, what: str) -> tuple[memoryview, list[memoryv
     return body, bufs
 
 
-def encode(header: dict[str, Any], buffers: Iterable[Buffer] = ()) -> list[Any]:
+def encode(header: dict[str, Any] | list[Any], buffers: Iterable[Buffer] = ()) -> list[Any]:
     """A typed message's parts: ``header`` as JSON, then ``buffers`` untouched."""
-    body = json.dumps(header, separators=(",", ":")).encode()
+    body = json.dumps(header).encode()
     return pack(MAGIC, [body], [memoryview(b).cast("B") for b in buffers])
 
 
-def encode_bytes(header: dict[str, Any], buffers: Iterable[Buffer] = ()) -> bytes:
+def encode_bytes(header: dict[str, Any] | list[Any], buffers: Iterable[Buffer] = ()) -> bytes:
     return join(encode(header, buffers))
 
 
 def decode(data: Any, what: str = "message") -> tuple[dict[str, Any], list[memoryview]]:
-    """A typed message's JSON header and its buffers (views of ``data``)."""
+    """A typed message's JSON header (an object) and its buffers (views of ``data``)."""
+    header, bufs = decode_json(data, what)
+    if not isinstance(header, dict):
+        raise ProtocolError(f"{what}: its header must be a JSON object")
+    return header, bufs
+
+
+def decode_json(data: Any, what: str = "message") -> tuple[Any, list[memoryview]]:
+    """A message's JSON header, of any JSON type (a hot message's is a list: cheaper to
+    make and read than an object), and its buffers."""
     body, bufs = unpack(MAGIC, data, what)
     try:
         header = json.loads(bytes(body))
     except (ValueError, RecursionError) as e:
         raise ProtocolError(f"{what}: its header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(f"{what}: its header must be a JSON object")
     return header, bufs
 
 

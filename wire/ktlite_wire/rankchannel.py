@@ -23,14 +23,15 @@ from ktlite_wire.launch import Sources, sources_from_json, sources_to_json
 Bytes = bytes | bytearray | memoryview
 LEN = struct.Struct("<Q")
 MAX_MESSAGE = 64 << 30
+JOIN_MAX = 1 << 16  # messages up to this size are joined into one write
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ready:
     pid: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Load:
     """Load the primary code (``target`` empty) or a colocated target (``drop``: remove it)."""
 
@@ -44,13 +45,13 @@ class Load:
     drop: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Loaded:
     ok: bool
     error: Bytes | None = None  # the pickled RemoteExceptionInfo (a value message), opaque here
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Call:
     """Run one call: its arguments inline (``args``) or in the shared-memory file ``path``;
     a per-rank call's own items inline (``item``) or at ``item_at`` in that file."""
@@ -65,7 +66,7 @@ class Call:
     group_port: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Result:
     """A call's value (or exception info) inline, or in the shared-memory file ``path``."""
 
@@ -78,12 +79,12 @@ class Result:
     tainted: bool = False  # interrupted inside an import: the pod replaces the process
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Interrupt:
     id: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Exit:
     pass
 
@@ -118,29 +119,33 @@ def encode(msg: Message) -> list[Any]:
         }
     elif isinstance(msg, Loaded):
         header = {"type": "loaded", "ok": msg.ok, "error": buf(msg.error)}
-    elif isinstance(msg, Call):
-        header = {
-            "type": "call",
-            "id": msg.id,
-            "args": buf(msg.args),
-            "path": msg.path,
-            "size": msg.size,
-            "item": buf(msg.item),
-            "item_at": msg.item_at,
-            "generation": msg.generation,
-            "group_port": msg.group_port,
-        }
+    elif isinstance(msg, Call):  # the hot messages are JSON lists (cheaper than objects)
+        hot: list[Any] = [
+            "call",
+            msg.id,
+            buf(msg.args),
+            msg.path,
+            msg.size,
+            buf(msg.item),
+            msg.item_at,
+            msg.generation,
+            msg.group_port,
+        ]
+        parts = envelope.encode(hot, bufs)
+        return [LEN.pack(envelope.parts_size(parts)), *parts]
     elif isinstance(msg, Result):
-        header = {
-            "type": "result",
-            "id": msg.id,
-            "ok": msg.ok,
-            "inline": buf(msg.inline),
-            "path": msg.path,
-            "size": msg.size,
-            "has_pg": msg.has_pg,
-            "tainted": msg.tainted,
-        }
+        hot = [
+            "result",
+            msg.id,
+            msg.ok,
+            buf(msg.inline),
+            msg.path,
+            msg.size,
+            msg.has_pg,
+            msg.tainted,
+        ]
+        parts = envelope.encode(hot, bufs)
+        return [LEN.pack(envelope.parts_size(parts)), *parts]
     elif isinstance(msg, Interrupt):
         header = {"type": "interrupt", "id": msg.id}
     else:
@@ -151,7 +156,12 @@ def encode(msg: Message) -> list[Any]:
 
 def decode(data: Any) -> Message:
     """One message from its bytes (without the length prefix). Raises ProtocolError."""
-    h, bufs = envelope.decode(data, "rank channel message")
+    head, bufs = envelope.decode_json(data, "rank channel message")
+    if isinstance(head, list):
+        return _decode_hot(head, bufs)
+    if not isinstance(head, dict):
+        raise ProtocolError("a rank channel message's header must be a JSON object or list")
+    h: dict[str, Any] = head
 
     def buf(key: str) -> memoryview | None:  # a view of ``data``: no copy
         return envelope.buffer(bufs, h.get(key), f"a rank message's {key}")
@@ -176,29 +186,6 @@ def decode(data: Any) -> Message:
             )
         if kind == "loaded":
             return Loaded(bool(h["ok"]), buf("error"))
-        if kind == "call":
-            at = h.get("item_at")
-            port = h.get("group_port")
-            return Call(
-                id=str(h["id"]),
-                args=buf("args"),
-                path=h.get("path"),
-                size=int(h.get("size", 0)),
-                item=buf("item"),
-                item_at=None if at is None else [int(at[0]), int(at[1])],
-                generation=int(h.get("generation") or 0),
-                group_port=None if port is None else int(port),
-            )
-        if kind == "result":
-            return Result(
-                id=str(h["id"]),
-                ok=bool(h["ok"]),
-                inline=buf("inline"),
-                path=h.get("path"),
-                size=int(h.get("size", 0)),
-                has_pg=bool(h.get("has_pg")),
-                tainted=bool(h.get("tainted")),
-            )
         if kind == "interrupt":
             return Interrupt(str(h["id"]))
         if kind == "exit":
@@ -206,6 +193,37 @@ def decode(data: Any) -> Message:
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ProtocolError(f"a malformed rank channel message: {type(e).__name__}: {e}") from None
     raise ProtocolError(f"a rank channel message of unknown type {kind!r}")
+
+
+def _decode_hot(h: list[Any], bufs: list[memoryview]) -> Message:
+    """A Call or a Result: their headers are positional lists."""
+    try:
+        if h[0] == "call" and len(h) == 9:
+            _, cid, args, path, size, item, at, generation, port = h
+            return Call(
+                id=str(cid),
+                args=envelope.buffer(bufs, args, "a call's arguments"),
+                path=None if path is None else str(path),
+                size=int(size),
+                item=envelope.buffer(bufs, item, "a call's per-rank item"),
+                item_at=None if at is None else [int(at[0]), int(at[1])],
+                generation=int(generation or 0),
+                group_port=None if port is None else int(port),
+            )
+        if h[0] == "result" and len(h) == 8:
+            _, cid, ok, inline, path, size, has_pg, tainted = h
+            return Result(
+                id=str(cid),
+                ok=bool(ok),
+                inline=envelope.buffer(bufs, inline, "a result's value"),
+                path=None if path is None else str(path),
+                size=int(size),
+                has_pg=bool(has_pg),
+                tainted=bool(tainted),
+            )
+    except (TypeError, ValueError, IndexError) as e:
+        raise ProtocolError(f"a malformed rank channel message: {type(e).__name__}: {e}") from None
+    raise ProtocolError(f"a rank channel message of unknown form {str(h)[:80]!r}")
 
 
 class Channel:
@@ -218,7 +236,7 @@ class Channel:
 
     def send(self, msg: Message) -> None:
         parts = encode(msg)
-        data = envelope.join(parts) if envelope.parts_size(parts) <= 1 << 16 else None
+        data = envelope.join(parts) if envelope.parts_size(parts) <= JOIN_MAX else None
         with self._send_lock:
             if data is not None:
                 self.sock.sendall(data)
@@ -253,5 +271,10 @@ async def read(reader: asyncio.StreamReader) -> Message:
 
 
 def write(writer: asyncio.StreamWriter, msg: Message) -> None:
-    """Queue ``msg`` on the pod server's end (the caller drains)."""
-    writer.writelines(encode(msg))
+    """Queue ``msg`` on the pod server's end (the caller drains): a small message in one
+    write (one segment, so the rank's read wakes once), a large one without copying."""
+    parts = encode(msg)
+    if envelope.parts_size(parts) <= JOIN_MAX:
+        writer.write(envelope.join(parts))
+    else:
+        writer.writelines(parts)
