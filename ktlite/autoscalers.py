@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import signal
 import sys
 import threading
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ktlite.serving import ServingDeployment
 
+logger = logging.getLogger("ktlite.autoscalers")  # not __name__: this module also runs as __main__
 EXIT_JOIN_S = 5.0
 
 _running: weakref.WeakSet[ServingDeployment] = weakref.WeakSet()
@@ -64,7 +66,7 @@ def supervise(name: str) -> int:
     backend = LocalBackend.shared()
     applied = backend.lookup(name)
     if applied is None or applied.autoscale is None:
-        print(f"ktlite: no autoscaled local deployment {name!r}", file=sys.stderr)
+        logger.error("no autoscaled local deployment %r", name)
         return 1
     spec = DeploymentSpec(
         name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)), detached=True

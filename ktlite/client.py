@@ -10,7 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import sys
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ import httpx
 
 from ktlite.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
+from ktlite.logconfig import http_hook
 from ktlite.transport import PodSilent, PodTransport, Reply, shared_http
 from ktlite_wire import envelope, version
 from ktlite_wire.errors import ErrorCode, ProtocolError
@@ -45,6 +46,8 @@ from ktlite_wire.headers import (
     bearer,
 )
 from ktlite_wire.outcome import CallResult, RankOutcome
+
+logger = logging.getLogger(__name__)
 
 # The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
 SILENCE_TIMEOUT = 10.0
@@ -83,9 +86,10 @@ class PodClient:
         self._lean = http is None and transport is None
         self.reattempts = 0  # proxied requests sent again after a broken connection (a count)
         if transport is not None:
-            http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0))
+            http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0),
+                                event_hooks={"response": [http_hook(logger)]})
         # direct pods (plain http://, nothing injected) take the lean pool, every endpoint
-        self.transport = PodTransport(_pool, http)
+        self.transport = PodTransport(_pool, http, logger)
         self.http = http or shared_http()
 
     def __repr__(self) -> str:
@@ -228,6 +232,7 @@ class PodClient:
         try:
             conn, status, hdrs = _pool.post(url, "/call", headers, parts, connect_timeout=10.0,
                                             read_timeout=SILENCE_TIMEOUT)
+            logger.debug("POST %s/call -> %d (direct connection)", url, status)
         except ConnectionRefused as e:
             raise PodUnreachable(f"cannot connect to the coordinator pod at {url}: {e}", delivered=False) from e
         try:
@@ -389,8 +394,7 @@ class _Frames:
                 notice = Notice.decode(payload)
                 if notice.kind == "skip":
                     self.seen = int(notice.fields["to"])
-                    print(f"ktlite: {notice.message} while the connection to the pod was "
-                          "re-established", file=sys.stderr, flush=True)
+                    logger.warning("%s while the connection to the pod was re-established", notice.message)
                     continue
                 if self.on_notice is not None:
                     self.on_notice(notice.as_dict())

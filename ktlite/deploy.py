@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import os
 import secrets
 import sys
@@ -47,6 +48,7 @@ from ktlite_wire.launch import Colocation
 from ktlite_wire.outcome import RankOutcome, ShmRef
 from ktlite_wire.status import Status
 
+logger = logging.getLogger(__name__)
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")
 
 
@@ -505,8 +507,7 @@ class Deployment:
             raise NotDeployedError(f"pod(s) {', '.join(gone)} of {self.name!r} were replaced; call "
                                    ".to(compute) again")
         kind = " (class instances are created anew on every pod)" if self.spec.kind == "cls" else ""
-        print(f"ktlite: {self.name}: pod(s) {', '.join(gone)} were replaced ({why}); waiting for "
-              f"them and pushing the code again{kind}", file=sys.stderr, flush=True)
+        logger.warning("%s: pod(s) %s were replaced (%s); waiting for them and pushing the code again%s", self.name, ", ".join(gone), why, kind)
         applied = self.backend.apply(self.spec, self.applied.token)
         self.applied = applied
         self.push(*self._code)
@@ -578,10 +579,12 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
         a = spec.autoscale
         spec = replace(spec, replicas=min(max(len(existing.endpoints), a.initial),
                                           a.max_scale or len(existing.endpoints) or 1))
+    logger.info("%s: asking the %s backend for the pods", spec.name, backend.name)
     applied = backend.apply(spec, token)
     dep = _deployment(spec, backend, applied)
     try:
         dep.push(bundle, sources, init, restart)
+        logger.info("%s: launch %s ready on %d pod(s)", spec.name, dep.launch_id, len(applied.endpoints))
     except BaseException as e:
         dep.close()
         if isinstance(e, Exception) and (backend.name != "local" or spec.detached):

@@ -25,7 +25,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
@@ -342,8 +341,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
         with self._cond:
             if self._replicas.get(replica.ep.name) is replica:
                 replica.launch_id = ""
-        print(f"ktlite: {self.name}: replica {replica.ep.name} left the routing ({why.splitlines()[0][:200]})",
-              file=sys.stderr, flush=True)
+        logger.warning("%s: replica %s left the routing (%s)", self.name, replica.ep.name, why.splitlines()[0][:200])
         self._urgent = True
         self._wake.set()
 
@@ -372,7 +370,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
                     logger.debug("%s: scaling step ended by close: %r", self.name, e)
                     return
                 self._scale_error = f"{type(e).__name__}: {str(e)[:500]}"
-                print(f"ktlite: {self.name}: scaling: {self._scale_error}", file=sys.stderr, flush=True)
+                logger.warning("%s: scaling: %s", self.name, self._scale_error)
                 self._stop.wait(1.0)
 
     def _tick(self) -> None:
@@ -549,9 +547,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
         applied = self.backend.scale(self.name, self.applied.token, count)
         self.applied = applied
         self._refresh()
-        if os.environ.get("KTLITE_SERVING_DEBUG"):
-            print(f"ktlite: {self.name}: {running} -> {count} replicas in {time.monotonic() - started:.2f}s",
-                  file=sys.stderr, flush=True)
+        logger.info("%s: %d -> %d replicas in %.2fs", self.name, running, count, time.monotonic() - started)
 
     def _drain(self, how_many: int) -> None:
         """Mark the ``how_many`` highest replicas draining: they finish their calls, take no

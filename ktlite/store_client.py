@@ -9,6 +9,7 @@ refused or cut is sent again, from the start, within :data:`RETRY_WINDOW_S`.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,8 +17,11 @@ from typing import Any
 import httpx
 
 from ktlite.errors import AuthError, ConfigError, DataStoreError
+from ktlite.logconfig import http_hook
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import ERROR_CODE_HEADER, LENGTH_HEADER, TOKEN_HEADER, bearer
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "/store/v1"
 RETRY_WINDOW_S = 10.0
@@ -40,7 +44,8 @@ class StoreClient:
         self.url = url.rstrip("/")
         self._token = token
         self._owns = http is None
-        self.http = http or httpx.Client(timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S))
+        self.http = http or httpx.Client(timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S),
+                                         event_hooks={"response": [http_hook(logger)]})
         self.describe = describe or f"the data store at {self.url}"
         self.stale_hint = stale_hint
 

@@ -11,6 +11,7 @@ a :class:`Reply`; a pod that cannot be reached is a :class:`~ktlite.errors.PodUn
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,9 @@ import httpx
 
 from ktlite.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.errors import PodUnreachable
+from ktlite.logconfig import http_hook
+
+logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -47,9 +51,10 @@ class Reply:
 class PodTransport:
     """Requests to pods; ``http`` is an injected client (a proxy's), None for direct pods."""
 
-    def __init__(self, pool: Pool, http: httpx.Client | None) -> None:
+    def __init__(self, pool: Pool, http: httpx.Client | None, log: logging.Logger = logger) -> None:
         self.pool = pool
         self.http = http
+        self.log = log  # each request to a direct pod: one DEBUG record (no header, no query)
 
     def direct(self, url: str) -> bool:
         return self.http is None and url.startswith("http://")
@@ -86,6 +91,7 @@ class PodTransport:
                     CONNECT_TIMEOUT_S,
                     timeout,
                 )
+                self.log.debug("%s %s%s -> %d (direct connection)", method, url, path, status)
                 return Reply(status, hdrs, body)
             http = self.http or shared_http()
             resp = http.request(
@@ -122,6 +128,7 @@ def shared_http() -> httpx.Client:
         _shared = httpx.Client(
             timeout=httpx.Timeout(30.0, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+            event_hooks={"response": [http_hook(logging.getLogger("ktlite.client"))]},
         )
         atexit.register(_shared.close)
     return _shared

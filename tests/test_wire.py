@@ -7,7 +7,7 @@ import json
 import pkgutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -259,8 +259,13 @@ def test_rank_channel_messages_round_trip(msg: rankchannel.Message) -> None:
     data = envelope.join(parts)
     assert rankchannel.LEN.unpack(data[:8])[0] == len(data) - 8
     got = rankchannel.decode(data[8:])
-    norm = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in vars(got).items()}
-    assert norm == vars(msg)
+    assert type(got) is type(msg)
+
+    def values(m: object) -> dict[str, object]:
+        return {f.name: getattr(m, f.name) for f in fields(m)}  # type: ignore[arg-type]
+
+    norm = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in values(got).items()}
+    assert norm == values(msg)
 
 
 def test_a_rank_channel_message_of_another_kind_is_refused() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +17,8 @@ from ktlite_server.deployment import Deployment
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_wire import rankchannel, rankdata, shm
 from ktlite_wire.status import Status
+
+logger = logging.getLogger(__name__)
 
 INTERRUPT_GRACE_S = 1.0  # a call stopped on its own has this long to end before its rank is killed
 # debugging aid (and the per-rank tests): the pod's log says what each call brought
@@ -66,18 +68,14 @@ class LocalCall:
                 items = {i: bytes(view[off : off + n]) for i, (off, n) in enumerate(slices)}
             view = view[: per_rank["shared"]]
             if LOG_BODIES:
-                print(
-                    f"[pod] call {self.handle.call_id}: shared message {view.nbytes} bytes; per-rank items "
-                    + ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)),
-                    file=sys.stderr,
-                    flush=True,
+                logger.info(
+                    "call %s: shared message %d bytes; per-rank items %s",
+                    self.handle.call_id,
+                    view.nbytes,
+                    ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)),
                 )
         elif LOG_BODIES:
-            print(
-                f"[pod] call {self.handle.call_id}: message {view.nbytes} bytes",
-                file=sys.stderr,
-                flush=True,
-            )
+            logger.info("call %s: message %d bytes", self.handle.call_id, view.nbytes)
         size = view.nbytes
         msg = rankchannel.Call(
             id=self.handle.call_id,
@@ -174,11 +172,11 @@ def stop_rank(rank: RankProcess, call_id: str, concurrent: bool) -> None:
         while call_id in rank.running and rank.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if call_id in rank.running and rank.alive:
-            print(
-                f"[pod] call {call_id} ignored its interrupt for {INTERRUPT_GRACE_S:g}s: killing rank "
-                f"{rank.global_rank} and the calls it ran",
-                file=sys.stderr,
-                flush=True,
+            logger.warning(
+                "call %s ignored its interrupt for %gs: killing rank %d and the calls it ran",
+                call_id,
+                INTERRUPT_GRACE_S,
+                rank.global_rank,
             )
             rank.kill()
 

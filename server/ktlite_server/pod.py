@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from ktlite_wire import rankchannel
 from ktlite_wire.distenv import distributed_env, port_free
 from ktlite_wire.status import Status
 
+logger = logging.getLogger(__name__)
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
 

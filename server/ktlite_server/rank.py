@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from ktlite_server import workdir
+from ktlite_server import logconfig, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
 from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
@@ -348,6 +348,7 @@ PORT_SPAN = GROUP_PORTS  # process-group generations cycle through MASTER_PORT .
 
 
 def main() -> None:
+    logconfig.configure()  # the pod's level; records go to this rank's stderr, the pod log
     chan = Channel(socket.socket(fileno=int(sys.argv[1])))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sys.meta_path.insert(0, PatchOnImport())

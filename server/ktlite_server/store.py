@@ -32,6 +32,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from ktlite_server.logconfig import request_log
 from ktlite_server.refusal import refuse
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import LENGTH_HEADER, TOKEN_HEADER, bearer
@@ -236,7 +237,7 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
 
     import uvicorn
 
-    app = create_store_app(root, token)
+    app = request_log(create_store_app(root, token))  # each request at DEBUG (KTLITE_LOG_LEVEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
