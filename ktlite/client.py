@@ -131,7 +131,7 @@ class PodClient:
         _raise_for_status(resp.status, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
 
     def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
-        resp = self.transport.request("GET", url, "/health", what="/health", timeout=timeout)
+        resp = self.transport.request("GET", url, "/health", headers=self._headers(), what="/health", timeout=timeout)
         if resp.status in (502, 503, 504):  # a proxy (the API server's) cannot reach it yet
             raise PodUnreachable(f"pod at {url} is not reachable through the proxy yet "
                                  f"(HTTP {resp.status}): {resp.text[:300]}")
@@ -147,7 +147,8 @@ class PodClient:
         """``GET /health?ready=1``: the pod's health when it has a launch loaded, None when it
         answers but has none yet (or the proxy cannot reach it yet); PodUnreachable when the
         pod does not answer at all."""
-        resp = self.transport.request("GET", url, "/health", params={"ready": "1"}, what="/health",
+        resp = self.transport.request("GET", url, "/health", params={"ready": "1"}, headers=self._headers(),
+                                      what="/health",
                                       timeout=timeout)
         if resp.status in (502, 503, 504):
             return None

@@ -25,6 +25,7 @@ from ktlite_server.engine import Engine, EngineError
 from ktlite_server.gate import Gate
 from ktlite_server.localcall import CallHandle, LocalCall, stop_rank
 from ktlite_server.monarchhost import MonarchHost
+from ktlite_server.peers import PeerPool
 from ktlite_server.podstatus import pod_status
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
@@ -73,14 +74,13 @@ class Pod:
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
         self.engine: Engine | None = None  # distribute("ray"/"monarch"): this pod's engine
+        self.peers = PeerPool()  # this pod's connections to the others (the server gives it the token)
         self.last_active = time.monotonic()  # the last authorized request (--inactivity-ttl)
         self.engine_failed: dict[str, str] | None = None  # {"launch_id", "message"} (in /health)
         self.usage = ProcessUsage()
         self.gpu_query = GpuQuery()
         # the deployment's pod addresses, rewritten at every deploy: ktlite.distributed.pod_ips()
         self.pod_ips_file = os.path.join(tempfile.gettempdir(), f"ktlite-pod-ips-{os.getpid()}.json")
-
-    # ---- rank env & processes ----------------------------------------------------------
 
     def rank_env(self, dep: Deployment, local_rank: int) -> dict[str, str]:
         env = distributed_env(dep.config, node_rank=dep.ordinal, local_rank=local_rank,
@@ -270,7 +270,7 @@ class Pod:
         if self.engine is None:
             kind = cfg["kind"]
             engine = ENGINE_KINDS[kind](cfg, self.name, lambda line: print(f"[{kind}] {line}", file=sys.stderr,
-                                                                           flush=True), launch_id=dep.launch_id)
+                                        flush=True), launch_id=dep.launch_id, peers=self.peers)
             await engine.start(dep.load_timeout)
             self.engine = engine
         self.engine.launch_id = dep.launch_id  # a kept engine serves this launch (peers' failures name it)

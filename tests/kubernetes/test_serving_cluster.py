@@ -24,6 +24,7 @@ from conftest import NAME_LABEL
 import ktlite as kt
 from ktlite.backends.base import get_backend
 from ktlite.spec import DeploymentSpec, DistributedConfig
+from ktlite_wire.headers import TOKEN_HEADER, bearer
 from ktlite_wire.launch import Launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
@@ -66,7 +67,8 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
 
         def health(url: str, ready: bool = False) -> Any:
             client = http or __import__("httpx")
-            return client.get(f"{url}/health" + ("?ready=1" if ready else ""), timeout=10)
+            return client.get(f"{url}/health" + ("?ready=1" if ready else ""), timeout=10,
+                              headers={TOKEN_HEADER: bearer(token)})
 
         # running and answering, but not ready: no code yet
         assert health(first.url).status_code == 200
