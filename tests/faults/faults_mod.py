@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ktlite.backends.local import pid_alive  # noqa: F401  (the tests use it from here)
+from ktlite_wire.headers import TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.version import PROTOCOL_VERSION
 
 BEAT_S = 0.05
 
@@ -167,7 +169,6 @@ def recover(name: str, stopped: Iterable[int] = ()) -> None:
     (a test that failed half-way) is torn down so the next test starts from scratch."""
     import httpx
 
-    from ktlite import protocol
     from ktlite.backends.local import LocalBackend
 
     for pid in stopped:
@@ -176,8 +177,8 @@ def recover(name: str, stopped: Iterable[int] = ()) -> None:
         state = local_state(name)
     except (OSError, ValueError):
         return
-    headers = {protocol.TOKEN_HEADER: protocol.bearer(state["token"]),
-               protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+    headers = {TOKEN_HEADER: bearer(state["token"]),
+               VERSION_HEADER: str(PROTOCOL_VERSION)}
 
     def idle() -> bool:
         with httpx.Client(timeout=2.0) as client:
