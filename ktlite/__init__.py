@@ -9,10 +9,10 @@ Example:
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ktlite.version import __version__
+from ktlite_wire.version import RELEASE as __version__
 
-# Public names load on first use: rank processes import only ktlite.protocol, and must
-# not pay for the client (httpx) at every start.
+# Public names load on first use: `import ktlite` in user code (a rank's, say) must not pay
+# for the client (httpx) at every start.
 _EXPORTS = {
     "images": "ktlite.images",
     "distributed": "ktlite.distributed",

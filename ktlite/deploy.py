@@ -16,11 +16,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from ktlite import engines, protocol, shm
+from ktlite import engines
 from ktlite.backends.base import Applied, Backend
 from ktlite.backends.capabilities import ClientScaling, Serving, optional, require
 from ktlite.backends.registry import get_backend, traits
@@ -44,6 +44,11 @@ from ktlite.errors import (
     WorkerMembershipChanged,
     with_remote_context,
 )
+from ktlite.launch import build_launch
+from ktlite_wire import codec, envelope, shm
+from ktlite_wire.launch import Colocation
+from ktlite_wire.outcome import RankOutcome, ShmRef
+from ktlite_wire.status import Status
 
 logger = logging.getLogger(__name__)
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")
@@ -104,7 +109,7 @@ def shm_arguments(applied: Applied, meta: dict[str, Any], parts: list[Any]) -> I
         yield parts
         return
     meta["shm_results"] = True
-    if protocol.parts_size(parts) <= shm.INLINE_MAX:
+    if envelope.parts_size(parts) <= shm.INLINE_MAX:
         yield parts
         return
     arg_file, size = shm.write(parts, shm.ARG_PREFIX)
@@ -162,12 +167,9 @@ class Deployment:
         d = self.spec.distributed
         ips = [ep.ip for ep in self.endpoints]
         timeout = self.spec.compute.launch_timeout
-        base = {"launch_id": self.launch_id, "bundle": bundle, "kind": self.spec.kind, "init": init,
-                "sources": sources, "distributed": asdict(d), "pod_ips": ips,
-                "master_port": self.applied.master_port, "max_restarts": self.spec.compute.max_restarts,
-                "cpus": self.spec.compute.cpu_count, "restart": restart,
-                "concurrency": self.spec.concurrency, "load_timeout": timeout,
-                "single": self.spec.compute.distributed is None}
+        base = build_launch(self.spec, launch_id=self.launch_id, code=(bundle, sources, init), pod_ips=ips,
+                            master_port=self.applied.master_port, restart=restart,
+                            single=self.spec.compute.distributed is None)
         from ktlite.store import handoff
         # where the data store is, for kt.put/get in the ranks: read while the pods are asked for
         # /health (queued before them: a one() waiting for it never holds up its task)
@@ -177,14 +179,11 @@ class Deployment:
 
         def one(ep: Any) -> list[Any]:
             self._wait_healthy(ep.url, timeout)
-            msg = {**base, "ordinal": ep.ordinal}
-            if store.result() is not None:
-                msg["store"] = store.result()
-            if d.engine:
-                msg["engine"] = engines.engine_settings(self.spec, ep.ordinal, ips, names, self.applied.master_port,
-                                                        self.launch_id, [e.peer_url for e in self.endpoints],
-                                                        self.applied.token, self.applied.same_host)
-            return self.client.deploy(ep.url, protocol.dumps(msg), timeout + 30)
+            engine = engines.engine_settings(self.spec, ep.ordinal, ips, names, self.applied.master_port,
+                                             self.launch_id, [e.peer_url for e in self.endpoints],
+                                             self.applied.token, self.applied.same_host) if d.engine else None
+            msg = replace(base, ordinal=ep.ordinal, store=store.result(), engine=engine)
+            return self.client.deploy(ep.url, msg.encode(), timeout + 30)
 
         outcomes = [o for outs in _pool.map(one, self.endpoints) for o in outs]
         failures, values = _split(outcomes)
@@ -203,9 +202,8 @@ class Deployment:
         """Load a second function/class (``target``) into this deployment's rank processes
         (or with ``drop``, remove it): a colocation launch, sent like the code's own."""
         timeout = self.spec.compute.launch_timeout
-        msg = {"colocate": target, "launch_id": self.launch_id, "drop": drop, "kind": kind,
-               "bundle": bundle, "sources": sources, "init": init, "if_missing": if_missing}
-        body = protocol.dumps(msg)
+        body = Colocation(target=target, launch_id=self.launch_id or "", kind=kind, bundle=bundle, init=init,
+                          sources=sources, drop=drop, if_missing=if_missing).encode()
 
         def one(ep: Any) -> list[Any]:
             return self.client.deploy(ep.url, body, timeout + 30)
@@ -386,15 +384,15 @@ class Deployment:
             reply = self._send(call_id, meta, sent, (log or print_log) if stream else None, watch)
         failures, values = _split(reply.outcomes)
         if failures:
-            if any(f.kind in ("died", "unreachable", "stale") for f in failures):
+            if any(f.kind in (Status.DIED, Status.UNREACHABLE, Status.STALE) for f in failures):
                 self._suspect = True  # the next call first checks for replaced pods
             error = _to_error(failures, values, f"call to {self.name!r}", RemoteError)
             if not reply.started:  # no rank ran it: if its pods were replaced, it can go again
-                missing = {self._ordinal_of(f.pod) for f in failures if f.kind in ("unreachable", "stale")}
+                missing = {self._ordinal_of(f.pod) for f in failures if f.kind in (Status.UNREACHABLE, Status.STALE)}
                 gone = watch.replaced or self._replaced(sorted(missing - {-1}))
                 if gone:
                     raise _NotStarted(error, f"the coordinator could not reach {', '.join(gone)}")
-            lost = {self._ordinal_of(f.pod) for f in failures if f.kind in ("died", "unreachable")} - {-1}
+            lost = {self._ordinal_of(f.pod) for f in failures if f.kind in (Status.DIED, Status.UNREACHABLE)} - {-1}
             if lost and reply.started and isinstance(error, RemoteError):
                 changed = self._membership_changed(sorted(lost), error, failures)
                 if changed is not None:
@@ -626,29 +624,29 @@ def _deployment(spec: DeploymentSpec, backend: Backend, applied: Applied) -> Dep
 
 # a failed rank's kind -> the error that reports it ("error" keeps the rank's own exception)
 _KIND_ERRORS: dict[str, type[RemoteError]] = {
-    "died": RankDied, "unreachable": QuorumTimeout, "timeout": CallTimeout, "cancelled": CallCancelled}
+    Status.DIED: RankDied, Status.UNREACHABLE: QuorumTimeout, Status.TIMEOUT: CallTimeout,
+    Status.CANCELLED: CallCancelled}
 
-def _split(outcomes: list[tuple[int, str, str, Any, str, float]]
-           ) -> tuple[list[RankFailure], dict[int, Any]]:
+def _split(outcomes: list[RankOutcome]) -> tuple[list[RankFailure], dict[int, Any]]:
     failures: list[RankFailure] = []
     values: dict[int, Any] = {}
     # values handed over in shared-memory files: take every one first, so none is left behind
-    outcomes = [(r, p, s, shm.take(d[1], d[2]) if isinstance(d, tuple) else d, m, at)
-                for r, p, s, d, m, at in outcomes]
-    for rank, pod, status, data, message, at in sorted(outcomes, key=lambda o: o[0]):
-        if status == "ok":
+    outcomes = [o._replace(data=shm.take(o.data.path, o.data.size)) if isinstance(o.data, ShmRef) else o
+                for o in outcomes]
+    for rank, pod, status, data, message, at in sorted(outcomes, key=lambda o: o.rank):
+        if status is Status.OK:
             try:
-                values[rank] = protocol.loads(data) if data is not None else None
+                values[rank] = codec.loads(data) if data is not None else None
             except Exception as e:  # noqa: BLE001
-                failures.append(RankFailure(rank, pod, "error", f"its result could not be unpickled here: "
+                failures.append(RankFailure(rank, pod, Status.ERROR, f"its result could not be unpickled here: "
                                             f"{type(e).__name__}: {e}", exception=e, at=at))
-        elif status == "error":
-            info = protocol.loads(data)
+        elif status is Status.ERROR:
+            info = codec.loads(data)
             exc: BaseException | None = None
             if info.pickled is not None:
                 with contextlib.suppress(Exception):
-                    exc = protocol.loads(info.pickled)
-            failures.append(RankFailure(rank, pod, "error", f"{info.type_name}: {info.message}",
+                    exc = codec.loads(info.pickled)
+            failures.append(RankFailure(rank, pod, Status.ERROR, f"{info.type_name}: {info.message}",
                                         traceback=info.traceback, exception=exc, at=at))
             if exc is None:
                 failures[-1].exception = RemoteException(
@@ -657,7 +655,7 @@ def _split(outcomes: list[tuple[int, str, str, Any, str, float]]
         else:
             failure = RankFailure(rank, pod, status, message, at=at)
             # outcomes hold a value or an exception for every rank
-            failure.exception = (NotDeployedError(failure.describe()) if status == "stale"
+            failure.exception = (NotDeployedError(failure.describe()) if status is Status.STALE
                                  else _KIND_ERRORS.get(status, RemoteError)(failure.describe(),
                                                                             failures=[failure]))
             failures.append(failure)
@@ -666,7 +664,7 @@ def _split(outcomes: list[tuple[int, str, str, Any, str, float]]
 
 def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
               base: type[Exception]) -> BaseException:
-    primary = [f for f in failures if f.kind in ("error", "died", "unreachable", "stale")] or failures
+    primary = [f for f in failures if f.kind in (Status.ERROR, Status.DIED, Status.UNREACHABLE, Status.STALE)] or failures
     collateral = [f for f in failures if f not in primary]
     # the cause is the earliest failure (a peer's "connection reset" comes after the death
     # that caused it), then the lowest rank
@@ -684,15 +682,15 @@ def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
     if values:
         lines.append(f"finished: rank(s) {', '.join(map(str, sorted(values)))} (their results are on "
                      "this error's .results)")
-    elif primary[0].kind == "timeout":
+    elif primary[0].kind is Status.TIMEOUT:
         lines.append("no rank finished")
-    if primary[0].kind == "timeout":
+    if primary[0].kind is Status.TIMEOUT:
         lines.append("to try: a longer limit (remote.options(timeout=S) or Compute(call_timeout=S)); "
                      "if a rank hangs (a collective some rank never joined), its pod's log "
                      "(remote.logs()) shows how far it got")
     summary = "\n".join(lines)
     first = primary[0]
-    if first.kind == "error" and first.exception is not None:
+    if first.kind is Status.ERROR and first.exception is not None:
         if isinstance(first.exception, RemoteException):
             first.exception.failures, first.exception.outcomes = failures, outcomes
             first.exception.args = (first.exception.args[0] + "\n" + summary,)
@@ -700,6 +698,6 @@ def _to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
         return with_remote_context(first.exception, failures, outcomes, summary)
     if base is DeployError:
         return DeployError(summary)
-    if first.kind == "stale":
+    if first.kind is Status.STALE:
         return NotDeployedError(summary)
     return _KIND_ERRORS.get(first.kind, RemoteError)(summary, failures=failures, outcomes=outcomes)

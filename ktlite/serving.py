@@ -29,10 +29,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from ktlite import autoscalers, protocol
+from ktlite import autoscalers
 from ktlite.autoscaling import Decision, Scaler
 from ktlite.backends.base import Applied, Backend, PodEndpoint
 from ktlite.backends.capabilities import ClientScaling, Serving, Waking, optional, require
@@ -47,7 +47,9 @@ from ktlite.errors import (
     PodUnreachable,
     RemoteError,
 )
+from ktlite.launch import build_launch
 from ktlite.serving_status import AutoscalerReport
+from ktlite_wire.status import Status
 
 # how often the scaling thread samples the load and looks at the replicas
 TICK_S = 0.25
@@ -124,16 +126,9 @@ class ServingDeployment(AutoscalerReport, Deployment):
         self._code = (bundle, sources, init)
         self.launch_id = uuid.uuid4().hex[:12]
         timeout = self.spec.compute.launch_timeout
-        msg = {"launch_id": self.launch_id, "bundle": bundle, "kind": self.spec.kind, "init": init,
-               "sources": sources, "distributed": asdict(self.spec.distributed), "pod_ips": ["127.0.0.1"],
-               "ordinal": 0, "replica": True, "master_port": self.applied.master_port,
-               "max_restarts": self.spec.compute.max_restarts, "cpus": self.spec.compute.cpu_count,
-               "restart": restart, "concurrency": self.spec.concurrency, "load_timeout": timeout,
-               "single": True}
-        store = handoff(self.backend)
-        if store is not None:
-            msg["store"] = store
-        launch = protocol.dumps(msg)
+        launch = build_launch(self.spec, launch_id=self.launch_id, code=(bundle, sources, init),
+                              pod_ips=["127.0.0.1"], master_port=self.applied.master_port, restart=restart,
+                              single=True, replica=True, store=handoff(self.backend)).encode()
         with self._pushing:
             require(self.backend, Serving).write_launch(self.name, launch)
             self._launch = launch
@@ -334,7 +329,7 @@ class ServingDeployment(AutoscalerReport, Deployment):
         failures, values = _split(reply.outcomes)
         if failures:
             error = _to_error(failures, values, f"call to {self.name!r} on replica {ep.name}", RemoteError)
-            if any(f.kind in ("died", "unreachable", "stale") for f in failures):
+            if any(f.kind in (Status.DIED, Status.UNREACHABLE, Status.STALE) for f in failures):
                 self._evict(replica, failures[0].message)
                 if isinstance(error, RemoteError):
                     error.args = (f"{error.args[0]}\nreplica {ep.name} lost the call; it is not sent again (it "

@@ -12,9 +12,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 from ktlite.deployment_spec import DeploymentSpec
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's from Python 3.11
 
 
 @dataclass(frozen=True)

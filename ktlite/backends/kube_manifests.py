@@ -41,8 +41,8 @@ from ktlite.logconfig import pod_env
 from ktlite.podspec import PodSpec, Resources
 from ktlite.secrets import Resolved, fingerprint, for_pod
 from ktlite.spec import DEFAULT_MASTER_PORT
-from ktlite.version import __version__
 from ktlite.volume import Volume
+from ktlite_wire.version import RELEASE as __version__
 
 NAME_LABEL = "ktlite.dev/name"
 PART_LABEL = "ktlite.dev/part"  # the first ordinal of the pod's StatefulSet, where there are several

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Self, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import httpx
 
@@ -34,6 +34,9 @@ from ktlite.errors import (
 )
 from ktlite.secrets import Resolved
 from ktlite.spec import DEFAULT_MASTER_PORT
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's from Python 3.11
 
 
 class KubernetesBackend(ServedDeployments, PodReadiness, Backend):

@@ -16,16 +16,26 @@ from pathlib import Path
 from ktlite.errors import ConfigError
 
 SERVER = "ktlite_server"
+WIRE = "ktlite_wire"
 
 
 def server_root() -> Path:
     """The directory of the ``ktlite_server`` package (not imported)."""
-    spec = importlib.util.find_spec(SERVER)
+    return _package_root(SERVER)
+
+
+def wire_root() -> Path:
+    """The directory of the ``ktlite_wire`` package (the wire contract both sides share)."""
+    return _package_root(WIRE)
+
+
+def _package_root(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
         raise ConfigError(
-            f"the pod server package {SERVER!r} is not installed next to ktlite; reinstall "
-            "ktlite (pip install ktlite), which ships both"
+            f"the package {package!r} is not installed next to ktlite; reinstall "
+            "ktlite (pip install ktlite), which ships it"
         )
     return Path(locations[0])
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncssh
 
-from ktlite.backends.server_source import client_root, server_packages, server_root
+from ktlite.backends.server_source import client_root, server_packages, server_root, wire_root
 from ktlite.errors import DeployError
 
 COPY_TIMEOUT_S = 300.0
@@ -77,10 +77,10 @@ async def upload(c: Any, target: str, bundle: bytes, timeout: float = COPY_TIMEO
 
 
 def source_bundle() -> tuple[str, bytes]:
-    """ktlite's own source (client and server packages) as a tar.gz, and its content hash:
-    the hosts run exactly this client's code."""
+    """ktlite's own source (client, server and wire packages) as a tar.gz, and its content
+    hash: the hosts run exactly this client's code."""
     files: list[tuple[str, Path]] = []
-    for root in (client_root(), server_root()):
+    for root in (client_root(), server_root(), wire_root()):
         for path in sorted(root.rglob("*.py")):
             if "__pycache__" not in path.parts:
                 files.append((f"{root.name}/{path.relative_to(root)}", path))
