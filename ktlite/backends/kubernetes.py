@@ -215,7 +215,8 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         if isinstance(error, DeployError) and error.args and isinstance(error.args[0], str):
             error.args = (f"{error.args[0]}\n{note}", *error.args[1:])  # its own type kept
             return error
-        error.add_note(note)
+        if sys.version_info >= (3, 11):  # notes are Python 3.11's; before, the error goes as it is
+            error.add_note(note)
         return error
 
     def _remove(self, api: KubeApi, name: str, created: list[tuple[str, str]]) -> None:

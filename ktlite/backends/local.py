@@ -44,7 +44,7 @@ from ktlite.config import home as store_home
 from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, StartupError
 from ktlite.logconfig import pod_env
-from ktlite.spec import port_free
+from ktlite_wire.distenv import port_free
 
 
 def _home() -> Path:
