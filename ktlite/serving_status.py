@@ -1,6 +1,6 @@
 """What the autoscaler of a served deployment (``Compute.autoscale``) says.
 
-Two mixins: :class:`AutoscalerReport` for :class:`ktlite.serving.ServingDeployment` (the
+Two mixins: :class:`AutoscalerReport` for :class:`ktlite.serving.ReplicaScaler` (the
 decision record ``status()["autoscaler"]`` shows and the process that scales writes for
 ``ktlite status``), and :class:`ServedHandle` for the handles ``kt.fn``/``kt.cls`` return,
 whose ``scaling_status()`` asks the autoscaler that decides: the cluster's (an HPA, Knative)
@@ -13,11 +13,11 @@ import contextlib
 import time
 from typing import Any
 
-from ktlite.errors import ConfigError, NotDeployedError
+from ktlite.errors import NotDeployedError
 
 
 class AutoscalerReport:
-    """Mixed into ``ServingDeployment``: the attributes below are its own."""
+    """Mixed into ``ReplicaScaler``: the attributes below are its own."""
 
     name: str
     backend: Any
@@ -34,9 +34,9 @@ class AutoscalerReport:
         record = getattr(self.backend, "record_scaling", None)
         if record is not None and self._decision is not None:
             with contextlib.suppress(OSError):
-                record(self.name, self._autoscaler_info())
+                record(self.name, self.autoscaler_info())
 
-    def _autoscaler_info(self) -> dict[str, Any]:
+    def autoscaler_info(self) -> dict[str, Any]:
         a = self.spec.autoscale
         info: dict[str, Any] = {
             "autoscaler": "ktlite (in this process)" if self._who == "client" else self._who,
@@ -78,7 +78,7 @@ class AutoscalerReport:
         if recorded is not None and recorded.get("alive"):
             # another process scales this deployment: its last decision, as it recorded it
             return {**recorded, "current": current}
-        return {**self._autoscaler_info(), "current": current}
+        return {**self.autoscaler_info(), "current": current}
 
 
 class ServedHandle:
@@ -103,11 +103,5 @@ class ServedHandle:
             said = model.scaling_status()
             print(said["current"], "->", said["desired"], said["metric"])
         """
-        dep = self.deployment
-        if not isinstance(dep, AutoscalerReport):
-            raise ConfigError(
-                f"{dep.name!r} is not an autoscaled service: scaling_status() reports the "
-                "autoscaler of a deployment made with Compute(...).autoscale(...); status() shows "
-                "this deployment's pods and ranks"
-            )
-        return dep.scaling_status()
+        said: dict[str, Any] = self.deployment.mode.scaling_status()
+        return said

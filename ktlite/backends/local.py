@@ -535,10 +535,10 @@ class LocalBackend(Backend):
         return total
 
     def supervise(self, name: str) -> None:
-        """Start the autoscaler process of a detached deployment (ktlite.autoscalers.supervise)."""
+        """Start the autoscaler process of a detached deployment (ktlite.supervisor.supervise)."""
         log = self._dir(name) / "autoscaler.log"
         with open(log, "ab") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "ktlite.autoscalers", name], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, "-m", "ktlite.supervisor", name], stdin=subprocess.DEVNULL,
                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=self._dir(name))  # not the caller's: see apply()
         (self._dir(name) / "supervisor.pid").write_text(str(proc.pid))  # teardown stops it first
