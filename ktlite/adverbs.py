@@ -21,12 +21,27 @@ from ktlite.rankdata import per_rank
 class Caller(Protocol):
     """A deployed handle (:class:`ktlite.handles.RemoteFunction`, ``RemoteClass``)."""
 
-    def _invoke(self, method: str | None, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                options: CallOptions | None, submit: bool = False) -> Any: ...
+    def _invoke(
+        self,
+        method: str | None,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: CallOptions | None,
+        submit: bool = False,
+    ) -> Any: ...
 
-    def _sharded(self, method: str | None, target: Any, data: Any, layout: dict[str, int],
-                 in_sharded_axes: Any, replicate_on_axes: Any, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> list[Any]: ...
+    def _sharded(
+        self,
+        method: str | None,
+        target: Any,
+        data: Any,
+        layout: dict[str, int],
+        in_sharded_axes: Any,
+        replicate_on_axes: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> list[Any]: ...
 
 
 # Kubetorch's call keywords, accepted as options only when the user's callable can't take them
@@ -37,11 +52,19 @@ _OPTION_NAMES = tuple(f.name for f in fields(CallOptions))
 def _options(kwargs: dict[str, Any]) -> CallOptions:
     unknown = sorted(set(kwargs) - set(_OPTION_NAMES))
     if unknown:
-        raise ConfigError(f"unknown call option(s) {', '.join(unknown)}; allowed: {', '.join(_OPTION_NAMES)}")
+        raise ConfigError(
+            f"unknown call option(s) {', '.join(unknown)}; allowed: {', '.join(_OPTION_NAMES)}"
+        )
     timeout = kwargs.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not math.isfinite(timeout) or timeout <= 0):
-        raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds (or None for no limit)")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ConfigError(
+            f"timeout={timeout!r} must be a positive number of seconds (or None for no limit)"
+        )
     return CallOptions(**kwargs)
 
 
@@ -52,16 +75,22 @@ def _takes(fn: Any, name: str) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return True  # unknown signature: never steal the user's keywords
-    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.VAR_POSITIONAL)
-               for p in params)
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.VAR_POSITIONAL)
+        for p in params
+    )
 
 
 def _check_serialization(value: Any) -> str:
     if value == "none":
-        raise ConfigError("serialization='none' (raw bytes) is not supported; use 'pickle' (any Python "
-                          "object, the default) or 'json'")
+        raise ConfigError(
+            "serialization='none' (raw bytes) is not supported; use 'pickle' (any Python "
+            "object, the default) or 'json'"
+        )
     if value not in SERIALIZATIONS:
-        raise ConfigError(f"serialization={value!r}; allowed: {', '.join(map(repr, SERIALIZATIONS))}")
+        raise ConfigError(
+            f"serialization={value!r}; allowed: {', '.join(map(repr, SERIALIZATIONS))}"
+        )
     return str(value)
 
 
@@ -70,9 +99,10 @@ def _json_only(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError) as e:
-        raise SerializationError(f"serialization='json': {what} are not JSON ({e}); pass JSON values "
-                                 "(dict, list, str, numbers, bool, None) or use serialization='pickle'"
-                                 ) from None
+        raise SerializationError(
+            f"serialization='json': {what} are not JSON ({e}); pass JSON values "
+            "(dict, list, str, numbers, bool, None) or use serialization='pickle'"
+        ) from None
 
 
 _DEBUG_KWARGS = ("debug", "pdb")
@@ -85,11 +115,18 @@ def _refuse_call_kwargs(kwargs: dict[str, Any], target: Any) -> None:
             raise NotImplementedError(
                 f"{key}=...: ktlite has no remote debugger. A ktlite function is a plain Python function: "
                 "call it in this process to step through it; remote.logs(rank=R) shows a rank's output "
-                "and remote.status() what every rank is doing")
-    if "stream_metrics" in kwargs and not _takes(target, "stream_metrics") and kwargs.pop("stream_metrics"):
-        raise NotImplementedError("stream_metrics=True: ktlite streams no metrics during calls; "
-                                  "remote.status() (or `ktlite status NAME --watch`) shows each rank's "
-                                  "CPU, memory and GPU use")
+                "and remote.status() what every rank is doing"
+            )
+    if (
+        "stream_metrics" in kwargs
+        and not _takes(target, "stream_metrics")
+        and kwargs.pop("stream_metrics")
+    ):
+        raise NotImplementedError(
+            "stream_metrics=True: ktlite streams no metrics during calls; "
+            "remote.status() (or `ktlite status NAME --watch`) shows each rank's "
+            "CPU, memory and GPU use"
+        )
 
 
 class RemoteMethod:
@@ -112,11 +149,19 @@ class RemoteMethod:
         """The method on every rank, rank r getting ``items[r]`` first (see RemoteFunction.each)."""
         return self._owner._invoke(self._name, self._target, (per_rank(items), *args), kwargs, None)
 
-    def sharded(self, data: Any, *args: Any, layout: dict[str, int], in_sharded_axes: Any,
-                replicate_on_axes: Any = None, **kwargs: Any) -> list[Any]:
+    def sharded(
+        self,
+        data: Any,
+        *args: Any,
+        layout: dict[str, int],
+        in_sharded_axes: Any,
+        replicate_on_axes: Any = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """The method with sharded data (see RemoteFunction.sharded)."""
-        return self._owner._sharded(self._name, self._target, data, layout, in_sharded_axes,
-                                    replicate_on_axes, args, kwargs)
+        return self._owner._sharded(
+            self._name, self._target, data, layout, in_sharded_axes, replicate_on_axes, args, kwargs
+        )
 
     def options(self, **options: Any) -> Bound:
         return Bound(self._owner, self._name, self._target, _options(options))
@@ -125,11 +170,15 @@ class RemoteMethod:
 class Bound:
     """A call with options fixed: every keyword argument goes to the user's function."""
 
-    def __init__(self, remote: Caller, method: str | None, target: Any, options: CallOptions) -> None:
+    def __init__(
+        self, remote: Caller, method: str | None, target: Any, options: CallOptions
+    ) -> None:
         self._remote, self._method, self._target, self._opts = remote, method, target, options
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._remote._invoke(self._method, self._target, args, kwargs, self._opts)
 
     def submit(self, *args: Any, **kwargs: Any) -> Future:
-        return self._remote._invoke(self._method, self._target, args, kwargs, self._opts, submit=True)
+        return self._remote._invoke(
+            self._method, self._target, args, kwargs, self._opts, submit=True
+        )

@@ -51,4 +51,3 @@ def stop_all() -> None:
     deadline = time.monotonic() + EXIT_JOIN_S
     for scaler in scalers:
         scaler.join(deadline - time.monotonic())
-

@@ -36,7 +36,15 @@ from ktlite.routing import Routing
 from ktlite.spec import DeploymentSpec
 from ktlite.store import handoff
 
-__all__ = ["CallOptions", "Deployment", "attach", "deploy", "mode_for", "print_log", "shm_arguments"]
+__all__ = [
+    "CallOptions",
+    "Deployment",
+    "attach",
+    "deploy",
+    "mode_for",
+    "print_log",
+    "shm_arguments",
+]
 
 
 class _CancelledBeforeSend(Exception):
@@ -55,8 +63,13 @@ def mode_for(spec: DeploymentSpec) -> type[Mode]:
 class Deployment:
     """A live deployment: where its pods are, and how to call them (through its ``mode``)."""
 
-    def __init__(self, spec: DeploymentSpec, backend: Backend, applied: Applied,
-                 client: PodClient | None = None) -> None:
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        backend: Backend,
+        applied: Applied,
+        client: PodClient | None = None,
+    ) -> None:
         self.spec = spec
         self.backend = backend
         self.applied = applied
@@ -73,8 +86,10 @@ class Deployment:
         self.mode: Mode = mode_for(spec)(self)
 
     def __repr__(self) -> str:
-        return (f"Deployment(name={self.spec.name!r}, backend={self.backend.name!r}, "
-                f"pods={len(self.applied.endpoints)}, mode={type(self.mode).__name__})")
+        return (
+            f"Deployment(name={self.spec.name!r}, backend={self.backend.name!r}, "
+            f"pods={len(self.applied.endpoints)}, mode={type(self.mode).__name__})"
+        )
 
     @property
     def name(self) -> str:
@@ -96,18 +111,28 @@ class Deployment:
 
     # ---- deploy ------------------------------------------------------------------------
 
-    def push(self, bundle: bytes, sources: dict[str, Any], init: bytes | None,
-             restart: bool = False) -> None:
+    def push(
+        self, bundle: bytes, sources: dict[str, Any], init: bytes | None, restart: bool = False
+    ) -> None:
         """Send the code to every pod (the mode says which and how); each restarts or
         reloads its rank processes."""
         self.code = (bundle, sources, init)
         self.launch_id = uuid.uuid4().hex[:12]
         timeout = self.spec.compute.launch_timeout
-        launch = {"launch_id": self.launch_id, "bundle": bundle, "kind": self.spec.kind, "init": init,
-                  "sources": sources, "distributed": asdict(self.spec.distributed),
-                  "master_port": self.applied.master_port, "max_restarts": self.spec.compute.max_restarts,
-                  "cpus": self.spec.compute.cpu_count, "restart": restart,
-                  "concurrency": self.spec.concurrency, "load_timeout": timeout}
+        launch = {
+            "launch_id": self.launch_id,
+            "bundle": bundle,
+            "kind": self.spec.kind,
+            "init": init,
+            "sources": sources,
+            "distributed": asdict(self.spec.distributed),
+            "master_port": self.applied.master_port,
+            "max_restarts": self.spec.compute.max_restarts,
+            "cpus": self.spec.compute.cpu_count,
+            "restart": restart,
+            "concurrency": self.spec.concurrency,
+            "load_timeout": timeout,
+        }
         # where the data store is, for kt.put/get in the ranks: read while the pods are asked for
         # /health (queued before them: a pod's launch waiting for it never holds up its task)
         store = pool.submit(handoff, self.backend)
@@ -120,14 +145,30 @@ class Deployment:
         for target, (kind, tbundle, tsources, tinit) in list(self.colocated.items()):
             self.colocate(target, kind, tbundle, tsources, tinit, if_missing=True)
 
-    def colocate(self, target: str, kind: str, bundle: bytes | None, sources: dict[str, Any],
-                 init: bytes | None, drop: bool = False, if_missing: bool = False) -> None:
+    def colocate(
+        self,
+        target: str,
+        kind: str,
+        bundle: bytes | None,
+        sources: dict[str, Any],
+        init: bytes | None,
+        drop: bool = False,
+        if_missing: bool = False,
+    ) -> None:
         """Load a second function/class (``target``) into this deployment's rank processes
         (or with ``drop``, remove it): a colocation launch, sent like the code's own."""
         self.mode.check_colocation(target)
         timeout = self.spec.compute.launch_timeout
-        msg = {"colocate": target, "launch_id": self.launch_id, "drop": drop, "kind": kind,
-               "bundle": bundle, "sources": sources, "init": init, "if_missing": if_missing}
+        msg = {
+            "colocate": target,
+            "launch_id": self.launch_id,
+            "drop": drop,
+            "kind": kind,
+            "bundle": bundle,
+            "sources": sources,
+            "init": init,
+            "if_missing": if_missing,
+        }
         body = protocol.dumps(msg)
 
         def one(ep: Any) -> list[Any]:
@@ -137,7 +178,9 @@ class Deployment:
         failures, values = split(outcomes)
         if failures:
             what = "removing" if drop else "colocating"
-            raise to_error(failures, values, f"{what} {target!r} on {self.name!r} failed", DeployError)
+            raise to_error(
+                failures, values, f"{what} {target!r} on {self.name!r} failed", DeployError
+            )
         if drop:
             self.colocated.pop(target, None)
         else:
@@ -152,13 +195,21 @@ class Deployment:
                 return
             except PodUnreachable as e:
                 if time.monotonic() > deadline:
-                    raise LaunchTimeout(f"pod at {url} did not answer /health within {timeout:g}s: {e}") from e
+                    raise LaunchTimeout(
+                        f"pod at {url} did not answer /health within {timeout:g}s: {e}"
+                    ) from e
                 time.sleep(0.05)
 
     # ---- calls -------------------------------------------------------------------------
 
-    def submit(self, method: str | None, parts: list[Any], options: CallOptions, future: Any,
-               per_rank: dict[str, Any] | None = None) -> Any:
+    def submit(
+        self,
+        method: str | None,
+        parts: list[Any],
+        options: CallOptions,
+        future: Any,
+        per_rank: dict[str, Any] | None = None,
+    ) -> Any:
         """Queue one call; ``future`` (a :class:`kt.Future`) gets its values in rank order.
 
         Submitted calls leave in the order they were submitted, at most
@@ -170,13 +221,20 @@ class Deployment:
                 raise NotDeployedError(f"deployment {self.name!r} was torn down; call .to() again")
             if self._queue is None:
                 self._queue = concurrent.futures.ThreadPoolExecutor(
-                    self.mode.parallel_calls(), thread_name_prefix=f"ktlite-{self.name}")
+                    self.mode.parallel_calls(), thread_name_prefix=f"ktlite-{self.name}"
+                )
             self._queued.add(future)
             self._queue.submit(self._run_submitted, method, parts, options, future, per_rank)
         return future
 
-    def _run_submitted(self, method: str | None, parts: list[Any], options: CallOptions, future: Any,
-                       per_rank: dict[str, Any] | None) -> None:
+    def _run_submitted(
+        self,
+        method: str | None,
+        parts: list[Any],
+        options: CallOptions,
+        future: Any,
+        per_rank: dict[str, Any] | None,
+    ) -> None:
         try:
             if future.done() or not future.set_running_or_notify_cancel():
                 return  # cancelled while queued (or failed by close()): never sent
@@ -186,6 +244,7 @@ class Deployment:
                 future.call_id = call_id
                 if future.cancel_requested:
                     raise _CancelledBeforeSend()
+
             try:
                 values = self.call(method, parts, options, on_send=sending, per_rank=per_rank)
             except _CancelledBeforeSend:
@@ -201,8 +260,15 @@ class Deployment:
             with self._queue_lock:
                 self._queued.discard(future)
 
-    def call(self, method: str | None, parts: list[Any], options: CallOptions,
-             log: Any = None, on_send: Any = None, per_rank: dict[str, Any] | None = None) -> list[Any]:
+    def call(
+        self,
+        method: str | None,
+        parts: list[Any],
+        options: CallOptions,
+        log: Any = None,
+        on_send: Any = None,
+        per_rank: dict[str, Any] | None = None,
+    ) -> list[Any]:
         """Run one call as the mode runs it; values in rank order (``[value]`` when single).
         ``log(rank, pod, stream, text)`` prints streamed lines (default ``[rank R @ pod]``)."""
         return self.mode.call(parts, options, log, on_send, per_rank)
@@ -233,18 +299,28 @@ class Deployment:
             queue, self._queue = self._queue, None
         for future in waiting:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
-                future.set_exception(NotDeployedError(
-                    f"deployment {self.name!r} was torn down before this submitted call started"))
+                future.set_exception(
+                    NotDeployedError(
+                        f"deployment {self.name!r} was torn down before this submitted call started"
+                    )
+                )
         if queue is not None:
             queue.shutdown(wait=False, cancel_futures=True)
         self.mode.stop()
 
 
-def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: bytes | None,
-           restart: bool = False) -> Deployment:
+def deploy(
+    spec: DeploymentSpec,
+    bundle: bytes,
+    sources: dict[str, Any],
+    init: bytes | None,
+    restart: bool = False,
+) -> Deployment:
     mode = mode_for(spec)
     mode.check(spec)
-    backend = get_backend(spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path)
+    backend = get_backend(
+        spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path
+    )
     existing = backend.lookup(spec.name)
     token = existing.token if existing is not None else secrets.token_urlsafe(32)
     spec = mode.shape(spec, backend, existing)
@@ -256,8 +332,10 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
         dep.close()
         if isinstance(e, Exception) and (backend.name != "local" or spec.detached):
             # the pods are fine, the code is not: they stay warm for the next .to()
-            e.add_note(f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
-                       f"`ktlite teardown {spec.name}` removes them")
+            e.add_note(
+                f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
+                f"`ktlite teardown {spec.name}` removes them"
+            )
         raise
     dep.mode.deployed()
     return dep
@@ -265,11 +343,15 @@ def deploy(spec: DeploymentSpec, bundle: bytes, sources: dict[str, Any], init: b
 
 def attach(spec: DeploymentSpec) -> Deployment:
     """The running deployment for ``spec.name``, without deploying."""
-    backend = get_backend(spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path)
+    backend = get_backend(
+        spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path
+    )
     applied = backend.lookup(spec.name)
     if applied is None:
-        raise NotDeployedError(f"deployment {spec.name!r} is not running on backend {backend.name!r}; "
-                               "deploy it with .to(compute) or `ktlite deploy`")
+        raise NotDeployedError(
+            f"deployment {spec.name!r} is not running on backend {backend.name!r}; "
+            "deploy it with .to(compute) or `ktlite deploy`"
+        )
     dep = Deployment(spec, backend, applied)
     dep.mode.adopt()
     return dep

@@ -11,17 +11,13 @@ runs, as long as no rank had started it. No call is retried once a rank may have
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
-import sys
-import time
 import uuid
 from dataclasses import replace
 from typing import Any
-from urllib.parse import urlsplit
 
 from ktlite import engines, protocol
-from ktlite.backends.base import Applied, PodEndpoint
+from ktlite.backends.base import PodEndpoint
 from ktlite.callpath import CallOptions, pool, print_log, shm_arguments
 from ktlite.client import CallReply
 from ktlite.errors import (
@@ -30,37 +26,14 @@ from ktlite.errors import (
     KtliteError,
     NotDeployedError,
     PodUnreachable,
-    RankFailure,
     RemoteError,
-    WorkerMembershipChanged,
 )
 from ktlite.mode import Mode
 from ktlite.outcomes import split, to_error
+from ktlite.replacement import ReplacedWatch, Replacements
 from ktlite.spec import DeploymentSpec
 
 logger = logging.getLogger(__name__)
-
-
-class _ReplacedWatch:
-    """Reads the coordinator's notices during a call: when it cannot reach some pods yet and
-    the backend shows them replaced (their old IPs swallow packets, so the wait would last
-    ``quorum_timeout``), it cancels the call, which no rank has started yet."""
-
-    def __init__(self, mode: Fanout, call_id: str) -> None:
-        self.mode, self.call_id = mode, call_id
-        self.replaced: list[str] = []
-        self._checked = 0.0
-
-    def __call__(self, info: dict[str, Any]) -> None:
-        if info.get("kind") != "waiting" or self.replaced or time.monotonic() - self._checked < 2.0:
-            return
-        self._checked = time.monotonic()
-        with contextlib.suppress(Exception):  # a failed check only means we keep waiting
-            gone = self.mode.replaced([int(i) for i in info.get("pods") or []])
-            if gone:
-                self.replaced.extend(gone)
-                self.mode.dep.client.cancel(self.mode.dep.endpoints[0].url, self.call_id,
-                                       f"pod(s) {', '.join(gone)} were replaced")
 
 
 class _NotStarted(Exception):
@@ -77,7 +50,7 @@ class Fanout(Mode):
 
     def __init__(self, dep: Any) -> None:
         super().__init__(dep)
-        self._suspect = False  # a call lost a pod: check for replaced pods before the next one
+        self.pods = Replacements(dep)
 
     @property
     def single(self) -> bool:  # type: ignore[override]
@@ -106,8 +79,11 @@ class Fanout(Mode):
         """Send the launch to every pod, each with its ordinal; each restarts or reloads its
         rank processes."""
         timeout = self.spec.compute.launch_timeout
-        base = {**launch, "pod_ips": [ep.ip for ep in self.endpoints],
-                "single": self.spec.compute.distributed is None}
+        base = {
+            **launch,
+            "pod_ips": [ep.ip for ep in self.endpoints],
+            "single": self.spec.compute.distributed is None,
+        }
 
         def one(ep: PodEndpoint) -> list[Any]:
             self.dep.wait_healthy(ep.url, timeout)
@@ -131,8 +107,14 @@ class Fanout(Mode):
         """The call's options as this mode runs them (all of them, in SPMD)."""
         return options
 
-    def call(self, parts: list[Any], options: CallOptions, log: Any = None, on_send: Any = None,
-             per_rank: dict[str, Any] | None = None) -> list[Any]:
+    def call(
+        self,
+        parts: list[Any],
+        options: CallOptions,
+        log: Any = None,
+        on_send: Any = None,
+        per_rank: dict[str, Any] | None = None,
+    ) -> list[Any]:
         """Run one call on every rank (or the chosen workers); values in rank order (see the
         module docstring for replaced pods)."""
         eps = self.endpoints
@@ -140,22 +122,32 @@ class Fanout(Mode):
             options = replace(options, workers=self.pick_workers(options.workers))
         options = self.head_options(options, per_rank)
         if options.workers is not None:
-            bad = [w for w in options.workers if not isinstance(w, int) or isinstance(w, bool)
-                   or not 0 <= w < len(eps)]
+            bad = [
+                w
+                for w in options.workers
+                if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < len(eps)
+            ]
             if bad or not options.workers:
-                raise ConfigError(f"workers={options.workers!r}: give pod indices between 0 and {len(eps) - 1}")
+                raise ConfigError(
+                    f"workers={options.workers!r}: give pod indices between 0 and {len(eps) - 1}"
+                )
         if options.ranks is not None:
             d = self.spec.distributed
-            bad = [r for r in options.ranks if not isinstance(r, int) or isinstance(r, bool)
-                   or not 0 <= r < d.world_size]
+            bad = [
+                r
+                for r in options.ranks
+                if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < d.world_size
+            ]
             if bad or not options.ranks:
-                raise ConfigError(f"ranks={options.ranks!r}: give ranks between 0 and {d.world_size - 1}")
-        if self._suspect:
-            self._heal("an earlier call lost a pod")
+                raise ConfigError(
+                    f"ranks={options.ranks!r}: give ranks between 0 and {d.world_size - 1}"
+                )
+        if self.pods.suspect:
+            self.pods.heal("an earlier call lost a pod")
         try:
             return self._call_once(parts, options, log, on_send, per_rank)
         except _NotStarted as e:
-            if not self._heal(e.why):
+            if not self.pods.heal(e.why):
                 raise e.error from None
         return self._call_once(parts, options, log, on_send, per_rank)
 
@@ -167,17 +159,24 @@ class Fanout(Mode):
         if workers == "any":
             return [0]
         if workers == "ready":
+
             def answers(ep: Any) -> bool:
                 try:
                     self.client.health(ep.url, timeout=2.0)
                     return True
                 except KtliteError:
                     return False
-            ready = [ep.ordinal for ep, ok in zip(eps, list(pool.map(answers, eps)), strict=True) if ok]
+
+            ready = [
+                ep.ordinal for ep, ok in zip(eps, list(pool.map(answers, eps)), strict=True) if ok
+            ]
             if not ready:
-                raise PodUnreachable(f"workers='ready': no pod of {self.name!r} answered /health within "
-                                     f"2 s ({', '.join(ep.name for ep in eps)}); see `ktlite status "
-                                     f"{self.name}` and remote.logs()", delivered=False)
+                raise PodUnreachable(
+                    f"workers='ready': no pod of {self.name!r} answered /health within "
+                    f"2 s ({', '.join(ep.name for ep in eps)}); see `ktlite status "
+                    f"{self.name}` and remote.logs()",
+                    delivered=False,
+                )
             return ready
         items = [workers] if isinstance(workers, (str, int)) else workers
         if not isinstance(items, (list, tuple)):
@@ -185,63 +184,93 @@ class Fanout(Mode):
         picked: list[int] = []
         for item in items:
             if isinstance(item, str):
-                hits = [ep.ordinal for ep in eps if item == ep.ip] or \
-                    [ep.ordinal for ep in eps if item in ep.ip]
+                hits = [ep.ordinal for ep in eps if item == ep.ip] or [
+                    ep.ordinal for ep in eps if item in ep.ip
+                ]
                 if not hits:
-                    raise ConfigError(f"workers={workers!r}: no pod of {self.name!r} has an IP matching "
-                                      f"{item!r}; its pods: {', '.join(f'{ep.ordinal}={ep.ip}' for ep in eps)}")
+                    raise ConfigError(
+                        f"workers={workers!r}: no pod of {self.name!r} has an IP matching "
+                        f"{item!r}; its pods: {', '.join(f'{ep.ordinal}={ep.ip}' for ep in eps)}"
+                    )
                 picked += hits
             else:
                 picked.append(item)
         return picked
 
-    def _call_once(self, parts: list[Any], options: CallOptions, log: Any, on_send: Any = None,
-                   per_rank: dict[str, Any] | None = None) -> list[Any]:
+    def _call_once(
+        self,
+        parts: list[Any],
+        options: CallOptions,
+        log: Any,
+        on_send: Any = None,
+        per_rank: dict[str, Any] | None = None,
+    ) -> list[Any]:
         eps = self.endpoints
         d = self.spec.distributed
-        stream = self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
+        stream = (
+            self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
+        )
         call_id = uuid.uuid4().hex
         if on_send is not None:
             on_send(call_id)
-        meta = {"id": call_id, "launch_id": self.dep.launch_id,
-                "pods": [ep.peer_url for ep in eps], "names": [ep.name for ep in eps],
-                "workers": sorted(set(options.workers)) if options.workers is not None else None,
-                "timeout": options.timeout if options.timeout is not None else self.spec.compute.call_timeout,
-                "stream_logs": stream, "restart": options.restart_procs,
-                "fanout": True, "quorum_timeout": d.quorum_timeout,
-                "num_proc": d.num_proc if d.uniform else list(d.sizes)}
+        meta = {
+            "id": call_id,
+            "launch_id": self.dep.launch_id,
+            "pods": [ep.peer_url for ep in eps],
+            "names": [ep.name for ep in eps],
+            "workers": sorted(set(options.workers)) if options.workers is not None else None,
+            "timeout": options.timeout
+            if options.timeout is not None
+            else self.spec.compute.call_timeout,
+            "stream_logs": stream,
+            "restart": options.restart_procs,
+            "fanout": True,
+            "quorum_timeout": d.quorum_timeout,
+            "num_proc": d.num_proc if d.uniform else list(d.sizes),
+        }
         if per_rank is not None:
             meta["per_rank"] = per_rank  # where each rank's items are in the body
         if options.ranks is not None:  # only these ranks run it, so only their pods take part
             ranks = sorted(set(options.ranks))
-            pods = sorted({d.ordinal_of(r) for r in ranks} & set(meta["workers"] or range(len(eps))))
+            pods = sorted(
+                {d.ordinal_of(r) for r in ranks} & set(meta["workers"] or range(len(eps)))
+            )
             if not pods:
-                raise ConfigError(f"ranks={options.ranks!r} are on none of workers={options.workers!r}")
+                raise ConfigError(
+                    f"ranks={options.ranks!r} are on none of workers={options.workers!r}"
+                )
             meta["ranks"], meta["workers"] = ranks, pods
-        watch = _ReplacedWatch(self, call_id)
+        watch = ReplacedWatch(self.pods, call_id)
         with shm_arguments(self.dep.applied, meta, parts) as sent:
             reply = self._send(call_id, meta, sent, (log or print_log) if stream else None, watch)
         failures, values = split(reply.outcomes)
         if failures:
             if any(f.kind in ("died", "unreachable", "stale") for f in failures):
-                self._suspect = True  # the next call first checks for replaced pods
+                self.pods.suspect = True  # the next call first checks for replaced pods
             error = to_error(failures, values, f"call to {self.name!r}", RemoteError)
             if not reply.started:  # no rank ran it: if its pods were replaced, it can go again
-                missing = {self._ordinal_of(f.pod) for f in failures if f.kind in ("unreachable", "stale")}
-                gone = watch.replaced or self.replaced(sorted(missing - {-1}))
+                missing = {
+                    self.pods.ordinal_of(f.pod)
+                    for f in failures
+                    if f.kind in ("unreachable", "stale")
+                }
+                gone = watch.replaced or self.pods.replaced(sorted(missing - {-1}))
                 if gone:
                     raise _NotStarted(error, f"the coordinator could not reach {', '.join(gone)}")
-            lost = {self._ordinal_of(f.pod) for f in failures if f.kind in ("died", "unreachable")} - {-1}
+            lost = {
+                self.pods.ordinal_of(f.pod) for f in failures if f.kind in ("died", "unreachable")
+            } - {-1}
             if lost and reply.started and isinstance(error, RemoteError):
-                changed = self._membership_changed(sorted(lost), error, failures)
+                changed = self.pods.membership_changed(sorted(lost), error, failures)
                 if changed is not None:
                     raise changed from error
             raise error
-        self._suspect = False
+        self.pods.suspect = False
         return [values[r] for r in sorted(values)]
 
-    def _send(self, call_id: str, meta: dict[str, Any], parts: list[Any], log: Any,
-              watch: _ReplacedWatch) -> CallReply:
+    def _send(
+        self, call_id: str, meta: dict[str, Any], parts: list[Any], log: Any, watch: ReplacedWatch
+    ) -> CallReply:
         """The call through the coordinator (pod 0), with its transport failures explained."""
         eps = self.endpoints
         try:
@@ -249,112 +278,31 @@ class Fanout(Mode):
         except NotDeployedError as e:
             # the coordinator answered 409 before anything ran: it lost our code (a new pod, a
             # restarted container) or runs another launch
-            gone = self.replaced([0])
+            gone = self.pods.replaced([0])
             if gone:
                 raise _NotStarted(e, f"{gone[0]} had none of our code") from e
             raise
         except PodUnreachable as e:
-            self._suspect = True
+            self.pods.suspect = True
             # the coordinator cannot stop the other pods' ranks now: ask them directly
             self.dep.cancel_all(call_id, "the coordinator pod stopped answering", eps[1:])
             current = self.dep.backend.lookup(self.name)
             if current is None or current.token != self.dep.applied.token:
-                raise NotDeployedError(f"deployment {self.name!r} was torn down or replaced; "
-                                       "call .to(compute) again") from e
-            if not e.delivered and self.replaced([0], current):
+                raise NotDeployedError(
+                    f"deployment {self.name!r} was torn down or replaced; call .to(compute) again"
+                ) from e
+            if not e.delivered and self.pods.replaced([0], current):
                 raise _NotStarted(e, f"the proxy could not reach {eps[0].name}") from e
-            if self.replaced([0], current):
-                raise self._membership_error([eps[0].name], current, str(e)) from e
-            raise PodUnreachable(f"{e}; the other pods were told to stop the call. "
-                                 f"{self._pod_state(0, current)}", delivered=e.delivered) from e
+            if self.pods.replaced([0], current):
+                raise self.pods.membership_error([eps[0].name], current, str(e)) from e
+            raise PodUnreachable(
+                f"{e}; the other pods were told to stop the call. {self.pods.pod_state(0, current)}",
+                delivered=e.delivered,
+            ) from e
         except KeyboardInterrupt:
             # stop the ranks everywhere before giving control back; the deployment stays usable
             self.dep.cancel_all(call_id, "the caller pressed Ctrl-C", [*eps[1:], eps[0]])
             raise
-
-    # ---- replaced pods -----------------------------------------------------------------
-
-    def _ordinal_of(self, pod: str) -> int:
-        return next((ep.ordinal for ep in self.endpoints if ep.name == pod), -1)
-
-    def replaced(self, ordinals: list[int], current: Applied | None = None) -> list[str]:
-        """Names of the pods among ``ordinals`` that the backend replaced since we pushed code."""
-        if not ordinals:
-            return []
-        current = current or self.dep.backend.lookup(self.name)
-        if current is None:
-            return []
-        now = {ep.ordinal: ep.incarnation for ep in current.endpoints}
-        return [ep.name for ep in self.endpoints
-                if ep.ordinal in ordinals and ep.incarnation and now.get(ep.ordinal) != ep.incarnation]
-
-    def _ips(self, applied: Applied | None) -> list[str]:
-        """Each pod's address by ordinal: its IP, or host:port where pods share one host."""
-        if applied is None:
-            return []
-        eps = sorted(applied.endpoints, key=lambda ep: ep.ordinal)
-        return [urlsplit(ep.peer_url).netloc if applied.same_host else ep.ip for ep in eps]
-
-    def _membership_changed(self, ordinals: list[int], error: RemoteError,
-                            failures: list[RankFailure]) -> WorkerMembershipChanged | None:
-        """The call's error as :class:`WorkerMembershipChanged` when pods among ``ordinals``
-        were lost or replaced (not merely a rank process that died on a pod that lives on)."""
-        try:
-            current = self.dep.backend.lookup(self.name)
-            gone = self.replaced(ordinals, current) if current is not None else \
-                [ep.name for ep in self.endpoints if ep.ordinal in ordinals]
-        except Exception:  # noqa: BLE001 - the call's own error is what matters then
-            return None
-        if not gone:
-            return None
-        return self._membership_error(gone, current, str(error), failures, error.outcomes)
-
-    def _membership_error(self, gone: list[str], current: Applied | None, detail: str,
-                          failures: list[RankFailure] | None = None,
-                          outcomes: dict[int, Any] | None = None) -> WorkerMembershipChanged:
-        self._suspect = True  # the next call waits for the replacements and pushes the code
-        return WorkerMembershipChanged(
-            f"pod(s) {', '.join(gone)} of {self.name!r} were lost or replaced during the call; the "
-            f"next call runs on their replacements (the code is pushed again"
-            f"{', class instances are created anew' if self.spec.kind == 'cls' else ''}).\n{detail}",
-            failures, outcomes, previous_ips=self._ips(self.dep.applied), current_ips=self._ips(current))
-
-    def _pod_state(self, ordinal: int, current: Applied) -> str:
-        ep = self.endpoints[ordinal]
-        now = next((c for c in current.endpoints if c.ordinal == ordinal), None)
-        if now is None:
-            return f"Pod {ep.name} is gone or not running; the next call waits for its replacement."
-        if ep.incarnation and now.incarnation != ep.incarnation:
-            return (f"Pod {ep.name} was replaced (now at {now.ip}); the next call pushes the code to "
-                    "it.")
-        return f"Pod {ep.name} still runs at {ep.ip}: it may be overloaded; see remote.logs()."
-
-    def _heal(self, why: str) -> bool:
-        """If the backend replaced pods since the code was pushed, wait for them and push the
-        code again; False when nothing was replaced. Raises NotDeployedError when the
-        deployment was torn down or re-created by someone else."""
-        current = self.dep.backend.lookup(self.name)
-        if current is None or current.token != self.dep.applied.token:
-            raise NotDeployedError(f"deployment {self.name!r} was torn down or re-created; call "
-                                   ".to(compute) again")
-        if current.spec_hash and self.dep.applied.spec_hash and current.spec_hash != self.dep.applied.spec_hash:
-            raise NotDeployedError(f"deployment {self.name!r} was redeployed with another Compute (by "
-                                   "another process?); call .to(compute) again")
-        gone = self.replaced([ep.ordinal for ep in self.endpoints], current)
-        if not gone:
-            self._suspect = False
-            return False
-        if self.dep.code is None:
-            raise NotDeployedError(f"pod(s) {', '.join(gone)} of {self.name!r} were replaced; call "
-                                   ".to(compute) again")
-        kind = " (class instances are created anew on every pod)" if self.spec.kind == "cls" else ""
-        print(f"ktlite: {self.name}: pod(s) {', '.join(gone)} were replaced ({why}); waiting for "
-              f"them and pushing the code again{kind}", file=sys.stderr, flush=True)
-        applied = self.dep.backend.apply(self.spec, self.dep.applied.token)
-        self.dep.applied = applied
-        self.dep.push(*self.dep.code)
-        self._suspect = False
-        return True
 
     def restart_failed(self) -> dict[str, Any]:
         """Restart the dead rank processes on every pod (only those); pod 0 last, so the
@@ -364,11 +312,18 @@ class Fanout(Mode):
         futures = [pool.submit(self.client.restart_failed, ep.url, timeout) for ep in eps[1:]]
         answers = [f.result() for f in futures]
         # pod 0 moves the deployment to a new process-group generation when a rank restarted
-        answers.insert(0, self.client.restart_failed(eps[0].url, timeout,
-                                                     regroup=any(a["restarted"] for a in answers)))
+        answers.insert(
+            0,
+            self.client.restart_failed(
+                eps[0].url, timeout, regroup=any(a["restarted"] for a in answers)
+            ),
+        )
         restarted = sorted(r for a in answers for r in a["restarted"])
-        return {"restarted": restarted, "failed": [f for a in answers for f in a["failed"]],
-                "pods": answers}
+        return {
+            "restarted": restarted,
+            "failed": [f for a in answers for f in a["failed"]],
+            "pods": answers,
+        }
 
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
         # all pods at once: each may take a moment to measure its ranks' CPU
@@ -389,17 +344,36 @@ class HeadOnly(Fanout):
 
     def launch_extras(self, ep: PodEndpoint) -> dict[str, Any]:
         eps = self.endpoints
-        return {"engine": engines.engine_settings(
-            self.spec, ep.ordinal, [e.ip for e in eps], [e.name for e in eps], self.dep.applied.master_port,
-            self.dep.launch_id, [e.peer_url for e in eps], self.dep.applied.token, self.dep.applied.same_host)}
+        return {
+            "engine": engines.engine_settings(
+                self.spec,
+                ep.ordinal,
+                [e.ip for e in eps],
+                [e.name for e in eps],
+                self.dep.applied.master_port,
+                self.dep.launch_id,
+                [e.peer_url for e in eps],
+                self.dep.applied.token,
+                self.dep.applied.same_host,
+            )
+        }
 
     def head_options(self, options: CallOptions, per_rank: dict[str, Any] | None) -> CallOptions:
         """A Ray or Monarch deployment's call runs on pod 0 (rank 0) only: the function is the
         driver (controller) and fans out through the engine itself."""
-        if per_rank is not None or options.workers not in (None, [0]) or options.ranks not in (None, [0]):
-            how = ("a Ray cluster: a call runs once, on the head pod, and reaches the worker nodes through "
-                   "Ray (ray.remote tasks and actors)" if self.spec.distributed.framework == "ray" else
-                   "a Monarch mesh: a call runs once, on pod 0 (the controller), and reaches every pod "
-                   "through Monarch (ktlite.distributed.monarch_procs() and actors)")
-            raise ConfigError(f"{self.name!r} is {how}; per-rank data, workers= and ranks= do not apply")
+        if (
+            per_rank is not None
+            or options.workers not in (None, [0])
+            or options.ranks not in (None, [0])
+        ):
+            how = (
+                "a Ray cluster: a call runs once, on the head pod, and reaches the worker nodes through "
+                "Ray (ray.remote tasks and actors)"
+                if self.spec.distributed.framework == "ray"
+                else "a Monarch mesh: a call runs once, on pod 0 (the controller), and reaches every pod "
+                "through Monarch (ktlite.distributed.monarch_procs() and actors)"
+            )
+            raise ConfigError(
+                f"{self.name!r} is {how}; per-rank data, workers= and ranks= do not apply"
+            )
         return replace(options, ranks=[0], workers=None)

@@ -54,17 +54,27 @@ class _Remote(ServedHandle):
 
     def __setattr__(self, attr: str, value: Any) -> None:
         if not attr.startswith("_") and attr not in _SETTABLE:
-            raise AttributeError(f"{type(self).__name__} has no setting {attr!r}; settable: "
-                                 f"{', '.join(_SETTABLE)}")
-        if attr in ("async_", "stream_logs") and not isinstance(value, bool) and \
-                not (attr == "stream_logs" and value is None):
+            raise AttributeError(
+                f"{type(self).__name__} has no setting {attr!r}; settable: {', '.join(_SETTABLE)}"
+            )
+        if (
+            attr in ("async_", "stream_logs")
+            and not isinstance(value, bool)
+            and not (attr == "stream_logs" and value is None)
+        ):
             raise ConfigError(f"remote.{attr}={value!r} must be True or False")
         if attr == "serialization" and value is not None:
             _check_serialization(value)
         object.__setattr__(self, attr, value)
 
-    def __init__(self, source: Source, deployment: Deployment, *, host: _Remote | None = None,
-                 target: str | None = None) -> None:
+    def __init__(
+        self,
+        source: Source,
+        deployment: Deployment,
+        *,
+        host: _Remote | None = None,
+        target: str | None = None,
+    ) -> None:
         self._source = source
         self._deployment: Deployment | None = deployment
         # colocated (``kt.cls(B).to(remote_a)``): the handle whose deployment this one's code
@@ -90,8 +100,10 @@ class _Remote(ServedHandle):
             raise NotDeployedError(f"{self._source.name!r} was torn down; call .to(compute) again")
         if self._host is not None:
             if self._host._deployment is None:
-                raise NotDeployedError(f"{self._source.name!r} was colocated with {self._host._source.name!r}, "
-                                       "which was torn down; deploy both again")
+                raise NotDeployedError(
+                    f"{self._source.name!r} was colocated with {self._host._source.name!r}, "
+                    "which was torn down; deploy both again"
+                )
             # the host's current deployment (a redeploy from the host's handle keeps the pods'
             # colocated targets)
             return self._host.deployment
@@ -104,9 +116,15 @@ class _Remote(ServedHandle):
     def __repr__(self) -> str:
         if self._host is not None:
             alive = self._deployment is not None and self._host._deployment is not None
-            state = f"colocated as {self._target!r} with {self._host._source.name!r}" if alive else "torn down"
+            state = (
+                f"colocated as {self._target!r} with {self._host._source.name!r}"
+                if alive
+                else "torn down"
+            )
             return f"<{type(self).__name__} {self._source.name!r} on {self._source.kind}, {state}>"
-        state = "torn down" if self._deployment is None else f"{len(self.deployment.endpoints)} pod(s)"
+        state = (
+            "torn down" if self._deployment is None else f"{len(self.deployment.endpoints)} pod(s)"
+        )
         return f"<{type(self).__name__} {self._source.name!r} on {self._source.kind}, {state}>"
 
     def _to_options(self) -> dict[str, Any]:
@@ -123,24 +141,43 @@ class _Remote(ServedHandle):
             old.close()
             new.deployment.recolocate()
 
-    def distribute(self, framework: str = "spmd", workers: int | None = None, num_proc: int | list[int] | None = None,
-                   port: int | None = None, quorum_timeout: float = 300.0,
-                   worker_node_options: dict[str, Any] | None = None, **unknown: Any) -> Any:
+    def distribute(
+        self,
+        framework: str = "spmd",
+        workers: int | None = None,
+        num_proc: int | list[int] | None = None,
+        port: int | None = None,
+        quorum_timeout: float = 300.0,
+        worker_node_options: dict[str, Any] | None = None,
+        **unknown: Any,
+    ) -> Any:
         """Re-deploy the same service on ``workers`` pods (the seed's ``.to(c).distribute(...)``);
         every option is checked before any pod changes."""
         if self._host is not None:
-            raise ConfigError(f"{self._source.name!r} is colocated with {self._host._source.name!r}: "
-                              "distribute that deployment, then colocate again")
-        compute = replace(self.compute).distribute(framework, workers, num_proc, port, quorum_timeout,
-                                                   worker_node_options, **unknown)
+            raise ConfigError(
+                f"{self._source.name!r} is colocated with {self._host._source.name!r}: "
+                "distribute that deployment, then colocate again"
+            )
+        compute = replace(self.compute).distribute(
+            framework, workers, num_proc, port, quorum_timeout, worker_node_options, **unknown
+        )
         self._redeploy(compute)
         return self
 
-    def _invoke(self, method: str | None, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                options: CallOptions | None, submit: bool = False) -> Any:
+    def _invoke(
+        self,
+        method: str | None,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: CallOptions | None,
+        submit: bool = False,
+    ) -> Any:
         serialization = None
         if options is None:
-            taken = {k: kwargs.pop(k) for k in _KT_CALL_KWARGS if k in kwargs and not _takes(target, k)}
+            taken = {
+                k: kwargs.pop(k) for k in _KT_CALL_KWARGS if k in kwargs and not _takes(target, k)
+            }
             # Kubetorch's async_=True: a future (awaitable), unless the function takes async_
             if "async_" in kwargs and not _takes(target, "async_"):
                 submit = bool(kwargs.pop("async_")) or submit
@@ -156,7 +193,9 @@ class _Remote(ServedHandle):
         if serialization == "json":
             _json_only((args, kwargs), "the arguments")
         call = (self._target, method) if self._host is not None else method  # type: ignore[attr-defined]
-        parts, layout = packaging.encode_ranked_call(call, args, kwargs, dep.spec.distributed.world_size)
+        parts, layout = packaging.encode_ranked_call(
+            call, args, kwargs, dep.spec.distributed.world_size
+        )
         single = dep.single  # the mode's: one value, or a list by rank
         if submit:
             future = Future(dep.name, method or getattr(target, "__name__", "call"), single=single)
@@ -170,24 +209,45 @@ class _Remote(ServedHandle):
         """The call's format: per call, else ``remote.serialization``, else pickle (JSON when
         the Compute allows only JSON); one ``allowed_serialization`` forbids is refused."""
         allowed = dep.spec.compute.allowed_serialization
-        chosen = given or self.serialization or ("pickle" if allowed is None or "pickle" in allowed
-                                                  else "json")
+        chosen = (
+            given
+            or self.serialization
+            or ("pickle" if allowed is None or "pickle" in allowed else "json")
+        )
         if allowed is not None and chosen not in allowed:
-            raise ConfigError(f"serialization={chosen!r} is not in this deployment's "
-                              f"allowed_serialization={list(allowed)}")
+            raise ConfigError(
+                f"serialization={chosen!r} is not in this deployment's "
+                f"allowed_serialization={list(allowed)}"
+            )
         return chosen
 
-    def _sharded(self, method: str | None, target: Any, data: Any, layout: dict[str, int],
-                 in_sharded_axes: Any, replicate_on_axes: Any, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> list[Any]:
+    def _sharded(
+        self,
+        method: str | None,
+        target: Any,
+        data: Any,
+        layout: dict[str, int],
+        in_sharded_axes: Any,
+        replicate_on_axes: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> list[Any]:
         lay = sharding.Layout(layout)
         world = self.deployment.spec.distributed.world_size
         if lay.size != world:
-            raise ConfigError(f"layout={layout} covers {lay.size} rank(s) but the deployment has {world}")
+            raise ConfigError(
+                f"layout={layout} covers {lay.size} rank(s) but the deployment has {world}"
+            )
         if isinstance(in_sharded_axes, str) or isinstance(replicate_on_axes, str):
-            raise ConfigError("in_sharded_axes and replicate_on_axes are lists of axis names, e.g. ['dp']")
+            raise ConfigError(
+                "in_sharded_axes and replicate_on_axes are lists of axis names, e.g. ['dp']"
+            )
         sharded = list(in_sharded_axes)
-        replicated = [a for a in lay.names if a not in sharded] if replicate_on_axes is None else list(replicate_on_axes)
+        replicated = (
+            [a for a in lay.names if a not in sharded]
+            if replicate_on_axes is None
+            else list(replicate_on_axes)
+        )
         lay.check_axes(sharded, replicated)
         shards = sharding.flatten_shards(data, lay, sharded)
         items = [shards[lay.shard_index(r, sharded)] for r in range(world)]
@@ -233,8 +293,9 @@ class _Remote(ServedHandle):
         teardown kept; another plain teardown does nothing."""
         if self._host is not None:  # only this target: the pods and the host's code stay
             if self._deployment is not None and self._host._deployment is not None:
-                self._host.deployment.colocate(self._target or "", self._source.kind, None, {}, None,
-                                               drop=True)
+                self._host.deployment.colocate(
+                    self._target or "", self._source.kind, None, {}, None, drop=True
+                )
             self._deployment = None
             return
         dep = self._deployment
@@ -252,16 +313,20 @@ class _Remote(ServedHandle):
         if not volumes:
             self._kept_volumes = (dep.backend, dep.name, dep.spec.compute.teardown_timeout)
 
-    def _delete_volumes(self, backend: Backend, name: str, default_timeout: float, *,
-                        timeout: float | None) -> None:
+    def _delete_volumes(
+        self, backend: Backend, name: str, default_timeout: float, *, timeout: float | None
+    ) -> None:
         # a whole teardown is all a backend offers, and it would stop a deployment made since
         if backend.lookup(name) is not None:
             raise NotDeployedError(
                 f"{name!r} was deployed again after this handle tore it down, and its volumes "
                 f"belong to that deployment now; tear it down from its own handle with "
                 f"teardown(volumes=True), or run `ktlite teardown {name} --volumes "
-                f"--backend {backend.name}`")
-        backend.teardown(name, timeout=default_timeout if timeout is None else timeout, volumes=True)
+                f"--backend {backend.name}`"
+            )
+        backend.teardown(
+            name, timeout=default_timeout if timeout is None else timeout, volumes=True
+        )
         self._kept_volumes = None
 
     def logs(self, rank: int | None = None, follow: bool = False, tail: int | None = None) -> str:
@@ -305,27 +370,41 @@ class RemoteFunction(_Remote):
         receives ``items[r]``; ``len(items)`` must be the world size."""
         return self._invoke(None, self._source.obj, (per_rank(items), *args), kwargs, None)
 
-    def sharded(self, data: Any, *args: Any, layout: dict[str, int], in_sharded_axes: Any,
-                replicate_on_axes: Any = None, **kwargs: Any) -> list[Any]:
+    def sharded(
+        self,
+        data: Any,
+        *args: Any,
+        layout: dict[str, int],
+        in_sharded_axes: Any,
+        replicate_on_axes: Any = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """NeMo's ``run_all_workers_sharded_data``: the ranks as named axes (``layout={"dp": 2,
         "tp": 2}``, first axis outermost); ``data`` holds one shard per coordinate of
         ``in_sharded_axes`` (nested lists, in that order) and is replicated along
         ``replicate_on_axes`` (default: the other axes). Rank r gets its shard as the first
         argument; returns one result per shard, from the first rank of its replicated group."""
-        return self._sharded(None, self._source.obj, data, layout, in_sharded_axes, replicate_on_axes,
-                             args, kwargs)
+        return self._sharded(
+            None, self._source.obj, data, layout, in_sharded_axes, replicate_on_axes, args, kwargs
+        )
 
     def options(self, **options: Any) -> Bound:
         """Per-call options: ``remote.options(timeout=60, stream_logs=False, workers=[0], restart_procs=True)(x)``."""
         return Bound(self, None, self._source.obj, _options(options))
 
 
-
 class RemoteClass(_Remote):
     """A deployed class: method calls run on the live instance(s); state persists between calls."""
 
-    def __init__(self, source: Source, deployment: Deployment, init_args: Any, *,
-                 host: _Remote | None = None, target: str | None = None) -> None:
+    def __init__(
+        self,
+        source: Source,
+        deployment: Deployment,
+        init_args: Any,
+        *,
+        host: _Remote | None = None,
+        target: str | None = None,
+    ) -> None:
         super().__init__(source, deployment, host=host, target=target)
         self._init_args = init_args
 
@@ -337,8 +416,10 @@ class RemoteClass(_Remote):
             return RemoteMethod(self, attr, None)
         member = inspect.getattr_static(klass, attr, None)
         if member is None or not callable(getattr(klass, attr, None)):
-            raise AttributeError(f"{klass.__name__} has no method {attr!r}; remote instances expose "
-                                 "their methods (add a getter method to read an attribute)")
+            raise AttributeError(
+                f"{klass.__name__} has no method {attr!r}; remote instances expose "
+                "their methods (add a getter method to read an attribute)"
+            )
         return RemoteMethod(self, attr, getattr(klass, attr))
 
     def _to_options(self) -> dict[str, Any]:

@@ -44,7 +44,9 @@ class Mode:
         """What this mode needs on this machine, checked before anything is deployed."""
 
     @classmethod
-    def shape(cls, spec: DeploymentSpec, backend: Backend, existing: Applied | None) -> DeploymentSpec:
+    def shape(
+        cls, spec: DeploymentSpec, backend: Backend, existing: Applied | None
+    ) -> DeploymentSpec:
         """The spec to apply, given the deployment that runs now (``existing``, or None)."""
         return spec
 
@@ -70,8 +72,14 @@ class Mode:
         """How many submitted calls may be in flight at once."""
         return max(1, self.dep.spec.concurrency)
 
-    def call(self, parts: list[Any], options: CallOptions, log: Any = None, on_send: Any = None,
-             per_rank: dict[str, Any] | None = None) -> list[Any]:
+    def call(
+        self,
+        parts: list[Any],
+        options: CallOptions,
+        log: Any = None,
+        on_send: Any = None,
+        per_rank: dict[str, Any] | None = None,
+    ) -> list[Any]:
         """Run one call; its values in rank order (one value for a single-valued mode).
         ``log(rank, pod, stream, text)`` prints streamed lines; ``on_send(call_id)`` runs just
         before the call leaves; ``per_rank`` says where each rank's items are in ``parts``."""

@@ -11,9 +11,13 @@ from ktlite.errors import ConfigError
 def check_naming(reload_prefixes: Any, prefix_username: Any) -> None:
     """Refuse ``reload_prefixes`` and ``prefix_username`` (``kt.fn``, ``kt.cls``, ``@kt.compute``)."""
     if reload_prefixes:
-        raise ConfigError(f"reload_prefixes={reload_prefixes!r}: ktlite names deployments exactly as "
-                          "given (no user or branch prefixes), so there is nothing to search; pass the "
-                          "deployment's name with name=...")
+        raise ConfigError(
+            f"reload_prefixes={reload_prefixes!r}: ktlite names deployments exactly as "
+            "given (no user or branch prefixes), so there is nothing to search; pass the "
+            "deployment's name with name=..."
+        )
     if prefix_username:
-        raise ConfigError("prefix_username=True: ktlite never prefixes deployment names with a user "
-                          "name; put it in name= yourself, e.g. name=f'{user}-train'")
+        raise ConfigError(
+            "prefix_username=True: ktlite never prefixes deployment names with a user "
+            "name; put it in name= yourself, e.g. name=f'{user}-train'"
+        )

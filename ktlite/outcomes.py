@@ -22,47 +22,79 @@ from ktlite.errors import (
 
 # a failed rank's kind -> the error that reports it ("error" keeps the rank's own exception)
 KIND_ERRORS: dict[str, type[RemoteError]] = {
-    "died": RankDied, "unreachable": QuorumTimeout, "timeout": CallTimeout, "cancelled": CallCancelled}
+    "died": RankDied,
+    "unreachable": QuorumTimeout,
+    "timeout": CallTimeout,
+    "cancelled": CallCancelled,
+}
 
-def split(outcomes: list[tuple[int, str, str, Any, str, float]]
-           ) -> tuple[list[RankFailure], dict[int, Any]]:
+
+def split(
+    outcomes: list[tuple[int, str, str, Any, str, float]],
+) -> tuple[list[RankFailure], dict[int, Any]]:
     failures: list[RankFailure] = []
     values: dict[int, Any] = {}
     # values handed over in shared-memory files: take every one first, so none is left behind
-    outcomes = [(r, p, s, shm.take(d[1], d[2]) if isinstance(d, tuple) else d, m, at)
-                for r, p, s, d, m, at in outcomes]
+    outcomes = [
+        (r, p, s, shm.take(d[1], d[2]) if isinstance(d, tuple) else d, m, at)
+        for r, p, s, d, m, at in outcomes
+    ]
     for rank, pod, status, data, message, at in sorted(outcomes, key=lambda o: o[0]):
         if status == "ok":
             try:
                 values[rank] = protocol.loads(data) if data is not None else None
             except Exception as e:  # noqa: BLE001
-                failures.append(RankFailure(rank, pod, "error", f"its result could not be unpickled here: "
-                                            f"{type(e).__name__}: {e}", exception=e, at=at))
+                failures.append(
+                    RankFailure(
+                        rank,
+                        pod,
+                        "error",
+                        f"its result could not be unpickled here: {type(e).__name__}: {e}",
+                        exception=e,
+                        at=at,
+                    )
+                )
         elif status == "error":
             info = protocol.loads(data)
             exc: BaseException | None = None
             if info.pickled is not None:
                 with contextlib.suppress(Exception):
                     exc = protocol.loads(info.pickled)
-            failures.append(RankFailure(rank, pod, "error", f"{info.type_name}: {info.message}",
-                                        traceback=info.traceback, exception=exc, at=at))
+            failures.append(
+                RankFailure(
+                    rank,
+                    pod,
+                    "error",
+                    f"{info.type_name}: {info.message}",
+                    traceback=info.traceback,
+                    exception=exc,
+                    at=at,
+                )
+            )
             if exc is None:
                 failures[-1].exception = RemoteException(
                     f"rank {rank} on pod {pod} raised {info.type_name}: {info.message}",
-                    type_name=info.type_name, remote_traceback=info.traceback)
+                    type_name=info.type_name,
+                    remote_traceback=info.traceback,
+                )
         else:
             failure = RankFailure(rank, pod, status, message, at=at)
             # outcomes hold a value or an exception for every rank
-            failure.exception = (NotDeployedError(failure.describe()) if status == "stale"
-                                 else KIND_ERRORS.get(status, RemoteError)(failure.describe(),
-                                                                            failures=[failure]))
+            failure.exception = (
+                NotDeployedError(failure.describe())
+                if status == "stale"
+                else KIND_ERRORS.get(status, RemoteError)(failure.describe(), failures=[failure])
+            )
             failures.append(failure)
     return failures, values
 
 
-def to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
-              base: type[Exception]) -> BaseException:
-    primary = [f for f in failures if f.kind in ("error", "died", "unreachable", "stale")] or failures
+def to_error(
+    failures: list[RankFailure], values: dict[int, Any], what: str, base: type[Exception]
+) -> BaseException:
+    primary = [
+        f for f in failures if f.kind in ("error", "died", "unreachable", "stale")
+    ] or failures
     collateral = [f for f in failures if f not in primary]
     # the cause is the earliest failure (a peer's "connection reset" comes after the death
     # that caused it), then the lowest rank
@@ -70,22 +102,30 @@ def to_error(failures: list[RankFailure], values: dict[int, Any], what: str,
     outcomes: dict[int, Any] = dict(values)
     for f in failures:
         outcomes[f.rank] = f.exception if f.exception is not None else f
-    lines = [f"{what}: {len(primary)} rank(s) failed: "
-             f"{', '.join(str(r) for r in sorted(f.rank for f in primary))}"]
+    lines = [
+        f"{what}: {len(primary)} rank(s) failed: "
+        f"{', '.join(str(r) for r in sorted(f.rank for f in primary))}"
+    ]
     lines += [f.describe() for f in primary]
     if collateral:
         kinds = sorted({f.kind for f in collateral})
-        lines.append(f"{' / '.join(kinds)}: rank(s) {', '.join(str(f.rank) for f in collateral)} "
-                     f"({collateral[0].message})")
+        lines.append(
+            f"{' / '.join(kinds)}: rank(s) {', '.join(str(f.rank) for f in collateral)} "
+            f"({collateral[0].message})"
+        )
     if values:
-        lines.append(f"finished: rank(s) {', '.join(map(str, sorted(values)))} (their results are on "
-                     "this error's .results)")
+        lines.append(
+            f"finished: rank(s) {', '.join(map(str, sorted(values)))} (their results are on "
+            "this error's .results)"
+        )
     elif primary[0].kind == "timeout":
         lines.append("no rank finished")
     if primary[0].kind == "timeout":
-        lines.append("to try: a longer limit (remote.options(timeout=S) or Compute(call_timeout=S)); "
-                     "if a rank hangs (a collective some rank never joined), its pod's log "
-                     "(remote.logs()) shows how far it got")
+        lines.append(
+            "to try: a longer limit (remote.options(timeout=S) or Compute(call_timeout=S)); "
+            "if a rank hangs (a collective some rank never joined), its pod's log "
+            "(remote.logs()) shows how far it got"
+        )
     summary = "\n".join(lines)
     first = primary[0]
     if first.kind == "error" and first.exception is not None:

@@ -38,22 +38,31 @@ class _Source:
 
     def _spec(self, compute: Compute, name: str | None, detached: bool) -> DeploymentSpec:
         if not isinstance(compute, Compute):
-            raise ConfigError(f".to() needs a kt.Compute, got {type(compute).__name__}; "
-                              "e.g. .to(kt.Compute(cpus=1))")
+            raise ConfigError(
+                f".to() needs a kt.Compute, got {type(compute).__name__}; "
+                "e.g. .to(kt.Compute(cpus=1))"
+            )
         # the deployment's own copy: distribute() changes the Compute it is called on
-        return DeploymentSpec(name=check_name(name) if name else self.name, compute=replace(compute.served()),
-                              kind=self.kind, detached=detached)
+        return DeploymentSpec(
+            name=check_name(name) if name else self.name,
+            compute=replace(compute.served()),
+            kind=self.kind,
+            detached=detached,
+        )
 
-    def _colocate(self, host: _Remote, name: str | None, dryrun: bool,
-                  init: bytes | None) -> tuple[_Remote, str]:
+    def _colocate(
+        self, host: _Remote, name: str | None, dryrun: bool, init: bytes | None
+    ) -> tuple[_Remote, str]:
         """Load this code into ``host``'s rank processes under its own target name."""
         if dryrun:
             raise ConfigError("dryrun=True is for new deployments; colocating creates no pods")
         if host._host is not None:  # colocating with a colocated target: the same processes
             host = host._host
         if host._deployment is None:
-            raise ConfigError(f"cannot colocate {self.name!r} with {host._source.name!r}: that "
-                              "deployment was torn down; deploy it again first")
+            raise ConfigError(
+                f"cannot colocate {self.name!r} with {host._source.name!r}: that "
+                "deployment was torn down; deploy it again first"
+            )
         target = check_name(name) if name is not None else self.name
         bundle = packaging.bundle(self.obj)  # fails before anything is sent
         host.deployment.colocate(target, self.kind, bundle, packaging.local_sources(), init)
@@ -68,34 +77,55 @@ class _Source:
         except NotDeployedError:
             return None
         routed = isinstance(dep.mode, Routing)  # what the Compute asks for
-        runs_routed = getattr(dep.applied, "autoscale", None) is not None  # what the backend reports
+        runs_routed = (
+            getattr(dep.applied, "autoscale", None) is not None
+        )  # what the backend reports
         if routed or runs_routed:
             if routed != runs_routed:
                 dep.close()
                 what = "a fixed set of pods" if routed else "an autoscaled service"
-                raise ConfigError(f"get_if_exists=True: {spec.name!r} runs as {what}, unlike the Compute "
-                                  "given; deploy it again without get_if_exists")
+                raise ConfigError(
+                    f"get_if_exists=True: {spec.name!r} runs as {what}, unlike the Compute "
+                    "given; deploy it again without get_if_exists"
+                )
             return dep
         status = dep.client.status(dep.endpoints[0].url)
         running = _layout(status, len(dep.endpoints))
         asked = spec.distributed
-        if (running.workers, running.sizes) != (asked.workers, asked.sizes) or \
-                status.get("kind") not in (None, self.kind):
+        if (running.workers, running.sizes) != (asked.workers, asked.sizes) or status.get(
+            "kind"
+        ) not in (None, self.kind):
             dep.close()
-            raise ConfigError(f"get_if_exists=True: {spec.name!r} runs as a {status.get('kind')} on "
+            raise ConfigError(
+                f"get_if_exists=True: {spec.name!r} runs as a {status.get('kind')} on "
                 f"{running.workers} pod(s) x {list(running.sizes)} rank(s), but this asks for a "
                 f"{self.kind} on {asked.workers} x {list(asked.sizes)}; deploy it again without "
-                "get_if_exists, or match the running layout")
+                "get_if_exists, or match the running layout"
+            )
         return dep
 
-    def _deploy(self, compute: Compute, name: str | None, detached: bool, dryrun: bool,
-                restart_procs: bool, init: bytes | None) -> Deployment | Plan:
+    def _deploy(
+        self,
+        compute: Compute,
+        name: str | None,
+        detached: bool,
+        dryrun: bool,
+        restart_procs: bool,
+        init: bytes | None,
+    ) -> Deployment | Plan:
         spec = self._spec(compute, name, detached)
         bundle = packaging.bundle(self.obj)  # fails before anything starts
         if dryrun:
-            return get_backend(compute.backend, compute.namespace, compute.kubeconfig_path).plan(spec)
-        return deploy(spec, bundle, packaging.local_sources(), init,
-                      restart=restart_procs or compute.restart_procs)
+            return get_backend(compute.backend, compute.namespace, compute.kubeconfig_path).plan(
+                spec
+            )
+        return deploy(
+            spec,
+            bundle,
+            packaging.local_sources(),
+            init,
+            restart=restart_procs or compute.restart_procs,
+        )
 
 
 class _ToAsync:
@@ -112,11 +142,21 @@ class Fn(_Source, _ToAsync):
 
     kind = "fn"
 
-    def to(self, compute: Compute | _Remote, *, name: str | None = None, detached: bool = False,
-           dryrun: bool = False, restart_procs: bool = False, concurrency: int | None = None,
-           get_if_exists: bool = False, stream_logs: bool | None = None,
-           reload_prefixes: list[str] | None = None, prefix_username: bool | None = None,
-           init_args: Any = None) -> RemoteFunction | Plan:
+    def to(
+        self,
+        compute: Compute | _Remote,
+        *,
+        name: str | None = None,
+        detached: bool = False,
+        dryrun: bool = False,
+        restart_procs: bool = False,
+        concurrency: int | None = None,
+        get_if_exists: bool = False,
+        stream_logs: bool | None = None,
+        reload_prefixes: list[str] | None = None,
+        prefix_username: bool | None = None,
+        init_args: Any = None,
+    ) -> RemoteFunction | Plan:
         """Deploy onto ``compute``; returns a callable :class:`RemoteFunction`.
 
         Args:
@@ -132,8 +172,10 @@ class Fn(_Source, _ToAsync):
             stream_logs: the calls' default for streaming rank output (``Compute.stream_logs``).
         """
         if init_args is not None:
-            raise ConfigError("init_args= constructs a class; kt.fn deploys a function, which takes its "
-                              "arguments at each call")
+            raise ConfigError(
+                "init_args= constructs a class; kt.fn deploys a function, which takes its "
+                "arguments at each call"
+            )
         check_naming(reload_prefixes, prefix_username)
         compute = _with_concurrency(_with_stream_logs(compute, stream_logs), concurrency)
         if isinstance(compute, _Remote):
@@ -154,12 +196,21 @@ class Cls(_Source, _ToAsync):
 
     kind = "cls"
 
-    def to(self, compute: Compute | _Remote,
-           init_args: dict[str, Any] | tuple[Any, ...] | list[Any] | None = None, *,
-           name: str | None = None, detached: bool = False, dryrun: bool = False,
-           restart_procs: bool = False, concurrency: int | None = None, get_if_exists: bool = False,
-           stream_logs: bool | None = None, reload_prefixes: list[str] | None = None,
-           prefix_username: bool | None = None) -> RemoteClass | Plan:
+    def to(
+        self,
+        compute: Compute | _Remote,
+        init_args: dict[str, Any] | tuple[Any, ...] | list[Any] | None = None,
+        *,
+        name: str | None = None,
+        detached: bool = False,
+        dryrun: bool = False,
+        restart_procs: bool = False,
+        concurrency: int | None = None,
+        get_if_exists: bool = False,
+        stream_logs: bool | None = None,
+        reload_prefixes: list[str] | None = None,
+        prefix_username: bool | None = None,
+    ) -> RemoteClass | Plan:
         """Deploy onto ``compute`` and construct one instance per rank.
 
         Args:
@@ -192,8 +243,10 @@ class Cls(_Source, _ToAsync):
         elif isinstance(init_args, (tuple, list)):
             args, kwargs = tuple(init_args), {}
         else:
-            raise ConfigError(f"init_args={init_args!r} must be a dict of keyword arguments or a "
-                              "tuple of positional arguments")
+            raise ConfigError(
+                f"init_args={init_args!r} must be a dict of keyword arguments or a "
+                "tuple of positional arguments"
+            )
         init = packaging.encode_value((args, kwargs), "init_args")
         check_naming(reload_prefixes, prefix_username)
         compute = _with_concurrency(_with_stream_logs(compute, stream_logs), concurrency)
@@ -212,8 +265,10 @@ def _with_concurrency(compute: Any, concurrency: int | None) -> Any:
     if concurrency is None:
         return compute
     if not isinstance(compute, Compute):
-        raise ConfigError("concurrency= belongs to the deployment: a colocated group shares its host's; "
-                          "set it on the host's Compute")
+        raise ConfigError(
+            "concurrency= belongs to the deployment: a colocated group shares its host's; "
+            "set it on the host's Compute"
+        )
     return replace(compute, concurrency=concurrency)
 
 
@@ -235,12 +290,20 @@ def _check_sync(**given: Any) -> None:
         raise NotImplementedError(
             f"{', '.join(named)}: ktlite does not sync folders to pods or import code by path there; "
             "it ships the function or class by value with the local modules it imports (no "
-            "rsync, no image rebuild). Data files: kt.put(key, path), then kt.get(key, dest) on the pods")
+            "rsync, no image rebuild). Data files: kt.put(key, path), then kt.get(key, dest) on the pods"
+        )
 
 
-def fn(func: Any = None, name: str | None = None, get_if_exists: bool = True,
-       reload_prefixes: list[str] | None = None, prefix_username: bool | None = None,
-       sync_dir: Any = None, remote_dir: Any = None, remote_import_path: Any = None) -> Any:
+def fn(
+    func: Any = None,
+    name: str | None = None,
+    get_if_exists: bool = True,
+    reload_prefixes: list[str] | None = None,
+    prefix_username: bool | None = None,
+    sync_dir: Any = None,
+    remote_dir: Any = None,
+    remote_import_path: Any = None,
+) -> Any:
     """Wrap a function for deployment. Example: ``kt.fn(train).to(kt.Compute(cpus=1))(epochs=3)``.
 
     ``kt.fn(name="train")`` with no function attaches to the running deployment ``train``
@@ -252,13 +315,22 @@ def fn(func: Any = None, name: str | None = None, get_if_exists: bool = True,
     if not inspect.isfunction(func) and not inspect.isbuiltin(func) and not callable(func):
         raise ConfigError(f"kt.fn() needs a function, got {type(func).__name__}")
     if inspect.isclass(func):
-        raise ConfigError(f"kt.fn() got the class {func.__name__}; use kt.cls({func.__name__}) for classes")
+        raise ConfigError(
+            f"kt.fn() got the class {func.__name__}; use kt.cls({func.__name__}) for classes"
+        )
     return Fn(func, name)
 
 
-def cls(klass: Any = None, name: str | None = None, get_if_exists: bool = True,
-        reload_prefixes: list[str] | None = None, prefix_username: bool | None = None,
-        sync_dir: Any = None, remote_dir: Any = None, remote_import_path: Any = None) -> Any:
+def cls(
+    klass: Any = None,
+    name: str | None = None,
+    get_if_exists: bool = True,
+    reload_prefixes: list[str] | None = None,
+    prefix_username: bool | None = None,
+    sync_dir: Any = None,
+    remote_dir: Any = None,
+    remote_import_path: Any = None,
+) -> Any:
     """Wrap a class for deployment. Example: ``kt.cls(Model).to(compute, init_args={"lr": 0.1})``.
 
     ``kt.cls(name="model")`` with no class attaches to the running deployment ``model``."""
@@ -267,5 +339,7 @@ def cls(klass: Any = None, name: str | None = None, get_if_exists: bool = True,
     if klass is None:
         return _attach_by_name("cls", name, get_if_exists)
     if not inspect.isclass(klass):
-        raise ConfigError(f"kt.cls() needs a class, got {type(klass).__name__}; use kt.fn() for functions")
+        raise ConfigError(
+            f"kt.cls() needs a class, got {type(klass).__name__}; use kt.fn() for functions"
+        )
     return Cls(klass, name)

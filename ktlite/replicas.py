@@ -28,8 +28,14 @@ class Replica:
     launch_id: str = ""  # the launch it reported loaded
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.ep.name, "ip": self.ep.ip, "inflight": self.inflight + self.others,
-                "served": self.served, "draining": self.draining, "launch_id": self.launch_id}
+        return {
+            "name": self.ep.name,
+            "ip": self.ep.ip,
+            "inflight": self.inflight + self.others,
+            "served": self.served,
+            "draining": self.draining,
+            "launch_id": self.launch_id,
+        }
 
 
 @dataclass
@@ -48,10 +54,14 @@ class ReplicaSet:
         self.cond = threading.Condition(self.lock)
         self.replicas: dict[str, Replica] = {}
         self.waiting = 0
-        self.line: deque[threading.Condition] = deque()  # calls waiting for a replica, in arrival order
+        self.line: deque[threading.Condition] = (
+            deque()
+        )  # calls waiting for a replica, in arrival order
         self.load = Load()
         self.launch: bytes | None = None  # the current launch, for replicas that lack it
-        self.stale: str | None = None  # set when the deployment was torn down or redeployed elsewhere
+        self.stale: str | None = (
+            None  # set when the deployment was torn down or redeployed elsewhere
+        )
 
     def admit(self, ep: PodEndpoint, launch_id: str) -> None:
         """Route calls to ``ep`` from now on (it runs ``launch_id``). Holds ``cond``."""

@@ -63,13 +63,19 @@ class Routing(Mode):
     # ---- deploy -------------------------------------------------------------------------
 
     @classmethod
-    def shape(cls, spec: DeploymentSpec, backend: Backend, existing: Applied | None) -> DeploymentSpec:
+    def shape(
+        cls, spec: DeploymentSpec, backend: Backend, existing: Applied | None
+    ) -> DeploymentSpec:
         """A redeploy keeps the replicas that run (within the bounds); the autoscaler goes on."""
         a = spec.autoscale
         if backend.autoscaler(spec) != "client" or existing is None:
             return spec
-        return replace(spec, replicas=min(max(len(existing.endpoints), a.initial),
-                                          a.max_scale or len(existing.endpoints) or 1))
+        return replace(
+            spec,
+            replicas=min(
+                max(len(existing.endpoints), a.initial), a.max_scale or len(existing.endpoints) or 1
+            ),
+        )
 
     def deployed(self) -> None:
         if self.dep.spec.detached and hasattr(self.dep.backend, "supervise"):
@@ -128,8 +134,10 @@ class Routing(Mode):
         return outs
 
     def check_colocation(self, target: str) -> None:
-        raise ConfigError(f"{self.dep.name!r} is an autoscaled service; colocating {target!r} into its "
-                          "replicas is not supported (replicas come and go); deploy it on its own Compute")
+        raise ConfigError(
+            f"{self.dep.name!r} is an autoscaled service; colocating {target!r} into its "
+            "replicas is not supported (replicas come and go); deploy it on its own Compute"
+        )
 
     # ---- calls --------------------------------------------------------------------------
 
@@ -140,16 +148,25 @@ class Routing(Mode):
         most = (a.max_scale or self.scaler.max_replicas) * self.dep.spec.concurrency
         return max(4, min(256, most * 2))
 
-    def call(self, parts: list[Any], options: CallOptions, log: Any = None, on_send: Any = None,
-             per_rank: dict[str, Any] | None = None) -> list[Any]:
+    def call(
+        self,
+        parts: list[Any],
+        options: CallOptions,
+        log: Any = None,
+        on_send: Any = None,
+        per_rank: dict[str, Any] | None = None,
+    ) -> list[Any]:
         """Run one call on one replica; returns ``[value]``."""
         if per_rank is not None or options.workers is not None or options.ranks is not None:
-            raise ConfigError(f"{self.dep.name!r} is an autoscaled service: a call runs on one replica, "
-                              "so per-rank data, workers= and ranks= do not apply")
+            raise ConfigError(
+                f"{self.dep.name!r} is an autoscaled service: a call runs on one replica, "
+                "so per-rank data, workers= and ranks= do not apply"
+            )
         return self._call_one(parts, options, log, on_send, resent=False)
 
-    def _call_one(self, parts: list[Any], options: CallOptions, log: Any, on_send: Any,
-                  resent: bool) -> list[Any]:
+    def _call_one(
+        self, parts: list[Any], options: CallOptions, log: Any, on_send: Any, resent: bool
+    ) -> list[Any]:
         replica = self._acquire(options)
         try:
             return self._call_on(replica, parts, options, log, on_send, resent)
@@ -176,10 +193,15 @@ class Routing(Mode):
             p.load.last_call = time.monotonic()
             waiter = threading.Condition(p.lock)  # woken alone when its turn may have come
             p.line.append(waiter)  # first come, first served: a caller that just ended a call
-            try:                   # and calls again queues behind the ones already waiting
+            try:  # and calls again queues behind the ones already waiting
                 while True:
-                    free = [r for r in p.replicas.values() if r.launch_id == dep.launch_id
-                            and not r.draining and r.inflight < dep.spec.concurrency]
+                    free = [
+                        r
+                        for r in p.replicas.values()
+                        if r.launch_id == dep.launch_id
+                        and not r.draining
+                        and r.inflight < dep.spec.concurrency
+                    ]
                     if free and p.line[0] is waiter:
                         best = min(free, key=lambda r: (r.inflight + r.others, r.served))
                         best.inflight += 1
@@ -190,8 +212,11 @@ class Routing(Mode):
                     if not free:  # no room: a cluster's replicas are looked up at the next tick
                         self.scaler.no_room()
                     if dep.closed or p.stale:
-                        raise NotDeployedError(p.stale or f"deployment {dep.name!r} was torn down while "
-                                               "this call waited for a replica")
+                        raise NotDeployedError(
+                            p.stale
+                            or f"deployment {dep.name!r} was torn down while "
+                            "this call waited for a replica"
+                        )
                     waiter.wait(min(left, 1.0))
             finally:
                 p.line.remove(waiter)
@@ -200,33 +225,56 @@ class Routing(Mode):
 
     def _no_replica(self, waited: float) -> KtliteError:
         dep = self.dep
-        busy = ", ".join(f"{r.ep.name}: {r.inflight}" for r in self.pool.replicas.values()) or "none"
+        busy = (
+            ", ".join(f"{r.ep.name}: {r.inflight}" for r in self.pool.replicas.values()) or "none"
+        )
         return LaunchTimeout(
             f"no replica of {dep.name!r} had room for this call within {waited:g}s (calls in flight per "
             f"replica: {busy}; at most {dep.spec.concurrency} each; {dep.spec.autoscale.describe()})"
             f"{self.scaler.why()}. Raise max_scale or concurrency, pass a longer timeout=, or see "
-            f"`ktlite status {dep.name}`")
+            f"`ktlite status {dep.name}`"
+        )
 
-    def _call_on(self, replica: Replica, parts: list[Any], options: CallOptions, log: Any, on_send: Any,
-                 resent: bool) -> list[Any]:
+    def _call_on(
+        self,
+        replica: Replica,
+        parts: list[Any],
+        options: CallOptions,
+        log: Any,
+        on_send: Any,
+        resent: bool,
+    ) -> list[Any]:
         """The call on ``replica``. One no replica started (a 409: it runs another launch; a
         connection refused) goes to another replica, once."""
         dep = self.dep
         ep = replica.ep
         d = dep.spec.distributed
-        stream = dep.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
+        stream = (
+            dep.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
+        )
         call_id = uuid.uuid4().hex
         if on_send is not None:
             on_send(call_id)
         meta: dict[str, Any] = {
-            "id": call_id, "launch_id": dep.launch_id, "pods": [ep.peer_url], "names": [ep.name],
-            "workers": None, "timeout": options.timeout if options.timeout is not None else dep.spec.compute.call_timeout,
-            "stream_logs": stream, "restart": options.restart_procs, "fanout": True,
-            "quorum_timeout": d.quorum_timeout, "num_proc": 1}
+            "id": call_id,
+            "launch_id": dep.launch_id,
+            "pods": [ep.peer_url],
+            "names": [ep.name],
+            "workers": None,
+            "timeout": options.timeout
+            if options.timeout is not None
+            else dep.spec.compute.call_timeout,
+            "stream_logs": stream,
+            "restart": options.restart_procs,
+            "fanout": True,
+            "quorum_timeout": d.quorum_timeout,
+            "num_proc": 1,
+        }
         try:
             with shm_arguments(dep.applied, meta, parts) as sent:
-                reply = dep.client.call(ep.url, meta, sent, (log or print_log) if stream else None, None,
-                                        pod=ep.name)
+                reply = dep.client.call(
+                    ep.url, meta, sent, (log or print_log) if stream else None, None, pod=ep.name
+                )
         except NotDeployedError as e:
             # 409 before anything ran: the replica runs another launch (or none); it leaves the
             # routing until it reports ours, and the call may safely go to another replica
@@ -240,15 +288,21 @@ class Routing(Mode):
                 return self._call_one(parts, options, log, on_send, resent=True)
             raise PodUnreachable(
                 f"replica {ep.name} of {dep.name!r} went away during the call, which may have run there, so "
-                f"it is not sent again; the next call goes to another replica.\n{e}", delivered=True) from e
+                f"it is not sent again; the next call goes to another replica.\n{e}",
+                delivered=True,
+            ) from e
         failures, values = split(reply.outcomes)
         if failures:
-            error = to_error(failures, values, f"call to {dep.name!r} on replica {ep.name}", RemoteError)
+            error = to_error(
+                failures, values, f"call to {dep.name!r} on replica {ep.name}", RemoteError
+            )
             if any(f.kind in ("died", "unreachable", "stale") for f in failures):
                 self.evict(replica, failures[0].message)
                 if isinstance(error, RemoteError):
-                    error.args = (f"{error.args[0]}\nreplica {ep.name} lost the call; it is not sent again (it "
-                                  "may have run); the next call goes to another replica",)
+                    error.args = (
+                        f"{error.args[0]}\nreplica {ep.name} lost the call; it is not sent again (it "
+                        "may have run); the next call goes to another replica",
+                    )
             raise error
         return [values[r] for r in sorted(values)]
 
@@ -257,8 +311,11 @@ class Routing(Mode):
         with self.pool.cond:
             if self.pool.replicas.get(replica.ep.name) is replica:
                 replica.launch_id = ""
-        print(f"ktlite: {self.dep.name}: replica {replica.ep.name} left the routing ({why.splitlines()[0][:200]})",
-              file=sys.stderr, flush=True)
+        print(
+            f"ktlite: {self.dep.name}: replica {replica.ep.name} left the routing ({why.splitlines()[0][:200]})",
+            file=sys.stderr,
+            flush=True,
+        )
         self.scaler.urge()
 
     # ---- status and lifecycle ---------------------------------------------------------------
@@ -280,15 +337,22 @@ class Routing(Mode):
                 row["pod"], row["error"] = None, str(e)
             return row
 
-        return {"name": dep.name, "launch_id": dep.launch_id, "waiting": waiting,
-                "replicas": list(pool.map(one, replicas)), "autoscaler": self.scaler.autoscaler_info()}
+        return {
+            "name": dep.name,
+            "launch_id": dep.launch_id,
+            "waiting": waiting,
+            "replicas": list(pool.map(one, replicas)),
+            "autoscaler": self.scaler.autoscaler_info(),
+        }
 
     def scaling_status(self) -> dict[str, Any]:
         return self.scaler.scaling_status()
 
     def restart_failed(self) -> dict[str, Any]:
-        raise ConfigError(f"{self.dep.name!r} is an autoscaled service: a replica whose process died leaves "
-                          "the routing and is replaced; nothing to restart by hand")
+        raise ConfigError(
+            f"{self.dep.name!r} is an autoscaled service: a replica whose process died leaves "
+            "the routing and is replaced; nothing to restart by hand"
+        )
 
     def stop(self) -> None:
         self.scaler.stop()

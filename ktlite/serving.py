@@ -54,7 +54,9 @@ class ReplicaScaler(AutoscalerReport):
         self._usage_at = (0.0, 0.0)  # when the replicas' CPU/memory was last read, and its sum
         self._refreshed = 0.0  # when the replicas were last looked up
         self._urgent = False  # look them up at the next tick
-        self._waking: threading.Thread | None = None  # asking Knative for a replica (scaled to zero)
+        self._waking: threading.Thread | None = (
+            None  # asking Knative for a replica (scaled to zero)
+        )
 
     # what AutoscalerReport reads
     @property
@@ -124,7 +126,10 @@ class ReplicaScaler(AutoscalerReport):
                 wake(self.dep.name, self.dep.spec.compute.launch_timeout)
             self._urgent = True
             self._wake.set()
-        self._waking = threading.Thread(target=run, name=f"ktlite-wake-{self.dep.name}", daemon=True)
+
+        self._waking = threading.Thread(
+            target=run, name=f"ktlite-wake-{self.dep.name}", daemon=True
+        )
         self._waking.start()
 
     # ---- the thread ---------------------------------------------------------------------------
@@ -136,7 +141,9 @@ class ReplicaScaler(AutoscalerReport):
             # deploy) count as wanted now, so they stay at least scale_down_delay
             self._scaler.started(time.monotonic(), len(self.dep.applied.endpoints))
             autoscalers.track(self)  # stopped at exit before the backend and the client
-            self._thread = threading.Thread(target=self._loop, name=f"ktlite-scale-{self.dep.name}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name=f"ktlite-scale-{self.dep.name}", daemon=True
+            )
             self._thread.start()
 
     def _loop(self) -> None:
@@ -153,11 +160,19 @@ class ReplicaScaler(AutoscalerReport):
                     logger.debug("%s: scaling step ended by close: %r", self.dep.name, e)
                     return
                 self._scale_error = f"{type(e).__name__}: {str(e)[:500]}"
-                print(f"ktlite: {self.dep.name}: scaling: {self._scale_error}", file=sys.stderr, flush=True)
+                print(
+                    f"ktlite: {self.dep.name}: scaling: {self._scale_error}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self._stop.wait(1.0)
 
     def _tick(self) -> None:
-        if self._who == "client" or self._urgent or time.monotonic() - self._refreshed >= CLUSTER_REFRESH_S:
+        if (
+            self._who == "client"
+            or self._urgent
+            or time.monotonic() - self._refreshed >= CLUSTER_REFRESH_S
+        ):
             self._urgent = False
             self._refresh()
         if self._who != "client" or self._stop.is_set():
@@ -177,8 +192,10 @@ class ReplicaScaler(AutoscalerReport):
                 self.pool.load.last_call = now
             last_call = self.pool.load.last_call
         decision = self._scaler.decide(now, load, current, last_call)
-        changed = self._decision is None or (decision.desired, decision.current) != \
-            (self._decision.desired, self._decision.current)
+        changed = self._decision is None or (decision.desired, decision.current) != (
+            self._decision.desired,
+            self._decision.current,
+        )
         self._decision = decision
         if changed:
             self._record()
@@ -214,7 +231,11 @@ class ReplicaScaler(AutoscalerReport):
         self.pool.load.finished = [t for t in self.pool.load.finished if t >= now - 1.0]
         if self.dep.spec.autoscale.metric_name == "rps":
             return float(len(self.pool.load.finished))
-        return float(sum(r.inflight + r.others for r in self.pool.replicas.values()) + self.pool.waiting + elsewhere)
+        return float(
+            sum(r.inflight + r.others for r in self.pool.replicas.values())
+            + self.pool.waiting
+            + elsewhere
+        )
 
     def _usage(self, metric: str) -> float:
         """The replicas' CPU percent (100 = one core) or memory (percent of ``memory``), read
@@ -227,9 +248,15 @@ class ReplicaScaler(AutoscalerReport):
             with contextlib.suppress(KtliteError):
                 rows = self.dep.client.status(r.ep.url).get("ranks") or []
                 if metric == "cpu":
-                    total += sum(row.get("cpu_percent") or 0 for row in rows) / max(self.dep.spec.compute.cpu_count or 1, 1e-9)
+                    total += sum(row.get("cpu_percent") or 0 for row in rows) / max(
+                        self.dep.spec.compute.cpu_count or 1, 1e-9
+                    )
                 elif self.dep.spec.compute.memory:
-                    total += 100 * sum(row.get("rss_bytes") or 0 for row in rows) / parse_memory(self.dep.spec.compute.memory)
+                    total += (
+                        100
+                        * sum(row.get("rss_bytes") or 0 for row in rows)
+                        / parse_memory(self.dep.spec.compute.memory)
+                    )
         self._usage_at = (now, total)
         return total
 
@@ -238,14 +265,19 @@ class ReplicaScaler(AutoscalerReport):
         they take calls, gone ones leave the routing; each one's own count of running calls."""
         self._refreshed = time.monotonic()
         current = self.dep.backend.lookup(self.dep.name)
-        if current is None or current.token != self.dep.applied.token:  # torn down (and maybe re-created)
+        if (
+            current is None or current.token != self.dep.applied.token
+        ):  # torn down (and maybe re-created)
             self._stop.set()
             self.pool.forget(f"deployment {self.dep.name!r} was torn down; call .to() again")
             return
         by_name = {ep.name: ep for ep in current.endpoints}
         with self.pool.cond:
-            for name in [n for n, r in self.pool.replicas.items()
-                         if n not in by_name or by_name[n].incarnation != r.ep.incarnation]:
+            for name in [
+                n
+                for n, r in self.pool.replicas.items()
+                if n not in by_name or by_name[n].incarnation != r.ep.incarnation
+            ]:
                 del self.pool.replicas[name]
             known = {n for n, r in self.pool.replicas.items() if r.launch_id == self.dep.launch_id}
         self.dep.applied = current
@@ -271,9 +303,11 @@ class ReplicaScaler(AutoscalerReport):
         """Another ``.to()`` (this process or another) deployed new code: this handle stops
         scaling and routing; its calls fail saying so."""
         self._stop.set()
-        self.pool.forget(f"deployment {self.dep.name!r} was redeployed by another .to() (replica {ep.name} runs "
-                         f"launch {theirs}, this handle's is {self.dep.launch_id}); use the new handle, or "
-                         "call .to() again")
+        self.pool.forget(
+            f"deployment {self.dep.name!r} was redeployed by another .to() (replica {ep.name} runs "
+            f"launch {theirs}, this handle's is {self.dep.launch_id}); use the new handle, or "
+            "call .to() again"
+        )
 
     def _bring_up(self, ep: PodEndpoint) -> None:
         """A replica not routed yet: route to it once it runs the current launch (it loads it
@@ -283,7 +317,9 @@ class ReplicaScaler(AutoscalerReport):
         except KtliteError:
             return  # not answering yet: next tick
         if health is not None and not self.dep.launch_id and self.pool.launch is None:
-            self.dep.launch_id = str(health.get("launch_id") or "")  # attached with no replica running
+            self.dep.launch_id = str(
+                health.get("launch_id") or ""
+            )  # attached with no replica running
         if health is not None and health.get("launch_id") == self.dep.launch_id:
             with self.pool.cond:
                 self.pool.admit(ep, self.dep.launch_id)
@@ -300,7 +336,11 @@ class ReplicaScaler(AutoscalerReport):
         if self.pool.launch is None:
             return
         try:
-            failures, _ = split(self.dep.client.deploy(ep.url, self.pool.launch, self.dep.spec.compute.launch_timeout + 30))
+            failures, _ = split(
+                self.dep.client.deploy(
+                    ep.url, self.pool.launch, self.dep.spec.compute.launch_timeout + 30
+                )
+            )
         except KtliteError:
             return
         if not failures:
@@ -313,7 +353,9 @@ class ReplicaScaler(AutoscalerReport):
             return
         with self.pool.cond:
             for r in self.pool.replicas.values():  # a draining replica is the quickest to get back
-                if r.draining and count > len([x for x in self.pool.replicas.values() if not x.draining]):
+                if r.draining and count > len(
+                    [x for x in self.pool.replicas.values() if not x.draining]
+                ):
                     r.draining = False
         running = len([r for r in self.pool.replicas.values() if not r.draining])
         if count <= running:
@@ -323,15 +365,21 @@ class ReplicaScaler(AutoscalerReport):
         self.dep.applied = applied
         self._refresh()
         if os.environ.get("KTLITE_SERVING_DEBUG"):
-            print(f"ktlite: {self.dep.name}: {running} -> {count} replicas in {time.monotonic() - started:.2f}s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"ktlite: {self.dep.name}: {running} -> {count} replicas in {time.monotonic() - started:.2f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _drain(self, how_many: int) -> None:
         """Mark the ``how_many`` highest replicas draining: they finish their calls, take no
         new ones, and stop once idle (the backend stops the highest ordinals)."""
         with self.pool.cond:
-            live = sorted((r for r in self.pool.replicas.values() if not r.draining), key=lambda r: r.ep.ordinal)
-            for r in live[len(live) - how_many:]:
+            live = sorted(
+                (r for r in self.pool.replicas.values() if not r.draining),
+                key=lambda r: r.ep.ordinal,
+            )
+            for r in live[len(live) - how_many :]:
                 r.draining = True
 
     def _fill_gaps(self) -> None:
@@ -339,9 +387,15 @@ class ReplicaScaler(AutoscalerReport):
         and stops by ordinal: the highest go first when scaling down)."""
         with self.pool.cond:
             live = sorted(r.ep.ordinal for r in self.pool.replicas.values() if not r.draining)
-            if not live or live[-1] + 1 == len(live) or any(r.draining for r in self.pool.replicas.values()):
+            if (
+                not live
+                or live[-1] + 1 == len(live)
+                or any(r.draining for r in self.pool.replicas.values())
+            ):
                 return
-        self.dep.applied = self.dep.backend.scale(self.dep.name, self.dep.applied.token, live[-1] + 1)
+        self.dep.applied = self.dep.backend.scale(
+            self.dep.name, self.dep.applied.token, live[-1] + 1
+        )
         self._refresh()
 
     def _stop_drained(self) -> None:

@@ -23,7 +23,9 @@ def supervise(name: str) -> int:
     if applied is None or applied.autoscale is None:
         print(f"ktlite: no autoscaled local deployment {name!r}", file=sys.stderr)
         return 1
-    spec = DeploymentSpec(name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)), detached=True)
+    spec = DeploymentSpec(
+        name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)), detached=True
+    )
     dep = Deployment(spec, backend, applied)
     mode = dep.mode
     if not isinstance(mode, Routing):  # mode_for(spec) with spec.autoscale set

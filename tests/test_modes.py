@@ -16,8 +16,23 @@ from ktlite.spec import DeploymentSpec
 
 PACKAGE = Path(kt.__file__).parent
 # the modules of the call path and its modes (client side)
-CALL_PATH = ("deploy", "callpath", "mode", "fanout", "routing", "replicas", "serving", "outcomes",
-             "remote", "handles", "adverbs", "reattach", "decorators", "supervisor", "autoscalers")
+CALL_PATH = (
+    "deploy",
+    "callpath",
+    "mode",
+    "fanout",
+    "routing",
+    "replicas",
+    "serving",
+    "outcomes",
+    "remote",
+    "handles",
+    "adverbs",
+    "reattach",
+    "decorators",
+    "supervisor",
+    "autoscalers",
+)
 
 
 def _spec(compute: kt.Compute) -> DeploymentSpec:
@@ -41,8 +56,11 @@ def test_one_deployment_class_holds_its_mode_by_composition() -> None:
 
 def test_a_call_returns_one_value_exactly_where_the_mode_says() -> None:
     dep = Deployment.__new__(Deployment)
-    cases = [(kt.Compute(), True), (kt.Compute().distribute("pytorch", workers=2), False),
-             (kt.Compute().distribute("ray", workers=2), True)]
+    cases = [
+        (kt.Compute(), True),
+        (kt.Compute().distribute("pytorch", workers=2), False),
+        (kt.Compute().distribute("ray", workers=2), True),
+    ]
     for compute, single in cases:
         dep.spec = _spec(compute)
         assert mode_for(dep.spec)(dep).single is single, compute
@@ -80,7 +98,13 @@ def test_call_path_modules_are_at_most_500_lines() -> None:
 
 def _name(node: ast.expr) -> str:
     """``spec`` for ``spec`` and ``self.spec``, ``distributed`` for ``spec.distributed``."""
-    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return (
+        node.id
+        if isinstance(node, ast.Name)
+        else node.attr
+        if isinstance(node, ast.Attribute)
+        else ""
+    )
 
 
 def test_only_the_choice_reads_which_mode_a_spec_asks_for() -> None:
@@ -96,6 +120,8 @@ def test_only_the_choice_reads_which_mode_a_spec_asks_for() -> None:
                 continue
             for node in ast.walk(fn):
                 if isinstance(node, ast.Attribute) and (node.attr, _name(node.value)) in (
-                        ("autoscale", "spec"), ("engine", "distributed")):
+                    ("autoscale", "spec"),
+                    ("engine", "distributed"),
+                ):
                     readers.append(f"{m}.{fn.name}")
     assert sorted(set(readers)) == ["deploy.mode_for"]
