@@ -16,22 +16,26 @@ from ktlite.spec import DeploymentSpec
 
 PACKAGE = Path(kt.__file__).parent
 # the modules of the call path and its modes (client side)
-CALL_PATH = (
-    "deploy",
-    "callpath",
-    "mode",
-    "fanout",
-    "routing",
-    "replicas",
-    "serving",
-    "outcomes",
-    "remote",
-    "handles",
-    "adverbs",
-    "reattach",
-    "decorators",
-    "supervisor",
-    "autoscalers",
+CALL_PATH = tuple(
+    [
+        "deploy",
+        "callpath",
+        "mode",
+        "fanout",
+        "replacement",
+        "routing",
+        "replicas",
+        "serving",
+        "outcomes",
+        "remote",
+        "handles",
+        "adverbs",
+        "reattach",
+        "naming",
+        "decorators",
+        "supervisor",
+        "autoscalers",
+    ]
 )
 
 
