@@ -43,7 +43,7 @@ class ReplicaScaler(AutoscalerReport):
     def __init__(self, dep: CallPath, pool: ReplicaSet) -> None:
         self.dep, self.pool = dep, pool
         self._scaler = Scaler(dep.spec.autoscale, max_default=os.cpu_count() or 1)
-        self._who = dep.backend.autoscaler(dep.spec)
+        self._said_who: str | None = None  # the backend's answer, asked at first need
         self._decision: Decision | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -57,6 +57,13 @@ class ReplicaScaler(AutoscalerReport):
         self._waking: threading.Thread | None = (
             None  # asking Knative for a replica (scaled to zero)
         )
+
+    @property
+    def _who(self) -> str:  # type: ignore[override]
+        """Who scales: ``"client"`` (this thread), ``"hpa"`` or ``"knative"`` (the cluster)."""
+        if self._said_who is None:
+            self._said_who = self.dep.backend.autoscaler(self.dep.spec)
+        return self._said_who
 
     # what AutoscalerReport reads
     @property
