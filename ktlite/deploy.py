@@ -132,6 +132,7 @@ class Deployment:
             "restart": restart,
             "concurrency": self.spec.concurrency,
             "load_timeout": timeout,
+            **self.mode.launch_fields(),
         }
         # where the data store is, for kt.put/get in the ranks: read while the pods are asked for
         # /health (queued before them: a pod's launch waiting for it never holds up its task)

@@ -75,19 +75,20 @@ class Fanout(Mode):
 
     # ---- code --------------------------------------------------------------------------
 
-    def load(self, launch: dict[str, Any], store: concurrent.futures.Future[Any]) -> None:
-        """Send the launch to every pod, each with its ordinal; each restarts or reloads its
-        rank processes."""
-        timeout = self.spec.compute.launch_timeout
-        base = {
-            **launch,
+    def launch_fields(self) -> dict[str, Any]:
+        return {
             "pod_ips": [ep.ip for ep in self.endpoints],
             "single": self.spec.compute.distributed is None,
         }
 
+    def load(self, launch: dict[str, Any], store: concurrent.futures.Future[Any]) -> None:
+        """Send the launch to every pod, each with its ordinal; each restarts or reloads its
+        rank processes."""
+        timeout = self.spec.compute.launch_timeout
+
         def one(ep: PodEndpoint) -> list[Any]:
             self.dep.wait_healthy(ep.url, timeout)
-            msg = {**base, "ordinal": ep.ordinal, **self.launch_extras(ep)}
+            msg = {**launch, "ordinal": ep.ordinal, **self.launch_extras(ep)}
             if store.result() is not None:
                 msg["store"] = store.result()
             return self.client.deploy(ep.url, protocol.dumps(msg), timeout + 30)

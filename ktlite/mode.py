@@ -55,9 +55,15 @@ class Mode:
 
     # ---- code --------------------------------------------------------------------------
 
+    def launch_fields(self) -> dict[str, Any]:
+        """What this mode puts in the launch beside the code: the pod addresses the ranks
+        see, whether a call's result is one value, and (replicas) the ordinal every one has."""
+        raise NotImplementedError(f"{type(self).__name__}.launch_fields")
+
     def load(self, launch: dict[str, Any], store: concurrent.futures.Future[Any]) -> None:
-        """Load the launch (the code, ``launch``: the keys every pod gets) on the pods;
-        ``store``: where the data store is, for ``kt.put/get`` in the ranks (None: none)."""
+        """Load the launch (``launch``: what every pod gets, built by the deployment with
+        :meth:`launch_fields`) on the pods; ``store``: where the data store is, for
+        ``kt.put/get`` in the ranks (None: none)."""
         raise NotImplementedError(f"{type(self).__name__}.load")
 
     def adopt(self) -> None:

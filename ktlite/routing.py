@@ -81,13 +81,17 @@ class Routing(Mode):
         if self.dep.spec.detached and hasattr(self.dep.backend, "supervise"):
             self.dep.backend.supervise(self.dep.name)  # scales it once this process is gone
 
+    def launch_fields(self) -> dict[str, Any]:
+        # every replica is a world of one: RANK 0 of its own, whatever its pod ordinal
+        return {"pod_ips": ["127.0.0.1"], "ordinal": 0, "replica": True, "single": True}
+
     def load(self, launch: dict[str, Any], store: concurrent.futures.Future[Any]) -> None:
         """Write the launch where new replicas read it, then load it on every running
         replica; returns once each runs it (the replicas that took calls with the old code
         take new calls only with the new)."""
         dep = self.dep
         timeout = dep.spec.compute.launch_timeout
-        msg = {**launch, "pod_ips": ["127.0.0.1"], "ordinal": 0, "replica": True, "single": True}
+        msg = dict(launch)
         if store.result() is not None:
             msg["store"] = store.result()
         body = protocol.dumps(msg)
