@@ -1,6 +1,6 @@
 """Distributed data-parallel training with PyTorch DDP on 2 workers x 2 processes (gloo, CPU).
 
-Run from the repository root (needs torch: ``pip install -e ".[dev]"`` installs torch==2.13.0):
+Run from the repository root (needs torch and numpy: ``pip install -e ".[examples]"`` installs them):
 
     python examples/ddp_train.py
 

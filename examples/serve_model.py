@@ -1,6 +1,6 @@
 """Serving a small torch model behind autoscaled replicas (local backend, CPU).
 
-Run from the repository root (needs torch: ``pip install -e ".[dev]"`` installs torch==2.13.0):
+Run from the repository root (needs torch: ``pip install -e ".[examples]"`` installs it):
 
     python examples/serve_model.py
 

@@ -78,7 +78,7 @@ def _cat(key: str, parts: list[Any], pad_value: float) -> Any:
 class BatchedDataDict(UserDict, Generic[T]):  # type: ignore[type-arg]
     """Named columns over one batch dimension (NeMo RL's ``BatchedDataDict``).
 
-    Example:
+    Examples:
         >>> batch = BatchedDataDict({"prompt": ["a", "b", "c", "d"], "id": [0, 1, 2, 3]})
         >>> [s["id"] for s in batch.shard_by_batch_size(2)]
         [[0, 1], [2, 3]]
