@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -45,6 +46,9 @@ __all__ = [
     "print_log",
     "shm_arguments",
 ]
+
+
+logger = logging.getLogger(__name__)
 
 
 class _CancelledBeforeSend(Exception):
@@ -325,10 +329,14 @@ def deploy(
     existing = backend.lookup(spec.name)
     token = existing.token if existing is not None else secrets.token_urlsafe(32)
     spec = mode.shape(spec, backend, existing)
+    logger.info("%s: asking the %s backend for the pods", spec.name, backend.name)
     applied = backend.apply(spec, token)
     dep = Deployment(spec, backend, applied)
     try:
         dep.push(bundle, sources, init, restart)
+        logger.info(
+            "%s: launch %s ready on %d pod(s)", spec.name, dep.launch_id, len(applied.endpoints)
+        )
     except BaseException as e:
         dep.close()
         if isinstance(e, Exception) and (backend.name != "local" or spec.detached):

@@ -8,7 +8,7 @@ Used by :class:`ktlite.fanout.Fanout`; no call is sent again once a rank may hav
 from __future__ import annotations
 
 import contextlib
-import sys
+import logging
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 from ktlite.backends.base import Applied
 from ktlite.callpath import CallPath
 from ktlite.errors import NotDeployedError, RankFailure, RemoteError, WorkerMembershipChanged
+
+logger = logging.getLogger(__name__)
 
 
 class Replacements:
@@ -129,11 +131,12 @@ class Replacements:
             if self.dep.spec.kind == "cls"
             else ""
         )
-        print(
-            f"ktlite: {self.dep.name}: pod(s) {', '.join(gone)} were replaced ({why}); waiting for "
-            f"them and pushing the code again{kind}",
-            file=sys.stderr,
-            flush=True,
+        logger.warning(
+            "%s: pod(s) %s were replaced (%s); waiting for them and pushing the code again%s",
+            self.dep.name,
+            ", ".join(gone),
+            why,
+            kind,
         )
         applied = self.dep.backend.apply(self.dep.spec, self.dep.applied.token)
         self.dep.applied = applied

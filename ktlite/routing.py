@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import sys
+import logging
 import threading
 import time
 import uuid
@@ -44,6 +44,8 @@ from ktlite.outcomes import split, to_error
 from ktlite.replicas import Replica, ReplicaSet
 from ktlite.serving import ReplicaScaler
 from ktlite.spec import DeploymentSpec
+
+logger = logging.getLogger(__name__)
 
 
 class Routing(Mode):
@@ -315,10 +317,11 @@ class Routing(Mode):
         with self.pool.cond:
             if self.pool.replicas.get(replica.ep.name) is replica:
                 replica.launch_id = ""
-        print(
-            f"ktlite: {self.dep.name}: replica {replica.ep.name} left the routing ({why.splitlines()[0][:200]})",
-            file=sys.stderr,
-            flush=True,
+        logger.warning(
+            "%s: replica %s left the routing (%s)",
+            self.dep.name,
+            replica.ep.name,
+            why.splitlines()[0][:200],
         )
         self.scaler.urge()
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 
@@ -167,11 +166,7 @@ class ReplicaScaler(AutoscalerReport):
                     logger.debug("%s: scaling step ended by close: %r", self.dep.name, e)
                     return
                 self._scale_error = f"{type(e).__name__}: {str(e)[:500]}"
-                print(
-                    f"ktlite: {self.dep.name}: scaling: {self._scale_error}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                logger.warning("%s: scaling: %s", self.dep.name, self._scale_error)
                 self._stop.wait(1.0)
 
     def _tick(self) -> None:
@@ -371,12 +366,13 @@ class ReplicaScaler(AutoscalerReport):
         applied = self.dep.backend.scale(self.dep.name, self.dep.applied.token, count)
         self.dep.applied = applied
         self._refresh()
-        if os.environ.get("KTLITE_SERVING_DEBUG"):
-            print(
-                f"ktlite: {self.dep.name}: {running} -> {count} replicas in {time.monotonic() - started:.2f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+        logger.info(
+            "%s: %d -> %d replicas in %.2fs",
+            self.dep.name,
+            running,
+            count,
+            time.monotonic() - started,
+        )
 
     def _drain(self, how_many: int) -> None:
         """Mark the ``how_many`` highest replicas draining: they finish their calls, take no

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
@@ -13,6 +14,8 @@ from ktlite.deploy import Deployment
 from ktlite.routing import Routing
 from ktlite.spec import DeploymentSpec
 
+logger = logging.getLogger("ktlite.supervisor")  # not __name__: this module also runs as __main__
+
 
 def supervise(name: str) -> int:
     """Scale the detached deployment ``name`` on the replicas' own counts of running calls and
@@ -21,7 +24,7 @@ def supervise(name: str) -> int:
     backend = LocalBackend.shared()
     applied = backend.lookup(name)
     if applied is None or applied.autoscale is None:
-        print(f"ktlite: no autoscaled local deployment {name!r}", file=sys.stderr)
+        logger.error("no autoscaled local deployment %r", name)
         return 1
     spec = DeploymentSpec(
         name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)), detached=True
