@@ -195,13 +195,14 @@ def targets(m: dict[str, Any], get: Callable[[str, str], float | None]) -> list[
     return out
 
 
-def render(rows: list[list[str]], header: list[str]) -> str:
+def render(rows: list[list[str]], header: list[str], left: tuple[int, ...] = (0, 2)) -> str:
+    """``rows`` under ``header`` in aligned columns: the ``left`` ones flush left, the others right."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = "  ".join("-" * w for w in widths)
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)), line]
     out += [
         "  ".join(
-            c.ljust(w) if i in (0, 2) else c.rjust(w)
+            c.ljust(w) if i in left else c.rjust(w)
             for i, (c, w) in enumerate(zip(r, widths, strict=True))
         )
         for r in rows

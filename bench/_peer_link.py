@@ -7,7 +7,8 @@ runtime must outlive one measurement: the peer process starts its runtime once, 
 
 Both sides are here; standard library only (the peer may run in another venv):
 
-- bench side: ``PeerProcess(name, cmd)``; ``.ready`` is the peer's first reply;
+- bench side: ``PeerProcess(name, cmd, start_timeout, env=None, cwd=None)``; ``.ready`` is the
+  peer's first reply;
   ``.ask(op, timeout, **kwargs)`` returns the handler's result; ``.close()`` stops it all.
 - peer side: ``replies = open_replies(fd)`` first thing (before the runtime starts, so its
   children do not inherit the pipe), then ``replies.serve(ready, handlers)``.
@@ -66,7 +67,12 @@ class PeerProcess:
     """``cmd`` (a peer script taking ``--reply-fd``) in its own session, up until ``close()``."""
 
     def __init__(
-        self, name: str, cmd: list[str], start_timeout: float, env: dict[str, str] | None = None
+        self,
+        name: str,
+        cmd: list[str],
+        start_timeout: float,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
     ) -> None:
         self.name = name
         # the peer's stdout and stderr, for its errors; lives as long as the peer (close())
@@ -82,6 +88,7 @@ class PeerProcess:
                 pass_fds=(write,),
                 start_new_session=True,
                 env=env,
+                cwd=cwd,
             )
         except BaseException:
             os.close(read)
