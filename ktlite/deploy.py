@@ -290,6 +290,17 @@ class Deployment:
     def status(self, stuck_after: float | None = None) -> Any:
         return self.mode.status(stuck_after)
 
+    def teardown(self, volumes: bool = False, timeout: float | None = None) -> None:
+        """Stop every pod of this deployment and delete what it created (its volumes too with
+        ``volumes``), waiting up to ``timeout`` seconds (default ``Compute.teardown_timeout``);
+        then close it."""
+        limit = self.spec.compute.teardown_timeout if timeout is None else timeout
+        self.fail_queued()  # submitted calls that have not started never will
+        self.backend.teardown(self.name, timeout=limit, volumes=volumes)
+        for ep in self.endpoints:
+            self.client.forget(ep.url)
+        self.close()
+
     def close(self) -> None:
         """Fail the submitted calls that have not started, then drop the connections."""
         self.fail_queued()

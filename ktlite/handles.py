@@ -303,12 +303,7 @@ class _Remote(ServedHandle):
             if volumes and self._kept_volumes is not None:
                 self._delete_volumes(*self._kept_volumes, timeout=timeout)
             return
-        limit = dep.spec.compute.teardown_timeout if timeout is None else timeout
-        dep.fail_queued()  # submitted calls that have not started never will
-        dep.backend.teardown(dep.name, timeout=limit, volumes=volumes)
-        for ep in dep.endpoints:
-            dep.client.forget(ep.url)
-        dep.close()
+        dep.teardown(volumes=volumes, timeout=timeout)
         self._deployment = None
         if not volumes:
             self._kept_volumes = (dep.backend, dep.name, dep.spec.compute.teardown_timeout)
