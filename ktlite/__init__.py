@@ -110,6 +110,10 @@ from ktlite.kubetorch import Config as _Config  # noqa: E402
 
 config = _Config(_config_module)
 
+from ktlite.logconfig import configure as _configure_logging  # noqa: E402
+
+_configure_logging()  # KTLITE_LOG_LEVEL, and ktlite's warnings on stderr unless the app logs
+
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import difflib
 import json
 import sys
 import time
 from typing import Any
 
-from ktlite import __version__, config, run_cli
+from ktlite import __version__, config, logconfig, run_cli
 from ktlite.backends.base import Backend, get_backend
 from ktlite.decorators import Decorated
 from ktlite.errors import ConfigError, KtliteError, NotDeployedError
@@ -182,6 +183,9 @@ def _call(args: argparse.Namespace) -> int:
     if args.method is None and status and status[0].get("kind") == "cls":
         raise ConfigError(f"{args.name!r} is a deployed class: name the method to call with "
                           "--method, e.g. --method predict")
+    if args.method is not None and status and status[0].get("kind") == "fn":
+        raise ConfigError(f"{args.name!r} is a deployed function: it has no methods, so there is no "
+                          f"--method {args.method}; call it without --method")
     parts = packaging.encode_call(args.method, tuple(call_args), call_kwargs)
     values = dep.call(args.method, parts, options)
     result = values if len(values) > 1 else values[0]
@@ -208,23 +212,53 @@ def _list(args: argparse.Namespace) -> int:
 
 def _teardown(args: argparse.Namespace) -> int:
     backend = _backend(args)
+    deployed = [r["name"] for r in backend.list()]
+    where = f"backend {backend.name!r}"
     if args.prefix:  # Kubetorch's --prefix: every deployment whose name starts with it
-        names = [r["name"] for r in backend.list() if r["name"].startswith(args.prefix)]
+        names = [n for n in deployed if n.startswith(args.prefix)]
     else:
-        names = [r["name"] for r in backend.list()] if args.all else args.names
+        names = deployed if args.all else args.names
     if not names:
-        print("nothing to tear down; name a deployment or pass --all"
-              + (f" (none starts with {args.prefix!r})" if args.prefix else ""), file=sys.stderr)
+        if not deployed:
+            why = f"nothing is deployed on {where}"
+        elif args.prefix:
+            why = f"no deployment name starts with {args.prefix!r}; deployed: {', '.join(deployed)}"
+        else:
+            why = f"name a deployment or pass --all; deployed: {', '.join(deployed)}"
+        print(f"nothing to tear down: {why}", file=sys.stderr)
         return 1
     if (args.all or args.prefix) and not args.yes:
-        answer = input(f"tear down {len(names)} deployment(s): {', '.join(names)}? [y/N] ")
+        which = "--all" if args.all else f"--prefix {args.prefix}"
+        if sys.stdin is None or not sys.stdin.isatty():
+            print(f"ktlite: error: teardown {which} asks before it tears down {len(names)} deployment(s) "
+                  f"({', '.join(names)}), and there is no terminal to ask on: pass --yes (-y)",
+                  file=sys.stderr)
+            return 2
+        try:
+            answer = input(f"tear down {len(names)} deployment(s): {', '.join(names)}? [y/N] ")
+        except EOFError:
+            answer = ""
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing torn down")
             return 1
+    missing = []
     for name in names:
-        found = backend.teardown(name, timeout=args.timeout, volumes=args.volumes)
-        print(f"{name}: {'torn down' if found else 'not found'}")
+        if backend.teardown(name, timeout=args.timeout, volumes=args.volumes):
+            print(f"{name}: torn down")
+        else:
+            missing.append(name)
+    if missing:
+        raise NotDeployedError("; ".join(_no_such(name, deployed, where) for name in missing))
     return 0
+
+
+def _no_such(name: str, deployed: list[str], where: str) -> str:
+    """Says that ``name`` is not deployed, with the closest names that are."""
+    if not deployed:
+        return f"no deployment named {name!r}: nothing is deployed on {where}"
+    close = difflib.get_close_matches(name, deployed, n=3, cutoff=0.6)
+    guess = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"no deployment named {name!r}{guess} (deployed on {where}: {', '.join(deployed)})"
 
 
 def _logs(args: argparse.Namespace) -> int:
@@ -250,21 +284,16 @@ def _config(args: argparse.Namespace) -> int:
         print(f"{args.key} = {args.value}")
     elif args.action == "unset":
         config.unset(args.key)
-    elif args.action == "get":
-        value = config.get(args.key)
+    elif args.action == "get":  # the value on stdout (for scripts), where it came from on stderr
+        value, origin = config.origin(args.key)
+        print(f"{args.key}: {origin}" if value is not None else f"{args.key} is not set: {origin}",
+              file=sys.stderr)
         if value is None:
             return 1
         print(value)
     else:
-        saved = config.read()
-        for key, (env, _, what) in sorted(config.KEYS.items()):
-            value = config.get(key)
-            if value is None:
-                origin = what
-            elif value != saved.get(key):
-                origin = f"from {env}"
-            else:
-                origin = "from the config file"
+        for key in sorted(config.KEYS):
+            value, origin = config.origin(key)
             print(f"{key:18} {value if value is not None else '-':30} {origin}")
     return 0
 
@@ -287,14 +316,20 @@ _REFUSED_COMMANDS = {
 }
 
 
-def _refused(args: argparse.Namespace) -> int:
-    print(f"ktlite: `{args.command}` is Kubetorch's command and not ktlite's: "
-          f"{_REFUSED_COMMANDS[args.command]}", file=sys.stderr)
-    return 2
+def _refused(command: str, asked_help: bool) -> int:
+    """Kubetorch's ``kt COMMAND`` that ktlite lacks: what to use instead (exit 2; 0 for --help)."""
+    print(f"ktlite: `{command}` is Kubetorch's command and not ktlite's: "
+          f"{_REFUSED_COMMANDS[command]}", file=sys.stdout if asked_help else sys.stderr)
+    return 0 if asked_help else 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ktlite", description="Run Python functions on N pods.")
+    p = argparse.ArgumentParser(
+        prog="ktlite", description="Run Python functions on N pods.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog stays one line
+        epilog=f"Kubetorch commands not in ktlite: {', '.join(_REFUSED_COMMANDS)} "
+               "(`ktlite COMMAND` says what to use instead).\n"
+               "KTLITE_LOG_LEVEL=INFO (or DEBUG) shows ktlite's diagnostics on stderr, and in the pods' logs.")
     p.add_argument("--version", action="version", version=f"ktlite {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -362,10 +397,6 @@ def _parser() -> argparse.ArgumentParser:
         ck.add_argument("--json", action="store_true")
         ck.add_argument("--stuck-after", type=float, default=None)
         where(ck)
-    for name, instead in _REFUSED_COMMANDS.items():
-        rc = command(name, f"Kubetorch's `kt {name}`: not in ktlite ({instead.split(';')[0]})",
-                     f"ktlite {name}", _refused)
-        rc.add_argument("rest", nargs=argparse.REMAINDER)
     from ktlite import store_cli
     store_cli.add_commands(command, where)
     cf = command("config", "read and change settings", "ktlite config set backend kubernetes", _config)
@@ -376,8 +407,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _parser()
+    logconfig.configure()  # ktlite's warnings on stderr, at KTLITE_LOG_LEVEL's level
     raw = list(sys.argv[1:] if argv is None else argv)
+    word = next((a for a in raw if not a.startswith("-")), None)
+    if word in _REFUSED_COMMANDS:
+        return _refused(word, asked_help=bool({"-h", "--help"} & set(raw)))
+    p = _parser()
     command_line: list[str] = []
     if "--" in raw and "run" in raw[:raw.index("--")]:  # `ktlite run [opts] -- CMD ...`
         command_line = raw[raw.index("--") + 1:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import sys
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +21,9 @@ import httpx
 from ktlite import protocol
 from ktlite.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
+from ktlite.logconfig import http_hook
+
+logger = logging.getLogger(__name__)
 
 # The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
 SILENCE_TIMEOUT = 10.0
@@ -56,7 +59,8 @@ def _shared_http() -> httpx.Client:
     global _shared
     if _shared is None:
         _shared = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0),
-                               limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+                               limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+                               event_hooks={"response": [http_hook(logger)]})
         atexit.register(_shared.close)
     return _shared
 
@@ -70,7 +74,7 @@ class PodClient:
         self._lean = http is None and transport is None
         self.reattempts = 0  # proxied requests sent again after a broken connection (a count)
         if transport is not None:
-            http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0))
+            http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0), event_hooks={"response": [http_hook(logger)]})
         self.http = http or _shared_http()
 
     def __repr__(self) -> str:
@@ -218,6 +222,7 @@ class PodClient:
         try:
             conn, status, hdrs = _pool.post(url, "/call", headers, parts, connect_timeout=10.0,
                                             read_timeout=SILENCE_TIMEOUT)
+            logger.debug("POST %s/call -> %d (direct connection)", url, status)
         except ConnectionRefused as e:
             raise PodUnreachable(f"cannot connect to the coordinator pod at {url}: {e}", delivered=False) from e
         try:
@@ -379,8 +384,7 @@ class _Frames:
                 info = json.loads(payload)
                 if info.get("kind") == "skip":
                     self.seen = int(info["to"])
-                    print(f"ktlite: {info.get('message')} while the connection to the pod was "
-                          "re-established", file=sys.stderr, flush=True)
+                    logger.warning("%s while the connection to the pod was re-established", info.get("message"))
                     continue
                 if self.on_notice is not None:
                     self.on_notice(info)

@@ -30,6 +30,10 @@ KEYS: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
 }
 
 
+# the built-in value of a key, where one is fixed (the others depend on the cluster or image)
+DEFAULTS = {"backend": "local"}
+
+
 def home() -> Path:
     return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite")
 
@@ -59,6 +63,22 @@ def get(key: str) -> str | None:
     _check_key(key)
     env = os.environ.get(KEYS[key][0])
     return env if env else read().get(key)
+
+
+def origin(key: str) -> tuple[str | None, str]:
+    """The effective value of ``key`` and where it comes from: the environment, the config
+    file, the built-in default, or nowhere (then the value is None and the text is the key's
+    description, which says what applies instead)."""
+    _check_key(key)
+    env, _, what = KEYS[key]
+    if os.environ.get(env):
+        return os.environ[env], f"from {env}"
+    saved = read()
+    if key in saved:
+        return saved[key], f"from the config file {_path()}"
+    if key in DEFAULTS:
+        return DEFAULTS[key], f"the default (set it with `ktlite config set {key} ...` or {env})"
+    return None, what
 
 
 def set_value(key: str, value: str) -> None:

@@ -9,6 +9,7 @@ refused or cut is sent again, from the start, within :data:`RETRY_WINDOW_S`.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +18,9 @@ import httpx
 
 from ktlite import protocol
 from ktlite.errors import AuthError, ConfigError, DataStoreError
+from ktlite.logconfig import http_hook
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "/store/v1"
 RETRY_WINDOW_S = 10.0
@@ -39,7 +43,8 @@ class StoreClient:
         self.url = url.rstrip("/")
         self._token = token
         self._owns = http is None
-        self.http = http or httpx.Client(timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S))
+        self.http = http or httpx.Client(timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S),
+                                         event_hooks={"response": [http_hook(logger)]})
         self.describe = describe or f"the data store at {self.url}"
         self.stale_hint = stale_hint
 

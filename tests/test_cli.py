@@ -51,9 +51,10 @@ class Counter:
 
 COMMANDS = ["deploy", "list", "status", "logs", "call", "teardown", "run", "config", "put", "get", "ls", "rm",
             "store",
-            # Kubetorch's names: check/describe show status; the rest say what to use instead
-            "check", "describe", "debug", "port-forward", "apply", "ssh", "volumes", "notebook",
-            "dashboard", "secrets"]
+            # Kubetorch's names for status
+            "check", "describe"]
+# Kubetorch's commands that ktlite lacks: one line of the help, and each says what to use instead
+REFUSED = ["debug", "port-forward", "apply", "ssh", "volumes", "notebook", "dashboard", "secrets"]
 
 
 @dataclass
@@ -66,8 +67,9 @@ def ktlite(where: Path, home: Path, *args: str, timeout: float = 60,
            ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(home)
+    # stdin is no terminal, as in CI or a pipe (never the terminal pytest may run in)
     return subprocess.run([sys.executable, "-m", "ktlite.cli", *args], cwd=where, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,17 @@ def test_help_lists_every_command_and_each_shows_an_example(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr
     listed = re.search(r"\{([a-z,-]+)\}", done.stdout)
     assert listed and set(listed.group(1).split(",")) == set(COMMANDS), done.stdout
+    # the commands ktlite lacks are one line, not one entry each
+    lines = [line for line in done.stdout.splitlines() if "Kubetorch commands not in ktlite" in line]
+    assert lines == [f"Kubetorch commands not in ktlite: {', '.join(REFUSED)} (`ktlite COMMAND` "
+                     "says what to use instead)."], done.stdout
+    assert not any(line.split()[:1] == [name] for line in done.stdout.splitlines() for name in REFUSED)
+    assert "KTLITE_LOG_LEVEL=INFO (or DEBUG) shows ktlite's diagnostics" in done.stdout
+    for name in REFUSED:  # each still says what to use instead
+        refused = ktlite(tmp_path, tmp_path / "home", name, "x")
+        assert refused.returncode == 2 and "Kubetorch's command" in refused.stderr, refused.stderr
+        helped = ktlite(tmp_path, tmp_path / "home", name, "--help")  # Kubetorch's table asks this
+        assert helped.returncode == 0 and "Kubetorch's command" in helped.stdout, helped.stderr
     for command in ("deploy", "status", "call", "run"):  # the others: test_config_cli.py
         done = ktlite(tmp_path, tmp_path / "home", command, "--help")
         assert done.returncode == 0, done.stderr
@@ -340,7 +353,42 @@ def test_call_a_class_without_method_says_to_pass_method(deployed: Deployed) -> 
     one_error_line(ktlite(deployed.where, deployed.home, "call", "cli-counter"), "--method")
 
 
-# ---- teardown --all (last: it ends the module's deployment) ----------------------------------
+@pytest.mark.timeout(60)
+def test_call_a_function_with_method_says_it_has_none(deployed: Deployed) -> None:
+    line = one_error_line(ktlite(deployed.where, deployed.home, "call", "cli-add", "--method", "add"),
+                          "'cli-add' is a deployed function", "no methods", "without --method")
+    assert "AttributeError" not in line, line
+
+
+# ---- teardown (--all last: it ends the module's deployment) ----------------------------------
+
+@pytest.mark.timeout(60)
+def test_teardown_a_misspelt_name_fails_and_says_what_exists(deployed: Deployed) -> None:
+    w, h = deployed.where, deployed.home
+    line = one_error_line(ktlite(w, h, "teardown", "cli-ad"),
+                          "no deployment named 'cli-ad'", "did you mean 'cli-add'?", "cli-counter")
+    assert "not found" not in line, line
+    bare = ktlite(w, h, "teardown")
+    assert bare.returncode == 1, bare.stderr
+    assert bare.stderr.startswith("nothing to tear down: name a deployment or pass --all; deployed: ")
+    assert "cli-add" in bare.stderr and "cli-counter" in bare.stderr, bare.stderr
+    prefix = ktlite(w, h, "teardown", "--prefix", "zz", "-y")
+    assert prefix.returncode == 1, prefix.stderr
+    assert prefix.stderr.startswith("nothing to tear down: no deployment name starts with 'zz'"), prefix.stderr
+    assert ktlite(w, h, "call", "cli-add", "--args", "[2]").stdout.splitlines()[-1] == "[2, 2]"
+
+
+@pytest.mark.timeout(60)
+def test_teardown_all_without_a_terminal_needs_yes(deployed: Deployed) -> None:
+    w, h = deployed.where, deployed.home
+    done = ktlite(w, h, "teardown", "--all")  # stdin is /dev/null: nobody to answer [y/N]
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "EOFError" not in done.stderr, done.stderr
+    assert "no terminal" in done.stderr and "--yes (-y)" in done.stderr, done.stderr
+    assert "cli-add" in done.stderr and "cli-counter" in done.stderr, done.stderr
+    assert ktlite(w, h, "call", "cli-add", "--args", "[3]").stdout.splitlines()[-1] == "[3, 3]"
+
+
 
 @pytest.mark.timeout(60)
 def test_teardown_all_yes(deployed: Deployed) -> None:
@@ -353,4 +401,9 @@ def test_teardown_all_yes(deployed: Deployed) -> None:
     gone = ktlite(w, h, "call", "cli-add", "--args", "[1]")
     one_error_line(gone, "cli-add")
     again = ktlite(w, h, "teardown", "--all", "-y")
-    assert again.returncode == 1 and "nothing to tear down" in again.stderr
+    assert again.returncode == 1, again.stderr
+    assert again.stderr == "nothing to tear down: nothing is deployed on backend 'local'\n"
+    named = ktlite(w, h, "teardown", "cli-add")
+    one_error_line(named, "no deployment named 'cli-add': nothing is deployed on backend 'local'")
+    bare = ktlite(w, h, "teardown")
+    assert bare.returncode == 1 and "nothing is deployed" in bare.stderr, bare.stderr

@@ -7,6 +7,7 @@ leaks into the xdist worker's home or into other tests.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -56,6 +57,13 @@ def main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return code, out, err
 
 
+class Terminal(io.StringIO):
+    """Standard input that is a terminal, holding what the user types."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def _list_rows(out: str) -> dict[str, str]:
     return {line.split()[0]: line for line in out.splitlines() if line.strip()}
 
@@ -83,8 +91,29 @@ def test_config_set_get_list_unset(home: Path) -> None:
 
     assert ktlite(home, "config", "unset", "backend").returncode == 0
     assert json.loads((home / "config.json").read_text()) == {}
-    gone = ktlite(home, "config", "get", "backend")
-    assert (gone.returncode, gone.stdout) == (1, "")
+    gone = ktlite(home, "config", "get", "backend")  # back to the built-in default
+    assert (gone.returncode, gone.stdout) == (0, "local\n")
+
+
+def test_config_get_says_where_the_value_comes_from(home: Path) -> None:
+    default = ktlite(home, "config", "get", "backend")
+    assert (default.returncode, default.stdout) == (0, "local\n"), default.stderr
+    assert default.stderr.startswith("backend: the default"), default.stderr
+    assert "KTLITE_BACKEND" in default.stderr and "ktlite config set backend" in default.stderr
+
+    assert ktlite(home, "config", "set", "backend", "kubernetes").returncode == 0
+    saved = ktlite(home, "config", "get", "backend")
+    assert (saved.returncode, saved.stdout) == (0, "kubernetes\n"), saved.stderr
+    assert saved.stderr == f"backend: from the config file {home / 'config.json'}\n"
+
+    env = ktlite(home, "config", "get", "backend", env={"KTLITE_BACKEND": "ssh"})
+    assert (env.returncode, env.stdout, env.stderr) == (0, "ssh\n", "backend: from KTLITE_BACKEND\n")
+
+    unset = ktlite(home, "config", "get", "namespace")  # no fixed default: it is the cluster's
+    assert (unset.returncode, unset.stdout) == (1, ""), unset.stderr
+    assert unset.stderr.startswith("namespace is not set: Kubernetes namespace"), unset.stderr
+    listed = _list_rows(ktlite(home, "config", "list").stdout)
+    assert listed["backend"].split()[1:4] == ["kubernetes", "from", "the"], listed["backend"]
 
 
 def test_environment_beats_the_file_and_list_says_so(home: Path) -> None:
@@ -109,7 +138,7 @@ def test_config_keeps_other_keys(home: Path, capsys: pytest.CaptureFixture[str])
     assert config.get("namespace") == "team-b"
     assert main(capsys, "config", "unset", "namespace")[0] == 0
     assert json.loads((home / "config.json").read_text()) == {"image_pull_policy": "IfNotPresent"}
-    assert main(capsys, "config", "get", "namespace") == (1, "", "")
+    assert main(capsys, "config", "get", "namespace")[:2] == (1, "")
 
 
 @pytest.mark.parametrize(("args", "wanted"), [
@@ -309,12 +338,10 @@ def test_list_and_teardown_all_asks_first(home: Path, monkeypatch: pytest.Monkey
         assert header.split() == ["NAME", "BACKEND", "NAMESPACE", "READY", "MODE", "DETACHED"]
         assert [r.split()[:5] for r in rows] == [[name, "local", "-", "1/1", "pods"]]
 
-        prompts: list[str] = []
-        monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or "n")
+        monkeypatch.setattr("sys.stdin", Terminal("n\n"))  # a user at a terminal answers n
         code, out, _ = main(capsys, "teardown", "--all")
         assert code == 1
-        assert "nothing torn down" in out
-        assert len(prompts) == 1 and name in prompts[0] and "[y/N]" in prompts[0]
+        assert name in out and out.endswith("[y/N] nothing torn down\n"), out  # the prompt, then
         assert backend.lookup(name) is not None  # still running
         assert remote("still") == "still"
 
@@ -329,8 +356,9 @@ def test_list_and_teardown_all_asks_first(home: Path, monkeypatch: pytest.Monkey
         assert main(capsys, "list")[1].strip() == "no deployments"
 
         code, _, err = main(capsys, "teardown")
-        assert code == 1 and "name a deployment or pass --all" in err
-        code, out, _ = main(capsys, "teardown", name)
-        assert code == 0 and out.splitlines() == [f"{name}: not found"]
+        assert code == 1 and err == "nothing to tear down: nothing is deployed on backend 'local'\n"
+        code, out, err = main(capsys, "teardown", name)
+        assert (code, out) == (1, "")
+        assert err == f"ktlite: error: no deployment named {name!r}: nothing is deployed on backend 'local'\n"
     finally:
         backend.teardown(name, timeout=5)

@@ -46,7 +46,7 @@ def _clean_settings(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Defaults only: no config file, no KTLITE_* overrides from the environment."""
     monkeypatch.setenv("KTLITE_HOME", str(tmp_path / "ktlite-home"))
     for key in ("KTLITE_IMAGE", "KTLITE_INSTALL", "KTLITE_NAMESPACE", "KTLITE_IMAGE_PULL_POLICY",
-                "KTLITE_BACKEND", "KTLITE_CONTEXT", "KTLITE_KUBECONFIG"):
+                "KTLITE_BACKEND", "KTLITE_CONTEXT", "KTLITE_KUBECONFIG", "KTLITE_LOG_LEVEL"):
         monkeypatch.delenv(key, raising=False)
 
 

@@ -8,6 +8,7 @@ tests. The hosts run this client's own Python (``python=``): its packages (torch
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -107,17 +108,43 @@ def test_a_changed_host_key_is_refused_before_anything_starts(hosts: SshHosts) -
     assert not _servers("ssh-badkey")
 
 
-def test_an_unknown_host_needs_accept_new_host_keys(hosts: SshHosts, tmp_path: Path) -> None:
+def test_an_unknown_host_needs_accept_new_host_keys(hosts: SshHosts, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
     known = tmp_path / "known_hosts"
     known.write_text("")
     with pytest.raises(kt.DeployError, match="not trusted"):
         kt.fn(layout, name="ssh-newkey").to(kt.Compute(hosts=options(hosts, known_hosts=str(known))))
+    caplog.set_level(logging.WARNING, logger="ktlite")
     remote = kt.fn(layout, name="ssh-newkey").to(
         kt.Compute(hosts=options(hosts, known_hosts=str(known), accept_new_host_keys=True)))
     try:
         assert len(remote()) == 2
         text = known.read_text()
         assert all(h.host_key_pub in text for h in hosts.hosts)
+        # each key added is said once, as a warning of the ssh backend (a log record)
+        added = sorted(r.getMessage() for r in caplog.records
+                       if r.name == "ktlite.backends.ssh" and r.levelno == logging.WARNING)
+        assert added == [f"added host {i} ({h.name})'s host key to {known} (accept_new_host_keys)"
+                         for i, h in enumerate(hosts.hosts)], added
+    finally:
+        remote.teardown()
+
+
+def test_the_log_level_reaches_the_hosts_pod_servers(hosts: SshHosts,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from ktlite.backends.ssh import SshBackend
+
+    monkeypatch.setenv("KTLITE_LOG_LEVEL", "DEBUG")
+    remote = kt.fn(layout, name="ssh-debug").to(kt.Compute(hosts=options(hosts), stream_logs=False))
+    try:
+        assert len(remote()) == 2
+        token = remote.deployment.applied.token
+        lines = list(SshBackend.shared().logs("ssh-debug"))
+        for pod in ("ssh-debug-0", "ssh-debug-1"):
+            mine = [line for line in lines if line.startswith(f"[{pod}]")]
+            assert any("DEBUG ktlite_server.requests" in line and "POST /deploy from " in line
+                       for line in mine), mine
+        assert not any(token in line for line in lines)
     finally:
         remote.teardown()
 

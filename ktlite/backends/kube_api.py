@@ -15,6 +15,7 @@ depend on the generated classes' signatures, which changed between client releas
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import ssl
@@ -27,6 +28,9 @@ import httpx
 
 from ktlite.backends import kubeconfig
 from ktlite.errors import ControllerRequestError, KubernetesCredentialsError
+from ktlite.logconfig import http_hook
+
+logger = logging.getLogger(__name__)
 
 PATHS = {
     "Pod": "/api/v1/namespaces/{ns}/pods",
@@ -151,6 +155,7 @@ def load(
         auth=_KubeAuth(creds.authorization),
         timeout=_TIMEOUT,
         transport=transport,
+        event_hooks={"response": [http_hook(logger)]},  # each request at DEBUG, never a header
     )
     info = ClusterInfo(
         host=creds.host,

@@ -35,6 +35,7 @@ from typing import Any
 
 from ktlite.compute import Volume, parse_cpus
 from ktlite.errors import ConfigError
+from ktlite.logconfig import pod_env
 from ktlite.secrets import Resolved, fingerprint, for_compute
 from ktlite.spec import DEFAULT_MASTER_PORT, DeploymentSpec
 
@@ -278,6 +279,7 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
         {"name": "KTLITE_FREEZE", "value": "1" if compute.freeze or (image is not None and image.freeze)
          else "0"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": k, "value": v} for k, v in pod_env().items() if k not in compute.env),  # KTLITE_LOG_LEVEL
     ]
     if image is not None and image.python_path:
         env.append({"name": "KTLITE_PYTHON", "value": image.python_path})

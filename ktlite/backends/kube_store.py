@@ -29,6 +29,7 @@ from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
 from ktlite.errors import DataStoreError, KtliteError
+from ktlite.logconfig import pod_env
 
 NAME = "ktlite-store"
 SECRET = "ktlite-store-token"
@@ -99,6 +100,7 @@ def render(
         {"name": "KTLITE_INSTALL", "value": install},
         {"name": "KTLITE_FREEZE", "value": "0"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": k, "value": v} for k, v in pod_env().items()),  # KTLITE_LOG_LEVEL, when set
     ]
     container: dict[str, Any] = {
         "name": km.CONTAINER,

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import pickle
 import random
@@ -32,7 +33,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ktlite import config
+from ktlite import config, logconfig
 from ktlite import secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
@@ -205,7 +206,7 @@ class LocalBackend(Backend):
 
     def _env(self, spec: DeploymentSpec, ordinal: int, volumes: list[LocalVolume] | None = None,
              mounted: bool = False, secret_env: dict[str, str] | None = None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")} | logconfig.pod_env()
         image = spec.compute.image
         if image is not None:
             env.update(image.env)
@@ -360,8 +361,7 @@ class LocalBackend(Backend):
             return None
         group = memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", parse_memory(limit, "memory_limit"))
         if group is None:
-            print(f"ktlite: memory_limit={limit!r} is not enforced for local pod {spec.name}-{ordinal}: "
-                  "this machine does not let ktlite create memory cgroups", file=sys.stderr)
+            logging.getLogger(__name__).warning("memory_limit=%r is not enforced for local pod %s-%d: this machine does not let ktlite create memory cgroups", limit, spec.name, ordinal)
             return None
         try:
             (group / "cgroup.procs").write_text(str(proc.pid))

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import queue
@@ -37,6 +38,7 @@ from typing import Any
 
 import asyncssh
 
+from ktlite import logconfig
 from ktlite import secrets as kt_secrets
 from ktlite.backends import ssh_copy
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
@@ -140,7 +142,7 @@ class _Host:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(f"{name} {key.export_public_key().decode().strip()}\n")
-        print(f"ktlite: added {self.label}'s host key to {path} (accept_new_host_keys)", file=sys.stderr)
+        logging.getLogger(__name__).warning("added %s's host key to %s (accept_new_host_keys)", self.label, path)
         return conn
 
     async def run(self, command: str, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S) -> str:
@@ -331,7 +333,7 @@ class SshBackend(Backend):
                 await ssh_copy.upload(c, deps, await asyncio.to_thread(self._deps_files))
             path = f"{src}:{deps}"
         image = spec.compute.image
-        env = {**(image.env if image is not None else {}), **spec.compute.env, **secret_env,
+        env = {**logconfig.pod_env(), **(image.env if image is not None else {}), **spec.compute.env, **secret_env,
                "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
                "PYTHONUNBUFFERED": "1", "KTLITE_WORKDIR": "~"}  # ranks run in the login's home
         steps = [[kind, list(arg) if kind == "pip_install" else arg]

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,8 +21,11 @@ import time
 
 import uvicorn
 
+from ktlite_server import logconfig
 from ktlite_server.app import DEFAULT_MAX_BODY, create_app
 from ktlite_server.pod import Pod
+
+logger = logging.getLogger("ktlite_server.__main__")  # not __name__: this module also runs as __main__
 
 
 def _ordinal() -> int:
@@ -61,7 +65,7 @@ async def _watch_idle(ttl: float, server: uvicorn.Server, pod: Pod) -> None:
     while True:
         await asyncio.sleep(min(1.0, ttl / 4))
         if not pod.calls and time.monotonic() - pod.last_active > ttl:
-            print(f"ktlite: no client for {ttl:g}s (inactivity_ttl): stopping", file=sys.stderr, flush=True)
+            logger.warning("no client for %gs (inactivity_ttl): stopping", ttl)
             _stop(server, pod)
             return
 
@@ -90,6 +94,7 @@ async def _watch_parent(pid: int, server: uvicorn.Server, pod: Pod) -> None:
 
 def main() -> None:
     args = _parse()
+    logconfig.configure()  # KTLITE_LOG_LEVEL, handed over by the client
     token = os.environ.pop("KTLITE_TOKEN", "")
     if not token and args.token_stdin:  # kept out of /proc/<pid>/environ, which env is not
         token = sys.stdin.readline().strip()
@@ -101,7 +106,7 @@ def main() -> None:
         return
     max_body = int(os.environ.get("KTLITE_MAX_BODY", DEFAULT_MAX_BODY))
     pod = Pod(args.pod, args.ordinal, procs=args.procs)
-    app = create_app(pod, token, max_body=max_body)
+    app = logconfig.request_log(create_app(pod, token, max_body=max_body))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

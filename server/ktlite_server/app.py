@@ -20,10 +20,10 @@ import contextlib
 import gzip
 import hmac
 import json
+import logging
 import mmap
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +42,7 @@ from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, LOG_BODIES, Colocated, Deployment, Pod
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
 
+logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 8 << 30
 
 
@@ -308,19 +309,19 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             return
         except Exception as e:  # noqa: BLE001 - shown by /health?ready=1 and the log
             state["boot"] = f"the launch file {path} could not be read: {type(e).__name__}: {e}"
-            print(f"ktlite_server: {state['boot']}", file=sys.stderr, flush=True)
+            logger.error("%s", state["boot"])
             return
         try:
             outs = await install(msg)
         except HTTPException as e:
             state["boot"] = f"the launch file {path} was refused: {e.detail}"
-            print(f"ktlite_server: {state['boot']}", file=sys.stderr, flush=True)
+            logger.error("%s", state["boot"])
             return
         failed = [o for o in outs if o.status != "ok"]
         state["boot"] = (f"loading launch {msg.get('launch_id')} failed on rank(s) "
                          f"{', '.join(str(o.rank) for o in failed)}: {failed[0].message}" if failed else None)
         if failed:
-            print(f"ktlite_server: {state['boot']}", file=sys.stderr, flush=True)
+            logger.error("%s", state["boot"])
 
     async def _colocate(msg: dict[str, Any], name: str, target: Colocated | None) -> Response:
         """A colocation launch (``kt.cls(B).to(remote_a)``): add, replace or (``drop``) remove
@@ -409,8 +410,7 @@ def create_app(pod: Pod, token: str, *, max_body: int = DEFAULT_MAX_BODY,
             raise
         stream.decide(True)
         if LOG_BODIES:
-            print(f"[pod] call {plan.id}: received {memoryview(body).nbytes if plan.shm is None else 0} bytes "
-                  f"over HTTP", file=sys.stderr, flush=True)
+            logger.info("call %s: received %d bytes over HTTP", plan.id, memoryview(body).nbytes if plan.shm is None else 0)
         coordinators: dict[str, Coordinator] = state["coordinators"]
         if coordinator is not None:
             coordinators[plan.id] = coordinator

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -26,6 +27,9 @@ import venv
 from pathlib import Path
 from typing import Any
 
+from ktlite_server import logconfig
+
+logger = logging.getLogger("ktlite_server.boot")  # not __name__: this module also runs as __main__
 SETUP_FAILED_EXIT = 78
 
 
@@ -39,8 +43,7 @@ def _run(argv: list[str], what: str) -> None:
     for line in proc.stdout.splitlines():
         print(f"  {line}", flush=True)
     if proc.returncode != 0:
-        print(f"ktlite setup: step failed with exit code {proc.returncode}: {what}", file=sys.stderr,
-              flush=True)
+        logger.error("setup step failed with exit code %d: %s", proc.returncode, what)
         sys.exit(SETUP_FAILED_EXIT)
 
 
@@ -88,14 +91,14 @@ def run_steps(steps: list[list[Any]], state: Path) -> str:
         elif kind == "run_bash":
             _run([shell, "-c", arg], f"step {i}: {arg}")
         else:
-            print(f"ktlite setup: unknown step {kind!r}; this server is older than the client",
-                  file=sys.stderr, flush=True)
+            logger.error("unknown step %r; this server is older than the client", kind)
             sys.exit(SETUP_FAILED_EXIT)
     marker.write_text(json.dumps(steps))
     return python
 
 
 def main() -> None:
+    logconfig.configure()
     steps = json.loads(os.environ.get("KTLITE_SETUP") or "[]")
     python = sys.executable
     if steps and os.environ.get("KTLITE_FREEZE") != "1":

@@ -23,10 +23,14 @@ Failures exit with code 75 and one line on stderr; nothing runs then.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import stat
 import sys
 
+from ktlite_server import logconfig
+
+logger = logging.getLogger("ktlite_server.mountns")  # not __name__: this module also runs as __main__
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 32, 4096, 16384, 1 << 18
@@ -183,12 +187,12 @@ def _parse(argv: list[str]) -> tuple[str, list[tuple[str, str]], list[str]]:
 
 
 def main() -> None:
+    logconfig.configure()
     root, binds, command = _parse(sys.argv[1:])
     try:
         setup(root, binds)
     except (Refused, OSError) as e:
-        print(f"ktlite: could not give this local pod its volumes in a private mount namespace: {e}",
-              file=sys.stderr, flush=True)
+        logger.error("could not give this local pod its volumes in a private mount namespace: %s", e)
         sys.exit(SETUP_FAILED)
     os.execv(command[0], command)
 

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
 from ktlite_server.usage import Apps, GpuQuery, ProcessUsage, rank_gpu_summary, visible
 
+logger = logging.getLogger(__name__)
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
 
@@ -558,11 +560,9 @@ class Pod:
                 items = {i: bytes(view[off:off + n]) for i, (off, n) in enumerate(slices)}
             view = view[:per_rank["shared"]]
             if LOG_BODIES:
-                print(f"[pod] call {handle.call_id}: shared message {view.nbytes} bytes; per-rank items "
-                      + ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)),
-                      file=sys.stderr, flush=True)
+                logger.info("call %s: shared message %d bytes; per-rank items %s", handle.call_id, view.nbytes, ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)))
         elif LOG_BODIES:
-            print(f"[pod] call {handle.call_id}: message {view.nbytes} bytes", file=sys.stderr, flush=True)
+            logger.info("call %s: message %d bytes", handle.call_id, view.nbytes)
         size = view.nbytes
         msg: dict[str, Any] = {"id": handle.call_id, "args": None if path else bytes(view), "path": path,
                                "size": size, "items": items, "item_at": item_at, "generation": generation,
@@ -645,8 +645,7 @@ class Pod:
             while call_id in rank.running and rank.alive and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if call_id in rank.running and rank.alive:
-                print(f"[pod] call {call_id} ignored its interrupt for {INTERRUPT_GRACE_S:g}s: killing rank "
-                      f"{rank.global_rank} and the calls it ran", file=sys.stderr, flush=True)
+                logger.warning("call %s ignored its interrupt for %gs: killing rank %d and the calls it ran", call_id, INTERRUPT_GRACE_S, rank.global_rank)
                 rank.kill()
         asyncio.get_running_loop().create_task(interrupt())
 

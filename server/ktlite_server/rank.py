@@ -27,7 +27,7 @@ from typing import Any
 
 from ktlite import protocol, rankdata, shm, sourcelines
 from ktlite.spec import GROUP_PORTS
-from ktlite_server import workdir
+from ktlite_server import logconfig, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
 
 _LEN = struct.Struct("<Q")
@@ -376,6 +376,7 @@ PORT_SPAN = GROUP_PORTS  # process-group generations cycle through MASTER_PORT .
 
 
 def main() -> None:
+    logconfig.configure()  # the pod's level; records go to this rank's stderr, the pod log
     chan = Channel(socket.socket(fileno=int(sys.argv[1])))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sys.meta_path.insert(0, PatchOnImport())

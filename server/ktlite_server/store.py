@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from ktlite import protocol
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite.storedir import OBJECT_MAGIC, StoreDir, check_key
+from ktlite_server.logconfig import request_log
 
 PREFIX = "/store/v1"
 _END = object()
@@ -232,7 +233,7 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
 
     import uvicorn
 
-    app = create_store_app(root, token)
+    app = request_log(create_store_app(root, token))  # each request at DEBUG (KTLITE_LOG_LEVEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
