@@ -116,7 +116,7 @@ class PodClient:
 
     def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
         try:
-            resp = self.http.get(f"{url}/health", timeout=timeout)
+            resp = self.http.get(f"{url}/health", headers=self._headers(), timeout=timeout)
         except httpx.HTTPError as e:
             raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
         if resp.status_code in (502, 503, 504):  # a proxy (the API server's) cannot reach it yet
@@ -134,7 +134,7 @@ class PodClient:
         answers but has none yet (or the proxy cannot reach it yet); PodUnreachable when the
         pod does not answer at all."""
         try:
-            resp = self.http.get(f"{url}/health", params={"ready": "1"}, timeout=timeout)
+            resp = self.http.get(f"{url}/health", params={"ready": "1"}, headers=self._headers(), timeout=timeout)
         except httpx.HTTPError as e:
             raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
         if resp.status_code in (502, 503, 504):

@@ -126,7 +126,8 @@ def _wait_health(proc: subprocess.Popen[bytes], log: Path, port: int) -> dict[st
         if proc.poll() is not None:
             pytest.fail(f"boot exited with {proc.returncode} before serving:\n{log.read_text()}")
         try:
-            resp = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0)
+            resp = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0,
+                             headers={"x-ktlite-token": "Bearer boot-test-token"})
         except httpx.HTTPError as e:
             last = repr(e)
         else:

@@ -637,7 +637,8 @@ def launch_message(launch_id: str) -> bytes:
 
 def health(backend: KubernetesBackend, url: str, ready: bool = False) -> httpx.Response:
     http = backend._connect()[0]
-    return http.get(f"{url}/health" + ("?ready=1" if ready else ""), timeout=10)
+    return http.get(f"{url}/health" + ("?ready=1" if ready else ""), timeout=10,
+                    headers={"x-ktlite-token": f"Bearer {TOKEN}"})
 
 
 def wait_for(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str) -> Any:

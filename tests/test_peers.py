@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ktlite_server.peers import PeerConnectError, PeerPool
+from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, PeerTimeout
 
 
 async def _serve(handler) -> tuple[asyncio.AbstractServer, str]:
@@ -101,3 +101,85 @@ def test_unreachable_peer_is_a_connect_error() -> None:
                     pass
 
     asyncio.run(main())
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length")), 0)
+    await reader.readexactly(length)
+    return head
+
+
+def test_short_requests_carry_the_pool_headers_and_reuse_the_connection() -> None:
+    """GET /health and POST /cancel go through the same pool as calls, with the token."""
+    heads: list[bytes] = []
+    connections = 0
+
+    async def handler(reader, writer):
+        nonlocal connections
+        connections += 1
+        while True:
+            try:
+                heads.append(await _read_head(reader))
+            except asyncio.IncompleteReadError:
+                return
+            body = b'{"engine_failed": null, "pod": "p-1"}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async def main() -> tuple[object, int]:
+        server, url = await _serve(handler)
+        pool = PeerPool({"x-ktlite-token": "Bearer sekrit"})
+        assert "sekrit" not in repr(pool)
+        health = await pool.get_json(f"{url}/health", timeout=5)
+        status, _ = await pool.request("POST", f"{url}/cancel/c1", params={"kind": "timeout", "reason": "a b"},
+                                       timeout=5)
+        await pool.aclose()
+        await _stop(server)
+        return health, status
+
+    health, status = asyncio.run(main())
+    assert health == {"engine_failed": None, "pod": "p-1"} and status == 200
+    assert connections == 1
+    assert heads[0].startswith(b"GET /health HTTP/1.1\r\n") and b"x-ktlite-token: Bearer sekrit" in heads[0]
+    assert heads[1].startswith(b"POST /cancel/c1?kind=timeout&reason=a+b HTTP/1.1\r\n")
+    assert b"x-ktlite-token: Bearer sekrit" in heads[1]
+
+
+def test_short_request_failures_are_peer_errors() -> None:
+    """A silent peer is a PeerTimeout (also a TimeoutError), one that answers garbage or
+    closes mid-answer a PeerError: no asyncio or OSError type leaks out of peers.py."""
+    async def silent(reader, writer):
+        await _read_head(reader)
+        await asyncio.sleep(30)
+
+    async def garbage(reader, writer):
+        await _read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\nshort")
+        await writer.drain()
+
+    async def not_json(reader, writer):
+        await _read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nabc")
+        await writer.drain()
+
+    async def main() -> list[type[BaseException]]:
+        got = []
+        for handler, call in ((silent, "request"), (garbage, "request"), (not_json, "get_json")):
+            server, url = await _serve(handler)
+            pool = PeerPool()
+            try:
+                if call == "request":
+                    await pool.request("GET", f"{url}/health", timeout=0.5)
+                else:
+                    await pool.get_json(f"{url}/health", timeout=5)
+            except Exception as e:  # noqa: BLE001 - the type is what is checked
+                got.append(type(e))
+            await pool.aclose()
+            await _stop(server)
+        return got
+
+    got = asyncio.run(main())
+    assert got[0] is PeerTimeout and issubclass(PeerTimeout, TimeoutError)
+    assert all(issubclass(t, PeerError) for t in got), got

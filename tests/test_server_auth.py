@@ -79,7 +79,7 @@ def _auth(token: str) -> dict[str, str]:
 
 
 def _launch_ids(http: httpx.Client, state: dict) -> list[str]:
-    return [http.get(f"{u}/health").json()["launch_id"] for u in state["urls"]]
+    return [http.get(f"{u}/health", headers=_auth(state["token"])).json()["launch_id"] for u in state["urls"]]
 
 
 def _call_request(path: Path) -> tuple[dict[str, str], bytes]:
@@ -126,9 +126,12 @@ def test_state_file_is_private(state) -> None:
 
 
 def test_health_needs_no_token(remote, state, http) -> None:
+    """Without the token /health tells liveness and the protocol only; with it, the rest."""
     for i, url in enumerate(state["urls"]):
         resp = http.get(f"{url}/health")
         assert resp.status_code == 200
+        assert resp.json() == {"status": "ok", "protocol": protocol.PROTOCOL_VERSION}
+        resp = http.get(f"{url}/health", headers=_auth(state["token"]))
         body = resp.json()
         assert body["status"] == "ok" and body["ordinal"] == i
         assert body["protocol"] == protocol.PROTOCOL_VERSION

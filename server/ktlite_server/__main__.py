@@ -22,7 +22,8 @@ import time
 import uvicorn
 
 from ktlite_server import logconfig
-from ktlite_server.app import DEFAULT_MAX_BODY, create_app
+from ktlite_server.app import create_app
+from ktlite_server.connections import Limits, guarded
 from ktlite_server.pod import Pod
 
 logger = logging.getLogger("ktlite_server.__main__")  # not __name__: this module also runs as __main__
@@ -104,9 +105,12 @@ def main() -> None:
         from ktlite_server.store import serve
         serve(os.environ["KTLITE_STORE_ROOT"], token, args.host, args.port, args.ready_file)
         return
-    max_body = int(os.environ.get("KTLITE_MAX_BODY", DEFAULT_MAX_BODY))
+    try:
+        limits = Limits.from_env()
+    except ValueError as e:
+        raise SystemExit(f"ktlite_server: {e}") from None
     pod = Pod(args.pod, args.ordinal, procs=args.procs)
-    app = logconfig.request_log(create_app(pod, token, max_body=max_body))
+    app = logconfig.request_log(create_app(pod, token, limits=limits))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
@@ -114,9 +118,10 @@ def main() -> None:
     config = uvicorn.Config(
         app, log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"), access_log=False,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        # httptools, with bounded request heads, a header timeout and a connection cap
+        http=guarded(limits), timeout_keep_alive=limits.idle_timeout,  # type: ignore[arg-type]
         # a stream of a call that is still running must not hold shutdown (SIGTERM) forever
-        timeout_keep_alive=300, timeout_graceful_shutdown=3, lifespan="on")
+        timeout_graceful_shutdown=3, lifespan="on")
     server = uvicorn.Server(config)
 
     async def serve() -> None:

@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
 from ktlite import protocol, rankdata, shm
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_server.pod import Pod
@@ -181,11 +179,9 @@ async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, em
 
 
 class Coordinator:
-    def __init__(self, pod: Pod, token: str, client: httpx.AsyncClient, peers: PeerPool,
-                 plan: CallPlan) -> None:
+    def __init__(self, pod: Pod, token: str, peers: PeerPool, plan: CallPlan) -> None:
         self.pod = pod
         self.token = token
-        self.client = client
         self.peers = peers
         self.plan = plan
         self._stopped = False
@@ -273,10 +269,10 @@ class Coordinator:
                 return
             if i in self._lost:
                 return  # its stream already failed: a cancel would only wait on a dead pod
-            with contextlib.suppress(httpx.HTTPError):
-                await self.client.post(f"{plan.pods[i]}/cancel/{plan.id}",
-                                       params={"kind": kind, "reason": reason, "reset": "true"},
-                                       headers=self._headers({"id": plan.id}), timeout=2.0)
+            with contextlib.suppress(PeerError):
+                await self.peers.request("POST", f"{plan.pods[i]}/cancel/{plan.id}",
+                                         params={"kind": kind, "reason": reason, "reset": "true"},
+                                         headers=self._headers({"id": plan.id}), timeout=2.0)
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
         await asyncio.gather(*(stop_one(i) for i in targets))
 

@@ -23,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ktlite_server.peers import PeerPool
+
 STOP_GRACE_S = 5.0
 
 Log = Callable[[str], None]
@@ -106,9 +108,11 @@ class Engine:
 
     kind = ""
 
-    def __init__(self, cfg: dict[str, Any], pod: str, log: Log, launch_id: str = "") -> None:
+    def __init__(self, cfg: dict[str, Any], pod: str, log: Log, launch_id: str = "",
+                 peers: PeerPool | None = None) -> None:
         self.cfg = cfg
         self.pod = pod
+        self.peers = peers or PeerPool()  # asks the other pods' servers (with the deployment's token)
         self.log = log
         self.launch_id = launch_id
         self.proc: asyncio.subprocess.Process | None = None

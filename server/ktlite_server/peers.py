@@ -1,18 +1,28 @@
-"""A small keep-alive HTTP/1.1 client for pod-to-pod calls on the hot path.
+"""The pod server's one HTTP client: every request a pod makes to another pod.
 
 The coordinator streams every distributed call to every other pod; a general-purpose
 async client costs more per request than the rest of the hop together. This one speaks
 exactly what the pod server answers (a chunked frame stream, or a short fixed body) over
-pooled asyncio connections.
+pooled asyncio connections: calls (:meth:`PeerPool.post`), cancels and ``/health`` polls
+(:meth:`PeerPool.request`), and quorum probes (:meth:`PeerPool.ensure`).
+
+Errors: whatever fails underneath (``OSError``, asyncio's timeouts and short reads, a
+malformed answer) is raised as a :class:`PeerError`, here and nowhere else::
+
+    PeerError (ConnectionError)
+    ├── PeerConnectError   the peer could not be connected to: nothing was sent
+    └── PeerTimeout        the peer went silent (also a TimeoutError)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
-from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+from urllib.parse import urlencode, urlsplit
 
 PROBE_AFTER_S = 2.0  # a pooled connection older than this is probed before a call relies on it
 
@@ -23,6 +33,10 @@ class PeerError(ConnectionError):
 
 class PeerConnectError(PeerError):
     """The peer could not be connected to (not started yet, or gone): safe to retry."""
+
+
+class PeerTimeout(PeerError, TimeoutError):
+    """The peer sent nothing for longer than the read timeout."""
 
 
 class _Conn:
@@ -73,7 +87,7 @@ class PeerResponse:
 
     def _lost(self, e: BaseException) -> Exception:
         if self._timed_out:
-            return TimeoutError(f"{self._key} sent nothing for {self._timeout:g}s")
+            return PeerTimeout(f"{self._key} sent nothing for {self._timeout:g}s")
         return PeerError(f"{self._key} closed the connection mid-response: {e!r}")
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
@@ -85,6 +99,8 @@ class PeerResponse:
                     line = await r.readuntil(b"\r\n")
                     try:
                         size = int(line.split(b";")[0].strip(), 16)
+                        if size < 0:
+                            raise ValueError(size)
                     except ValueError:
                         raise PeerError(f"bad chunk size line {line[:40]!r}") from None
                     data = await r.readexactly(size + 2)
@@ -93,7 +109,10 @@ class PeerResponse:
                         break
                     yield data[:-2]
             else:
-                n = int(self.headers.get("content-length", "0"))
+                try:
+                    n = int(self.headers.get("content-length", "0"))
+                except ValueError:
+                    raise PeerError(f"{self._key} sent a bad content-length") from None
                 if n:
                     yield await r.readexactly(n)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError) as e:
@@ -114,9 +133,21 @@ class PeerResponse:
             self._conn.close()
 
 
+def _split(url: str) -> tuple[str, int, str]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80, parts.path
+
+
 class PeerPool:
-    def __init__(self) -> None:
+    """Keep-alive connections to the other pods; ``headers`` go with every request (the
+    deployment's token: every pod of a deployment shares it)."""
+
+    def __init__(self, headers: Mapping[str, str] | None = None) -> None:
         self._idle: dict[str, list[_Conn]] = {}
+        self._headers = dict(headers or {})
+
+    def __repr__(self) -> str:
+        return f"PeerPool({sum(len(c) for c in self._idle.values())} idle, headers=<hidden>)"
 
     async def _connect(self, host: str, port: int, timeout: float) -> _Conn:
         try:
@@ -128,13 +159,51 @@ class PeerPool:
     @contextlib.asynccontextmanager
     async def post(self, url: str, path: str, headers: dict[str, str], body: memoryview | list[memoryview],
                    connect_timeout: float = 5.0, read_timeout: float = 10.0) -> AsyncIterator[PeerResponse]:
-        parts = urlsplit(url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        """POST ``body`` (in pieces, never joined) to ``url`` + ``path``; the response streams."""
+        resp = await self._send("POST", url, path, headers, body, connect_timeout, read_timeout)
+        try:
+            yield resp
+        finally:
+            resp.release()
+
+    async def request(self, method: str, url: str, *, params: Mapping[str, str] | None = None,
+                      headers: Mapping[str, str] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+        """A short request without a body (``url`` names the path): its status and whole body,
+        all within ``timeout`` seconds."""
+        _, _, path = _split(url)
+        if params:
+            path += "?" + urlencode(params)
+
+        async def go() -> tuple[int, bytes]:
+            resp = await self._send(method, url, path or "/", dict(headers or {}), memoryview(b""), timeout, timeout)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.release()
+
+        try:
+            return await asyncio.wait_for(go(), timeout)
+        except asyncio.TimeoutError:
+            raise PeerTimeout(f"{url} did not answer {method} within {timeout:g}s") from None
+
+    async def get_json(self, url: str, timeout: float = 5.0) -> Any:
+        """GET ``url``; its JSON body when it answers 200."""
+        status, body = await self.request("GET", url, timeout=timeout)
+        if status != 200:
+            raise PeerError(f"{url} answered HTTP {status}: {body[:300].decode(errors='replace')}")
+        try:
+            return json.loads(body)
+        except ValueError as e:
+            raise PeerError(f"{url} answered with something that is not JSON: {body[:100]!r}") from e
+
+    async def _send(self, method: str, url: str, path: str, headers: dict[str, str],
+                    body: memoryview | list[memoryview], connect_timeout: float, read_timeout: float) -> PeerResponse:
+        host, port, _ = _split(url)
         key = f"{host}:{port}"
         pieces = body if isinstance(body, list) else [body]  # a body in pieces is sent without joining
         length = sum(p.nbytes for p in pieces)
-        head = [f"POST {path} HTTP/1.1", f"host: {key}", f"content-length: {length}"]
-        head += [f"{k}: {v}" for k, v in headers.items()]
+        head = [f"{method} {path} HTTP/1.1", f"host: {key}", f"content-length: {length}"]
+        head += [f"{k}: {v}" for k, v in {**self._headers, **headers}.items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
             idle = self._idle.get(key)
@@ -154,10 +223,13 @@ class PeerPool:
                 raise PeerError(f"{key}: {e!r}") from e
             except asyncio.TimeoutError:
                 conn.close()
-                raise TimeoutError(f"{key} sent no response for {read_timeout:g}s") from None
+                raise PeerTimeout(f"{key} sent no response for {read_timeout:g}s") from None
             except asyncio.LimitOverrunError as e:
                 conn.close()
                 raise PeerError(f"{key} sent oversized response headers") from e
+            except BaseException:  # cancelled mid-request: the connection is in no known state
+                conn.close()
+                raise
             break
         lines = head.decode("latin-1").split("\r\n")
         try:
@@ -170,11 +242,7 @@ class PeerPool:
             k, _, v = line.partition(":")
             if k:
                 hdrs[k.strip().lower()] = v.strip()
-        resp = PeerResponse(status, hdrs, conn, self, key, read_timeout)
-        try:
-            yield resp
-        finally:
-            resp.release()
+        return PeerResponse(status, hdrs, conn, self, key, read_timeout)
 
     def fresh(self, url: str, fresh_s: float = PROBE_AFTER_S) -> bool:
         """True when a pooled connection to ``url`` carried a response within ``fresh_s``
@@ -189,31 +257,21 @@ class PeerPool:
         ``fresh_s`` seconds (calls back to back), else a ``GET /health`` round trip (a
         stopped or hung peer keeps its TCP connections open, so a connection proves nothing).
         Raises PeerConnectError if the peer is unreachable or silent for ``timeout``."""
-        parts = urlsplit(url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
-        key = f"{host}:{port}"
-        idle = self._idle.setdefault(key, [])
+        host, port, _ = _split(url)
+        idle = self._idle.setdefault(f"{host}:{port}", [])
         while idle and (idle[-1].reader.at_eof() or idle[-1].writer.is_closing()):
             idle.pop().close()  # the peer closed it (it exited, or restarted)
         if idle and time.monotonic() - idle[-1].used < fresh_s:
             return
-        conn = idle.pop() if idle else await self._connect(host, port, timeout)
         try:
-            conn.writer.write(f"GET /health HTTP/1.1\r\nhost: {key}\r\n\r\n".encode("latin-1"))
-            await conn.writer.drain()
-            head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), timeout)
-            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            await asyncio.wait_for(conn.reader.readexactly(length), timeout)
-        except asyncio.TimeoutError:
-            conn.close()
-            raise PeerConnectError(f"{key} accepted a connection but did not answer /health within "
+            await self.request("GET", url.rstrip("/") + "/health", timeout=timeout)
+        except PeerTimeout:
+            raise PeerConnectError(f"{host}:{port} accepted a connection but did not answer /health within "
                                    f"{timeout:g}s (stopped, or hung)") from None
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
-            conn.close()
-            raise PeerConnectError(f"{key} did not answer /health: {e!r}") from e
-        conn.used = time.monotonic()
-        idle.append(conn)
+        except PeerConnectError:
+            raise
+        except PeerError as e:
+            raise PeerConnectError(f"{host}:{port} did not answer /health: {e}") from e
 
     async def aclose(self) -> None:
         for conns in self._idle.values():

@@ -26,6 +26,7 @@ from ktlite import rankdata, shm
 from ktlite.spec import DistributedConfig, distributed_env, port_free
 from ktlite_server.engine import Engine, EngineError
 from ktlite_server.monarchhost import MonarchHost
+from ktlite_server.peers import PeerPool
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
@@ -177,6 +178,7 @@ class Pod:
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
         self.engine: Engine | None = None  # distribute("ray"/"monarch"): this pod's engine
+        self.peers = PeerPool()  # this pod's connections to the others (the server gives it the token)
         self.last_active = time.monotonic()  # the last authorized request (--inactivity-ttl)
         self.engine_failed: dict[str, str] | None = None  # {"launch_id", "message"} (in /health)
         self.usage = ProcessUsage()
@@ -378,7 +380,7 @@ class Pod:
         if self.engine is None:
             kind = cfg["kind"]
             engine = ENGINE_KINDS[kind](cfg, self.name, lambda line: print(f"[{kind}] {line}", file=sys.stderr,
-                                                                           flush=True), launch_id=dep.launch_id)
+                                        flush=True), launch_id=dep.launch_id, peers=self.peers)
             await engine.start(dep.load_timeout)
             self.engine = engine
         self.engine.launch_id = dep.launch_id  # a kept engine serves this launch (peers' failures name it)

@@ -16,9 +16,8 @@ import sys
 import time
 from typing import Any
 
-import httpx
-
 from ktlite_server.engine import EngineError, env_without_token
+from ktlite_server.peers import PeerError, PeerPool
 
 PROBE_TIMEOUT_S = 15.0  # beyond its own wait, for the probe to import Ray and answer
 FRESH_S = 2.0  # a list younger than this is not asked again
@@ -87,12 +86,13 @@ async def nodes(cfg: dict[str, Any], want: int, timeout: float) -> list[dict[str
     return list(json.loads(out)["nodes"])
 
 
-async def engine_failed(client: httpx.AsyncClient, url: str, launch_id: str) -> str | None:
-    """Why the pod server at ``url`` (its ``/health``) could not start its engine for this
-    launch, or None (it has not failed, or does not answer)."""
+async def engine_failed(peers: PeerPool, url: str, launch_id: str, timeout: float = 1.0) -> str | None:
+    """Why the pod server at ``url`` (its ``/health``, asked with the deployment's token)
+    could not start its engine for this launch, or None (it has not failed, or does not answer)."""
     try:
-        failed = (await client.get(url)).json().get("engine_failed")
-    except (httpx.HTTPError, ValueError):
+        health = await peers.get_json(url, timeout)
+        failed = health.get("engine_failed") if isinstance(health, dict) else None
+    except PeerError:
         return None
     if failed and failed.get("launch_id") == launch_id:
         return str(failed.get("message"))
@@ -100,11 +100,11 @@ async def engine_failed(client: httpx.AsyncClient, url: str, launch_id: str) -> 
 
 
 async def failed_members(
-    client: httpx.AsyncClient, expected: list[dict[str, Any]], launch_id: str
+    peers: PeerPool, expected: list[dict[str, Any]], launch_id: str
 ) -> list[tuple[str, str]]:
     """``(pod, why)`` for each expected node whose pod server says its node failed."""
     asking = [e for e in expected if e.get("health")]
-    answers = await asyncio.gather(*(engine_failed(client, e["health"], launch_id) for e in asking))
+    answers = await asyncio.gather(*(engine_failed(peers, e["health"], launch_id) for e in asking))
     return [(e["pod"], why) for e, why in zip(asking, answers, strict=True) if why]
 
 

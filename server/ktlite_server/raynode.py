@@ -28,9 +28,8 @@ import tempfile
 import time
 from typing import Any
 
-import httpx
-
 from ktlite_server.engine import STOP_GRACE_S, Engine, EngineError, env_without_token, wait_port
+from ktlite_server.peers import PeerPool
 from ktlite_server.ray_members import (
     Members,
     auth_env,
@@ -145,8 +144,9 @@ def _child_named(parent: int, name: str) -> int | None:
 class RayNode(Engine):
     kind = "ray"
 
-    def __init__(self, cfg: dict[str, Any], pod: str, log: Any, launch_id: str = "") -> None:
-        super().__init__(cfg, pod, log, launch_id)
+    def __init__(self, cfg: dict[str, Any], pod: str, log: Any, launch_id: str = "",
+                 peers: PeerPool | None = None) -> None:
+        super().__init__(cfg, pod, log, launch_id, peers)
         self.temp_dir = ""
         self.members = Members(cfg) if cfg.get("head") else None
 
@@ -254,16 +254,15 @@ class RayNode(Engine):
         expected = cfg["expected"]  # every pod's node: {"pod", "ip", "port"[, "health"]}
         probe = asyncio.ensure_future(nodes(cfg, len(expected), timeout))
         try:
-            async with httpx.AsyncClient(timeout=1.0) as client:
-                while not (await asyncio.wait([probe], timeout=WATCH_S))[0]:
-                    failed = await failed_members(client, expected, self.launch_id)
-                    if failed:
-                        # each pod's first line (its whole error is its own outcome)
-                        lines = "\n".join(f"- {why.splitlines()[0]}" for _, why in failed)
-                        raise EngineError(
-                            f"the Ray cluster at {cfg['address']} cannot form: "
-                            f"{len(failed)} of {len(expected)} node(s) failed to start:\n{lines}"
-                        )
+            while not (await asyncio.wait([probe], timeout=WATCH_S))[0]:
+                failed = await failed_members(self.peers, expected, self.launch_id)
+                if failed:
+                    # each pod's first line (its whole error is its own outcome)
+                    lines = "\n".join(f"- {why.splitlines()[0]}" for _, why in failed)
+                    raise EngineError(
+                        f"the Ray cluster at {cfg['address']} cannot form: "
+                        f"{len(failed)} of {len(expected)} node(s) failed to start:\n{lines}"
+                    )
         finally:
             if not probe.done():
                 probe.cancel()
@@ -298,8 +297,7 @@ class RayNode(Engine):
         url = self.cfg.get("head_health")
         if not url:
             return None
-        async with httpx.AsyncClient(timeout=1.0) as client:
-            return await engine_failed(client, url, self.launch_id)
+        return await engine_failed(self.peers, url, self.launch_id)
 
     async def stop(self, grace: float = STOP_GRACE_S) -> None:
         if self.members is not None:

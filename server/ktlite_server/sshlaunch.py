@@ -27,7 +27,7 @@ import venv
 from pathlib import Path
 from typing import Any
 
-SERVER_PACKAGES = ("fastapi", "uvicorn", "httpx", "cloudpickle")
+SERVER_PACKAGES = ("fastapi", "uvicorn", "httptools", "httpx", "cloudpickle")
 PORT_RANGE = (20000, 32000)
 
 

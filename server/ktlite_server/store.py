@@ -237,9 +237,12 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    from ktlite_server.connections import Limits, guarded
+
+    limits = Limits.from_env()  # bounded heads, header and idle timeouts, a connection cap
     config = uvicorn.Config(app, log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"),
                             access_log=False, timeout_graceful_shutdown=3,
-                            http="httptools" if importlib.util.find_spec("httptools") else "h11")
+                            http=guarded(limits), timeout_keep_alive=limits.idle_timeout)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
 
     async def run() -> None:

@@ -48,7 +48,8 @@ def remote():
 def state(remote) -> dict[str, Any]:
     state = fm.local_state(NAME)
     with httpx.Client(timeout=5.0) as client:
-        state["launch_id"] = client.get(f"{state['urls'][0]}/health").json()["launch_id"]
+        state["launch_id"] = client.get(f"{state['urls'][0]}/health",
+                                        headers={"x-ktlite-token": f"Bearer {state['token']}"}).json()["launch_id"]
     return state
 
 

@@ -68,7 +68,8 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
 
         def health(url: str, ready: bool = False) -> Any:
             client = http or __import__("httpx")
-            return client.get(f"{url}/health" + ("?ready=1" if ready else ""), timeout=10)
+            return client.get(f"{url}/health" + ("?ready=1" if ready else ""), timeout=10,
+                              headers={protocol.TOKEN_HEADER: protocol.bearer(token)})
 
         # running and answering, but not ready: no code yet
         assert health(first.url).status_code == 200

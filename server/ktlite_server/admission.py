@@ -1,0 +1,117 @@
+"""Admission: which requests the pod server takes, decided from the request head alone.
+
+Every endpoint but ``/health`` needs the deployment token; a request without it is answered
+401 before anything of its body is read, and the connection is closed (the body is never
+read). A client speaking another protocol version is answered 409, naming both. A body declared larger than its endpoint allows (``Limits.max_body`` for ``/call`` and
+``/deploy``, ``Limits.max_small_body`` for the rest, which take none) is answered 413 the same
+way.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+from typing import Any
+
+import ktlite
+from ktlite import protocol
+from ktlite_server.connections import Limits
+
+PUBLIC = frozenset({"/health"})
+LARGE_BODIES = frozenset({"/call", "/deploy"})
+
+_TOKEN = protocol.TOKEN_HEADER.encode()
+_LENGTH = protocol.LENGTH_HEADER.encode()
+_VERSION = protocol.VERSION_HEADER.encode()
+_OURS = str(protocol.PROTOCOL_VERSION).encode()
+
+
+class Token:
+    """The deployment token, compared in constant time; never shown."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = protocol.bearer(token).encode()
+
+    def __repr__(self) -> str:
+        return "Token(<hidden>)"
+
+    def matches(self, header: bytes | None) -> bool:
+        return hmac.compare_digest(header or b"", self._expected)
+
+    def in_scope(self, scope: dict[str, Any]) -> bool:
+        """Whether the request of this ASGI scope carries the token."""
+        return self.matches(next((v for k, v in scope["headers"] if k == _TOKEN), None))
+
+
+async def refuse(send: Any, status: int, detail: str) -> None:
+    """Answer ``status`` with a JSON ``detail`` and close the connection (its body unread)."""
+    body = json.dumps({"detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class Gate:
+    """ASGI middleware in front of the pod server's app: the token, then the declared size."""
+
+    def __init__(
+        self, app: Any, token: Token, limits: Limits, on_admit: Callable[[], None] = lambda: None
+    ) -> None:
+        self.app = app
+        self.token = token
+        self.limits = limits
+        self.on_admit = on_admit  # called for each request that carries the token
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        token = length = chunked_length = version = None
+        for k, v in scope["headers"]:
+            if k == _TOKEN:
+                token = v
+            elif k == b"content-length":
+                length = v
+            elif k == _LENGTH:
+                chunked_length = v
+            elif k == _VERSION:
+                version = v
+        if path not in PUBLIC:
+            if not self.token.matches(token):
+                await refuse(send, 401, "missing or wrong deployment token")
+                return
+            self.on_admit()
+            if version is not None and version != _OURS:
+                theirs = version[:20].decode("latin-1")
+                await refuse(
+                    send,
+                    409,
+                    f"protocol version mismatch: client speaks {theirs}, server "
+                    f"(ktlite {ktlite.__version__}) speaks {protocol.PROTOCOL_VERSION}; "
+                    "install the same ktlite version on both sides",
+                )
+                return
+        declared = length or chunked_length  # a chunked body (through a proxy) names its length
+        if declared is not None and declared.isdigit():
+            limit = self.limits.max_body if path in LARGE_BODIES else self.limits.max_small_body
+            if int(declared) > limit:
+                what = "KTLITE_MAX_BODY" if path in LARGE_BODIES else f"{path} takes no body"
+                await refuse(
+                    send,
+                    413,
+                    f"body of {int(declared)} bytes is larger than this server's limit "
+                    f"of {limit} bytes ({what})",
+                )
+                return
+        await self.app(scope, receive, send)

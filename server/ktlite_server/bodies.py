@@ -1,0 +1,64 @@
+"""Request bodies: read into memory (or a shared-memory file when large), or discarded."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import tempfile
+from typing import Any
+
+from fastapi import HTTPException, Request
+from starlette.requests import ClientDisconnect
+
+from ktlite import protocol, shm
+
+
+async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
+    """Read the body into memory, or straight into a shared-memory file when large."""
+    # a chunked body (through a proxy) names its length in LENGTH_HEADER
+    length = request.headers.get("content-length") or request.headers.get(protocol.LENGTH_HEADER)
+    if length is None or not length.isdigit():
+        raise HTTPException(
+            411, f"a Content-Length (or {protocol.LENGTH_HEADER}) header is required"
+        )
+    n = int(length)
+    if n > limit:
+        raise HTTPException(
+            413,
+            f"body of {n} bytes is larger than this server's limit of {limit} bytes "
+            "(KTLITE_MAX_BODY)",
+        )
+    path = None
+    if n > shm.INLINE_MAX:
+        fd, path = tempfile.mkstemp(prefix=shm.ARG_PREFIX, dir=shm.shm_dir())
+        os.ftruncate(fd, n)
+        buf: Any = mmap.mmap(fd, n)
+        os.close(fd)
+    else:
+        buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    try:
+        async for chunk in request.stream():
+            k = len(chunk)
+            if got + k > n:
+                raise HTTPException(400, f"body is longer than its Content-Length of {n} bytes")
+            view[got : got + k] = chunk
+            got += k
+    except (ClientDisconnect, HTTPException):
+        if path:
+            os.unlink(path)
+        raise
+    if got != n:
+        if path:
+            os.unlink(path)
+        raise HTTPException(400, f"body truncated: got {got} of {n} bytes")
+    return view, path
+
+
+async def discard_body(request: Request) -> None:
+    """Read a body this request does not need (a re-sent call), so the connection stays usable."""
+    with contextlib.suppress(ClientDisconnect):
+        async for _ in request.stream():
+            pass

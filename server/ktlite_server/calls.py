@@ -1,0 +1,244 @@
+"""Calls: ``POST /call`` runs a call on this pod's ranks (and, on the pod that coordinates
+it, on every other pod), streaming its frames back; ``POST /cancel`` stops one.
+
+A call's frames outlive the request that started it for a while (``streams.py``): a caller
+that lost its stream attaches again and never runs the call twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from ktlite import protocol, shm
+from ktlite_server.bodies import discard_body, read_body
+from ktlite_server.coordinator import CallPlan, Coordinator, run_local
+from ktlite_server.pod import LOG_BODIES, Pod
+from ktlite_server.streams import RETAIN_S, CallStream, Streams
+
+logger = logging.getLogger(__name__)
+
+
+class StreamResponse(Response):
+    """Carries a call's frames (from frame ``start`` on) to one HTTP response."""
+
+    media_type = "application/x-ktlite-frames"
+
+    def __init__(self, stream: CallStream, start: int) -> None:
+        super().__init__(status_code=200, media_type=self.media_type)
+        self.stream = stream
+        self.start = start
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.stream.send(send, receive, self.start)
+
+
+def _resume_from(request: Request) -> int | None:
+    """The first frame a re-attaching caller lacks (None: a new call)."""
+    value = request.headers.get(protocol.RESUME_HEADER)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{protocol.RESUME_HEADER} must be a frame number, got {value[:40]!r}")
+    return int(value)
+
+
+class FastCall:
+    """The FastAPI app, with ``POST /call`` handed straight to its route handler.
+
+    A warm call spends as long in the middleware stack and router as in everything else
+    on the server; the handler and its errors are the same either way (the token was
+    checked in front of both: ``admission.Gate``).
+    """
+
+    def __init__(self, app: FastAPI, call: Callable[[Request], Awaitable[Response]]) -> None:
+        self.app = app
+        self._call = call
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/call":
+            try:
+                response = await self._call(Request(scope, receive))
+            except HTTPException as e:
+                response = JSONResponse(
+                    {"detail": e.detail}, status_code=e.status_code, headers=e.headers
+                )
+            except ClientDisconnect:
+                return  # the caller left mid-upload: nothing to answer, nothing ran
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class Calls:
+    """The calls this pod runs or coordinates."""
+
+    def __init__(self, pod: Pod, token: str, max_body: int, started: float) -> None:
+        self.pod = pod
+        self.token = token
+        self.max_body = max_body
+        self.started = started  # when this server's process started (epoch seconds)
+        self.streams = Streams()
+        self.coordinators: dict[str, Coordinator] = {}  # the calls this pod coordinates, by id
+
+    def __repr__(self) -> str:
+        return f"Calls(pod={self.pod.name!r}, coordinating={len(self.coordinators)})"
+
+    async def call(self, request: Request) -> Response:
+        """``POST /call``: run a call here (and on the other pods, when this pod coordinates
+        it), or attach a caller again to a call this pod holds."""
+        pod, streams = self.pod, self.streams
+        try:
+            plan = CallPlan(json.loads(request.headers.get(protocol.CALL_HEADER, "")))
+            resume = _resume_from(request)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise HTTPException(
+                400, f"malformed {protocol.CALL_HEADER} header: {type(e).__name__}: {str(e)[:300]}"
+            ) from e
+        live = streams.get(plan.id)
+        # a request for a call this pod holds attaches to it (once its first request told
+        # whether it runs: its body may still be arriving)
+        if live is not None and await live.decided():
+            # the same call again (the caller lost its stream): never a second run
+            await discard_body(request)
+            return StreamResponse(live, resume or 0)
+        if resume is not None:  # a re-attach: never runs anything
+            await discard_body(request)
+            if streams.ended_before(plan.id):
+                raise HTTPException(
+                    410,
+                    f"call {plan.id} ended on pod {pod.name} and its result is no "
+                    f"longer kept (it waits {RETAIN_S:g}s for a caller to re-attach)",
+                )
+            raise HTTPException(
+                404,
+                f"pod {pod.name} does not know call {plan.id}: its server restarted "
+                "since the call began, and the call was lost with it",
+            )
+        if pod.dep is None:
+            raise HTTPException(
+                409,
+                f"pod {pod.name} has no code deployed: its server started after the "
+                "deploy (a restarted container, a replaced pod); call .to() again, which "
+                "pushes the code and reuses the pods",
+                headers={protocol.UPTIME_HEADER: f"{max(0.0, time.time() - self.started):.3f}"},
+            )
+        if plan.launch_id and plan.launch_id != pod.dep.launch_id:
+            raise HTTPException(
+                409,
+                f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
+                f"{plan.launch_id}: it was redeployed since (by another process, or it "
+                "restarted); call .to() again",
+            )
+        coordinator = Coordinator(pod, self.token, pod.peers, plan) if plan.fanout else None
+
+        def abandoned() -> None:
+            if coordinator is not None:
+                coordinator.cancel("cancelled", "the caller disconnected")
+            else:
+                pod.cancel(plan.id, "cancelled", "the caller disconnected")
+
+        stream = streams.open(plan.id, plan.reattach, abandoned)
+        own_file = plan.shm is None
+        try:
+            if plan.shm is None:
+                body, path = await read_body(request, self.max_body)
+            else:  # the caller shares this host and wrote the arguments to shared memory
+                try:
+                    path = shm.check(str(plan.shm[0]), shm.ARG_PREFIX)
+                    body = shm.map_private(path, int(plan.shm[1]))
+                except (ValueError, OSError, IndexError, TypeError) as e:
+                    raise HTTPException(400, f"bad shared-memory argument: {e}") from e
+            try:
+                if plan.per_rank is None:
+                    protocol.split(body)  # framing only: the server never unpickles user data
+                else:  # the shared message, then this pod's ranks' items
+                    view = memoryview(body).cast("B")
+                    shared = plan.per_rank["shared"]
+                    protocol.split(view[:shared])
+                    for off, n in plan.per_rank["items"]:
+                        if off + n > view.nbytes:
+                            raise protocol.ProtocolError(
+                                f"per-rank item at {off}+{n} runs past the body "
+                                f"({view.nbytes} bytes)"
+                            )
+            except protocol.ProtocolError as e:
+                if path and own_file:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                raise HTTPException(400, f"malformed call body: {e}") from e
+        except BaseException:
+            streams.refused(stream)
+            raise
+        stream.decide(True)
+        if LOG_BODIES:
+            logger.info(
+                "call %s: received %d bytes over HTTP",
+                plan.id,
+                memoryview(body).nbytes if plan.shm is None else 0,
+            )
+        coordinators = self.coordinators
+        if coordinator is not None:
+            coordinators[plan.id] = coordinator
+            early = pod.cancelled_early.get(plan.id)
+            if (
+                early is not None
+            ):  # the caller's cancel overtook the call: it starts stopped everywhere
+                coordinator.cancel(*early)
+
+        async def produce() -> None:
+            try:
+                if (
+                    coordinator is not None
+                    and pod.dep is not None
+                    and pod.dep.concurrency == 1
+                    and pod.dep.config.world_size > 1
+                ):
+                    # collectives must run in the same order on every rank: a distributed
+                    # deployment runs its calls one at a time, in the order they arrived here
+                    async with pod.order:
+                        outs = await coordinator.run(body, path, stream.emit)
+                elif coordinator is not None:
+                    outs = await coordinator.run(body, path, stream.emit)
+                else:
+                    outs = await run_local(pod, plan, body, path, stream.emit)
+                if coordinator is not None and any(o[2] != "ok" for o in outs):
+                    # a failed or stopped call may leave ranks out of step in their process
+                    # group: the next call forms a new one (every rank, on a new port)
+                    pod.next_generation()
+                started = coordinator.started if coordinator is not None else True
+                stream.emit(
+                    protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs, started))
+                )
+            except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
+                stream.emit(protocol.error_frame(type(e).__name__, str(e)))
+            finally:
+                if path and own_file:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                coordinators.pop(plan.id, None)
+                streams.finished(stream)
+
+        asyncio.get_running_loop().create_task(produce())
+        return StreamResponse(stream, 0)
+
+    def cancel(self, call_id: str, kind: str, reason: str, reset: bool) -> bool:
+        """Stop a call: on every pod when this pod coordinates it. False when no rank here
+        was running it (then ``reset`` restarts a rank that is stuck)."""
+        coordinator = self.coordinators.get(call_id)
+        if coordinator is not None:  # this pod coordinates the call: stop it on every pod
+            coordinator.cancel(kind, reason)
+        found = self.pod.cancel(call_id, kind, reason)
+        if not found and reset:
+            self.pod.reset()
+        return found
