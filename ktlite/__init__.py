@@ -6,13 +6,13 @@ Example:
     >>> results = remote(epochs=3)   # results[r] came from RANK r
 """
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Public names load on first use: rank processes import only ktlite.protocol, and must
-# not pay for the client (httpx) at every start.
+from ktlite_wire.version import RELEASE as __version__
+
+# Public names load on first use: `import ktlite` in user code (a rank's, say) must not pay
+# for the client (httpx) at every start.
 _EXPORTS = {
     "images": "ktlite.images",
     "distributed": "ktlite.distributed",

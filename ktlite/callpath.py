@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ktlite import protocol, shm
 from ktlite.backends.base import Applied, Backend, PodEndpoint
 from ktlite.client import PodClient
 from ktlite.errors import ProtocolMismatch
 from ktlite.spec import DeploymentSpec
+from ktlite_wire import envelope, shm
 
 # for work on every pod at once (health checks, launches, cancels, status)
 pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")
@@ -75,7 +75,7 @@ def shm_arguments(applied: Applied, meta: dict[str, Any], parts: list[Any]) -> I
         yield parts
         return
     meta["shm_results"] = True
-    if protocol.parts_size(parts) <= shm.INLINE_MAX:
+    if envelope.parts_size(parts) <= shm.INLINE_MAX:
         yield parts
         return
     arg_file, size = shm.write(parts, shm.ARG_PREFIX)

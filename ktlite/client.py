@@ -18,10 +18,34 @@ from typing import Any
 
 import httpx
 
-from ktlite import protocol
 from ktlite.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
 from ktlite.logconfig import http_hook
+from ktlite.transport import PodSilent, PodTransport, Reply, shared_http
+from ktlite_wire import envelope, version
+from ktlite_wire.errors import ErrorCode, ProtocolError
+from ktlite_wire.frames import (
+    ERROR,
+    HEARTBEAT,
+    LOG,
+    NOTICE,
+    RESULT,
+    LogLine,
+    Notice,
+    decode_error,
+    read_frames,
+)
+from ktlite_wire.headers import (
+    CALL_HEADER,
+    ERROR_CODE_HEADER,
+    LENGTH_HEADER,
+    RESUME_HEADER,
+    TOKEN_HEADER,
+    UPTIME_HEADER,
+    VERSION_HEADER,
+    bearer,
+)
+from ktlite_wire.outcome import CallResult, RankOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +62,7 @@ _UNDELIVERED = ("dial tcp", "connect: ", "no route to host", "i/o timeout", "add
                 "not found")
 LogSink = Callable[[int, str, str, str], None]  # (rank, pod, stream, text)
 NoticeSink = Callable[[dict[str, Any]], None]
-Outcomes = list[tuple[int, str, str, Any, str, float]]  # (rank, pod, status, data, message, at)
+Outcomes = list[RankOutcome]
 
 
 @dataclass
@@ -49,20 +73,8 @@ class CallReply:
     started: bool = True
 
 
-_shared: httpx.Client | None = None
-_pool = Pool()
+_pool = Pool()  # one keep-alive pool for every deployment of this process (tokens go per request)
 atexit.register(_pool.close)
-
-
-def _shared_http() -> httpx.Client:
-    """One keep-alive pool for every deployment of this process (tokens go per request)."""
-    global _shared
-    if _shared is None:
-        _shared = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0),
-                               limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
-                               event_hooks={"response": [http_hook(logger)]})
-        atexit.register(_shared.close)
-    return _shared
 
 
 class PodClient:
@@ -74,8 +86,11 @@ class PodClient:
         self._lean = http is None and transport is None
         self.reattempts = 0  # proxied requests sent again after a broken connection (a count)
         if transport is not None:
-            http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0), event_hooks={"response": [http_hook(logger)]})
-        self.http = http or _shared_http()
+            http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0),
+                                event_hooks={"response": [http_hook(logger)]})
+        # direct pods (plain http://, nothing injected) take the lean pool, every endpoint
+        self.transport = PodTransport(_pool, http, logger)
+        self.http = http or shared_http()
 
     def __repr__(self) -> str:
         return "PodClient(token=<hidden>)"
@@ -85,59 +100,57 @@ class PodClient:
             self.http.close()
 
     def forget(self, url: str) -> None:
-        """Drop pooled connections to a pod that is gone (after a teardown), in the call pool
-        and in httpx's (whose idle sockets would otherwise wait for their next use)."""
+        """Drop pooled connections to a pod that is gone (after a teardown). Every request
+        to a direct pod goes through this pool; a proxied pod's go to the proxy, not the pod."""
         _pool.drop(url)
-        with contextlib.suppress(Exception):  # httpx keeps its pool private: best effort
-            import httpcore
-            u = httpx.URL(url)
-            origin = httpcore.Origin(u.scheme.encode(), u.host.encode(), u.port or 80)
-            for conn in list(self.http._transport._pool.connections):
-                if conn.is_idle() and conn.can_handle_request(origin):
-                    conn.close()
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        h = {protocol.TOKEN_HEADER: protocol.bearer(self._token),
-             protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+        h = {TOKEN_HEADER: bearer(self._token),
+             VERSION_HEADER: str(version.PROTOCOL_VERSION)}
         if extra:
             h.update(extra)
         return h
 
     @staticmethod
-    def _check(resp: httpx.Response, url: str) -> None:
-        if resp.status_code < 400:
+    def _check(resp: httpx.Response | Reply, url: str) -> None:
+        """Raise the ktlite error of a refusal (by its error code)."""
+        if isinstance(resp, httpx.Response):  # a streamed call's answer (the proxied path)
+            if resp.status_code < 400:
+                return
+            try:
+                content = resp.read()
+            except httpx.HTTPError:  # the refusal's text is lost; its status and code are not
+                content = b""
+            resp = Reply(resp.status_code, {k.lower(): v for k, v in resp.headers.items()}, content)
+        if resp.status < 400:
             return
         try:
-            resp.read()
             detail = resp.json().get("detail", resp.text)
-        except (ValueError, AttributeError, httpx.HTTPError):
-            detail = resp.text if resp.is_stream_consumed else ""
-        _raise_for_status(resp.status_code, str(detail), url)
+        except (ValueError, AttributeError):
+            detail = resp.text
+        _raise_for_status(resp.status, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
 
     def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
-        try:
-            resp = self.http.get(f"{url}/health", headers=self._headers(), timeout=timeout)
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
-        if resp.status_code in (502, 503, 504):  # a proxy (the API server's) cannot reach it yet
+        resp = self.transport.request("GET", url, "/health", headers=self._headers(), what="/health", timeout=timeout)
+        if resp.status in (502, 503, 504):  # a proxy (the API server's) cannot reach it yet
             raise PodUnreachable(f"pod at {url} is not reachable through the proxy yet "
-                                 f"(HTTP {resp.status_code}): {resp.text[:300]}")
+                                 f"(HTTP {resp.status}): {resp.text[:300]}")
         self._check(resp, url)
         data: dict[str, Any] = resp.json()
-        if data.get("protocol") != protocol.PROTOCOL_VERSION:
-            raise ProtocolMismatch(f"pod at {url} runs ktlite {data.get('version')} speaking protocol "
-                                   f"{data.get('protocol')}; this client speaks {protocol.PROTOCOL_VERSION}")
+        if data.get("protocol") != version.PROTOCOL_VERSION:
+            raise ProtocolMismatch(version.mismatch(
+                data.get("protocol"), version.PROTOCOL_VERSION,
+                them=f"the pod at {url} (ktlite {data.get('version')})", us="this client"))
         return data
 
     def ready(self, url: str, timeout: float = 2.0) -> dict[str, Any] | None:
         """``GET /health?ready=1``: the pod's health when it has a launch loaded, None when it
         answers but has none yet (or the proxy cannot reach it yet); PodUnreachable when the
         pod does not answer at all."""
-        try:
-            resp = self.http.get(f"{url}/health", params={"ready": "1"}, headers=self._headers(), timeout=timeout)
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"pod at {url} is not answering /health: {e!r}") from e
-        if resp.status_code in (502, 503, 504):
+        resp = self.transport.request("GET", url, "/health", params={"ready": "1"}, headers=self._headers(),
+                                      what="/health",
+                                      timeout=timeout)
+        if resp.status in (502, 503, 504):
             return None
         self._check(resp, url)
         data: dict[str, Any] = resp.json()
@@ -150,17 +163,17 @@ class PodClient:
         window_end = 0.0
         while True:
             sized = len(message) > CHUNKED_MAX  # as for calls: see _call_resumable
-            headers = self._headers({protocol.LENGTH_HEADER: str(len(message))})
+            headers = self._headers({LENGTH_HEADER: str(len(message))})
+            content = message if sized or self.transport.direct(url) else _chunks([message])
             try:
-                resp = self.http.post(f"{url}/deploy", content=message if sized else _chunks([message]),
-                                      headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
-                if resp.status_code not in _PROXY_ERRORS:
+                resp = self.transport.request("POST", url, "/deploy", what="the deploy", timeout=timeout,
+                                              headers=headers, content=content)
+                if resp.status not in _PROXY_ERRORS:
                     break
-                error: Exception = _ProxyError(resp.status_code, resp.text)
-            except (httpx.ReadTimeout, httpx.PoolTimeout) as e:
-                raise PodUnreachable(f"pod at {url} did not answer the deploy within {timeout:g}s: "
-                                     f"{e!r}") from e
-            except httpx.TransportError as e:
+                error: Exception = _ProxyError(resp.status, resp.text)
+            except PodSilent:
+                raise
+            except PodUnreachable as e:
                 error = e
             now = time.monotonic()
             window_end = window_end or now + RESUME_WINDOW_S
@@ -168,24 +181,22 @@ class PodClient:
                 raise PodUnreachable(f"could not deploy to pod at {url}: {error!r}") from error
             time.sleep(0.1)
         self._check(resp, url)
-        return list(protocol.loads(bytearray(resp.content))["outcomes"])
+        try:
+            return CallResult.decode(bytearray(resp.content)).outcomes
+        except ProtocolError as e:
+            raise PodUnreachable(f"pod at {url} answered the deploy with a malformed result: {e}") from e
 
     def status(self, url: str, stuck_after: float | None = None) -> dict[str, Any]:
         params = {} if stuck_after is None else {"stuck_after": str(stuck_after)}
-        try:
-            resp = self.http.get(f"{url}/status", headers=self._headers(), params=params, timeout=5.0)
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"pod at {url} is not answering /status: {e!r}") from e
+        resp = self.transport.request("GET", url, "/status", headers=self._headers(), params=params,
+                                      what="/status", timeout=5.0)
         self._check(resp, url)
         result: dict[str, Any] = resp.json()
         return result
 
     def restart_failed(self, url: str, timeout: float, regroup: bool = False) -> dict[str, Any]:
-        try:
-            resp = self.http.post(f"{url}/restart_failed", headers=self._headers(), timeout=timeout,
-                                  params={"regroup": "true"} if regroup else {})
-        except httpx.HTTPError as e:
-            raise PodUnreachable(f"pod at {url} is not answering /restart_failed: {e!r}") from e
+        resp = self.transport.request("POST", url, "/restart_failed", headers=self._headers(), timeout=timeout,
+                                      params={"regroup": "true"} if regroup else None, what="/restart_failed")
         self._check(resp, url)
         result: dict[str, Any] = resp.json()
         return result
@@ -193,9 +204,9 @@ class PodClient:
     def cancel(self, url: str, call_id: str, reason: str = "cancelled by the caller",
                timeout: float = 5.0) -> None:
         # best effort: the pod also cancels when our stream closes
-        with contextlib.suppress(httpx.HTTPError):
-            self.http.post(f"{url}/cancel/{call_id}", params={"reason": reason},
-                           headers=self._headers(), timeout=timeout)
+        with contextlib.suppress(PodUnreachable):
+            self.transport.request("POST", url, f"/cancel/{call_id}", params={"reason": reason},
+                                   headers=self._headers(), timeout=timeout, what="the cancel")
 
     def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None,
              on_notice: NoticeSink | None = None, pod: str = "") -> CallReply:
@@ -204,7 +215,7 @@ class PodClient:
         frames = _Frames(on_log, on_notice, url)
         try:
             if self._lean and url.startswith("http://"):
-                headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
+                headers = self._headers({CALL_HEADER: json.dumps(meta),
                                          "content-type": "application/octet-stream"})
                 return self._call_lean(url, headers, parts, frames)
             return self._call_resumable(url, meta, parts, frames, who)
@@ -215,7 +226,7 @@ class PodClient:
                                  "heartbeat): it probably died") from e
         except (httpx.HTTPError, ConnectionFailed, OSError) as e:
             raise PodUnreachable(f"lost the connection to {who}: {e!r}") from e
-        except protocol.ProtocolError as e:
+        except ProtocolError as e:
             raise PodUnreachable(f"{who} closed the stream mid-call: {e}") from e
 
     def _call_lean(self, url: str, headers: dict[str, str], parts: list[Any], frames: _Frames) -> CallReply:
@@ -232,7 +243,7 @@ class PodClient:
                     detail = str(json.loads(body).get("detail", body))
                 except ValueError:
                     detail = body.decode(errors="replace")
-                _raise_for_status(status, detail, url)
+                _raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
             result = frames.read(conn.body(hdrs))
         except BaseException:
             conn.close()
@@ -257,22 +268,22 @@ class PodClient:
         """
         meta = {**meta, "reattach": REATTACH_S}
         timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
-        size = protocol.parts_size(parts)
+        size = envelope.parts_size(parts)
         window_end, attempt = 0.0, 0
         delivered = False  # did any attempt possibly reach a pod server?
         first_delivered = 0.0  # when the first attempt that may have reached one was sent
         accepted = False  # did the pod answer 200: it holds the call, and a re-attach needs no body
         while True:
-            headers = self._headers({protocol.CALL_HEADER: json.dumps(meta),
+            headers = self._headers({CALL_HEADER: json.dumps(meta),
                                      "content-type": "application/octet-stream"})
             if accepted:
-                headers[protocol.RESUME_HEADER] = str(frames.seen)
+                headers[RESUME_HEADER] = str(frames.seen)
                 content: Any = b""
             elif size > CHUNKED_MAX:
                 headers["content-length"] = str(size)
-                content = protocol.chunked(parts)
+                content = envelope.chunked(parts)
             else:  # sent again in whole until accepted: a pod that has the call id attaches
-                headers[protocol.LENGTH_HEADER] = str(size)
+                headers[LENGTH_HEADER] = str(size)
                 content = _chunks(parts)
             sent_at = time.monotonic()
             try:
@@ -297,7 +308,7 @@ class PodClient:
                     return frames.read(resp.iter_raw())
             except (httpx.ReadTimeout, httpx.PoolTimeout):
                 raise
-            except (httpx.TransportError, protocol.ProtocolError, _ProxyError) as e:
+            except (httpx.TransportError, ProtocolError, _ProxyError) as e:
                 if not delivered and not (isinstance(e, httpx.ConnectError)
                                           or (isinstance(e, _ProxyError) and e.undelivered)):
                     delivered, first_delivered = True, sent_at
@@ -322,7 +333,7 @@ def _up_since(resp: httpx.Response, since: float, margin: float = 0.1) -> bool:
     (imports, bind: ~0.5 s), so one that got an attempt sent at ``since`` started well
     before it."""
     try:
-        uptime = float(resp.headers.get(protocol.UPTIME_HEADER, ""))
+        uptime = float(resp.headers.get(UPTIME_HEADER, ""))
     except ValueError:
         return False
     return uptime > time.monotonic() - since + margin
@@ -362,7 +373,7 @@ class _ProxyError(Exception):
 
 def _chunks(parts: list[Any]) -> Iterator[bytes]:
     # a generator: httpx sends it with Transfer-Encoding: chunked
-    yield from protocol.chunked(parts, size=1 << 20)
+    yield from envelope.chunked(parts, size=1 << 20)
 
 
 class _Frames:
@@ -377,43 +388,47 @@ class _Frames:
         """Reads the stream to its end (it ends right after the result) so the connection can
         be reused."""
         result = None
-        for kind, payload in protocol.read_frames(chunks):
-            if kind == protocol.HEARTBEAT:
+        for kind, payload in read_frames(chunks):
+            if kind == HEARTBEAT:
                 continue
-            if kind == protocol.NOTICE:
-                info = json.loads(payload)
-                if info.get("kind") == "skip":
-                    self.seen = int(info["to"])
-                    logger.warning("%s while the connection to the pod was re-established", info.get("message"))
+            if kind == NOTICE:
+                notice = Notice.decode(payload)
+                if notice.kind == "skip":
+                    self.seen = int(notice.fields["to"])
+                    logger.warning("%s while the connection to the pod was re-established", notice.message)
                     continue
                 if self.on_notice is not None:
-                    self.on_notice(info)
-            elif kind == protocol.LOG:
+                    self.on_notice(notice.as_dict())
+            elif kind == LOG:
                 if self.on_log is not None:
-                    self.on_log(*json.loads(payload))
-            elif kind == protocol.RESULT:
-                got = protocol.loads(payload)
-                result = CallReply(list(got["outcomes"]), bool(got.get("started", True)))
-            elif kind == protocol.ERROR:
-                err = json.loads(payload)
-                raise KtliteError(f"pod at {self.url} failed the call: {err['type']}: {err['message']}")
+                    line = LogLine.decode(payload)
+                    self.on_log(line.rank, line.pod, line.stream, line.text)
+            elif kind == RESULT:
+                got = CallResult.decode(payload)
+                result = CallReply(got.outcomes, got.started)
+            elif kind == ERROR:
+                err = decode_error(payload)
+                raise KtliteError(f"pod at {self.url} failed the call: {err.type_name or err.code}: {err.message}")
             self.seen += 1
         if result is None:
             raise PodUnreachable(f"the coordinator pod at {self.url} ended the call without a result")
         return result
 
 
-def _raise_for_status(status: int, detail: str, url: str) -> None:
+def _raise_for_status(status: int, detail: str, url: str, code: str | None = None) -> None:
+    """Raise the ktlite error for a refusal, classified by its error code (the HTTP status
+    only where a proxy, not the pod, answered)."""
     if status < 400:
         return
-    if status == 401:
+    error = ErrorCode.parse(code)
+    if error is ErrorCode.UNAUTHORIZED or (error is None and status == 401):
         raise AuthError(f"pod at {url} refused the deployment token (HTTP 401): {detail}; "
                         "the deployment was probably re-created: call .to() again")
-    if status == 409 and "protocol version" in detail:
+    if error is ErrorCode.PROTOCOL_MISMATCH:
         raise ProtocolMismatch(detail)
-    if status == 409:
+    if error in (ErrorCode.NOT_DEPLOYED, ErrorCode.REDEPLOYED):
         raise NotDeployedError(detail)
-    if status == 404 and "does not know call" in detail:
+    if error is ErrorCode.UNKNOWN_CALL:
         raise PodUnreachable(detail)
     if status in _PROXY_ERRORS:
         raise PodUnreachable(f"pod at {url} is not reachable through the proxy (HTTP {status}): "

@@ -121,10 +121,15 @@ class Pool:
              connect_timeout: float, read_timeout: float) -> tuple[Connection, int, dict[str, str]]:
         """Send a POST and read the response head; the caller reads ``conn.body`` and then
         ``release``s (or closes) the connection."""
+        return self.request("POST", url, path, headers, parts, connect_timeout, read_timeout)
+
+    def request(self, method: str, url: str, path: str, headers: dict[str, str], parts: list[Any],
+                connect_timeout: float, read_timeout: float) -> tuple[Connection, int, dict[str, str]]:
+        """Send a request (``path`` with its query) and read the response head."""
         u = urlsplit(url)
         key = (u.hostname or "127.0.0.1", u.port or 80)
         size = sum(memoryview(p).nbytes for p in parts)
-        lines = [f"POST {path} HTTP/1.1", f"host: {key[0]}:{key[1]}", f"content-length: {size}"]
+        lines = [f"{method} {path} HTTP/1.1", f"host: {key[0]}:{key[1]}", f"content-length: {size}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
@@ -133,6 +138,9 @@ class Pool:
                 conn.send(head, parts)
                 status, hdrs = conn.response(read_timeout)
                 return conn, status, hdrs
+            except TimeoutError:
+                conn.close()
+                raise
             except (ConnectionFailed, ConnectionError) as e:
                 conn.close()
                 if reused and attempt == 0:
@@ -142,6 +150,19 @@ class Pool:
                 conn.close()
                 raise
         raise AssertionError("unreachable")
+
+    def fetch(self, method: str, url: str, path: str, headers: dict[str, str], parts: list[Any],
+              connect_timeout: float, read_timeout: float) -> tuple[int, dict[str, str], bytes]:
+        """A whole request and response (status, headers, body); the connection goes back to
+        the pool."""
+        conn, status, hdrs = self.request(method, url, path, headers, parts, connect_timeout, read_timeout)
+        try:
+            body = b"".join(conn.body(hdrs))
+        except BaseException:
+            conn.close()
+            raise
+        self.release(conn)
+        return status, hdrs, body
 
     def drop(self, url: str) -> None:
         """Close the idle connections to ``url`` (its pod is gone)."""

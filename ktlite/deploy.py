@@ -15,10 +15,8 @@ import secrets
 import threading
 import time
 import uuid
-from dataclasses import asdict
 from typing import Any
 
-from ktlite import protocol
 from ktlite.backends.base import Applied, Backend, PodEndpoint, get_backend
 from ktlite.callpath import CallOptions, check_python, pool, print_log, shm_arguments
 from ktlite.client import PodClient
@@ -31,11 +29,13 @@ from ktlite.errors import (
     RemoteError,
 )
 from ktlite.fanout import Fanout, HeadOnly
+from ktlite.launch import build_launch
 from ktlite.mode import Mode
 from ktlite.outcomes import split, to_error
 from ktlite.routing import Routing
 from ktlite.spec import DeploymentSpec
 from ktlite.store import handoff
+from ktlite_wire.launch import Colocation
 
 __all__ = [
     "CallOptions",
@@ -122,22 +122,14 @@ class Deployment:
         reloads its rank processes."""
         self.code = (bundle, sources, init)
         self.launch_id = uuid.uuid4().hex[:12]
-        timeout = self.spec.compute.launch_timeout
-        launch = {
-            "launch_id": self.launch_id,
-            "bundle": bundle,
-            "kind": self.spec.kind,
-            "init": init,
-            "sources": sources,
-            "distributed": asdict(self.spec.distributed),
-            "master_port": self.applied.master_port,
-            "max_restarts": self.spec.compute.max_restarts,
-            "cpus": self.spec.compute.cpu_count,
-            "restart": restart,
-            "concurrency": self.spec.concurrency,
-            "load_timeout": timeout,
+        launch = build_launch(
+            self.spec,
+            launch_id=self.launch_id,
+            code=(bundle, sources, init),
+            master_port=self.applied.master_port,
+            restart=restart,
             **self.mode.launch_fields(),
-        }
+        )
         # where the data store is, for kt.put/get in the ranks: read while the pods are asked for
         # /health (queued before them: a pod's launch waiting for it never holds up its task)
         store = pool.submit(handoff, self.backend)
@@ -164,17 +156,16 @@ class Deployment:
         (or with ``drop``, remove it): a colocation launch, sent like the code's own."""
         self.mode.check_colocation(target)
         timeout = self.spec.compute.launch_timeout
-        msg = {
-            "colocate": target,
-            "launch_id": self.launch_id,
-            "drop": drop,
-            "kind": kind,
-            "bundle": bundle,
-            "sources": sources,
-            "init": init,
-            "if_missing": if_missing,
-        }
-        body = protocol.dumps(msg)
+        body = Colocation(
+            target=target,
+            launch_id=self.launch_id or "",
+            kind=kind,
+            bundle=bundle,
+            init=init,
+            sources=sources,
+            drop=drop,
+            if_missing=if_missing,
+        ).encode()
 
         def one(ep: Any) -> list[Any]:
             return self.client.deploy(ep.url, body, timeout + 30)

@@ -43,6 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ktlite_wire.status import Status
+
 
 class KtliteError(Exception):
     """Base of every ktlite error."""
@@ -169,7 +171,7 @@ class RankFailure:
 
     rank: int
     pod: str
-    kind: str  # "error" | "died" | "unreachable" | "stale" | "cancelled" | "timeout"
+    kind: Status  # a str enum: "error" | "died" | "unreachable" | "stale" | "cancelled" | "timeout"
     message: str
     traceback: str = ""
     exception: BaseException | None = field(default=None, repr=False)

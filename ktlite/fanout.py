@@ -16,7 +16,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from ktlite import engines, protocol
+from ktlite import engines
 from ktlite.backends.base import PodEndpoint
 from ktlite.callpath import CallOptions, pool, print_log, shm_arguments
 from ktlite.client import CallReply
@@ -32,6 +32,8 @@ from ktlite.mode import Mode
 from ktlite.outcomes import split, to_error
 from ktlite.replacement import ReplacedWatch, Replacements
 from ktlite.spec import DeploymentSpec
+from ktlite_wire.launch import Launch
+from ktlite_wire.status import Status
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +83,17 @@ class Fanout(Mode):
             "single": self.spec.compute.distributed is None,
         }
 
-    def load(self, launch: dict[str, Any], store: concurrent.futures.Future[Any]) -> None:
+    def load(self, launch: Launch, store: concurrent.futures.Future[Any]) -> None:
         """Send the launch to every pod, each with its ordinal; each restarts or reloads its
         rank processes."""
         timeout = self.spec.compute.launch_timeout
 
         def one(ep: PodEndpoint) -> list[Any]:
             self.dep.wait_healthy(ep.url, timeout)
-            msg = {**launch, "ordinal": ep.ordinal, **self.launch_extras(ep)}
-            if store.result() is not None:
-                msg["store"] = store.result()
-            return self.client.deploy(ep.url, protocol.dumps(msg), timeout + 30)
+            msg = replace(
+                launch, ordinal=ep.ordinal, store=store.result(), **self.launch_extras(ep)
+            )
+            return self.client.deploy(ep.url, msg.encode(), timeout + 30)
 
         outcomes = [o for outs in pool.map(one, self.endpoints) for o in outs]
         failures, values = split(outcomes)
@@ -246,20 +248,22 @@ class Fanout(Mode):
             reply = self._send(call_id, meta, sent, (log or print_log) if stream else None, watch)
         failures, values = split(reply.outcomes)
         if failures:
-            if any(f.kind in ("died", "unreachable", "stale") for f in failures):
+            if any(f.kind in (Status.DIED, Status.UNREACHABLE, Status.STALE) for f in failures):
                 self.pods.suspect = True  # the next call first checks for replaced pods
             error = to_error(failures, values, f"call to {self.name!r}", RemoteError)
             if not reply.started:  # no rank ran it: if its pods were replaced, it can go again
                 missing = {
                     self.pods.ordinal_of(f.pod)
                     for f in failures
-                    if f.kind in ("unreachable", "stale")
+                    if f.kind in (Status.UNREACHABLE, Status.STALE)
                 }
                 gone = watch.replaced or self.pods.replaced(sorted(missing - {-1}))
                 if gone:
                     raise _NotStarted(error, f"the coordinator could not reach {', '.join(gone)}")
             lost = {
-                self.pods.ordinal_of(f.pod) for f in failures if f.kind in ("died", "unreachable")
+                self.pods.ordinal_of(f.pod)
+                for f in failures
+                if f.kind in (Status.DIED, Status.UNREACHABLE)
             } - {-1}
             if lost and reply.started and isinstance(error, RemoteError):
                 changed = self.pods.membership_changed(sorted(lost), error, failures)

@@ -23,6 +23,7 @@ from ktlite.backends.base import Applied, Backend
 from ktlite.callpath import CallOptions, CallPath
 from ktlite.errors import ConfigError
 from ktlite.spec import DeploymentSpec
+from ktlite_wire.launch import Launch
 
 
 class Mode:
@@ -57,10 +58,10 @@ class Mode:
 
     def launch_fields(self) -> dict[str, Any]:
         """What this mode puts in the launch beside the code: the pod addresses the ranks
-        see, whether a call's result is one value, and (replicas) the ordinal every one has."""
+        see, whether a call's result is one value, and whether each pod is a replica of its own."""
         raise NotImplementedError(f"{type(self).__name__}.launch_fields")
 
-    def load(self, launch: dict[str, Any], store: concurrent.futures.Future[Any]) -> None:
+    def load(self, launch: Launch, store: concurrent.futures.Future[Any]) -> None:
         """Load the launch (``launch``: what every pod gets, built by the deployment with
         :meth:`launch_fields`) on the pods; ``store``: where the data store is, for
         ``kt.put/get`` in the ranks (None: none)."""

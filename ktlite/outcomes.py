@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ktlite import protocol, shm
 from ktlite.errors import (
     CallCancelled,
     CallTimeout,
@@ -19,52 +18,53 @@ from ktlite.errors import (
     RemoteException,
     with_remote_context,
 )
+from ktlite_wire import codec, shm
+from ktlite_wire.outcome import RankOutcome, ShmRef
+from ktlite_wire.status import Status
 
 # a failed rank's kind -> the error that reports it ("error" keeps the rank's own exception)
 KIND_ERRORS: dict[str, type[RemoteError]] = {
-    "died": RankDied,
-    "unreachable": QuorumTimeout,
-    "timeout": CallTimeout,
-    "cancelled": CallCancelled,
+    Status.DIED: RankDied,
+    Status.UNREACHABLE: QuorumTimeout,
+    Status.TIMEOUT: CallTimeout,
+    Status.CANCELLED: CallCancelled,
 }
 
 
-def split(
-    outcomes: list[tuple[int, str, str, Any, str, float]],
-) -> tuple[list[RankFailure], dict[int, Any]]:
+def split(outcomes: list[RankOutcome]) -> tuple[list[RankFailure], dict[int, Any]]:
     failures: list[RankFailure] = []
     values: dict[int, Any] = {}
     # values handed over in shared-memory files: take every one first, so none is left behind
     outcomes = [
-        (r, p, s, shm.take(d[1], d[2]) if isinstance(d, tuple) else d, m, at)
-        for r, p, s, d, m, at in outcomes
+        o._replace(data=shm.take(o.data.path, o.data.size)) if isinstance(o.data, ShmRef) else o
+        for o in outcomes
     ]
-    for rank, pod, status, data, message, at in sorted(outcomes, key=lambda o: o[0]):
-        if status == "ok":
+    for rank, pod, status, data, message, at in sorted(outcomes, key=lambda o: o.rank):
+        if status is Status.OK:
             try:
-                values[rank] = protocol.loads(data) if data is not None else None
+                values[rank] = codec.loads(data) if data is not None else None
             except Exception as e:  # noqa: BLE001
                 failures.append(
                     RankFailure(
                         rank,
                         pod,
-                        "error",
+                        Status.ERROR,
                         f"its result could not be unpickled here: {type(e).__name__}: {e}",
                         exception=e,
                         at=at,
                     )
                 )
-        elif status == "error":
-            info = protocol.loads(data)
+        elif status is Status.ERROR:
+            info = codec.loads(data)
             exc: BaseException | None = None
             if info.pickled is not None:
                 with contextlib.suppress(Exception):
-                    exc = protocol.loads(info.pickled)
+                    exc = codec.loads(info.pickled)
             failures.append(
                 RankFailure(
                     rank,
                     pod,
-                    "error",
+                    Status.ERROR,
                     f"{info.type_name}: {info.message}",
                     traceback=info.traceback,
                     exception=exc,
@@ -82,7 +82,7 @@ def split(
             # outcomes hold a value or an exception for every rank
             failure.exception = (
                 NotDeployedError(failure.describe())
-                if status == "stale"
+                if status is Status.STALE
                 else KIND_ERRORS.get(status, RemoteError)(failure.describe(), failures=[failure])
             )
             failures.append(failure)
@@ -93,7 +93,9 @@ def to_error(
     failures: list[RankFailure], values: dict[int, Any], what: str, base: type[Exception]
 ) -> BaseException:
     primary = [
-        f for f in failures if f.kind in ("error", "died", "unreachable", "stale")
+        f
+        for f in failures
+        if f.kind in (Status.ERROR, Status.DIED, Status.UNREACHABLE, Status.STALE)
     ] or failures
     collateral = [f for f in failures if f not in primary]
     # the cause is the earliest failure (a peer's "connection reset" comes after the death
@@ -118,9 +120,9 @@ def to_error(
             f"finished: rank(s) {', '.join(map(str, sorted(values)))} (their results are on "
             "this error's .results)"
         )
-    elif primary[0].kind == "timeout":
+    elif primary[0].kind is Status.TIMEOUT:
         lines.append("no rank finished")
-    if primary[0].kind == "timeout":
+    if primary[0].kind is Status.TIMEOUT:
         lines.append(
             "to try: a longer limit (remote.options(timeout=S) or Compute(call_timeout=S)); "
             "if a rank hangs (a collective some rank never joined), its pod's log "
@@ -128,7 +130,7 @@ def to_error(
         )
     summary = "\n".join(lines)
     first = primary[0]
-    if first.kind == "error" and first.exception is not None:
+    if first.kind is Status.ERROR and first.exception is not None:
         if isinstance(first.exception, RemoteException):
             first.exception.failures, first.exception.outcomes = failures, outcomes
             first.exception.args = (first.exception.args[0] + "\n" + summary,)
@@ -136,6 +138,6 @@ def to_error(
         return with_remote_context(first.exception, failures, outcomes, summary)
     if base is DeployError:
         return DeployError(summary)
-    if first.kind == "stale":
+    if first.kind is Status.STALE:
         return NotDeployedError(summary)
     return KIND_ERRORS.get(first.kind, RemoteError)(summary, failures=failures, outcomes=outcomes)

@@ -20,10 +20,10 @@ from typing import Any
 
 import cloudpickle
 
-from ktlite import protocol, sourcelines
 from ktlite.errors import SerializationError
+from ktlite_wire import codec, envelope, sourcelines
 
-_SKIP = ("ktlite", "ktlite_server", "cloudpickle", "_pytest", "pytest", "pluggy", "__main__",
+_SKIP = ("ktlite", "ktlite_server", "ktlite_wire", "cloudpickle", "_pytest", "pytest", "pluggy", "__main__",
          "__mp_main__", "IPython", "ipykernel")
 _MAX_SOURCE = 2 << 20
 _MAX_SOURCES = 32 << 20
@@ -129,7 +129,7 @@ def encode_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any
     """Encode a call's arguments; names the argument that cannot be pickled."""
     try:
         with by_value():
-            return protocol.dumps_parts((method, args, kwargs), sources=True)
+            return codec.dumps_parts((method, args, kwargs), sources=True)
     except Exception as e:
         raise SerializationError(_diagnose_args(args, kwargs, e)) from e
 
@@ -144,17 +144,17 @@ def encode_ranked_call(method: str | None, args: tuple[Any, ...], kwargs: dict[s
     shared = encode_call(method, args, kwargs)
     if items is None:
         return shared, None
-    pos = protocol.parts_size(shared)
+    pos = envelope.parts_size(shared)
     layout = {"shared": pos, "items": [], "base": 0}
     parts = list(shared)
     for r, values in enumerate(items):
         try:
             with by_value():
-                blob = protocol.dumps_parts(values, sources=True)
+                blob = codec.dumps_parts(values, sources=True)
         except Exception as e:
             raise SerializationError(f"the per-rank item(s) of rank {r} cannot be pickled: "
                                      f"{type(e).__name__}: {e}") from e
-        size = protocol.parts_size(blob)
+        size = envelope.parts_size(blob)
         layout["items"].append([pos, size])
         parts.extend(blob)
         pos += size
@@ -164,7 +164,7 @@ def encode_ranked_call(method: str | None, args: tuple[Any, ...], kwargs: dict[s
 def encode_value(value: Any, what: str) -> bytes:
     try:
         with by_value():
-            return protocol.dumps(value, sources=True)
+            return codec.dumps(value, sources=True)
     except Exception as e:
         raise SerializationError(_diagnose_value(value, what, e)) from e
 

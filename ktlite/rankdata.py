@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ktlite.errors import ConfigError
+from ktlite_wire.rankdata import Slot
 
 
 class PerRank:
@@ -33,18 +34,6 @@ def per_rank(items: Sequence[Any]) -> PerRank:
     """Mark an argument as one item per rank: ``remote(batch=kt.per_rank(shards), lr=0.1)``
     gives rank r ``batch=shards[r]``; only rank r's pod receives ``shards[r]``."""
     return PerRank(items)
-
-
-class Slot:
-    """Where a per-rank item goes back in, on the rank (the k-th marker of the call)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Slot, (self.index,))
 
 
 def split(args: tuple[Any, ...], kwargs: dict[str, Any], world: int
@@ -68,34 +57,3 @@ def split(args: tuple[Any, ...], kwargs: dict[str, Any], world: int
     if not markers:
         return args, kwargs, None
     return new_args, new_kwargs, [tuple(m.items[r] for m in markers) for r in range(world)]
-
-
-def fill(args: tuple[Any, ...], kwargs: dict[str, Any], values: tuple[Any, ...]
-         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """On the rank: put its own items where the slots are."""
-    def put(v: Any) -> Any:
-        return values[v.index] if isinstance(v, Slot) else v
-    return tuple(put(a) for a in args), {k: put(v) for k, v in kwargs.items()}
-
-
-def pod_slices(per_rank: dict[str, Any], ranks: range) -> list[list[int]]:
-    """The ``[offset, length]`` of each of ``ranks``' items in a per-rank call body."""
-    base = int(per_rank.get("base", 0))
-    items = per_rank["items"]
-    return [items[r - base] for r in ranks]
-
-
-def check_plan(per_rank: Any) -> dict[str, Any]:
-    """Validate a call plan's ``per_rank`` field (a bad one is the caller's fault)."""
-    if not isinstance(per_rank, dict):
-        raise ValueError("per_rank must be an object")
-    shared, items, base = per_rank.get("shared"), per_rank.get("items"), per_rank.get("base", 0)
-    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-        raise ValueError("per_rank.shared must be a byte count")
-    if isinstance(base, bool) or not isinstance(base, int) or base < 0:
-        raise ValueError("per_rank.base must be a rank")
-    if not isinstance(items, list) or not all(
-            isinstance(it, list) and len(it) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                          and x >= 0 for x in it) for it in items):
-        raise ValueError("per_rank.items must be a list of [offset, length]")
-    return {"shared": shared, "items": items, "base": base}

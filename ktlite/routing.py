@@ -27,7 +27,6 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from ktlite import protocol
 from ktlite.backends.base import Applied, Backend, PodEndpoint
 from ktlite.callpath import CallOptions, CallPath, pool, print_log, shm_arguments
 from ktlite.errors import (
@@ -44,6 +43,8 @@ from ktlite.outcomes import split, to_error
 from ktlite.replicas import Replica, ReplicaSet
 from ktlite.serving import ReplicaScaler
 from ktlite.spec import DeploymentSpec
+from ktlite_wire.launch import Launch
+from ktlite_wire.status import Status
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +86,15 @@ class Routing(Mode):
 
     def launch_fields(self) -> dict[str, Any]:
         # every replica is a world of one: RANK 0 of its own, whatever its pod ordinal
-        return {"pod_ips": ["127.0.0.1"], "ordinal": 0, "replica": True, "single": True}
+        return {"pod_ips": ["127.0.0.1"], "replica": True, "single": True}
 
-    def load(self, launch: dict[str, Any], store: concurrent.futures.Future[Any]) -> None:
+    def load(self, launch: Launch, store: concurrent.futures.Future[Any]) -> None:
         """Write the launch where new replicas read it, then load it on every running
         replica; returns once each runs it (the replicas that took calls with the old code
         take new calls only with the new)."""
         dep = self.dep
         timeout = dep.spec.compute.launch_timeout
-        msg = dict(launch)
-        if store.result() is not None:
-            msg["store"] = store.result()
-        body = protocol.dumps(msg)
+        body = replace(launch, store=store.result()).encode()
         with self._pushing:
             dep.backend.write_launch(dep.name, body)
             self.pool.launch = body
@@ -302,7 +300,7 @@ class Routing(Mode):
             error = to_error(
                 failures, values, f"call to {dep.name!r} on replica {ep.name}", RemoteError
             )
-            if any(f.kind in ("died", "unreachable", "stale") for f in failures):
+            if any(f.kind in (Status.DIED, Status.UNREACHABLE, Status.STALE) for f in failures):
                 self.evict(replica, failures[0].message)
                 if isinstance(error, RemoteError):
                     error.args = (

@@ -1,7 +1,8 @@
-"""The frozen description of a deployment, and the distributed-env contract.
+"""The frozen description of a deployment, and its distributed layout as users give it.
 
-``distributed_env`` is the single place where RANK / WORLD_SIZE / MASTER_ADDR / ... are
-computed: every backend and the pod server use it, so ranks mean the same everywhere.
+The env each rank gets is computed in one place, ``ktlite_wire.distenv.distributed_env``
+(re-exported here): every backend and the pod server use it, so ranks mean the same
+everywhere.
 """
 
 from __future__ import annotations
@@ -10,19 +11,20 @@ import hashlib
 import json
 import math
 import re
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 from ktlite.errors import ConfigError
+from ktlite_wire.distenv import (  # noqa: F401 - the env contract, re-exported for the client
+    ENGINES,
+    FRAMEWORKS,
+    GROUP_PORTS,
+    DistributedLayout,
+    distributed_env,
+    port_free,
+)
 
-FRAMEWORKS = ("spmd", "pytorch", "jax", "tensorflow", "ray", "monarch")
-# frameworks whose pods run the engine's own runtime, formed by the pod servers: the call runs
-# on pod 0 (the head, or Monarch's controller) only and returns one value
-ENGINES = ("ray", "monarch")
 DEFAULT_MASTER_PORT = 29500
-# MASTER_PORT .. +31: the process groups' ports (a new group takes the next free one)
-GROUP_PORTS = 32
 # pod k's Ray node's ports, from MASTER_PORT + GROUP_PORTS + RAY_STRIDE × k: the named ones
 # first, then the range its worker processes listen on. Every node has its own, so nodes
 # never collide where pods share a host or a network (the local backend, the stand-in cluster)
@@ -37,7 +39,7 @@ _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
-class DistributedConfig:
+class DistributedConfig(DistributedLayout):
     """How many pods, processes per pod, and which framework's env each rank gets.
 
     Args:
@@ -116,11 +118,6 @@ class DistributedConfig:
                    fix="for Monarch it is the procs each host spawns (per_host={'gpus': num_proc})")
 
     @property
-    def engine(self) -> bool:
-        """Pods run an engine's own runtime (Ray, Monarch); calls go to pod 0 only."""
-        return self.framework in ENGINES
-
-    @property
     def port_span(self) -> int:
         """Ports from MASTER_PORT this deployment may use on one host: the process groups'
         (and TF_CONFIG's one per rank), every Ray node's, or every Monarch worker loop's."""
@@ -129,42 +126,6 @@ class DistributedConfig:
         if self.framework == "monarch":
             return GROUP_PORTS + self.workers
         return max(GROUP_PORTS, self.world_size)
-
-    @property
-    def uniform(self) -> bool:
-        return isinstance(self.num_proc, int)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Ranks of each pod."""
-        return (self.num_proc,) * self.workers if isinstance(self.num_proc, int) else tuple(self.num_proc)
-
-    @property
-    def max_procs(self) -> int:
-        return max(self.sizes)
-
-    def procs(self, ordinal: int) -> int:
-        """Ranks of pod ``ordinal``."""
-        return self.num_proc if isinstance(self.num_proc, int) else self.num_proc[ordinal]
-
-    def first_rank(self, ordinal: int) -> int:
-        """The global rank of pod ``ordinal``'s LOCAL_RANK 0."""
-        return ordinal * self.num_proc if isinstance(self.num_proc, int) else sum(self.num_proc[:ordinal])
-
-    def ordinal_of(self, rank: int) -> int:
-        """The pod that holds global rank ``rank``."""
-        if isinstance(self.num_proc, int):
-            return rank // self.num_proc
-        start = 0
-        for ordinal, n in enumerate(self.num_proc):
-            if rank < start + n:
-                return ordinal
-            start += n
-        raise ValueError(f"rank {rank} is outside the world of {start} ranks")
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.sizes)
 
 
 def ray_ports(master_port: int, ordinal: int) -> dict[str, Any]:
@@ -189,15 +150,6 @@ def monarch_port(master_port: int, ordinal: int) -> int:
     return port
 
 
-def port_free(port: int) -> bool:
-    """Whether a listener could bind ``port`` on every address of this host now (a
-    MASTER_PORT for a new rendezvous)."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None, fix: str) -> None:
@@ -276,49 +228,3 @@ class DeploymentSpec:
         fields = self.compute.pod_fields()
         blob = json.dumps(fields, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-
-def distributed_env(config: DistributedConfig, *, node_rank: int, local_rank: int,
-                    pod_ips: list[str], master_port: int, run_id: str = "ktlite",
-                    cpus_per_pod: float | None = None) -> dict[str, str]:
-    """The env vars one rank gets. Stable: RANK = the ranks of the pods before this one
-    (NODE_RANK × num_proc when every pod has num_proc) + LOCAL_RANK."""
-    if len(pod_ips) != config.workers:
-        raise ValueError(f"{len(pod_ips)} pod addresses for {config.workers} workers")
-    nproc = config.procs(node_rank)
-    if not 0 <= local_rank < nproc:
-        raise ValueError(f"local rank {local_rank} is outside pod {node_rank}'s {nproc} rank(s)")
-    rank = config.first_rank(node_rank) + local_rank
-    world = config.world_size
-    master = pod_ips[0]
-    env = {
-        "MASTER_ADDR": master,
-        "MASTER_PORT": str(master_port),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "NODE_RANK": str(node_rank),
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(config.workers),
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(world),
-        "ROLE_NAME": "default",
-        "POD_IPS": ",".join(pod_ips),
-        "KTLITE_FRAMEWORK": config.framework,
-    }
-    if config.framework == "pytorch":
-        env["TORCHELASTIC_RUN_ID"] = run_id
-    elif config.framework == "jax":
-        env.update(JAX_COORDINATOR_ADDRESS=f"{master}:{master_port}",
-                   JAX_NUM_PROCESSES=str(world), JAX_PROCESS_ID=str(rank))
-    elif config.framework == "tensorflow":
-        # rank r listens on master_port + r: unique even when pods share a host (local backend)
-        workers = [f"{pod_ips[config.ordinal_of(r)]}:{master_port + r}" for r in range(world)]
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers},
-                                       "task": {"type": "worker", "index": rank}})
-    if nproc > 1:
-        cpus = cpus_per_pod or 1
-        env["OMP_NUM_THREADS"] = str(max(1, int(cpus // nproc)))
-    return env

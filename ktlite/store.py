@@ -26,10 +26,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ktlite import config, protocol
+from ktlite import config
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite.progress import Progress
 from ktlite.storedir import CHUNK, StoreDir, check_key, missing, tar_stream
+from ktlite_wire import codec
 
 _MISSING: Any = object()
 Receive = Callable[[dict[str, Any], Iterator[bytes]], Any]
@@ -78,7 +79,7 @@ def put(key: str, src: Any = _MISSING, *, data: Any = _MISSING, namespace: str |
                 raise ConfigError(f"src={str(src)!r}: no such file or directory; to store a string "
                                   "as a value, pass it as data=")
         else:
-            store.put_object(key, protocol.dumps(src if data is _MISSING else data))
+            store.put_object(key, codec.dumps(src if data is _MISSING else data))
     finally:
         store.close()
 
@@ -104,7 +105,7 @@ def get(key: str, dest: str | os.PathLike[str] | None = None, *, namespace: str 
             if dest is not None:
                 raise ConfigError(f"key {key!r} holds a Python object: call kt.get({key!r}) without "
                                   "dest to get it back")
-            return ("object", protocol.loads(bytearray(b"".join(chunks))))
+            return ("object", codec.loads(bytearray(b"".join(chunks))))
         progress = Progress(f"get {key}", int(entry.get("size") or 0))
         chunks = progress.wrap(chunks)
         try:

@@ -16,9 +16,10 @@ from typing import Any
 
 import httpx
 
-from ktlite import protocol
 from ktlite.errors import AuthError, ConfigError, DataStoreError
 from ktlite.logconfig import http_hook
+from ktlite_wire.errors import ErrorCode
+from ktlite_wire.headers import ERROR_CODE_HEADER, LENGTH_HEADER, TOKEN_HEADER, bearer
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class StoreClient:
             self.http.close()
 
     def _headers(self) -> dict[str, str]:
-        return {protocol.TOKEN_HEADER: protocol.bearer(self._token)}
+        return {TOKEN_HEADER: bearer(self._token)}
 
     def _timeout(self) -> httpx.Timeout:
         return httpx.Timeout(120.0, connect=CONNECT_TIMEOUT_S, write=300.0, pool=30.0)
@@ -103,13 +104,14 @@ class StoreClient:
                 raise _Retry(str(body.get("message", text))[:300])
             raise DataStoreError(f"the Kubernetes API server refused {what}: {body.get('message', text)}")
         detail = str(body.get("detail", text)) if isinstance(body, dict) else text
-        if resp.status_code == 401:
+        code = ErrorCode.parse(resp.headers.get(ERROR_CODE_HEADER))
+        if code is ErrorCode.UNAUTHORIZED or (code is None and resp.status_code == 401):
             raise AuthError(f"{self.describe} refused the store token (HTTP 401) for {what}; the store "
                             "was probably re-created: call .to() again to hand the pods its new token")
         if not detail.strip():  # not the store's server (it always explains itself)
             raise DataStoreError(f"{self.describe} answered HTTP {resp.status_code} with no detail to "
                                  f"{what}; is the store server there?" + self._hint(), key=key)
-        if resp.status_code == 400:
+        if code is ErrorCode.BAD_REQUEST:
             raise ConfigError(detail)
         raise DataStoreError(detail, key=key)
 
@@ -147,7 +149,7 @@ class StoreClient:
             resp = self.http.delete(self.url + PREFIX + "/key", headers=self._headers(),
                                     params={"key": key, "recursive": "1" if recursive else "0"},
                                     timeout=self._timeout())
-            if resp.status_code == 404 and attempts > 1 and "no key" in resp.text:
+            if attempts > 1 and resp.headers.get(ERROR_CODE_HEADER) == ErrorCode.NOT_FOUND.value:
                 return  # an earlier attempt may have removed it and lost the answer
             self._check(resp, f"rm {key!r}", key)
         self._run(f"rm {key!r}", attempt)
@@ -158,7 +160,7 @@ class StoreClient:
         what = f"put {key!r}"
 
         def attempt() -> None:
-            headers = {**self._headers(), protocol.LENGTH_HEADER: str(size),
+            headers = {**self._headers(), LENGTH_HEADER: str(size),
                        "content-type": "application/x-tar" if kind == "dir" else "application/octet-stream"}
             # a generator: httpx sends it chunked
             resp = self.http.put(self.url + PREFIX + "/key", params={"key": key, "kind": kind},

@@ -8,24 +8,70 @@ import shutil
 import tempfile
 
 import pytest
+from loadscale import time_scale
 
 _HOME = tempfile.mkdtemp(prefix=f"ktlite-test-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
 os.environ["KTLITE_HOME"] = _HOME
 os.environ.pop("KTLITE_BACKEND", None)
 
 
-# the longest tests go first, so that under xdist they run beside the rest, not after it
-_FIRST = ("tests/test_kube_e2e.py",)
+# The modules that take longest go first, longest first (the stand-in cluster's parts, then
+# measured order), the rest as collected: with pyproject's `--dist load --maxschedchunk 1` each
+# xdist worker takes the next test when it is done with its own, so the long ones run beside the
+# rest and the run ends on short ones. A module stays in one piece, so its module fixtures
+# (warm deployments) are made at most once per worker.
+_FIRST = (
+    "tests/test_kube_e2e.py",
+    "tests/faults/test_soak.py",
+    "tests/test_app.py",
+    "tests/test_kube_serving.py",
+    "tests/test_serving.py",
+    "tests/test_kube_store.py",
+    "tests/faults/test_rank_error.py",
+    "tests/test_local_calls.py",
+    "tests/test_errors_logs.py",
+    "tests/test_pg_recovery.py",
+    "tests/test_local_volumes.py",
+    "tests/faults/test_pod_death.py",
+    "tests/faults/test_timeouts.py",
+)
+
+
+def _rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return _FIRST.index(path) if path in _FIRST else len(_FIRST)
+
+
+def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's pytest-timeout limit (its marker's, else the configured one) times the load
+    scale: on a busy machine a test may take longer without being taken for a hang."""
+    scale = time_scale()
+    if scale <= 1:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        limit = marker.kwargs.get("timeout", marker.args[0] if marker.args else None) if marker else default
+        if limit:
+            item.add_marker(pytest.mark.timeout(float(limit) * scale), append=False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: 0 if item.nodeid.startswith(_FIRST) else 1)  # stable: else as collected
+    items.sort(key=_rank)  # stable: else as collected
+    _scale_timeouts(config, items)
     if os.environ.get("KTLITE_TEST_KUBECONFIG"):
         return
     skip = pytest.mark.skip(reason="set KTLITE_TEST_KUBECONFIG to run against a real cluster")
     for item in items:
         if "kubernetes" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def torch():
+    """The torch module, for the tests that take it: they alone skip where the torch extra is
+    not installed (a module-level importorskip would skip its neighbours too)."""
+    return pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -286,24 +286,31 @@ def test_call_a_method_of_a_deployed_class_keeps_its_state(deployed: Deployed) -
 def test_logs_follow_prints_new_lines_of_one_rank_until_ctrl_c(deployed: Deployed) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(deployed.home)
+    # a line already in the log before following starts: once the follower printed it, it
+    # follows (a line seen after that came from following, not from the log's tail)
+    before = ktlite(deployed.where, deployed.home, "call", "cli-add", "--args", "[31337]", "--kwargs", '{"y": 2}')
+    assert before.returncode == 0, before.stderr
     # Ctrl-C as in a terminal, even where this test runs with SIGINT ignored (a shell's
     # background job, and every process it starts, inherits SIG_IGN)
     follow = subprocess.Popen([sys.executable, "-m", "ktlite.cli", "logs", "cli-add", "-f",
                                "--rank", "1"], cwd=deployed.where, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen: list[str] = []
+
+    def read_until(wanted: str) -> None:
+        assert follow.stdout is not None
+        deadline = time.monotonic() + 30
+        while wanted not in seen:
+            assert time.monotonic() < deadline and follow.poll() is None, (wanted, seen)
+            seen.append(follow.stdout.readline().rstrip("\n"))
+
     try:
-        time.sleep(1.0)  # following; now a call writes new lines
+        read_until("[cli-add-1] [rank 1] add on rank 1: 31337 + 2")  # following now
         done = ktlite(deployed.where, deployed.home, "call", "cli-add", "--args", "[40]",
                       "--kwargs", '{"y": 2}')
         assert done.returncode == 0, done.stderr
-        assert follow.stdout is not None
-        wanted = "[cli-add-1] [rank 1] add on rank 1: 40 + 2"
-        seen = []
-        deadline = time.monotonic() + 20
-        while wanted not in seen:
-            assert time.monotonic() < deadline and follow.poll() is None, seen
-            seen.append(follow.stdout.readline().rstrip("\n"))
+        read_until("[cli-add-1] [rank 1] add on rank 1: 40 + 2")
         assert not [line for line in seen if "[rank 0]" in line], seen
     finally:
         follow.send_signal(signal.SIGINT)

@@ -8,15 +8,32 @@ import concurrent.futures
 import os
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 import ktlite as kt
 from ktlite.spec import DeploymentSpec
 
+MEET_S = 60.0  # how long a call waits for the others it should run beside
 
-def nap(seconds: float, fail: bool = False) -> dict:
+
+def _meet(place: str, n: int) -> None:
+    """Until ``n`` calls have arrived at ``place`` (a directory): only calls that run at once all
+    get past it. Proves concurrency without a stopwatch (a loaded machine stretches any)."""
+    Path(place, uuid.uuid4().hex).touch()
+    deadline = time.monotonic() + MEET_S
+    while (here := len(os.listdir(place))) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {here} of {n} calls were running at once after {MEET_S:g} s")
+        time.sleep(0.02)
+
+
+def nap(seconds: float, fail: bool = False, meet: tuple[str, int] | None = None) -> dict:
     start = time.time()
+    if meet is not None:
+        _meet(*meet)
     for _ in range(int(seconds / 0.05)):  # short sleeps: an interrupt lands between them
         time.sleep(0.05)
     if fail:
@@ -35,6 +52,16 @@ class Server:
 
     async def slow(self, seconds: float) -> int:
         await asyncio.sleep(seconds)
+        return os.getpid()
+
+    async def meet(self, place: str, n: int) -> int:
+        """As ``_meet``, on the rank's event loop."""
+        Path(place, uuid.uuid4().hex).touch()
+        deadline = time.monotonic() + MEET_S
+        while (here := len(os.listdir(place))) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {here} of {n} async calls were running at once after {MEET_S:g} s")
+            await asyncio.sleep(0.02)
         return os.getpid()
 
     def record(self, i: int) -> int:
@@ -79,9 +106,9 @@ def test_concurrency_is_validated_and_defaults_by_kind() -> None:
     assert "concurrency" not in kt.Compute(concurrency=2).pod_fields()
 
 
-def test_four_sync_calls_run_at_once_on_concurrency_4(napper) -> None:
-    results, took = _parallel(4, lambda: napper(2.0))
-    assert took < 6.0, f"4 x 2 s calls took {took:.1f}s: they ran one after another"
+def test_four_sync_calls_run_at_once_on_concurrency_4(napper, tmp_path) -> None:
+    results, _ = _parallel(4, lambda: napper(0.0, meet=(str(tmp_path), 4)))
+    assert all(isinstance(r, dict) for r in results), results  # all four met: they ran at once
     assert len({r["pid"] for r in results}) == 1  # one rank process ...
     assert len({r["thread"] for r in results}) == 4  # ... four threads
 
@@ -106,12 +133,13 @@ def test_timeout_of_one_call_leaves_the_others_running(napper) -> None:
     assert napper(0.0)["pid"] == results[0]["pid"]  # the rank process was not killed
 
 
-def test_async_method_on_a_single_rank_class_defaults_to_8_at_once() -> None:
+def test_async_method_on_a_single_rank_class_defaults_to_8_at_once(tmp_path) -> None:
     remote = kt.cls(Server).to(kt.Compute(), name="conc-async-cls")
     try:
         assert remote.deployment.spec.concurrency == 8
-        results, took = _parallel(4, lambda: remote.slow(2.0))
-        assert took < 6.0, f"4 x 2 s async calls took {took:.1f}s"
+        place = tmp_path
+        results, _ = _parallel(4, lambda: remote.meet(str(place), 4))
+        assert all(isinstance(r, int) for r in results), results  # all four met: they ran at once
         assert len(set(results)) == 1
     finally:
         remote.teardown()
@@ -125,7 +153,10 @@ def test_rank_death_fails_every_call_on_it() -> None:
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             running = [pool.submit(slow) for _ in range(3)]
-            time.sleep(1.0)
+            deadline = time.monotonic() + 60
+            while len(remote.status()[0]["active_calls"]) < 3:  # all three run on the rank
+                assert time.monotonic() < deadline, f"3 calls were not running after 60 s: {remote.status()}"
+                time.sleep(0.05)
             killer = pool.submit(remote.die)
             errors = [f.exception(timeout=60) for f in [*running, killer]]
         assert all(isinstance(e, kt.RankDied) for e in errors), errors
@@ -150,11 +181,18 @@ def test_distributed_calls_run_one_at_a_time_in_arrival_order() -> None:
     try:
         assert remote.deployment.spec.concurrency == 1
         threads = []
-        for i in range(6):
-            t = threading.Thread(target=remote.record, args=(i,))
+        for i in range(6):  # one caller thread per call; call i arrives once call i-1 is queued
+            queued = threading.Event()
+
+            def call(i: int = i, queued: threading.Event = queued) -> None:
+                future = remote.record.submit(i)
+                queued.set()
+                future.result(timeout=60)
+
+            t = threading.Thread(target=call)
             t.start()
             threads.append(t)
-            time.sleep(0.05)  # arrival order = i
+            assert queued.wait(60), f"call {i} was not queued after 60 s"
         for t in threads:
             t.join(60)
         orders = remote.get_order()
@@ -163,12 +201,13 @@ def test_distributed_calls_run_one_at_a_time_in_arrival_order() -> None:
         remote.teardown()
 
 
-def test_to_takes_concurrency_too() -> None:
+def test_to_takes_concurrency_too(tmp_path) -> None:
     remote = kt.fn(nap).to(kt.Compute(), name="conc-to-form", concurrency=3)
     try:
         assert remote.deployment.spec.concurrency == 3 and remote.compute.concurrency == 3
-        results, took = _parallel(3, lambda: remote(1.5))
-        assert took < 4.5 and len({r["thread"] for r in results}) == 3
+        results, _ = _parallel(3, lambda: remote(0.0, meet=(str(tmp_path), 3)))
+        assert all(isinstance(r, dict) for r in results), results  # all three met: they ran at once
+        assert len({r["thread"] for r in results}) == 3
     finally:
         remote.teardown()
     with pytest.raises(kt.ConfigError, match="between 1 and 1024"):

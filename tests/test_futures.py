@@ -55,10 +55,18 @@ def log2():
     remote.teardown()
 
 
+def _wait_running(remote, fut: kt.Future) -> None:
+    """Until every pod of ``remote`` runs the call of ``fut`` (bounded)."""
+    deadline = time.monotonic() + 60
+    while not (fut.running() and all(fut.call_id in pod["active_calls"] for pod in remote.status())):
+        assert not fut.done(), f"the call ended before it was seen running: {fut!r}"
+        assert time.monotonic() < deadline, f"the call of {fut!r} was not running on every pod after 60 s: " \
+                                            f"{remote.status()}"
+        time.sleep(0.05)
+
+
 def test_submit_returns_at_once_and_gives_the_result(single) -> None:
-    start = time.monotonic()
-    fut = single.submit(3, 1.0)
-    assert time.monotonic() - start < 0.5
+    fut = single.submit(3, 1.0)  # at once: before the call (1 s on the rank) is done
     assert isinstance(fut, kt.Future) and isinstance(fut, concurrent.futures.Future)
     assert not fut.done()
     assert fut.result(timeout=30) == 30
@@ -117,8 +125,7 @@ def test_cancel_a_queued_future_never_runs_it(log2) -> None:
 
 def test_cancel_a_running_future_stops_its_ranks(log2) -> None:
     fut = log2.add.submit(200, 60.0)
-    time.sleep(1.0)
-    assert fut.running()
+    _wait_running(log2, fut)
     start = time.monotonic()
     assert fut.cancel()
     with pytest.raises(concurrent.futures.CancelledError):
@@ -130,9 +137,10 @@ def test_cancel_a_running_future_stops_its_ranks(log2) -> None:
 
 def test_teardown_fails_queued_futures() -> None:
     remote = kt.fn(work).to(kt.Compute(), name="fut-teardown")
-    first = remote.submit(1, 1.0)
+    first = remote.submit(1, 2.0)
     queued = [remote.submit(i) for i in range(3)]
-    time.sleep(0.3)
+    _wait_running(remote, first)
+    assert not any(f.running() or f.done() for f in queued)  # still queued behind the first
     remote.teardown()
     for f in queued:
         assert isinstance(f.exception(timeout=30), (kt.NotDeployedError, kt.KtliteError))

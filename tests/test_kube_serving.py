@@ -34,13 +34,14 @@ import pytest
 
 import ktlite
 import ktlite as kt
-from ktlite import cli, config, protocol, status
+from ktlite import cli, config, status
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.errors import ConfigError, ImagePullError, LaunchTimeout
 from ktlite.spec import DeploymentSpec, DistributedConfig
+from ktlite_wire.launch import Launch
 
 HERE = Path(__file__).parent
 HOST = "https://fake-apiserver"
@@ -629,10 +630,9 @@ def real(stand_in: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Kubernetes
 def launch_message(launch_id: str) -> bytes:
     """A deploy message as the client sends it to a replica (a class of the standard library)."""
     from ktlite.packaging import bundle
-    return protocol.dumps({"launch_id": launch_id, "bundle": bundle(dict), "kind": "cls", "init": None,
-                           "sources": {}, "distributed": asdict(DistributedConfig()), "pod_ips": ["127.0.0.1"],
-                           "master_port": 29500, "ordinal": 0, "replica": True, "cpus": None, "restart": False,
-                           "concurrency": 4, "load_timeout": 60.0, "single": True})
+    return Launch(launch_id=launch_id, bundle=bundle(dict), kind="cls", distributed=DistributedConfig(),
+                  pod_ips=["127.0.0.1"], master_port=29500, replica=True, concurrency=4, load_timeout=60.0,
+                  single=True).encode()
 
 
 def health(backend: KubernetesBackend, url: str, ready: bool = False) -> httpx.Response:

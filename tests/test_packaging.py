@@ -30,7 +30,7 @@ def _source_copy(tmp_path: Path) -> Path:
     """The files a build reads, without this checkout's build leftovers."""
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for folder in ("ktlite", "server"):
+    for folder in ("ktlite", "server", "wire"):
         shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         if (ROOT / name).exists():
@@ -63,7 +63,8 @@ def test_wheel_ships_license_and_type_hints(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
-        assert {"ktlite/py.typed", "ktlite_server/py.typed", f"{info}/licenses/LICENSE"} <= names
+        typed = {"ktlite/py.typed", "ktlite_server/py.typed", "ktlite_wire/py.typed"}
+        assert typed | {"ktlite_wire/launch.py", f"{info}/licenses/LICENSE"} <= names
         assert "Apache License" in zf.read(f"{info}/licenses/LICENSE").decode()
         _check_metadata(zf.read(f"{info}/METADATA").decode(), stderr)
 
@@ -73,7 +74,8 @@ def test_sdist_ships_license_and_type_hints(tmp_path: Path) -> None:
     with tarfile.open(sdist) as tf:
         top = tf.getnames()[0].split("/")[0]
         names = {n.removeprefix(f"{top}/") for n in tf.getnames()}
-        assert {"LICENSE", "ktlite/py.typed", "server/ktlite_server/py.typed"} <= names
+        typed = {"ktlite/py.typed", "server/ktlite_server/py.typed", "wire/ktlite_wire/py.typed"}
+        assert {"LICENSE", *typed} <= names
         pkg_info = tf.extractfile(f"{top}/PKG-INFO")
         assert pkg_info is not None
         _check_metadata(pkg_info.read().decode(), stderr)

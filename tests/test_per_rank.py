@@ -10,6 +10,8 @@ import pytest
 import ktlite as kt
 from ktlite import rankdata
 from ktlite.packaging import encode_ranked_call
+from ktlite_wire import codec
+from ktlite_wire import rankdata as wire_rankdata
 
 
 def show(x: object = None, shared: object = None, scale: int = 1) -> tuple:
@@ -82,7 +84,7 @@ def test_split_and_fill_are_inverse() -> None:
     args, kwargs, items = rankdata.split((1, kt.per_rank(["x", "y"])), {"k": kt.per_rank([5, 6]),
                                                                                   "z": 9}, 2)
     assert items == [("x", 5), ("y", 6)]
-    assert rankdata.fill(args, kwargs, items[1]) == ((1, "y"), {"k": 6, "z": 9})
+    assert wire_rankdata.fill(args, kwargs, items[1]) == ((1, "y"), {"k": 6, "z": 9})
     same = rankdata.split((1,), {"z": 2}, 3)
     assert same == ((1,), {"z": 2}, None)
 
@@ -93,15 +95,14 @@ def test_wire_layout_offsets_cover_each_rank() -> None:
     assert layout is not None and layout["base"] == 0
     (o0, n0), (o1, n1) = layout["items"]
     assert o0 == layout["shared"] and o1 == o0 + n0 and o1 + n1 == len(body)
-    from ktlite import protocol
-    assert protocol.loads(body[o1:o1 + n1]) == (b"b" * 20,)
+    assert codec.loads(body[o1:o1 + n1]) == (b"b" * 20,)
 
 
 @pytest.mark.parametrize("bad", [{"shared": -1, "items": []}, {"shared": 1, "items": [[1]]},
                                  {"shared": 1, "items": "x"}, [1, 2]])
 def test_a_bad_plan_is_refused(bad) -> None:
     with pytest.raises(ValueError):
-        rankdata.check_plan(bad)
+        wire_rankdata.check_plan(bad)
 
 
 def test_sharded_dispatch_by_named_axes(spread) -> None:

@@ -51,8 +51,9 @@ def test_pod_ips_inside_two_pods_returns_two_sorted_addresses(two_pods: kt.Remot
 
 @pytest.mark.timeout(60)
 def test_quorum_met_returns_at_once(two_pods: kt.RemoteFunction) -> None:
-    for r in two_pods(quorum_workers=2, quorum_timeout=1):
-        assert len(r["ips"]) == 2 and r["took"] < 0.5, r
+    # at once, not after the quorum timeout: a wait for it would run into the call's timeout
+    for r in two_pods.options(timeout=45)(quorum_workers=2, quorum_timeout=3600):
+        assert len(r["ips"]) == 2, r
     for r in two_pods(quorum_workers=1, quorum_timeout=0):  # fewer wanted: all are still returned
         assert len(r["ips"]) == 2, r
 
@@ -131,10 +132,11 @@ def test_a_redeploy_with_three_workers_updates_the_running_pods() -> None:
         remote = kt.fn(report, name="podips-grow").to(compute.distribute("pytorch", workers=3))
         # pods 0 and 1 were kept (same server process) and learnt of pod 2
         assert {p["pod"]: p["server_pid"] for p in remote.status()[:2]} == kept
-        results = remote(quorum_workers=3, quorum_timeout=1)
+        # at once: pods 0 and 1 knew of pod 2 before the call (a wait for the quorum timeout
+        # would run into the call's timeout)
+        results = remote.options(timeout=45)(quorum_workers=3, quorum_timeout=3600)
         assert [r["pod"] for r in results] == ["podips-grow-0", "podips-grow-1", "podips-grow-2"]
         for r in results:
             assert len(r["ips"]) == 3 and r["ips"] == sorted(r["ips"]), r
-            assert r["took"] < 0.5, r
     finally:
         remote.teardown()

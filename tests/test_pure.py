@@ -21,9 +21,22 @@ import pytest
 
 import ktlite
 import ktlite as kt
-from ktlite import protocol
 from ktlite.quantities import parse_memory
 from ktlite.spec import DistributedConfig, distributed_env
+from ktlite_wire import codec, envelope
+from ktlite_wire.errors import ProtocolError
+from ktlite_wire.frames import (
+    ERROR,
+    FRAME,
+    HEARTBEAT,
+    LOG,
+    RESULT,
+    FrameParser,
+    frame,
+    frame_parts,
+    read_frames,
+)
+from ktlite_wire.version import PROTOCOL_VERSION
 
 IPS = ["10.0.0.1", "10.0.0.2"]
 PORT = 29555
@@ -260,12 +273,12 @@ def _base_addr(buf: bytearray) -> tuple[int, int]:
 def test_protocol_round_trip_plain_objects() -> None:
     obj = {"a": [1, 2.5, "x", None, True], "b": (b"bytes", bytearray(b"ba")), "c": {1, 2},
            "nested": {"deep": [{"k": "v"}] * 3}, "big": b"z" * 10_000}
-    for data in (protocol.dumps(obj), bytearray(protocol.dumps(obj))):
-        assert protocol.loads(data) == obj
+    for data in (codec.dumps(obj), bytearray(codec.dumps(obj))):
+        assert codec.loads(data) == obj
     # parts and joined bytes agree
-    parts = protocol.dumps_parts(obj)
-    assert b"".join(bytes(memoryview(p)) for p in parts) == protocol.dumps(obj)
-    assert protocol.parts_size(parts) == len(protocol.dumps(obj))
+    parts = codec.dumps_parts(obj)
+    assert b"".join(bytes(memoryview(p)) for p in parts) == codec.dumps(obj)
+    assert envelope.parts_size(parts) == len(codec.dumps(obj))
 
 
 def test_protocol_large_bytes_are_parts_not_copies() -> None:
@@ -273,26 +286,26 @@ def test_protocol_large_bytes_are_parts_not_copies() -> None:
     big = bytes(range(256)) * 4096
     other = bytes(70_000)
     obj = {"big": big, "small": b"s" * 100, "tail": [other, "x" * 70_000, big]}
-    parts = protocol.dumps_parts(obj)
+    parts = codec.dumps_parts(obj)
     assert sum(p is big for p in parts) == 1 and sum(p is other for p in parts) == 1  # the 2nd big: memo
     data = b"".join(bytes(memoryview(p)) for p in parts)
-    assert protocol.parts_size(parts) == len(data)
-    assert protocol.loads(data) == obj and protocol.loads(bytearray(data)) == obj
+    assert envelope.parts_size(parts) == len(data)
+    assert codec.loads(data) == obj and codec.loads(bytearray(data)) == obj
 
 
 def test_protocol_round_trip_function() -> None:
     def local_fn(x: int) -> int:
         return x * 7
 
-    assert protocol.loads(protocol.dumps(local_fn))(6) == 42
+    assert codec.loads(codec.dumps(local_fn))(6) == 42
 
 
 def test_protocol_numpy_out_of_band_zero_copy() -> None:
     a = np.arange(100_000, dtype=np.float64)
     b = np.random.default_rng(0).random((64, 64)).astype(np.float32)
     small = np.arange(10, dtype=np.int32)  # stays in band
-    data = bytearray(protocol.dumps({"a": a, "b": b, "small": small}))
-    out = protocol.loads(data)
+    data = bytearray(codec.dumps({"a": a, "b": b, "small": small}))
+    out = codec.loads(data)
     np.testing.assert_array_equal(out["a"], a)
     np.testing.assert_array_equal(out["b"], b)
     np.testing.assert_array_equal(out["small"], small)
@@ -304,7 +317,7 @@ def test_protocol_numpy_out_of_band_zero_copy() -> None:
     # decoding from a writable buffer gives writable arrays; writes land in the buffer
     assert out["a"].flags.writeable
     out["a"][0] = -1.0
-    assert protocol.loads(data)["a"][0] == -1.0
+    assert codec.loads(data)["a"][0] == -1.0
     # out-of-band buffers start on 64-byte boundaries of the message
     start, _ = _base_addr(data)
     assert (out["a"].ctypes.data - start) % 64 == 0
@@ -315,12 +328,9 @@ def test_protocol_numpy_out_of_band_zero_copy() -> None:
 
 def test_protocol_numpy_memoryview_input_shares_memory() -> None:
     a = np.arange(5000, dtype=np.int64)
-    data = bytearray(protocol.dumps(a))
-    out = protocol.loads(memoryview(data))
+    data = bytearray(codec.dumps(a))
+    out = codec.loads(memoryview(data))
     assert np.shares_memory(out, np.frombuffer(data, dtype=np.uint8))
-
-
-torch = pytest.importorskip("torch")
 
 
 def _inside(t: object, buf: bytearray) -> bool:
@@ -329,11 +339,11 @@ def _inside(t: object, buf: bytearray) -> bool:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", "uint8", "bool"])
-def test_protocol_torch_tensor_out_of_band(dtype: str) -> None:
+def test_protocol_torch_tensor_out_of_band(dtype: str, torch) -> None:
     tdtype = getattr(torch, dtype)
     t = (torch.arange(8192) % 7).to(tdtype).reshape(64, 128)
-    data = bytearray(protocol.dumps({"t": t}))
-    out = protocol.loads(data)["t"]
+    data = bytearray(codec.dumps({"t": t}))
+    out = codec.loads(data)["t"]
     assert type(out) is torch.Tensor
     assert out.dtype == tdtype and out.shape == t.shape
     assert torch.equal(out, t)
@@ -341,22 +351,22 @@ def test_protocol_torch_tensor_out_of_band(dtype: str) -> None:
     assert len(data) < t.numel() * t.element_size() + 2048
 
 
-def test_protocol_torch_bf16_values_exact() -> None:
+def test_protocol_torch_bf16_values_exact(torch) -> None:
     t = torch.randn(3000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    data = bytearray(protocol.dumps(t))
-    out = protocol.loads(data)
+    data = bytearray(codec.dumps(t))
+    out = codec.loads(data)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out.view(torch.int16), t.view(torch.int16))
     assert _inside(out, data)
 
 
-def test_protocol_torch_parameter_and_requires_grad() -> None:
+def test_protocol_torch_parameter_and_requires_grad(torch) -> None:
     p = torch.nn.Parameter(torch.randn(4096))
     frozen = torch.nn.Parameter(torch.randn(4096), requires_grad=False)
     leaf = torch.randn(2048, 2, requires_grad=True)
     plain = torch.randn(2048, 2)
-    data = bytearray(protocol.dumps({"p": p, "frozen": frozen, "leaf": leaf, "plain": plain}))
-    out = protocol.loads(data)
+    data = bytearray(codec.dumps({"p": p, "frozen": frozen, "leaf": leaf, "plain": plain}))
+    out = codec.loads(data)
     assert isinstance(out["p"], torch.nn.Parameter) and out["p"].requires_grad
     assert isinstance(out["frozen"], torch.nn.Parameter) and not out["frozen"].requires_grad
     assert type(out["leaf"]) is torch.Tensor and out["leaf"].requires_grad and out["leaf"].is_leaf
@@ -369,75 +379,75 @@ def test_protocol_torch_parameter_and_requires_grad() -> None:
     assert torch.equal(out["p"].grad, torch.full((4096,), 2.0))
 
 
-def test_protocol_torch_noncontiguous_and_empty() -> None:
+def test_protocol_torch_noncontiguous_and_empty(torch) -> None:
     t = torch.arange(20000, dtype=torch.float32).reshape(100, 200).t()
     e = torch.empty(0, 3)
-    out = protocol.loads(bytearray(protocol.dumps([t, e])))
+    out = codec.loads(bytearray(codec.dumps([t, e])))
     assert torch.equal(out[0], t) and out[0].shape == (200, 100)
     assert out[1].shape == (0, 3) and out[1].dtype == torch.float32
 
 
 def _sample_message() -> bytes:
-    return protocol.dumps({"a": np.arange(1500, dtype=np.float32),  # 6000 bytes: out of band
+    return codec.dumps({"a": np.arange(1500, dtype=np.float32),  # 6000 bytes: out of band
                            "b": np.ones(2100, dtype=np.int16),      # 4200 bytes: out of band
                            "meta": "x" * 50})
 
 
 def test_protocol_truncated_messages_raise_protocol_error() -> None:
     data = _sample_message()
-    _, _, nbufs, _ = protocol._HEAD.unpack_from(data)
+    _, _, nbufs, _ = envelope.HEAD.unpack_from(data)
     assert nbufs == 2  # the sample really has out-of-band buffers
     for cut in range(len(data)):
-        with pytest.raises(protocol.ProtocolError):
-            protocol.loads(bytearray(data[:cut]))
-    assert protocol.loads(data)["meta"] == "x" * 50
+        with pytest.raises(ProtocolError):
+            codec.loads(bytearray(data[:cut]))
+    assert codec.loads(data)["meta"] == "x" * 50
 
 
 def test_protocol_truncated_in_band_message() -> None:
-    data = protocol.dumps({"k": list(range(100))})
+    data = codec.dumps({"k": list(range(100))})
     for cut in range(len(data)):
-        with pytest.raises(protocol.ProtocolError):
-            protocol.loads(data[:cut])
+        with pytest.raises(ProtocolError):
+            codec.loads(data[:cut])
 
 
 def test_protocol_bad_magic_and_version() -> None:
-    data = bytearray(protocol.dumps([1, 2, 3]))
+    data = bytearray(codec.dumps([1, 2, 3]))
     bad = bytearray(data)
     bad[0:3] = b"XYZ"
-    with pytest.raises(protocol.ProtocolError, match="magic"):
-        protocol.loads(bad)
+    with pytest.raises(ProtocolError, match="magic"):
+        codec.loads(bad)
     bad = bytearray(data)
-    bad[3] = protocol.PROTOCOL_VERSION + 1
-    with pytest.raises(protocol.ProtocolError, match="version"):
-        protocol.loads(bad)
-    with pytest.raises(protocol.ProtocolError):
-        protocol.loads(b"")
-    assert issubclass(protocol.ProtocolError, ValueError)
+    bad[3] = PROTOCOL_VERSION + 1
+    with pytest.raises(ProtocolError, match="version"):
+        codec.loads(bad)
+    with pytest.raises(ProtocolError):
+        codec.loads(b"")
+    assert issubclass(ProtocolError, ValueError)
 
 
 # ---- frames ----------------------------------------------------------------------------------
 
 def _frames() -> list[tuple[int, bytes]]:
-    result = b"".join(bytes(memoryview(p)) for p in protocol.dumps_parts({"x": np.arange(3000)}))
+    result = b"".join(bytes(memoryview(p)) for p in codec.dumps_parts({"x": np.arange(3000)}))
     return [
-        (protocol.HEARTBEAT, b""),
-        (protocol.LOG, json.dumps([0, "pod-0", "out", "hello"]).encode()),
-        (protocol.HEARTBEAT, b""),
-        (protocol.LOG, json.dumps([3, "pod-1", "err", "ünïcode ✓"]).encode()),
-        (protocol.RESULT, result),
-        (protocol.ERROR, json.dumps({"type": "X", "message": "y"}).encode()),
-        (protocol.HEARTBEAT, b""),
+        (HEARTBEAT, b""),
+        (LOG, json.dumps([0, "pod-0", "out", "hello"]).encode()),
+        (HEARTBEAT, b""),
+        (LOG, json.dumps([3, "pod-1", "err", "ünïcode ✓"]).encode()),
+        (RESULT, result),
+        (ERROR, json.dumps({"type": "X", "message": "y"}).encode()),
+        (HEARTBEAT, b""),
     ]
 
 
 def _stream(frames: list[tuple[int, bytes]]) -> bytes:
-    return b"".join(protocol.frame(k, p) for k, p in frames)
+    return b"".join(frame(k, p) for k, p in frames)
 
 
 def test_frame_parser_byte_by_byte() -> None:
     frames = _frames()
     stream = _stream(frames)
-    parser = protocol.FrameParser()
+    parser = FrameParser()
     got: list[tuple[int, bytearray]] = []
     for i in range(len(stream)):
         got.extend(parser.feed(stream[i:i + 1]))
@@ -446,7 +456,7 @@ def test_frame_parser_byte_by_byte() -> None:
     assert not parser.mid_frame
     # the result frame's payload decodes to a writable, zero-copy array
     payload = got[4][1]
-    arr = protocol.loads(payload)["x"]
+    arr = codec.loads(payload)["x"]
     assert np.shares_memory(arr, np.frombuffer(payload, dtype=np.uint8))
 
 
@@ -455,29 +465,29 @@ def test_frame_parser_random_chunks_and_one_chunk() -> None:
     stream = _stream(frames)
     rng = random.Random(7)
     for _ in range(50):
-        parser = protocol.FrameParser()
+        parser = FrameParser()
         got, pos = [], 0
         while pos < len(stream):
             n = rng.randint(1, 300)
             got.extend(parser.feed(memoryview(stream)[pos:pos + n]))
             pos += n
         assert [(k, bytes(p)) for k, p in got] == frames
-    parser = protocol.FrameParser()
+    parser = FrameParser()
     assert [(k, bytes(p)) for k, p in parser.feed(stream)] == frames
 
 
 def test_frame_parts_matches_frame() -> None:
-    parts = protocol.dumps_parts({"x": np.arange(5000)})
-    joined = b"".join(bytes(memoryview(p)) for p in protocol.frame_parts(protocol.RESULT, parts))
-    assert joined == protocol.frame(protocol.RESULT, b"".join(bytes(memoryview(p)) for p in parts))
+    parts = codec.dumps_parts({"x": np.arange(5000)})
+    joined = b"".join(bytes(memoryview(p)) for p in frame_parts(RESULT, parts))
+    assert joined == frame(RESULT, b"".join(bytes(memoryview(p)) for p in parts))
 
 
 def test_read_frames_mid_frame_raises() -> None:
     stream = _stream(_frames())
-    assert len(list(protocol.read_frames([stream]))) == len(_frames())
-    for cut in (1, protocol.FRAME.size + 3, len(stream) - 1):
-        with pytest.raises(protocol.ProtocolError):
-            list(protocol.read_frames([stream[:cut]]))
+    assert len(list(read_frames([stream]))) == len(_frames())
+    for cut in (1, FRAME.size + 3, len(stream) - 1):
+        with pytest.raises(ProtocolError):
+            list(read_frames([stream[:cut]]))
 
 
 # ---- exports and import weight ---------------------------------------------------------------

@@ -20,9 +20,20 @@ import httpx
 import pytest
 
 import ktlite as kt
-from ktlite import protocol
 from ktlite.backends.local import LocalBackend
 from ktlite.client import PodClient
+from ktlite_wire import envelope
+from ktlite_wire.errors import ErrorCode
+from ktlite_wire.frames import HEARTBEAT, RESULT, read_frames
+from ktlite_wire.headers import (
+    CALL_HEADER,
+    ERROR_CODE_HEADER,
+    LENGTH_HEADER,
+    RESUME_HEADER,
+    TOKEN_HEADER,
+    UPTIME_HEADER,
+    bearer,
+)
 
 NAME = f"reattach-{uuid.uuid4().hex[:6]}"
 CALLS = 150
@@ -73,10 +84,10 @@ class CuttingProxy(httpx.BaseTransport):
         self.sent: list[int] = []  # body sizes of the requests, in order
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if protocol.RESUME_HEADER in request.headers:
+        if RESUME_HEADER in request.headers:
             self.resumes += 1
         self.sent.append(int(request.headers.get("content-length")
-                             or request.headers.get(protocol.LENGTH_HEADER) or 0))
+                             or request.headers.get(LENGTH_HEADER) or 0))
         resp = self.inner.handle_request(request)
         if request.method == "POST" and request.url.path.endswith("/call") and resp.status_code == 200 \
                 and self.random.random() < self.rate:
@@ -182,10 +193,10 @@ class _FirstOnly(random.Random):
 def _raw_call(client: httpx.Client, url: str, token: str, call_id: str, parts: list[Any],
               resume: int | None = None, reattach: float = 10.0) -> httpx.Response:
     meta = {"id": call_id, "pods": [url], "names": ["p0"], "fanout": True, "reattach": reattach}
-    headers = {protocol.TOKEN_HEADER: protocol.bearer(token), protocol.CALL_HEADER: json.dumps(meta),
-               protocol.LENGTH_HEADER: str(protocol.parts_size(parts))}
+    headers = {TOKEN_HEADER: bearer(token), CALL_HEADER: json.dumps(meta),
+               LENGTH_HEADER: str(envelope.parts_size(parts))}
     if resume is not None:
-        headers[protocol.RESUME_HEADER] = str(resume)
+        headers[RESUME_HEADER] = str(resume)
     return client.post(f"{url}/call", content=b"".join(bytes(memoryview(p)) for p in parts),
                        headers=headers, timeout=30)
 
@@ -202,8 +213,8 @@ def test_the_pod_answers_resumes_by_what_it_knows(remote, tmp_path) -> None:
         first = _raw_call(client, url, token, call_id, parts)
         again = _raw_call(client, url, token, call_id, parts, resume=0)
         assert first.status_code == again.status_code == 200
-        frames = [k for k, _ in protocol.read_frames([again.content]) if k != protocol.HEARTBEAT]
-        assert frames and frames[-1] == protocol.RESULT
+        frames = [k for k, _ in read_frames([again.content]) if k != HEARTBEAT]
+        assert frames and frames[-1] == RESULT
         unknown = _raw_call(client, url, token, uuid.uuid4().hex, [], resume=3)
         assert unknown.status_code == 404 and "does not know call" in unknown.text
     # ran on pod 0's rank only once (the fan-out went to pod 0 alone: its plan names one pod)
@@ -254,7 +265,9 @@ def test_a_cut_attempt_then_no_code_is_lost_only_if_the_server_is_newer(uptime, 
         asked.append(request)
         if len(asked) == 1:
             raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
-        headers = {} if uptime is None else {protocol.UPTIME_HEADER: uptime}
+        headers = {ERROR_CODE_HEADER: ErrorCode.NOT_DEPLOYED.value}
+        if uptime is not None:
+            headers[UPTIME_HEADER] = uptime
         return httpx.Response(409, json={"detail": "pod job-0 has no code deployed"}, headers=headers)
 
     client = PodClient("t0k3n", transport=httpx.MockTransport(proxy))

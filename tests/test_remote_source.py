@@ -1,7 +1,7 @@
 """Issue 9, item 5: a remote traceback shows the caller's source lines, although the pod
 has none of the caller's files.
 
-Code pickled by value carries its file's lines (``ktlite.sourcelines``); local modules
+Code pickled by value carries its file's lines (``ktlite_wire.sourcelines``); local modules
 imported on the pod register their shipped text. The local-backend tests delete the
 caller's file after ``.to()``, so the pod, which could read it on this machine, cannot; a
 notebook cell never had a file at all.
@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 
 import ktlite as kt
-from ktlite import packaging, protocol
+from ktlite import packaging
 from ktlite.backends.local import LocalBackend
+from ktlite_wire import codec, envelope
 
 COMPUTE = kt.Compute(cpus=1, stream_logs=False)
 FAIL = "def fail(x):\n    raise ValueError(f'bad shard {x}')  # {marker}\n"
@@ -176,7 +177,7 @@ def test_one_copy_of_a_files_lines_however_many_functions(new_module):
     both = len(packaging.bundle((mod.fail, mod.other)))
     assert alone > len(PAD), "the file's lines were not shipped"
     assert both - alone < len(PAD) // 4, f"{alone} -> {both} bytes: the lines went twice"
-    call_size = protocol.parts_size(packaging.encode_call(None, (mod.fail, mod.other), {}))
+    call_size = envelope.parts_size(packaging.encode_call(None, (mod.fail, mod.other), {}))
     assert len(PAD) < call_size < len(PAD) * 5 // 4
 
 
@@ -201,7 +202,7 @@ def test_what_a_pod_sends_back_carries_no_lines(new_module):
     """Results and exceptions go back without sources: the caller has its own."""
     mod = new_module(PAD + fail_source("back"))
     with packaging.by_value():
-        back, sent = protocol.dumps(mod.fail), protocol.dumps(mod.fail, sources=True)
+        back, sent = codec.dumps(mod.fail), codec.dumps(mod.fail, sources=True)
     assert len(back) < len(PAD) < len(sent)
 
 
@@ -217,4 +218,4 @@ def test_no_lines_for_a_huge_file_or_a_pseudo_file(new_module):
 def test_a_call_without_code_pickles_as_before():
     """Plain data meets the source hook nowhere: the same bytes either way."""
     value = (None, (1, 2.5, "x", np.arange(5), [{"a": (1, 2)}]), {"k": b"v"})
-    assert protocol.dumps(value, sources=True) == protocol.dumps(value)
+    assert codec.dumps(value, sources=True) == codec.dumps(value)

@@ -12,16 +12,22 @@ import stat
 import threading
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 import pytest
 
 import ktlite as kt
-from ktlite import packaging, protocol
+from ktlite import packaging
 from ktlite.client import PodClient
 from ktlite.spec import DistributedConfig
+from ktlite_wire import codec, envelope
+from ktlite_wire.frames import RESULT, read_frames
+from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER
+from ktlite_wire.launch import Launch
+from ktlite_wire.outcome import CallResult
+from ktlite_wire.status import Status
+from ktlite_wire.version import PROTOCOL_VERSION
 
 NAME = "sa-target"
 
@@ -75,7 +81,7 @@ def http():
 
 
 def _auth(token: str) -> dict[str, str]:
-    return {protocol.TOKEN_HEADER: f"Bearer {token}", protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+    return {TOKEN_HEADER: f"Bearer {token}", VERSION_HEADER: str(PROTOCOL_VERSION)}
 
 
 def _launch_ids(http: httpx.Client, state: dict) -> list[str]:
@@ -86,30 +92,35 @@ def _call_request(path: Path) -> tuple[dict[str, str], bytes]:
     """A complete, valid single-pod /call request that makes ``target`` write ``path``."""
     meta = {"id": uuid.uuid4().hex, "fanout": False, "stream_logs": False}
     body = b"".join(bytes(memoryview(p)) for p in packaging.encode_call(None, ("touch", str(path)), {}))
-    return {protocol.CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}, body
+    return {CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}, body
 
 
 def _deploy_message(state: dict, ordinal: int, marker: Path = Path("/nonexistent/evil"),
                     **override: object) -> dict:
-    msg = {"launch_id": "intruder", "bundle": packaging.bundle(make_evil(marker)), "kind": "fn", "init": None,
-           "sources": {}, "distributed": asdict(DistributedConfig(workers=2)),
-           "pod_ips": ["127.0.0.1", "127.0.0.1"], "ordinal": ordinal,
-           "master_port": state["master_port"], "max_restarts": 3, "cpus": 1.0, "restart": False,
-           "load_timeout": 30.0}
-    msg.update(override)
-    return msg
+    """A launch's JSON header (its bundle in ``_bufs``), with fields overridden."""
+    launch = Launch(launch_id="intruder", bundle=packaging.bundle(make_evil(marker)), kind="fn",
+                    distributed=DistributedConfig(workers=2), pod_ips=["127.0.0.1", "127.0.0.1"],
+                    ordinal=ordinal, master_port=state["master_port"], cpus=1.0, load_timeout=30.0)
+    header, bufs = envelope.decode(launch.encode())
+    return {**header, "_bufs": [bytes(b) for b in bufs], **override}
+
+
+def _encode(msg: dict) -> bytes:
+    """A deploy body: the header as JSON, the buffers it names."""
+    bufs = msg.get("_bufs", [])
+    return envelope.encode_bytes({k: v for k, v in msg.items() if k != "_bufs"}, bufs)
 
 
 def _bad_headers(token: str) -> dict[str, dict[str, str]]:
     wrong = ("A" if token[0] != "A" else "B") + token[1:]
     return {
         "none": {},
-        "wrong-token": {protocol.TOKEN_HEADER: f"Bearer {wrong}"},
-        "prefix-of-token": {protocol.TOKEN_HEADER: f"Bearer {token[:-1]}"},
-        "token-plus-extra": {protocol.TOKEN_HEADER: f"Bearer {token}x"},
-        "empty-bearer": {protocol.TOKEN_HEADER: "Bearer"},
-        "no-scheme": {protocol.TOKEN_HEADER: token},
-        "basic-scheme": {protocol.TOKEN_HEADER: f"Basic {token}"},
+        "wrong-token": {TOKEN_HEADER: f"Bearer {wrong}"},
+        "prefix-of-token": {TOKEN_HEADER: f"Bearer {token[:-1]}"},
+        "token-plus-extra": {TOKEN_HEADER: f"Bearer {token}x"},
+        "empty-bearer": {TOKEN_HEADER: "Bearer"},
+        "no-scheme": {TOKEN_HEADER: token},
+        "basic-scheme": {TOKEN_HEADER: f"Basic {token}"},
         "other-header": {"x-ktlite-token": token},
     }
 
@@ -130,11 +141,11 @@ def test_health_needs_no_token(remote, state, http) -> None:
     for i, url in enumerate(state["urls"]):
         resp = http.get(f"{url}/health")
         assert resp.status_code == 200
-        assert resp.json() == {"status": "ok", "protocol": protocol.PROTOCOL_VERSION}
+        assert resp.json() == {"status": "ok", "protocol": PROTOCOL_VERSION}
         resp = http.get(f"{url}/health", headers=_auth(state["token"]))
         body = resp.json()
         assert body["status"] == "ok" and body["ordinal"] == i
-        assert body["protocol"] == protocol.PROTOCOL_VERSION
+        assert body["protocol"] == PROTOCOL_VERSION
         assert state["token"] not in resp.text
 
 
@@ -168,10 +179,10 @@ def test_call_with_token_runs(state, http, tmp_path) -> None:
         headers, body = _call_request(marker)
         resp = http.post(f"{url}/call", content=body, headers={**headers, **_auth(state["token"])})
         assert resp.status_code == 200
-        frames = list(protocol.read_frames([resp.content]))
-        assert frames[-1][0] == protocol.RESULT
-        (rank, _pod, status, data, _msg, _at), = protocol.loads(frames[-1][1])["outcomes"]
-        assert (rank, status) == (i, "ok") and protocol.loads(data) == "touched"
+        frames = list(read_frames([resp.content]))
+        assert frames[-1][0] == RESULT
+        (rank, _pod, status, data, _msg, _at), = CallResult.decode(frames[-1][1]).outcomes
+        assert (rank, status) == (i, Status.OK) and codec.loads(data) == "touched"
         assert marker.read_text() == "ran"
 
 
@@ -180,7 +191,7 @@ def test_deploy_needs_token(remote, state, http, tmp_path, bad) -> None:
     marker = tmp_path / "evil"
     before = _launch_ids(http, state)
     for i, url in enumerate(state["urls"]):
-        body = protocol.dumps(_deploy_message(state, i, marker))
+        body = _encode(_deploy_message(state, i, marker))
         resp = http.post(f"{url}/deploy", content=body, headers=_bad_headers(state["token"])[bad])
         assert resp.status_code == 401, resp.text
     assert _launch_ids(http, state) == before
@@ -219,7 +230,7 @@ def test_unauthenticated_cancel_does_not_stop_a_running_call(remote, state, http
         time.sleep(0.02)
     assert call_id is not None
     for url in state["urls"]:
-        resp = http.post(f"{url}/cancel/{call_id}", headers={protocol.TOKEN_HEADER: "Bearer nope"})
+        resp = http.post(f"{url}/cancel/{call_id}", headers={TOKEN_HEADER: "Bearer nope"})
         assert resp.status_code == 401
     t.join(10)
     assert result == {"value": [None, None]}
@@ -239,25 +250,28 @@ def test_client_with_wrong_token_gets_auth_error(state) -> None:
 # ---- malformed requests with a valid token ------------------------------------------------------
 
 def _raw_message(pickle_bytes: bytes) -> bytes:
-    return protocol._HEAD.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, 0, len(pickle_bytes)) + pickle_bytes
+    return envelope.HEAD.pack(codec.MAGIC, PROTOCOL_VERSION, 0, len(pickle_bytes)) + pickle_bytes
 
 
 MALFORMED = {
     "garbage": lambda st: b"this is not a ktlite message",
     "empty": lambda st: b"",
-    "truncated": lambda st: protocol.dumps(_deploy_message(st, 0))[:40],
-    "bad-version": lambda st: b"KTL\x63" + protocol.dumps({})[4:],
-    "not-a-dict": lambda st: protocol.dumps([1, 2, 3]),
-    "empty-dict": lambda st: protocol.dumps({}),
-    "missing-bundle": lambda st: protocol.dumps({k: v for k, v in _deploy_message(st, 0).items()
-                                                 if k != "bundle"}),
-    "wrong-ordinal": lambda st: protocol.dumps(_deploy_message(st, 7)),
-    "zero-workers": lambda st: protocol.dumps(_deploy_message(st, 0, distributed={"workers": 0})),
-    "unknown-distributed-key": lambda st: protocol.dumps(_deploy_message(st, 0, distributed={"bogus": 1})),
-    "bad-int": lambda st: protocol.dumps(_deploy_message(st, 0, master_port="not-a-port")),
+    "truncated": lambda st: _encode(_deploy_message(st, 0))[:40],
+    "bad-version": lambda st: b"KTJ\x63" + envelope.encode_bytes({})[4:],
+    "not-a-dict": lambda st: envelope.join(envelope.pack(envelope.MAGIC, [b"[1, 2, 3]"], [])),
+    "empty-dict": lambda st: envelope.encode_bytes({}),
+    "missing-bundle": lambda st: _encode({k: v for k, v in _deploy_message(st, 0).items() if k != "bundle"}),
+    "bundle-out-of-range": lambda st: _encode(_deploy_message(st, 0, bundle=5)),
+    "wrong-ordinal": lambda st: _encode(_deploy_message(st, 7)),
+    "zero-workers": lambda st: _encode(_deploy_message(st, 0, distributed={"workers": 0})),
+    "unknown-framework": lambda st: _encode(_deploy_message(st, 0, distributed={"framework": "mpi"})),
+    "bad-int": lambda st: _encode(_deploy_message(st, 0, master_port="not-a-port")),
+    "not-json": lambda st: envelope.join(envelope.pack(envelope.MAGIC, [b"{not json"], [])),
+    # what protocol 3 sent: a pickle the server would have loaded (now never unpickled)
+    "a-pickle": lambda st: codec.dumps({k: v for k, v in _deploy_message(st, 0).items() if k != "_bufs"}),
     "corrupt-pickle": lambda st: _raw_message(b"\x80\x05this is not a pickle"),
     "empty-pickle": lambda st: _raw_message(b""),
-    "pod-ips-mismatch": lambda st: protocol.dumps(_deploy_message(st, 0, pod_ips=["127.0.0.1"])),
+    "pod-ips-mismatch": lambda st: _encode(_deploy_message(st, 0, pod_ips=["127.0.0.1"])),
 }
 
 
@@ -300,14 +314,14 @@ def test_malformed_call_requests_are_4xx(remote, state, http, tmp_path) -> None:
     # no or broken call header
     for bad_meta in ("", "{not json", json.dumps({"no-id": 1}), json.dumps([1])):
         resp = http.post(f"{url}/call", content=body,
-                         headers={**headers, protocol.CALL_HEADER: bad_meta, **_auth(state["token"])})
+                         headers={**headers, CALL_HEADER: bad_meta, **_auth(state["token"])})
         assert 400 <= resp.status_code < 500, (bad_meta, resp.status_code, resp.text)
     # a chunked body without Content-Length
     resp = http.post(f"{url}/call", content=iter([body]), headers={**headers, **_auth(state["token"])})
     assert 400 <= resp.status_code < 500
     # a protocol version the server does not speak
     resp = http.post(f"{url}/call", content=body,
-                     headers={**headers, **_auth(state["token"]), protocol.VERSION_HEADER: "999"})
+                     headers={**headers, **_auth(state["token"]), VERSION_HEADER: "999"})
     assert resp.status_code == 409
     assert not (tmp_path / "x").exists()
     assert remote("rank", stream_logs=False) == [0, 1]

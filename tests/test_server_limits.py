@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import ktlite as kt
-from ktlite import protocol
+from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.version import PROTOCOL_VERSION
 
 WAIT = 60.0  # the longest any one wait here may take before it fails the test
 
@@ -120,8 +121,8 @@ def _get(
 
 def _auth(token: str) -> dict[str, str]:
     return {
-        protocol.TOKEN_HEADER: protocol.bearer(token),
-        protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION),
+        TOKEN_HEADER: bearer(token),
+        VERSION_HEADER: str(PROTOCOL_VERSION),
     }
 
 
@@ -203,7 +204,7 @@ def test_idle_connections_are_closed(tmp_path) -> None:
             late.sendall(
                 (
                     "POST /call HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n"
-                    f"{protocol.CALL_HEADER}: {json.dumps({'id': 'c1'})}\r\n"
+                    f"{CALL_HEADER}: {json.dumps({'id': 'c1'})}\r\n"
                     + "".join(f"{k}: {v}\r\n" for k, v in _auth(server.token).items())
                     + "\r\n"
                 ).encode()
@@ -265,11 +266,11 @@ def test_a_body_without_the_token_is_not_read(tmp_path) -> None:
 def test_health_without_the_token_tells_only_liveness_and_protocol(tmp_path) -> None:
     with pod_server(tmp_path) as server:
         status, body = _get(server, "/health")
-        assert status == 200 and body == {"status": "ok", "protocol": protocol.PROTOCOL_VERSION}
+        assert status == 200 and body == {"status": "ok", "protocol": PROTOCOL_VERSION}
         status, body = _get(server, "/health?ready=1")
         assert status == 503 and body == {
             "status": "not ready",
-            "protocol": protocol.PROTOCOL_VERSION,
+            "protocol": PROTOCOL_VERSION,
         }
         status, body = _get(server, "/health", _auth(server.token))
         assert status == 200 and {"python", "pod", "launch_id", "calls", "engine_failed"} <= set(

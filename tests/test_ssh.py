@@ -164,7 +164,10 @@ def test_a_host_that_dies_mid_call_fails_the_call_and_teardown_leaves_nothing(ho
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(_outcome(remote, 60)))
     thread.start()
-    time.sleep(2)
+    deadline = time.monotonic() + 30
+    while not all(pod["active_calls"] for pod in remote.status()):  # the call runs on both hosts
+        assert time.monotonic() < deadline and thread.is_alive(), f"the call was not running after 30 s: {out}"
+        time.sleep(0.05)
     hosts.hosts[1].stop()  # the machine goes: its sshd and every session on it
     try:
         thread.join(30)

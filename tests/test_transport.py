@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import ktlite as kt
-from ktlite import protocol, shm
+from ktlite_wire import shm
+from ktlite_wire.headers import TOKEN_HEADER
 
 
 def scale(x, factor):
@@ -73,7 +74,7 @@ def test_foreign_shm_path_is_refused(remote, tmp_path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"x" * 10)
     meta = {"id": "foreign", "pods": [url], "fanout": True, "shm": [str(secret), 10]}
-    resp = httpx.post(f"{url}/call", headers={protocol.TOKEN_HEADER: f"Bearer {state['token']}",
+    resp = httpx.post(f"{url}/call", headers={TOKEN_HEADER: f"Bearer {state['token']}",
                                               "x-ktlite-call": json.dumps(meta)}, content=b"")
     assert resp.status_code == 400
     assert "shared-memory" in resp.text

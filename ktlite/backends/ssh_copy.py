@@ -76,13 +76,14 @@ async def upload(c: Any, target: str, bundle: bytes, timeout: float = COPY_TIMEO
 
 
 def source_bundle() -> tuple[str, bytes]:
-    """ktlite's own source (client and server packages) as a tar.gz, and its content hash:
-    the hosts run exactly this client's code."""
+    """ktlite's own source (client, server and wire packages) as a tar.gz, and its content
+    hash: the hosts run exactly this client's code."""
     import ktlite
     import ktlite_server
+    import ktlite_wire
 
     files: list[tuple[str, Path]] = []
-    for pkg in (ktlite, ktlite_server):
+    for pkg in (ktlite, ktlite_server, ktlite_wire):
         root = Path(pkg.__file__).parent
         for path in sorted(root.rglob("*.py")):
             if "__pycache__" not in path.parts:

@@ -14,24 +14,31 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import ktlite
-from ktlite import protocol
 from ktlite_server.connections import Limits
+from ktlite_wire.errors import ErrorCode
+from ktlite_wire.headers import (
+    ERROR_CODE_HEADER,
+    LENGTH_HEADER,
+    TOKEN_HEADER,
+    VERSION_HEADER,
+    bearer,
+)
+from ktlite_wire.version import PROTOCOL_VERSION, RELEASE, mismatch
 
 PUBLIC = frozenset({"/health"})
 LARGE_BODIES = frozenset({"/call", "/deploy"})
 
-_TOKEN = protocol.TOKEN_HEADER.encode()
-_LENGTH = protocol.LENGTH_HEADER.encode()
-_VERSION = protocol.VERSION_HEADER.encode()
-_OURS = str(protocol.PROTOCOL_VERSION).encode()
+_TOKEN = TOKEN_HEADER.encode()
+_LENGTH = LENGTH_HEADER.encode()
+_VERSION = VERSION_HEADER.encode()
+_OURS = str(PROTOCOL_VERSION).encode()
 
 
 class Token:
     """The deployment token, compared in constant time; never shown."""
 
     def __init__(self, token: str) -> None:
-        self._expected = protocol.bearer(token).encode()
+        self._expected = bearer(token).encode()
 
     def __repr__(self) -> str:
         return "Token(<hidden>)"
@@ -44,8 +51,9 @@ class Token:
         return self.matches(next((v for k, v in scope["headers"] if k == _TOKEN), None))
 
 
-async def refuse(send: Any, status: int, detail: str) -> None:
-    """Answer ``status`` with a JSON ``detail`` and close the connection (its body unread)."""
+async def refuse(send: Any, status: int, detail: str, code: ErrorCode) -> None:
+    """Answer ``status`` with a JSON ``detail`` and ``code`` (``x-ktlite-error``), and close the
+    connection (its body unread)."""
     body = json.dumps({"detail": detail}).encode()
     await send(
         {
@@ -55,6 +63,7 @@ async def refuse(send: Any, status: int, detail: str) -> None:
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),
+                (ERROR_CODE_HEADER.encode(), code.value.encode()),
             ],
         }
     )
@@ -65,9 +74,11 @@ class Gate:
     """ASGI middleware in front of the pod server's app: the token, then the declared size."""
 
     def __init__(
-        self, app: Any, token: Token, limits: Limits, on_admit: Callable[[], None] = lambda: None
+        self, app: Any, token: Token, limits: Limits, on_admit: Callable[[], None] = lambda: None,
+        pod_name: str = "this pod",
     ) -> None:
         self.app = app
+        self.pod_name = pod_name  # named in a version clash
         self.token = token
         self.limits = limits
         self.on_admit = on_admit  # called for each request that carries the token
@@ -89,7 +100,7 @@ class Gate:
                 version = v
         if path not in PUBLIC:
             if not self.token.matches(token):
-                await refuse(send, 401, "missing or wrong deployment token")
+                await refuse(send, 401, "missing or wrong deployment token", ErrorCode.UNAUTHORIZED)
                 return
             self.on_admit()
             if version is not None and version != _OURS:
@@ -97,9 +108,8 @@ class Gate:
                 await refuse(
                     send,
                     409,
-                    f"protocol version mismatch: client speaks {theirs}, server "
-                    f"(ktlite {ktlite.__version__}) speaks {protocol.PROTOCOL_VERSION}; "
-                    "install the same ktlite version on both sides",
+                    mismatch(theirs, them="the client", us=f"pod {self.pod_name}'s server (ktlite {RELEASE})"),
+                    ErrorCode.PROTOCOL_MISMATCH,
                 )
                 return
         declared = length or chunked_length  # a chunked body (through a proxy) names its length
@@ -112,6 +122,7 @@ class Gate:
                     413,
                     f"body of {int(declared)} bytes is larger than this server's limit "
                     f"of {limit} bytes ({what})",
+                    ErrorCode.TOO_LARGE,
                 )
                 return
         await self.app(scope, receive, send)

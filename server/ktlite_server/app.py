@@ -32,17 +32,20 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import ktlite
-from ktlite import protocol
 from ktlite_server.admission import Gate, Token
 from ktlite_server.calls import Calls, FastCall
 from ktlite_server.connections import Limits
 from ktlite_server.launches import Launches
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
+from ktlite_server.refusal import refuse
+from ktlite_wire.errors import ErrorCode
+from ktlite_wire.headers import TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.status import Status
+from ktlite_wire.version import PROTOCOL_VERSION, RELEASE
 
 _YES = ("1", "true", "yes")
 
@@ -93,7 +96,8 @@ class PodServer:
         self.app.add_api_route("/restart_failed", self.restart_failed, methods=["POST"])
         self.app.add_api_route("/cancel/{call_id}", self.cancel, methods=["POST"])
         self.asgi = Gate(
-            FastCall(self.app, self.calls.call), self.token, self.limits, on_admit=self._touch
+            FastCall(self.app, self.calls.call), self.token, self.limits, on_admit=self._touch,
+            pod_name=self.pod.name,
         )
 
     @classmethod
@@ -102,8 +106,8 @@ class PodServer:
         # every request this pod makes to another carries the deployment's token
         pod.peers = PeerPool(
             {
-                protocol.TOKEN_HEADER: protocol.bearer(token),
-                protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION),
+                TOKEN_HEADER: bearer(token),
+                VERSION_HEADER: str(PROTOCOL_VERSION),
             }
         )
         started = process_start()
@@ -137,11 +141,11 @@ class PodServer:
         replica must not take calls before it has the code). ``calls`` is the number running.
         Without the token it tells only that (liveness, readiness) and the protocol version."""
         pod = self.pod
-        body: dict[str, Any] = {"status": "ok", "protocol": protocol.PROTOCOL_VERSION}
+        body: dict[str, Any] = {"status": "ok", "protocol": PROTOCOL_VERSION}
         authed = self.token.in_scope(request.scope)
         if authed:
             body.update(
-                version=ktlite.__version__,
+                version=RELEASE,
                 python=platform.python_version(),
                 pod=pod.name,
                 ordinal=pod.ordinal,
@@ -181,14 +185,14 @@ class PodServer:
         try:
             stuck_after = float(request.query_params.get("stuck_after", DEFAULT_STUCK_AFTER_S))
         except ValueError:
-            raise HTTPException(400, "stuck_after must be a number of seconds") from None
+            raise refuse(400, ErrorCode.BAD_REQUEST, "stuck_after must be a number of seconds") from None
         return await self.pod.status(stuck_after)
 
     async def restart_failed(self, request: Request) -> JSONResponse:
         """Restart this pod's dead rank processes (only those: the others keep their state)."""
         pod = self.pod
         if pod.dep is None:
-            raise HTTPException(409, f"pod {pod.name} has no code deployed; call .to() first")
+            raise refuse(409, ErrorCode.NOT_DEPLOYED, f"pod {pod.name} has no code deployed; call .to() first")
         result = await pod.restart_failed()
         if result["restarted"] or request.query_params.get("regroup", "").lower() in _YES:
             pod.next_generation()  # on pod 0 this re-forms the process group at the next call
@@ -196,12 +200,15 @@ class PodServer:
 
     async def cancel(self, call_id: str, request: Request) -> JSONResponse:
         query = request.query_params
-        kind = query.get("kind", "cancelled")
         reason = query.get("reason", "cancelled by the caller")
         reset = query.get("reset", "false").lower() in _YES
-        if kind not in ("cancelled", "timeout"):
-            raise HTTPException(400, f"kind={kind!r}; allowed: cancelled, timeout")
+        kind = _STOPS.get(query.get("kind", "cancelled"))
+        if kind is None:
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"kind={query.get('kind')!r}; allowed: cancelled, timeout")
         return JSONResponse({"cancelled": self.calls.cancel(call_id, kind, reason[:500], reset)})
+
+
+_STOPS = {s.value: s for s in (Status.CANCELLED, Status.TIMEOUT)}
 
 
 def create_app(

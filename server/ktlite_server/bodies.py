@@ -11,21 +11,26 @@ from typing import Any
 from fastapi import HTTPException, Request
 from starlette.requests import ClientDisconnect
 
-from ktlite import protocol, shm
+from ktlite_server.refusal import refuse
+from ktlite_wire import shm
+from ktlite_wire.errors import ErrorCode
+from ktlite_wire.headers import LENGTH_HEADER
 
 
 async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     """Read the body into memory, or straight into a shared-memory file when large."""
     # a chunked body (through a proxy) names its length in LENGTH_HEADER
-    length = request.headers.get("content-length") or request.headers.get(protocol.LENGTH_HEADER)
+    length = request.headers.get("content-length") or request.headers.get(LENGTH_HEADER)
     if length is None or not length.isdigit():
-        raise HTTPException(
-            411, f"a Content-Length (or {protocol.LENGTH_HEADER}) header is required"
+        raise refuse(
+            411,
+            ErrorCode.LENGTH_REQUIRED, f"a Content-Length (or {LENGTH_HEADER}) header is required"
         )
     n = int(length)
     if n > limit:
-        raise HTTPException(
+        raise refuse(
             413,
+            ErrorCode.TOO_LARGE,
             f"body of {n} bytes is larger than this server's limit of {limit} bytes "
             "(KTLITE_MAX_BODY)",
         )
@@ -43,7 +48,7 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
         async for chunk in request.stream():
             k = len(chunk)
             if got + k > n:
-                raise HTTPException(400, f"body is longer than its Content-Length of {n} bytes")
+                raise refuse(400, ErrorCode.BAD_REQUEST, f"body is longer than its Content-Length of {n} bytes")
             view[got : got + k] = chunk
             got += k
     except (ClientDisconnect, HTTPException):
@@ -53,7 +58,7 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     if got != n:
         if path:
             os.unlink(path)
-        raise HTTPException(400, f"body truncated: got {got} of {n} bytes")
+        raise refuse(400, ErrorCode.BAD_REQUEST, f"body truncated: got {got} of {n} bytes")
     return view, path
 
 

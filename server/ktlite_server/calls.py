@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -20,11 +19,19 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from ktlite import protocol, shm
 from ktlite_server.bodies import discard_body, read_body
-from ktlite_server.coordinator import CallPlan, Coordinator, run_local
-from ktlite_server.pod import LOG_BODIES, Pod
+from ktlite_server.coordinator import Coordinator, run_local
+from ktlite_server.localcall import LOG_BODIES
+from ktlite_server.pod import Pod
+from ktlite_server.refusal import refuse
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
+from ktlite_wire import codec, shm
+from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
+from ktlite_wire.frames import RESULT, error_frame, frame_parts
+from ktlite_wire.headers import CALL_HEADER, RESUME_HEADER, UPTIME_HEADER
+from ktlite_wire.outcome import CallResult
+from ktlite_wire.plan import decode_plan
+from ktlite_wire.status import Status
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +52,11 @@ class StreamResponse(Response):
 
 def _resume_from(request: Request) -> int | None:
     """The first frame a re-attaching caller lacks (None: a new call)."""
-    value = request.headers.get(protocol.RESUME_HEADER)
+    value = request.headers.get(RESUME_HEADER)
     if value is None:
         return None
     if not value.isdigit():
-        raise ValueError(f"{protocol.RESUME_HEADER} must be a frame number, got {value[:40]!r}")
+        raise ValueError(f"{RESUME_HEADER} must be a frame number, got {value[:40]!r}")
     return int(value)
 
 
@@ -99,11 +106,11 @@ class Calls:
         it), or attach a caller again to a call this pod holds."""
         pod, streams = self.pod, self.streams
         try:
-            plan = CallPlan(json.loads(request.headers.get(protocol.CALL_HEADER, "")))
+            plan = decode_plan(request.headers.get(CALL_HEADER, ""))
             resume = _resume_from(request)
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise HTTPException(
-                400, f"malformed {protocol.CALL_HEADER} header: {type(e).__name__}: {str(e)[:300]}"
+            raise refuse(
+                400, ErrorCode.BAD_REQUEST, f"malformed {CALL_HEADER} header: {type(e).__name__}: {str(e)[:300]}"
             ) from e
         live = streams.get(plan.id)
         # a request for a call this pod holds attaches to it (once its first request told
@@ -115,27 +122,31 @@ class Calls:
         if resume is not None:  # a re-attach: never runs anything
             await discard_body(request)
             if streams.ended_before(plan.id):
-                raise HTTPException(
+                raise refuse(
                     410,
+                    ErrorCode.CALL_EXPIRED,
                     f"call {plan.id} ended on pod {pod.name} and its result is no "
                     f"longer kept (it waits {RETAIN_S:g}s for a caller to re-attach)",
                 )
-            raise HTTPException(
+            raise refuse(
                 404,
+                ErrorCode.UNKNOWN_CALL,
                 f"pod {pod.name} does not know call {plan.id}: its server restarted "
                 "since the call began, and the call was lost with it",
             )
         if pod.dep is None:
-            raise HTTPException(
+            raise refuse(
                 409,
+                ErrorCode.NOT_DEPLOYED,
                 f"pod {pod.name} has no code deployed: its server started after the "
                 "deploy (a restarted container, a replaced pod); call .to() again, which "
                 "pushes the code and reuses the pods",
-                headers={protocol.UPTIME_HEADER: f"{max(0.0, time.time() - self.started):.3f}"},
+                headers={UPTIME_HEADER: f"{max(0.0, time.time() - self.started):.3f}"},
             )
         if plan.launch_id and plan.launch_id != pod.dep.launch_id:
-            raise HTTPException(
+            raise refuse(
                 409,
+                ErrorCode.REDEPLOYED,
                 f"pod {pod.name} runs launch {pod.dep.launch_id}, not the caller's "
                 f"{plan.launch_id}: it was redeployed since (by another process, or it "
                 "restarted); call .to() again",
@@ -144,9 +155,9 @@ class Calls:
 
         def abandoned() -> None:
             if coordinator is not None:
-                coordinator.cancel("cancelled", "the caller disconnected")
+                coordinator.cancel(Status.CANCELLED, "the caller disconnected")
             else:
-                pod.cancel(plan.id, "cancelled", "the caller disconnected")
+                pod.cancel(plan.id, Status.CANCELLED, "the caller disconnected")
 
         stream = streams.open(plan.id, plan.reattach, abandoned)
         own_file = plan.shm is None
@@ -158,25 +169,25 @@ class Calls:
                     path = shm.check(str(plan.shm[0]), shm.ARG_PREFIX)
                     body = shm.map_private(path, int(plan.shm[1]))
                 except (ValueError, OSError, IndexError, TypeError) as e:
-                    raise HTTPException(400, f"bad shared-memory argument: {e}") from e
+                    raise refuse(400, ErrorCode.BAD_REQUEST, f"bad shared-memory argument: {e}") from e
             try:
                 if plan.per_rank is None:
-                    protocol.split(body)  # framing only: the server never unpickles user data
+                    codec.check(body)  # framing only: the server never unpickles user data
                 else:  # the shared message, then this pod's ranks' items
                     view = memoryview(body).cast("B")
                     shared = plan.per_rank["shared"]
-                    protocol.split(view[:shared])
+                    codec.check(view[:shared])
                     for off, n in plan.per_rank["items"]:
                         if off + n > view.nbytes:
-                            raise protocol.ProtocolError(
+                            raise ProtocolError(
                                 f"per-rank item at {off}+{n} runs past the body "
                                 f"({view.nbytes} bytes)"
                             )
-            except protocol.ProtocolError as e:
+            except ProtocolError as e:
                 if path and own_file:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
-                raise HTTPException(400, f"malformed call body: {e}") from e
+                raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed call body: {e}") from e
         except BaseException:
             streams.refused(stream)
             raise
@@ -212,16 +223,16 @@ class Calls:
                     outs = await coordinator.run(body, path, stream.emit)
                 else:
                     outs = await run_local(pod, plan, body, path, stream.emit)
-                if coordinator is not None and any(o[2] != "ok" for o in outs):
+                if coordinator is not None and any(o.status is not Status.OK for o in outs):
                     # a failed or stopped call may leave ranks out of step in their process
                     # group: the next call forms a new one (every rank, on a new port)
                     pod.next_generation()
                 started = coordinator.started if coordinator is not None else True
                 stream.emit(
-                    protocol.frame_parts(protocol.RESULT, protocol.gather_parts(outs, started))
+                    frame_parts(RESULT, CallResult(outs, started).encode())
                 )
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
-                stream.emit(protocol.error_frame(type(e).__name__, str(e)))
+                stream.emit(error_frame(WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)))
             finally:
                 if path and own_file:
                     with contextlib.suppress(OSError):
@@ -232,7 +243,7 @@ class Calls:
         asyncio.get_running_loop().create_task(produce())
         return StreamResponse(stream, 0)
 
-    def cancel(self, call_id: str, kind: str, reason: str, reset: bool) -> bool:
+    def cancel(self, call_id: str, kind: Status, reason: str, reset: bool) -> bool:
         """Stop a call: on every pod when this pod coordinates it. False when no rank here
         was running it (then ``reset`` restarts a rank that is stuck)."""
         coordinator = self.coordinators.get(call_id)

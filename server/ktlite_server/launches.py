@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import gzip
 import logging
 import os
@@ -17,10 +18,15 @@ from typing import Any
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
 
-from ktlite import protocol
-from ktlite.spec import DistributedConfig, distributed_env
 from ktlite_server.bodies import read_body
-from ktlite_server.pod import Colocated, Deployment, Pod
+from ktlite_server.deployment import Colocated, Deployment
+from ktlite_server.pod import Pod
+from ktlite_server.refusal import refuse
+from ktlite_wire.distenv import distributed_env
+from ktlite_wire.errors import ErrorCode, ProtocolError
+from ktlite_wire.launch import Colocation, Launch, decode_deploy
+from ktlite_wire.outcome import CallResult, RankOutcome
+from ktlite_wire.status import Status
 
 logger = logging.getLogger(__name__)
 
@@ -44,103 +50,59 @@ class Launches:
 
     async def deploy(self, request: Request) -> Response:
         """``POST /deploy``: install a launch, or add/replace/drop a colocated target."""
-        pod = self.pod
         body, path = await read_body(request, self.max_body)
         try:
-            msg = protocol.loads(body)
-            if msg.get("colocate"):
-                name = str(msg["colocate"])
-                target = (
-                    None
-                    if msg.get("drop")
-                    else Colocated(
-                        bundle=bytes(msg["bundle"]),
-                        kind=str(msg["kind"]),
-                        init=msg.get("init"),
-                        sources=dict(msg.get("sources") or {}),
-                    )
-                )
-        except Exception as e:  # noqa: BLE001
-            if path:
-                os.unlink(path)
-            raise HTTPException(400, f"malformed deploy request: {type(e).__name__}: {e}") from e
-        if msg.get("colocate"):
-            if path:
-                os.unlink(path)
-            return await self._colocate(msg, name, target)
-        try:
-            outs = await self.install(msg)
+            msg = decode_deploy(body)  # JSON and opaque buffers: nothing is unpickled here
+        except ProtocolError as e:
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed deploy request: {e}") from e
         finally:
             if path:
                 os.unlink(path)
-        parts = protocol.gather_parts(
-            [(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs]
-        )
-        return Response(
-            b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream"
-        )
+        if isinstance(msg, Colocation):
+            return await self._colocate(msg)
+        return self._outcomes(await self.install(msg))
 
-    async def install(self, msg: dict[str, Any]) -> list[Any]:
+    def _outcomes(self, outs: list[Any]) -> Response:
+        name = self.pod.name
+        result = CallResult([RankOutcome(o.rank, name, o.status, o.data, o.message, o.at) for o in outs])
+        return Response(result.encode_bytes(), media_type="application/octet-stream")
+
+    async def install(self, msg: Launch) -> list[Any]:
         """Install a launch (a POST /deploy body, or the launch file a replica boots from)."""
         pod = self.pod
-        if msg.get("replica"):
+        if msg.replica:
             # an autoscaled deployment's replica is a world of its own: rank 0 of one pod, at
             # this pod's own address (a replica started later reads the launch the client wrote)
-            msg = {
-                **msg,
-                "ordinal": pod.ordinal,
-                "pod_ips": [
-                    os.environ.get("KTLITE_POD_IP") or msg.get("pod_ips", ["127.0.0.1"])[0]
-                ],
-            }
+            ip = os.environ.get("KTLITE_POD_IP") or (msg.pod_ips or ["127.0.0.1"])[0]
+            msg = dataclasses.replace(msg, ordinal=pod.ordinal, pod_ips=[ip])
         try:
             dep = Deployment(
-                launch_id=msg["launch_id"],
-                bundle=bytes(msg["bundle"]),
-                kind=msg["kind"],
-                init=msg.get("init"),
-                sources=msg.get("sources") or {},
-                config=DistributedConfig(**msg["distributed"]),
-                pod_ips=list(msg["pod_ips"]),
-                ordinal=int(msg["ordinal"]),
-                master_port=int(msg["master_port"]),
-                max_restarts=int(msg.get("max_restarts", 3)),
-                cpus=msg.get("cpus"),
-                load_timeout=float(msg.get("load_timeout", 300)),
-                concurrency=max(1, int(msg.get("concurrency", 1))),
-                engine=msg.get("engine"),
-                single=bool(msg.get("single", False)),
+                launch_id=msg.launch_id, bundle=msg.bundle, kind=msg.kind, init=msg.init,
+                sources=msg.sources, config=msg.distributed, pod_ips=msg.pod_ips, ordinal=msg.ordinal,
+                master_port=msg.master_port, max_restarts=msg.max_restarts, cpus=msg.cpus,
+                load_timeout=msg.load_timeout, concurrency=msg.concurrency, engine=msg.engine,
+                single=msg.single,
             )
             # the same env every rank would get: a bad layout is refused here, before it
             # replaces the deployment the pod is serving
-            distributed_env(
-                dep.config,
-                node_rank=dep.ordinal,
-                local_rank=0,
-                pod_ips=dep.pod_ips,
-                master_port=dep.master_port,
-            )
+            distributed_env(dep.config, node_rank=dep.ordinal, local_rank=0, pod_ips=dep.pod_ips,
+                            master_port=dep.master_port)
             if not 0 <= dep.ordinal < dep.config.workers:
                 raise ValueError(f"ordinal {dep.ordinal} is outside 0..{dep.config.workers - 1}")
-        except Exception as e:  # noqa: BLE001 - any undecodable or inconsistent body is the client's fault
-            raise HTTPException(400, f"malformed deploy request: {type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - an inconsistent layout is the client's fault
+            raise refuse(400, ErrorCode.BAD_REQUEST,
+                         f"malformed deploy request: {type(e).__name__}: {e}") from e
         if dep.ordinal != pod.ordinal:
-            raise HTTPException(
-                400,
-                f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} (ordinal {pod.ordinal})",
-            )
-        if "store" in msg:  # the data store's address, for kt.put/get in the ranks
+            raise refuse(400, ErrorCode.BAD_REQUEST,
+                         f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} (ordinal {pod.ordinal})")
+        if msg.store is not None:  # the data store's address, for kt.put/get in the ranks
             from ktlite_server.store import remember
 
-            remember(msg["store"], pod.pod_ips_file)
-        # a launch is installed once: a caller that lost the answer (a proxy dropped it) sends
-        # the same launch again and gets the same answer
+            remember(msg.store, pod.pod_ips_file)
         deploys = self.installing
         task = deploys.get(dep.launch_id)
         if task is None:
-            task = asyncio.get_running_loop().create_task(
-                pod.deploy(dep, restart=bool(msg.get("restart")))
-            )
+            task = asyncio.get_running_loop().create_task(pod.deploy(dep, restart=msg.restart))
             deploys[dep.launch_id] = task
             while len(deploys) > KEEP_INSTALLS:
                 deploys.popitem(last=False)
@@ -155,7 +117,9 @@ class Launches:
                 data = f.read()
             if data[:2] == b"\x1f\x8b":  # gzip: a launch kept in a Kubernetes Secret
                 data = gzip.decompress(data)
-            msg = protocol.loads(data)
+            msg = decode_deploy(data)
+            if not isinstance(msg, Launch):
+                raise ProtocolError("it holds a colocation, not a launch")
         except FileNotFoundError:
             self.boot = "no launch yet: waiting for the client's POST /deploy"
             return
@@ -169,9 +133,9 @@ class Launches:
             self.boot = f"the launch file {path} was refused: {e.detail}"
             logger.error("%s", self.boot)
             return
-        failed = [o for o in outs if o.status != "ok"]
+        failed = [o for o in outs if o.status is not Status.OK]
         self.boot = (
-            f"loading launch {msg.get('launch_id')} failed on rank(s) "
+            f"loading launch {msg.launch_id} failed on rank(s) "
             f"{', '.join(str(o.rank) for o in failed)}: {failed[0].message}"
             if failed
             else None
@@ -179,27 +143,17 @@ class Launches:
         if failed:
             logger.error("%s", self.boot)
 
-    async def _colocate(self, msg: dict[str, Any], name: str, target: Colocated | None) -> Response:
+    async def _colocate(self, msg: Colocation) -> Response:
         """A colocation launch (``kt.cls(B).to(remote_a)``): add, replace or (``drop``) remove
         a named target in the rank processes of the deployment this pod serves."""
-        pod = self.pod
+        pod, name = self.pod, msg.target
+        target = None if msg.drop or msg.bundle is None else Colocated(
+            bundle=msg.bundle, kind=msg.kind, init=msg.init, sources=msg.sources)
         if pod.dep is None:
-            raise HTTPException(
-                409,
-                f"pod {pod.name} has no code deployed to colocate {name!r} with; "
-                "deploy the first group again",
-            )
-        if msg.get("launch_id") and msg["launch_id"] != pod.dep.launch_id and target is not None:
-            raise HTTPException(
-                409,
-                f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
-                f"{msg['launch_id']}: the deployment to colocate {name!r} with was "
-                "redeployed since",
-            )
-        outs = await pod.colocate(name, target, if_missing=bool(msg.get("if_missing")))
-        parts = protocol.gather_parts(
-            [(o.rank, pod.name, o.status, o.data, o.message, o.at) for o in outs]
-        )
-        return Response(
-            b"".join(bytes(memoryview(p)) for p in parts), media_type="application/octet-stream"
-        )
+            raise refuse(409, ErrorCode.NOT_DEPLOYED, f"pod {pod.name} has no code deployed to colocate "
+                                                      f"{name!r} with; deploy the first group again")
+        if msg.launch_id and msg.launch_id != pod.dep.launch_id and target is not None:
+            raise refuse(409, ErrorCode.REDEPLOYED, f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
+                                                    f"{msg.launch_id}: the deployment to colocate {name!r} "
+                                                    "with was redeployed since")
+        return self._outcomes(await pod.colocate(name, target, if_missing=msg.if_missing))

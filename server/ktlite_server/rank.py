@@ -1,8 +1,9 @@
 """A rank process: loads the user's code once, then runs calls sent by its pod server.
 
 Started as ``python -m ktlite_server.rank FD`` with FD one end of a socketpair. Messages
-both ways are ``length:u64`` + pickle of a small tuple; user payloads inside them are
-ktlite messages (inline bytes, or a path to a shared-memory file when large).
+both ways are ``ktlite_wire.rankchannel`` messages (a JSON header plus buffers); user code
+and values inside them are opaque bytes (inline, or a shared-memory file when large) that
+this process alone unpickles.
 """
 
 from __future__ import annotations
@@ -18,46 +19,18 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
 import traceback
 from typing import Any
 
-from ktlite import protocol, rankdata, shm, sourcelines
-from ktlite.spec import GROUP_PORTS
 from ktlite_server import logconfig, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
-
-_LEN = struct.Struct("<Q")
-
-class Channel:
-    """Blocking length-prefixed pickle messages over a socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._send_lock = threading.Lock()  # replies of concurrent calls never interleave
-
-    def send(self, msg: Any) -> None:
-        data = pickle.dumps(msg, protocol=5)
-        with self._send_lock:
-            self.sock.sendall(_LEN.pack(len(data)) + data)
-
-    def _exactly(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError("server closed the control channel")
-            got += k
-        return buf
-
-    def recv(self) -> Any:
-        (n,) = _LEN.unpack(self._exactly(_LEN.size))
-        return pickle.loads(self._exactly(n))
+from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
+from ktlite_wire.distenv import GROUP_PORTS
+from ktlite_wire.errors import RemoteExceptionInfo
+from ktlite_wire.rankchannel import Channel
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -104,17 +77,17 @@ def _task_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def exception_info(exc: BaseException, where: str = "") -> protocol.RemoteExceptionInfo:
+def exception_info(exc: BaseException, where: str = "") -> RemoteExceptionInfo:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc = _task_cause(exc)  # the traceback above keeps the engine's text of where it raised
     pickled: bytes | None
     try:
-        pickled = protocol.dumps(exc)
-        protocol.loads(pickled)  # a type whose __reduce__ cannot rebuild it is sent as text
+        pickled = codec.dumps(exc)
+        codec.loads(pickled)  # a type whose __reduce__ cannot rebuild it is sent as text
     except Exception:
         pickled = None
     t = type(exc)
-    return protocol.RemoteExceptionInfo(type_name=f"{t.__module__}.{t.__qualname__}",
+    return RemoteExceptionInfo(type_name=f"{t.__module__}.{t.__qualname__}",
                                         message=(where + str(exc)) if where else str(exc),
                                         traceback=tb, pickled=pickled)
 
@@ -145,27 +118,27 @@ class Rank:
         self.tasks: dict[str, concurrent.futures.Future[Any]] = {}  # call id -> its coroutine's future
         self.tainted = False  # interrupted inside an import: see _result()
 
-    def submit(self, msg: dict[str, Any]) -> None:
+    def submit(self, msg: rankchannel.Call) -> None:
         """Run a call: inline (one at a time) or on the pool of ``concurrency`` threads."""
         if self.concurrency <= 1:
             try:
                 self.call(msg)
             except CallInterrupted as exc:  # between the user's code and the reply
                 self.inline = None
-                self._result(msg["id"], False, exception_info(exc), exc)
+                self._result(msg.id, False, exception_info(exc), exc)
             return
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="ktlite-call")
         self.pool.submit(self._pooled, msg)
 
-    def _pooled(self, msg: dict[str, Any]) -> None:
-        self.threads[msg["id"]] = threading.get_ident()
+    def _pooled(self, msg: rankchannel.Call) -> None:
+        self.threads[msg.id] = threading.get_ident()
         try:
             self.call(msg)
         except CallInterrupted:
             pass  # it arrived after the call's reply: nothing left to stop
         finally:
-            self.threads.pop(msg["id"], None)
+            self.threads.pop(msg.id, None)
 
     def interrupt(self, call_id: str) -> None:
         """Stop one call and leave the others running: its coroutine is cancelled, or its
@@ -218,21 +191,21 @@ class Rank:
         if dist is not None:
             dist._ktlite_stale = True
 
-    def load(self, msg: dict[str, Any]) -> None:
-        if msg.get("target"):
+    def load(self, msg: rankchannel.Load) -> None:
+        if msg.target:
             self.load_target(msg)
             return
-        os.environ.update(msg["env"])
-        port = msg["env"].get("MASTER_PORT")
+        os.environ.update(msg.env)
+        port = msg.env.get("MASTER_PORT")
         self.base_port = int(port) if port and port.isdigit() else None
         self.generation = 0
         self.target = None
-        concurrency = max(1, int(msg.get("concurrency", 1)))
+        concurrency = max(1, msg.concurrency)
         if concurrency != self.concurrency and self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
         self.concurrency = concurrency
-        sources = msg.get("sources") or {}
+        sources = msg.sources
         if self.finder is not None:
             sys.meta_path.remove(self.finder)
             for name in self.finder.sources:  # edited local modules must be re-imported
@@ -243,29 +216,29 @@ class Rank:
             self.finder = _SourceFinder({**kept, **sources})
             sys.meta_path.append(self.finder)
         try:
-            obj = pickle.loads(msg["bundle"])
-            self.kind = msg["kind"]
+            obj = pickle.loads(msg.bundle or b"")
+            self.kind = msg.kind
             if self.kind == "cls":
-                args, kwargs = protocol.loads(msg["init"]) if msg.get("init") else ((), {})
+                args, kwargs = codec.loads(msg.init) if msg.init is not None else ((), {})
                 obj = obj(*args, **kwargs)
             self.target = obj
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             self._flush()
-            self._reply("loaded", False, exception_info(exc))
+            self._loaded(exception_info(exc))
             return
         self._flush()
-        self._reply("loaded", True, None)
+        self._loaded(None)
 
-    def load_target(self, msg: dict[str, Any]) -> None:
+    def load_target(self, msg: rankchannel.Load) -> None:
         """Add, replace (or with ``drop``, remove) a colocated target; the primary and the
         other colocated targets are left as they are."""
-        name = msg["target"]
+        name = msg.target
         self.targets.pop(name, None)
         self.target_sources.pop(name, None)
-        if msg.get("drop"):
-            self._reply("loaded", True, None)
+        if msg.drop:
+            self._loaded(None)
             return
-        sources = msg.get("sources") or {}
+        sources = msg.sources
         if sources:
             self.target_sources[name] = sources
             if self.finder is None:
@@ -275,17 +248,17 @@ class Rank:
                 for mod, src in sources.items():
                     self.finder.sources.setdefault(mod, src)
         try:
-            obj = pickle.loads(msg["bundle"])
-            if msg["kind"] == "cls":
-                args, kwargs = protocol.loads(msg["init"]) if msg.get("init") else ((), {})
+            obj = pickle.loads(msg.bundle or b"")
+            if msg.kind == "cls":
+                args, kwargs = codec.loads(msg.init) if msg.init is not None else ((), {})
                 obj = obj(*args, **kwargs)
             self.targets[name] = obj
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             self._flush()
-            self._reply("loaded", False, exception_info(exc, where=f"colocated target {name!r}: "))
+            self._loaded(exception_info(exc, where=f"colocated target {name!r}: "))
             return
         self._flush()
-        self._reply("loaded", True, None)
+        self._loaded(None)
 
     def lookup(self, method: Any) -> Any:
         """The callable for a call's ``method``: a name on the primary target, or a
@@ -302,20 +275,20 @@ class Rank:
             target = self.target
         return target if method is None else getattr(target, method)
 
-    def call(self, msg: dict[str, Any]) -> None:
-        call_id = msg["id"]
-        self.regroup(int(msg.get("generation") or 0), msg.get("group_port"))
+    def call(self, msg: rankchannel.Call) -> None:
+        call_id = msg.id
+        self.regroup(msg.generation, msg.group_port)
         # a private, writable copy either way: arrays decoded from it must be writable
-        payload = bytearray(msg["args"]) if msg.get("args") is not None else shm.map_private(msg["path"], msg["size"])
+        payload = bytearray(msg.args) if msg.args is not None else shm.map_private(msg.path or "", msg.size)
         error: BaseException | None = None
         try:
-            method, args, kwargs = protocol.loads(payload)
-            if msg.get("item") is not None:  # a per-rank call: this rank's own items
-                args, kwargs = rankdata.fill(args, kwargs, protocol.loads(msg["item"]))
-            elif msg.get("item_at") is not None:  # ... in the call's shared-memory file
-                off, n = msg["item_at"]
+            method, args, kwargs = codec.loads(payload)
+            if msg.item is not None:  # a per-rank call: this rank's own items
+                args, kwargs = rankdata.fill(args, kwargs, codec.loads(bytearray(msg.item)))
+            elif msg.item_at is not None:  # ... in the call's shared-memory file
+                off, n = msg.item_at
                 args, kwargs = rankdata.fill(args, kwargs,
-                                             protocol.loads(shm.map_private(msg["path"], off + n)[off:off + n]))
+                                             codec.loads(shm.map_private(msg.path or "", off + n)[off:off + n]))
             fn = self.lookup(method)
             if self.concurrency <= 1:
                 self.inline = call_id  # SIGUSR2 interrupts it from here ...
@@ -341,22 +314,21 @@ class Rank:
                 for frame, _ in traceback.walk_tb(error.__traceback__)):
             self.tainted = True
         try:
-            parts = protocol.dumps_parts(value)
+            parts = codec.dumps_parts(value)
         except Exception as exc:
-            ok, parts = False, protocol.dumps_parts(exception_info(
+            ok, parts = False, codec.dumps_parts(exception_info(
                 exc, where=f"the return value ({type(value).__name__}) cannot be pickled: "))
         self._flush()
-        size = protocol.parts_size(parts)
+        size = codec.parts_size(parts)
         if size <= shm.INLINE_MAX:
-            # a bytearray stays writable through the control channel's pickle, so arrays the
-            # caller decodes from it are writable too
-            inline, path = bytearray(b"".join(bytes(memoryview(p)) for p in parts)), None
+            inline, path = b"".join(parts), None
         else:
             inline, (path, size) = None, shm.write(parts, shm.RESULT_PREFIX)
-        self._reply("result", call_id, ok, inline, path, size, holds_dist_state(), self.tainted)
+        self.chan.send(rankchannel.Result(call_id, ok, inline, path, size, holds_dist_state(), self.tainted))
 
-    def _reply(self, *msg: Any) -> None:
-        self.chan.send(msg)
+    def _loaded(self, error: RemoteExceptionInfo | None) -> None:
+        """Answer a load; a failure's info goes pickled, for the caller alone to read."""
+        self.chan.send(rankchannel.Loaded(error is None, None if error is None else codec.dumps(error)))
 
     @staticmethod
     def _flush() -> None:
@@ -390,19 +362,19 @@ def main() -> None:
             raise CallInterrupted("the call was stopped")
 
     signal.signal(signal.SIGUSR2, interrupted)
-    chan.send(("ready", os.getpid()))
+    chan.send(rankchannel.Ready(os.getpid()))
     while True:
         try:
-            kind, msg = chan.recv()
+            msg = chan.recv()
         except EOFError:
             return
-        if kind == "load":
+        if isinstance(msg, rankchannel.Load):
             rank.load(msg)
-        elif kind == "call":
+        elif isinstance(msg, rankchannel.Call):
             rank.submit(msg)
-        elif kind == "interrupt":
-            rank.interrupt(msg)
-        elif kind == "exit":
+        elif isinstance(msg, rankchannel.Interrupt):
+            rank.interrupt(msg.id)
+        elif isinstance(msg, rankchannel.Exit):
             return
 
 

@@ -12,10 +12,8 @@ import asyncio
 import collections
 import contextlib
 import os
-import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -23,7 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-_LEN = struct.Struct("<Q")
+from ktlite_wire import rankchannel
+from ktlite_wire.errors import ProtocolError
+from ktlite_wire.status import Status
+
 LogSink = Callable[["RankProcess", str, str], None]
 
 
@@ -32,8 +33,8 @@ class Outcome:
     """One rank's result of one call, as the server sees it (the value stays opaque bytes)."""
 
     rank: int
-    status: str  # "ok" | "error" | "died" | "cancelled" | "timeout"
-    data: Any = None  # encoded value or RemoteExceptionInfo (bytes / memoryview)
+    status: Status
+    data: Any = None  # encoded value or RemoteExceptionInfo (bytes / memoryview), opaque here
     message: str = ""
     path: str | None = None  # a large value waits in this shared-memory file instead
     size: int = 0
@@ -112,9 +113,9 @@ class RankProcess:
                 self._pidfd = os.pidfd_open(self.proc.pid)
                 loop.add_reader(self._pidfd, self._on_exit)
         loop.create_task(self._read_loop())
-        kind, _ = await self._expect(timeout, "start")
-        if kind != "ready":
-            raise RankGone(f"rank process sent {kind!r} instead of 'ready'")
+        reply = await self._expect(timeout, "start")
+        if not isinstance(reply, rankchannel.Ready):
+            raise RankGone(f"rank process sent {reply!r} instead of Ready")
 
     @property
     def alive(self) -> bool:
@@ -142,33 +143,36 @@ class RankProcess:
 
     # ---- requests ----------------------------------------------------------------------
 
-    async def load(self, msg: dict[str, Any], timeout: float) -> tuple[bool, Any]:
+    async def load(self, msg: rankchannel.Load, timeout: float) -> rankchannel.Loaded:
         self._register("load")
         try:
-            await self._send(("load", msg))
+            await self._send(msg)
         except BaseException:
             self._pending.pop("load", None)
             raise
-        _, ok, info = await self._expect(timeout, "load")
-        if ok:
-            self.loaded_env = dict(msg["env"])
-        return ok, info
-
-    async def call(self, msg: dict[str, Any]) -> tuple[str, str, bool, Any, str | None, int]:
-        self._register(msg["id"])
-        try:
-            await self._send(("call", msg))
-        except BaseException:
-            self._pending.pop(msg["id"], None)
-            raise
-        reply = await self._expect(None, "call", key=msg["id"])
-        self.drain_output()
-        if reply[0] != "result" or reply[1] != msg["id"]:
+        reply = await self._expect(timeout, "load")
+        if not isinstance(reply, rankchannel.Loaded):
             self.kill()  # out of step with us: never trust its next reply either
-            raise RankGone(f"rank process answered {reply[:2]!r} to call {msg['id']}; it was restarted")
-        self.has_pg = bool(reply[6])
-        self.tainted = bool(reply[7])  # interrupted inside an import: the pod replaces it
-        return reply[:6]  # ("result", call_id, ok, inline, path, size)
+            raise RankGone(f"rank process answered {type(reply).__name__} to a load; it was restarted")
+        if reply.ok:
+            self.loaded_env = dict(msg.env)
+        return reply
+
+    async def call(self, msg: rankchannel.Call) -> rankchannel.Result:
+        self._register(msg.id)
+        try:
+            await self._send(msg)
+        except BaseException:
+            self._pending.pop(msg.id, None)
+            raise
+        reply = await self._expect(None, "call", key=msg.id)
+        self.drain_output()
+        if not isinstance(reply, rankchannel.Result) or reply.id != msg.id:
+            self.kill()  # out of step with us: never trust its next reply either
+            raise RankGone(f"rank process answered {type(reply).__name__} to call {msg.id}; it was restarted")
+        self.has_pg = reply.has_pg
+        self.tainted = reply.tainted  # interrupted inside an import: the pod replaces it
+        return reply
 
     def interrupt_main(self) -> None:
         """SIGUSR2: the call on the rank's main thread raises CallInterrupted."""
@@ -179,13 +183,12 @@ class RankProcess:
     async def interrupt(self, call_id: str) -> None:
         """Stop one of the calls this rank runs at once (the others go on)."""
         with contextlib.suppress(RankGone, ConnectionError, OSError):
-            await self._send(("interrupt", call_id))
+            await self._send(rankchannel.Interrupt(call_id))
 
-    async def _send(self, msg: Any) -> None:
+    async def _send(self, msg: rankchannel.Message) -> None:
         if not self.alive or self._writer is None:
             raise RankGone(self.death_message())
-        data = pickle.dumps(msg, protocol=5)
-        self._writer.write(_LEN.pack(len(data)) + data)
+        rankchannel.write(self._writer, msg)
         await self._writer.drain()
 
     def _register(self, key: str) -> None:
@@ -216,14 +219,17 @@ class RankProcess:
         assert self._reader is not None
         try:
             while True:
-                (n,) = _LEN.unpack(await self._reader.readexactly(_LEN.size))
-                msg = pickle.loads(await self._reader.readexactly(n))
-                key = {"ready": "start", "loaded": "load"}.get(msg[0]) or (msg[1] if msg[0] == "result" else None)
+                msg = await rankchannel.read(self._reader)
+                key = ("start" if isinstance(msg, rankchannel.Ready) else "load" if isinstance(msg, rankchannel.Loaded)
+                       else msg.id if isinstance(msg, rankchannel.Result) else None)
                 future = self._pending.get(key) if key is not None else None
                 if future is not None and not future.done():
                     future.set_result(msg)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
+        except ProtocolError as e:  # out of step: nothing it sends can be trusted now
+            self.stderr_tail.append(f"ktlite: the rank process sent a malformed message: {e}")
+            self.kill()
         # EOF: the process is exiting; give the pidfd a moment to report the exit code
         if self.proc is not None:
             for _ in range(50):

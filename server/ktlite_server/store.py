@@ -2,7 +2,7 @@
 that directory (a PVC on Kubernetes) as ktlite's data store instead of running code.
 
 Wire contract (every endpoint but ``/health`` needs ``x-ktlite-token: Bearer <store token>``;
-keys go as the ``key`` query parameter and are checked by ``ktlite.storedir.check_key``):
+keys go as the ``key`` query parameter and are checked by ``ktlite_wire.storedir.check_key``):
 
 - ``GET /health``
 - ``GET /store/v1/stat?key=K`` → the entry ``{"key", "name", "type", "size"}``
@@ -32,20 +32,23 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from ktlite import protocol
-from ktlite.errors import ConfigError, DataStoreError
-from ktlite.storedir import OBJECT_MAGIC, StoreDir, check_key
 from ktlite_server.logconfig import request_log
+from ktlite_server.refusal import refuse
+from ktlite_wire.errors import ErrorCode
+from ktlite_wire.headers import LENGTH_HEADER, TOKEN_HEADER, bearer
+from ktlite_wire.storedir import OBJECT_MAGIC, StoreDir, StoreFault, check_key
+from ktlite_wire.version import PROTOCOL_VERSION
 
 PREFIX = "/store/v1"
 _END = object()
 
 
-def _fail(e: Exception) -> HTTPException:
-    if isinstance(e, ConfigError):
-        return HTTPException(400, str(e))
-    text = str(e)
-    return HTTPException(404 if text.startswith("no key") else 409, text)
+_STATUS = {ErrorCode.BAD_REQUEST: 400, ErrorCode.NOT_FOUND: 404}
+
+
+def _fail(e: StoreFault) -> HTTPException:
+    """The answer to a store fault: by its code, never by its text."""
+    return refuse(_STATUS.get(e.code, 409), e.code, str(e))
 
 
 class _BodyReader:
@@ -75,24 +78,24 @@ class _BodyReader:
 
 
 def create_store_app(root: str, token: str) -> FastAPI:
-    expected = protocol.bearer(token).encode()
+    expected = bearer(token).encode()
     store = StoreDir(root, where="of this namespace (the ktlite-store pod)")
     app = FastAPI(title="ktlite data store", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorize(request: Request) -> None:
-        got = request.headers.get(protocol.TOKEN_HEADER, "").encode()
+        got = request.headers.get(TOKEN_HEADER, "").encode()
         if not hmac.compare_digest(got, expected):
-            raise HTTPException(401, "missing or wrong store token")
+            raise refuse(401, ErrorCode.UNAUTHORIZED, "missing or wrong store token")
 
     def key_of(request: Request, name: str = "key", allow_root: bool = False) -> str:
         try:
             return check_key(request.query_params.get(name, ""), what=name, allow_root=allow_root)
-        except ConfigError as e:
-            raise HTTPException(400, str(e)) from None
+        except StoreFault as e:
+            raise _fail(e) from None
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "store": True, "protocol": protocol.PROTOCOL_VERSION}
+        return {"status": "ok", "store": True, "protocol": PROTOCOL_VERSION}
 
     @app.get(PREFIX + "/stat")
     async def stat(request: Request) -> dict[str, Any]:
@@ -100,7 +103,8 @@ def create_store_app(root: str, token: str) -> FastAPI:
         key = key_of(request)
         entry = await asyncio.to_thread(store.entry, key)
         if entry is None:
-            raise HTTPException(404, f"no key {key!r} in the data store of this namespace")
+            raise _fail(StoreFault(f"no key {key!r} in the data store of this namespace", key,
+                                   ErrorCode.NOT_FOUND))
         return entry
 
     @app.get(PREFIX + "/ls")
@@ -110,7 +114,7 @@ def create_store_app(root: str, token: str) -> FastAPI:
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
             return JSONResponse(await asyncio.to_thread(store.ls, prefix, recursive))
-        except DataStoreError as e:
+        except StoreFault as e:
             raise _fail(e) from None
 
     @app.delete(PREFIX + "/key")
@@ -120,7 +124,7 @@ def create_store_app(root: str, token: str) -> FastAPI:
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
             return await asyncio.to_thread(store.remove, key, recursive)
-        except DataStoreError as e:
+        except StoreFault as e:
             raise _fail(e) from None
 
     @app.put(PREFIX + "/key")
@@ -129,17 +133,17 @@ def create_store_app(root: str, token: str) -> FastAPI:
         key = key_of(request)
         kind = request.query_params.get("kind", "file")
         if kind not in ("file", "object", "dir"):
-            raise HTTPException(400, f"kind={kind!r}; allowed: file, object, dir")
-        length = request.headers.get(protocol.LENGTH_HEADER) or request.headers.get("content-length")
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"kind={kind!r}; allowed: file, object, dir")
+        length = request.headers.get(LENGTH_HEADER) or request.headers.get("content-length")
         expected_size = int(length) if length and length.isdigit() else None
         try:
             if kind == "dir":
                 return await _put_tar(request, key)
             return await _put_file(request, key, kind, expected_size)
-        except DataStoreError as e:
+        except StoreFault as e:
             raise _fail(e) from None
         except ClientDisconnect:
-            raise HTTPException(400, "the client left before the upload was complete") from None
+            raise refuse(400, ErrorCode.BAD_REQUEST, "the client left before the upload was complete") from None
 
     async def _put_file(request: Request, key: str, kind: str, expected_size: int | None) -> dict[str, Any]:
         staged = store.staging()
@@ -152,7 +156,7 @@ def create_store_app(root: str, token: str) -> FastAPI:
                     f.write(chunk)
                     got += len(chunk)
                 if expected_size is not None and got != expected_size:
-                    raise HTTPException(400, f"upload of {key!r} truncated: got {got} of {expected_size} bytes")
+                    raise refuse(400, ErrorCode.BAD_REQUEST, f"upload of {key!r} truncated: got {got} of {expected_size} bytes")
                 f.flush()
                 await asyncio.to_thread(os.fsync, f.fileno())
             await asyncio.to_thread(store.install, staged, key)
@@ -184,15 +188,15 @@ def create_store_app(root: str, token: str) -> FastAPI:
                 await asyncio.to_thread(reader.q.put, chunk)
             await asyncio.to_thread(reader.q.put, _END)
         except BaseException as e:
-            await asyncio.to_thread(reader.q.put, DataStoreError(f"upload of {key!r} broke: {e!r}"))
+            await asyncio.to_thread(reader.q.put, StoreFault(f"upload of {key!r} broke: {e!r}", key))
             await asyncio.to_thread(thread.join, 60)
             raise
         await asyncio.to_thread(thread.join)
         if "error" in result:
             error = result["error"]
-            if isinstance(error, (DataStoreError, ConfigError)):
+            if isinstance(error, StoreFault):
                 raise error
-            raise HTTPException(400, f"could not unpack the directory for {key!r}: {error}")
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"could not unpack the directory for {key!r}: {error}")
         return dict(result["entry"])
 
     @app.get(PREFIX + "/key")
@@ -202,13 +206,13 @@ def create_store_app(root: str, token: str) -> FastAPI:
         try:
             entry = await asyncio.to_thread(store.entry, key)
             if entry is None:
-                raise DataStoreError(f"no key {key!r} in the data store of this namespace", key=key)
+                raise store.missing(key)
             if entry["type"] == "dir":
                 size, chunks = await asyncio.to_thread(store.tar, key)
             else:
                 f, entry = await asyncio.to_thread(store.open, key)
                 size, chunks = entry["size"], _read(f)
-        except DataStoreError as e:
+        except StoreFault as e:
             raise _fail(e) from None
         headers = {"content-length": str(size), "x-ktlite-entry": json.dumps(entry)}
         return StreamingResponse(chunks, headers=headers, media_type="application/octet-stream")
@@ -270,7 +274,7 @@ def remember(info: Any, pod_ips_file: str) -> None:
     """Keep the store address a deploy message brought (for this pod's ranks; mode 0600: it
     holds the store token); ``{"url": None}`` means the namespace has no store (any old
     address goes); a message without one changes nothing."""
-    from ktlite.storedir import address_file
+    from ktlite_wire.storedir import address_file
     if not isinstance(info, dict):
         return
     path = address_file(pod_ips_file)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ktlite import protocol
+from ktlite_wire import envelope, frames
 
 HEARTBEAT_S = 2.0
 LOG_BUFFER_BYTES = 8 << 20  # frames kept for a re-attach; older log lines are dropped first
@@ -32,7 +32,7 @@ JOIN_MAX = 1 << 20  # frames up to this size leave in one piece (larger: in chun
 
 def _size(item: Any) -> int:
     if isinstance(item, list):
-        return protocol.parts_size(item)
+        return envelope.parts_size(item)
     return len(item)
 
 
@@ -142,7 +142,7 @@ class CallStream:
                     # older frames were dropped (the caller was away, or slow, while more than
                     # the buffer was written): say where the stream goes on, so the caller's
                     # count of frames stays the pod's
-                    await _send(send, protocol.notice_frame(
+                    await _send(send, frames.notice_frame(
                         "skip", f"{self.base - at} frame(s) of log lines were dropped", to=self.base),
                         more=True)
                     at = self.base
@@ -160,7 +160,7 @@ class CallStream:
                     return
                 if beat_due:
                     beat_due = False
-                    await _send(send, protocol.frame(protocol.HEARTBEAT, b""), more=True)
+                    await _send(send, frames.frame(frames.HEARTBEAT, b""), more=True)
                     continue
                 if self._changed is None:  # nothing awaited between the checks and here
                     self._changed = asyncio.Event()
@@ -174,10 +174,10 @@ class CallStream:
 
 async def _send(send: Any, item: Any, more: bool) -> None:
     parts = item if isinstance(item, list) else [item]
-    if protocol.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
+    if envelope.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
         return
-    chunks = list(protocol.chunked(parts)) or [b""]
+    chunks = list(envelope.chunked(parts)) or [b""]
     for i, chunk in enumerate(chunks):
         await send({"type": "http.response.body", "body": chunk,
                     "more_body": more or i < len(chunks) - 1})

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ktlite.backends.local import pid_alive  # noqa: F401  (the tests use it from here)
+from ktlite_wire.headers import TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.version import PROTOCOL_VERSION
 
 BEAT_S = 0.05
 
@@ -137,6 +139,19 @@ def signal_quietly(pid: int | None, sig: int) -> None:
             os.kill(pid, sig)
 
 
+def stop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped (bounded)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+        return False
+
+    assert wait_for(stopped, timeout), f"process {pid} was not stopped {timeout:g} s after SIGSTOP"
+
+
 def release(pids: Iterable[int]) -> None:
     """Cleanup for stopped processes: kill them (a stopped process takes SIGKILL)."""
     for pid in pids:
@@ -154,7 +169,6 @@ def recover(name: str, stopped: Iterable[int] = ()) -> None:
     (a test that failed half-way) is torn down so the next test starts from scratch."""
     import httpx
 
-    from ktlite import protocol
     from ktlite.backends.local import LocalBackend
 
     for pid in stopped:
@@ -163,8 +177,8 @@ def recover(name: str, stopped: Iterable[int] = ()) -> None:
         state = local_state(name)
     except (OSError, ValueError):
         return
-    headers = {protocol.TOKEN_HEADER: protocol.bearer(state["token"]),
-               protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+    headers = {TOKEN_HEADER: bearer(state["token"]),
+               VERSION_HEADER: str(PROTOCOL_VERSION)}
 
     def idle() -> bool:
         with httpx.Client(timeout=2.0) as client:

@@ -152,8 +152,7 @@ def test_ctrl_c_interrupts_a_call_whose_coordinator_hangs(remote, stopped, tmp_p
         _wait_running(proc, tmp_path, "h")
         pid = remote.status()[0]["server_pid"]
         stopped.append(pid)
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.5)
+        fm.stop(pid)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)

@@ -27,11 +27,17 @@ import httpx
 import pytest
 
 import ktlite as kt
-from ktlite import packaging, protocol, shm
+from ktlite import packaging
 from ktlite.backends.local import LocalBackend
 from ktlite.deploy import attach
 from ktlite.remote import RemoteFunction
 from ktlite.spec import DeploymentSpec
+from ktlite_wire import codec, shm
+from ktlite_wire.frames import ERROR, RESULT, read_frames
+from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.outcome import CallResult, ShmRef
+from ktlite_wire.status import Status
+from ktlite_wire.version import PROTOCOL_VERSION
 
 NAME = "fx-dup"
 COMPUTE = kt.Compute(cpus=1, stream_logs=False).distribute("pytorch", workers=2, num_proc=1)
@@ -63,27 +69,27 @@ def _post(state: dict[str, Any], call_id: str, args: tuple[Any, ...], kwargs: di
     else:
         meta["fanout"] = False
     body = b"".join(bytes(memoryview(p)) for p in packaging.encode_call(None, args, kwargs or {}))
-    headers = {protocol.TOKEN_HEADER: protocol.bearer(state["token"]),
-               protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION),
-               protocol.CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}
+    headers = {TOKEN_HEADER: bearer(state["token"]),
+               VERSION_HEADER: str(PROTOCOL_VERSION),
+               CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}
     with httpx.Client(timeout=60.0) as client:
         resp = client.post(f"{state['urls'][pod]}/call", headers=headers, content=body)
     assert resp.status_code == 200, resp.text
-    return list(protocol.read_frames([resp.content]))
+    return list(read_frames([resp.content]))
 
 
 def _outcomes(frames: list[tuple[int, bytearray]]) -> dict[int, tuple[str, Any]]:
     """rank -> ("ok", value) or (status, message), from a delivery's RESULT frame."""
-    errors = [json.loads(p) for k, p in frames if k == protocol.ERROR]
+    errors = [json.loads(p) for k, p in frames if k == ERROR]
     assert not errors, f"the delivery failed: {errors}"
-    results = [p for k, p in frames if k == protocol.RESULT]
+    results = [p for k, p in frames if k == RESULT]
     assert len(results) == 1, frames
     out = {}
-    for outcome in protocol.loads(results[0])["outcomes"]:
+    for outcome in CallResult.decode(results[0]).outcomes:
         rank, _pod, status, data, message = outcome[:5]
-        if isinstance(data, tuple):  # a shared-memory hand-off (not asked for here)
-            data = shm.take(data[1], data[2])
-        out[rank] = (status, protocol.loads(data)) if status == "ok" else (status, message)
+        if isinstance(data, ShmRef):  # a shared-memory hand-off (not asked for here)
+            data = shm.take(data.path, data.size)
+        out[rank] = (status, codec.loads(data)) if status is Status.OK else (status, message)
     return out
 
 
@@ -124,8 +130,8 @@ def test_same_call_id_at_once_runs_once(state, tmp_path) -> None:
 def test_cancelled_call_id_never_runs_even_delivered_twice(state, tmp_path) -> None:
     """The stop overtakes the call (it arrives first): neither delivery starts a rank."""
     call_id = uuid.uuid4().hex
-    headers = {protocol.TOKEN_HEADER: protocol.bearer(state["token"]),
-               protocol.VERSION_HEADER: str(protocol.PROTOCOL_VERSION)}
+    headers = {TOKEN_HEADER: bearer(state["token"]),
+               VERSION_HEADER: str(PROTOCOL_VERSION)}
     with httpx.Client(timeout=10.0) as client:
         for url in state["urls"]:
             resp = client.post(f"{url}/cancel/{call_id}", headers=headers)

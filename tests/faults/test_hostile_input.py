@@ -23,7 +23,6 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -36,15 +35,23 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import ktlite as kt
-from ktlite import packaging, protocol
+from ktlite import packaging
 from ktlite.backends.base import Applied, PodEndpoint
 from ktlite.backends.local import LocalBackend
 from ktlite.client import PodClient
 from ktlite.deploy import Deployment
 from ktlite.spec import DeploymentSpec, DistributedConfig
+from ktlite_wire import codec, envelope
+from ktlite_wire import version as wire_version
+from ktlite_wire.errors import ProtocolError
+from ktlite_wire.frames import FRAME, RESULT, read_frames
+from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.launch import Launch
+from ktlite_wire.outcome import CallResult
+from ktlite_wire.version import PROTOCOL_VERSION
 
 NAME = "hostile-srv"
-PV = str(protocol.PROTOCOL_VERSION)
+PV = str(PROTOCOL_VERSION)
 
 FUZZ = settings(max_examples=200, deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -118,9 +125,9 @@ def marker_dir(tmp_path_factory) -> Path:
 # ---- helpers ------------------------------------------------------------------------------------
 
 def _auth(token: str, version: str | None = None) -> dict[str, str]:
-    h = {protocol.TOKEN_HEADER: protocol.bearer(token)}
+    h = {TOKEN_HEADER: bearer(token)}
     if version is not None:
-        h[protocol.VERSION_HEADER] = version
+        h[VERSION_HEADER] = version
     return h
 
 
@@ -133,12 +140,9 @@ def _call_meta(**extra: Any) -> str:
 
 
 def _deploy_message(srv: dict[str, Any], marker: Path, ordinal: int = 0) -> bytes:
-    msg = {"launch_id": "intruder", "bundle": packaging.bundle(make_evil(marker)), "kind": "fn",
-           "init": None, "sources": {}, "distributed": asdict(DistributedConfig(workers=2)),
-           "pod_ips": ["127.0.0.1", "127.0.0.1"], "ordinal": ordinal,
-           "master_port": srv["master_port"], "max_restarts": 3, "cpus": 1.0, "restart": False,
-           "load_timeout": 30.0}
-    return protocol.dumps(msg)
+    return Launch(launch_id="intruder", bundle=packaging.bundle(make_evil(marker)), kind="fn",
+                  distributed=DistributedConfig(workers=2), pod_ips=["127.0.0.1", "127.0.0.1"],
+                  ordinal=ordinal, master_port=srv["master_port"], cpus=1.0, load_timeout=30.0).encode()
 
 
 def _launch_ids(http: httpx.Client, srv: dict[str, Any]) -> list[str]:
@@ -219,10 +223,10 @@ def _wrong_token_headers(real: str) -> st.SearchStrategy[dict[str, str]]:
         st.just(real.swapcase()).map(lambda t: "Bearer " + t),
     )
     return st.one_of(
-        value.map(str.strip).filter(lambda v: v != protocol.bearer(real)).map(lambda v: {protocol.TOKEN_HEADER: v}),
+        value.map(str.strip).filter(lambda v: v != bearer(real)).map(lambda v: {TOKEN_HEADER: v}),
         st.just({}),
-        st.just({"authorization": protocol.bearer(real)}),
-        st.just({"x-ktlite-token-x": protocol.bearer(real)}),
+        st.just({"authorization": bearer(real)}),
+        st.just({"x-ktlite-token-x": bearer(real)}),
     )
 
 
@@ -241,12 +245,12 @@ def test_fuzz_wrong_tokens_get_401_and_run_nothing(remote, srv, http, marker_dir
     def fuzz(headers: dict[str, str], pod: int, version: str | None) -> None:
         h = dict(headers)
         if version is not None:
-            h[protocol.VERSION_HEADER] = version
+            h[VERSION_HEADER] = version
         url = srv["urls"][pod]
         for resp in (http.get(f"{url}/status", headers=h),
                      http.post(f"{url}/deploy", content=deploy_body, headers=h),
                      http.post(f"{url}/call", content=call_body,
-                               headers={**h, protocol.CALL_HEADER: _call_meta()}),
+                               headers={**h, CALL_HEADER: _call_meta()}),
                      http.post(f"{url}/cancel/{uuid.uuid4().hex}", headers=h)):
             _json_4xx(resp, (401,), f"headers {h}")
             _no_token(token, resp.text, "a 401 answer")
@@ -271,16 +275,16 @@ def test_every_equal_length_wrong_token_is_refused(remote, srv, http, marker_dir
         wrong = token[:i] + ("A" if ch != "A" else "B") + token[i + 1:]
         assert len(wrong) == len(token) and wrong != token
         resp = http.post(f"{url}/call", content=body,
-                         headers={**_auth(wrong), protocol.CALL_HEADER: _call_meta()})
+                         headers={**_auth(wrong), CALL_HEADER: _call_meta()})
         _json_4xx(resp, (401,), f"position {i}")
     assert not marker.exists()
     # the positive control: the real token runs it
-    resp = http.post(f"{url}/call", content=body, headers={**_auth(token), protocol.CALL_HEADER: _call_meta()})
+    resp = http.post(f"{url}/call", content=body, headers={**_auth(token), CALL_HEADER: _call_meta()})
     assert resp.status_code == 200 and marker.exists()
 
 
 def test_unauthenticated_cancel_with_bad_query_is_401(srv, http) -> None:
-    for headers in ({}, {protocol.TOKEN_HEADER: "Bearer wrong"}):
+    for headers in ({}, {TOKEN_HEADER: "Bearer wrong"}):
         resp = http.post(f"{srv['urls'][0]}/cancel/x", params={"reset": "xyz"}, headers=headers)
         _json_4xx(resp, (401,), "unauthenticated cancel with reset=xyz")
 
@@ -300,7 +304,8 @@ def test_fuzz_deploy_bodies_are_4xx(remote, srv, http, marker_dir) -> None:
             st.binary(max_size=4096),
             st.integers(0, len(message) - 1).map(lambda k: message[:k]),  # truncated
             st.binary(min_size=1, max_size=64).map(lambda b: message[:16] + b),  # valid head, junk
-            st.binary(max_size=256).map(lambda b: protocol.MAGIC + b),
+            st.binary(max_size=256).map(lambda b: codec.MAGIC + b),
+            st.binary(max_size=256).map(lambda b: envelope.MAGIC + b),
         ), label="body")
         headers = _auth(srv["token"]) if authed else {}
         resp = http.post(f"{srv['urls'][pod]}/deploy", content=body, headers=headers)
@@ -336,11 +341,11 @@ def test_fuzz_call_headers_are_4xx(remote, srv, http, marker_dir) -> None:
         st.integers(1000, 200 << 10).map(lambda n: json.dumps({"pods": ["a" * n]})),
     ), authed=st.booleans())
     def fuzz(header: str, authed: bool) -> None:
-        headers = {**(_auth(srv["token"]) if authed else {}), protocol.CALL_HEADER: header}
+        headers = {**(_auth(srv["token"]) if authed else {}), CALL_HEADER: header}
         resp = http.post(f"{srv['urls'][0]}/call", content=body, headers=headers)
         detail = _json_4xx(resp, (400,) if authed else (401,), f"call header {header[:60]!r}")
         if authed:
-            assert protocol.CALL_HEADER in detail
+            assert CALL_HEADER in detail
 
     fuzz()
     assert not marker.exists()
@@ -348,9 +353,9 @@ def test_fuzz_call_headers_are_4xx(remote, srv, http, marker_dir) -> None:
 
 
 def _call_outcome_statuses(resp: httpx.Response) -> list[str]:
-    frames = list(protocol.read_frames([resp.content]))
-    assert frames and frames[-1][0] == protocol.RESULT, frames[-1:]
-    return [o[2] for o in protocol.loads(frames[-1][1])["outcomes"]]
+    frames = list(read_frames([resp.content]))
+    assert frames and frames[-1][0] == RESULT, frames[-1:]
+    return [o.status for o in CallResult.decode(frames[-1][1]).outcomes]
 
 
 @pytest.mark.timeout(90)
@@ -365,7 +370,7 @@ def test_fuzz_call_bodies_fail_cleanly(remote, srv, http) -> None:
            pod=st.sampled_from([0, 1]))
     def fuzz(body: bytes, pod: int) -> None:
         resp = http.post(f"{srv['urls'][pod]}/call", content=body,
-                         headers={**_auth(srv["token"]), protocol.CALL_HEADER: _call_meta()})
+                         headers={**_auth(srv["token"]), CALL_HEADER: _call_meta()})
         if resp.status_code != 200:
             _json_4xx(resp, (400,), f"call body {body[:40]!r}")
             return
@@ -379,7 +384,7 @@ def test_truncated_or_random_call_payload_is_4xx(remote, srv, http) -> None:
     message = _call_body("add", 1)
     for body in (b"", b"garbage", message[:10], message[:20], message[:-1]):
         resp = http.post(f"{srv['urls'][0]}/call", content=body,
-                         headers={**_auth(srv["token"]), protocol.CALL_HEADER: _call_meta()})
+                         headers={**_auth(srv["token"]), CALL_HEADER: _call_meta()})
         _json_4xx(resp, (400,), f"call body {body[:40]!r}")
 
 
@@ -400,9 +405,9 @@ def test_call_plans_with_wrong_field_types_are_4xx(remote, srv, http) -> None:
     for case in cases:
         meta = {"id": uuid.uuid4().hex, "stream_logs": False, **case}
         resp = http.post(f"{me}/call", content=_call_body("add", 1),
-                         headers={**_auth(srv["token"]), protocol.CALL_HEADER: json.dumps(meta)})
+                         headers={**_auth(srv["token"]), CALL_HEADER: json.dumps(meta)})
         if not 400 <= resp.status_code < 500:
-            kinds = [k for k, _ in protocol.read_frames([resp.content])] if resp.status_code == 200 else []
+            kinds = [k for k, _ in read_frames([resp.content])] if resp.status_code == 200 else []
             problems.append(f"{case}: HTTP {resp.status_code}, frames {kinds}")
     _assert_serving(remote, srv, http)
     assert not problems, "\n".join(problems)
@@ -411,7 +416,7 @@ def test_call_plans_with_wrong_field_types_are_4xx(remote, srv, http) -> None:
 def test_deeply_nested_call_header_is_4xx(remote, srv, http) -> None:
     for header in ("[" * 5000, ('{"id": ' * 5000).strip()):  # h11 refuses trailing spaces
         resp = http.post(f"{srv['urls'][0]}/call", content=b"",
-                         headers={**_auth(srv["token"]), protocol.CALL_HEADER: header})
+                         headers={**_auth(srv["token"]), CALL_HEADER: header})
         _json_4xx(resp, (400,), f"nested header {header[:20]!r}")
 
 
@@ -469,7 +474,7 @@ def test_fuzz_raw_garbage_over_a_socket(remote, srv, http) -> None:
     """Bytes that are not HTTP at all, or HTTP cut anywhere: answered with a 4xx or a closed
     connection, never a 5xx, and never left hanging once the client stops sending."""
     port = srv["ports"][0]
-    good = _head("POST", "/call", {**_auth(srv["token"]), protocol.CALL_HEADER: _call_meta()}, 40) + b"x" * 40
+    good = _head("POST", "/call", {**_auth(srv["token"]), CALL_HEADER: _call_meta()}, 40) + b"x" * 40
 
     @settings(FUZZ, max_examples=150)
     @given(data=st.one_of(st.binary(max_size=512),
@@ -497,13 +502,13 @@ def test_truncated_and_stalled_uploads_do_not_wedge_the_server(remote, srv, http
     # declared sizes below and above the in-memory limit (above it the server stages the body
     # in a /dev/shm file, which must go when the client does)
     for n in (5000, 3 << 20):
-        for path, extra in (("/deploy", {}), ("/call", {protocol.CALL_HEADER: _call_meta()})):
+        for path, extra in (("/deploy", {}), ("/call", {CALL_HEADER: _call_meta()})):
             for sent in (0, 1, n // 2, n - 1):
                 _raw(port, _head("POST", path, {**_auth(token), **extra}, n) + b"k" * sent)
     # a client that stalls mid-upload (connection open) does not hold up anybody else
     stalled = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
-        stalled.sendall(_head("POST", "/call", {**_auth(token), protocol.CALL_HEADER: _call_meta()},
+        stalled.sendall(_head("POST", "/call", {**_auth(token), CALL_HEADER: _call_meta()},
                               3 << 20) + b"s" * 1000)
         start = time.monotonic()
         _assert_serving(remote, srv, http)
@@ -520,7 +525,7 @@ def test_truncated_call_upload_logs_no_unhandled_exception(remote, srv, http) ->
     before = _log_bytes(srv)
     port = srv["ports"][0]
     for n in (5000, 3 << 20):
-        _raw(port, _head("POST", "/call", {**_auth(srv["token"]), protocol.CALL_HEADER: _call_meta()}, n)
+        _raw(port, _head("POST", "/call", {**_auth(srv["token"]), CALL_HEADER: _call_meta()}, n)
              + b"k" * 100)
     _assert_serving(remote, srv, http)
     time.sleep(0.2)
@@ -535,7 +540,7 @@ def test_truncated_call_upload_logs_no_unhandled_exception(remote, srv, http) ->
 def test_oversized_bodies_get_413_and_the_server_keeps_serving(remote, srv, http, limit) -> None:
     url = srv["urls"][0]
     token = srv["token"]
-    for path, extra in (("/deploy", {}), ("/call", {protocol.CALL_HEADER: _call_meta()})):
+    for path, extra in (("/deploy", {}), ("/call", {CALL_HEADER: _call_meta()})):
         for size in (limit + 1, 2 * limit):
             try:
                 resp = http.post(f"{url}{path}", content=b"\0" * size, headers={**_auth(token), **extra})
@@ -549,7 +554,7 @@ def test_oversized_bodies_get_413_and_the_server_keeps_serving(remote, srv, http
             assert str(size) in detail and str(limit) in detail and "KTLITE_MAX_BODY" in detail, detail
         # the limit itself is allowed (this body is garbage, so 400, or a rank error for /call)
         resp = http.post(f"{url}{path}", content=b"\0" * limit,
-                         headers={**_auth(token), **extra, **({protocol.CALL_HEADER: _call_meta()}
+                         headers={**_auth(token), **extra, **({CALL_HEADER: _call_meta()}
                                                               if extra else {})})
         assert resp.status_code in (200, 400), resp.text[:200]
         # without the token the size does not matter: 401, before anything is read
@@ -558,7 +563,7 @@ def test_oversized_bodies_get_413_and_the_server_keeps_serving(remote, srv, http
     # a huge declared length is refused from the header alone, at once
     for path in ("/deploy", "/call"):
         start = time.monotonic()
-        answer = _raw(srv["ports"][0], _head("POST", path, {**_auth(token), protocol.CALL_HEADER: _call_meta()},
+        answer = _raw(srv["ports"][0], _head("POST", path, {**_auth(token), CALL_HEADER: _call_meta()},
                                               1 << 40) + b"abc", timeout=10)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert time.monotonic() - start < 5
@@ -580,7 +585,7 @@ def test_protocol_version_mismatch_is_409_naming_both(remote, srv, http, marker_
         for resp in (http.get(f"{url}/status", headers=h),
                      http.post(f"{url}/deploy", content=_deploy_message(srv, marker), headers=h),
                      http.post(f"{url}/call", content=_call_body("touch", str(marker)),
-                               headers={**h, protocol.CALL_HEADER: _call_meta()}),
+                               headers={**h, CALL_HEADER: _call_meta()}),
                      http.post(f"{url}/cancel/x", headers=h)):
             detail = _json_4xx(resp, (409,), f"version {theirs}")
             assert f"client speaks {theirs}" in detail and f"speaks {PV}" in detail, detail
@@ -597,7 +602,7 @@ def test_protocol_version_mismatch_is_409_naming_both(remote, srv, http, marker_
 def test_client_raises_protocol_mismatch_naming_both(remote, srv, http, monkeypatch) -> None:
     """The real client against the real server, with this client's constant changed."""
     with monkeypatch.context() as m:
-        m.setattr(protocol, "PROTOCOL_VERSION", 77)
+        m.setattr(wire_version, "PROTOCOL_VERSION", 77)
         for attempt in (lambda: remote("add", 1), remote.status):
             with pytest.raises(kt.ProtocolMismatch) as info:
                 attempt()
@@ -684,10 +689,10 @@ def test_client_survives_a_frame_with_an_absurd_length(fake_pod) -> None:
     problems = []
     try:
         for length in ((1 << 64) - 1, 1 << 50):
-            handler.call_body = protocol.FRAME.pack(protocol.RESULT, length) + b"abc"
+            handler.call_body = FRAME.pack(RESULT, length) + b"abc"
             try:
                 client.call(url, {"id": "x"}, [b""], None)
-            except (kt.PodUnreachable, protocol.ProtocolError):
+            except (kt.PodUnreachable, ProtocolError):
                 continue
             except BaseException as e:  # noqa: BLE001
                 problems.append(f"length {length}: {type(e).__name__}: {e}")
@@ -748,7 +753,7 @@ def test_token_not_in_reprs_or_errors(remote, srv, http, monkeypatch) -> None:
         good.close()
     errors += [unreachable.value, unreachable_call.value]
     with monkeypatch.context() as m:
-        m.setattr(protocol, "PROTOCOL_VERSION", 77)
+        m.setattr(wire_version, "PROTOCOL_VERSION", 77)
         with pytest.raises(kt.ProtocolMismatch) as mismatch:
             remote("add", 1)
     errors.append(mismatch.value)
@@ -798,14 +803,14 @@ def test_token_not_in_pod_logs(remote, srv, http) -> None:
     their whole environment and a broken upload, no file the pods write holds the token."""
     token = srv["token"]
     url = srv["urls"][0]
-    for h in (_auth(token[:-1]), _auth(token + "x"), {protocol.TOKEN_HEADER: token},
+    for h in (_auth(token[:-1]), _auth(token + "x"), {TOKEN_HEADER: token},
               _auth(token, "999")):
         http.get(f"{url}/status", headers=h)
-        http.post(f"{url}/call", content=b"x", headers={**h, protocol.CALL_HEADER: _call_meta()})
+        http.post(f"{url}/call", content=b"x", headers={**h, CALL_HEADER: _call_meta()})
     with pytest.raises(ValueError):
         remote("raise")
     remote.options(stream_logs=True)("env")
-    _raw(srv["ports"][0], _head("POST", "/call", {**_auth(token), protocol.CALL_HEADER: _call_meta()}, 5000)
+    _raw(srv["ports"][0], _head("POST", "/call", {**_auth(token), CALL_HEADER: _call_meta()}, 5000)
          + b"k" * 10)
     _assert_serving(remote, srv, http)
     time.sleep(0.2)

@@ -146,22 +146,39 @@ def test_launch_timeout_when_pods_never_come_up(tmp_path) -> None:
         remote.teardown()
 
 
-@pytest.mark.timeout(60)
-def test_launch_timeout_is_one_deadline_and_says_which_pods_came_up(tmp_path) -> None:
+@pytest.mark.timeout(120)
+def test_launch_timeout_is_one_deadline_and_says_which_pods_came_up(tmp_path, monkeypatch) -> None:
+    # pod 0 comes up, pod 1 never does. The property is checked on the waits themselves, not
+    # on the time .to() took (which a loaded machine stretches): every pod's readiness wait
+    # is given the same deadline, launch_timeout after the launch began, and the error comes
+    # no earlier than that deadline. One launch_timeout per pod, stacked, gives two deadlines.
     name = "fx-launch-slow"
-    limit = 5.0
-    compute = kt.Compute(cpus=1, launch_timeout=limit, env={
-        "PYTHONPATH": _site(tmp_path), "FX_SLOW_PODS": "0", "FX_SLOW_S": "1.5", "FX_HANG_PODS": "1"})
+    limit = 10.0  # pod 0 must come up within it, on a loaded machine too
+    compute = kt.Compute(cpus=1, launch_timeout=limit, env={"PYTHONPATH": _site(tmp_path), "FX_HANG_PODS": "1"})
+    waits: list[dict[str, float]] = []
+    wait_ready = LocalBackend._wait_ready
+
+    def spy(self, spec, ordinal, proc, ready, log, deadline, progress):
+        wait = {"ordinal": ordinal, "deadline": deadline, "began": time.monotonic()}
+        waits.append(wait)
+        try:
+            return wait_ready(self, spec, ordinal, proc, ready, log, deadline, progress)
+        finally:
+            wait["ended"] = time.monotonic()
+
+    monkeypatch.setattr(LocalBackend, "_wait_ready", spy)
     t0 = time.monotonic()
     with pytest.raises(kt.LaunchTimeout) as info:
         kt.fn(fm.rank_of, name=name).to(compute.distribute("pytorch", workers=2))
-    took = time.monotonic() - t0
-    fm.report("launch: pod 0 slow, pod 1 never -> LaunchTimeout", took, limit + 1.2)
     msg = str(info.value)
-    assert f"{name}-1" in msg, msg
+    assert [w["ordinal"] for w in waits] == [0, 1], waits
+    assert waits[0]["deadline"] == waits[1]["deadline"], f"each pod's wait had a deadline of its own (stacked), not the launch's one: {waits}"
+    deadline = waits[0]["deadline"]
+    assert t0 + limit <= deadline <= waits[0]["began"] + limit, "the deadline is not launch_timeout from the launch"
+    assert waits[1]["ended"] >= deadline, "LaunchTimeout came before launch_timeout had passed"
+    assert f"{name}-1" in msg and "launch_timeout=10s" in msg, msg
+    assert f"1 of 2 pods were ready: {name}-0" in msg, f"the error does not say that pod 0 came up: {msg}"
     assert _servers_of(name) == []
-    assert took <= limit + 1.2, f"LaunchTimeout came {took:.2f}s after .to() (launch_timeout=5)"
-    assert f"{name}-0" in msg, f"the error does not say that pod 0 came up: {msg}"
 
 
 # ---- quorum ----------------------------------------------------------------------------------

@@ -16,16 +16,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import pytest
 from conftest import NAME_LABEL
 
 import ktlite as kt
-from ktlite import protocol
 from ktlite.backends.base import get_backend
 from ktlite.spec import DeploymentSpec, DistributedConfig
+from ktlite_wire.headers import TOKEN_HEADER, bearer
+from ktlite_wire.launch import Launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 
@@ -33,10 +33,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 def launch(launch_id: str) -> bytes:
     """A deploy message as the client leaves it for replicas (a class of the standard library)."""
     from ktlite.packaging import bundle
-    return protocol.dumps({"launch_id": launch_id, "bundle": bundle(dict), "kind": "cls", "init": None,
-                           "sources": {}, "distributed": asdict(DistributedConfig()), "pod_ips": ["127.0.0.1"],
-                           "master_port": 29500, "ordinal": 0, "replica": True, "cpus": None, "restart": False,
-                           "concurrency": 4, "load_timeout": 120.0, "single": True})
+    return Launch(launch_id=launch_id, bundle=bundle(dict), kind="cls", distributed=DistributedConfig(),
+                  pod_ips=["127.0.0.1"], master_port=29500, replica=True, concurrency=4, load_timeout=120.0,
+                  single=True).encode()
 
 
 def wait_for(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str) -> Any:
@@ -69,7 +68,7 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
         def health(url: str, ready: bool = False) -> Any:
             client = http or __import__("httpx")
             return client.get(f"{url}/health" + ("?ready=1" if ready else ""), timeout=10,
-                              headers={protocol.TOKEN_HEADER: protocol.bearer(token)})
+                              headers={TOKEN_HEADER: bearer(token)})
 
         # running and answering, but not ready: no code yet
         assert health(first.url).status_code == 200

@@ -120,7 +120,7 @@ def forget_stale() -> None:
     _unreadable.clear()
 
 
-class Pickler(cloudpickle.Pickler):
+class Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle has no type hints
     """cloudpickle, with the source lines of every code object it pickles by value."""
 
     dispatch_table = DISPATCH_TABLE

@@ -1,0 +1,183 @@
+"""One call on this pod's own rank processes, once admitted: the message each rank gets,
+their outcomes, and the first failure stopping the others (their processes and state stay;
+one that ignores its interrupt for INTERRUPT_GRACE_S is killed)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ktlite_server.deployment import Deployment
+from ktlite_server.ranks import Outcome, RankGone, RankProcess
+from ktlite_wire import rankchannel, rankdata, shm
+from ktlite_wire.status import Status
+
+logger = logging.getLogger(__name__)
+
+INTERRUPT_GRACE_S = 1.0  # a call stopped on its own has this long to end before its rank is killed
+# debugging aid (and the per-rank tests): the pod's log says what each call brought
+LOG_BODIES = os.environ.get("KTLITE_LOG_CALL_BODIES", "") not in ("", "0")
+
+
+@dataclass
+class CallHandle:
+    call_id: str
+    stop_kind: Status | None = None
+    stop_reason: str = ""
+    started: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
+class LocalCall:
+    def __init__(self, handle: CallHandle, dep: Deployment, ranks: list[RankProcess]) -> None:
+        self.handle = handle
+        self.dep = dep
+        self.ranks = ranks
+
+    def prepare(
+        self,
+        payload: Any,
+        path: str | None,
+        per_rank: dict[str, Any] | None,
+        generation: int,
+        group_port: int | None,
+    ) -> tuple[rankchannel.Call, dict[int, bytes] | None, dict[int, list[int]] | None, str | None]:
+        """The call's message to the ranks, each rank's own items (inline, or where they are in
+        the shared-memory file), and the shared-memory file made here for a large payload
+        (the caller removes it once the call ends)."""
+        dep = self.dep
+        view = memoryview(payload).cast("B")
+        items: dict[int, bytes] | None = None  # small per-rank items, sent inline
+        item_at: dict[int, list[int]] | None = None  # or where they are in the shared-memory file
+        own_file = path is None and view.nbytes > shm.INLINE_MAX
+        if own_file:  # large: the ranks map it (a per-rank body whole: each maps its own slices)
+            path, _ = shm.write([view], shm.ARG_PREFIX)
+        if per_rank is not None:  # each rank gets the shared message and its own items
+            first = dep.config.first_rank(dep.ordinal)
+            slices = rankdata.pod_slices(per_rank, range(first, first + len(self.ranks)))
+            if path is not None:
+                item_at = {i: [off, n] for i, (off, n) in enumerate(slices)}
+            else:
+                items = {i: bytes(view[off : off + n]) for i, (off, n) in enumerate(slices)}
+            view = view[: per_rank["shared"]]
+            if LOG_BODIES:
+                logger.info(
+                    "call %s: shared message %d bytes; per-rank items %s",
+                    self.handle.call_id,
+                    view.nbytes,
+                    ", ".join(f"rank {first + i}: {n} bytes" for i, (_, n) in enumerate(slices)),
+                )
+        elif LOG_BODIES:
+            logger.info("call %s: message %d bytes", self.handle.call_id, view.nbytes)
+        size = view.nbytes
+        msg = rankchannel.Call(
+            id=self.handle.call_id,
+            args=None if path else view,
+            path=path,
+            size=size,
+            generation=generation,
+            group_port=group_port,
+        )
+        return msg, items, item_at, path if own_file else None
+
+    async def fan_in(
+        self,
+        msg: rankchannel.Call,
+        items: dict[int, bytes] | None,
+        item_at: dict[int, list[int]] | None,
+        only: set[int] | None = None,
+    ) -> list[Outcome]:
+        handle = self.handle
+        now = time.monotonic()
+        tasks = {}
+        for r in self.ranks:
+            if only is not None and r.global_rank not in only:
+                continue  # the call names other ranks
+            r.busy_since = r.busy_since or now
+            own = (
+                msg
+                if items is None and item_at is None
+                else dataclasses.replace(
+                    msg,
+                    item=None if items is None else items[r.local_rank],
+                    item_at=None if item_at is None else item_at[r.local_rank],
+                )
+            )
+            tasks[asyncio.get_running_loop().create_task(self._call_rank(r, own))] = r
+        outcomes: dict[int, Outcome] = {}
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                o = t.result()
+                outcomes[o.rank] = o
+                if not tasks[t].running:
+                    tasks[t].busy_since = None
+                if o.status is not Status.OK and not handle.stop_kind:
+                    handle.stop_kind = Status.CANCELLED
+                    handle.stop_reason = f"stopped because rank {o.rank} failed"
+                    for other in pending:
+                        stop_rank(tasks[other], handle.call_id, concurrent=self.dep.concurrency > 1)
+        return [outcomes[k] for k in sorted(outcomes)]
+
+    async def _call_rank(self, rank: RankProcess, msg: rankchannel.Call) -> Outcome:
+        handle = self.handle
+        rank.running[handle.call_id] = time.monotonic()
+        try:
+            result = await rank.call(msg)
+        except RankGone as e:
+            # we stopped it (SIGKILL); a rank that exited by itself, even while we were
+            # stopping it, keeps its own exit code and is reported as a death. A rank that
+            # ran other calls too fails each of them with its death.
+            if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
+                return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
+            rank.died_in_call = True
+            return Outcome(rank.global_rank, Status.DIED, message=str(e))
+        finally:
+            rank.running.pop(handle.call_id, None)
+        if rank.tainted:  # stopped inside an import: replaced before its next call
+            rank.kill()
+        if (
+            not result.ok and handle.stop_kind
+        ):  # interrupted on its own (CallInterrupted): the stop's outcome
+            return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
+        return Outcome(
+            rank.global_rank,
+            Status.OK if result.ok else Status.ERROR,
+            result.inline,
+            path=result.path,
+            size=result.size,
+        )
+
+
+def stop_rank(rank: RankProcess, call_id: str, concurrent: bool) -> None:
+    """Stop one call on one rank and keep the process (and its state): the call is
+    interrupted (CallInterrupted raised in it: SIGUSR2 on the main thread, an async
+    exception on a pool thread, a cancelled coroutine), and only if it has not ended
+    within INTERRUPT_GRACE_S (blocked in C code, in a collective) the rank is killed."""
+
+    async def interrupt() -> None:
+        if concurrent:
+            await rank.interrupt(call_id)
+        else:
+            rank.interrupt_main()
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while call_id in rank.running and rank.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if call_id in rank.running and rank.alive:
+            logger.warning(
+                "call %s ignored its interrupt for %gs: killing rank %d and the calls it ran",
+                call_id,
+                INTERRUPT_GRACE_S,
+                rank.global_rank,
+            )
+            rank.kill()
+
+    asyncio.get_running_loop().create_task(interrupt())

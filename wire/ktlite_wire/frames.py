@@ -1,0 +1,175 @@
+"""The frame stream ``POST /call`` answers with: ``kind:u8 length:u64 payload`` frames, logs
+interleaved with the final result, so a caller sees every rank's output live.
+
+Payloads: a log line and a notice are JSON, a result is a :class:`ktlite_wire.outcome.CallResult`
+message, an error a :class:`ktlite_wire.errors.WireError` as JSON, a heartbeat empty.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from ktlite_wire.envelope import parts_size
+from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
+
+FRAME = struct.Struct("<BQ")
+MAX_FRAME = 64 << 30  # no result frame is larger; a bigger claim is corruption, not data
+
+
+class FrameKind(IntEnum):
+    LOG = 1
+    RESULT = 2
+    ERROR = 3
+    HEARTBEAT = 4
+    NOTICE = 5
+
+
+LOG, RESULT, ERROR, HEARTBEAT, NOTICE = (
+    FrameKind.LOG,
+    FrameKind.RESULT,
+    FrameKind.ERROR,
+    FrameKind.HEARTBEAT,
+    FrameKind.NOTICE,
+)
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return FRAME.pack(kind, len(payload)) + payload
+
+
+def frame_parts(kind: int, parts: list[Any]) -> list[Any]:
+    return [FRAME.pack(kind, parts_size(parts)), *parts]
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line a rank wrote: ``stream`` is ``out`` or ``err``."""
+
+    rank: int
+    pod: str
+    stream: str
+    text: str
+
+    def encode(self) -> bytes:
+        return frame(LOG, json.dumps([self.rank, self.pod, self.stream, self.text]).encode())
+
+    @classmethod
+    def decode(cls, payload: Any) -> LogLine:
+        try:
+            rank, pod, stream, text = json.loads(bytes(payload))
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(f"a log frame must be [rank, pod, stream, text]: {e}") from None
+        return cls(int(rank), str(pod), str(stream), str(text))
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the caller should know while the call runs: ``waiting`` (pods the
+    coordinator cannot reach yet, by index in ``pods``), or ``skip`` (frames dropped: the
+    stream goes on at frame ``to``; a skip notice is not counted as a frame itself)."""
+
+    kind: str
+    message: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return frame(
+            NOTICE, json.dumps({**self.fields, "kind": self.kind, "message": self.message}).encode()
+        )
+
+    @classmethod
+    def decode(cls, payload: Any) -> Notice:
+        try:
+            data = json.loads(bytes(payload))
+        except ValueError as e:
+            raise ProtocolError(f"a notice frame is not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ProtocolError("a notice frame must be a JSON object")
+        kind, message = str(data.pop("kind", "")), str(data.pop("message", ""))
+        return cls(kind, message, data)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.fields, "kind": self.kind, "message": self.message}
+
+
+def log_frame(rank: int, pod: str, stream: str, text: str) -> bytes:
+    return LogLine(rank, pod, stream, text).encode()
+
+
+def notice_frame(kind: str, message: str, **fields: Any) -> bytes:
+    return Notice(kind, message, fields).encode()
+
+
+def error_frame(error: WireError) -> bytes:
+    return frame(ERROR, json.dumps(error.encode()).encode())
+
+
+def decode_error(payload: Any) -> WireError:
+    try:
+        data = json.loads(bytes(payload))
+    except ValueError:
+        return WireError(ErrorCode.INTERNAL, bytes(payload).decode(errors="replace")[:2000])
+    return WireError.decode(data)
+
+
+class FrameParser:
+    """Incremental frame parser: ``feed`` chunks, get complete ``(kind, payload)`` frames.
+
+    Each payload lands in its own bytearray, so messages decoded from it are writable and
+    zero-copy.
+    """
+
+    def __init__(self) -> None:
+        self._head = bytearray()
+        self._payload: bytearray | None = None
+        self._kind = 0
+        self._got = 0
+
+    @property
+    def mid_frame(self) -> bool:
+        return bool(self._head) or self._payload is not None
+
+    def feed(self, chunk: Any) -> list[tuple[int, bytearray]]:
+        out: list[tuple[int, bytearray]] = []
+        view = memoryview(chunk).cast("B")
+        pos = 0
+        while pos < view.nbytes:
+            if self._payload is None:
+                need = FRAME.size - len(self._head)
+                self._head += view[pos : pos + need]
+                pos += min(need, view.nbytes - pos)
+                if len(self._head) < FRAME.size:
+                    break
+                self._kind, length = FRAME.unpack(self._head)
+                self._head.clear()
+                if length > MAX_FRAME:
+                    raise ProtocolError(
+                        f"a frame claims {length} bytes, more than the {MAX_FRAME} a "
+                        "ktlite peer sends: not a ktlite stream, or a corrupt one"
+                    )
+                self._payload, self._got = bytearray(length), 0
+            take = min(len(self._payload) - self._got, view.nbytes - pos)
+            self._payload[self._got : self._got + take] = view[pos : pos + take]
+            self._got += take
+            pos += take
+            if self._got == len(self._payload):
+                out.append((self._kind, self._payload))
+                self._payload = None
+        if self._payload is not None and self._got == len(self._payload):
+            out.append((self._kind, self._payload))
+            self._payload = None
+        return out
+
+
+def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, bytearray]]:
+    """Frames from an iterator of byte chunks; raises ProtocolError if it ends mid-frame."""
+    parser = FrameParser()
+    for chunk in chunks:
+        yield from parser.feed(chunk)
+    if parser.mid_frame:
+        raise ProtocolError("stream ended inside a frame")

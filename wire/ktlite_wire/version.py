@@ -1,0 +1,22 @@
+"""The protocol version: a client and a pod server speak the same one, or refuse each other."""
+
+from __future__ import annotations
+
+# 4: typed JSON messages (launch, call result, rank channel), error codes; the pod server
+#    never unpickles. 3: chunked bodies, re-attachable calls, notices, shipped sources.
+PROTOCOL_VERSION = 4
+# the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
+RELEASE = "0.1.0"
+
+FIX = "install the same ktlite version on the client and in the pods (their image or venv)"
+
+
+def mismatch(
+    theirs: object,
+    ours: int = PROTOCOL_VERSION,
+    *,
+    them: str = "the other side",
+    us: str = "this side",
+) -> str:
+    """The message for a version clash: both versions, and what to do."""
+    return f"protocol version mismatch: {them} speaks {theirs}, {us} speaks {ours}; {FIX}"
