@@ -233,7 +233,7 @@ class App:
 def _replica_log(rank: int, pod: str, stream: str, text: str) -> None:
     import sys
 
-    from ktlite.deploy import _print_lock
+    from ktlite.callpath import _print_lock
     out = sys.stderr if stream == "err" else sys.stdout
     with _print_lock:
         print(f"[replica {rank}] {text}", file=out, flush=True)

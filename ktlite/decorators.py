@@ -19,7 +19,9 @@ import threading
 from typing import Any
 
 from ktlite.compute import Compute
+from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, NotDeployedError
+from ktlite.naming import check_naming
 from ktlite.spec import check_name, default_name
 
 
@@ -56,7 +58,10 @@ class Decorated:
         return compute
 
     def _source(self) -> Any:
+        # loaded at first use, not at `import ktlite` (which imports this module): the
+        # deploying side (the client, httpx) is not for processes that only mark functions
         from ktlite.remote import cls, fn
+
         return cls(self.obj, self.name) if self.is_class else fn(self.obj, self.name)
 
     def deploy(self, *, detached: bool = False, dryrun: bool = False,
@@ -76,8 +81,7 @@ class Decorated:
         return remote
 
     def _attach(self) -> Any:
-        from ktlite.deploy import attach
-        from ktlite.deployment_spec import DeploymentSpec
+        from ktlite.deploy import attach  # at first use, as in _source
         from ktlite.remote import RemoteClass, RemoteFunction
 
         spec = DeploymentSpec(name=self.name, compute=self.compute, kind="cls" if self.is_class else "fn")
@@ -173,7 +177,7 @@ def compute(*, name: str | None = None, get_if_exists: bool = False,
         >>> @kt.compute(cpus=1, name="square")
         ... def square(x): return x * x
     """
-    _check_naming(reload_prefixes, prefix_username)
+    check_naming(reload_prefixes, prefix_username)
     Compute(**compute_kwargs)  # bad fields fail here, at import, naming the field
     if name is not None:
         name = check_name(name)
@@ -189,16 +193,6 @@ def compute(*, name: str | None = None, get_if_exists: bool = False,
         marked.compute  # noqa: B018  (validates the combination with @kt.distribute)
         return marked
     return wrap
-
-
-def _check_naming(reload_prefixes: Any, prefix_username: Any) -> None:
-    if reload_prefixes:
-        raise ConfigError(f"reload_prefixes={reload_prefixes!r}: ktlite names deployments exactly as "
-                          "given (no user or branch prefixes), so there is nothing to search; pass the "
-                          "deployment's name with name=...")
-    if prefix_username:
-        raise ConfigError("prefix_username=True: ktlite never prefixes deployment names with a user "
-                          "name; put it in name= yourself, e.g. name=f'{user}-train'")
 
 
 def distribute(framework: str | None = None, workers: int | None = None,

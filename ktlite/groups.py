@@ -222,7 +222,7 @@ class WorkerGroup:
         return leaders[dp_shard_idx]
 
     def _method(self, method_name: str, ranks: list[int] | None = None) -> Any:
-        from ktlite.remote import RemoteMethod
+        from ktlite.adverbs import RemoteMethod
 
         if not isinstance(method_name, str):
             raise ConfigError(

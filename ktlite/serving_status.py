@@ -1,6 +1,6 @@
 """What the autoscaler of a served deployment (``Compute.autoscale``) says.
 
-Two mixins: :class:`AutoscalerReport` for :class:`ktlite.serving.ServingDeployment` (the
+Two mixins: :class:`AutoscalerReport` for :class:`ktlite.serving.ReplicaScaler` (the
 decision record ``status()["autoscaler"]`` shows and the process that scales writes for
 ``ktlite status``), and :class:`ServedHandle` for the handles ``kt.fn``/``kt.cls`` return,
 whose ``scaling_status()`` asks the autoscaler that decides: the cluster's (an HPA, Knative)
@@ -14,11 +14,11 @@ import time
 from typing import Any
 
 from ktlite.backends.capabilities import ClientScaling, optional
-from ktlite.errors import ConfigError, NotDeployedError
+from ktlite.errors import NotDeployedError
 
 
 class AutoscalerReport:
-    """Mixed into ``ServingDeployment``: the attributes below are its own."""
+    """Mixed into ``ReplicaScaler``: the attributes below are its own."""
 
     name: str
     backend: Any
@@ -35,9 +35,9 @@ class AutoscalerReport:
         scaling = optional(self.backend, ClientScaling)
         if scaling is not None and self._decision is not None:
             with contextlib.suppress(OSError):
-                scaling.record_scaling(self.name, self._autoscaler_info())
+                scaling.record_scaling(self.name, self.autoscaler_info())
 
-    def _autoscaler_info(self) -> dict[str, Any]:
+    def autoscaler_info(self) -> dict[str, Any]:
         a = self.spec.autoscale
         info: dict[str, Any] = {
             "autoscaler": "ktlite (in this process)" if self._who == "client" else self._who,
@@ -79,7 +79,7 @@ class AutoscalerReport:
         if recorded is not None and recorded.get("alive"):
             # another process scales this deployment: its last decision, as it recorded it
             return {**recorded, "current": current}
-        return {**self._autoscaler_info(), "current": current}
+        return {**self.autoscaler_info(), "current": current}
 
 
 class ServedHandle:
@@ -104,11 +104,5 @@ class ServedHandle:
             said = model.scaling_status()
             print(said["current"], "->", said["desired"], said["metric"])
         """
-        dep = self.deployment
-        if not isinstance(dep, AutoscalerReport):
-            raise ConfigError(
-                f"{dep.name!r} is not an autoscaled service: scaling_status() reports the "
-                "autoscaler of a deployment made with Compute(...).autoscale(...); status() shows "
-                "this deployment's pods and ranks"
-            )
-        return dep.scaling_status()
+        said: dict[str, Any] = self.deployment.mode.scaling_status()
+        return said

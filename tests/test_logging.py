@@ -27,7 +27,7 @@ import pytest
 import ktlite as kt
 import ktlite.backends.kube_manifests as km
 import ktlite.backends.kube_store as ks
-from ktlite import autoscalers, logconfig
+from ktlite import logconfig, supervisor
 from ktlite.backends.local import LocalBackend
 from ktlite.deployment_spec import DeploymentSpec
 
@@ -92,8 +92,8 @@ def test_a_diagnostic_that_printed_is_a_log_record_at_its_level(
     caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     caplog.set_level(logging.WARNING, logger="ktlite")
-    assert autoscalers.supervise("logging-no-such-deployment") == 1
-    records = [r for r in caplog.records if r.name == "ktlite.autoscalers"]
+    assert supervisor.supervise("logging-no-such-deployment") == 1
+    records = [r for r in caplog.records if r.name == "ktlite.supervisor"]
     assert [(r.levelno, r.getMessage()) for r in records] == [
         (logging.ERROR, "no autoscaled local deployment 'logging-no-such-deployment'")
     ]

@@ -136,14 +136,17 @@ def test_monarch_hosts_outside_a_controller_says_where_it_works(monkeypatch: pyt
 
 
 def test_calls_go_to_the_controller_only() -> None:
-    from ktlite.deploy import CallOptions, Deployment
+    from ktlite.deploy import CallOptions, Deployment, mode_for
+    from ktlite.fanout import HeadOnly
 
     dep = Deployment.__new__(Deployment)
     dep.spec = _spec()
+    mode = mode_for(dep.spec)(dep)  # the strategy chosen at deploy
+    assert isinstance(mode, HeadOnly) and mode.single
     for options, per_rank in ((CallOptions(workers=[1]), None), (CallOptions(), {"x": 1})):
         with pytest.raises(kt.ConfigError, match="Monarch mesh: a call runs once, on pod 0.*workers= and ranks="):
-            dep._on_head(options, per_rank)
-    assert dep._on_head(CallOptions(), None) == CallOptions(ranks=[0])
+            mode.head_options(options, per_rank)
+    assert mode.head_options(CallOptions(), None) == CallOptions(ranks=[0])
 
 
 def test_an_endpoint_error_is_unwrapped_to_its_own_type() -> None:

@@ -74,19 +74,22 @@ def test_no_ray_on_the_client_fails_before_any_pod(monkeypatch: pytest.MonkeyPat
 
 
 def test_per_rank_and_workers_do_not_apply_to_a_ray_call() -> None:
-    from ktlite.deploy import CallOptions, Deployment
+    from ktlite.deploy import CallOptions, Deployment, mode_for
+    from ktlite.fanout import HeadOnly
 
     spec = DeploymentSpec(name="r", compute=kt.Compute().distribute("ray", workers=2))
     dep = Deployment.__new__(Deployment)
     dep.spec = spec
+    mode = mode_for(spec)(dep)  # the strategy chosen at deploy
+    assert isinstance(mode, HeadOnly) and mode.single
     for options, per_rank in (
         (CallOptions(workers=[1]), None),
         (CallOptions(ranks=[2]), None),
         (CallOptions(), {"x": 1}),
     ):
         with pytest.raises(kt.ConfigError, match="Ray cluster: a call runs once, on the head"):
-            dep._on_head(options, per_rank)
-    assert dep._on_head(CallOptions(timeout=5), None) == CallOptions(timeout=5, ranks=[0])
+            mode.head_options(options, per_rank)
+    assert mode.head_options(CallOptions(timeout=5), None) == CallOptions(timeout=5, ranks=[0])
 
 
 def test_ray_ports_are_distinct_per_node_and_inside_the_span() -> None:

@@ -1,0 +1,143 @@
+"""A call's per-rank outcomes as values in rank order, or one error naming every failed rank
+(its pod, its traceback; the rank's own exception type where it unpickles here)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from ktlite.errors import (
+    CallCancelled,
+    CallTimeout,
+    DeployError,
+    NotDeployedError,
+    QuorumTimeout,
+    RankDied,
+    RankFailure,
+    RemoteError,
+    RemoteException,
+    with_remote_context,
+)
+from ktlite_wire import codec, shm
+from ktlite_wire.outcome import RankOutcome, ShmRef
+from ktlite_wire.status import Status
+
+# a failed rank's kind -> the error that reports it ("error" keeps the rank's own exception)
+KIND_ERRORS: dict[str, type[RemoteError]] = {
+    Status.DIED: RankDied,
+    Status.UNREACHABLE: QuorumTimeout,
+    Status.TIMEOUT: CallTimeout,
+    Status.CANCELLED: CallCancelled,
+}
+
+
+def split(outcomes: list[RankOutcome]) -> tuple[list[RankFailure], dict[int, Any]]:
+    failures: list[RankFailure] = []
+    values: dict[int, Any] = {}
+    # values handed over in shared-memory files: take every one first, so none is left behind
+    outcomes = [
+        o._replace(data=shm.take(o.data.path, o.data.size)) if isinstance(o.data, ShmRef) else o
+        for o in outcomes
+    ]
+    for rank, pod, status, data, message, at in sorted(outcomes, key=lambda o: o.rank):
+        if status is Status.OK:
+            try:
+                values[rank] = codec.loads(data) if data is not None else None
+            except Exception as e:  # noqa: BLE001
+                failures.append(
+                    RankFailure(
+                        rank,
+                        pod,
+                        Status.ERROR,
+                        f"its result could not be unpickled here: {type(e).__name__}: {e}",
+                        exception=e,
+                        at=at,
+                    )
+                )
+        elif status is Status.ERROR:
+            info = codec.loads(data)
+            exc: BaseException | None = None
+            if info.pickled is not None:
+                with contextlib.suppress(Exception):
+                    exc = codec.loads(info.pickled)
+            failures.append(
+                RankFailure(
+                    rank,
+                    pod,
+                    Status.ERROR,
+                    f"{info.type_name}: {info.message}",
+                    traceback=info.traceback,
+                    exception=exc,
+                    at=at,
+                )
+            )
+            if exc is None:
+                failures[-1].exception = RemoteException(
+                    f"rank {rank} on pod {pod} raised {info.type_name}: {info.message}",
+                    type_name=info.type_name,
+                    remote_traceback=info.traceback,
+                )
+        else:
+            failure = RankFailure(rank, pod, status, message, at=at)
+            # outcomes hold a value or an exception for every rank
+            failure.exception = (
+                NotDeployedError(failure.describe())
+                if status is Status.STALE
+                else KIND_ERRORS.get(status, RemoteError)(failure.describe(), failures=[failure])
+            )
+            failures.append(failure)
+    return failures, values
+
+
+def to_error(
+    failures: list[RankFailure], values: dict[int, Any], what: str, base: type[Exception]
+) -> BaseException:
+    primary = [
+        f
+        for f in failures
+        if f.kind in (Status.ERROR, Status.DIED, Status.UNREACHABLE, Status.STALE)
+    ] or failures
+    collateral = [f for f in failures if f not in primary]
+    # the cause is the earliest failure (a peer's "connection reset" comes after the death
+    # that caused it), then the lowest rank
+    primary.sort(key=lambda f: (f.at or float("inf"), f.rank))
+    outcomes: dict[int, Any] = dict(values)
+    for f in failures:
+        outcomes[f.rank] = f.exception if f.exception is not None else f
+    lines = [
+        f"{what}: {len(primary)} rank(s) failed: "
+        f"{', '.join(str(r) for r in sorted(f.rank for f in primary))}"
+    ]
+    lines += [f.describe() for f in primary]
+    if collateral:
+        kinds = sorted({f.kind for f in collateral})
+        lines.append(
+            f"{' / '.join(kinds)}: rank(s) {', '.join(str(f.rank) for f in collateral)} "
+            f"({collateral[0].message})"
+        )
+    if values:
+        lines.append(
+            f"finished: rank(s) {', '.join(map(str, sorted(values)))} (their results are on "
+            "this error's .results)"
+        )
+    elif primary[0].kind is Status.TIMEOUT:
+        lines.append("no rank finished")
+    if primary[0].kind is Status.TIMEOUT:
+        lines.append(
+            "to try: a longer limit (remote.options(timeout=S) or Compute(call_timeout=S)); "
+            "if a rank hangs (a collective some rank never joined), its pod's log "
+            "(remote.logs()) shows how far it got"
+        )
+    summary = "\n".join(lines)
+    first = primary[0]
+    if first.kind is Status.ERROR and first.exception is not None:
+        if isinstance(first.exception, RemoteException):
+            first.exception.failures, first.exception.outcomes = failures, outcomes
+            first.exception.args = (first.exception.args[0] + "\n" + summary,)
+            return first.exception
+        return with_remote_context(first.exception, failures, outcomes, summary)
+    if base is DeployError:
+        return DeployError(summary)
+    if first.kind is Status.STALE:
+        return NotDeployedError(summary)
+    return KIND_ERRORS.get(first.kind, RemoteError)(summary, failures=failures, outcomes=outcomes)
