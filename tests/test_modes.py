@@ -12,7 +12,7 @@ import ktlite as kt
 from ktlite.deploy import Deployment, mode_for
 from ktlite.fanout import Fanout, HeadOnly
 from ktlite.routing import Routing
-from ktlite.spec import DeploymentSpec
+from ktlite.deployment_spec import DeploymentSpec
 
 PACKAGE = Path(kt.__file__).parent
 # the modules of the call path and its modes (client side)
