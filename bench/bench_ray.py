@@ -50,7 +50,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from _rounds import LoadLog, print_overheads, run_rounds  # noqa: E402
 
 import ktlite as kt  # noqa: E402
-from ktlite.spec import ray_ports  # noqa: E402
+from ktlite.specs.spec import ray_ports  # noqa: E402
 
 clock = time.perf_counter
 TASKS = 100

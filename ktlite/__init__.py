@@ -14,19 +14,19 @@ from ktlite_wire.version import RELEASE as __version__
 # Public names load on first use: `import ktlite` in user code (a rank's, say) must not pay
 # for the client (httpx) at every start.
 _EXPORTS = {
-    "images": "ktlite.images",
+    "images": "ktlite.specs.images",
     "distributed": "ktlite.distributed",
     "Plan": "ktlite.backends.base",
-    "Compute": "ktlite.compute", "Volume": "ktlite.volume",
-    "Image": "ktlite.images",
-    "App": "ktlite.apps", "app": "ktlite.apps",  # not "ktlite.app": kt.app is the function
-    "Future": "ktlite.futures",
-    "Host": "ktlite.hosts", "Hosts": "ktlite.hosts",
-    "PerRank": "ktlite.rankdata", "per_rank": "ktlite.rankdata",
-    "Secret": "ktlite.secrets", "secret": "ktlite.secrets",
-    "get": "ktlite.store", "ls": "ktlite.store", "put": "ktlite.store", "rm": "ktlite.store",
-    "Cls": "ktlite.remote", "Fn": "ktlite.remote", "RemoteClass": "ktlite.remote",
-    "RemoteFunction": "ktlite.remote", "cls": "ktlite.remote", "fn": "ktlite.remote",
+    "Compute": "ktlite.api.compute", "Volume": "ktlite.specs.volume",
+    "Image": "ktlite.specs.images",
+    "App": "ktlite.api.apps", "app": "ktlite.api.apps",  # not "ktlite.app": kt.app is the function
+    "Future": "ktlite.api.futures",
+    "Host": "ktlite.specs.hosts", "Hosts": "ktlite.specs.hosts",
+    "PerRank": "ktlite.net.rankdata", "per_rank": "ktlite.net.rankdata",
+    "Secret": "ktlite.specs.secrets", "secret": "ktlite.specs.secrets",
+    "get": "ktlite.datastore.store", "ls": "ktlite.datastore.store", "put": "ktlite.datastore.store", "rm": "ktlite.datastore.store",
+    "Cls": "ktlite.api.remote", "Fn": "ktlite.api.remote", "RemoteClass": "ktlite.api.remote",
+    "RemoteFunction": "ktlite.api.remote", "cls": "ktlite.api.remote", "fn": "ktlite.api.remote",
     **{name: "ktlite.errors" for name in (
         "AuthError", "CallCancelled", "CallTimeout", "ConfigError", "DataStoreError", "DeployError",
         "KtliteError", "LocalBackendWarning",
@@ -37,15 +37,26 @@ _EXPORTS = {
         "ControllerRequestError", "ImagePullError", "KnativeServiceConflictError", "KubernetesCredentialsError", "NotebookError",
         "PodContainerError", "PodTerminatedError", "ResourceNotAvailableError", "RsyncError", "SecretNotFound",
         "ServiceHealthError", "ServiceTimeoutError", "StartupError", "VersionMismatchError", "WorkerMembershipChanged")},
-    **{name: "ktlite.kubetorch" for name in (
+    **{name: "ktlite.api.kubetorch" for name in (
         "BroadcastWindow", "DebugConfig", "Endpoint", "LoggingConfig", "MetricsConfig", "deep_breakpoint")},
 }
 
 if TYPE_CHECKING:
-    from ktlite import distributed, images
-    from ktlite.apps import App, app
+    from ktlite import distributed
+    from ktlite.api.apps import App, app
+    from ktlite.api.compute import Compute
+    from ktlite.api.futures import Future
+    from ktlite.api.kubetorch import (
+        BroadcastWindow,
+        DebugConfig,
+        Endpoint,
+        LoggingConfig,
+        MetricsConfig,
+        deep_breakpoint,
+    )
+    from ktlite.api.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
     from ktlite.backends.base import Plan
-    from ktlite.compute import Compute
+    from ktlite.datastore.store import get, ls, put, rm
     from ktlite.errors import (
         AuthError,
         CallCancelled,
@@ -82,32 +93,21 @@ if TYPE_CHECKING:
         VersionMismatchError,
         WorkerMembershipChanged,
     )
-    from ktlite.futures import Future
-    from ktlite.hosts import Host, Hosts
-    from ktlite.images import Image
-    from ktlite.kubetorch import (
-        BroadcastWindow,
-        DebugConfig,
-        Endpoint,
-        LoggingConfig,
-        MetricsConfig,
-        deep_breakpoint,
-    )
-    from ktlite.rankdata import PerRank, per_rank
-    from ktlite.remote import Cls, Fn, RemoteClass, RemoteFunction, cls, fn
-    from ktlite.secrets import Secret, secret
-    from ktlite.store import get, ls, put, rm
-    from ktlite.volume import Volume
+    from ktlite.net.rankdata import PerRank, per_rank
+    from ktlite.specs import images
+    from ktlite.specs.hosts import Host, Hosts
+    from ktlite.specs.images import Image
+    from ktlite.specs.secrets import Secret, secret
+    from ktlite.specs.volume import Volume
 
 
-# The submodule ktlite.compute (kt.Compute) shares its name with the @kt.compute decorator:
-# import it first, so that binding the decorator below is what stays.
-# Likewise the settings module ktlite.config and Kubetorch's kt.config object, which passes
-# the module's own functions through.
-from ktlite import compute as _compute_module  # noqa: E402, F401
+# The settings module ktlite.config shares its name with Kubetorch's kt.config object, which
+# passes the module's own functions through; ktlite.compute is a module (Compute, Volume) that
+# is also the @kt.compute decorator when called.
+from ktlite import compute  # noqa: E402
 from ktlite import config as _config_module  # noqa: E402
-from ktlite.decorators import async_, autoscale, compute, distribute  # noqa: E402
-from ktlite.kubetorch import Config as _Config  # noqa: E402
+from ktlite.api.decorators import async_, autoscale, distribute  # noqa: E402
+from ktlite.api.kubetorch import Config as _Config  # noqa: E402
 
 config = _Config(_config_module)
 

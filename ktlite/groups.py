@@ -13,7 +13,7 @@ NeMo                                 ktlite
 second group on the same cluster     ``kt.cls(Gen).to(first_group_remote)`` (colocation)
 ``run_all_workers_single_data``      ``remote.method(*args, **kwargs)``
 ``run_all_workers_multiple_data``    ``remote.method(kt.per_rank(items), ...)``
-``run_all_workers_sharded_data``     per-rank items to the ranks chosen (``ktlite.dispatch``)
+``run_all_workers_sharded_data``     per-rank items to the ranks chosen (``ktlite.workers.dispatch``)
 ``run_single_worker_single_data``    ``remote.method.options(ranks=[i])(...)``
 futures, ``get_all_worker_results``  ``remote.method.submit(...)``, ``Future.result()``
 ``restart_failed_workers``           ``remote.restart_failed()``
@@ -37,13 +37,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ktlite.batched import BatchedDataDict, SlicedDataDict
-from ktlite.builder import RankSetup, WorkerBuilder, placement, shipment
-from ktlite.dispatch import First, MultiWorkerFuture, plan_sharded, rank0_only, wait_results
+from ktlite.api.sharding import NamedSharding, check_layout, row_major
 from ktlite.errors import ConfigError, RemoteError
-from ktlite.sharding import NamedSharding, check_layout, row_major
-from ktlite.spec import default_name
-from ktlite.virtual_cluster import VirtualCluster, refuse_options
+from ktlite.specs.spec import default_name
+from ktlite.workers.batched import BatchedDataDict, SlicedDataDict
+from ktlite.workers.builder import RankSetup, WorkerBuilder, placement, shipment
+from ktlite.workers.dispatch import First, MultiWorkerFuture, plan_sharded, rank0_only, wait_results
+from ktlite.workers.virtual_cluster import VirtualCluster, refuse_options
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class WorkerGroup:
         return leaders[dp_shard_idx]
 
     def _method(self, method_name: str, ranks: list[int] | None = None) -> Any:
-        from ktlite.adverbs import RemoteMethod
+        from ktlite.api.adverbs import RemoteMethod
 
         if not isinstance(method_name, str):
             raise ConfigError(

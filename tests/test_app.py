@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite.apps import pack, run_replica
+from ktlite.api.apps import pack, run_replica
 
 SCRIPTS = Path(__file__).parent / "app_scripts"
 VENV_BIN = str(Path(sys.executable).parent)
@@ -387,7 +387,7 @@ def _ktlite(*args: str, home: Path | None = None, cwd: Path = SCRIPTS, **popen: 
     env = {**os.environ, "PATH": _with_venv_path(os.environ.get("PATH", ""))}
     if home is not None:
         env["KTLITE_HOME"] = str(home)
-    return subprocess.Popen([sys.executable, "-m", "ktlite.cli", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "ktlite.commands.cli", *args], cwd=cwd, env=env,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 

@@ -1,4 +1,4 @@
-"""Unpacking ``kt.app``'s working directory on a pod (``ktlite/archive.py``), on every Python
+"""Unpacking ``kt.app``'s working directory on a pod (``ktlite/net/archive.py``), on every Python
 ktlite supports: here with ``tarfile``'s ``data`` filter, and in a subprocess whose ``tarfile``
 ``tests/old_tarfile`` makes old (no filters, no ``filter=``), as Debian 12's Python 3.11.2 has
 it. A tree made by ``pack()`` arrives whole on both paths; hostile archives are refused on both,
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite.apps import pack, run_replica
-from ktlite.archive import extract
+from ktlite.api.apps import pack, run_replica
+from ktlite.net.archive import extract
 
 OLD_TARFILE = Path(__file__).parent / "old_tarfile"
 MTIME = 1_600_000_000
@@ -107,7 +107,7 @@ def test_run_replica_unpacks_a_packed_tree_on_a_python_without_the_data_filter(t
     run = _old_python(
         "import sys\n"
         "from pathlib import Path\n"
-        "from ktlite.apps import run_replica\n"
+        "from ktlite.api.apps import run_replica\n"
         "blob = Path(sys.argv[1]).read_bytes()\n"
         "run_replica([sys.executable, '-c', sys.argv[2]], blob, None, 30, {})\n",
         str(tmp_path / "files.tgz"), LIST_TREE, env=RANK_ENV)
@@ -199,7 +199,7 @@ def test_hostile_archives_are_refused_without_the_data_filter(tmp_path: Path) ->
         "import json, sys\n"
         "from pathlib import Path\n"
         "import ktlite\n"
-        "from ktlite.archive import extract\n"
+        "from ktlite.net.archive import extract\n"
         "out = {}\n"
         "for case, (archive, dest) in json.loads(sys.argv[1]).items():\n"
         "    try:\n"
@@ -229,7 +229,7 @@ def test_a_refused_archive_leaves_no_folder_behind(tmp_path: Path,
 
 
 def test_pack_refuses_a_link_out_of_the_folder_before_anything_is_deployed(tmp_path: Path) -> None:
-    from ktlite.apps import pack
+    from ktlite.api.apps import pack
 
     (tmp_path / "outside.csv").write_text("x")
     work = tmp_path / "work"

@@ -15,7 +15,7 @@ from ktlite.backends.capabilities import ClientScaling, Serving, Waking, optiona
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.backends.local import LocalBackend
 from ktlite.backends.registry import NAMES, backend_class, traits
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 
 class BareBackend(Backend):

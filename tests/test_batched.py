@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ktlite.batched import BatchedDataDict, SlicedDataDict
+from ktlite.workers.batched import BatchedDataDict, SlicedDataDict
 
 torch = pytest.importorskip("torch")
 

@@ -68,7 +68,7 @@ def ktlite(where: Path, home: Path, *args: str, timeout: float = 60,
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(home)
     # stdin is no terminal, as in CI or a pipe (never the terminal pytest may run in)
-    return subprocess.run([sys.executable, "-m", "ktlite.cli", *args], cwd=where, env=env,
+    return subprocess.run([sys.executable, "-m", "ktlite.commands.cli", *args], cwd=where, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 
@@ -196,7 +196,7 @@ def test_status_watch_refreshes_until_ctrl_c(deployed: Deployed) -> None:
                    "--watch", "> 0")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(deployed.home)
-    watch = subprocess.Popen([sys.executable, "-m", "ktlite.cli", "status", "cli-add", "--watch", "0.3"],
+    watch = subprocess.Popen([sys.executable, "-m", "ktlite.commands.cli", "status", "cli-add", "--watch", "0.3"],
                              cwd=deployed.where, env=env, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -225,7 +225,7 @@ def test_status_exits_2_while_a_call_is_stuck(deployed: Deployed) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(deployed.home)
     call = subprocess.Popen(
-        [sys.executable, "-m", "ktlite.cli", "call", "cli-add", "--args", "[1]",
+        [sys.executable, "-m", "ktlite.commands.cli", "call", "cli-add", "--args", "[1]",
          "--kwargs", json.dumps({"wait_for": str(go)})],
         cwd=deployed.where, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -292,7 +292,7 @@ def test_logs_follow_prints_new_lines_of_one_rank_until_ctrl_c(deployed: Deploye
     assert before.returncode == 0, before.stderr
     # Ctrl-C as in a terminal, even where this test runs with SIGINT ignored (a shell's
     # background job, and every process it starts, inherits SIG_IGN)
-    follow = subprocess.Popen([sys.executable, "-m", "ktlite.cli", "logs", "cli-add", "-f",
+    follow = subprocess.Popen([sys.executable, "-m", "ktlite.commands.cli", "logs", "cli-add", "-f",
                                "--rank", "1"], cwd=deployed.where, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

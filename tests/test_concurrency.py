@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 MEET_S = 60.0  # how long a call waits for the others it should run beside
 

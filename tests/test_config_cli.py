@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite import cli, config
+from ktlite import config
 from ktlite.backends.base import Plan
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.backends.local import LocalBackend
 from ktlite.backends.registry import get_backend
+from ktlite.commands import cli
 
 KEYS = sorted(config.KEYS)
 ENV_VARS = [env for env, _, _ in config.KEYS.values()]
@@ -43,7 +44,7 @@ def ktlite(home: Path, *args: str, env: dict[str, str] | None = None,
     """The real command line, as a subprocess."""
     environ = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     environ.update(KTLITE_HOME=str(home), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "ktlite.cli", *args], env=environ, input=stdin,
+    return subprocess.run([sys.executable, "-m", "ktlite.commands.cli", *args], env=environ, input=stdin,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import ktlite as kt
-from ktlite.decorators import Decorated
+from ktlite.api.decorators import Decorated
 
 SCRIPT = """
 import ktlite as kt
@@ -49,7 +49,7 @@ def script(tmp_path: Path) -> tuple[Path, str]:
 
 def test_dry_run_prints_the_manifests_as_yaml_and_touches_nothing(script: tuple[Path, str]) -> None:
     where, name = script
-    run = _run([sys.executable, "-m", "ktlite.cli", "deploy", "script.py:step", "--dry-run"],
+    run = _run([sys.executable, "-m", "ktlite.commands.cli", "deploy", "script.py:step", "--dry-run"],
                where, where / "home")
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"# ktlite plan for '{name}-k8s' on backend 'kubernetes'")
@@ -71,16 +71,16 @@ def test_deploy_then_call_by_name_from_another_process_then_teardown(script: tup
     where, name = script
     home = where / "home"
     try:
-        run = _run([sys.executable, "-m", "ktlite.cli", "deploy", "script.py:square"], where, home)
+        run = _run([sys.executable, "-m", "ktlite.commands.cli", "deploy", "script.py:square"], where, home)
         assert run.returncode == 0, run.stderr
         assert f"{name}: deployed on local: 1 pod(s), 1/1 ranks ready" in run.stdout
         call = _run([sys.executable, "-c", "import script; print('got', script.square(6))"], where, home)
         assert call.returncode == 0, call.stderr
         assert "got 36" in call.stdout and f"[rank 0 @ {name}-0] squaring 6" in call.stdout
-        listed = _run([sys.executable, "-m", "ktlite.cli", "list"], where, home)
+        listed = _run([sys.executable, "-m", "ktlite.commands.cli", "list"], where, home)
         assert name in listed.stdout
     finally:
-        down = _run([sys.executable, "-m", "ktlite.cli", "teardown", name], where, home)
+        down = _run([sys.executable, "-m", "ktlite.commands.cli", "teardown", name], where, home)
     assert f"{name}: torn down" in down.stdout
     call = _run([sys.executable, "-c", "import script; script.square(6)"], where, home)
     assert call.returncode != 0
@@ -100,7 +100,7 @@ def test_unknown_target_and_script_without_decorators_fail_with_one_line(tmp_pat
     for target, words in (("plain.py", "no function or class decorated"),
                           ("script.py:nope", "has no decorated 'nope'; it has: square, step"),
                           ("missing.py", "no such file")):
-        run = _run([sys.executable, "-m", "ktlite.cli", "deploy", target], tmp_path, tmp_path / "home")
+        run = _run([sys.executable, "-m", "ktlite.commands.cli", "deploy", target], tmp_path, tmp_path / "home")
         assert run.returncode == 1
         assert words in run.stderr and "Traceback" not in run.stderr, run.stderr
 

@@ -12,8 +12,6 @@ from datetime import timedelta
 import pytest
 
 import ktlite as kt
-from ktlite.builder import Placement, placement, unwrap_actor
-from ktlite.dispatch import plan_sharded, rank0_only
 from ktlite.groups import (
     NamedSharding,
     RayVirtualCluster,
@@ -21,6 +19,8 @@ from ktlite.groups import (
     RayWorkerGroup,
     SlicedDataDict,
 )
+from ktlite.workers.builder import Placement, placement, unwrap_actor
+from ktlite.workers.dispatch import plan_sharded, rank0_only
 
 
 class NemoTestActor:
@@ -180,7 +180,9 @@ def test_placement_is_nemos_tied_worker_layout() -> None:
 
 
 def test_nemo_names_are_importable_from_ktlite_groups() -> None:
-    from ktlite import batched, builder, dispatch, groups, sharding, virtual_cluster
+    from ktlite import groups
+    from ktlite.api import sharding
+    from ktlite.workers import batched, builder, dispatch, virtual_cluster
 
     assert (groups.BatchedDataDict, groups.SlicedDataDict) == (
         batched.BatchedDataDict,

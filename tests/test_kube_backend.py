@@ -28,15 +28,15 @@ import pytest
 
 import ktlite as kt
 from ktlite import config
+from ktlite.api.remote import RemoteFunction
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.base import Plan
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_diagnose import diagnose, progress
 from ktlite.backends.kubernetes import KubernetesBackend
-from ktlite.deploy import Deployment
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
-from ktlite.remote import RemoteFunction
+from ktlite.modes.deploy import Deployment
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 HOST = "https://fake-apiserver"
 API_TOKEN = "api-bearer-7f3a"  # the kubeconfig's credential (the fake checks it)

@@ -24,7 +24,7 @@ import ktlite as kt
 from ktlite import config
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.base import Plan
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 NAME = "case-x"
 TOKEN = "s3cr3t-t0ken-value"

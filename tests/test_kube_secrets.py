@@ -24,7 +24,7 @@ from ktlite import config
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 HERE = Path(__file__).parent
 HOST = "https://fake-apiserver"

@@ -34,14 +34,16 @@ import pytest
 
 import ktlite
 import ktlite as kt
-from ktlite import cli, config, status
+from ktlite import config
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.commands import cli
 from ktlite.errors import ConfigError, ImagePullError, LaunchTimeout
-from ktlite.spec import DistributedConfig
+from ktlite.modes import status
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.spec import DistributedConfig
 from ktlite_wire.launch import Launch
 
 HERE = Path(__file__).parent
@@ -630,7 +632,7 @@ def real(stand_in: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Kubernetes
 
 def launch_message(launch_id: str) -> bytes:
     """A deploy message as the client sends it to a replica (a class of the standard library)."""
-    from ktlite.packaging import bundle
+    from ktlite.net.packaging import bundle
     return Launch(launch_id=launch_id, bundle=bundle(dict), kind="cls", distributed=DistributedConfig(),
                   pod_ips=["127.0.0.1"], master_port=29500, replica=True, concurrency=4, load_timeout=60.0,
                   single=True).encode()

@@ -32,11 +32,12 @@ import kube_fake as kf
 import pytest
 
 import ktlite as kt
-from ktlite import cli, config
+from ktlite import config
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_store as ks
 from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
+from ktlite.commands import cli
 from ktlite.errors import DataStoreError
 
 HERE = Path(__file__).parent
@@ -499,5 +500,5 @@ def test_a_store_whose_install_fails_leaves_nothing_and_the_next_attempt_works(
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ktlite.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ktlite.commands.cli", *args], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ))

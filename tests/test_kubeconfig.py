@@ -35,7 +35,7 @@ def _heavy_after(args: list[str], env: dict[str, str]) -> tuple[int, list[str], 
     imported by the end, and its stderr."""
     code = textwrap.dedent(f"""
         import sys
-        from ktlite.cli import main
+        from ktlite.commands.cli import main
         rc = main({args!r})
         print("HEAVY", ",".join(sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})))
         sys.exit(rc)

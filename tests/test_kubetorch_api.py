@@ -229,7 +229,7 @@ def test_decorators_take_kubetorchs_keywords() -> None:
 
 
 def test_call_keywords_are_all_known() -> None:
-    from ktlite.remote import _DEBUG_KWARGS, _KT_CALL_KWARGS
+    from ktlite.api.remote import _DEBUG_KWARGS, _KT_CALL_KWARGS
 
     handled = {*_KT_CALL_KWARGS, *_DEBUG_KWARGS, "async_", "serialization", "stream_metrics"}
     assert set(CALL_KWARGS) <= handled, set(CALL_KWARGS) - handled
@@ -254,7 +254,7 @@ def test_every_exception_name(name: str) -> None:
 
 @pytest.mark.parametrize("command", CLI_COMMANDS)
 def test_every_cli_command_is_there_or_refused(command: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "ktlite.cli", command, "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", command, "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, (command, out.stderr)
 

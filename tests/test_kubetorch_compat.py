@@ -25,7 +25,7 @@ import ktlite as kt
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_diagnose import diagnose
 from ktlite.backends.kube_pods import deploy_error
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 TAG = uuid.uuid4().hex[:6]
 ROOT = Path(__file__).resolve().parent.parent
@@ -300,7 +300,7 @@ def test_kubetorch_config_object(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def test_kubetorch_cli_commands_ktlite_lacks_are_refused_clearly() -> None:
     for command in ("debug", "port-forward", "apply", "ssh", "volumes", "notebook", "secrets"):
-        out = subprocess.run([sys.executable, "-m", "ktlite.cli", command, "x"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", command, "x"], capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 2, (command, out.stderr)
         assert "Kubetorch's command" in out.stderr and "ktlite" in out.stderr
@@ -415,7 +415,7 @@ def test_kubetorch_run_app_script(tmp_path: Path) -> None:
         print(f"replica {{os.environ['NODE_RANK']}} of {{os.environ['WORLD_SIZE']}} args {{sys.argv[1:]}}")
     """))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "server")])}
-    out = subprocess.run([sys.executable, "-m", "ktlite.cli", "run", "python", "my_script.py", "--epochs", "3"],
+    out = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", "run", "python", "my_script.py", "--epochs", "3"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     for replica in (0, 1):
@@ -425,7 +425,7 @@ def test_kubetorch_run_app_script(tmp_path: Path) -> None:
     plain = subprocess.run([sys.executable, "my_script.py"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=120, env={**env, "NODE_RANK": "x", "WORLD_SIZE": "y"})
     assert plain.returncode == 0 and "replica x of y args []" in plain.stdout, plain.stderr
-    refused = subprocess.run([sys.executable, "-m", "ktlite.cli", "run", "--replicas", "3", "python",
+    refused = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", "run", "--replicas", "3", "python",
                               "my_script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 1 and "kt.app(...)" in refused.stderr
 

@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 
 import ktlite as kt
-from ktlite import cli
 from ktlite.backends import kube_only, local_volumes
 from ktlite.backends.kube_only import KUBE_ONLY
 from ktlite.backends.local import LocalBackend, pid_alive
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.commands import cli
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 SERVER = Path(__file__).resolve().parents[1] / "server"
 

@@ -27,9 +27,10 @@ import pytest
 import ktlite as kt
 import ktlite.backends.kube_manifests as km
 import ktlite.backends.kube_store as ks
-from ktlite import logconfig, supervisor
+from ktlite import logconfig
 from ktlite.backends.local import LocalBackend
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.commands import supervisor
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 LOG_ENV = "KTLITE_LOG_LEVEL"
 
@@ -54,8 +55,8 @@ LIBRARY_USE = """
     import ktlite
     {setup}
     logging.getLogger("ktlite.backends.local").warning("w-%s", 1)
-    logging.getLogger("ktlite.deploy").info("i-%s", 2)
-    logging.getLogger("ktlite.client").debug("d-%s", 3)
+    logging.getLogger("ktlite.modes.deploy").info("i-%s", 2)
+    logging.getLogger("ktlite.net.client").debug("d-%s", 3)
 """
 
 
@@ -65,11 +66,11 @@ def test_warnings_show_on_stderr_once_and_the_level_comes_from_the_environment()
     assert plain.stderr == "WARNING ktlite.backends.local: w-1\n"
 
     info = _python(LIBRARY_USE.format(setup=""), env={LOG_ENV: "info"})
-    assert info.stderr == "WARNING ktlite.backends.local: w-1\nINFO ktlite.deploy: i-2\n", (
+    assert info.stderr == "WARNING ktlite.backends.local: w-1\nINFO ktlite.modes.deploy: i-2\n", (
         info.stderr
     )
     debug = _python(LIBRARY_USE.format(setup=""), env={LOG_ENV: "DEBUG"})
-    assert debug.stderr.splitlines()[-1] == "DEBUG ktlite.client: d-3", debug.stderr
+    assert debug.stderr.splitlines()[-1] == "DEBUG ktlite.net.client: d-3", debug.stderr
 
     bad = _python(LIBRARY_USE.format(setup=""), env={LOG_ENV: "loud"})
     assert bad.returncode == 0 and "w-1" in bad.stderr and "i-2" not in bad.stderr, bad.stderr
@@ -84,7 +85,7 @@ def test_an_application_that_configures_logging_gets_the_records_once() -> None:
     app_info = _python(LIBRARY_USE.format(setup=setup), env={LOG_ENV: "INFO"})
     assert app_info.stderr.splitlines() == [
         "APP WARNING ktlite.backends.local w-1",
-        "APP INFO ktlite.deploy i-2",
+        "APP INFO ktlite.modes.deploy i-2",
     ], app_info.stderr
 
 
@@ -93,7 +94,7 @@ def test_a_diagnostic_that_printed_is_a_log_record_at_its_level(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="ktlite")
     assert supervisor.supervise("logging-no-such-deployment") == 1
-    records = [r for r in caplog.records if r.name == "ktlite.supervisor"]
+    records = [r for r in caplog.records if r.name == "ktlite.commands.supervisor"]
     assert [(r.levelno, r.getMessage()) for r in records] == [
         (logging.ERROR, "no autoscaled local deployment 'logging-no-such-deployment'")
     ]
@@ -195,8 +196,8 @@ def test_debug_level_logs_requests_on_both_sides_and_never_the_token(
     token = remote.deployment.applied.token
     assert len(token) >= 20
 
-    # the caller: each request to the pod is a DEBUG record of ktlite.client
-    client = [r.getMessage() for r in caplog.records if r.name == "ktlite.client"]
+    # the caller: each request to the pod is a DEBUG record of ktlite.net.client
+    client = [r.getMessage() for r in caplog.records if r.name == "ktlite.net.client"]
     assert any(m.startswith("POST http://") and "/call -> 200" in m for m in client), client
     # the user's rank output stays a stream, not a record
     assert not any("user output" in r.getMessage() for r in caplog.records)
@@ -205,7 +206,7 @@ def test_debug_level_logs_requests_on_both_sides_and_never_the_token(
     # the same from the command line, which installs its stderr handler
     env = {**os.environ, LOG_ENV: "DEBUG"}
     done = subprocess.run(
-        [sys.executable, "-m", "ktlite.cli", "status", "logging-debug"],
+        [sys.executable, "-m", "ktlite.commands.cli", "status", "logging-debug"],
         env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -213,7 +214,7 @@ def test_debug_level_logs_requests_on_both_sides_and_never_the_token(
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "DEBUG ktlite.client: GET http://127.0.0.1:" in done.stderr, done.stderr
+    assert "DEBUG ktlite.net.client: GET http://127.0.0.1:" in done.stderr, done.stderr
 
     # the pod: its server logs at DEBUG (handed over by the client), to the pod log; read
     # after the status request, which the server answered after it logged the call
@@ -296,7 +297,7 @@ def test_kubernetes_api_requests_are_debug_records_without_the_credentials(
 def test_the_store_server_and_client_log_requests_at_debug_without_the_token(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ktlite.store_client import StoreClient
+    from ktlite.datastore.store_client import StoreClient
 
     token = "store-" + "s3cret" * 4
     with socket.socket() as s:
@@ -325,7 +326,7 @@ def test_the_store_server_and_client_log_requests_at_debug_without_the_token(
     finally:
         proc.terminate()
         _, server_log = proc.communicate(timeout=30)
-    records = [r.getMessage() for r in caplog.records if r.name == "ktlite.store_client"]
+    records = [r.getMessage() for r in caplog.records if r.name == "ktlite.datastore.store_client"]
     assert records == [f"GET http://127.0.0.1:{port}/store/v1/ls -> 200"], records
     served = [line for line in server_log.splitlines() if "DEBUG ktlite_server.requests" in line]
     assert len(served) == 1 and "GET /store/v1/ls from 127.0.0.1 -> 200 in " in served[0], (

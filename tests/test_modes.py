@@ -9,10 +9,10 @@ import pkgutil
 from pathlib import Path
 
 import ktlite as kt
-from ktlite.deploy import Deployment, mode_for
-from ktlite.fanout import Fanout, HeadOnly
-from ktlite.routing import Routing
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.modes.deploy import Deployment, mode_for
+from ktlite.modes.fanout import Fanout, HeadOnly
+from ktlite.modes.routing import Routing
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 PACKAGE = Path(kt.__file__).parent
 # the modules of the call path and its modes (client side)

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite import distributed, engines
+from ktlite import distributed
 from ktlite.backends import kube_manifests as km
-from ktlite.deployment_spec import DeploymentSpec
-from ktlite.spec import GROUP_PORTS, DistributedConfig
+from ktlite.modes import engines
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.spec import GROUP_PORTS, DistributedConfig
 from ktlite_server import monarchhost
 from ktlite_server.engine import EngineError
 from ktlite_server.rank import _task_cause
@@ -136,8 +137,8 @@ def test_monarch_hosts_outside_a_controller_says_where_it_works(monkeypatch: pyt
 
 
 def test_calls_go_to_the_controller_only() -> None:
-    from ktlite.deploy import CallOptions, Deployment, mode_for
-    from ktlite.fanout import HeadOnly
+    from ktlite.modes.deploy import CallOptions, Deployment, mode_for
+    from ktlite.modes.fanout import HeadOnly
 
     dep = Deployment.__new__(Deployment)
     dep.spec = _spec()

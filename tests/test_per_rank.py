@@ -8,8 +8,8 @@ import os
 import pytest
 
 import ktlite as kt
-from ktlite import rankdata
-from ktlite.packaging import encode_ranked_call
+from ktlite.net import rankdata
+from ktlite.net.packaging import encode_ranked_call
 from ktlite_wire import codec
 from ktlite_wire import rankdata as wire_rankdata
 
@@ -120,7 +120,7 @@ def test_sharded_dispatch_by_named_axes(spread) -> None:
 
 
 def test_layout_maths() -> None:
-    from ktlite.sharding import Layout
+    from ktlite.api.sharding import Layout
     lay = Layout({"dp": 2, "tp": 2})
     assert [lay.coords(r) for r in (1, 2)] == [{"dp": 0, "tp": 1}, {"dp": 1, "tp": 0}]
     assert lay.rank({"dp": 1, "tp": 1}) == 3

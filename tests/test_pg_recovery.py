@@ -18,8 +18,8 @@ import time
 import pytest
 
 import ktlite as kt
-from ktlite import packaging
-from ktlite.spec import DistributedConfig
+from ktlite.net import packaging
+from ktlite.specs.spec import DistributedConfig
 from ktlite_server.pod import Deployment, Pod
 
 QUIET = {"stream_logs": False}

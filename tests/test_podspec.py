@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 import ktlite as kt
-from ktlite import podspec
 from ktlite.backends import kube_manifests as km
-from ktlite.call_defaults import CallDefaults
-from ktlite.deployment_spec import DeploymentSpec
-from ktlite.kube_options import KubernetesOptions
-from ktlite.podspec import Memory, PodSpec, Resources
+from ktlite.specs import podspec
+from ktlite.specs.call_defaults import CallDefaults
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.kube_options import KubernetesOptions
+from ktlite.specs.podspec import Memory, PodSpec, Resources
 
 
 def _container(objs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -151,7 +151,7 @@ def test_a_backend_imports_neither_compute_nor_the_package_face_nor_the_server(p
     up = sorted(
         m
         for m in imports
-        if m in ("ktlite", "ktlite.compute", "ktlite.remote", "ktlite.deploy", "ktlite.decorators")
+        if m in ("ktlite", "ktlite.api.compute", "ktlite.api.remote", "ktlite.modes.deploy", "ktlite.api.decorators")
         or m.split(".")[0] == "ktlite_server"
     )
     assert up == [], f"{path.name} imports {up}: a backend reads the pod spec only"
@@ -192,8 +192,8 @@ def test_a_mistyped_keyword_is_a_config_error_with_did_you_mean(typo: str, hint:
 def test_the_local_and_ssh_backends_plan_from_a_pod_spec_alone() -> None:
     from ktlite.backends.local import LocalBackend
     from ktlite.backends.ssh import SshBackend
-    from ktlite.hosts import Hosts
-    from ktlite.spec import DistributedConfig
+    from ktlite.specs.hosts import Hosts
+    from ktlite.specs.spec import DistributedConfig
 
     two = DistributedConfig(workers=2)
     local = str(

@@ -21,8 +21,8 @@ import pytest
 
 import ktlite
 import ktlite as kt
-from ktlite.quantities import parse_memory
-from ktlite.spec import DistributedConfig, distributed_env
+from ktlite.specs.quantities import parse_memory
+from ktlite.specs.spec import DistributedConfig, distributed_env
 from ktlite_wire import codec, envelope
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import (
@@ -613,7 +613,7 @@ def test_pickle_of_config_error_round_trips() -> None:
 
 
 def test_a_pod_with_another_python_minor_is_refused_with_the_fix() -> None:
-    from ktlite.callpath import check_python as _check_python
+    from ktlite.modes.callpath import check_python as _check_python
 
     ours = f"{sys.version_info.major}.{sys.version_info.minor}"
     _check_python({"python": f"{ours}.99", "pod": "p-0"}, "http://x")

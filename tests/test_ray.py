@@ -197,7 +197,7 @@ def test_ray_start_failure_fails_to_with_the_pods_output(tmp_path: Path) -> None
 
 def _free_master_port(compute: kt.Compute) -> int:
     """A MASTER_PORT whose whole span of ports is free here now."""
-    from ktlite.spec import port_free
+    from ktlite.specs.spec import port_free
 
     span = compute.distributed.port_span
     for base in range(31000, 60000, 1009):
@@ -210,7 +210,7 @@ def test_a_worker_whose_ray_start_fails_is_reported_with_its_own_error() -> None
     import socket
 
     from ktlite.backends.local import LocalBackend
-    from ktlite.spec import ray_ports
+    from ktlite.specs.spec import ray_ports
 
     port = _free_master_port(kt.Compute().distribute("ray", workers=1))
     compute = kt.Compute(launch_timeout=120).distribute("ray", workers=1, port=port)

@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 import ktlite as kt
-from ktlite import engines
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.local import LocalBackend
-from ktlite.deployment_spec import DeploymentSpec
-from ktlite.spec import ray_ports
+from ktlite.modes import engines
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.spec import ray_ports
 from ktlite_server import raynode
 
 
@@ -74,8 +74,8 @@ def test_no_ray_on_the_client_fails_before_any_pod(monkeypatch: pytest.MonkeyPat
 
 
 def test_per_rank_and_workers_do_not_apply_to_a_ray_call() -> None:
-    from ktlite.deploy import CallOptions, Deployment, mode_for
-    from ktlite.fanout import HeadOnly
+    from ktlite.modes.deploy import CallOptions, Deployment, mode_for
+    from ktlite.modes.fanout import HeadOnly
 
     spec = DeploymentSpec(name="r", compute=kt.Compute().distribute("ray", workers=2))
     dep = Deployment.__new__(Deployment)

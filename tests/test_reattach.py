@@ -21,7 +21,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.backends.local import LocalBackend
-from ktlite.client import PodClient
+from ktlite.net.client import PodClient
 from ktlite_wire import envelope
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.frames import HEARTBEAT, RESULT, read_frames
@@ -206,7 +206,7 @@ def test_the_pod_answers_resumes_by_what_it_knows(remote, tmp_path) -> None:
     call the pod never had is refused with 404, so the caller never re-runs a lost call."""
     dep = remote.deployment
     url, token = dep.endpoints[0].url, dep.applied.token
-    from ktlite import packaging
+    from ktlite.net import packaging
     parts = packaging.encode_call(None, (str(tmp_path / "raw"), 1), {})
     with httpx.Client() as client:
         call_id = uuid.uuid4().hex
@@ -233,7 +233,7 @@ def test_the_pod_answers_resumes_by_what_it_knows(remote, tmp_path) -> None:
 ])
 def test_a_proxy_that_cannot_reach_the_pod_gives_pod_unreachable_naming_it(
         monkeypatch, status, body, delivered) -> None:
-    import ktlite.client as client_module
+    import ktlite.net.client as client_module
     monkeypatch.setattr(client_module, "RESUME_WINDOW_S", 0.3)
     asked = []
 

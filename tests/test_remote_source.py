@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import ktlite as kt
-from ktlite import packaging
 from ktlite.backends.local import LocalBackend
+from ktlite.net import packaging
 from ktlite_wire import codec, envelope
 
 COMPUTE = kt.Compute(cpus=1, stream_logs=False)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite import secret_providers
 from ktlite.backends.local import LocalBackend
-from ktlite.deployment_spec import DeploymentSpec
-from ktlite.secrets import Resolved, resolve
+from ktlite.specs import secret_providers
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.secrets import Resolved, resolve
 
 VALUE = "sk-KNOWN-9f3b2c7e51d84a06b1c2d3e4f5a6b7c8"  # a secret value searched for wherever ktlite writes (fixed: it is in test ids, which xdist workers must agree on)
 # every variable a preset reads: cleared so the developer's own credentials never leak in

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 import ktlite as kt
-from ktlite import packaging
-from ktlite.client import PodClient
-from ktlite.spec import DistributedConfig
+from ktlite.net import packaging
+from ktlite.net.client import PodClient
+from ktlite.specs.spec import DistributedConfig
 from ktlite_wire import codec, envelope
 from ktlite_wire.frames import RESULT, read_frames
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER

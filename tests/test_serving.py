@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 import ktlite as kt
-from ktlite.autoscaling import AutoscaleConfig, Scaler, from_kwargs, seconds
 from ktlite.backends.processes import pid_alive
 from ktlite.backends.registry import get_backend
+from ktlite.specs.autoscaling import AutoscaleConfig, Scaler, from_kwargs, seconds
 
 
 def _name(prefix: str) -> str:
@@ -279,7 +279,7 @@ def test_status_list_and_reattach_by_name(tmp_path: Any) -> None:
         "def triple(x):\n"
         "    return 3 * x\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cli = [sys.executable, "-m", "ktlite.cli"]
+    cli = [sys.executable, "-m", "ktlite.commands.cli"]
     try:
         out = subprocess.run([*cli, "deploy", f"{script}:triple"], capture_output=True,
                              text=True, env=env, timeout=120)
@@ -337,7 +337,7 @@ def test_replicas_stopped_by_a_scale_down_leave_the_state_first(monkeypatch: pyt
     import secrets
     from dataclasses import replace
 
-    from ktlite.deployment_spec import DeploymentSpec
+    from ktlite.specs.deployment_spec import DeploymentSpec
 
     backend = get_backend("local")
     spec = DeploymentSpec(_name("order"), kt.Compute(cpus=0.1).autoscale(min_scale=0, max_scale=2),
@@ -439,6 +439,6 @@ def test_kubetorchs_decorated_autoscaled_class_exits_cleanly_without_teardown(tm
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines() == ["PREDICTED [2, 4]", "REPLICAS 2"], done.stdout + done.stderr
     assert "client has been closed" not in done.stderr and "scaling:" not in done.stderr, done.stderr
-    listed = subprocess.run([sys.executable, "-m", "ktlite.cli", "list"], capture_output=True, text=True,
+    listed = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", "list"], capture_output=True, text=True,
                             timeout=60, env=env)
     assert listed.stdout.strip() == "no deployments", listed.stdout  # torn down at exit all the same

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 import ktlite as kt
+from ktlite.api.compute import parse_duration
 from ktlite.backends.registry import get_backend
 from ktlite.backends.ssh import SshBackend
-from ktlite.compute import parse_duration
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 
 @pytest.mark.parametrize("address, target", [

@@ -23,10 +23,17 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite import store as store_module
+from ktlite.datastore import store as store_module
+from ktlite.datastore.storedir import (
+    OBJECT_MAGIC,
+    StoreDir,
+    address_file,
+    check_key,
+    extract,
+    tar_stream,
+)
 from ktlite.errors import AuthError, ConfigError, DataStoreError
-from ktlite.progress import Progress
-from ktlite.storedir import OBJECT_MAGIC, StoreDir, address_file, check_key, extract, tar_stream
+from ktlite.net.progress import Progress
 
 # ---- keys (pure) ---------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ def run(
     full = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     full.update(KTLITE_HOME=str(home), **(env or {}))
     proc = subprocess.run(
-        [sys.executable, "-m", "ktlite.cli", *args],
+        [sys.executable, "-m", "ktlite.commands.cli", *args],
         env=full,
         cwd=cwd,
         capture_output=True,
@@ -122,7 +122,7 @@ def on_terminal(home: Path, typed: str, *args: str) -> tuple[int, str]:
     full["KTLITE_HOME"] = str(home)
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ktlite.cli", *args],
+        [sys.executable, "-m", "ktlite.commands.cli", *args],
         env=full,
         stdin=slave,
         stdout=slave,

@@ -84,7 +84,7 @@ def test_injected_httpx_client_road(remote, monkeypatch) -> None:
     """An injected httpx client (what the Kubernetes API proxy needs) carries calls too."""
     import httpx
 
-    from ktlite.client import PodClient
+    from ktlite.net.client import PodClient
 
     monkeypatch.setenv("KTLITE_SHM", "0")
     dep = remote.deployment
@@ -104,9 +104,9 @@ def test_injected_httpx_client_road(remote, monkeypatch) -> None:
 def test_heartbeats_keep_a_quiet_long_call_alive(remote, monkeypatch) -> None:
     """A call that prints nothing for longer than the caller's silence limit still succeeds:
     pods send heartbeats (every 2 s) through the coordinator to the caller."""
-    import ktlite.client
+    import ktlite.net.client
 
-    monkeypatch.setattr(ktlite.client, "SILENCE_TIMEOUT", 3.0)
+    monkeypatch.setattr(ktlite.net.client, "SILENCE_TIMEOUT", 3.0)
     assert remote.options(stream_logs=False)(_Sleepy(4.5), 1) == [4.5, 9.0]
 
 

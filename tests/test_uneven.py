@@ -8,7 +8,7 @@ import os
 import pytest
 
 import ktlite as kt
-from ktlite.spec import DistributedConfig, distributed_env
+from ktlite.specs.spec import DistributedConfig, distributed_env
 
 
 def test_sizes_ranks_and_ordinals() -> None:
@@ -62,7 +62,7 @@ def test_gpu_pods_of_different_sizes_get_a_gpu_per_rank_or_gpus_where_more() -> 
 
 def test_local_gpu_pods_of_different_sizes_split_the_machines_gpus(monkeypatch) -> None:
     from ktlite.backends import local
-    from ktlite.deployment_spec import DeploymentSpec
+    from ktlite.specs.deployment_spec import DeploymentSpec
 
     spec = DeploymentSpec("uneven-gpus", kt.Compute(gpus=1).distribute("pytorch", num_proc=[1, 2, 1]))
     monkeypatch.setattr(local, "visible_gpus", lambda: ["0", "1", "2"])

@@ -329,7 +329,7 @@ def test_the_client_classifies_a_refusal_by_its_code_not_its_text(code, detail, 
     import httpx
 
     import ktlite as kt
-    from ktlite.client import PodClient
+    from ktlite.net.client import PodClient
     from ktlite_wire.headers import ERROR_CODE_HEADER
 
     status = {"unknown_call": 404, "unauthorized": 401}.get(code or "", 409)

@@ -14,7 +14,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.backends.registry import get_backend
-from ktlite.client import PodClient
+from ktlite.net.client import PodClient
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import ERROR_CODE_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
 from ktlite_wire.version import PROTOCOL_VERSION

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's from Python 3.11
@@ -130,7 +130,7 @@ class Backend(ABC):
     def list(self) -> list[dict[str, Any]]:
         """Deployments this backend can see."""
 
-    # ---- autoscaled deployments (spec.autoscale is set; see ktlite.serving) ----------------
+    # ---- autoscaled deployments (spec.autoscale is set; see ktlite.modes.serving) ----------------
     # A backend that runs them has the methods of ktlite.backends.capabilities.Serving (and
     # ClientScaling where ktlite's own autoscaler scales them).
     # Their replicas are each a world of one pod (RANK 0, WORLD_SIZE 1), started with
@@ -151,7 +151,7 @@ class Backend(ABC):
 
     def scaling_status(self, name: str) -> dict[str, Any] | None:
         """The cluster autoscaler's view (desired and current replicas, its last decision and
-        why); None where ktlite's own autoscaler decides (its decisions are in ktlite.serving)."""
+        why); None where ktlite's own autoscaler decides (its decisions are in ktlite.modes.serving)."""
         return None
 
     def logs(self, name: str, ordinal: int | None = None, follow: bool = False,

@@ -23,7 +23,7 @@ from ktlite.errors import ConfigError
 
 if TYPE_CHECKING:
     from ktlite.backends.base import Applied
-    from ktlite.deployment_spec import DeploymentSpec
+    from ktlite.specs.deployment_spec import DeploymentSpec
 
 
 @runtime_checkable

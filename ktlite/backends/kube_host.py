@@ -15,7 +15,7 @@ import httpx
 
 from ktlite.backends.kube_api import ClusterInfo, KubeApi
 from ktlite.backends.kube_diagnose import PodProblem
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 
 class KubeHost(Protocol):

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ktlite.config import get as setting
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError
 from ktlite.logconfig import pod_env
-from ktlite.podspec import PodSpec, Resources
-from ktlite.secrets import Resolved, fingerprint, for_pod
-from ktlite.spec import DEFAULT_MASTER_PORT
-from ktlite.volume import Volume
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.podspec import PodSpec, Resources
+from ktlite.specs.secrets import Resolved, fingerprint, for_pod
+from ktlite.specs.spec import DEFAULT_MASTER_PORT
+from ktlite.specs.volume import Volume
 from ktlite_wire.version import RELEASE as __version__
 
 NAME_LABEL = "ktlite.dev/name"

@@ -16,8 +16,8 @@ from __future__ import annotations
 import warnings
 
 from ktlite.errors import LocalBackendWarning
-from ktlite.images import DEFAULT_IMAGE
-from ktlite.podspec import PodSpec
+from ktlite.specs.images import DEFAULT_IMAGE
+from ktlite.specs.podspec import PodSpec
 
 KUBE_ONLY = ("gpu_type", "cpu_limit", "shared_memory", "node_selector", "tolerations",
              "priority_class", "labels", "annotations", "service_account", "image_pull_policy",

@@ -11,8 +11,8 @@ from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_pods as kp
 from ktlite.backends.kube_api import KubeApi
 from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import LaunchTimeout
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 if TYPE_CHECKING:
     from ktlite.backends.kube_host import KubeHost as _Base

@@ -10,7 +10,7 @@ from typing import Any
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_api import KubeApi
 from ktlite.errors import ConfigError
-from ktlite.secrets import Resolved
+from ktlite.specs.secrets import Resolved
 
 
 def check_user_secrets(

@@ -23,9 +23,9 @@ from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, PodEndpoint
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
-from ktlite.spec import DEFAULT_MASTER_PORT
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.spec import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
     from ktlite.backends.kube_host import KubeHost as _Base

@@ -29,11 +29,11 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ktlite.autoscaling import AutoscaleConfig
 from ktlite.backends import kube_manifests as km
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError
-from ktlite.secrets import Resolved
+from ktlite.specs.autoscaling import AutoscaleConfig
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.secrets import Resolved
 
 MODE_LABEL = "ktlite.dev/mode"
 SERVE = "serve"
@@ -305,7 +305,7 @@ def knative_service(spec: DeploymentSpec, meta: dict[str, Any], template: dict[s
     template = copy.deepcopy(template)
     annotations = {**template["metadata"]["annotations"], **config.annotations()}
     if config.progress_deadline is not None:
-        from ktlite.autoscaling import _knative
+        from ktlite.specs.autoscaling import _knative
         annotations["serving.knative.dev/progress-deadline"] = _knative(config.progress_deadline)
     template["metadata"]["annotations"] = annotations
     template["spec"] = {"containerConcurrency": spec.concurrency, **template["spec"]}

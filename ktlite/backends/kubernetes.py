@@ -28,12 +28,12 @@ from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_readiness import POLL_S, PodReadiness
 from ktlite.backends.kube_served import ServedDeployments
 from ktlite.config import get as setting
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import (
     DeployError,
 )
-from ktlite.secrets import Resolved
-from ktlite.spec import DEFAULT_MASTER_PORT
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.secrets import Resolved
+from ktlite.specs.spec import DEFAULT_MASTER_PORT
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's from Python 3.11

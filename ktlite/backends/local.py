@@ -32,7 +32,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import ktlite.secrets as kt_secrets
+import ktlite.specs.secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
@@ -41,9 +41,9 @@ from ktlite.backends.local_scaling import LocalScaling
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.backends.processes import pid_alive
 from ktlite.config import home as store_home
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout, StartupError
 from ktlite.logconfig import pod_env
+from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire.distenv import port_free
 
 

@@ -2,7 +2,7 @@
 
 One calling process leads (it holds the deployment's ``autoscaler.lock``) and scales; the
 others route calls and publish how many wait in them. A detached deployment gets a process
-of its own (``ktlite.supervisor``). The current launch is kept as ``launch.pkl`` for
+of its own (``ktlite.commands.supervisor``). The current launch is kept as ``launch.pkl`` for
 replicas started later. The files live in the deployment's directory.
 """
 
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from ktlite.backends.base import Applied
 from ktlite.backends.processes import pid_alive
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import NotDeployedError
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 
 class LocalScaling:
@@ -112,11 +112,11 @@ class LocalScaling:
         return total
 
     def supervise(self, name: str) -> None:
-        """Start the autoscaler process of a detached deployment (ktlite.supervisor.supervise)."""
+        """Start the autoscaler process of a detached deployment (ktlite.commands.supervisor.supervise)."""
         log = self._dir(name) / "autoscaler.log"
         with open(log, "ab") as logf:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "ktlite.supervisor", name],
+                [sys.executable, "-m", "ktlite.commands.supervisor", name],
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,

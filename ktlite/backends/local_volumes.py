@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktlite.errors import ConfigError
-from ktlite.podspec import PodSpec
-from ktlite.volume import Volume
+from ktlite.specs.podspec import PodSpec
+from ktlite.specs.volume import Volume
 
 _NO_MOUNTS_UNDER = ("/proc", "/sys", "/dev")  # kernel trees: ktlite never lays a tmpfs over them
 _probed: tuple[bool, str] | None = None

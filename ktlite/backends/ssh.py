@@ -33,17 +33,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ktlite.secrets as kt_secrets
+import ktlite.specs.secrets as kt_secrets
 from ktlite.backends import ssh_copy
 from ktlite.backends import ssh_hosts as sh
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.processes import pid_alive
 from ktlite.backends.server_source import server_packages
 from ktlite.backends.ssh_hosts import COMMAND_TIMEOUT_S
-from ktlite.deployment_spec import DeploymentSpec
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
-from ktlite.hosts import Host, Hosts
 from ktlite.logconfig import pod_env
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.hosts import Host, Hosts
 
 CACHE = "~/.cache/ktlite"
 

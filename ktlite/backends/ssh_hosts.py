@@ -16,7 +16,7 @@ from typing import Any
 import asyncssh
 
 from ktlite.errors import DeployError
-from ktlite.hosts import Host, Hosts
+from ktlite.specs.hosts import Host, Hosts
 
 logger = logging.getLogger(__name__)
 

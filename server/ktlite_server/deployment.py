@@ -35,7 +35,7 @@ class Deployment:
     load_timeout: float = 300.0
     concurrency: int = 1  # calls each rank process runs at once
     engine: dict[str, Any] | None = (
-        None  # distribute("ray"/"monarch"): this pod's engine (ktlite.engines)
+        None  # distribute("ray"/"monarch"): this pod's engine (ktlite.modes.engines)
     )
     single: bool = False  # not distributed: a call returns one value, not a list by rank
 

@@ -104,7 +104,7 @@ async def wait_port(
 
 class Engine:
     """One engine process tree on this pod. ``cfg`` comes from the client
-    (``ktlite.engines``); a deploy with the same ``cfg`` keeps the running engine."""
+    (``ktlite.modes.engines``); a deploy with the same ``cfg`` keeps the running engine."""
 
     kind = ""
 

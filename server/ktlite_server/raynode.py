@@ -6,7 +6,7 @@ it. The node is one ``ray start --block`` process tree, an engine of the pod
 shutdown of its processes, then SIGKILL to what is left of its session), then the node's
 temp dir is removed.
 
-The node's settings come from the client (``ktlite.engines.ray_node``): ports from the
+The node's settings come from the client (``ktlite.modes.engines.ray_node``): ports from the
 deployment's range, the pod's CPUs, GPUs and memory. A deploy with the same settings keeps
 the running node (a code-only redeploy does not restart Ray). Ray's own startup waits are
 the deployment's ``launch_timeout`` (:func:`startup_env`), and a node whose raylet or GCS

@@ -21,6 +21,7 @@ import hostile_mod as hm
 import pytest
 
 import ktlite as kt
+from ktlite.api.adverbs import _options
 from ktlite.backends.local import visible_gpus
 
 _LOCK = threading.Lock()  # a global that cannot be pickled
@@ -267,7 +268,7 @@ def test_non_finite_numbers_are_refused() -> None:
         "call_timeout=nan": lambda: C(call_timeout=nan),
         "teardown_timeout=nan": lambda: C(teardown_timeout=nan),
         "quorum_timeout=nan": lambda: C().distribute(quorum_timeout=nan),
-        "options(timeout=nan)": lambda: kt.remote._options({"timeout": nan}),
+        "options(timeout=nan)": lambda: _options({"timeout": nan}),
     }
     accepted = []
     for what, thunk in thunks.items():

@@ -42,9 +42,9 @@ sys.path.insert(0, faults_dir)
 import faults_mod
 
 import ktlite as kt
-from ktlite.deploy import attach
-from ktlite.remote import RemoteFunction
-from ktlite.deployment_spec import DeploymentSpec
+from ktlite.modes.deploy import attach
+from ktlite.api.remote import RemoteFunction
+from ktlite.specs.deployment_spec import DeploymentSpec
 
 compute = kt.Compute(cpus=1, stream_logs=False).distribute("pytorch", workers=2, num_proc=2)
 remote = RemoteFunction(kt.fn(faults_mod.beat, name=name),

@@ -27,11 +27,11 @@ import httpx
 import pytest
 
 import ktlite as kt
-from ktlite import packaging
+from ktlite.api.remote import RemoteFunction
 from ktlite.backends.local import LocalBackend
-from ktlite.deploy import attach
-from ktlite.deployment_spec import DeploymentSpec
-from ktlite.remote import RemoteFunction
+from ktlite.modes.deploy import attach
+from ktlite.net import packaging
+from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire import codec, shm
 from ktlite_wire.frames import ERROR, RESULT, read_frames
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer

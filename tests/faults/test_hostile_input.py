@@ -35,13 +35,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import ktlite as kt
-from ktlite import packaging
 from ktlite.backends.base import Applied, PodEndpoint
 from ktlite.backends.local import LocalBackend
-from ktlite.client import PodClient
-from ktlite.deploy import Deployment
-from ktlite.deployment_spec import DeploymentSpec
-from ktlite.spec import DistributedConfig
+from ktlite.modes.deploy import Deployment
+from ktlite.net import packaging
+from ktlite.net.client import PodClient
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.spec import DistributedConfig
 from ktlite_wire import codec, envelope
 from ktlite_wire import version as wire_version
 from ktlite_wire.errors import ProtocolError

@@ -179,7 +179,7 @@ def test_outcomes_of_stopped_ranks_are_exceptions(sleepers) -> None:
 
 
 _ORDER_FIX = (
-    "deploy._to_error (ktlite/deploy.py) takes the lowest-numbered failing rank as the primary "
+    "deploy._to_error (ktlite/modes/deploy.py) takes the lowest-numbered failing rank as the primary "
     "failure, so the collateral error of a lower rank that reacted to the failure (as gloo "
     "peers do: RuntimeError 'Connection reset/closed by peer') is what the call raises. Seen "
     "with real gloo ranks too: a death or a raise on rank 2/3 surfaced as rank 0/1's "

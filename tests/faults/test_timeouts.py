@@ -26,7 +26,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.backends.local import LocalBackend
-from ktlite.deploy import CallOptions
+from ktlite.modes.deploy import CallOptions
 from ktlite_server.peers import PROBE_AFTER_S
 
 NAME = "fx-timeouts"

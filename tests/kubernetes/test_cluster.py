@@ -95,7 +95,7 @@ def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
     # health and resources, read by the pod's server: the process that ran the call, its memory
     rank = remote.status()[0]["ranks"][0]
     assert rank["pid"] == out["pid"] and rank["rss_bytes"] > 0 and rank["cpu_percent"] >= 0, rank
-    done = subprocess.run([sys.executable, "-m", "ktlite.cli", "status", name, "--backend", "kubernetes",
+    done = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", "status", name, "--backend", "kubernetes",
                            "-n", kube.namespace, "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert [r["pid"] for p in json.loads(done.stdout) for r in p["ranks"]] == [out["pid"]]

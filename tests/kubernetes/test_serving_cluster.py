@@ -23,8 +23,8 @@ from conftest import NAME_LABEL
 
 import ktlite as kt
 from ktlite.backends.registry import get_backend
-from ktlite.deployment_spec import DeploymentSpec
-from ktlite.spec import DistributedConfig
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite.specs.spec import DistributedConfig
 from ktlite_wire.headers import TOKEN_HEADER, bearer
 from ktlite_wire.launch import Launch
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 
 def launch(launch_id: str) -> bytes:
     """A deploy message as the client leaves it for replicas (a class of the standard library)."""
-    from ktlite.packaging import bundle
+    from ktlite.net.packaging import bundle
     return Launch(launch_id=launch_id, bundle=bundle(dict), kind="cls", distributed=DistributedConfig(),
                   pod_ips=["127.0.0.1"], master_port=29500, replica=True, concurrency=4, load_timeout=120.0,
                   single=True).encode()
@@ -168,7 +168,7 @@ def test_served_class_through_the_public_api(settings, deployments, make_compute
         [
             sys.executable,
             "-m",
-            "ktlite.cli",
+            "ktlite.commands.cli",
             "status",
             name,
             "--backend",

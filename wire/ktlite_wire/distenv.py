@@ -3,7 +3,7 @@
 ``distributed_env`` is the single place these are computed: the client (a backend's plan),
 the pod server and every backend use it, so ranks mean the same everywhere. A
 :class:`DistributedLayout` is the layout as the wire carries it; the client's
-``ktlite.spec.DistributedConfig`` is the same layout, validated for users.
+``ktlite.specs.spec.DistributedConfig`` is the same layout, validated for users.
 """
 
 from __future__ import annotations

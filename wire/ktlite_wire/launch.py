@@ -24,7 +24,7 @@ KINDS = ("fn", "cls")
 @dataclass(frozen=True)
 class Launch:
     """The code and layout one pod installs. Built once per deployment by the client
-    (``ktlite.launch.build_launch``), then made each pod's with ``dataclasses.replace``
+    (``ktlite.modes.launch.build_launch``), then made each pod's with ``dataclasses.replace``
     (its ``ordinal``, its engine settings)."""
 
     launch_id: str

@@ -14,7 +14,7 @@ HTTP. Standard library only: the server imports it.
 
 Errors are :class:`StoreFault` with an :class:`~ktlite_wire.errors.ErrorCode` (``NOT_FOUND``,
 ``CONFLICT``, ``BAD_REQUEST``): the store pod answers by code, and the client's
-``ktlite.storedir`` raises its own errors by overriding :meth:`StoreDir.fault`.
+``ktlite.datastore.storedir`` raises its own errors by overriding :meth:`StoreDir.fault`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The user-facing objects: Compute, Image, Secret, fn/cls/app, decorators, futures."""

@@ -1,0 +1,302 @@
+"""``kt.app``: run a whole command (``torchrun ...``, ``python train.py``) on N replicas.
+
+    app = kt.app(cli_command="torchrun --nproc_per_node=2 train.py --epochs 3", replicas=2, cpus=2)
+    codes = app.run()       # [0, 0]: each replica's exit code
+
+Each replica is one pod running the command in the working directory's files, with the rank
+env of a deployment plus torchrun's own ``PET_*`` variables, so an unmodified torchrun
+script joins across replicas with no rank arguments: ``PET_NNODES``, ``PET_NODE_RANK``,
+``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, and ``PET_RDZV_ENDPOINT`` / ``PET_RDZV_ID`` /
+``PET_RDZV_CONF`` for ``--rdzv-backend=c10d``. The rendezvous times out after
+``rendezvous_timeout`` seconds instead of waiting forever. Output streams live as
+``[replica r] line``. A replica that exits non-zero stops the others and the call raises
+:class:`ReplicaFailed` with its exit code and last lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ktlite.api.compute import Compute
+from ktlite.backends.registry import traits
+from ktlite.errors import ConfigError, ReplicaFailed
+from ktlite.net.archive import check_members, extract
+from ktlite.specs.spec import check_name, default_name
+
+MAX_FILES_BYTES = 200 * 2**20
+_ALWAYS_SKIP = {".git", ".venv", "venv", "__pycache__", "node_modules", ".mypy_cache", ".pytest_cache",
+                ".ruff_cache", ".ipynb_checkpoints"}
+
+
+def _files(root: Path) -> list[Path]:
+    """The working directory's files, as git sees them (respecting .gitignore), else every
+    file but virtualenvs, caches and VCS folders."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             cwd=root, capture_output=True, timeout=30, check=True).stdout
+        return [root / p for p in out.decode().split("\0") if p and (root / p).is_file()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _ALWAYS_SKIP]
+        found += [Path(dirpath) / f for f in filenames]
+    return found
+
+
+def pack(root: Path) -> bytes:
+    """A gzipped tar of ``root``'s files (see :func:`_files`); refuses more than 200 MB."""
+    buf = io.BytesIO()
+    total = 0
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in _files(root):
+            total += path.stat().st_size
+            if total > MAX_FILES_BYTES:
+                raise ConfigError(f"the working directory {root} holds more than {MAX_FILES_BYTES >> 20} MB "
+                                  "of files to ship; add the large ones to .gitignore, or pass "
+                                  "kt.app(..., workdir=<a smaller folder>)")
+            tar.add(path, arcname=str(path.relative_to(root)), recursive=False)
+        # what every replica would refuse (a link out of the folder), refused here, before
+        # anything is deployed
+        check_members(tar.getmembers())
+    return buf.getvalue()
+
+
+def torchrun_env(rendezvous_timeout: float) -> dict[str, str]:
+    """torchrun's ``PET_*`` settings from this replica's rank env."""
+    env = os.environ
+    endpoint = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    timeout = str(math.ceil(rendezvous_timeout))
+    return {
+        "PET_NNODES": env["GROUP_WORLD_SIZE"],
+        "PET_NODE_RANK": env["NODE_RANK"],
+        "PET_MASTER_ADDR": env["MASTER_ADDR"],
+        "PET_MASTER_PORT": env["MASTER_PORT"],
+        "PET_RDZV_ENDPOINT": endpoint,
+        "PET_RDZV_ID": env.get("KTLITE_LAUNCH_ID") or "ktlite",
+        # static rendezvous reads "timeout", c10d "join_timeout"/"read_timeout"
+        "PET_RDZV_CONF": f"timeout={timeout},join_timeout={timeout},read_timeout={timeout}",
+        "PET_MAX_RESTARTS": "0",  # a failure is the caller's to see, not to retry silently
+    }
+
+
+def _die_with_parent() -> None:
+    """In the command's process: get SIGTERM when the replica's rank process dies, so that
+    torchrun (which stops its workers on SIGTERM) never outlives a stopped call."""
+    import contextlib
+    import ctypes
+    import signal
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stop_command(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the command's session (torchrun stops its workers on it), SIGKILL after 5 s."""
+    import signal
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait)
+
+
+def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendezvous_timeout: float,
+                extra_env: dict[str, str]) -> int:
+    """On a pod: run ``command`` in the shipped files (or ``cwd`` when the caller's folder is
+    right here), streaming its output; returns 0 or raises ReplicaFailed."""
+    import collections
+    import tempfile
+
+    if files is not None:
+        workdir = tempfile.mkdtemp(prefix=f"ktlite-app-{os.environ.get('KTLITE_LAUNCH_ID', 'x')}-")
+        try:  # not tarfile's own extractall(filter="data"): older Pythons ktlite supports lack it
+            extract(files, workdir)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+    else:
+        workdir = cwd or os.getcwd()
+    env = {**os.environ, **torchrun_env(rendezvous_timeout), **extra_env, "PYTHONUNBUFFERED": "1"}
+    # `python` and `torchrun` are this pod's: its interpreter's scripts come first on PATH
+    # (a caller's venv need not be activated)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    proc = subprocess.Popen(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+    assert proc.stdout is not None
+    try:
+        with proc.stdout:
+            for raw in proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                tail.append(line)
+                print(line, flush=True)
+        code = proc.wait()
+    except BaseException:
+        _stop_command(proc)  # the call was stopped (a replica failed, a cancel): so is the command
+        raise
+    finally:
+        if files is not None:  # the unpacked copy is this run's only
+            shutil.rmtree(workdir, ignore_errors=True)
+    if code != 0:
+        how = f"exit code {code}" if code > 0 else f"signal {-code}"
+        node = os.environ.get("NODE_RANK", "?")
+        raise ReplicaFailed(f"replica {node} ({os.environ.get('KTLITE_POD_NAME', '?')}): "
+                            f"`{shlex.join(command)}` ended with {how}; last lines:\n"
+                            + "\n".join("    " + ln for ln in tail), exit_code=code if code > 0 else 128 - code)
+    sys.stdout.flush()
+    return 0
+
+
+class App:
+    """A command run on ``replicas`` pods; see the module docstring.
+
+    Args:
+        cli_command: the command line, e.g. ``"torchrun --nproc_per_node=2 train.py"``.
+        replicas: how many pods run it (torchrun's nodes).
+        name: deployment name (default: from the command's script).
+        workdir: the folder whose files the replicas get (default: the current directory).
+        rendezvous_timeout: seconds torchrun's rendezvous may take before it fails.
+        compute: a full :class:`kt.Compute`; else ``cpus``, ``gpus``, ``memory``, ``image``,
+            ``env`` and any other Compute field as keywords.
+    """
+
+    def __init__(self, cli_command: str | Sequence[str], replicas: int = 1, name: str | None = None,
+                 workdir: str | os.PathLike[str] | None = None, rendezvous_timeout: float = 300.0,
+                 compute: Compute | None = None, **compute_kwargs: Any) -> None:
+        command = shlex.split(cli_command) if isinstance(cli_command, str) else list(cli_command)
+        if not command or not all(isinstance(c, str) and c for c in command):
+            raise ConfigError(f"cli_command={cli_command!r} must be a command line such as "
+                              "'torchrun --nproc_per_node=2 train.py'")
+        if compute is not None and compute_kwargs:
+            raise ConfigError("pass compute= or Compute fields as keywords, not both")
+        base = compute if compute is not None else Compute(**compute_kwargs)
+        if isinstance(rendezvous_timeout, bool) or not isinstance(rendezvous_timeout, (int, float)) \
+                or not math.isfinite(rendezvous_timeout) or rendezvous_timeout < 1:
+            raise ConfigError(f"rendezvous_timeout={rendezvous_timeout!r} must be a finite number of "
+                              "seconds >= 1")
+        self.command = command
+        self.compute = base._distributed("pytorch", workers=replicas, num_proc=1,
+                                       port=base.distributed.port if base.distributed else None)
+        script = next((Path(c).stem for c in command[1:] if c.endswith(".py")), Path(command[0]).name)
+        self.name = check_name(name) if name is not None else default_name(f"app-{script}")
+        self.workdir = Path(workdir or os.getcwd()).resolve()
+        if not self.workdir.is_dir():
+            raise ConfigError(f"workdir={str(workdir)!r} is not a folder")
+        self.rendezvous_timeout = float(rendezvous_timeout)
+        self._remote: Any = None
+
+    def __repr__(self) -> str:
+        return f"<kt.app {shlex.join(self.command)!r} as {self.name!r} on {self.compute.distributed.workers} replica(s)>"
+
+    def deploy(self, dryrun: bool = False) -> Any:
+        from ktlite.api.remote import fn
+        remote = fn(run_replica, name=self.name).to(self.compute, dryrun=dryrun)
+        if not dryrun:
+            self._remote = remote
+        return remote
+
+    def run(self, timeout: float | None = None, env: dict[str, str] | None = None) -> list[int]:
+        """Deploy if needed, run the command on every replica; returns their exit codes."""
+        from ktlite.api.remote import _options
+        from ktlite.net import packaging
+
+        if self._remote is None:
+            self.deploy()
+        dep = self._remote.deployment
+        # the local backend's replicas run in this very folder; elsewhere its files travel
+        files = None if traits(dep.backend.name).local_files else pack(self.workdir)
+        options = _options({"timeout": timeout})
+        parts = packaging.encode_call(None, (self.command, files, str(self.workdir), self.rendezvous_timeout,
+                                             dict(env or {})), {})
+        codes: list[int] = dep.call(None, parts, options, log=_replica_log)
+        return codes
+
+    def teardown(self) -> None:
+        if self._remote is not None:
+            self._remote.teardown()
+            self._remote = None
+
+
+def _replica_log(rank: int, pod: str, stream: str, text: str) -> None:
+    import sys
+
+    from ktlite.modes.callpath import _print_lock
+    out = sys.stderr if stream == "err" else sys.stdout
+    with _print_lock:
+        print(f"[replica {rank}] {text}", file=out, flush=True)
+
+
+RUN_ENV = "KTLITE_RUN_CMD"  # `ktlite run CMD...` hands its command to the script's kt.app()
+
+
+def app(cli_command: str | Sequence[str] | None = None, replicas: int = 1, *, name: str | None = None,
+        port: int | None = None, health_check: str | None = None, **kwargs: Any) -> App | None:
+    """Run a command on ``replicas`` pods.
+
+    ktlite's form: ``kt.app(cli_command="torchrun --nproc_per_node=2 train.py", replicas=2,
+    cpus=2).run()``.
+
+    Kubetorch's form: ``kt.app(name="train", cpus=2)`` with no command, at the top of a script
+    launched with ``ktlite run python train.py --epochs 3``. There it deploys that command
+    (the script itself, with the working directory's files) on the replicas, streams their
+    output and ends this process with their outcome; anywhere else (on the pods, or under
+    plain ``python train.py``) it returns None and the script goes on.
+    """
+    if port is not None or health_check is not None:
+        raise NotImplementedError(
+            "kt.app(port=..., health_check=...) serves an HTTP app through a proxy, which ktlite does "
+            "not do yet: ktlite's kt.app runs a command to completion on N replicas (torchrun, "
+            "python train.py). For a long-lived service, deploy a kt.cls and call its methods")
+    if cli_command is not None:
+        return App(cli_command, replicas=replicas, name=name, **kwargs)
+    command = os.environ.pop(RUN_ENV, None)  # popped: pods started from here must not see it
+    if command is None:
+        return None
+    import json
+
+    argv = json.loads(command)
+    chosen = App(argv, replicas=replicas, name=name or os.environ.pop("KTLITE_RUN_NAME", None), **kwargs)
+    timeout = os.environ.pop("KTLITE_RUN_TIMEOUT", None)
+    try:
+        codes = chosen.run(timeout=float(timeout) if timeout else None)
+    except ReplicaFailed as e:
+        print(f"ktlite: {chosen.name}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code) from None
+    print(f"ktlite: {chosen.name}: exit codes {codes}", file=sys.stderr, flush=True)
+    raise SystemExit(max(codes or [0]))
+
+
+def app_form(path: str | os.PathLike[str]) -> str | None:
+    """How a script uses ``kt.app``, read, never run: ``"launcher"`` when it calls
+    ``kt.app(...)`` with no command (Kubetorch's form, for ``ktlite run python script.py``),
+    ``"declares"`` when it declares apps with their commands (``kt.app(cli_command=...)``,
+    ``kt.App(...)``), else None."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    declares = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            given = bool(node.args) or any(k.arg == "cli_command" for k in node.keywords)
+            if name == "app" and not given:
+                return "launcher"
+            declares = declares or (name in ("app", "App") and given)
+    return "declares" if declares else None

@@ -1,0 +1,1 @@
+"""The `ktlite` command line."""

@@ -1,0 +1,1 @@
+"""The data store (kt.put / kt.get): client, on-disk layout, kubernetes pod."""

@@ -1,0 +1,107 @@
+"""What every mode of a deployment shares on the way to its pods: the call's options, how
+arguments and results travel (inline, or in shared-memory files where the pods share this
+machine), how streamed rank output is printed, and the :class:`CallPath` a mode works on
+(the deployment as a mode sees it: spec, backend, pods, client, launch id, code).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ktlite.backends.base import Applied, Backend, PodEndpoint
+from ktlite.errors import ProtocolMismatch
+from ktlite.net.client import PodClient
+from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import envelope, shm
+
+# for work on every pod at once (health checks, launches, cancels, status)
+pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")
+_print_lock = threading.Lock()
+
+
+@dataclass
+class CallOptions:
+    """Per-call options; never mixed with the user's own keyword arguments."""
+
+    timeout: float | None = None
+    stream_logs: bool | None = None
+    workers: Any = None  # pod indices; Kubetorch's "any", "ready" and IPs too (Fanout.pick_workers)
+    restart_procs: bool = False
+    ranks: list[int] | None = None  # only these global ranks run the call
+
+
+class CallPath(Protocol):
+    """The deployment as its mode sees it (:class:`ktlite.modes.deploy.Deployment` is one)."""
+
+    spec: DeploymentSpec
+    backend: Backend
+    applied: Applied
+    client: PodClient
+    launch_id: str
+    # the code last pushed (bundle, local sources, init args), pushed again to replaced pods
+    code: tuple[bytes, dict[str, Any], bytes | None] | None
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def endpoints(self) -> list[PodEndpoint]: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def push(
+        self, bundle: bytes, sources: dict[str, Any], init: bytes | None, restart: bool = False
+    ) -> None: ...
+
+    def wait_healthy(self, url: str, timeout: float) -> None: ...
+
+    def cancel_all(self, call_id: str, reason: str, eps: list[PodEndpoint]) -> None: ...
+
+
+@contextlib.contextmanager
+def shm_arguments(applied: Applied, meta: dict[str, Any], parts: list[Any]) -> Iterator[list[Any]]:
+    """The call's parts as they are sent: where the pods share this machine (local backend;
+    ``KTLITE_SHM=0`` turns it off) results come back in shared-memory files, and arguments too
+    big to inline go in one, removed when the call ends."""
+    if not applied.same_host or os.environ.get("KTLITE_SHM", "1") == "0":
+        yield parts
+        return
+    meta["shm_results"] = True
+    if envelope.parts_size(parts) <= shm.INLINE_MAX:
+        yield parts
+        return
+    arg_file, size = shm.write(parts, shm.ARG_PREFIX)
+    meta["shm"] = [arg_file, size]
+    try:
+        yield []
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(arg_file)
+
+
+def print_log(rank: int, pod: str, stream: str, text: str) -> None:
+    """A streamed line of the user's rank output, as ``[rank R @ pod] text`` (a stream, not a log record)."""
+    out = sys.stderr if stream == "err" else sys.stdout
+    with _print_lock:
+        print(f"[rank {rank} @ {pod}] {text}", file=out, flush=True)
+
+
+def check_python(health: dict[str, Any], url: str) -> None:
+    """Functions travel by cloudpickle, whose bytecode only a matching Python minor runs."""
+    theirs = str(health.get("python") or "")
+    ours = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if theirs and ".".join(theirs.split(".")[:2]) != ours:
+        raise ProtocolMismatch(
+            f"pod {health.get('pod')} at {url} runs Python {theirs}, this client "
+            f"Python {ours}: code shipped by cloudpickle needs the same minor "
+            f"version; use an image with Python {ours} (kt.images.python('{ours}'), "
+            "or build images/Dockerfile with a matching base)"
+        )

@@ -1,0 +1,1 @@
+"""The deployment and pod specs: plain, typed, parsed data that backends import."""

@@ -1,0 +1,77 @@
+"""Kubernetes options of a deployment: where its pods go and what their API objects carry.
+
+They shape the pods on a Kubernetes cluster only (the local backend warns that it ignores
+them, see ``ktlite.backends.kube_only``); ``kt.Compute(namespace=..., node_selector=...)``
+fills them, ``compute.kubernetes`` holds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ktlite.errors import ConfigError
+from ktlite.specs.volume import DNS_LABEL
+
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+@dataclass(frozen=True)
+class KubernetesOptions:
+    """Placement and metadata of a deployment's pods on Kubernetes.
+
+    Args:
+        namespace: the namespace of every object (default: the kubeconfig context's).
+        service_account: the pods' ServiceAccount.
+        image_pull_policy: "Always", "IfNotPresent" or "Never".
+        priority_class: the pods' PriorityClass.
+        node_selector: node labels a pod's node must carry.
+        tolerations: taints the pods tolerate (Kubernetes' toleration objects).
+        labels, annotations: extra metadata on every pod.
+        queue_name: a Kueue LocalQueue admitting the pods.
+        service_template: merged deeply into each StatefulSet.
+        gpu_anti_affinity: a CPU-only pod stays off nodes with GPUs.
+        kubeconfig_path: the cluster's kubeconfig (does not shape the pods).
+    """
+
+    namespace: str | None = None
+    service_account: str | None = None
+    image_pull_policy: str | None = None
+    priority_class: str | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    queue_name: str | None = None
+    service_template: dict[str, Any] | None = None
+    gpu_anti_affinity: bool = False
+    kubeconfig_path: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tolerations", tuple(self.tolerations))
+        if self.image_pull_policy not in (None, *PULL_POLICIES):
+            raise ConfigError(
+                f"image_pull_policy={self.image_pull_policy!r}; allowed: {', '.join(PULL_POLICIES)}"
+            )
+        if not isinstance(self.gpu_anti_affinity, bool):
+            raise ConfigError(f"gpu_anti_affinity={self.gpu_anti_affinity!r} must be True or False")
+        if self.queue_name is not None and (
+            not isinstance(self.queue_name, str) or not DNS_LABEL.match(self.queue_name)
+        ):
+            raise ConfigError(
+                f"queue_name={self.queue_name!r} must name a Kueue LocalQueue (a DNS label)"
+            )
+        if self.service_template is not None and not isinstance(self.service_template, dict):
+            raise ConfigError(
+                f"service_template={self.service_template!r} must be a dict merged into the "
+                "generated StatefulSet, e.g. {'spec': {'template': {'spec': {...}}}}"
+            )
+        if self.kubeconfig_path is not None and not isinstance(self.kubeconfig_path, str):
+            raise ConfigError(f"kubeconfig_path={self.kubeconfig_path!r} must be a path string")
+
+    def shape(self) -> dict[str, Any]:
+        """The options that shape a pod (all but the kubeconfig, which picks the cluster)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kubeconfig_path"}
+
+
+KUBERNETES_FIELDS = tuple(f.name for f in fields(KubernetesOptions))

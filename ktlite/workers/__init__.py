@@ -1,0 +1,1 @@
+"""NeMo RL's worker-group vocabulary over ktlite.groups."""
