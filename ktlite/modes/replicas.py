@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ktlite.backends.base import PodEndpoint
+from ktlite_wire.launch import Launch
 
 
 @dataclass
@@ -58,7 +59,7 @@ class ReplicaSet:
             deque()
         )  # calls waiting for a replica, in arrival order
         self.load = Load()
-        self.launch: bytes | None = None  # the current launch, for replicas that lack it
+        self.launch: Launch | None = None  # the current launch, for replicas that lack it
         self.stale: str | None = (
             None  # set when the deployment was torn down or redeployed elsewhere
         )

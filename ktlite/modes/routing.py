@@ -96,10 +96,11 @@ class Routing(Mode):
         take new calls only with the new)."""
         dep = self.dep
         timeout = dep.spec.compute.launch_timeout
-        body = replace(launch, store=store.result()).encode()
+        current = replace(launch, store=store.result())
+        body = current.encode()
         with self._pushing:
             require(dep.backend, Serving).write_launch(dep.name, body)
-            self.pool.launch = body
+            self.pool.launch = current
             with self.pool.cond:  # old replicas take no calls until they report the new launch
                 for r in self.pool.replicas.values():
                     r.launch_id = ""

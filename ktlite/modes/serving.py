@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 
 from ktlite.backends.base import Backend, PodEndpoint
 from ktlite.backends.capabilities import ClientScaling, Serving, Waking, optional, require
@@ -285,9 +286,8 @@ class ReplicaScaler(AutoscalerReport):
                 del self.pool.replicas[name]
             known = {n for n, r in self.pool.replicas.items() if r.launch_id == self.dep.launch_id}
         self.dep.applied = current
-        fresh = [ep for ep in current.endpoints if ep.name not in known]
-        for ep in fresh:
-            self._bring_up(ep)
+        # the replicas it routes to first: one that runs a newer .to()'s launch ends this
+        # handle's routing before it sends its (older) launch to any new replica
         for ep in current.endpoints:
             if ep.name in known:
                 with contextlib.suppress(KtliteError):
@@ -300,6 +300,8 @@ class ReplicaScaler(AutoscalerReport):
                         if r is not None:
                             r.reported = int(health.get("calls") or 0)
                             r.others = max(0, r.reported - r.inflight)
+        for ep in [ep for ep in current.endpoints if ep.name not in known]:
+            self._bring_up(ep)
         with self.pool.cond:
             self.pool.everyone()
 
@@ -328,6 +330,7 @@ class ReplicaScaler(AutoscalerReport):
             with self.pool.cond:
                 self.pool.admit(ep, self.dep.launch_id)
             return
+        seen = health or {}
         if health is None:
             # booting (loading the launch file) or no code: a launch is sent only to a pod
             # that has none, so a boot that is loading the current launch finishes on its own
@@ -337,15 +340,17 @@ class ReplicaScaler(AutoscalerReport):
                 return
             if plain.get("launch_id") is not None:
                 return
+            seen = plain
         if self.pool.launch is None:
             return
+        # only if the replica still runs what it reported: a newer .to() (another handle, or
+        # another process) may have given it newer code since, which this launch must not replace
+        launch = replace(self.pool.launch, expect=str(seen.get("launch_id") or "")).encode()
         try:
             failures, _ = split(
-                self.dep.client.deploy(
-                    ep.url, self.pool.launch, self.dep.spec.compute.launch_timeout + 30
-                )
+                self.dep.client.deploy(ep.url, launch, self.dep.spec.compute.launch_timeout + 30)
             )
-        except KtliteError:
+        except KtliteError:  # refused (redeployed since: the next look says so) or unreachable
             return
         if not failures:
             with self.pool.cond:

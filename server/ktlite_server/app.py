@@ -23,7 +23,6 @@ cap) is enforced below the app, in ``connections.py``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -128,9 +127,7 @@ class PodServer:
         await self.pod.prespawn()
         launch_file = os.environ.get("KTLITE_LAUNCH_FILE")
         if launch_file:
-            self.launches.boot_task = asyncio.get_running_loop().create_task(
-                self.launches.boot_launch(launch_file)
-            )
+            self.launches.start_boot(launch_file)
         yield
         self.calls.streams.close()
         await self.pod.shutdown()

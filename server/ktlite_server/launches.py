@@ -69,7 +69,19 @@ class Launches:
 
     async def install(self, msg: Launch) -> list[Any]:
         """Install a launch (a POST /deploy body, or the launch file a replica boots from)."""
+        outs: list[Any] = await asyncio.shield(self.begin(msg))
+        return outs
+
+    def begin(self, msg: Launch) -> asyncio.Task[list[Any]]:
+        """Start installing ``msg`` (or find its install running or done). No await before the
+        install is recorded: which launch is this pod's newest is decided in one step."""
         pod = self.pod
+        newest = next(reversed(self.installing), "")
+        if msg.expect is not None and newest not in (msg.expect, msg.launch_id):
+            raise refuse(409, ErrorCode.REDEPLOYED,
+                         f"pod {pod.name} took launch {newest} since its sender saw it with "
+                         f"{msg.expect or 'none'}: it was redeployed (by a newer .to(), or from "
+                         "its launch file); the launch was not installed")
         if msg.replica:
             # an autoscaled deployment's replica is a world of its own: rank 0 of one pod, at
             # this pod's own address (a replica started later reads the launch the client wrote)
@@ -106,12 +118,13 @@ class Launches:
             deploys[dep.launch_id] = task
             while len(deploys) > KEEP_INSTALLS:
                 deploys.popitem(last=False)
-        outs: list[Any] = await asyncio.shield(task)
-        return outs
+        return task
 
-    async def boot_launch(self, path: str) -> None:
+    def start_boot(self, path: str) -> None:
         """A replica started by an autoscaler loads the launch the client left for it (a
-        mounted Secret on Kubernetes, a file locally) before it reports ready."""
+        mounted Secret on Kubernetes, a file locally) before it reports ready. Called before
+        the server takes requests: the launch file's install is recorded first, so a client's
+        POST /deploy that saw this pod without a launch (``expect=""``) cannot replace it."""
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -128,11 +141,15 @@ class Launches:
             logger.error("%s", self.boot)
             return
         try:
-            outs = await self.install(msg)
+            task = self.begin(dataclasses.replace(msg, expect=None))
         except HTTPException as e:
             self.boot = f"the launch file {path} was refused: {e.detail}"
             logger.error("%s", self.boot)
             return
+        self.boot_task = asyncio.get_running_loop().create_task(self._booted(msg, task))
+
+    async def _booted(self, msg: Launch, task: asyncio.Task[list[Any]]) -> None:
+        outs: list[Any] = await asyncio.shield(task)
         failed = [o for o in outs if o.status is not Status.OK]
         self.boot = (
             f"loading launch {msg.launch_id} failed on rank(s) "
