@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import logging
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -344,10 +345,11 @@ def deploy(
         dep.close()
         if isinstance(e, Exception) and (traits(backend.name).pods_outlive_caller or spec.detached):
             # the pods are fine, the code is not: they stay warm for the next .to()
-            e.add_note(
-                f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
-                f"`ktlite teardown {spec.name}` removes them"
-            )
+            if sys.version_info >= (3, 11):  # notes are Python 3.11's; before, the error goes as it is
+                e.add_note(
+                    f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
+                    f"`ktlite teardown {spec.name}` removes them"
+                )
         raise
     dep.mode.deployed()
     return dep

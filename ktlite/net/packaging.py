@@ -145,7 +145,7 @@ def encode_ranked_call(method: str | None, args: tuple[Any, ...], kwargs: dict[s
     if items is None:
         return shared, None
     pos = envelope.parts_size(shared)
-    layout = {"shared": pos, "items": [], "base": 0}
+    layout: dict[str, Any] = {"shared": pos, "items": [], "base": 0}
     parts = list(shared)
     for r, values in enumerate(items):
         try:
