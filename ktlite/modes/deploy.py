@@ -343,13 +343,14 @@ def deploy(
         )
     except BaseException as e:
         dep.close()
-        if isinstance(e, Exception) and (traits(backend.name).pods_outlive_caller or spec.detached):
-            # the pods are fine, the code is not: they stay warm for the next .to()
-            if sys.version_info >= (3, 11):  # notes are Python 3.11's; before, the error goes as it is
-                e.add_note(
-                    f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
-                    f"`ktlite teardown {spec.name}` removes them"
-                )
+        # the pods are fine, the code is not: they stay warm for the next .to() (notes are
+        # Python 3.11's; before, the error goes as it is)
+        if (sys.version_info >= (3, 11) and isinstance(e, Exception)
+                and (traits(backend.name).pods_outlive_caller or spec.detached)):
+            e.add_note(
+                f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
+                f"`ktlite teardown {spec.name}` removes them"
+            )
         raise
     dep.mode.deployed()
     return dep
