@@ -90,7 +90,8 @@ def _monarch_env() -> dict[str, Any]:
                  "this is not pod 0, the controller")
         raise KtliteError("monarch_hosts() works in the function of a distribute('monarch', ...) deployment, "
                           f"which runs on pod 0 (Monarch's controller); {where}")
-    return json.loads(raw)
+    hosts: dict[str, Any] = json.loads(raw)
+    return hosts
 
 
 def monarch_hosts() -> Any:

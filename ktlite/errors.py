@@ -307,9 +307,10 @@ def with_remote_context(exc: BaseException, failures: list[RankFailure],
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                 "__init__": cls.__init__, "__str__": cls.__str__, "__reduce__": cls.__reduce__,
             })
-            combined = cls.__new__(sub, *exc.args)
-            combined.args = exc.args
-            combined.__dict__.update(getattr(exc, "__dict__", {}))
+            made: BaseException = cls.__new__(sub, *exc.args)
+            made.args = exc.args
+            made.__dict__.update(getattr(exc, "__dict__", {}))
+            combined = made
         except Exception:
             combined = exc
     try:

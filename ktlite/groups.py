@@ -376,7 +376,8 @@ class WorkerGroup:
     def restart_failed_workers(self) -> list[int]:
         """Restart the worker processes that died (only those: the others keep their state);
         the restarted ranks, in order."""
-        return self.remote.restart_failed()["restarted"]
+        restarted: list[int] = self.remote.restart_failed()["restarted"]
+        return restarted
 
     def _ranks(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
         rows = [

@@ -143,7 +143,8 @@ class RemoteMethod:
 
     def submit(self, *args: Any, **kwargs: Any) -> Future:
         """The method call as a :class:`kt.Future`, returned at once."""
-        return self._owner._invoke(self._name, self._target, args, kwargs, None, submit=True)
+        future: Future = self._owner._invoke(self._name, self._target, args, kwargs, None, submit=True)
+        return future
 
     def each(self, items: Any, *args: Any, **kwargs: Any) -> Any:
         """The method on every rank, rank r getting ``items[r]`` first (see RemoteFunction.each)."""
@@ -159,9 +160,10 @@ class RemoteMethod:
         **kwargs: Any,
     ) -> list[Any]:
         """The method with sharded data (see RemoteFunction.sharded)."""
-        return self._owner._sharded(
+        values: list[Any] = self._owner._sharded(
             self._name, self._target, data, layout, in_sharded_axes, replicate_on_axes, args, kwargs
         )
+        return values
 
     def options(self, **options: Any) -> Bound:
         return Bound(self._owner, self._name, self._target, _options(options))
@@ -179,6 +181,7 @@ class Bound:
         return self._remote._invoke(self._method, self._target, args, kwargs, self._opts)
 
     def submit(self, *args: Any, **kwargs: Any) -> Future:
-        return self._remote._invoke(
+        future: Future = self._remote._invoke(
             self._method, self._target, args, kwargs, self._opts, submit=True
         )
+        return future

@@ -198,8 +198,15 @@ class App:
         self.rendezvous_timeout = float(rendezvous_timeout)
         self._remote: Any = None
 
+    @property
+    def replica_count(self) -> int:
+        """The replicas (pods) it runs on: its Compute is distributed from __init__ on."""
+        d = self.compute.distributed
+        assert d is not None, "kt.app's Compute is set by _distributed in __init__"
+        return d.workers
+
     def __repr__(self) -> str:
-        return f"<kt.app {shlex.join(self.command)!r} as {self.name!r} on {self.compute.distributed.workers} replica(s)>"
+        return f"<kt.app {shlex.join(self.command)!r} as {self.name!r} on {self.replica_count} replica(s)>"
 
     def deploy(self, dryrun: bool = False) -> Any:
         from ktlite.api.remote import fn

@@ -15,7 +15,7 @@ import difflib
 import inspect
 import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, cast
 
 from ktlite.api.kubetorch_compute import ALIASES, EXTRA, KubetorchOperations, adapt
 from ktlite.backends.registry import HOSTS_BACKEND, NAMES, traits
@@ -23,7 +23,7 @@ from ktlite.config import get as setting
 from ktlite.errors import ConfigError
 from ktlite.specs.autoscaling import AutoscaleConfig, from_kwargs
 from ktlite.specs.call_defaults import CALL_FIELDS, SERIALIZATIONS, CallDefaults
-from ktlite.specs.hosts import Hosts, as_hosts
+from ktlite.specs.hosts import Host, Hosts, as_hosts
 from ktlite.specs.images import Image
 from ktlite.specs.kube_options import KUBERNETES_FIELDS, PULL_POLICIES, KubernetesOptions
 from ktlite.specs.podspec import PodSpec, Resources
@@ -300,7 +300,7 @@ class Compute(KubetorchOperations):
         hosts = as_hosts(self.hosts)
         if hosts is None and traits(self.backend).hosts:  # `ktlite config set ssh.hosts gpu1,gpu2`
             listed = [h.strip() for h in (setting("ssh.hosts") or "").split(",") if h.strip()]
-            hosts = Hosts(tuple(listed)) if listed else None
+            hosts = Hosts(tuple(Host(h) for h in listed)) if listed else None
         object.__setattr__(self, "hosts", hosts)
         if hosts is None:
             return
@@ -312,7 +312,7 @@ class Compute(KubetorchOperations):
         d = self.distributed
         if d is None:
             object.__setattr__(self, "distributed", DistributedConfig(
-                workers=len(hosts), num_proc=[n or self.gpus or 1 for n in hosts.sizes]))
+                workers=len(hosts), num_proc=tuple(n or self.gpus or 1 for n in hosts.sizes)))
             return
         if d.workers != len(hosts):
             raise ConfigError(f"distribute(workers={d.workers}) but hosts= names {len(hosts)} host(s); one pod "
@@ -400,7 +400,7 @@ class Compute(KubetorchOperations):
         return self
 
     def _distributed(self, framework: str = "spmd", workers: int | None = None,
-                     num_proc: int | list[int] | tuple[int, ...] | None = None,
+                     num_proc: int | list[int] | tuple[int, ...] | str | None = None,
                      port: int | None = None, quorum_timeout: float = 300.0,
                      worker_node_options: dict[str, Any] | None = None, **unknown: Any) -> Compute:
         """A copy of this Compute that runs on ``workers`` pods × ``num_proc`` ranks each.
@@ -430,7 +430,7 @@ class Compute(KubetorchOperations):
                 raise ConfigError(f"distribute('ray', workers={workers!r}): workers is the number of Ray "
                                   "worker nodes besides the head (0 for a head alone)")
             config = DistributedConfig(framework=framework, workers=workers + 1,
-                                       num_proc=1 if num_proc is None else num_proc, port=port,
+                                       num_proc=1 if num_proc is None else _sizes(num_proc), port=port,
                                        quorum_timeout=quorum_timeout)
             if worker_node_options is not None and not isinstance(worker_node_options, dict):
                 raise ConfigError(f"worker_node_options={worker_node_options!r} must be a dict of Compute "
@@ -452,7 +452,7 @@ class Compute(KubetorchOperations):
             raise ConfigError("num_proc=[] names no pod; give one rank count per pod, e.g. [4, 8, 2]")
         if workers is None:
             workers = len(num_proc) if isinstance(num_proc, (list, tuple)) else 1
-        config = DistributedConfig(framework=framework, workers=workers, num_proc=num_proc,
+        config = DistributedConfig(framework=framework, workers=workers, num_proc=_sizes(num_proc),
                                    port=port, quorum_timeout=quorum_timeout)
         return self._with(distributed=config, worker_node_options=None,
                           replicas=None if self.replicas is None else workers)
@@ -470,3 +470,11 @@ def _signature() -> inspect.Signature:
 
 
 Compute.__signature__ = _signature()  # type: ignore[attr-defined]
+
+
+def _sizes(num_proc: int | list[int] | tuple[int, ...] | str) -> int | tuple[int, ...]:
+    """``num_proc`` as DistributedConfig keeps it: a list as a tuple (its __post_init__ does the
+    same). A str other than "auto" (gone by now) goes as it is, for DistributedConfig to refuse."""
+    if isinstance(num_proc, list):
+        return tuple(num_proc)
+    return cast("int | tuple[int, ...]", num_proc)

@@ -58,7 +58,7 @@ class Future(concurrent.futures.Future):  # type: ignore[type-arg]
             for waiter in self._waiters:
                 waiter.add_cancelled(self)
             self._condition.notify_all()
-        self._invoke_callbacks()
+        self._invoke_callbacks()  # type: ignore[attr-defined]  # concurrent.futures.Future's, not in typeshed
 
     @property
     def cancel_requested(self) -> bool:

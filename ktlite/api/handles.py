@@ -133,7 +133,7 @@ class _Remote(ServedHandle):
         return {}
 
     def _redeploy(self, compute: Compute) -> None:
-        new = self._source.to(compute, name=self.name, **self._to_options())  # type: ignore[attr-defined]
+        new = self._source.to(compute, name=self.name, **self._to_options())
         old, self._deployment = self._deployment, new.deployment
         if old is not None:
             # the pods keep colocated targets through a redeploy; pods the backend replaces
@@ -193,13 +193,14 @@ class _Remote(ServedHandle):
         serialization = self._serialization(serialization, dep)
         if serialization == "json":
             _json_only((args, kwargs), "the arguments")
-        call = (self._target, method) if self._host is not None else method  # type: ignore[attr-defined]
+        call = (self._target, method) if self._host is not None else method
         parts, layout = packaging.encode_ranked_call(
             call, args, kwargs, dep.spec.distributed.world_size
         )
         single = dep.single  # the mode's: one value, or a list by rank
         if submit:
-            future = Future(dep.name, method or getattr(target, "__name__", "call"), single=single)
+            label = method if method else str(getattr(target, "__name__", "call"))
+            future = Future(dep.name, label, single=single)
             return dep.submit(method, parts, options, future, layout)
         values = dep.call(method, parts, options, per_rank=layout)
         if serialization == "json":  # what Kubetorch's JSON transport gives: lists for tuples
@@ -274,7 +275,8 @@ class _Remote(ServedHandle):
                 for r in pod["ranks"]:
                     print(r["rank"], r["cpu_percent"], r["rss_bytes"] >> 20, "MiB")
         """
-        return self.deployment.status(stuck_after)
+        pods: list[dict[str, Any]] = self.deployment.status(stuck_after)
+        return pods
 
     def restart_failed(self) -> dict[str, Any]:
         """Restart the rank processes that died, and only those: the others keep their
@@ -358,7 +360,8 @@ class RemoteFunction(_Remote):
     def submit(self, *args: Any, **kwargs: Any) -> Future:
         """Start the call and return a :class:`kt.Future` at once (awaitable; works with
         ``concurrent.futures.wait``/``as_completed``). Submitted calls leave in order."""
-        return self._invoke(None, self._source.obj, args, kwargs, None, submit=True)
+        future: Future = self._invoke(None, self._source.obj, args, kwargs, None, submit=True)
+        return future
 
     def each(self, items: Any, *args: Any, **kwargs: Any) -> Any:
         """One call in which rank r gets ``items[r]`` as its first argument (and the other

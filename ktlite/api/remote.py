@@ -183,7 +183,7 @@ class Fn(_Source, _ToAsync):
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, None)
             return RemoteFunction(self, host.deployment, host=host, target=target)
-        dep = self._existing(compute, name) if get_if_exists and not dryrun else None
+        dep: Deployment | Plan | None = self._existing(compute, name) if get_if_exists and not dryrun else None
         dep = dep or self._deploy(compute, name, detached, dryrun, restart_procs, None)
         if isinstance(dep, Plan):
             return dep
@@ -255,7 +255,7 @@ class Cls(_Source, _ToAsync):
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, init)
             return RemoteClass(self, host.deployment, init_args, host=host, target=target)
-        dep = self._existing(compute, name) if get_if_exists and not dryrun else None
+        dep: Deployment | Plan | None = self._existing(compute, name) if get_if_exists and not dryrun else None
         dep = dep or self._deploy(compute, name, detached, dryrun, restart_procs, init)
         if isinstance(dep, Plan):
             return dep
@@ -271,7 +271,7 @@ def _with_concurrency(compute: Any, concurrency: int | None) -> Any:
             "concurrency= belongs to the deployment: a colocated group shares its host's; "
             "set it on the host's Compute"
         )
-    return replace(compute, concurrency=concurrency)
+    return compute._with(concurrency=concurrency)
 
 
 def _with_stream_logs(compute: Any, stream_logs: bool | None) -> Any:
@@ -282,7 +282,7 @@ def _with_stream_logs(compute: Any, stream_logs: bool | None) -> Any:
         raise ConfigError(f"stream_logs={stream_logs!r} must be True or False")
     if not isinstance(compute, Compute):
         raise ConfigError("stream_logs= belongs to the deployment: set it on the host's Compute")
-    return replace(compute, stream_logs=stream_logs)
+    return compute._with(stream_logs=stream_logs)
 
 
 def _check_sync(**given: Any) -> None:

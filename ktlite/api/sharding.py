@@ -192,7 +192,8 @@ class NamedSharding:
             step = math.prod(self._shape[depth + 1 :])
             return [build(depth + 1, offset + i * step) for i in range(self._shape[depth])]
 
-        return build(0, 0)
+        nested: list[Any] = build(0, 0)
+        return nested
 
     def get_axis_index(self, name: str) -> int:
         self._check_axis(name)

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         for app in apps:
             print(app.deploy(dryrun=True))
             print(
-                f"# then, on each of the {app.compute.distributed.workers} replica(s), in "
+                f"# then, on each of the {app.replica_count} replica(s), in "
                 f"{app.workdir}: {shlex.join(app.command)}"
             )
         return 0

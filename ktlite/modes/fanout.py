@@ -30,7 +30,7 @@ from ktlite.modes.callpath import CallOptions, pool, print_log, shm_arguments
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.replacement import ReplacedWatch, Replacements
-from ktlite.net.client import CallReply
+from ktlite.net.client import CallReply, PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire.launch import Launch
 from ktlite_wire.status import Status
@@ -72,7 +72,7 @@ class Fanout(Mode):
         return self.dep.endpoints
 
     @property
-    def client(self) -> Any:
+    def client(self) -> PodClient:
         return self.dep.client
 
     # ---- code --------------------------------------------------------------------------
@@ -216,7 +216,7 @@ class Fanout(Mode):
         call_id = uuid.uuid4().hex
         if on_send is not None:
             on_send(call_id)
-        meta = {
+        meta: dict[str, Any] = {
             "id": call_id,
             "launch_id": self.dep.launch_id,
             "pods": [ep.peer_url for ep in eps],

@@ -42,7 +42,7 @@ from ktlite.modes.callpath import CallOptions, CallPath, pool, print_log, shm_ar
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.replicas import Replica, ReplicaSet
-from ktlite.modes.serving import ReplicaScaler
+from ktlite.modes.serving import ReplicaScaler, autoscale_of
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire.launch import Launch
 from ktlite_wire.status import Status
@@ -71,7 +71,7 @@ class Routing(Mode):
         cls, spec: DeploymentSpec, backend: Backend, existing: Applied | None
     ) -> DeploymentSpec:
         """A redeploy keeps the replicas that run (within the bounds); the autoscaler goes on."""
-        a = spec.autoscale
+        a = autoscale_of(spec)
         if require(backend, Serving).autoscaler(spec) != "client" or existing is None:
             return spec
         return replace(
@@ -151,7 +151,7 @@ class Routing(Mode):
     def parallel_calls(self) -> int:
         """Many calls in flight (up to ``concurrency`` per replica, the rest wait here for a
         free replica and count as load for the autoscaler)."""
-        a = self.dep.spec.autoscale
+        a = autoscale_of(self.dep.spec)
         most = (a.max_scale or self.scaler.max_replicas) * self.dep.spec.concurrency
         return max(4, min(256, most * 2))
 
@@ -237,7 +237,7 @@ class Routing(Mode):
         )
         return LaunchTimeout(
             f"no replica of {dep.name!r} had room for this call within {waited:g}s (calls in flight per "
-            f"replica: {busy}; at most {dep.spec.concurrency} each; {dep.spec.autoscale.describe()})"
+            f"replica: {busy}; at most {dep.spec.concurrency} each; {autoscale_of(dep.spec).describe()})"
             f"{self.scaler.why()}. Raise max_scale or concurrency, pass a longer timeout=, or see "
             f"`ktlite status {dep.name}`"
         )

@@ -26,7 +26,7 @@ from ktlite.modes.callpath import CallPath
 from ktlite.modes.outcomes import split
 from ktlite.modes.replicas import Replica, ReplicaSet
 from ktlite.modes.serving_status import AutoscalerReport
-from ktlite.specs.autoscaling import Decision, Scaler
+from ktlite.specs.autoscaling import AutoscaleConfig, Decision, Scaler
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite.specs.quantities import parse_memory
 
@@ -38,12 +38,19 @@ CLUSTER_REFRESH_S = 2.0
 logger = logging.getLogger(__name__)
 
 
+def autoscale_of(spec: DeploymentSpec) -> AutoscaleConfig:
+    """``spec.autoscale``, which is set: the serving mode runs only a spec with it (``mode_for``)."""
+    a = spec.autoscale
+    assert a is not None, "the serving mode runs only deployments with autoscale set"
+    return a
+
+
 class ReplicaScaler(AutoscalerReport):
     """The scaling thread of one autoscaled deployment; see the module docstring."""
 
     def __init__(self, dep: CallPath, pool: ReplicaSet) -> None:
         self.dep, self.pool = dep, pool
-        self._scaler = Scaler(dep.spec.autoscale, max_default=os.cpu_count() or 1)
+        self._scaler = Scaler(autoscale_of(dep.spec), max_default=os.cpu_count() or 1)
         self._said_who: str | None = None  # the backend's answer, asked at first need
         self._decision: Decision | None = None
         self._wake = threading.Event()
@@ -60,7 +67,7 @@ class ReplicaScaler(AutoscalerReport):
         )
 
     @property
-    def _who(self) -> str:  # type: ignore[override]
+    def _who(self) -> str:
         """Who scales: ``"client"`` (this thread), ``"hpa"`` or ``"knative"`` (the cluster)."""
         if self._said_who is None:
             self._said_who = require(self.dep.backend, Serving).autoscaler(self.dep.spec)
@@ -185,7 +192,7 @@ class ReplicaScaler(AutoscalerReport):
         if not self._lead():
             return  # another process scales this deployment; it counts our waiting calls
         now = time.monotonic()
-        metric = self.dep.spec.autoscale.metric_name
+        metric = autoscale_of(self.dep.spec).metric_name
         # what takes I/O is read before the lock that calls take
         usage = self._usage(metric) if metric in ("cpu", "memory") else 0.0
         others = optional(self.dep.backend, ClientScaling)
@@ -234,7 +241,7 @@ class ReplicaScaler(AutoscalerReport):
         """The load now, summed over replicas (``elsewhere``: calls waiting in other
         processes). Holds ``_cond``."""
         self.pool.load.finished = [t for t in self.pool.load.finished if t >= now - 1.0]
-        if self.dep.spec.autoscale.metric_name == "rps":
+        if autoscale_of(self.dep.spec).metric_name == "rps":
             return float(len(self.pool.load.finished))
         return float(
             sum(r.inflight + r.others for r in self.pool.replicas.values())

@@ -15,20 +15,37 @@ from typing import Any
 
 from ktlite.backends.capabilities import ClientScaling, optional
 from ktlite.errors import NotDeployedError
+from ktlite.specs.autoscaling import Scaler
 
 
 class AutoscalerReport:
     """Mixed into ``ReplicaScaler``: the attributes below are its own."""
 
-    name: str
-    backend: Any
-    spec: Any
-    _who: str
     _leading: bool
     _decision: Any
-    _scaler: Any
+    _scaler: Scaler
     _scale_error: str | None
-    _replicas: dict[str, Any]
+
+    # read-only properties of ReplicaScaler's
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def backend(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def spec(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def _who(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def _replicas(self) -> dict[str, Any]:
+        raise NotImplementedError
 
     def _record(self) -> None:
         """Keep the last decision where `ktlite status` (another process) reads it."""

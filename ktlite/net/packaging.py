@@ -16,7 +16,7 @@ import site
 import sys
 import sysconfig
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import cloudpickle
 
@@ -125,7 +125,11 @@ def bundle(obj: Any) -> bytes:
         raise SerializationError(_diagnose_callable(obj, e)) from e
 
 
-def encode_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+# what a call names: the method (None: the function), or (target, method) on a colocated host
+CallName: TypeAlias = "str | tuple[str | None, str | None] | None"
+
+
+def encode_call(method: CallName, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """Encode a call's arguments; names the argument that cannot be pickled."""
     try:
         with by_value():
@@ -134,7 +138,7 @@ def encode_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any
         raise SerializationError(_diagnose_args(args, kwargs, e)) from e
 
 
-def encode_ranked_call(method: str | None, args: tuple[Any, ...], kwargs: dict[str, Any], world: int
+def encode_ranked_call(method: CallName, args: tuple[Any, ...], kwargs: dict[str, Any], world: int
                        ) -> tuple[list[Any], dict[str, Any] | None]:
     """Encode a call whose arguments may hold ``kt.per_rank`` markers: the shared message,
     then one message per rank with that rank's items, and the offsets (None: no marker)."""
@@ -145,7 +149,7 @@ def encode_ranked_call(method: str | None, args: tuple[Any, ...], kwargs: dict[s
     if items is None:
         return shared, None
     pos = envelope.parts_size(shared)
-    layout = {"shared": pos, "items": [], "base": 0}
+    layout: dict[str, Any] = {"shared": pos, "items": [], "base": 0}
     parts = list(shared)
     for r, values in enumerate(items):
         try:

@@ -25,7 +25,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ktlite.errors import ConfigError
 from ktlite.specs.secret_providers import PROVIDERS, SecretFile, find, read_file, shown
@@ -153,7 +153,9 @@ def secret(name: str | None = None, provider: str | None = None, path: str | Non
         >>> kt.Compute(cpus=1, secrets=[kt.secret(provider="huggingface"), "aws",
         ...                            kt.secret(name="db", env_vars=["DB_PASSWORD"])])
     """
-    return Secret(name=name, provider=provider, path=path, env_vars=env_vars, namespace=namespace,
+    # a list goes as it is: Secret's __post_init__ checks it and keeps it as a tuple
+    names = cast("tuple[str, ...] | dict[str, str] | None", env_vars)
+    return Secret(name=name, provider=provider, path=path, env_vars=names, namespace=namespace,
                   override=override)
 
 

@@ -124,7 +124,7 @@ def main() -> None:
         timeout_graceful_shutdown=3, lifespan="on")
     server = uvicorn.Server(config)
 
-    async def serve() -> None:
+    async def run_server() -> None:
         loop = asyncio.get_running_loop()
         if args.parent_pid:
             loop.create_task(_watch_parent(args.parent_pid, server, pod))
@@ -146,9 +146,9 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
         if config.loop == "uvloop":
             import uvloop
-            uvloop.run(serve())
+            uvloop.run(run_server())
         else:
-            asyncio.run(serve())
+            asyncio.run(run_server())
 
 
 if __name__ == "__main__":

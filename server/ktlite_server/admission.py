@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ktlite_server.connections import Limits
@@ -46,7 +46,7 @@ class Token:
     def matches(self, header: bytes | None) -> bool:
         return hmac.compare_digest(header or b"", self._expected)
 
-    def in_scope(self, scope: dict[str, Any]) -> bool:
+    def in_scope(self, scope: Mapping[str, Any]) -> bool:
         """Whether the request of this ASGI scope carries the token."""
         return self.matches(next((v for k, v in scope["headers"] if k == _TOKEN), None))
 

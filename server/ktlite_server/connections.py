@@ -126,7 +126,7 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     # -- the connection cap ------------------------------------------------------------------
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.cap and not self._evict_one():
             logger.info(

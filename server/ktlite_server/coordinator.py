@@ -176,7 +176,8 @@ class Coordinator:
             probes = asyncio.ensure_future(asyncio.gather(
                 *(self.peers.ensure(plan.pods[i], left) for i in missing), return_exceptions=True))
             woken = asyncio.ensure_future(self._wake.wait())
-            await asyncio.wait({probes, woken}, return_when=asyncio.FIRST_COMPLETED)
+            racing: set[asyncio.Future[Any]] = {probes, woken}
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
             woken.cancel()
             if not probes.done():  # cancelled mid-probe
                 probes.cancel()
@@ -204,7 +205,7 @@ class Coordinator:
             await asyncio.sleep(0.2)
         if not missing or self._stopped:
             return []
-        names = [plan.name(i) for i in missing]
+        unreached = [plan.name(i) for i in missing]
         reached = len(plan.pods) - len(missing)
         outs: list[PodOutcome] = []
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
@@ -217,7 +218,7 @@ class Coordinator:
                     f"{len(plan.pods)} pods were; no rank started. Check that the pod is running, or "
                     "raise distribute(quorum_timeout=...)"), status=Status.UNREACHABLE)
             else:
-                outs += self._failed_pod(plan, i, f"not started: pod(s) {', '.join(names)} unreachable",
+                outs += self._failed_pod(plan, i, f"not started: pod(s) {', '.join(unreached)} unreachable",
                                          status=Status.CANCELLED)
         return outs
 

@@ -202,9 +202,9 @@ class PeerPool:
         key = f"{host}:{port}"
         pieces = body if isinstance(body, list) else [body]  # a body in pieces is sent without joining
         length = sum(p.nbytes for p in pieces)
-        head = [f"{method} {path} HTTP/1.1", f"host: {key}", f"content-length: {length}"]
-        head += [f"{k}: {v}" for k, v in {**self._headers, **headers}.items()]
-        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+        request_head = [f"{method} {path} HTTP/1.1", f"host: {key}", f"content-length: {length}"]
+        request_head += [f"{k}: {v}" for k, v in {**self._headers, **headers}.items()]
+        request = ("\r\n".join(request_head) + "\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
             idle = self._idle.get(key)
             reused = bool(idle)
@@ -249,7 +249,9 @@ class PeerPool:
         seconds and is still open: :meth:`ensure` would return at once."""
         parts = urlsplit(url)
         idle = self._idle.get(f"{parts.hostname or '127.0.0.1'}:{parts.port or 80}")
-        return bool(idle) and time.monotonic() - idle[-1].used < fresh_s \
+        if not idle:
+            return False
+        return time.monotonic() - idle[-1].used < fresh_s \
             and not (idle[-1].reader.at_eof() or idle[-1].writer.is_closing())
 
     async def ensure(self, url: str, timeout: float = 5.0, fresh_s: float = PROBE_AFTER_S) -> None:

@@ -64,10 +64,10 @@ def _task_cause(exc: BaseException) -> BaseException:
     was raised."""
     wrappers = []
     rex = sys.modules.get("ray.exceptions")
-    if getattr(rex, "RayTaskError", None) is not None:
+    if rex is not None and getattr(rex, "RayTaskError", None) is not None:
         wrappers.append((rex.RayTaskError, "cause"))
     mex = sys.modules.get("monarch._src.actor.actor_mesh")
-    if getattr(mex, "ActorError", None) is not None:
+    if mex is not None and getattr(mex, "ActorError", None) is not None:
         wrappers.append((mex.ActorError, "exception"))
     for _ in range(8):  # a task that got a failed task's error wraps it again
         cause = next((getattr(exc, attr, None) for cls, attr in wrappers if isinstance(exc, cls)), None)
@@ -189,7 +189,7 @@ class Rank:
             os.environ["MASTER_PORT"] = str(self.base_port + generation % PORT_SPAN)
         dist = sys.modules.get("torch.distributed")
         if dist is not None:
-            dist._ktlite_stale = True
+            vars(dist)["_ktlite_stale"] = True  # a marker of ktlite's own on the module
 
     def load(self, msg: rankchannel.Load) -> None:
         if msg.target:

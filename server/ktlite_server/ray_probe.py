@@ -24,7 +24,8 @@ def _nodes(client: Any) -> list[dict[str, Any]]:
 
 def main() -> None:
     address, want, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    from ray._raylet import GcsClient  # Ray's own client of its GCS
+    # Ray's own client of its GCS; ray._raylet is compiled and its stub does not list it
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
     client = GcsClient(address=address)
     deadline = time.monotonic() + timeout

@@ -233,7 +233,7 @@ class RayNode(Engine):
         raylet: int | None = None
         while (line := fatal_line(self.temp_dir)) is None:
             if raylet is None:
-                raylet = self.proc and _child_named(self.proc.pid, "raylet")
+                raylet = _child_named(self.proc.pid, "raylet") if self.proc else None
             elif not os.path.exists(f"/proc/{raylet}"):
                 await asyncio.sleep(WATCH_S)  # its last words reach the log first
                 return fatal_line(self.temp_dir) or f"nothing: its raylet (pid {raylet}) exited"

@@ -16,6 +16,7 @@ and the server (``--tether-stdin``) stops.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import random
@@ -124,7 +125,7 @@ def pick_ports(span: int, host: str) -> int:
 
     low, high = PORT_RANGE[0], PORT_RANGE[1] - span
     start = random.SystemRandom().randrange(low, high)
-    for port in (*range(start, high), *range(low, start)):
+    for port in itertools.chain(range(start, high), range(low, start)):
         if all(free(p) for p in range(port, port + span)):
             return port
     _fail(f"no {span} free ports in a row between {PORT_RANGE[0]} and {PORT_RANGE[1]} on this host; "

@@ -210,8 +210,9 @@ def create_store_app(root: str, token: str) -> FastAPI:
             if entry["type"] == "dir":
                 size, chunks = await asyncio.to_thread(store.tar, key)
             else:
-                f, entry = await asyncio.to_thread(store.open, key)
-                size, chunks = entry["size"], _read(f)
+                f, opened = await asyncio.to_thread(store.open, key)
+                entry = opened
+                size, chunks = opened["size"], _read(f)
         except StoreFault as e:
             raise _fail(e) from None
         headers = {"content-length": str(size), "x-ktlite-entry": json.dumps(entry)}

@@ -125,6 +125,8 @@ class CallStream:
                     self._wake()
                     return
 
+        heart: asyncio.TimerHandle  # set below, once beat exists
+
         def beat() -> None:  # a timer, not a task: most calls end long before the first beat
             nonlocal beat_due, heart
             beat_due = True
@@ -177,7 +179,7 @@ async def _send(send: Any, item: Any, more: bool) -> None:
     if envelope.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
         return
-    chunks = list(envelope.chunked(parts)) or [b""]
+    chunks: list[bytes | memoryview] = [*envelope.chunked(parts)] or [b""]
     for i, chunk in enumerate(chunks):
         await send({"type": "http.response.body", "body": chunk,
                     "more_body": more or i < len(chunks) - 1})
