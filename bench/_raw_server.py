@@ -49,8 +49,17 @@ def main() -> None:
     port = sock.getsockname()[1]
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, loop=loop,
-                                           http=http, lifespan="off", timeout_keep_alive=300))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            loop=loop,
+            http=http,
+            lifespan="off",
+            timeout_keep_alive=300,
+        )
+    )
 
     async def serve() -> None:
         running = asyncio.get_running_loop()

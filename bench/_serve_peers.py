@@ -30,6 +30,7 @@ clock = time.perf_counter
 
 # ---- the model (the same in every row) -------------------------------------------------------
 
+
 class Model:
     """A small MLP on CPU: a batch of 32 x 256 floats in, 32 class ids out (~2.3 ms here)."""
 
@@ -40,10 +41,14 @@ class Model:
         torch.manual_seed(0)
         hidden = 4 * width
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(width, hidden), torch.nn.ReLU(),
-            torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-            torch.nn.Linear(hidden, width), torch.nn.ReLU(),
-            torch.nn.Linear(width, 10)).eval()
+            torch.nn.Linear(width, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 10),
+        ).eval()
 
     def predict(self, x: Any) -> list[int]:
         import torch
@@ -62,12 +67,15 @@ def example_input(width: int = WIDTH, batch: int = BATCH) -> Any:
 
 # ---- the load generator (the same harness for every row) ------------------------------------
 
+
 def nearest_rank(samples: list[float], q: float) -> float:
     s = sorted(samples)
     return s[max(0, math.ceil(q * len(s)) - 1)] if s else float("nan")
 
 
-def drive(call: Callable[[], Any], inflight: int, seconds: float, warmup: float) -> dict[str, float]:
+def drive(
+    call: Callable[[], Any], inflight: int, seconds: float, warmup: float
+) -> dict[str, float]:
     """``inflight`` threads, each keeping one blocking ``call()`` in flight, for ``warmup`` s
     and then ``seconds`` s. Throughput counts calls finished inside the measured window;
     latencies are those of every call in flight at some point of it (a call kept waiting
@@ -96,18 +104,26 @@ def drive(call: Callable[[], Any], inflight: int, seconds: float, warmup: float)
     for t in threads:
         t.join(seconds + warmup + 120)
     if errors:
-        raise RuntimeError(f"{len(errors)} of {inflight} load threads failed: {errors[0]!r}") from errors[0]
+        raise RuntimeError(
+            f"{len(errors)} of {inflight} load threads failed: {errors[0]!r}"
+        ) from errors[0]
     start, end = window["start"], window["end"]
     flat = [r for rs in records for r in rs]
     done = sum(1 for _, e in flat if start <= e <= end)
     latencies = [e - b for b, e in flat if b < end and e > start]
     per_thread = [sum(1 for _, e in rs if start <= e <= end) for rs in records]
-    return {"rps": done / seconds, "p50": nearest_rank(latencies, 0.50),
-            "p99": nearest_rank(latencies, 0.99), "calls": float(len(latencies)),
-            "fewest_per_thread": float(min(per_thread)), "most_per_thread": float(max(per_thread))}
+    return {
+        "rps": done / seconds,
+        "p50": nearest_rank(latencies, 0.50),
+        "p99": nearest_rank(latencies, 0.99),
+        "calls": float(len(latencies)),
+        "fewest_per_thread": float(min(per_thread)),
+        "most_per_thread": float(max(per_thread)),
+    }
 
 
 # ---- the floor: bench/_raw_server.py serving the model --------------------------------------
+
 
 def serve_floor(width: int, parent_pid: int) -> None:
     """Runs ``bench/_raw_server.py``'s server (uvloop + httptools where installed, one POST
@@ -133,8 +149,9 @@ class FloorClient:
         self.load = [0] * len(ports)
         self.lock = threading.Lock()
         self.turn = itertools.count()
-        self.http = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=128,
-                                                                  max_keepalive_connections=128))
+        self.http = httpx.Client(
+            timeout=120, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128)
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import cloudpickle
@@ -158,6 +175,7 @@ class FloorClient:
 
 # ---- the peer: Ray Serve, through its DeploymentHandle --------------------------------------
 
+
 def run_ray(args: argparse.Namespace) -> dict[str, Any]:
     """Ray Serve rows: a deployment of ``Model`` with ``num_replicas`` 1 and 4 and
     ``max_ongoing_requests`` = ktlite's concurrency, called with
@@ -169,26 +187,38 @@ def run_ray(args: argparse.Namespace) -> dict[str, Any]:
     except ImportError as e:
         return {"skipped": f"ray.serve does not import here ({e}); pip install 'ray[serve]'"}
 
-    ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False, logging_level="ERROR")
+    ray.init(
+        address="local",
+        num_cpus=max(8, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
     out: dict[str, Any] = {"version": ray.__version__, "rows": {}}
     try:
         serve.start(proxy_location="Disabled")  # handle calls only: no HTTP proxy eating a core
         x = example_input(args.width)
         expected = Model(args.width).predict(x)
         for replicas in args.replicas:
-            dep = serve.deployment(Model, name="model", num_replicas=replicas,
-                                   max_ongoing_requests=args.concurrency,
-                                   ray_actor_options={"num_cpus": 0})
+            dep = serve.deployment(
+                Model,
+                name="model",
+                num_replicas=replicas,
+                max_ongoing_requests=args.concurrency,
+                ray_actor_options={"num_cpus": 0},
+            )
             t = clock()
             handle = serve.run(dep.bind(args.width), name="bench", route_prefix=None)
             if handle.predict.remote(x).result() != expected:
-                raise RuntimeError("Ray Serve's replica answered something else than the local model")
+                raise RuntimeError(
+                    "Ray Serve's replica answered something else than the local model"
+                )
             out[f"deploy_{replicas}"] = clock() - t
             for n in args.inflight:
                 log(f"ray serve: {replicas} replica(s), {n} in flight")
-                out["rows"][f"{replicas}x{n}"] = drive(lambda h=handle: h.predict.remote(x).result(), n,
-                                                       args.seconds, args.warmup)
+                out["rows"][f"{replicas}x{n}"] = drive(
+                    lambda h=handle: h.predict.remote(x).result(), n, args.seconds, args.warmup
+                )
             serve.delete("bench")
         if args.cold:
             out["cold"] = ray_cold(serve, x, args)
@@ -200,11 +230,21 @@ def run_ray(args: argparse.Namespace) -> dict[str, Any]:
 
 def ray_cold(serve: Any, x: Any, args: argparse.Namespace) -> dict[str, float]:
     """min_replicas=0: wait for 0 running replicas, then time the first call and the next."""
-    dep = serve.deployment(Model, name="cold", max_ongoing_requests=args.concurrency,
-                           ray_actor_options={"num_cpus": 0},
-                           autoscaling_config={"min_replicas": 0, "initial_replicas": 1, "max_replicas": 1,
-                                               "downscale_delay_s": 1, "upscale_delay_s": 0,
-                                               "metrics_interval_s": 0.5, "look_back_period_s": 2})
+    dep = serve.deployment(
+        Model,
+        name="cold",
+        max_ongoing_requests=args.concurrency,
+        ray_actor_options={"num_cpus": 0},
+        autoscaling_config={
+            "min_replicas": 0,
+            "initial_replicas": 1,
+            "max_replicas": 1,
+            "downscale_delay_s": 1,
+            "upscale_delay_s": 0,
+            "metrics_interval_s": 0.5,
+            "look_back_period_s": 2,
+        },
+    )
     handle = serve.run(dep.bind(args.width), name="cold", route_prefix=None)
     handle.predict.remote(x).result()
     log("ray serve: waiting for 0 replicas")

@@ -88,11 +88,15 @@ def main() -> None:
         t0 = time.perf_counter()
         first = controller.train(20)
         more = controller.train(20)  # the same actors: training goes on
-        print(f"40 steps in {time.perf_counter() - t0:.2f}s; loss {first[0]:.3f} -> {first[-1]:.3f} "
-              f"-> {more[-1]:.4f}")
+        print(
+            f"40 steps in {time.perf_counter() - t0:.2f}s; loss {first[0]:.3f} -> {first[-1]:.3f} "
+            f"-> {more[-1]:.4f}"
+        )
         assert more[-1] < first[0] / 10, (first, more)
         head = controller.status()[0]["engine"]
-        print(f"worker loops reachable: {sum(h['reachable'] for h in head['hosts'])} of {len(head['hosts'])}")
+        print(
+            f"worker loops reachable: {sum(h['reachable'] for h in head['hosts'])} of {len(head['hosts'])}"
+        )
         print("OK")
     finally:
         controller.teardown()

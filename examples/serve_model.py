@@ -32,8 +32,10 @@ class Classifier:
         torch.set_num_threads(1)  # one replica, one core
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(width, 4 * width), torch.nn.ReLU(),
-            torch.nn.Linear(4 * width, 4 * width), torch.nn.ReLU(),
+            torch.nn.Linear(width, 4 * width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(4 * width, 4 * width),
+            torch.nn.ReLU(),
             torch.nn.Linear(4 * width, 10),
         ).eval()
 
@@ -68,8 +70,9 @@ def run_phase(remote, x, name: str, inflight: int, pause: float, seconds: float,
     while time.monotonic() < end or started:
         while time.monotonic() < end and len(started) < inflight:
             started[remote.predict.submit(x)] = time.monotonic()
-        done, _ = concurrent.futures.wait(list(started), timeout=0.5,
-                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        done, _ = concurrent.futures.wait(
+            list(started), timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED
+        )
         for fut in done:
             fut.result()  # raises if the call failed
             latencies.append(time.monotonic() - started.pop(fut))
@@ -81,20 +84,29 @@ def run_phase(remote, x, name: str, inflight: int, pause: float, seconds: float,
             counts.append(len(per_replica))
             if len(per_replica) != shown:
                 shown = len(per_replica)
-                print(f"  t={time.monotonic() - t0:5.1f}s  {shown} replica(s), calls in flight on each: "
-                      f"{per_replica}  ({why})", flush=True)
-    print(f"phase {name!r} (up to {inflight} in flight, {seconds:g} s): {len(latencies)} calls, "
-          f"{len(latencies) / seconds:.0f}/s, p50 {percentile(latencies, 0.5) * 1e3:.1f} ms, "
-          f"p99 {percentile(latencies, 0.99) * 1e3:.1f} ms; replicas during the phase: "
-          f"{min(counts)}..{max(counts)}, at the end: {counts[-1]}\n", flush=True)
+                print(
+                    f"  t={time.monotonic() - t0:5.1f}s  {shown} replica(s), calls in flight on each: "
+                    f"{per_replica}  ({why})",
+                    flush=True,
+                )
+    print(
+        f"phase {name!r} (up to {inflight} in flight, {seconds:g} s): {len(latencies)} calls, "
+        f"{len(latencies) / seconds:.0f}/s, p50 {percentile(latencies, 0.5) * 1e3:.1f} ms, "
+        f"p99 {percentile(latencies, 0.99) * 1e3:.1f} ms; replicas during the phase: "
+        f"{min(counts)}..{max(counts)}, at the end: {counts[-1]}\n",
+        flush=True,
+    )
 
 
 def main() -> None:
     import torch
 
     compute = kt.Compute(cpus=1, memory="1Gi").autoscale(
-        min_scale=1, max_scale=4, concurrency=2,  # at most 2 calls on a replica at once
-        window="4s", scale_down_delay="6s",  # short, so that it shows within a minute
+        min_scale=1,
+        max_scale=4,
+        concurrency=2,  # at most 2 calls on a replica at once
+        window="4s",
+        scale_down_delay="6s",  # short, so that it shows within a minute
     )
     t0 = time.monotonic()
     remote = kt.cls(Classifier, name="serve-model").to(compute, init_args={"width": 128})

@@ -38,7 +38,9 @@ class Trainer:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.manual_seed(0)  # the same initial weights everywhere
-        self.model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+        )
         for layer in self.model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
@@ -56,7 +58,10 @@ class Trainer:
         loss = torch.nn.functional.mse_loss(self.model(self.x[batch]), self.y[batch])
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=10.0)
-        return {"loss": loss.item(), "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)}
+        return {
+            "loss": loss.item(),
+            "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
+        }
 
     def optim_step(self) -> float:
         self.opt.step()
@@ -76,7 +81,9 @@ def main(hosts: kt.Hosts) -> None:
             lr = trainer.optim_step()[0]
             loss = sum(o["loss"] for o in outs) / len(outs)
             first = first if first is not None else loss
-            print(f"step {step:2d}  loss {loss:.4f}  grad norm {outs[0]['grad_norm']:.3f}  lr {lr:.3f}")
+            print(
+                f"step {step:2d}  loss {loss:.4f}  grad norm {outs[0]['grad_norm']:.3f}  lr {lr:.3f}"
+            )
         assert loss < first, (first, loss)
         print("OK")
     finally:
@@ -91,7 +98,17 @@ if __name__ == "__main__":
         from ssh_hosts import SshHosts
 
         with contextlib.ExitStack() as stack:
-            local = stack.enter_context(SshHosts(Path(tempfile.mkdtemp(prefix="ktlite-ssh-example-")), 2))
-            print("hosts:", ", ".join(f"{h.name} = sshd at {h.address}:{h.port}" for h in local.hosts))
-            main(kt.Hosts([h.name for h in local.hosts], ssh_config=str(local.ssh_config),
-                          known_hosts=str(local.known_hosts), python=sys.executable))
+            local = stack.enter_context(
+                SshHosts(Path(tempfile.mkdtemp(prefix="ktlite-ssh-example-")), 2)
+            )
+            print(
+                "hosts:", ", ".join(f"{h.name} = sshd at {h.address}:{h.port}" for h in local.hosts)
+            )
+            main(
+                kt.Hosts(
+                    [h.name for h in local.hosts],
+                    ssh_config=str(local.ssh_config),
+                    known_hosts=str(local.known_hosts),
+                    python=sys.executable,
+                )
+            )

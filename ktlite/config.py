@@ -16,17 +16,34 @@ from ktlite.errors import ConfigError
 # key → (environment variable, allowed values or None, what it is)
 KEYS: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
     "backend": ("KTLITE_BACKEND", ("local", "kubernetes", "ssh"), "where pods run"),
-    "namespace": ("KTLITE_NAMESPACE", None, "Kubernetes namespace (default: the kubeconfig context's)"),
-    "kubeconfig": ("KTLITE_KUBECONFIG", None, "kubeconfig file (default: KUBECONFIG, ~/.kube/config)"),
+    "namespace": (
+        "KTLITE_NAMESPACE",
+        None,
+        "Kubernetes namespace (default: the kubeconfig context's)",
+    ),
+    "kubeconfig": (
+        "KTLITE_KUBECONFIG",
+        None,
+        "kubeconfig file (default: KUBECONFIG, ~/.kube/config)",
+    ),
     "context": ("KTLITE_CONTEXT", None, "kubeconfig context (default: the current one)"),
     "image": ("KTLITE_IMAGE", None, "default pod image when Compute has none"),
-    "image_pull_policy": ("KTLITE_IMAGE_PULL_POLICY", ("Always", "IfNotPresent", "Never"),
-                          "default imagePullPolicy"),
+    "image_pull_policy": (
+        "KTLITE_IMAGE_PULL_POLICY",
+        ("Always", "IfNotPresent", "Never"),
+        "default imagePullPolicy",
+    ),
     "install": ("KTLITE_INSTALL", None, "pip spec installed in images without ktlite"),
-    "keep_failed": ("KTLITE_KEEP_FAILED", ("true", "false"),
-                    "keep what a failed first deploy created, to inspect it (default: remove it)"),
-    "ssh.hosts": ("KTLITE_SSH_HOSTS", None,
-                  "the ssh backend's machines, comma-separated, when a Compute names none"),
+    "keep_failed": (
+        "KTLITE_KEEP_FAILED",
+        ("true", "false"),
+        "keep what a failed first deploy created, to inspect it (default: remove it)",
+    ),
+    "ssh.hosts": (
+        "KTLITE_SSH_HOSTS",
+        None,
+        "the ssh backend's machines, comma-separated, when a Compute names none",
+    ),
 }
 
 

@@ -56,14 +56,26 @@ def pod_ips(quorum_workers: int | None = None, quorum_timeout: float = 300.0) ->
     holds the same addresses in pod (ordinal) order; ``MASTER_ADDR`` is pod 0's.
     """
     if "POD_IPS" not in os.environ and "KTLITE_POD_IPS_FILE" not in os.environ:
-        raise KtliteError("pod_ips() works inside a ktlite deployment (a function or class run with "
-                          "kt.fn/kt.cls/kt.app); this process is not one")
-    want = quorum_workers if quorum_workers is not None else int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+        raise KtliteError(
+            "pod_ips() works inside a ktlite deployment (a function or class run with "
+            "kt.fn/kt.cls/kt.app); this process is not one"
+        )
+    want = (
+        quorum_workers
+        if quorum_workers is not None
+        else int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+    )
     if isinstance(want, bool) or not isinstance(want, int) or want < 1:
         raise ConfigError(f"quorum_workers={quorum_workers!r} must be a whole number >= 1")
-    if isinstance(quorum_timeout, bool) or not isinstance(quorum_timeout, (int, float)) \
-            or not math.isfinite(quorum_timeout) or quorum_timeout < 0:
-        raise ConfigError(f"quorum_timeout={quorum_timeout!r} must be a finite number of seconds >= 0")
+    if (
+        isinstance(quorum_timeout, bool)
+        or not isinstance(quorum_timeout, (int, float))
+        or not math.isfinite(quorum_timeout)
+        or quorum_timeout < 0
+    ):
+        raise ConfigError(
+            f"quorum_timeout={quorum_timeout!r} must be a finite number of seconds >= 0"
+        )
     deadline = time.monotonic() + quorum_timeout
     while True:
         ips = _known()
@@ -74,7 +86,8 @@ def pod_ips(quorum_workers: int | None = None, quorum_timeout: float = 300.0) ->
                 f"pod_ips(quorum_workers={want}) saw {len(ips)} pod(s) ({', '.join(ips) or 'none'}) "
                 f"within quorum_timeout={quorum_timeout:g}s; the deployment has "
                 f"{os.environ.get('GROUP_WORLD_SIZE', '?')} worker(s). Deploy with "
-                f"distribute(workers={want}), or lower quorum_workers")
+                f"distribute(workers={want}), or lower quorum_workers"
+            )
         time.sleep(0.2)
 
 
@@ -85,11 +98,17 @@ def _monarch_env() -> dict[str, Any]:
     raw = os.environ.get("KTLITE_MONARCH")
     if not raw:
         framework = os.environ.get("KTLITE_FRAMEWORK")
-        where = ("this process is not one" if framework is None else
-                 f"this one is distribute({framework!r})" if framework != "monarch" else
-                 "this is not pod 0, the controller")
-        raise KtliteError("monarch_hosts() works in the function of a distribute('monarch', ...) deployment, "
-                          f"which runs on pod 0 (Monarch's controller); {where}")
+        where = (
+            "this process is not one"
+            if framework is None
+            else f"this one is distribute({framework!r})"
+            if framework != "monarch"
+            else "this is not pod 0, the controller"
+        )
+        raise KtliteError(
+            "monarch_hosts() works in the function of a distribute('monarch', ...) deployment, "
+            f"which runs on pod 0 (Monarch's controller); {where}"
+        )
     hosts: dict[str, Any] = json.loads(raw)
     return hosts
 
@@ -112,11 +131,15 @@ def monarch_hosts() -> Any:
         try:
             enable_transport(transport)  # the controller's own channel: the pods must reach it
         except RuntimeError as e:
-            raise KtliteError(f"monarch_hosts() needs Monarch's {transport!r} transport here (the pods reach "
-                              f"the controller through it), and this process enabled another: {e}. Call "
-                              "monarch_hosts() or monarch_procs() before other Monarch calls") from e
+            raise KtliteError(
+                f"monarch_hosts() needs Monarch's {transport!r} transport here (the pods reach "
+                f"the controller through it), and this process enabled another: {e}. Call "
+                "monarch_hosts() or monarch_procs() before other Monarch calls"
+            ) from e
         # torchmonarch has no TLS yet: the loops listen on pod IPs (or private unix sockets)
-        mesh = attach_to_workers(ca="trust_all_connections", workers=list(cfg["workers"]), name=f"ktlite-{key}")
+        mesh = attach_to_workers(
+            ca="trust_all_connections", workers=list(cfg["workers"]), name=f"ktlite-{key}"
+        )
         _MONARCH_HOSTS.clear()
         _MONARCH_HOSTS[key] = mesh
     return mesh
@@ -128,4 +151,6 @@ def monarch_procs(per_host: dict[str, int] | None = None, **kwargs: Any) -> Any:
     ``spawn_procs``. Stop the mesh (``procs.stop()``) when done with it: its procs otherwise
     live until the next ``.to()`` or the teardown."""
     cfg = _monarch_env()
-    return monarch_hosts().spawn_procs(per_host=per_host or {"gpus": int(cfg["per_host"])}, **kwargs)
+    return monarch_hosts().spawn_procs(
+        per_host=per_host or {"gpus": int(cfg["per_host"])}, **kwargs
+    )

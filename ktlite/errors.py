@@ -92,8 +92,9 @@ class PodTerminatedError(DeployError):
         events: what Kubernetes said about the pod, newest last.
     """
 
-    def __init__(self, message: str, pod_name: str = "", reason: str = "",
-                 events: list[str] | None = None) -> None:
+    def __init__(
+        self, message: str, pod_name: str = "", reason: str = "", events: list[str] | None = None
+    ) -> None:
         super().__init__(message)
         self.pod_name, self.reason, self.events = pod_name, reason, list(events or [])
 
@@ -196,8 +197,12 @@ class RemoteError(KtliteError):
     failures: list[RankFailure]
     outcomes: dict[int, Any]
 
-    def __init__(self, message: str = "", failures: list[RankFailure] | None = None,
-                 outcomes: dict[int, Any] | None = None) -> None:
+    def __init__(
+        self,
+        message: str = "",
+        failures: list[RankFailure] | None = None,
+        outcomes: dict[int, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.failures = failures or []
         self.outcomes = outcomes or {}
@@ -243,9 +248,15 @@ class WorkerMembershipChanged(RankDied, PodUnreachable):
         removed_ips, added_ips: the difference.
     """
 
-    def __init__(self, message: str = "", failures: list[RankFailure] | None = None,
-                 outcomes: dict[int, Any] | None = None, *, previous_ips: list[str] | None = None,
-                 current_ips: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str = "",
+        failures: list[RankFailure] | None = None,
+        outcomes: dict[int, Any] | None = None,
+        *,
+        previous_ips: list[str] | None = None,
+        current_ips: list[str] | None = None,
+    ) -> None:
         super().__init__(message, failures, outcomes)
         self.previous_ips = list(previous_ips or [])
         self.current_ips = list(current_ips or [])
@@ -291,8 +302,9 @@ def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
 
-def with_remote_context(exc: BaseException, failures: list[RankFailure],
-                        outcomes: dict[int, Any], summary: str) -> BaseException:
+def with_remote_context(
+    exc: BaseException, failures: list[RankFailure], outcomes: dict[int, Any], summary: str
+) -> BaseException:
     """Return an exception of ``exc``'s own type that is also a :class:`RemoteError`.
 
     The original type is kept so ``except ValueError`` still works; the rank context goes
@@ -303,10 +315,17 @@ def with_remote_context(exc: BaseException, failures: list[RankFailure],
     combined: BaseException = exc
     if not isinstance(exc, RemoteError):
         try:
-            sub = type(cls.__name__, (cls, RemoteError), {
-                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                "__init__": cls.__init__, "__str__": cls.__str__, "__reduce__": cls.__reduce__,
-            })
+            sub = type(
+                cls.__name__,
+                (cls, RemoteError),
+                {
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                    "__init__": cls.__init__,
+                    "__str__": cls.__str__,
+                    "__reduce__": cls.__reduce__,
+                },
+            )
             made: BaseException = cls.__new__(sub, *exc.args)
             made.args = exc.args
             made.__dict__.update(getattr(exc, "__dict__", {}))
@@ -317,8 +336,8 @@ def with_remote_context(exc: BaseException, failures: list[RankFailure],
         combined.failures = failures  # type: ignore[attr-defined]
         combined.outcomes = outcomes  # type: ignore[attr-defined]
         if not isinstance(combined, RemoteError):
-            combined.results = {r: v for r, v in outcomes.items()  # type: ignore[attr-defined]
-                                if r not in {f.rank for f in failures}}
+            done = {r: v for r, v in outcomes.items() if r not in {f.rank for f in failures}}
+            combined.results = done  # type: ignore[attr-defined]
         notes = list(getattr(exc, "__notes__", []) or [])
         notes.append(summary)
         combined.__notes__ = notes  # type: ignore[attr-defined]

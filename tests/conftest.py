@@ -51,7 +51,11 @@ def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
     default = float(config.getini("timeout") or 0)
     for item in items:
         marker = item.get_closest_marker("timeout")
-        limit = marker.kwargs.get("timeout", marker.args[0] if marker.args else None) if marker else default
+        limit = (
+            marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
+            if marker
+            else default
+        )
         if limit:
             item.add_marker(pytest.mark.timeout(float(limit) * scale), append=False)
 

@@ -65,38 +65,75 @@ Obj = dict[str, Any]
 ProxyHandler = Callable[[httpx.Request], httpx.Response]
 
 _RESOURCES: dict[str, tuple[str, str]] = {  # plural -> (apiVersion, kind)
-    "pods": ("v1", "Pod"), "services": ("v1", "Service"), "secrets": ("v1", "Secret"),
-    "persistentvolumeclaims": ("v1", "PersistentVolumeClaim"), "events": ("v1", "Event"),
+    "pods": ("v1", "Pod"),
+    "services": ("v1", "Service"),
+    "secrets": ("v1", "Secret"),
+    "persistentvolumeclaims": ("v1", "PersistentVolumeClaim"),
+    "events": ("v1", "Event"),
     "statefulsets": ("apps/v1", "StatefulSet"),
     "networkpolicies": ("networking.k8s.io/v1", "NetworkPolicy"),
     "deployments": ("apps/v1", "Deployment"),
     "horizontalpodautoscalers": ("autoscaling/v2", "HorizontalPodAutoscaler"),
     "ksvc": ("serving.knative.dev/v1", "Service"),  # Knative's; served only with knative=True
 }
-_PLURALS = {("serving.knative.dev", "services"): "ksvc"}  # (group, URL plural) -> key, where they differ
+_PLURALS = {
+    ("serving.knative.dev", "services"): "ksvc"
+}  # (group, URL plural) -> key, where they differ
 _RETURNS_OBJECT = {"pods", "services", "persistentvolumeclaims"}  # DELETE answers the object
-_HAS_STATUS = {"pods", "services", "persistentvolumeclaims", "statefulsets", "deployments",
-               "horizontalpodautoscalers", "ksvc"}
+_HAS_STATUS = {
+    "pods",
+    "services",
+    "persistentvolumeclaims",
+    "statefulsets",
+    "deployments",
+    "horizontalpodautoscalers",
+    "ksvc",
+}
 KNATIVE_CRD = "services.serving.knative.dev"
 METRICS_APISERVICE = "v1beta1.custom.metrics.k8s.io"
-_NODES = (("kind-worker", "172.18.0.2"), ("kind-worker2", "172.18.0.3"),
-          ("kind-worker3", "172.18.0.4"))
-_UNSCHEDULABLE = ("0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes "
-                  "are available: 3 No preemption victims found for incoming pod.")
+_NODES = (
+    ("kind-worker", "172.18.0.2"),
+    ("kind-worker2", "172.18.0.3"),
+    ("kind-worker3", "172.18.0.4"),
+)
+_UNSCHEDULABLE = (
+    "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes "
+    "are available: 3 No preemption victims found for incoming pod."
+)
 _DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
-_STS_MUTABLE = ("replicas", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy",
-                "minReadySeconds", "ordinals", "revisionHistoryLimit")
-_MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-               "imagePullSecrets": "name", "volumeMounts": "mountPath"}
+_STS_MUTABLE = (
+    "replicas",
+    "template",
+    "updateStrategy",
+    "persistentVolumeClaimRetentionPolicy",
+    "minReadySeconds",
+    "ordinals",
+    "revisionHistoryLimit",
+)
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "imagePullSecrets": "name",
+    "volumeMounts": "mountPath",
+}
 
 
 # ---------------------------------------------------------------------------- errors, helpers
 def status_body(code: int, reason: str, message: str, details: Obj | None = None) -> Obj:
     """A ``Status`` failure body as the API server sends it."""
-    body: Obj = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                 "message": message, "reason": reason, "code": code}
+    body: Obj = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
     if details:
         body["details"] = details
     return body
@@ -136,13 +173,17 @@ def _not_found(res: str, name: str) -> ApiError:
 
 def _conflict(res: str, name: str, why: str) -> ApiError:
     qualified = _qualified(res)
-    return ApiError(409, "Conflict",
-                    f'Operation cannot be fulfilled on {qualified} "{name}": {why}',
-                    _details(res, name))
+    return ApiError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {qualified} "{name}": {why}',
+        _details(res, name),
+    )
 
 
-def _invalid(res: str, name: str, path: str, detail: str,
-             cause: str = "FieldValueInvalid") -> ApiError:
+def _invalid(
+    res: str, name: str, path: str, detail: str, cause: str = "FieldValueInvalid"
+) -> ApiError:
     kind = _RESOURCES[res][1] + (f".{_group(res)}" if _group(res) else "")
     details = _details(res, name, _RESOURCES[res][1])
     details["causes"] = [{"reason": cause, "message": detail, "field": path}]
@@ -158,8 +199,9 @@ def _bad(message: str) -> ApiError:
 
 
 def _not_allowed() -> ApiError:
-    return ApiError(405, "MethodNotAllowed",
-                    "the server does not allow this method on the requested resource")
+    return ApiError(
+        405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
+    )
 
 
 def _json(code: int, obj: Obj) -> httpx.Response:
@@ -224,8 +266,12 @@ def merge_patch(target: Any, patch: Any, strategic: bool = False) -> Any:
         old = out.get(key)
         if value is None:
             out.pop(key, None)
-        elif strategic and isinstance(value, list) and isinstance(old, list) \
-                and (mkey := _merge_key(key, old + value)):
+        elif (
+            strategic
+            and isinstance(value, list)
+            and isinstance(old, list)
+            and (mkey := _merge_key(key, old + value))
+        ):
             merged = [copy.deepcopy(item) for item in old]
             for item in value:
                 at = next((i for i, o in enumerate(merged) if o[mkey] == item[mkey]), None)
@@ -269,9 +315,13 @@ def _qos(spec: Obj) -> str:
 
 def _healthy(pod: Obj) -> bool:
     status = pod.get("status", {})
-    return (status.get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp")
-            and any(c["type"] == "Ready" and c["status"] == "True"
-                    for c in status.get("conditions", [])))
+    return (
+        status.get("phase") == "Running"
+        and not pod["metadata"].get("deletionTimestamp")
+        and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
+        )
+    )
 
 
 # ---------------------------------------------------------------------------- pod scripts
@@ -329,45 +379,75 @@ PodBehavior = Callable[[Obj], PodScript]
 
 
 def _cond(kind: str, ok: bool, at: str, reason: str | None = None, msg: str | None = None) -> Obj:
-    out: Obj = {"type": kind, "status": "True" if ok else "False", "lastProbeTime": None,
-                "lastTransitionTime": at}
+    out: Obj = {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "lastProbeTime": None,
+        "lastTransitionTime": at,
+    }
     return {**out, **({"reason": reason} if reason else {}), **({"message": msg} if msg else {})}
 
 
-def _conditions(ctx: PodCtx, *, sandbox: bool, ready: bool,
-                reason: str = "ContainersNotReady") -> list[Obj]:
+def _conditions(
+    ctx: PodCtx, *, sandbox: bool, ready: bool, reason: str = "ContainersNotReady"
+) -> list[Obj]:
     names = " ".join(n for n, _ in ctx.containers)
-    msg = None if ready or reason != "ContainersNotReady" else \
-        f"containers with unready status: [{names}]"
-    return [_cond("PodReadyToStartContainers", sandbox, ctx.since),
-            _cond("Initialized", True, ctx.created),
-            _cond("Ready", ready, ctx.since, None if ready else reason, msg),
-            _cond("ContainersReady", ready, ctx.since, None if ready else reason, msg),
-            _cond("PodScheduled", True, ctx.created)]
+    msg = (
+        None
+        if ready or reason != "ContainersNotReady"
+        else f"containers with unready status: [{names}]"
+    )
+    return [
+        _cond("PodReadyToStartContainers", sandbox, ctx.since),
+        _cond("Initialized", True, ctx.created),
+        _cond("Ready", ready, ctx.since, None if ready else reason, msg),
+        _cond("ContainersReady", ready, ctx.since, None if ready else reason, msg),
+        _cond("PodScheduled", True, ctx.created),
+    ]
 
 
-def _pod_status(ctx: PodCtx, phase: str, conditions: list[Obj], containers: list[Obj],
-                ip: bool = True) -> Obj:
-    status: Obj = {"phase": phase, "conditions": conditions, "hostIP": ctx.host_ip,
-                   "hostIPs": [{"ip": ctx.host_ip}], "startTime": ctx.created,
-                   "containerStatuses": containers, "qosClass": _qos(ctx.pod["spec"])}
+def _pod_status(
+    ctx: PodCtx, phase: str, conditions: list[Obj], containers: list[Obj], ip: bool = True
+) -> Obj:
+    status: Obj = {
+        "phase": phase,
+        "conditions": conditions,
+        "hostIP": ctx.host_ip,
+        "hostIPs": [{"ip": ctx.host_ip}],
+        "startTime": ctx.created,
+        "containerStatuses": containers,
+        "qosClass": _qos(ctx.pod["spec"]),
+    }
     return {**status, **({"podIP": ctx.ip, "podIPs": [{"ip": ctx.ip}]} if ip else {})}
 
 
-def _containers(ctx: PodCtx, state: Callable[[str, str], Obj], *, pulled: bool = True,
-                ready: bool = False, restarts: int = 0,
-                last: Callable[[str], Obj] | None = None) -> list[Obj]:
+def _containers(
+    ctx: PodCtx,
+    state: Callable[[str, str], Obj],
+    *,
+    pulled: bool = True,
+    ready: bool = False,
+    restarts: int = 0,
+    last: Callable[[str], Obj] | None = None,
+) -> list[Obj]:
     out = []
     for name, image in ctx.containers:
         st = state(name, image)
         norm = _normalize_image(image)
-        item: Obj = {"name": name, "image": norm if pulled else image,
-                     "imageID": f"{norm.rsplit(':', 1)[0]}@sha256:{_sha(norm)}" if pulled else "",
-                     "ready": ready, "restartCount": restarts, "started": "running" in st,
-                     "state": st, "lastState": last(name) if last else {}}
+        item: Obj = {
+            "name": name,
+            "image": norm if pulled else image,
+            "imageID": f"{norm.rsplit(':', 1)[0]}@sha256:{_sha(norm)}" if pulled else "",
+            "ready": ready,
+            "restartCount": restarts,
+            "started": "running" in st,
+            "state": st,
+            "lastState": last(name) if last else {},
+        }
         if pulled and ("running" in st or "terminated" in st):
-            item["containerID"] = st.get("terminated", {}).get("containerID") or \
-                ctx.container_id(name, restarts)
+            item["containerID"] = st.get("terminated", {}).get("containerID") or ctx.container_id(
+                name, restarts
+            )
         elif "terminated" in item["lastState"]:
             item["containerID"] = item["lastState"]["terminated"]["containerID"]
         out.append(item)
@@ -375,15 +455,25 @@ def _containers(ctx: PodCtx, state: Callable[[str, str], Obj], *, pulled: bool =
 
 
 def _terminated(ctx: PodCtx, name: str, code: int, reason: str, attempt: int) -> Obj:
-    return {"exitCode": code, "reason": reason, "startedAt": ctx.created, "finishedAt": ctx.since,
-            "containerID": ctx.container_id(name, attempt)}
+    return {
+        "exitCode": code,
+        "reason": reason,
+        "startedAt": ctx.created,
+        "finishedAt": ctx.since,
+        "containerID": ctx.container_id(name, attempt),
+    }
 
 
 def _started_events(ctx: PodCtx) -> list[tuple[str, str, str]]:
-    return [e for n, img in ctx.containers for e in (
-        ("Normal", "Pulled", f'Container image "{img}" already present on machine'),
-        ("Normal", "Created", f"Created container {n}"),
-        ("Normal", "Started", f"Started container {n}"))]
+    return [
+        e
+        for n, img in ctx.containers
+        for e in (
+            ("Normal", "Pulled", f'Container image "{img}" already present on machine'),
+            ("Normal", "Created", f"Created container {n}"),
+            ("Normal", "Started", f"Started container {n}"),
+        )
+    ]
 
 
 def pending() -> PodState:
@@ -393,62 +483,99 @@ def pending() -> PodState:
 
 def unschedulable(message: str = _UNSCHEDULABLE) -> PodState:
     def status(ctx: PodCtx) -> Obj:
-        return {"phase": "Pending", "qosClass": _qos(ctx.pod["spec"]), "conditions": [
-            _cond("PodScheduled", False, ctx.since, "Unschedulable", message)]}
+        return {
+            "phase": "Pending",
+            "qosClass": _qos(ctx.pod["spec"]),
+            "conditions": [_cond("PodScheduled", False, ctx.since, "Unschedulable", message)],
+        }
+
     return PodState(status, lambda ctx: [("Warning", "FailedScheduling", message)])
 
 
 def container_creating() -> PodState:
-    return PodState(lambda ctx: _pod_status(
-        ctx, "Pending", _conditions(ctx, sandbox=False, ready=False),
-        _containers(ctx, lambda n, i: {"waiting": {"reason": "ContainerCreating"}}, pulled=False),
-        ip=False))
+    return PodState(
+        lambda ctx: _pod_status(
+            ctx,
+            "Pending",
+            _conditions(ctx, sandbox=False, ready=False),
+            _containers(
+                ctx, lambda n, i: {"waiting": {"reason": "ContainerCreating"}}, pulled=False
+            ),
+            ip=False,
+        )
+    )
 
 
 def ready(ip: str | None = None) -> PodState:
-    return PodState(lambda ctx: _pod_status(
-        ctx, "Running", _conditions(ctx, sandbox=True, ready=True),
-        _containers(ctx, lambda n, i: {"running": {"startedAt": ctx.since}}, ready=True)),
-        _started_events, ip=ip)
+    return PodState(
+        lambda ctx: _pod_status(
+            ctx,
+            "Running",
+            _conditions(ctx, sandbox=True, ready=True),
+            _containers(ctx, lambda n, i: {"running": {"startedAt": ctx.since}}, ready=True),
+        ),
+        _started_events,
+        ip=ip,
+    )
 
 
 def running_not_ready(ip: str | None = None) -> PodState:
-    return PodState(lambda ctx: _pod_status(
-        ctx, "Running", _conditions(ctx, sandbox=True, ready=False),
-        _containers(ctx, lambda n, i: {"running": {"startedAt": ctx.since}})),
-        _started_events, ip=ip)
+    return PodState(
+        lambda ctx: _pod_status(
+            ctx,
+            "Running",
+            _conditions(ctx, sandbox=True, ready=False),
+            _containers(ctx, lambda n, i: {"running": {"startedAt": ctx.since}}),
+        ),
+        _started_events,
+        ip=ip,
+    )
 
 
 def _pull_error(image: str) -> str:
     ref = _normalize_image(image)
-    return (f'rpc error: code = NotFound desc = failed to pull and unpack image "{ref}": '
-            f'failed to resolve reference "{ref}": {ref}: not found')
+    return (
+        f'rpc error: code = NotFound desc = failed to pull and unpack image "{ref}": '
+        f'failed to resolve reference "{ref}": {ref}: not found'
+    )
 
 
 def _pull_failure(reason: str, image: str | None, message: str | None) -> PodState:
     backoff = reason == "ImagePullBackOff"
 
     def text(img: str) -> str:
-        return message or (f'Back-off pulling image "{image or img}"' if backoff
-                           else _pull_error(image or img))
+        return message or (
+            f'Back-off pulling image "{image or img}"' if backoff else _pull_error(image or img)
+        )
 
     def events(ctx: PodCtx) -> list[tuple[str, str, str]]:
         out = []
         for _, img in ctx.containers:
             img = image or img
             err = message if message and not backoff else _pull_error(img)
-            out += [("Normal", "Pulling", f'Pulling image "{img}"'),
-                    ("Warning", "Failed", f'Failed to pull image "{img}": {err}'),
-                    ("Warning", "Failed", "Error: ErrImagePull")]
+            out += [
+                ("Normal", "Pulling", f'Pulling image "{img}"'),
+                ("Warning", "Failed", f'Failed to pull image "{img}": {err}'),
+                ("Warning", "Failed", "Error: ErrImagePull"),
+            ]
             if backoff:
-                out += [("Normal", "BackOff", f'Back-off pulling image "{img}"'),
-                        ("Warning", "Failed", "Error: ImagePullBackOff")]
+                out += [
+                    ("Normal", "BackOff", f'Back-off pulling image "{img}"'),
+                    ("Warning", "Failed", "Error: ImagePullBackOff"),
+                ]
         return out
 
-    return PodState(lambda ctx: _pod_status(
-        ctx, "Pending", _conditions(ctx, sandbox=True, ready=False),
-        _containers(ctx, lambda n, i: {"waiting": {"reason": reason, "message": text(i)}},
-                    pulled=False)), events)
+    return PodState(
+        lambda ctx: _pod_status(
+            ctx,
+            "Pending",
+            _conditions(ctx, sandbox=True, ready=False),
+            _containers(
+                ctx, lambda n, i: {"waiting": {"reason": reason, "message": text(i)}}, pulled=False
+            ),
+        ),
+        events,
+    )
 
 
 def image_pull_backoff(image: str | None = None, message: str | None = None) -> PodState:
@@ -465,49 +592,84 @@ def _backoff(restarts: int) -> str:
     return f"{seconds // 60}m{seconds % 60}s" if seconds >= 60 else f"{seconds}s"
 
 
-def crash_loop(exit_code: int = 1, logs: str | None = None, restarts: int = 1,
-               reason: str = "Error") -> PodState:
+def crash_loop(
+    exit_code: int = 1, logs: str | None = None, restarts: int = 1, reason: str = "Error"
+) -> PodState:
     """Restarted ``restarts`` times, now in back-off; ``logs`` is the crashed container's log."""
     restarts = max(1, restarts)
 
     def status(ctx: PodCtx) -> Obj:
         def waiting(name: str, image: str) -> Obj:
-            return {"waiting": {"reason": "CrashLoopBackOff", "message":
-                    f"back-off {_backoff(restarts)} restarting failed container={name} "
-                    f"pod={ctx.name}_{ctx.namespace}({ctx.uid})"}}
-        return _pod_status(ctx, "Running", _conditions(ctx, sandbox=True, ready=False), _containers(
-            ctx, waiting, restarts=restarts,
-            last=lambda n: {"terminated": _terminated(ctx, n, exit_code, reason, restarts - 1)}))
+            return {
+                "waiting": {
+                    "reason": "CrashLoopBackOff",
+                    "message": f"back-off {_backoff(restarts)} restarting failed container={name} "
+                    f"pod={ctx.name}_{ctx.namespace}({ctx.uid})",
+                }
+            }
+
+        return _pod_status(
+            ctx,
+            "Running",
+            _conditions(ctx, sandbox=True, ready=False),
+            _containers(
+                ctx,
+                waiting,
+                restarts=restarts,
+                last=lambda n: {"terminated": _terminated(ctx, n, exit_code, reason, restarts - 1)},
+            ),
+        )
 
     def events(ctx: PodCtx) -> list[tuple[str, str, str]]:
         return _started_events(ctx) + [
-            ("Warning", "BackOff", f"Back-off restarting failed container {n} in pod "
-             f"{ctx.name}_{ctx.namespace}({ctx.uid})") for n, _ in ctx.containers]
+            (
+                "Warning",
+                "BackOff",
+                f"Back-off restarting failed container {n} in pod "
+                f"{ctx.name}_{ctx.namespace}({ctx.uid})",
+            )
+            for n, _ in ctx.containers
+        ]
 
     return PodState(status, events, previous_logs=logs)
 
 
-def terminated_error(exit_code: int = 1, logs: str | None = None,
-                     reason: str | None = None) -> PodState:
+def terminated_error(
+    exit_code: int = 1, logs: str | None = None, reason: str | None = None
+) -> PodState:
     """First termination, before any restart; with restartPolicy Never/OnFailure the phase is
     Failed/Succeeded as the kubelet reports it, else Running."""
     why = reason or ("Completed" if exit_code == 0 else "Error")
 
     def status(ctx: PodCtx) -> Obj:
         policy = ctx.pod["spec"].get("restartPolicy", "Always")
-        phase = ("Succeeded" if exit_code == 0 and policy != "Always" else
-                 "Failed" if exit_code != 0 and policy == "Never" else "Running")
+        phase = (
+            "Succeeded"
+            if exit_code == 0 and policy != "Always"
+            else "Failed"
+            if exit_code != 0 and policy == "Never"
+            else "Running"
+        )
         why_not = {"Succeeded": "PodCompleted", "Failed": "PodFailed"}.get(
-            phase, "ContainersNotReady")
+            phase, "ContainersNotReady"
+        )
         return _pod_status(
-            ctx, phase, _conditions(ctx, sandbox=True, ready=False, reason=why_not),
-            _containers(ctx, lambda n, i: {"terminated": _terminated(ctx, n, exit_code, why, 0)}))
+            ctx,
+            phase,
+            _conditions(ctx, sandbox=True, ready=False, reason=why_not),
+            _containers(ctx, lambda n, i: {"terminated": _terminated(ctx, n, exit_code, why, 0)}),
+        )
 
     return PodState(status, _started_events, logs=logs)
 
 
-def terminated_again(exit_code: int = 1, logs: str | None = None, restarts: int = 1,
-                     previous_logs: str | None = None, previous_log_lost: bool = False) -> PodState:
+def terminated_again(
+    exit_code: int = 1,
+    logs: str | None = None,
+    restarts: int = 1,
+    previous_logs: str | None = None,
+    previous_log_lost: bool = False,
+) -> PodState:
     """Exited again after ``restarts`` restart(s), before the kubelet reports the back-off:
     ``state`` is this run's end (its log ``logs``), ``lastState`` the run before (its log
     ``previous_logs``, or the kubelet's answer for a lost one: see ``PodState``)."""
@@ -515,29 +677,59 @@ def terminated_again(exit_code: int = 1, logs: str | None = None, restarts: int 
     why = "Completed" if exit_code == 0 else "Error"
 
     def status(ctx: PodCtx) -> Obj:
-        return _pod_status(ctx, "Running", _conditions(ctx, sandbox=True, ready=False), _containers(
-            ctx, lambda n, i: {"terminated": _terminated(ctx, n, exit_code, why, restarts)},
-            restarts=restarts,
-            last=lambda n: {"terminated": _terminated(ctx, n, exit_code, why, restarts - 1)}))
+        return _pod_status(
+            ctx,
+            "Running",
+            _conditions(ctx, sandbox=True, ready=False),
+            _containers(
+                ctx,
+                lambda n, i: {"terminated": _terminated(ctx, n, exit_code, why, restarts)},
+                restarts=restarts,
+                last=lambda n: {"terminated": _terminated(ctx, n, exit_code, why, restarts - 1)},
+            ),
+        )
 
-    return PodState(status, _started_events, logs=logs, previous_logs=previous_logs,
-                    previous_log_lost=previous_log_lost)
+    return PodState(
+        status,
+        _started_events,
+        logs=logs,
+        previous_logs=previous_logs,
+        previous_log_lost=previous_log_lost,
+    )
 
 
 def oom_killed(logs: str | None = None, restarts: int = 0) -> PodState:
     """Exit 137 OOMKilled: the first kill (``restarts=0``) or in back-off after ``restarts``."""
-    return crash_loop(137, logs, restarts, "OOMKilled") if restarts else \
-        terminated_error(137, logs, "OOMKilled")
+    return (
+        crash_loop(137, logs, restarts, "OOMKilled")
+        if restarts
+        else terminated_error(137, logs, "OOMKilled")
+    )
 
 
 def create_container_config_error(message: str = 'secret "x" not found') -> PodState:
-    return PodState(lambda ctx: _pod_status(
-        ctx, "Pending", _conditions(ctx, sandbox=True, ready=False),
-        _containers(ctx, lambda n, i: {"waiting": {"reason": "CreateContainerConfigError",
-                                                   "message": message}}, pulled=False)),
-        lambda ctx: [e for _, img in ctx.containers for e in (
-            ("Normal", "Pulled", f'Container image "{img}" already present on machine'),
-            ("Warning", "Failed", f"Error: {message}"))])
+    return PodState(
+        lambda ctx: _pod_status(
+            ctx,
+            "Pending",
+            _conditions(ctx, sandbox=True, ready=False),
+            _containers(
+                ctx,
+                lambda n, i: {
+                    "waiting": {"reason": "CreateContainerConfigError", "message": message}
+                },
+                pulled=False,
+            ),
+        ),
+        lambda ctx: [
+            e
+            for _, img in ctx.containers
+            for e in (
+                ("Normal", "Pulled", f'Container image "{img}" already present on machine'),
+                ("Warning", "Failed", f"Error: {message}"),
+            )
+        ],
+    )
 
 
 def _steps(script: PodScript) -> list[tuple[float, PodState]]:
@@ -601,12 +793,19 @@ class _LogKey:
 
 
 class FakeKube(httpx.BaseTransport):
-    def __init__(self, *, token: str | None = None, namespaces: Sequence[str] = ("default",),
-                 pod_behavior: PodBehavior | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 pod_termination_seconds: float = 0.0, follow_idle_timeout: float = 0.0,
-                 pvc_bind_seconds: float = 0.0, knative: bool = False,
-                 custom_metrics: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        token: str | None = None,
+        namespaces: Sequence[str] = ("default",),
+        pod_behavior: PodBehavior | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        pod_termination_seconds: float = 0.0,
+        follow_idle_timeout: float = 0.0,
+        pvc_bind_seconds: float = 0.0,
+        knative: bool = False,
+        custom_metrics: bool = False,
+    ) -> None:
         """``pod_behavior`` scripts each new pod (None: ``ready()`` at once); a deleted pod
         stays Terminating for min(its grace period, ``pod_termination_seconds``) on ``clock``;
         a ``follow=true`` log stream ends after ``follow_idle_timeout`` real seconds without
@@ -618,8 +817,12 @@ class FakeKube(httpx.BaseTransport):
         Available APIService for the custom metrics API exists. Both may be switched later."""
         self.knative = knative
         self.custom_metrics = custom_metrics
-        self.knative_scale: dict[tuple[str, str], int] = {}  # (ns, name) -> replicas Knative's autoscaler wants
-        self._revisions: dict[str, dict[str, int]] = {}  # ksvc uid -> template hash -> revision number
+        self.knative_scale: dict[
+            tuple[str, str], int
+        ] = {}  # (ns, name) -> replicas Knative's autoscaler wants
+        self._revisions: dict[
+            str, dict[str, int]
+        ] = {}  # ksvc uid -> template hash -> revision number
         self.token = token
         self.namespaces = tuple(namespaces)
         self.pod_behavior = pod_behavior
@@ -649,8 +852,11 @@ class FakeKube(httpx.BaseTransport):
         res = self._resource(kind)
         with self.lock:
             self._tick()
-            return [copy.deepcopy(o) for (r, n, _), o in sorted(self._store.items())
-                    if r == res and ns in (None, n)]
+            return [
+                copy.deepcopy(o)
+                for (r, n, _), o in sorted(self._store.items())
+                if r == res and ns in (None, n)
+            ]
 
     def get(self, kind: str, ns: str, name: str) -> Obj | None:
         with self.lock:
@@ -679,42 +885,84 @@ class FakeKube(httpx.BaseTransport):
                 meta.steps, meta.start, meta.step = self._script_for(pod), self.clock(), -1
                 self._tick()
 
-    def set_logs(self, pod_name: str, text: str, previous: bool = False, *,
-                 container: str | None = None, ns: str | None = None) -> None:
+    def set_logs(
+        self,
+        pod_name: str,
+        text: str,
+        previous: bool = False,
+        *,
+        container: str | None = None,
+        ns: str | None = None,
+    ) -> None:
         """Log text of the pod's current (or previous) container; cleared when the pod goes."""
         with self.lock:
             self._logs[(ns or self.namespaces[0], pod_name, container, previous)] = text
 
-    def append_logs(self, pod_name: str, text: str, *, container: str | None = None,
-                    ns: str | None = None) -> None:
+    def append_logs(
+        self, pod_name: str, text: str, *, container: str | None = None, ns: str | None = None
+    ) -> None:
         with self.lock:
             key = (ns or self.namespaces[0], pod_name, container, False)
             self._logs[key] = self._logs.get(key, "") + text
 
-    def add_event(self, involved_pod_name: str, reason: str, message: str, type: str = "Warning",
-                  *, ns: str | None = None, kind: str = "Pod", component: str = "kubelet") -> Obj:
+    def add_event(
+        self,
+        involved_pod_name: str,
+        reason: str,
+        message: str,
+        type: str = "Warning",
+        *,
+        ns: str | None = None,
+        kind: str = "Pod",
+        component: str = "kubelet",
+    ) -> Obj:
         with self.lock:
             ns = ns or self.namespaces[0]
             res = self._resource(kind)
             obj = self._store.get((res, ns, involved_pod_name))
-            return copy.deepcopy(self._event(
-                ns, kind, involved_pod_name, obj["metadata"]["uid"] if obj else "", type, reason,
-                message, component))
+            return copy.deepcopy(
+                self._event(
+                    ns,
+                    kind,
+                    involved_pod_name,
+                    obj["metadata"]["uid"] if obj else "",
+                    type,
+                    reason,
+                    message,
+                    component,
+                )
+            )
 
-    def fail_next(self, method: str, path_regex: str, status: int = 500,
-                  reason: str = "InternalError", message: str | None = None,
-                  times: int = 1) -> None:
+    def fail_next(
+        self,
+        method: str,
+        path_regex: str,
+        status: int = 500,
+        reason: str = "InternalError",
+        message: str | None = None,
+        times: int = 1,
+    ) -> None:
         """Answer the next ``times`` requests matching (method or "*", re.search on the path)
         with this Status error, before any other processing."""
         with self.lock:
-            self._failures.append(_Failure(method.upper(), re.compile(path_regex), status_body(
-                status, reason, message or f"injected {reason} ({status})"), times))
+            self._failures.append(
+                _Failure(
+                    method.upper(),
+                    re.compile(path_regex),
+                    status_body(status, reason, message or f"injected {reason} ({status})"),
+                    times,
+                )
+            )
 
-    def find_requests(self, method: str | None = None,
-                      path_regex: str = "") -> list[RecordedRequest]:
+    def find_requests(
+        self, method: str | None = None, path_regex: str = ""
+    ) -> list[RecordedRequest]:
         with self.lock:
-            return [r for r in self.requests if method in (None, r.method)
-                    and re.search(path_regex, r.path)]
+            return [
+                r
+                for r in self.requests
+                if method in (None, r.method) and re.search(path_regex, r.path)
+            ]
 
     # ----------------------------------------------------------------- transport
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -725,10 +973,13 @@ class FakeKube(httpx.BaseTransport):
         except ValueError:
             body = None
         with self.lock:
-            self.requests.append(RecordedRequest(request.method, path, query, body,
-                                                 dict(request.headers), content))
-            if self.token is not None and \
-                    request.headers.get("authorization") != f"Bearer {self.token}":
+            self.requests.append(
+                RecordedRequest(request.method, path, query, body, dict(request.headers), content)
+            )
+            if (
+                self.token is not None
+                and request.headers.get("authorization") != f"Bearer {self.token}"
+            ):
                 return _json(401, status_body(401, "Unauthorized", "Unauthorized"))
             for failure in self._failures:
                 if failure.method in ("*", request.method) and failure.path.search(path):
@@ -739,29 +990,39 @@ class FakeKube(httpx.BaseTransport):
         try:
             if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/proxy(/.*)?", path):
                 return self._proxy(request, m[1], m[2], m[3] or "/")
-            if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/services/([^/:]+)(?::[^/]+)?/proxy(/.*)?", path):
+            if m := re.fullmatch(
+                r"/api/v1/namespaces/([^/]+)/services/([^/:]+)(?::[^/]+)?/proxy(/.*)?", path
+            ):
                 with self.lock:
                     return self._activator(request, m[1], m[2])
             with self.lock:
                 self._tick()
-                response = self._route(request.method, path, query, content,
-                                       request.headers.get("content-type", ""))
+                response = self._route(
+                    request.method, path, query, content, request.headers.get("content-type", "")
+                )
                 self._tick()
                 return response
         except ApiError as err:
             return err.response()
 
-    def _route(self, method: str, path: str, query: dict[str, str], content: bytes,
-               ctype: str) -> httpx.Response:
+    def _route(
+        self, method: str, path: str, query: dict[str, str], content: bytes, ctype: str
+    ) -> httpx.Response:
         if path == "/version" and method == "GET":
-            return _json(200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0",
-                               "platform": "linux/amd64"})
-        if m := re.fullmatch(r"/apis/(apiextensions\.k8s\.io|apiregistration\.k8s\.io)/v1/"
-                             r"(customresourcedefinitions|apiservices)/([^/]+)", path):
+            return _json(
+                200,
+                {"major": "1", "minor": "31", "gitVersion": "v1.31.0", "platform": "linux/amd64"},
+            )
+        if m := re.fullmatch(
+            r"/apis/(apiextensions\.k8s\.io|apiregistration\.k8s\.io)/v1/"
+            r"(customresourcedefinitions|apiservices)/([^/]+)",
+            path,
+        ):
             return self._cluster_object(method, m[2], m[3])
         m = re.fullmatch(
             r"/(?:api/v1|apis/([^/]+)/(v[^/]+))(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+)(?:/(\w+))?)?/?",
-            path)
+            path,
+        )
         if m is None:
             raise _unknown()
         group, version, ns, res, name, sub = m.groups()
@@ -774,12 +1035,22 @@ class FakeKube(httpx.BaseTransport):
             if method != "GET" or sub:
                 raise _not_allowed()
             if name is None:
-                return _json(200, {"kind": "NamespaceList", "apiVersion": "v1",
-                                   "metadata": {"resourceVersion": self._last_rv()},
-                                   "items": [self._namespace(n) for n in self.namespaces]})
+                return _json(
+                    200,
+                    {
+                        "kind": "NamespaceList",
+                        "apiVersion": "v1",
+                        "metadata": {"resourceVersion": self._last_rv()},
+                        "items": [self._namespace(n) for n in self.namespaces],
+                    },
+                )
             if name not in self.namespaces:
-                raise ApiError(404, "NotFound", f'namespaces "{name}" not found',
-                               {"name": name, "kind": "namespaces"})
+                raise ApiError(
+                    404,
+                    "NotFound",
+                    f'namespaces "{name}" not found',
+                    {"name": name, "kind": "namespaces"},
+                )
             return _json(200, {"kind": "Namespace", "apiVersion": "v1", **self._namespace(name)})
         if res not in _RESOURCES or _group(res) != (group or ""):
             raise _unknown()
@@ -809,8 +1080,10 @@ class FakeKube(httpx.BaseTransport):
             return self._patch(res, ns, name, content, ctype, query)
         if method == "DELETE":
             opts = self._body(content) if content else {}
-            opts = {**opts, **{k: query[k] for k in ("propagationPolicy", "gracePeriodSeconds")
-                               if k in query}}
+            opts = {
+                **opts,
+                **{k: query[k] for k in ("propagationPolicy", "gracePeriodSeconds") if k in query},
+            }
             return _json(200, self._delete(res, ns, name, opts))
         raise _not_allowed()
 
@@ -820,25 +1093,63 @@ class FakeKube(httpx.BaseTransport):
         if method != "GET":
             raise _not_allowed()
         if plural == "customresourcedefinitions" and name == KNATIVE_CRD and self.knative:
-            return _json(200, {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-                               "metadata": {"name": name}, "spec": {"group": "serving.knative.dev", "names": {
-                                   "kind": "Service", "plural": "services", "shortNames": ["kservice", "ksvc"]},
-                                   "scope": "Namespaced"}})
+            return _json(
+                200,
+                {
+                    "apiVersion": "apiextensions.k8s.io/v1",
+                    "kind": "CustomResourceDefinition",
+                    "metadata": {"name": name},
+                    "spec": {
+                        "group": "serving.knative.dev",
+                        "names": {
+                            "kind": "Service",
+                            "plural": "services",
+                            "shortNames": ["kservice", "ksvc"],
+                        },
+                        "scope": "Namespaced",
+                    },
+                },
+            )
         if plural == "apiservices" and name == METRICS_APISERVICE and self.custom_metrics:
-            return _json(200, {"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
-                               "metadata": {"name": name}, "spec": {"group": "custom.metrics.k8s.io",
-                                                                    "version": "v1beta1"},
-                               "status": {"conditions": [{"type": "Available", "status": "True",
-                                                          "reason": "Passed", "message": "all checks passed"}]}})
-        group = "apiextensions.k8s.io" if plural == "customresourcedefinitions" else "apiregistration.k8s.io"
-        raise ApiError(404, "NotFound", f'{plural}.{group} "{name}" not found',
-                       {"name": name, "group": group, "kind": plural})
+            return _json(
+                200,
+                {
+                    "apiVersion": "apiregistration.k8s.io/v1",
+                    "kind": "APIService",
+                    "metadata": {"name": name},
+                    "spec": {"group": "custom.metrics.k8s.io", "version": "v1beta1"},
+                    "status": {
+                        "conditions": [
+                            {
+                                "type": "Available",
+                                "status": "True",
+                                "reason": "Passed",
+                                "message": "all checks passed",
+                            }
+                        ]
+                    },
+                },
+            )
+        group = (
+            "apiextensions.k8s.io"
+            if plural == "customresourcedefinitions"
+            else "apiregistration.k8s.io"
+        )
+        raise ApiError(
+            404,
+            "NotFound",
+            f'{plural}.{group} "{name}" not found',
+            {"name": name, "group": group, "kind": plural},
+        )
 
     def set_status(self, kind: str, ns: str, name: str, status: Obj) -> None:
         """Set an object's status as its controller would (an HPA's, for tests that play it)."""
         with self.lock:
             obj = self._get(self._resource(kind), ns, name)
-            obj["status"] = {"observedGeneration": obj["metadata"].get("generation", 1), **copy.deepcopy(status)}
+            obj["status"] = {
+                "observedGeneration": obj["metadata"].get("generation", 1),
+                **copy.deepcopy(status),
+            }
             obj["metadata"]["resourceVersion"] = self._next_rv()
 
     # ----------------------------------------------------------------- storage verbs
@@ -876,10 +1187,17 @@ class FakeKube(httpx.BaseTransport):
         return datetime.fromtimestamp(wall, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     def _namespace(self, name: str) -> Obj:
-        return {"metadata": {"name": name, "uid": self._ns_uids[name], "resourceVersion": "1",
-                             "creationTimestamp": self._iso(self._t0),
-                             "labels": {"kubernetes.io/metadata.name": name}},
-                "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
+        return {
+            "metadata": {
+                "name": name,
+                "uid": self._ns_uids[name],
+                "resourceVersion": "1",
+                "creationTimestamp": self._iso(self._t0),
+                "labels": {"kubernetes.io/metadata.name": name},
+            },
+            "spec": {"finalizers": ["kubernetes"]},
+            "status": {"phase": "Active"},
+        }
 
     def _get(self, res: str, ns: str, name: str) -> Obj:
         obj = self._store.get((res, ns, name))
@@ -888,31 +1206,48 @@ class FakeKube(httpx.BaseTransport):
         return obj
 
     def _select(self, res: str, ns: str | None, query: dict[str, str]) -> list[Obj]:
-        return [o for (r, n, _), o in sorted(self._store.items()) if r == res and ns in (None, n)
-                and label_selector_matches(query.get("labelSelector"), _labels(o))
-                and field_selector_matches(query.get("fieldSelector"), o)]
+        return [
+            o
+            for (r, n, _), o in sorted(self._store.items())
+            if r == res
+            and ns in (None, n)
+            and label_selector_matches(query.get("labelSelector"), _labels(o))
+            and field_selector_matches(query.get("fieldSelector"), o)
+        ]
 
-    def _list(self, res: str, ns: str | None, query: dict[str, str],
-              objs: list[Obj] | None = None) -> Obj:
-        items = [{k: v for k, v in o.items() if k not in ("kind", "apiVersion")}
-                 for o in (self._select(res, ns, query) if objs is None else objs)]
+    def _list(
+        self, res: str, ns: str | None, query: dict[str, str], objs: list[Obj] | None = None
+    ) -> Obj:
+        items = [
+            {k: v for k, v in o.items() if k not in ("kind", "apiVersion")}
+            for o in (self._select(res, ns, query) if objs is None else objs)
+        ]
         api_version, kind = _RESOURCES[res]
-        return {"kind": kind + "List", "apiVersion": api_version,
-                "metadata": {"resourceVersion": self._last_rv()}, "items": items}
+        return {
+            "kind": kind + "List",
+            "apiVersion": api_version,
+            "metadata": {"resourceVersion": self._last_rv()},
+            "items": items,
+        }
 
     def _check_body(self, res: str, ns: str, obj: Obj) -> None:
         api_version, kind = _RESOURCES[res]
         if obj.get("kind", kind) != kind or obj.get("apiVersion", api_version) != api_version:
-            raise _bad(f"the body is a {obj.get('apiVersion')}/{obj.get('kind')}, "
-                       f"this endpoint takes {api_version}/{kind}")
+            raise _bad(
+                f"the body is a {obj.get('apiVersion')}/{obj.get('kind')}, "
+                f"this endpoint takes {api_version}/{kind}"
+            )
         if obj.get("metadata", {}).get("namespace", ns) != ns:
-            raise _bad("the namespace of the provided object does not match the namespace sent "
-                       "on the request")
+            raise _bad(
+                "the namespace of the provided object does not match the namespace sent "
+                "on the request"
+            )
 
     def _create(self, res: str, ns: str, body: Obj) -> Obj:
         if ns not in self.namespaces:
-            raise ApiError(404, "NotFound", f'namespaces "{ns}" not found',
-                           {"name": ns, "kind": "namespaces"})
+            raise ApiError(
+                404, "NotFound", f'namespaces "{ns}" not found', {"name": ns, "kind": "namespaces"}
+            )
         self._check_body(res, ns, body)
         obj = copy.deepcopy(body)
         meta = obj.setdefault("metadata", {})
@@ -920,17 +1255,27 @@ class FakeKube(httpx.BaseTransport):
             meta["name"] = meta["generateName"] + _hash(str(uuid.uuid4()), 5)
         name = meta.get("name") or ""
         if not name:
-            raise _invalid(res, name, "metadata.name",
-                           "Required value: name or generateName is required", "FieldValueRequired")
+            raise _invalid(
+                res,
+                name,
+                "metadata.name",
+                "Required value: name or generateName is required",
+                "FieldValueRequired",
+            )
         if (res, ns, name) in self._store:
             qualified = _qualified(res)
-            raise ApiError(409, "AlreadyExists", f'{qualified} "{name}" already exists',
-                           _details(res, name))
+            raise ApiError(
+                409, "AlreadyExists", f'{qualified} "{name}" already exists', _details(res, name)
+            )
         for k in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):
             meta.pop(k, None)
         obj["apiVersion"], obj["kind"] = _RESOURCES[res]
-        meta.update(namespace=ns, uid=str(uuid.uuid4()), resourceVersion=self._next_rv(),
-                    creationTimestamp=self._iso())
+        meta.update(
+            namespace=ns,
+            uid=str(uuid.uuid4()),
+            resourceVersion=self._next_rv(),
+            creationTimestamp=self._iso(),
+        )
         self._prepare(res, obj, None)
         if res in ("pods", "statefulsets", "deployments", "ksvc", "horizontalpodautoscalers"):
             meta["generation"] = 1
@@ -938,8 +1283,9 @@ class FakeKube(httpx.BaseTransport):
         if res == "pods":
             now = self.clock()
             n = next(self._counter)
-            self._pods[meta["uid"]] = _PodMeta(self._script_for(obj), now, now,
-                                              f"10.244.{n // 250}.{n % 250 + 2}", _NODES[n % 3])
+            self._pods[meta["uid"]] = _PodMeta(
+                self._script_for(obj), now, now, f"10.244.{n // 250}.{n % 250 + 2}", _NODES[n % 3]
+            )
         if res == "statefulsets":
             self._current_rev[meta["uid"]] = self._revision(obj)
         return obj
@@ -955,18 +1301,36 @@ class FakeKube(httpx.BaseTransport):
         self._check_body(res, ns, body)
         meta = body.setdefault("metadata", {})
         if meta.get("name", name) != name:
-            raise _bad(f"the name of the object ({meta['name']}) does not match the name on the "
-                       f"URL ({name})")
+            raise _bad(
+                f"the name of the object ({meta['name']}) does not match the name on the "
+                f"URL ({name})"
+            )
         if meta.get("resourceVersion") not in (None, "", old["metadata"]["resourceVersion"]):
-            raise _conflict(res, name, "the object has been modified; please apply your changes "
-                                       "to the latest version and try again")
+            raise _conflict(
+                res,
+                name,
+                "the object has been modified; please apply your changes "
+                "to the latest version and try again",
+            )
         if meta.get("uid") not in (None, "", old["metadata"]["uid"]):
-            raise _conflict(res, name, f"Precondition failed: UID in precondition: {meta['uid']}, "
-                                       f"UID in object meta: {old['metadata']['uid']}")
+            raise _conflict(
+                res,
+                name,
+                f"Precondition failed: UID in precondition: {meta['uid']}, "
+                f"UID in object meta: {old['metadata']['uid']}",
+            )
         new = copy.deepcopy(body)
         new["apiVersion"], new["kind"] = _RESOURCES[res]
-        for k in ("name", "namespace", "uid", "creationTimestamp", "generation", "resourceVersion",
-                  "deletionTimestamp", "deletionGracePeriodSeconds"):
+        for k in (
+            "name",
+            "namespace",
+            "uid",
+            "creationTimestamp",
+            "generation",
+            "resourceVersion",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+        ):
             if k in old["metadata"]:
                 new["metadata"][k] = old["metadata"][k]
             else:
@@ -982,20 +1346,33 @@ class FakeKube(httpx.BaseTransport):
         self._store[(res, ns, name)] = new
         return new
 
-    def _patch(self, res: str, ns: str, name: str, content: bytes, ctype: str,
-               query: dict[str, str]) -> httpx.Response:
+    def _patch(
+        self, res: str, ns: str, name: str, content: bytes, ctype: str, query: dict[str, str]
+    ) -> httpx.Response:
         kind = ctype.split(";")[0].strip()
-        if kind not in ("application/merge-patch+json", "application/strategic-merge-patch+json",
-                        "application/apply-patch+yaml"):
-            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an "
-                           f"unknown format - accepted media types include: "
-                           f"application/merge-patch+json, application/strategic-merge-patch+json, "
-                           f"application/apply-patch+yaml (fake API server; got {kind!r})")
+        if kind not in (
+            "application/merge-patch+json",
+            "application/strategic-merge-patch+json",
+            "application/apply-patch+yaml",
+        ):
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an "
+                f"unknown format - accepted media types include: "
+                f"application/merge-patch+json, application/strategic-merge-patch+json, "
+                f"application/apply-patch+yaml (fake API server; got {kind!r})",
+            )
         patch = self._body(content)
         if kind == "application/apply-patch+yaml":  # JSON is YAML; the fake takes JSON only
             if not query.get("fieldManager"):
-                raise _invalid(res, name, "fieldManager", "Required value: is required for "
-                               "apply patch", "FieldValueRequired")
+                raise _invalid(
+                    res,
+                    name,
+                    "fieldManager",
+                    "Required value: is required for apply patch",
+                    "FieldValueRequired",
+                )
             if patch.get("metadata", {}).get("name") != name:
                 raise _bad(f"the name of the object does not match the name on the URL ({name})")
             if (res, ns, name) not in self._store:
@@ -1009,8 +1386,12 @@ class FakeKube(httpx.BaseTransport):
         pre = opts.get("preconditions") or {}
         for k in ("uid", "resourceVersion"):
             if pre.get(k) and pre[k] != obj["metadata"][k]:
-                raise _conflict(res, name, f"Precondition failed: {k} in precondition: {pre[k]}, "
-                                           f"{k} in object meta: {obj['metadata'][k]}")
+                raise _conflict(
+                    res,
+                    name,
+                    f"Precondition failed: {k} in precondition: {pre[k]}, "
+                    f"{k} in object meta: {obj['metadata'][k]}",
+                )
         grace = opts.get("gracePeriodSeconds")
         if res == "pods":
             return copy.deepcopy(self._delete_pod(obj, None if grace is None else int(grace)))
@@ -1028,11 +1409,17 @@ class FakeKube(httpx.BaseTransport):
             out = copy.deepcopy(obj)
             out["metadata"]["deletionTimestamp"] = self._iso()
             if policy in ("Orphan", "Foreground"):
-                out["metadata"]["finalizers"] = ["orphan" if policy == "Orphan"
-                                                 else "foregroundDeletion"]
+                out["metadata"]["finalizers"] = [
+                    "orphan" if policy == "Orphan" else "foregroundDeletion"
+                ]
             return out
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
-                "details": {**_details(res, name), "uid": obj["metadata"]["uid"]}}
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Success",
+            "details": {**_details(res, name), "uid": obj["metadata"]["uid"]},
+        }
 
     def _collect_dependents(self, ns: str, owner_uid: str, orphan: bool) -> None:
         for (res, n, name), obj in list(self._store.items()):
@@ -1085,18 +1472,31 @@ class FakeKube(httpx.BaseTransport):
     # ----------------------------------------------------------------- defaults, validation
     def _prepare(self, res: str, obj: Obj, old: Obj | None) -> None:
         meta, name = obj["metadata"], obj["metadata"]["name"]
-        pattern, what = (_DNS1035, "a DNS-1035 label") if res in ("services", "ksvc") else \
-            (_DNS1123, "a lowercase RFC 1123 subdomain")
+        pattern, what = (
+            (_DNS1035, "a DNS-1035 label")
+            if res in ("services", "ksvc")
+            else (_DNS1123, "a lowercase RFC 1123 subdomain")
+        )
         too_long = len(name) > (63 if res in ("services", "ksvc") else 253)
         if old is None and (too_long or not pattern.fullmatch(name)):
-            raise _invalid(res, name, "metadata.name", f'Invalid value: "{name}": {what} must '
-                           f"consist of lower case alphanumeric characters, '-' or '.' "
-                           f"(regex used for validation is '{pattern.pattern}')")
+            raise _invalid(
+                res,
+                name,
+                "metadata.name",
+                f'Invalid value: "{name}": {what} must '
+                f"consist of lower case alphanumeric characters, '-' or '.' "
+                f"(regex used for validation is '{pattern.pattern}')",
+            )
         for key, value in (meta.get("labels") or {}).items():
             if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
-                raise _invalid(res, name, "metadata.labels", f'Invalid value: "{value}": a valid '
-                               f"label value must be 63 characters or less, alphanumeric, '-', '_' "
-                               f"or '.', starting and ending with an alphanumeric (key {key!r})")
+                raise _invalid(
+                    res,
+                    name,
+                    "metadata.labels",
+                    f'Invalid value: "{value}": a valid '
+                    f"label value must be 63 characters or less, alphanumeric, '-', '_' "
+                    f"or '.', starting and ending with an alphanumeric (key {key!r})",
+                )
         spec = obj.get("spec")
         if res == "pods":
             self._pod_spec(res, name, spec, "spec")
@@ -1131,8 +1531,12 @@ class FakeKube(httpx.BaseTransport):
             n = next(self._seq) if old_ip is None and "clusterIP" not in spec else 0
             spec.setdefault("clusterIP", old_ip or f"10.96.{n // 250}.{n % 250 + 2}")
             spec.setdefault("clusterIPs", [spec["clusterIP"]])
-            for k, v in (("sessionAffinity", "None"), ("ipFamilies", ["IPv4"]),
-                         ("ipFamilyPolicy", "SingleStack"), ("internalTrafficPolicy", "Cluster")):
+            for k, v in (
+                ("sessionAffinity", "None"),
+                ("ipFamilies", ["IPv4"]),
+                ("ipFamilyPolicy", "SingleStack"),
+                ("internalTrafficPolicy", "Cluster"),
+            ):
                 spec.setdefault(k, v)
             for port in spec.get("ports", []):
                 port.setdefault("protocol", "TCP")
@@ -1144,13 +1548,18 @@ class FakeKube(httpx.BaseTransport):
             spec.setdefault("volumeMode", "Filesystem")
             spec.setdefault("volumeName", "pvc-" + meta["uid"])
             size = spec.get("resources", {}).get("requests", {}).get("storage", "1Gi")
-            bound = {"phase": "Bound", "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
-                     "capacity": {"storage": size}}
+            bound = {
+                "phase": "Bound",
+                "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
+                "capacity": {"storage": size},
+            }
             if old is not None:
                 obj["status"] = old.get("status") or bound
             elif self.pvc_bind_seconds > 0 or "does-not-exist" in spec["storageClassName"]:
                 obj["status"] = {"phase": "Pending"}
-                self._pvc_bind_at[(meta["namespace"], meta["name"])] = self.clock() + self.pvc_bind_seconds
+                self._pvc_bind_at[(meta["namespace"], meta["name"])] = (
+                    self.clock() + self.pvc_bind_seconds
+                )
             else:
                 obj["status"] = bound
 
@@ -1160,19 +1569,32 @@ class FakeKube(httpx.BaseTransport):
         for i, c in enumerate(spec["containers"]):
             for k in ("name", "image"):
                 if not c.get(k):
-                    raise _invalid(res, name, f"{path}.containers[{i}].{k}", "Required value",
-                                   "FieldValueRequired")
-            c.setdefault("imagePullPolicy", "Always" if _normalize_image(c["image"])
-                         .endswith(":latest") else "IfNotPresent")
+                    raise _invalid(
+                        res,
+                        name,
+                        f"{path}.containers[{i}].{k}",
+                        "Required value",
+                        "FieldValueRequired",
+                    )
+            c.setdefault(
+                "imagePullPolicy",
+                "Always" if _normalize_image(c["image"]).endswith(":latest") else "IfNotPresent",
+            )
             c.setdefault("terminationMessagePath", "/dev/termination-log")
             c.setdefault("terminationMessagePolicy", "File")
             c.setdefault("resources", {})
             for port in c.get("ports", []):
                 port.setdefault("protocol", "TCP")
-        for k, v in (("restartPolicy", "Always"), ("terminationGracePeriodSeconds", 30),
-                     ("dnsPolicy", "ClusterFirst"), ("schedulerName", "default-scheduler"),
-                     ("serviceAccountName", "default"), ("securityContext", {}),
-                     ("enableServiceLinks", True), ("priority", 0)):
+        for k, v in (
+            ("restartPolicy", "Always"),
+            ("terminationGracePeriodSeconds", 30),
+            ("dnsPolicy", "ClusterFirst"),
+            ("schedulerName", "default-scheduler"),
+            ("serviceAccountName", "default"),
+            ("securityContext", {}),
+            ("enableServiceLinks", True),
+            ("priority", 0),
+        ):
             spec.setdefault(k, v)
         spec.setdefault("serviceAccount", spec["serviceAccountName"])
 
@@ -1183,51 +1605,97 @@ class FakeKube(httpx.BaseTransport):
         template = spec.get("template") or {}
         tlabels = template.get("metadata", {}).get("labels") or {}
         if any(tlabels.get(k) != v for k, v in spec["selector"]["matchLabels"].items()):
-            raise _invalid(res, name, "spec.template.metadata.labels",
-                           f"Invalid value: {tlabels!r}: `selector` does not match template "
-                           f"`labels`")
+            raise _invalid(
+                res,
+                name,
+                "spec.template.metadata.labels",
+                f"Invalid value: {tlabels!r}: `selector` does not match template `labels`",
+            )
         self._pod_spec(res, name, template.get("spec"), "spec.template.spec")
         if template["spec"]["restartPolicy"] != "Always":
-            raise _invalid(res, name, "spec.template.spec.restartPolicy", f'Unsupported value: '
-                           f'"{template["spec"]["restartPolicy"]}": supported values: "Always"',
-                           "FieldValueNotSupported")
-        for k, v in (("replicas", 1), ("podManagementPolicy", "OrderedReady"),
-                     ("revisionHistoryLimit", 10), ("updateStrategy", {"type": "RollingUpdate"}),
-                     ("persistentVolumeClaimRetentionPolicy",
-                      {"whenDeleted": "Retain", "whenScaled": "Retain"})):
+            raise _invalid(
+                res,
+                name,
+                "spec.template.spec.restartPolicy",
+                f"Unsupported value: "
+                f'"{template["spec"]["restartPolicy"]}": supported values: "Always"',
+                "FieldValueNotSupported",
+            )
+        for k, v in (
+            ("replicas", 1),
+            ("podManagementPolicy", "OrderedReady"),
+            ("revisionHistoryLimit", 10),
+            ("updateStrategy", {"type": "RollingUpdate"}),
+            (
+                "persistentVolumeClaimRetentionPolicy",
+                {"whenDeleted": "Retain", "whenScaled": "Retain"},
+            ),
+        ):
             spec.setdefault(k, v)
         if spec["updateStrategy"].get("type", "RollingUpdate") == "RollingUpdate":
             spec["updateStrategy"].setdefault("type", "RollingUpdate")
             spec["updateStrategy"].setdefault("rollingUpdate", {"partition": 0})
-        if old is not None and any(spec.get(k) != old["spec"].get(k) for k in
-                                   set(spec) | set(old["spec"]) if k not in _STS_MUTABLE):
-            raise _invalid(res, name, "spec", "Forbidden: updates to statefulset spec for fields "
-                           "other than 'replicas', 'ordinals', 'template', 'updateStrategy', "
-                           "'revisionHistoryLimit', 'persistentVolumeClaimRetentionPolicy' and "
-                           "'minReadySeconds' are forbidden", "FieldValueForbidden")
+        if old is not None and any(
+            spec.get(k) != old["spec"].get(k)
+            for k in set(spec) | set(old["spec"])
+            if k not in _STS_MUTABLE
+        ):
+            raise _invalid(
+                res,
+                name,
+                "spec",
+                "Forbidden: updates to statefulset spec for fields "
+                "other than 'replicas', 'ordinals', 'template', 'updateStrategy', "
+                "'revisionHistoryLimit', 'persistentVolumeClaimRetentionPolicy' and "
+                "'minReadySeconds' are forbidden",
+                "FieldValueForbidden",
+            )
 
     def _selector_matches_template(self, res: str, name: str, spec: Obj) -> None:
         if not isinstance(spec, dict) or not (spec.get("selector") or {}).get("matchLabels"):
             raise _invalid(res, name, "spec.selector", "Required value", "FieldValueRequired")
         tlabels = (spec.get("template") or {}).get("metadata", {}).get("labels") or {}
         if any(tlabels.get(k) != v for k, v in spec["selector"]["matchLabels"].items()):
-            raise _invalid(res, name, "spec.template.metadata.labels",
-                           f"Invalid value: {tlabels!r}: `selector` does not match template `labels`")
+            raise _invalid(
+                res,
+                name,
+                "spec.template.metadata.labels",
+                f"Invalid value: {tlabels!r}: `selector` does not match template `labels`",
+            )
 
     def _deployment_spec(self, name: str, spec: Any, old: Obj | None) -> None:
         res = "deployments"
         self._selector_matches_template(res, name, spec)
         self._pod_spec(res, name, spec["template"].get("spec"), "spec.template.spec")
         if spec["template"]["spec"]["restartPolicy"] != "Always":
-            raise _invalid(res, name, "spec.template.spec.restartPolicy", "Unsupported value: supported "
-                           'values: "Always"', "FieldValueNotSupported")
-        for k, v in (("replicas", 1), ("revisionHistoryLimit", 10), ("progressDeadlineSeconds", 600),
-                     ("strategy", {"type": "RollingUpdate",
-                                   "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}})):
+            raise _invalid(
+                res,
+                name,
+                "spec.template.spec.restartPolicy",
+                'Unsupported value: supported values: "Always"',
+                "FieldValueNotSupported",
+            )
+        for k, v in (
+            ("replicas", 1),
+            ("revisionHistoryLimit", 10),
+            ("progressDeadlineSeconds", 600),
+            (
+                "strategy",
+                {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"},
+                },
+            ),
+        ):
             spec.setdefault(k, v)
         if old is not None and spec["selector"] != old["spec"]["selector"]:
-            raise _invalid(res, name, "spec.selector", f"Invalid value: {spec['selector']!r}: field is "
-                           "immutable", "FieldValueInvalid")
+            raise _invalid(
+                res,
+                name,
+                "spec.selector",
+                f"Invalid value: {spec['selector']!r}: field is immutable",
+                "FieldValueInvalid",
+            )
 
     def _hpa_spec(self, name: str, spec: Any) -> None:
         res = "horizontalpodautoscalers"
@@ -1236,10 +1704,17 @@ class FakeKube(httpx.BaseTransport):
             raise _invalid(res, name, "spec.scaleTargetRef", "Required value", "FieldValueRequired")
         low, high = spec.setdefault("minReplicas", 1), spec.get("maxReplicas")
         if not isinstance(high, int) or high < 1:
-            raise _invalid(res, name, "spec.maxReplicas", f"Invalid value: {high}: must be greater than 0")
+            raise _invalid(
+                res, name, "spec.maxReplicas", f"Invalid value: {high}: must be greater than 0"
+            )
         if low < 1 or low > high:
-            raise _invalid(res, name, "spec.minReplicas", f"Invalid value: {low}: must be between 1 and "
-                           "maxReplicas (0 needs the HPAScaleToZero feature gate)")
+            raise _invalid(
+                res,
+                name,
+                "spec.minReplicas",
+                f"Invalid value: {low}: must be between 1 and "
+                "maxReplicas (0 needs the HPAScaleToZero feature gate)",
+            )
 
     def _ksvc_spec(self, name: str, spec: Any) -> None:
         """Knative's webhook, in part: one container, at most one port, named for its protocol."""
@@ -1251,12 +1726,20 @@ class FakeKube(httpx.BaseTransport):
         self._pod_spec(res, name, template.get("spec"), "spec.template.spec")
         containers = template["spec"]["containers"]
         if len(containers) != 1:
-            raise _invalid(res, name, "spec.template.spec.containers", "expected exactly one, got "
-                           f"{len(containers)}")
+            raise _invalid(
+                res,
+                name,
+                "spec.template.spec.containers",
+                f"expected exactly one, got {len(containers)}",
+            )
         ports = containers[0].get("ports") or []
         if len(ports) > 1 or any(p.get("name") not in (None, "http1", "h2c") for p in ports):
-            raise _invalid(res, name, "spec.template.spec.containers[0].ports", "more than one container "
-                           "port is set, or its name is not one of http1, h2c")
+            raise _invalid(
+                res,
+                name,
+                "spec.template.spec.containers[0].ports",
+                "more than one container port is set, or its name is not one of http1, h2c",
+            )
 
     # ----------------------------------------------------------------- controllers
     def _claim_in_use(self, ns: str, name: str) -> bool:
@@ -1289,8 +1772,12 @@ class FakeKube(httpx.BaseTransport):
             for sts in [o for (r, _, _), o in self._store.items() if r == "statefulsets"]:
                 changed |= self._reconcile(sts)
             for dep in [o for (r, _, _), o in self._store.items() if r == "deployments"]:
-                changed |= self._reconcile_replicas(dep, dep["spec"]["template"], int(dep["spec"].get("replicas", 1)),
-                                                    f"{dep['metadata']['name']}-{_hash(dep['spec']['template'])}")
+                changed |= self._reconcile_replicas(
+                    dep,
+                    dep["spec"]["template"],
+                    int(dep["spec"].get("replicas", 1)),
+                    f"{dep['metadata']['name']}-{_hash(dep['spec']['template'])}",
+                )
             for ksvc in [o for (r, _, _), o in self._store.items() if r == "ksvc"]:
                 changed |= self._reconcile_ksvc(ksvc)
             changed |= self._refresh_pods()
@@ -1313,43 +1800,89 @@ class FakeKube(httpx.BaseTransport):
         if status.get("observedGeneration") == md.get("generation", 1):
             return
         ref = spec["scaleTargetRef"]
-        target = self._store.get(("deployments", md["namespace"], ref["name"])) if ref["kind"] == "Deployment" else None
+        target = (
+            self._store.get(("deployments", md["namespace"], ref["name"]))
+            if ref["kind"] == "Deployment"
+            else None
+        )
         at = self._iso()
         if target is None:
-            conditions = [{"type": "AbleToScale", "status": "False", "lastTransitionTime": at,
-                           "reason": "FailedGetScale", "message": f'the HPA controller was unable to get the '
-                           f'target\'s current scale: deployments/scale.apps "{ref["name"]}" not found'}]
+            conditions = [
+                {
+                    "type": "AbleToScale",
+                    "status": "False",
+                    "lastTransitionTime": at,
+                    "reason": "FailedGetScale",
+                    "message": f"the HPA controller was unable to get the "
+                    f'target\'s current scale: deployments/scale.apps "{ref["name"]}" not found',
+                }
+            ]
             replicas = 0
         else:
             replicas = int(target["spec"].get("replicas", 1))
             metric = (spec.get("metrics") or [{}])[0]
             if metric.get("type") == "Pods":
                 name = metric["pods"]["metric"]["name"]
-                reason, why = "FailedGetPodsMetric", (f"unable to get metric {name}: unable to fetch metrics from "
-                                                      "custom metrics API: the server could not find the "
-                                                      "metric " + name + " for pods")
+                reason, why = (
+                    "FailedGetPodsMetric",
+                    (
+                        f"unable to get metric {name}: unable to fetch metrics from "
+                        "custom metrics API: the server could not find the "
+                        "metric " + name + " for pods"
+                    ),
+                )
             else:
                 resource = (metric.get("resource") or {}).get("name", "cpu")
-                reason, why = "FailedGetResourceMetric", (
-                    f"failed to get {resource} utilization: unable to get metrics for resource {resource}: "
-                    "unable to fetch metrics from resource metrics API: the server could not find the requested "
-                    "resource (get pods.metrics.k8s.io)")
-            conditions = [{"type": "AbleToScale", "status": "True", "lastTransitionTime": at,
-                           "reason": "SucceededGetScale",
-                           "message": "the HPA controller was able to get the target's current scale"},
-                          {"type": "ScalingActive", "status": "False", "lastTransitionTime": at, "reason": reason,
-                           "message": f"the HPA was unable to compute the replica count: {why}"}]
-        hpa["status"] = {"observedGeneration": md.get("generation", 1), "currentReplicas": replicas,
-                         "desiredReplicas": 0, "conditions": conditions}
+                reason, why = (
+                    "FailedGetResourceMetric",
+                    (
+                        f"failed to get {resource} utilization: unable to get metrics for resource {resource}: "
+                        "unable to fetch metrics from resource metrics API: the server could not find the requested "
+                        "resource (get pods.metrics.k8s.io)"
+                    ),
+                )
+            conditions = [
+                {
+                    "type": "AbleToScale",
+                    "status": "True",
+                    "lastTransitionTime": at,
+                    "reason": "SucceededGetScale",
+                    "message": "the HPA controller was able to get the target's current scale",
+                },
+                {
+                    "type": "ScalingActive",
+                    "status": "False",
+                    "lastTransitionTime": at,
+                    "reason": reason,
+                    "message": f"the HPA was unable to compute the replica count: {why}",
+                },
+            ]
+        hpa["status"] = {
+            "observedGeneration": md.get("generation", 1),
+            "currentReplicas": replicas,
+            "desiredReplicas": 0,
+            "conditions": conditions,
+        }
         md["resourceVersion"] = self._next_rv()
 
     def _owned(self, owner: Obj) -> list[Obj]:
         md = owner["metadata"]
-        return [o for (r, n, _), o in self._store.items() if r == "pods" and n == md["namespace"]
-                and any(ref["uid"] == md["uid"] for ref in o["metadata"].get("ownerReferences", []))]
+        return [
+            o
+            for (r, n, _), o in self._store.items()
+            if r == "pods"
+            and n == md["namespace"]
+            and any(ref["uid"] == md["uid"] for ref in o["metadata"].get("ownerReferences", []))
+        ]
 
-    def _reconcile_replicas(self, owner: Obj, template: Obj, want: int, prefix: str,
-                            extra_labels: dict[str, str] | None = None) -> bool:
+    def _reconcile_replicas(
+        self,
+        owner: Obj,
+        template: Obj,
+        want: int,
+        prefix: str,
+        extra_labels: dict[str, str] | None = None,
+    ) -> bool:
         """A Deployment's (and its ReplicaSets', folded in) sync: ``want`` pods of ``template``
         named ``PREFIX-xxxxx``, the newest (not-ready first) removed on scale-down; pods of an older
         template go once as many of the current one are ready (maxUnavailable 0), or at once
@@ -1363,7 +1896,9 @@ class FakeKube(httpx.BaseTransport):
             self._create_replica(owner, template, digest, prefix, extra_labels or {})
             changed = True
         if len(current) > want:
-            order = sorted(current, key=lambda p: (_healthy(p), -self._pods[p["metadata"]["uid"]].created))
+            order = sorted(
+                current, key=lambda p: (_healthy(p), -self._pods[p["metadata"]["uid"]].created)
+            )
             for pod in order[: len(current) - want]:
                 self._owner_delete(owner, pod)
                 changed = True
@@ -1373,29 +1908,56 @@ class FakeKube(httpx.BaseTransport):
                 changed = True
         return changed
 
-    def _create_replica(self, owner: Obj, template: Obj, digest: str, prefix: str, extra: dict[str, str]) -> Obj:
+    def _create_replica(
+        self, owner: Obj, template: Obj, digest: str, prefix: str, extra: dict[str, str]
+    ) -> Obj:
         md = owner["metadata"]
         template = copy.deepcopy(template)
         tmeta = template.get("metadata") or {}
-        pod_meta: Obj = {"generateName": f"{prefix}-",
-                         "labels": {**(tmeta.get("labels") or {}), **extra, "pod-template-hash": digest},
-                         "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                                              "name": md["name"], "uid": md["uid"], "controller": True,
-                                              "blockOwnerDeletion": True}]}
+        pod_meta: Obj = {
+            "generateName": f"{prefix}-",
+            "labels": {**(tmeta.get("labels") or {}), **extra, "pod-template-hash": digest},
+            "ownerReferences": [
+                {
+                    "apiVersion": owner["apiVersion"],
+                    "kind": owner["kind"],
+                    "name": md["name"],
+                    "uid": md["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        }
         if tmeta.get("annotations"):
             pod_meta["annotations"] = dict(tmeta["annotations"])
         spec = template["spec"]
         spec.pop("containerConcurrency", None)  # Knative's, not a pod's
         pod = self._create("pods", md["namespace"], {"metadata": pod_meta, "spec": spec})
-        self._event(md["namespace"], owner["kind"], md["name"], md["uid"], "Normal", "SuccessfulCreate",
-                    f"Created pod: {pod['metadata']['name']}", "replicaset-controller")
+        self._event(
+            md["namespace"],
+            owner["kind"],
+            md["name"],
+            md["uid"],
+            "Normal",
+            "SuccessfulCreate",
+            f"Created pod: {pod['metadata']['name']}",
+            "replicaset-controller",
+        )
         return pod
 
     def _owner_delete(self, owner: Obj, pod: Obj) -> None:
         md = owner["metadata"]
         self._delete_pod(pod, None)
-        self._event(md["namespace"], owner["kind"], md["name"], md["uid"], "Normal", "SuccessfulDelete",
-                    f"Deleted pod: {pod['metadata']['name']}", "replicaset-controller")
+        self._event(
+            md["namespace"],
+            owner["kind"],
+            md["name"],
+            md["uid"],
+            "Normal",
+            "SuccessfulDelete",
+            f"Deleted pod: {pod['metadata']['name']}",
+            "replicaset-controller",
+        )
 
     def _reconcile_ksvc(self, ksvc: Obj) -> bool:
         """Knative, in short: each template is a revision NAME-0000N whose pods
@@ -1408,28 +1970,63 @@ class FakeKube(httpx.BaseTransport):
         number = revisions.setdefault(digest, len(revisions) + 1)
         revision = f"{md['name']}-{number:05d}"
         notes = (template.get("metadata") or {}).get("annotations") or {}
-        want = self.knative_scale.get((md["namespace"], md["name"]),
-                                      int(notes.get("autoscaling.knative.dev/initial-scale", 1)))
-        labels = {"serving.knative.dev/service": md["name"], "serving.knative.dev/revision": revision,
-                  "serving.knative.dev/configuration": md["name"]}
-        changed = self._reconcile_replicas(ksvc, template, want, f"{revision}-deployment-{digest[:9]}", labels)
-        healthy = [p for p in self._owned(ksvc) if _healthy(p) and _labels(p).get("pod-template-hash") == digest]
+        want = self.knative_scale.get(
+            (md["namespace"], md["name"]),
+            int(notes.get("autoscaling.knative.dev/initial-scale", 1)),
+        )
+        labels = {
+            "serving.knative.dev/service": md["name"],
+            "serving.knative.dev/revision": revision,
+            "serving.knative.dev/configuration": md["name"],
+        }
+        changed = self._reconcile_replicas(
+            ksvc, template, want, f"{revision}-deployment-{digest[:9]}", labels
+        )
+        healthy = [
+            p
+            for p in self._owned(ksvc)
+            if _healthy(p) and _labels(p).get("pod-template-hash") == digest
+        ]
         ready = bool(healthy) or want == 0
         at = self._iso()
-        status = {"observedGeneration": md.get("generation", 1), "latestCreatedRevisionName": revision,
-                  "url": f"http://{md['name']}.{md['namespace']}.example.com",
-                  "conditions": [{"type": t, "status": "True" if ready else "Unknown", "lastTransitionTime": at,
-                                  **({} if ready else {"reason": "RevisionMissing",
-                                                       "message": f"Configuration \"{md['name']}\" is waiting "
-                                                       "for a Revision to become ready."})}
-                                 for t in ("ConfigurationsReady", "Ready", "RoutesReady")]}
+        status = {
+            "observedGeneration": md.get("generation", 1),
+            "latestCreatedRevisionName": revision,
+            "url": f"http://{md['name']}.{md['namespace']}.example.com",
+            "conditions": [
+                {
+                    "type": t,
+                    "status": "True" if ready else "Unknown",
+                    "lastTransitionTime": at,
+                    **(
+                        {}
+                        if ready
+                        else {
+                            "reason": "RevisionMissing",
+                            "message": f'Configuration "{md["name"]}" is waiting '
+                            "for a Revision to become ready.",
+                        }
+                    ),
+                }
+                for t in ("ConfigurationsReady", "Ready", "RoutesReady")
+            ],
+        }
         if ready:
             status["latestReadyRevisionName"] = revision
         old = {k: v for k, v in (ksvc.get("status") or {}).items()}
-        if {**old, "conditions": [{k: v for k, v in c.items() if k != "lastTransitionTime"}
-                                  for c in old.get("conditions", [])]} != \
-                {**status, "conditions": [{k: v for k, v in c.items() if k != "lastTransitionTime"}
-                                          for c in status["conditions"]]}:
+        if {
+            **old,
+            "conditions": [
+                {k: v for k, v in c.items() if k != "lastTransitionTime"}
+                for c in old.get("conditions", [])
+            ],
+        } != {
+            **status,
+            "conditions": [
+                {k: v for k, v in c.items() if k != "lastTransitionTime"}
+                for c in status["conditions"]
+            ],
+        }:
             ksvc["status"] = status
             md["resourceVersion"] = self._next_rv()
         return changed
@@ -1441,10 +2038,14 @@ class FakeKube(httpx.BaseTransport):
         digest = _hash(owner["spec"]["template"])
         pods = [p for p in self._owned(owner) if not p["metadata"].get("deletionTimestamp")]
         ready_count = sum(_healthy(p) for p in pods)
-        status = {"observedGeneration": md.get("generation", 1), "replicas": len(pods),
-                  "updatedReplicas": sum(_labels(p).get("pod-template-hash") == digest for p in pods),
-                  "readyReplicas": ready_count, "availableReplicas": ready_count,
-                  "unavailableReplicas": max(0, len(pods) - ready_count)}
+        status = {
+            "observedGeneration": md.get("generation", 1),
+            "replicas": len(pods),
+            "updatedReplicas": sum(_labels(p).get("pod-template-hash") == digest for p in pods),
+            "readyReplicas": ready_count,
+            "availableReplicas": ready_count,
+            "unavailableReplicas": max(0, len(pods) - ready_count),
+        }
         status = {k: v for k, v in status.items() if v or k in ("observedGeneration", "replicas")}
         if status != owner.get("status"):
             owner["status"] = status
@@ -1460,20 +2061,39 @@ class FakeKube(httpx.BaseTransport):
                 continue
             spec, uid = claim["spec"], claim["metadata"]["uid"]
             if "does-not-exist" in spec["storageClassName"]:
-                self._event(ns, "PersistentVolumeClaim", name, uid, "Warning", "ProvisioningFailed",
-                            f'storageclass.storage.k8s.io "{spec["storageClassName"]}" not found',
-                            "persistentvolume-controller")
+                self._event(
+                    ns,
+                    "PersistentVolumeClaim",
+                    name,
+                    uid,
+                    "Warning",
+                    "ProvisioningFailed",
+                    f'storageclass.storage.k8s.io "{spec["storageClassName"]}" not found',
+                    "persistentvolume-controller",
+                )
                 del self._pvc_bind_at[(ns, name)]
                 continue
             if now < at:
                 continue
             del self._pvc_bind_at[(ns, name)]
-            claim["status"] = {"phase": "Bound", "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
-                               "capacity": {"storage": spec.get("resources", {}).get("requests", {})
-                                            .get("storage", "1Gi")}}
+            claim["status"] = {
+                "phase": "Bound",
+                "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
+                "capacity": {
+                    "storage": spec.get("resources", {}).get("requests", {}).get("storage", "1Gi")
+                },
+            }
             claim["metadata"]["resourceVersion"] = self._next_rv()
-            self._event(ns, "PersistentVolumeClaim", name, uid, "Normal", "ProvisioningSucceeded",
-                        f"Successfully provisioned volume {spec['volumeName']}", "persistentvolume-controller")
+            self._event(
+                ns,
+                "PersistentVolumeClaim",
+                name,
+                uid,
+                "Normal",
+                "ProvisioningSucceeded",
+                f"Successfully provisioned volume {spec['volumeName']}",
+                "persistentvolume-controller",
+            )
 
     def _unbound_claims(self, pod: Obj) -> str | None:
         """The scheduler's message for a pod whose claims are missing or not bound yet."""
@@ -1484,13 +2104,17 @@ class FakeKube(httpx.BaseTransport):
                 continue
             claim = self._store.get(("persistentvolumeclaims", ns, name))
             if claim is None:
-                return (f'0/{len(_NODES)} nodes are available: persistentvolumeclaim "{name}" not '
-                        f"found. preemption: 0/{len(_NODES)} nodes are available: {len(_NODES)} "
-                        "Preemption is not helpful for scheduling.")
+                return (
+                    f'0/{len(_NODES)} nodes are available: persistentvolumeclaim "{name}" not '
+                    f"found. preemption: 0/{len(_NODES)} nodes are available: {len(_NODES)} "
+                    "Preemption is not helpful for scheduling."
+                )
             if (claim.get("status") or {}).get("phase") != "Bound":
-                return (f"0/{len(_NODES)} nodes are available: pod has unbound immediate "
-                        f"PersistentVolumeClaims. preemption: 0/{len(_NODES)} nodes are available: "
-                        f"{len(_NODES)} Preemption is not helpful for scheduling.")
+                return (
+                    f"0/{len(_NODES)} nodes are available: pod has unbound immediate "
+                    f"PersistentVolumeClaims. preemption: 0/{len(_NODES)} nodes are available: "
+                    f"{len(_NODES)} Preemption is not helpful for scheduling."
+                )
         return None
 
     def _refresh_pods(self) -> bool:
@@ -1508,33 +2132,58 @@ class FakeKube(httpx.BaseTransport):
                 meta.start = now
                 index, state, since = -2, unschedulable(blocked), meta.created
             else:
-                index = max((i for i, (t, _) in enumerate(meta.steps) if meta.start + t <= now),
-                            default=-1)
+                index = max(
+                    (i for i, (t, _) in enumerate(meta.steps) if meta.start + t <= now), default=-1
+                )
                 state = meta.steps[index][1] if index >= 0 else pending()
                 since = meta.start + (meta.steps[index][0] if index >= 0 else 0.0)
-            ctx = PodCtx(pod, state.ip or meta.ip, meta.node[0], meta.node[1],
-                         self._iso(meta.created), self._iso(since))
+            ctx = PodCtx(
+                pod,
+                state.ip or meta.ip,
+                meta.node[0],
+                meta.node[1],
+                self._iso(meta.created),
+                self._iso(since),
+            )
             status = state.status(ctx)
-            scheduled = any(c["type"] == "PodScheduled" and c["status"] == "True"
-                            for c in status.get("conditions", []))
+            scheduled = any(
+                c["type"] == "PodScheduled" and c["status"] == "True"
+                for c in status.get("conditions", [])
+            )
             if scheduled and not pod["spec"].get("nodeName"):
                 pod["spec"]["nodeName"] = meta.node[0]
-                self._event(md["namespace"], "Pod", md["name"], md["uid"], "Normal", "Scheduled",
-                            f"Successfully assigned {md['namespace']}/{md['name']} to "
-                            f"{meta.node[0]}", "default-scheduler")
+                self._event(
+                    md["namespace"],
+                    "Pod",
+                    md["name"],
+                    md["uid"],
+                    "Normal",
+                    "Scheduled",
+                    f"Successfully assigned {md['namespace']}/{md['name']} to {meta.node[0]}",
+                    "default-scheduler",
+                )
             if index != meta.step:
                 meta.step = index
                 for type_, reason, message in state.events(ctx):
                     component = "default-scheduler" if "Scheduling" in reason else "kubelet"
-                    self._event(md["namespace"], "Pod", md["name"], md["uid"], type_, reason,
-                                message, component)
+                    self._event(
+                        md["namespace"],
+                        "Pod",
+                        md["name"],
+                        md["uid"],
+                        type_,
+                        reason,
+                        message,
+                        component,
+                    )
                 for text, previous in ((state.logs, False), (state.previous_logs, True)):
                     if text is not None:
                         self._logs[(md["namespace"], md["name"], None, previous)] = text
                 for cs in status.get("containerStatuses", []) if state.previous_log_lost else []:
                     gone = (cs.get("lastState") or {}).get("terminated", {}).get("containerID", "")
-                    self._logs[(md["namespace"], md["name"], cs["name"], True)] = \
+                    self._logs[(md["namespace"], md["name"], cs["name"], True)] = (
                         f"unable to retrieve container logs for {gone}"
+                    )
             if status != pod.get("status"):
                 pod["status"] = status
                 md["resourceVersion"] = self._next_rv()
@@ -1549,7 +2198,9 @@ class FakeKube(httpx.BaseTransport):
         """The StatefulSet controller's sync, as in pkg/controller/statefulset (simplified)."""
         md, spec = sts["metadata"], sts["spec"]
         ns, name, want = md["namespace"], md["name"], int(spec.get("replicas", 1))
-        start = int((spec.get("ordinals") or {}).get("start", 0))  # spec.ordinals.start (GA in 1.31)
+        start = int(
+            (spec.get("ordinals") or {}).get("start", 0)
+        )  # spec.ordinals.start (GA in 1.31)
         ordered = spec.get("podManagementPolicy") != "Parallel"
         revision, changed = self._revision(sts), False
         pods: dict[int, Obj] = {}
@@ -1560,8 +2211,9 @@ class FakeKube(httpx.BaseTransport):
             refs = pod["metadata"].get("ownerReferences") or []
             owner = next((ref for ref in refs if ref.get("controller")), None)
             if owner is None and label_selector_matches(
-                    ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items()),
-                    _labels(pod)):
+                ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items()),
+                _labels(pod),
+            ):
                 pod["metadata"]["ownerReferences"] = refs + [self._owner_ref(sts)]  # adopt
                 pod["metadata"]["resourceVersion"] = self._next_rv()
                 owner = self._owner_ref(sts)
@@ -1590,8 +2242,9 @@ class FakeKube(httpx.BaseTransport):
             pod = pods.get(i)
             if pod is None:
                 return changed
-            if _labels(pod).get("controller-revision-hash") != revision and \
-                    not pod["metadata"].get("deletionTimestamp"):
+            if _labels(pod).get("controller-revision-hash") != revision and not pod["metadata"].get(
+                "deletionTimestamp"
+            ):
                 self._controller_delete(sts, pod)
                 return True
             if not _healthy(pod):
@@ -1599,15 +2252,28 @@ class FakeKube(httpx.BaseTransport):
         return changed
 
     def _owner_ref(self, sts: Obj) -> Obj:
-        return {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"],
-                "uid": sts["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "name": sts["metadata"]["name"],
+            "uid": sts["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
 
     def _controller_delete(self, sts: Obj, pod: Obj) -> None:
         pod_name, md = pod["metadata"]["name"], sts["metadata"]
         self._delete_pod(pod, None)
-        self._event(md["namespace"], "StatefulSet", md["name"], md["uid"], "Normal",
-                    "SuccessfulDelete", f"delete Pod {pod_name} in StatefulSet {md['name']} "
-                    "successful", "statefulset-controller")
+        self._event(
+            md["namespace"],
+            "StatefulSet",
+            md["name"],
+            md["uid"],
+            "Normal",
+            "SuccessfulDelete",
+            f"delete Pod {pod_name} in StatefulSet {md['name']} successful",
+            "statefulset-controller",
+        )
 
     def _create_sts_pod(self, sts: Obj, ordinal: int, revision: str) -> Obj:
         md, spec = sts["metadata"], sts["spec"]
@@ -1621,77 +2287,154 @@ class FakeKube(httpx.BaseTransport):
         for claim in spec.get("volumeClaimTemplates") or []:
             claim_name = f"{claim['metadata']['name']}-{name}"
             if ("persistentvolumeclaims", ns, claim_name) not in self._store:
-                self._create("persistentvolumeclaims", ns, {"metadata": {
-                    "name": claim_name, "labels": dict(spec["selector"]["matchLabels"])},
-                    "spec": copy.deepcopy(claim.get("spec", {}))})
+                self._create(
+                    "persistentvolumeclaims",
+                    ns,
+                    {
+                        "metadata": {
+                            "name": claim_name,
+                            "labels": dict(spec["selector"]["matchLabels"]),
+                        },
+                        "spec": copy.deepcopy(claim.get("spec", {})),
+                    },
+                )
             volumes = pod_spec.setdefault("volumes", [])
             if all(v.get("name") != claim["metadata"]["name"] for v in volumes):
-                volumes.append({"name": claim["metadata"]["name"],
-                                "persistentVolumeClaim": {"claimName": claim_name}})
-        pod_meta: Obj = {"name": name, "labels": {
-            **(tmeta.get("labels") or {}), "controller-revision-hash": revision,
-            "statefulset.kubernetes.io/pod-name": name,
-            "apps.kubernetes.io/pod-index": str(ordinal)},
-            "ownerReferences": [self._owner_ref(sts)]}
+                volumes.append(
+                    {
+                        "name": claim["metadata"]["name"],
+                        "persistentVolumeClaim": {"claimName": claim_name},
+                    }
+                )
+        pod_meta: Obj = {
+            "name": name,
+            "labels": {
+                **(tmeta.get("labels") or {}),
+                "controller-revision-hash": revision,
+                "statefulset.kubernetes.io/pod-name": name,
+                "apps.kubernetes.io/pod-index": str(ordinal),
+            },
+            "ownerReferences": [self._owner_ref(sts)],
+        }
         if tmeta.get("annotations"):
             pod_meta["annotations"] = dict(tmeta["annotations"])
         pod = self._create("pods", ns, {"metadata": pod_meta, "spec": pod_spec})
-        self._event(ns, "StatefulSet", md["name"], md["uid"], "Normal", "SuccessfulCreate",
-                    f"create Pod {name} in StatefulSet {md['name']} successful",
-                    "statefulset-controller")
+        self._event(
+            ns,
+            "StatefulSet",
+            md["name"],
+            md["uid"],
+            "Normal",
+            "SuccessfulCreate",
+            f"create Pod {name} in StatefulSet {md['name']} successful",
+            "statefulset-controller",
+        )
         return pod
 
     def _sts_status(self, sts: Obj) -> None:
         md, spec = sts["metadata"], sts["spec"]
         update = self._revision(sts)
-        pods = [o for (r, n, _), o in self._store.items() if r == "pods" and n == md["namespace"]
-                and not o["metadata"].get("deletionTimestamp") and any(
-                    ref["uid"] == md["uid"] for ref in o["metadata"].get("ownerReferences", []))]
+        pods = [
+            o
+            for (r, n, _), o in self._store.items()
+            if r == "pods"
+            and n == md["namespace"]
+            and not o["metadata"].get("deletionTimestamp")
+            and any(ref["uid"] == md["uid"] for ref in o["metadata"].get("ownerReferences", []))
+        ]
         revs = [_labels(p).get("controller-revision-hash") for p in pods]
         ready_count = sum(_healthy(p) for p in pods)
         if revs.count(update) == len(pods) == ready_count == spec.get("replicas", 1):
             self._current_rev[md["uid"]] = update
         current = self._current_rev.get(md["uid"], update)
-        status = {"replicas": len(pods), "readyReplicas": ready_count,
-                  "currentReplicas": revs.count(current), "updatedReplicas": revs.count(update),
-                  "availableReplicas": ready_count, "observedGeneration": md.get("generation", 1),
-                  "currentRevision": current, "updateRevision": update, "collisionCount": 0}
-        status = {k: v for k, v in status.items() if v or k in ("replicas", "availableReplicas",
-                                                                  "collisionCount")}
+        status = {
+            "replicas": len(pods),
+            "readyReplicas": ready_count,
+            "currentReplicas": revs.count(current),
+            "updatedReplicas": revs.count(update),
+            "availableReplicas": ready_count,
+            "observedGeneration": md.get("generation", 1),
+            "currentRevision": current,
+            "updateRevision": update,
+            "collisionCount": 0,
+        }
+        status = {
+            k: v
+            for k, v in status.items()
+            if v or k in ("replicas", "availableReplicas", "collisionCount")
+        }
         if status != sts.get("status"):
             sts["status"] = status
             md["resourceVersion"] = self._next_rv()
 
-    def _event(self, ns: str, kind: str, name: str, uid: str, type_: str, reason: str,
-               message: str, component: str) -> Obj:
-        involved = {"kind": kind, "namespace": ns, "name": name, "uid": uid,
-                    "apiVersion": "apps/v1" if kind == "StatefulSet" else "v1"}
+    def _event(
+        self,
+        ns: str,
+        kind: str,
+        name: str,
+        uid: str,
+        type_: str,
+        reason: str,
+        message: str,
+        component: str,
+    ) -> Obj:
+        involved = {
+            "kind": kind,
+            "namespace": ns,
+            "name": name,
+            "uid": uid,
+            "apiVersion": "apps/v1" if kind == "StatefulSet" else "v1",
+        }
         now = self._iso()
         for (r, n, _), event in self._store.items():
-            if r == "events" and n == ns and event.get("involvedObject") == involved and \
-                    event.get("reason") == reason and event.get("message") == message:
+            if (
+                r == "events"
+                and n == ns
+                and event.get("involvedObject") == involved
+                and event.get("reason") == reason
+                and event.get("message") == message
+            ):
                 event["count"] = event.get("count", 1) + 1
                 event["lastTimestamp"] = now
                 event["metadata"]["resourceVersion"] = self._next_rv()
                 return event
         node = self._pods[uid].node[0] if uid in self._pods else None
-        source = {"component": component, **({"host": node} if component == "kubelet" and node
-                                             else {})}
-        return self._create("events", ns, {
-            "metadata": {"name": f"{name}.{next(self._seq):016x}"}, "involvedObject": involved,
-            "reason": reason, "message": message, "type": type_, "source": source, "count": 1,
-            "firstTimestamp": now, "lastTimestamp": now, "eventTime": None,
-            "reportingComponent": component, "reportingInstance": node or ""})
+        source = {
+            "component": component,
+            **({"host": node} if component == "kubelet" and node else {}),
+        }
+        return self._create(
+            "events",
+            ns,
+            {
+                "metadata": {"name": f"{name}.{next(self._seq):016x}"},
+                "involvedObject": involved,
+                "reason": reason,
+                "message": message,
+                "type": type_,
+                "source": source,
+                "count": 1,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "eventTime": None,
+                "reportingComponent": component,
+                "reportingInstance": node or "",
+            },
+        )
 
     def _activator(self, request: httpx.Request, ns: str, service: str) -> httpx.Response:
         """A request through a Knative revision's Service reaches Knative's activator: with the
         routing headers its ingress sets, the revision gets a replica (played here by
         ``knative_scale``); the fake answers at once. Anything else: no such Service."""
         revision = request.headers.get("knative-serving-revision")
-        for ksvc in (self.objects("ksvc") if self.knative else []):
+        for ksvc in self.objects("ksvc") if self.knative else []:
             md = ksvc["metadata"]
-            if md["namespace"] == ns and revision == service and service.startswith(md["name"] + "-") \
-                    and request.headers.get("knative-serving-namespace") == ns:
+            if (
+                md["namespace"] == ns
+                and revision == service
+                and service.startswith(md["name"] + "-")
+                and request.headers.get("knative-serving-namespace") == ns
+            ):
                 key = (ns, md["name"])
                 self.knative_scale[key] = max(1, self.knative_scale.get(key, 0))
                 self._tick()
@@ -1708,8 +2451,10 @@ class FakeKube(httpx.BaseTransport):
         names = [c["name"] for c in pod["spec"]["containers"]]
         container = query.get("container")
         if container is None and len(names) != 1:
-            raise _bad(f"a container name must be specified for pod {name}, choose one of: "
-                       f"[{' '.join(names)}]")
+            raise _bad(
+                f"a container name must be specified for pod {name}, choose one of: "
+                f"[{' '.join(names)}]"
+            )
         container = container or names[0]
         if container not in names:
             raise _bad(f"container {container} is not valid for pod {name}")
@@ -1729,9 +2474,13 @@ class FakeKube(httpx.BaseTransport):
             previous = True  # in back-off: the kubelet serves the last run's log
         elif "waiting" in state:
             reason = state["waiting"].get("reason", "")
-            raise _bad(f"{where} is waiting to start: " + {
-                "ErrImagePull": "image can't be pulled",
-                "ImagePullBackOff": "trying and failing to pull image"}.get(reason, reason))
+            raise _bad(
+                f"{where} is waiting to start: "
+                + {
+                    "ErrImagePull": "image can't be pulled",
+                    "ImagePullBackOff": "trying and failing to pull image",
+                }.get(reason, reason)
+            )
         else:
             raise _bad(f"{where} is waiting to start - no logs yet")
         full = self._log_text(ns, name, container, previous)
@@ -1757,35 +2506,62 @@ class FakeKube(httpx.BaseTransport):
             self._tick()
             pod = copy.deepcopy(self._get("pods", ns, name))
         if not port:
-            port = next((str(c["ports"][0]["containerPort"]) for c in pod["spec"]["containers"]
-                         if c.get("ports")), "")
+            port = next(
+                (
+                    str(c["ports"][0]["containerPort"])
+                    for c in pod["spec"]["containers"]
+                    if c.get("ports")
+                ),
+                "",
+            )
         ip = pod["status"].get("podIP")
         if not ip:
             raise _bad("address not allowed")
         host = f"{ip}:{port or (443 if scheme == 'https' else 80)}"
         handler = self.proxy_handlers.get((name, int(port))) if port.isdigit() else None
         if handler is None:
-            raise ApiError(503, "ServiceUnavailable", f"error trying to reach service: dial tcp "
-                           f"{host}: connect: connection refused")
+            raise ApiError(
+                503,
+                "ServiceUnavailable",
+                f"error trying to reach service: dial tcp {host}: connect: connection refused",
+            )
         query = ("?" + request.url.query.decode()) if request.url.query else ""
-        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in
-                   ("authorization", "host", "content-length", "transfer-encoding")]
-        forwarded = httpx.Request(request.method, f"{scheme}://{host}{rest}{query}",
-                                  headers=headers, content=request.content)
+        headers = [
+            (k, v)
+            for k, v in request.headers.multi_items()
+            if k.lower() not in ("authorization", "host", "content-length", "transfer-encoding")
+        ]
+        forwarded = httpx.Request(
+            request.method,
+            f"{scheme}://{host}{rest}{query}",
+            headers=headers,
+            content=request.content,
+        )
         try:
             answer = handler(forwarded)
         except httpx.ConnectTimeout:
-            raise ApiError(503, "ServiceUnavailable", f"error trying to reach service: dial tcp "
-                           f"{host}: i/o timeout") from None
+            raise ApiError(
+                503,
+                "ServiceUnavailable",
+                f"error trying to reach service: dial tcp {host}: i/o timeout",
+            ) from None
         except httpx.ConnectError:
-            raise ApiError(503, "ServiceUnavailable", f"error trying to reach service: dial tcp "
-                           f"{host}: connect: connection refused") from None
+            raise ApiError(
+                503,
+                "ServiceUnavailable",
+                f"error trying to reach service: dial tcp {host}: connect: connection refused",
+            ) from None
         except httpx.TransportError as err:  # connected, then lost: Go says what the read saw
-            raise ApiError(503, "ServiceUnavailable",
-                           f"error trying to reach service: read tcp {host}: {err}") from None
+            raise ApiError(
+                503, "ServiceUnavailable", f"error trying to reach service: read tcp {host}: {err}"
+            ) from None
         # marked: a pod answered (a proxy can lose only such a response, never its own errors)
-        return httpx.Response(answer.status_code, headers=answer.headers, stream=answer.stream,
-                              extensions={"ktlite_from_pod": True})
+        return httpx.Response(
+            answer.status_code,
+            headers=answer.headers,
+            stream=answer.stream,
+            extensions={"ktlite_from_pod": True},
+        )
 
 
 class _FollowStream(httpx.SyncByteStream):
@@ -1807,10 +2583,12 @@ class _FollowStream(httpx.SyncByteStream):
                 pod = fake._store.get(("pods", key.ns, key.pod))
                 alive = pod is not None and pod["metadata"]["uid"] == key.uid
                 text = fake._log_text(key.ns, key.pod, key.container, False) if alive else ""
-                running = alive and any(s["name"] == key.container and "running" in s["state"]
-                                        for s in pod["status"].get("containerStatuses", []))
+                running = alive and any(
+                    s["name"] == key.container and "running" in s["state"]
+                    for s in pod["status"].get("containerStatuses", [])
+                )
             if len(text) > key.offset:
-                yield text[key.offset:].encode()
+                yield text[key.offset :].encode()
                 key.offset = len(text)
                 idle_until = time.monotonic() + fake.follow_idle_timeout
             if not running:

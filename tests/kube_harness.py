@@ -57,13 +57,22 @@ class Pods:
     def __init__(self, root: Path) -> None:
         self.root = root
         bind_s = float(os.environ.get("KTLITE_HARNESS_PVC_BIND_S", "1.5"))
-        self.fake = kf.FakeKube(token=TOKEN, pod_behavior=self.behavior, pod_termination_seconds=1.0,
-                                follow_idle_timeout=5.0, pvc_bind_seconds=bind_s,
-                                knative=os.environ.get("KTLITE_HARNESS_KNATIVE") == "1",
-                                custom_metrics=os.environ.get("KTLITE_HARNESS_CUSTOM_METRICS") == "1")
-        self.holes: list[tuple[socket.socket, socket.socket]] = []  # addresses of pods that are gone
+        self.fake = kf.FakeKube(
+            token=TOKEN,
+            pod_behavior=self.behavior,
+            pod_termination_seconds=1.0,
+            follow_idle_timeout=5.0,
+            pvc_bind_seconds=bind_s,
+            knative=os.environ.get("KTLITE_HARNESS_KNATIVE") == "1",
+            custom_metrics=os.environ.get("KTLITE_HARNESS_CUSTOM_METRICS") == "1",
+        )
+        self.holes: list[
+            tuple[socket.socket, socket.socket]
+        ] = []  # addresses of pods that are gone
         self.fake.proxy_handlers = _Handlers(self)
-        self.procs: dict[str, tuple[subprocess.Popen[bytes], str, str]] = {}  # uid -> (process, pod, ip)
+        self.procs: dict[
+            str, tuple[subprocess.Popen[bytes], str, str]
+        ] = {}  # uid -> (process, pod, ip)
         self.made_dirs: list[Path] = []  # mount points made on this machine, parents first
         self.lock = threading.Lock()
         self.ips = itertools.count(10)
@@ -71,8 +80,10 @@ class Pods:
         # (xdist workers) would otherwise both find an address free and then race for it
         self.net = f"127.{os.getpid() % 253 + 1}"
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # as Go's net/http has it
-        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0),
-                                 transport=httpx.HTTPTransport(socket_options=nodelay))
+        self.http = httpx.Client(
+            timeout=httpx.Timeout(600.0, connect=5.0),
+            transport=httpx.HTTPTransport(socket_options=nodelay),
+        )
         threading.Thread(target=self._reap, daemon=True).start()
 
     def behavior(self, pod: dict[str, Any]) -> kf.PodScript:
@@ -97,22 +108,28 @@ class Pods:
             ]
         cpu = ((container.get("resources") or {}).get("requests") or {}).get("cpu", "0")
         if not cpu.endswith("m") and float(cpu) > 64:
-            return kf.unschedulable("0/3 nodes are available: 3 Insufficient cpu. preemption: 0/3 "
-                                    "nodes are available: 3 No preemption victims found for "
-                                    "incoming pod.")
+            return kf.unschedulable(
+                "0/3 nodes are available: 3 Insufficient cpu. preemption: 0/3 "
+                "nodes are available: 3 No preemption victims found for "
+                "incoming pod."
+            )
         ip = self._free_ip()
         proc = self._start(pod, ip)
         with self.lock:
             self.procs[pod["metadata"]["uid"]] = (proc, pod["metadata"]["name"], ip)
         probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
-        up: Any = _Probe(ip) if probe.get("path", "/health") == "/health" else \
-            _HttpProbe(ip, probe["path"], proc)
+        up: Any = (
+            _Probe(ip)
+            if probe.get("path", "/health") == "/health"
+            else _HttpProbe(ip, probe["path"], proc)
+        )
 
         def status(ctx: kf.PodCtx) -> kf.Obj:
             code = proc.poll()  # the container ended (a failed setup step: exit code 78)
             if code is not None:
                 return kf.terminated_error(exit_code=code).status(ctx)
             return (kf.ready(ip) if up() else kf.running_not_ready(ip)).status(ctx)
+
         return kf.PodState(status, ip=ip)
 
     def _secret(self, name: str) -> dict[str, Any]:
@@ -171,8 +188,11 @@ class Pods:
         # filters, in the server and every process it starts (they inherit PYTHONPATH)
         old_tarfile = str(Path(__file__).resolve().parent / "old_tarfile")
         env["PYTHONPATH"] = os.pathsep.join([old_tarfile, *filter(None, [env.get("PYTHONPATH")])])
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
-                  for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in pod["spec"].get("volumes", [])
+            if "persistentVolumeClaim" in v
+        }
         mounts = []
         for m in pod["spec"]["containers"][0].get("volumeMounts", []):
             if m["name"] in claims:
@@ -187,15 +207,29 @@ class Pods:
         # the kubelet's hosts file: the pod's own name resolves to its IP, nothing else does
         hosts = self.root / "etc-hosts" / name
         hosts.parent.mkdir(exist_ok=True)
-        hosts.write_text("# Kubernetes-managed hosts file (the stand-in's).\n127.0.0.1\tlocalhost\n"
-                         f"::1\tlocalhost ip6-localhost ip6-loopback\n{ip}\t{name}\n")
+        hosts.write_text(
+            "# Kubernetes-managed hosts file (the stand-in's).\n127.0.0.1\tlocalhost\n"
+            f"::1\tlocalhost ip6-localhost ip6-loopback\n{ip}\t{name}\n"
+        )
         mounts.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
-        script = " && ".join([f"hostname {name}", *mounts, *_hide_callers_files(), _SETUP,
-                              f'exec "$(cat {_PYTHON_FILE})" -m ktlite_server --host {ip} '
-                              f"--port {SERVER_PORT} --procs {pod_env.get('KTLITE_PROCS', '1')}"])
-        proc = subprocess.Popen(["unshare", "-m", "-u", "--propagation", "private", "sh", "-c", script],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                cwd="/tmp", start_new_session=True)
+        script = " && ".join(
+            [
+                f"hostname {name}",
+                *mounts,
+                *_hide_callers_files(),
+                _SETUP,
+                f'exec "$(cat {_PYTHON_FILE})" -m ktlite_server --host {ip} '
+                f"--port {SERVER_PORT} --procs {pod_env.get('KTLITE_PROCS', '1')}",
+            ]
+        )
+        proc = subprocess.Popen(
+            ["unshare", "-m", "-u", "--propagation", "private", "sh", "-c", script],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd="/tmp",
+            start_new_session=True,
+        )
         threading.Thread(target=self._pump, args=(proc, name), daemon=True).start()
         return proc
 
@@ -205,12 +239,16 @@ class Pods:
         ``subPath`` mount. Mounts under /root get a fresh tmpfs there first (a container's own
         home), so nothing is written into this machine's /root."""
         volumes = {v["name"]: v["secret"] for v in pod["spec"].get("volumes", []) if "secret" in v}
-        wanted = [m for m in pod["spec"]["containers"][0].get("volumeMounts", []) if m["name"] in volumes]
+        wanted = [
+            m for m in pod["spec"]["containers"][0].get("volumeMounts", []) if m["name"] in volumes
+        ]
         if not wanted:
             return []
         base = self.root / "secret-volumes" / pod["metadata"]["uid"]
         for name, vol in volumes.items():
-            data = self._secret(vol["secretName"]).get("data") or {}  # optional: may be absent or empty
+            data = (
+                self._secret(vol["secretName"]).get("data") or {}
+            )  # optional: may be absent or empty
             (base / name).mkdir(parents=True, exist_ok=True)
             items = vol.get("items") or [{"key": k, "path": k} for k in data]
             for item in items:
@@ -222,23 +260,46 @@ class Pods:
         if any(m["mountPath"].startswith("/root/") for m in wanted):
             # what this machine runs from stays (a pyenv Python under /root): bound aside first,
             # then back onto the fresh home
-            keep = sorted({p for p in (Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve(),
-                                       Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent)
-                           if Path("/root") in p.parents})
+            keep = sorted(
+                {
+                    p
+                    for p in (
+                        Path(__file__).resolve().parent.parent,
+                        Path(sys.prefix).resolve(),
+                        Path(sys.base_prefix).resolve(),
+                        Path(sys.executable).resolve().parent,
+                    )
+                    if Path("/root") in p.parents
+                }
+            )
             stage = base / "keep"
             for i, path in enumerate(keep):
-                commands += [f"mkdir -p {stage}/{i}", f"mount --bind {shlex.quote(str(path))} {stage}/{i}"]
+                commands += [
+                    f"mkdir -p {stage}/{i}",
+                    f"mount --bind {shlex.quote(str(path))} {stage}/{i}",
+                ]
             commands.append("mount -t tmpfs -o mode=0700 tmpfs /root")
             for i, path in enumerate(keep):
-                commands += [f"mkdir -p {shlex.quote(str(path))}", f"mount --bind {stage}/{i} {shlex.quote(str(path))}"]
+                commands += [
+                    f"mkdir -p {shlex.quote(str(path))}",
+                    f"mount --bind {stage}/{i} {shlex.quote(str(path))}",
+                ]
         for m in wanted:
             src, path = base / m["name"] / m.get("subPath", ""), shlex.quote(m["mountPath"])
-            if not m.get("subPath"):  # a directory mount (the launch Secret): made here, removed at stop_all
+            if not m.get(
+                "subPath"
+            ):  # a directory mount (the launch Secret): made here, removed at stop_all
                 self._mount_point(Path(m["mountPath"]))
-            make = (f"mkdir -p {shlex.quote(str(Path(m['mountPath']).parent))} && touch {path}"
-                    if m.get("subPath") else f"mkdir -p {path}")
-            commands += [make, f"mount --bind {shlex.quote(str(src))} {path}",
-                         f"mount -o remount,bind,ro {path}"]
+            make = (
+                f"mkdir -p {shlex.quote(str(Path(m['mountPath']).parent))} && touch {path}"
+                if m.get("subPath")
+                else f"mkdir -p {path}"
+            )
+            commands += [
+                make,
+                f"mount --bind {shlex.quote(str(src))} {path}",
+                f"mount -o remount,bind,ro {path}",
+            ]
         return commands
 
     def _pump(self, proc: subprocess.Popen[bytes], name: str) -> None:
@@ -250,11 +311,17 @@ class Pods:
         """Stop the process of every pod that is gone or being deleted."""
         while True:
             time.sleep(0.3)
-            with self.lock:  # never held while taking the fake's lock (behavior() nests the other way)
+            with (
+                self.lock
+            ):  # never held while taking the fake's lock (behavior() nests the other way)
                 running = list(self.procs.items())
             for uid, (proc, name, ip) in running:
                 pod = self.fake.get("pods", NAMESPACE, name)
-                if pod is None or pod["metadata"]["uid"] != uid or pod["metadata"].get("deletionTimestamp"):
+                if (
+                    pod is None
+                    or pod["metadata"]["uid"] != uid
+                    or pod["metadata"].get("deletionTimestamp")
+                ):
                     _stop(proc)
                     try:
                         hole = _black_hole(ip)
@@ -314,7 +381,8 @@ _SETUP = f"{sys.executable} -c " + shlex.quote(
     "if steps and os.environ.get('KTLITE_FREEZE') != '1':\n"
     "    Path('/tmp/ktlite-state').mkdir(exist_ok=True)\n"
     "    python = run_steps(steps, Path('/tmp/ktlite-state'))\n"
-    f"Path({_PYTHON_FILE!r}).write_text(python)\n")
+    f"Path({_PYTHON_FILE!r}).write_text(python)\n"
+)
 
 
 def _hide_callers_files() -> list[str]:
@@ -462,19 +530,33 @@ def serve(root: Path) -> None:
         def _any(self) -> None:
             sized = int(self.headers.get("content-length") or 0) > 0
             body = self._body()
-            headers = [(k, v) for k, v in self.headers.items()
-                       if k.lower() not in ("host", "content-length", "transfer-encoding")]
-            resp = fake.handle_request(httpx.Request(self.command, f"http://fake{self.path}",
-                                                     headers=headers, content=body))
+            headers = [
+                (k, v)
+                for k, v in self.headers.items()
+                if k.lower() not in ("host", "content-length", "transfer-encoding")
+            ]
+            resp = fake.handle_request(
+                httpx.Request(
+                    self.command, f"http://fake{self.path}", headers=headers, content=body
+                )
+            )
             # only what a pod answered is cut: the API server's own errors (503 "connection
             # refused" while a pod boots) never went through the racing copy
-            if "/proxy" in self.path and resp.extensions.get("ktlite_from_pod") and cuts.cut(self.command, sized):
+            if (
+                "/proxy" in self.path
+                and resp.extensions.get("ktlite_from_pod")
+                and cuts.cut(self.command, sized)
+            ):
                 self._cut(resp)
                 return
             self.send_response(resp.status_code)
             for k, v in resp.headers.multi_items():
-                if k.lower() not in ("content-length", "transfer-encoding", "connection",
-                                     "content-encoding"):
+                if k.lower() not in (
+                    "content-length",
+                    "transfer-encoding",
+                    "connection",
+                    "content-encoding",
+                ):
                     self.send_header(k, v)
             self.send_header("transfer-encoding", "chunked")
             self.end_headers()

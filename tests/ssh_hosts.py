@@ -47,8 +47,12 @@ def sshd_available() -> bool:
 
 def _keygen(path: Path, comment: str) -> str:
     """Write a passphrase-less ed25519 key pair; return the public key as "type base64"."""
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
-                   stdin=subprocess.DEVNULL, capture_output=True, check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        check=True,
+    )
     return " ".join(Path(f"{path}.pub").read_text().split()[:2])
 
 
@@ -113,8 +117,16 @@ def pid_gone(pid: int) -> bool:
 class Host:
     """One sshd on its own loopback address and port."""
 
-    def __init__(self, name: str, address: str, root: Path, authorized_keys: Path,
-                 extra_config: list[str], sftp: bool = True, own_home: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        root: Path,
+        authorized_keys: Path,
+        extra_config: list[str],
+        sftp: bool = True,
+        own_home: bool = False,
+    ) -> None:
         self.name = name
         self.address = address
         self.port = _free_port(address)
@@ -166,22 +178,30 @@ class Host:
         self._write_config()
         log_from = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
-            self._proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config)],
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                [SSHD, "-D", "-e", "-f", str(self.config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             code = self._proc.poll()
             if code is not None:
                 self._proc = None
-                raise SshdError(f"sshd for {self.name} ({self.address}:{self.port}) exited with "
-                                f"{code}: {self._log_since(log_from)}")
+                raise SshdError(
+                    f"sshd for {self.name} ({self.address}:{self.port}) exited with "
+                    f"{code}: {self._log_since(log_from)}"
+                )
             if self._answers():
                 return
             if time.monotonic() > deadline:
                 self.stop()
-                raise SshdError(f"sshd for {self.name} ({self.address}:{self.port}) did not accept "
-                                f"connections within {START_TIMEOUT_S} s: {self._log_since(log_from)}")
+                raise SshdError(
+                    f"sshd for {self.name} ({self.address}:{self.port}) did not accept "
+                    f"connections within {START_TIMEOUT_S} s: {self._log_since(log_from)}"
+                )
             time.sleep(0.02)
 
     def _answers(self) -> bool:
@@ -233,8 +253,9 @@ class SshHosts:
     """``count`` sshd hosts under ``root``, a user key authorized on all of them, and the
     client files (``ssh_config`` aliases ``host0``.., ``known_hosts``) to reach them."""
 
-    def __init__(self, root: Path, count: int, user: str = "root", sftp: bool = True,
-                 own_home: bool = False) -> None:
+    def __init__(
+        self, root: Path, count: int, user: str = "root", sftp: bool = True, own_home: bool = False
+    ) -> None:
         if not 0 < count <= HOSTS_PER_WORKER:
             raise ValueError(f"count must be 1..{HOSTS_PER_WORKER}, not {count}")
         self.root = root
@@ -247,15 +268,36 @@ class SshHosts:
         self.ssh_config = root / "ssh_config"
         first = FIRST_ADDRESS + HOSTS_PER_WORKER * (_worker_index() % 12)  # stays below .255
         extra = self._supported_extras()
-        self.hosts = [Host(f"host{i}", f"{ADDRESS_PREFIX}{first + i}", root, authorized_keys,
-                           extra, sftp, own_home) for i in range(count)]
+        self.hosts = [
+            Host(
+                f"host{i}",
+                f"{ADDRESS_PREFIX}{first + i}",
+                root,
+                authorized_keys,
+                extra,
+                sftp,
+                own_home,
+            )
+            for i in range(count)
+        ]
 
     def _supported_extras(self) -> list[str]:
         """``PerSourcePenalties no`` where this sshd knows it (OpenSSH >= 9.8): otherwise a test
         that fails to authenticate on purpose gets 127.0.0.1 refused by the next test's host."""
         _ensure_privsep_dir()
-        check = subprocess.run([SSHD, "-t", "-f", "/dev/null", "-o", f"HostKey={self.user_key}",
-                                "-o", "PerSourcePenalties=no"], capture_output=True)
+        check = subprocess.run(
+            [
+                SSHD,
+                "-t",
+                "-f",
+                "/dev/null",
+                "-o",
+                f"HostKey={self.user_key}",
+                "-o",
+                "PerSourcePenalties=no",
+            ],
+            capture_output=True,
+        )
         return ["PerSourcePenalties no"] if check.returncode == 0 else []
 
     def __enter__(self) -> SshHosts:
@@ -269,8 +311,12 @@ class SshHosts:
         self.ssh_config.write_text("".join(self._alias(host) for host in self.hosts))
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
     @staticmethod
@@ -290,15 +336,17 @@ class SshHosts:
             host.stop()
 
     def _alias(self, host: Host) -> str:
-        return (f"Host {host.name}\n"
-                f"  HostName {host.address}\n"
-                f"  Port {host.port}\n"
-                f"  User {self.user}\n"
-                f"  IdentityFile {_quote(self.user_key)}\n"
-                f"  UserKnownHostsFile {_quote(self.known_hosts)}\n"
-                "  GlobalKnownHostsFile /dev/null\n"
-                "  StrictHostKeyChecking yes\n"
-                "  IdentitiesOnly yes\n")
+        return (
+            f"Host {host.name}\n"
+            f"  HostName {host.address}\n"
+            f"  Port {host.port}\n"
+            f"  User {self.user}\n"
+            f"  IdentityFile {_quote(self.user_key)}\n"
+            f"  UserKnownHostsFile {_quote(self.known_hosts)}\n"
+            "  GlobalKnownHostsFile /dev/null\n"
+            "  StrictHostKeyChecking yes\n"
+            "  IdentitiesOnly yes\n"
+        )
 
     def wrong_host_key_known_hosts(self) -> Path:
         """A known_hosts in which host0 has another key, as if another machine had taken its

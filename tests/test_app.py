@@ -48,8 +48,13 @@ def _activated_venv() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def torch_app() -> Iterator[kt.App]:
-    app = kt.app(cli_command="torchrun --nproc_per_node=2 allreduce.py", replicas=2,
-                 name="app-allreduce", workdir=SCRIPTS, rendezvous_timeout=60)
+    app = kt.app(
+        cli_command="torchrun --nproc_per_node=2 allreduce.py",
+        replicas=2,
+        name="app-allreduce",
+        workdir=SCRIPTS,
+        rendezvous_timeout=60,
+    )
     try:
         yield app
     finally:
@@ -59,8 +64,14 @@ def torch_app() -> Iterator[kt.App]:
 @pytest.fixture(scope="module")
 def py_app() -> Iterator[kt.App]:
     """A plain (non-torchrun) command on 2 replicas, for output, failure and env tests."""
-    app = kt.app([sys.executable, "replica.py"], replicas=2, name="app-replica", workdir=SCRIPTS,
-                 rendezvous_timeout=42, env={"APP_GREETING": "hello"})
+    app = kt.app(
+        [sys.executable, "replica.py"],
+        replicas=2,
+        name="app-replica",
+        workdir=SCRIPTS,
+        rendezvous_timeout=42,
+        env={"APP_GREETING": "hello"},
+    )
     try:
         yield app
     finally:
@@ -94,9 +105,11 @@ def _check_allreduce(out: str) -> None:
 
 # ---- a real torchrun job ---------------------------------------------------------------------
 
+
 @pytest.mark.timeout(150)
-def test_torchrun_all_reduce_across_two_replicas(torch_app: kt.App,
-                                                 capfd: pytest.CaptureFixture[str]) -> None:
+def test_torchrun_all_reduce_across_two_replicas(
+    torch_app: kt.App, capfd: pytest.CaptureFixture[str]
+) -> None:
     # the command names no --nnodes, --node_rank or --master_addr: the PET_* env does it
     assert torch_app.command == ["torchrun", "--nproc_per_node=2", "allreduce.py"]
     assert torch_app.run() == [0, 0]
@@ -113,8 +126,13 @@ def test_torchrun_all_reduce_across_two_replicas(torch_app: kt.App,
 
 @pytest.mark.timeout(120)
 def test_torchrun_c10d_rendezvous_uses_the_pet_rdzv_env(capfd: pytest.CaptureFixture[str]) -> None:
-    app = kt.app("torchrun --rdzv-backend=c10d --nproc_per_node=2 allreduce.py", replicas=2,
-                 name="app-c10d", workdir=SCRIPTS, rendezvous_timeout=60)
+    app = kt.app(
+        "torchrun --rdzv-backend=c10d --nproc_per_node=2 allreduce.py",
+        replicas=2,
+        name="app-c10d",
+        workdir=SCRIPTS,
+        rendezvous_timeout=60,
+    )
     try:
         assert app.run() == [0, 0]
     finally:
@@ -135,8 +153,13 @@ def test_torchrun_c10d_rendezvous_uses_the_pet_rdzv_env(capfd: pytest.CaptureFix
 def test_rendezvous_that_cannot_complete_fails_within_the_timeout() -> None:
     # explicit arguments beat the PET_* env: torchrun waits for a third node that never comes
     # (the hang of seeds/002, where nodes never meet), until rendezvous_timeout
-    app = kt.app("torchrun --nnodes 3 --nproc_per_node=1 allreduce.py", replicas=2,
-                 name="app-rdzv-timeout", workdir=SCRIPTS, rendezvous_timeout=15)
+    app = kt.app(
+        "torchrun --nnodes 3 --nproc_per_node=1 allreduce.py",
+        replicas=2,
+        name="app-rdzv-timeout",
+        workdir=SCRIPTS,
+        rendezvous_timeout=15,
+    )
     try:
         start = time.monotonic()
         with pytest.raises(kt.ReplicaFailed) as info:
@@ -154,9 +177,11 @@ def test_rendezvous_that_cannot_complete_fails_within_the_timeout() -> None:
 
 # ---- plain commands: env, live output, failure -----------------------------------------------
 
+
 @pytest.mark.timeout(60)
-def test_every_replica_gets_the_torchrun_env(py_app: kt.App, capfd: pytest.CaptureFixture[str]
-                                             ) -> None:
+def test_every_replica_gets_the_torchrun_env(
+    py_app: kt.App, capfd: pytest.CaptureFixture[str]
+) -> None:
     assert py_app.run(env={"MODE": "ok"}) == [0, 0]
     out, _ = capfd.readouterr()
     envs = {}
@@ -197,8 +222,9 @@ class _Recorder(io.TextIOBase):
 
 
 @pytest.mark.timeout(60)
-def test_output_streams_live_with_the_replica_prefix(py_app: kt.App, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_output_streams_live_with_the_replica_prefix(
+    py_app: kt.App, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # each replica prints "waiting", then waits for a file that is only created once both
     # "waiting" lines have arrived here: buffered output would never let the job finish
     recorder = _Recorder()
@@ -229,7 +255,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.timeout(90)
 def test_a_failing_replica_stops_the_others_and_raises_its_exit_code(
-        py_app: kt.App, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    py_app: kt.App, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     start = time.monotonic()
     with pytest.raises(kt.ReplicaFailed) as info:
         py_app.run(env={"MODE": "fail", "PIDS": str(tmp_path)})
@@ -256,11 +283,15 @@ def test_a_failing_replica_stops_the_others_and_raises_its_exit_code(
 
 @pytest.mark.timeout(60)
 def test_a_local_command_uses_the_callers_python_environment(
-        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     bare = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != VENV_BIN)
     monkeypatch.setenv("PATH", bare)  # not activated
-    app = kt.app("python -c 'import sys; print(\"PREFIX\", sys.prefix)'", name="app-which-python",
-                 workdir=SCRIPTS)
+    app = kt.app(
+        "python -c 'import sys; print(\"PREFIX\", sys.prefix)'",
+        name="app-which-python",
+        workdir=SCRIPTS,
+    )
     try:
         assert app.run() == [0]
     finally:
@@ -270,12 +301,18 @@ def test_a_local_command_uses_the_callers_python_environment(
 
 # ---- the files a replica gets ----------------------------------------------------------------
 
+
 def _tree(tmp_path: Path) -> Path:
     root = tmp_path / "proj"
-    for rel, text in {"train.py": "print('train')", "conf/run.yaml": "epochs: 3",
-                      ".gitignore": "data/\n*.ckpt\n", "data/big.bin": "x" * 100,
-                      "model.ckpt": "weights", "__pycache__/train.cpython-311.pyc": "pyc",
-                      "venv/bin/python": "not shipped"}.items():
+    for rel, text in {
+        "train.py": "print('train')",
+        "conf/run.yaml": "epochs: 3",
+        ".gitignore": "data/\n*.ckpt\n",
+        "data/big.bin": "x" * 100,
+        "model.ckpt": "weights",
+        "__pycache__/train.cpython-311.pyc": "pyc",
+        "venv/bin/python": "not shipped",
+    }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
     return root
@@ -306,7 +343,8 @@ def test_pack_outside_git_skips_caches_and_virtualenvs(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore::ResourceWarning")  # see the test below
 @pytest.mark.timeout(60)
 def test_shipped_files_run_in_their_own_folder_on_the_replica(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     # what a cluster pod does with the files (the local backend runs in the folder itself)
     root = _tree(tmp_path)
     (root / "show.py").write_text(
@@ -314,11 +352,17 @@ def test_shipped_files_run_in_their_own_folder_on_the_replica(
         "print('CONF', pathlib.Path('conf/run.yaml').read_text())\n"
         "print('CKPT', pathlib.Path('model.ckpt').exists())\n"
         "print('CWD', os.getcwd())\n"
-        "print('PET', os.environ['PET_NNODES'], os.environ['PET_NODE_RANK'], os.environ['X'])\n")
+        "print('PET', os.environ['PET_NNODES'], os.environ['PET_NODE_RANK'], os.environ['X'])\n"
+    )
     (root / ".gitignore").write_text("*.ckpt\n")
     subprocess.run(["git", "init", "-q", str(root)], check=True)
-    for key, value in {"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500", "GROUP_WORLD_SIZE": "3",
-                       "NODE_RANK": "2", "KTLITE_LAUNCH_ID": "abc"}.items():
+    for key, value in {
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29500",
+        "GROUP_WORLD_SIZE": "3",
+        "NODE_RANK": "2",
+        "KTLITE_LAUNCH_ID": "abc",
+    }.items():
         monkeypatch.setenv(key, value)
     assert run_replica([sys.executable, "show.py"], pack(root), None, 30, {"X": "extra"}) == 0
     out = capfd.readouterr()[0].splitlines()
@@ -328,16 +372,25 @@ def test_shipped_files_run_in_their_own_folder_on_the_replica(
     assert cwd != root and not cwd.exists()  # its own copy, removed after the run
 
     with pytest.raises(kt.ReplicaFailed) as info:
-        run_replica([sys.executable, "-c", "import os; print('bye', os.getcwd()); exit(7)"],
-                    pack(root), None, 30, {})
+        run_replica(
+            [sys.executable, "-c", "import os; print('bye', os.getcwd()); exit(7)"],
+            pack(root),
+            None,
+            30,
+            {},
+        )
     assert info.value.exit_code == 7 and "bye" in str(info.value)
     assert not Path(str(info.value).split("bye ", 1)[1].split()[0]).exists()
 
 
 @pytest.mark.timeout(30)
 def test_run_replica_closes_the_commands_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-                       "GROUP_WORLD_SIZE": "1", "NODE_RANK": "0"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "GROUP_WORLD_SIZE": "1",
+        "NODE_RANK": "0",
+    }.items():
         monkeypatch.setenv(key, value)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -345,26 +398,43 @@ def test_run_replica_closes_the_commands_pipe(monkeypatch: pytest.MonkeyPatch) -
         with pytest.raises(kt.ReplicaFailed):
             run_replica([sys.executable, "-c", "raise SystemExit(2)"], None, str(SCRIPTS), 30, {})
         gc.collect()
-    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], \
-        [str(w.message) for w in caught]
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [
+        str(w.message) for w in caught
+    ]
 
 
 # ---- bad input -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("args", "kwargs", "words"), [
-    (("",), {}, "cli_command"),
-    (("   ",), {}, "cli_command"),
-    (([],), {}, "cli_command"),
-    (("torchrun x.py",), {"replicas": 0}, "workers"),
-    (("torchrun x.py",), {"replicas": -2}, "workers"),
-    (("torchrun x.py",), {"rendezvous_timeout": -1}, "rendezvous_timeout"),
-    (("torchrun x.py",), {"rendezvous_timeout": 0}, "rendezvous_timeout"),
-    (("torchrun x.py",), {"rendezvous_timeout": "15"}, "rendezvous_timeout"),
-    (("torchrun x.py",), {"workdir": "/no/such/folder"}, "workdir"),
-    (("torchrun x.py",), {"cpus": "lots"}, "cpus"),
-    (("torchrun x.py",), {"name": "__"}, "name='__'"),
-], ids=["empty", "blank", "empty-list", "replicas-0", "replicas-negative", "timeout-negative",
-        "timeout-0", "timeout-str", "workdir", "cpus", "name"])
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "words"),
+    [
+        (("",), {}, "cli_command"),
+        (("   ",), {}, "cli_command"),
+        (([],), {}, "cli_command"),
+        (("torchrun x.py",), {"replicas": 0}, "workers"),
+        (("torchrun x.py",), {"replicas": -2}, "workers"),
+        (("torchrun x.py",), {"rendezvous_timeout": -1}, "rendezvous_timeout"),
+        (("torchrun x.py",), {"rendezvous_timeout": 0}, "rendezvous_timeout"),
+        (("torchrun x.py",), {"rendezvous_timeout": "15"}, "rendezvous_timeout"),
+        (("torchrun x.py",), {"workdir": "/no/such/folder"}, "workdir"),
+        (("torchrun x.py",), {"cpus": "lots"}, "cpus"),
+        (("torchrun x.py",), {"name": "__"}, "name='__'"),
+    ],
+    ids=[
+        "empty",
+        "blank",
+        "empty-list",
+        "replicas-0",
+        "replicas-negative",
+        "timeout-negative",
+        "timeout-0",
+        "timeout-str",
+        "workdir",
+        "cpus",
+        "name",
+    ],
+)
 def test_bad_input_fails_before_anything_starts(args: tuple, kwargs: dict, words: str) -> None:
     from ktlite.backends.local import LocalBackend
 
@@ -382,13 +452,22 @@ def test_non_finite_rendezvous_timeout_is_refused(bad: float) -> None:
 
 # ---- ktlite run, as a user types it ----------------------------------------------------------
 
-def _ktlite(*args: str, home: Path | None = None, cwd: Path = SCRIPTS, **popen: object
-            ) -> subprocess.Popen[str]:
+
+def _ktlite(
+    *args: str, home: Path | None = None, cwd: Path = SCRIPTS, **popen: object
+) -> subprocess.Popen[str]:
     env = {**os.environ, "PATH": _with_venv_path(os.environ.get("PATH", ""))}
     if home is not None:
         env["KTLITE_HOME"] = str(home)
-    return subprocess.Popen([sys.executable, "-m", "ktlite.commands.cli", *args], cwd=cwd, env=env,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ktlite.commands.cli", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **popen,
+    )
 
 
 def _done(proc: subprocess.Popen[str], timeout: float = 90) -> tuple[int, str, str]:
@@ -404,10 +483,12 @@ def _done(proc: subprocess.Popen[str], timeout: float = 90) -> tuple[int, str, s
 @pytest.mark.timeout(90)
 def test_ktlite_run_a_command_streams_replica_lines_live(tmp_path: Path) -> None:
     go = tmp_path / "go"
-    code = ("import os, pathlib, time\n"
-            "print('waiting', os.environ['PET_NODE_RANK'], flush=True)\n"
-            f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n"
-            "print('done', os.environ['PET_NODE_RANK'])\n")
+    code = (
+        "import os, pathlib, time\n"
+        "print('waiting', os.environ['PET_NODE_RANK'], flush=True)\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n"
+        "print('done', os.environ['PET_NODE_RANK'])\n"
+    )
     proc = _ktlite("run", "--replicas", "2", "--name", "cli-run-ok", "--", "python", "-c", code)
     assert proc.stdout is not None
     seen: list[str] = []
@@ -430,8 +511,9 @@ def test_ktlite_run_a_command_streams_replica_lines_live(tmp_path: Path) -> None
 @pytest.mark.timeout(90)
 def test_ktlite_run_a_failing_command_prints_one_error_line() -> None:
     code = "import os, sys; print('going down', flush=True); sys.exit(4)"
-    rc, out, err = _done(_ktlite("run", "--replicas", "2", "--name", "cli-run-fail", "--",
-                                 "python", "-c", code))
+    rc, out, err = _done(
+        _ktlite("run", "--replicas", "2", "--name", "cli-run-fail", "--", "python", "-c", code)
+    )
     assert rc == 1
     assert "Traceback" not in err and "Traceback" not in out
     heads = [line for line in err.splitlines() if line and not line[0].isspace()]
@@ -474,23 +556,27 @@ def test_ktlite_run_python_script_runs_the_torchrun_job_it_declares() -> None:
 def test_ktlite_run_dry_run_and_bad_input_change_nothing(tmp_path: Path) -> None:
     home = tmp_path / "home"
     (tmp_path / "plain.py").write_text("def f():\n    return 1\n")
-    for args in (("run", "--dry-run", "--replicas", "2", "--", "python", "-c", "print(1)"),
-                 ("run", "--dry-run", "declares_apps.py")):
+    for args in (
+        ("run", "--dry-run", "--replicas", "2", "--", "python", "-c", "print(1)"),
+        ("run", "--dry-run", "declares_apps.py"),
+    ):
         rc, out, err = _done(_ktlite(*args, home=home))
         assert rc == 0, err
         assert out.startswith("# ktlite plan for "), out
         assert not home.exists() or not any(home.rglob("*")), list(home.rglob("*"))
     rc, out, err = _done(_ktlite("run", "--dry-run", "python", "launch_ddp.py", home=home))
     assert rc == 0 and "torchrun --nproc_per_node=1 allreduce.py" in out, out + err
-    for args, words in ((("run", "--replicas", "0", "--", "python", "-c", "print(1)"), "workers"),
-                        # a declared app is run as declared, or not at all
-                        (("run", "torchrun", "launch_ddp.py"), "ktlite run launch_ddp.py"),
-                        (("run", "python", "-m", "launch_ddp.py"), "only declares them"),
-                        (("run", "--replicas", "3", "python", "launch_ddp.py"), "set --replicas there"),
-                        (("run", "--name", "x", "launch_ddp.py"), "set --name there"),
-                        (("run",), "give a script"),
-                        (("run", str(tmp_path / "plain.py")), "declares no kt.app"),
-                        (("run", "missing.py"), "no such file")):
+    for args, words in (
+        (("run", "--replicas", "0", "--", "python", "-c", "print(1)"), "workers"),
+        # a declared app is run as declared, or not at all
+        (("run", "torchrun", "launch_ddp.py"), "ktlite run launch_ddp.py"),
+        (("run", "python", "-m", "launch_ddp.py"), "only declares them"),
+        (("run", "--replicas", "3", "python", "launch_ddp.py"), "set --replicas there"),
+        (("run", "--name", "x", "launch_ddp.py"), "set --name there"),
+        (("run",), "give a script"),
+        (("run", str(tmp_path / "plain.py")), "declares no kt.app"),
+        (("run", "missing.py"), "no such file"),
+    ):
         rc, out, err = _done(_ktlite(*args, home=home))
         assert rc == 1 and "Traceback" not in err, err
         assert err.splitlines()[0].startswith("ktlite: error:") and words in err, err
@@ -501,7 +587,18 @@ def test_ktlite_run_dry_run_and_bad_input_change_nothing(tmp_path: Path) -> None
 
 @pytest.mark.timeout(30)
 def test_ktlite_run_dry_run_shows_the_replica_command(tmp_path: Path) -> None:
-    rc, out, err = _done(_ktlite("run", "--dry-run", "--replicas", "2", "--", "torchrun",
-                                 "--nproc_per_node=2", "train.py", home=tmp_path / "home"))
+    rc, out, err = _done(
+        _ktlite(
+            "run",
+            "--dry-run",
+            "--replicas",
+            "2",
+            "--",
+            "torchrun",
+            "--nproc_per_node=2",
+            "train.py",
+            home=tmp_path / "home",
+        )
+    )
     assert rc == 0, err
     assert "torchrun --nproc_per_node=2 train.py" in out

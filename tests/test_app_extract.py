@@ -25,8 +25,12 @@ from ktlite.net.archive import extract
 
 OLD_TARFILE = Path(__file__).parent / "old_tarfile"
 MTIME = 1_600_000_000
-RANK_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "GROUP_WORLD_SIZE": "1",
-            "NODE_RANK": "0"}
+RANK_ENV = {
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "GROUP_WORLD_SIZE": "1",
+    "NODE_RANK": "0",
+}
 
 # run in the unpacked folder: what is there, as JSON (a link's target is not followed)
 LIST_TREE = """
@@ -44,12 +48,15 @@ print("TREE " + json.dumps(tree, sort_keys=True))
 """
 
 
-def _old_python(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _old_python(
+    code: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a Python whose tarfile predates extraction filters."""
     path = [str(OLD_TARFILE), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     full = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(path)}
-    return subprocess.run([sys.executable, "-c", code, *args], env=full, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=full, capture_output=True, text=True, timeout=120
+    )
 
 
 def _tree_line(out: str) -> dict[str, list]:
@@ -65,7 +72,8 @@ def test_the_old_tarfile_subprocess_has_no_extraction_filter() -> None:
         "try:\n"
         "    tar.extractall('.', filter='data')\n"
         "except TypeError as e:\n"
-        "    print(e)\n")
+        "    print(e)\n"
+    )
     assert run.returncode == 0, run.stderr
     assert "TarFile.extractall() got an unexpected keyword argument 'filter'" in run.stdout
     assert hasattr(tarfile, "data_filter")  # ... and this process takes the other path
@@ -73,13 +81,18 @@ def test_the_old_tarfile_subprocess_has_no_extraction_filter() -> None:
 
 # ---- a tree made by pack() -------------------------------------------------------------------
 
+
 def _packed_tree(root: Path) -> tuple[bytes, dict[str, list]]:
     """pack() of a folder with a link, a hard link and modes the data filter changes; the
     tree that must come out."""
     (root / "conf").mkdir(parents=True)
-    files = {"train.py": ("print('hi')\n", 0o644), "conf/run.yaml": ("epochs: 3\n", 0o664),
-             "run.sh": ("echo run\n", 0o4777), "private.txt": ("secret\n", 0o600),
-             "notes.txt": ("x\n", 0o666 | 0o2000)}
+    files = {
+        "train.py": ("print('hi')\n", 0o644),
+        "conf/run.yaml": ("epochs: 3\n", 0o664),
+        "run.sh": ("echo run\n", 0o4777),
+        "private.txt": ("secret\n", 0o600),
+        "notes.txt": ("x\n", 0o666 | 0o2000),
+    }
     for rel, (text, mode) in files.items():
         (root / rel).write_text(text)
         os.chmod(root / rel, mode)
@@ -90,18 +103,22 @@ def _packed_tree(root: Path) -> tuple[bytes, dict[str, list]]:
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
         kinds = sorted(m.type for m in tar.getmembers())
     assert kinds.count(tarfile.SYMTYPE) == 1 and kinds.count(tarfile.LNKTYPE) == 1, kinds
-    expected = {"train.py": ["file", "0o644", MTIME, "print('hi')\n"],
-                "conf/run.yaml": ["file", "0o644", MTIME, "epochs: 3\n"],  # no group write
-                "copy.yaml": ["file", "0o644", MTIME, "epochs: 3\n"],
-                "conf/latest.yaml": ["link", "run.yaml"],
-                "run.sh": ["file", "0o755", MTIME, "echo run\n"],  # no set-uid, no other write
-                "private.txt": ["file", "0o600", MTIME, "secret\n"],
-                "notes.txt": ["file", "0o644", MTIME, "x\n"]}  # no set-gid
+    expected = {
+        "train.py": ["file", "0o644", MTIME, "print('hi')\n"],
+        "conf/run.yaml": ["file", "0o644", MTIME, "epochs: 3\n"],  # no group write
+        "copy.yaml": ["file", "0o644", MTIME, "epochs: 3\n"],
+        "conf/latest.yaml": ["link", "run.yaml"],
+        "run.sh": ["file", "0o755", MTIME, "echo run\n"],  # no set-uid, no other write
+        "private.txt": ["file", "0o600", MTIME, "secret\n"],
+        "notes.txt": ["file", "0o644", MTIME, "x\n"],
+    }  # no set-gid
     return blob, expected
 
 
 @pytest.mark.timeout(120)
-def test_run_replica_unpacks_a_packed_tree_on_a_python_without_the_data_filter(tmp_path: Path) -> None:
+def test_run_replica_unpacks_a_packed_tree_on_a_python_without_the_data_filter(
+    tmp_path: Path,
+) -> None:
     blob, expected = _packed_tree(tmp_path / "src")
     (tmp_path / "files.tgz").write_bytes(blob)
     run = _old_python(
@@ -110,7 +127,10 @@ def test_run_replica_unpacks_a_packed_tree_on_a_python_without_the_data_filter(t
         "from ktlite.api.apps import run_replica\n"
         "blob = Path(sys.argv[1]).read_bytes()\n"
         "run_replica([sys.executable, '-c', sys.argv[2]], blob, None, 30, {})\n",
-        str(tmp_path / "files.tgz"), LIST_TREE, env=RANK_ENV)
+        str(tmp_path / "files.tgz"),
+        LIST_TREE,
+        env=RANK_ENV,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert _tree_line(run.stdout) == expected
 
@@ -118,12 +138,19 @@ def test_run_replica_unpacks_a_packed_tree_on_a_python_without_the_data_filter(t
 def test_extract_with_the_data_filter_gives_the_same_tree(tmp_path: Path) -> None:
     blob, expected = _packed_tree(tmp_path / "src")
     extract(blob, tmp_path / "dest")
-    listed = subprocess.run([sys.executable, "-c", LIST_TREE], cwd=tmp_path / "dest",
-                            capture_output=True, text=True, check=True, timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-c", LIST_TREE],
+        cwd=tmp_path / "dest",
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert _tree_line(listed.stdout) == expected
 
 
 # ---- hostile archives ------------------------------------------------------------------------
+
 
 def _reg(name: str, data: bytes = b"gotcha\n") -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
@@ -154,7 +181,10 @@ HOSTILE: dict[str, tuple[Callable[[Path], list[tuple[tarfile.TarInfo, bytes]]], 
     "symlink-through-symlink": (lambda box: [_sym("a", "b/.."), _sym("b", ".")], "'a'"),
     "below-a-symlink": (lambda box: [_sym("here", "."), _sym("here/up", "..")], "here/up"),
     "hardlink-out": (lambda box: [_special("h", tarfile.LNKTYPE, "../sentinel.txt")], "'h'"),
-    "hardlink-absolute": (lambda box: [_special("h", tarfile.LNKTYPE, f"{box}/sentinel.txt")], "'h'"),
+    "hardlink-absolute": (
+        lambda box: [_special("h", tarfile.LNKTYPE, f"{box}/sentinel.txt")],
+        "'h'",
+    ),
     "device": (lambda box: [_special("null", tarfile.CHRTYPE)], "null"),
     "fifo": (lambda box: [_special("pipe", tarfile.FIFOTYPE)], "pipe"),
     "twice": (lambda box: [_reg("a.txt"), _sym("a.txt", "../sentinel.txt")], "a.txt"),
@@ -207,7 +237,9 @@ def test_hostile_archives_are_refused_without_the_data_filter(tmp_path: Path) ->
         "        out[case] = None\n"
         "    except ktlite.ConfigError as e:\n"
         "        out[case] = str(e)\n"
-        "print('RESULT ' + json.dumps(out))\n", json.dumps(jobs))
+        "print('RESULT ' + json.dumps(out))\n",
+        json.dumps(jobs),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     errors = json.loads(next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     for case, (box, _) in boxes.items():
@@ -216,15 +248,18 @@ def test_hostile_archives_are_refused_without_the_data_filter(tmp_path: Path) ->
         _nothing_written(box)
 
 
-def test_a_refused_archive_leaves_no_folder_behind(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refused_archive_leaves_no_folder_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     box, archive = _hostile_case(tmp_path, "dotdot")
     sandbox = box / "dest"  # run_replica's own folder is made (and must be removed) in here
     monkeypatch.setattr(tempfile, "tempdir", str(sandbox))
     for key, value in RANK_ENV.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(kt.ConfigError, match=r"'\.\./escape\.txt'"):
-        run_replica([sys.executable, "-c", "print('never runs')"], archive.read_bytes(), None, 30, {})
+        run_replica(
+            [sys.executable, "-c", "print('never runs')"], archive.read_bytes(), None, 30, {}
+        )
     _nothing_written(box)
 
 

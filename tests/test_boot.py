@@ -30,11 +30,13 @@ from ktlite_server.boot import SETUP_FAILED_EXIT, run_steps
 
 TINY = "ktlite_tiny_probe"
 TINY_VERSION = "0.1"
-RUN_STEPS = ("import json, sys\n"
-             "from pathlib import Path\n"
-             "from ktlite_server.boot import run_steps\n"
-             "python = run_steps(json.loads(sys.argv[1]), Path(sys.argv[2]))\n"
-             "print('PYTHON=' + python)\n")
+RUN_STEPS = (
+    "import json, sys\n"
+    "from pathlib import Path\n"
+    "from ktlite_server.boot import run_steps\n"
+    "python = run_steps(json.loads(sys.argv[1]), Path(sys.argv[2]))\n"
+    "print('PYTHON=' + python)\n"
+)
 SERVER_START_S = 60.0
 
 
@@ -48,8 +50,10 @@ def _build_wheel(where: Path) -> Path:
     files = {
         f"{TINY}.py": "VALUE = 'tiny-ok'\n",
         f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {TINY}\nVersion: {TINY_VERSION}\n",
-        f"{dist_info}/WHEEL": ("Wheel-Version: 1.0\nGenerator: ktlite-tests\nRoot-Is-Purelib: true\n"
-                               "Tag: py3-none-any\n"),
+        f"{dist_info}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: ktlite-tests\nRoot-Is-Purelib: true\n"
+            "Tag: py3-none-any\n"
+        ),
     }
     record = []
     for path, text in files.items():
@@ -66,18 +70,28 @@ def _build_wheel(where: Path) -> Path:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KTLITE_FREEZE", "KTLITE_SETUP", "KTLITE_STATE_DIR", "KTLITE_TOKEN")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KTLITE_FREEZE", "KTLITE_SETUP", "KTLITE_STATE_DIR", "KTLITE_TOKEN")
+    }
     env.update(PYTHONUNBUFFERED="1", PIP_NO_INPUT="1", **extra)
     return env
 
 
-def _boot_steps(steps: list[list[Any]], state: Path, out: Path) -> tuple[int, str, str | None, float]:
+def _boot_steps(
+    steps: list[list[Any]], state: Path, out: Path
+) -> tuple[int, str, str | None, float]:
     """run_steps in a fresh interpreter: (exit code, output, returned python, seconds)."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", RUN_STEPS, json.dumps(steps), str(state)],
-                          env=_env(OUT=str(out)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_STEPS, json.dumps(steps), str(state)],
+        env=_env(OUT=str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=180,
+    )
     seconds = time.monotonic() - start
     python = None
     for line in proc.stdout.splitlines():
@@ -97,11 +111,21 @@ def _boot_server(tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[
     """``python -m ktlite_server.boot`` in its own process group; always stopped on exit."""
     port = _free_port()
     log = tmp_path / "boot.log"
-    full = _env(KTLITE_TOKEN="boot-test-token", KTLITE_PORT=str(port), KTLITE_PROCS="1",
-                KTLITE_POD_NAME="boot-test-0", **env)
+    full = _env(
+        KTLITE_TOKEN="boot-test-token",
+        KTLITE_PORT=str(port),
+        KTLITE_PROCS="1",
+        KTLITE_POD_NAME="boot-test-0",
+        **env,
+    )
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "ktlite_server.boot"], env=full, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ktlite_server.boot"],
+            env=full,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         yield proc, log, port
     finally:
@@ -126,8 +150,11 @@ def _wait_health(proc: subprocess.Popen[bytes], log: Path, port: int) -> dict[st
         if proc.poll() is not None:
             pytest.fail(f"boot exited with {proc.returncode} before serving:\n{log.read_text()}")
         try:
-            resp = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0,
-                             headers={"x-ktlite-token": "Bearer boot-test-token"})
+            resp = httpx.get(
+                f"http://127.0.0.1:{port}/health",
+                timeout=2.0,
+                headers={"x-ktlite-token": "Bearer boot-test-token"},
+            )
         except httpx.HTTPError as e:
             last = repr(e)
         else:
@@ -141,13 +168,17 @@ def _wait_health(proc: subprocess.Popen[bytes], log: Path, port: int) -> dict[st
 
 # ---- run_steps in this process ------------------------------------------------------------------
 
+
 def test_bash_steps_run_with_this_python_and_leave_a_marker(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("OUT", str(tmp_path))
     state = tmp_path / "state"
     state.mkdir()
-    steps: list[list[Any]] = [["run_bash", "echo hello > $OUT/marker"],
-                              ["run_bash", 'echo "bash=$BASH_VERSION" >> $OUT/marker; echo visible']]
+    steps: list[list[Any]] = [
+        ["run_bash", "echo hello > $OUT/marker"],
+        ["run_bash", 'echo "bash=$BASH_VERSION" >> $OUT/marker; echo visible'],
+    ]
     assert run_steps(steps, state) == sys.executable
     lines = (tmp_path / "marker").read_text().splitlines()
     assert lines[0] == "hello"
@@ -161,8 +192,9 @@ def test_bash_steps_run_with_this_python_and_leave_a_marker(
     assert "  visible" in out
 
 
-def test_bash_steps_rerun_even_when_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_bash_steps_rerun_even_when_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # a container restart threw away what bash changed: bash steps always run again
     monkeypatch.setenv("OUT", str(tmp_path))
     steps: list[list[Any]] = [["run_bash", "echo again >> $OUT/log"]]
@@ -174,11 +206,15 @@ def test_bash_steps_rerun_even_when_cached(tmp_path: Path, monkeypatch: pytest.M
 
 # ---- failing steps: a real process that exits 78 ------------------------------------------------
 
+
 def test_failing_step_exits_78_with_its_output(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
-    steps: list[list[Any]] = [["run_bash", "echo before"], ["run_bash", "echo boom; exit 3"],
-                              ["run_bash", "echo after > $OUT/after"]]
+    steps: list[list[Any]] = [
+        ["run_bash", "echo before"],
+        ["run_bash", "echo boom; exit 3"],
+        ["run_bash", "echo after > $OUT/after"],
+    ]
     rc, out, python, _ = _boot_steps(steps, state, tmp_path)
     assert rc == SETUP_FAILED_EXIT == 78
     assert "boom" in out
@@ -189,10 +225,20 @@ def test_failing_step_exits_78_with_its_output(tmp_path: Path) -> None:
 
 
 def test_failing_step_through_boot_main_exits_78(tmp_path: Path) -> None:
-    env = _env(KTLITE_SETUP=json.dumps([["run_bash", "echo boom; exit 3"]]),
-               KTLITE_STATE_DIR=str(tmp_path / "state"), KTLITE_TOKEN="t", KTLITE_PORT="1")
-    proc = subprocess.run([sys.executable, "-m", "ktlite_server.boot"], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+    env = _env(
+        KTLITE_SETUP=json.dumps([["run_bash", "echo boom; exit 3"]]),
+        KTLITE_STATE_DIR=str(tmp_path / "state"),
+        KTLITE_TOKEN="t",
+        KTLITE_PORT="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ktlite_server.boot"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=60,
+    )
     assert proc.returncode == 78, proc.stdout
     assert "boom" in proc.stdout and "step failed" in proc.stdout
 
@@ -205,18 +251,28 @@ def test_unknown_step_kind_exits_78(tmp_path: Path) -> None:
 
 # ---- pip steps: one real venv per module (per xdist worker) -------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pip_boot(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pip-boot")
     wheel = _build_wheel(root)
     state = root / "state"
     state.mkdir()
-    steps: list[list[Any]] = [["run_bash", "echo first >> $OUT/bash.log"],
-                              ["pip_install", ["--no-index", str(wheel)]]]
+    steps: list[list[Any]] = [
+        ["run_bash", "echo first >> $OUT/bash.log"],
+        ["pip_install", ["--no-index", str(wheel)]],
+    ]
     rc, out, python, seconds = _boot_steps(steps, state, root)
     assert rc == 0, out
-    return {"root": root, "wheel": wheel, "state": state, "steps": steps, "out": out,
-            "python": python, "seconds": seconds}
+    return {
+        "root": root,
+        "wheel": wheel,
+        "state": state,
+        "steps": steps,
+        "out": out,
+        "python": python,
+        "seconds": seconds,
+    }
 
 
 def test_pip_step_installs_into_a_venv_under_the_state_dir(pip_boot: dict[str, Any]) -> None:
@@ -233,11 +289,15 @@ def test_pip_step_installs_into_a_venv_under_the_state_dir(pip_boot: dict[str, A
 
 
 def test_venv_imports_the_package_and_the_parent_interpreters_packages(
-        pip_boot: dict[str, Any]) -> None:
-    code = (f"import {TINY}, httpx, cloudpickle, sys; "
-            f"print({TINY}.VALUE, {TINY}.__file__.startswith(sys.prefix), sys.prefix)")
-    proc = subprocess.run([pip_boot["python"], "-c", code], capture_output=True, text=True,
-                          timeout=60, env=_env())
+    pip_boot: dict[str, Any],
+) -> None:
+    code = (
+        f"import {TINY}, httpx, cloudpickle, sys; "
+        f"print({TINY}.VALUE, {TINY}.__file__.startswith(sys.prefix), sys.prefix)"
+    )
+    proc = subprocess.run(
+        [pip_boot["python"], "-c", code], capture_output=True, text=True, timeout=60, env=_env()
+    )
     assert proc.returncode == 0, proc.stderr
     value, inside, prefix = proc.stdout.split()
     assert value == "tiny-ok"
@@ -249,7 +309,9 @@ def test_same_steps_skip_pip_but_rerun_bash(pip_boot: dict[str, Any], tmp_path: 
     rc, out, python, seconds = _boot_steps(pip_boot["steps"], pip_boot["state"], tmp_path)
     assert rc == 0, out
     assert python == pip_boot["python"]
-    assert f"pip install --no-index {pip_boot['wheel']} (cached, {_digest(pip_boot['steps'])})" in out
+    assert (
+        f"pip install --no-index {pip_boot['wheel']} (cached, {_digest(pip_boot['steps'])})" in out
+    )
     assert "creating" not in out
     assert (tmp_path / "bash.log").read_text().splitlines() == ["first"]  # bash ran again
     assert seconds < pip_boot["seconds"] / 2, (seconds, pip_boot["seconds"])
@@ -270,11 +332,13 @@ def test_changed_steps_run_again(pip_boot: dict[str, Any], tmp_path: Path) -> No
 
 # ---- boot main(): steps, then exec the server ---------------------------------------------------
 
+
 def test_boot_runs_steps_then_serves_health(tmp_path: Path) -> None:
     state = tmp_path / "state"
     setup = json.dumps([["run_bash", "echo ready-step"], ["run_bash", "echo done > $OUT/ran"]])
-    with _boot_server(tmp_path, KTLITE_SETUP=setup, KTLITE_STATE_DIR=str(state),
-                      OUT=str(tmp_path)) as (proc, log, port):
+    with _boot_server(
+        tmp_path, KTLITE_SETUP=setup, KTLITE_STATE_DIR=str(state), OUT=str(tmp_path)
+    ) as (proc, log, port):
         health = _wait_health(proc, log, port)
         assert health["status"] == "ok"
         assert health["pod"] == "boot-test-0"
@@ -290,8 +354,11 @@ def test_boot_runs_steps_then_serves_health(tmp_path: Path) -> None:
             assert b"ktlite_server" in argv and b"ktlite_server.boot" not in argv
             assert argv[argv.index(b"--port") + 1] == str(port).encode()
         # and it holds the token it was given: a wrong one is refused
-        resp = httpx.get(f"http://127.0.0.1:{port}/status", timeout=5.0,
-                         headers={"x-ktlite-token": "Bearer wrong"})
+        resp = httpx.get(
+            f"http://127.0.0.1:{port}/status",
+            timeout=5.0,
+            headers={"x-ktlite-token": "Bearer wrong"},
+        )
         assert resp.status_code in (401, 403)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0  # SIGTERM is a clean shutdown
@@ -301,8 +368,13 @@ def test_boot_freeze_skips_the_steps(tmp_path: Path) -> None:
     state = tmp_path / "state"
     # were the steps run, the failing one would stop the boot with exit code 78
     setup = json.dumps([["run_bash", "echo ran > $OUT/ran; exit 1"]])
-    with _boot_server(tmp_path, KTLITE_SETUP=setup, KTLITE_FREEZE="1", KTLITE_STATE_DIR=str(state),
-                      OUT=str(tmp_path)) as (proc, log, port):
+    with _boot_server(
+        tmp_path,
+        KTLITE_SETUP=setup,
+        KTLITE_FREEZE="1",
+        KTLITE_STATE_DIR=str(state),
+        OUT=str(tmp_path),
+    ) as (proc, log, port):
         assert _wait_health(proc, log, port)["status"] == "ok"
         assert not (tmp_path / "ran").exists()
         assert not state.exists()
@@ -311,6 +383,10 @@ def test_boot_freeze_skips_the_steps(tmp_path: Path) -> None:
 
 def test_server_starts_under_the_pip_venv(pip_boot: dict[str, Any], tmp_path: Path) -> None:
     # same steps as the fixture: the pip step is cached, then the venv python runs the server
-    with _boot_server(tmp_path, KTLITE_SETUP=json.dumps(pip_boot["steps"]),
-                      KTLITE_STATE_DIR=str(pip_boot["state"]), OUT=str(tmp_path)) as (proc, log, port):
+    with _boot_server(
+        tmp_path,
+        KTLITE_SETUP=json.dumps(pip_boot["steps"]),
+        KTLITE_STATE_DIR=str(pip_boot["state"]),
+        OUT=str(tmp_path),
+    ) as (proc, log, port):
         assert _wait_health(proc, log, port)["status"] == "ok"

@@ -27,20 +27,36 @@ def version() -> str:
 
 
 def _launch(launch_id: str, **kw: object) -> Launch:
-    return Launch(launch_id=launch_id, bundle=bundle(version), kind="fn", distributed=DistributedLayout(),
-                  pod_ips=["127.0.0.1"], master_port=29500, single=True, replica=True, **kw)  # type: ignore[arg-type]
+    return Launch(
+        launch_id=launch_id,
+        bundle=bundle(version),
+        kind="fn",
+        distributed=DistributedLayout(),
+        pod_ips=["127.0.0.1"],
+        master_port=29500,
+        single=True,
+        replica=True,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
-def test_a_booted_replica_refuses_an_older_launch_sent_to_a_pod_without_code(tmp_path: Path) -> None:
+def test_a_booted_replica_refuses_an_older_launch_sent_to_a_pod_without_code(
+    tmp_path: Path,
+) -> None:
     launch_file = tmp_path / "launch.pkl"
     launch_file.write_bytes(gzip.compress(_launch("newer").encode()))
-    with pod_server(tmp_path, KTLITE_LAUNCH_FILE=str(launch_file), KTLITE_POD_ORDINAL="0") as server:
+    with pod_server(
+        tmp_path, KTLITE_LAUNCH_FILE=str(launch_file), KTLITE_POD_ORDINAL="0"
+    ) as server:
         client = PodClient(server.token)
         url = f"http://127.0.0.1:{server.port}"
         # sent as a stale handle sends it: to a pod it saw without a launch
         with pytest.raises(KtliteError, match="redeployed"):
             client.deploy(url, _launch("older", expect="").encode(), WAIT)
-        _wait_until(lambda: client.ready(url, timeout=WAIT) is not None, "the replica to load its launch file")
+        _wait_until(
+            lambda: client.ready(url, timeout=WAIT) is not None,
+            "the replica to load its launch file",
+        )
         assert client.health(url)["launch_id"] == "newer"
         # the same launch, sent again by the handle that wrote the file, is the same install
         assert client.deploy(url, _launch("newer", expect="").encode(), WAIT)[0].status.name == "OK"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = '''
+SCRIPT = """
 import os
 import time
 from pathlib import Path
@@ -47,12 +47,26 @@ class Counter:
     def add(self, k):
         self.total += k
         return self.total
-'''
+"""
 
-COMMANDS = ["deploy", "list", "status", "logs", "call", "teardown", "run", "config", "put", "get", "ls", "rm",
-            "store",
-            # Kubetorch's names for status
-            "check", "describe"]
+COMMANDS = [
+    "deploy",
+    "list",
+    "status",
+    "logs",
+    "call",
+    "teardown",
+    "run",
+    "config",
+    "put",
+    "get",
+    "ls",
+    "rm",
+    "store",
+    # Kubetorch's names for status
+    "check",
+    "describe",
+]
 # Kubetorch's commands that ktlite lacks: one line of the help, and each says what to use instead
 REFUSED = ["debug", "port-forward", "apply", "ssh", "volumes", "notebook", "dashboard", "secrets"]
 
@@ -63,13 +77,24 @@ class Deployed:
     home: Path
 
 
-def ktlite(where: Path, home: Path, *args: str, timeout: float = 60,
-           ) -> subprocess.CompletedProcess[str]:
+def ktlite(
+    where: Path,
+    home: Path,
+    *args: str,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(home)
     # stdin is no terminal, as in CI or a pipe (never the terminal pytest may run in)
-    return subprocess.run([sys.executable, "-m", "ktlite.commands.cli", *args], cwd=where, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ktlite.commands.cli", *args],
+        cwd=where,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,16 +124,23 @@ def one_error_line(done: subprocess.CompletedProcess[str], *words: str) -> str:
 
 # ---- help ------------------------------------------------------------------------------------
 
+
 def test_help_lists_every_command_and_each_shows_an_example(tmp_path: Path) -> None:
     done = ktlite(tmp_path, tmp_path / "home", "--help")
     assert done.returncode == 0, done.stderr
     listed = re.search(r"\{([a-z,-]+)\}", done.stdout)
     assert listed and set(listed.group(1).split(",")) == set(COMMANDS), done.stdout
     # the commands ktlite lacks are one line, not one entry each
-    lines = [line for line in done.stdout.splitlines() if "Kubetorch commands not in ktlite" in line]
-    assert lines == [f"Kubetorch commands not in ktlite: {', '.join(REFUSED)} (`ktlite COMMAND` "
-                     "says what to use instead)."], done.stdout
-    assert not any(line.split()[:1] == [name] for line in done.stdout.splitlines() for name in REFUSED)
+    lines = [
+        line for line in done.stdout.splitlines() if "Kubetorch commands not in ktlite" in line
+    ]
+    assert lines == [
+        f"Kubetorch commands not in ktlite: {', '.join(REFUSED)} (`ktlite COMMAND` "
+        "says what to use instead)."
+    ], done.stdout
+    assert not any(
+        line.split()[:1] == [name] for line in done.stdout.splitlines() for name in REFUSED
+    )
     assert "KTLITE_LOG_LEVEL=INFO (or DEBUG) shows ktlite's diagnostics" in done.stdout
     for name in REFUSED:  # each still says what to use instead
         refused = ktlite(tmp_path, tmp_path / "home", name, "x")
@@ -124,25 +156,50 @@ def test_help_lists_every_command_and_each_shows_an_example(tmp_path: Path) -> N
 
 # ---- status ----------------------------------------------------------------------------------
 
+
 def _status_pods(out: str) -> dict[str, dict]:
     """The table of ``ktlite status`` as {pod: {"launch", "active", "ranks": [row, ...]}}."""
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if re.match(r"\S+: \d+ pod\(s\)", line))
-    m = re.match(r"\S+: (\d+) pod\(s\), (\d+) rank\(s\), launch (\S+), (\d+) active call\(s\)$",
-                 lines[head])
+    m = re.match(
+        r"\S+: (\d+) pod\(s\), (\d+) rank\(s\), launch (\S+), (\d+) active call\(s\)$", lines[head]
+    )
     assert m, out
     top = next(i for i in range(head + 1, len(lines)) if lines[i].startswith("RANK"))
     columns = re.split(r"\s{2,}", lines[top].strip())
-    assert columns == ["RANK", "POD", "PID", "STATE", "CPU%", "RSS", "GPU MEM", "GPU%", "CALL",
-                       "RUNNING", "RESTARTS"], out
+    assert columns == [
+        "RANK",
+        "POD",
+        "PID",
+        "STATE",
+        "CPU%",
+        "RSS",
+        "GPU MEM",
+        "GPU%",
+        "CALL",
+        "RUNNING",
+        "RESTARTS",
+    ], out
     pods: dict[str, dict] = {}
-    for line in lines[top + 1:top + 1 + int(m.group(2))]:
+    for line in lines[top + 1 : top + 1 + int(m.group(2))]:
         row = dict(zip(columns, re.split(r"\s{2,}", line.strip()), strict=True))
-        pod = pods.setdefault(row["POD"], {"launch": m.group(3), "active": int(m.group(4)), "ranks": []})
-        pod["ranks"].append({"rank": int(row["RANK"]), "state": row["STATE"].lower(),
-                             "restarts": int(row["RESTARTS"]), "stuck": row["STATE"] == "STUCK",
-                             "pid": int(row["PID"]), "cpu": row["CPU%"], "rss": row["RSS"],
-                             "gpu": row["GPU MEM"], "call": row["CALL"], "running": row["RUNNING"]})
+        pod = pods.setdefault(
+            row["POD"], {"launch": m.group(3), "active": int(m.group(4)), "ranks": []}
+        )
+        pod["ranks"].append(
+            {
+                "rank": int(row["RANK"]),
+                "state": row["STATE"].lower(),
+                "restarts": int(row["RESTARTS"]),
+                "stuck": row["STATE"] == "STUCK",
+                "pid": int(row["PID"]),
+                "cpu": row["CPU%"],
+                "rss": row["RSS"],
+                "gpu": row["GPU MEM"],
+                "call": row["CALL"],
+                "running": row["RUNNING"],
+            }
+        )
     assert len(pods) <= int(m.group(1)), out
     return pods
 
@@ -159,7 +216,9 @@ def test_status_shows_pods_ranks_restarts_and_launch_id(deployed: Deployed) -> N
     for pod in pods.values():
         rank = pod["ranks"][0]
         assert rank["restarts"] == 0 and not rank["stuck"] and rank["state"] == "idle"
-        assert float(rank["cpu"]) >= 0 and re.fullmatch(r"[\d.]+ (KiB|MiB|GiB)", rank["rss"]), done.stdout
+        assert float(rank["cpu"]) >= 0 and re.fullmatch(r"[\d.]+ (KiB|MiB|GiB)", rank["rss"]), (
+            done.stdout
+        )
         assert rank["gpu"] == "-" and rank["call"] == "-" and rank["running"] == "-"  # no GPUs here
 
 
@@ -192,14 +251,20 @@ def test_status_shows_the_other_pods_when_one_does_not_answer(deployed: Deployed
 
 @pytest.mark.timeout(60)
 def test_status_watch_refreshes_until_ctrl_c(deployed: Deployed) -> None:
-    one_error_line(ktlite(deployed.where, deployed.home, "status", "cli-add", "--watch", "0"),
-                   "--watch", "> 0")
+    one_error_line(
+        ktlite(deployed.where, deployed.home, "status", "cli-add", "--watch", "0"), "--watch", "> 0"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(deployed.home)
-    watch = subprocess.Popen([sys.executable, "-m", "ktlite.commands.cli", "status", "cli-add", "--watch", "0.3"],
-                             cwd=deployed.where, env=env, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "ktlite.commands.cli", "status", "cli-add", "--watch", "0.3"],
+        cwd=deployed.where,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert watch.stdout is not None
         frames: list[str] = []
@@ -225,14 +290,29 @@ def test_status_exits_2_while_a_call_is_stuck(deployed: Deployed) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(deployed.home)
     call = subprocess.Popen(
-        [sys.executable, "-m", "ktlite.commands.cli", "call", "cli-add", "--args", "[1]",
-         "--kwargs", json.dumps({"wait_for": str(go)})],
-        cwd=deployed.where, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "ktlite.commands.cli",
+            "call",
+            "cli-add",
+            "--args",
+            "[1]",
+            "--kwargs",
+            json.dumps({"wait_for": str(go)}),
+        ],
+        cwd=deployed.where,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
-            done = ktlite(deployed.where, deployed.home, "status", "cli-add",
-                          "--stuck-after", "0.5")
+            done = ktlite(
+                deployed.where, deployed.home, "status", "cli-add", "--stuck-after", "0.5"
+            )
             if done.returncode == 2 or time.monotonic() > deadline:
                 break
             assert done.returncode == 0, done.stderr
@@ -252,10 +332,12 @@ def test_status_exits_2_while_a_call_is_stuck(deployed: Deployed) -> None:
 
 # ---- call and logs ---------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_call_prints_the_json_result_and_logs_by_rank(deployed: Deployed) -> None:
-    done = ktlite(deployed.where, deployed.home, "call", "cli-add", "--args", "[3]",
-                  "--kwargs", '{"y": 2}')
+    done = ktlite(
+        deployed.where, deployed.home, "call", "cli-add", "--args", "[3]", "--kwargs", '{"y": 2}'
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert json.loads(lines[-1]) == [5, 5]  # one value per rank, as JSON
@@ -272,11 +354,20 @@ def test_call_prints_the_json_result_and_logs_by_rank(deployed: Deployed) -> Non
 
 @pytest.mark.timeout(60)
 def test_call_a_method_of_a_deployed_class_keeps_its_state(deployed: Deployed) -> None:
-    first = ktlite(deployed.where, deployed.home, "call", "cli-counter", "--method", "add",
-                   "--args", "[5]")
+    first = ktlite(
+        deployed.where, deployed.home, "call", "cli-counter", "--method", "add", "--args", "[5]"
+    )
     assert first.returncode == 0, first.stderr
-    second = ktlite(deployed.where, deployed.home, "call", "cli-counter", "--method", "add",
-                    "--kwargs", '{"k": 4}')
+    second = ktlite(
+        deployed.where,
+        deployed.home,
+        "call",
+        "cli-counter",
+        "--method",
+        "add",
+        "--kwargs",
+        '{"k": 4}',
+    )
     assert second.returncode == 0, second.stderr
     before = json.loads(first.stdout.splitlines()[-1])
     assert json.loads(second.stdout.splitlines()[-1]) == before + 4
@@ -288,14 +379,28 @@ def test_logs_follow_prints_new_lines_of_one_rank_until_ctrl_c(deployed: Deploye
     env["KTLITE_HOME"] = str(deployed.home)
     # a line already in the log before following starts: once the follower printed it, it
     # follows (a line seen after that came from following, not from the log's tail)
-    before = ktlite(deployed.where, deployed.home, "call", "cli-add", "--args", "[31337]", "--kwargs", '{"y": 2}')
+    before = ktlite(
+        deployed.where,
+        deployed.home,
+        "call",
+        "cli-add",
+        "--args",
+        "[31337]",
+        "--kwargs",
+        '{"y": 2}',
+    )
     assert before.returncode == 0, before.stderr
     # Ctrl-C as in a terminal, even where this test runs with SIGINT ignored (a shell's
     # background job, and every process it starts, inherits SIG_IGN)
-    follow = subprocess.Popen([sys.executable, "-m", "ktlite.commands.cli", "logs", "cli-add", "-f",
-                               "--rank", "1"], cwd=deployed.where, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "ktlite.commands.cli", "logs", "cli-add", "-f", "--rank", "1"],
+        cwd=deployed.where,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     seen: list[str] = []
 
     def read_until(wanted: str) -> None:
@@ -307,8 +412,16 @@ def test_logs_follow_prints_new_lines_of_one_rank_until_ctrl_c(deployed: Deploye
 
     try:
         read_until("[cli-add-1] [rank 1] add on rank 1: 31337 + 2")  # following now
-        done = ktlite(deployed.where, deployed.home, "call", "cli-add", "--args", "[40]",
-                      "--kwargs", '{"y": 2}')
+        done = ktlite(
+            deployed.where,
+            deployed.home,
+            "call",
+            "cli-add",
+            "--args",
+            "[40]",
+            "--kwargs",
+            '{"y": 2}',
+        )
         assert done.returncode == 0, done.stderr
         read_until("[cli-add-1] [rank 1] add on rank 1: 40 + 2")
         assert not [line for line in seen if "[rank 0]" in line], seen
@@ -319,6 +432,7 @@ def test_logs_follow_prints_new_lines_of_one_rank_until_ctrl_c(deployed: Deploye
 
 
 # ---- errors ----------------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_errors_are_one_line_and_debug_shows_the_traceback(deployed: Deployed) -> None:
@@ -331,8 +445,10 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(deployed: Deployed) -
     one_error_line(ktlite(w, h, "call", "cli-add", "--args", '{"x": 1}'), "JSON list")
     one_error_line(ktlite(w, h, "call", "cli-add", "--kwargs", "[1]"), "JSON object")
     # an exception raised by the deployed function: its message, on one line
-    one_error_line(ktlite(w, h, "call", "cli-add", "--args", '["a"]', "--kwargs", '{"y": 2}'),
-                   "can only concatenate str")
+    one_error_line(
+        ktlite(w, h, "call", "cli-add", "--args", '["a"]', "--kwargs", '{"y": 2}'),
+        "can only concatenate str",
+    )
 
     debug = ktlite(w, h, "--debug", "call", "no-such-thing")
     assert debug.returncode != 0
@@ -350,8 +466,10 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(deployed: Deployed) -
 
 @pytest.mark.timeout(60)
 def test_call_with_a_bad_timeout_is_refused_before_the_call(deployed: Deployed) -> None:
-    line = one_error_line(ktlite(deployed.where, deployed.home, "call", "cli-add", "--args", "[1]",
-                                 "--timeout", "0"), "timeout")
+    line = one_error_line(
+        ktlite(deployed.where, deployed.home, "call", "cli-add", "--args", "[1]", "--timeout", "0"),
+        "timeout",
+    )
     assert "HTTP 400" not in line and "header" not in line, line
 
 
@@ -362,26 +480,39 @@ def test_call_a_class_without_method_says_to_pass_method(deployed: Deployed) -> 
 
 @pytest.mark.timeout(60)
 def test_call_a_function_with_method_says_it_has_none(deployed: Deployed) -> None:
-    line = one_error_line(ktlite(deployed.where, deployed.home, "call", "cli-add", "--method", "add"),
-                          "'cli-add' is a deployed function", "no methods", "without --method")
+    line = one_error_line(
+        ktlite(deployed.where, deployed.home, "call", "cli-add", "--method", "add"),
+        "'cli-add' is a deployed function",
+        "no methods",
+        "without --method",
+    )
     assert "AttributeError" not in line, line
 
 
 # ---- teardown (--all last: it ends the module's deployment) ----------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_teardown_a_misspelt_name_fails_and_says_what_exists(deployed: Deployed) -> None:
     w, h = deployed.where, deployed.home
-    line = one_error_line(ktlite(w, h, "teardown", "cli-ad"),
-                          "no deployment named 'cli-ad'", "did you mean 'cli-add'?", "cli-counter")
+    line = one_error_line(
+        ktlite(w, h, "teardown", "cli-ad"),
+        "no deployment named 'cli-ad'",
+        "did you mean 'cli-add'?",
+        "cli-counter",
+    )
     assert "not found" not in line, line
     bare = ktlite(w, h, "teardown")
     assert bare.returncode == 1, bare.stderr
-    assert bare.stderr.startswith("nothing to tear down: name a deployment or pass --all; deployed: ")
+    assert bare.stderr.startswith(
+        "nothing to tear down: name a deployment or pass --all; deployed: "
+    )
     assert "cli-add" in bare.stderr and "cli-counter" in bare.stderr, bare.stderr
     prefix = ktlite(w, h, "teardown", "--prefix", "zz", "-y")
     assert prefix.returncode == 1, prefix.stderr
-    assert prefix.stderr.startswith("nothing to tear down: no deployment name starts with 'zz'"), prefix.stderr
+    assert prefix.stderr.startswith("nothing to tear down: no deployment name starts with 'zz'"), (
+        prefix.stderr
+    )
     assert ktlite(w, h, "call", "cli-add", "--args", "[2]").stdout.splitlines()[-1] == "[2, 2]"
 
 
@@ -394,7 +525,6 @@ def test_teardown_all_without_a_terminal_needs_yes(deployed: Deployed) -> None:
     assert "no terminal" in done.stderr and "--yes (-y)" in done.stderr, done.stderr
     assert "cli-add" in done.stderr and "cli-counter" in done.stderr, done.stderr
     assert ktlite(w, h, "call", "cli-add", "--args", "[3]").stdout.splitlines()[-1] == "[3, 3]"
-
 
 
 @pytest.mark.timeout(60)

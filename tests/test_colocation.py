@@ -33,13 +33,19 @@ class Policy:
         import datetime
 
         import torch.distributed as dist
+
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         return dist.get_rank()
 
     def step(self):
         self.steps += 1
-        return {"rank": int(os.environ["RANK"]), "pid": os.getpid(), "steps": self.steps, "lr": self.lr}
+        return {
+            "rank": int(os.environ["RANK"]),
+            "pid": os.getpid(),
+            "steps": self.steps,
+            "lr": self.lr,
+        }
 
 
 class Generator:
@@ -49,12 +55,17 @@ class Generator:
 
     def generate(self, prompt):
         self.generated += 1
-        return {"rank": int(os.environ["RANK"]), "pid": os.getpid(), "n": self.generated,
-                "text": f"{prompt}@{self.temperature}"}
+        return {
+            "rank": int(os.environ["RANK"]),
+            "pid": os.getpid(),
+            "n": self.generated,
+            "text": f"{prompt}@{self.temperature}",
+        }
 
     def all_reduce(self):
         import torch
         import torch.distributed as dist
+
         t = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(t)  # the group policy's call initialised, in this same process
         return float(t.item())
@@ -70,7 +81,8 @@ def whoami(tag):
 @pytest.fixture(scope="module")
 def policy():
     remote = kt.cls(Policy, name=unique("policy")).to(
-        kt.Compute(cpus=1).distribute("pytorch", workers=2, num_proc=1), init_args={"lr": 0.5})
+        kt.Compute(cpus=1).distribute("pytorch", workers=2, num_proc=1), init_args={"lr": 0.5}
+    )
     yield remote
     remote.teardown()
 
@@ -86,7 +98,9 @@ def test_same_processes_same_ranks(policy, gen):
     p = policy.step.options(**QUIET)()
     g = gen.generate.options(**QUIET)("hi")
     assert [r["rank"] for r in p] == [r["rank"] for r in g] == [0, 1]
-    assert [r["pid"] for r in p] == [r["pid"] for r in g]  # one process per rank, both targets in it
+    assert [r["pid"] for r in p] == [
+        r["pid"] for r in g
+    ]  # one process per rank, both targets in it
     assert len({r["pid"] for r in p}) == 2
     assert [r["text"] for r in g] == ["hi@0.7", "hi@0.7"]
     assert [r["lr"] for r in p] == [0.5, 0.5]
@@ -175,7 +189,9 @@ def test_restart_procs_constructs_every_target_again(policy, gen):
     old = [r["pid"] for r in gen.generate.options(**QUIET)("r")]
     p = policy.step.options(**QUIET, restart_procs=True)()
     g = gen.generate.options(**QUIET)("r")
-    assert [r["pid"] for r in g] == [r["pid"] for r in p] and set(old).isdisjoint(r["pid"] for r in g)
+    assert [r["pid"] for r in g] == [r["pid"] for r in p] and set(old).isdisjoint(
+        r["pid"] for r in g
+    )
     assert [r["n"] for r in g] == [1, 1] and [r["steps"] for r in p] == [1, 1]
 
 

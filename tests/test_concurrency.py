@@ -60,7 +60,9 @@ class Server:
         deadline = time.monotonic() + MEET_S
         while (here := len(os.listdir(place))) < n:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {here} of {n} async calls were running at once after {MEET_S:g} s")
+                raise TimeoutError(
+                    f"only {here} of {n} async calls were running at once after {MEET_S:g} s"
+                )
             await asyncio.sleep(0.02)
         return os.getpid()
 
@@ -80,7 +82,9 @@ class Server:
 def _parallel(n: int, fn, *args) -> tuple[list, float]:
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(fn, *a) for a in args] if args else [pool.submit(fn) for _ in range(n)]
+        futures = (
+            [pool.submit(fn, *a) for a in args] if args else [pool.submit(fn) for _ in range(n)]
+        )
         done = [f.exception() or f.result() for f in futures]
     return done, time.monotonic() - start
 
@@ -98,12 +102,17 @@ def test_concurrency_is_validated_and_defaults_by_kind() -> None:
     with pytest.raises(kt.ConfigError, match="concurrency"):
         kt.Compute(concurrency=True)
     single_cls = DeploymentSpec(name="a", compute=kt.Compute(), kind="cls")
-    dist_cls = DeploymentSpec(name="a", compute=kt.Compute().distribute("pytorch", workers=2), kind="cls")
+    dist_cls = DeploymentSpec(
+        name="a", compute=kt.Compute().distribute("pytorch", workers=2), kind="cls"
+    )
     single_fn = DeploymentSpec(name="a", compute=kt.Compute(), kind="fn")
     assert (single_cls.concurrency, dist_cls.concurrency, single_fn.concurrency) == (8, 1, 1)
     assert DeploymentSpec(name="a", compute=kt.Compute(concurrency=3), kind="fn").concurrency == 3
     # not a pod-shaping field: changing it reloads code, it does not replace pods
-    assert DeploymentSpec("a", kt.Compute(concurrency=2)).pod_hash() == DeploymentSpec("a", kt.Compute()).pod_hash()
+    assert (
+        DeploymentSpec("a", kt.Compute(concurrency=2)).pod_hash()
+        == DeploymentSpec("a", kt.Compute()).pod_hash()
+    )
 
 
 def test_four_sync_calls_run_at_once_on_concurrency_4(napper, tmp_path) -> None:
@@ -148,6 +157,7 @@ def test_async_method_on_a_single_rank_class_defaults_to_8_at_once(tmp_path) -> 
 def test_rank_death_fails_every_call_on_it() -> None:
     remote = kt.cls(Server).to(kt.Compute(concurrency=4), name="conc-death")
     try:
+
         def slow() -> int:
             return remote.slow(20.0)
 
@@ -155,7 +165,9 @@ def test_rank_death_fails_every_call_on_it() -> None:
             running = [pool.submit(slow) for _ in range(3)]
             deadline = time.monotonic() + 60
             while len(remote.status()[0]["active_calls"]) < 3:  # all three run on the rank
-                assert time.monotonic() < deadline, f"3 calls were not running after 60 s: {remote.status()}"
+                assert time.monotonic() < deadline, (
+                    f"3 calls were not running after 60 s: {remote.status()}"
+                )
                 time.sleep(0.05)
             killer = pool.submit(remote.die)
             errors = [f.exception(timeout=60) for f in [*running, killer]]
@@ -166,7 +178,9 @@ def test_rank_death_fails_every_call_on_it() -> None:
 
 
 def test_async_function_on_a_distributed_deployment() -> None:
-    remote = kt.fn(async_nap).to(kt.Compute().distribute("pytorch", workers=2), name="conc-async-dist")
+    remote = kt.fn(async_nap).to(
+        kt.Compute().distribute("pytorch", workers=2), name="conc-async-dist"
+    )
     try:
         assert [r["rank"] for r in remote(0.1)] == [0, 1]
         # the rank's event loop lives on between calls

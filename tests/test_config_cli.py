@@ -39,13 +39,20 @@ def home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path
 
 
-def ktlite(home: Path, *args: str, env: dict[str, str] | None = None,
-           stdin: str = "") -> subprocess.CompletedProcess[str]:
+def ktlite(
+    home: Path, *args: str, env: dict[str, str] | None = None, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
     """The real command line, as a subprocess."""
     environ = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     environ.update(KTLITE_HOME=str(home), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "ktlite.commands.cli", *args], env=environ, input=stdin,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "ktlite.commands.cli", *args],
+        env=environ,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -71,6 +78,7 @@ def _list_rows(out: str) -> dict[str, str]:
 
 
 # ---- ktlite config ---------------------------------------------------------------------------
+
 
 def test_config_set_get_list_unset(home: Path) -> None:
     done = ktlite(home, "config", "set", "backend", "kubernetes")
@@ -109,7 +117,11 @@ def test_config_get_says_where_the_value_comes_from(home: Path) -> None:
     assert saved.stderr == f"backend: from the config file {home / 'config.json'}\n"
 
     env = ktlite(home, "config", "get", "backend", env={"KTLITE_BACKEND": "ssh"})
-    assert (env.returncode, env.stdout, env.stderr) == (0, "ssh\n", "backend: from KTLITE_BACKEND\n")
+    assert (env.returncode, env.stdout, env.stderr) == (
+        0,
+        "ssh\n",
+        "backend: from KTLITE_BACKEND\n",
+    )
 
     unset = ktlite(home, "config", "get", "namespace")  # no fixed default: it is the cluster's
     assert (unset.returncode, unset.stdout) == (1, ""), unset.stderr
@@ -136,20 +148,29 @@ def test_config_keeps_other_keys(home: Path, capsys: pytest.CaptureFixture[str])
     assert main(capsys, "config", "set", "image_pull_policy", "IfNotPresent")[0] == 0
     assert main(capsys, "config", "set", "namespace", "team-b")[0] == 0
     assert json.loads((home / "config.json").read_text()) == {
-        "namespace": "team-b", "image_pull_policy": "IfNotPresent"}
+        "namespace": "team-b",
+        "image_pull_policy": "IfNotPresent",
+    }
     assert config.get("namespace") == "team-b"
     assert main(capsys, "config", "unset", "namespace")[0] == 0
     assert json.loads((home / "config.json").read_text()) == {"image_pull_policy": "IfNotPresent"}
     assert main(capsys, "config", "get", "namespace")[:2] == (1, "")
 
 
-@pytest.mark.parametrize(("args", "wanted"), [
-    (("backend", "nope"), ["backend='nope'", "local", "kubernetes"]),
-    (("image_pull_policy", "sometimes"), ["image_pull_policy='sometimes'", "Always",
-                                          "IfNotPresent", "Never"]),
-], ids=["backend", "image_pull_policy"])
-def test_disallowed_value_fails_with_one_line(home: Path, capsys: pytest.CaptureFixture[str],
-                                              args: tuple[str, str], wanted: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "wanted"),
+    [
+        (("backend", "nope"), ["backend='nope'", "local", "kubernetes"]),
+        (
+            ("image_pull_policy", "sometimes"),
+            ["image_pull_policy='sometimes'", "Always", "IfNotPresent", "Never"],
+        ),
+    ],
+    ids=["backend", "image_pull_policy"],
+)
+def test_disallowed_value_fails_with_one_line(
+    home: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, str], wanted: list[str]
+) -> None:
     code, out, err = main(capsys, "config", "set", *args)
     assert code != 0 and out == ""
     lines = err.splitlines()
@@ -164,7 +185,8 @@ def test_disallowed_value_in_a_real_process_has_no_traceback(home: Path) -> None
     done = ktlite(home, "config", "set", "backend", "nope")
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
-        "ktlite: error: backend='nope' is not allowed; allowed: local, kubernetes, ssh"]
+        "ktlite: error: backend='nope' is not allowed; allowed: local, kubernetes, ssh"
+    ]
     assert done.stdout == ""
 
 
@@ -183,8 +205,10 @@ def test_unknown_key_names_the_allowed_keys(home: Path, capsys: pytest.CaptureFi
 def test_set_without_a_value_fails_clearly(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = main(capsys, "config", "set", "backend")
     assert code != 0 and out == ""
-    assert err.splitlines() == ["ktlite: error: ktlite config set needs a key and a value, e.g. "
-                                "`ktlite config set backend kubernetes`"]
+    assert err.splitlines() == [
+        "ktlite: error: ktlite config set needs a key and a value, e.g. "
+        "`ktlite config set backend kubernetes`"
+    ]
     assert not (home / "config.json").exists()
 
     code, _, err = main(capsys, "config", "get")
@@ -192,8 +216,9 @@ def test_set_without_a_value_fails_clearly(home: Path, capsys: pytest.CaptureFix
     assert "needs a key" in err and "backend" in err and "Traceback" not in err
 
 
-def test_broken_config_file_is_reported_not_a_traceback(home: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_broken_config_file_is_reported_not_a_traceback(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (home / "config.json").write_text("{not json")
     code, _, err = main(capsys, "config", "list")
     assert code == 1
@@ -203,12 +228,14 @@ def test_broken_config_file_is_reported_not_a_traceback(home: Path,
 
 # ---- backend selection -----------------------------------------------------------------------
 
+
 def plan_me(x: int) -> int:
     return x * 2
 
 
-def test_get_backend_follows_the_config_file(home: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_get_backend_follows_the_config_file(
+    home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KUBECONFIG", str(home / "no-such-kubeconfig"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setattr(KubernetesBackend, "_clients", {})
@@ -235,6 +262,7 @@ def test_get_backend_follows_the_config_file(home: Path, monkeypatch: pytest.Mon
 
 # ---- help ------------------------------------------------------------------------------------
 
+
 def test_help_lists_the_commands(home: Path) -> None:
     done = ktlite(home, "--help")
     assert done.returncode == 0, done.stderr
@@ -243,8 +271,9 @@ def test_help_lists_the_commands(home: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["list", "teardown", "logs", "config"])
-def test_every_command_help_has_an_example(capsys: pytest.CaptureFixture[str],
-                                           command: str) -> None:
+def test_every_command_help_has_an_example(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
     code, out, _ = main(capsys, command, "--help")
     assert code == 0
     assert "Example" in out
@@ -284,7 +313,8 @@ def logged() -> Iterator[kt.RemoteFunction]:
 
 
 def test_cli_logs_prints_rank_lines_prefixed_with_the_pod(
-        logged: kt.RemoteFunction, capsys: pytest.CaptureFixture[str]) -> None:
+    logged: kt.RemoteFunction, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = main(capsys, "logs", LOG_NAME)
     assert code == 0, err
     lines = out.splitlines()
@@ -313,7 +343,8 @@ def test_remote_logs_rejects_a_rank_beyond_the_world(logged: kt.RemoteFunction) 
 
 
 def test_cli_logs_of_a_pod_that_does_not_exist_fails(
-        logged: kt.RemoteFunction, capsys: pytest.CaptureFixture[str]) -> None:
+    logged: kt.RemoteFunction, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = main(capsys, "logs", LOG_NAME, "--pod", "5")
     assert code != 0 and out == ""
     assert "5" in err and LOG_NAME in err
@@ -327,8 +358,10 @@ def test_cli_logs_of_a_missing_deployment(capsys: pytest.CaptureFixture[str]) ->
 
 # ---- list / teardown --all -------------------------------------------------------------------
 
-def test_list_and_teardown_all_asks_first(home: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+
+def test_list_and_teardown_all_asks_first(
+    home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     name = "cfgcli-td"
     backend = LocalBackend.shared()
     assert main(capsys, "list")[1].strip() == "no deployments"
@@ -361,6 +394,9 @@ def test_list_and_teardown_all_asks_first(home: Path, monkeypatch: pytest.Monkey
         assert code == 1 and err == "nothing to tear down: nothing is deployed on backend 'local'\n"
         code, out, err = main(capsys, "teardown", name)
         assert (code, out) == (1, "")
-        assert err == f"ktlite: error: no deployment named {name!r}: nothing is deployed on backend 'local'\n"
+        assert (
+            err
+            == f"ktlite: error: no deployment named {name!r}: nothing is deployed on backend 'local'\n"
+        )
     finally:
         backend.teardown(name, timeout=5)

@@ -34,7 +34,9 @@ if __name__ == "__main__":
 """
 
 
-def _run(args: list[str], cwd: Path, home: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], cwd: Path, home: Path, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KTLITE_HOME": str(home)}
     env.pop("KTLITE_BACKEND", None)
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -49,8 +51,11 @@ def script(tmp_path: Path) -> tuple[Path, str]:
 
 def test_dry_run_prints_the_manifests_as_yaml_and_touches_nothing(script: tuple[Path, str]) -> None:
     where, name = script
-    run = _run([sys.executable, "-m", "ktlite.commands.cli", "deploy", "script.py:step", "--dry-run"],
-               where, where / "home")
+    run = _run(
+        [sys.executable, "-m", "ktlite.commands.cli", "deploy", "script.py:step", "--dry-run"],
+        where,
+        where / "home",
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"# ktlite plan for '{name}-k8s' on backend 'kubernetes'")
     docs = list(yaml.safe_load_all(run.stdout))
@@ -59,22 +64,29 @@ def test_dry_run_prints_the_manifests_as_yaml_and_touches_nothing(script: tuple[
     sts = docs[-1]
     assert sts["metadata"]["namespace"] == "ml" and sts["spec"]["replicas"] == 2
     # the same objects as the Python API's plan
-    compute = kt.Compute(cpus="500m", memory="1Gi", backend="kubernetes", namespace="ml"
-                         ).distribute("pytorch", workers=2, num_proc=2)
+    compute = kt.Compute(
+        cpus="500m", memory="1Gi", backend="kubernetes", namespace="ml"
+    ).distribute("pytorch", workers=2, num_proc=2)
     plan = kt.fn(lambda x: x).to(compute, name=f"{name}-k8s", dryrun=True)
     assert isinstance(plan, kt.Plan)
     assert docs == plan.manifests
     assert not (where / "home" / "local").exists()
 
 
-def test_deploy_then_call_by_name_from_another_process_then_teardown(script: tuple[Path, str]) -> None:
+def test_deploy_then_call_by_name_from_another_process_then_teardown(
+    script: tuple[Path, str],
+) -> None:
     where, name = script
     home = where / "home"
     try:
-        run = _run([sys.executable, "-m", "ktlite.commands.cli", "deploy", "script.py:square"], where, home)
+        run = _run(
+            [sys.executable, "-m", "ktlite.commands.cli", "deploy", "script.py:square"], where, home
+        )
         assert run.returncode == 0, run.stderr
         assert f"{name}: deployed on local: 1 pod(s), 1/1 ranks ready" in run.stdout
-        call = _run([sys.executable, "-c", "import script; print('got', script.square(6))"], where, home)
+        call = _run(
+            [sys.executable, "-c", "import script; print('got', script.square(6))"], where, home
+        )
         assert call.returncode == 0, call.stderr
         assert "got 36" in call.stdout and f"[rank 0 @ {name}-0] squaring 6" in call.stdout
         listed = _run([sys.executable, "-m", "ktlite.commands.cli", "list"], where, home)
@@ -97,10 +109,16 @@ def test_running_the_script_deploys_on_first_call(script: tuple[Path, str]) -> N
 def test_unknown_target_and_script_without_decorators_fail_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "plain.py").write_text("def f():\n    return 1\n")
     (tmp_path / "script.py").write_text(textwrap.dedent(SCRIPT.format(name="x")))
-    for target, words in (("plain.py", "no function or class decorated"),
-                          ("script.py:nope", "has no decorated 'nope'; it has: square, step"),
-                          ("missing.py", "no such file")):
-        run = _run([sys.executable, "-m", "ktlite.commands.cli", "deploy", target], tmp_path, tmp_path / "home")
+    for target, words in (
+        ("plain.py", "no function or class decorated"),
+        ("script.py:nope", "has no decorated 'nope'; it has: square, step"),
+        ("missing.py", "no such file"),
+    ):
+        run = _run(
+            [sys.executable, "-m", "ktlite.commands.cli", "deploy", target],
+            tmp_path,
+            tmp_path / "home",
+        )
         assert run.returncode == 1
         assert words in run.stderr and "Traceback" not in run.stderr, run.stderr
 

@@ -92,8 +92,12 @@ def job(mode: str, arg: object = None, extra: object = None) -> object:
     raise AssertionError(f"unknown mode {mode}")
 
 
-def takes_opts(x: int, stream_logs: object = "default", workers: object = "default",
-               restart_procs: object = "default") -> tuple[object, ...]:
+def takes_opts(
+    x: int,
+    stream_logs: object = "default",
+    workers: object = "default",
+    restart_procs: object = "default",
+) -> tuple[object, ...]:
     print(f"takes_opts ran with x={x}")
     return (x, stream_logs, workers, restart_procs)
 
@@ -159,6 +163,7 @@ def _works(remote) -> None:
 
 
 # ---- 5. errors -------------------------------------------------------------------------------
+
 
 def test_baseline(dist) -> None:
     assert dist("rank") == [0, 1, 2, 3]
@@ -276,7 +281,8 @@ def gloo():
     # max_restarts=1: rank processes ktlite itself kills after a failure must not count, so
     # repeated failing calls must never exhaust it
     remote = kt.fn(job, name="el-gloo").to(
-        kt.Compute(cpus=1, max_restarts=1).distribute("pytorch", workers=2, num_proc=2))
+        kt.Compute(cpus=1, max_restarts=1).distribute("pytorch", workers=2, num_proc=2)
+    )
     yield remote
     remote.teardown()
 
@@ -302,6 +308,7 @@ def test_failure_while_others_block_in_gloo_all_reduce(gloo) -> None:
 
 # ---- 6. logs and options ---------------------------------------------------------------------
 
+
 def test_logs_stream_with_rank_prefix(dist, capfd) -> None:
     capfd.readouterr()
     assert dist("print") == [0, 1, 2, 3]
@@ -317,8 +324,9 @@ def test_logs_stream_with_rank_prefix(dist, capfd) -> None:
     lines = out.splitlines()
     for r in range(4):
         pod = f"{NAME}-{r // 2}"
-        assert lines.index(f"[rank {r} @ {pod}] out-line rank={r}") < \
-            lines.index(f"[rank {r} @ {pod}] second out-line rank={r}")
+        assert lines.index(f"[rank {r} @ {pod}] out-line rank={r}") < lines.index(
+            f"[rank {r} @ {pod}] second out-line rank={r}"
+        )
 
 
 def test_logs_of_a_failing_call_still_arrive(dist, capfd) -> None:
@@ -372,7 +380,12 @@ def test_user_parameter_named_workers_is_not_swallowed(quiet) -> None:
     assert quiet(5, workers=[5]) == (5, "default", [5], "default")
     assert quiet(6, workers=[0], restart_procs=True) == (6, "default", [0], True)
     # the options form still works next to the user's own keywords
-    assert quiet.options(workers=[0], stream_logs=False)(7, workers="mine") == (7, "default", "mine", "default")
+    assert quiet.options(workers=[0], stream_logs=False)(7, workers="mine") == (
+        7,
+        "default",
+        "mine",
+        "default",
+    )
 
 
 def test_user_kwargs_receive_kubetorch_keywords(kwdep, capfd) -> None:
@@ -380,7 +393,9 @@ def test_user_kwargs_receive_kubetorch_keywords(kwdep, capfd) -> None:
     got = kwdep(1, stream_logs=False, workers=[9], restart_procs=True)
     assert got == {"x": 1, "stream_logs": False, "workers": [9], "restart_procs": True}
     out, _ = capfd.readouterr()
-    assert "[rank 0 @ el-kwargs-0] takes_kwargs ran with x=1" in out.splitlines()  # logs not disabled
+    assert (
+        "[rank 0 @ el-kwargs-0] takes_kwargs ran with x=1" in out.splitlines()
+    )  # logs not disabled
     assert kwdep.options(stream_logs=False)(2, stream_logs=True) == {"x": 2, "stream_logs": True}
     out, _ = capfd.readouterr()
     assert "takes_kwargs ran" not in out
@@ -417,6 +432,7 @@ def test_invalid_timeout_option(dist) -> None:
 
 # ---- 10. bad input before anything starts ----------------------------------------------------
 
+
 def test_unpicklable_function_names_the_global() -> None:
     before = _server_children()
     with pytest.raises(kt.SerializationError) as info:
@@ -451,7 +467,9 @@ def test_gpus_beyond_machine_is_config_error() -> None:
         kt.fn(job, name="el-gpus").to(kt.Compute(cpus=1, gpus=want))
     assert "gpus" in str(info.value)
     with pytest.raises(kt.ConfigError, match="gpus"):
-        kt.fn(job, name="el-gpus").to(kt.Compute(cpus=1, gpus=1).distribute("pytorch", workers=want))
+        kt.fn(job, name="el-gpus").to(
+            kt.Compute(cpus=1, gpus=1).distribute("pytorch", workers=want)
+        )
     assert not _local_dir("el-gpus").exists()
     assert _server_children() == before
 

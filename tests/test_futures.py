@@ -58,10 +58,13 @@ def log2():
 def _wait_running(remote, fut: kt.Future) -> None:
     """Until every pod of ``remote`` runs the call of ``fut`` (bounded)."""
     deadline = time.monotonic() + 60
-    while not (fut.running() and all(fut.call_id in pod["active_calls"] for pod in remote.status())):
+    while not (
+        fut.running() and all(fut.call_id in pod["active_calls"] for pod in remote.status())
+    ):
         assert not fut.done(), f"the call ended before it was seen running: {fut!r}"
-        assert time.monotonic() < deadline, f"the call of {fut!r} was not running on every pod after 60 s: " \
-                                            f"{remote.status()}"
+        assert time.monotonic() < deadline, (
+            f"the call of {fut!r} was not running on every pod after 60 s: {remote.status()}"
+        )
         time.sleep(0.05)
 
 
@@ -90,6 +93,7 @@ def test_as_completed_over_eight_futures(single) -> None:
 def test_await_in_a_running_event_loop(single) -> None:
     async def main() -> list[int]:
         return list(await asyncio.gather(single.submit(1), single.submit(2)))
+
     assert asyncio.run(main()) == [10, 20]
 
 

@@ -46,6 +46,7 @@ NAME = "job"
 
 # ---- harness ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No announcement or client cached across tests; no user config or env settings."""
@@ -59,20 +60,34 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 class Cluster:
     """A fake API server, a client for it and a backend wired to both and to a fake clock."""
 
-    def __init__(self, behavior: kf.PodBehavior | None = None, *, namespace: str = "default",
-                 in_cluster: bool = False, **fake_options: Any) -> None:
+    def __init__(
+        self,
+        behavior: kf.PodBehavior | None = None,
+        *,
+        namespace: str = "default",
+        in_cluster: bool = False,
+        **fake_options: Any,
+    ) -> None:
         self.clock = kf.FakeClock()
-        self.fake = kf.FakeKube(token=API_TOKEN, pod_behavior=behavior, clock=self.clock,
-                                **fake_options)
-        self.http = httpx.Client(transport=self.fake, base_url=HOST,
-                                 headers={"authorization": f"Bearer {API_TOKEN}"})
+        self.fake = kf.FakeKube(
+            token=API_TOKEN, pod_behavior=behavior, clock=self.clock, **fake_options
+        )
+        self.http = httpx.Client(
+            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
+        )
         self.out = io.StringIO()
         self.info = ClusterInfo(HOST, "fake-ctx", namespace, in_cluster)
         self.backend = self.new_backend()
 
     def new_backend(self, **options: Any) -> KubernetesBackend:
-        return KubernetesBackend(self.http, self.info, out=self.out, clock=self.clock,
-                                 sleep=self.clock.advance, **options)
+        return KubernetesBackend(
+            self.http,
+            self.info,
+            out=self.out,
+            clock=self.clock,
+            sleep=self.clock.advance,
+            **options,
+        )
 
     def names(self, kind: str) -> list[str]:
         return [o["metadata"]["name"] for o in self.fake.objects(kind)]
@@ -109,11 +124,13 @@ def cluster(make_cluster: Callable[..., Cluster]) -> Cluster:
     return make_cluster()
 
 
-def spec(name: str = NAME, workers: int = 2, port: int | None = None,
-         **compute: Any) -> DeploymentSpec:
+def spec(
+    name: str = NAME, workers: int = 2, port: int | None = None, **compute: Any
+) -> DeploymentSpec:
     compute.setdefault("launch_timeout", 60)
-    return DeploymentSpec(name, kt.Compute(backend="kubernetes", **compute)
-                          .distribute(workers=workers, port=port))
+    return DeploymentSpec(
+        name, kt.Compute(backend="kubernetes", **compute).distribute(workers=workers, port=port)
+    )
 
 
 def only(ordinal: int, bad: kf.PodScript) -> kf.PodBehavior:
@@ -126,8 +143,10 @@ def later(state: kf.PodState, at: float = 3.0) -> kf.PodScript:
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True"
-               for c in pod["status"].get("conditions") or [])
+    return any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in pod["status"].get("conditions") or []
+    )
 
 
 def _b64(text: str) -> str:
@@ -135,6 +154,7 @@ def _b64(text: str) -> str:
 
 
 # ---- apply -----------------------------------------------------------------------------------
+
 
 def test_apply_creates_labelled_objects_and_waits_for_ready_pods(cluster: Cluster) -> None:
     s = spec(volumes=(kt.Volume("data", size="1Gi"),))
@@ -192,8 +212,9 @@ def test_out_announces_cluster_once_and_reports_progress(make_cluster) -> None:
     c = make_cluster(lambda pod: [(0, kf.pending()), (2, kf.container_creating()), (4, kf.ready())])
     c.backend.apply(spec(), TOKEN)
     lines = c.out.getvalue().splitlines()
-    assert lines[0] == ("ktlite: backend kubernetes, context 'fake-ctx', namespace 'default' "
-                        f"({HOST})")
+    assert lines[0] == (
+        f"ktlite: backend kubernetes, context 'fake-ctx', namespace 'default' ({HOST})"
+    )
     assert lines[1:] == [
         f"ktlite: {NAME}: pods scheduled 0/2, running 0/2, ready 0/2",
         f"ktlite: {NAME}: pods scheduled 2/2, running 0/2, ready 0/2",
@@ -208,6 +229,7 @@ def test_out_announces_cluster_once_and_reports_progress(make_cluster) -> None:
 
 # ---- the token -------------------------------------------------------------------------------
 
+
 def test_token_lives_in_the_secret_only(cluster: Cluster) -> None:
     applied = cluster.backend.apply(spec(), TOKEN)
     secret = cluster.fake.get("secrets", "default", f"{NAME}-token")
@@ -219,9 +241,12 @@ def test_token_lives_in_the_secret_only(cluster: Cluster) -> None:
     assert carriers == [("POST", "/api/v1/namespaces/default/secrets")]
     # the pods get it from the Secret, not as a literal value
     env = cluster.fake.get("statefulsets", "default", NAME)["spec"]["template"]["spec"][
-        "containers"][0]["env"]
-    assert {"name": "KTLITE_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": f"{NAME}-token", "key": "token"}}} in env
+        "containers"
+    ][0]["env"]
+    assert {
+        "name": "KTLITE_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": f"{NAME}-token", "key": "token"}},
+    } in env
     assert TOKEN not in cluster.out.getvalue()
     assert TOKEN not in repr(applied) and TOKEN not in str(applied)
 
@@ -254,6 +279,7 @@ def test_lookup_decodes_the_token_and_returns_the_same_endpoints(cluster: Cluste
 
 # ---- redeploy --------------------------------------------------------------------------------
 
+
 def test_identical_redeploy_touches_no_pod(cluster: Cluster) -> None:
     s = spec()
     cluster.backend.apply(s, TOKEN)
@@ -267,27 +293,36 @@ def test_identical_redeploy_touches_no_pod(cluster: Cluster) -> None:
     assert cluster.writes(seen) == []  # nothing written at all
 
 
-@pytest.mark.parametrize("change", [
-    {"cpus": 2},
-    {"env": {"LR": "0.1"}},
-    {"image": "python:3.12-slim"},
-], ids=["cpus", "env", "image"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"cpus": 2},
+        {"env": {"LR": "0.1"}},
+        {"image": "python:3.12-slim"},
+    ],
+    ids=["cpus", "env", "image"],
+)
 def test_changed_pod_spec_replaces_every_pod(cluster: Cluster, change: dict[str, Any]) -> None:
     cluster.backend.apply(spec(cpus=1), TOKEN)
     before, seen = cluster.uids(), len(cluster.fake.requests)
     applied = cluster.backend.apply(spec(**{"cpus": 1, **change}), TOKEN)
 
     assert cluster.fake.find_requests("PUT", f"/statefulsets/{NAME}$")
-    deleted = sorted(r.path.rsplit("/", 1)[1] for r in cluster.fake.requests[seen:]
-                     if r.method == "DELETE" and "/pods/" in r.path)
+    deleted = sorted(
+        r.path.rsplit("/", 1)[1]
+        for r in cluster.fake.requests[seen:]
+        if r.method == "DELETE" and "/pods/" in r.path
+    )
     assert deleted == [f"{NAME}-0", f"{NAME}-1"]
     after = cluster.uids()
     assert sorted(after) == sorted(before)
     assert all(after[n] != before[n] for n in after)
     want = cluster.fake.get("statefulsets", "default", NAME)["spec"]["template"]["metadata"][
-        "annotations"][km.HASH_ANNOTATION]
-    assert all(p["metadata"]["annotations"][km.HASH_ANNOTATION] == want
-               for p in cluster.pods().values())
+        "annotations"
+    ][km.HASH_ANNOTATION]
+    assert all(
+        p["metadata"]["annotations"][km.HASH_ANNOTATION] == want for p in cluster.pods().values()
+    )
     assert applied.restarted == [0, 1]
     assert [ep.name for ep in applied.endpoints] == [f"{NAME}-0", f"{NAME}-1"]
 
@@ -308,11 +343,18 @@ def _recreate_after_422(cluster: Cluster) -> tuple[dict[str, str], Any]:
     """Pod uids and the StatefulSet's uid before, and the Applied of a redeploy whose update
     the API server refuses as touching an immutable field (an older ktlite made it)."""
     cluster.backend.apply(spec(cpus=1), TOKEN)
-    before = {**cluster.uids(),
-              "sts": cluster.fake.get("statefulsets", "default", NAME)["metadata"]["uid"]}
-    cluster.fake.fail_next("PUT", f"/statefulsets/{NAME}$", 422, "Invalid",
-                           'StatefulSet.apps "job" is invalid: spec: Forbidden: updates to '
-                           "statefulset spec for fields other than ... are forbidden")
+    before = {
+        **cluster.uids(),
+        "sts": cluster.fake.get("statefulsets", "default", NAME)["metadata"]["uid"],
+    }
+    cluster.fake.fail_next(
+        "PUT",
+        f"/statefulsets/{NAME}$",
+        422,
+        "Invalid",
+        'StatefulSet.apps "job" is invalid: spec: Forbidden: updates to '
+        "statefulset spec for fields other than ... are forbidden",
+    )
     return before, cluster.backend.apply(spec(cpus=2), TOKEN)
 
 
@@ -321,8 +363,11 @@ def test_statefulset_with_an_immutable_difference_is_recreated(cluster: Cluster)
     assert cluster.fake.get("statefulsets", "default", NAME)["metadata"]["uid"] != before.pop("sts")
     deletes = cluster.fake.find_requests("DELETE", f"/statefulsets/{NAME}$")
     assert [r.body for r in deletes] == [{"propagationPolicy": "Foreground"}]
-    assert [r.method for r in cluster.fake.find_requests(path_regex="/statefulsets")
-            if r.method != "GET"] == ["POST", "PUT", "DELETE", "POST"]
+    assert [
+        r.method
+        for r in cluster.fake.find_requests(path_regex="/statefulsets")
+        if r.method != "GET"
+    ] == ["POST", "PUT", "DELETE", "POST"]
     assert all(cluster.uids()[n] != before[n] for n in before)
     assert [ep.ordinal for ep in applied.endpoints] == [0, 1]
 
@@ -333,8 +378,9 @@ def test_recreated_statefulset_reports_every_pod_restarted(cluster: Cluster) -> 
 
 
 def test_objects_created_concurrently_are_fine(cluster: Cluster) -> None:
-    cluster.fake.fail_next("POST", "/services$", 409, "AlreadyExists",
-                           'services "job" already exists')
+    cluster.fake.fail_next(
+        "POST", "/services$", 409, "AlreadyExists", 'services "job" already exists'
+    )
     applied = cluster.backend.apply(spec(), TOKEN)
     assert [ep.ordinal for ep in applied.endpoints] == [0, 1]
     assert cluster.names("statefulsets") == [NAME]
@@ -382,8 +428,9 @@ def test_new_token_rolls_every_pod(cluster: Cluster) -> None:
     applied = cluster.backend.apply(spec(), "another-token")
     assert applied.restarted == [0, 1]
     assert all(cluster.uids()[n] != before[n] for n in before)
-    assert cluster.fake.get("secrets", "default", f"{NAME}-token")["data"]["token"] == \
-        _b64("another-token")
+    assert cluster.fake.get("secrets", "default", f"{NAME}-token")["data"]["token"] == _b64(
+        "another-token"
+    )
     assert cluster.backend.lookup(NAME).token == "another-token"
 
 
@@ -393,40 +440,58 @@ def test_secret_missing_but_statefulset_present_rolls_pods(cluster: Cluster) -> 
     cluster.delete(f"/api/v1/namespaces/default/secrets/{NAME}-token")
     assert cluster.backend.lookup(NAME) is None  # so deploy() draws a new token
     applied = cluster.backend.apply(spec(), "fresh-token")
-    assert cluster.fake.get("secrets", "default", f"{NAME}-token")["data"]["token"] == \
-        _b64("fresh-token")
+    assert cluster.fake.get("secrets", "default", f"{NAME}-token")["data"]["token"] == _b64(
+        "fresh-token"
+    )
     assert applied.restarted == [0, 1]
     assert all(cluster.uids()[n] != before[n] for n in before)
 
 
 # ---- readiness failures ----------------------------------------------------------------------
 
+
 def _evicted() -> kf.PodState:
-    return kf.PodState(lambda ctx: {
-        "phase": "Failed", "reason": "Evicted",
-        "message": "The node was low on resource: ephemeral-storage.",
-        "qosClass": "BestEffort", "startTime": ctx.created})
+    return kf.PodState(
+        lambda ctx: {
+            "phase": "Failed",
+            "reason": "Evicted",
+            "message": "The node was low on resource: ephemeral-storage.",
+            "qosClass": "BestEffort",
+            "startTime": ctx.created,
+        }
+    )
 
 
 FAILURES = {
-    "unschedulable": (kf.unschedulable("0/3 nodes are available: 3 Insufficient cpu."),
-                      ["Unschedulable", "0/3 nodes are available: 3 Insufficient cpu."]),
-    "image-pull-backoff": (kf.image_pull_backoff("registry.example.com/team/nope:1.0"),
-                           ["ImagePullBackOff", "registry.example.com/team/nope:1.0",
-                            "image_pull_policy"]),
-    "err-image-pull": (kf.err_image_pull("ghcr.io/example/missing:2"),
-                       ["ErrImagePull", "ghcr.io/example/missing:2", "image_pull_policy"]),
-    "crash-loop": (kf.crash_loop(1, logs="loading model\nImportError: No module named 'foo'\n",
-                                 restarts=3),
-                   ["CrashLoopBackOff", "exit code 1", "ImportError: No module named 'foo'",
-                    "loading model"]),
-    "first-exit": (kf.terminated_error(3, logs="starting\nfatal: bad flag\n"),
-                   ["exit code 3", "fatal: bad flag"]),
-    "setup-failed": (kf.terminated_error(78, logs="ktlite: could not install ktlite==0.1.0\n"),
-                     ["setup failed", "ktlite: could not install ktlite==0.1.0"]),
+    "unschedulable": (
+        kf.unschedulable("0/3 nodes are available: 3 Insufficient cpu."),
+        ["Unschedulable", "0/3 nodes are available: 3 Insufficient cpu."],
+    ),
+    "image-pull-backoff": (
+        kf.image_pull_backoff("registry.example.com/team/nope:1.0"),
+        ["ImagePullBackOff", "registry.example.com/team/nope:1.0", "image_pull_policy"],
+    ),
+    "err-image-pull": (
+        kf.err_image_pull("ghcr.io/example/missing:2"),
+        ["ErrImagePull", "ghcr.io/example/missing:2", "image_pull_policy"],
+    ),
+    "crash-loop": (
+        kf.crash_loop(1, logs="loading model\nImportError: No module named 'foo'\n", restarts=3),
+        ["CrashLoopBackOff", "exit code 1", "ImportError: No module named 'foo'", "loading model"],
+    ),
+    "first-exit": (
+        kf.terminated_error(3, logs="starting\nfatal: bad flag\n"),
+        ["exit code 3", "fatal: bad flag"],
+    ),
+    "setup-failed": (
+        kf.terminated_error(78, logs="ktlite: could not install ktlite==0.1.0\n"),
+        ["setup failed", "ktlite: could not install ktlite==0.1.0"],
+    ),
     "oom": (kf.oom_killed(), ["OOMKilled", "memory"]),
-    "config-error": (kf.create_container_config_error('secret "hf-token" not found'),
-                     ["CreateContainerConfigError", 'secret "hf-token" not found']),
+    "config-error": (
+        kf.create_container_config_error('secret "hf-token" not found'),
+        ["CreateContainerConfigError", 'secret "hf-token" not found'],
+    ),
     "evicted": (_evicted(), ["failed", "Evicted", "low on resource"]),
 }
 
@@ -453,8 +518,11 @@ PIP_ERROR = "ERROR: No matching distribution found for torch==9.9"
 def test_setup_failure_shows_the_current_log_when_the_previous_one_is_lost(make_cluster) -> None:
     # as seen on a real cluster: the run before was removed from the runtime, so the kubelet
     # answers for its log with 200 and a line of its own; the pip error is in this run's log
-    lost = kf.terminated_again(km.SETUP_FAILED_EXIT, logs=f"ktlite: installing torch==9.9\n{PIP_ERROR}\n",
-                               previous_log_lost=True)
+    lost = kf.terminated_again(
+        km.SETUP_FAILED_EXIT,
+        logs=f"ktlite: installing torch==9.9\n{PIP_ERROR}\n",
+        previous_log_lost=True,
+    )
     c = make_cluster(only(1, later(lost)))
     with pytest.raises(DeployError) as err:
         c.backend.apply(spec(launch_timeout=600), TOKEN)
@@ -465,30 +533,49 @@ def test_setup_failure_shows_the_current_log_when_the_previous_one_is_lost(make_
 
 
 def test_setup_failure_shows_both_logs_when_both_have_text(make_cluster) -> None:
-    twice = kf.terminated_again(km.SETUP_FAILED_EXIT, logs=f"second try\n{PIP_ERROR}\n",
-                                previous_logs="first try\nERROR: network is unreachable\n")
+    twice = kf.terminated_again(
+        km.SETUP_FAILED_EXIT,
+        logs=f"second try\n{PIP_ERROR}\n",
+        previous_logs="first try\nERROR: network is unreachable\n",
+    )
     c = make_cluster(only(1, later(twice)))
     with pytest.raises(DeployError) as err:
         c.backend.apply(spec(launch_timeout=600), TOKEN)
     message = str(err.value)
-    previous = message.index("last lines of the previous container's log:\n    first try\n"
-                             "    ERROR: network is unreachable")
-    current = message.index(f"last lines of the current container's log:\n    second try\n    {PIP_ERROR}")
+    previous = message.index(
+        "last lines of the previous container's log:\n    first try\n"
+        "    ERROR: network is unreachable"
+    )
+    current = message.index(
+        f"last lines of the current container's log:\n    second try\n    {PIP_ERROR}"
+    )
     assert previous < current, message
 
 
 @pytest.mark.parametrize("runtime", ["containerd", "docker", "cri-o"])
 def test_pod_log_treats_the_kubelets_lost_log_line_as_no_log(make_cluster, runtime: str) -> None:
-    c = make_cluster(lambda pod: kf.terminated_again(1, logs="the real log\n", previous_log_lost=True))
-    c.fake.create("pods", "default", {"metadata": {"name": "p"},
-                                      "spec": {"containers": [{"name": "ktlite", "image": "img"}]}})
+    c = make_cluster(
+        lambda pod: kf.terminated_again(1, logs="the real log\n", previous_log_lost=True)
+    )
+    c.fake.create(
+        "pods",
+        "default",
+        {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "ktlite", "image": "img"}]}},
+    )
     if runtime != "containerd":  # the fake's runtime; the kubelet words the others alike
-        c.fake.set_logs("p", f"unable to retrieve container logs for {runtime}://{'ab' * 32}",
-                        previous=True, container="ktlite")
-    raw = c.http.get("/api/v1/namespaces/default/pods/p/log",
-                     params={"container": "ktlite", "previous": "true"})
+        c.fake.set_logs(
+            "p",
+            f"unable to retrieve container logs for {runtime}://{'ab' * 32}",
+            previous=True,
+            container="ktlite",
+        )
+    raw = c.http.get(
+        "/api/v1/namespaces/default/pods/p/log", params={"container": "ktlite", "previous": "true"}
+    )
     assert raw.status_code == 200
-    assert re.fullmatch(rf"unable to retrieve container logs for {runtime}://[0-9a-f]{{64}}", raw.text)
+    assert re.fullmatch(
+        rf"unable to retrieve container logs for {runtime}://[0-9a-f]{{64}}", raw.text
+    )
     api = KubeApi(c.http, "default")
     assert api.pod_log("p", previous=True) == ""
     assert api.pod_log("p") == "the real log\n"
@@ -497,9 +584,13 @@ def test_pod_log_treats_the_kubelets_lost_log_line_as_no_log(make_cluster, runti
 def test_unschedulable_while_autoscaler_adds_a_node_keeps_waiting(make_cluster) -> None:
     c = make_cluster(lambda pod: kf.unschedulable())
     for i in range(2):
-        c.fake.add_event(f"{NAME}-{i}", "TriggeredScaleUp",
-                         "pod triggered scale-up: [{gpu-pool 0->1 (max: 4)}]", "Normal",
-                         component="cluster-autoscaler")
+        c.fake.add_event(
+            f"{NAME}-{i}",
+            "TriggeredScaleUp",
+            "pod triggered scale-up: [{gpu-pool 0->1 (max: 4)}]",
+            "Normal",
+            component="cluster-autoscaler",
+        )
     with pytest.raises(LaunchTimeout) as err:
         c.backend.apply(spec(launch_timeout=30), TOKEN)
     message = str(err.value)
@@ -522,18 +613,44 @@ def test_running_but_never_ready_times_out_with_last_reason(make_cluster) -> Non
 
 def _recovered(ready: bool) -> kf.PodState:
     """Crashed once (lastState.terminated, exit 1) but running again."""
+
     def status(ctx: kf.PodCtx) -> dict[str, Any]:
         name, image = ctx.containers[0]
-        cond = [{"type": t, "status": "True" if ok else "False"} for t, ok in (
-            ("PodScheduled", True), ("Initialized", True), ("ContainersReady", ready),
-            ("Ready", ready))]
-        return {"phase": "Running", "podIP": ctx.ip, "podIPs": [{"ip": ctx.ip}],
-                "hostIP": ctx.host_ip, "conditions": cond, "containerStatuses": [{
-                    "name": name, "image": image, "ready": ready, "restartCount": 1,
-                    "started": True, "state": {"running": {"startedAt": ctx.since}},
-                    "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
-                                                 "startedAt": ctx.created,
-                                                 "finishedAt": ctx.since}}}]}
+        cond = [
+            {"type": t, "status": "True" if ok else "False"}
+            for t, ok in (
+                ("PodScheduled", True),
+                ("Initialized", True),
+                ("ContainersReady", ready),
+                ("Ready", ready),
+            )
+        ]
+        return {
+            "phase": "Running",
+            "podIP": ctx.ip,
+            "podIPs": [{"ip": ctx.ip}],
+            "hostIP": ctx.host_ip,
+            "conditions": cond,
+            "containerStatuses": [
+                {
+                    "name": name,
+                    "image": image,
+                    "ready": ready,
+                    "restartCount": 1,
+                    "started": True,
+                    "state": {"running": {"startedAt": ctx.since}},
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": 1,
+                            "reason": "Error",
+                            "startedAt": ctx.created,
+                            "finishedAt": ctx.since,
+                        }
+                    },
+                }
+            ],
+        }
+
     return kf.PodState(status)
 
 
@@ -546,10 +663,16 @@ def test_container_running_again_after_a_crash_is_not_a_crash(make_cluster) -> N
 
 # ---- API errors ------------------------------------------------------------------------------
 
+
 def test_forbidden_names_status_message_and_rbac_hint(cluster: Cluster) -> None:
-    cluster.fake.fail_next("POST", "statefulsets", 403, "Forbidden",
-                           'statefulsets.apps is forbidden: User "dev" cannot create resource '
-                           '"statefulsets" in API group "apps" in the namespace "default"')
+    cluster.fake.fail_next(
+        "POST",
+        "statefulsets",
+        403,
+        "Forbidden",
+        'statefulsets.apps is forbidden: User "dev" cannot create resource '
+        '"statefulsets" in API group "apps" in the namespace "default"',
+    )
     with pytest.raises(KubeApiError) as err:
         cluster.backend.apply(spec(), TOKEN)
     assert isinstance(err.value, DeployError)
@@ -572,10 +695,12 @@ def test_unknown_namespace_names_it(make_cluster) -> None:
 
 
 def test_refused_credentials_say_log_in_again(cluster: Cluster) -> None:
-    with httpx.Client(transport=cluster.fake, base_url=HOST,
-                      headers={"authorization": "Bearer expired"}) as client:
-        backend = KubernetesBackend(client, cluster.info, out=cluster.out, clock=cluster.clock,
-                                    sleep=cluster.clock.advance)
+    with httpx.Client(
+        transport=cluster.fake, base_url=HOST, headers={"authorization": "Bearer expired"}
+    ) as client:
+        backend = KubernetesBackend(
+            client, cluster.info, out=cluster.out, clock=cluster.clock, sleep=cluster.clock.advance
+        )
         with pytest.raises(KubeApiError) as err:
             backend.list()
     assert err.value.status == 401
@@ -587,8 +712,10 @@ def test_error_without_a_status_body() -> None:
     def gateway(request: httpx.Request) -> httpx.Response:
         return httpx.Response(502, text="<html>bad gateway from the load balancer</html>")
 
-    with httpx.Client(transport=httpx.MockTransport(gateway), base_url=HOST) as client, \
-            pytest.raises(KubeApiError) as err:
+    with (
+        httpx.Client(transport=httpx.MockTransport(gateway), base_url=HOST) as client,
+        pytest.raises(KubeApiError) as err,
+    ):
         KubeApi(client, "default").list("Pod")
     assert err.value.status == 502
     assert "HTTP 502" in str(err.value) and "bad gateway from the load balancer" in str(err.value)
@@ -600,8 +727,13 @@ def test_unreachable_api_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
     clock = kf.FakeClock()
     with httpx.Client(transport=httpx.MockTransport(refuse), base_url=HOST) as client:
-        backend = KubernetesBackend(client, ClusterInfo(HOST, "ctx", "default", False),
-                                    out=io.StringIO(), clock=clock, sleep=clock.advance)
+        backend = KubernetesBackend(
+            client,
+            ClusterInfo(HOST, "ctx", "default", False),
+            out=io.StringIO(),
+            clock=clock,
+            sleep=clock.advance,
+        )
         with pytest.raises(KubeApiError) as err:
             backend.apply(spec(), TOKEN)
         assert "could not reach the Kubernetes API server" in str(err.value)
@@ -612,6 +744,7 @@ def test_unreachable_api_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---- teardown --------------------------------------------------------------------------------
+
 
 def test_teardown_deletes_everything_but_volumes_and_waits_for_pods(make_cluster) -> None:
     c = make_cluster(pod_termination_seconds=3)
@@ -638,11 +771,15 @@ def test_teardown_with_volumes_deletes_the_claims(cluster: Cluster) -> None:
 
 def _handle(cluster: Cluster, s: DeploymentSpec) -> RemoteFunction:
     """What ``kt.fn(...).to()`` returns, over the fake (no code pushed: no pod runs a server)."""
-    return RemoteFunction(kt.fn(lambda: None, name=s.name),
-                          Deployment(s, cluster.backend, cluster.backend.apply(s, TOKEN)))
+    return RemoteFunction(
+        kt.fn(lambda: None, name=s.name),
+        Deployment(s, cluster.backend, cluster.backend.apply(s, TOKEN)),
+    )
 
 
-def test_teardown_then_teardown_with_volumes_on_one_handle_deletes_the_claims(cluster: Cluster) -> None:
+def test_teardown_then_teardown_with_volumes_on_one_handle_deletes_the_claims(
+    cluster: Cluster,
+) -> None:
     remote = _handle(cluster, spec(volumes=(kt.Volume("data", size="1Gi"),)))
     remote.teardown()
     assert cluster.names("persistentvolumeclaims") == ["data"]
@@ -689,17 +826,28 @@ def test_teardown_of_a_pod_that_never_goes_names_it(make_cluster) -> None:
 
 # ---- list / logs -----------------------------------------------------------------------------
 
+
 def test_list_shows_one_row_per_managed_statefulset(make_cluster, monkeypatch) -> None:
     c = make_cluster(only(1, kf.running_not_ready()))
     c.backend.apply(spec("alpha", workers=1), TOKEN)
     monkeypatch.setenv("KTLITE_KEEP_FAILED", "true")  # a half-ready deployment, kept
     with pytest.raises(LaunchTimeout):
         c.backend.apply(spec("beta", workers=2, launch_timeout=5), TOKEN)
-    c.fake.create("statefulsets", "default", {  # not ktlite's
-        "metadata": {"name": "db", "labels": {"app": "db"}},
-        "spec": {"selector": {"matchLabels": {"app": "db"}}, "replicas": 0, "template": {
-            "metadata": {"labels": {"app": "db"}},
-            "spec": {"containers": [{"name": "db", "image": "postgres:16"}]}}}})
+    c.fake.create(
+        "statefulsets",
+        "default",
+        {  # not ktlite's
+            "metadata": {"name": "db", "labels": {"app": "db"}},
+            "spec": {
+                "selector": {"matchLabels": {"app": "db"}},
+                "replicas": 0,
+                "template": {
+                    "metadata": {"labels": {"app": "db"}},
+                    "spec": {"containers": [{"name": "db", "image": "postgres:16"}]},
+                },
+            },
+        },
+    )
     rows = sorted(c.backend.list(), key=lambda r: r["name"])
     assert [(r["name"], r["backend"], r["namespace"], r["pods"], r["ready"]) for r in rows] == [
         ("alpha", "kubernetes", "default", 1, 1),
@@ -711,13 +859,20 @@ def test_logs_prefix_every_line_with_its_pod_in_ordinal_order(cluster: Cluster) 
     cluster.backend.apply(spec(workers=11), TOKEN)
     cluster.fake.set_logs(f"{NAME}-2", "two a\ntwo b\n")
     cluster.fake.set_logs(f"{NAME}-10", "ten a\nten b\nten c\n")
-    assert list(cluster.backend.logs(NAME)) == [f"[{NAME}-2] two a", f"[{NAME}-2] two b",
-                     f"[{NAME}-10] ten a", f"[{NAME}-10] ten b", f"[{NAME}-10] ten c"]
+    assert list(cluster.backend.logs(NAME)) == [
+        f"[{NAME}-2] two a",
+        f"[{NAME}-2] two b",
+        f"[{NAME}-10] ten a",
+        f"[{NAME}-10] ten b",
+        f"[{NAME}-10] ten c",
+    ]
     assert list(cluster.backend.logs(NAME, ordinal=10)) == [
-        f"[{NAME}-10] ten a", f"[{NAME}-10] ten b", f"[{NAME}-10] ten c"]
+        f"[{NAME}-10] ten a",
+        f"[{NAME}-10] ten b",
+        f"[{NAME}-10] ten c",
+    ]
     assert list(cluster.backend.logs(NAME, ordinal=10, tail=1)) == [f"[{NAME}-10] ten c"]
-    assert list(cluster.backend.logs(NAME, tail=1)) == [f"[{NAME}-2] two b",
-                                                        f"[{NAME}-10] ten c"]
+    assert list(cluster.backend.logs(NAME, tail=1)) == [f"[{NAME}-2] two b", f"[{NAME}-10] ten c"]
     tails = [r.query.get("tailLines") for r in cluster.fake.find_requests("GET", "/log$")]
     assert tails[-11:] == ["1"] * 11
 
@@ -751,6 +906,7 @@ def test_logs_of_a_missing_deployment(cluster: Cluster) -> None:
 
 # ---- in-cluster ------------------------------------------------------------------------------
 
+
 def test_in_cluster_uses_pod_ips_directly(make_cluster) -> None:
     c = make_cluster(in_cluster=True)
     applied = c.backend.apply(spec(), TOKEN)
@@ -766,12 +922,15 @@ def test_ipv6_pod_ips_are_bracketed(make_cluster) -> None:
     c = make_cluster(lambda pod: kf.ready(ip=next(ips)), in_cluster=True)
     applied = c.backend.apply(spec(), TOKEN)
     assert [ep.ip for ep in applied.endpoints] == ["fd00:10:244::5", "fd00:10:244::6"]
-    assert [ep.url for ep in applied.endpoints] == ["http://[fd00:10:244::5]:32300",
-                                                    "http://[fd00:10:244::6]:32300"]
+    assert [ep.url for ep in applied.endpoints] == [
+        "http://[fd00:10:244::5]:32300",
+        "http://[fd00:10:244::6]:32300",
+    ]
     assert applied.endpoints[0].peer_url == "http://[fd00:10:244::5]:32300"
 
 
 # ---- plan ------------------------------------------------------------------------------------
+
 
 def plan_me(x: int) -> int:
     return x + 1
@@ -784,13 +943,18 @@ def test_plan_reads_no_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     plan = backend.plan(spec(volumes=(kt.Volume("data", size="1Gi"),)))
     assert isinstance(plan, Plan) and plan.backend == "kubernetes" and plan.name == NAME
     assert [m["kind"] for m in plan.manifests] == [
-        "Secret", "Service", "PersistentVolumeClaim", "StatefulSet"]
+        "Secret",
+        "Service",
+        "PersistentVolumeClaim",
+        "StatefulSet",
+    ]
     assert all(m["metadata"]["namespace"] == "team-a" for m in plan.manifests)
     assert plan.manifests[0]["stringData"]["token"] == km.TOKEN_PLACEHOLDER
     assert KubernetesBackend._clients == {}  # never loaded a kubeconfig
 
-    remote_plan = kt.fn(plan_me).to(kt.Compute(backend="kubernetes", namespace="team-a"),
-                                    dryrun=True)
+    remote_plan = kt.fn(plan_me).to(
+        kt.Compute(backend="kubernetes", namespace="team-a"), dryrun=True
+    )
     assert isinstance(remote_plan, Plan)
     assert remote_plan.name == "plan-me"
     assert {m["metadata"]["namespace"] for m in remote_plan.manifests} == {"team-a"}
@@ -800,14 +964,17 @@ def test_plan_reads_no_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 def test_plan_namespace_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
-    assert {m["metadata"]["namespace"] for m in KubernetesBackend().plan(spec()).manifests} == \
-        {"default"}
+    assert {m["metadata"]["namespace"] for m in KubernetesBackend().plan(spec()).manifests} == {
+        "default"
+    }
     monkeypatch.setenv("KTLITE_NAMESPACE", "from-env")
-    assert {m["metadata"]["namespace"] for m in KubernetesBackend().plan(spec()).manifests} == \
-        {"from-env"}
+    assert {m["metadata"]["namespace"] for m in KubernetesBackend().plan(spec()).manifests} == {
+        "from-env"
+    }
 
 
 # ---- diagnose / progress (pure) --------------------------------------------------------------
+
 
 def _pod(status: dict[str, Any], name: str = "p-0") -> dict[str, Any]:
     return {"metadata": {"name": name}, "status": status}
@@ -819,30 +986,71 @@ def test_diagnose_hand_written_statuses() -> None:
     assert waiting is not None and not waiting.fatal
     assert "waiting to be scheduled" in waiting.message
 
-    crash = diagnose(_pod({"phase": "Running", "containerStatuses": [{
-        "name": "ktlite", "restartCount": 4,
-        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
-        "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}}}]}))
+    crash = diagnose(
+        _pod(
+            {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": "ktlite",
+                        "restartCount": 4,
+                        "state": {
+                            "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}
+                        },
+                        "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}},
+                    }
+                ],
+            }
+        )
+    )
     assert crash is not None and crash.fatal and crash.want_logs
     assert "exit code 2" in crash.message and "4 restart(s)" in crash.message
 
-    recovered = diagnose(_pod({"phase": "Running", "containerStatuses": [{
-        "name": "ktlite", "restartCount": 1, "state": {"running": {}},
-        "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}))
+    recovered = diagnose(
+        _pod(
+            {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": "ktlite",
+                        "restartCount": 1,
+                        "state": {"running": {}},
+                        "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+                    }
+                ],
+            }
+        )
+    )
     assert recovered is not None and not recovered.fatal
     assert "OOMKilled" not in recovered.message
 
-    unschedulable = {"phase": "Pending", "conditions": [{
-        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-        "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}]}
+    unschedulable = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+            }
+        ],
+    }
     fatal = diagnose(_pod(unschedulable))
     assert fatal is not None and fatal.fatal and "Insufficient nvidia.com/gpu" in fatal.message
     assert fatal.fix
     scaling = diagnose(_pod(unschedulable), scaling_up=lambda p: True)
     assert scaling is not None and not scaling.fatal and "autoscaler" in scaling.message
 
-    setup = diagnose(_pod({"phase": "Running", "containerStatuses": [{
-        "name": "ktlite", "state": {"terminated": {"exitCode": km.SETUP_FAILED_EXIT}}}]}))
+    setup = diagnose(
+        _pod(
+            {
+                "phase": "Running",
+                "containerStatuses": [
+                    {"name": "ktlite", "state": {"terminated": {"exitCode": km.SETUP_FAILED_EXIT}}}
+                ],
+            }
+        )
+    )
     assert setup is not None and setup.fatal and "setup failed" in setup.message
 
     failed = diagnose(_pod({"phase": "Failed", "reason": "Evicted", "message": "low memory"}))
@@ -851,9 +1059,15 @@ def test_diagnose_hand_written_statuses() -> None:
 
 def test_progress_counts() -> None:
     def st(scheduled: bool, phase: str, ready: bool) -> dict[str, Any]:
-        return _pod({"phase": phase, "conditions": [
-            {"type": "PodScheduled", "status": str(scheduled)},
-            {"type": "Ready", "status": str(ready)}]})
+        return _pod(
+            {
+                "phase": phase,
+                "conditions": [
+                    {"type": "PodScheduled", "status": str(scheduled)},
+                    {"type": "Ready", "status": str(ready)},
+                ],
+            }
+        )
 
     pods = [st(True, "Running", True), st(True, "Running", False), st(True, "Pending", False)]
     assert progress(pods, 4) == "pods scheduled 3/4, running 2/4, ready 1/4"
@@ -863,21 +1077,29 @@ def test_progress_counts() -> None:
 
 # ---- kubeconfig loading ----------------------------------------------------------------------
 
+
 @pytest.fixture
 def no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
-                "all_proxy"):
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
 
 
-def write_kubeconfig(path: Path, clusters: dict[str, dict[str, Any]],
-                     users: dict[str, dict[str, Any]], contexts: dict[str, dict[str, Any]],
-                     current: str) -> str:
-    doc = {"apiVersion": "v1", "kind": "Config", "current-context": current,
-           "clusters": [{"name": n, "cluster": c} for n, c in clusters.items()],
-           "users": [{"name": n, "user": u} for n, u in users.items()],
-           "contexts": [{"name": n, "context": c} for n, c in contexts.items()]}
+def write_kubeconfig(
+    path: Path,
+    clusters: dict[str, dict[str, Any]],
+    users: dict[str, dict[str, Any]],
+    contexts: dict[str, dict[str, Any]],
+    current: str,
+) -> str:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": current,
+        "clusters": [{"name": n, "cluster": c} for n, c in clusters.items()],
+        "users": [{"name": n, "user": u} for n, u in users.items()],
+        "contexts": [{"name": n, "context": c} for n, c in contexts.items()],
+    }
     path.write_text(json.dumps(doc, indent=2))  # JSON is YAML
     return str(path)
 
@@ -889,11 +1111,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server.seen.append((self.path, self.headers.get("authorization")))
         m = re.fullmatch(r"/(api/v1|apis/apps/v1)/namespaces/[^/?]+/\w+(\?.*)?", self.path)
         if m is None:
-            code, body = 404, {"kind": "Status", "status": "Failure", "code": 404,
-                               "reason": "NotFound", "message": "not found"}
+            code, body = (
+                404,
+                {
+                    "kind": "Status",
+                    "status": "Failure",
+                    "code": 404,
+                    "reason": "NotFound",
+                    "message": "not found",
+                },
+            )
         else:
-            code, body = 200, {"kind": "List", "apiVersion": "v1",
-                               "metadata": {"resourceVersion": "1"}, "items": []}
+            code, body = (
+                200,
+                {
+                    "kind": "List",
+                    "apiVersion": "v1",
+                    "metadata": {"resourceVersion": "1"},
+                    "items": [],
+                },
+            )
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("content-type", "application/json")
@@ -916,8 +1153,9 @@ class _ApiServer(http.server.ThreadingHTTPServer):
         self.tls = tls
         self.seen: list[tuple[str, str | None]] = []
         self.handshake_errors: list[str] = []
-        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -956,16 +1194,20 @@ class _ApiServer(http.server.ThreadingHTTPServer):
 
 
 def test_load_token_kubeconfig_sends_bearer_and_uses_context_namespace(
-        tmp_path: Path, no_proxy: None) -> None:
+    tmp_path: Path, no_proxy: None
+) -> None:
     with _ApiServer() as server:
         path = write_kubeconfig(
             tmp_path / "config",
             clusters={"dev": {"server": server.url}, "prod": {"server": "https://10.0.0.1:6443"}},
             users={"alice": {"token": "alice-token-123"}, "bob": {"token": "bob-token-456"}},
-            contexts={"dev-ctx": {"cluster": "dev", "user": "alice", "namespace": "team-a"},
-                      "prod-ctx": {"cluster": "prod", "user": "bob", "namespace": "team-b"},
-                      "bare": {"cluster": "dev", "user": "alice"}},
-            current="dev-ctx")
+            contexts={
+                "dev-ctx": {"cluster": "dev", "user": "alice", "namespace": "team-a"},
+                "prod-ctx": {"cluster": "prod", "user": "bob", "namespace": "team-b"},
+                "bare": {"cluster": "dev", "user": "alice"},
+            },
+            current="dev-ctx",
+        )
         client, info = load(path)
         with client:
             assert info == ClusterInfo(server.url, "dev-ctx", "team-a", False)
@@ -973,8 +1215,10 @@ def test_load_token_kubeconfig_sends_bearer_and_uses_context_namespace(
             assert server.seen == [("/api/v1/namespaces/team-a/pods", "Bearer alice-token-123")]
             # the auth object renews the header per request and never shows the token
             request = client.build_request("GET", "/api/v1/namespaces/team-a/pods")
-            assert next(client.auth.auth_flow(request)).headers["authorization"] == \
-                "Bearer alice-token-123"
+            assert (
+                next(client.auth.auth_flow(request)).headers["authorization"]
+                == "Bearer alice-token-123"
+            )
             assert "alice-token-123" not in repr(client.auth)
             assert "alice-token-123" not in repr(KubeApi(client, "team-a"))
 
@@ -982,8 +1226,10 @@ def test_load_token_kubeconfig_sends_bearer_and_uses_context_namespace(
         with other:
             assert other_info == ClusterInfo("https://10.0.0.1:6443", "prod-ctx", "team-b", False)
             request = other.build_request("GET", "/api/v1/namespaces/team-b/pods")
-            assert next(other.auth.auth_flow(request)).headers["authorization"] == \
-                "Bearer bob-token-456"
+            assert (
+                next(other.auth.auth_flow(request)).headers["authorization"]
+                == "Bearer bob-token-456"
+            )
 
         bare, bare_info = load(path, context="bare")
         bare.close()
@@ -1001,32 +1247,43 @@ def test_load_missing_kubeconfig_names_path_and_kubeconfig(tmp_path: Path, no_pr
 
 
 def test_load_unknown_context_names_it(tmp_path: Path, no_proxy: None) -> None:
-    path = write_kubeconfig(tmp_path / "config", clusters={"c": {"server": "https://127.0.0.1:1"}},
-                            users={"u": {"token": "x"}},
-                            contexts={"a": {"cluster": "c", "user": "u"}}, current="a")
+    path = write_kubeconfig(
+        tmp_path / "config",
+        clusters={"c": {"server": "https://127.0.0.1:1"}},
+        users={"u": {"token": "x"}},
+        contexts={"a": {"cluster": "c", "user": "u"}},
+        current="a",
+    )
     with pytest.raises(ConfigError) as err:
         load(path, context="nope")
     assert "'nope'" in str(err.value) and path in str(err.value)
 
 
 def test_kubernetes_backend_loads_the_configured_kubeconfig(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_proxy: None) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_proxy: None
+) -> None:
     with _ApiServer() as server:
-        path = write_kubeconfig(tmp_path / "config", clusters={"c": {"server": server.url}},
-                                users={"u": {"token": "cfg-token"}},
-                                contexts={"a": {"cluster": "c", "user": "u", "namespace": "ns-a"}},
-                                current="a")
+        path = write_kubeconfig(
+            tmp_path / "config",
+            clusters={"c": {"server": server.url}},
+            users={"u": {"token": "cfg-token"}},
+            contexts={"a": {"cluster": "c", "user": "u", "namespace": "ns-a"}},
+            current="a",
+        )
         monkeypatch.setenv("KTLITE_KUBECONFIG", path)
         backend = KubernetesBackend()
         assert backend.namespace == "ns-a"
         assert backend.list() == []
-        assert ("/apis/apps/v1/namespaces/ns-a/statefulsets?labelSelector=app.kubernetes.io%2Fmanaged-by%3Dktlite",
-                "Bearer cfg-token") in server.seen  # then the served deployments' kinds
+        assert (
+            "/apis/apps/v1/namespaces/ns-a/statefulsets?labelSelector=app.kubernetes.io%2Fmanaged-by%3Dktlite",
+            "Bearer cfg-token",
+        ) in server.seen  # then the served deployments' kinds
         for client, _ in KubernetesBackend._clients.values():
             client.close()
 
 
 # ---- TLS -------------------------------------------------------------------------------------
+
 
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
@@ -1039,21 +1296,67 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("the openssl CLI is not installed")
     d = tmp_path_factory.mktemp("pki")
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-             "-subj", "/CN=ktlite-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-    for who, usage, san in (("server", "serverAuth", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-                            ("client", "clientAuth", "")):
-        _openssl("req", "-new", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr",
-                 "-subj", f"/CN=ktlite-test-{who}" + ("/O=system:masters" if who == "client"
-                                                       else ""), cwd=d)
-        ext = ["basicConstraints=critical,CA:FALSE", "keyUsage=critical,digitalSignature",
-               f"extendedKeyUsage={usage}", "subjectKeyIdentifier=hash",
-               "authorityKeyIdentifier=keyid"] + ([san] if san else [])
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ktlite-test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )
+    for who, usage, san in (
+        ("server", "serverAuth", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "clientAuth", ""),
+    ):
+        _openssl(
+            "req",
+            "-new",
+            *ec,
+            "-keyout",
+            f"{who}.key",
+            "-out",
+            f"{who}.csr",
+            "-subj",
+            f"/CN=ktlite-test-{who}" + ("/O=system:masters" if who == "client" else ""),
+            cwd=d,
+        )
+        ext = [
+            "basicConstraints=critical,CA:FALSE",
+            "keyUsage=critical,digitalSignature",
+            f"extendedKeyUsage={usage}",
+            "subjectKeyIdentifier=hash",
+            "authorityKeyIdentifier=keyid",
+        ] + ([san] if san else [])
         (d / f"{who}.ext").write_text("\n".join(ext) + "\n")
-        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                 "-set_serial", "2" if who == "server" else "3", "-days", "2",
-                 "-out", f"{who}.crt", "-extfile", f"{who}.ext", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{who}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-set_serial",
+            "2" if who == "server" else "3",
+            "-days",
+            "2",
+            "-out",
+            f"{who}.crt",
+            "-extfile",
+            f"{who}.ext",
+            cwd=d,
+        )
     return d
 
 
@@ -1066,12 +1369,16 @@ def _server_tls(pki: Path, require_client_cert: bool) -> ssl.SSLContext:
     return ctx
 
 
-def _tls_kubeconfig(tmp_path: Path, server: str, cluster: dict[str, Any],
-                    user: dict[str, Any]) -> str:
-    return write_kubeconfig(tmp_path / "config", clusters={"tls": {"server": server, **cluster}},
-                            users={"u": user},
-                            contexts={"tls-ctx": {"cluster": "tls", "user": "u"}},
-                            current="tls-ctx")
+def _tls_kubeconfig(
+    tmp_path: Path, server: str, cluster: dict[str, Any], user: dict[str, Any]
+) -> str:
+    return write_kubeconfig(
+        tmp_path / "config",
+        clusters={"tls": {"server": server, **cluster}},
+        users={"u": user},
+        contexts={"tls-ctx": {"cluster": "tls", "user": "u"}},
+        current="tls-ctx",
+    )
 
 
 def _file_or_data(pki: Path, inline: bool, key: str, file: str) -> dict[str, str]:
@@ -1082,13 +1389,20 @@ def _file_or_data(pki: Path, inline: bool, key: str, file: str) -> dict[str, str
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("inline", [False, True], ids=["files", "data"])
-def test_client_certificate_kubeconfig_over_real_tls(pki: Path, tmp_path: Path, no_proxy: None,
-                                                     inline: bool) -> None:
+def test_client_certificate_kubeconfig_over_real_tls(
+    pki: Path, tmp_path: Path, no_proxy: None, inline: bool
+) -> None:
     with _ApiServer(_server_tls(pki, require_client_cert=True)) as server:
         ca = _file_or_data(pki, inline, "certificate-authority", "ca.crt")
-        good = _tls_kubeconfig(tmp_path, server.url, ca, {
-            **_file_or_data(pki, inline, "client-certificate", "client.crt"),
-            **_file_or_data(pki, inline, "client-key", "client.key")})
+        good = _tls_kubeconfig(
+            tmp_path,
+            server.url,
+            ca,
+            {
+                **_file_or_data(pki, inline, "client-certificate", "client.crt"),
+                **_file_or_data(pki, inline, "client-key", "client.key"),
+            },
+        )
         client, info = load(good)
         with client:
             assert info.namespace == "default"
@@ -1110,7 +1424,8 @@ def test_client_certificate_kubeconfig_over_real_tls(pki: Path, tmp_path: Path, 
 
 @pytest.mark.timeout(60)
 def test_server_certificate_is_verified_unless_insecure_skip_tls_verify(
-        pki: Path, tmp_path: Path, no_proxy: None) -> None:
+    pki: Path, tmp_path: Path, no_proxy: None
+) -> None:
     with _ApiServer(_server_tls(pki, require_client_cert=False)) as server:
         unverified = _tls_kubeconfig(tmp_path, server.url, {}, {"token": "tok-a"})
         client, info = load(unverified)  # no CA: the server's certificate is not trusted
@@ -1118,8 +1433,9 @@ def test_server_certificate_is_verified_unless_insecure_skip_tls_verify(
             KubeApi(client, info.namespace).list("Pod")
         assert server.seen == []
 
-        insecure = _tls_kubeconfig(tmp_path, server.url, {"insecure-skip-tls-verify": True},
-                                   {"token": "tok-a"})
+        insecure = _tls_kubeconfig(
+            tmp_path, server.url, {"insecure-skip-tls-verify": True}, {"token": "tok-a"}
+        )
         client, info = load(insecure)
         with client:
             assert KubeApi(client, info.namespace).list("Pod") == []
@@ -1127,6 +1443,7 @@ def test_server_certificate_is_verified_unless_insecure_skip_tls_verify(
 
 
 # ---- issue 9: volumes that bind late or never, failed deploys rolled back -----------------------
+
 
 def test_a_volume_that_binds_late_is_waited_for(make_cluster) -> None:
     c = make_cluster(pvc_bind_seconds=6)
@@ -1171,8 +1488,13 @@ def test_a_failed_first_deploy_is_kept_when_asked(make_cluster, monkeypatch) -> 
 
 
 def test_a_failed_redeploy_keeps_the_deployment_and_says_how_to_remove_it(make_cluster) -> None:
-    c = make_cluster(lambda pod: kf.unschedulable() if pod["spec"]["containers"][0]["resources"]
-                     ["requests"]["cpu"] == "64" else kf.ready())
+    c = make_cluster(
+        lambda pod: (
+            kf.unschedulable()
+            if pod["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "64"
+            else kf.ready()
+        )
+    )
     c.backend.apply(spec(cpus=1), TOKEN)
     with pytest.raises(DeployError) as err:
         c.backend.apply(spec(cpus=64), TOKEN)
@@ -1183,9 +1505,14 @@ def test_a_failed_redeploy_keeps_the_deployment_and_says_how_to_remove_it(make_c
 
 # ---- pods of different sizes: one StatefulSet per run of one size ---------------------------------
 
+
 def uneven(num_proc: list[int], gpus: int = 1, name: str = NAME) -> DeploymentSpec:
-    return DeploymentSpec(name, kt.Compute(backend="kubernetes", gpus=gpus, launch_timeout=60)
-                          .distribute("pytorch", num_proc=num_proc))
+    return DeploymentSpec(
+        name,
+        kt.Compute(backend="kubernetes", gpus=gpus, launch_timeout=60).distribute(
+            "pytorch", num_proc=num_proc
+        ),
+    )
 
 
 def _pod_gpus(pod: dict[str, Any]) -> str:
@@ -1199,11 +1526,21 @@ def test_uneven_gpu_pods_are_one_deployment_over_several_statefulsets(cluster: C
     assert cluster.names("services") == [NAME] and cluster.names("secrets") == [f"{NAME}-token"]
     pods = cluster.pods()
     assert sorted(pods) == [f"{NAME}-0", f"{NAME}-s1-1", f"{NAME}-s1-2", f"{NAME}-s3-3"]
-    assert {n: (p["metadata"]["labels"]["apps.kubernetes.io/pod-index"], _pod_gpus(p))
-            for n, p in pods.items()} == {f"{NAME}-0": ("0", "4"), f"{NAME}-s1-1": ("1", "8"),
-                                          f"{NAME}-s1-2": ("2", "8"), f"{NAME}-s3-3": ("3", "2")}
+    assert {
+        n: (p["metadata"]["labels"]["apps.kubernetes.io/pod-index"], _pod_gpus(p))
+        for n, p in pods.items()
+    } == {
+        f"{NAME}-0": ("0", "4"),
+        f"{NAME}-s1-1": ("1", "8"),
+        f"{NAME}-s1-2": ("2", "8"),
+        f"{NAME}-s3-3": ("3", "2"),
+    }
     assert [(ep.ordinal, ep.name) for ep in applied.endpoints] == [
-        (0, f"{NAME}-0"), (1, f"{NAME}-s1-1"), (2, f"{NAME}-s1-2"), (3, f"{NAME}-s3-3")]
+        (0, f"{NAME}-0"),
+        (1, f"{NAME}-s1-1"),
+        (2, f"{NAME}-s1-2"),
+        (3, f"{NAME}-s3-3"),
+    ]
     assert applied.restarted == [0, 1, 2, 3]
 
     looked_up = cluster.backend.lookup(NAME)
@@ -1253,9 +1590,14 @@ def test_teardown_removes_every_statefulset_of_the_deployment(make_cluster) -> N
 
 # ---- distribute("monarch"): the NetworkPolicy ----------------------------------------------
 
+
 def monarch_spec(name: str = NAME) -> DeploymentSpec:
-    return DeploymentSpec(name, kt.Compute(backend="kubernetes", launch_timeout=60)
-                          .distribute("monarch", workers=2, num_proc=2))
+    return DeploymentSpec(
+        name,
+        kt.Compute(backend="kubernetes", launch_timeout=60).distribute(
+            "monarch", workers=2, num_proc=2
+        ),
+    )
 
 
 def test_a_monarch_deployment_limits_its_ports_before_its_pods_exist(cluster: Cluster) -> None:
@@ -1264,8 +1606,9 @@ def test_a_monarch_deployment_limits_its_ports_before_its_pods_exist(cluster: Cl
     policy = cluster.fake.get("networkpolicies", "default", NAME)
     assert policy["metadata"]["labels"][km.NAME_LABEL] == NAME
     order = [path for method, path in cluster.writes() if method == "POST"]
-    assert order.index("/apis/networking.k8s.io/v1/namespaces/default/networkpolicies") < \
-        order.index("/apis/apps/v1/namespaces/default/statefulsets")
+    assert order.index(
+        "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
+    ) < order.index("/apis/apps/v1/namespaces/default/statefulsets")
     assert cluster.backend.teardown(NAME) is True
     assert cluster.names("networkpolicies") == []
 
@@ -1278,9 +1621,14 @@ def test_a_monarch_deployment_redeployed_as_another_kind_drops_its_policy(cluste
 
 def test_teardown_without_rights_on_policies_still_removes_the_rest(cluster: Cluster) -> None:
     cluster.backend.apply(spec(), TOKEN)
-    cluster.fake.fail_next("DELETE", "networkpolicies", 403, "Forbidden",
-                           'networkpolicies.networking.k8s.io "job" is forbidden: User "dev" cannot '
-                           'delete resource "networkpolicies"')
+    cluster.fake.fail_next(
+        "DELETE",
+        "networkpolicies",
+        403,
+        "Forbidden",
+        'networkpolicies.networking.k8s.io "job" is forbidden: User "dev" cannot '
+        'delete resource "networkpolicies"',
+    )
     assert cluster.backend.teardown(NAME) is True
     assert cluster.names("statefulsets") == [] and cluster.names("secrets") == []
 

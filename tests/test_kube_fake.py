@@ -42,31 +42,65 @@ def fake(clock: FakeClock) -> FakeKube:
 
 @pytest.fixture
 def client(fake: FakeKube):
-    with httpx.Client(transport=fake, base_url="https://fake-apiserver",
-                      headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+    with httpx.Client(
+        transport=fake,
+        base_url="https://fake-apiserver",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ) as c:
         yield c
 
 
-def pod(name: str, labels: dict[str, str] | None = None, image: str = "python:3.11",
-        containers: int = 1, **spec) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": labels or {}},
-            "spec": {"containers": [{"name": "main" if i == 0 else f"side{i}", "image": image,
-                                     "ports": [{"containerPort": 8000}]}
-                                    for i in range(containers)], **spec}}
+def pod(
+    name: str,
+    labels: dict[str, str] | None = None,
+    image: str = "python:3.11",
+    containers: int = 1,
+    **spec,
+) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main" if i == 0 else f"side{i}",
+                    "image": image,
+                    "ports": [{"containerPort": 8000}],
+                }
+                for i in range(containers)
+            ],
+            **spec,
+        },
+    }
 
 
-def sts(name: str = "w", replicas: int = 2, image: str = "python:3.11", *,
-        policy: str = "Parallel", strategy: str | None = None) -> dict:
-    spec = {"replicas": replicas, "serviceName": name, "podManagementPolicy": policy,
-            "selector": {"matchLabels": {"app": name}},
-            "template": {"metadata": {"labels": {"app": name, "team": "ml"},
-                                      "annotations": {"note": "x"}},
-                         "spec": {"containers": [{"name": "main", "image": image}]}}}
+def sts(
+    name: str = "w",
+    replicas: int = 2,
+    image: str = "python:3.11",
+    *,
+    policy: str = "Parallel",
+    strategy: str | None = None,
+) -> dict:
+    spec = {
+        "replicas": replicas,
+        "serviceName": name,
+        "podManagementPolicy": policy,
+        "selector": {"matchLabels": {"app": name}},
+        "template": {
+            "metadata": {"labels": {"app": name, "team": "ml"}, "annotations": {"note": "x"}},
+            "spec": {"containers": [{"name": "main", "image": image}]},
+        },
+    }
     if strategy:
         spec["updateStrategy"] = {"type": strategy}
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
-            "spec": spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 def status_of(response: httpx.Response, code: int, reason: str) -> dict:
@@ -115,8 +149,10 @@ def test_errors_have_status_bodies(client: httpx.Client) -> None:
     body = status_of(client.get(f"{PODS}/nope"), 404, "NotFound")
     assert body["message"] == 'pods "nope" not found'
     assert body["details"] == {"name": "nope", "kind": "pods"}
-    assert status_of(client.get(f"{STS}/nope"), 404, "NotFound")["message"] == \
-        'statefulsets.apps "nope" not found'
+    assert (
+        status_of(client.get(f"{STS}/nope"), 404, "NotFound")["message"]
+        == 'statefulsets.apps "nope" not found'
+    )
 
     client.post(PODS, json=pod("a"))
     body = status_of(client.post(PODS, json=pod("a")), 409, "AlreadyExists")
@@ -128,8 +164,12 @@ def test_errors_have_status_bodies(client: httpx.Client) -> None:
     assert "metadata.name: Required value" in body["message"]
     assert status_of(client.post(PODS, json=pod("Bad_Name")), 422, "Invalid")
     assert status_of(client.post(PODS, json=pod("l", {"k": "x" * 64})), 422, "Invalid")
-    assert status_of(client.post(PODS, json={"metadata": {"name": "c"}, "spec": {}}), 422,
-                     "Invalid")["details"]["causes"][0]["field"] == "spec.containers"
+    assert (
+        status_of(client.post(PODS, json={"metadata": {"name": "c"}, "spec": {}}), 422, "Invalid")[
+            "details"
+        ]["causes"][0]["field"]
+        == "spec.containers"
+    )
 
     body = status_of(client.post("/api/v1/namespaces/ghost/pods", json=pod("a")), 404, "NotFound")
     assert body["message"] == 'namespaces "ghost" not found'
@@ -143,8 +183,10 @@ def test_errors_have_status_bodies(client: httpx.Client) -> None:
 def test_namespaces(client: httpx.Client) -> None:
     ns = client.get("/api/v1/namespaces/default").json()
     assert ns["kind"] == "Namespace" and ns["status"]["phase"] == "Active"
-    assert status_of(client.get("/api/v1/namespaces/ghost"), 404, "NotFound")["message"] == \
-        'namespaces "ghost" not found'
+    assert (
+        status_of(client.get("/api/v1/namespaces/ghost"), 404, "NotFound")["message"]
+        == 'namespaces "ghost" not found'
+    )
     names = [n["metadata"]["name"] for n in client.get("/api/v1/namespaces").json()["items"]]
     assert names == ["default", "other"]
 
@@ -154,8 +196,12 @@ def test_auth_and_recording(fake: FakeKube) -> None:
         body = status_of(anon.get(PODS), 401, "Unauthorized")
         assert body["message"] == "Unauthorized"
         assert anon.get(PODS, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        r = anon.post(PODS, json=pod("a"), params={"fieldManager": "t"},
-                      headers={"Authorization": f"Bearer {TOKEN}"})
+        r = anon.post(
+            PODS,
+            json=pod("a"),
+            params={"fieldManager": "t"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
         assert r.status_code == 201
     assert [(q.method, q.path) for q in fake.requests] == [("GET", PODS)] * 2 + [("POST", PODS)]
     last = fake.requests[-1]
@@ -186,8 +232,10 @@ def test_selectors(client: httpx.Client, fake: FakeKube) -> None:
     assert names(fieldSelector="metadata.name=b") == ["b"]
     assert names(fieldSelector="metadata.name!=b,status.phase=Running") == ["a", "c"]
     fake.add_event("a", "Custom", "something happened")
-    events = client.get("/api/v1/namespaces/default/events",
-                        params={"fieldSelector": "involvedObject.name=a,reason=Custom"}).json()
+    events = client.get(
+        "/api/v1/namespaces/default/events",
+        params={"fieldSelector": "involvedObject.name=a,reason=Custom"},
+    ).json()
     assert events["kind"] == "EventList"
     [event] = events["items"]
     assert event["message"] == "something happened" and event["type"] == "Warning"
@@ -212,8 +260,11 @@ def test_put_patch_and_conflicts(client: httpx.Client) -> None:
     mismatch = dict(replaced, metadata={**replaced["metadata"], "name": "b"})
     assert status_of(client.put(f"{PODS}/a", json=mismatch), 400, "BadRequest")
 
-    patched = client.patch(f"{PODS}/a", headers=MERGE, json={
-        "metadata": {"labels": {"extra": "1", "app": None}, "annotations": {"k": "v"}}}).json()
+    patched = client.patch(
+        f"{PODS}/a",
+        headers=MERGE,
+        json={"metadata": {"labels": {"extra": "1", "app": None}, "annotations": {"k": "v"}}},
+    ).json()
     assert patched["metadata"]["labels"] == {"extra": "1"}
     assert patched["metadata"]["annotations"] == {"k": "v"}
     noop = client.patch(f"{PODS}/a", headers=MERGE, json={"metadata": {"labels": {"extra": "1"}}})
@@ -221,31 +272,65 @@ def test_put_patch_and_conflicts(client: httpx.Client) -> None:
     stale_patch = {"metadata": {"resourceVersion": created["metadata"]["resourceVersion"]}}
     assert status_of(client.patch(f"{PODS}/a", headers=MERGE, json=stale_patch), 409, "Conflict")
     assert status_of(client.patch(f"{PODS}/nope", headers=MERGE, json={}), 404, "NotFound")
-    assert status_of(client.patch(f"{PODS}/a", json=[{"op": "add"}],
-                                  headers={"content-type": "application/json-patch+json"}),
-                     415, "UnsupportedMediaType")
+    assert status_of(
+        client.patch(
+            f"{PODS}/a",
+            json=[{"op": "add"}],
+            headers={"content-type": "application/json-patch+json"},
+        ),
+        415,
+        "UnsupportedMediaType",
+    )
 
 
 def test_strategic_merge_keeps_other_containers(client: httpx.Client) -> None:
     client.post(STS, json=sts("w", 0))
-    two = {"spec": {"template": {"spec": {"containers": [
-        {"name": "main", "image": "python:3.12"}, {"name": "side", "image": "busybox"}]}}}}
+    two = {
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": "main", "image": "python:3.12"},
+                        {"name": "side", "image": "busybox"},
+                    ]
+                }
+            }
+        }
+    }
     client.patch(f"{STS}/w", headers=STRATEGIC, json=two)
-    r = client.patch(f"{STS}/w", headers=STRATEGIC, json={"spec": {"template": {"spec": {
-        "containers": [{"name": "side", "image": "busybox:1.36"}]}}}})
+    r = client.patch(
+        f"{STS}/w",
+        headers=STRATEGIC,
+        json={
+            "spec": {
+                "template": {"spec": {"containers": [{"name": "side", "image": "busybox:1.36"}]}}
+            }
+        },
+    )
     containers = r.json()["spec"]["template"]["spec"]["containers"]
     assert [(c["name"], c["image"]) for c in containers] == [
-        ("main", "python:3.12"), ("side", "busybox:1.36")]
+        ("main", "python:3.12"),
+        ("side", "busybox:1.36"),
+    ]
     assert r.json()["metadata"]["generation"] == 3
-    r = client.patch(f"{STS}/w", headers=MERGE, json={"spec": {"template": {"spec": {
-        "containers": [{"name": "side", "image": "busybox"}]}}}})
+    r = client.patch(
+        f"{STS}/w",
+        headers=MERGE,
+        json={
+            "spec": {"template": {"spec": {"containers": [{"name": "side", "image": "busybox"}]}}}
+        },
+    )
     assert [c["name"] for c in r.json()["spec"]["template"]["spec"]["containers"]] == ["side"]
 
 
 def test_server_side_apply_creates_then_merges(client: httpx.Client) -> None:
     apply = {"content-type": "application/apply-patch+yaml"}
-    body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"},
-            "stringData": {"token": "abc"}}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "s"},
+        "stringData": {"token": "abc"},
+    }
     url = "/api/v1/namespaces/default/secrets/s"
     assert status_of(client.patch(url, headers=apply, json=body), 422, "Invalid")
     r = client.patch(url, headers=apply, json=body, params={"fieldManager": "ktlite"})
@@ -284,27 +369,54 @@ def test_delete_and_deletecollection(client: httpx.Client, fake: FakeKube) -> No
 
 
 def test_services_and_pvcs_get_defaults(client: httpx.Client) -> None:
-    svc = client.post("/api/v1/namespaces/default/services", json={
-        "metadata": {"name": "w"}, "spec": {"clusterIP": "None", "selector": {"app": "w"},
-                                            "ports": [{"name": "http", "port": 8000}]}}).json()
+    svc = client.post(
+        "/api/v1/namespaces/default/services",
+        json={
+            "metadata": {"name": "w"},
+            "spec": {
+                "clusterIP": "None",
+                "selector": {"app": "w"},
+                "ports": [{"name": "http", "port": 8000}],
+            },
+        },
+    ).json()
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["type"] == "ClusterIP"
-    assert svc["spec"]["ports"][0] == {"name": "http", "port": 8000, "protocol": "TCP",
-                                       "targetPort": 8000}
-    other = client.post("/api/v1/namespaces/default/services", json={
-        "metadata": {"name": "v"}, "spec": {"ports": [{"port": 80}]}}).json()
+    assert svc["spec"]["ports"][0] == {
+        "name": "http",
+        "port": 8000,
+        "protocol": "TCP",
+        "targetPort": 8000,
+    }
+    other = client.post(
+        "/api/v1/namespaces/default/services",
+        json={"metadata": {"name": "v"}, "spec": {"ports": [{"port": 80}]}},
+    ).json()
     assert other["spec"]["clusterIP"].startswith("10.96.")
     bad = client.post("/api/v1/namespaces/default/services", json={"metadata": {"name": "1abc"}})
     assert status_of(bad, 422, "Invalid")
-    pvc = client.post("/api/v1/namespaces/default/persistentvolumeclaims", json={
-        "metadata": {"name": "data"}, "spec": {"accessModes": ["ReadWriteOnce"], "resources": {
-            "requests": {"storage": "5Gi"}}}}).json()
+    pvc = client.post(
+        "/api/v1/namespaces/default/persistentvolumeclaims",
+        json={
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "5Gi"}},
+            },
+        },
+    ).json()
     assert pvc["status"]["phase"] == "Bound" and pvc["status"]["capacity"] == {"storage": "5Gi"}
 
 
 def test_injected_failures(client: httpx.Client, fake: FakeKube) -> None:
     client.post(PODS, json=pod("a"))
-    fake.fail_next("POST", r"/pods$", 403, "Forbidden", 'pods is forbidden: User "x" cannot '
-                   'create resource "pods" in API group "" in the namespace "default"')
+    fake.fail_next(
+        "POST",
+        r"/pods$",
+        403,
+        "Forbidden",
+        'pods is forbidden: User "x" cannot '
+        'create resource "pods" in API group "" in the namespace "default"',
+    )
     fake.fail_next("*", r"/pods/a$", 500, "InternalError", times=2)
     body = status_of(client.post(PODS, json=pod("b")), 403, "Forbidden")
     assert body["message"].startswith("pods is forbidden")
@@ -339,15 +451,20 @@ def test_concurrent_requests(client: httpx.Client, fake: FakeKube) -> None:
 
 # --------------------------------------------------------------------------- StatefulSets
 def pods_of(fake: FakeKube, name: str = "w") -> dict[str, dict]:
-    return {p["metadata"]["name"]: p for p in fake.objects("pods", "default")
-            if p["metadata"]["name"].startswith(name + "-")}
+    return {
+        p["metadata"]["name"]: p
+        for p in fake.objects("pods", "default")
+        if p["metadata"]["name"].startswith(name + "-")
+    }
 
 
 def test_statefulset_creates_pods(client: httpx.Client, fake: FakeKube) -> None:
     created = client.post(STS, json=sts("w", 3)).json()
     assert created["status"] == {"replicas": 0, "availableReplicas": 0}
-    assert created["spec"]["updateStrategy"] == {"type": "RollingUpdate",
-                                                 "rollingUpdate": {"partition": 0}}
+    assert created["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"partition": 0},
+    }
     pods = pods_of(fake)
     assert sorted(pods) == ["w-0", "w-1", "w-2"]
     p = pods["w-1"]
@@ -357,35 +474,53 @@ def test_statefulset_creates_pods(client: httpx.Client, fake: FakeKube) -> None:
     assert labels["apps.kubernetes.io/pod-index"] == "1"
     assert labels["controller-revision-hash"].startswith("w-")
     assert p["metadata"]["annotations"] == {"note": "x"}
-    assert p["metadata"]["ownerReferences"] == [{
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "name": "w",
-        "uid": created["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+    assert p["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "name": "w",
+            "uid": created["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     assert p["spec"]["hostname"] == "w-1" and p["spec"]["subdomain"] == "w"
     assert p["spec"]["nodeName"].startswith("kind-worker")
     status = client.get(f"{STS}/w").json()["status"]
     assert status["replicas"] == status["readyReplicas"] == status["updatedReplicas"] == 3
-    assert status["currentRevision"] == status["updateRevision"] == \
-        labels["controller-revision-hash"]
+    assert (
+        status["currentRevision"] == status["updateRevision"] == labels["controller-revision-hash"]
+    )
     assert status["observedGeneration"] == 1
-    reasons = [e["reason"] for e in fake.objects("events", "default")
-               if e["involvedObject"]["kind"] == "StatefulSet"]
+    reasons = [
+        e["reason"]
+        for e in fake.objects("events", "default")
+        if e["involvedObject"]["kind"] == "StatefulSet"
+    ]
     assert reasons == ["SuccessfulCreate"] * 3
 
 
 def test_statefulset_validation(client: httpx.Client) -> None:
     bad = sts("w")
     bad["spec"]["selector"] = {"matchLabels": {"app": "other"}}
-    assert "does not match template" in status_of(client.post(STS, json=bad), 422,
-                                                  "Invalid")["message"]
+    assert (
+        "does not match template"
+        in status_of(client.post(STS, json=bad), 422, "Invalid")["message"]
+    )
     never = sts("w")
     never["spec"]["template"]["spec"]["restartPolicy"] = "Never"
     assert status_of(client.post(STS, json=never), 422, "Invalid")
     client.post(STS, json=sts("w"))
-    body = status_of(client.patch(f"{STS}/w", headers=MERGE, json={"spec": {"serviceName": "x"}}),
-                     422, "Invalid")
+    body = status_of(
+        client.patch(f"{STS}/w", headers=MERGE, json={"spec": {"serviceName": "x"}}), 422, "Invalid"
+    )
     assert "updates to statefulset spec for fields other than" in body["message"]
-    assert client.patch(f"{STS}/w", headers=MERGE,
-                        json={"spec": {"replicas": 5}}).json()["metadata"]["generation"] == 2
+    assert (
+        client.patch(f"{STS}/w", headers=MERGE, json={"spec": {"replicas": 5}}).json()["metadata"][
+            "generation"
+        ]
+        == 2
+    )
 
 
 def test_ordered_ready_waits_for_readiness(clock: FakeClock) -> None:
@@ -422,8 +557,15 @@ def test_deleted_pod_is_recreated(client: httpx.Client, fake: FakeKube) -> None:
 def test_rolling_update_replaces_pods(client: httpx.Client, fake: FakeKube) -> None:
     client.post(STS, json=sts("w", 3))
     before = {n: p["metadata"]["uid"] for n, p in pods_of(fake).items()}
-    client.patch(f"{STS}/w", headers=STRATEGIC, json={"spec": {"template": {"spec": {
-        "containers": [{"name": "main", "image": "python:3.12"}]}}}})
+    client.patch(
+        f"{STS}/w",
+        headers=STRATEGIC,
+        json={
+            "spec": {
+                "template": {"spec": {"containers": [{"name": "main", "image": "python:3.12"}]}}
+            }
+        },
+    )
     after = pods_of(fake)
     assert all(after[n]["metadata"]["uid"] != before[n] for n in before)
     assert {p["spec"]["containers"][0]["image"] for p in after.values()} == {"python:3.12"}
@@ -433,11 +575,17 @@ def test_rolling_update_replaces_pods(client: httpx.Client, fake: FakeKube) -> N
 
 
 def test_rolling_update_stalls_on_unhealthy_pod(client: httpx.Client, fake: FakeKube) -> None:
-    fake.pod_behavior = lambda p: (image_pull_backoff() if p["spec"]["containers"][0]["image"]
-                                   == "broken" else ready())
+    fake.pod_behavior = lambda p: (
+        image_pull_backoff() if p["spec"]["containers"][0]["image"] == "broken" else ready()
+    )
     client.post(STS, json=sts("w", 3))
-    client.patch(f"{STS}/w", headers=STRATEGIC, json={"spec": {"template": {"spec": {
-        "containers": [{"name": "main", "image": "broken"}]}}}})
+    client.patch(
+        f"{STS}/w",
+        headers=STRATEGIC,
+        json={
+            "spec": {"template": {"spec": {"containers": [{"name": "main", "image": "broken"}]}}}
+        },
+    )
     images = {n: p["spec"]["containers"][0]["image"] for n, p in pods_of(fake).items()}
     assert images == {"w-0": "python:3.11", "w-1": "python:3.11", "w-2": "broken"}
     status = client.get(f"{STS}/w").json()["status"]
@@ -448,8 +596,15 @@ def test_rolling_update_stalls_on_unhealthy_pod(client: httpx.Client, fake: Fake
 def test_on_delete_keeps_old_pods(client: httpx.Client, fake: FakeKube) -> None:
     client.post(STS, json=sts("w", 2, strategy="OnDelete"))
     old_hash = pods_of(fake)["w-0"]["metadata"]["labels"]["controller-revision-hash"]
-    client.patch(f"{STS}/w", headers=STRATEGIC, json={"spec": {"template": {"spec": {
-        "containers": [{"name": "main", "image": "python:3.12"}]}}}})
+    client.patch(
+        f"{STS}/w",
+        headers=STRATEGIC,
+        json={
+            "spec": {
+                "template": {"spec": {"containers": [{"name": "main", "image": "python:3.12"}]}}
+            }
+        },
+    )
     pods = pods_of(fake)
     assert {p["spec"]["containers"][0]["image"] for p in pods.values()} == {"python:3.11"}
     client.delete(f"{PODS}/w-0")
@@ -476,12 +631,20 @@ def test_delete_statefulset_cascades_or_orphans(client: httpx.Client, fake: Fake
     assert all("ownerReferences" not in p["metadata"] for p in pods.values())
     client.post(STS, json=sts("w", 2))  # a new StatefulSet adopts its orphans
     uid = client.get(f"{STS}/w").json()["metadata"]["uid"]
-    assert all(p["metadata"]["ownerReferences"][0]["uid"] == uid
-               for p in pods_of(fake).values())
+    assert all(p["metadata"]["ownerReferences"][0]["uid"] == uid for p in pods_of(fake).values())
 
-    client.post("/api/v1/namespaces/default/services", json={"metadata": {
-        "name": "w", "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                          "name": "w", "uid": uid}]}, "spec": {}})
+    client.post(
+        "/api/v1/namespaces/default/services",
+        json={
+            "metadata": {
+                "name": "w",
+                "ownerReferences": [
+                    {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "w", "uid": uid}
+                ],
+            },
+            "spec": {},
+        },
+    )
     client.delete(f"{STS}/w", params={"propagationPolicy": "Background"})
     assert fake.objects("services") == [] and pods_of(fake) == {}
 
@@ -506,8 +669,15 @@ def test_termination_grace(clock: FakeClock) -> None:
 
 def test_volume_claim_templates(client: httpx.Client, fake: FakeKube) -> None:
     body = sts("w", 2)
-    body["spec"]["volumeClaimTemplates"] = [{"metadata": {"name": "data"}, "spec": {
-        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]
+    body["spec"]["volumeClaimTemplates"] = [
+        {
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        }
+    ]
     client.post(STS, json=body)
     claims = [c["metadata"]["name"] for c in fake.objects("persistentvolumeclaims", "default")]
     assert claims == ["data-w-0", "data-w-1"]
@@ -522,8 +692,13 @@ def test_ready_status_shape(client: httpx.Client, fake: FakeKube) -> None:
     status = client.get(f"{PODS}/a").json()["status"]
     assert status["phase"] == "Running"
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conditions == {"PodReadyToStartContainers": "True", "Initialized": "True",
-                          "Ready": "True", "ContainersReady": "True", "PodScheduled": "True"}
+    assert conditions == {
+        "PodReadyToStartContainers": "True",
+        "Initialized": "True",
+        "Ready": "True",
+        "ContainersReady": "True",
+        "PodScheduled": "True",
+    }
     assert status["podIP"] == "10.9.8.7" and status["podIPs"] == [{"ip": "10.9.8.7"}]
     assert status["hostIP"].startswith("172.18.0.") and status["startTime"]
     [c] = status["containerStatuses"]
@@ -538,9 +713,14 @@ def test_ready_status_shape(client: httpx.Client, fake: FakeKube) -> None:
 
 def test_failure_statuses(client: httpx.Client, fake: FakeKube) -> None:
     scripts = {
-        "nr": running_not_ready(), "us": unschedulable(), "ib": image_pull_backoff(),
-        "ep": err_image_pull(), "cl": crash_loop(2, logs="boom", restarts=3),
-        "te": terminated_error(3), "oom": oom_killed(), "oomcl": oom_killed(restarts=2),
+        "nr": running_not_ready(),
+        "us": unschedulable(),
+        "ib": image_pull_backoff(),
+        "ep": err_image_pull(),
+        "cl": crash_loop(2, logs="boom", restarts=3),
+        "te": terminated_error(3),
+        "oom": oom_killed(),
+        "oomcl": oom_killed(restarts=2),
         "cc": create_container_config_error('secret "creds" not found'),
     }
     for name, script in scripts.items():
@@ -557,25 +737,33 @@ def test_failure_statuses(client: httpx.Client, fake: FakeKube) -> None:
     st = got["us"]["status"]
     assert st["phase"] == "Pending" and "podIP" not in st and "containerStatuses" not in st
     [cond] = st["conditions"]
-    assert (cond["type"], cond["status"], cond["reason"]) == ("PodScheduled", "False",
-                                                              "Unschedulable")
+    assert (cond["type"], cond["status"], cond["reason"]) == (
+        "PodScheduled",
+        "False",
+        "Unschedulable",
+    )
     assert "Insufficient nvidia.com/gpu" in cond["message"]
     assert "nodeName" not in got["us"]["spec"]
 
     waiting = got["ib"]["status"]["containerStatuses"][0]["state"]["waiting"]
-    assert waiting == {"reason": "ImagePullBackOff",
-                       "message": 'Back-off pulling image "ghcr.io/acme/trainer:v1"'}
+    assert waiting == {
+        "reason": "ImagePullBackOff",
+        "message": 'Back-off pulling image "ghcr.io/acme/trainer:v1"',
+    }
     assert got["ib"]["status"]["phase"] == "Pending" and got["ib"]["status"]["podIP"]
     waiting = got["ep"]["status"]["containerStatuses"][0]["state"]["waiting"]
     assert waiting["reason"] == "ErrImagePull"
-    assert waiting["message"].startswith("rpc error: code = NotFound desc = failed to pull and "
-                                         'unpack image "ghcr.io/acme/trainer:v1"')
+    assert waiting["message"].startswith(
+        "rpc error: code = NotFound desc = failed to pull and "
+        'unpack image "ghcr.io/acme/trainer:v1"'
+    )
 
     c = got["cl"]["status"]["containerStatuses"][0]
     assert got["cl"]["status"]["phase"] == "Running" and c["ready"] is False
     assert c["state"]["waiting"]["reason"] == "CrashLoopBackOff"
     assert c["state"]["waiting"]["message"].startswith(
-        "back-off 40s restarting failed container=main pod=cl_default(")
+        "back-off 40s restarting failed container=main pod=cl_default("
+    )
     assert c["lastState"]["terminated"]["exitCode"] == 2
     assert c["lastState"]["terminated"]["reason"] == "Error" and c["restartCount"] == 3
 
@@ -588,11 +776,18 @@ def test_failure_statuses(client: httpx.Client, fake: FakeKube) -> None:
     assert c["lastState"]["terminated"]["reason"] == "OOMKilled" and c["restartCount"] == 2
 
     assert got["cc"]["status"]["containerStatuses"][0]["state"]["waiting"] == {
-        "reason": "CreateContainerConfigError", "message": 'secret "creds" not found'}
+        "reason": "CreateContainerConfigError",
+        "message": 'secret "creds" not found',
+    }
 
     events = {(e["involvedObject"]["name"], e["reason"]) for e in fake.objects("events")}
-    assert {("us", "FailedScheduling"), ("ib", "BackOff"), ("cl", "BackOff"),
-            ("nr", "Scheduled"), ("nr", "Started")} <= events
+    assert {
+        ("us", "FailedScheduling"),
+        ("ib", "BackOff"),
+        ("cl", "BackOff"),
+        ("nr", "Scheduled"),
+        ("nr", "Started"),
+    } <= events
     assert ("us", "Scheduled") not in events
     scheduler = [e for e in fake.objects("events") if e["reason"] == "FailedScheduling"]
     assert scheduler[0]["source"] == {"component": "default-scheduler"}
@@ -610,16 +805,25 @@ def test_restart_policy_never_fails_the_pod(client: httpx.Client, fake: FakeKube
 
 
 def test_progression_over_time(clock: FakeClock) -> None:
-    fake = FakeKube(clock=clock, pod_behavior=lambda p: [
-        (0, unschedulable()), (2, container_creating()), (5, running_not_ready()), (8, ready())])
+    fake = FakeKube(
+        clock=clock,
+        pod_behavior=lambda p: [
+            (0, unschedulable()),
+            (2, container_creating()),
+            (5, running_not_ready()),
+            (8, ready()),
+        ],
+    )
     fake.create("pods", "default", pod("a"))
     rvs = []
 
     def phase() -> tuple[str, bool]:
         p = fake.get("pods", "default", "a")
         rvs.append(p["metadata"]["resourceVersion"])
-        ok = any(c["type"] == "Ready" and c["status"] == "True"
-                 for c in p["status"].get("conditions", []))
+        ok = any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions", [])
+        )
         return p["status"]["phase"], ok
 
     assert phase() == ("Pending", False)
@@ -628,7 +832,8 @@ def test_progression_over_time(clock: FakeClock) -> None:
     clock.advance(0.1)
     assert phase() == ("Pending", False)
     assert fake.get("pods", "default", "a")["status"]["containerStatuses"][0]["state"] == {
-        "waiting": {"reason": "ContainerCreating"}}
+        "waiting": {"reason": "ContainerCreating"}
+    }
     clock.advance(3)
     assert phase() == ("Running", False)
     clock.advance(3)
@@ -683,10 +888,14 @@ def test_logs_of_pods_that_never_started(client: httpx.Client, fake: FakeKube) -
     for name in "uik":
         client.post(PODS, json=pod(name))
     assert client.get(f"{PODS}/u/log").text == ""  # no node: empty, like the real server
-    assert status_of(client.get(f"{PODS}/i/log"), 400, "BadRequest")["message"] == \
-        'container "main" in pod "i" is waiting to start: trying and failing to pull image'
-    assert status_of(client.get(f"{PODS}/k/log"), 400, "BadRequest")["message"] == \
-        'container "main" in pod "k" is waiting to start: CreateContainerConfigError'
+    assert (
+        status_of(client.get(f"{PODS}/i/log"), 400, "BadRequest")["message"]
+        == 'container "main" in pod "i" is waiting to start: trying and failing to pull image'
+    )
+    assert (
+        status_of(client.get(f"{PODS}/k/log"), 400, "BadRequest")["message"]
+        == 'container "main" in pod "k" is waiting to start: CreateContainerConfigError'
+    )
 
 
 def test_logs_choose_container(client: httpx.Client, fake: FakeKube) -> None:
@@ -694,8 +903,10 @@ def test_logs_choose_container(client: httpx.Client, fake: FakeKube) -> None:
     fake.set_logs("m", "main log\n", container="main")
     fake.set_logs("m", "side log\n", container="side1")
     body = status_of(client.get(f"{PODS}/m/log"), 400, "BadRequest")
-    assert body["message"] == "a container name must be specified for pod m, choose one of: " \
+    assert (
+        body["message"] == "a container name must be specified for pod m, choose one of: "
         "[main side1]"
+    )
     assert client.get(f"{PODS}/m/log", params={"container": "side1"}).text == "side log\n"
     assert status_of(client.get(f"{PODS}/m/log", params={"container": "x"}), 400, "BadRequest")
 
@@ -746,12 +957,15 @@ def test_proxy_delegates_to_handler(client: httpx.Client, fake: FakeKube) -> Non
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
-        return httpx.Response(207, json={"echo": request.content.decode()},
-                              headers={"x-pod": "a"})
+        return httpx.Response(207, json={"echo": request.content.decode()}, headers={"x-pod": "a"})
 
     fake.proxy_handlers[("a", 9000)] = handler
-    r = client.post(f"{PODS}/a:9000/proxy/call/f", params={"x": "1"}, content=b"payload",
-                    headers={"x-trace": "t1"})
+    r = client.post(
+        f"{PODS}/a:9000/proxy/call/f",
+        params={"x": "1"},
+        content=b"payload",
+        headers={"x-trace": "t1"},
+    )
     assert r.status_code == 207 and r.json() == {"echo": "payload"}
     assert r.headers["x-pod"] == "a"
     [req] = seen
@@ -763,7 +977,8 @@ def test_proxy_delegates_to_handler(client: httpx.Client, fake: FakeKube) -> Non
     assert str(seen[-1].url) == f"http://{ip}:8000/health"
 
     fake.proxy_handlers[("a", 9001)] = lambda request: httpx.Response(
-        200, content=iter([b"frame1\n", b"frame2\n"]))  # streamed bodies pass through
+        200, content=iter([b"frame1\n", b"frame2\n"])
+    )  # streamed bodies pass through
     with client.stream("GET", f"{PODS}/a:9001/proxy/stream") as r:
         assert list(r.iter_lines()) == ["frame1", "frame2"]
 
@@ -772,8 +987,9 @@ def test_proxy_errors(client: httpx.Client, fake: FakeKube) -> None:
     client.post(PODS, json=pod("a"))
     ip = client.get(f"{PODS}/a").json()["status"]["podIP"]
     body = status_of(client.get(f"{PODS}/a:9000/proxy/x"), 503, "ServiceUnavailable")
-    assert body["message"] == (f"error trying to reach service: dial tcp {ip}:9000: connect: "
-                               "connection refused")
+    assert body["message"] == (
+        f"error trying to reach service: dial tcp {ip}:9000: connect: connection refused"
+    )
     assert status_of(client.get(f"{PODS}/nope:9000/proxy/x"), 404, "NotFound")
     fake.set_pod_script("u", unschedulable())
     client.post(PODS, json=pod("u"))
@@ -793,26 +1009,51 @@ def test_objects_match_the_real_openapi_schemas(client: httpx.Client, fake: Fake
     """Every object the fake hands out validates, in strict mode (no unknown fields), against
     the Kubernetes 1.31 OpenAPI schema."""
     kv = pytest.importorskip("kubernetes_validate")
-    scripts = [ready(), running_not_ready(), unschedulable(), container_creating(),
-               image_pull_backoff(), err_image_pull(), crash_loop(restarts=7),
-               terminated_error(1), oom_killed(), oom_killed(restarts=1),
-               create_container_config_error()]
+    scripts = [
+        ready(),
+        running_not_ready(),
+        unschedulable(),
+        container_creating(),
+        image_pull_backoff(),
+        err_image_pull(),
+        crash_loop(restarts=7),
+        terminated_error(1),
+        oom_killed(),
+        oom_killed(restarts=1),
+        create_container_config_error(),
+    ]
     for i, script in enumerate(scripts):
         fake.set_pod_script(f"p{i}", script)
         client.post(PODS, json=pod(f"p{i}", {"i": str(i)}, containers=2))
     body = sts("w", 2)
-    body["spec"]["volumeClaimTemplates"] = [{"metadata": {"name": "data"}, "spec": {
-        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]
+    body["spec"]["volumeClaimTemplates"] = [
+        {
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        }
+    ]
     client.post(STS, json=body)
-    client.post("/api/v1/namespaces/default/services",
-                json={"metadata": {"name": "svc"}, "spec": {"ports": [{"port": 80}]}})
-    client.post("/api/v1/namespaces/default/secrets",
-                json={"metadata": {"name": "sec"}, "stringData": {"a": "b"}})
+    client.post(
+        "/api/v1/namespaces/default/services",
+        json={"metadata": {"name": "svc"}, "spec": {"ports": [{"port": 80}]}},
+    )
+    client.post(
+        "/api/v1/namespaces/default/secrets",
+        json={"metadata": {"name": "sec"}, "stringData": {"a": "b"}},
+    )
     fake.add_event("p0", "Custom", "hello")
     shapes = [client.delete(f"{PODS}/p0").json(), client.get("/api/v1/namespaces/default").json()]
-    for path in (PODS, STS, "/api/v1/namespaces/default/events",
-                 "/api/v1/namespaces/default/services", "/api/v1/namespaces/default/secrets",
-                 "/api/v1/namespaces/default/persistentvolumeclaims"):
+    for path in (
+        PODS,
+        STS,
+        "/api/v1/namespaces/default/events",
+        "/api/v1/namespaces/default/services",
+        "/api/v1/namespaces/default/secrets",
+        "/api/v1/namespaces/default/persistentvolumeclaims",
+    ):
         shapes.append(client.get(path).json())  # the list schema checks every item too
     assert sum(len(s.get("items", ())) for s in shapes) > 40
     for shape in shapes:

@@ -45,12 +45,21 @@ def evaluate() -> str:
 def _clean_settings(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Defaults only: no config file, no KTLITE_* overrides from the environment."""
     monkeypatch.setenv("KTLITE_HOME", str(tmp_path / "ktlite-home"))
-    for key in ("KTLITE_IMAGE", "KTLITE_INSTALL", "KTLITE_NAMESPACE", "KTLITE_IMAGE_PULL_POLICY",
-                "KTLITE_BACKEND", "KTLITE_CONTEXT", "KTLITE_KUBECONFIG", "KTLITE_LOG_LEVEL"):
+    for key in (
+        "KTLITE_IMAGE",
+        "KTLITE_INSTALL",
+        "KTLITE_NAMESPACE",
+        "KTLITE_IMAGE_PULL_POLICY",
+        "KTLITE_BACKEND",
+        "KTLITE_CONTEXT",
+        "KTLITE_KUBECONFIG",
+        "KTLITE_LOG_LEVEL",
+    ):
         monkeypatch.delenv(key, raising=False)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
 
 def K(**kwargs: Any) -> kt.Compute:  # reads like kt.Compute(backend="kubernetes", ...)
     return kt.Compute(backend="kubernetes", **kwargs)
@@ -63,10 +72,19 @@ def _plan(compute: kt.Compute, fn: Callable[..., Any] = train, name: str = NAME)
     return plan
 
 
-def _render(compute: kt.Compute, token: str | None = TOKEN, namespace: str = "default",
-            image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
-    return km.render(DeploymentSpec(name=NAME, compute=compute), namespace, image=image,
-                     install=f"ktlite=={ktlite.__version__}", token=token)
+def _render(
+    compute: kt.Compute,
+    token: str | None = TOKEN,
+    namespace: str = "default",
+    image: str = DEFAULT_IMAGE,
+) -> list[dict[str, Any]]:
+    return km.render(
+        DeploymentSpec(name=NAME, compute=compute),
+        namespace,
+        image=image,
+        install=f"ktlite=={ktlite.__version__}",
+        token=token,
+    )
 
 
 def _one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -121,27 +139,50 @@ def _validate(obj: dict[str, Any], version: str) -> None:
         kubernetes_validate.validate(obj, version, strict=True)
     except kubernetes_validate.ValidationError as e:  # its str() dumps the whole schema
         where = "/".join(map(str, e.absolute_path)) or "(top)"
-        pytest.fail(f"{obj['kind']} {obj['metadata']['name']} is not valid Kubernetes {version} "
-                    f"(strict): {e.message} at {where}", pytrace=False)
+        pytest.fail(
+            f"{obj['kind']} {obj['metadata']['name']} is not valid Kubernetes {version} "
+            f"(strict): {e.message} at {where}",
+            pytrace=False,
+        )
 
 
 # ---- the matrix: every setting renders to strictly valid objects ---------------------------------
 
+
 def EVERYTHING() -> kt.Compute:
     return K(
-        cpus="1500m", memory="8Gi", cpu_limit=4, memory_limit="16Gi", gpus=8,
+        cpus="1500m",
+        memory="8Gi",
+        cpu_limit=4,
+        memory_limit="16Gi",
+        gpus=8,
         gpu_type="NVIDIA-H100-80GB-HBM3",
-        image=kt.Image("nvcr.io/nvidia/pytorch:24.08-py3").pip_install(["numpy", "rich==13.7.1"])
-        .run_bash("apt-get update && apt-get install -y jq").set_env_vars({"IMG_VAR": "1"}),
+        image=kt.Image("nvcr.io/nvidia/pytorch:24.08-py3")
+        .pip_install(["numpy", "rich==13.7.1"])
+        .run_bash("apt-get update && apt-get install -y jq")
+        .set_env_vars({"IMG_VAR": "1"}),
         env={"FOO": "bar"},
-        volumes=[kt.Volume("data", size="100Gi"),
-                 kt.Volume("scratch", size="50Gi", access_mode="ReadWriteOnce",
-                           storage_class="local-path", mount_path="/mnt/scratch"),
-                 "existing-claim"],
-        namespace="ml-team", node_selector={"pool": "gpu"}, tolerations=[GPU_TOLERATION],
-        labels={"team": "ml"}, annotations={"owner": "alice@example.com"},
-        secrets=["hf-token", "wandb-creds"], service_account="trainer", image_pull_policy="IfNotPresent",
-        priority_class="high-priority", shared_memory="16Gi",
+        volumes=[
+            kt.Volume("data", size="100Gi"),
+            kt.Volume(
+                "scratch",
+                size="50Gi",
+                access_mode="ReadWriteOnce",
+                storage_class="local-path",
+                mount_path="/mnt/scratch",
+            ),
+            "existing-claim",
+        ],
+        namespace="ml-team",
+        node_selector={"pool": "gpu"},
+        tolerations=[GPU_TOLERATION],
+        labels={"team": "ml"},
+        annotations={"owner": "alice@example.com"},
+        secrets=["hf-token", "wandb-creds"],
+        service_account="trainer",
+        image_pull_policy="IfNotPresent",
+        priority_class="high-priority",
+        shared_memory="16Gi",
     ).distribute("pytorch", workers=4, num_proc=2, port=23456)
 
 
@@ -157,9 +198,13 @@ CASES: dict[str, Callable[[], kt.Compute]] = {
     "gpus-1": lambda: K(gpus=1),
     "gpus-8-typed": lambda: K(gpus=8, gpu_type="NVIDIA-A100-SXM4-80GB"),
     "image-string": lambda: K(image="ghcr.io/acme/train:1.2"),
-    "image-steps": lambda: K(image=kt.Image("python:3.11-slim").pip_install(["numpy"])
-                             .run_bash("echo hi > /tmp/hi").set_env_vars({"A": "1", "B": "2"})
-                             .pip_install("tqdm")),
+    "image-steps": lambda: K(
+        image=kt.Image("python:3.11-slim")
+        .pip_install(["numpy"])
+        .run_bash("echo hi > /tmp/hi")
+        .set_env_vars({"A": "1", "B": "2"})
+        .pip_install("tqdm")
+    ),
     "image-freeze": lambda: K(image=kt.Image("acme/ready:1", freeze=True)),
     "preset-python": lambda: K(image=kt.images.python("3.12")),
     "preset-pytorch": lambda: K(image=kt.images.pytorch()),
@@ -168,14 +213,31 @@ CASES: dict[str, Callable[[], kt.Compute]] = {
     "env": lambda: K(env={"FOO": "bar", "EMPTY": ""}),
     "env-vars": lambda: K(env_vars={"HF_HOME": "/data/hf"}),
     "volume-rwx": lambda: K(volumes=[kt.Volume("data", size="20Gi")]),
-    "volume-rwo-class": lambda: K(volumes=[kt.Volume("ckpt", size="5Gi", mount_path="/ckpt",
-                                                     access_mode="ReadWriteOnce",
-                                                     storage_class="fast-ssd")]),
+    "volume-rwo-class": lambda: K(
+        volumes=[
+            kt.Volume(
+                "ckpt",
+                size="5Gi",
+                mount_path="/ckpt",
+                access_mode="ReadWriteOnce",
+                storage_class="fast-ssd",
+            )
+        ]
+    ),
     "volume-existing": lambda: K(volumes=["shared-datasets", "models"]),
     "node-selector": lambda: K(node_selector={"pool": "cpu", "kubernetes.io/arch": "amd64"}),
-    "tolerations": lambda: K(tolerations=[GPU_TOLERATION,
-                                          {"key": "spot", "operator": "Equal", "value": "true",
-                                           "effect": "NoExecute", "tolerationSeconds": 60}]),
+    "tolerations": lambda: K(
+        tolerations=[
+            GPU_TOLERATION,
+            {
+                "key": "spot",
+                "operator": "Equal",
+                "value": "true",
+                "effect": "NoExecute",
+                "tolerationSeconds": 60,
+            },
+        ]
+    ),
     "labels": lambda: K(labels={"team": "ml", "app.kubernetes.io/part-of": "research"}),
     "annotations": lambda: K(annotations={"owner": "alice@example.com", "note": "a b: c"}),
     "secrets": lambda: K(secrets=["hf-token"]),
@@ -186,7 +248,9 @@ CASES: dict[str, Callable[[], kt.Compute]] = {
     "priority-class": lambda: K(priority_class="high-priority"),
     "shared-memory": lambda: K(shared_memory="2Gi"),
     "namespace": lambda: K(namespace="ml-team"),
-    "distribute-pytorch": lambda: K(cpus=2).distribute("pytorch", workers=4, num_proc=2, port=23456),
+    "distribute-pytorch": lambda: K(cpus=2).distribute(
+        "pytorch", workers=4, num_proc=2, port=23456
+    ),
     "everything": EVERYTHING,
 }
 
@@ -200,8 +264,12 @@ def test_every_setting_renders_strictly_valid_objects(case: str, version: str) -
     rendered = _render(compute, namespace=compute.namespace or "default", image=image)
     claims = [v for v in compute.volumes if isinstance(v, kt.Volume)]
     for objs in (plan.manifests, rendered):
-        assert [o["kind"] for o in objs] == \
-            ["Secret", "Service", *["PersistentVolumeClaim"] * len(claims), "StatefulSet"]
+        assert [o["kind"] for o in objs] == [
+            "Secret",
+            "Service",
+            *["PersistentVolumeClaim"] * len(claims),
+            "StatefulSet",
+        ]
         for obj in objs:
             _validate(obj, version)
         _env(objs)  # env names are unique
@@ -218,8 +286,11 @@ def test_matrix_covers_what_it_claims() -> None:
 
 # ---- resources -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("cpus", "quantity"), [(2, "2"), (0.5, "500m"), ("500m", "500m"),
-                                                (1.5, "1500m"), ("2", "2"), ("0.25", "250m")])
+
+@pytest.mark.parametrize(
+    ("cpus", "quantity"),
+    [(2, "2"), (0.5, "500m"), ("500m", "500m"), (1.5, "1500m"), ("2", "2"), ("0.25", "250m")],
+)
 def test_cpus_and_memory_become_requests(cpus: Any, quantity: str) -> None:
     resources = _container(_plan(K(cpus=cpus, memory="4Gi")).manifests)["resources"]
     assert resources == {"requests": {"cpu": quantity, "memory": "4Gi"}}
@@ -231,10 +302,13 @@ def test_no_resources_unless_asked() -> None:
 
 def test_limits_only_when_given() -> None:
     assert "limits" not in _container(_plan(K(cpus=1, memory="1Gi")).manifests)["resources"]
-    resources = _container(_plan(K(cpus=1, memory="1Gi", cpu_limit=2.5,
-                                    memory_limit="2Gi")).manifests)["resources"]
-    assert resources == {"requests": {"cpu": "1", "memory": "1Gi"},
-                         "limits": {"cpu": "2500m", "memory": "2Gi"}}
+    resources = _container(
+        _plan(K(cpus=1, memory="1Gi", cpu_limit=2.5, memory_limit="2Gi")).manifests
+    )["resources"]
+    assert resources == {
+        "requests": {"cpu": "1", "memory": "1Gi"},
+        "limits": {"cpu": "2500m", "memory": "2Gi"},
+    }
     only = _container(_plan(K(memory_limit="512Mi")).manifests)["resources"]
     assert only == {"limits": {"memory": "512Mi"}}
 
@@ -250,8 +324,10 @@ def test_gpus_are_requested_and_limited() -> None:
 
 def test_one_gpu_without_type_selects_no_node() -> None:
     objs = _plan(K(gpus=1)).manifests
-    assert _container(objs)["resources"] == {"requests": {"nvidia.com/gpu": "1"},
-                                             "limits": {"nvidia.com/gpu": "1"}}
+    assert _container(objs)["resources"] == {
+        "requests": {"nvidia.com/gpu": "1"},
+        "limits": {"nvidia.com/gpu": "1"},
+    }
     assert "nodeSelector" not in _pod(objs)
     assert _value(objs, "KTLITE_PROCS") == "1"
 
@@ -264,24 +340,35 @@ def test_no_gpu_means_no_gpu_resource() -> None:
 
 # ---- scheduling and pod settings -----------------------------------------------------------------
 
+
 def test_node_selector_merges_with_gpu_type() -> None:
     objs = _plan(K(gpus=1, gpu_type="H100", node_selector={"pool": "gpu"})).manifests
     assert _pod(objs)["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "H100"}
 
 
 def test_tolerations_land_on_the_pod() -> None:
-    spot = {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute",
-            "tolerationSeconds": 60}
-    assert _pod(_plan(K(tolerations=[GPU_TOLERATION, spot])).manifests)["tolerations"] == \
-        [GPU_TOLERATION, spot]
+    spot = {
+        "key": "spot",
+        "operator": "Equal",
+        "value": "true",
+        "effect": "NoExecute",
+        "tolerationSeconds": 60,
+    }
+    assert _pod(_plan(K(tolerations=[GPU_TOLERATION, spot])).manifests)["tolerations"] == [
+        GPU_TOLERATION,
+        spot,
+    ]
     assert "tolerations" not in _pod(_plan(K()).manifests)
 
 
 def test_labels_go_on_the_pod_template_and_cannot_steal_the_name_label() -> None:
     objs = _plan(K(labels={"team": "ml", km.NAME_LABEL: "someone-else"})).manifests
     template_labels = _sts(objs)["spec"]["template"]["metadata"]["labels"]
-    assert template_labels == {"team": "ml", km.NAME_LABEL: NAME,
-                               "app.kubernetes.io/managed-by": "ktlite"}
+    assert template_labels == {
+        "team": "ml",
+        km.NAME_LABEL: NAME,
+        "app.kubernetes.io/managed-by": "ktlite",
+    }
 
 
 def test_annotations_go_on_the_pod_template() -> None:
@@ -293,8 +380,10 @@ def test_annotations_go_on_the_pod_template() -> None:
 
 def test_secrets_become_env_from_secret_refs() -> None:
     container = _container(_plan(K(secrets=["hf-token", "wandb-creds"])).manifests)
-    assert container["envFrom"] == [{"secretRef": {"name": "hf-token"}},
-                                    {"secretRef": {"name": "wandb-creds"}}]
+    assert container["envFrom"] == [
+        {"secretRef": {"name": "hf-token"}},
+        {"secretRef": {"name": "wandb-creds"}},
+    ]
     assert "envFrom" not in _container(_plan(K()).manifests)
 
 
@@ -334,17 +423,33 @@ def test_state_dir_is_an_empty_dir() -> None:
 
 # ---- volumes -------------------------------------------------------------------------------------
 
+
 def test_volume_becomes_a_claim_and_a_mount() -> None:
-    objs = _plan(K(volumes=[kt.Volume("ckpt", size="5Gi", mount_path="/mnt/ckpt",
-                                      access_mode="ReadWriteOnce", storage_class="fast-ssd"),
-                            kt.Volume("data", size="20Gi")])).manifests
+    objs = _plan(
+        K(
+            volumes=[
+                kt.Volume(
+                    "ckpt",
+                    size="5Gi",
+                    mount_path="/mnt/ckpt",
+                    access_mode="ReadWriteOnce",
+                    storage_class="fast-ssd",
+                ),
+                kt.Volume("data", size="20Gi"),
+            ]
+        )
+    ).manifests
     claims = {o["metadata"]["name"]: o for o in objs if o["kind"] == "PersistentVolumeClaim"}
     assert set(claims) == {"ckpt", "data"}
-    assert claims["ckpt"]["spec"] == {"accessModes": ["ReadWriteOnce"],
-                                      "resources": {"requests": {"storage": "5Gi"}},
-                                      "storageClassName": "fast-ssd"}
-    assert claims["data"]["spec"] == {"accessModes": ["ReadWriteMany"],
-                                      "resources": {"requests": {"storage": "20Gi"}}}
+    assert claims["ckpt"]["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "5Gi"}},
+        "storageClassName": "fast-ssd",
+    }
+    assert claims["data"]["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "20Gi"}},
+    }
     mounts, volumes = _mounts(objs), _pod_volumes(objs)
     assert volumes[mounts["/mnt/ckpt"]]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     assert volumes[mounts["/data"]]["persistentVolumeClaim"] == {"claimName": "data"}
@@ -354,11 +459,13 @@ def test_existing_claim_name_is_mounted_but_not_created() -> None:
     objs = _plan(K(volumes=["shared-datasets"])).manifests
     assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
     mounts, volumes = _mounts(objs), _pod_volumes(objs)
-    assert volumes[mounts["/shared-datasets"]]["persistentVolumeClaim"] == \
-        {"claimName": "shared-datasets"}
+    assert volumes[mounts["/shared-datasets"]]["persistentVolumeClaim"] == {
+        "claimName": "shared-datasets"
+    }
 
 
 # ---- service and statefulset ---------------------------------------------------------------------
+
 
 def test_service_is_headless_and_publishes_unready_pods() -> None:
     objs = _plan(K().distribute("pytorch", workers=2, port=23456)).manifests
@@ -368,8 +475,10 @@ def test_service_is_headless_and_publishes_unready_pods() -> None:
     assert spec["clusterIP"] == "None"
     assert spec["publishNotReadyAddresses"] is True
     assert spec["selector"] == {km.NAME_LABEL: NAME}
-    assert {p["name"]: p["port"] for p in spec["ports"]} == {"server": km.SERVER_PORT,
-                                                             "master": 23456}
+    assert {p["name"]: p["port"] for p in spec["ports"]} == {
+        "server": km.SERVER_PORT,
+        "master": 23456,
+    }
 
 
 def test_statefulset_shape() -> None:
@@ -386,8 +495,10 @@ def test_statefulset_shape() -> None:
     assert _one(objs, "Service")["spec"]["selector"].items() <= template_labels.items()
     container = _container(objs)
     assert container["command"] == ["/bin/sh", "-c", km.BOOTSTRAP]
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == \
-        {"server": km.SERVER_PORT, "master": 23456}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "server": km.SERVER_PORT,
+        "master": 23456,
+    }
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": km.SERVER_PORT}
 
 
@@ -398,8 +509,9 @@ def test_default_master_port_and_single_replica() -> None:
 
 
 def test_bootstrap_is_valid_shell_that_ends_in_boot() -> None:
-    proc = subprocess.run(["sh", "-n", "-c", km.BOOTSTRAP], capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        ["sh", "-n", "-c", km.BOOTSTRAP], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     assert km.BOOTSTRAP.rstrip().endswith('exec "$PY" -m ktlite_server.boot')
 
@@ -415,6 +527,7 @@ def test_every_object_carries_the_name_and_managed_by_labels() -> None:
 
 
 # ---- the token -----------------------------------------------------------------------------------
+
 
 def test_plan_secret_holds_the_placeholder() -> None:
     plan = _plan(EVERYTHING())
@@ -439,11 +552,14 @@ def test_token_appears_only_in_the_secret() -> None:
 
 def test_container_reads_the_token_from_the_secret() -> None:
     entry = _env(_render(K(), token=TOKEN))["KTLITE_TOKEN"]
-    assert entry == {"name": "KTLITE_TOKEN",
-                     "valueFrom": {"secretKeyRef": {"name": f"{NAME}-token", "key": "token"}}}
+    assert entry == {
+        "name": "KTLITE_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": f"{NAME}-token", "key": "token"}},
+    }
 
 
 # ---- container env -------------------------------------------------------------------------------
+
 
 def test_user_env_and_image_env_become_container_env() -> None:
     image = kt.Image("python:3.11-slim").set_env_vars({"A": "image", "B": "image"})
@@ -452,8 +568,9 @@ def test_user_env_and_image_env_become_container_env() -> None:
     assert env["A"] == {"name": "A", "value": "image"}
     assert env["B"] == {"name": "B", "value": "compute"}  # Compute env wins over the image's
     assert env["C"] == {"name": "C", "value": "compute"}
-    assert _env(_plan(K(env_vars={"HF_HOME": "/data/hf"})).manifests)["HF_HOME"]["value"] == \
-        "/data/hf"
+    assert (
+        _env(_plan(K(env_vars={"HF_HOME": "/data/hf"})).manifests)["HF_HOME"]["value"] == "/data/hf"
+    )
 
 
 def test_ktlite_env() -> None:
@@ -468,8 +585,13 @@ def test_ktlite_env() -> None:
 
 
 def test_setup_steps_are_json_in_order() -> None:
-    image = (kt.Image("python:3.11-slim").pip_install(["numpy", "rich==13.7.1"])
-             .set_env_vars({"A": "1"}).run_bash("echo hi > /tmp/hi").pip_install("tqdm"))
+    image = (
+        kt.Image("python:3.11-slim")
+        .pip_install(["numpy", "rich==13.7.1"])
+        .set_env_vars({"A": "1"})
+        .run_bash("echo hi > /tmp/hi")
+        .pip_install("tqdm")
+    )
     objs = _plan(K(image=image)).manifests
     assert json.loads(_value(objs, "KTLITE_SETUP")) == [
         ["pip_install", ["numpy", "rich==13.7.1"]],
@@ -490,13 +612,16 @@ def test_freeze() -> None:
 
 
 def test_install_spec_defaults_to_this_version_and_follows_settings(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert _value(_plan(K()).manifests, "KTLITE_INSTALL") == f"ktlite=={ktlite.__version__}"
     config.set_value("install", "ktlite==9.9.9")
     assert _value(_plan(K()).manifests, "KTLITE_INSTALL") == "ktlite==9.9.9"
     monkeypatch.setenv("KTLITE_INSTALL", "ktlite @ git+https://example.com/ktlite@main")
-    assert _value(_plan(K()).manifests, "KTLITE_INSTALL") == \
-        "ktlite @ git+https://example.com/ktlite@main"
+    assert (
+        _value(_plan(K()).manifests, "KTLITE_INSTALL")
+        == "ktlite @ git+https://example.com/ktlite@main"
+    )
 
 
 def test_default_image_is_this_python_and_follows_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -506,18 +631,24 @@ def test_default_image_is_this_python_and_follows_settings(monkeypatch: pytest.M
     monkeypatch.setenv("KTLITE_IMAGE", "ghcr.io/acme/base:2")
     assert _container(_plan(K()).manifests)["image"] == "ghcr.io/acme/base:2"
     # an image on the Compute wins
-    assert _container(_plan(K(image="ghcr.io/acme/train:3")).manifests)["image"] == \
-        "ghcr.io/acme/train:3"
+    assert (
+        _container(_plan(K(image="ghcr.io/acme/train:3")).manifests)["image"]
+        == "ghcr.io/acme/train:3"
+    )
 
 
-@pytest.mark.parametrize(("image", "ref"), [
-    (lambda: "ghcr.io/acme/train:1.2", "ghcr.io/acme/train:1.2"),
-    (lambda: kt.Image(base="ubuntu:24.04"), "ubuntu:24.04"),
-    (lambda: kt.images.python("3.12"), "python:3.12-slim"),
-    (lambda: kt.images.pytorch(), "nvcr.io/nvidia/pytorch:24.08-py3"),
-    (lambda: kt.images.ray(), "rayproject/ray:2.60.0-py311"),
-    (lambda: kt.images.debian(), "debian:bookworm-slim"),
-], ids=["string", "base-kw", "python", "pytorch", "ray", "debian"])
+@pytest.mark.parametrize(
+    ("image", "ref"),
+    [
+        (lambda: "ghcr.io/acme/train:1.2", "ghcr.io/acme/train:1.2"),
+        (lambda: kt.Image(base="ubuntu:24.04"), "ubuntu:24.04"),
+        (lambda: kt.images.python("3.12"), "python:3.12-slim"),
+        (lambda: kt.images.pytorch(), "nvcr.io/nvidia/pytorch:24.08-py3"),
+        (lambda: kt.images.ray(), "rayproject/ray:2.60.0-py311"),
+        (lambda: kt.images.debian(), "debian:bookworm-slim"),
+    ],
+    ids=["string", "base-kw", "python", "pytorch", "ray", "debian"],
+)
 def test_container_image(image: Callable[[], Any], ref: str) -> None:
     assert _container(_plan(K(image=image())).manifests)["image"] == ref
 
@@ -535,6 +666,7 @@ def test_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- the pod hash --------------------------------------------------------------------------------
 
+
 def BASE() -> kt.Compute:
     return K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"})
 
@@ -547,15 +679,18 @@ def test_pod_hash_is_stable() -> None:
 
 
 def test_pod_hash_is_stable_across_interpreters() -> None:
-    code = ("import ktlite as kt\n"
-            "def train(epochs=1):\n    return epochs\n"
-            "compute = kt.Compute(backend='kubernetes', cpus=1, memory='1Gi',\n"
-            "                     image='python:3.11-slim', env={'A': '1'})\n"
-            "sts = kt.fn(train).to(compute, name='case-x', dryrun=True).manifests[-1]\n"
-            "print(sts['spec']['template']['metadata']['annotations']['ktlite.dev/pod-hash'])\n")
+    code = (
+        "import ktlite as kt\n"
+        "def train(epochs=1):\n    return epochs\n"
+        "compute = kt.Compute(backend='kubernetes', cpus=1, memory='1Gi',\n"
+        "                     image='python:3.11-slim', env={'A': '1'})\n"
+        "sts = kt.fn(train).to(compute, name='case-x', dryrun=True).manifests[-1]\n"
+        "print(sts['spec']['template']['metadata']['annotations']['ktlite.dev/pod-hash'])\n"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}  # the fixture's settings, another seed
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == _pod_hash(_plan(BASE()).manifests)
 
@@ -569,7 +704,9 @@ def test_layout_is_not_part_of_the_pod() -> None:
     small = _plan(BASE().distribute("pytorch", workers=1, num_proc=1)).manifests
     wide = _plan(BASE().distribute("pytorch", workers=4, num_proc=1)).manifests
     deep = _plan(BASE().distribute("pytorch", workers=1, num_proc=3)).manifests
-    assert _pod_hash(small) == _pod_hash(wide) == _pod_hash(deep) == _pod_hash(_plan(BASE()).manifests)
+    assert (
+        _pod_hash(small) == _pod_hash(wide) == _pod_hash(deep) == _pod_hash(_plan(BASE()).manifests)
+    )
     assert _sts(wide)["spec"]["replicas"] == 4
 
 
@@ -596,15 +733,31 @@ def _gpus(sts: dict[str, Any]) -> str:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_uneven_gpu_pods_get_one_statefulset_per_run_of_one_size(version: str) -> None:
     objs = _render(K(cpus=1, gpus=1).distribute("pytorch", num_proc=[4, 8, 8, 2]))
-    assert [o["kind"] for o in objs] == ["Secret", "Service", "StatefulSet", "StatefulSet", "StatefulSet"]
+    assert [o["kind"] for o in objs] == [
+        "Secret",
+        "Service",
+        "StatefulSet",
+        "StatefulSet",
+        "StatefulSet",
+    ]
     for obj in objs:
         _validate(obj, version)
     sets = _statefulsets(objs)
     assert list(sets) == [NAME, f"{NAME}-s1", f"{NAME}-s3"]
     # (first ordinal, pods, GPUs per pod, rank processes started before code arrives)
-    shape = [((s["spec"].get("ordinals") or {}).get("start", 0), s["spec"]["replicas"], _gpus(s),
-              next(e["value"] for e in s["spec"]["template"]["spec"]["containers"][0]["env"]
-                   if e["name"] == "KTLITE_PROCS")) for s in sets.values()]
+    shape = [
+        (
+            (s["spec"].get("ordinals") or {}).get("start", 0),
+            s["spec"]["replicas"],
+            _gpus(s),
+            next(
+                e["value"]
+                for e in s["spec"]["template"]["spec"]["containers"][0]["env"]
+                if e["name"] == "KTLITE_PROCS"
+            ),
+        )
+        for s in sets.values()
+    ]
     assert shape == [(0, 1, "4", "4"), (1, 2, "8", "8"), (3, 1, "2", "2")]
     assert "ordinals" not in sets[NAME]["spec"]  # pod 0's set is the plain one
     hashes = set()
@@ -625,8 +778,13 @@ def test_uneven_gpu_pods_get_gpus_where_it_is_more_than_their_ranks() -> None:
     # GPUs are not neighbours, so they are two sets (their pods still differ by their label)
     sets = _statefulsets(_render(K(cpus=1, gpus=4).distribute("pytorch", num_proc=[4, 8, 2])))
     assert {name: (_gpus(s), s["spec"]["replicas"]) for name, s in sets.items()} == {
-        NAME: ("4", 1), f"{NAME}-s1": ("8", 1), f"{NAME}-s2": ("4", 1)}
-    hashes = {s["spec"]["template"]["metadata"]["annotations"][km.HASH_ANNOTATION] for s in sets.values()}
+        NAME: ("4", 1),
+        f"{NAME}-s1": ("8", 1),
+        f"{NAME}-s2": ("4", 1),
+    }
+    hashes = {
+        s["spec"]["template"]["metadata"]["annotations"][km.HASH_ANNOTATION] for s in sets.values()
+    }
     assert len(hashes) == 3
     # every pod at least as large as its ranks: one set, as for even pods
     same = _statefulsets(_render(K(cpus=1, gpus=8).distribute("pytorch", num_proc=[4, 8, 2])))
@@ -638,8 +796,12 @@ def test_uneven_gpu_pods_need_a_name_that_leaves_room_for_their_sets() -> None:
     with pytest.raises(kt.ConfigError, match=r"too long for pods of different sizes.*at most 49"):
         kt.fn(train).to(K(gpus=1).distribute("pytorch", num_proc=[1, 2]), name=name, dryrun=True)
     # even pods keep the whole 52 characters
-    assert isinstance(kt.fn(train).to(K(gpus=2).distribute("pytorch", num_proc=[2, 2]),
-                                      name="n" * 52, dryrun=True), Plan)
+    assert isinstance(
+        kt.fn(train).to(
+            K(gpus=2).distribute("pytorch", num_proc=[2, 2]), name="n" * 52, dryrun=True
+        ),
+        Plan,
+    )
 
 
 def test_the_gpu_count_must_still_cover_each_rank_of_even_pods() -> None:
@@ -647,31 +809,67 @@ def test_the_gpu_count_must_still_cover_each_rank_of_even_pods() -> None:
         K(gpus=2).distribute("pytorch", workers=2, num_proc=4)
 
 
-@pytest.mark.parametrize("changed", [
-    lambda: K(cpus=2, memory="1Gi", image="python:3.11-slim", env={"A": "1"}),
-    lambda: K(cpus=1, memory="2Gi", image="python:3.11-slim", env={"A": "1"}),
-    lambda: K(cpus=1, memory="1Gi", image="python:3.12-slim", env={"A": "1"}),
-    lambda: K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "2"}),
-    lambda: K(cpus=1, memory="1Gi", image=kt.Image("python:3.11-slim").pip_install("numpy"),
-              env={"A": "1"}),
-    lambda: K(cpus=1, memory="1Gi", image=kt.Image("python:3.11-slim").run_bash("true"),
-              env={"A": "1"}),
-    lambda: K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"},
-              volumes=[kt.Volume("data")]),
-    lambda: K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"},
-              volumes=["existing"]),
-    lambda: K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"}, gpus=1),
-    lambda: K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"},
-              tolerations=[GPU_TOLERATION]),
-    lambda: K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"},
-              shared_memory="1Gi"),
-], ids=["cpus", "memory", "image", "env", "pip-step", "bash-step", "volume", "existing-volume",
-        "gpus", "tolerations", "shared-memory"])
+@pytest.mark.parametrize(
+    "changed",
+    [
+        lambda: K(cpus=2, memory="1Gi", image="python:3.11-slim", env={"A": "1"}),
+        lambda: K(cpus=1, memory="2Gi", image="python:3.11-slim", env={"A": "1"}),
+        lambda: K(cpus=1, memory="1Gi", image="python:3.12-slim", env={"A": "1"}),
+        lambda: K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "2"}),
+        lambda: K(
+            cpus=1,
+            memory="1Gi",
+            image=kt.Image("python:3.11-slim").pip_install("numpy"),
+            env={"A": "1"},
+        ),
+        lambda: K(
+            cpus=1,
+            memory="1Gi",
+            image=kt.Image("python:3.11-slim").run_bash("true"),
+            env={"A": "1"},
+        ),
+        lambda: K(
+            cpus=1,
+            memory="1Gi",
+            image="python:3.11-slim",
+            env={"A": "1"},
+            volumes=[kt.Volume("data")],
+        ),
+        lambda: K(
+            cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"}, volumes=["existing"]
+        ),
+        lambda: K(cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"}, gpus=1),
+        lambda: K(
+            cpus=1,
+            memory="1Gi",
+            image="python:3.11-slim",
+            env={"A": "1"},
+            tolerations=[GPU_TOLERATION],
+        ),
+        lambda: K(
+            cpus=1, memory="1Gi", image="python:3.11-slim", env={"A": "1"}, shared_memory="1Gi"
+        ),
+    ],
+    ids=[
+        "cpus",
+        "memory",
+        "image",
+        "env",
+        "pip-step",
+        "bash-step",
+        "volume",
+        "existing-volume",
+        "gpus",
+        "tolerations",
+        "shared-memory",
+    ],
+)
 def test_pod_hash_changes_with_the_pod(changed: Callable[[], kt.Compute]) -> None:
     assert _pod_hash(_plan(changed()).manifests) != _pod_hash(_plan(BASE()).manifests)
 
 
 # ---- YAML ----------------------------------------------------------------------------------------
+
 
 def test_yaml_round_trips() -> None:
     plan = _plan(EVERYTHING())
@@ -685,21 +883,39 @@ def test_yaml_round_trips() -> None:
 
 # ---- bad input fails at construction -------------------------------------------------------------
 
-@pytest.mark.parametrize(("make", "words"), [
-    (lambda: K(memory="4 gigs"), ["memory", "4Gi"]),
-    (lambda: K(memory="512m"), ["memory", "512Mi"]),
-    (lambda: K(cpus=4, cpu_limit=2), ["cpu_limit", "cpus"]),
-    (lambda: K(memory="4Gi", memory_limit="2Gi"), ["memory_limit", "memory"]),
-    (lambda: K(image_pull_policy="sometimes"), ["image_pull_policy", "IfNotPresent"]),
-    (lambda: kt.Volume("data", access_mode="ReadWriteSometimes"), ["access_mode", "ReadWriteMany"]),
-    (lambda: kt.Volume("data", size="10m"), ["Volume.size", "10Mi"]),
-    (lambda: kt.Volume("data", size="lots"), ["Volume.size"]),
-    (lambda: kt.Volume("data", mount_path="data"), ["mount_path", "absolute"]),
-    (lambda: K(shared_memory="2 gigs"), ["shared_memory"]),
-    (lambda: K(cpus="two"), ["cpus"]),
-], ids=["memory-Gb", "memory-mb", "cpu-limit-below", "memory-limit-below", "pull-policy",
-        "access-mode", "volume-size-GB", "volume-size-words", "relative-mount", "shared-memory",
-        "cpus-words"])
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: K(memory="4 gigs"), ["memory", "4Gi"]),
+        (lambda: K(memory="512m"), ["memory", "512Mi"]),
+        (lambda: K(cpus=4, cpu_limit=2), ["cpu_limit", "cpus"]),
+        (lambda: K(memory="4Gi", memory_limit="2Gi"), ["memory_limit", "memory"]),
+        (lambda: K(image_pull_policy="sometimes"), ["image_pull_policy", "IfNotPresent"]),
+        (
+            lambda: kt.Volume("data", access_mode="ReadWriteSometimes"),
+            ["access_mode", "ReadWriteMany"],
+        ),
+        (lambda: kt.Volume("data", size="10m"), ["Volume.size", "10Mi"]),
+        (lambda: kt.Volume("data", size="lots"), ["Volume.size"]),
+        (lambda: kt.Volume("data", mount_path="data"), ["mount_path", "absolute"]),
+        (lambda: K(shared_memory="2 gigs"), ["shared_memory"]),
+        (lambda: K(cpus="two"), ["cpus"]),
+    ],
+    ids=[
+        "memory-Gb",
+        "memory-mb",
+        "cpu-limit-below",
+        "memory-limit-below",
+        "pull-policy",
+        "access-mode",
+        "volume-size-GB",
+        "volume-size-words",
+        "relative-mount",
+        "shared-memory",
+        "cpus-words",
+    ],
+)
 def test_bad_input_fails_at_construction(make: Callable[[], Any], words: list[str]) -> None:
     with pytest.raises(kt.ConfigError) as info:
         make()
@@ -709,16 +925,21 @@ def test_bad_input_fails_at_construction(make: Callable[[], Any], words: list[st
 
 # ---- input the API server would reject only at deploy time: refused before anything starts ---
 
+
 def test_master_port_cannot_collide_with_the_server_port() -> None:
     with pytest.raises(kt.ConfigError, match="port=32300"):
         _plan(K().distribute("pytorch", port=km.SERVER_PORT))
 
 
-@pytest.mark.parametrize("volumes", [
-    lambda: [kt.Volume("ktlite")],
-    lambda: [kt.Volume("shm", mount_path="/dev/shm")],
-    lambda: [kt.Volume("a", mount_path="/data"), kt.Volume("b", mount_path="/data")],
-], ids=["state-dir", "dev-shm", "same-path"])
+@pytest.mark.parametrize(
+    "volumes",
+    [
+        lambda: [kt.Volume("ktlite")],
+        lambda: [kt.Volume("shm", mount_path="/dev/shm")],
+        lambda: [kt.Volume("a", mount_path="/data"), kt.Volume("b", mount_path="/data")],
+    ],
+    ids=["state-dir", "dev-shm", "same-path"],
+)
 def test_volume_mount_paths_cannot_collide(volumes: Callable[[], list[Any]]) -> None:
     with pytest.raises(kt.ConfigError, match="mount"):
         K(volumes=volumes())
@@ -726,8 +947,12 @@ def test_volume_mount_paths_cannot_collide(volumes: Callable[[], list[Any]]) -> 
 
 def test_memory_written_in_decimal_units_reaches_the_pod_as_a_quantity() -> None:
     """NeMo RL and Ray users write "8GB"; the API server only takes "8G" (issue 23)."""
-    compute = K(memory="8GB", memory_limit="16gb", shared_memory="1GiB",
-                volumes=[kt.Volume("data", size="20GB", mount_path="/data")])
+    compute = K(
+        memory="8GB",
+        memory_limit="16gb",
+        shared_memory="1GiB",
+        volumes=[kt.Volume("data", size="20GB", mount_path="/data")],
+    )
     objs = _plan(compute).manifests
     resources = _container(objs)["resources"]
     assert resources["requests"]["memory"] == "8G" and resources["limits"]["memory"] == "16G"

@@ -46,8 +46,18 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                 "KUBECONFIG", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HOME", "HF_TOKEN_PATH", "OPENAI_API_KEY"):
+    for name in (
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_CONFIG_FILE",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "KUBECONFIG",
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_HOME",
+        "HF_TOKEN_PATH",
+        "OPENAI_API_KEY",
+    ):
         monkeypatch.delenv(name, raising=False)
     return home
 
@@ -63,11 +73,17 @@ class Cluster:
     def __init__(self) -> None:
         self.clock = kf.FakeClock()
         self.fake = kf.FakeKube(token=API_TOKEN, clock=self.clock)
-        self.http = httpx.Client(transport=self.fake, base_url=HOST,
-                                 headers={"authorization": f"Bearer {API_TOKEN}"})
+        self.http = httpx.Client(
+            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
+        )
         self.out = io.StringIO()
-        self.backend = KubernetesBackend(self.http, ClusterInfo(HOST, "fake-ctx", "default", False),
-                                         out=self.out, clock=self.clock, sleep=self.clock.advance)
+        self.backend = KubernetesBackend(
+            self.http,
+            ClusterInfo(HOST, "fake-ctx", "default", False),
+            out=self.out,
+            clock=self.clock,
+            sleep=self.clock.advance,
+        )
 
     def secrets(self) -> dict[str, dict[str, Any]]:
         return {o["metadata"]["name"]: o for o in self.fake.objects("secrets")}
@@ -90,8 +106,12 @@ def cluster() -> Iterator[Cluster]:
 
 
 def spec(*secrets: Any, name: str = NAME, **compute: Any) -> DeploymentSpec:
-    return DeploymentSpec(name, kt.Compute(backend="kubernetes", secrets=list(secrets), launch_timeout=60,
-                                           **compute).distribute(workers=2))
+    return DeploymentSpec(
+        name,
+        kt.Compute(
+            backend="kubernetes", secrets=list(secrets), launch_timeout=60, **compute
+        ).distribute(workers=2),
+    )
 
 
 def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -102,16 +122,28 @@ def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ---- manifests ---------------------------------------------------------------------------------
 
-def test_kubetorch_form_plan_is_valid_and_holds_placeholders_only(monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_kubetorch_form_plan_is_valid_and_holds_placeholders_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     put(".aws/credentials", f"[default]\naws_secret_access_key = {VALUE}\n")
     put(".aws/config", "[default]\n")
     put(".kube/config", f"token: {VALUE}\n")
     put(".ssh/id_ed25519", VALUE)
     put(".config/gcloud/application_default_credentials.json", f'{{"secret": "{VALUE}"}}')
     monkeypatch.setenv("HF_TOKEN", VALUE)
-    compute = kt.Compute(backend="kubernetes", secrets=[
-        "aws", "kubeconfig", "ssh", "gcp", "huggingface", "existing-one",
-        kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})])
+    compute = kt.Compute(
+        backend="kubernetes",
+        secrets=[
+            "aws",
+            "kubeconfig",
+            "ssh",
+            "gcp",
+            "huggingface",
+            "existing-one",
+            kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE}),
+        ],
+    )
     plan = kt.fn(len).to(compute, name=NAME, dryrun=True)
     text = str(plan)
     assert VALUE not in text
@@ -119,33 +151,57 @@ def test_kubetorch_form_plan_is_valid_and_holds_placeholders_only(monkeypatch: p
         for version in VERSIONS:
             kubernetes_validate.validate(obj, version, strict=True)
     made = {o["metadata"]["name"]: o for o in plan.manifests if o["kind"] == "Secret"}
-    assert sorted(made) == sorted([f"{NAME}-token", *(f"{NAME}-secret-{k}" for k in
-                                   ("aws", "kubeconfig", "ssh", "gcp", "huggingface", "db"))])
+    assert sorted(made) == sorted(
+        [
+            f"{NAME}-token",
+            *(
+                f"{NAME}-secret-{k}"
+                for k in ("aws", "kubeconfig", "ssh", "gcp", "huggingface", "db")
+            ),
+        ]
+    )
     aws = made[f"{NAME}-secret-aws"]
     size = len(f"[default]\naws_secret_access_key = {VALUE}\n")
     assert aws["stringData"]["credentials"] == f"<redacted: {size} bytes from ~/.aws/credentials>"
-    assert aws["metadata"]["labels"] == {**km.labels(NAME), km.SECRET_LABEL: "aws"} and aws["type"] == "Opaque"
-    assert made[f"{NAME}-secret-huggingface"]["stringData"] == {"HF_TOKEN": f"<redacted: {len(VALUE)} bytes from $HF_TOKEN>"}
+    assert (
+        aws["metadata"]["labels"] == {**km.labels(NAME), km.SECRET_LABEL: "aws"}
+        and aws["type"] == "Opaque"
+    )
+    assert made[f"{NAME}-secret-huggingface"]["stringData"] == {
+        "HF_TOKEN": f"<redacted: {len(VALUE)} bytes from $HF_TOKEN>"
+    }
     assert "existing-one" not in made  # reused, never made
 
     c = container(plan.manifests)
     env = {e["name"]: e for e in c["env"]}
-    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": f"{NAME}-secret-huggingface", "key": "HF_TOKEN"}}
-    assert env["DB_PASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": f"{NAME}-secret-db", "key": "DB_PASSWORD"}}
+    assert env["HF_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": f"{NAME}-secret-huggingface", "key": "HF_TOKEN"}
+    }
+    assert env["DB_PASSWORD"]["valueFrom"] == {
+        "secretKeyRef": {"name": f"{NAME}-secret-db", "key": "DB_PASSWORD"}
+    }
     assert env["AWS_SHARED_CREDENTIALS_FILE"]["value"] == "/root/.aws/credentials"
     assert env["AWS_CONFIG_FILE"]["value"] == "/root/.aws/config"
     assert env["KUBECONFIG"]["value"] == "/root/.kube/config"
-    assert env["GOOGLE_APPLICATION_CREDENTIALS"]["value"] == "/root/.config/gcloud/application_default_credentials.json"
+    assert (
+        env["GOOGLE_APPLICATION_CREDENTIALS"]["value"]
+        == "/root/.config/gcloud/application_default_credentials.json"
+    )
     assert c["envFrom"] == [{"secretRef": {"name": "existing-one"}}]
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-    assert mounts["/root/.aws/credentials"]["subPath"] == "credentials" and mounts["/root/.aws/credentials"]["readOnly"]
+    assert (
+        mounts["/root/.aws/credentials"]["subPath"] == "credentials"
+        and mounts["/root/.aws/credentials"]["readOnly"]
+    )
     assert mounts["/root/.ssh/id_ed25519"]["subPath"] == "id_ed25519"
     sts = next(o for o in plan.manifests if o["kind"] == "StatefulSet")
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"] if "secret" in v}
     aws_volume = volumes[mounts["/root/.aws/credentials"]["name"]]["secret"]
     assert aws_volume["secretName"] == f"{NAME}-secret-aws" and aws_volume["defaultMode"] == 0o400
-    assert aws_volume["items"] == [{"key": "credentials", "path": "credentials", "mode": 0o400},
-                                   {"key": "config", "path": "config", "mode": 0o400}]
+    assert aws_volume["items"] == [
+        {"key": "credentials", "path": "credentials", "mode": 0o400},
+        {"key": "config", "path": "config", "mode": 0o400},
+    ]
     annotations = sts["spec"]["template"]["metadata"]["annotations"]
     assert annotations[km.SECRETS_ANNOTATION] == km.TOKEN_PLACEHOLDER
 
@@ -157,29 +213,62 @@ def test_render_with_a_token_holds_the_values_and_a_keyed_digest() -> None:
         kubernetes_validate.validate(obj, VERSIONS[-1], strict=True)
     db = next(o for o in objects if o["metadata"]["name"] == f"{NAME}-secret-db")
     assert base64.b64decode(db["data"]["DB_PASSWORD"]).decode() == VALUE
-    digest = container(objects) and next(o for o in objects if o["kind"] == "StatefulSet")[
-        "spec"]["template"]["metadata"]["annotations"][km.SECRETS_ANNOTATION]
-    other = km.render(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE + "x"})), "default",
-                      image="img", install="ktlite", token=TOKEN)
-    assert digest != next(o for o in other if o["kind"] == "StatefulSet")[
-        "spec"]["template"]["metadata"]["annotations"][km.SECRETS_ANNOTATION]
+    digest = (
+        container(objects)
+        and next(o for o in objects if o["kind"] == "StatefulSet")["spec"]["template"]["metadata"][
+            "annotations"
+        ][km.SECRETS_ANNOTATION]
+    )
+    other = km.render(
+        spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE + "x"})),
+        "default",
+        image="img",
+        install="ktlite",
+        token=TOKEN,
+    )
+    assert (
+        digest
+        != next(o for o in other if o["kind"] == "StatefulSet")["spec"]["template"]["metadata"][
+            "annotations"
+        ][km.SECRETS_ANNOTATION]
+    )
     assert VALUE not in digest and len(digest) == 16
 
 
 def test_a_secret_of_another_namespace_is_refused() -> None:
     with pytest.raises(kt.ConfigError, match="own namespace"):
-        km.render(spec(kt.secret(name="db", env_vars={"A": "1"}, namespace="other")), "default",
-                  image="img", install="ktlite")
+        km.render(
+            spec(kt.secret(name="db", env_vars={"A": "1"}, namespace="other")),
+            "default",
+            image="img",
+            install="ktlite",
+        )
 
 
 # ---- the backend against the fake API server -----------------------------------------------------
 
+
 def test_apply_makes_labelled_secrets_and_teardown_deletes_only_those(cluster: Cluster) -> None:
     put(".aws/credentials", "[default]\nkey = 1\n")
-    cluster.fake.create("secrets", "default", {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "shared"},
-                                                      "stringData": {"TEAM_TOKEN": "t"}})
-    cluster.backend.apply(spec("aws", "shared", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})), TOKEN)
-    assert sorted(cluster.secrets()) == [f"{NAME}-secret-aws", f"{NAME}-secret-db", f"{NAME}-token", "shared"]
+    cluster.fake.create(
+        "secrets",
+        "default",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "shared"},
+            "stringData": {"TEAM_TOKEN": "t"},
+        },
+    )
+    cluster.backend.apply(
+        spec("aws", "shared", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})), TOKEN
+    )
+    assert sorted(cluster.secrets()) == [
+        f"{NAME}-secret-aws",
+        f"{NAME}-secret-db",
+        f"{NAME}-token",
+        "shared",
+    ]
     assert cluster.data(f"{NAME}-secret-db") == {"DB_PASSWORD": VALUE}
     assert cluster.data(f"{NAME}-secret-aws") == {"credentials": "[default]\nkey = 1\n"}
     assert cluster.secrets()[f"{NAME}-secret-db"]["metadata"]["labels"][km.NAME_LABEL] == NAME
@@ -189,41 +278,60 @@ def test_apply_makes_labelled_secrets_and_teardown_deletes_only_those(cluster: C
     assert sorted(cluster.secrets()) == ["shared"], "the user's own Secret stays"
 
 
-def test_an_unchanged_redeploy_writes_nothing_and_a_changed_value_rolls_the_pods(cluster: Cluster) -> None:
+def test_an_unchanged_redeploy_writes_nothing_and_a_changed_value_rolls_the_pods(
+    cluster: Cluster,
+) -> None:
     cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": "one"})), TOKEN)
     uids, since = cluster.uids(), len(cluster.fake.requests)
     cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": "one"})), TOKEN)
     assert cluster.writes(since) == [] and cluster.uids() == uids
 
-    applied = cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": "two"})), TOKEN)
+    applied = cluster.backend.apply(
+        spec(kt.secret(name="db", env_vars={"DB_PASSWORD": "two"})), TOKEN
+    )
     assert cluster.data(f"{NAME}-secret-db") == {"DB_PASSWORD": "two"}
     assert ("PUT", f"/api/v1/namespaces/default/secrets/{NAME}-secret-db") in cluster.writes(since)
     assert sorted(applied.restarted) == [0, 1] and not set(cluster.uids()) & set(uids)
 
 
 def test_a_secret_no_longer_named_is_deleted_on_redeploy(cluster: Cluster) -> None:
-    cluster.backend.apply(spec(kt.secret(name="a", env_vars={"A": "1"}), kt.secret(name="b", env_vars={"B": "2"})),
-                          TOKEN)
+    cluster.backend.apply(
+        spec(kt.secret(name="a", env_vars={"A": "1"}), kt.secret(name="b", env_vars={"B": "2"})),
+        TOKEN,
+    )
     cluster.backend.apply(spec(kt.secret(name="a", env_vars={"A": "1"})), TOKEN)
     assert sorted(cluster.secrets()) == [f"{NAME}-secret-a", f"{NAME}-token"]
 
 
 def test_a_foreign_secret_of_that_name_needs_override(cluster: Cluster) -> None:
-    cluster.fake.create("secrets", "default", {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{NAME}-secret-db"},
-                                                      "stringData": {"DB_PASSWORD": "theirs"}})
+    cluster.fake.create(
+        "secrets",
+        "default",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": f"{NAME}-secret-db"},
+            "stringData": {"DB_PASSWORD": "theirs"},
+        },
+    )
     since = len(cluster.fake.requests)
     with pytest.raises(kt.ConfigError, match="override=True"):
         cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})), TOKEN)
     assert cluster.writes(since) == [], "nothing is made before the clash is found"
-    cluster.backend.apply(spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE}, override=True)), TOKEN)
+    cluster.backend.apply(
+        spec(kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE}, override=True)), TOKEN
+    )
     assert cluster.data(f"{NAME}-secret-db") == {"DB_PASSWORD": VALUE}
     assert cluster.secrets()[f"{NAME}-secret-db"]["metadata"]["labels"][km.NAME_LABEL] == NAME
 
 
-@pytest.mark.parametrize(("secret", "message"), [
-    ("not-there", "does not exist in namespace 'default'"),
-    ("aws", "provider 'aws' found nothing"),
-])
+@pytest.mark.parametrize(
+    ("secret", "message"),
+    [
+        ("not-there", "does not exist in namespace 'default'"),
+        ("aws", "provider 'aws' found nothing"),
+    ],
+)
 def test_refused_before_anything_is_made(cluster: Cluster, secret: str, message: str) -> None:
     with pytest.raises(kt.ConfigError, match=message):
         cluster.backend.apply(spec(secret), TOKEN)

@@ -52,23 +52,40 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("KTLITE_HOME", str(tmp_path / "ktlite-home"))
     for env, _, _ in config.KEYS.values():
         monkeypatch.delenv(env, raising=False)
-    for env in ("KTLITE_STORE_SIZE", "KTLITE_STORE_STORAGE_CLASS", "KTLITE_STORE_TIMEOUT",
-                "KTLITE_POD_IPS_FILE"):
+    for env in (
+        "KTLITE_STORE_SIZE",
+        "KTLITE_STORE_STORAGE_CLASS",
+        "KTLITE_STORE_TIMEOUT",
+        "KTLITE_POD_IPS_FILE",
+    ):
         monkeypatch.delenv(env, raising=False)
 
 
 # ---- the objects (pure) ------------------------------------------------------------------------
 
+
 def test_render_names_objects_and_keeps_the_token_out_of_the_plan() -> None:
-    objs = ks.render("team", image="img:1", install="ktlite==0.1.0", token=None, size="5Gi",
-                     storage_class="fast", pull_policy="Never")
+    objs = ks.render(
+        "team",
+        image="img:1",
+        install="ktlite==0.1.0",
+        token=None,
+        size="5Gi",
+        storage_class="fast",
+        pull_policy="Never",
+    )
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
-        ("Secret", "ktlite-store-token"), ("PersistentVolumeClaim", "ktlite-store"),
-        ("StatefulSet", "ktlite-store")]
+        ("Secret", "ktlite-store-token"),
+        ("PersistentVolumeClaim", "ktlite-store"),
+        ("StatefulSet", "ktlite-store"),
+    ]
     secret, claim, sts = objs
     assert secret["stringData"]["token"] == km.TOKEN_PLACEHOLDER
-    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "5Gi"}},
-                             "storageClassName": "fast"}
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "5Gi"}},
+        "storageClassName": "fast",
+    }
     for obj in objs:
         labels = obj["metadata"]["labels"]
         assert labels[ks.LABEL] == ks.NAME
@@ -76,7 +93,10 @@ def test_render_names_objects_and_keeps_the_token_out_of_the_plan() -> None:
         assert km.NAME_LABEL not in labels and "app.kubernetes.io/managed-by" not in labels
     container = sts["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
-    assert env["KTLITE_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ktlite-store-token", "key": "token"}
+    assert env["KTLITE_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ktlite-store-token",
+        "key": "token",
+    }
     assert env["KTLITE_STORE_ROOT"]["value"] == ks.ROOT
     assert container["imagePullPolicy"] == "Never" and container["image"] == "img:1"
     assert {"name": "data", "mountPath": ks.ROOT} in container["volumeMounts"]
@@ -84,6 +104,7 @@ def test_render_names_objects_and_keeps_the_token_out_of_the_plan() -> None:
 
 
 # ---- against the fake API server ------------------------------------------------------------------
+
 
 @pytest.fixture
 def store_server(tmp_path: Path) -> Iterator[str]:
@@ -98,11 +119,25 @@ def store_server(tmp_path: Path) -> Iterator[str]:
     def start(token: str) -> str:
         nonlocal proc
         env = {**os.environ, "KTLITE_STORE_ROOT": str(tmp_path / "pvc"), "KTLITE_TOKEN": token}
-        proc = subprocess.Popen([sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port",
-                                 str(port), "--ready-file", str(ready)], env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ktlite_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--ready-file",
+                str(ready),
+            ],
+            env=env,
+        )
         deadline = time.monotonic() + 30
         while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the store server did not start"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the store server did not start"
+            )
             time.sleep(0.05)
         return f"http://127.0.0.1:{port}"
 
@@ -116,11 +151,17 @@ class Cluster:
     def __init__(self, behavior: kf.PodBehavior | None = None, **options: Any) -> None:
         self.clock = kf.FakeClock()
         self.fake = kf.FakeKube(token=API_TOKEN, pod_behavior=behavior, clock=self.clock, **options)
-        self.http = httpx.Client(transport=self.fake, base_url=HOST,
-                                 headers={"authorization": f"Bearer {API_TOKEN}"})
+        self.http = httpx.Client(
+            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
+        )
         self.out = io.StringIO()
-        self.backend = KubernetesBackend(self.http, ClusterInfo(HOST, "fake", "default", False),
-                                         out=self.out, clock=self.clock, sleep=self.clock.advance)
+        self.backend = KubernetesBackend(
+            self.http,
+            ClusterInfo(HOST, "fake", "default", False),
+            out=self.out,
+            clock=self.clock,
+            sleep=self.clock.advance,
+        )
         self.store = ks.KubeStore(self.backend)
         self.clients = [self.http]
 
@@ -147,8 +188,13 @@ class Cluster:
             if not url:
                 url.append(start(self.token()))
             target = httpx.URL(url[0]).copy_with(path=request.url.path, query=request.url.query)
-            return forward.send(httpx.Request(request.method, target, headers=request.headers,
-                                              content=request.content), stream=True)
+            return forward.send(
+                httpx.Request(
+                    request.method, target, headers=request.headers, content=request.content
+                ),
+                stream=True,
+            )
+
         self.fake.proxy_handlers[(ks.POD, km.SERVER_PORT)] = handler
 
 
@@ -159,6 +205,7 @@ def make_cluster() -> Iterator[Callable[..., Cluster]]:
     def make(behavior: kf.PodBehavior | None = None, **options: Any) -> Cluster:
         made.append(Cluster(behavior, **options))
         return made[-1]
+
     yield make
     for c in made:
         c.close()
@@ -167,14 +214,19 @@ def make_cluster() -> Iterator[Callable[..., Cluster]]:
 @pytest.fixture
 def cluster(make_cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch) -> Cluster:
     c = make_cluster()
-    monkeypatch.setattr(KubernetesBackend, "shared", classmethod(lambda cls, namespace=None: c.backend))
+    monkeypatch.setattr(
+        KubernetesBackend, "shared", classmethod(lambda cls, namespace=None: c.backend)
+    )
     return c
 
 
 def test_first_put_creates_the_store_and_everything_goes_through_the_pod_proxy(
-        cluster: Cluster, store_server: Callable[[str], str], tmp_path: Path) -> None:
+    cluster: Cluster, store_server: Callable[[str], str], tmp_path: Path
+) -> None:
     assert kt.ls(backend="kubernetes") == []  # no store: nothing listed, nothing created
-    with pytest.raises(DataStoreError, match="no data store in namespace 'default' yet: kt.put creates it"):
+    with pytest.raises(
+        DataStoreError, match="no data store in namespace 'default' yet: kt.put creates it"
+    ):
         kt.get("k", backend="kubernetes")
     assert cluster.names("statefulsets") == [] and cluster.names("persistentvolumeclaims") == []
     cluster.serve(store_server)
@@ -187,7 +239,9 @@ def test_first_put_creates_the_store_and_everything_goes_through_the_pod_proxy(
     assert "creating the data store in namespace 'default'" in cluster.out.getvalue()
     since = len(cluster.fake.requests)
     kt.put("data/obj", {"a": 1}, backend="kubernetes")
-    assert not [r for r in cluster.fake.requests[since:] if r.method == "POST" and "/proxy" not in r.path]
+    assert not [
+        r for r in cluster.fake.requests[since:] if r.method == "POST" and "/proxy" not in r.path
+    ]
     assert kt.get("data/obj", backend="kubernetes") == {"a": 1}
     out = kt.get("data/big", tmp_path / "out.bin", backend="kubernetes")
     assert hashlib.sha256(out.read_bytes()).digest() == hashlib.sha256(big.read_bytes()).digest()
@@ -196,11 +250,15 @@ def test_first_put_creates_the_store_and_everything_goes_through_the_pod_proxy(
     assert kt.ls(backend="kubernetes") == []
     # every store request went through the API server's pod proxy, with the store token
     proxied = [r for r in cluster.fake.requests if "/proxy/store/v1/" in r.path]
-    assert proxied and all(r.headers.get("x-ktlite-token") == f"Bearer {cluster.token()}" for r in proxied)
+    assert proxied and all(
+        r.headers.get("x-ktlite-token") == f"Bearer {cluster.token()}" for r in proxied
+    )
     assert cluster.token() not in cluster.out.getvalue()
 
 
-def test_ensure_is_idempotent_and_hands_off_the_pod_ip(cluster: Cluster, store_server: Callable[[str], str]) -> None:
+def test_ensure_is_idempotent_and_hands_off_the_pod_ip(
+    cluster: Cluster, store_server: Callable[[str], str]
+) -> None:
     assert ks.handoff(cluster.backend) == {"url": None, "namespace": "default"}
     cluster.serve(store_server)
     first = cluster.store.ensure(timeout=30)
@@ -211,11 +269,17 @@ def test_ensure_is_idempotent_and_hands_off_the_pod_ip(cluster: Cluster, store_s
     assert first.token not in repr(first)
     ip = cluster.fake.get("pods", "default", ks.POD)["status"]["podIP"]  # type: ignore[index]
     info = ks.handoff(cluster.backend)
-    assert info == {"url": f"http://{ip}:{km.SERVER_PORT}", "token": cluster.token(), "pod": ks.POD,
-                    "namespace": "default"}
+    assert info == {
+        "url": f"http://{ip}:{km.SERVER_PORT}",
+        "token": cluster.token(),
+        "pod": ks.POD,
+        "namespace": "default",
+    }
 
 
-def test_a_claim_that_never_binds_is_named(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_claim_that_never_binds_is_named(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KTLITE_STORE_STORAGE_CLASS", "does-not-exist-sc")
     with pytest.raises(DataStoreError) as err:
         cluster.store.ensure(timeout=60)
@@ -225,37 +289,62 @@ def test_a_claim_that_never_binds_is_named(cluster: Cluster, monkeypatch: pytest
     assert cluster.clock() < 30  # failed early, not at the timeout
 
 
-def test_a_claim_still_pending_at_the_timeout_is_named(make_cluster: Callable[..., Cluster]) -> None:
+def test_a_claim_still_pending_at_the_timeout_is_named(
+    make_cluster: Callable[..., Cluster],
+) -> None:
     c = make_cluster(pvc_bind_seconds=10_000)
-    with pytest.raises(DataStoreError, match="PersistentVolumeClaim 'ktlite-store' in namespace 'default' "
-                       "was not bound after 20s.*describe pvc ktlite-store"):
+    with pytest.raises(
+        DataStoreError,
+        match="PersistentVolumeClaim 'ktlite-store' in namespace 'default' "
+        "was not bound after 20s.*describe pvc ktlite-store",
+    ):
         c.store.ensure(timeout=20)
 
 
 def test_an_image_that_cannot_be_pulled_fails_early(make_cluster: Callable[..., Cluster]) -> None:
     c = make_cluster(lambda pod: [(0, kf.pending()), (2, kf.err_image_pull())])
-    with pytest.raises(DataStoreError, match="the data store cannot start: pod ktlite-store-0.*ErrImagePull"):
+    with pytest.raises(
+        DataStoreError, match="the data store cannot start: pod ktlite-store-0.*ErrImagePull"
+    ):
         c.store.ensure(timeout=300)
     assert c.clock() < 60
 
 
 def test_a_store_server_that_exits_shows_its_log(make_cluster: Callable[..., Cluster]) -> None:
-    c = make_cluster(lambda pod: [(0, kf.pending()), (2, kf.terminated_error(
-        exit_code=1, logs="OSError: [Errno 98] Address already in use\n"))])
-    with pytest.raises(DataStoreError, match="(?s)exited while starting.*last lines of its log:\n"
-                       "OSError: \\[Errno 98\\] Address already in use"):
+    c = make_cluster(
+        lambda pod: [
+            (0, kf.pending()),
+            (
+                2,
+                kf.terminated_error(
+                    exit_code=1, logs="OSError: [Errno 98] Address already in use\n"
+                ),
+            ),
+        ]
+    )
+    with pytest.raises(
+        DataStoreError,
+        match="(?s)exited while starting.*last lines of its log:\n"
+        "OSError: \\[Errno 98\\] Address already in use",
+    ):
         c.store.ensure(timeout=300)
 
 
 def test_a_pod_that_never_answers_times_out_saying_what_was_awaited(
-        make_cluster: Callable[..., Cluster]) -> None:
+    make_cluster: Callable[..., Cluster],
+) -> None:
     c = make_cluster()  # ready, but no server behind the proxy
-    with pytest.raises(DataStoreError, match="pod ktlite-store-0 in namespace 'default' was not ready after "
-                       "15s.*kubectl -n default describe pod ktlite-store-0"):
+    with pytest.raises(
+        DataStoreError,
+        match="pod ktlite-store-0 in namespace 'default' was not ready after "
+        "15s.*kubectl -n default describe pod ktlite-store-0",
+    ):
         c.store.ensure(timeout=15)
 
 
-def test_teardown_of_a_deployment_leaves_the_store(cluster: Cluster, store_server: Callable[[str], str]) -> None:
+def test_teardown_of_a_deployment_leaves_the_store(
+    cluster: Cluster, store_server: Callable[[str], str]
+) -> None:
     cluster.serve(store_server)
     cluster.store.ensure(timeout=30)
     assert cluster.backend.list() == []  # the store is no deployment
@@ -368,14 +457,19 @@ def test_a_failed_store_keeps_a_claim_from_before_and_names_the_commands_for_wha
 
 # ---- end to end on the stand-in cluster (real servers behind the pods) ------------------------------
 
+
 @pytest.fixture
 def harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("the stand-in cluster's pods need root and unshare")
     with open(tmp_path / "harness.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "kube_harness.py"), str(tmp_path)],
-                                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
-                                env={**os.environ, "KTLITE_HARNESS_PVC_BIND_S": "1.0"})
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "kube_harness.py"), str(tmp_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+            env={**os.environ, "KTLITE_HARNESS_PVC_BIND_S": "1.0"},
+        )
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "kubeconfig").exists():
@@ -402,19 +496,26 @@ def _in_rank(tag: str) -> dict[str, Any]:
 
     import ktlite as kt
     from ktlite.errors import DataStoreError
+
     rank = int(os.environ["RANK"])
     try:
         kt.put(f"{tag}/rank-{rank}", {"rank": rank})
         path = kt.get(f"{tag}/tree", f"/tmp/{tag}-{rank}")
-        return {"rank": rank, "config": kt.get(f"{tag}/config"),
-                "files": sorted(p.name for p in path.iterdir())}
+        return {
+            "rank": rank,
+            "config": kt.get(f"{tag}/config"),
+            "files": sorted(p.name for p in path.iterdir()),
+        }
     except DataStoreError as e:
         return {"rank": rank, "error": str(e)}
 
 
 @pytest.mark.timeout(240)
-def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(harness: Path, tmp_path: Path) -> None:
+def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(
+    harness: Path, tmp_path: Path
+) -> None:
     from ktlite.backends.kube_api import KubeApi, load
+
     tag = f"t{uuid.uuid4().hex[:6]}"
     tree = tmp_path / "tree"
     (tree / "sub").mkdir(parents=True)
@@ -424,7 +525,8 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(harness: Path, tmp
     kt.put(f"{tag}/tree", tree)
     closing: list[httpx.Client] = []
     remote = kt.fn(_in_rank, name=f"st-{tag}").to(
-        kt.Compute(cpus=0.1, launch_timeout=120).distribute("spmd", workers=2))
+        kt.Compute(cpus=0.1, launch_timeout=120).distribute("spmd", workers=2)
+    )
     try:
         results = remote(tag)
         assert [r.get("error") for r in results] == [None, None]
@@ -440,8 +542,11 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(harness: Path, tmp
         deadline = time.monotonic() + 60
         while True:
             pod = api.get("Pod", ks.POD)
-            if pod and (pod.get("status") or {}).get("podIP") not in (None, old_ip) \
-                    and not pod["metadata"].get("deletionTimestamp"):
+            if (
+                pod
+                and (pod.get("status") or {}).get("podIP") not in (None, old_ip)
+                and not pod["metadata"].get("deletionTimestamp")
+            ):
                 break
             assert time.monotonic() < deadline, "the store pod was not replaced"
             time.sleep(0.2)
@@ -449,7 +554,8 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(harness: Path, tmp
         stale = remote(tag)
         assert all(old_ip in r["error"] and "call .to() again" in r["error"] for r in stale), stale
         remote = kt.fn(_in_rank, name=f"st-{tag}").to(
-            kt.Compute(cpus=0.1, launch_timeout=120).distribute("spmd", workers=2))
+            kt.Compute(cpus=0.1, launch_timeout=120).distribute("spmd", workers=2)
+        )
         assert [r.get("error") for r in remote(tag)] == [None, None]
     finally:
         remote.teardown()
@@ -459,12 +565,17 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(harness: Path, tmp
     # the CLI: status names the store's current address; teardown keeps the data's claim
     status = _cli("store", "status")
     new_ip = api.get("Pod", ks.POD)["status"]["podIP"]  # type: ignore[index]
-    assert status.returncode == 0 and f"http://{new_ip}:{km.SERVER_PORT}" in status.stdout, status.stderr
+    assert status.returncode == 0 and f"http://{new_ip}:{km.SERVER_PORT}" in status.stdout, (
+        status.stderr
+    )
     assert _cli("put", "cli/k", "--value", "v").returncode == 0
     assert json.loads(_cli("get", "cli/k").stdout) == "v"
     down = _cli("store", "teardown")
     assert "torn down (its PersistentVolumeClaim and data are kept" in down.stdout
-    assert api.get("StatefulSet", ks.NAME) is None and api.get("PersistentVolumeClaim", ks.CLAIM) is not None
+    assert (
+        api.get("StatefulSet", ks.NAME) is None
+        and api.get("PersistentVolumeClaim", ks.CLAIM) is not None
+    )
     assert "none" in _cli("store", "status").stdout
     with pytest.raises(DataStoreError, match="no data store in namespace 'default' yet"):
         kt.get("cli/k")
@@ -500,5 +611,10 @@ def test_a_store_whose_install_fails_leaves_nothing_and_the_next_attempt_works(
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ktlite.commands.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ))
+    return subprocess.run(
+        [sys.executable, "-m", "ktlite.commands.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )

@@ -48,8 +48,13 @@ class Model:
 
 
 def _render(compute: kt.Compute) -> list[dict[str, Any]]:
-    objs = km.render(DeploymentSpec(name="compat", compute=compute), "default", image="python:3.11-slim",
-                     install="ktlite", token=None)
+    objs = km.render(
+        DeploymentSpec(name="compat", compute=compute),
+        "default",
+        image="python:3.11-slim",
+        install="ktlite",
+        token=None,
+    )
     for obj in objs:
         kubernetes_validate.validate(obj, kubernetes_validate.utils.latest_version(), strict=True)
     return objs
@@ -70,45 +75,73 @@ def _env(objs: list[dict[str, Any]]) -> dict[str, str]:
 
 # ---- images ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("preset", "image_id"), [
-    (lambda: kt.images.Debian(), "debian:bookworm-slim"),
-    (lambda: kt.images.debian(), "debian:bookworm-slim"),
-    (lambda: kt.images.Ubuntu(), "ubuntu:24.04"),
-    (lambda: kt.images.ubuntu(), "ubuntu:24.04"),
-    (lambda: kt.images.Python310(), "python:3.10-slim"),
-    (lambda: kt.images.Python311(), "python:3.11-slim"),
-    (lambda: kt.images.Python312(), "python:3.12-slim"),
-    (lambda: kt.images.python("3.12"), "python:3.12-slim"),
-    (lambda: kt.images.Ray(), "rayproject/ray:2.60.0-py311"),
-    (lambda: kt.images.ray(), "rayproject/ray:2.60.0-py311"),
-    (lambda: kt.images.Pytorch2312(), "nvcr.io/nvidia/pytorch:23.12-py3"),
-], ids=["Debian", "debian", "Ubuntu", "ubuntu", "Python310", "Python311", "Python312", "python",
-        "Ray", "ray", "Pytorch2312"])
+
+@pytest.mark.parametrize(
+    ("preset", "image_id"),
+    [
+        (lambda: kt.images.Debian(), "debian:bookworm-slim"),
+        (lambda: kt.images.debian(), "debian:bookworm-slim"),
+        (lambda: kt.images.Ubuntu(), "ubuntu:24.04"),
+        (lambda: kt.images.ubuntu(), "ubuntu:24.04"),
+        (lambda: kt.images.Python310(), "python:3.10-slim"),
+        (lambda: kt.images.Python311(), "python:3.11-slim"),
+        (lambda: kt.images.Python312(), "python:3.12-slim"),
+        (lambda: kt.images.python("3.12"), "python:3.12-slim"),
+        (lambda: kt.images.Ray(), "rayproject/ray:2.60.0-py311"),
+        (lambda: kt.images.ray(), "rayproject/ray:2.60.0-py311"),
+        (lambda: kt.images.Pytorch2312(), "nvcr.io/nvidia/pytorch:23.12-py3"),
+    ],
+    ids=[
+        "Debian",
+        "debian",
+        "Ubuntu",
+        "ubuntu",
+        "Python310",
+        "Python311",
+        "Python312",
+        "python",
+        "Ray",
+        "ray",
+        "Pytorch2312",
+    ],
+)
 def test_kubetorch_image_presets(preset: Any, image_id: str) -> None:
     image = preset()
     assert isinstance(image, kt.Image) and image.image_id == image_id
-    assert _container(_render(kt.Compute(image=image)))["image"] == "python:3.11-slim"  # render's own
+    assert (
+        _container(_render(kt.Compute(image=image)))["image"] == "python:3.11-slim"
+    )  # render's own
     assert image.pip_install(["numpy"]).run_bash("echo hi").image_id == image_id
 
 
 def test_kubetorch_image_methods_and_arguments(tmp_path: Path) -> None:
-    image = (kt.Image(image_id="python:3.12-slim", name="trainer", python_path="/usr/local/bin/python3",
-                      install_cmd="uv pip install --system")
-             .from_docker("python:3.11-slim")
-             .pip_install(["numpy"], force=True)
-             .run_bash("echo ready", force=True)
-             .set_env_vars({"STAGE": "dev"}))
+    image = (
+        kt.Image(
+            image_id="python:3.12-slim",
+            name="trainer",
+            python_path="/usr/local/bin/python3",
+            install_cmd="uv pip install --system",
+        )
+        .from_docker("python:3.11-slim")
+        .pip_install(["numpy"], force=True)
+        .run_bash("echo ready", force=True)
+        .set_env_vars({"STAGE": "dev"})
+    )
     assert image.image_id == "python:3.11-slim" and image.name == "trainer"
     env = _env(_render(kt.Compute(image=image)))
     assert env["KTLITE_PYTHON"] == "/usr/local/bin/python3"
     assert env["KTLITE_PIP_CMD"] == "uv pip install --system"
-    assert json.loads(env["KTLITE_SETUP"]) == [["pip_install", ["--force-reinstall", "numpy"]],
-                                               ["run_bash", "echo ready"]]
+    assert json.loads(env["KTLITE_SETUP"]) == [
+        ["pip_install", ["--force-reinstall", "numpy"]],
+        ["run_bash", "echo ready"],
+    ]
     assert env["STAGE"] == "dev"
 
     dockerfile = tmp_path / "Dockerfile"
-    dockerfile.write_text("# base\nFROM python:3.12-slim\nENV A=1 B=two\nRUN pip install numpy && \\\n"
-                          "    echo done\nENV C 3\n")
+    dockerfile.write_text(
+        "# base\nFROM python:3.12-slim\nENV A=1 B=two\nRUN pip install numpy && \\\n"
+        "    echo done\nENV C 3\n"
+    )
     built = kt.Image.from_dockerfile(str(dockerfile))
     assert built.image_id == "python:3.12-slim"
     assert built.env == {"A": "1", "B": "two", "C": "3"}
@@ -116,8 +149,11 @@ def test_kubetorch_image_methods_and_arguments(tmp_path: Path) -> None:
     dockerfile.write_text("FROM python:3.12-slim\nCOPY . /app\n")
     with pytest.raises(NotImplementedError, match="COPY"):
         kt.Image.from_dockerfile(str(dockerfile))
-    for refused in (lambda: image.sync_package("mypkg"), lambda: image.copy("data/", "/data"),
-                    lambda: image.rsync("data/")):
+    for refused in (
+        lambda: image.sync_package("mypkg"),
+        lambda: image.copy("data/", "/data"),
+        lambda: image.rsync("data/"),
+    ):
         with pytest.raises(NotImplementedError, match="kt.put|pip_install"):
             refused()
     with pytest.raises(kt.ConfigError, match="python_path"):
@@ -126,11 +162,26 @@ def test_kubetorch_image_methods_and_arguments(tmp_path: Path) -> None:
 
 # ---- Compute ------------------------------------------------------------------------------------
 
+
 def test_kubetorch_compute_forms_none_and_string_gpus() -> None:
-    compute = kt.Compute(cpus="0.5", memory="1Gi", gpus="1", tolerations=None, env_vars=None,
-                         labels=None, annotations=None, volumes=None, node_selector=None, secrets=None,
-                         image=None, namespace=None, inactivity_ttl=None, launch_timeout=None,
-                         image_pull_policy=None, gpu_type=None)
+    compute = kt.Compute(
+        cpus="0.5",
+        memory="1Gi",
+        gpus="1",
+        tolerations=None,
+        env_vars=None,
+        labels=None,
+        annotations=None,
+        volumes=None,
+        node_selector=None,
+        secrets=None,
+        image=None,
+        namespace=None,
+        inactivity_ttl=None,
+        launch_timeout=None,
+        image_pull_policy=None,
+        gpu_type=None,
+    )
     assert compute.gpus == 1 and compute.tolerations == () and compute.env == {}
     assert compute.launch_timeout == 600.0
     assert kt.Compute(gpus=None).gpus == 0
@@ -139,12 +190,21 @@ def test_kubetorch_compute_forms_none_and_string_gpus() -> None:
 
 
 def test_kubetorch_compute_field_names_render() -> None:
-    compute = kt.Compute(cpus=1, priority_class_name="high", service_account_name="trainer",
-                         shared_memory_limit="2Gi", disk_size="20Gi", gpu_memory="16Gi",
-                         working_dir="/workspace", queue_name="team-a", freeze=True,
-                         service_template={"spec": {"template": {"spec": {"hostIPC": True}},
-                                                    "minReadySeconds": 3},
-                                           "metadata": {"labels": {"team": "ml"}}})
+    compute = kt.Compute(
+        cpus=1,
+        priority_class_name="high",
+        service_account_name="trainer",
+        shared_memory_limit="2Gi",
+        disk_size="20Gi",
+        gpu_memory="16Gi",
+        working_dir="/workspace",
+        queue_name="team-a",
+        freeze=True,
+        service_template={
+            "spec": {"template": {"spec": {"hostIPC": True}}, "minReadySeconds": 3},
+            "metadata": {"labels": {"team": "ml"}},
+        },
+    )
     assert compute.priority_class == "high" and compute.service_account == "trainer"
     assert compute.shared_memory == "2Gi"
     objs = _render(compute)
@@ -153,20 +213,31 @@ def test_kubetorch_compute_field_names_render() -> None:
     container = _container(objs)
     assert pod["priorityClassName"] == "high" and pod["serviceAccountName"] == "trainer"
     assert pod["hostIPC"] is True and sts["spec"]["minReadySeconds"] == 3
-    assert sts["metadata"]["labels"]["team"] == "ml" and sts["metadata"]["labels"][km.NAME_LABEL] == "compat"
+    assert (
+        sts["metadata"]["labels"]["team"] == "ml"
+        and sts["metadata"]["labels"][km.NAME_LABEL] == "compat"
+    )
     assert container["resources"]["requests"]["ephemeral-storage"] == "20Gi"
     assert container["workingDir"] == "/workspace"
     assert sts["spec"]["template"]["metadata"]["annotations"][km.GPU_MEMORY_ANNOTATION] == "16Gi"
     assert sts["spec"]["template"]["metadata"]["labels"][km.QUEUE_LABEL] == "team-a"
     assert _env(objs)["KTLITE_FREEZE"] == "1"
     # the template is part of the pod hash: changing it replaces the pods
-    other = _render(kt.Compute(cpus=1, service_template={"spec": {"template": {"spec": {"hostIPC": False}}}}))
-    hashes = {_sts(o)["spec"]["template"]["metadata"]["annotations"][km.HASH_ANNOTATION] for o in (objs, other)}
+    other = _render(
+        kt.Compute(cpus=1, service_template={"spec": {"template": {"spec": {"hostIPC": False}}}})
+    )
+    hashes = {
+        _sts(o)["spec"]["template"]["metadata"]["annotations"][km.HASH_ANNOTATION]
+        for o in (objs, other)
+    }
     assert len(hashes) == 2
     anti = _render(kt.Compute(cpus=1, gpu_anti_affinity=True))
     terms = _sts(anti)["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
     assert "nvidia.com/gpu.present" in json.dumps(terms)
-    assert "affinity" not in _sts(_render(kt.Compute(gpus=1, gpu_anti_affinity=True)))["spec"]["template"]["spec"]
+    assert (
+        "affinity"
+        not in _sts(_render(kt.Compute(gpus=1, gpu_anti_affinity=True)))["spec"]["template"]["spec"]
+    )
 
 
 def test_kubetorch_compute_fields_ktlite_refuses_before_deploying() -> None:
@@ -176,7 +247,9 @@ def test_kubetorch_compute_fields_ktlite_refuses_before_deploying() -> None:
         kt.Compute(endpoint="http://x")
     fixed = kt.Compute(replicas=2)  # may still be distributed; alone: 2 load-balanced replicas
     plan = kt.fn(echo).to(fixed, dryrun=True)
-    assert "autoscaled: 2..2 replicas" in str(plan) and str(plan).count("--pod echo-") == 2, str(plan)
+    assert "autoscaled: 2..2 replicas" in str(plan) and str(plan).count("--pod echo-") == 2, str(
+        plan
+    )
     assert kt.Compute(replicas=2).distribute("pytorch", workers=2).distributed.workers == 2
     with pytest.raises(kt.ConfigError, match="replicas=3"):
         kt.Compute(replicas=3, distributed=kt.Compute().distribute(workers=2).distributed)
@@ -193,14 +266,29 @@ def test_kubetorch_distribute_changes_the_compute_it_is_called_on() -> None:
     assert compute.distributed.workers == 3 and compute.distributed.framework == "pytorch"
     assert compute.distribute(distribution_type="tf", workers=2, num_proc="auto") is compute
     assert compute.distributed.framework == "tensorflow" and compute.distributed.num_proc == 1
-    compute.distribute("spmd", workers=2, quorum_workers=2, quorum_timeout=30, monitor_members=True,
-                       max_threads_per_proc=4, restart_procs=True, tree_fanout=50, tree_minimum=100)
-    assert compute.concurrency == 4 and compute.restart_procs and compute.distributed.quorum_timeout == 30
+    compute.distribute(
+        "spmd",
+        workers=2,
+        quorum_workers=2,
+        quorum_timeout=30,
+        monitor_members=True,
+        max_threads_per_proc=4,
+        restart_procs=True,
+        tree_fanout=50,
+        tree_minimum=100,
+    )
+    assert (
+        compute.concurrency == 4
+        and compute.restart_procs
+        and compute.distributed.quorum_timeout == 30
+    )
     with pytest.raises(kt.ConfigError, match="quorum_workers=1.*all 2"):
         compute.distribute("spmd", workers=2, quorum_workers=1)
     with pytest.raises(kt.ConfigError, match="unknown option"):
         compute.distribute("spmd", workers=2, heterogeneous=True)
-    plan = kt.fn(echo).to(kt.Compute(backend="kubernetes").distribute("pytorch", workers=3), dryrun=True)
+    plan = kt.fn(echo).to(
+        kt.Compute(backend="kubernetes").distribute("pytorch", workers=3), dryrun=True
+    )
     assert _sts(plan.manifests)["spec"]["replicas"] == 3
 
 
@@ -222,17 +310,30 @@ def test_kubetorch_decorator_names_are_normalised() -> None:
 
 # ---- exceptions ---------------------------------------------------------------------------------
 
+
 def test_kubetorch_exception_names_exist_and_mean_the_same() -> None:
     assert issubclass(kt.WorkerMembershipChanged, kt.RankDied)
     assert issubclass(kt.WorkerMembershipChanged, kt.PodUnreachable)
-    err = kt.WorkerMembershipChanged("lost", previous_ips=["10.0.0.1", "10.0.0.2"],
-                                     current_ips=["10.0.0.1", "10.0.0.9"])
+    err = kt.WorkerMembershipChanged(
+        "lost", previous_ips=["10.0.0.1", "10.0.0.2"], current_ips=["10.0.0.1", "10.0.0.9"]
+    )
     assert err.removed_ips == ["10.0.0.2"] and err.added_ips == ["10.0.0.9"]
     oom = kt.PodTerminatedError("boom", pod_name="p-0", reason="OOMKilled")
     assert oom.is_oom and oom.pod_name == "p-0" and isinstance(oom, kt.DeployError)
-    assert kt.ServiceTimeoutError is kt.LaunchTimeout and kt.VersionMismatchError is kt.ProtocolMismatch
-    for name in ("ImagePullError", "ResourceNotAvailableError", "StartupError", "SecretNotFound",
-                 "ControllerRequestError", "PodContainerError", "RsyncError", "KnativeServiceConflictError"):
+    assert (
+        kt.ServiceTimeoutError is kt.LaunchTimeout
+        and kt.VersionMismatchError is kt.ProtocolMismatch
+    )
+    for name in (
+        "ImagePullError",
+        "ResourceNotAvailableError",
+        "StartupError",
+        "SecretNotFound",
+        "ControllerRequestError",
+        "PodContainerError",
+        "RsyncError",
+        "KnativeServiceConflictError",
+    ):
         assert issubclass(getattr(kt, name), kt.DeployError), name
     assert issubclass(kt.KubernetesCredentialsError, kt.ConfigError)
 
@@ -241,20 +342,75 @@ def _pod(status: dict[str, Any]) -> dict[str, Any]:
     return {"metadata": {"name": "job-0"}, "status": status}
 
 
-@pytest.mark.parametrize(("status", "error"), [
-    ({"containerStatuses": [{"image": "nope:1", "state": {"waiting": {"reason": "ErrImagePull",
-                                                                      "message": "not found"}}}]},
-     kt.ImagePullError),
-    ({"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                      "message": "0/1 nodes: Insufficient nvidia.com/gpu"}]}, kt.ResourceNotAvailableError),
-    ({"containerStatuses": [{"state": {"waiting": {"reason": "CreateContainerConfigError",
-                                                   "message": 'secret "aws" not found'}}}]}, kt.SecretNotFound),
-    ({"containerStatuses": [{"state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]},
-     kt.PodTerminatedError),
-    ({"phase": "Failed", "reason": "Evicted", "message": "low on memory"}, kt.PodTerminatedError),
-    ({"containerStatuses": [{"restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                             "lastState": {"terminated": {"exitCode": 1}}}]}, kt.StartupError),
-], ids=["image-pull", "unschedulable", "secret", "oom", "evicted", "crash"])
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (
+            {
+                "containerStatuses": [
+                    {
+                        "image": "nope:1",
+                        "state": {"waiting": {"reason": "ErrImagePull", "message": "not found"}},
+                    }
+                ]
+            },
+            kt.ImagePullError,
+        ),
+        (
+            {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/1 nodes: Insufficient nvidia.com/gpu",
+                    }
+                ]
+            },
+            kt.ResourceNotAvailableError,
+        ),
+        (
+            {
+                "containerStatuses": [
+                    {
+                        "state": {
+                            "waiting": {
+                                "reason": "CreateContainerConfigError",
+                                "message": 'secret "aws" not found',
+                            }
+                        }
+                    }
+                ]
+            },
+            kt.SecretNotFound,
+        ),
+        (
+            {
+                "containerStatuses": [
+                    {"state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}
+                ]
+            },
+            kt.PodTerminatedError,
+        ),
+        (
+            {"phase": "Failed", "reason": "Evicted", "message": "low on memory"},
+            kt.PodTerminatedError,
+        ),
+        (
+            {
+                "containerStatuses": [
+                    {
+                        "restartCount": 3,
+                        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                        "lastState": {"terminated": {"exitCode": 1}},
+                    }
+                ]
+            },
+            kt.StartupError,
+        ),
+    ],
+    ids=["image-pull", "unschedulable", "secret", "oom", "evicted", "crash"],
+)
 def test_kubetorch_deploy_errors_by_kind(status: dict[str, Any], error: type[Exception]) -> None:
     problem = diagnose(_pod(status))
     assert problem is not None and problem.fatal
@@ -266,6 +422,7 @@ def test_kubetorch_deploy_errors_by_kind(status: dict[str, Any], error: type[Exc
 
 
 # ---- module-level names -------------------------------------------------------------------------
+
 
 def test_kubetorch_names_ktlite_refuses_say_what_to_use() -> None:
     for thunk, words in [
@@ -300,18 +457,24 @@ def test_kubetorch_config_object(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def test_kubetorch_cli_commands_ktlite_lacks_are_refused_clearly() -> None:
     for command in ("debug", "port-forward", "apply", "ssh", "volumes", "notebook", "secrets"):
-        out = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", command, "x"], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "ktlite.commands.cli", command, "x"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2, (command, out.stderr)
         assert "Kubetorch's command" in out.stderr and "ktlite" in out.stderr
 
 
 # ---- against real local pods --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def ranks() -> Any:
     remote = kt.fn(rank_info, name=f"compat-ranks-{TAG}").to(
-        kt.Compute(cpus="0.1").distribute("spmd", workers=2, num_proc=1))
+        kt.Compute(cpus="0.1").distribute("spmd", workers=2, num_proc=1)
+    )
     yield remote
     remote.teardown()
 
@@ -375,11 +538,14 @@ def test_kubetorch_reattach_by_name_and_get_if_exists(ranks: Any, model: Any) ->
     with pytest.raises(kt.NotDeployedError, match="no deployment"):
         kt.fn(name=f"never-deployed-{TAG}")
     launch = ranks.status()[0]["launch_id"]
-    same = kt.fn(rank_info).to(kt.Compute(cpus="0.1").distribute("spmd", workers=2), name=ranks.name,
-                               get_if_exists=True)
+    same = kt.fn(rank_info).to(
+        kt.Compute(cpus="0.1").distribute("spmd", workers=2), name=ranks.name, get_if_exists=True
+    )
     assert same.status()[0]["launch_id"] == launch and [r["rank"] for r in same(1)] == [0, 1]
     with pytest.raises(kt.ConfigError, match="get_if_exists"):
-        kt.fn(rank_info).to(kt.Compute().distribute("spmd", workers=3), name=ranks.name, get_if_exists=True)
+        kt.fn(rank_info).to(
+            kt.Compute().distribute("spmd", workers=3), name=ranks.name, get_if_exists=True
+        )
 
 
 def test_kubetorch_decorated_class_is_a_service_handle_and_async(model: Any) -> None:
@@ -406,27 +572,65 @@ def test_kubetorch_distribute_on_a_deployed_compute_copy_is_the_deployments_own(
 
 def test_kubetorch_run_app_script(tmp_path: Path) -> None:
     script = tmp_path / "my_script.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, sys
         import ktlite as kt
 
         kt.app(name="compat-run-{TAG}", cpus="0.1", replicas=2)
         # on each replica: the rest of the script, with the arguments `ktlite run` got
         print(f"replica {{os.environ['NODE_RANK']}} of {{os.environ['WORLD_SIZE']}} args {{sys.argv[1:]}}")
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "server")])}
-    out = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", "run", "python", "my_script.py", "--epochs", "3"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ktlite.commands.cli",
+            "run",
+            "python",
+            "my_script.py",
+            "--epochs",
+            "3",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     for replica in (0, 1):
         assert f"replica {replica} of 2 args ['--epochs', '3']" in out.stdout, out.stdout
     assert "exit codes [0, 0]" in out.stderr
     # run as a plain script, kt.app() returns None and the script goes on here
-    plain = subprocess.run([sys.executable, "my_script.py"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120, env={**env, "NODE_RANK": "x", "WORLD_SIZE": "y"})
+    plain = subprocess.run(
+        [sys.executable, "my_script.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "NODE_RANK": "x", "WORLD_SIZE": "y"},
+    )
     assert plain.returncode == 0 and "replica x of y args []" in plain.stdout, plain.stderr
-    refused = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", "run", "--replicas", "3", "python",
-                              "my_script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ktlite.commands.cli",
+            "run",
+            "--replicas",
+            "3",
+            "python",
+            "my_script.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert refused.returncode == 1 and "kt.app(...)" in refused.stderr
 
 

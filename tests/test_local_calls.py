@@ -33,10 +33,25 @@ from ktlite.backends.processes import pid_alive as alive
 
 # ---- helpers (local side) -----------------------------------------------------------------
 
-RANK_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-             "NODE_RANK", "GROUP_RANK", "POD_IPS", "OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID",
-             "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TF_CONFIG",
-             "KTLITE_POD_NAME", "FOO")
+RANK_KEYS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "POD_IPS",
+    "OMP_NUM_THREADS",
+    "TORCHELASTIC_RUN_ID",
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "TF_CONFIG",
+    "KTLITE_POD_NAME",
+    "FOO",
+)
 
 
 def unique(prefix: str) -> str:
@@ -55,8 +70,6 @@ def server_pids(name: str) -> list[int]:
 
 def rank_pids(remote: Any) -> list[int]:
     return [r["pid"] for pod in remote.status() for r in pod["ranks"]]
-
-
 
 
 def wait_gone(pids: list[int], timeout: float = 3.0) -> list[int]:
@@ -85,9 +98,18 @@ def digest(x: Any) -> str:
 
 # ---- functions that run on the pods --------------------------------------------------------
 
+
 def add_and_env(a, b, *rest, scale=1, **extra):
-    return {"sum": (a + b + sum(rest)) * scale, "a": a, "b": b, "rest": list(rest), "scale": scale,
-            "extra": extra, "foo": os.environ.get("FOO"), "pid": os.getpid()}
+    return {
+        "sum": (a + b + sum(rest)) * scale,
+        "a": a,
+        "b": b,
+        "rest": list(rest),
+        "scale": scale,
+        "extra": extra,
+        "foo": os.environ.get("FOO"),
+        "pid": os.getpid(),
+    }
 
 
 def rank_env():
@@ -104,7 +126,12 @@ def gloo_job(kind: str, steps: int = 2):
     if kind == "all_reduce":
         t = torch.tensor([float(rank + 1), 1.0])
         dist.all_reduce(t)
-        return {"rank": rank, "world": world, "env_rank": int(os.environ["RANK"]), "sum": t.tolist()}
+        return {
+            "rank": rank,
+            "world": world,
+            "env_rank": int(os.environ["RANK"]),
+            "sum": t.tolist(),
+        }
     torch.manual_seed(0)  # identical initial weights; DDP also broadcasts rank 0's
     model = torch.nn.Linear(4, 2)
     initial = [p.detach().clone().tolist() for p in model.parameters()]
@@ -121,15 +148,25 @@ def gloo_job(kind: str, steps: int = 2):
         losses.append(loss.item())
     dist.barrier()
     dist.destroy_process_group()  # what users write at the end of a training function
-    return {"rank": rank, "world": world, "losses": losses, "initial": initial,
-            "weights": [p.detach().tolist() for p in model.parameters()]}
+    return {
+        "rank": rank,
+        "world": world,
+        "losses": losses,
+        "initial": initial,
+        "weights": [p.detach().tolist() for p in model.parameters()],
+    }
 
 
 def uses_helpers(x):
     import helpers_mod as inner  # imported on the pod, from the shipped source
 
-    return {"double": double(x), "scaled": Scaler(3)(x), "inner_double": inner.double(x),
-            "describe": inner.describe(), "top_level": helpers_mod.GREETING}
+    return {
+        "double": double(x),
+        "scaled": Scaler(3)(x),
+        "inner_double": inner.double(x),
+        "describe": inner.describe(),
+        "top_level": helpers_mod.GREETING,
+    }
 
 
 def version_one():
@@ -141,12 +178,20 @@ def version_two():
 
 
 def whoami():
-    return {"pid": os.getpid(), "rank": os.environ.get("RANK"), "world": os.environ.get("WORLD_SIZE")}
+    return {
+        "pid": os.getpid(),
+        "rank": os.environ.get("RANK"),
+        "world": os.environ.get("WORLD_SIZE"),
+    }
 
 
 def echo_with_digest(x):
-    meta = {"digest": digest(x), "type": f"{type(x).__module__}.{type(x).__qualname__}",
-            "dtype": str(x.dtype), "shape": tuple(x.shape)}
+    meta = {
+        "digest": digest(x),
+        "type": f"{type(x).__module__}.{type(x).__qualname__}",
+        "dtype": str(x.dtype),
+        "shape": tuple(x.shape),
+    }
     if hasattr(x, "requires_grad"):
         meta["requires_grad"] = bool(x.requires_grad)
     return meta, x
@@ -162,10 +207,12 @@ def make_big(kind: str, nbytes: int, seed: int):
 
 # ---- 1. a single call ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def single():
     remote = kt.fn(add_and_env, name=unique("single")).to(
-        kt.Compute(cpus=1, memory="1Gi", env={"FOO": "bar"}))
+        kt.Compute(cpus=1, memory="1Gi", env={"FOO": "bar"})
+    )
     yield remote
     remote.teardown()
 
@@ -193,10 +240,12 @@ def test_single_call_runs_in_a_long_lived_rank_process(single):
 
 # ---- 2. distributed ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def torch_env():
     remote = kt.fn(rank_env, name=unique("ptenv")).to(
-        kt.Compute(cpus=1, env={"FOO": "bar"}).distribute("pytorch", workers=2, num_proc=2))
+        kt.Compute(cpus=1, env={"FOO": "bar"}).distribute("pytorch", workers=2, num_proc=2)
+    )
     yield remote
     remote.teardown()
 
@@ -245,7 +294,8 @@ def test_ranks_are_stable_and_follow_pod_ordinals(torch_env):
 
 def test_jax_env():
     remote = kt.fn(rank_env, name=unique("jaxenv")).to(
-        kt.Compute(cpus=1).distribute("jax", workers=2, num_proc=1))
+        kt.Compute(cpus=1).distribute("jax", workers=2, num_proc=1)
+    )
     try:
         results = remote()
     finally:
@@ -259,12 +309,15 @@ def test_jax_env():
         assert env["JAX_PROCESS_ID"] == str(r)
         assert env["MASTER_ADDR"] == env["POD_IPS"].split(",")[0]
         assert env["TF_CONFIG"] is None and env["TORCHELASTIC_RUN_ID"] is None
-    assert results[0]["env"]["JAX_COORDINATOR_ADDRESS"] == results[1]["env"]["JAX_COORDINATOR_ADDRESS"]
+    assert (
+        results[0]["env"]["JAX_COORDINATOR_ADDRESS"] == results[1]["env"]["JAX_COORDINATOR_ADDRESS"]
+    )
 
 
 def test_tensorflow_env():
     remote = kt.fn(rank_env, name=unique("tfenv")).to(
-        kt.Compute(cpus=1).distribute("tensorflow", workers=2, num_proc=2))
+        kt.Compute(cpus=1).distribute("tensorflow", workers=2, num_proc=2)
+    )
     try:
         results = remote()
     finally:
@@ -288,7 +341,8 @@ def test_tensorflow_env():
 @pytest.fixture(scope="module")
 def gloo():
     remote = kt.fn(gloo_job, name=unique("gloo")).to(
-        kt.Compute(cpus=1).distribute("pytorch", workers=2, num_proc=2))
+        kt.Compute(cpus=1).distribute("pytorch", workers=2, num_proc=2)
+    )
     yield remote
     remote.teardown()
 
@@ -353,6 +407,7 @@ def test_seed_form_to_then_distribute():
 
 
 # ---- 4. code shipping ----------------------------------------------------------------------
+
 
 def test_function_from_local_test_module():
     assert add_and_env.__module__ == "test_local_calls"
@@ -457,6 +512,7 @@ def test_replaced_handle_does_not_leak_sockets():
 
 # ---- 8. teardown and process lifetime ------------------------------------------------------
 
+
 def test_teardown_stops_everything_and_redeploy_starts_fresh():
     name = unique("teardown")
     compute = kt.Compute(cpus=1).distribute("spmd", workers=2, num_proc=2)
@@ -527,8 +583,13 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_pods_do_not_outlive_their_creator(how):
     name = unique(f"child-{how}")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, name, how], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, name, how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parent,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PIDS ")]
     assert lines, f"child failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     pids = json.loads(lines[-1][5:])
@@ -613,7 +674,11 @@ def test_requires_grad_tensor_round_trip(echo, make):
     import torch
 
     base = torch.randn(256, 64, generator=torch.Generator().manual_seed(5))
-    t = torch.nn.Parameter(base.clone()) if make == "parameter" else base.clone().requires_grad_(True)
+    t = (
+        torch.nn.Parameter(base.clone())
+        if make == "parameter"
+        else base.clone().requires_grad_(True)
+    )
     meta, back = echo(t)
     assert meta["requires_grad"] is True and meta["digest"] == digest(t)
     assert back.requires_grad

@@ -42,7 +42,9 @@ def volume_dir(name: str) -> Path:
 
 
 def server_pids(name: str) -> list[int]:
-    state = json.loads((Path(os.environ["KTLITE_HOME"]) / "local" / name / "state.json").read_text())
+    state = json.loads(
+        (Path(os.environ["KTLITE_HOME"]) / "local" / name / "state.json").read_text()
+    )
     return [p["pid"] for p in sorted(state["pods"], key=lambda p: p["ordinal"])]
 
 
@@ -91,9 +93,12 @@ def mounts() -> None:
 
 # ---- with a private mount namespace ------------------------------------------------------------
 
+
 def test_a_volume_is_shared_by_pods_and_outlives_redeploys_until_teardown_volumes(mounts) -> None:
     name, vol, path = unique("vol"), unique("data"), f"/{unique('ktlite-test')}"
-    compute = kt.Compute(cpus=1, volumes=[kt.Volume(vol, mount_path=path)]).distribute("spmd", workers=2)
+    compute = kt.Compute(cpus=1, volumes=[kt.Volume(vol, mount_path=path)]).distribute(
+        "spmd", workers=2
+    )
     remote = kt.fn(on_pod, name=name).to(compute)
     try:
         assert remote("write", path, "from pod 0") == [0, 1]
@@ -133,8 +138,13 @@ def test_a_volume_is_shared_by_pods_and_outlives_redeploys_until_teardown_volume
 def test_two_deployments_share_a_volume_and_only_its_creator_deletes_it(mounts) -> None:
     vol = unique("ktlite-test-shared")  # given by name too: it mounts at /<name>
     maker = kt.fn(on_pod, name=unique("maker")).to(
-        kt.Compute(cpus=1, volumes=[kt.Volume(vol, mount_path=f"/{vol}")]).distribute("spmd", workers=2))
-    user = kt.fn(on_pod, name=unique("user")).to(kt.Compute(cpus=1, volumes=[vol]).distribute("spmd", workers=2))
+        kt.Compute(cpus=1, volumes=[kt.Volume(vol, mount_path=f"/{vol}")]).distribute(
+            "spmd", workers=2
+        )
+    )
+    user = kt.fn(on_pod, name=unique("user")).to(
+        kt.Compute(cpus=1, volumes=[vol]).distribute("spmd", workers=2)
+    )
     try:
         maker("write", f"/{vol}", "shared")
         assert user("read", f"/{vol}")[1] == "shared"
@@ -156,8 +166,13 @@ def test_mount_paths_below_or_at_existing_host_directories(mounts, tmp_path: Pat
     (tmp_path / "existing" / "host-only.txt").write_text("hidden in the pod")
     before = sorted(p.name for p in tmp_path.iterdir())
     deep, over = str(tmp_path / "new" / "dir"), str(tmp_path / "existing")
-    compute = kt.Compute(cpus=1, volumes=[kt.Volume(unique("deep"), mount_path=deep),
-                                          kt.Volume(unique("over"), mount_path=over)])
+    compute = kt.Compute(
+        cpus=1,
+        volumes=[
+            kt.Volume(unique("deep"), mount_path=deep),
+            kt.Volume(unique("over"), mount_path=over),
+        ],
+    )
     remote = kt.fn(on_pod, name=unique("paths")).to(compute)
     try:
         assert remote("listdir", str(tmp_path)) == ["existing", "keep.txt", "new"]
@@ -172,10 +187,15 @@ def test_mount_paths_below_or_at_existing_host_directories(mounts, tmp_path: Pat
     assert sorted(p.name for p in (tmp_path / "existing").iterdir()) == ["host-only.txt"]
 
 
-def test_a_mount_path_that_is_a_host_file_fails_the_deploy_and_says_why(mounts, tmp_path: Path) -> None:
+def test_a_mount_path_that_is_a_host_file_fails_the_deploy_and_says_why(
+    mounts, tmp_path: Path
+) -> None:
     (tmp_path / "afile").write_text("x")
-    compute = kt.Compute(cpus=1, launch_timeout=30,
-                         volumes=[kt.Volume(unique("onfile"), mount_path=str(tmp_path / "afile"))])
+    compute = kt.Compute(
+        cpus=1,
+        launch_timeout=30,
+        volumes=[kt.Volume(unique("onfile"), mount_path=str(tmp_path / "afile"))],
+    )
     name = unique("onfile")
     with pytest.raises(kt.DeployError, match="is not a directory"):
         kt.fn(on_pod, name=name).to(compute)
@@ -203,8 +223,12 @@ _CHILD = textwrap.dedent("""
 
 def test_pods_with_volumes_do_not_outlive_their_creator(mounts) -> None:
     vol = unique("ktlite-test-orphan")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, unique("orphan"), vol], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, unique("orphan"), vol],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PIDS ")]
     assert lines, f"child failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert proc.returncode == -signal.SIGKILL
@@ -220,11 +244,30 @@ def test_mountns_refuses_and_runs_nothing_when_a_step_fails(tmp_path: Path) -> N
     (tmp_path / "vol").mkdir()
     (tmp_path / "afile").write_text("x")
     marker = tmp_path / "ran"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SERVER), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "ktlite_server.mountns", "--root", str(tmp_path / "root"),
-                           "--bind", str(tmp_path / "vol"), str(tmp_path / "afile"), "--",
-                           "/bin/sh", "-c", f"touch {marker}"], capture_output=True, text=True, timeout=30,
-                          env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SERVER), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ktlite_server.mountns",
+            "--root",
+            str(tmp_path / "root"),
+            "--bind",
+            str(tmp_path / "vol"),
+            str(tmp_path / "afile"),
+            "--",
+            "/bin/sh",
+            "-c",
+            f"touch {marker}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
     assert proc.returncode == 75, proc.stderr
     assert "could not give this local pod its volumes" in proc.stderr
     assert not marker.exists()
@@ -233,28 +276,53 @@ def test_mountns_refuses_and_runs_nothing_when_a_step_fails(tmp_path: Path) -> N
 
 # ---- without one (KTLITE_LOCAL_MOUNTS=0): one warning, and where the data is --------------------
 
-ALL_KUBE_ONLY = dict(gpu_type="A100", cpu_limit=2, shared_memory="1Gi",
-                     node_selector={"pool": "cpu"}, tolerations=[{"key": "k", "operator": "Exists"}],
-                     priority_class="high", labels={"team": "a"}, annotations={"note": "x"},
-                     service_account="trainer", image_pull_policy="Always",
-                     # Kubetorch's fields (namespace and secrets act locally: not here)
-                     disk_size="1Gi", gpu_memory="8Gi", gpu_anti_affinity=True, working_dir="/w",
-                     queue_name="q", service_template={"spec": {"minReadySeconds": 1}}, freeze=True)
+ALL_KUBE_ONLY = dict(
+    gpu_type="A100",
+    cpu_limit=2,
+    shared_memory="1Gi",
+    node_selector={"pool": "cpu"},
+    tolerations=[{"key": "k", "operator": "Exists"}],
+    priority_class="high",
+    labels={"team": "a"},
+    annotations={"note": "x"},
+    service_account="trainer",
+    image_pull_policy="Always",
+    # Kubetorch's fields (namespace and secrets act locally: not here)
+    disk_size="1Gi",
+    gpu_memory="8Gi",
+    gpu_anti_affinity=True,
+    working_dir="/w",
+    queue_name="q",
+    service_template={"spec": {"minReadySeconds": 1}},
+    freeze=True,
+)
 
 
 def test_fallback_warns_once_naming_the_fields_and_where_the_volume_is(monkeypatch) -> None:
     monkeypatch.setenv("KTLITE_LOCAL_MOUNTS", "0")
     name, vol, path = unique("fallback"), unique("data"), f"/{unique('ktlite-test')}"
-    compute = kt.Compute(cpus=1, image=kt.images.pytorch(), volumes=[kt.Volume(vol, mount_path=path)],
-                         **ALL_KUBE_ONLY).distribute("spmd", workers=2)
+    compute = kt.Compute(
+        cpus=1,
+        image=kt.images.pytorch(),
+        volumes=[kt.Volume(vol, mount_path=path)],
+        **ALL_KUBE_ONLY,
+    ).distribute("spmd", workers=2)
     with pytest.warns(kt.LocalBackendWarning) as record:
         remote = kt.fn(on_pod, name=name).to(compute)
     try:
         assert len(record) == 1
         message = str(record[0].message)
         env_name = "KTLITE_VOLUME_" + vol.upper().replace("-", "_")
-        for field in (*ALL_KUBE_ONLY, "image", "volumes", str(volume_dir(vol)), env_name, path,
-                      "KTLITE_LOCAL_MOUNTS=0", name):
+        for field in (
+            *ALL_KUBE_ONLY,
+            "image",
+            "volumes",
+            str(volume_dir(vol)),
+            env_name,
+            path,
+            "KTLITE_LOCAL_MOUNTS=0",
+            name,
+        ):
             assert field in message, field
         looks = remote("look", path)
         assert [look["exists"] for look in looks] == [False, False]
@@ -275,8 +343,14 @@ def test_fallback_warns_once_naming_the_fields_and_where_the_volume_is(monkeypat
 
 def test_no_warning_when_nothing_kubernetes_only_is_set(monkeypatch) -> None:
     monkeypatch.setenv("KTLITE_LOCAL_MOUNTS", "0")
-    compute = kt.Compute(cpus=1, memory="1Gi", env={"A": "1"}, max_restarts=1, launch_timeout=60,
-                         image=kt.Image().set_env_vars({"B": "2"}))
+    compute = kt.Compute(
+        cpus=1,
+        memory="1Gi",
+        env={"A": "1"},
+        max_restarts=1,
+        launch_timeout=60,
+        image=kt.Image().set_env_vars({"B": "2"}),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         remote = kt.fn(on_pod, name=unique("quiet")).to(compute)
@@ -284,6 +358,7 @@ def test_no_warning_when_nothing_kubernetes_only_is_set(monkeypatch) -> None:
 
 
 # ---- pure: which fields, which mount paths -------------------------------------------------------
+
 
 def unused_fields(compute: kt.Compute, workers: int) -> list[str]:
     return kube_only.unused_fields(compute.pod_spec(), workers)
@@ -306,21 +381,27 @@ def test_image_counts_only_when_it_needs_a_container() -> None:
 
 
 def test_a_ray_worker_pods_options_count_too() -> None:
-    compute = kt.Compute(cpus=1).distribute("ray", workers=1, worker_node_options={"node_selector": {"a": "b"}})
+    compute = kt.Compute(cpus=1).distribute(
+        "ray", workers=1, worker_node_options={"node_selector": {"a": "b"}}
+    )
     assert unused_fields(compute, compute.distributed.workers) == ["node_selector"]
 
 
 @pytest.mark.parametrize("path", ["/proc/x", "/sys", "/dev/data"])
 def test_mount_paths_under_kernel_trees_are_refused(path: str) -> None:
     with pytest.raises(kt.ConfigError, match="cannot mount into"):
-        local_volumes.local_volumes(kt.Compute(volumes=[kt.Volume("v", mount_path=path)]).pod_spec())
+        local_volumes.local_volumes(
+            kt.Compute(volumes=[kt.Volume("v", mount_path=path)]).pod_spec()
+        )
 
 
 def test_a_mount_path_hiding_ktlites_home_is_refused() -> None:
     home = os.environ["KTLITE_HOME"]
     for path in (home, str(Path(home).parent)):
         with pytest.raises(kt.ConfigError, match="hide ktlite's own state"):
-            local_volumes.local_volumes(kt.Compute(volumes=[kt.Volume("v", mount_path=path)]).pod_spec())
+            local_volumes.local_volumes(
+                kt.Compute(volumes=[kt.Volume("v", mount_path=path)]).pod_spec()
+            )
 
 
 def test_the_plan_shows_the_mount_namespace_only_when_it_is_used(monkeypatch) -> None:

@@ -120,7 +120,12 @@ def _engines(remote) -> list[dict]:
 def test_an_endpoint_runs_on_every_proc_of_every_pod(mesh) -> None:
     rows = mesh(21)  # one value, from the controller on pod 0
     assert len(rows) == 4 and all(r["x2"] == 42 for r in rows)
-    assert sorted((r["point"]["hosts"], r["point"]["gpus"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted((r["point"]["hosts"], r["point"]["gpus"]) for r in rows) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
     loops = [e["pid"] for e in _engines(mesh)]
     # host k's procs are children of pod k's worker loop
     for r in rows:
@@ -179,7 +184,7 @@ def test_teardown_leaves_no_monarch_behind(mesh) -> None:
     remote = deploy(leave_procs_running)
     assert remote() == 4
     engines = _engines(remote)
-    sockets = [Path(e["address"][len("ipc://"):]) for e in engines]
+    sockets = [Path(e["address"][len("ipc://") :]) for e in engines]
     assert all(s.exists() for s in sockets)
     pids = _session_pids([e["pid"] for e in engines])
     assert len(pids) == 2 + 4  # two loops, two procs each
@@ -196,12 +201,18 @@ def test_a_loop_that_cannot_start_fails_to_with_its_output(tmp_path: Path) -> No
     fake = tmp_path / "monarch"
     fake.mkdir()
     (fake / "__init__.py").write_text("")
-    (fake / "actor.py").write_text("raise SystemExit('this monarch cannot start: broken on purpose')\n")
+    (fake / "actor.py").write_text(
+        "raise SystemExit('this monarch cannot start: broken on purpose')\n"
+    )
     compute = kt.Compute(env={"PYTHONPATH": str(tmp_path)}).distribute("monarch", workers=2)
     with pytest.raises(kt.DeployError) as info:
         kt.fn(who_runs, name="mesh-broken").to(compute)
     text = str(info.value)
-    assert "worker loop exited with code 1" in text and "broken on purpose" in text and "mesh-broken-0" in text
+    assert (
+        "worker loop exited with code 1" in text
+        and "broken on purpose" in text
+        and "mesh-broken-0" in text
+    )
     kt.fn(who_runs, name="mesh-broken").to(kt.Compute()).teardown()
 
 

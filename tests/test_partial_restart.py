@@ -38,7 +38,9 @@ class Trainer:
 
 @pytest.fixture(scope="module")
 def trainer():
-    remote = kt.cls(Trainer).to(kt.Compute().distribute("pytorch", workers=2, num_proc=2), name="partial")
+    remote = kt.cls(Trainer).to(
+        kt.Compute().distribute("pytorch", workers=2, num_proc=2), name="partial"
+    )
     yield remote
     remote.teardown()
 
@@ -93,7 +95,8 @@ def test_an_idle_death_with_a_group_fails_one_call_fast_then_regroups(trainer) -
     os.kill(before[3], signal.SIGKILL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(
-            r["rank"] == 3 and r["state"] != "dead" for pod in trainer.status() for r in pod["ranks"]):
+        r["rank"] == 3 and r["state"] != "dead" for pod in trainer.status() for r in pod["ranks"]
+    ):
         time.sleep(0.05)
     start = time.monotonic()
     with pytest.raises(kt.RankDied, match="died between calls"):

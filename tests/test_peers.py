@@ -31,8 +31,13 @@ async def _stop(server: asyncio.AbstractServer) -> None:
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length")))
+    length = int(
+        next(
+            line.split(b":")[1]
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+    )
     return await reader.readexactly(length)
 
 
@@ -97,7 +102,9 @@ def test_unreachable_peer_is_a_connect_error() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]  # bound, never listening: refused
             with pytest.raises(PeerConnectError):
-                async with PeerPool().post(f"http://127.0.0.1:{port}", "/call", {}, memoryview(b"")):
+                async with PeerPool().post(
+                    f"http://127.0.0.1:{port}", "/call", {}, memoryview(b"")
+                ):
                     pass
 
     asyncio.run(main())
@@ -105,8 +112,14 @@ def test_unreachable_peer_is_a_connect_error() -> None:
 
 async def _read_head(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length")), 0)
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        ),
+        0,
+    )
     await reader.readexactly(length)
     return head
 
@@ -133,8 +146,9 @@ def test_short_requests_carry_the_pool_headers_and_reuse_the_connection() -> Non
         pool = PeerPool({"x-ktlite-token": "Bearer sekrit"})
         assert "sekrit" not in repr(pool)
         health = await pool.get_json(f"{url}/health", timeout=5)
-        status, _ = await pool.request("POST", f"{url}/cancel/c1", params={"kind": "timeout", "reason": "a b"},
-                                       timeout=5)
+        status, _ = await pool.request(
+            "POST", f"{url}/cancel/c1", params={"kind": "timeout", "reason": "a b"}, timeout=5
+        )
         await pool.aclose()
         await _stop(server)
         return health, status
@@ -142,7 +156,10 @@ def test_short_requests_carry_the_pool_headers_and_reuse_the_connection() -> Non
     health, status = asyncio.run(main())
     assert health == {"engine_failed": None, "pod": "p-1"} and status == 200
     assert connections == 1
-    assert heads[0].startswith(b"GET /health HTTP/1.1\r\n") and b"x-ktlite-token: Bearer sekrit" in heads[0]
+    assert (
+        heads[0].startswith(b"GET /health HTTP/1.1\r\n")
+        and b"x-ktlite-token: Bearer sekrit" in heads[0]
+    )
     assert heads[1].startswith(b"POST /cancel/c1?kind=timeout&reason=a+b HTTP/1.1\r\n")
     assert b"x-ktlite-token: Bearer sekrit" in heads[1]
 
@@ -150,6 +167,7 @@ def test_short_requests_carry_the_pool_headers_and_reuse_the_connection() -> Non
 def test_short_request_failures_are_peer_errors() -> None:
     """A silent peer is a PeerTimeout (also a TimeoutError), one that answers garbage or
     closes mid-answer a PeerError: no asyncio or OSError type leaks out of peers.py."""
+
     async def silent(reader, writer):
         await _read_head(reader)
         await asyncio.sleep(30)

@@ -33,15 +33,23 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def spread():
-    remote = kt.fn(show).to(kt.Compute(env={"KTLITE_LOG_CALL_BODIES": "1"}).distribute(
-        "pytorch", workers=2, num_proc=2), name="pr-show")
+    remote = kt.fn(show).to(
+        kt.Compute(env={"KTLITE_LOG_CALL_BODIES": "1"}).distribute(
+            "pytorch", workers=2, num_proc=2
+        ),
+        name="pr-show",
+    )
     yield remote
     remote.teardown()
 
 
 def test_each_gives_rank_r_item_r(spread) -> None:
-    assert spread.each(["a", "b", "c", "d"], scale=3) == [(0, "a", None, 3), (1, "b", None, 3),
-                                                          (2, "c", None, 3), (3, "d", None, 3)]
+    assert spread.each(["a", "b", "c", "d"], scale=3) == [
+        (0, "a", None, 3),
+        (1, "b", None, 3),
+        (2, "c", None, 3),
+        (3, "d", None, 3),
+    ]
 
 
 def test_per_rank_keyword_beside_shared_ones(spread) -> None:
@@ -59,30 +67,40 @@ def test_wrong_length_is_a_config_error_before_anything_runs() -> None:
         with pytest.raises(kt.ConfigError, match="one item per rank"):
             remote.take(kt.per_rank("ab"))
         assert remote.count() == [0, 0]  # nothing ran
-        assert remote.take.each([{"a": 1}, {"b": 2}], bonus=7) == [(0, {"a": 1}, 7), (1, {"b": 2}, 7)]
+        assert remote.take.each([{"a": 1}, {"b": 2}], bonus=7) == [
+            (0, {"a": 1}, 7),
+            (1, {"b": 2}, 7),
+        ]
         assert remote.count() == [1, 1]
     finally:
         remote.teardown()
 
 
-def test_each_pod_receives_only_its_own_items_and_the_shared_argument_once(spread, monkeypatch) -> None:
+def test_each_pod_receives_only_its_own_items_and_the_shared_argument_once(
+    spread, monkeypatch
+) -> None:
     monkeypatch.setenv("KTLITE_SHM", "0")  # over HTTP, as between machines
     shared = os.urandom(1 << 20)
     items = [bytes([r]) * (200 << 10) for r in range(4)]
     got = spread(x=kt.per_rank(items), shared=shared)
     assert [(g[0], g[2]) for g in got] == [(r, 1 << 20) for r in range(4)]
     log = spread.logs()
-    member = [ln for ln in log.splitlines() if ln.startswith("[pr-show-1]") and "received" in ln][-1]
+    member = [ln for ln in log.splitlines() if ln.startswith("[pr-show-1]") and "received" in ln][
+        -1
+    ]
     received = int(member.split("received ")[1].split()[0])
     # 1 MiB shared + ranks 2 and 3's 200 KiB each, plus framing: not 4 items, not 1 MiB twice
     assert (1 << 20) + 2 * (200 << 10) <= received < (1 << 20) + 3 * (200 << 10), received
-    items_line = [ln for ln in log.splitlines() if ln.startswith("[pr-show-1]") and "per-rank items" in ln][-1]
+    items_line = [
+        ln for ln in log.splitlines() if ln.startswith("[pr-show-1]") and "per-rank items" in ln
+    ][-1]
     assert "rank 2:" in items_line and "rank 3:" in items_line and "rank 0:" not in items_line
 
 
 def test_split_and_fill_are_inverse() -> None:
-    args, kwargs, items = rankdata.split((1, kt.per_rank(["x", "y"])), {"k": kt.per_rank([5, 6]),
-                                                                                  "z": 9}, 2)
+    args, kwargs, items = rankdata.split(
+        (1, kt.per_rank(["x", "y"])), {"k": kt.per_rank([5, 6]), "z": 9}, 2
+    )
     assert items == [("x", 5), ("y", 6)]
     assert wire_rankdata.fill(args, kwargs, items[1]) == ((1, "y"), {"k": 6, "z": 9})
     same = rankdata.split((1,), {"z": 2}, 3)
@@ -95,11 +113,18 @@ def test_wire_layout_offsets_cover_each_rank() -> None:
     assert layout is not None and layout["base"] == 0
     (o0, n0), (o1, n1) = layout["items"]
     assert o0 == layout["shared"] and o1 == o0 + n0 and o1 + n1 == len(body)
-    assert codec.loads(body[o1:o1 + n1]) == (b"b" * 20,)
+    assert codec.loads(body[o1 : o1 + n1]) == (b"b" * 20,)
 
 
-@pytest.mark.parametrize("bad", [{"shared": -1, "items": []}, {"shared": 1, "items": [[1]]},
-                                 {"shared": 1, "items": "x"}, [1, 2]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"shared": -1, "items": []},
+        {"shared": 1, "items": [[1]]},
+        {"shared": 1, "items": "x"},
+        [1, 2],
+    ],
+)
 def test_a_bad_plan_is_refused(bad) -> None:
     with pytest.raises(ValueError):
         wire_rankdata.check_plan(bad)
@@ -107,11 +132,17 @@ def test_a_bad_plan_is_refused(bad) -> None:
 
 def test_sharded_dispatch_by_named_axes(spread) -> None:
     # dp=2 x tp=2: ranks 0,1 hold dp shard 0, ranks 2,3 dp shard 1; one result per dp shard
-    got = spread.sharded(["first", "second"], layout={"dp": 2, "tp": 2}, in_sharded_axes=["dp"],
-                         replicate_on_axes=["tp"])
+    got = spread.sharded(
+        ["first", "second"],
+        layout={"dp": 2, "tp": 2},
+        in_sharded_axes=["dp"],
+        replicate_on_axes=["tp"],
+    )
     assert got == [(0, "first", None, 1), (2, "second", None, 1)]
     # sharded on both axes: nested lists, one result per rank
-    got = spread.sharded([["a", "b"], ["c", "d"]], layout={"dp": 2, "tp": 2}, in_sharded_axes=["dp", "tp"])
+    got = spread.sharded(
+        [["a", "b"], ["c", "d"]], layout={"dp": 2, "tp": 2}, in_sharded_axes=["dp", "tp"]
+    )
     assert [g[1] for g in got] == ["a", "b", "c", "d"]
     with pytest.raises(kt.ConfigError, match="covers 6"):
         spread.sharded([1, 2], layout={"dp": 2, "tp": 3}, in_sharded_axes=["dp"])
@@ -121,6 +152,7 @@ def test_sharded_dispatch_by_named_axes(spread) -> None:
 
 def test_layout_maths() -> None:
     from ktlite.api.sharding import Layout
+
     lay = Layout({"dp": 2, "tp": 2})
     assert [lay.coords(r) for r in (1, 2)] == [{"dp": 0, "tp": 1}, {"dp": 1, "tp": 0}]
     assert lay.rank({"dp": 1, "tp": 1}) == 3

@@ -63,7 +63,8 @@ def act(mode: str, arg: float = 0.0) -> object:
 def gloo():
     pytest.importorskip("torch")
     remote = kt.fn(act, name="pgr-gloo").to(
-        kt.Compute(cpus=1, max_restarts=1).distribute("pytorch", workers=2, num_proc=2))
+        kt.Compute(cpus=1, max_restarts=1).distribute("pytorch", workers=2, num_proc=2)
+    )
     yield remote
     remote.teardown()
 
@@ -93,9 +94,17 @@ def test_call_stopped_before_it_started_keeps_the_rank() -> None:
 
     async def scenario() -> None:
         pod = Pod("pgr-unit-0", 0, procs=1)
-        dep = Deployment(launch_id="l1", bundle=packaging.bundle(_noop), kind="fn", init=None,
-                         sources={}, config=DistributedConfig(workers=1), pod_ips=["127.0.0.1"],
-                         ordinal=0, master_port=29999)
+        dep = Deployment(
+            launch_id="l1",
+            bundle=packaging.bundle(_noop),
+            kind="fn",
+            init=None,
+            sources={},
+            config=DistributedConfig(workers=1),
+            pod_ips=["127.0.0.1"],
+            ordinal=0,
+            master_port=29999,
+        )
         try:
             assert [o.status for o in await pod.deploy(dep)] == ["ok"]
             pod.ranks[0].has_pg = True  # as after a collective call
@@ -111,7 +120,6 @@ def test_call_stopped_before_it_started_keeps_the_rank() -> None:
             await pod.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
-
 
 
 @pytest.mark.timeout(150)

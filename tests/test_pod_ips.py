@@ -22,8 +22,13 @@ def report(quorum_workers: int | None = None, quorum_timeout: float = 5.0) -> di
 
     start = time.monotonic()
     ips = pod_ips(quorum_workers=quorum_workers, quorum_timeout=quorum_timeout)
-    return {"ips": ips, "took": time.monotonic() - start, "env": os.environ["POD_IPS"],
-            "pod": os.environ["KTLITE_POD_NAME"], "rank": int(os.environ["RANK"])}
+    return {
+        "ips": ips,
+        "took": time.monotonic() - start,
+        "env": os.environ["POD_IPS"],
+        "pod": os.environ["KTLITE_POD_NAME"],
+        "rank": int(os.environ["RANK"]),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,8 @@ def test_quorum_met_returns_at_once(two_pods: kt.RemoteFunction) -> None:
 
 @pytest.mark.timeout(60)
 def test_quorum_not_met_raises_after_the_timeout_naming_what_it_saw(
-        two_pods: kt.RemoteFunction) -> None:
+    two_pods: kt.RemoteFunction,
+) -> None:
     start = time.monotonic()
     with pytest.raises(QuorumNotMet) as info:
         two_pods(quorum_workers=3, quorum_timeout=1)
@@ -92,18 +98,22 @@ def test_outside_a_deployment_the_error_says_so(monkeypatch: pytest.MonkeyPatch)
         pod_ips(quorum_workers=1, quorum_timeout=0)
 
 
-@pytest.mark.parametrize(("kwargs", "words"), [
-    ({"quorum_workers": 0}, "quorum_workers=0"),
-    ({"quorum_workers": -1}, "quorum_workers=-1"),
-    ({"quorum_workers": True}, "quorum_workers=True"),
-    ({"quorum_workers": 1.5}, "quorum_workers=1.5"),
-    ({"quorum_workers": "2"}, "quorum_workers='2'"),
-    ({"quorum_timeout": -1}, "quorum_timeout=-1"),
-    ({"quorum_timeout": "5"}, "quorum_timeout='5'"),
-    ({"quorum_timeout": True}, "quorum_timeout=True"),
-])
-def test_bad_arguments_raise_config_error(monkeypatch: pytest.MonkeyPatch, kwargs: dict,
-                                          words: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"quorum_workers": 0}, "quorum_workers=0"),
+        ({"quorum_workers": -1}, "quorum_workers=-1"),
+        ({"quorum_workers": True}, "quorum_workers=True"),
+        ({"quorum_workers": 1.5}, "quorum_workers=1.5"),
+        ({"quorum_workers": "2"}, "quorum_workers='2'"),
+        ({"quorum_timeout": -1}, "quorum_timeout=-1"),
+        ({"quorum_timeout": "5"}, "quorum_timeout='5'"),
+        ({"quorum_timeout": True}, "quorum_timeout=True"),
+    ],
+)
+def test_bad_arguments_raise_config_error(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict, words: str
+) -> None:
     monkeypatch.delenv("KTLITE_POD_IPS_FILE", raising=False)
     monkeypatch.setenv("POD_IPS", "127.0.0.1,127.0.0.1")  # as a rank of a 2-pod deployment sees it
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")

@@ -151,7 +151,14 @@ def test_a_backend_imports_neither_compute_nor_the_package_face_nor_the_server(p
     up = sorted(
         m
         for m in imports
-        if m in ("ktlite", "ktlite.api.compute", "ktlite.api.remote", "ktlite.modes.deploy", "ktlite.api.decorators")
+        if m
+        in (
+            "ktlite",
+            "ktlite.api.compute",
+            "ktlite.api.remote",
+            "ktlite.modes.deploy",
+            "ktlite.api.decorators",
+        )
         or m.split(".")[0] == "ktlite_server"
     )
     assert up == [], f"{path.name} imports {up}: a backend reads the pod spec only"

@@ -42,16 +42,36 @@ IPS = ["10.0.0.1", "10.0.0.2"]
 PORT = 29555
 
 
-def _all_envs(framework: str, workers: int = 2, num_proc: int = 2, ips: list[str] | None = None,
-              cpus: float | None = 8) -> list[dict[str, str]]:
+def _all_envs(
+    framework: str,
+    workers: int = 2,
+    num_proc: int = 2,
+    ips: list[str] | None = None,
+    cpus: float | None = 8,
+) -> list[dict[str, str]]:
     cfg = DistributedConfig(framework=framework, workers=workers, num_proc=num_proc)
-    ips = ips if ips is not None else IPS[:workers] + [f"10.0.1.{i}" for i in range(max(0, workers - 2))]
-    return [distributed_env(cfg, node_rank=n, local_rank=lr, pod_ips=ips, master_port=PORT,
-                            run_id="run-xyz", cpus_per_pod=cpus)
-            for n in range(workers) for lr in range(num_proc)]
+    ips = (
+        ips
+        if ips is not None
+        else IPS[:workers] + [f"10.0.1.{i}" for i in range(max(0, workers - 2))]
+    )
+    return [
+        distributed_env(
+            cfg,
+            node_rank=n,
+            local_rank=lr,
+            pod_ips=ips,
+            master_port=PORT,
+            run_id="run-xyz",
+            cpus_per_pod=cpus,
+        )
+        for n in range(workers)
+        for lr in range(num_proc)
+    ]
 
 
 # ---- distributed_env -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("framework", ["spmd", "pytorch", "jax", "tensorflow"])
 def test_distributed_env_common_values(framework: str) -> None:
@@ -102,7 +122,9 @@ def test_distributed_env_framework_specifics() -> None:
         assert "TF_CONFIG" not in env
 
 
-@pytest.mark.parametrize("ips", [IPS, ["127.0.0.1", "127.0.0.1"]], ids=["distinct-hosts", "one-host"])
+@pytest.mark.parametrize(
+    "ips", [IPS, ["127.0.0.1", "127.0.0.1"]], ids=["distinct-hosts", "one-host"]
+)
 def test_distributed_env_tf_config(ips: list[str]) -> None:
     envs = _all_envs("tensorflow", ips=ips)
     configs = [json.loads(e["TF_CONFIG"]) for e in envs]
@@ -138,11 +160,23 @@ def test_distributed_env_rejects_wrong_pod_count() -> None:
 
 # ---- kt.Compute validation -------------------------------------------------------------------
 
-@pytest.mark.parametrize("memory, quantity, size", [
-    ("4Gb", "4G", 4 * 10**9), ("4GB", "4G", 4 * 10**9), ("512mb", "512M", 512 * 10**6),
-    ("2gb", "2G", 2 * 10**9), ("8 GB", "8G", 8 * 10**9), ("16KB", "16k", 16000),
-    ("1.5GiB", "1.5Gi", 3 * 2**29), ("512MiB", "512Mi", 512 * 2**20), ("4gi", "4Gi", 4 * 2**30),
-    ("100B", "100", 100), (10**9, "1000000000", 10**9)])
+
+@pytest.mark.parametrize(
+    "memory, quantity, size",
+    [
+        ("4Gb", "4G", 4 * 10**9),
+        ("4GB", "4G", 4 * 10**9),
+        ("512mb", "512M", 512 * 10**6),
+        ("2gb", "2G", 2 * 10**9),
+        ("8 GB", "8G", 8 * 10**9),
+        ("16KB", "16k", 16000),
+        ("1.5GiB", "1.5Gi", 3 * 2**29),
+        ("512MiB", "512Mi", 512 * 2**20),
+        ("4gi", "4Gi", 4 * 2**30),
+        ("100B", "100", 100),
+        (10**9, "1000000000", 10**9),
+    ],
+)
 def test_memory_in_the_units_nemo_and_ray_users_write(memory, quantity: str, size: int) -> None:
     """Issue 23: NeMo RL's memory_limit="8GB" was refused with "did you mean 8Gi?". Decimal
     units are powers of ten (GB = 10^9, as in Kubernetes' G), binary ones powers of two, and
@@ -153,9 +187,16 @@ def test_memory_in_the_units_nemo_and_ray_users_write(memory, quantity: str, siz
     assert kt.Volume("data", size=memory).size == quantity
 
 
-@pytest.mark.parametrize("memory, words", [
-    ("512m", ["memory='512m'", "milli", "512Mi"]), ("lots", ["memory='lots'", "'4Gi'", "'4GB'"]),
-    ("4 gigs", ["memory='4 gigs'"]), ("-1Gi", ["memory='-1Gi'"]), (True, ["memory=True"])])
+@pytest.mark.parametrize(
+    "memory, words",
+    [
+        ("512m", ["memory='512m'", "milli", "512Mi"]),
+        ("lots", ["memory='lots'", "'4Gi'", "'4GB'"]),
+        ("4 gigs", ["memory='4 gigs'"]),
+        ("-1Gi", ["memory='-1Gi'"]),
+        (True, ["memory=True"]),
+    ],
+)
 def test_memory_that_is_no_size_is_refused(memory, words: list[str]) -> None:
     with pytest.raises(kt.ConfigError) as info:
         kt.Compute(memory=memory)
@@ -265,14 +306,20 @@ def test_compute_is_frozen() -> None:
 
 # ---- protocol --------------------------------------------------------------------------------
 
+
 def _base_addr(buf: bytearray) -> tuple[int, int]:
     a = np.frombuffer(buf, dtype=np.uint8)
     return a.ctypes.data, a.ctypes.data + a.nbytes
 
 
 def test_protocol_round_trip_plain_objects() -> None:
-    obj = {"a": [1, 2.5, "x", None, True], "b": (b"bytes", bytearray(b"ba")), "c": {1, 2},
-           "nested": {"deep": [{"k": "v"}] * 3}, "big": b"z" * 10_000}
+    obj = {
+        "a": [1, 2.5, "x", None, True],
+        "b": (b"bytes", bytearray(b"ba")),
+        "c": {1, 2},
+        "nested": {"deep": [{"k": "v"}] * 3},
+        "big": b"z" * 10_000,
+    }
     for data in (codec.dumps(obj), bytearray(codec.dumps(obj))):
         assert codec.loads(data) == obj
     # parts and joined bytes agree
@@ -287,7 +334,9 @@ def test_protocol_large_bytes_are_parts_not_copies() -> None:
     other = bytes(70_000)
     obj = {"big": big, "small": b"s" * 100, "tail": [other, "x" * 70_000, big]}
     parts = codec.dumps_parts(obj)
-    assert sum(p is big for p in parts) == 1 and sum(p is other for p in parts) == 1  # the 2nd big: memo
+    assert (
+        sum(p is big for p in parts) == 1 and sum(p is other for p in parts) == 1
+    )  # the 2nd big: memo
     data = b"".join(bytes(memoryview(p)) for p in parts)
     assert envelope.parts_size(parts) == len(data)
     assert codec.loads(data) == obj and codec.loads(bytearray(data)) == obj
@@ -388,9 +437,13 @@ def test_protocol_torch_noncontiguous_and_empty(torch) -> None:
 
 
 def _sample_message() -> bytes:
-    return codec.dumps({"a": np.arange(1500, dtype=np.float32),  # 6000 bytes: out of band
-                           "b": np.ones(2100, dtype=np.int16),      # 4200 bytes: out of band
-                           "meta": "x" * 50})
+    return codec.dumps(
+        {
+            "a": np.arange(1500, dtype=np.float32),  # 6000 bytes: out of band
+            "b": np.ones(2100, dtype=np.int16),  # 4200 bytes: out of band
+            "meta": "x" * 50,
+        }
+    )
 
 
 def test_protocol_truncated_messages_raise_protocol_error() -> None:
@@ -427,6 +480,7 @@ def test_protocol_bad_magic_and_version() -> None:
 
 # ---- frames ----------------------------------------------------------------------------------
 
+
 def _frames() -> list[tuple[int, bytes]]:
     result = b"".join(bytes(memoryview(p)) for p in codec.dumps_parts({"x": np.arange(3000)}))
     return [
@@ -450,7 +504,7 @@ def test_frame_parser_byte_by_byte() -> None:
     parser = FrameParser()
     got: list[tuple[int, bytearray]] = []
     for i in range(len(stream)):
-        got.extend(parser.feed(stream[i:i + 1]))
+        got.extend(parser.feed(stream[i : i + 1]))
     assert [(k, bytes(p)) for k, p in got] == frames
     assert all(isinstance(p, bytearray) for _, p in got)
     assert not parser.mid_frame
@@ -469,7 +523,7 @@ def test_frame_parser_random_chunks_and_one_chunk() -> None:
         got, pos = [], 0
         while pos < len(stream):
             n = rng.randint(1, 300)
-            got.extend(parser.feed(memoryview(stream)[pos:pos + n]))
+            got.extend(parser.feed(memoryview(stream)[pos : pos + n]))
             pos += n
         assert [(k, bytes(p)) for k, p in got] == frames
     parser = FrameParser()
@@ -492,6 +546,7 @@ def test_read_frames_mid_frame_raises() -> None:
 
 # ---- exports and import weight ---------------------------------------------------------------
 
+
 def test_all_is_sorted_and_unique() -> None:
     assert ktlite.__all__ == sorted(ktlite.__all__)
     assert len(set(ktlite.__all__)) == len(ktlite.__all__)
@@ -509,10 +564,16 @@ def test_public_members_are_exported() -> None:
     import types
 
     # every public object ktlite itself defines is exported (typing helpers are not ktlite's)
-    public = {n for n in dir(ktlite) if not n.startswith("_")
-              and not isinstance(getattr(ktlite, n), types.ModuleType)
-              and str(getattr(getattr(ktlite, n), "__module__", "")).startswith("ktlite")}
-    assert public <= set(ktlite.__all__), f"public but not in __all__: {sorted(public - set(ktlite.__all__))}"
+    public = {
+        n
+        for n in dir(ktlite)
+        if not n.startswith("_")
+        and not isinstance(getattr(ktlite, n), types.ModuleType)
+        and str(getattr(getattr(ktlite, n), "__module__", "")).startswith("ktlite")
+    }
+    assert public <= set(ktlite.__all__), (
+        f"public but not in __all__: {sorted(public - set(ktlite.__all__))}"
+    )
 
 
 def test_error_hierarchy() -> None:
@@ -522,20 +583,31 @@ def test_error_hierarchy() -> None:
     for cls in (kt.RemoteException, kt.RankDied, kt.CallTimeout, kt.CallCancelled):
         assert issubclass(cls, kt.RemoteError)
     assert issubclass(kt.CallTimeout, TimeoutError)
-    assert issubclass(kt.LaunchTimeout, kt.DeployError) and issubclass(kt.LaunchTimeout, TimeoutError)
+    assert issubclass(kt.LaunchTimeout, kt.DeployError) and issubclass(
+        kt.LaunchTimeout, TimeoutError
+    )
 
 
 def test_import_is_light() -> None:
-    code = ("import sys, ktlite; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kubernetes', 'numpy')))")
+    code = (
+        "import sys, ktlite; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kubernetes', 'numpy')))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
     heavy = [m for m in eval(out.stdout.strip()) if m.split(".")[0] in ("torch", "kubernetes")]
     assert heavy == [], f"`import ktlite` imported {heavy}"
 
 
 # ---- dryrun ----------------------------------------------------------------------------------
+
 
 def _dry_target(x: int) -> int:
     return x + 1

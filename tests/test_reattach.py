@@ -59,13 +59,14 @@ class _Cut(httpx.SyncByteStream):
         sent = 0
         for chunk in self.inner:
             if sent + len(chunk) > self.keep:
-                yield chunk[:self.keep - sent]
+                yield chunk[: self.keep - sent]
                 break
             sent += len(chunk)
             yield chunk
         self.inner.close()  # the pod sees its caller go
-        raise httpx.RemoteProtocolError("peer closed connection without sending complete message "
-                                        "body (incomplete chunked read)")
+        raise httpx.RemoteProtocolError(
+            "peer closed connection without sending complete message body (incomplete chunked read)"
+        )
 
     def close(self) -> None:
         self.inner.close()
@@ -86,14 +87,21 @@ class CuttingProxy(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if RESUME_HEADER in request.headers:
             self.resumes += 1
-        self.sent.append(int(request.headers.get("content-length")
-                             or request.headers.get(LENGTH_HEADER) or 0))
+        self.sent.append(
+            int(request.headers.get("content-length") or request.headers.get(LENGTH_HEADER) or 0)
+        )
         resp = self.inner.handle_request(request)
-        if request.method == "POST" and request.url.path.endswith("/call") and resp.status_code == 200 \
-                and self.random.random() < self.rate:
+        if (
+            request.method == "POST"
+            and request.url.path.endswith("/call")
+            and resp.status_code == 200
+            and self.random.random() < self.rate
+        ):
             self.cuts += 1
             keep = self.random.choice([0, 0, 5, 40, 200])
-            return httpx.Response(resp.status_code, headers=resp.headers, stream=_Cut(resp.stream, keep))
+            return httpx.Response(
+                resp.status_code, headers=resp.headers, stream=_Cut(resp.stream, keep)
+            )
         return resp
 
     def close(self) -> None:
@@ -102,7 +110,9 @@ class CuttingProxy(httpx.BaseTransport):
 
 @pytest.fixture(scope="module")
 def remote():
-    r = kt.fn(record, name=NAME).to(kt.Compute(cpus=1, stream_logs=False).distribute("spmd", workers=2))
+    r = kt.fn(record, name=NAME).to(
+        kt.Compute(cpus=1, stream_logs=False).distribute("spmd", workers=2)
+    )
     yield r
     LocalBackend.shared().teardown(NAME, timeout=5)
 
@@ -134,7 +144,9 @@ def test_cut_streams_are_reattached_and_no_call_runs_twice(remote, tmp_path) -> 
         remote.deployment.client = old
     assert proxy.cuts > 20 and proxy.resumes >= proxy.cuts, (proxy.cuts, proxy.resumes)
     for rank in (0, 1):
-        assert _ledger(ledger, rank) == list(range(CALLS)), f"rank {rank} ran a call twice or missed one"
+        assert _ledger(ledger, rank) == list(range(CALLS)), (
+            f"rank {rank} ran a call twice or missed one"
+        )
 
 
 @pytest.mark.timeout(120)
@@ -153,11 +165,15 @@ def test_log_lines_survive_a_cut_once_each(remote, tmp_path, capfd) -> None:
         remote.deployment.client = old
     for rank in (0, 1):
         lines = [ln for ln in out.splitlines() if ln.startswith(f"[rank {rank} @")]
-        assert [ln.split("] ", 1)[1] for ln in lines] == [f"call 7 line {k}" for k in range(20)], out
+        assert [ln.split("] ", 1)[1] for ln in lines] == [f"call 7 line {k}" for k in range(20)], (
+            out
+        )
 
 
 @pytest.mark.timeout(120)
-def test_a_large_call_cut_after_its_answer_is_not_uploaded_again(remote, tmp_path, monkeypatch) -> None:
+def test_a_large_call_cut_after_its_answer_is_not_uploaded_again(
+    remote, tmp_path, monkeypatch
+) -> None:
     """Bodies over 8 MiB keep their Content-Length (Go's race can hit them); a cut after the
     pod answered costs a re-attach without a body, never a second upload or a second run."""
     monkeypatch.setenv("KTLITE_SHM", "0")  # the bytes go over HTTP, as to a cluster
@@ -190,15 +206,29 @@ class _FirstOnly(random.Random):
         return 40
 
 
-def _raw_call(client: httpx.Client, url: str, token: str, call_id: str, parts: list[Any],
-              resume: int | None = None, reattach: float = 10.0) -> httpx.Response:
+def _raw_call(
+    client: httpx.Client,
+    url: str,
+    token: str,
+    call_id: str,
+    parts: list[Any],
+    resume: int | None = None,
+    reattach: float = 10.0,
+) -> httpx.Response:
     meta = {"id": call_id, "pods": [url], "names": ["p0"], "fanout": True, "reattach": reattach}
-    headers = {TOKEN_HEADER: bearer(token), CALL_HEADER: json.dumps(meta),
-               LENGTH_HEADER: str(envelope.parts_size(parts))}
+    headers = {
+        TOKEN_HEADER: bearer(token),
+        CALL_HEADER: json.dumps(meta),
+        LENGTH_HEADER: str(envelope.parts_size(parts)),
+    }
     if resume is not None:
         headers[RESUME_HEADER] = str(resume)
-    return client.post(f"{url}/call", content=b"".join(bytes(memoryview(p)) for p in parts),
-                       headers=headers, timeout=30)
+    return client.post(
+        f"{url}/call",
+        content=b"".join(bytes(memoryview(p)) for p in parts),
+        headers=headers,
+        timeout=30,
+    )
 
 
 def test_the_pod_answers_resumes_by_what_it_knows(remote, tmp_path) -> None:
@@ -207,6 +237,7 @@ def test_the_pod_answers_resumes_by_what_it_knows(remote, tmp_path) -> None:
     dep = remote.deployment
     url, token = dep.endpoints[0].url, dep.applied.token
     from ktlite.net import packaging
+
     parts = packaging.encode_call(None, (str(tmp_path / "raw"), 1), {})
     with httpx.Client() as client:
         call_id = uuid.uuid4().hex
@@ -223,17 +254,31 @@ def test_the_pod_answers_resumes_by_what_it_knows(remote, tmp_path) -> None:
 
 # ---- item 8: a proxy that cannot reach the pod -----------------------------------------------------
 
-@pytest.mark.parametrize(("status", "body", "delivered"), [
-    (503, {"kind": "Status", "code": 503, "message": "error trying to reach service: dial tcp "
-           "10.244.0.9:32300: connect: connection refused"}, False),
-    (400, {"kind": "Status", "code": 400, "message": "address not allowed"}, False),
-    (404, {"kind": "Status", "code": 404, "message": 'pods "job-0" not found'}, False),
-    (502, "Bad Gateway", True),
-    (504, "Gateway Timeout", True),
-])
+
+@pytest.mark.parametrize(
+    ("status", "body", "delivered"),
+    [
+        (
+            503,
+            {
+                "kind": "Status",
+                "code": 503,
+                "message": "error trying to reach service: dial tcp "
+                "10.244.0.9:32300: connect: connection refused",
+            },
+            False,
+        ),
+        (400, {"kind": "Status", "code": 400, "message": "address not allowed"}, False),
+        (404, {"kind": "Status", "code": 404, "message": 'pods "job-0" not found'}, False),
+        (502, "Bad Gateway", True),
+        (504, "Gateway Timeout", True),
+    ],
+)
 def test_a_proxy_that_cannot_reach_the_pod_gives_pod_unreachable_naming_it(
-        monkeypatch, status, body, delivered) -> None:
+    monkeypatch, status, body, delivered
+) -> None:
     import ktlite.net.client as client_module
+
     monkeypatch.setattr(client_module, "RESUME_WINDOW_S", 0.3)
     asked = []
 
@@ -264,11 +309,15 @@ def test_a_cut_attempt_then_no_code_is_lost_only_if_the_server_is_newer(uptime, 
     def proxy(request: httpx.Request) -> httpx.Response:
         asked.append(request)
         if len(asked) == 1:
-            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+            raise httpx.RemoteProtocolError(
+                "peer closed connection without sending complete message body"
+            )
         headers = {ERROR_CODE_HEADER: ErrorCode.NOT_DEPLOYED.value}
         if uptime is not None:
             headers[UPTIME_HEADER] = uptime
-        return httpx.Response(409, json={"detail": "pod job-0 has no code deployed"}, headers=headers)
+        return httpx.Response(
+            409, json={"detail": "pod job-0 has no code deployed"}, headers=headers
+        )
 
     client = PodClient("t0k3n", transport=httpx.MockTransport(proxy))
     expected = kt.PodUnreachable if lost else kt.NotDeployedError

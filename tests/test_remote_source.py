@@ -79,6 +79,7 @@ def fail_source(marker: str) -> str:
 
 # ---- on the pod (local backend) ------------------------------------------------------------
 
+
 def test_a_function_whose_file_is_gone_shows_its_lines(name, new_module):
     mod = new_module(fail_source("rsrc-marker-1"))
     remote = kt.fn(mod.fail, name=name).to(COMPUTE)
@@ -159,8 +160,13 @@ _SCRIPT = textwrap.dedent("""
 def test_a_function_of_a_main_script_shows_its_lines(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), f"rsrc-main-{uuid.uuid4().hex[:8]}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), f"rsrc-main-{uuid.uuid4().hex[:8]}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert "TRACEBACK>" in proc.stdout, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     tb = proc.stdout.split("TRACEBACK>", 1)[1].split("<TRACEBACK", 1)[0]
     assert not script.exists()
@@ -169,6 +175,7 @@ def test_a_function_of_a_main_script_shows_its_lines(tmp_path):
 
 
 # ---- what a message carries (no processes) -------------------------------------------------
+
 
 def test_one_copy_of_a_files_lines_however_many_functions(new_module):
     other = "\n\ndef other():\n    return [lambda: i for i in range(3)]\n"

@@ -23,11 +23,27 @@ from ktlite.specs.secrets import Resolved, resolve
 
 VALUE = "sk-KNOWN-9f3b2c7e51d84a06b1c2d3e4f5a6b7c8"  # a secret value searched for wherever ktlite writes (fixed: it is in test ids, which xdist workers must agree on)
 # every variable a preset reads: cleared so the developer's own credentials never leak in
-PROVIDER_ENV = sorted({*(n for p in secret_providers.TOKENS.values() for n in p.env),
-                       "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
-                       "AWS_DEFAULT_REGION", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE",
-                       "GOOGLE_APPLICATION_CREDENTIALS", "KUBECONFIG", "HF_HOME", "HF_TOKEN_PATH", "NETRC",
-                       "AZURE_CLIENT_ID", "AZURE_CLIENT_SECRET", "AZURE_TENANT_ID", "AZURE_SUBSCRIPTION_ID"})
+PROVIDER_ENV = sorted(
+    {
+        *(n for p in secret_providers.TOKENS.values() for n in p.env),
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_CONFIG_FILE",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "KUBECONFIG",
+        "HF_HOME",
+        "HF_TOKEN_PATH",
+        "NETRC",
+        "AZURE_CLIENT_ID",
+        "AZURE_CLIENT_SECRET",
+        "AZURE_TENANT_ID",
+        "AZURE_SUBSCRIPTION_ID",
+    }
+)
 
 
 @pytest.fixture
@@ -62,6 +78,7 @@ def one(secret: kt.Secret | str) -> Resolved:
 
 # ---- the Kubetorch form ----------------------------------------------------------------------
 
+
 def test_kubetorch_form_secret_factory_makes_the_class() -> None:
     s = kt.secret(provider="aws")
     assert isinstance(s, kt.Secret) and s == kt.Secret(provider="aws")
@@ -90,22 +107,25 @@ def test_reprs_name_keys_never_values() -> None:
     assert "DB_PASSWORD" in repr(one(s))
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda: kt.Compute(secrets=["aws", "aws"]), "more than once"),
-    (lambda: kt.Compute(secrets=[kt.secret(provider="aws"), "aws"]), "more than once"),
-    (lambda: kt.Compute(secrets=[kt.secret(name="x", env_vars=["A"]), "x"]), "more than once"),
-    (lambda: kt.Compute(secrets="aws"), "must be a list"),
-    (lambda: kt.Compute(secrets=[42]), "of type int"),
-    (lambda: kt.Compute(secrets=["Not_A_Name"]), "neither a provider preset"),
-    (lambda: kt.secret(provider="nope"), "not a known provider"),
-    (lambda: kt.secret(), "needs provider="),
-    (lambda: kt.secret(name="Bad Name", env_vars=["A"]), "not a valid Secret name"),
-    (lambda: kt.secret(name="x", env_vars=["1BAD"]), "env var names"),
-    (lambda: kt.secret(name="x", env_vars="A"), "list of env var names"),
-    (lambda: kt.secret(name="x", env_vars={"A": 1}), "must be strings"),
-    (lambda: kt.secret(name="x", env_vars=["A"], path="~/f"), "not both"),
-    (lambda: kt.secret(provider="aws", override="yes"), "True or False"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: kt.Compute(secrets=["aws", "aws"]), "more than once"),
+        (lambda: kt.Compute(secrets=[kt.secret(provider="aws"), "aws"]), "more than once"),
+        (lambda: kt.Compute(secrets=[kt.secret(name="x", env_vars=["A"]), "x"]), "more than once"),
+        (lambda: kt.Compute(secrets="aws"), "must be a list"),
+        (lambda: kt.Compute(secrets=[42]), "of type int"),
+        (lambda: kt.Compute(secrets=["Not_A_Name"]), "neither a provider preset"),
+        (lambda: kt.secret(provider="nope"), "not a known provider"),
+        (lambda: kt.secret(), "needs provider="),
+        (lambda: kt.secret(name="Bad Name", env_vars=["A"]), "not a valid Secret name"),
+        (lambda: kt.secret(name="x", env_vars=["1BAD"]), "env var names"),
+        (lambda: kt.secret(name="x", env_vars="A"), "list of env var names"),
+        (lambda: kt.secret(name="x", env_vars={"A": 1}), "must be strings"),
+        (lambda: kt.secret(name="x", env_vars=["A"], path="~/f"), "not both"),
+        (lambda: kt.secret(provider="aws", override="yes"), "True or False"),
+    ],
+)
 def test_bad_input_is_a_config_error_naming_the_fix(make, message: str) -> None:
     with pytest.raises(kt.ConfigError, match=message):
         make()
@@ -119,6 +139,7 @@ def test_a_bad_value_is_never_quoted_in_the_error() -> None:
 
 # ---- presets, read from HOME and the environment -----------------------------------------------
 
+
 def test_aws_reads_credentials_and_config_files(home: Path) -> None:
     put(home, ".aws/credentials", f"[default]\naws_secret_access_key = {VALUE}\n")
     put(home, ".aws/config", "[default]\nregion = eu-west-1\n")
@@ -126,7 +147,8 @@ def test_aws_reads_credentials_and_config_files(home: Path) -> None:
     assert not r.env
     assert [(f.key, f.pod_path, f.pointer) for f in r.files] == [
         ("credentials", ".aws/credentials", "AWS_SHARED_CREDENTIALS_FILE"),
-        ("config", ".aws/config", "AWS_CONFIG_FILE")]
+        ("config", ".aws/config", "AWS_CONFIG_FILE"),
+    ]
     assert VALUE.encode() in r.data()["credentials"]
     size = len((home / ".aws/credentials").read_bytes())
     assert r.placeholders()["credentials"] == f"<redacted: {size} bytes from ~/.aws/credentials>"
@@ -137,9 +159,19 @@ def test_aws_falls_back_to_the_key_env_vars(home: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", VALUE)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-2")
     r = one(kt.secret(provider="aws"))
-    assert r.env == {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": VALUE,
-                     "AWS_DEFAULT_REGION": "us-east-2"} and not r.files
-    assert r.placeholders()["AWS_SECRET_ACCESS_KEY"] == f"<redacted: {len(VALUE)} bytes from $AWS_SECRET_ACCESS_KEY>"
+    assert (
+        r.env
+        == {
+            "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+            "AWS_SECRET_ACCESS_KEY": VALUE,
+            "AWS_DEFAULT_REGION": "us-east-2",
+        }
+        and not r.files
+    )
+    assert (
+        r.placeholders()["AWS_SECRET_ACCESS_KEY"]
+        == f"<redacted: {len(VALUE)} bytes from $AWS_SECRET_ACCESS_KEY>"
+    )
 
 
 def test_aws_path_picks_another_directory(home: Path, tmp_path: Path) -> None:
@@ -148,46 +180,62 @@ def test_aws_path_picks_another_directory(home: Path, tmp_path: Path) -> None:
     assert [f.key for f in r.files] == ["credentials"]
 
 
-def test_gcp_reads_adc_or_google_application_credentials(home: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         tmp_path: Path) -> None:
+def test_gcp_reads_adc_or_google_application_credentials(
+    home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     put(home, ".config/gcloud/application_default_credentials.json", '{"type": "authorized_user"}')
     r = one("gcp")
     (f,) = r.files
-    assert (f.pod_path, f.pointer) == (".config/gcloud/application_default_credentials.json",
-                                       "GOOGLE_APPLICATION_CREDENTIALS")
+    assert (f.pod_path, f.pointer) == (
+        ".config/gcloud/application_default_credentials.json",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+    )
     key = put(tmp_path, "sa.json", '{"type": "service_account"}')
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
     assert b"service_account" in one("gcp").files[0].data
 
 
-@pytest.mark.parametrize(("provider", "env", "exposed"), [
-    ("huggingface", "HF_TOKEN", ["HF_TOKEN"]),
-    ("huggingface", "HUGGING_FACE_HUB_TOKEN", ["HF_TOKEN"]),
-    ("wandb", "WANDB_API_KEY", ["WANDB_API_KEY"]),
-    ("openai", "OPENAI_API_KEY", ["OPENAI_API_KEY"]),
-    ("anthropic", "ANTHROPIC_API_KEY", ["ANTHROPIC_API_KEY"]),
-    ("github", "GH_TOKEN", ["GITHUB_TOKEN", "GH_TOKEN"]),
-    ("cohere", "CO_API_KEY", ["COHERE_API_KEY", "CO_API_KEY"]),
-    ("pinecone", "PINECONE_API_KEY", ["PINECONE_API_KEY"]),
-    ("langchain", "LANGCHAIN_API_KEY", ["LANGCHAIN_API_KEY", "LANGSMITH_API_KEY"]),
-    ("lambda", "LAMBDA_API_KEY", ["LAMBDA_API_KEY"]),
-])
-def test_token_presets_read_their_env_var(home: Path, monkeypatch: pytest.MonkeyPatch, provider: str,
-                                          env: str, exposed: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("provider", "env", "exposed"),
+    [
+        ("huggingface", "HF_TOKEN", ["HF_TOKEN"]),
+        ("huggingface", "HUGGING_FACE_HUB_TOKEN", ["HF_TOKEN"]),
+        ("wandb", "WANDB_API_KEY", ["WANDB_API_KEY"]),
+        ("openai", "OPENAI_API_KEY", ["OPENAI_API_KEY"]),
+        ("anthropic", "ANTHROPIC_API_KEY", ["ANTHROPIC_API_KEY"]),
+        ("github", "GH_TOKEN", ["GITHUB_TOKEN", "GH_TOKEN"]),
+        ("cohere", "CO_API_KEY", ["COHERE_API_KEY", "CO_API_KEY"]),
+        ("pinecone", "PINECONE_API_KEY", ["PINECONE_API_KEY"]),
+        ("langchain", "LANGCHAIN_API_KEY", ["LANGCHAIN_API_KEY", "LANGSMITH_API_KEY"]),
+        ("lambda", "LAMBDA_API_KEY", ["LAMBDA_API_KEY"]),
+    ],
+)
+def test_token_presets_read_their_env_var(
+    home: Path, monkeypatch: pytest.MonkeyPatch, provider: str, env: str, exposed: list[str]
+) -> None:
     monkeypatch.setenv(env, VALUE)
     r = one(provider)
     assert r.env == dict.fromkeys(exposed, VALUE) and not r.files
     assert r.placeholders()[exposed[0]] == f"<redacted: {len(VALUE)} bytes from ${env}>"
 
 
-@pytest.mark.parametrize(("provider", "rel", "text", "exposed"), [
-    ("huggingface", ".cache/huggingface/token", f"{VALUE}\n", "HF_TOKEN"),
-    ("wandb", ".netrc", f"machine github.com login x password y\nmachine api.wandb.ai\n  login user\n"
-                        f"  password {VALUE}\n", "WANDB_API_KEY"),
-    ("lambda", ".lambda_cloud/lambda_keys", f"api_key = {VALUE}\n", "LAMBDA_API_KEY"),
-])
-def test_token_presets_read_their_usual_file(home: Path, provider: str, rel: str, text: str,
-                                             exposed: str) -> None:
+@pytest.mark.parametrize(
+    ("provider", "rel", "text", "exposed"),
+    [
+        ("huggingface", ".cache/huggingface/token", f"{VALUE}\n", "HF_TOKEN"),
+        (
+            "wandb",
+            ".netrc",
+            f"machine github.com login x password y\nmachine api.wandb.ai\n  login user\n"
+            f"  password {VALUE}\n",
+            "WANDB_API_KEY",
+        ),
+        ("lambda", ".lambda_cloud/lambda_keys", f"api_key = {VALUE}\n", "LAMBDA_API_KEY"),
+    ],
+)
+def test_token_presets_read_their_usual_file(
+    home: Path, provider: str, rel: str, text: str, exposed: str
+) -> None:
     put(home, rel, text)
     r = one(provider)
     assert r.env == {exposed: VALUE}
@@ -207,13 +255,16 @@ def test_ssh_takes_the_first_default_key_or_path(home: Path) -> None:
     put(home, ".ssh/id_ed25519.pub", "ssh-ed25519 AAAA")
     r = one("ssh")
     assert [(f.key, f.pod_path, oct(f.mode)) for f in r.files] == [
-        ("id_ed25519", ".ssh/id_ed25519", "0o400"), ("id_ed25519.pub", ".ssh/id_ed25519.pub", "0o444")]
+        ("id_ed25519", ".ssh/id_ed25519", "0o400"),
+        ("id_ed25519.pub", ".ssh/id_ed25519.pub", "0o444"),
+    ]
     r = one(kt.secret(provider="ssh", path="~/.ssh/id_rsa"))
     assert [f.key for f in r.files] == ["id_rsa"] and r.files[0].data == b"RSA KEY"
 
 
-def test_kubeconfig_reads_kubeconfig_env_first(home: Path, monkeypatch: pytest.MonkeyPatch,
-                                               tmp_path: Path) -> None:
+def test_kubeconfig_reads_kubeconfig_env_first(
+    home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     put(home, ".kube/config", "home-config")
     assert one("kubeconfig").files[0].data == b"home-config"
     other = put(tmp_path, "kc", "env-config")
@@ -228,20 +279,32 @@ def test_azure_needs_a_service_principal(home: Path, monkeypatch: pytest.MonkeyP
     assert sorted(one("azure").env) == ["AZURE_CLIENT_ID", "AZURE_CLIENT_SECRET", "AZURE_TENANT_ID"]
 
 
-@pytest.mark.parametrize(("provider", "looked", "fix"), [
-    ("aws", "~/.aws/credentials, $AWS_ACCESS_KEY_ID + $AWS_SECRET_ACCESS_KEY", "aws configure"),
-    ("gcp", "~/.config/gcloud/application_default_credentials.json", "gcloud auth application-default login"),
-    ("huggingface", "$HF_TOKEN, $HUGGING_FACE_HUB_TOKEN, ~/.cache/huggingface/token", "huggingface-cli login"),
-    ("wandb", "$WANDB_API_KEY, ~/.netrc", "wandb login"),
-    ("openai", "$OPENAI_API_KEY", "export OPENAI_API_KEY"),
-    ("anthropic", "$ANTHROPIC_API_KEY", "export ANTHROPIC_API_KEY"),
-    ("github", "$GITHUB_TOKEN, $GH_TOKEN", "export GITHUB_TOKEN"),
-    ("ssh", "~/.ssh/id_ed25519, ~/.ssh/id_ecdsa, ~/.ssh/id_rsa", "ssh-keygen"),
-    ("kubeconfig", "~/.kube/config", "set KUBECONFIG"),
-    ("azure", "$AZURE_CLIENT_ID", "service principal"),
-])
-def test_a_preset_that_finds_nothing_names_the_places_and_the_fix(home: Path, provider: str, looked: str,
-                                                                  fix: str) -> None:
+@pytest.mark.parametrize(
+    ("provider", "looked", "fix"),
+    [
+        ("aws", "~/.aws/credentials, $AWS_ACCESS_KEY_ID + $AWS_SECRET_ACCESS_KEY", "aws configure"),
+        (
+            "gcp",
+            "~/.config/gcloud/application_default_credentials.json",
+            "gcloud auth application-default login",
+        ),
+        (
+            "huggingface",
+            "$HF_TOKEN, $HUGGING_FACE_HUB_TOKEN, ~/.cache/huggingface/token",
+            "huggingface-cli login",
+        ),
+        ("wandb", "$WANDB_API_KEY, ~/.netrc", "wandb login"),
+        ("openai", "$OPENAI_API_KEY", "export OPENAI_API_KEY"),
+        ("anthropic", "$ANTHROPIC_API_KEY", "export ANTHROPIC_API_KEY"),
+        ("github", "$GITHUB_TOKEN, $GH_TOKEN", "export GITHUB_TOKEN"),
+        ("ssh", "~/.ssh/id_ed25519, ~/.ssh/id_ecdsa, ~/.ssh/id_rsa", "ssh-keygen"),
+        ("kubeconfig", "~/.kube/config", "set KUBECONFIG"),
+        ("azure", "$AZURE_CLIENT_ID", "service principal"),
+    ],
+)
+def test_a_preset_that_finds_nothing_names_the_places_and_the_fix(
+    home: Path, provider: str, looked: str, fix: str
+) -> None:
     (home / ".ssh").mkdir()
     with pytest.raises(kt.ConfigError) as info:
         one(provider)
@@ -250,6 +313,7 @@ def test_a_preset_that_finds_nothing_names_the_places_and_the_fix(home: Path, pr
 
 
 # ---- values of your own, and clashes -----------------------------------------------------------
+
 
 def test_env_vars_list_reads_this_environment(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DB_PASSWORD", VALUE)
@@ -264,7 +328,9 @@ def test_provider_with_env_vars_takes_those_instead(home: Path) -> None:
     assert r.placeholders()["OPENAI_API_KEY"] == f"<redacted: {len(VALUE)} bytes from env_vars=>"
 
 
-def test_a_file_of_your_own_goes_to_the_same_place_under_the_home(home: Path, tmp_path: Path) -> None:
+def test_a_file_of_your_own_goes_to_the_same_place_under_the_home(
+    home: Path, tmp_path: Path
+) -> None:
     put(home, ".config/tool/creds.json", "{}")
     (f,) = one(kt.secret(name="tool", path="~/.config/tool/creds.json")).files
     assert (f.key, f.pod_path) == ("creds.json", ".config/tool/creds.json")
@@ -282,10 +348,13 @@ def test_secrets_clash_with_each_other_env_and_ktlite(home: Path) -> None:
     with pytest.raises(kt.ConfigError, match="both set TOKEN"):
         resolve(compute.secrets, compute.env)
     with pytest.raises(kt.ConfigError, match="which ktlite sets itself"):
-        resolve(kt.Compute(secrets=[kt.secret(name="r", env_vars={"RANK": "1"})]).secrets, {}, ("RANK",))
+        resolve(
+            kt.Compute(secrets=[kt.secret(name="r", env_vars={"RANK": "1"})]).secrets, {}, ("RANK",)
+        )
 
 
 # ---- the local backend: real pods and ranks ----------------------------------------------------
+
 
 def read_on_rank(env_names: list[str], files: list[str]) -> dict[str, object]:
     """Digests of env vars and files as a rank sees them (never the values)."""
@@ -303,18 +372,31 @@ def read_on_rank(env_names: list[str], files: list[str]) -> dict[str, object]:
             out["files"][var] = None
             continue
         with open(path, "rb") as f:
-            out["files"][var] = {"path": path, "digest": hashlib.sha256(f.read()).hexdigest(),
-                                 "mode": oct(stat.S_IMODE(os.stat(path).st_mode))}
+            out["files"][var] = {
+                "path": path,
+                "digest": hashlib.sha256(f.read()).hexdigest(),
+                "mode": oct(stat.S_IMODE(os.stat(path).st_mode)),
+            }
     return out
 
 
-def test_kubetorch_form_local_ranks_get_env_and_file_secrets(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    credentials = put(home, ".aws/credentials", f"[default]\naws_secret_access_key = {VALUE}\n").read_bytes()
+def test_kubetorch_form_local_ranks_get_env_and_file_secrets(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    credentials = put(
+        home, ".aws/credentials", f"[default]\naws_secret_access_key = {VALUE}\n"
+    ).read_bytes()
     put(home, ".kube/config", "apiVersion: v1\nkind: Config\n")
     monkeypatch.setenv("HF_TOKEN", "hf_" + VALUE)
-    compute = kt.Compute(secrets=["aws", "kubeconfig", kt.secret(provider="huggingface"),
-                                  kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})],
-                         launch_timeout=120).distribute("spmd", workers=2, num_proc=1)
+    compute = kt.Compute(
+        secrets=[
+            "aws",
+            "kubeconfig",
+            kt.secret(provider="huggingface"),
+            kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE}),
+        ],
+        launch_timeout=120,
+    ).distribute("spmd", workers=2, num_proc=1)
     name = unique("secrets-local")
     remote = kt.fn(read_on_rank).to(compute, name=name)
     try:
@@ -325,21 +407,27 @@ def test_kubetorch_form_local_ranks_get_env_and_file_secrets(home: Path, monkeyp
             aws = r["files"]["AWS_SHARED_CREDENTIALS_FILE"]
             assert aws["digest"] == digest(credentials) and aws["mode"] == "0o600", aws
             assert aws["path"] == str(state_dir / "secrets" / ".aws" / "credentials")
-            assert r["files"]["KUBECONFIG"]["path"] == str(state_dir / "secrets" / ".kube" / "config")
+            assert r["files"]["KUBECONFIG"]["path"] == str(
+                state_dir / "secrets" / ".kube" / "config"
+            )
         assert stat.S_IMODE((state_dir / "secrets").stat().st_mode) == 0o700
         assert stat.S_IMODE((state_dir / "secrets" / ".aws").stat().st_mode) == 0o700
         # the user's own files are read, never written
         assert sorted(p.name for p in (home / ".aws").iterdir()) == ["credentials"]
     finally:
         remote.teardown()
-    assert not (Path(os.environ["KTLITE_HOME"]) / "local" / name).exists(), "teardown removes the files"
+    assert not (Path(os.environ["KTLITE_HOME"]) / "local" / name).exists(), (
+        "teardown removes the files"
+    )
 
 
 def test_a_changed_value_restarts_the_local_pods(home: Path) -> None:
     name = unique("secrets-change")
 
     def deploy(value: str) -> object:
-        compute = kt.Compute(secrets=[kt.secret(name="db", env_vars={"DB_PASSWORD": value})], launch_timeout=120)
+        compute = kt.Compute(
+            secrets=[kt.secret(name="db", env_vars={"DB_PASSWORD": value})], launch_timeout=120
+        )
         return kt.fn(read_on_rank).to(compute, name=name)
 
     remote = deploy("first")
@@ -370,12 +458,16 @@ def test_ssh_plan_names_keys_and_files_never_values(home: Path) -> None:
     from ktlite.backends.ssh import SshBackend
 
     put(home, ".aws/credentials", f"[default]\nkey = {VALUE}\n")
-    compute = kt.Compute(hosts=["gpu1"], secrets=["aws", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})])
+    compute = kt.Compute(
+        hosts=["gpu1"], secrets=["aws", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})]
+    )
     text = str(SshBackend().plan(DeploymentSpec("ssh-secrets", compute)))
     assert "DB_PASSWORD=..." in text and VALUE not in text
     assert "bytes from ~/.aws/credentials> goes to <run dir>/secrets/.aws/credentials" in text
     with pytest.raises(kt.ConfigError, match="no meaning on backend 'ssh'"):
-        SshBackend().plan(DeploymentSpec("ssh-secrets", kt.Compute(hosts=["gpu1"], secrets=["team-secret"])))
+        SshBackend().plan(
+            DeploymentSpec("ssh-secrets", kt.Compute(hosts=["gpu1"], secrets=["team-secret"]))
+        )
 
 
 @pytest.mark.ssh
@@ -384,13 +476,20 @@ def test_kubetorch_form_ssh_ranks_get_env_and_file_secrets(home: Path, tmp_path:
     import sys
 
     from ssh_hosts import SshHosts, sshd_available
+
     if not sshd_available():
         pytest.skip("needs /usr/sbin/sshd")
     credentials = put(home, ".aws/credentials", f"[default]\nkey = {VALUE}\n").read_bytes()
     with SshHosts(tmp_path / "ssh", count=1) as hosts:
-        options = kt.Hosts([h.name for h in hosts.hosts], ssh_config=str(hosts.ssh_config),
-                           known_hosts=str(hosts.known_hosts), python=sys.executable)
-        compute = kt.Compute(hosts=options, secrets=["aws", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})])
+        options = kt.Hosts(
+            [h.name for h in hosts.hosts],
+            ssh_config=str(hosts.ssh_config),
+            known_hosts=str(hosts.known_hosts),
+            python=sys.executable,
+        )
+        compute = kt.Compute(
+            hosts=options, secrets=["aws", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})]
+        )
         remote = kt.fn(read_on_rank).to(compute, name=unique("secrets-ssh"))
         try:
             (r,) = remote(["DB_PASSWORD"], ["AWS_SHARED_CREDENTIALS_FILE"])
@@ -407,8 +506,10 @@ def test_kubetorch_form_ssh_ranks_get_env_and_file_secrets(home: Path, tmp_path:
 
 # ---- a known value, searched for everywhere ktlite writes --------------------------------------
 
-def test_a_secret_value_appears_in_no_repr_plan_error_state_or_log(home: Path, capfd: pytest.CaptureFixture[str],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_a_secret_value_appears_in_no_repr_plan_error_state_or_log(
+    home: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     put(home, ".aws/credentials", f"[default]\naws_secret_access_key = {VALUE}\n")
     monkeypatch.setenv("OPENAI_API_KEY", VALUE)
     secrets = ["aws", "openai", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})]
@@ -417,13 +518,19 @@ def test_a_secret_value_appears_in_no_repr_plan_error_state_or_log(home: Path, c
     compute = kt.Compute(secrets=secrets, launch_timeout=120)
     seen += [repr(s) for s in compute.secrets] + [repr(compute), repr(resolve(compute.secrets))]
     seen.append(str(kt.fn(read_on_rank).to(compute, name="plan-local", dryrun=True)))
-    assert "<redacted: " in seen[-1] and "DB_PASSWORD=..." in seen[-1] and "OPENAI_API_KEY=..." in seen[-1]
+    assert (
+        "<redacted: " in seen[-1]
+        and "DB_PASSWORD=..." in seen[-1]
+        and "OPENAI_API_KEY=..." in seen[-1]
+    )
     kube = kt.Compute(backend="kubernetes", secrets=secrets)
     kube_plan = kt.fn(read_on_rank).to(kube, name="plan-kube", dryrun=True)
     seen.append(str(kube_plan))
     assert "<redacted:" in seen[-1] and "from $OPENAI_API_KEY" in seen[-1]
-    for bad in ([*secrets, kt.secret(name="x", env_vars={"OPENAI_API_KEY": VALUE})],  # a clash
-                [kt.secret(name="x", env_vars={"A": VALUE}), "not-here"]):  # no such local secret
+    for bad in (
+        [*secrets, kt.secret(name="x", env_vars={"OPENAI_API_KEY": VALUE})],  # a clash
+        [kt.secret(name="x", env_vars={"A": VALUE}), "not-here"],
+    ):  # no such local secret
         with pytest.raises(kt.ConfigError) as info:
             kt.fn(read_on_rank).to(kt.Compute(secrets=bad), name=unique("bad"))
         seen.append(str(info.value))

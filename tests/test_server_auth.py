@@ -54,6 +54,7 @@ def make_evil(marker: Path):
     def evil(*args: object) -> str:
         marker.write_text("evil")
         return "evil"
+
     return evil
 
 
@@ -85,22 +86,36 @@ def _auth(token: str) -> dict[str, str]:
 
 
 def _launch_ids(http: httpx.Client, state: dict) -> list[str]:
-    return [http.get(f"{u}/health", headers=_auth(state["token"])).json()["launch_id"] for u in state["urls"]]
+    return [
+        http.get(f"{u}/health", headers=_auth(state["token"])).json()["launch_id"]
+        for u in state["urls"]
+    ]
 
 
 def _call_request(path: Path) -> tuple[dict[str, str], bytes]:
     """A complete, valid single-pod /call request that makes ``target`` write ``path``."""
     meta = {"id": uuid.uuid4().hex, "fanout": False, "stream_logs": False}
-    body = b"".join(bytes(memoryview(p)) for p in packaging.encode_call(None, ("touch", str(path)), {}))
+    body = b"".join(
+        bytes(memoryview(p)) for p in packaging.encode_call(None, ("touch", str(path)), {})
+    )
     return {CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}, body
 
 
-def _deploy_message(state: dict, ordinal: int, marker: Path = Path("/nonexistent/evil"),
-                    **override: object) -> dict:
+def _deploy_message(
+    state: dict, ordinal: int, marker: Path = Path("/nonexistent/evil"), **override: object
+) -> dict:
     """A launch's JSON header (its bundle in ``_bufs``), with fields overridden."""
-    launch = Launch(launch_id="intruder", bundle=packaging.bundle(make_evil(marker)), kind="fn",
-                    distributed=DistributedConfig(workers=2), pod_ips=["127.0.0.1", "127.0.0.1"],
-                    ordinal=ordinal, master_port=state["master_port"], cpus=1.0, load_timeout=30.0)
+    launch = Launch(
+        launch_id="intruder",
+        bundle=packaging.bundle(make_evil(marker)),
+        kind="fn",
+        distributed=DistributedConfig(workers=2),
+        pod_ips=["127.0.0.1", "127.0.0.1"],
+        ordinal=ordinal,
+        master_port=state["master_port"],
+        cpus=1.0,
+        load_timeout=30.0,
+    )
     header, bufs = envelope.decode(launch.encode())
     return {**header, "_bufs": [bytes(b) for b in bufs], **override}
 
@@ -125,11 +140,20 @@ def _bad_headers(token: str) -> dict[str, dict[str, str]]:
     }
 
 
-BAD = ["none", "wrong-token", "prefix-of-token", "token-plus-extra", "empty-bearer", "no-scheme",
-       "basic-scheme", "other-header"]
+BAD = [
+    "none",
+    "wrong-token",
+    "prefix-of-token",
+    "token-plus-extra",
+    "empty-bearer",
+    "no-scheme",
+    "basic-scheme",
+    "other-header",
+]
 
 
 # ---- the token gate ----------------------------------------------------------------------------
+
 
 def test_state_file_is_private(state) -> None:
     assert stat.S_IMODE(os.stat(state["path"]).st_mode) == 0o600
@@ -166,7 +190,9 @@ def test_call_needs_token_and_runs_nothing(state, http, tmp_path, bad) -> None:
     for i, url in enumerate(state["urls"]):
         marker = tmp_path / f"ran-{i}"
         headers, body = _call_request(marker)
-        resp = http.post(f"{url}/call", content=body, headers={**headers, **_bad_headers(state["token"])[bad]})
+        resp = http.post(
+            f"{url}/call", content=body, headers={**headers, **_bad_headers(state["token"])[bad]}
+        )
         assert resp.status_code == 401, resp.text
         time.sleep(0.05)
         assert not marker.exists(), f"an unauthenticated /call ran the function on pod {i}"
@@ -181,7 +207,7 @@ def test_call_with_token_runs(state, http, tmp_path) -> None:
         assert resp.status_code == 200
         frames = list(read_frames([resp.content]))
         assert frames[-1][0] == RESULT
-        (rank, _pod, status, data, _msg, _at), = CallResult.decode(frames[-1][1]).outcomes
+        ((rank, _pod, status, data, _msg, _at),) = CallResult.decode(frames[-1][1]).outcomes
         assert (rank, status) == (i, Status.OK) and codec.loads(data) == "touched"
         assert marker.read_text() == "ran"
 
@@ -204,8 +230,9 @@ def test_cancel_needs_token(state, http, bad) -> None:
     for url in state["urls"]:
         resp = http.post(f"{url}/cancel/x", headers=_bad_headers(state["token"])[bad])
         assert resp.status_code == 401
-        resp = http.post(f"{url}/cancel/x", params={"reset": "true"},
-                         headers=_bad_headers(state["token"])[bad])
+        resp = http.post(
+            f"{url}/cancel/x", params={"reset": "true"}, headers=_bad_headers(state["token"])[bad]
+        )
         assert resp.status_code == 401
     resp = http.post(f"{state['urls'][0]}/cancel/x", headers=_auth(state["token"]))
     assert resp.status_code == 200 and resp.json() == {"cancelled": False}
@@ -225,7 +252,9 @@ def test_unauthenticated_cancel_does_not_stop_a_running_call(remote, state, http
     call_id = None
     deadline = time.monotonic() + 5
     while call_id is None and time.monotonic() < deadline:
-        active = http.get(f"{state['urls'][0]}/status", headers=_auth(state["token"])).json()["active_calls"]
+        active = http.get(f"{state['urls'][0]}/status", headers=_auth(state["token"])).json()[
+            "active_calls"
+        ]
         call_id = active[0] if active else None
         time.sleep(0.02)
     assert call_id is not None
@@ -249,6 +278,7 @@ def test_client_with_wrong_token_gets_auth_error(state) -> None:
 
 # ---- malformed requests with a valid token ------------------------------------------------------
 
+
 def _raw_message(pickle_bytes: bytes) -> bytes:
     return envelope.HEAD.pack(codec.MAGIC, PROTOCOL_VERSION, 0, len(pickle_bytes)) + pickle_bytes
 
@@ -260,15 +290,21 @@ MALFORMED = {
     "bad-version": lambda st: b"KTJ\x63" + envelope.encode_bytes({})[4:],
     "not-a-dict": lambda st: envelope.join(envelope.pack(envelope.MAGIC, [b"[1, 2, 3]"], [])),
     "empty-dict": lambda st: envelope.encode_bytes({}),
-    "missing-bundle": lambda st: _encode({k: v for k, v in _deploy_message(st, 0).items() if k != "bundle"}),
+    "missing-bundle": lambda st: _encode(
+        {k: v for k, v in _deploy_message(st, 0).items() if k != "bundle"}
+    ),
     "bundle-out-of-range": lambda st: _encode(_deploy_message(st, 0, bundle=5)),
     "wrong-ordinal": lambda st: _encode(_deploy_message(st, 7)),
     "zero-workers": lambda st: _encode(_deploy_message(st, 0, distributed={"workers": 0})),
-    "unknown-framework": lambda st: _encode(_deploy_message(st, 0, distributed={"framework": "mpi"})),
+    "unknown-framework": lambda st: _encode(
+        _deploy_message(st, 0, distributed={"framework": "mpi"})
+    ),
     "bad-int": lambda st: _encode(_deploy_message(st, 0, master_port="not-a-port")),
     "not-json": lambda st: envelope.join(envelope.pack(envelope.MAGIC, [b"{not json"], [])),
     # what protocol 3 sent: a pickle the server would have loaded (now never unpickled)
-    "a-pickle": lambda st: codec.dumps({k: v for k, v in _deploy_message(st, 0).items() if k != "_bufs"}),
+    "a-pickle": lambda st: codec.dumps(
+        {k: v for k, v in _deploy_message(st, 0).items() if k != "_bufs"}
+    ),
     "corrupt-pickle": lambda st: _raw_message(b"\x80\x05this is not a pickle"),
     "empty-pickle": lambda st: _raw_message(b""),
     "pod-ips-mismatch": lambda st: _encode(_deploy_message(st, 0, pod_ips=["127.0.0.1"])),
@@ -291,8 +327,10 @@ def test_malformed_deploy_is_4xx_and_server_keeps_serving(remote, state, http, c
             problems.append(f"HTTP {resp.status_code}: {resp.text[:300]}")
         if _launch_ids(http, state) != before:
             problems.append("the rejected deploy replaced the pod's deployment")
-        for what, opts in (("a normal call", {}), ("a call restarting the rank processes",
-                                                   {"restart_procs": True})):
+        for what, opts in (
+            ("a normal call", {}),
+            ("a call restarting the rank processes", {"restart_procs": True}),
+        ):
             try:
                 got = remote.options(stream_logs=False, **opts)("rank")
             except Exception as e:  # noqa: BLE001
@@ -304,7 +342,9 @@ def test_malformed_deploy_is_4xx_and_server_keeps_serving(remote, state, http, c
     finally:
         if _launch_ids(http, state) != before:
             # put the real deployment back so one failure does not spill into other tests
-            kt.fn(target, name=NAME).to(kt.Compute(cpus=1).distribute("spmd", workers=2, num_proc=1))
+            kt.fn(target, name=NAME).to(
+                kt.Compute(cpus=1).distribute("spmd", workers=2, num_proc=1)
+            )
         http.close()
 
 
@@ -313,15 +353,23 @@ def test_malformed_call_requests_are_4xx(remote, state, http, tmp_path) -> None:
     headers, body = _call_request(tmp_path / "x")
     # no or broken call header
     for bad_meta in ("", "{not json", json.dumps({"no-id": 1}), json.dumps([1])):
-        resp = http.post(f"{url}/call", content=body,
-                         headers={**headers, CALL_HEADER: bad_meta, **_auth(state["token"])})
+        resp = http.post(
+            f"{url}/call",
+            content=body,
+            headers={**headers, CALL_HEADER: bad_meta, **_auth(state["token"])},
+        )
         assert 400 <= resp.status_code < 500, (bad_meta, resp.status_code, resp.text)
     # a chunked body without Content-Length
-    resp = http.post(f"{url}/call", content=iter([body]), headers={**headers, **_auth(state["token"])})
+    resp = http.post(
+        f"{url}/call", content=iter([body]), headers={**headers, **_auth(state["token"])}
+    )
     assert 400 <= resp.status_code < 500
     # a protocol version the server does not speak
-    resp = http.post(f"{url}/call", content=body,
-                     headers={**headers, **_auth(state["token"]), VERSION_HEADER: "999"})
+    resp = http.post(
+        f"{url}/call",
+        content=body,
+        headers={**headers, **_auth(state["token"]), VERSION_HEADER: "999"},
+    )
     assert resp.status_code == 409
     assert not (tmp_path / "x").exists()
     assert remote("rank", stream_logs=False) == [0, 1]
@@ -329,13 +377,23 @@ def test_malformed_call_requests_are_4xx(remote, state, http, tmp_path) -> None:
 
 # ---- the token never leaks -----------------------------------------------------------------
 
+
 def test_token_not_in_reprs(remote, state) -> None:
     token = state["token"]
     dep = remote.deployment
-    for text in (repr(remote), str(remote), repr(dep), repr(dep.applied), repr(dep.client),
-                 repr(dep.spec), json.dumps(remote.status())):
+    for text in (
+        repr(remote),
+        str(remote),
+        repr(dep),
+        repr(dep.applied),
+        repr(dep.client),
+        repr(dep.spec),
+        json.dumps(remote.status()),
+    ):
         assert token not in text
-    plan = kt.fn(target, name=NAME).to(kt.Compute(cpus=1).distribute("spmd", workers=2), dryrun=True)
+    plan = kt.fn(target, name=NAME).to(
+        kt.Compute(cpus=1).distribute("spmd", workers=2), dryrun=True
+    )
     assert token not in str(plan) and token not in repr(plan)
 
 
@@ -353,8 +411,12 @@ def test_token_not_in_rank_env_or_argv(remote, state) -> None:
 def _error_texts(err: BaseException) -> str:
     import traceback
 
-    parts = [str(err), repr(err), "\n".join(getattr(err, "__notes__", []) or []),
-             "".join(traceback.format_exception(err))]
+    parts = [
+        str(err),
+        repr(err),
+        "\n".join(getattr(err, "__notes__", []) or []),
+        "".join(traceback.format_exception(err)),
+    ]
     for f in getattr(err, "failures", []):
         parts += [repr(f), f.describe(), f.traceback]
     return "\n".join(parts)

@@ -26,10 +26,19 @@ def _name(prefix: str) -> str:
 
 # ---- the config ------------------------------------------------------------------------------
 
+
 def test_autoscale_takes_kubetorchs_names_and_knative_annotations() -> None:
-    c = kt.Compute(cpus=1).autoscale(min_scale=0, max_scale=8, concurrency=4, target=3, window="30s",
-                                     target_utilization=50, initial_scale=2, progress_deadline="10m",
-                                     panic_window_percentage=20)
+    c = kt.Compute(cpus=1).autoscale(
+        min_scale=0,
+        max_scale=8,
+        concurrency=4,
+        target=3,
+        window="30s",
+        target_utilization=50,
+        initial_scale=2,
+        progress_deadline="10m",
+        panic_window_percentage=20,
+    )
     a = c.autoscaling
     assert (a.min, a.max_scale, a.initial, a.concurrency) == (0, 8, 2, 4)
     assert a.target_per_replica == 1.5  # target 3 at 50 %
@@ -57,20 +66,28 @@ def test_autoscale_takes_kubetorchs_names_and_knative_annotations() -> None:
     assert AutoscaleConfig().target_per_replica == 70
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"min_scale": 3, "max_scale": 2}, "min_scale cannot be above max_scale"),
-    ({"max_scale": 0}, "max_scale=0"),
-    ({"concurrency": 0}, "concurrency=0"),
-    ({"metric": "gpu"}, "allowed: 'concurrency'"),
-    ({"window": "ten seconds"}, "duration"),
-    ({"scale_down_delay": "-1s"}, "duration"),
-    ({"target_utilization": 150}, "percentage"),
-    ({"autoscaler_class": "mine"}, "autoscaler_class"),
-    ({"metric": "cpu", "autoscaler_class": "kpa.autoscaling.knative.dev"}, "needs autoscaler_class"),
-    ({"initial_scale": 9, "max_scale": 4}, "initial_scale=9"),
-    ({"min_scale": True}, "whole number"),
-])
-def test_bad_autoscale_options_fail_before_anything_is_deployed(kwargs: dict[str, Any], words: str) -> None:
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"min_scale": 3, "max_scale": 2}, "min_scale cannot be above max_scale"),
+        ({"max_scale": 0}, "max_scale=0"),
+        ({"concurrency": 0}, "concurrency=0"),
+        ({"metric": "gpu"}, "allowed: 'concurrency'"),
+        ({"window": "ten seconds"}, "duration"),
+        ({"scale_down_delay": "-1s"}, "duration"),
+        ({"target_utilization": 150}, "percentage"),
+        ({"autoscaler_class": "mine"}, "autoscaler_class"),
+        (
+            {"metric": "cpu", "autoscaler_class": "kpa.autoscaling.knative.dev"},
+            "needs autoscaler_class",
+        ),
+        ({"initial_scale": 9, "max_scale": 4}, "initial_scale=9"),
+        ({"min_scale": True}, "whole number"),
+    ],
+)
+def test_bad_autoscale_options_fail_before_anything_is_deployed(
+    kwargs: dict[str, Any], words: str
+) -> None:
     with pytest.raises(kt.ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         kt.Compute().autoscale(**kwargs)
 
@@ -90,9 +107,14 @@ def test_autoscale_and_distribute_exclude_each_other_both_ways() -> None:
 
 # ---- the rule --------------------------------------------------------------------------------
 
+
 def test_scaler_grows_with_load_at_once_and_shrinks_only_after_the_delay() -> None:
-    s = Scaler(AutoscaleConfig(min_scale=1, max_scale=4, concurrency=2, window="10s", scale_down_delay="5s"),
-               max_default=8)
+    s = Scaler(
+        AutoscaleConfig(
+            min_scale=1, max_scale=4, concurrency=2, window="10s", scale_down_delay="5s"
+        ),
+        max_default=8,
+    )
     for t in range(6):  # one call at a time: one replica is enough
         assert s.decide(float(t), 1.0, 1, float(t)).desired == 1
     d = s.decide(6.0, 16.0, 1, 6.0)  # then 16 calls in flight and waiting: a burst
@@ -111,8 +133,16 @@ def test_scaler_grows_with_load_at_once_and_shrinks_only_after_the_delay() -> No
 
 
 def test_scaler_scales_to_zero_only_after_the_retention_period() -> None:
-    s = Scaler(AutoscaleConfig(min_scale=0, max_scale=2, window="2s", scale_down_delay="1s",
-                               scale_to_zero_pod_retention_period="5s"), max_default=8)
+    s = Scaler(
+        AutoscaleConfig(
+            min_scale=0,
+            max_scale=2,
+            window="2s",
+            scale_down_delay="1s",
+            scale_to_zero_pod_retention_period="5s",
+        ),
+        max_default=8,
+    )
     d = s.decide(0.0, 1.0, 0, 0.0)
     assert d.desired == 1  # a call with nothing running: a cold start
     current = 1
@@ -126,8 +156,16 @@ def test_scaler_scales_to_zero_only_after_the_retention_period() -> None:
 def test_scaler_keeps_the_initial_replicas_for_the_scale_down_delay() -> None:
     # initial_scale=2 with no calls: both replicas stay scale_down_delay, then one goes (it
     # once went at the first tick, so initial_scale above 1 lasted a quarter of a second)
-    s = Scaler(AutoscaleConfig(min_scale=0, max_scale=3, initial_scale=2, scale_down_delay="5s",
-                               scale_to_zero_pod_retention_period="60s"), max_default=8)
+    s = Scaler(
+        AutoscaleConfig(
+            min_scale=0,
+            max_scale=3,
+            initial_scale=2,
+            scale_down_delay="5s",
+            scale_to_zero_pod_retention_period="60s",
+        ),
+        max_default=8,
+    )
     s.started(0.0, 2)
     for t in (0.25, 1.0, 4.9):
         d = s.decide(t, 0.0, 2, None)
@@ -137,6 +175,7 @@ def test_scaler_keeps_the_initial_replicas_for_the_scale_down_delay() -> None:
 
 # ---- real local replicas ---------------------------------------------------------------------
 
+
 class Model:
     def __init__(self, scale: int = 1) -> None:
         self.scale = scale
@@ -144,6 +183,7 @@ class Model:
     def predict(self, x: int, sleep: float = 0.0) -> tuple[int, int]:
         import os
         import time
+
         time.sleep(sleep)
         return os.getpid(), x * self.scale
 
@@ -152,6 +192,7 @@ class Model:
 
     def env(self) -> dict[str, str]:
         import os
+
         return {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "KTLITE_POD_ORDINAL")}
 
 
@@ -169,8 +210,9 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
 
 
 def test_load_grows_to_max_scale_and_shrinks_back_after_the_delay() -> None:
-    compute = kt.Compute(cpus=0.5).autoscale(min_scale=1, max_scale=4, concurrency=2, window="2s",
-                                             scale_down_delay="2s")
+    compute = kt.Compute(cpus=0.5).autoscale(
+        min_scale=1, max_scale=4, concurrency=2, window="2s", scale_down_delay="2s"
+    )
     remote = kt.cls(Model, name=_name("grow")).to(compute, init_args={"scale": 3})
     try:
         assert remote.predict(2)[1] == 6  # one call, one replica, one value
@@ -194,8 +236,13 @@ def test_load_grows_to_max_scale_and_shrinks_back_after_the_delay() -> None:
 
 def test_scale_to_zero_and_back() -> None:
     name = _name("zero")
-    compute = kt.Compute(cpus=0.5).autoscale(min_scale=0, max_scale=2, window="1s", scale_down_delay="0.5s",
-                                             scale_to_zero_pod_retention_period="1s")
+    compute = kt.Compute(cpus=0.5).autoscale(
+        min_scale=0,
+        max_scale=2,
+        window="1s",
+        scale_down_delay="0.5s",
+        scale_to_zero_pod_retention_period="1s",
+    )
     remote = kt.cls(Model, name=name).to(compute)
     try:
         first = remote.predict(1)
@@ -212,13 +259,18 @@ def test_scale_to_zero_and_back() -> None:
 
 
 def test_a_replica_killed_mid_call_fails_that_call_only() -> None:
-    compute = kt.Compute(cpus=0.5).autoscale(min_scale=2, max_scale=2, concurrency=1, window="1s",
-                                             scale_down_delay="1s")
+    compute = kt.Compute(cpus=0.5).autoscale(
+        min_scale=2, max_scale=2, concurrency=1, window="1s", scale_down_delay="1s"
+    )
     remote = kt.cls(Model, name=_name("kill")).to(compute)
     try:
         _wait(lambda: _replicas(remote) == 2, 30, "2 replicas")
         slow = [remote.predict.submit(i, sleep=4.0) for i in range(2)]
-        _wait(lambda: sum(r["inflight"] for r in remote.status()["replicas"]) == 2, 20, "2 calls running")
+        _wait(
+            lambda: sum(r["inflight"] for r in remote.status()["replicas"]) == 2,
+            20,
+            "2 calls running",
+        )
         victim = remote.status()["replicas"][0]["pod"]
         os.killpg(victim["server_pid"], signal.SIGKILL)
         outcomes = []
@@ -243,14 +295,16 @@ def v1() -> str:
 
 def v2(sleep: float = 0.0) -> str:
     import time
+
     time.sleep(sleep)
     return "v2"
 
 
 def test_a_redeploy_reaches_every_replica_and_replicas_started_later() -> None:
     name = _name("roll")
-    compute = kt.Compute(cpus=0.5).autoscale(min_scale=2, max_scale=3, concurrency=1, window="1s",
-                                             scale_down_delay="30s")
+    compute = kt.Compute(cpus=0.5).autoscale(
+        min_scale=2, max_scale=3, concurrency=1, window="1s", scale_down_delay="30s"
+    )
     first = kt.fn(v1, name=name).to(compute)
     second = None
     try:
@@ -260,7 +314,9 @@ def test_a_redeploy_reaches_every_replica_and_replicas_started_later() -> None:
         futures = [second.submit(sleep=1.0) for _ in range(6)]  # grows to 3: the new one loads v2
         _wait(lambda: _replicas(second) == 3, 30, "a third replica")
         assert {f.result(timeout=60) for f in futures} == {"v2"}
-        assert {r["launch_id"] for r in second.status()["replicas"]} == {second.deployment.launch_id}
+        assert {r["launch_id"] for r in second.status()["replicas"]} == {
+            second.deployment.launch_id
+        }
         with pytest.raises(kt.NotDeployedError, match="redeployed"):
             for _ in range(20):  # the first handle notices the new launch and says so
                 first()
@@ -277,19 +333,30 @@ def test_status_list_and_reattach_by_name(tmp_path: Any) -> None:
         f"@kt.compute(cpus=0.5, name={name!r})\n"
         "@kt.autoscale(min_scale=1, max_scale=2, concurrency=2, window='1s', scale_down_delay='1s')\n"
         "def triple(x):\n"
-        "    return 3 * x\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        "    return 3 * x\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     cli = [sys.executable, "-m", "ktlite.commands.cli"]
     try:
-        out = subprocess.run([*cli, "deploy", f"{script}:triple"], capture_output=True,
-                             text=True, env=env, timeout=120)
+        out = subprocess.run(
+            [*cli, "deploy", f"{script}:triple"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         remote = kt.fn(name=name)
         assert remote(4) == 12  # one value from one replica
         listed = subprocess.run([*cli, "list"], capture_output=True, text=True, env=env, timeout=60)
         row = [line for line in listed.stdout.splitlines() if line.startswith(name)]
         assert row and "autoscaled" in row[0], listed.stdout
-        shown = subprocess.run([*cli, "status", name], capture_output=True, text=True, env=env, timeout=60)
+        shown = subprocess.run(
+            [*cli, "status", name], capture_output=True, text=True, env=env, timeout=60
+        )
         assert shown.returncode == 0, shown.stderr
         assert "autoscaled, 1 replica(s) running (1..2)" in shown.stdout
         assert "last decision" in shown.stdout and f"replica {name}-0" in shown.stdout
@@ -328,7 +395,9 @@ def test_scaling_status_of_the_handle_is_what_ktlites_autoscaler_says() -> None:
         plain.teardown()
 
 
-def test_replicas_stopped_by_a_scale_down_leave_the_state_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replicas_stopped_by_a_scale_down_leave_the_state_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Another process reading a deployment's state while its replicas stop must never find
     only dead replicas listed: it takes such a deployment for gone and deletes its directory,
     spec and code with it (a detached deployment scaling to zero then waited for ever for a
@@ -340,8 +409,9 @@ def test_replicas_stopped_by_a_scale_down_leave_the_state_first(monkeypatch: pyt
     from ktlite.specs.deployment_spec import DeploymentSpec
 
     backend = get_backend("local")
-    spec = DeploymentSpec(_name("order"), kt.Compute(cpus=0.1).autoscale(min_scale=0, max_scale=2),
-                          detached=True)
+    spec = DeploymentSpec(
+        _name("order"), kt.Compute(cpus=0.1).autoscale(min_scale=0, max_scale=2), detached=True
+    )
     token = secrets.token_urlsafe(16)
     backend.apply(replace(spec, replicas=2), token)
     stopped: list[tuple[int, bool]] = []
@@ -351,12 +421,15 @@ def test_replicas_stopped_by_a_scale_down_leave_the_state_first(monkeypatch: pyt
         listed = {p["pid"] for p in (backend._read(spec.name) or {}).get("pods", [])}
         stopped.extend((p["pid"], p["pid"] in listed) for p in pods)
         real(pods, timeout)
+
     try:
         with monkeypatch.context() as m:
             m.setattr(backend, "_stop_pods", stop_pods)
             applied = backend.apply(replace(spec, replicas=1), token)
         assert [ep.ordinal for ep in applied.endpoints] == [0]
-        assert len(stopped) == 1 and stopped[0][1] is False, stopped  # out of the state, then stopped
+        assert len(stopped) == 1 and stopped[0][1] is False, (
+            stopped
+        )  # out of the state, then stopped
         assert not pid_alive(stopped[0][0])
     finally:
         backend.teardown(spec.name)
@@ -379,15 +452,18 @@ def test_a_detached_deployment_scales_to_zero_with_no_client_and_back(tmp_path: 
         "compute = kt.Compute(cpus=0.5).autoscale(min_scale=0, max_scale=2, window='1s',\n"
         "    scale_down_delay='0.5s', scale_to_zero_pod_retention_period='2s')\n"
         f"remote = kt.fn(square, name={name!r}).to(compute, detached=True)\n"
-        "assert remote(3) == 9\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+        "assert remote(3) == 9\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     backend = get_backend("local")
 
     def pods() -> int:
         rows = [r for r in backend.list() if r["name"] == name]
         return rows[0]["pods"] if rows else -1
+
     try:
         _wait(lambda: pods() == 0, 30, "the supervisor scaling the detached deployment to zero")
         remote = kt.fn(name=name)
@@ -402,8 +478,9 @@ def test_a_detached_deployment_scales_to_zero_with_no_client_and_back(tmp_path: 
 
 
 def test_rps_metric_scales_on_calls_per_second() -> None:
-    compute = kt.Compute(cpus=0.5).autoscale(min_scale=1, max_scale=2, metric="rps", target=5, window="1s",
-                                             scale_down_delay="60s")
+    compute = kt.Compute(cpus=0.5).autoscale(
+        min_scale=1, max_scale=2, metric="rps", target=5, window="1s", scale_down_delay="60s"
+    )
     remote = kt.cls(Model, name=_name("rps")).to(compute)
     try:
         deadline = time.monotonic() + 30
@@ -411,12 +488,17 @@ def test_rps_metric_scales_on_calls_per_second() -> None:
             remote.predict(1)  # one at a time, far more than 5 per second
         status = remote.status()
         assert len(status["replicas"]) == 2, status["autoscaler"]
-        assert status["autoscaler"]["metric"] == "rps" and "rps" in status["autoscaler"]["last_decision"]["reason"]
+        assert (
+            status["autoscaler"]["metric"] == "rps"
+            and "rps" in status["autoscaler"]["last_decision"]["reason"]
+        )
     finally:
         remote.teardown()
 
 
-def test_kubetorchs_decorated_autoscaled_class_exits_cleanly_without_teardown(tmp_path: Any) -> None:
+def test_kubetorchs_decorated_autoscaled_class_exits_cleanly_without_teardown(
+    tmp_path: Any,
+) -> None:
     """Kubetorch's serving example as a script: initial_replicas is the replicas at deploy,
     and the script ends without teardown: nothing but its own output at interpreter exit
     (its scaling thread once sent a request on the closed HTTP client and printed
@@ -431,14 +513,30 @@ def test_kubetorchs_decorated_autoscaled_class_exits_cleanly_without_teardown(tm
         "        return [x * 2 for x in batch]\n\n"
         "if __name__ == '__main__':\n"
         "    print('PREDICTED', GNNInference.predict([1, 2]))\n"
-        "    print('REPLICAS', len(GNNInference.remote().status()['replicas']))\n")
+        "    print('REPLICAS', len(GNNInference.remote().status()['replicas']))\n"
+    )
     home = tmp_path / "home"
     env = {**os.environ, "KTLITE_HOME": str(home)}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
-                          cwd=tmp_path, env=env)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines() == ["PREDICTED [2, 4]", "REPLICAS 2"], done.stdout + done.stderr
-    assert "client has been closed" not in done.stderr and "scaling:" not in done.stderr, done.stderr
-    listed = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", "list"], capture_output=True, text=True,
-                            timeout=60, env=env)
-    assert listed.stdout.strip() == "no deployments", listed.stdout  # torn down at exit all the same
+    assert "client has been closed" not in done.stderr and "scaling:" not in done.stderr, (
+        done.stderr
+    )
+    listed = subprocess.run(
+        [sys.executable, "-m", "ktlite.commands.cli", "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert listed.stdout.strip() == "no deployments", (
+        listed.stdout
+    )  # torn down at exit all the same

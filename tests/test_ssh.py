@@ -21,8 +21,13 @@ from ssh_hosts import SshHosts, sshd_available
 import ktlite as kt
 from ktlite.backends.processes import pid_alive
 
-pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180),
-              pytest.mark.skipif(not sshd_available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)")]
+pytestmark = [
+    pytest.mark.ssh,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(
+        not sshd_available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +58,11 @@ def ddp_step(steps: int = 2) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {"rank": dist.get_rank(), "world": dist.get_world_size(),
-            "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+    }
 
 
 def layout() -> dict:
@@ -73,7 +81,9 @@ def nap(seconds: float) -> int:
 
 def test_ddp_across_two_hosts_keeps_every_rank_identical(hosts: SshHosts) -> None:
     assert all(h.port != 22 for h in hosts.hosts)  # reached through the config's aliases
-    remote = kt.fn(ddp_step, name="ssh-ddp").to(kt.Compute(hosts=options(hosts)).distribute("pytorch", num_proc=2))
+    remote = kt.fn(ddp_step, name="ssh-ddp").to(
+        kt.Compute(hosts=options(hosts)).distribute("pytorch", num_proc=2)
+    )
     try:
         out = remote()
         assert [o["rank"] for o in out] == [0, 1, 2, 3] and {o["world"] for o in out} == {4}
@@ -98,40 +108,54 @@ def test_uneven_hosts_get_their_own_ranks(hosts: SshHosts) -> None:
 
 def test_a_changed_host_key_is_refused_before_anything_starts(hosts: SshHosts) -> None:
     h = options(hosts, known_hosts=str(hosts.wrong_host_key_known_hosts()))
-    with pytest.raises(kt.DeployError, match="host 0 \\(host0\\): its host key is not trusted") as info:
+    with pytest.raises(
+        kt.DeployError, match="host 0 \\(host0\\): its host key is not trusted"
+    ) as info:
         kt.fn(layout, name="ssh-badkey").to(kt.Compute(hosts=h))
     assert "accept_new_host_keys" in str(info.value)
     assert not _servers("ssh-badkey")  # host1 connected fine, and still nothing was started
-    h = options(hosts, known_hosts=str(hosts.wrong_host_key_known_hosts()), accept_new_host_keys=True)
+    h = options(
+        hosts, known_hosts=str(hosts.wrong_host_key_known_hosts()), accept_new_host_keys=True
+    )
     with pytest.raises(kt.DeployError, match="host 0 \\(host0\\): its host key CHANGED"):
         kt.fn(layout, name="ssh-badkey").to(kt.Compute(hosts=h))  # a changed key is never new
     assert not _servers("ssh-badkey")
 
 
-def test_an_unknown_host_needs_accept_new_host_keys(hosts: SshHosts, tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unknown_host_needs_accept_new_host_keys(
+    hosts: SshHosts, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     known = tmp_path / "known_hosts"
     known.write_text("")
     with pytest.raises(kt.DeployError, match="not trusted"):
-        kt.fn(layout, name="ssh-newkey").to(kt.Compute(hosts=options(hosts, known_hosts=str(known))))
+        kt.fn(layout, name="ssh-newkey").to(
+            kt.Compute(hosts=options(hosts, known_hosts=str(known)))
+        )
     caplog.set_level(logging.WARNING, logger="ktlite")
     remote = kt.fn(layout, name="ssh-newkey").to(
-        kt.Compute(hosts=options(hosts, known_hosts=str(known), accept_new_host_keys=True)))
+        kt.Compute(hosts=options(hosts, known_hosts=str(known), accept_new_host_keys=True))
+    )
     try:
         assert len(remote()) == 2
         text = known.read_text()
         assert all(h.host_key_pub in text for h in hosts.hosts)
         # each key added is said once, as a warning of the ssh backend (a log record)
-        added = sorted(r.getMessage() for r in caplog.records
-                       if r.name.startswith("ktlite.backends.ssh") and r.levelno == logging.WARNING)
-        assert added == [f"added host {i} ({h.name})'s host key to {known} (accept_new_host_keys)"
-                         for i, h in enumerate(hosts.hosts)], added
+        added = sorted(
+            r.getMessage()
+            for r in caplog.records
+            if r.name.startswith("ktlite.backends.ssh") and r.levelno == logging.WARNING
+        )
+        assert added == [
+            f"added host {i} ({h.name})'s host key to {known} (accept_new_host_keys)"
+            for i, h in enumerate(hosts.hosts)
+        ], added
     finally:
         remote.teardown()
 
 
-def test_the_log_level_reaches_the_hosts_pod_servers(hosts: SshHosts,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_log_level_reaches_the_hosts_pod_servers(
+    hosts: SshHosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ktlite.backends.ssh import SshBackend
 
     monkeypatch.setenv("KTLITE_LOG_LEVEL", "DEBUG")
@@ -142,8 +166,10 @@ def test_the_log_level_reaches_the_hosts_pod_servers(hosts: SshHosts,
         lines = list(SshBackend.shared().logs("ssh-debug"))
         for pod in ("ssh-debug-0", "ssh-debug-1"):
             mine = [line for line in lines if line.startswith(f"[{pod}]")]
-            assert any("DEBUG ktlite_server.requests" in line and "POST /deploy from " in line
-                       for line in mine), mine
+            assert any(
+                "DEBUG ktlite_server.requests" in line and "POST /deploy from " in line
+                for line in mine
+            ), mine
         assert not any(token in line for line in lines)
     finally:
         remote.teardown()
@@ -151,14 +177,22 @@ def test_the_log_level_reaches_the_hosts_pod_servers(hosts: SshHosts,
 
 def test_an_unreachable_host_is_named_within_seconds(hosts: SshHosts, tmp_path: Path) -> None:
     start = time.monotonic()
-    h = kt.Hosts(["host0", "root@127.0.1.250:1"], ssh_config=str(hosts.ssh_config),
-                 known_hosts=str(hosts.known_hosts), python=sys.executable)
-    with pytest.raises(kt.DeployError, match="host 1 \\(root@127.0.1.250:1\\): cannot connect over SSH"):
+    h = kt.Hosts(
+        ["host0", "root@127.0.1.250:1"],
+        ssh_config=str(hosts.ssh_config),
+        known_hosts=str(hosts.known_hosts),
+        python=sys.executable,
+    )
+    with pytest.raises(
+        kt.DeployError, match="host 1 \\(root@127.0.1.250:1\\): cannot connect over SSH"
+    ):
         kt.fn(layout, name="ssh-unreachable").to(kt.Compute(hosts=h))
     assert time.monotonic() - start < 20
 
 
-def test_a_host_that_dies_mid_call_fails_the_call_and_teardown_leaves_nothing(hosts: SshHosts) -> None:
+def test_a_host_that_dies_mid_call_fails_the_call_and_teardown_leaves_nothing(
+    hosts: SshHosts,
+) -> None:
     remote = kt.fn(nap, name="ssh-dies").to(kt.Compute(hosts=options(hosts)))
     pids = {p["pid"] for p in _state("ssh-dies")["pods"]}
     out: dict = {}
@@ -166,7 +200,9 @@ def test_a_host_that_dies_mid_call_fails_the_call_and_teardown_leaves_nothing(ho
     thread.start()
     deadline = time.monotonic() + 30
     while not all(pod["active_calls"] for pod in remote.status()):  # the call runs on both hosts
-        assert time.monotonic() < deadline and thread.is_alive(), f"the call was not running after 30 s: {out}"
+        assert time.monotonic() < deadline and thread.is_alive(), (
+            f"the call was not running after 30 s: {out}"
+        )
         time.sleep(0.05)
     hosts.hosts[1].stop()  # the machine goes: its sshd and every session on it
     try:
@@ -185,7 +221,9 @@ def test_a_host_that_dies_mid_call_fails_the_call_and_teardown_leaves_nothing(ho
 
 
 def test_a_detached_server_stops_on_its_own_after_inactivity_ttl(hosts: SshHosts) -> None:
-    remote = kt.fn(layout, name="ssh-ttl").to(kt.Compute(hosts=options(hosts), inactivity_ttl=3), detached=True)
+    remote = kt.fn(layout, name="ssh-ttl").to(
+        kt.Compute(hosts=options(hosts), inactivity_ttl=3), detached=True
+    )
     assert len(remote()) == 2
     pids = [p["pid"] for p in _state("ssh-ttl")["pods"]]
     deadline = time.monotonic() + 30
@@ -219,7 +257,11 @@ def _servers(name: str) -> list[int]:
                 cmd = (p / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"ktlite_server" in cmd and any(a.startswith(f"{name}-".encode()) for a in cmd) and pid_alive(int(p.name)):
+            if (
+                b"ktlite_server" in cmd
+                and any(a.startswith(f"{name}-".encode()) for a in cmd)
+                and pid_alive(int(p.name))
+            ):
                 found.append(int(p.name))
     return found
 
@@ -240,7 +282,9 @@ def test_list_and_logs_of_an_ssh_deployment(hosts: SshHosts) -> None:
         assert (row["pods"], row["ready"], row["hosts"]) == (2, 2, ["host0", "host1"])
         lines = list(backend.logs("ssh-logs"))
         for pod in ("ssh-logs-0", "ssh-logs-1"):
-            assert any(line.startswith(f"[{pod}]") and "hello from ssh" in line for line in lines), lines
+            assert any(
+                line.startswith(f"[{pod}]") and "hello from ssh" in line for line in lines
+            ), lines
         followed = backend.logs("ssh-logs", ordinal=1, follow=True, tail=50)
         assert "hello from ssh" in next(line for line in followed if "hello" in line)
         followed.close()  # stops the remote tail -F
@@ -253,7 +297,9 @@ def test_calls_through_ssh_port_forwards(hosts: SshHosts) -> None:
     remote = kt.fn(layout, name="ssh-forward").to(kt.Compute(hosts=options(hosts, forward=True)))
     try:
         urls = [ep.url for ep in remote.deployment.endpoints]
-        assert all(u.startswith("http://127.0.0.1:") for u in urls), urls  # this side of the tunnels
+        assert all(u.startswith("http://127.0.0.1:") for u in urls), (
+            urls
+        )  # this side of the tunnels
         assert [o["RANK"] for o in remote()] == ["0", "1"]
     finally:
         remote.teardown()
@@ -273,14 +319,21 @@ print(remote(), flush=True)
 """
 
 
-def test_servers_of_a_process_that_exits_go_with_its_connections(hosts: SshHosts, tmp_path: Path) -> None:
+def test_servers_of_a_process_that_exits_go_with_its_connections(
+    hosts: SshHosts, tmp_path: Path
+) -> None:
     import subprocess
 
     script = tmp_path / "owner.py"
     script.write_text(OWNER)
     env = {**os.environ, "KTLITE_HOME": str(tmp_path / "home")}
-    done = subprocess.run([sys.executable, str(script), str(hosts.ssh_config), str(hosts.known_hosts)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, str(script), str(hosts.ssh_config), str(hosts.known_hosts)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and _servers("ssh-owner"):
@@ -288,15 +341,20 @@ def test_servers_of_a_process_that_exits_go_with_its_connections(hosts: SshHosts
     assert not _servers("ssh-owner"), "the pod servers outlived the process that started them"
 
 
-def test_kt_app_runs_a_script_of_this_directory_on_each_host(hosts: SshHosts, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kt_app_runs_a_script_of_this_directory_on_each_host(
+    hosts: SshHosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work = tmp_path / "project"
     work.mkdir()
-    (work / "job.py").write_text("import os, socket\nprint('replica', os.environ['RANK'], 'of', "
-                                 "os.environ['WORLD_SIZE'], 'says', open('data.txt').read().strip())\n")
+    (work / "job.py").write_text(
+        "import os, socket\nprint('replica', os.environ['RANK'], 'of', "
+        "os.environ['WORLD_SIZE'], 'says', open('data.txt').read().strip())\n"
+    )
     (work / "data.txt").write_text("hello from the caller's directory\n")
     monkeypatch.chdir(work)
-    app = kt.app(cli_command=[sys.executable, "job.py"], replicas=2, name="ssh-app", hosts=options(hosts))
+    app = kt.app(
+        cli_command=[sys.executable, "job.py"], replicas=2, name="ssh-app", hosts=options(hosts)
+    )
     try:
         assert app.run() == [0, 0]
     finally:
@@ -310,9 +368,16 @@ def test_refused_authentication_names_the_host(hosts: SshHosts, tmp_path: Path) 
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
     config = tmp_path / "ssh_config"
     h = hosts.hosts[0]
-    config.write_text(f"Host stranger\n  HostName {h.address}\n  Port {h.port}\n  User root\n"
-                      f"  IdentityFile {stranger}\n  IdentitiesOnly yes\n")
-    opts = kt.Hosts(["stranger"], ssh_config=str(config), known_hosts=str(hosts.known_hosts), python=sys.executable)
+    config.write_text(
+        f"Host stranger\n  HostName {h.address}\n  Port {h.port}\n  User root\n"
+        f"  IdentityFile {stranger}\n  IdentitiesOnly yes\n"
+    )
+    opts = kt.Hosts(
+        ["stranger"],
+        ssh_config=str(config),
+        known_hosts=str(hosts.known_hosts),
+        python=sys.executable,
+    )
     with pytest.raises(kt.DeployError, match="host 0 \\(stranger\\): authentication refused"):
         kt.fn(layout, name="ssh-stranger").to(kt.Compute(hosts=opts))
 
@@ -331,7 +396,9 @@ def test_a_code_only_redeploy_keeps_the_servers(hosts: SshHosts) -> None:
         first.teardown()
 
 
-def test_a_host_python_without_the_servers_packages_gets_them_from_this_client(hosts: SshHosts) -> None:
+def test_a_host_python_without_the_servers_packages_gets_them_from_this_client(
+    hosts: SshHosts,
+) -> None:
     """No package index needed: the server's dependencies (fastapi, uvicorn, httpx,
     cloudpickle at this client's version...) go over SFTP from this client's own install
     when the host's Python lacks them and has this client's minor version and machine."""
@@ -339,14 +406,20 @@ def test_a_host_python_without_the_servers_packages_gets_them_from_this_client(h
     import shutil
 
     base = getattr(sys, "_base_executable", sys.executable)
-    probe = subprocess_run([base, "-c", "import importlib.util as u; print(u.find_spec('fastapi') is None)"])
+    probe = subprocess_run(
+        [base, "-c", "import importlib.util as u; print(u.find_spec('fastapi') is None)"]
+    )
     if probe.strip() != "True":
         pytest.skip(f"{base} has fastapi: nothing to ship")
     cache = os.path.expanduser("~/.cache/ktlite")
     for path in glob.glob(f"{cache}/venv-*") + glob.glob(f"{cache}/deps-*"):
         shutil.rmtree(path, ignore_errors=True)
-    opts = kt.Hosts(["host0", "host1"], ssh_config=str(hosts.ssh_config), known_hosts=str(hosts.known_hosts),
-                    python=base)
+    opts = kt.Hosts(
+        ["host0", "host1"],
+        ssh_config=str(hosts.ssh_config),
+        known_hosts=str(hosts.known_hosts),
+        python=base,
+    )
     remote = kt.fn(layout, name="ssh-deps").to(kt.Compute(hosts=opts))
     try:
         assert [o["RANK"] for o in remote()] == ["0", "1"]

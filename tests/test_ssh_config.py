@@ -13,25 +13,31 @@ from ktlite.backends.ssh import SshBackend
 from ktlite.specs.deployment_spec import DeploymentSpec
 
 
-@pytest.mark.parametrize("address, target", [
-    ("gpu1", (None, "gpu1", None)),
-    ("alice@10.0.0.2", ("alice", "10.0.0.2", None)),
-    ("alice@10.0.0.2:2222", ("alice", "10.0.0.2", 2222)),
-    ("[fe80::1]:2200", (None, "fe80::1", 2200)),
-    ("bob@node-3.cluster.example", ("bob", "node-3.cluster.example", None)),
-])
+@pytest.mark.parametrize(
+    "address, target",
+    [
+        ("gpu1", (None, "gpu1", None)),
+        ("alice@10.0.0.2", ("alice", "10.0.0.2", None)),
+        ("alice@10.0.0.2:2222", ("alice", "10.0.0.2", 2222)),
+        ("[fe80::1]:2200", (None, "fe80::1", 2200)),
+        ("bob@node-3.cluster.example", ("bob", "node-3.cluster.example", None)),
+    ],
+)
 def test_host_strings_are_ssh_destinations(address: str, target: tuple) -> None:
     assert kt.Host(address).target == target
 
 
-@pytest.mark.parametrize("hosts, match", [
-    (["a b"], "not an SSH destination"),
-    (["user@"], "not an SSH destination"),
-    ([], "names no machine"),
-    ("gpu1", "must be a list of SSH destinations"),
-    (["gpu1", "gpu1"], "listed twice"),
-    ([3], "must be an SSH destination string or a kt.Host"),
-])
+@pytest.mark.parametrize(
+    "hosts, match",
+    [
+        (["a b"], "not an SSH destination"),
+        (["user@"], "not an SSH destination"),
+        ([], "names no machine"),
+        ("gpu1", "must be a list of SSH destinations"),
+        (["gpu1", "gpu1"], "listed twice"),
+        ([3], "must be an SSH destination string or a kt.Host"),
+    ],
+)
 def test_bad_hosts_are_config_errors(hosts: object, match: str) -> None:
     with pytest.raises(kt.ConfigError, match=match):
         kt.Compute(hosts=hosts)
@@ -50,21 +56,41 @@ def test_hosts_make_the_layout_one_pod_per_host() -> None:
     assert d.sizes == (3, 1)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: kt.Compute(hosts=["a", "b"]).distribute("pytorch", workers=3), "workers=3.*2 host"),
-    (lambda: kt.Compute(hosts=[kt.Host("a", num_proc=2), "b"]).distribute("pytorch", num_proc=4),
-     "Host\\('a', num_proc=2\\) but distribute\\(\\) gives it 4"),
-    (lambda: kt.Compute(backend="kubernetes", hosts=["a"]), "machines of backend='ssh'"),
-    (lambda: kt.Hosts(["a"], forward="yes"), "forward='yes'"),
-    (lambda: kt.Hosts(["a"], accept_new_host_keys="yes"), "accept_new_host_keys='yes'"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (
+            lambda: kt.Compute(hosts=["a", "b"]).distribute("pytorch", workers=3),
+            "workers=3.*2 host",
+        ),
+        (
+            lambda: kt.Compute(hosts=[kt.Host("a", num_proc=2), "b"]).distribute(
+                "pytorch", num_proc=4
+            ),
+            "Host\\('a', num_proc=2\\) but distribute\\(\\) gives it 4",
+        ),
+        (lambda: kt.Compute(backend="kubernetes", hosts=["a"]), "machines of backend='ssh'"),
+        (lambda: kt.Hosts(["a"], forward="yes"), "forward='yes'"),
+        (lambda: kt.Hosts(["a"], accept_new_host_keys="yes"), "accept_new_host_keys='yes'"),
+    ],
+)
 def test_hosts_that_disagree_with_the_layout_are_config_errors(make, match: str) -> None:
     with pytest.raises(kt.ConfigError, match=match):
         make()
 
 
-@pytest.mark.parametrize("value, seconds", [(None, None), (600, 600.0), ("90", 90.0), ("30m", 1800.0),
-                                            ("1h", 3600.0), ("2d", 172800.0), ("1.5h", 5400.0)])
+@pytest.mark.parametrize(
+    "value, seconds",
+    [
+        (None, None),
+        (600, 600.0),
+        ("90", 90.0),
+        ("30m", 1800.0),
+        ("1h", 3600.0),
+        ("2d", 172800.0),
+        ("1.5h", 5400.0),
+    ],
+)
 def test_inactivity_ttl_durations(value: object, seconds: float | None) -> None:
     assert parse_duration(value, "inactivity_ttl") == seconds
     assert kt.Compute(inactivity_ttl=value).inactivity_seconds == seconds
@@ -91,8 +117,11 @@ def test_hosts_from_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_plan_names_every_host_and_no_secret() -> None:
-    compute = kt.Compute(hosts=["gpu1", "alice@10.0.0.2:2222"], env={"WANDB_API_KEY": "sk-secret-value"},
-                         inactivity_ttl="1h").distribute("pytorch", num_proc=2)
+    compute = kt.Compute(
+        hosts=["gpu1", "alice@10.0.0.2:2222"],
+        env={"WANDB_API_KEY": "sk-secret-value"},
+        inactivity_ttl="1h",
+    ).distribute("pytorch", num_proc=2)
     plan = get_backend("ssh").plan(DeploymentSpec("planned", compute))
     text = str(plan)
     assert "ssh gpu1:" in text and "ssh alice@10.0.0.2:2222:" in text

@@ -35,12 +35,22 @@ class Counter:
         """Each rank adds a different amount, so each keeps a different state."""
         self.calls += 1
         self.value += x * (self.rank + 1)
-        return {"rank": self.rank, "env_rank": int(os.environ["RANK"]), "value": self.value,
-                "calls": self.calls, "pid": os.getpid()}
+        return {
+            "rank": self.rank,
+            "env_rank": int(os.environ["RANK"]),
+            "value": self.value,
+            "calls": self.calls,
+            "pid": os.getpid(),
+        }
 
     def snapshot(self):
-        return {"value": self.value, "step": self.step, "label": self.label, "calls": self.calls,
-                "pid": os.getpid()}
+        return {
+            "value": self.value,
+            "step": self.step,
+            "label": self.label,
+            "calls": self.calls,
+            "pid": os.getpid(),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +73,8 @@ def test_state_persists_between_method_calls(counter):
 
 def test_init_args_dict():
     remote = kt.cls(Counter, name=unique("ctr-kw")).to(
-        kt.Compute(cpus=1), init_args={"start": 5, "step": 3, "label": "kw"})
+        kt.Compute(cpus=1), init_args={"start": 5, "step": 3, "label": "kw"}
+    )
     try:
         snap = remote.snapshot()
         assert (snap["value"], snap["step"], snap["label"]) == (5, 3, "kw")
@@ -73,7 +84,9 @@ def test_init_args_dict():
 
 
 def test_init_args_tuple():
-    remote = kt.cls(Counter, name=unique("ctr-pos")).to(kt.Compute(cpus=1), init_args=(100, 2, "pos"))
+    remote = kt.cls(Counter, name=unique("ctr-pos")).to(
+        kt.Compute(cpus=1), init_args=(100, 2, "pos")
+    )
     try:
         snap = remote.snapshot()
         assert (snap["value"], snap["step"], snap["label"]) == (100, 2, "pos")
@@ -90,7 +103,8 @@ def test_unknown_method_is_an_attribute_error(counter):
 
 def test_distributed_class_keeps_state_per_rank():
     remote = kt.cls(Counter, name=unique("ctr-dist")).to(
-        kt.Compute(cpus=1).distribute("pytorch", workers=2, num_proc=2), init_args={"start": 0})
+        kt.Compute(cpus=1).distribute("pytorch", workers=2, num_proc=2), init_args={"start": 0}
+    )
     try:
         first = remote.add_rank_scaled(1)
         assert isinstance(first, list) and len(first) == 4

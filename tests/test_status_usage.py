@@ -178,6 +178,7 @@ def test_gpu_memory_and_utilisation_come_from_nvidia_smi(remote: Any, fake_smi: 
 
 # ---- the usage module against real files and processes ------------------------------------------
 
+
 def test_stat_parsing_survives_odd_process_names(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     rows = {
@@ -213,8 +214,10 @@ def test_process_usage_of_this_process_and_its_child() -> None:
 
 
 def test_gpu_rows_and_visible_devices() -> None:
-    gpus = usage.parse_gpus("0, GPU-1a, A100, 10, 80, 5\n1, GPU-2b, Name, with comma, [N/A], 80, "
-                            "[Not Supported]\nNo devices were found\n")
+    gpus = usage.parse_gpus(
+        "0, GPU-1a, A100, 10, 80, 5\n1, GPU-2b, Name, with comma, [N/A], 80, "
+        "[Not Supported]\nNo devices were found\n"
+    )
     assert [g["index"] for g in gpus] == [0, 1]
     assert gpus[1]["name"] == "Name, with comma" and gpus[1]["memory_used_bytes"] is None
     assert gpus[1]["utilization_percent"] is None and gpus[0]["memory_total_bytes"] == 80 * MIB
@@ -222,15 +225,22 @@ def test_gpu_rows_and_visible_devices() -> None:
     assert [g["index"] for g in usage.visible(gpus, "1")] == [1]
     assert [g["index"] for g in usage.visible(gpus, "GPU-2b,0")] == [1, 0]
     assert usage.visible(gpus, "") == [] and usage.visible(gpus, "7,0") == []  # CUDA stops there
-    assert usage.parse_apps("12, GPU-1a, 300\nbad line\n13, GPU-1a, [N/A]\n") == \
-        [(12, "GPU-1a", 300 * MIB), (13, "GPU-1a", None)]
+    assert usage.parse_apps("12, GPU-1a, 300\nbad line\n13, GPU-1a, [N/A]\n") == [
+        (12, "GPU-1a", 300 * MIB),
+        (13, "GPU-1a", None),
+    ]
     summary = usage.rank_gpu_summary(usage.visible(gpus, "0,1"), [(12, "GPU-1a", 300 * MIB)], {12})
     assert summary["gpu_memory_used_bytes"] == 10 * MIB  # the GPU whose value is known
-    assert summary["gpu_utilization_percent"] == 5.0 and summary["gpu_process_memory_bytes"] == 300 * MIB
+    assert (
+        summary["gpu_utilization_percent"] == 5.0
+        and summary["gpu_process_memory_bytes"] == 300 * MIB
+    )
 
 
 @pytest.mark.timeout(30)
-def test_nvidia_smi_absent_failing_or_hanging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nvidia_smi_absent_failing_or_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi at all: no GPUs, no error
     assert asyncio.run(usage.GpuQuery().snapshot()) == (None, None, None)
 
@@ -240,13 +250,17 @@ def test_nvidia_smi_absent_failing_or_hanging(tmp_path: Path, monkeypatch: pytes
     gpus, apps, error = asyncio.run(usage.GpuQuery().snapshot())
     assert gpus == [] and error is not None and "code 9" in error and "driver not loaded" in error
 
-    script.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=*) echo '0, GPU-1, X, 1, 2, 3';; *) exit 4;; esac\n")
+    script.write_text(
+        "#!/bin/sh\ncase \"$1\" in --query-gpu=*) echo '0, GPU-1, X, 1, 2, 3';; *) exit 4;; esac\n"
+    )
     gpus, apps, error = asyncio.run(usage.GpuQuery().snapshot())  # only per-process memory is lost
     assert [g["index"] for g in gpus] == [0] and apps is None and "--query-compute-apps" in error
 
     # processes named by pids of another pid namespace (a container): their memory is unknown
-    script.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=*) echo '0, GPU-1, X, 1, 2, 3';; "
-                      f"*) echo '{2**22 + 4321}, GPU-1, 5';; esac\n")
+    script.write_text(
+        "#!/bin/sh\ncase \"$1\" in --query-gpu=*) echo '0, GPU-1, X, 1, 2, 3';; "
+        f"*) echo '{2**22 + 4321}, GPU-1, 5';; esac\n"
+    )
     gpus, apps, error = asyncio.run(usage.GpuQuery().snapshot())
     assert len(gpus) == 1 and apps is None and error is None
     assert usage.rank_gpu_summary(gpus, apps, {1})["gpu_process_memory_bytes"] is None

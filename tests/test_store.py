@@ -43,10 +43,19 @@ def test_valid_keys(key: str) -> None:
     assert check_key(key) == key.rstrip("/")
 
 
-@pytest.mark.parametrize("key,why", [
-    ("", "empty"), ("/abs", "absolute"), ("a//b", "empty segment"), ("a/../b", "'..'"),
-    ("..", "'..'"), ("./a", "'.'"), ("a\\b", "backslash"), ("a" * 1025, "longer than"),
-])
+@pytest.mark.parametrize(
+    "key,why",
+    [
+        ("", "empty"),
+        ("/abs", "absolute"),
+        ("a//b", "empty segment"),
+        ("a/../b", "'..'"),
+        ("..", "'..'"),
+        ("./a", "'.'"),
+        ("a\\b", "backslash"),
+        ("a" * 1025, "longer than"),
+    ],
+)
 def test_invalid_keys_name_the_problem(key: str, why: str) -> None:
     with pytest.raises(ConfigError, match="not a valid data store key") as err:
         check_key(key)
@@ -80,6 +89,7 @@ def test_tar_stream_size_is_exact_and_extracts_back(tmp_path: Path) -> None:
 
 def test_extract_refuses_paths_outside_the_directory(tmp_path: Path) -> None:
     import tarfile
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         info = tarfile.TarInfo("../escape")
@@ -106,6 +116,7 @@ def test_progress_is_quiet_unless_a_tty_or_forced(monkeypatch: pytest.MonkeyPatc
 
 
 # ---- the local store, in this process -------------------------------------------------------------
+
 
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -137,7 +148,9 @@ def _digest(root: Path) -> dict[str, str]:
 def test_directory_round_trip(home: Path, tmp_path: Path) -> None:
     src = _tree(tmp_path / "src")
     kt.put("sets/tree", src)
-    assert (home / "store" / "default" / "data" / "sets" / "tree" / "a.txt").read_text() == "alpha\n"
+    assert (
+        home / "store" / "default" / "data" / "sets" / "tree" / "a.txt"
+    ).read_text() == "alpha\n"
     out = kt.get("sets/tree", tmp_path / "out")
     assert out == tmp_path / "out"
     assert _digest(out) == _digest(src)
@@ -149,8 +162,9 @@ def test_directory_round_trip(home: Path, tmp_path: Path) -> None:
     assert (tmp_path / "out" / "mine").read_text() == "kept"
 
 
-def test_file_get_without_dest_goes_to_the_current_directory(home: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_get_without_dest_goes_to_the_current_directory(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "f.txt").write_text("hello")
     kt.put("docs/f.txt", str(tmp_path / "f.txt"))
     work = tmp_path / "work"
@@ -204,7 +218,9 @@ def test_ls_lists_children_with_type_and_size(home: Path, tmp_path: Path) -> Non
     assert set(rows) == {"f", "o", "d/"}
     assert rows["f"]["type"] == "file" and rows["f"]["size"] == 5 and not rows["f"]["is_directory"]
     assert rows["o"]["type"] == "object"
-    assert rows["d/"]["type"] == "dir" and rows["d/"]["is_directory"] and rows["d/"]["size"] == 70_006
+    assert (
+        rows["d/"]["type"] == "dir" and rows["d/"]["is_directory"] and rows["d/"]["size"] == 70_006
+    )
     assert [e["key"] for e in kt.ls(key="a/f")] == ["a/f"]  # Kubetorch's keyword
     deep = [e["key"] for e in kt.ls("a", recursive=True)]
     assert deep == ["a/d/a.txt", "a/d/sub/b.bin", "a/d/sub/deeper/c", "a/f", "a/o"]
@@ -301,8 +317,9 @@ def test_concurrent_puts_and_gets(home: Path, tmp_path: Path) -> None:
 
 
 def test_concurrent_processes_write_one_key(home: Path) -> None:
-    code = ("import sys, ktlite as kt\n"
-            "for _ in range(20): kt.put('race', data=sys.argv[1] * 100_000)\n")
+    code = (
+        "import sys, ktlite as kt\nfor _ in range(20): kt.put('race', data=sys.argv[1] * 100_000)\n"
+    )
     kt.put("race", data="z" * 100_000)
     env = {**os.environ, "KTLITE_HOME": str(home)}
     procs = [subprocess.Popen([sys.executable, "-c", code, c], env=env) for c in "abc"]
@@ -319,16 +336,22 @@ def test_concurrent_processes_write_one_key(home: Path) -> None:
 
 # ---- from inside real rank processes ----------------------------------------------------------------
 
+
 def _rank_puts_and_gets(tag: str) -> dict[str, object]:
     import os
 
     import ktlite as kt
+
     rank = int(os.environ["RANK"])
     kt.put(f"{tag}/from-rank-{rank}", {"rank": rank})
     seen = kt.get(f"{tag}/from-caller")
     out = kt.get(f"{tag}/dir", f"/tmp/{tag}-rank-{rank}")
-    return {"rank": rank, "seen": seen, "files": sorted(p.name for p in out.iterdir()),
-            "home": os.environ.get("KTLITE_STORE_HOME")}
+    return {
+        "rank": rank,
+        "seen": seen,
+        "files": sorted(p.name for p in out.iterdir()),
+        "home": os.environ.get("KTLITE_STORE_HOME"),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -337,7 +360,8 @@ def test_ranks_of_a_deployed_fn_share_the_callers_store(home: Path, tmp_path: Pa
     kt.put(f"{tag}/from-caller", [1, 2, 3])
     kt.put(f"{tag}/dir", _tree(tmp_path / "src"))
     remote = kt.fn(_rank_puts_and_gets, name=f"store-{tag}").to(
-        kt.Compute(cpus=1).distribute("spmd", workers=2, num_proc=1))
+        kt.Compute(cpus=1).distribute("spmd", workers=2, num_proc=1)
+    )
     try:
         results = remote(tag)
     finally:
@@ -354,6 +378,7 @@ def _rank_puts(tag: str) -> str:
     import os
 
     import ktlite as kt
+
     kt.put(f"{tag}/r{os.environ['RANK']}", data="x")
     return os.environ.get("KTLITE_STORE_NAMESPACE", "")
 
@@ -375,6 +400,7 @@ def test_a_broken_directory_upload_leaves_nothing(store_server: str, tmp_path: P
     """The store server unpacks a directory while it arrives; a stream that breaks leaves the
     old value and no staged files, and the server is not stuck waiting for the rest."""
     import httpx
+
     auth = {"x-ktlite-token": "Bearer store-secret"}
     httpx.put(f"{store_server}/store/v1/key", params={"key": "d"}, content=b"old", headers=auth)
     _, chunks = tar_stream(_tree(tmp_path / "src"))
@@ -386,10 +412,17 @@ def test_a_broken_directory_upload_leaves_nothing(store_server: str, tmp_path: P
             yield chunk
 
     with pytest.raises(OSError):
-        httpx.put(f"{store_server}/store/v1/key", params={"key": "d", "kind": "dir"}, content=broken(),
-                  headers=auth)
+        httpx.put(
+            f"{store_server}/store/v1/key",
+            params={"key": "d", "kind": "dir"},
+            content=broken(),
+            headers=auth,
+        )
     t0 = time.monotonic()
-    assert httpx.get(f"{store_server}/store/v1/key", params={"key": "d"}, headers=auth).content == b"old"
+    assert (
+        httpx.get(f"{store_server}/store/v1/key", params={"key": "d"}, headers=auth).content
+        == b"old"
+    )
     deadline = time.monotonic() + 10
     while list((tmp_path / "pvc" / "tmp").iterdir()):  # the server cleans up when it sees the break
         assert time.monotonic() < deadline, list((tmp_path / "pvc" / "tmp").iterdir())
@@ -398,6 +431,7 @@ def test_a_broken_directory_upload_leaves_nothing(store_server: str, tmp_path: P
 
 
 # ---- the store server (the Kubernetes store pod's), served for real ----------------------------------
+
 
 def _black_hole(ip: str) -> tuple[socket.socket, socket.socket]:
     """A listener that never accepts, its one-slot backlog taken: the kernel drops new SYNs."""
@@ -419,12 +453,26 @@ def store_server(tmp_path: Path) -> Iterator[str]:
         port = s.getsockname()[1]
     ready = tmp_path / "ready.json"
     env = {**os.environ, "KTLITE_STORE_ROOT": str(tmp_path / "pvc"), "KTLITE_TOKEN": "store-secret"}
-    proc = subprocess.Popen([sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", str(port),
-                             "--ready-file", str(ready)], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ktlite_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--ready-file",
+            str(ready),
+        ],
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the store server did not start"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the store server did not start"
+            )
             time.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -432,8 +480,9 @@ def store_server(tmp_path: Path) -> Iterator[str]:
         proc.wait(10)
 
 
-def test_store_server_round_trips_through_the_pod_client(store_server: str, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_store_server_round_trips_through_the_pod_client(
+    store_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a rank on a Kubernetes pod: the address its pod server was handed, next to its peer list
     ips = tmp_path / "ktlite-pod-ips-1.json"
     monkeypatch.setenv("KTLITE_POD_IPS_FILE", str(ips))
@@ -442,8 +491,16 @@ def test_store_server_round_trips_through_the_pod_client(store_server: str, tmp_
     with pytest.raises(DataStoreError, match="knows of no data store.*call .to\\(\\) again"):
         kt.put("k", 1)
     from ktlite_server.store import remember
-    remember({"url": store_server, "token": "store-secret", "pod": "ktlite-store-0", "namespace": "default"},
-             str(ips))
+
+    remember(
+        {
+            "url": store_server,
+            "token": "store-secret",
+            "pod": "ktlite-store-0",
+            "namespace": "default",
+        },
+        str(ips),
+    )
     assert oct(os.stat(address_file(str(ips))).st_mode & 0o777) == "0o600"
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(9 << 20))
@@ -472,8 +529,9 @@ def test_store_server_round_trips_through_the_pod_client(store_server: str, tmp_
         url = f"http://127.0.0.77:{hole.getsockname()[1]}"
         remember({"url": url, "token": "store-secret", "pod": "ktlite-store-0"}, str(ips))
         t0 = time.monotonic()
-        with pytest.raises(DataStoreError, match="127.0.0.77.*no connection within.*new IP: call "
-                           "\\.to\\(\\) again"):
+        with pytest.raises(
+            DataStoreError, match="127.0.0.77.*no connection within.*new IP: call \\.to\\(\\) again"
+        ):
             kt.ls()
         assert time.monotonic() - t0 < 20
     finally:
@@ -485,9 +543,14 @@ def test_store_server_round_trips_through_the_pod_client(store_server: str, tmp_
 
 def test_store_server_refuses_without_the_token(store_server: str) -> None:
     import httpx
+
     assert httpx.get(f"{store_server}/health").status_code == 200
-    for method, path in (("GET", "/store/v1/ls"), ("GET", "/store/v1/key?key=a"),
-                         ("PUT", "/store/v1/key?key=a"), ("DELETE", "/store/v1/key?key=a")):
+    for method, path in (
+        ("GET", "/store/v1/ls"),
+        ("GET", "/store/v1/key?key=a"),
+        ("PUT", "/store/v1/key?key=a"),
+        ("DELETE", "/store/v1/key?key=a"),
+    ):
         assert httpx.request(method, store_server + path).status_code == 401
 
 

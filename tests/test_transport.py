@@ -24,7 +24,8 @@ def scale(x, factor):
 @pytest.fixture(scope="module")
 def remote():
     r = kt.fn(scale, name="transport").to(
-        kt.Compute(cpus=1, stream_logs=False).distribute(workers=2, num_proc=1))
+        kt.Compute(cpus=1, stream_logs=False).distribute(workers=2, num_proc=1)
+    )
     yield r
     r.teardown()
 
@@ -74,8 +75,11 @@ def test_foreign_shm_path_is_refused(remote, tmp_path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"x" * 10)
     meta = {"id": "foreign", "pods": [url], "fanout": True, "shm": [str(secret), 10]}
-    resp = httpx.post(f"{url}/call", headers={TOKEN_HEADER: f"Bearer {state['token']}",
-                                              "x-ktlite-call": json.dumps(meta)}, content=b"")
+    resp = httpx.post(
+        f"{url}/call",
+        headers={TOKEN_HEADER: f"Bearer {state['token']}", "x-ktlite-call": json.dumps(meta)},
+        content=b"",
+    )
     assert resp.status_code == 400
     assert "shared-memory" in resp.text
 

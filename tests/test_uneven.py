@@ -26,8 +26,11 @@ def test_sizes_ranks_and_ordinals() -> None:
 def test_env_of_an_uneven_layout() -> None:
     d = DistributedConfig(framework="pytorch", workers=3, num_proc=(1, 2, 1))
     ips = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
-    envs = [distributed_env(d, node_rank=o, local_rank=lr, pod_ips=ips, master_port=29500)
-            for o in range(3) for lr in range(d.procs(o))]
+    envs = [
+        distributed_env(d, node_rank=o, local_rank=lr, pod_ips=ips, master_port=29500)
+        for o in range(3)
+        for lr in range(d.procs(o))
+    ]
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["1", "2", "2", "1"]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"}
@@ -36,12 +39,15 @@ def test_env_of_an_uneven_layout() -> None:
         distributed_env(d, node_rank=2, local_rank=1, pod_ips=ips, master_port=29500)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"workers": 2, "num_proc": [1, 2, 3]}, "workers=2"),
-    ({"num_proc": []}, "names no pod"),
-    ({"num_proc": [1, 0]}, r"num_proc\[1\]"),
-    ({"num_proc": [1, "2"]}, r"num_proc\[1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"workers": 2, "num_proc": [1, 2, 3]}, "workers=2"),
+        ({"num_proc": []}, "names no pod"),
+        ({"num_proc": [1, 0]}, r"num_proc\[1\]"),
+        ({"num_proc": [1, "2"]}, r"num_proc\[1\]"),
+    ],
+)
 def test_bad_layouts_are_refused(kwargs, match) -> None:
     with pytest.raises(kt.ConfigError, match=match):
         kt.Compute().distribute("pytorch", **kwargs)
@@ -64,10 +70,15 @@ def test_local_gpu_pods_of_different_sizes_split_the_machines_gpus(monkeypatch) 
     from ktlite.backends import local
     from ktlite.specs.deployment_spec import DeploymentSpec
 
-    spec = DeploymentSpec("uneven-gpus", kt.Compute(gpus=1).distribute("pytorch", num_proc=[1, 2, 1]))
+    spec = DeploymentSpec(
+        "uneven-gpus", kt.Compute(gpus=1).distribute("pytorch", num_proc=[1, 2, 1])
+    )
     monkeypatch.setattr(local, "visible_gpus", lambda: ["0", "1", "2"])
-    with pytest.raises(kt.ConfigError, match=r"pods of \[1, 2, 1\] GPUs \(one per rank\) needs 4 GPU\(s\), "
-                                             "but this machine has 3"):
+    with pytest.raises(
+        kt.ConfigError,
+        match=r"pods of \[1, 2, 1\] GPUs \(one per rank\) needs 4 GPU\(s\), "
+        "but this machine has 3",
+    ):
         local.LocalBackend().plan(spec)
     monkeypatch.setattr(local, "visible_gpus", lambda: ["0", "1", "2", "3", "4"])
     backend = local.LocalBackend()
@@ -82,18 +93,27 @@ def all_reduce() -> dict:
     dist.init_process_group("gloo")
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
-    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK")}
+    env = {
+        k: os.environ[k]
+        for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK")
+    }
     return {"sum": t.item(), **env}
 
 
 def test_gloo_all_reduce_across_1_2_1() -> None:
-    remote = kt.fn(all_reduce).to(kt.Compute().distribute("pytorch", num_proc=[1, 2, 1]), name="uneven-121")
+    remote = kt.fn(all_reduce).to(
+        kt.Compute().distribute("pytorch", num_proc=[1, 2, 1]), name="uneven-121"
+    )
     try:
         got = remote()
         assert [g["RANK"] for g in got] == ["0", "1", "2", "3"]  # results in rank order
         assert all(g["sum"] == 10.0 for g in got)  # 1 + 2 + 3 + 4
         assert [(g["NODE_RANK"], g["LOCAL_RANK"], g["LOCAL_WORLD_SIZE"]) for g in got] == [
-            ("0", "0", "1"), ("1", "0", "2"), ("1", "1", "2"), ("2", "0", "1")]
+            ("0", "0", "1"),
+            ("1", "0", "2"),
+            ("1", "1", "2"),
+            ("2", "0", "1"),
+        ]
         assert {g["WORLD_SIZE"] for g in got} == {"4"}
         assert all(ln.startswith("[uneven-121-1]") for ln in remote.logs(rank=2).splitlines())
         status = remote.status()

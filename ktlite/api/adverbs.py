@@ -143,7 +143,9 @@ class RemoteMethod:
 
     def submit(self, *args: Any, **kwargs: Any) -> Future:
         """The method call as a :class:`kt.Future`, returned at once."""
-        future: Future = self._owner._invoke(self._name, self._target, args, kwargs, None, submit=True)
+        future: Future = self._owner._invoke(
+            self._name, self._target, args, kwargs, None, submit=True
+        )
         return future
 
     def each(self, items: Any, *args: Any, **kwargs: Any) -> Any:

@@ -35,16 +35,30 @@ from ktlite.net.archive import check_members, extract
 from ktlite.specs.spec import check_name, default_name
 
 MAX_FILES_BYTES = 200 * 2**20
-_ALWAYS_SKIP = {".git", ".venv", "venv", "__pycache__", "node_modules", ".mypy_cache", ".pytest_cache",
-                ".ruff_cache", ".ipynb_checkpoints"}
+_ALWAYS_SKIP = {
+    ".git",
+    ".venv",
+    "venv",
+    "__pycache__",
+    "node_modules",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".ipynb_checkpoints",
+}
 
 
 def _files(root: Path) -> list[Path]:
     """The working directory's files, as git sees them (respecting .gitignore), else every
     file but virtualenvs, caches and VCS folders."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             cwd=root, capture_output=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+            timeout=30,
+            check=True,
+        ).stdout
         return [root / p for p in out.decode().split("\0") if p and (root / p).is_file()]
     except (OSError, subprocess.SubprocessError):
         pass
@@ -63,9 +77,11 @@ def pack(root: Path) -> bytes:
         for path in _files(root):
             total += path.stat().st_size
             if total > MAX_FILES_BYTES:
-                raise ConfigError(f"the working directory {root} holds more than {MAX_FILES_BYTES >> 20} MB "
-                                  "of files to ship; add the large ones to .gitignore, or pass "
-                                  "kt.app(..., workdir=<a smaller folder>)")
+                raise ConfigError(
+                    f"the working directory {root} holds more than {MAX_FILES_BYTES >> 20} MB "
+                    "of files to ship; add the large ones to .gitignore, or pass "
+                    "kt.app(..., workdir=<a smaller folder>)"
+                )
             tar.add(path, arcname=str(path.relative_to(root)), recursive=False)
         # what every replica would refuse (a link out of the folder), refused here, before
         # anything is deployed
@@ -97,6 +113,7 @@ def _die_with_parent() -> None:
     import contextlib
     import ctypes
     import signal
+
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -104,6 +121,7 @@ def _die_with_parent() -> None:
 def _stop_command(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM the command's session (torchrun stops its workers on it), SIGKILL after 5 s."""
     import signal
+
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
             return
@@ -113,8 +131,13 @@ def _stop_command(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(wait)
 
 
-def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendezvous_timeout: float,
-                extra_env: dict[str, str]) -> int:
+def run_replica(
+    command: list[str],
+    files: bytes | None,
+    cwd: str | None,
+    rendezvous_timeout: float,
+    extra_env: dict[str, str],
+) -> int:
     """On a pod: run ``command`` in the shipped files (or ``cwd`` when the caller's folder is
     right here), streaming its output; returns 0 or raises ReplicaFailed."""
     import collections
@@ -134,8 +157,16 @@ def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendez
     # (a caller's venv need not be activated)
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     tail: collections.deque[str] = collections.deque(maxlen=30)
-    proc = subprocess.Popen(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        command,
+        cwd=workdir,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     assert proc.stdout is not None
     try:
         with proc.stdout:
@@ -153,9 +184,12 @@ def run_replica(command: list[str], files: bytes | None, cwd: str | None, rendez
     if code != 0:
         how = f"exit code {code}" if code > 0 else f"signal {-code}"
         node = os.environ.get("NODE_RANK", "?")
-        raise ReplicaFailed(f"replica {node} ({os.environ.get('KTLITE_POD_NAME', '?')}): "
-                            f"`{shlex.join(command)}` ended with {how}; last lines:\n"
-                            + "\n".join("    " + ln for ln in tail), exit_code=code if code > 0 else 128 - code)
+        raise ReplicaFailed(
+            f"replica {node} ({os.environ.get('KTLITE_POD_NAME', '?')}): "
+            f"`{shlex.join(command)}` ended with {how}; last lines:\n"
+            + "\n".join("    " + ln for ln in tail),
+            exit_code=code if code > 0 else 128 - code,
+        )
     sys.stdout.flush()
     return 0
 
@@ -173,24 +207,44 @@ class App:
             ``env`` and any other Compute field as keywords.
     """
 
-    def __init__(self, cli_command: str | Sequence[str], replicas: int = 1, name: str | None = None,
-                 workdir: str | os.PathLike[str] | None = None, rendezvous_timeout: float = 300.0,
-                 compute: Compute | None = None, **compute_kwargs: Any) -> None:
+    def __init__(
+        self,
+        cli_command: str | Sequence[str],
+        replicas: int = 1,
+        name: str | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        rendezvous_timeout: float = 300.0,
+        compute: Compute | None = None,
+        **compute_kwargs: Any,
+    ) -> None:
         command = shlex.split(cli_command) if isinstance(cli_command, str) else list(cli_command)
         if not command or not all(isinstance(c, str) and c for c in command):
-            raise ConfigError(f"cli_command={cli_command!r} must be a command line such as "
-                              "'torchrun --nproc_per_node=2 train.py'")
+            raise ConfigError(
+                f"cli_command={cli_command!r} must be a command line such as "
+                "'torchrun --nproc_per_node=2 train.py'"
+            )
         if compute is not None and compute_kwargs:
             raise ConfigError("pass compute= or Compute fields as keywords, not both")
         base = compute if compute is not None else Compute(**compute_kwargs)
-        if isinstance(rendezvous_timeout, bool) or not isinstance(rendezvous_timeout, (int, float)) \
-                or not math.isfinite(rendezvous_timeout) or rendezvous_timeout < 1:
-            raise ConfigError(f"rendezvous_timeout={rendezvous_timeout!r} must be a finite number of "
-                              "seconds >= 1")
+        if (
+            isinstance(rendezvous_timeout, bool)
+            or not isinstance(rendezvous_timeout, (int, float))
+            or not math.isfinite(rendezvous_timeout)
+            or rendezvous_timeout < 1
+        ):
+            raise ConfigError(
+                f"rendezvous_timeout={rendezvous_timeout!r} must be a finite number of seconds >= 1"
+            )
         self.command = command
-        self.compute = base._distributed("pytorch", workers=replicas, num_proc=1,
-                                       port=base.distributed.port if base.distributed else None)
-        script = next((Path(c).stem for c in command[1:] if c.endswith(".py")), Path(command[0]).name)
+        self.compute = base._distributed(
+            "pytorch",
+            workers=replicas,
+            num_proc=1,
+            port=base.distributed.port if base.distributed else None,
+        )
+        script = next(
+            (Path(c).stem for c in command[1:] if c.endswith(".py")), Path(command[0]).name
+        )
         self.name = check_name(name) if name is not None else default_name(f"app-{script}")
         self.workdir = Path(workdir or os.getcwd()).resolve()
         if not self.workdir.is_dir():
@@ -210,6 +264,7 @@ class App:
 
     def deploy(self, dryrun: bool = False) -> Any:
         from ktlite.api.remote import fn
+
         remote = fn(run_replica, name=self.name).to(self.compute, dryrun=dryrun)
         if not dryrun:
             self._remote = remote
@@ -226,8 +281,11 @@ class App:
         # the local backend's replicas run in this very folder; elsewhere its files travel
         files = None if traits(dep.backend.name).local_files else pack(self.workdir)
         options = _options({"timeout": timeout})
-        parts = packaging.encode_call(None, (self.command, files, str(self.workdir), self.rendezvous_timeout,
-                                             dict(env or {})), {})
+        parts = packaging.encode_call(
+            None,
+            (self.command, files, str(self.workdir), self.rendezvous_timeout, dict(env or {})),
+            {},
+        )
         codes: list[int] = dep.call(None, parts, options, log=_replica_log)
         return codes
 
@@ -241,6 +299,7 @@ def _replica_log(rank: int, pod: str, stream: str, text: str) -> None:
     import sys
 
     from ktlite.modes.callpath import _print_lock
+
     out = sys.stderr if stream == "err" else sys.stdout
     with _print_lock:
         print(f"[replica {rank}] {text}", file=out, flush=True)
@@ -249,8 +308,15 @@ def _replica_log(rank: int, pod: str, stream: str, text: str) -> None:
 RUN_ENV = "KTLITE_RUN_CMD"  # `ktlite run CMD...` hands its command to the script's kt.app()
 
 
-def app(cli_command: str | Sequence[str] | None = None, replicas: int = 1, *, name: str | None = None,
-        port: int | None = None, health_check: str | None = None, **kwargs: Any) -> App | None:
+def app(
+    cli_command: str | Sequence[str] | None = None,
+    replicas: int = 1,
+    *,
+    name: str | None = None,
+    port: int | None = None,
+    health_check: str | None = None,
+    **kwargs: Any,
+) -> App | None:
     """Run a command on ``replicas`` pods.
 
     ktlite's form: ``kt.app(cli_command="torchrun --nproc_per_node=2 train.py", replicas=2,
@@ -266,7 +332,8 @@ def app(cli_command: str | Sequence[str] | None = None, replicas: int = 1, *, na
         raise NotImplementedError(
             "kt.app(port=..., health_check=...) serves an HTTP app through a proxy, which ktlite does "
             "not do yet: ktlite's kt.app runs a command to completion on N replicas (torchrun, "
-            "python train.py). For a long-lived service, deploy a kt.cls and call its methods")
+            "python train.py). For a long-lived service, deploy a kt.cls and call its methods"
+        )
     if cli_command is not None:
         return App(cli_command, replicas=replicas, name=name, **kwargs)
     command = os.environ.pop(RUN_ENV, None)  # popped: pods started from here must not see it
@@ -275,7 +342,9 @@ def app(cli_command: str | Sequence[str] | None = None, replicas: int = 1, *, na
     import json
 
     argv = json.loads(command)
-    chosen = App(argv, replicas=replicas, name=name or os.environ.pop("KTLITE_RUN_NAME", None), **kwargs)
+    chosen = App(
+        argv, replicas=replicas, name=name or os.environ.pop("KTLITE_RUN_NAME", None), **kwargs
+    )
     timeout = os.environ.pop("KTLITE_RUN_TIMEOUT", None)
     try:
         codes = chosen.run(timeout=float(timeout) if timeout else None)
@@ -301,7 +370,13 @@ def app_form(path: str | os.PathLike[str]) -> str | None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
-            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            name = (
+                func.id
+                if isinstance(func, ast.Name)
+                else func.attr
+                if isinstance(func, ast.Attribute)
+                else ""
+            )
             given = bool(node.args) or any(k.arg == "cli_command" for k in node.keywords)
             if name == "app" and not given:
                 return "launcher"

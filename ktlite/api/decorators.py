@@ -30,8 +30,10 @@ class Decorated:
 
     def __init__(self, obj: Any) -> None:
         if not (inspect.isfunction(obj) or inspect.isclass(obj)):
-            raise ConfigError(f"@kt.compute / @kt.distribute decorate functions and classes, not "
-                              f"{type(obj).__name__}")
+            raise ConfigError(
+                f"@kt.compute / @kt.distribute decorate functions and classes, not "
+                f"{type(obj).__name__}"
+            )
         self.obj = obj
         self.is_class = inspect.isclass(obj)
         self.compute_kwargs: dict[str, Any] | None = None
@@ -64,16 +66,21 @@ class Decorated:
 
         return cls(self.obj, self.name) if self.is_class else fn(self.obj, self.name)
 
-    def deploy(self, *, detached: bool = False, dryrun: bool = False,
-               init_args: Any = None) -> Any:
+    def deploy(self, *, detached: bool = False, dryrun: bool = False, init_args: Any = None) -> Any:
         """Deploy now; returns the remote object (or the Plan with ``dryrun=True``)."""
         source = self._source()
         if self.is_class:
-            remote = source.to(self.compute, detached=detached, dryrun=dryrun, init_args=init_args,
-                               get_if_exists=self.get_if_exists)
+            remote = source.to(
+                self.compute,
+                detached=detached,
+                dryrun=dryrun,
+                init_args=init_args,
+                get_if_exists=self.get_if_exists,
+            )
         else:
-            remote = source.to(self.compute, detached=detached, dryrun=dryrun,
-                               get_if_exists=self.get_if_exists)
+            remote = source.to(
+                self.compute, detached=detached, dryrun=dryrun, get_if_exists=self.get_if_exists
+            )
         if not dryrun:
             remote.async_ = self.async_
         if not dryrun:
@@ -84,14 +91,17 @@ class Decorated:
         from ktlite.api.remote import RemoteClass, RemoteFunction
         from ktlite.modes.deploy import attach  # at first use, as in _source
 
-        spec = DeploymentSpec(name=self.name, compute=self.compute, kind="cls" if self.is_class else "fn")
+        spec = DeploymentSpec(
+            name=self.name, compute=self.compute, kind="cls" if self.is_class else "fn"
+        )
         try:
             dep = attach(spec)
         except NotDeployedError as e:
             where = inspect.getsourcefile(self.obj) or self.obj.__module__
-            raise NotDeployedError(f"{self.name!r} is not deployed: run `ktlite deploy {where}` first "
-                                   f"(or call it from `python {where}`, which deploys on first call)"
-                                   ) from e
+            raise NotDeployedError(
+                f"{self.name!r} is not deployed: run `ktlite deploy {where}` first "
+                f"(or call it from `python {where}`, which deploys on first call)"
+            ) from e
         source = self._source()
         remote = RemoteClass(source, dep, None) if self.is_class else RemoteFunction(source, dep)
         remote.async_ = self.async_
@@ -103,13 +113,17 @@ class Decorated:
             if self._remote is None:
                 if self.obj.__module__ == "__main__":
                     if init_args and init_kwargs:
-                        raise ConfigError(f"{self.name}: pass the constructor's arguments either "
-                                          "by position or by keyword, not both")
+                        raise ConfigError(
+                            f"{self.name}: pass the constructor's arguments either "
+                            "by position or by keyword, not both"
+                        )
                     self.deploy(init_args=init_args or init_kwargs or None)
                 else:
                     if init_args or init_kwargs:
-                        raise ConfigError(f"{self.name!r} is deployed by `ktlite deploy` with its "
-                                          "class's default constructor; call it without arguments")
+                        raise ConfigError(
+                            f"{self.name!r} is deployed by `ktlite deploy` with its "
+                            "class's default constructor; call it without arguments"
+                        )
                     self._remote = self._attach()
             return self._remote
 
@@ -163,9 +177,14 @@ def _mark(obj: Any) -> Decorated:
     return obj if isinstance(obj, Decorated) else Decorated(obj)
 
 
-def compute(*, name: str | None = None, get_if_exists: bool = False,
-            reload_prefixes: list[str] | str | None = None, prefix_username: bool | None = None,
-            **compute_kwargs: Any) -> Any:
+def compute(
+    *,
+    name: str | None = None,
+    get_if_exists: bool = False,
+    reload_prefixes: list[str] | str | None = None,
+    prefix_username: bool | None = None,
+    **compute_kwargs: Any,
+) -> Any:
     """Mark a function or class to run on ``kt.Compute(**compute_kwargs)``.
 
     Kubetorch's keywords: ``name`` is normalised like Kubetorch's (``"GNN_Inference"`` →
@@ -192,13 +211,19 @@ def compute(*, name: str | None = None, get_if_exists: bool = False,
             marked.name = name
         marked.compute  # noqa: B018  (validates the combination with @kt.distribute)
         return marked
+
     return wrap
 
 
-def distribute(framework: str | None = None, workers: int | None = None,
-               num_proc: int | list[int] | str | None = None, port: int | None = None,
-               quorum_timeout: float | None = None, worker_node_options: dict[str, Any] | None = None,
-               **kwargs: Any) -> Any:
+def distribute(
+    framework: str | None = None,
+    workers: int | None = None,
+    num_proc: int | list[int] | str | None = None,
+    port: int | None = None,
+    quorum_timeout: float | None = None,
+    worker_node_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
     """Mark a function or class to run on ``workers`` pods × ``num_proc`` ranks; takes what
     :meth:`kt.Compute.distribute` takes (Kubetorch's keywords too).
 
@@ -206,8 +231,15 @@ def distribute(framework: str | None = None, workers: int | None = None,
         >>> @kt.distribute("pytorch", workers=2, num_proc=2)
         ... def train(): ...
     """
-    options = {"framework": framework, "workers": workers, "num_proc": num_proc, "port": port,
-               "quorum_timeout": quorum_timeout, "worker_node_options": worker_node_options, **kwargs}
+    options = {
+        "framework": framework,
+        "workers": workers,
+        "num_proc": num_proc,
+        "port": port,
+        "quorum_timeout": quorum_timeout,
+        "worker_node_options": worker_node_options,
+        **kwargs,
+    }
     Compute().distribute(**options)  # bad values fail here
 
     def wrap(obj: Any) -> Decorated:
@@ -217,6 +249,7 @@ def distribute(framework: str | None = None, workers: int | None = None,
         marked.distribute_kwargs = options
         marked.compute  # noqa: B018
         return marked
+
     return wrap
 
 
@@ -239,6 +272,7 @@ def autoscale(**kwargs: Any) -> Any:
         marked.autoscale_kwargs = dict(kwargs)
         marked.compute  # noqa: B018  (a @kt.distribute on it fails here, naming both)
         return marked
+
     return wrap
 
 

@@ -32,24 +32,32 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         if self.stream_logs is not None and not isinstance(self.stream_logs, bool):
-            raise ConfigError(f"LoggingConfig(stream_logs={self.stream_logs!r}) must be True or False")
-        changed = [f.name for f in fields(self)
-                   if f.name != "stream_logs" and getattr(self, f.name) != f.default]
+            raise ConfigError(
+                f"LoggingConfig(stream_logs={self.stream_logs!r}) must be True or False"
+            )
+        changed = [
+            f.name
+            for f in fields(self)
+            if f.name != "stream_logs" and getattr(self, f.name) != f.default
+        ]
         if changed:
             raise ConfigError(
                 f"LoggingConfig({', '.join(f'{n}=...' for n in changed)}) tunes Kubetorch's log "
                 "service (Loki), which ktlite does not have: every rank's stdout/stderr streams back "
                 "over the call itself, prefixed [rank R @ pod]. Only stream_logs applies; use "
-                "remote.logs() for a pod's whole log")
+                "remote.logs() for a pod's whole log"
+            )
 
 
 def _refuse(what: str, instead: str) -> NotImplementedError:
     return NotImplementedError(f"{what} is not supported by ktlite; {instead}")
 
 
-_DEBUG_INSTEAD = ("a ktlite function is a plain Python function: call it in this process to step "
-                  "through it, read a rank's output with remote.logs(rank=R), and see what every "
-                  "rank is doing with remote.status() / `ktlite status NAME`")
+_DEBUG_INSTEAD = (
+    "a ktlite function is a plain Python function: call it in this process to step "
+    "through it, read a rank's output with remote.logs(rank=R), and see what every "
+    "rank is doing with remote.status() / `ktlite status NAME`"
+)
 
 
 class DebugConfig:
@@ -65,25 +73,29 @@ def deep_breakpoint(*args: Any, **kwargs: Any) -> None:
 
 class MetricsConfig:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise _refuse("kt.MetricsConfig (streaming Prometheus metrics during calls)",
-                      "remote.status() (and `ktlite status NAME --watch`) shows each rank's CPU, "
-                      "memory, GPU memory and utilisation, read from the pods")
+        raise _refuse(
+            "kt.MetricsConfig (streaming Prometheus metrics during calls)",
+            "remote.status() (and `ktlite status NAME --watch`) shows each rank's CPU, "
+            "memory, GPU memory and utilisation, read from the pods",
+        )
 
 
 class Endpoint:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise _refuse("kt.Endpoint (calling pods ktlite did not create)",
-                      "ktlite creates and owns its pods: give the resources with kt.Compute(...), or "
-                      "run on machines you already have with kt.Compute(hosts=[...]) (backend='ssh')")
+        raise _refuse(
+            "kt.Endpoint (calling pods ktlite did not create)",
+            "ktlite creates and owns its pods: give the resources with kt.Compute(...), or "
+            "run on machines you already have with kt.Compute(hosts=[...]) (backend='ssh')",
+        )
 
 
 class BroadcastWindow:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise _refuse("kt.BroadcastWindow (peer-to-peer broadcast of data store transfers)",
-                      "kt.get(key, dest) from every rank reads from the namespace's store; for tensors "
-                      "between ranks use torch.distributed.broadcast inside the call")
-
-
+        raise _refuse(
+            "kt.BroadcastWindow (peer-to-peer broadcast of data store transfers)",
+            "kt.get(key, dest) from every rank reads from the namespace's store; for tensors "
+            "between ranks use torch.distributed.broadcast inside the call",
+        )
 
 
 # Kubetorch's global config keys that ktlite has no meaning for, and why
@@ -97,7 +109,7 @@ _KT_ONLY_KEYS = {
     "stream_metrics": "ktlite streams no metrics; remote.status() shows them",
     "volumes": "give volumes per Compute: kt.Compute(volumes=[...])",
     "stream_logs": "set it per Compute (kt.Compute(stream_logs=False)) or per call "
-                   "(remote(..., stream_logs=False))",
+    "(remote(..., stream_logs=False))",
 }
 
 
@@ -121,8 +133,10 @@ class Config:
         if key in _KT_ONLY_KEYS:
             raise ConfigError(f"kt.config.{name}: {_KT_ONLY_KEYS[key]}")
         if key not in self._module.KEYS:
-            raise AttributeError(f"kt.config has no setting {name!r}; settings: "
-                                 f"{', '.join(sorted(self._module.KEYS))}")
+            raise AttributeError(
+                f"kt.config has no setting {name!r}; settings: "
+                f"{', '.join(sorted(self._module.KEYS))}"
+            )
         return key
 
     def __getattr__(self, name: str) -> Any:
@@ -139,7 +153,9 @@ class Config:
             os.environ.pop(env, None)
             return
         if allowed is not None and str(value) not in allowed:
-            raise ConfigError(f"kt.config.{name}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+            raise ConfigError(
+                f"kt.config.{name}={value!r} is not allowed; allowed: {', '.join(allowed)}"
+            )
         os.environ[env] = str(value)
 
     def set(self, key: str, value: Any) -> None:

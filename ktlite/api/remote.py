@@ -183,7 +183,9 @@ class Fn(_Source, _ToAsync):
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, None)
             return RemoteFunction(self, host.deployment, host=host, target=target)
-        dep: Deployment | Plan | None = self._existing(compute, name) if get_if_exists and not dryrun else None
+        dep: Deployment | Plan | None = (
+            self._existing(compute, name) if get_if_exists and not dryrun else None
+        )
         dep = dep or self._deploy(compute, name, detached, dryrun, restart_procs, None)
         if isinstance(dep, Plan):
             return dep
@@ -255,7 +257,9 @@ class Cls(_Source, _ToAsync):
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, init)
             return RemoteClass(self, host.deployment, init_args, host=host, target=target)
-        dep: Deployment | Plan | None = self._existing(compute, name) if get_if_exists and not dryrun else None
+        dep: Deployment | Plan | None = (
+            self._existing(compute, name) if get_if_exists and not dryrun else None
+        )
         dep = dep or self._deploy(compute, name, detached, dryrun, restart_procs, init)
         if isinstance(dep, Plan):
             return dep

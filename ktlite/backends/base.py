@@ -72,6 +72,7 @@ class Plan:
             import yaml
         except ImportError:
             import json
+
             return "\n---\n".join(json.dumps(m, indent=2) for m in self.manifests)
         return yaml.safe_dump_all(self.manifests, sort_keys=False, default_flow_style=False)
 
@@ -154,7 +155,8 @@ class Backend(ABC):
         why); None where ktlite's own autoscaler decides (its decisions are in ktlite.modes.serving)."""
         return None
 
-    def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
-             tail: int | None = None) -> Iterator[str]:
+    def logs(
+        self, name: str, ordinal: int | None = None, follow: bool = False, tail: int | None = None
+    ) -> Iterator[str]:
         """Lines of the pods' logs (all pods, or pod ``ordinal``), prefixed with the pod."""
         raise NotImplementedError(f"{type(self).__name__} does not serve pod logs")

@@ -19,11 +19,26 @@ from ktlite.errors import LocalBackendWarning
 from ktlite.specs.images import DEFAULT_IMAGE
 from ktlite.specs.podspec import PodSpec
 
-KUBE_ONLY = ("gpu_type", "cpu_limit", "shared_memory", "node_selector", "tolerations",
-             "priority_class", "labels", "annotations", "service_account", "image_pull_policy",
-             # Kubetorch's fields that shape a Kubernetes pod
-             "disk_size", "gpu_memory", "gpu_anti_affinity", "working_dir", "queue_name",
-             "service_template", "freeze")
+KUBE_ONLY = (
+    "gpu_type",
+    "cpu_limit",
+    "shared_memory",
+    "node_selector",
+    "tolerations",
+    "priority_class",
+    "labels",
+    "annotations",
+    "service_account",
+    "image_pull_policy",
+    # Kubetorch's fields that shape a Kubernetes pod
+    "disk_size",
+    "gpu_memory",
+    "gpu_anti_affinity",
+    "working_dir",
+    "queue_name",
+    "service_template",
+    "freeze",
+)
 
 
 def _setting(pod: PodSpec, name: str) -> object:
@@ -39,10 +54,13 @@ def unused_fields(pod: PodSpec, workers: int) -> list[str]:
     found: list[str] = []
     for one in [pod.for_ordinal(i) for i in range(min(workers, 2))]:  # the head, a worker
         image = one.image
-        if image is not None and (image.image_id != DEFAULT_IMAGE
-                                  or any(kind != "env" for kind, _ in image.steps)):
+        if image is not None and (
+            image.image_id != DEFAULT_IMAGE or any(kind != "env" for kind, _ in image.steps)
+        ):
             found.append("image")
-        found += [name for name in KUBE_ONLY if _setting(one, name) not in (None, "", {}, (), False)]
+        found += [
+            name for name in KUBE_ONLY if _setting(one, name) not in (None, "", {}, (), False)
+        ]
     return sorted(set(found), key=found.index)
 
 
@@ -51,8 +69,13 @@ def warn_unused(name: str, fields: list[str], notes: list[str]) -> None:
     ``notes`` on what happens instead (where a volume's data is)."""
     parts = []
     if fields:
-        parts.append(f"on the local backend these Compute fields do nothing (Kubernetes acts on them): "
-                     f"{', '.join(fields)}")
+        parts.append(
+            f"on the local backend these Compute fields do nothing (Kubernetes acts on them): "
+            f"{', '.join(fields)}"
+        )
     parts += notes
-    warnings.warn(f"deployment {name!r}: {'; '.join(parts)}; see docs/local_backend.md",
-                  LocalBackendWarning, stacklevel=3)
+    warnings.warn(
+        f"deployment {name!r}: {'; '.join(parts)}; see docs/local_backend.md",
+        LocalBackendWarning,
+        stacklevel=3,
+    )

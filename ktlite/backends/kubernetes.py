@@ -45,10 +45,16 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
     _announced: set[str] = set()
     _lock = threading.Lock()
 
-    def __init__(self, http: httpx.Client | None = None, info: ClusterInfo | None = None,
-                 namespace: str | None = None, *, out: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        http: httpx.Client | None = None,
+        info: ClusterInfo | None = None,
+        namespace: str | None = None,
+        *,
+        out: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         """``http`` and ``info`` default to the kubeconfig's cluster, loaded on first use;
         tests inject both (an ``httpx.Client`` over a fake transport)."""
         self._http = http
@@ -105,6 +111,7 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         kube = spec.pod.kubernetes
         if kube.image_pull_policy is None and setting("image_pull_policy"):
             from dataclasses import replace
+
             kube = replace(kube, image_pull_policy=setting("image_pull_policy"))
             spec = replace(spec, pod=replace(spec.pod, kubernetes=kube))
         return spec
@@ -117,10 +124,21 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
     def _install() -> str:
         return km.install_spec()
 
-    def _render(self, spec: DeploymentSpec, namespace: str, token: str | None,
-                secrets: list[Resolved] | None = None) -> list[dict[str, Any]]:
-        return km.render(self._with_settings(spec), namespace, image=self._image(spec), install=km.install_spec(),
-                         token=token, secrets=secrets)
+    def _render(
+        self,
+        spec: DeploymentSpec,
+        namespace: str,
+        token: str | None,
+        secrets: list[Resolved] | None = None,
+    ) -> list[dict[str, Any]]:
+        return km.render(
+            self._with_settings(spec),
+            namespace,
+            image=self._image(spec),
+            install=km.install_spec(),
+            token=token,
+            secrets=secrets,
+        )
 
     def plan(self, spec: DeploymentSpec) -> Plan:
         """The objects deploying would apply; reads no cluster (the namespace comes from
@@ -130,10 +148,15 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         namespace = self._namespace or setting("namespace") or "default"
         if spec.autoscale is not None:
             caps = self._known_capabilities()
-            return Plan(backend=self.name, name=spec.name,
-                        commands=[f"# {text}" for text in kss.notes(spec, caps)],
-                        manifests=self._render_served(spec, namespace, None, None, caps))
-        return Plan(backend=self.name, name=spec.name, manifests=self._render(spec, namespace, None))
+            return Plan(
+                backend=self.name,
+                name=spec.name,
+                commands=[f"# {text}" for text in kss.notes(spec, caps)],
+                manifests=self._render_served(spec, namespace, None, None, caps),
+            )
+        return Plan(
+            backend=self.name, name=spec.name, manifests=self._render(spec, namespace, None)
+        )
 
     # ---- apply --------------------------------------------------------------------------
 
@@ -141,8 +164,10 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         info = self._connect()[1]
         if info.host not in self._announced:
             self._announced.add(info.host)
-            self._say(f"backend kubernetes, context {info.context!r}, namespace {api.namespace!r} "
-                      f"({info.host})")
+            self._say(
+                f"backend kubernetes, context {info.context!r}, namespace {api.namespace!r} "
+                f"({info.host})"
+            )
 
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
         if spec.autoscale is not None:
@@ -152,7 +177,9 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         resolved = km.resolve_secrets(spec, api.namespace)  # a preset that finds nothing fails here
         objects = self._render(spec, api.namespace, token, resolved)
         secret, service = objects[:2]
-        users = ksec.check_user_secrets(api, spec.name, objects, resolved)  # before anything is made
+        users = ksec.check_user_secrets(
+            api, spec.name, objects, resolved
+        )  # before anything is made
         claims = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
         policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
         statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
@@ -184,8 +211,14 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
             raise self._failed(api, spec.name, e, created if first else None) from e
         return self._applied(spec.name, pods, token, km.master_port(spec), sorted(set(restarted)))
 
-    def _failed(self, api: KubeApi, name: str, error: BaseException,
-                created: list[tuple[str, str]] | None, served: bool = False) -> BaseException:
+    def _failed(
+        self,
+        api: KubeApi,
+        name: str,
+        error: BaseException,
+        created: list[tuple[str, str]] | None,
+        served: bool = False,
+    ) -> BaseException:
         """A deploy that failed: a first deploy's objects are removed again (pods that did
         start would hold their CPUs for nothing) unless the keep_failed setting says keep them;
         otherwise the error says what is left and how to remove it."""
@@ -198,20 +231,30 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         if created and not keep:
             try:
                 self._remove(api, name, created)
-                note = ("removed what this deploy had created: "
-                        + ", ".join(f"{kind} {obj}" for kind, obj in created))
+                note = "removed what this deploy had created: " + ", ".join(
+                    f"{kind} {obj}" for kind, obj in created
+                )
             except Exception as e:  # noqa: BLE001
-                note = (f"could not remove what this deploy created ({e}); remove it with "
-                        f"`ktlite teardown {name} -n {api.namespace}`")
+                note = (
+                    f"could not remove what this deploy created ({e}); remove it with "
+                    f"`ktlite teardown {name} -n {api.namespace}`"
+                )
         elif created:
-            note = (f"kept (keep_failed=true): {', '.join(f'{kind} {obj}' for kind, obj in created)}"
-                    f"; `ktlite teardown {name} -n {api.namespace}` removes them")
+            note = (
+                f"kept (keep_failed=true): {', '.join(f'{kind} {obj}' for kind, obj in created)}"
+                f"; `ktlite teardown {name} -n {api.namespace}` removes them"
+            )
         else:
-            parts = ("its Deployment and HorizontalPodAutoscaler (or Knative Service), replicas" if served
-                     else f"StatefulSet {name} and its pods")
-            note = (f"the deployment's objects ({parts}, Service, Secrets, "
-                    f"volumes) are still there; `ktlite teardown {name} -n {api.namespace}` removes "
-                    "them")
+            parts = (
+                "its Deployment and HorizontalPodAutoscaler (or Knative Service), replicas"
+                if served
+                else f"StatefulSet {name} and its pods"
+            )
+            note = (
+                f"the deployment's objects ({parts}, Service, Secrets, "
+                f"volumes) are still there; `ktlite teardown {name} -n {api.namespace}` removes "
+                "them"
+            )
         if isinstance(error, DeployError) and error.args and isinstance(error.args[0], str):
             error.args = (f"{error.args[0]}\n{note}", *error.args[1:])  # its own type kept
             return error
@@ -263,7 +306,9 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
             try:
                 api.replace(sts, current["metadata"]["resourceVersion"])
             except KubeApiError as e:
-                if e.status != 422:  # an immutable field differs (an older ktlite made it, or its selector)
+                if (
+                    e.status != 422
+                ):  # an immutable field differs (an older ktlite made it, or its selector)
                     raise
                 api.delete("StatefulSet", name, propagation="Foreground")
                 self._wait_gone(api, "StatefulSet", name, 60.0)
@@ -271,13 +316,18 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                 return list(ordinals)
         elif old_replicas != replicas:
             api.patch("StatefulSet", name, {"spec": {"replicas": replicas}})
-        restarted = list(range(start + old_replicas, start + replicas))  # new ordinals of a scale-up
+        restarted = list(
+            range(start + old_replicas, start + replicas)
+        )  # new ordinals of a scale-up
         present = set()
         for pod in api.list("Pod", kp.match(sts)):
             ordinal = kp.ordinal(pod)
             present.add(ordinal)
-            if ordinal in ordinals and (roll_all or kp.pod_hash(pod) != want) \
-                    and not pod["metadata"].get("deletionTimestamp"):
+            if (
+                ordinal in ordinals
+                and (roll_all or kp.pod_hash(pod) != want)
+                and not pod["metadata"].get("deletionTimestamp")
+            ):
                 api.delete("Pod", pod["metadata"]["name"])
                 restarted.append(ordinal)
         restarted += [i for i in ordinals if i not in present]
@@ -299,8 +349,14 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                 raise DeployError(f"{kind} {name} was still being deleted after {timeout:g}s")
             self._sleep(POLL_S)
 
-    def _applied(self, name: str, pods: list[dict[str, Any]], token: str, master_port: int,
-                 restarted: list[int]) -> Applied:
+    def _applied(
+        self,
+        name: str,
+        pods: list[dict[str, Any]],
+        token: str,
+        master_port: int,
+        restarted: list[int],
+    ) -> Applied:
         api = self._api()
         http, info = self._connect()
         endpoints = []
@@ -308,18 +364,34 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
             ip = pod["status"].get("podIP", "")
             pod_name = pod["metadata"]["name"]
             peer = kp.url(ip, km.SERVER_PORT)
-            endpoints.append(PodEndpoint(name=pod_name, ordinal=kp.ordinal(pod), ip=ip, peer_url=peer,
-                                         url=peer if info.in_cluster else api.proxy_url(pod_name, km.SERVER_PORT),
-                                         incarnation=kp.incarnation(pod)))
-        return Applied(name=name, backend=self.name, endpoints=endpoints, token=token,
-                       master_port=master_port, restarted=restarted,
-                       http=None if info.in_cluster else http, spec_hash=(kp.pod_hash(pods[0]) or "") if pods else "")
+            endpoints.append(
+                PodEndpoint(
+                    name=pod_name,
+                    ordinal=kp.ordinal(pod),
+                    ip=ip,
+                    peer_url=peer,
+                    url=peer if info.in_cluster else api.proxy_url(pod_name, km.SERVER_PORT),
+                    incarnation=kp.incarnation(pod),
+                )
+            )
+        return Applied(
+            name=name,
+            backend=self.name,
+            endpoints=endpoints,
+            token=token,
+            master_port=master_port,
+            restarted=restarted,
+            http=None if info.in_cluster else http,
+            spec_hash=(kp.pod_hash(pods[0]) or "") if pods else "",
+        )
 
     # ---- lookup / teardown / list / logs ------------------------------------------------------
 
     def lookup(self, name: str) -> Applied | None:
         api = self._api()
-        if name in self._served_names:  # a serving client asks several times a second: its kind first
+        if (
+            name in self._served_names
+        ):  # a serving client asks several times a second: its kind first
             found = self._lookup_served(api, name)
             if found is not None:
                 return found
@@ -334,12 +406,19 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         if token is None:
             return None
         want = kp.ordinal_hashes(statefulsets)
-        pods = [p for p in api.list("Pod", km.selector(name))
-                if kp.pod_hash(p) == want.get(kp.ordinal(p)) and p.get("status", {}).get("podIP")
-                and not p["metadata"].get("deletionTimestamp")]
+        pods = [
+            p
+            for p in api.list("Pod", km.selector(name))
+            if kp.pod_hash(p) == want.get(kp.ordinal(p))
+            and p.get("status", {}).get("podIP")
+            and not p["metadata"].get("deletionTimestamp")
+        ]
         head = next(s for s in statefulsets if s["metadata"]["name"] == name)
-        ports = [p.get("containerPort") for p in head["spec"]["template"]["spec"]["containers"][0]["ports"]
-                 if p.get("name") == "master"]
+        ports = [
+            p.get("containerPort")
+            for p in head["spec"]["template"]["spec"]["containers"][0]["ports"]
+            if p.get("name") == "master"
+        ]
         return self._applied(name, pods, token, ports[0] if ports else DEFAULT_MASTER_PORT, [])
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
@@ -365,9 +444,11 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         while pods:
             if self._clock() > deadline:
                 names = ", ".join(p["metadata"]["name"] for p in pods)
-                raise DeployError(f"teardown of {name!r}: pod(s) {names} were still terminating after "
-                                  f"{timeout:g}s; they will go on their own, or check "
-                                  f"`kubectl -n {api.namespace} get pods -l {km.selector(name)}`")
+                raise DeployError(
+                    f"teardown of {name!r}: pod(s) {names} were still terminating after "
+                    f"{timeout:g}s; they will go on their own, or check "
+                    f"`kubectl -n {api.namespace} get pods -l {km.selector(name)}`"
+                )
             self._sleep(POLL_S / 2)
             pods = api.list("Pod", km.selector(name))
         return found or bool(pods)
@@ -378,12 +459,23 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         managed = ",".join(f"{k}={v}" for k, v in km.MANAGED_LABELS.items())
         for sts in api.list("StatefulSet", managed):
             name = (sts["metadata"].get("labels") or {}).get(km.NAME_LABEL, sts["metadata"]["name"])
-            row = rows.setdefault(name, {"name": name, "backend": self.name, "namespace": api.namespace,
-                                         "pods": 0, "ready": 0, "detached": True, "autoscaled": False})
+            row = rows.setdefault(
+                name,
+                {
+                    "name": name,
+                    "backend": self.name,
+                    "namespace": api.namespace,
+                    "pods": 0,
+                    "ready": 0,
+                    "detached": True,
+                    "autoscaled": False,
+                },
+            )
             row["pods"] += sts["spec"].get("replicas", 0)
             row["ready"] += (sts.get("status") or {}).get("readyReplicas", 0)
         return [*rows.values(), *self._served_rows(api)]
 
-    def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
-             tail: int | None = None) -> Iterator[str]:
+    def logs(
+        self, name: str, ordinal: int | None = None, follow: bool = False, tail: int | None = None
+    ) -> Iterator[str]:
         yield from kube_logs.pod_logs(self._api(), name, ordinal, follow, tail)

@@ -70,12 +70,16 @@ def local_volumes(pod: PodSpec) -> list[LocalVolume]:
             local = LocalVolume(vol, f"/{vol}", declared=False)
         path = local.mount_path
         if any(path == top or path.startswith(top + "/") for top in _NO_MOUNTS_UNDER):
-            raise ConfigError(f"volume {local.name!r} mounts at {path}, under {path.split('/')[1]!r}, "
-                              "which the local backend cannot mount into; pass another mount_path")
+            raise ConfigError(
+                f"volume {local.name!r} mounts at {path}, under {path.split('/')[1]!r}, "
+                "which the local backend cannot mount into; pass another mount_path"
+            )
         if home == path or home.startswith(path.rstrip("/") + "/"):
-            raise ConfigError(f"volume {local.name!r} mounts at {path}, which would hide ktlite's own "
-                              f"state in {home} from local pods; pass another mount_path (or set "
-                              "KTLITE_HOME elsewhere)")
+            raise ConfigError(
+                f"volume {local.name!r} mounts at {path}, which would hide ktlite's own "
+                f"state in {home} from local pods; pass another mount_path (or set "
+                "KTLITE_HOME elsewhere)"
+            )
         out.append(local)
     return out
 
@@ -139,8 +143,14 @@ def _probe() -> tuple[bool, str]:
         check = f"import os, sys; sys.exit(0 if os.path.isfile({target + '/seen'!r}) else 3)"
         cmd = wrap([sys.executable, "-c", check], [(scratch / "vol", target)], scratch / "root")
         try:
-            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30,
-                                  cwd=scratch)  # as a pod starts: not in the caller's directory
+            proc = subprocess.run(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd=scratch,
+            )  # as a pod starts: not in the caller's directory
         except (OSError, subprocess.TimeoutExpired) as e:
             return False, f"the mount namespace probe failed: {e}"
         if os.path.lexists(target):  # mounts leaked to the host: never use them

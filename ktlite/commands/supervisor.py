@@ -14,7 +14,9 @@ from ktlite.modes.routing import Routing
 from ktlite.specs.autoscaling import AutoscaleConfig
 from ktlite.specs.deployment_spec import DeploymentSpec
 
-logger = logging.getLogger("ktlite.commands.supervisor")  # not __name__: this module also runs as __main__
+logger = logging.getLogger(
+    "ktlite.commands.supervisor"
+)  # not __name__: this module also runs as __main__
 
 
 def supervise(name: str) -> int:

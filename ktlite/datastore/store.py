@@ -39,9 +39,18 @@ Receive = Callable[[dict[str, Any], Iterator[bytes]], Any]
 
 # ---- public API ----------------------------------------------------------------------------
 
-def put(key: str, src: Any = _MISSING, *, data: Any = _MISSING, namespace: str | None = None,
-        backend: str | None = None, locale: str = "store", force: bool = False,
-        verbose: bool = False) -> None:
+
+def put(
+    key: str,
+    src: Any = _MISSING,
+    *,
+    data: Any = _MISSING,
+    namespace: str | None = None,
+    backend: str | None = None,
+    locale: str = "store",
+    force: bool = False,
+    verbose: bool = False,
+) -> None:
     """Store a file, a directory or a Python object under ``key``, replacing what was there.
 
     Args:
@@ -61,11 +70,15 @@ def put(key: str, src: Any = _MISSING, *, data: Any = _MISSING, namespace: str |
     """
     key = check_key(key)
     if locale != "store":
-        raise ConfigError(f"locale={locale!r}: ktlite's data store keeps every value in the store "
-                          "(locale='store'); Kubetorch's peer-to-peer locale='local' is not supported")
+        raise ConfigError(
+            f"locale={locale!r}: ktlite's data store keeps every value in the store "
+            "(locale='store'); Kubetorch's peer-to-peer locale='local' is not supported"
+        )
     if (src is _MISSING) == (data is _MISSING):
-        raise ConfigError("kt.put(key, src) takes a path or an object as src, or data=<object>; "
-                          "give exactly one of them")
+        raise ConfigError(
+            "kt.put(key, src) takes a path or an object as src, or data=<object>; "
+            "give exactly one of them"
+        )
     store = _open(backend, namespace, create=True)
     try:
         if data is _MISSING and isinstance(src, (str, os.PathLike)):
@@ -77,16 +90,25 @@ def put(key: str, src: Any = _MISSING, *, data: Any = _MISSING, namespace: str |
             elif path.exists():
                 raise ConfigError(f"src={str(src)!r} is neither a regular file nor a directory")
             else:
-                raise ConfigError(f"src={str(src)!r}: no such file or directory; to store a string "
-                                  "as a value, pass it as data=")
+                raise ConfigError(
+                    f"src={str(src)!r}: no such file or directory; to store a string "
+                    "as a value, pass it as data="
+                )
         else:
             store.put_object(key, codec.dumps(src if data is _MISSING else data))
     finally:
         store.close()
 
 
-def get(key: str, dest: str | os.PathLike[str] | None = None, *, namespace: str | None = None,
-        backend: str | None = None, force: bool = False, verbose: bool = False) -> Any:
+def get(
+    key: str,
+    dest: str | os.PathLike[str] | None = None,
+    *,
+    namespace: str | None = None,
+    backend: str | None = None,
+    force: bool = False,
+    verbose: bool = False,
+) -> Any:
     """Fetch ``key``: a Python object is returned; a file or directory is written to ``dest``
     (default: the key's last segment in the current directory) and its path returned.
 
@@ -104,8 +126,10 @@ def get(key: str, dest: str | os.PathLike[str] | None = None, *, namespace: str 
         kind = entry.get("type")
         if kind == "object":
             if dest is not None:
-                raise ConfigError(f"key {key!r} holds a Python object: call kt.get({key!r}) without "
-                                  "dest to get it back")
+                raise ConfigError(
+                    f"key {key!r} holds a Python object: call kt.get({key!r}) without "
+                    "dest to get it back"
+                )
             return ("object", codec.loads(bytearray(b"".join(chunks))))
         progress = Progress(f"get {key}", int(entry.get("size") or 0))
         chunks = progress.wrap(chunks)
@@ -124,8 +148,15 @@ def get(key: str, dest: str | os.PathLike[str] | None = None, *, namespace: str 
     return value
 
 
-def ls(prefix: str = "", *, recursive: bool = False, namespace: str | None = None,
-       backend: str | None = None, key: str | None = None, verbose: bool = False) -> list[dict[str, Any]]:
+def ls(
+    prefix: str = "",
+    *,
+    recursive: bool = False,
+    namespace: str | None = None,
+    backend: str | None = None,
+    key: str | None = None,
+    verbose: bool = False,
+) -> list[dict[str, Any]]:
     """The entries under ``prefix`` (``key`` is Kubetorch's name for it): each a dict with
     ``key``, ``name`` (directories end in '/'), ``type`` ("file", "dir" or "object"),
     ``size`` in bytes and ``is_directory``. With ``recursive``, every file and object below.
@@ -142,8 +173,14 @@ def ls(prefix: str = "", *, recursive: bool = False, namespace: str | None = Non
         store.close()
 
 
-def rm(key: str, recursive: bool = False, *, namespace: str | None = None,
-       backend: str | None = None, verbose: bool = False) -> None:
+def rm(
+    key: str,
+    recursive: bool = False,
+    *,
+    namespace: str | None = None,
+    backend: str | None = None,
+    verbose: bool = False,
+) -> None:
     """Delete ``key``; a directory only with ``recursive=True``."""
     key = check_key(key, allow_root=recursive)
     store = _open(backend, namespace, create=False)
@@ -155,6 +192,7 @@ def rm(key: str, recursive: bool = False, *, namespace: str | None = None,
 
 # ---- where the store is ----------------------------------------------------------------------
 
+
 def _backend_name(backend: str | None) -> str:
     chosen = backend or config.get("backend") or "local"
     if chosen not in NAMES:
@@ -163,13 +201,22 @@ def _backend_name(backend: str | None) -> str:
 
 
 def _local_namespace(namespace: str | None) -> str:
-    return namespace or os.environ.get("KTLITE_STORE_NAMESPACE") or config.get("namespace") or "default"
+    return (
+        namespace
+        or os.environ.get("KTLITE_STORE_NAMESPACE")
+        or config.get("namespace")
+        or "default"
+    )
 
 
 def local_root(namespace: str | None = None) -> Path:
     """The local backend's store directory (local pods are handed the caller's home as
     KTLITE_STORE_HOME, and the deployment's namespace as KTLITE_STORE_NAMESPACE)."""
-    home = Path(os.environ["KTLITE_STORE_HOME"]) if os.environ.get("KTLITE_STORE_HOME") else config.home()
+    home = (
+        Path(os.environ["KTLITE_STORE_HOME"])
+        if os.environ.get("KTLITE_STORE_HOME")
+        else config.home()
+    )
     return home / "store" / _local_namespace(namespace)
 
 
@@ -178,14 +225,19 @@ def _open(backend: str | None, namespace: str | None, create: bool, absent_ok: b
     kind = traits(name).store
     if kind == "directory":
         root = local_root(namespace)
-        return _Local(StoreDir(root, where=f"of namespace {_local_namespace(namespace)!r} ({root})"))
+        return _Local(
+            StoreDir(root, where=f"of namespace {_local_namespace(namespace)!r} ({root})")
+        )
     if kind is None:
-        raise DataStoreError(f"the data store is not available on the {name} backend; use backend='local' "
-                             "or 'kubernetes'")
+        raise DataStoreError(
+            f"the data store is not available on the {name} backend; use backend='local' "
+            "or 'kubernetes'"
+        )
     if in_pod():
         return _Remote(pod_client(namespace))
     from ktlite.backends.kube_store import KubeStore
     from ktlite.datastore.store_client import StoreClient
+
     kube = KubeStore(backend_class(name).shared(namespace))
     address = kube.find()
     if address is None or not kube.answers(address):
@@ -194,27 +246,39 @@ def _open(backend: str | None, namespace: str | None, create: bool, absent_ok: b
         elif absent_ok:
             return None
         else:
-            raise DataStoreError(f"there is no data store in namespace {kube.api.namespace!r} yet: "
-                                 "kt.put creates it")
-    return _Remote(StoreClient(address.url, address.token, http=address.http,
-                               describe=f"the data store pod {address.pod} in namespace {address.namespace!r}",
-                               stale_hint="`ktlite store status` shows the store's state"))
+            raise DataStoreError(
+                f"there is no data store in namespace {kube.api.namespace!r} yet: kt.put creates it"
+            )
+    return _Remote(
+        StoreClient(
+            address.url,
+            address.token,
+            http=address.http,
+            describe=f"the data store pod {address.pod} in namespace {address.namespace!r}",
+            stale_hint="`ktlite store status` shows the store's state",
+        )
+    )
 
 
 def _timeout() -> float:
     from ktlite.backends.kube_store import DEFAULT_TIMEOUT_S
+
     return float(os.environ.get("KTLITE_STORE_TIMEOUT") or DEFAULT_TIMEOUT_S)
 
 
 def in_pod() -> bool:
     """Whether this process runs in a Kubernetes pod of a ktlite deployment (a rank)."""
-    return bool(os.environ.get("KTLITE_POD_IPS_FILE")) and traits(os.environ.get("KTLITE_BACKEND")).store == "pod"
+    return (
+        bool(os.environ.get("KTLITE_POD_IPS_FILE"))
+        and traits(os.environ.get("KTLITE_BACKEND")).store == "pod"
+    )
 
 
 def address_file() -> Path:
     """Where the pod server keeps the store address the client handed it (next to the pod's
     peer list, which every rank knows)."""
     from ktlite.datastore.storedir import address_file as path_for
+
     return Path(path_for(os.environ["KTLITE_POD_IPS_FILE"]))
 
 
@@ -223,10 +287,12 @@ def pod_client(namespace: str | None) -> Any:
     import json
 
     from ktlite.datastore.store_client import StoreClient
+
     ns = os.environ.get("KTLITE_NAMESPACE", "?")
     if namespace and namespace != ns:
-        raise DataStoreError(f"inside a pod the data store is its own namespace's ({ns!r}), not "
-                             f"{namespace!r}")
+        raise DataStoreError(
+            f"inside a pod the data store is its own namespace's ({ns!r}), not {namespace!r}"
+        )
     try:
         info = json.loads(address_file().read_text())
     except (OSError, ValueError):
@@ -235,12 +301,16 @@ def pod_client(namespace: str | None) -> Any:
         raise DataStoreError(
             f"this pod knows of no data store: namespace {ns!r} had none when the deployment's code "
             "was pushed; create it from your machine (`ktlite store create`, or any kt.put there), "
-            "then call .to() again to hand the pods its address")
-    return StoreClient(info["url"], info["token"], describe=f"the data store pod {info.get('pod')} at "
-                       f"{info['url']}",
-                       stale_hint="if the store pod was replaced since this deployment's code was "
-                       "pushed, it has a new IP: call .to() again from your machine to hand the pods its "
-                       "current address (`ktlite store status` shows it)")
+            "then call .to() again to hand the pods its address"
+        )
+    return StoreClient(
+        info["url"],
+        info["token"],
+        describe=f"the data store pod {info.get('pod')} at {info['url']}",
+        stale_hint="if the store pod was replaced since this deployment's code was "
+        "pushed, it has a new IP: call .to() again from your machine to hand the pods its "
+        "current address (`ktlite store status` shows it)",
+    )
 
 
 def handoff(backend: Any) -> dict[str, Any] | None:
@@ -249,6 +319,7 @@ def handoff(backend: Any) -> dict[str, Any] | None:
 
 
 # ---- the two kinds of store ----------------------------------------------------------------
+
 
 def _file_chunks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
@@ -272,6 +343,7 @@ class _Local:
 
     def put_dir(self, key: str, path: Path) -> None:
         from ktlite.datastore.storedir import open_reader
+
         size, chunks = tar_stream(path)
         progress = Progress(f"put {key}", size)
         try:
@@ -307,12 +379,15 @@ class _Remote:
     def close(self) -> None:
         self.client.close()
 
-    def _upload(self, key: str, kind: str, size: int, chunks: Callable[[], Iterator[bytes]]) -> None:
+    def _upload(
+        self, key: str, kind: str, size: int, chunks: Callable[[], Iterator[bytes]]
+    ) -> None:
         progress = Progress(f"put {key}", size)
 
         def counted() -> Iterator[bytes]:
             progress.done = 0  # sent again from the start
             return progress.wrap(chunks())
+
         try:
             self.client.upload(key, kind, size, counted)
         finally:
@@ -341,6 +416,7 @@ class _Remote:
 
 # ---- writing what arrives ----------------------------------------------------------------------
 
+
 def _staging(near: Path) -> Path:
     near.parent.mkdir(parents=True, exist_ok=True)
     return near.parent / f".{near.name}.ktlite-{uuid.uuid4().hex[:8]}"
@@ -362,6 +438,7 @@ def _receive_file(chunks: Iterator[bytes], out: Path) -> Path:
 
 def _receive_dir(chunks: Iterator[bytes], out: Path) -> Path:
     from ktlite.datastore.storedir import extract, open_reader
+
     if out.exists() and not out.is_dir():
         raise DataStoreError(f"dest {str(out)!r} is a file; a directory key needs a directory dest")
     staged = _staging(out)

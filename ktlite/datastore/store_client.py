@@ -39,13 +39,21 @@ class StoreClient:
     ``describe`` names the store in errors; ``stale_hint`` is added when it cannot be reached.
     """
 
-    def __init__(self, url: str, token: str, http: httpx.Client | None = None, describe: str = "",
-                 stale_hint: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        http: httpx.Client | None = None,
+        describe: str = "",
+        stale_hint: str = "",
+    ) -> None:
         self.url = url.rstrip("/")
         self._token = token
         self._owns = http is None
-        self.http = http or httpx.Client(timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S),
-                                         event_hooks={"response": [http_hook(logger)]})
+        self.http = http or httpx.Client(
+            timeout=httpx.Timeout(60.0, connect=CONNECT_TIMEOUT_S),
+            event_hooks={"response": [http_hook(logger)]},
+        )
         self.describe = describe or f"the data store at {self.url}"
         self.stale_hint = stale_hint
 
@@ -73,15 +81,21 @@ class StoreClient:
             except _Retry as e:
                 error: BaseException = e
             except httpx.ConnectTimeout as e:
-                raise DataStoreError(f"{self.describe} did not answer {what} (no connection within "
-                                     f"{CONNECT_TIMEOUT_S:g}s)" + self._hint()) from e
+                raise DataStoreError(
+                    f"{self.describe} did not answer {what} (no connection within "
+                    f"{CONNECT_TIMEOUT_S:g}s)" + self._hint()
+                ) from e
             except httpx.ReadTimeout as e:
-                raise DataStoreError(f"{self.describe} went silent during {what}" + self._hint()) from e
+                raise DataStoreError(
+                    f"{self.describe} went silent during {what}" + self._hint()
+                ) from e
             except httpx.TransportError as e:
                 error = e
             if time.monotonic() > deadline:
-                raise DataStoreError(f"could not reach {self.describe} for {what} within "
-                                     f"{RETRY_WINDOW_S:g}s: {error}" + self._hint()) from error
+                raise DataStoreError(
+                    f"could not reach {self.describe} for {what} within "
+                    f"{RETRY_WINDOW_S:g}s: {error}" + self._hint()
+                ) from error
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
@@ -102,25 +116,37 @@ class StoreClient:
         if isinstance(body, dict) and body.get("kind") == "Status":  # the API server, not the pod
             if resp.status_code in (400, 404):  # no pod (yet), or it has no IP
                 raise _Retry(str(body.get("message", text))[:300])
-            raise DataStoreError(f"the Kubernetes API server refused {what}: {body.get('message', text)}")
+            raise DataStoreError(
+                f"the Kubernetes API server refused {what}: {body.get('message', text)}"
+            )
         detail = str(body.get("detail", text)) if isinstance(body, dict) else text
         code = ErrorCode.parse(resp.headers.get(ERROR_CODE_HEADER))
         if code is ErrorCode.UNAUTHORIZED or (code is None and resp.status_code == 401):
-            raise AuthError(f"{self.describe} refused the store token (HTTP 401) for {what}; the store "
-                            "was probably re-created: call .to() again to hand the pods its new token")
+            raise AuthError(
+                f"{self.describe} refused the store token (HTTP 401) for {what}; the store "
+                "was probably re-created: call .to() again to hand the pods its new token"
+            )
         if not detail.strip():  # not the store's server (it always explains itself)
-            raise DataStoreError(f"{self.describe} answered HTTP {resp.status_code} with no detail to "
-                                 f"{what}; is the store server there?" + self._hint(), key=key)
+            raise DataStoreError(
+                f"{self.describe} answered HTTP {resp.status_code} with no detail to "
+                f"{what}; is the store server there?" + self._hint(),
+                key=key,
+            )
         if code is ErrorCode.BAD_REQUEST:
             raise ConfigError(detail)
         raise DataStoreError(detail, key=key)
 
     def _get_json(self, path: str, params: dict[str, Any], what: str, key: str | None) -> Any:
         def attempt() -> Any:
-            resp = self.http.get(self.url + PREFIX + path, params=params, headers=self._headers(),
-                                 timeout=self._timeout())
+            resp = self.http.get(
+                self.url + PREFIX + path,
+                params=params,
+                headers=self._headers(),
+                timeout=self._timeout(),
+            )
             self._check(resp, what, key)
             return resp.json()
+
         return self._run(what, attempt)
 
     # ---- operations ---------------------------------------------------------------------------
@@ -137,7 +163,11 @@ class StoreClient:
 
     def ls(self, prefix: str, recursive: bool) -> list[dict[str, Any]]:
         entries: list[dict[str, Any]] = self._get_json(
-            "/ls", {"prefix": prefix, "recursive": "1" if recursive else "0"}, f"ls {prefix!r}", prefix)
+            "/ls",
+            {"prefix": prefix, "recursive": "1" if recursive else "0"},
+            f"ls {prefix!r}",
+            prefix,
+        )
         return entries
 
     def remove(self, key: str, recursive: bool) -> None:
@@ -146,26 +176,43 @@ class StoreClient:
         def attempt() -> None:
             nonlocal attempts
             attempts += 1
-            resp = self.http.delete(self.url + PREFIX + "/key", headers=self._headers(),
-                                    params={"key": key, "recursive": "1" if recursive else "0"},
-                                    timeout=self._timeout())
+            resp = self.http.delete(
+                self.url + PREFIX + "/key",
+                headers=self._headers(),
+                params={"key": key, "recursive": "1" if recursive else "0"},
+                timeout=self._timeout(),
+            )
             if attempts > 1 and resp.headers.get(ERROR_CODE_HEADER) == ErrorCode.NOT_FOUND.value:
                 return  # an earlier attempt may have removed it and lost the answer
             self._check(resp, f"rm {key!r}", key)
+
         self._run(f"rm {key!r}", attempt)
 
-    def upload(self, key: str, kind: str, size: int, open_chunks: Callable[[], Iterator[bytes]]) -> None:
+    def upload(
+        self, key: str, kind: str, size: int, open_chunks: Callable[[], Iterator[bytes]]
+    ) -> None:
         """Upload a value: ``kind`` "file", "object" or "dir" (a tar stream); ``open_chunks``
         starts its chunks from the beginning (it is called again for a retry)."""
         what = f"put {key!r}"
 
         def attempt() -> None:
-            headers = {**self._headers(), LENGTH_HEADER: str(size),
-                       "content-type": "application/x-tar" if kind == "dir" else "application/octet-stream"}
+            headers = {
+                **self._headers(),
+                LENGTH_HEADER: str(size),
+                "content-type": "application/x-tar"
+                if kind == "dir"
+                else "application/octet-stream",
+            }
             # a generator: httpx sends it chunked
-            resp = self.http.put(self.url + PREFIX + "/key", params={"key": key, "kind": kind},
-                                 content=_generator(open_chunks()), headers=headers, timeout=self._timeout())
+            resp = self.http.put(
+                self.url + PREFIX + "/key",
+                params={"key": key, "kind": kind},
+                content=_generator(open_chunks()),
+                headers=headers,
+                timeout=self._timeout(),
+            )
             self._check(resp, what, key)
+
         self._run(what, attempt)
 
     def download(self, key: str, receive: Callable[[dict[str, Any], Iterator[bytes]], Any]) -> Any:
@@ -174,8 +221,13 @@ class StoreClient:
         what = f"get {key!r}"
 
         def attempt() -> Any:
-            with self.http.stream("GET", self.url + PREFIX + "/key", params={"key": key},
-                                  headers=self._headers(), timeout=self._timeout()) as resp:
+            with self.http.stream(
+                "GET",
+                self.url + PREFIX + "/key",
+                params={"key": key},
+                headers=self._headers(),
+                timeout=self._timeout(),
+            ) as resp:
                 self._check(resp, what, key)
                 entry = json.loads(resp.headers.get("x-ktlite-entry", "{}"))
                 length = int(resp.headers.get("content-length", "-1"))
@@ -187,6 +239,7 @@ class StoreClient:
                 if length >= 0 and counted.n != length:
                     raise _Retry(f"the download ended after {counted.n} of {length} bytes")
                 return result
+
         return self._run(what, attempt)
 
 

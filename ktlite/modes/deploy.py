@@ -345,8 +345,11 @@ def deploy(
         dep.close()
         # the pods are fine, the code is not: they stay warm for the next .to() (notes are
         # Python 3.11's; before, the error goes as it is)
-        if (sys.version_info >= (3, 11) and isinstance(e, Exception)
-                and (traits(backend.name).pods_outlive_caller or spec.detached)):
+        if (
+            sys.version_info >= (3, 11)
+            and isinstance(e, Exception)
+            and (traits(backend.name).pods_outlive_caller or spec.detached)
+        ):
             e.add_note(
                 f"the pods of {spec.name!r} keep running, so the next .to() reuses them; "
                 f"`ktlite teardown {spec.name}` removes them"

@@ -377,7 +377,9 @@ class ReplicaScaler(AutoscalerReport):
         if count <= running:
             return
         started = time.monotonic()
-        applied = require(self.dep.backend, ClientScaling).scale(self.dep.name, self.dep.applied.token, count)
+        applied = require(self.dep.backend, ClientScaling).scale(
+            self.dep.name, self.dep.applied.token, count
+        )
         self.dep.applied = applied
         self._refresh()
         logger.info(
@@ -424,7 +426,9 @@ class ReplicaScaler(AutoscalerReport):
             # the backend stops the ordinals from ``keep`` up: only when those are the drained ones
             if any(r.ep.ordinal >= keep for r in self.pool.replicas.values() if not r.draining):
                 return
-        applied = require(self.dep.backend, ClientScaling).scale(self.dep.name, self.dep.applied.token, keep)
+        applied = require(self.dep.backend, ClientScaling).scale(
+            self.dep.name, self.dep.applied.token, keep
+        )
         self.dep.applied = applied
         with self.pool.cond:
             for r in draining:

@@ -32,13 +32,17 @@ from collections.abc import Sequence
 from ktlite.errors import ConfigError
 
 _NOT_PACKED = "kt.app's pack() never makes such a member: was the archive made elsewhere?"
-_LINK_FIX = ("a link in the working directory must point inside it, by a relative path: replace "
-             "it with a copy of what it points to, or pass kt.app(..., workdir=) a folder that "
-             "holds both")
+_LINK_FIX = (
+    "a link in the working directory must point inside it, by a relative path: replace "
+    "it with a copy of what it points to, or pass kt.app(..., workdir=) a folder that "
+    "holds both"
+)
 
 
 def _refused(member: tarfile.TarInfo, why: str, fix: str = _NOT_PACKED) -> ConfigError:
-    return ConfigError(f"refusing to unpack the working directory: member {member.name!r} {why}; {fix}")
+    return ConfigError(
+        f"refusing to unpack the working directory: member {member.name!r} {why}; {fix}"
+    )
 
 
 def _normal(path: str) -> str | None:
@@ -59,8 +63,9 @@ def _kind(member: tarfile.TarInfo) -> str:
 
 def _first_symlink(parts: list[str], symlinks: set[str]) -> str | None:
     """The first of ``a``, ``a/b``, ... (for parts [a, b, ...]) that is a symbolic link."""
-    return next((p for p in ("/".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in symlinks),
-                None)
+    return next(
+        (p for p in ("/".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in symlinks), None
+    )
 
 
 def _check_symlink(member: tarfile.TarInfo, name: str, symlinks: set[str]) -> None:
@@ -79,10 +84,15 @@ def _check_symlink(member: tarfile.TarInfo, name: str, symlinks: set[str]) -> No
         elif at:
             at.pop()
         else:
-            raise _refused(member, f"is a symbolic link to {link!r}, outside the destination", _LINK_FIX)
+            raise _refused(
+                member, f"is a symbolic link to {link!r}, outside the destination", _LINK_FIX
+            )
         if i < len(steps) - 1 and "/".join(at) in symlinks:
-            raise _refused(member, f"is a symbolic link to {link!r}, which passes through the "
-                           f"symbolic link {'/'.join(at)!r}")
+            raise _refused(
+                member,
+                f"is a symbolic link to {link!r}, which passes through the "
+                f"symbolic link {'/'.join(at)!r}",
+            )
 
 
 def check_members(members: Sequence[tarfile.TarInfo]) -> None:
@@ -96,7 +106,9 @@ def check_members(members: Sequence[tarfile.TarInfo]) -> None:
         if member.name.startswith("/") or os.path.isabs(member.name):
             raise _refused(member, "has an absolute path")
         if name is None:
-            raise _refused(member, "has '..' in its path, which could reach outside the destination")
+            raise _refused(
+                member, "has '..' in its path, which could reach outside the destination"
+            )
         if not name:  # "." (tar's name for the folder it was run in): the destination itself
             if member.isdir():
                 continue
@@ -107,15 +119,21 @@ def check_members(members: Sequence[tarfile.TarInfo]) -> None:
             raise _refused(member, f"is a {_kind(member)}, which a working directory cannot ship")
         through = _first_symlink(name.split("/")[:-1], symlinks)
         if through is not None:
-            raise _refused(member, f"lies below the symbolic link {through!r}, so it would be "
-                           "written wherever that points")
+            raise _refused(
+                member,
+                f"lies below the symbolic link {through!r}, so it would be "
+                "written wherever that points",
+            )
         if member.issym():
             _check_symlink(member, name, symlinks)
         elif member.islnk():
             target = seen.get(_normal(member.linkname) or "")
             if target is None or not target.isreg():
-                raise _refused(member, f"is a hard link to {member.linkname!r}, which is not a "
-                               "regular file earlier in the archive")
+                raise _refused(
+                    member,
+                    f"is a hard link to {member.linkname!r}, which is not a "
+                    "regular file earlier in the archive",
+                )
         seen[name] = member
 
 
@@ -136,15 +154,20 @@ def _write(tar: tarfile.TarFile, members: Sequence[tarfile.TarInfo], root: str) 
         parent = os.path.dirname(path)
         # the archive cannot lead outside (checked), but a folder that was not empty could
         if os.path.commonpath([os.path.realpath(parent), root]) != root:
-            raise _refused(member, f"would be written outside {root} through a link already there",
-                           "unpack into an empty folder")
+            raise _refused(
+                member,
+                f"would be written outside {root} through a link already there",
+                "unpack into an empty folder",
+            )
         os.makedirs(parent, exist_ok=True)
         if member.isdir():
             os.makedirs(path, exist_ok=True)  # modes of folders are not kept, as with the filter
         elif member.issym():
             os.symlink(member.linkname, path)
         else:
-            source = tar.extractfile(regular[_normal(member.linkname)] if member.islnk() else member)
+            source = tar.extractfile(
+                regular[_normal(member.linkname)] if member.islnk() else member
+            )
             assert source is not None  # a regular file (or a hard link to one) always has data
             # O_EXCL | O_NOFOLLOW: never through something already at that name
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

@@ -117,14 +117,29 @@ class Pool:
         with self._lock:
             self._idle.setdefault(conn.key, []).append(conn)
 
-    def post(self, url: str, path: str, headers: dict[str, str], parts: list[Any],
-             connect_timeout: float, read_timeout: float) -> tuple[Connection, int, dict[str, str]]:
+    def post(
+        self,
+        url: str,
+        path: str,
+        headers: dict[str, str],
+        parts: list[Any],
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> tuple[Connection, int, dict[str, str]]:
         """Send a POST and read the response head; the caller reads ``conn.body`` and then
         ``release``s (or closes) the connection."""
         return self.request("POST", url, path, headers, parts, connect_timeout, read_timeout)
 
-    def request(self, method: str, url: str, path: str, headers: dict[str, str], parts: list[Any],
-                connect_timeout: float, read_timeout: float) -> tuple[Connection, int, dict[str, str]]:
+    def request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        headers: dict[str, str],
+        parts: list[Any],
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> tuple[Connection, int, dict[str, str]]:
         """Send a request (``path`` with its query) and read the response head."""
         u = urlsplit(url)
         key = (u.hostname or "127.0.0.1", u.port or 80)
@@ -151,11 +166,21 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    def fetch(self, method: str, url: str, path: str, headers: dict[str, str], parts: list[Any],
-              connect_timeout: float, read_timeout: float) -> tuple[int, dict[str, str], bytes]:
+    def fetch(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        headers: dict[str, str],
+        parts: list[Any],
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> tuple[int, dict[str, str], bytes]:
         """A whole request and response (status, headers, body); the connection goes back to
         the pool."""
-        conn, status, hdrs = self.request(method, url, path, headers, parts, connect_timeout, read_timeout)
+        conn, status, hdrs = self.request(
+            method, url, path, headers, parts, connect_timeout, read_timeout
+        )
         try:
             body = b"".join(conn.body(hdrs))
         except BaseException:

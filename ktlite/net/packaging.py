@@ -23,8 +23,19 @@ import cloudpickle
 from ktlite.errors import SerializationError
 from ktlite_wire import codec, envelope, sourcelines
 
-_SKIP = ("ktlite", "ktlite_server", "ktlite_wire", "cloudpickle", "_pytest", "pytest", "pluggy", "__main__",
-         "__mp_main__", "IPython", "ipykernel")
+_SKIP = (
+    "ktlite",
+    "ktlite_server",
+    "ktlite_wire",
+    "cloudpickle",
+    "_pytest",
+    "pytest",
+    "pluggy",
+    "__main__",
+    "__mp_main__",
+    "IPython",
+    "ipykernel",
+)
 _MAX_SOURCE = 2 << 20
 _MAX_SOURCES = 32 << 20
 
@@ -138,8 +149,9 @@ def encode_call(method: CallName, args: tuple[Any, ...], kwargs: dict[str, Any])
         raise SerializationError(_diagnose_args(args, kwargs, e)) from e
 
 
-def encode_ranked_call(method: CallName, args: tuple[Any, ...], kwargs: dict[str, Any], world: int
-                       ) -> tuple[list[Any], dict[str, Any] | None]:
+def encode_ranked_call(
+    method: CallName, args: tuple[Any, ...], kwargs: dict[str, Any], world: int
+) -> tuple[list[Any], dict[str, Any] | None]:
     """Encode a call whose arguments may hold ``kt.per_rank`` markers: the shared message,
     then one message per rank with that rank's items, and the offsets (None: no marker)."""
     from ktlite.net import rankdata
@@ -156,8 +168,9 @@ def encode_ranked_call(method: CallName, args: tuple[Any, ...], kwargs: dict[str
             with by_value():
                 blob = codec.dumps_parts(values, sources=True)
         except Exception as e:
-            raise SerializationError(f"the per-rank item(s) of rank {r} cannot be pickled: "
-                                     f"{type(e).__name__}: {e}") from e
+            raise SerializationError(
+                f"the per-rank item(s) of rank {r} cannot be pickled: {type(e).__name__}: {e}"
+            ) from e
         size = envelope.parts_size(blob)
         layout["items"].append([pos, size])
         parts.extend(blob)
@@ -188,8 +201,10 @@ def _diagnose_value(value: Any, what: str, err: Exception) -> str:
     for label, item in items:
         e = _fails(item)
         if e is not None:
-            return (f"{label} (a {_describe(item)}) cannot be pickled: {e}; pass plain data, or "
-                    "create the object on the pod")
+            return (
+                f"{label} (a {_describe(item)}) cannot be pickled: {e}; pass plain data, or "
+                "create the object on the pod"
+            )
     return f"{what} cannot be pickled: {err}"
 
 
@@ -208,8 +223,13 @@ def _describe(obj: Any) -> str:
 
 def _diagnose_callable(obj: Any, err: Exception) -> str:
     name = getattr(obj, "__qualname__", repr(obj))
-    funcs = [obj] if inspect.isfunction(obj) else [
-        v for v in vars(obj).values() if inspect.isfunction(v)] if inspect.isclass(obj) else []
+    funcs = (
+        [obj]
+        if inspect.isfunction(obj)
+        else [v for v in vars(obj).values() if inspect.isfunction(v)]
+        if inspect.isclass(obj)
+        else []
+    )
     for fn in funcs:
         try:
             cv = inspect.getclosurevars(fn)
@@ -221,9 +241,11 @@ def _diagnose_callable(obj: Any, err: Exception) -> str:
                     continue
                 e = _fails(value)
                 if e is not None:
-                    return (f"{name} cannot be shipped: it uses {scope} {var!r} (a {_describe(value)}), "
-                            f"which cannot be pickled ({e}); create it inside the function, or pass "
-                            "something picklable instead")
+                    return (
+                        f"{name} cannot be shipped: it uses {scope} {var!r} (a {_describe(value)}), "
+                        f"which cannot be pickled ({e}); create it inside the function, or pass "
+                        "something picklable instead"
+                    )
     return f"{name} cannot be pickled: {err}"
 
 
@@ -231,11 +253,15 @@ def _diagnose_args(args: tuple[Any, ...], kwargs: dict[str, Any], err: Exception
     for i, value in enumerate(args):
         e = _fails(value)
         if e is not None:
-            return (f"positional argument {i} (a {_describe(value)}) cannot be pickled: {e}; "
-                    "pass plain data, arrays or tensors, or create the object on the pod")
+            return (
+                f"positional argument {i} (a {_describe(value)}) cannot be pickled: {e}; "
+                "pass plain data, arrays or tensors, or create the object on the pod"
+            )
     for key, value in kwargs.items():
         e = _fails(value)
         if e is not None:
-            return (f"keyword argument {key!r} (a {_describe(value)}) cannot be pickled: {e}; "
-                    "pass plain data, arrays or tensors, or create the object on the pod")
+            return (
+                f"keyword argument {key!r} (a {_describe(value)}) cannot be pickled: {e}; "
+                "pass plain data, arrays or tensors, or create the object on the pod"
+            )
     return f"the call's arguments cannot be pickled: {err}"

@@ -22,8 +22,14 @@ class PerRank:
     __slots__ = ("items",)
 
     def __init__(self, items: Sequence[Any]) -> None:
-        if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__len__") or not hasattr(items, "__getitem__"):
-            raise ConfigError(f"kt.per_rank() needs a list with one item per rank, got {type(items).__name__}")
+        if (
+            isinstance(items, (str, bytes, dict))
+            or not hasattr(items, "__len__")
+            or not hasattr(items, "__getitem__")
+        ):
+            raise ConfigError(
+                f"kt.per_rank() needs a list with one item per rank, got {type(items).__name__}"
+            )
         self.items = items
 
     def __repr__(self) -> str:
@@ -36,8 +42,9 @@ def per_rank(items: Sequence[Any]) -> PerRank:
     return PerRank(items)
 
 
-def split(args: tuple[Any, ...], kwargs: dict[str, Any], world: int
-          ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[Any, ...]] | None]:
+def split(
+    args: tuple[Any, ...], kwargs: dict[str, Any], world: int
+) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[Any, ...]] | None]:
     """Replace top-level PerRank markers by slots; the per-rank values, one tuple per rank
     (None when the call has no marker). A wrong length is a ConfigError, before anything
     is sent."""
@@ -47,8 +54,10 @@ def split(args: tuple[Any, ...], kwargs: dict[str, Any], world: int
         if not isinstance(value, PerRank):
             return value
         if len(value.items) != world:
-            raise ConfigError(f"{where}: kt.per_rank() got {len(value.items)} item(s) for {world} rank(s); give "
-                              "exactly one item per rank, in rank order")
+            raise ConfigError(
+                f"{where}: kt.per_rank() got {len(value.items)} item(s) for {world} rank(s); give "
+                "exactly one item per rank, in rank order"
+            )
         markers.append(value)
         return Slot(len(markers) - 1)
 

@@ -46,7 +46,9 @@ class DeploymentSpec:
                 )
             object.__setattr__(self, "pod", self.compute.pod_spec())
         elif not isinstance(self.pod, PodSpec):
-            raise ConfigError(f"DeploymentSpec.pod={self.pod!r} must be a ktlite.specs.podspec.PodSpec")
+            raise ConfigError(
+                f"DeploymentSpec.pod={self.pod!r} must be a ktlite.specs.podspec.PodSpec"
+            )
 
     @property
     def distributed(self) -> DistributedConfig:

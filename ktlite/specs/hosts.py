@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 from ktlite.errors import ConfigError
 
-_TARGET = re.compile(r"^(?:(?P<user>[^@\s/]+)@)?(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^@:\s/\[\]]+))"
-                     r"(?::(?P<port>\d{1,5}))?$")
+_TARGET = re.compile(
+    r"^(?:(?P<user>[^@\s/]+)@)?(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^@:\s/\[\]]+))"
+    r"(?::(?P<port>\d{1,5}))?$"
+)
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,19 @@ class Host:
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or _TARGET.match(self.address) is None:
-            raise ConfigError(f"host {self.address!r} is not an SSH destination; give an alias of "
-                              "~/.ssh/config or host, user@host, user@host:port")
-        if self.num_proc is not None and (isinstance(self.num_proc, bool) or not isinstance(self.num_proc, int)
-                                          or self.num_proc < 1):
-            raise ConfigError(f"Host({self.address!r}, num_proc={self.num_proc!r}): num_proc is the rank "
-                              "processes on that host, a whole number >= 1")
+            raise ConfigError(
+                f"host {self.address!r} is not an SSH destination; give an alias of "
+                "~/.ssh/config or host, user@host, user@host:port"
+            )
+        if self.num_proc is not None and (
+            isinstance(self.num_proc, bool)
+            or not isinstance(self.num_proc, int)
+            or self.num_proc < 1
+        ):
+            raise ConfigError(
+                f"Host({self.address!r}, num_proc={self.num_proc!r}): num_proc is the rank "
+                "processes on that host, a whole number >= 1"
+            )
 
     @property
     def target(self) -> tuple[str | None, str, int | None]:
@@ -77,15 +86,22 @@ class Hosts:
 
     def __post_init__(self) -> None:
         if isinstance(self.hosts, (str, Host)):
-            raise ConfigError(f"hosts={self.hosts!r} must be a list of hosts, e.g. ['gpu1', 'gpu2']")
-        items = tuple(h if isinstance(h, Host) else Host(h) if isinstance(h, str) else _bad(h) for h in self.hosts)
+            raise ConfigError(
+                f"hosts={self.hosts!r} must be a list of hosts, e.g. ['gpu1', 'gpu2']"
+            )
+        items = tuple(
+            h if isinstance(h, Host) else Host(h) if isinstance(h, str) else _bad(h)
+            for h in self.hosts
+        )
         if not items:
             raise ConfigError("hosts=[] names no machine; give at least one SSH destination")
         seen: dict[str, int] = {}
         for i, h in enumerate(items):
             if h.address in seen:
-                raise ConfigError(f"host {h.address!r} is listed twice (entries {seen[h.address]} and {i}); "
-                                  "one pod per host: give it num_proc=... instead")
+                raise ConfigError(
+                    f"host {h.address!r} is listed twice (entries {seen[h.address]} and {i}); "
+                    "one pod per host: give it num_proc=... instead"
+                )
             seen[h.address] = i
         object.__setattr__(self, "hosts", items)
         for name in ("accept_new_host_keys",):
@@ -113,4 +129,6 @@ def as_hosts(value: object) -> Hosts | None:
         return value
     if isinstance(value, (list, tuple)):
         return Hosts(tuple(value))
-    raise ConfigError(f"hosts={value!r} must be a list of SSH destinations (or kt.Host objects), or kt.Hosts(...)")
+    raise ConfigError(
+        f"hosts={value!r} must be a list of SSH destinations (or kt.Host objects), or kt.Hosts(...)"
+    )

@@ -35,8 +35,10 @@ class SecretFile:
 
     def __post_init__(self) -> None:
         if not _KEY.match(self.key):
-            raise ConfigError(f"secret file {self.source}: its name {self.key!r} cannot be a Secret key; "
-                              "rename it to letters, digits, '-', '_' and '.'")
+            raise ConfigError(
+                f"secret file {self.source}: its name {self.key!r} cannot be a Secret key; "
+                "rename it to letters, digits, '-', '_' and '.'"
+            )
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,11 @@ def shown(path: Path | str) -> str:
     """``path`` with the home written as ``~`` (for messages and placeholders)."""
     text = str(path)
     home = str(Path.home())
-    return "~" + text[len(home):] if home != "/" and (text == home or text.startswith(home + "/")) else text
+    return (
+        "~" + text[len(home) :]
+        if home != "/" and (text == home or text.startswith(home + "/"))
+        else text
+    )
 
 
 def _expand(path: str) -> Path:
@@ -62,13 +68,17 @@ def read_file(path: Path, provider: str) -> bytes:
     try:
         return path.read_bytes()
     except OSError as e:
-        raise ConfigError(f"secret provider {provider!r}: cannot read {shown(path)}: {e.strerror}; "
-                          "check the file's permissions") from None
+        raise ConfigError(
+            f"secret provider {provider!r}: cannot read {shown(path)}: {e.strerror}; "
+            "check the file's permissions"
+        ) from None
 
 
 def missing(provider: str, looked: list[str], fix: str) -> ConfigError:
-    return ConfigError(f"secret provider {provider!r} found nothing on this machine; looked at: "
-                       f"{', '.join(looked)}. {fix}")
+    return ConfigError(
+        f"secret provider {provider!r} found nothing on this machine; looked at: "
+        f"{', '.join(looked)}. {fix}"
+    )
 
 
 def _from_env(names: tuple[str, ...]) -> tuple[str, str] | None:
@@ -93,8 +103,10 @@ def _netrc_wandb(path: Path) -> str | None:
     try:
         entry = netrc.netrc(str(path)).authenticators("api.wandb.ai")
     except netrc.NetrcParseError as e:  # its message may quote a line of the file: not shown
-        raise ConfigError(f"secret provider 'wandb': {shown(path)} is not a valid netrc file (line "
-                          f"{e.lineno}); fix it or run `wandb login`") from None
+        raise ConfigError(
+            f"secret provider 'wandb': {shown(path)} is not a valid netrc file (line "
+            f"{e.lineno}); fix it or run `wandb login`"
+        ) from None
     return entry[2] if entry and entry[2] else None
 
 
@@ -131,14 +143,20 @@ class TokenPreset:
                     try:
                         token = self.reader(file)
                     except OSError as e:
-                        raise ConfigError(f"secret provider {provider!r}: cannot read {shown(file)}: "
-                                          f"{e.strerror}") from None
+                        raise ConfigError(
+                            f"secret provider {provider!r}: cannot read {shown(file)}: {e.strerror}"
+                        ) from None
                     if token:
                         got = (token, shown(file))
                         break
         if got is None:
-            raise missing(provider, looked, self.fix or f"export {self.env[0]}=..., or pass "
-                          f"kt.secret(provider={provider!r}, env_vars={{'{self.expose[0]}': ...}})")
+            raise missing(
+                provider,
+                looked,
+                self.fix
+                or f"export {self.env[0]}=..., or pass "
+                f"kt.secret(provider={provider!r}, env_vars={{'{self.expose[0]}': ...}})",
+            )
         return Found(env={name: got for name in self.expose})
 
 
@@ -151,39 +169,78 @@ def _fixed(path: str) -> Callable[[], str | None]:
 
 
 TOKENS: dict[str, TokenPreset] = {
-    "huggingface": TokenPreset(("HF_TOKEN",), ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"),
-                               (_env_path("HF_TOKEN_PATH"), _env_path("HF_HOME", "/token"),
-                                _fixed("~/.cache/huggingface/token")),
-                               fix="run `huggingface-cli login`, or export HF_TOKEN=..."),
-    "wandb": TokenPreset(("WANDB_API_KEY",), ("WANDB_API_KEY",), (_env_path("NETRC"), _fixed("~/.netrc")),
-                         reader=_netrc_wandb, fix="run `wandb login`, or export WANDB_API_KEY=..."),
+    "huggingface": TokenPreset(
+        ("HF_TOKEN",),
+        ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"),
+        (
+            _env_path("HF_TOKEN_PATH"),
+            _env_path("HF_HOME", "/token"),
+            _fixed("~/.cache/huggingface/token"),
+        ),
+        fix="run `huggingface-cli login`, or export HF_TOKEN=...",
+    ),
+    "wandb": TokenPreset(
+        ("WANDB_API_KEY",),
+        ("WANDB_API_KEY",),
+        (_env_path("NETRC"), _fixed("~/.netrc")),
+        reader=_netrc_wandb,
+        fix="run `wandb login`, or export WANDB_API_KEY=...",
+    ),
     "openai": TokenPreset(("OPENAI_API_KEY",), ("OPENAI_API_KEY",)),
     "anthropic": TokenPreset(("ANTHROPIC_API_KEY",), ("ANTHROPIC_API_KEY",)),
     "cohere": TokenPreset(("COHERE_API_KEY", "CO_API_KEY"), ("COHERE_API_KEY", "CO_API_KEY")),
-    "github": TokenPreset(("GITHUB_TOKEN", "GH_TOKEN"), ("GITHUB_TOKEN", "GH_TOKEN"),
-                          fix="export GITHUB_TOKEN=... (or GH_TOKEN; `gh auth token` prints one)"),
-    "lambda": TokenPreset(("LAMBDA_API_KEY",), ("LAMBDA_API_KEY",), (_fixed("~/.lambda_cloud/lambda_keys"),),
-                          reader=_lambda_keys),
-    "langchain": TokenPreset(("LANGCHAIN_API_KEY", "LANGSMITH_API_KEY"), ("LANGCHAIN_API_KEY", "LANGSMITH_API_KEY")),
+    "github": TokenPreset(
+        ("GITHUB_TOKEN", "GH_TOKEN"),
+        ("GITHUB_TOKEN", "GH_TOKEN"),
+        fix="export GITHUB_TOKEN=... (or GH_TOKEN; `gh auth token` prints one)",
+    ),
+    "lambda": TokenPreset(
+        ("LAMBDA_API_KEY",),
+        ("LAMBDA_API_KEY",),
+        (_fixed("~/.lambda_cloud/lambda_keys"),),
+        reader=_lambda_keys,
+    ),
+    "langchain": TokenPreset(
+        ("LANGCHAIN_API_KEY", "LANGSMITH_API_KEY"), ("LANGCHAIN_API_KEY", "LANGSMITH_API_KEY")
+    ),
     "pinecone": TokenPreset(("PINECONE_API_KEY",), ("PINECONE_API_KEY",)),
 }
 
 
 # ---- providers with several values or files ----------------------------------------------------
 
+
 def _aws(path: str | None) -> Found:
     if path:
         base = _expand(path)
-        creds, config = (base / "credentials", base / "config") if base.is_dir() else (base, base.parent / "config")
+        creds, config = (
+            (base / "credentials", base / "config")
+            if base.is_dir()
+            else (base, base.parent / "config")
+        )
     else:
         creds = _expand(os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials")
         config = _expand(os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config")
     if creds.is_file():
-        files = [SecretFile("credentials", ".aws/credentials", read_file(creds, "aws"), shown(creds),
-                            "AWS_SHARED_CREDENTIALS_FILE")]
+        files = [
+            SecretFile(
+                "credentials",
+                ".aws/credentials",
+                read_file(creds, "aws"),
+                shown(creds),
+                "AWS_SHARED_CREDENTIALS_FILE",
+            )
+        ]
         if config.is_file():
-            files.append(SecretFile("config", ".aws/config", read_file(config, "aws"), shown(config),
-                                    "AWS_CONFIG_FILE"))
+            files.append(
+                SecretFile(
+                    "config",
+                    ".aws/config",
+                    read_file(config, "aws"),
+                    shown(config),
+                    "AWS_CONFIG_FILE",
+                )
+            )
         return Found(files=tuple(files))
     looked = [shown(creds)]
     if not path:
@@ -196,12 +253,23 @@ def _aws(path: str | None) -> Found:
                 if value:
                     env[name] = value
             return Found(env=env)
-    raise missing("aws", looked, "run `aws configure`, export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                  "or pass path= (a credentials file or a directory holding one)")
+    raise missing(
+        "aws",
+        looked,
+        "run `aws configure`, export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+        "or pass path= (a credentials file or a directory holding one)",
+    )
 
 
-def _one_file(provider: str, path: str | None, candidates: list[str | None], key: str, pod_path: str,
-              pointer: str | None, fix: str) -> Found:
+def _one_file(
+    provider: str,
+    path: str | None,
+    candidates: list[str | None],
+    key: str,
+    pod_path: str,
+    pointer: str | None,
+    fix: str,
+) -> Found:
     looked = []
     for candidate in [path] if path else candidates:
         if not candidate:
@@ -209,23 +277,39 @@ def _one_file(provider: str, path: str | None, candidates: list[str | None], key
         file = _expand(candidate)
         looked.append(shown(file))
         if file.is_file():
-            return Found(files=(SecretFile(key, pod_path, read_file(file, provider), shown(file), pointer),))
+            return Found(
+                files=(SecretFile(key, pod_path, read_file(file, provider), shown(file), pointer),)
+            )
     raise missing(provider, looked, fix)
 
 
 def _gcp(path: str | None) -> Found:
-    return _one_file("gcp", path, [os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"),
-                                   "~/.config/gcloud/application_default_credentials.json"],
-                     "application_default_credentials.json",
-                     ".config/gcloud/application_default_credentials.json", "GOOGLE_APPLICATION_CREDENTIALS",
-                     "run `gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS "
-                     "to a service account key file, or pass path=")
+    return _one_file(
+        "gcp",
+        path,
+        [
+            os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"),
+            "~/.config/gcloud/application_default_credentials.json",
+        ],
+        "application_default_credentials.json",
+        ".config/gcloud/application_default_credentials.json",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "run `gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS "
+        "to a service account key file, or pass path=",
+    )
 
 
 def _kubeconfig(path: str | None) -> Found:
     first = (os.environ.get("KUBECONFIG") or "").split(os.pathsep)[0] or None
-    return _one_file("kubeconfig", path, [first, "~/.kube/config"], "config", ".kube/config", "KUBECONFIG",
-                     "set KUBECONFIG, create ~/.kube/config, or pass path=")
+    return _one_file(
+        "kubeconfig",
+        path,
+        [first, "~/.kube/config"],
+        "config",
+        ".kube/config",
+        "KUBECONFIG",
+        "set KUBECONFIG, create ~/.kube/config, or pass path=",
+    )
 
 
 SSH_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
@@ -236,13 +320,23 @@ def _ssh(path: str | None) -> Found:
     candidates = [base / k for k in SSH_KEYS] if base.is_dir() else [base]
     key = next((c for c in candidates if c.is_file()), None)
     if key is None:
-        raise missing("ssh", [shown(c) for c in candidates],
-                      "create a key with `ssh-keygen -t ed25519`, or pass path= (a private key file)")
+        raise missing(
+            "ssh",
+            [shown(c) for c in candidates],
+            "create a key with `ssh-keygen -t ed25519`, or pass path= (a private key file)",
+        )
     files = [SecretFile(key.name, f".ssh/{key.name}", read_file(key, "ssh"), shown(key))]
     public = key.with_name(key.name + ".pub")
     if public.is_file():
-        files.append(SecretFile(public.name, f".ssh/{public.name}", read_file(public, "ssh"), shown(public),
-                                mode=0o444))
+        files.append(
+            SecretFile(
+                public.name,
+                f".ssh/{public.name}",
+                read_file(public, "ssh"),
+                shown(public),
+                mode=0o444,
+            )
+        )
     return Found(files=tuple(files))
 
 
@@ -250,14 +344,22 @@ def _azure(path: str | None) -> Found:
     names = ("AZURE_CLIENT_ID", "AZURE_CLIENT_SECRET", "AZURE_TENANT_ID")
     env = {n: v for n in (*names, "AZURE_SUBSCRIPTION_ID") if (v := _from_env((n,)))}
     if path or not all(n in env for n in names):
-        raise missing("azure", [f"${n}" for n in names],
-                      "export AZURE_CLIENT_ID, AZURE_CLIENT_SECRET and AZURE_TENANT_ID (a service principal); "
-                      "path= has no meaning for azure")
+        raise missing(
+            "azure",
+            [f"${n}" for n in names],
+            "export AZURE_CLIENT_ID, AZURE_CLIENT_SECRET and AZURE_TENANT_ID (a service principal); "
+            "path= has no meaning for azure",
+        )
     return Found(env=env)
 
 
 FILES: dict[str, Callable[[str | None], Found]] = {
-    "aws": _aws, "gcp": _gcp, "kubeconfig": _kubeconfig, "ssh": _ssh, "azure": _azure}
+    "aws": _aws,
+    "gcp": _gcp,
+    "kubeconfig": _kubeconfig,
+    "ssh": _ssh,
+    "azure": _azure,
+}
 PROVIDERS = tuple(sorted({*TOKENS, *FILES}))
 
 

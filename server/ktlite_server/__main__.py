@@ -26,7 +26,9 @@ from ktlite_server.app import create_app
 from ktlite_server.connections import Limits, guarded
 from ktlite_server.pod import Pod
 
-logger = logging.getLogger("ktlite_server.__main__")  # not __name__: this module also runs as __main__
+logger = logging.getLogger(
+    "ktlite_server.__main__"
+)  # not __name__: this module also runs as __main__
 
 
 def _ordinal() -> int:
@@ -44,14 +46,25 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--port", type=int, default=32300)
     p.add_argument("--pod", default=os.environ.get("KTLITE_POD_NAME") or socket.gethostname())
     p.add_argument("--ordinal", type=int, default=_ordinal())
-    p.add_argument("--procs", type=int, default=1, help="rank processes to start before code arrives")
+    p.add_argument(
+        "--procs", type=int, default=1, help="rank processes to start before code arrives"
+    )
     p.add_argument("--ready-file", default=None)
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
-    p.add_argument("--token-stdin", action="store_true", help="read the token from stdin's first line")
-    p.add_argument("--inactivity-ttl", type=float, default=None,
-                   help="exit after this many seconds without a request or a running call")
-    p.add_argument("--tether-stdin", action="store_true",
-                   help="exit when stdin closes (the SSH channel that started this server is gone)")
+    p.add_argument(
+        "--token-stdin", action="store_true", help="read the token from stdin's first line"
+    )
+    p.add_argument(
+        "--inactivity-ttl",
+        type=float,
+        default=None,
+        help="exit after this many seconds without a request or a running call",
+    )
+    p.add_argument(
+        "--tether-stdin",
+        action="store_true",
+        help="exit when stdin closes (the SSH channel that started this server is gone)",
+    )
     return p.parse_args()
 
 
@@ -100,9 +113,12 @@ def main() -> None:
     if not token and args.token_stdin:  # kept out of /proc/<pid>/environ, which env is not
         token = sys.stdin.readline().strip()
     if not token:
-        raise SystemExit("KTLITE_TOKEN is not set: the server refuses to run without a deployment token")
+        raise SystemExit(
+            "KTLITE_TOKEN is not set: the server refuses to run without a deployment token"
+        )
     if os.environ.get("KTLITE_STORE_ROOT"):  # the namespace's data store pod (kt.put/get)
         from ktlite_server.store import serve
+
         serve(os.environ["KTLITE_STORE_ROOT"], token, args.host, args.port, args.ready_file)
         return
     try:
@@ -116,12 +132,17 @@ def main() -> None:
     sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
-        app, log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"), access_log=False,
+        app,
+        log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"),
+        access_log=False,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         # httptools, with bounded request heads, a header timeout and a connection cap
-        http=guarded(limits), timeout_keep_alive=limits.idle_timeout,  # type: ignore[arg-type]
+        http=guarded(limits),
+        timeout_keep_alive=limits.idle_timeout,  # type: ignore[arg-type]
         # a stream of a call that is still running must not hold shutdown (SIGTERM) forever
-        timeout_graceful_shutdown=3, lifespan="on")
+        timeout_graceful_shutdown=3,
+        lifespan="on",
+    )
     server = uvicorn.Server(config)
 
     async def run_server() -> None:
@@ -146,6 +167,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
         if config.loop == "uvloop":
             import uvloop
+
             uvloop.run(run_server())
         else:
             asyncio.run(run_server())

@@ -74,7 +74,11 @@ class Gate:
     """ASGI middleware in front of the pod server's app: the token, then the declared size."""
 
     def __init__(
-        self, app: Any, token: Token, limits: Limits, on_admit: Callable[[], None] = lambda: None,
+        self,
+        app: Any,
+        token: Token,
+        limits: Limits,
+        on_admit: Callable[[], None] = lambda: None,
         pod_name: str = "this pod",
     ) -> None:
         self.app = app
@@ -108,7 +112,11 @@ class Gate:
                 await refuse(
                     send,
                     409,
-                    mismatch(theirs, them="the client", us=f"pod {self.pod_name}'s server (ktlite {RELEASE})"),
+                    mismatch(
+                        theirs,
+                        them="the client",
+                        us=f"pod {self.pod_name}'s server (ktlite {RELEASE})",
+                    ),
                     ErrorCode.PROTOCOL_MISMATCH,
                 )
                 return

@@ -95,7 +95,10 @@ class PodServer:
         self.app.add_api_route("/restart_failed", self.restart_failed, methods=["POST"])
         self.app.add_api_route("/cancel/{call_id}", self.cancel, methods=["POST"])
         self.asgi = Gate(
-            FastCall(self.app, self.calls.call), self.token, self.limits, on_admit=self._touch,
+            FastCall(self.app, self.calls.call),
+            self.token,
+            self.limits,
+            on_admit=self._touch,
             pod_name=self.pod.name,
         )
 
@@ -182,14 +185,20 @@ class PodServer:
         try:
             stuck_after = float(request.query_params.get("stuck_after", DEFAULT_STUCK_AFTER_S))
         except ValueError:
-            raise refuse(400, ErrorCode.BAD_REQUEST, "stuck_after must be a number of seconds") from None
+            raise refuse(
+                400, ErrorCode.BAD_REQUEST, "stuck_after must be a number of seconds"
+            ) from None
         return await self.pod.status(stuck_after)
 
     async def restart_failed(self, request: Request) -> JSONResponse:
         """Restart this pod's dead rank processes (only those: the others keep their state)."""
         pod = self.pod
         if pod.dep is None:
-            raise refuse(409, ErrorCode.NOT_DEPLOYED, f"pod {pod.name} has no code deployed; call .to() first")
+            raise refuse(
+                409,
+                ErrorCode.NOT_DEPLOYED,
+                f"pod {pod.name} has no code deployed; call .to() first",
+            )
         result = await pod.restart_failed()
         if result["restarted"] or request.query_params.get("regroup", "").lower() in _YES:
             pod.next_generation()  # on pod 0 this re-forms the process group at the next call
@@ -201,7 +210,11 @@ class PodServer:
         reset = query.get("reset", "false").lower() in _YES
         kind = _STOPS.get(query.get("kind", "cancelled"))
         if kind is None:
-            raise refuse(400, ErrorCode.BAD_REQUEST, f"kind={query.get('kind')!r}; allowed: cancelled, timeout")
+            raise refuse(
+                400,
+                ErrorCode.BAD_REQUEST,
+                f"kind={query.get('kind')!r}; allowed: cancelled, timeout",
+            )
         return JSONResponse({"cancelled": self.calls.cancel(call_id, kind, reason[:500], reset)})
 
 

@@ -24,7 +24,8 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     if length is None or not length.isdigit():
         raise refuse(
             411,
-            ErrorCode.LENGTH_REQUIRED, f"a Content-Length (or {LENGTH_HEADER}) header is required"
+            ErrorCode.LENGTH_REQUIRED,
+            f"a Content-Length (or {LENGTH_HEADER}) header is required",
         )
     n = int(length)
     if n > limit:
@@ -48,7 +49,11 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
         async for chunk in request.stream():
             k = len(chunk)
             if got + k > n:
-                raise refuse(400, ErrorCode.BAD_REQUEST, f"body is longer than its Content-Length of {n} bytes")
+                raise refuse(
+                    400,
+                    ErrorCode.BAD_REQUEST,
+                    f"body is longer than its Content-Length of {n} bytes",
+                )
             view[got : got + k] = chunk
             got += k
     except (ClientDisconnect, HTTPException):

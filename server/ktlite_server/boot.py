@@ -56,14 +56,21 @@ def _venv(state: Path) -> Path:
     if not python.exists():
         _say(f"creating {root}")
         venv.EnvBuilder(with_pip=True, symlinks=True).create(root)
-        out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-        parents = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if os.path.isdir(p)]
+        out = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        parents = [
+            p for p in (*site.getsitepackages(), site.getusersitepackages()) if os.path.isdir(p)
+        ]
         parents += [p for p in sys.path if p.endswith("site-packages") and p not in parents]
         # addsitedir, not bare path lines: it also runs the .pth files found there
         # (editable installs, namespace packages)
         Path(out, "_ktlite_image_packages.pth").write_text(
-            f"import site; list(map(site.addsitedir, {parents!r}))\n")
+            f"import site; list(map(site.addsitedir, {parents!r}))\n"
+        )
     return python
 
 
@@ -84,10 +91,15 @@ def run_steps(steps: list[list[Any]], state: Path) -> str:
                 _say(f"step {i}: pip install {' '.join(arg)} (cached, {digest})")
                 continue
             if pip_cmd:
-                _run([shell, "-c", f"{pip_cmd} {shlex.join(arg)}"], f"step {i}: {pip_cmd} {' '.join(arg)}")
+                _run(
+                    [shell, "-c", f"{pip_cmd} {shlex.join(arg)}"],
+                    f"step {i}: {pip_cmd} {' '.join(arg)}",
+                )
                 continue
-            _run([python, "-m", "pip", "install", "--disable-pip-version-check", *arg],
-                 f"step {i}: pip install {' '.join(arg)}")
+            _run(
+                [python, "-m", "pip", "install", "--disable-pip-version-check", *arg],
+                f"step {i}: pip install {' '.join(arg)}",
+            )
         elif kind == "run_bash":
             _run([shell, "-c", arg], f"step {i}: {arg}")
         else:
@@ -106,9 +118,17 @@ def main() -> None:
         state.mkdir(parents=True, exist_ok=True)
         python = run_steps(steps, state)
         _say("done")
-    argv = [python, "-m", "ktlite_server", "--host", "0.0.0.0",
-            "--port", os.environ.get("KTLITE_PORT", "32300"),
-            "--procs", os.environ.get("KTLITE_PROCS", "1")]
+    argv = [
+        python,
+        "-m",
+        "ktlite_server",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        os.environ.get("KTLITE_PORT", "32300"),
+        "--procs",
+        os.environ.get("KTLITE_PROCS", "1"),
+    ]
     sys.stdout.flush()
     os.execv(python, argv)
 

@@ -110,7 +110,9 @@ class Calls:
             resume = _resume_from(request)
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise refuse(
-                400, ErrorCode.BAD_REQUEST, f"malformed {CALL_HEADER} header: {type(e).__name__}: {str(e)[:300]}"
+                400,
+                ErrorCode.BAD_REQUEST,
+                f"malformed {CALL_HEADER} header: {type(e).__name__}: {str(e)[:300]}",
             ) from e
         live = streams.get(plan.id)
         # a request for a call this pod holds attaches to it (once its first request told
@@ -169,7 +171,9 @@ class Calls:
                     path = shm.check(str(plan.shm[0]), shm.ARG_PREFIX)
                     body = shm.map_private(path, int(plan.shm[1]))
                 except (ValueError, OSError, IndexError, TypeError) as e:
-                    raise refuse(400, ErrorCode.BAD_REQUEST, f"bad shared-memory argument: {e}") from e
+                    raise refuse(
+                        400, ErrorCode.BAD_REQUEST, f"bad shared-memory argument: {e}"
+                    ) from e
             try:
                 if plan.per_rank is None:
                     codec.check(body)  # framing only: the server never unpickles user data
@@ -228,9 +232,7 @@ class Calls:
                     # group: the next call forms a new one (every rank, on a new port)
                     pod.next_generation()
                 started = coordinator.started if coordinator is not None else True
-                stream.emit(
-                    frame_parts(RESULT, CallResult(outs, started).encode())
-                )
+                stream.emit(frame_parts(RESULT, CallResult(outs, started).encode()))
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
                 stream.emit(error_frame(WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)))
             finally:

@@ -37,27 +37,49 @@ STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are repor
 def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodOutcome]:
     """Large values wait in shared-memory files: hand over the file when the caller shares
     this host, else map it here to send its bytes."""
+
     def one(o: Outcome) -> PodOutcome:
         if o.path is None:
             return RankOutcome(o.rank, pod.name, o.status, o.data, o.message, o.at)
         if not os.path.exists(o.path):  # a duplicate request: the first one took the file
-            return RankOutcome(o.rank, pod.name, Status.CANCELLED, None, f"its result ({o.size} bytes) was "
-                               "already delivered to an earlier request with this call id; large results "
-                               "are not kept", o.at)
+            return RankOutcome(
+                o.rank,
+                pod.name,
+                Status.CANCELLED,
+                None,
+                f"its result ({o.size} bytes) was "
+                "already delivered to an earlier request with this call id; large results "
+                "are not kept",
+                o.at,
+            )
         data = ShmRef(o.path, o.size) if shm_results else shm.take(o.path, o.size)
         return RankOutcome(o.rank, pod.name, o.status, data, o.message, o.at)
+
     return [one(o) for o in outs]
 
 
-async def run_local(pod: Pod, plan: CallPlan, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
+async def run_local(
+    pod: Pod, plan: CallPlan, payload: Any, path: str | None, emit: Emit
+) -> list[PodOutcome]:
     log = None
     if plan.stream_logs:
+
         def log(rank: int, stream: str, line: str) -> None:
             emit(frames.log_frame(rank, pod.name, stream, line))
+
     if plan.generation is None:  # pod 0 (the coordinator) decides
         plan.generation, plan.group_port = pod.generation, pod.group_port
-    outs = await pod.run(plan.id, payload, path, log, restart=plan.restart, per_rank=plan.per_rank,
-                         generation=plan.generation, group_port=plan.group_port, ranks=plan.ranks)
+    outs = await pod.run(
+        plan.id,
+        payload,
+        path,
+        log,
+        restart=plan.restart,
+        per_rank=plan.per_rank,
+        generation=plan.generation,
+        group_port=plan.group_port,
+        ranks=plan.ranks,
+    )
     return _pod_outcomes(pod, outs, plan.shm_results)
 
 
@@ -85,10 +107,12 @@ class Coordinator:
             asyncio.get_running_loop().create_task(self._stop(kind, reason))
 
     def _headers(self, meta: dict[str, Any]) -> dict[str, str]:
-        return {headers.TOKEN_HEADER: headers.bearer(self.token),
-                headers.VERSION_HEADER: str(PROTOCOL_VERSION),
-                headers.CALL_HEADER: json.dumps(meta),
-                "content-type": "application/octet-stream"}
+        return {
+            headers.TOKEN_HEADER: headers.bearer(self.token),
+            headers.VERSION_HEADER: str(PROTOCOL_VERSION),
+            headers.CALL_HEADER: json.dumps(meta),
+            "content-type": "application/octet-stream",
+        }
 
     async def run(self, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
         plan = self.plan
@@ -102,31 +126,53 @@ class Coordinator:
         if missing:
             return missing
         if self._stopped:  # cancelled while waiting for the quorum: no rank started
-            return [o for i in targets for o in self._failed_pod(
-                plan, i, f"not started: {self._stop_reason}", status=Status.CANCELLED)]
+            return [
+                o
+                for i in targets
+                for o in self._failed_pod(
+                    plan, i, f"not started: {self._stop_reason}", status=Status.CANCELLED
+                )
+            ]
         self.started = True
         tasks: dict[asyncio.Task[list[PodOutcome]], int] = {}
         loop = asyncio.get_running_loop()
         # remote pods first: their hop is the longer one, so their requests should leave first
         for i in sorted(targets, key=lambda i: i == self.pod.ordinal):
-            coro = (run_local(self.pod, plan, payload, path, emit) if i == self.pod.ordinal
-                    else self._remote(plan, i, payload, emit))
+            coro = (
+                run_local(self.pod, plan, payload, path, emit)
+                if i == self.pod.ordinal
+                else self._remote(plan, i, payload, emit)
+            )
             tasks[loop.create_task(coro)] = i
         self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
         results: list[PodOutcome] = []
         pending = set(tasks)
         while pending:
-            remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-            done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            remaining = (
+                None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+            )
+            done, pending = await asyncio.wait(
+                pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
             if not done and not self._stopped:
-                await self._stop(Status.TIMEOUT, f"the call ran past its timeout of {plan.timeout:g}s")
+                await self._stop(
+                    Status.TIMEOUT, f"the call ran past its timeout of {plan.timeout:g}s"
+                )
                 continue
             if not done:  # stopped, but these pods never confirmed: report them, stop waiting
                 for t in pending:
                     t.cancel()
-                    results.extend(self._failed_pod(plan, tasks[t], (
-                        f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it may be stuck "
-                        "(see its log)"), status=Status.CANCELLED))
+                    results.extend(
+                        self._failed_pod(
+                            plan,
+                            tasks[t],
+                            (
+                                f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it may be stuck "
+                                "(see its log)"
+                            ),
+                            status=Status.CANCELLED,
+                        )
+                    )
                 break
             for t in done:
                 outs = t.result()
@@ -135,7 +181,9 @@ class Coordinator:
                 # even when it is the last to arrive: the other pods must drop the process
                 # groups their ranks share with the failed one, or the next collective hangs
                 if failed and not self._stopped:
-                    await self._stop(Status.CANCELLED, f"stopped because rank {failed[0].rank} failed")
+                    await self._stop(
+                        Status.CANCELLED, f"stopped because rank {failed[0].rank} failed"
+                    )
         return sorted(results, key=lambda o: o.rank)
 
     async def _stop(self, kind: Status, reason: str) -> None:
@@ -153,9 +201,14 @@ class Coordinator:
             if i in self._lost:
                 return  # its stream already failed: a cancel would only wait on a dead pod
             with contextlib.suppress(PeerError):
-                await self.peers.request("POST", f"{plan.pods[i]}/cancel/{plan.id}",
-                                         params={"kind": kind.value, "reason": reason, "reset": "true"},
-                                         headers=self._headers({"id": plan.id}), timeout=2.0)
+                await self.peers.request(
+                    "POST",
+                    f"{plan.pods[i]}/cancel/{plan.id}",
+                    params={"kind": kind.value, "reason": reason, "reset": "true"},
+                    headers=self._headers({"id": plan.id}),
+                    timeout=2.0,
+                )
+
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
         await asyncio.gather(*(stop_one(i) for i in targets))
 
@@ -173,8 +226,12 @@ class Coordinator:
         self._wake = asyncio.Event()
         while missing and not self._stopped:
             left = max(0.5, min(NOTICE_AFTER_S, plan.quorum_timeout - (time.monotonic() - start)))
-            probes = asyncio.ensure_future(asyncio.gather(
-                *(self.peers.ensure(plan.pods[i], left) for i in missing), return_exceptions=True))
+            probes = asyncio.ensure_future(
+                asyncio.gather(
+                    *(self.peers.ensure(plan.pods[i], left) for i in missing),
+                    return_exceptions=True,
+                )
+            )
             woken = asyncio.ensure_future(self._wake.wait())
             racing: set[asyncio.Future[Any]] = {probes, woken}
             await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
@@ -185,23 +242,35 @@ class Coordinator:
                     await probes
                 break
             got = probes.result()
-            failures = {i: e for i, e in zip(missing, got, strict=True) if isinstance(e, BaseException)}
+            failures = {
+                i: e for i, e in zip(missing, got, strict=True) if isinstance(e, BaseException)
+            }
             errors = {i: str(e) for i, e in failures.items()}
             missing = list(errors)
             waited = time.monotonic() - start
             # nothing listening at all: the server is gone, and one that restarts has lost the
             # deployment's code anyway; waiting out quorum_timeout would only delay the error
-            refused = bool(failures) and all(isinstance(e.__cause__, ConnectionRefusedError)
-                                             for e in failures.values())
-            if not missing or waited >= plan.quorum_timeout or (refused and waited >= REFUSED_GRACE_S):
+            refused = bool(failures) and all(
+                isinstance(e.__cause__, ConnectionRefusedError) for e in failures.values()
+            )
+            if (
+                not missing
+                or waited >= plan.quorum_timeout
+                or (refused and waited >= REFUSED_GRACE_S)
+            ):
                 break
             if time.monotonic() - noticed >= NOTICE_AFTER_S:
                 noticed = time.monotonic()
                 names = ", ".join(plan.name(i) for i in missing)
-                emit(frames.notice_frame(
-                    "waiting", f"waiting for pod(s) {names} to be reachable ({waited:.0f}s of "
-                    f"quorum_timeout={plan.quorum_timeout:g}s; no rank has started)",
-                    pods=missing, waited=waited))
+                emit(
+                    frames.notice_frame(
+                        "waiting",
+                        f"waiting for pod(s) {names} to be reachable ({waited:.0f}s of "
+                        f"quorum_timeout={plan.quorum_timeout:g}s; no rank has started)",
+                        pods=missing,
+                        waited=waited,
+                    )
+                )
             await asyncio.sleep(0.2)
         if not missing or self._stopped:
             return []
@@ -211,22 +280,37 @@ class Coordinator:
         targets = plan.workers if plan.workers is not None else range(len(plan.pods))
         for i in targets:
             if i in errors:
-                outs += self._failed_pod(plan, i, (
-                    f"pod {plan.name(i)} at {plan.pods[i]} was not reachable "
-                    f"(waited {time.monotonic() - start:.1f}s of quorum_timeout={plan.quorum_timeout:g}s: "
-                    f"{errors[i]}); {reached} of "
-                    f"{len(plan.pods)} pods were; no rank started. Check that the pod is running, or "
-                    "raise distribute(quorum_timeout=...)"), status=Status.UNREACHABLE)
+                outs += self._failed_pod(
+                    plan,
+                    i,
+                    (
+                        f"pod {plan.name(i)} at {plan.pods[i]} was not reachable "
+                        f"(waited {time.monotonic() - start:.1f}s of quorum_timeout={plan.quorum_timeout:g}s: "
+                        f"{errors[i]}); {reached} of "
+                        f"{len(plan.pods)} pods were; no rank started. Check that the pod is running, or "
+                        "raise distribute(quorum_timeout=...)"
+                    ),
+                    status=Status.UNREACHABLE,
+                )
             else:
-                outs += self._failed_pod(plan, i, f"not started: pod(s) {', '.join(unreached)} unreachable",
-                                         status=Status.CANCELLED)
+                outs += self._failed_pod(
+                    plan,
+                    i,
+                    f"not started: pod(s) {', '.join(unreached)} unreachable",
+                    status=Status.CANCELLED,
+                )
         return outs
 
-    def _failed_pod(self, plan: CallPlan, i: int, message: str, status: Status = Status.DIED) -> list[PodOutcome]:
+    def _failed_pod(
+        self, plan: CallPlan, i: int, message: str, status: Status = Status.DIED
+    ) -> list[PodOutcome]:
         name = plan.name(i)
         now = time.time()
-        return [RankOutcome(r, name, status, None, message, now) for r in plan.pod_ranks(i)
-                if plan.ranks is None or r in plan.ranks]
+        return [
+            RankOutcome(r, name, status, None, message, now)
+            for r in plan.pod_ranks(i)
+            if plan.ranks is None or r in plan.ranks
+        ]
 
     async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
         url = plan.pods[i]
@@ -235,17 +319,24 @@ class Coordinator:
         meta, body = plan.member_body(i, payload)
         while True:
             try:
-                async with self.peers.post(url, "/call", self._headers(meta), body,
-                                           connect_timeout=5.0, read_timeout=10.0) as resp:
+                async with self.peers.post(
+                    url, "/call", self._headers(meta), body, connect_timeout=5.0, read_timeout=10.0
+                ) as resp:
                     if resp.status != 200:
                         text = (await resp.read()).decode(errors="replace")[:500]
                         with contextlib.suppress(ValueError, AttributeError):
                             text = json.loads(text)["detail"]
                         # the pod lost or replaced the deployment's code: nothing ran there
                         stale = ErrorCode.parse(resp.headers.get(ERROR_CODE_HEADER)) in (
-                            ErrorCode.NOT_DEPLOYED, ErrorCode.REDEPLOYED)
-                        return self._failed_pod(plan, i, f"pod {name} answered HTTP {resp.status}: {text}",
-                                                status=Status.STALE if stale else Status.DIED)
+                            ErrorCode.NOT_DEPLOYED,
+                            ErrorCode.REDEPLOYED,
+                        )
+                        return self._failed_pod(
+                            plan,
+                            i,
+                            f"pod {name} answered HTTP {resp.status}: {text}",
+                            status=Status.STALE if stale else Status.DIED,
+                        )
                     parser = frames.FrameParser()
                     result: list[PodOutcome] | None = None
                     async for chunk in resp.iter_chunks():
@@ -253,24 +344,38 @@ class Coordinator:
                             if kind == frames.LOG:
                                 emit(frames.frame(frames.LOG, bytes(data)))
                             elif kind == frames.RESULT:
-                                result = CallResult.decode(data).outcomes  # typed JSON: never unpickled
+                                result = CallResult.decode(
+                                    data
+                                ).outcomes  # typed JSON: never unpickled
                             elif kind == frames.ERROR:
                                 err = frames.decode_error(data)
                                 return self._failed_pod(plan, i, f"pod {name}: {err.message}")
                     if result is None:
-                        return self._failed_pod(plan, i, f"pod {name} closed the call's stream without a result")
+                        return self._failed_pod(
+                            plan, i, f"pod {name} closed the call's stream without a result"
+                        )
                     return result
             except PeerConnectError as e:
                 if time.monotonic() < deadline:
                     await asyncio.sleep(0.2)  # not started yet: retrying the connection is safe
                     continue
                 self._lost.add(i)
-                return self._failed_pod(plan, i, f"pod {name} at {url} was not reachable within the quorum "
-                                                 f"timeout of {plan.quorum_timeout:g}s ({e}); check that it is running")
+                return self._failed_pod(
+                    plan,
+                    i,
+                    f"pod {name} at {url} was not reachable within the quorum "
+                    f"timeout of {plan.quorum_timeout:g}s ({e}); check that it is running",
+                )
             except TimeoutError:
                 self._lost.add(i)
-                return self._failed_pod(plan, i, f"pod {name} stopped responding (no data or heartbeat for 10s); "
-                                                 "the pod may have died or be overloaded")
+                return self._failed_pod(
+                    plan,
+                    i,
+                    f"pod {name} stopped responding (no data or heartbeat for 10s); "
+                    "the pod may have died or be overloaded",
+                )
             except (PeerError, ProtocolError) as e:
                 self._lost.add(i)
-                return self._failed_pod(plan, i, f"lost the connection to pod {name} during the call: {e}")
+                return self._failed_pod(
+                    plan, i, f"lost the connection to pod {name} during the call: {e}"
+                )

@@ -108,11 +108,19 @@ class Engine:
 
     kind = ""
 
-    def __init__(self, cfg: dict[str, Any], pod: str, log: Log, launch_id: str = "",
-                 peers: PeerPool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        pod: str,
+        log: Log,
+        launch_id: str = "",
+        peers: PeerPool | None = None,
+    ) -> None:
         self.cfg = cfg
         self.pod = pod
-        self.peers = peers or PeerPool()  # asks the other pods' servers (with the deployment's token)
+        self.peers = (
+            peers or PeerPool()
+        )  # asks the other pods' servers (with the deployment's token)
         self.log = log
         self.launch_id = launch_id
         self.proc: asyncio.subprocess.Process | None = None

@@ -64,7 +64,9 @@ class Launches:
 
     def _outcomes(self, outs: list[Any]) -> Response:
         name = self.pod.name
-        result = CallResult([RankOutcome(o.rank, name, o.status, o.data, o.message, o.at) for o in outs])
+        result = CallResult(
+            [RankOutcome(o.rank, name, o.status, o.data, o.message, o.at) for o in outs]
+        )
         return Response(result.encode_bytes(), media_type="application/octet-stream")
 
     async def install(self, msg: Launch) -> list[Any]:
@@ -78,10 +80,13 @@ class Launches:
         pod = self.pod
         newest = next(reversed(self.installing), "")
         if msg.expect is not None and newest not in (msg.expect, msg.launch_id):
-            raise refuse(409, ErrorCode.REDEPLOYED,
-                         f"pod {pod.name} took launch {newest} since its sender saw it with "
-                         f"{msg.expect or 'none'}: it was redeployed (by a newer .to(), or from "
-                         "its launch file); the launch was not installed")
+            raise refuse(
+                409,
+                ErrorCode.REDEPLOYED,
+                f"pod {pod.name} took launch {newest} since its sender saw it with "
+                f"{msg.expect or 'none'}: it was redeployed (by a newer .to(), or from "
+                "its launch file); the launch was not installed",
+            )
         if msg.replica:
             # an autoscaled deployment's replica is a world of its own: rank 0 of one pod, at
             # this pod's own address (a replica started later reads the launch the client wrote)
@@ -89,24 +94,43 @@ class Launches:
             msg = dataclasses.replace(msg, ordinal=pod.ordinal, pod_ips=[ip])
         try:
             dep = Deployment(
-                launch_id=msg.launch_id, bundle=msg.bundle, kind=msg.kind, init=msg.init,
-                sources=msg.sources, config=msg.distributed, pod_ips=msg.pod_ips, ordinal=msg.ordinal,
-                master_port=msg.master_port, max_restarts=msg.max_restarts, cpus=msg.cpus,
-                load_timeout=msg.load_timeout, concurrency=msg.concurrency, engine=msg.engine,
+                launch_id=msg.launch_id,
+                bundle=msg.bundle,
+                kind=msg.kind,
+                init=msg.init,
+                sources=msg.sources,
+                config=msg.distributed,
+                pod_ips=msg.pod_ips,
+                ordinal=msg.ordinal,
+                master_port=msg.master_port,
+                max_restarts=msg.max_restarts,
+                cpus=msg.cpus,
+                load_timeout=msg.load_timeout,
+                concurrency=msg.concurrency,
+                engine=msg.engine,
                 single=msg.single,
             )
             # the same env every rank would get: a bad layout is refused here, before it
             # replaces the deployment the pod is serving
-            distributed_env(dep.config, node_rank=dep.ordinal, local_rank=0, pod_ips=dep.pod_ips,
-                            master_port=dep.master_port)
+            distributed_env(
+                dep.config,
+                node_rank=dep.ordinal,
+                local_rank=0,
+                pod_ips=dep.pod_ips,
+                master_port=dep.master_port,
+            )
             if not 0 <= dep.ordinal < dep.config.workers:
                 raise ValueError(f"ordinal {dep.ordinal} is outside 0..{dep.config.workers - 1}")
         except Exception as e:  # noqa: BLE001 - an inconsistent layout is the client's fault
-            raise refuse(400, ErrorCode.BAD_REQUEST,
-                         f"malformed deploy request: {type(e).__name__}: {e}") from e
+            raise refuse(
+                400, ErrorCode.BAD_REQUEST, f"malformed deploy request: {type(e).__name__}: {e}"
+            ) from e
         if dep.ordinal != pod.ordinal:
-            raise refuse(400, ErrorCode.BAD_REQUEST,
-                         f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} (ordinal {pod.ordinal})")
+            raise refuse(
+                400,
+                ErrorCode.BAD_REQUEST,
+                f"deploy for ordinal {dep.ordinal} sent to pod {pod.name} (ordinal {pod.ordinal})",
+            )
         if msg.store is not None:  # the data store's address, for kt.put/get in the ranks
             from ktlite_server.store import remember
 
@@ -164,13 +188,24 @@ class Launches:
         """A colocation launch (``kt.cls(B).to(remote_a)``): add, replace or (``drop``) remove
         a named target in the rank processes of the deployment this pod serves."""
         pod, name = self.pod, msg.target
-        target = None if msg.drop or msg.bundle is None else Colocated(
-            bundle=msg.bundle, kind=msg.kind, init=msg.init, sources=msg.sources)
+        target = (
+            None
+            if msg.drop or msg.bundle is None
+            else Colocated(bundle=msg.bundle, kind=msg.kind, init=msg.init, sources=msg.sources)
+        )
         if pod.dep is None:
-            raise refuse(409, ErrorCode.NOT_DEPLOYED, f"pod {pod.name} has no code deployed to colocate "
-                                                      f"{name!r} with; deploy the first group again")
+            raise refuse(
+                409,
+                ErrorCode.NOT_DEPLOYED,
+                f"pod {pod.name} has no code deployed to colocate "
+                f"{name!r} with; deploy the first group again",
+            )
         if msg.launch_id and msg.launch_id != pod.dep.launch_id and target is not None:
-            raise refuse(409, ErrorCode.REDEPLOYED, f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
-                                                    f"{msg.launch_id}: the deployment to colocate {name!r} "
-                                                    "with was redeployed since")
+            raise refuse(
+                409,
+                ErrorCode.REDEPLOYED,
+                f"pod {pod.name} runs launch {pod.dep.launch_id}, not "
+                f"{msg.launch_id}: the deployment to colocate {name!r} "
+                "with was redeployed since",
+            )
         return self._outcomes(await pod.colocate(name, target, if_missing=msg.if_missing))

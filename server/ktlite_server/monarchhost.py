@@ -32,9 +32,11 @@ from typing import Any
 from ktlite_server.engine import Engine, EngineError, env_without_token, session_pids
 
 PROBE_TIMEOUT_S = 1.0
-WORKER = ("import sys; from monarch.actor import run_worker_loop_forever; "
-          "print('ktlite: Monarch worker loop at', sys.argv[1], flush=True); "
-          "run_worker_loop_forever(address=sys.argv[1], ca='trust_all_connections')")
+WORKER = (
+    "import sys; from monarch.actor import run_worker_loop_forever; "
+    "print('ktlite: Monarch worker loop at', sys.argv[1], flush=True); "
+    "run_worker_loop_forever(address=sys.argv[1], ca='trust_all_connections')"
+)
 
 
 def pod_monarch_version() -> str | None:
@@ -63,17 +65,19 @@ def private_dir(path: str) -> None:
         os.mkdir(path, 0o700)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise EngineError(f"{path} is not a private directory of this user (mode {stat.filemode(st.st_mode)}, "
-                          f"owner uid {st.st_uid}); remove it and deploy again")
+        raise EngineError(
+            f"{path} is not a private directory of this user (mode {stat.filemode(st.st_mode)}, "
+            f"owner uid {st.st_uid}); remove it and deploy again"
+        )
 
 
 async def reachable(addr: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """Whether a worker loop accepts connections at ``addr`` now."""
     try:
         if addr.startswith("ipc://"):
-            conn = asyncio.open_unix_connection(addr[len("ipc://"):])
+            conn = asyncio.open_unix_connection(addr[len("ipc://") :])
         else:
-            host, _, port = addr[len("tcp://"):].rpartition(":")
+            host, _, port = addr[len("tcp://") :].rpartition(":")
             conn = asyncio.open_connection(host, int(port))
         _, writer = await asyncio.wait_for(conn, timeout)
     except (OSError, ValueError, asyncio.TimeoutError):
@@ -93,14 +97,16 @@ class MonarchHost(Engine):
         """Start the worker loop and return once it accepts connections."""
         if pod_monarch_version() is None:
             image = os.environ.get("KTLITE_IMAGE") or "this pod's image"
-            raise EngineError(f"pod {self.pod}: Monarch is not installed in {image} ({sys.executable}); add it "
-                              "to the image: kt.Image(...).pip_install('torchmonarch'), or build an image "
-                              "with it (pip install torchmonarch)")
+            raise EngineError(
+                f"pod {self.pod}: Monarch is not installed in {image} ({sys.executable}); add it "
+                "to the image: kt.Image(...).pip_install('torchmonarch'), or build an image "
+                "with it (pip install torchmonarch)"
+            )
         deadline = time.monotonic() + timeout
         if self.cfg["transport"] == "ipc":
             private_dir(socket_dir(self.cfg))
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.address[len("ipc://"):])  # a socket a killed loop left
+                os.unlink(self.address[len("ipc://") :])  # a socket a killed loop left
         env = env_without_token()
         env["PYTHONUNBUFFERED"] = "1"
         self.log(f"starting Monarch worker loop at {self.address}")
@@ -108,10 +114,15 @@ class MonarchHost(Engine):
         while not await reachable(self.address, 0.5):
             if not self.alive or time.monotonic() >= deadline:
                 assert self.proc is not None
-                why = (f"exited with code {self.proc.returncode}" if not self.alive
-                       else f"did not accept connections at {self.address} within {timeout:.0f}s")
+                why = (
+                    f"exited with code {self.proc.returncode}"
+                    if not self.alive
+                    else f"did not accept connections at {self.address} within {timeout:.0f}s"
+                )
                 await self.stop()
-                raise EngineError(f"pod {self.pod}: Monarch's worker loop {why}; its output:\n{self.tail()}")
+                raise EngineError(
+                    f"pod {self.pod}: Monarch's worker loop {why}; its output:\n{self.tail()}"
+                )
             await asyncio.sleep(0.05)
         self.started_at = time.time()
 
@@ -124,10 +135,16 @@ class MonarchHost(Engine):
         # reach (Monarch's default, a unix socket, they would not; its "tcp" resolves the
         # hostname, which a pod without cluster DNS may not map to its IP)
         tcp = cfg["transport"] == "tcp"
-        return {"KTLITE_MONARCH": json.dumps({
-            "workers": [address(cfg, k) for k in range(len(cfg["hosts"]))],
-            "controller": f"tcp://{cfg['hosts'][0]['ip']}:0" if tcp else "ipc",
-            "per_host": cfg["per_host"], "generation": cfg["generation"]})}
+        return {
+            "KTLITE_MONARCH": json.dumps(
+                {
+                    "workers": [address(cfg, k) for k in range(len(cfg["hosts"]))],
+                    "controller": f"tcp://{cfg['hosts'][0]['ip']}:0" if tcp else "ipc",
+                    "per_host": cfg["per_host"],
+                    "generation": cfg["generation"],
+                }
+            )
+        }
 
     async def await_cluster(self, timeout: float) -> None:
         """On pod 0: until every pod's loop accepts connections."""
@@ -140,9 +157,11 @@ class MonarchHost(Engine):
             if not missing:
                 return
             if time.monotonic() >= deadline:
-                raise EngineError(f"{len(seen) - len(missing)} of {len(seen)} Monarch worker loops accept "
-                                  f"connections after {timeout:.0f}s; not: {', '.join(missing)}. Their pods' "
-                                  "own errors follow, or their logs (remote.logs()) say why")
+                raise EngineError(
+                    f"{len(seen) - len(missing)} of {len(seen)} Monarch worker loops accept "
+                    f"connections after {timeout:.0f}s; not: {', '.join(missing)}. Their pods' "
+                    "own errors follow, or their logs (remote.logs()) say why"
+                )
             await asyncio.sleep(0.2)
 
     async def cluster_status(self) -> dict[str, Any]:
@@ -157,8 +176,10 @@ class MonarchHost(Engine):
         """Every pod's loop: ``{"pod", "address", "reachable"}``."""
         addrs = [address(self.cfg, k) for k in range(len(self.cfg["hosts"]))]
         up = await asyncio.gather(*(reachable(a) for a in addrs))
-        return [{"pod": h["pod"], "address": a, "reachable": ok}
-                for h, a, ok in zip(self.cfg["hosts"], addrs, up, strict=True)]
+        return [
+            {"pod": h["pod"], "address": a, "reachable": ok}
+            for h, a, ok in zip(self.cfg["hosts"], addrs, up, strict=True)
+        ]
 
     def status(self) -> dict[str, Any]:
         # the procs controllers spawned here: the loop's session, less the loop itself
@@ -168,7 +189,6 @@ class MonarchHost(Engine):
     def _cleanup(self) -> None:
         if self.cfg["transport"] == "ipc":
             with contextlib.suppress(OSError):
-                os.unlink(self.address[len("ipc://"):])
+                os.unlink(self.address[len("ipc://") :])
             with contextlib.suppress(OSError):
                 os.rmdir(socket_dir(self.cfg))  # the last pod's loop to go removes it
-

@@ -30,7 +30,9 @@ import sys
 
 from ktlite_server import logconfig
 
-logger = logging.getLogger("ktlite_server.mountns")  # not __name__: this module also runs as __main__
+logger = logging.getLogger(
+    "ktlite_server.mountns"
+)  # not __name__: this module also runs as __main__
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 32, 4096, 16384, 1 << 18
@@ -50,10 +52,19 @@ def _check(result: int, what: str) -> None:
         raise Refused(f"{what}: {os.strerror(err)} (errno {err})")
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
-                       ctypes.c_ulong(flags), data and data.encode()),
-           f"mount {source or ''} on {target} ({fstype or 'flags'} {flags:#x})")
+def _mount(
+    source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
+    _check(
+        _libc.mount(
+            source and source.encode(),
+            target.encode(),
+            fstype and fstype.encode(),
+            ctypes.c_ulong(flags),
+            data and data.encode(),
+        ),
+        f"mount {source or ''} on {target} ({fstype or 'flags'} {flags:#x})",
+    )
 
 
 def _write(path: str, text: str) -> None:
@@ -168,9 +179,11 @@ def setup(root: str, binds: list[tuple[str, str]]) -> None:
 
 def _parse(argv: list[str]) -> tuple[str, list[tuple[str, str]], list[str]]:
     if "--" not in argv:
-        raise SystemExit("usage: python -m ktlite_server.mountns --root DIR [--bind SRC DST]... -- COMMAND...")
+        raise SystemExit(
+            "usage: python -m ktlite_server.mountns --root DIR [--bind SRC DST]... -- COMMAND..."
+        )
     cut = argv.index("--")
-    opts, command = argv[:cut], argv[cut + 1:]
+    opts, command = argv[:cut], argv[cut + 1 :]
     root, binds = "", []
     i = 0
     while i < len(opts):
@@ -192,7 +205,9 @@ def main() -> None:
     try:
         setup(root, binds)
     except (Refused, OSError) as e:
-        logger.error("could not give this local pod its volumes in a private mount namespace: %s", e)
+        logger.error(
+            "could not give this local pod its volumes in a private mount namespace: %s", e
+        )
         sys.exit(SETUP_FAILED)
     os.execv(command[0], command)
 

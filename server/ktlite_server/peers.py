@@ -57,8 +57,15 @@ class PeerResponse:
     hop costs less than a handful of those.
     """
 
-    def __init__(self, status: int, headers: dict[str, str], conn: _Conn, pool: PeerPool, key: str,
-                 read_timeout: float) -> None:
+    def __init__(
+        self,
+        status: int,
+        headers: dict[str, str],
+        conn: _Conn,
+        pool: PeerPool,
+        key: str,
+        read_timeout: float,
+    ) -> None:
         self.status = status
         self.headers = headers
         self._conn = conn
@@ -151,14 +158,23 @@ class PeerPool:
 
     async def _connect(self, host: str, port: int, timeout: float) -> _Conn:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 22), timeout)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, limit=1 << 22), timeout
+            )
         except (OSError, asyncio.TimeoutError) as e:
             raise PeerConnectError(f"cannot connect to {host}:{port}: {e!r}") from e
         return _Conn(reader, writer)
 
     @contextlib.asynccontextmanager
-    async def post(self, url: str, path: str, headers: dict[str, str], body: memoryview | list[memoryview],
-                   connect_timeout: float = 5.0, read_timeout: float = 10.0) -> AsyncIterator[PeerResponse]:
+    async def post(
+        self,
+        url: str,
+        path: str,
+        headers: dict[str, str],
+        body: memoryview | list[memoryview],
+        connect_timeout: float = 5.0,
+        read_timeout: float = 10.0,
+    ) -> AsyncIterator[PeerResponse]:
         """POST ``body`` (in pieces, never joined) to ``url`` + ``path``; the response streams."""
         resp = await self._send("POST", url, path, headers, body, connect_timeout, read_timeout)
         try:
@@ -166,8 +182,15 @@ class PeerPool:
         finally:
             resp.release()
 
-    async def request(self, method: str, url: str, *, params: Mapping[str, str] | None = None,
-                      headers: Mapping[str, str] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 5.0,
+    ) -> tuple[int, bytes]:
         """A short request without a body (``url`` names the path): its status and whole body,
         all within ``timeout`` seconds."""
         _, _, path = _split(url)
@@ -175,7 +198,9 @@ class PeerPool:
             path += "?" + urlencode(params)
 
         async def go() -> tuple[int, bytes]:
-            resp = await self._send(method, url, path or "/", dict(headers or {}), memoryview(b""), timeout, timeout)
+            resp = await self._send(
+                method, url, path or "/", dict(headers or {}), memoryview(b""), timeout, timeout
+            )
             try:
                 return resp.status, await resp.read()
             finally:
@@ -194,13 +219,25 @@ class PeerPool:
         try:
             return json.loads(body)
         except ValueError as e:
-            raise PeerError(f"{url} answered with something that is not JSON: {body[:100]!r}") from e
+            raise PeerError(
+                f"{url} answered with something that is not JSON: {body[:100]!r}"
+            ) from e
 
-    async def _send(self, method: str, url: str, path: str, headers: dict[str, str],
-                    body: memoryview | list[memoryview], connect_timeout: float, read_timeout: float) -> PeerResponse:
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        headers: dict[str, str],
+        body: memoryview | list[memoryview],
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> PeerResponse:
         host, port, _ = _split(url)
         key = f"{host}:{port}"
-        pieces = body if isinstance(body, list) else [body]  # a body in pieces is sent without joining
+        pieces = (
+            body if isinstance(body, list) else [body]
+        )  # a body in pieces is sent without joining
         length = sum(p.nbytes for p in pieces)
         request_head = [f"{method} {path} HTTP/1.1", f"host: {key}", f"content-length: {length}"]
         request_head += [f"{k}: {v}" for k, v in {**self._headers, **headers}.items()]
@@ -251,8 +288,9 @@ class PeerPool:
         idle = self._idle.get(f"{parts.hostname or '127.0.0.1'}:{parts.port or 80}")
         if not idle:
             return False
-        return time.monotonic() - idle[-1].used < fresh_s \
-            and not (idle[-1].reader.at_eof() or idle[-1].writer.is_closing())
+        return time.monotonic() - idle[-1].used < fresh_s and not (
+            idle[-1].reader.at_eof() or idle[-1].writer.is_closing()
+        )
 
     async def ensure(self, url: str, timeout: float = 5.0, fresh_s: float = PROBE_AFTER_S) -> None:
         """Prove ``url`` answers: free when a pooled connection carried a response within
@@ -268,8 +306,10 @@ class PeerPool:
         try:
             await self.request("GET", url.rstrip("/") + "/health", timeout=timeout)
         except PeerTimeout:
-            raise PeerConnectError(f"{host}:{port} accepted a connection but did not answer /health within "
-                                   f"{timeout:g}s (stopped, or hung)") from None
+            raise PeerConnectError(
+                f"{host}:{port} accepted a connection but did not answer /health within "
+                f"{timeout:g}s (stopped, or hung)"
+            ) from None
         except PeerConnectError:
             raise
         except PeerError as e:

@@ -70,7 +70,9 @@ def _task_cause(exc: BaseException) -> BaseException:
     if mex is not None and getattr(mex, "ActorError", None) is not None:
         wrappers.append((mex.ActorError, "exception"))
     for _ in range(8):  # a task that got a failed task's error wraps it again
-        cause = next((getattr(exc, attr, None) for cls, attr in wrappers if isinstance(exc, cls)), None)
+        cause = next(
+            (getattr(exc, attr, None) for cls, attr in wrappers if isinstance(exc, cls)), None
+        )
         if not isinstance(cause, BaseException):
             break
         exc = cause
@@ -87,9 +89,12 @@ def exception_info(exc: BaseException, where: str = "") -> RemoteExceptionInfo:
     except Exception:
         pickled = None
     t = type(exc)
-    return RemoteExceptionInfo(type_name=f"{t.__module__}.{t.__qualname__}",
-                                        message=(where + str(exc)) if where else str(exc),
-                                        traceback=tb, pickled=pickled)
+    return RemoteExceptionInfo(
+        type_name=f"{t.__module__}.{t.__qualname__}",
+        message=(where + str(exc)) if where else str(exc),
+        traceback=tb,
+        pickled=pickled,
+    )
 
 
 class CallInterrupted(BaseException):
@@ -115,7 +120,9 @@ class Rank:
         self.inline: str | None = None  # the call running on the main thread (concurrency 1)
         self.generation = 0  # of the deployment's process group: see regroup()
         self.base_port: int | None = None
-        self.tasks: dict[str, concurrent.futures.Future[Any]] = {}  # call id -> its coroutine's future
+        self.tasks: dict[
+            str, concurrent.futures.Future[Any]
+        ] = {}  # call id -> its coroutine's future
         self.tainted = False  # interrupted inside an import: see _result()
 
     def submit(self, msg: rankchannel.Call) -> None:
@@ -128,7 +135,9 @@ class Rank:
                 self._result(msg.id, False, exception_info(exc), exc)
             return
         if self.pool is None:
-            self.pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="ktlite-call")
+            self.pool = concurrent.futures.ThreadPoolExecutor(
+                self.concurrency, thread_name_prefix="ktlite-call"
+            )
         self.pool.submit(self._pooled, msg)
 
     def _pooled(self, msg: rankchannel.Call) -> None:
@@ -150,7 +159,9 @@ class Rank:
             return
         ident = self.threads.get(call_id)
         if ident is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(CallInterrupted))
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(ident), ctypes.py_object(CallInterrupted)
+            )
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The rank's own event loop (one thread, started at the first ``async def`` call):
@@ -266,8 +277,10 @@ class Rank:
         if isinstance(method, tuple):
             name, method = method
             if name not in self.targets:
-                raise RuntimeError(f"colocated target {name!r} is not loaded on this rank (torn down, "
-                                   "or its colocation failed); colocate it again with .to(remote)")
+                raise RuntimeError(
+                    f"colocated target {name!r} is not loaded on this rank (torn down, "
+                    "or its colocation failed); colocate it again with .to(remote)"
+                )
             target = self.targets[name]
         else:
             if self.target is None:
@@ -279,7 +292,11 @@ class Rank:
         call_id = msg.id
         self.regroup(msg.generation, msg.group_port)
         # a private, writable copy either way: arrays decoded from it must be writable
-        payload = bytearray(msg.args) if msg.args is not None else shm.map_private(msg.path or "", msg.size)
+        payload = (
+            bytearray(msg.args)
+            if msg.args is not None
+            else shm.map_private(msg.path or "", msg.size)
+        )
         error: BaseException | None = None
         try:
             method, args, kwargs = codec.loads(payload)
@@ -287,8 +304,11 @@ class Rank:
                 args, kwargs = rankdata.fill(args, kwargs, codec.loads(bytearray(msg.item)))
             elif msg.item_at is not None:  # ... in the call's shared-memory file
                 off, n = msg.item_at
-                args, kwargs = rankdata.fill(args, kwargs,
-                                             codec.loads(shm.map_private(msg.path or "", off + n)[off:off + n]))
+                args, kwargs = rankdata.fill(
+                    args,
+                    kwargs,
+                    codec.loads(shm.map_private(msg.path or "", off + n)[off : off + n]),
+                )
             fn = self.lookup(method)
             if self.concurrency <= 1:
                 self.inline = call_id  # SIGUSR2 interrupts it from here ...
@@ -304,31 +324,44 @@ class Rank:
             del payload
         self._result(call_id, ok, value, error)
 
-    def _result(self, call_id: str, ok: bool, value: Any, error: BaseException | None = None) -> None:
+    def _result(
+        self, call_id: str, ok: bool, value: Any, error: BaseException | None = None
+    ) -> None:
         """Reply with a call's value (or its exception's info). An interrupt that landed
         inside an import leaves this process unable to import that module again (a C
         extension such as torch's registers its types once: "an object with that name is
         already defined"), so the reply asks the pod to replace the process."""
         if isinstance(error, CallInterrupted) and any(
-                frame.f_code.co_filename.startswith("<frozen importlib")
-                for frame, _ in traceback.walk_tb(error.__traceback__)):
+            frame.f_code.co_filename.startswith("<frozen importlib")
+            for frame, _ in traceback.walk_tb(error.__traceback__)
+        ):
             self.tainted = True
         try:
             parts = codec.dumps_parts(value)
         except Exception as exc:
-            ok, parts = False, codec.dumps_parts(exception_info(
-                exc, where=f"the return value ({type(value).__name__}) cannot be pickled: "))
+            ok, parts = (
+                False,
+                codec.dumps_parts(
+                    exception_info(
+                        exc, where=f"the return value ({type(value).__name__}) cannot be pickled: "
+                    )
+                ),
+            )
         self._flush()
         size = codec.parts_size(parts)
         if size <= shm.INLINE_MAX:
             inline, path = b"".join(parts), None
         else:
             inline, (path, size) = None, shm.write(parts, shm.RESULT_PREFIX)
-        self.chan.send(rankchannel.Result(call_id, ok, inline, path, size, holds_dist_state(), self.tainted))
+        self.chan.send(
+            rankchannel.Result(call_id, ok, inline, path, size, holds_dist_state(), self.tainted)
+        )
 
     def _loaded(self, error: RemoteExceptionInfo | None) -> None:
         """Answer a load; a failure's info goes pickled, for the caller alone to read."""
-        self.chan.send(rankchannel.Loaded(error is None, None if error is None else codec.dumps(error)))
+        self.chan.send(
+            rankchannel.Loaded(error is None, None if error is None else codec.dumps(error))
+        )
 
     @staticmethod
     def _flush() -> None:

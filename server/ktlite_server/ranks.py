@@ -38,7 +38,9 @@ class Outcome:
     message: str = ""
     path: str | None = None  # a large value waits in this shared-memory file instead
     size: int = 0
-    at: float = field(default_factory=time.time)  # when it was known: the earliest failure is the cause
+    at: float = field(
+        default_factory=time.time
+    )  # when it was known: the earliest failure is the cause
 
 
 class RankGone(Exception):
@@ -82,7 +84,9 @@ class RankProcess:
         self.died_in_call = False  # its death was a call's error (not charged to max_restarts)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._pending: dict[str, asyncio.Future[Any]] = {}  # "start", "load" or a call id -> its reply
+        self._pending: dict[
+            str, asyncio.Future[Any]
+        ] = {}  # "start", "load" or a call id -> its reply
         self._dead = asyncio.Event()
         self._partial = {"out": b"", "err": b""}
         self._fds: dict[int, str] = {}
@@ -98,8 +102,13 @@ class RankProcess:
         env = {**self.env, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ktlite_server.rank", str(child.fileno())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(child.fileno(),), env=env, start_new_session=True)
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(child.fileno(),),
+            env=env,
+            start_new_session=True,
+        )
         child.close()
         for f, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
             assert f is not None
@@ -153,7 +162,9 @@ class RankProcess:
         reply = await self._expect(timeout, "load")
         if not isinstance(reply, rankchannel.Loaded):
             self.kill()  # out of step with us: never trust its next reply either
-            raise RankGone(f"rank process answered {type(reply).__name__} to a load; it was restarted")
+            raise RankGone(
+                f"rank process answered {type(reply).__name__} to a load; it was restarted"
+            )
         if reply.ok:
             self.loaded_env = dict(msg.env)
         return reply
@@ -169,7 +180,9 @@ class RankProcess:
         self.drain_output()
         if not isinstance(reply, rankchannel.Result) or reply.id != msg.id:
             self.kill()  # out of step with us: never trust its next reply either
-            raise RankGone(f"rank process answered {type(reply).__name__} to call {msg.id}; it was restarted")
+            raise RankGone(
+                f"rank process answered {type(reply).__name__} to call {msg.id}; it was restarted"
+            )
         self.has_pg = reply.has_pg
         self.tainted = reply.tainted  # interrupted inside an import: the pod replaces it
         return reply
@@ -220,8 +233,15 @@ class RankProcess:
         try:
             while True:
                 msg = await rankchannel.read(self._reader)
-                key = ("start" if isinstance(msg, rankchannel.Ready) else "load" if isinstance(msg, rankchannel.Loaded)
-                       else msg.id if isinstance(msg, rankchannel.Result) else None)
+                key = (
+                    "start"
+                    if isinstance(msg, rankchannel.Ready)
+                    else "load"
+                    if isinstance(msg, rankchannel.Loaded)
+                    else msg.id
+                    if isinstance(msg, rankchannel.Result)
+                    else None
+                )
                 future = self._pending.get(key) if key is not None else None
                 if future is not None and not future.done():
                     future.set_result(msg)
@@ -266,7 +286,11 @@ class RankProcess:
                 future.set_exception(RankGone(self.death_message()))
 
     def death_message(self) -> str:
-        code = self.exit_code if self.exit_code is not None else (self.proc.poll() if self.proc else None)
+        code = (
+            self.exit_code
+            if self.exit_code is not None
+            else (self.proc.poll() if self.proc else None)
+        )
         if self._oom is None:  # asked once per death: the OOM counter is consumed
             self._oom = code == -signal.SIGKILL and _oom_killed()
         oom = self._oom

@@ -86,7 +86,9 @@ async def nodes(cfg: dict[str, Any], want: int, timeout: float) -> list[dict[str
     return list(json.loads(out)["nodes"])
 
 
-async def engine_failed(peers: PeerPool, url: str, launch_id: str, timeout: float = 1.0) -> str | None:
+async def engine_failed(
+    peers: PeerPool, url: str, launch_id: str, timeout: float = 1.0
+) -> str | None:
     """Why the pod server at ``url`` (its ``/health``, asked with the deployment's token)
     could not start its engine for this launch, or None (it has not failed, or does not answer)."""
     try:

@@ -16,9 +16,16 @@ from typing import Any
 def _nodes(client: Any) -> list[dict[str, Any]]:
     out = []
     for info in client.get_all_node_info(timeout=5).values():
-        out.append({"node_id": info.node_id.hex(), "ip": info.node_manager_address,
-                    "port": int(info.node_manager_port), "alive": info.state == 0,
-                    "head": bool(info.is_head_node), "resources": dict(info.resources_total)})
+        out.append(
+            {
+                "node_id": info.node_id.hex(),
+                "ip": info.node_manager_address,
+                "port": int(info.node_manager_port),
+                "alive": info.state == 0,
+                "head": bool(info.is_head_node),
+                "resources": dict(info.resources_total),
+            }
+        )
     return sorted(out, key=lambda n: (not n["head"], n["ip"], n["port"]))
 
 

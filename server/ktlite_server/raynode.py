@@ -144,8 +144,14 @@ def _child_named(parent: int, name: str) -> int | None:
 class RayNode(Engine):
     kind = "ray"
 
-    def __init__(self, cfg: dict[str, Any], pod: str, log: Any, launch_id: str = "",
-                 peers: PeerPool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        pod: str,
+        log: Any,
+        launch_id: str = "",
+        peers: PeerPool | None = None,
+    ) -> None:
         super().__init__(cfg, pod, log, launch_id, peers)
         self.temp_dir = ""
         self.members = Members(cfg) if cfg.get("head") else None

@@ -64,7 +64,9 @@ def _missing(python: str, pins: dict[str, str]) -> list[str]:
     if python == sys.executable:
         return missing_here(pins)
     code = "import json, sys; from ktlite_server.sshlaunch import missing_here; print(*missing_here(json.loads(sys.argv[1])))"
-    out = subprocess.run([python, "-c", code, json.dumps(pins)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [python, "-c", code, json.dumps(pins)], capture_output=True, text=True, timeout=60
+    )
     return out.stdout.split()
 
 
@@ -81,14 +83,22 @@ def server_python(cache: Path, log: Any, pins: dict[str, str]) -> str:
         venv.EnvBuilder(with_pip=True, system_site_packages=True, symlinks=True).create(root)
     missing = _missing(str(python), pins)
     if missing:
-        wanted = [f"{p}=={pins[p]}" if p in pins else "uvicorn[standard]" if p == "uvicorn" else p
-                  for p in missing]
-        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *wanted],
-                              stdout=log, stderr=subprocess.STDOUT, timeout=900)
+        wanted = [
+            f"{p}=={pins[p]}" if p in pins else "uvicorn[standard]" if p == "uvicorn" else p
+            for p in missing
+        ]
+        proc = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *wanted],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+        )
         if proc.returncode != 0:
-            _fail(f"the pod server needs {', '.join(wanted)}, which {sys.executable} lacks, and pip could "
-                  f"not install them into {root} (no package index reachable?); install them for that "
-                  "Python, or pass kt.Hosts(..., python=...) naming a Python that has them")
+            _fail(
+                f"the pod server needs {', '.join(wanted)}, which {sys.executable} lacks, and pip could "
+                f"not install them into {root} (no package index reachable?); install them for that "
+                "Python, or pass kt.Hosts(..., python=...) naming a Python that has them"
+            )
     return str(python)
 
 
@@ -115,6 +125,7 @@ def setup(steps: list[Any], cache: Path, log: Any, log_path: Path) -> str:
 
 def pick_ports(span: int, host: str) -> int:
     """A MASTER_PORT with ``span`` free ports after it on this host."""
+
     def free(port: int) -> bool:
         with socket.socket() as s:
             try:
@@ -128,8 +139,10 @@ def pick_ports(span: int, host: str) -> int:
     for port in itertools.chain(range(start, high), range(low, start)):
         if all(free(p) for p in range(port, port + span)):
             return port
-    _fail(f"no {span} free ports in a row between {PORT_RANGE[0]} and {PORT_RANGE[1]} on this host; "
-          "pass distribute(port=...)")
+    _fail(
+        f"no {span} free ports in a row between {PORT_RANGE[0]} and {PORT_RANGE[1]} on this host; "
+        "pass distribute(port=...)"
+    )
     raise AssertionError
 
 
@@ -186,14 +199,32 @@ def main() -> None:
     reply: dict[str, Any] = {"python": python, "bind": bind}
     if msg.get("pick_master_port"):
         reply["master_port"] = pick_ports(int(msg["pick_master_port"]), bind)
-    argv = [python, "-m", "ktlite_server", "--host", bind, "--port", "0", "--token-stdin",
-            "--ready-file", str(ready), *msg["args"]]
+    argv = [
+        python,
+        "-m",
+        "ktlite_server",
+        "--host",
+        bind,
+        "--port",
+        "0",
+        "--token-stdin",
+        "--ready-file",
+        str(ready),
+        *msg["args"],
+    ]
     if not msg["detached"]:
         argv.append("--tether-stdin")
     env = {**os.environ, **msg["env"], **write_secret_files(msg.get("secret_files") or [], run)}
     with open(log_path, "ab") as log:
-        server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                  cwd=run, start_new_session=True)
+        server = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=run,
+            start_new_session=True,
+        )
     assert server.stdin is not None
     server.stdin.write(msg["token"].encode() + b"\n")
     server.stdin.flush()
@@ -203,7 +234,9 @@ def main() -> None:
     while not ready.exists():
         if server.poll() is not None:
             tail = log_path.read_bytes()[-3000:].decode(errors="replace")
-            _fail(f"the pod server exited with code {server.returncode}; the end of {log_path}:\n{tail}")
+            _fail(
+                f"the pod server exited with code {server.returncode}; the end of {log_path}:\n{tail}"
+            )
         if time.monotonic() > deadline:
             server.kill()
             _fail(f"the pod server did not serve within {msg.get('timeout', 300)}s; see {log_path}")

@@ -103,8 +103,11 @@ def create_store_app(root: str, token: str) -> FastAPI:
         key = key_of(request)
         entry = await asyncio.to_thread(store.entry, key)
         if entry is None:
-            raise _fail(StoreFault(f"no key {key!r} in the data store of this namespace", key,
-                                   ErrorCode.NOT_FOUND))
+            raise _fail(
+                StoreFault(
+                    f"no key {key!r} in the data store of this namespace", key, ErrorCode.NOT_FOUND
+                )
+            )
         return entry
 
     @app.get(PREFIX + "/ls")
@@ -143,9 +146,13 @@ def create_store_app(root: str, token: str) -> FastAPI:
         except StoreFault as e:
             raise _fail(e) from None
         except ClientDisconnect:
-            raise refuse(400, ErrorCode.BAD_REQUEST, "the client left before the upload was complete") from None
+            raise refuse(
+                400, ErrorCode.BAD_REQUEST, "the client left before the upload was complete"
+            ) from None
 
-    async def _put_file(request: Request, key: str, kind: str, expected_size: int | None) -> dict[str, Any]:
+    async def _put_file(
+        request: Request, key: str, kind: str, expected_size: int | None
+    ) -> dict[str, Any]:
         staged = store.staging()
         got = 0
         try:
@@ -156,7 +163,11 @@ def create_store_app(root: str, token: str) -> FastAPI:
                     f.write(chunk)
                     got += len(chunk)
                 if expected_size is not None and got != expected_size:
-                    raise refuse(400, ErrorCode.BAD_REQUEST, f"upload of {key!r} truncated: got {got} of {expected_size} bytes")
+                    raise refuse(
+                        400,
+                        ErrorCode.BAD_REQUEST,
+                        f"upload of {key!r} truncated: got {got} of {expected_size} bytes",
+                    )
                 f.flush()
                 await asyncio.to_thread(os.fsync, f.fileno())
             await asyncio.to_thread(store.install, staged, key)
@@ -181,6 +192,7 @@ def create_store_app(root: str, token: str) -> FastAPI:
                 while not reader.done:  # drain, so the feeder never blocks on a full queue
                     with contextlib.suppress(BaseException):
                         reader.read(1 << 20)
+
         thread = threading.Thread(target=unpack, daemon=True)
         thread.start()
         try:
@@ -188,7 +200,9 @@ def create_store_app(root: str, token: str) -> FastAPI:
                 await asyncio.to_thread(reader.q.put, chunk)
             await asyncio.to_thread(reader.q.put, _END)
         except BaseException as e:
-            await asyncio.to_thread(reader.q.put, StoreFault(f"upload of {key!r} broke: {e!r}", key))
+            await asyncio.to_thread(
+                reader.q.put, StoreFault(f"upload of {key!r} broke: {e!r}", key)
+            )
             await asyncio.to_thread(thread.join, 60)
             raise
         await asyncio.to_thread(thread.join)
@@ -196,7 +210,9 @@ def create_store_app(root: str, token: str) -> FastAPI:
             error = result["error"]
             if isinstance(error, StoreFault):
                 raise error
-            raise refuse(400, ErrorCode.BAD_REQUEST, f"could not unpack the directory for {key!r}: {error}")
+            raise refuse(
+                400, ErrorCode.BAD_REQUEST, f"could not unpack the directory for {key!r}: {error}"
+            )
         return dict(result["entry"])
 
     @app.get(PREFIX + "/key")
@@ -245,9 +261,14 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
     from ktlite_server.connections import Limits, guarded
 
     limits = Limits.from_env()  # bounded heads, header and idle timeouts, a connection cap
-    config = uvicorn.Config(app, log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"),
-                            access_log=False, timeout_graceful_shutdown=3,
-                            http=guarded(limits), timeout_keep_alive=limits.idle_timeout)  # type: ignore[arg-type]
+    config = uvicorn.Config(
+        app,
+        log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"),
+        access_log=False,
+        timeout_graceful_shutdown=3,
+        http=guarded(limits),
+        timeout_keep_alive=limits.idle_timeout,  # type: ignore[arg-type]
+    )
     server = uvicorn.Server(config)
 
     async def run() -> None:
@@ -276,6 +297,7 @@ def remember(info: Any, pod_ips_file: str) -> None:
     holds the store token); ``{"url": None}`` means the namespace has no store (any old
     address goes); a message without one changes nothing."""
     from ktlite_wire.storedir import address_file
+
     if not isinstance(info, dict):
         return
     path = address_file(pod_ips_file)

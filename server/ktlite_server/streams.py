@@ -137,19 +137,30 @@ class CallStream:
         heart = loop.call_later(HEARTBEAT_S, beat)
         at = start
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/x-ktlite-frames")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/x-ktlite-frames")],
+                }
+            )
             while not gone:
                 if at < self.base:
                     # older frames were dropped (the caller was away, or slow, while more than
                     # the buffer was written): say where the stream goes on, so the caller's
                     # count of frames stays the pod's
-                    await _send(send, frames.notice_frame(
-                        "skip", f"{self.base - at} frame(s) of log lines were dropped", to=self.base),
-                        more=True)
+                    await _send(
+                        send,
+                        frames.notice_frame(
+                            "skip",
+                            f"{self.base - at} frame(s) of log lines were dropped",
+                            to=self.base,
+                        ),
+                        more=True,
+                    )
                     at = self.base
                 if at < self.end:
-                    batch = list(self.frames)[at - self.base:]
+                    batch = list(self.frames)[at - self.base :]
                     at += len(batch)
                     last = self.done and at == self.end
                     for i, item in enumerate(batch):
@@ -181,8 +192,9 @@ async def _send(send: Any, item: Any, more: bool) -> None:
         return
     chunks: list[bytes | memoryview] = [*envelope.chunked(parts)] or [b""]
     for i, chunk in enumerate(chunks):
-        await send({"type": "http.response.body", "body": chunk,
-                    "more_body": more or i < len(chunks) - 1})
+        await send(
+            {"type": "http.response.body", "body": chunk, "more_body": more or i < len(chunks) - 1}
+        )
 
 
 class Streams:

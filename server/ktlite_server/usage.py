@@ -49,8 +49,14 @@ def parse_stat(text: str) -> ProcStat:
     f = rest.split()
     # f[0] is the state; the man page's field n is f[n - 3]
     cpu = sum(int(x) for x in f[11:15]) / _TICK  # utime stime cutime cstime
-    return ProcStat(pid=pid, ppid=int(f[1]), session=int(f[3]), cpu_s=cpu,
-                    rss_bytes=int(f[21]) * _PAGE, start=int(f[19]))
+    return ProcStat(
+        pid=pid,
+        ppid=int(f[1]),
+        session=int(f[3]),
+        cpu_s=cpu,
+        rss_bytes=int(f[21]) * _PAGE,
+        start=int(f[19]),
+    )
 
 
 def read_procs(root: str = "/proc") -> dict[int, ProcStat]:
@@ -101,8 +107,11 @@ class ProcessUsage:
         """pid -> {"cpu_percent", "rss_bytes", "procs"} for each pid that still runs."""
         now = time.monotonic()
         first = self._sample(pids)
-        short = [pid for pid, (root, _) in first.items()
-                 if not self._usable(self._last.get((pid, root.start)), now)]
+        short = [
+            pid
+            for pid, (root, _) in first.items()
+            if not self._usable(self._last.get((pid, root.start)), now)
+        ]
         if short:  # no recent sample to measure from: take one, wait a moment, sample again
             for pid in short:
                 root, members = first[pid]
@@ -123,8 +132,11 @@ class ProcessUsage:
             else:  # asked twice within a moment (two callers): the value just measured
                 percent = reported
             self._members[pid] = [m.pid for m in members]
-            out[pid] = {"cpu_percent": percent, "rss_bytes": sum(m.rss_bytes for m in members),
-                        "procs": len(members)}
+            out[pid] = {
+                "cpu_percent": percent,
+                "rss_bytes": sum(m.rss_bytes for m in members),
+                "procs": len(members),
+            }
         for key in [k for k in self._last if k not in seen]:
             del self._last[key]  # processes that are gone
         for pid in [p for p in self._members if p not in first]:
@@ -145,8 +157,10 @@ class ProcessUsage:
 
 # ---- GPUs ------------------------------------------------------------------------------------
 
-GPU_QUERY = ["--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu",
-             "--format=csv,noheader,nounits"]
+GPU_QUERY = [
+    "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu",
+    "--format=csv,noheader,nounits",
+]
 APPS_QUERY = ["--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"]
 
 
@@ -166,10 +180,16 @@ def parse_gpus(text: str) -> list[dict[str, Any]]:
         if len(cells) < 6 or not cells[0].isdigit():
             continue
         used, total, util = (_number(c) for c in cells[-3:])
-        gpus.append({"index": int(cells[0]), "uuid": cells[1], "name": ", ".join(cells[2:-3]),
-                     "memory_used_bytes": None if used is None else int(used * MIB),
-                     "memory_total_bytes": None if total is None else int(total * MIB),
-                     "utilization_percent": util})
+        gpus.append(
+            {
+                "index": int(cells[0]),
+                "uuid": cells[1],
+                "name": ", ".join(cells[2:-3]),
+                "memory_used_bytes": None if used is None else int(used * MIB),
+                "memory_total_bytes": None if total is None else int(total * MIB),
+                "utilization_percent": util,
+            }
+        )
     return gpus
 
 
@@ -205,24 +225,33 @@ def visible(gpus: list[dict[str, Any]], cuda_visible_devices: str | None) -> lis
     return chosen
 
 
-def rank_gpu_summary(gpus: list[dict[str, Any]], apps: list[tuple[int, str, int | None]] | None,
-                     pids: set[int]) -> dict[str, Any]:
+def rank_gpu_summary(
+    gpus: list[dict[str, Any]], apps: list[tuple[int, str, int | None]] | None, pids: set[int]
+) -> dict[str, Any]:
     """A rank's GPUs (with what its own processes hold on each, None where ``apps`` is
     unknown) and their totals."""
     mine: list[dict[str, Any]] = []
     for g in gpus:
-        held = None if apps is None else sum(
-            b for pid, uuid, b in apps if uuid == g["uuid"] and pid in pids and b is not None)
+        held = (
+            None
+            if apps is None
+            else sum(
+                b for pid, uuid, b in apps if uuid == g["uuid"] and pid in pids and b is not None
+            )
+        )
         mine.append({**g, "process_memory_bytes": held})
     used = [g["memory_used_bytes"] for g in mine if g["memory_used_bytes"] is not None]
     total = [g["memory_total_bytes"] for g in mine if g["memory_total_bytes"] is not None]
     util = [g["utilization_percent"] for g in mine if g["utilization_percent"] is not None]
-    return {"gpus": mine,
-            "gpu_memory_used_bytes": sum(used) if used else None,
-            "gpu_memory_total_bytes": sum(total) if total else None,
-            "gpu_utilization_percent": round(sum(util) / len(util), 1) if util else None,
-            "gpu_process_memory_bytes": sum(g["process_memory_bytes"] for g in mine)
-            if mine and apps is not None else None}
+    return {
+        "gpus": mine,
+        "gpu_memory_used_bytes": sum(used) if used else None,
+        "gpu_memory_total_bytes": sum(total) if total else None,
+        "gpu_utilization_percent": round(sum(util) / len(util), 1) if util else None,
+        "gpu_process_memory_bytes": sum(g["process_memory_bytes"] for g in mine)
+        if mine and apps is not None
+        else None,
+    }
 
 
 Apps = list[tuple[int, str, int | None]]  # (pid, GPU uuid, bytes) of nvidia-smi's compute apps
@@ -257,11 +286,14 @@ class GpuQuery:
         exe = shutil.which("nvidia-smi")  # looked up each time: PATH is the pod's own
         if exe is None:
             return None, None, None
-        gpu_text, apps_text = await asyncio.gather(_run(exe, GPU_QUERY), _run(exe, APPS_QUERY),
-                                                   return_exceptions=True)
+        gpu_text, apps_text = await asyncio.gather(
+            _run(exe, GPU_QUERY), _run(exe, APPS_QUERY), return_exceptions=True
+        )
         if isinstance(gpu_text, BaseException):
             return [], None, str(gpu_text)
-        if isinstance(apps_text, BaseException):  # the GPUs are known; only per-process memory is not
+        if isinstance(
+            apps_text, BaseException
+        ):  # the GPUs are known; only per-process memory is not
             return parse_gpus(gpu_text), None, str(apps_text)
         apps = parse_apps(apps_text)
         if apps and not any(os.path.exists(f"/proc/{pid}") for pid, _, _ in apps):
@@ -271,9 +303,13 @@ class GpuQuery:
 
 async def _run(exe: str, args: list[str]) -> str:
     try:
-        proc = await asyncio.create_subprocess_exec(exe, *args, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            exe,
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
     except OSError as e:
         raise RuntimeError(f"nvidia-smi could not start: {e}") from e
     try:
@@ -288,6 +324,8 @@ async def _run(exe: str, args: list[str]) -> str:
                 await asyncio.wait_for(proc.wait(), 1.0)
     if proc.returncode != 0:
         text = (err or out).decode("utf-8", "replace").strip().splitlines()
-        raise RuntimeError(f"nvidia-smi {args[0].split('=')[0]} exited with code {proc.returncode}"
-                           + (f": {text[-1][:200]}" if text else ""))
+        raise RuntimeError(
+            f"nvidia-smi {args[0].split('=')[0]} exited with code {proc.returncode}"
+            + (f": {text[-1][:200]}" if text else "")
+        )
     return out.decode("utf-8", "replace")

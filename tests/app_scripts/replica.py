@@ -17,7 +17,12 @@ node = int(os.environ["PET_NODE_RANK"])
 
 if mode == "ok":
     keys = sorted(k for k in os.environ if k.startswith("PET_")) + [
-        "NODE_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "APP_GREETING"]
+        "NODE_RANK",
+        "GROUP_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "APP_GREETING",
+    ]
     print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 elif mode == "wait":
     print(f"waiting {node}", flush=True)

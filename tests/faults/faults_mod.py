@@ -51,6 +51,7 @@ def rank_of() -> int:
 
 # ---- test side ---------------------------------------------------------------------------------
 
+
 class Call:
     """A call running in a background thread; records how and when (monotonic) it ended."""
 
@@ -73,8 +74,6 @@ class Call:
         return not self._thread.is_alive()
 
 
-
-
 def wait_for(pred: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
     """Poll ``pred`` until it returns something truthy; that value, or None at the deadline."""
     deadline = time.monotonic() + timeout
@@ -92,7 +91,9 @@ def starts(d: Path, tag: str, rank: int) -> list[tuple[int, float]]:
     path = d / f"{tag}-r{rank}.start"
     if not path.exists():
         return []
-    return [(int(p), float(t)) for p, t in (ln.split() for ln in path.read_text().splitlines() if ln)]
+    return [
+        (int(p), float(t)) for p, t in (ln.split() for ln in path.read_text().splitlines() if ln)
+    ]
 
 
 def beats(d: Path, tag: str, rank: int) -> list[tuple[float, int]]:
@@ -111,8 +112,9 @@ def all_beating(d: Path, tag: str, ranks: Iterable[int]) -> bool:
     return all(beats(d, tag, r) for r in ranks)
 
 
-def last_beat_after_quiet(d: Path, tag: str, rank: int, quiet: float = 1.0,
-                          timeout: float = 20.0) -> float | None:
+def last_beat_after_quiet(
+    d: Path, tag: str, rank: int, quiet: float = 1.0, timeout: float = 20.0
+) -> float | None:
     """Wait until rank ``rank`` has written no beat for ``quiet`` seconds; its last beat's
     time, or None when it still beats at the deadline."""
     deadline = time.monotonic() + timeout
@@ -177,8 +179,7 @@ def recover(name: str, stopped: Iterable[int] = ()) -> None:
         state = local_state(name)
     except (OSError, ValueError):
         return
-    headers = {TOKEN_HEADER: bearer(state["token"]),
-               VERSION_HEADER: str(PROTOCOL_VERSION)}
+    headers = {TOKEN_HEADER: bearer(state["token"]), VERSION_HEADER: str(PROTOCOL_VERSION)}
 
     def idle() -> bool:
         with httpx.Client(timeout=2.0) as client:

@@ -109,8 +109,9 @@ def die(kind: str, stamps: str | None) -> None:
 
 def _hold_with_canary(mib: int, canary: str) -> tuple[bytes, subprocess.Popen[bytes]]:
     hoard = b"\x01" * (mib << 20)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
-                             stdin=subprocess.DEVNULL)  # stays in this rank's process group
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(300)"], stdin=subprocess.DEVNULL
+    )  # stays in this rank's process group
     _write(Path(canary), str(child.pid))
     return hoard, child
 
@@ -127,8 +128,9 @@ def _wait_gone(canary: str) -> None:
         os.close(fd)
 
 
-def act(plan: dict[Any, tuple[Any, ...]], stamps: str | None = None,
-        ready: str | None = None) -> Any:
+def act(
+    plan: dict[Any, tuple[Any, ...]], stamps: str | None = None, ready: str | None = None
+) -> Any:
     rank = _rank()
     name, *args = plan.get(rank, plan.get("*", ("return", rank)))
     if name == "return":
@@ -155,8 +157,11 @@ def act(plan: dict[Any, tuple[Any, ...]], stamps: str | None = None,
     if name == "exit_slowly":
         hoard, child = _hold_with_canary(int(args[0]), args[1])
         time.sleep(0.2)  # the peer watching the canary has opened it by now
-        print(LAST_WORDS.format(rank=rank, what=f"exit with code {args[2]}"), file=sys.stderr,
-              flush=True)
+        print(
+            LAST_WORDS.format(rank=rank, what=f"exit with code {args[2]}"),
+            file=sys.stderr,
+            flush=True,
+        )
         stamp(stamps, rank)
         child.kill()
         os._exit(int(args[2]))
@@ -179,4 +184,3 @@ def act(plan: dict[Any, tuple[Any, ...]], stamps: str | None = None,
 
 
 # ---- test side ---------------------------------------------------------------------------------
-

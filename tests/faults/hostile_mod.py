@@ -125,9 +125,17 @@ class Usage:
     other_sockets: int  # unix socketpairs and the like
 
     def row(self) -> dict[str, int]:
-        return {"children": self.children, "threads": self.threads, "fds": self.fds,
-                "pipes": self.pipes, "non_pipe_fds": self.fds - self.pipes, "listen": self.listen, "established": self.established,
-                "tcp_other": self.tcp_other, "other_sockets": self.other_sockets}
+        return {
+            "children": self.children,
+            "threads": self.threads,
+            "fds": self.fds,
+            "pipes": self.pipes,
+            "non_pipe_fds": self.fds - self.pipes,
+            "listen": self.listen,
+            "established": self.established,
+            "tcp_other": self.tcp_other,
+            "other_sockets": self.other_sockets,
+        }
 
 
 def usage(pid: int) -> Usage:
@@ -136,11 +144,19 @@ def usage(pid: int) -> Usage:
     counts = {"listen": 0, "established": 0, "tcp-other": 0, "other": 0}
     for t in targets:
         if t.startswith("socket:["):
-            kind = tcp.get(t[len("socket:["):-1], "other")
+            kind = tcp.get(t[len("socket:[") : -1], "other")
             counts[kind] += 1
-    return Usage(pid=pid, children=len(children(pid)), threads=threads(pid), fds=len(targets),
-                 pipes=sum(t.startswith("pipe:") for t in targets), listen=counts["listen"], established=counts["established"],
-                 tcp_other=counts["tcp-other"], other_sockets=counts["other"])
+    return Usage(
+        pid=pid,
+        children=len(children(pid)),
+        threads=threads(pid),
+        fds=len(targets),
+        pipes=sum(t.startswith("pipe:") for t in targets),
+        listen=counts["listen"],
+        established=counts["established"],
+        tcp_other=counts["tcp-other"],
+        other_sockets=counts["other"],
+    )
 
 
 def total(rows: Iterable[Usage]) -> dict[str, int]:
@@ -188,7 +204,7 @@ def with_env(entry: str) -> list[int]:
 
 def listen_ports_of(pid: int) -> set[int]:
     """Ports ``pid`` listens on."""
-    mine = {t[len("socket:["):-1] for t in fd_targets(pid) if t.startswith("socket:[")}
+    mine = {t[len("socket:[") : -1] for t in fd_targets(pid) if t.startswith("socket:[")}
     ports: set[int] = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -218,7 +234,7 @@ def wait_for(pred: Callable[[], Any], timeout: float, interval: float = 0.05) ->
 
 def tcp_peer_ports(pid: int) -> list[int]:
     """Remote ports of the TCP sockets ``pid`` holds open (any state but LISTEN)."""
-    mine = {t[len("socket:["):-1] for t in fd_targets(pid) if t.startswith("socket:[")}
+    mine = {t[len("socket:[") : -1] for t in fd_targets(pid) if t.startswith("socket:[")}
     out = []
     for table in ("tcp", "tcp6"):
         try:

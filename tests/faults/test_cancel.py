@@ -75,13 +75,19 @@ def stopped(remote):
 
 
 def _caller(d: Path, tag: str, then: str = "next") -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", CALLER, str(Path(fm.__file__).parent), NAME, str(d),
-                             tag, then], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", CALLER, str(Path(fm.__file__).parent), NAME, str(d), tag, then],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_running(proc: subprocess.Popen[str], d: Path, tag: str) -> None:
     ok = fm.wait_for(lambda: fm.all_beating(d, tag, RANKS) or proc.poll() is not None, 60)
-    assert ok and proc.poll() is None, f"the caller never got its call running: {proc.communicate()}"
+    assert ok and proc.poll() is None, (
+        f"the caller never got its call running: {proc.communicate()}"
+    )
 
 
 def _assert_stopped(d: Path, tag: str, t0: float, what: str) -> None:
@@ -97,9 +103,14 @@ def _assert_stopped(d: Path, tag: str, t0: float, what: str) -> None:
 
 
 def _assert_usable(remote: kt.RemoteFunction, d: Path) -> None:
-    assert fm.wait_for(lambda: all(rank["state"] == "idle" and not pod["active_calls"]
-                                   for pod in remote.status() for rank in pod["ranks"]), 5.0), \
-        remote.status()
+    assert fm.wait_for(
+        lambda: all(
+            rank["state"] == "idle" and not pod["active_calls"]
+            for pod in remote.status()
+            for rank in pod["ranks"]
+        ),
+        5.0,
+    ), remote.status()
     assert remote(str(d), "from-test", 0) == [0, 1, 2, 3]
 
 

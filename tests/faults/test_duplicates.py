@@ -54,24 +54,40 @@ def remote():
 def state(remote) -> dict[str, Any]:
     state = fm.local_state(NAME)
     with httpx.Client(timeout=5.0) as client:
-        state["launch_id"] = client.get(f"{state['urls'][0]}/health",
-                                        headers={"x-ktlite-token": f"Bearer {state['token']}"}).json()["launch_id"]
+        state["launch_id"] = client.get(
+            f"{state['urls'][0]}/health", headers={"x-ktlite-token": f"Bearer {state['token']}"}
+        ).json()["launch_id"]
     return state
 
 
-def _post(state: dict[str, Any], call_id: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-          pod: int = 0) -> list[tuple[int, bytearray]]:
+def _post(
+    state: dict[str, Any],
+    call_id: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    pod: int = 0,
+) -> list[tuple[int, bytearray]]:
     """One raw delivery of a call (fan-out from pod 0, or to ``pod`` alone); its frames."""
     meta = {"id": call_id, "launch_id": state["launch_id"], "stream_logs": False}
     if pod == 0:
-        meta.update({"fanout": True, "pods": state["urls"], "names": [p["name"] for p in state["pods"]],
-                     "num_proc": 1, "quorum_timeout": 10})
+        meta.update(
+            {
+                "fanout": True,
+                "pods": state["urls"],
+                "names": [p["name"] for p in state["pods"]],
+                "num_proc": 1,
+                "quorum_timeout": 10,
+            }
+        )
     else:
         meta["fanout"] = False
     body = b"".join(bytes(memoryview(p)) for p in packaging.encode_call(None, args, kwargs or {}))
-    headers = {TOKEN_HEADER: bearer(state["token"]),
-               VERSION_HEADER: str(PROTOCOL_VERSION),
-               CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}
+    headers = {
+        TOKEN_HEADER: bearer(state["token"]),
+        VERSION_HEADER: str(PROTOCOL_VERSION),
+        CALL_HEADER: json.dumps(meta),
+        "content-type": "application/octet-stream",
+    }
     with httpx.Client(timeout=60.0) as client:
         resp = client.post(f"{state['urls'][pod]}/call", headers=headers, content=body)
     assert resp.status_code == 200, resp.text
@@ -130,8 +146,7 @@ def test_same_call_id_at_once_runs_once(state, tmp_path) -> None:
 def test_cancelled_call_id_never_runs_even_delivered_twice(state, tmp_path) -> None:
     """The stop overtakes the call (it arrives first): neither delivery starts a rank."""
     call_id = uuid.uuid4().hex
-    headers = {TOKEN_HEADER: bearer(state["token"]),
-               VERSION_HEADER: str(PROTOCOL_VERSION)}
+    headers = {TOKEN_HEADER: bearer(state["token"]), VERSION_HEADER: str(PROTOCOL_VERSION)}
     with httpx.Client(timeout=10.0) as client:
         for url in state["urls"]:
             resp = client.post(f"{url}/cancel/{call_id}", headers=headers)
@@ -168,8 +183,9 @@ def test_broken_connection_to_a_worker_pod_is_never_retried(remote, tmp_path) ->
     routed["pods"][1]["port"] = proxy.port  # the caller tells the coordinator where pod 1 is
     backend._write(NAME, routed)
     try:
-        via = RemoteFunction(kt.fn(fm.beat, name=NAME),
-                             attach(DeploymentSpec(name=NAME, compute=COMPUTE, kind="fn")))
+        via = RemoteFunction(
+            kt.fn(fm.beat, name=NAME), attach(DeploymentSpec(name=NAME, compute=COMPUTE, kind="fn"))
+        )
         assert via(str(tmp_path), "warm", 0) == [0, 1]
         call = fm.Call(via, str(tmp_path), "x", 30)
         assert fm.wait_for(lambda: fm.all_beating(tmp_path, "x", range(2)), 30)

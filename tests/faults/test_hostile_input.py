@@ -54,9 +54,17 @@ from ktlite_wire.version import PROTOCOL_VERSION
 NAME = "hostile-srv"
 PV = str(PROTOCOL_VERSION)
 
-FUZZ = settings(max_examples=200, deadline=None, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
 ASCII = st.characters(min_codepoint=32, max_codepoint=126)
 NOSPACE = st.characters(min_codepoint=33, max_codepoint=126)
 
@@ -83,10 +91,12 @@ def make_evil(marker: Path):
     def evil(*args: object) -> str:
         marker.write_text("evil code ran")
         return "evil"
+
     return evil
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def limit() -> int:
@@ -125,6 +135,7 @@ def marker_dir(tmp_path_factory) -> Path:
 
 # ---- helpers ------------------------------------------------------------------------------------
 
+
 def _auth(token: str, version: str | None = None) -> dict[str, str]:
     h = {TOKEN_HEADER: bearer(token)}
     if version is not None:
@@ -141,13 +152,24 @@ def _call_meta(**extra: Any) -> str:
 
 
 def _deploy_message(srv: dict[str, Any], marker: Path, ordinal: int = 0) -> bytes:
-    return Launch(launch_id="intruder", bundle=packaging.bundle(make_evil(marker)), kind="fn",
-                  distributed=DistributedConfig(workers=2), pod_ips=["127.0.0.1", "127.0.0.1"],
-                  ordinal=ordinal, master_port=srv["master_port"], cpus=1.0, load_timeout=30.0).encode()
+    return Launch(
+        launch_id="intruder",
+        bundle=packaging.bundle(make_evil(marker)),
+        kind="fn",
+        distributed=DistributedConfig(workers=2),
+        pod_ips=["127.0.0.1", "127.0.0.1"],
+        ordinal=ordinal,
+        master_port=srv["master_port"],
+        cpus=1.0,
+        load_timeout=30.0,
+    ).encode()
 
 
 def _launch_ids(http: httpx.Client, srv: dict[str, Any]) -> list[str]:
-    return [http.get(f"{u}/health", headers=_auth(srv["token"])).json()["launch_id"] for u in srv["urls"]]
+    return [
+        http.get(f"{u}/health", headers=_auth(srv["token"])).json()["launch_id"]
+        for u in srv["urls"]
+    ]
 
 
 def _json_4xx(resp: httpx.Response, codes: tuple[int, ...] = (), what: str = "") -> Any:
@@ -187,8 +209,9 @@ def _raw(port: int, data: bytes, *, timeout: float = 10.0) -> bytes:
             except ConnectionResetError:
                 break
             except TimeoutError:
-                raise AssertionError(f"the server neither answered nor closed within {timeout}s "
-                                     f"after {data[:80]!r}") from None
+                raise AssertionError(
+                    f"the server neither answered nor closed within {timeout}s after {data[:80]!r}"
+                ) from None
             if not chunk:
                 break
             out += chunk
@@ -209,18 +232,21 @@ def _log_bytes(srv: dict[str, Any]) -> dict[Path, int]:
 
 # ---- wrong tokens: 401, nothing runs ------------------------------------------------------------
 
+
 def _wrong_token_headers(real: str) -> st.SearchStrategy[dict[str, str]]:
     n = len(real)
     same_length = st.tuples(st.integers(0, n - 1), NOSPACE).map(
-        lambda t: real[:t[0]] + t[1] + real[t[0] + 1:])
+        lambda t: real[: t[0]] + t[1] + real[t[0] + 1 :]
+    )
     value = st.one_of(
         st.text(NOSPACE, max_size=80).map(lambda s: "Bearer " + s),
         st.text(ASCII, max_size=80).map(str.strip),
         same_length.map(lambda t: "Bearer " + t),
         st.integers(0, n - 1).map(lambda k: "Bearer " + real[:k]),
         st.text(NOSPACE, min_size=1, max_size=6).map(lambda s: "Bearer " + real + s),
-        st.sampled_from(["bearer ", "BEARER ", "Basic ", "Token ", "", "Bearer  ", "Bearer:"])
-        .map(lambda p: p + real),
+        st.sampled_from(["bearer ", "BEARER ", "Basic ", "Token ", "", "Bearer  ", "Bearer:"]).map(
+            lambda p: p + real
+        ),
         st.just(real.swapcase()).map(lambda t: "Bearer " + t),
     )
     return st.one_of(
@@ -241,18 +267,22 @@ def test_fuzz_wrong_tokens_get_401_and_run_nothing(remote, srv, http, marker_dir
     seen: list[int] = []
 
     @FUZZ
-    @given(headers=_wrong_token_headers(token), pod=st.sampled_from([0, 1]),
-           version=st.sampled_from([None, PV, "999"]))
+    @given(
+        headers=_wrong_token_headers(token),
+        pod=st.sampled_from([0, 1]),
+        version=st.sampled_from([None, PV, "999"]),
+    )
     def fuzz(headers: dict[str, str], pod: int, version: str | None) -> None:
         h = dict(headers)
         if version is not None:
             h[VERSION_HEADER] = version
         url = srv["urls"][pod]
-        for resp in (http.get(f"{url}/status", headers=h),
-                     http.post(f"{url}/deploy", content=deploy_body, headers=h),
-                     http.post(f"{url}/call", content=call_body,
-                               headers={**h, CALL_HEADER: _call_meta()}),
-                     http.post(f"{url}/cancel/{uuid.uuid4().hex}", headers=h)):
+        for resp in (
+            http.get(f"{url}/status", headers=h),
+            http.post(f"{url}/deploy", content=deploy_body, headers=h),
+            http.post(f"{url}/call", content=call_body, headers={**h, CALL_HEADER: _call_meta()}),
+            http.post(f"{url}/cancel/{uuid.uuid4().hex}", headers=h),
+        ):
             _json_4xx(resp, (401,), f"headers {h}")
             _no_token(token, resp.text, "a 401 answer")
             seen.append(resp.status_code)
@@ -273,14 +303,17 @@ def test_every_equal_length_wrong_token_is_refused(remote, srv, http, marker_dir
     body = _call_body("touch", str(marker))
     url = srv["urls"][0]
     for i, ch in enumerate(token):
-        wrong = token[:i] + ("A" if ch != "A" else "B") + token[i + 1:]
+        wrong = token[:i] + ("A" if ch != "A" else "B") + token[i + 1 :]
         assert len(wrong) == len(token) and wrong != token
-        resp = http.post(f"{url}/call", content=body,
-                         headers={**_auth(wrong), CALL_HEADER: _call_meta()})
+        resp = http.post(
+            f"{url}/call", content=body, headers={**_auth(wrong), CALL_HEADER: _call_meta()}
+        )
         _json_4xx(resp, (401,), f"position {i}")
     assert not marker.exists()
     # the positive control: the real token runs it
-    resp = http.post(f"{url}/call", content=body, headers={**_auth(token), CALL_HEADER: _call_meta()})
+    resp = http.post(
+        f"{url}/call", content=body, headers={**_auth(token), CALL_HEADER: _call_meta()}
+    )
     assert resp.status_code == 200 and marker.exists()
 
 
@@ -292,6 +325,7 @@ def test_unauthenticated_cancel_with_bad_query_is_401(srv, http) -> None:
 
 # ---- random and truncated bodies ----------------------------------------------------------------
 
+
 @pytest.mark.timeout(90)
 def test_fuzz_deploy_bodies_are_4xx(remote, srv, http, marker_dir) -> None:
     marker = marker_dir / "deploy-fuzz-ran"
@@ -301,13 +335,18 @@ def test_fuzz_deploy_bodies_are_4xx(remote, srv, http, marker_dir) -> None:
     @FUZZ
     @given(data=st.data(), authed=st.booleans(), pod=st.sampled_from([0, 1]))
     def fuzz(data: st.DataObject, authed: bool, pod: int) -> None:
-        body = data.draw(st.one_of(
-            st.binary(max_size=4096),
-            st.integers(0, len(message) - 1).map(lambda k: message[:k]),  # truncated
-            st.binary(min_size=1, max_size=64).map(lambda b: message[:16] + b),  # valid head, junk
-            st.binary(max_size=256).map(lambda b: codec.MAGIC + b),
-            st.binary(max_size=256).map(lambda b: envelope.MAGIC + b),
-        ), label="body")
+        body = data.draw(
+            st.one_of(
+                st.binary(max_size=4096),
+                st.integers(0, len(message) - 1).map(lambda k: message[:k]),  # truncated
+                st.binary(min_size=1, max_size=64).map(
+                    lambda b: message[:16] + b
+                ),  # valid head, junk
+                st.binary(max_size=256).map(lambda b: codec.MAGIC + b),
+                st.binary(max_size=256).map(lambda b: envelope.MAGIC + b),
+            ),
+            label="body",
+        )
         headers = _auth(srv["token"]) if authed else {}
         resp = http.post(f"{srv['urls'][pod]}/deploy", content=body, headers=headers)
         detail = _json_4xx(resp, () if authed else (401,), f"deploy body {body[:40]!r}")
@@ -322,8 +361,13 @@ def test_fuzz_deploy_bodies_are_4xx(remote, srv, http, marker_dir) -> None:
 
 def _json_values() -> st.SearchStrategy[Any]:
     leaves = st.none() | st.booleans() | st.integers() | st.floats() | st.text(ASCII, max_size=20)
-    return st.recursive(leaves, lambda c: st.lists(c, max_size=4)
-                        | st.dictionaries(st.text(ASCII, max_size=8), c, max_size=4), max_leaves=12)
+    return st.recursive(
+        leaves,
+        lambda c: (
+            st.lists(c, max_size=4) | st.dictionaries(st.text(ASCII, max_size=8), c, max_size=4)
+        ),
+        max_leaves=12,
+    )
 
 
 @pytest.mark.timeout(90)
@@ -333,14 +377,19 @@ def test_fuzz_call_headers_are_4xx(remote, srv, http, marker_dir) -> None:
     body = _call_body("touch", str(marker))
 
     @FUZZ
-    @given(header=st.one_of(
-        st.text(ASCII, max_size=200).map(str.strip),
-        _json_values().filter(lambda v: not (isinstance(v, dict) and "id" in v)).map(json.dumps),
-        # up to near the server's head limit (KTLITE_MAX_HEADER_BYTES, 256 KiB): past it, 431
-        # (tests/test_server_limits.py)
-        st.integers(1000, 200 << 10).map(lambda n: "x" * n),
-        st.integers(1000, 200 << 10).map(lambda n: json.dumps({"pods": ["a" * n]})),
-    ), authed=st.booleans())
+    @given(
+        header=st.one_of(
+            st.text(ASCII, max_size=200).map(str.strip),
+            _json_values()
+            .filter(lambda v: not (isinstance(v, dict) and "id" in v))
+            .map(json.dumps),
+            # up to near the server's head limit (KTLITE_MAX_HEADER_BYTES, 256 KiB): past it, 431
+            # (tests/test_server_limits.py)
+            st.integers(1000, 200 << 10).map(lambda n: "x" * n),
+            st.integers(1000, 200 << 10).map(lambda n: json.dumps({"pods": ["a" * n]})),
+        ),
+        authed=st.booleans(),
+    )
     def fuzz(header: str, authed: bool) -> None:
         headers = {**(_auth(srv["token"]) if authed else {}), CALL_HEADER: header}
         resp = http.post(f"{srv['urls'][0]}/call", content=body, headers=headers)
@@ -366,12 +415,18 @@ def test_fuzz_call_bodies_fail_cleanly(remote, srv, http) -> None:
     message = _call_body("add", 1)
 
     @FUZZ
-    @given(body=st.one_of(st.binary(max_size=4096),
-                          st.integers(0, len(message) - 1).map(lambda k: message[:k])),
-           pod=st.sampled_from([0, 1]))
+    @given(
+        body=st.one_of(
+            st.binary(max_size=4096), st.integers(0, len(message) - 1).map(lambda k: message[:k])
+        ),
+        pod=st.sampled_from([0, 1]),
+    )
     def fuzz(body: bytes, pod: int) -> None:
-        resp = http.post(f"{srv['urls'][pod]}/call", content=body,
-                         headers={**_auth(srv["token"]), CALL_HEADER: _call_meta()})
+        resp = http.post(
+            f"{srv['urls'][pod]}/call",
+            content=body,
+            headers={**_auth(srv["token"]), CALL_HEADER: _call_meta()},
+        )
         if resp.status_code != 200:
             _json_4xx(resp, (400,), f"call body {body[:40]!r}")
             return
@@ -384,8 +439,11 @@ def test_fuzz_call_bodies_fail_cleanly(remote, srv, http) -> None:
 def test_truncated_or_random_call_payload_is_4xx(remote, srv, http) -> None:
     message = _call_body("add", 1)
     for body in (b"", b"garbage", message[:10], message[:20], message[:-1]):
-        resp = http.post(f"{srv['urls'][0]}/call", content=body,
-                         headers={**_auth(srv["token"]), CALL_HEADER: _call_meta()})
+        resp = http.post(
+            f"{srv['urls'][0]}/call",
+            content=body,
+            headers={**_auth(srv["token"]), CALL_HEADER: _call_meta()},
+        )
         _json_4xx(resp, (400,), f"call body {body[:40]!r}")
 
 
@@ -405,8 +463,11 @@ def test_call_plans_with_wrong_field_types_are_4xx(remote, srv, http) -> None:
     problems = []
     for case in cases:
         meta = {"id": uuid.uuid4().hex, "stream_logs": False, **case}
-        resp = http.post(f"{me}/call", content=_call_body("add", 1),
-                         headers={**_auth(srv["token"]), CALL_HEADER: json.dumps(meta)})
+        resp = http.post(
+            f"{me}/call",
+            content=_call_body("add", 1),
+            headers={**_auth(srv["token"]), CALL_HEADER: json.dumps(meta)},
+        )
         if not 400 <= resp.status_code < 500:
             kinds = [k for k, _ in read_frames([resp.content])] if resp.status_code == 200 else []
             problems.append(f"{case}: HTTP {resp.status_code}, frames {kinds}")
@@ -416,15 +477,33 @@ def test_call_plans_with_wrong_field_types_are_4xx(remote, srv, http) -> None:
 
 def test_deeply_nested_call_header_is_4xx(remote, srv, http) -> None:
     for header in ("[" * 5000, ('{"id": ' * 5000).strip()):  # h11 refuses trailing spaces
-        resp = http.post(f"{srv['urls'][0]}/call", content=b"",
-                         headers={**_auth(srv["token"]), CALL_HEADER: header})
+        resp = http.post(
+            f"{srv['urls'][0]}/call",
+            content=b"",
+            headers={**_auth(srv["token"]), CALL_HEADER: header},
+        )
         _json_4xx(resp, (400,), f"nested header {header[:20]!r}")
 
 
 # ---- paths, methods, raw garbage --------------------------------------------------------------
 
-_PREFIXES = ["", "/", "/health", "/status", "/deploy", "/call", "/cancel", "/cancel/", "/docs",
-             "/openapi.json", "/redoc", "/call/x", "//call", "/%63all", "/.."]
+_PREFIXES = [
+    "",
+    "/",
+    "/health",
+    "/status",
+    "/deploy",
+    "/call",
+    "/cancel",
+    "/cancel/",
+    "/docs",
+    "/openapi.json",
+    "/redoc",
+    "/call/x",
+    "//call",
+    "/%63all",
+    "/..",
+]
 _PATH_CHARS = st.sampled_from(list("abcxyz0189-_.~/%") + ["%2F", "%00", "%20", "%2e"])
 
 
@@ -432,7 +511,7 @@ def _protected(method: str, path: str) -> bool:
     p = unquote(path)
     if (method, p) in (("GET", "/status"), ("POST", "/deploy"), ("POST", "/call")):
         return True
-    rest = p[len("/cancel/"):] if p.startswith("/cancel/") else ""
+    rest = p[len("/cancel/") :] if p.startswith("/cancel/") else ""
     return method == "POST" and bool(rest) and "/" not in rest
 
 
@@ -441,9 +520,12 @@ def test_fuzz_paths_and_methods(remote, srv, http) -> None:
     base = srv["urls"][1]
 
     @FUZZ
-    @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
-           prefix=st.sampled_from(_PREFIXES), tail=st.lists(_PATH_CHARS, max_size=12).map("".join),
-           authed=st.booleans())
+    @given(
+        method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
+        prefix=st.sampled_from(_PREFIXES),
+        tail=st.lists(_PATH_CHARS, max_size=12).map("".join),
+        authed=st.booleans(),
+    )
     def fuzz(method: str, prefix: str, tail: str, authed: bool) -> None:
         path = prefix + tail
         assume(path.startswith("/"))
@@ -475,18 +557,26 @@ def test_fuzz_raw_garbage_over_a_socket(remote, srv, http) -> None:
     """Bytes that are not HTTP at all, or HTTP cut anywhere: answered with a 4xx or a closed
     connection, never a 5xx, and never left hanging once the client stops sending."""
     port = srv["ports"][0]
-    good = _head("POST", "/call", {**_auth(srv["token"]), CALL_HEADER: _call_meta()}, 40) + b"x" * 40
+    good = (
+        _head("POST", "/call", {**_auth(srv["token"]), CALL_HEADER: _call_meta()}, 40) + b"x" * 40
+    )
 
     @settings(FUZZ, max_examples=150)
-    @given(data=st.one_of(st.binary(max_size=512),
-                          st.integers(0, len(good) - 1).map(lambda k: good[:k]),
-                          st.binary(max_size=64).map(lambda b: b"GET /health HTTP/1.1\r\n" + b)))
+    @given(
+        data=st.one_of(
+            st.binary(max_size=512),
+            st.integers(0, len(good) - 1).map(lambda k: good[:k]),
+            st.binary(max_size=64).map(lambda b: b"GET /health HTTP/1.1\r\n" + b),
+        )
+    )
     def fuzz(data: bytes) -> None:
         answer = _raw(port, data, timeout=10.0)
         if answer:
             status = answer.split(b"\r\n", 1)[0]
-            assert status.startswith(b"HTTP/1.1 ") and not status.startswith(b"HTTP/1.1 5"), \
-                (data[:80], answer[:200])
+            assert status.startswith(b"HTTP/1.1 ") and not status.startswith(b"HTTP/1.1 5"), (
+                data[:80],
+                answer[:200],
+            )
         _no_token(srv["token"], answer, "a raw answer")
 
     fuzz()
@@ -494,6 +584,7 @@ def test_fuzz_raw_garbage_over_a_socket(remote, srv, http) -> None:
 
 
 # ---- truncated, stalled and oversized uploads ---------------------------------------------------
+
 
 @pytest.mark.timeout(90)
 def test_truncated_and_stalled_uploads_do_not_wedge_the_server(remote, srv, http) -> None:
@@ -509,16 +600,20 @@ def test_truncated_and_stalled_uploads_do_not_wedge_the_server(remote, srv, http
     # a client that stalls mid-upload (connection open) does not hold up anybody else
     stalled = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
-        stalled.sendall(_head("POST", "/call", {**_auth(token), CALL_HEADER: _call_meta()},
-                              3 << 20) + b"s" * 1000)
+        stalled.sendall(
+            _head("POST", "/call", {**_auth(token), CALL_HEADER: _call_meta()}, 3 << 20)
+            + b"s" * 1000
+        )
         start = time.monotonic()
         _assert_serving(remote, srv, http)
         assert time.monotonic() - start < 10
     finally:
         stalled.close()
     _assert_serving(remote, srv, http)
-    leaked = hm.wait_for(lambda: not {f for f in hm.shm_files() - shm_before if f.startswith("ktlite-arg-")},
-                         timeout=5.0)
+    leaked = hm.wait_for(
+        lambda: not {f for f in hm.shm_files() - shm_before if f.startswith("ktlite-arg-")},
+        timeout=5.0,
+    )
     assert leaked, f"upload staging files left in /dev/shm: {hm.shm_files() - shm_before}"
 
 
@@ -526,8 +621,11 @@ def test_truncated_call_upload_logs_no_unhandled_exception(remote, srv, http) ->
     before = _log_bytes(srv)
     port = srv["ports"][0]
     for n in (5000, 3 << 20):
-        _raw(port, _head("POST", "/call", {**_auth(srv["token"]), CALL_HEADER: _call_meta()}, n)
-             + b"k" * 100)
+        _raw(
+            port,
+            _head("POST", "/call", {**_auth(srv["token"]), CALL_HEADER: _call_meta()}, n)
+            + b"k" * 100,
+        )
     _assert_serving(remote, srv, http)
     time.sleep(0.2)
     for path, offset in before.items():
@@ -544,19 +642,27 @@ def test_oversized_bodies_get_413_and_the_server_keeps_serving(remote, srv, http
     for path, extra in (("/deploy", {}), ("/call", {CALL_HEADER: _call_meta()})):
         for size in (limit + 1, 2 * limit):
             try:
-                resp = http.post(f"{url}{path}", content=b"\0" * size, headers={**_auth(token), **extra})
+                resp = http.post(
+                    f"{url}{path}", content=b"\0" * size, headers={**_auth(token), **extra}
+                )
             except httpx.TransportError:
                 # the server answered before reading the body and closed while we still wrote:
                 # look at its answer over a socket that sends only the head and a little
-                answer = _raw(srv["ports"][0], _head("POST", path, {**_auth(token), **extra}, size) + b"x")
+                answer = _raw(
+                    srv["ports"][0], _head("POST", path, {**_auth(token), **extra}, size) + b"x"
+                )
                 assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
                 continue
             detail = _json_4xx(resp, (413,), f"{path} with {size} bytes")
-            assert str(size) in detail and str(limit) in detail and "KTLITE_MAX_BODY" in detail, detail
+            assert str(size) in detail and str(limit) in detail and "KTLITE_MAX_BODY" in detail, (
+                detail
+            )
         # the limit itself is allowed (this body is garbage, so 400, or a rank error for /call)
-        resp = http.post(f"{url}{path}", content=b"\0" * limit,
-                         headers={**_auth(token), **extra, **({CALL_HEADER: _call_meta()}
-                                                              if extra else {})})
+        resp = http.post(
+            f"{url}{path}",
+            content=b"\0" * limit,
+            headers={**_auth(token), **extra, **({CALL_HEADER: _call_meta()} if extra else {})},
+        )
         assert resp.status_code in (200, 400), resp.text[:200]
         # without the token the size does not matter: 401, before anything is read
         resp = http.post(f"{url}{path}", content=b"\0" * (limit + 1), headers=extra)
@@ -564,8 +670,11 @@ def test_oversized_bodies_get_413_and_the_server_keeps_serving(remote, srv, http
     # a huge declared length is refused from the header alone, at once
     for path in ("/deploy", "/call"):
         start = time.monotonic()
-        answer = _raw(srv["ports"][0], _head("POST", path, {**_auth(token), CALL_HEADER: _call_meta()},
-                                              1 << 40) + b"abc", timeout=10)
+        answer = _raw(
+            srv["ports"][0],
+            _head("POST", path, {**_auth(token), CALL_HEADER: _call_meta()}, 1 << 40) + b"abc",
+            timeout=10,
+        )
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert time.monotonic() - start < 5
     # no Content-Length (chunked upload): 411
@@ -576,6 +685,7 @@ def test_oversized_bodies_get_413_and_the_server_keeps_serving(remote, srv, http
 
 # ---- protocol version mismatch ------------------------------------------------------------------
 
+
 def test_protocol_version_mismatch_is_409_naming_both(remote, srv, http, marker_dir) -> None:
     marker = marker_dir / "version-mismatch-ran"
     url = srv["urls"][0]
@@ -583,11 +693,16 @@ def test_protocol_version_mismatch_is_409_naming_both(remote, srv, http, marker_
     before = _launch_ids(http, srv)
     for theirs in ("1", "999", "2.0", "abc"):
         h = _auth(token, theirs)
-        for resp in (http.get(f"{url}/status", headers=h),
-                     http.post(f"{url}/deploy", content=_deploy_message(srv, marker), headers=h),
-                     http.post(f"{url}/call", content=_call_body("touch", str(marker)),
-                               headers={**h, CALL_HEADER: _call_meta()}),
-                     http.post(f"{url}/cancel/x", headers=h)):
+        for resp in (
+            http.get(f"{url}/status", headers=h),
+            http.post(f"{url}/deploy", content=_deploy_message(srv, marker), headers=h),
+            http.post(
+                f"{url}/call",
+                content=_call_body("touch", str(marker)),
+                headers={**h, CALL_HEADER: _call_meta()},
+            ),
+            http.post(f"{url}/cancel/x", headers=h),
+        ):
             detail = _json_4xx(resp, (409,), f"version {theirs}")
             assert f"client speaks {theirs}" in detail and f"speaks {PV}" in detail, detail
             assert "protocol" in detail
@@ -657,8 +772,15 @@ def fake_pod():
 @pytest.mark.timeout(30)
 def test_client_refuses_a_pod_speaking_another_protocol(fake_pod) -> None:
     handler, url = fake_pod
-    handler.health = {"status": "ok", "protocol": 99, "version": "9.9.9", "python": "", "pod": "fake-0",
-                      "ordinal": 0, "launch_id": None}
+    handler.health = {
+        "status": "ok",
+        "protocol": 99,
+        "version": "9.9.9",
+        "python": "",
+        "pod": "fake-0",
+        "ordinal": 0,
+        "launch_id": None,
+    }
     client = PodClient("fake-token-value")
     try:
         with pytest.raises(kt.ProtocolMismatch) as info:
@@ -669,8 +791,13 @@ def test_client_refuses_a_pod_speaking_another_protocol(fake_pod) -> None:
     assert "99" in text and PV in text and "9.9.9" in text, text
     # deploying onto it fails at once with the same error, not after launch_timeout
     spec = DeploymentSpec(name="hostile-fake", compute=kt.Compute(launch_timeout=20))
-    applied = Applied(name="hostile-fake", backend="local", token="fake-token-value", master_port=1,
-                      endpoints=[PodEndpoint("hostile-fake-0", 0, url, url, "127.0.0.1")])
+    applied = Applied(
+        name="hostile-fake",
+        backend="local",
+        token="fake-token-value",
+        master_port=1,
+        endpoints=[PodEndpoint("hostile-fake-0", 0, url, url, "127.0.0.1")],
+    )
     dep = Deployment(spec, LocalBackend.shared(), applied)
     start = time.monotonic()
     try:
@@ -706,6 +833,7 @@ def test_client_survives_a_frame_with_an_absurd_length(fake_pod) -> None:
 
 # ---- the token never leaks ---------------------------------------------------------------------
 
+
 def _no_token(token: str | bytes, text: str | bytes, where: str) -> None:
     """Fail naming where the token showed up, without printing the token or the text."""
     tok = token.encode() if isinstance(token, str) else token
@@ -714,8 +842,12 @@ def _no_token(token: str | bytes, text: str | bytes, where: str) -> None:
 
 
 def _error_text(err: BaseException) -> str:
-    parts = [str(err), repr(err), "\n".join(getattr(err, "__notes__", []) or []),
-             "".join(traceback.format_exception(err))]
+    parts = [
+        str(err),
+        repr(err),
+        "\n".join(getattr(err, "__notes__", []) or []),
+        "".join(traceback.format_exception(err)),
+    ]
     for f in getattr(err, "failures", []) or []:
         parts += [repr(f), f.describe()]
     return "\n".join(parts)
@@ -725,10 +857,22 @@ def _error_text(err: BaseException) -> str:
 def test_token_not_in_reprs_or_errors(remote, srv, http, monkeypatch) -> None:
     token = srv["token"]
     dep = remote.deployment
-    texts = [repr(remote), str(remote), repr(dep), str(dep), repr(vars(dep)), repr(dep.applied),
-             str(dep.applied), repr(dep.client), str(dep.client), repr(dep.spec), repr(remote.compute),
-             json.dumps(remote.status()), repr(kt.fn(hostile_target, name=NAME)),
-             str(kt.fn(hostile_target, name=NAME).to(remote.compute, dryrun=True))]
+    texts = [
+        repr(remote),
+        str(remote),
+        repr(dep),
+        str(dep),
+        repr(vars(dep)),
+        repr(dep.applied),
+        str(dep.applied),
+        repr(dep.client),
+        str(dep.client),
+        repr(dep.spec),
+        repr(remote.compute),
+        json.dumps(remote.status()),
+        repr(kt.fn(hostile_target, name=NAME)),
+        str(kt.fn(hostile_target, name=NAME).to(remote.compute, dryrun=True)),
+    ]
     errors: list[BaseException] = []
     with pytest.raises(ValueError) as raised:
         remote("raise")
@@ -794,8 +938,11 @@ def test_token_not_in_command_lines_or_rank_environments(remote, srv) -> None:
 
 def test_token_not_in_pod_server_environment(srv) -> None:
     for pid in srv["pids"]:
-        _no_token(srv["token"], Path(f"/proc/{pid}/environ").read_bytes(),
-                  f"/proc/{pid}/environ (a pod server)")
+        _no_token(
+            srv["token"],
+            Path(f"/proc/{pid}/environ").read_bytes(),
+            f"/proc/{pid}/environ (a pod server)",
+        )
 
 
 @pytest.mark.timeout(60)
@@ -804,20 +951,23 @@ def test_token_not_in_pod_logs(remote, srv, http) -> None:
     their whole environment and a broken upload, no file the pods write holds the token."""
     token = srv["token"]
     url = srv["urls"][0]
-    for h in (_auth(token[:-1]), _auth(token + "x"), {TOKEN_HEADER: token},
-              _auth(token, "999")):
+    for h in (_auth(token[:-1]), _auth(token + "x"), {TOKEN_HEADER: token}, _auth(token, "999")):
         http.get(f"{url}/status", headers=h)
         http.post(f"{url}/call", content=b"x", headers={**h, CALL_HEADER: _call_meta()})
     with pytest.raises(ValueError):
         remote("raise")
     remote.options(stream_logs=True)("env")
-    _raw(srv["ports"][0], _head("POST", "/call", {**_auth(token), CALL_HEADER: _call_meta()}, 5000)
-         + b"k" * 10)
+    _raw(
+        srv["ports"][0],
+        _head("POST", "/call", {**_auth(token), CALL_HEADER: _call_meta()}, 5000) + b"k" * 10,
+    )
     _assert_serving(remote, srv, http)
     time.sleep(0.2)
     files = [p for p in srv["dir"].iterdir() if p.is_file() and p.name != "state.json"]
     logs = [p for p in files if p.name.endswith(".log")]
     assert len(logs) == 2
-    assert any("env:" in p.read_text(errors="replace") for p in logs), "the rank output never reached the log"
+    assert any("env:" in p.read_text(errors="replace") for p in logs), (
+        "the rank output never reached the log"
+    )
     for p in files:
         _no_token(token, p.read_bytes(), str(p))

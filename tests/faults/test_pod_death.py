@@ -63,7 +63,9 @@ def _server_pids(remote: kt.RemoteFunction) -> list[int]:
 
 def _start(remote: kt.RemoteFunction, d, tag: str) -> fm.Call:
     call = fm.Call(remote, str(d), tag, LONG_S)
-    assert fm.wait_for(lambda: fm.all_beating(d, tag, RANKS), 30), "the call never started on every rank"
+    assert fm.wait_for(lambda: fm.all_beating(d, tag, RANKS), 30), (
+        "the call never started on every rank"
+    )
     assert call.ended is None
     return call
 
@@ -78,7 +80,9 @@ def _stop_time(d, tag: str, rank: int, t0: float, bound: float) -> float:
 def _stopped_by(d, tag: str, rank: int, t0: float, bound: float) -> float | None:
     """Seconds from ``t0`` to the rank's last heartbeat if it stopped by ``t0 + bound``
     (silent for 0.5 s by then), else None; reported either way."""
-    last = fm.last_beat_after_quiet(d, tag, rank, quiet=0.5, timeout=max(0.0, t0 + bound - time.monotonic()))
+    last = fm.last_beat_after_quiet(
+        d, tag, rank, quiet=0.5, timeout=max(0.0, t0 + bound - time.monotonic())
+    )
     took = None if last is None else max(0.0, last - t0)
     print(f"[fault timing] rank {rank} stopped after: {took}", flush=True)
     return took
@@ -94,22 +98,33 @@ def _assert_ranks_stop(d, tag: str, ranks, t0: float, what: str, bound: float) -
 
 def _assert_ran_once(d, tag: str) -> None:
     for r in RANKS:
-        assert len(fm.starts(d, tag, r)) == 1, f"rank {r} ran call {tag!r} {len(fm.starts(d, tag, r))} times"
+        assert len(fm.starts(d, tag, r)) == 1, (
+            f"rank {r} ran call {tag!r} {len(fm.starts(d, tag, r))} times"
+        )
 
 
 def _assert_works(d, tag: str) -> kt.RemoteFunction:
     """A fresh ``.to()`` gives a deployment whose next call works on every rank."""
     remote = _fresh()
     assert remote(str(d), tag, 0) == [0, 1, 2, 3]
-    assert fm.wait_for(lambda: all(rank["state"] == "idle" and not pod["active_calls"]
-                                   for pod in remote.status() for rank in pod["ranks"]), 5.0)
+    assert fm.wait_for(
+        lambda: all(
+            rank["state"] == "idle" and not pod["active_calls"]
+            for pod in remote.status()
+            for rank in pod["ranks"]
+        ),
+        5.0,
+    )
     return remote
 
 
 # ---- a pod's server dies -----------------------------------------------------------------------
 
+
 @pytest.mark.timeout(90)
-def test_worker_pod_killed_mid_call_fails_naming_it_and_stops_the_rest(deployment, tmp_path) -> None:
+def test_worker_pod_killed_mid_call_fails_naming_it_and_stops_the_rest(
+    deployment, tmp_path
+) -> None:
     remote = _fresh()
     pid = _server_pids(remote)[1]
     call = _start(remote, tmp_path, "c")
@@ -163,6 +178,7 @@ def test_coordinator_pod_killed_mid_call_raises_pod_unreachable(deployment, tmp_
 
 # ---- a pod's server stops answering (alive, but SIGSTOPped) -------------------------------------
 
+
 @pytest.mark.timeout(120)
 def test_worker_pod_stopped_mid_call_fails_within_bound(deployment, stopped, tmp_path) -> None:
     remote = _fresh()
@@ -193,8 +209,9 @@ def test_worker_pod_stopped_mid_call_fails_within_bound(deployment, stopped, tmp
 
 
 @pytest.mark.timeout(120)
-def test_coordinator_pod_stopped_mid_call_raises_and_stops_other_pods(deployment, stopped,
-                                                                      tmp_path) -> None:
+def test_coordinator_pod_stopped_mid_call_raises_and_stops_other_pods(
+    deployment, stopped, tmp_path
+) -> None:
     remote = _fresh()
     pid = _server_pids(remote)[0]
     call = _start(remote, tmp_path, "c")
@@ -217,12 +234,14 @@ def test_coordinator_pod_stopped_mid_call_raises_and_stops_other_pods(deployment
     _assert_ran_once(tmp_path, "c")
     _assert_works(tmp_path, "after")
     # last, the known gaps (see the xfail reason)
-    assert None not in others_stop, \
+    assert None not in others_stop, (
         f"pod 1's ranks still ran the call {SILENCE_BOUND_S + 1.0:g}s after the coordinator stopped"
+    )
     assert f"{NAME}-0" in str(err), str(err)
 
 
 # ---- a fresh .to() after the death ---------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_to_right_after_a_pod_was_killed_restarts_it(deployment, tmp_path) -> None:

@@ -41,8 +41,9 @@ _timings: dict[str, list[float]] = {}
 
 def _deploy(name: str, workers: int, num_proc: int):
     compute = kt.Compute(cpus=1, memory_limit=MEMORY_LIMIT, max_restarts=100)
-    return kt.fn(fr.act, name=name).to(compute.distribute("pytorch", workers=workers,
-                                                          num_proc=num_proc))
+    return kt.fn(fr.act, name=name).to(
+        compute.distribute("pytorch", workers=workers, num_proc=num_proc)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,10 @@ def two_pods(request):
 def _report_timings():
     yield
     for kind, values in sorted(_timings.items()):
-        print(f"DETECTION {kind}: n={len(values)} min={min(values):.3f}s "
-              f"median={statistics.median(values):.3f}s max={max(values):.3f}s")
+        print(
+            f"DETECTION {kind}: n={len(values)} min={min(values):.3f}s "
+            f"median={statistics.median(values):.3f}s max={max(values):.3f}s"
+        )
 
 
 def _memory_limit_enforced(remote) -> str | None:
@@ -98,8 +101,10 @@ def _die(remote, tmp_path: Path, kind: str, rank: int, pod: str, world: int) -> 
     caught, took = time.time(), time.monotonic() - start
     detect = caught - fr.read_stamp(tmp_path, rank)
     _timings.setdefault(kind, []).append(detect)
-    print(f"DETECT {kind} rank={rank} pod={pod}: {detect:.3f}s after the death "
-          f"(call took {took:.2f}s)")
+    print(
+        f"DETECT {kind} rank={rank} pod={pod}: {detect:.3f}s after the death "
+        f"(call took {took:.2f}s)"
+    )
     assert detect < DEATH_BOUND_S, f"{kind}: the call failed {detect:.2f}s after the death"
     err = info.value
     text = str(err)
@@ -137,8 +142,9 @@ def test_death_on_one_pod(one_pod, tmp_path, kind: str, rank: int) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind,rank", [("segv", 3), ("exit3", 1), ("sigkill", 2), ("oom", 3),
-                                       ("oom", 0)])
+@pytest.mark.parametrize(
+    "kind,rank", [("segv", 3), ("exit3", 1), ("sigkill", 2), ("oom", 3), ("oom", 0)]
+)
 def test_death_on_two_pods(two_pods, tmp_path, kind: str, rank: int) -> None:
     if kind == "oom" and (why := _memory_limit_enforced(two_pods)):
         pytest.skip(why)

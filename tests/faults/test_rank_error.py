@@ -36,7 +36,8 @@ _timings: dict[str, list[float]] = {}
 @pytest.fixture(scope="module")
 def sleepers(request):
     remote = kt.fn(fr.act, name="fre-sleep").to(
-        kt.Compute(cpus=1, max_restarts=100).distribute("pytorch", workers=2, num_proc=2))
+        kt.Compute(cpus=1, max_restarts=100).distribute("pytorch", workers=2, num_proc=2)
+    )
     request.addfinalizer(remote.teardown)
     return remote
 
@@ -45,7 +46,8 @@ def sleepers(request):
 def gloo(request):
     pytest.importorskip("torch")
     remote = kt.fn(fr.act, name="fre-gloo").to(
-        kt.Compute(cpus=1, max_restarts=100).distribute("pytorch", workers=2, num_proc=2))
+        kt.Compute(cpus=1, max_restarts=100).distribute("pytorch", workers=2, num_proc=2)
+    )
     request.addfinalizer(remote.teardown)
     return remote
 
@@ -54,8 +56,10 @@ def gloo(request):
 def _report_timings():
     yield
     for kind, values in sorted(_timings.items()):
-        print(f"DETECTION {kind}: n={len(values)} min={min(values):.3f}s "
-              f"median={statistics.median(values):.3f}s max={max(values):.3f}s")
+        print(
+            f"DETECTION {kind}: n={len(values)} min={min(values):.3f}s "
+            f"median={statistics.median(values):.3f}s max={max(values):.3f}s"
+        )
 
 
 def _context(err: BaseException) -> str:
@@ -105,8 +109,9 @@ def test_raise_while_siblings_sleep(sleepers, tmp_path, exc: str, rank: int) -> 
     assert str(err.outcomes[rank]) == f"injected {exc} on rank {rank}"
     assert err.failed_ranks == sorted([rank, *blocked])
     assert [f.rank for f in err.failures if f.kind == "error"] == [rank]
-    assert {f.rank: f.kind for f in err.failures if f.rank != rank} == dict.fromkeys(blocked,
-                                                                                   "cancelled")
+    assert {f.rank: f.kind for f in err.failures if f.rank != rank} == dict.fromkeys(
+        blocked, "cancelled"
+    )
     # the blocked siblings were stopped (interrupted), and keep their processes and state
     assert _gone([pids[r] for r in blocked], within=0.5) == [pids[r] for r in blocked]
     # the next call works
@@ -129,12 +134,20 @@ def test_two_ranks_raising_are_both_listed(sleepers, tmp_path) -> None:
     assert raised in ([1], [2], [1, 2]), text
     assert f"{len(raised)} rank(s) failed: {', '.join(map(str, raised))}" in text, text
     for r in raised:
-        assert f"rank {r} on pod fre-sleep-{r // 2}: " in text and f"injected FaultError on rank {r}" in text
+        assert (
+            f"rank {r} on pod fre-sleep-{r // 2}: " in text
+            and f"injected FaultError on rank {r}" in text
+        )
         assert isinstance(err.outcomes[r], fr.FaultError)
-    assert {f.rank: f.pod for f in err.failures} == {0: "fre-sleep-0", 1: "fre-sleep-0",
-                                                     2: "fre-sleep-1", 3: "fre-sleep-1"}
+    assert {f.rank: f.pod for f in err.failures} == {
+        0: "fre-sleep-0",
+        1: "fre-sleep-0",
+        2: "fre-sleep-1",
+        3: "fre-sleep-1",
+    }
     assert {f.rank: f.kind for f in err.failures if f.rank not in raised} == dict.fromkeys(
-        {0, 1, 2, 3} - set(raised), "cancelled")
+        {0, 1, 2, 3} - set(raised), "cancelled"
+    )
     assert err.results == {}
     assert sleepers.options(**QUIET)({"*": ("return", 7)}) == [7] * 4
 
@@ -150,8 +163,7 @@ def test_raise_outside_a_gloo_all_reduce(gloo, tmp_path) -> None:
         stamps.mkdir()
         pids = gloo.options(**QUIET)({"*": ("pid",)})
         with pytest.raises(EXC[exc]) as info:
-            gloo.options(**QUIET, timeout=60)({1: ("gloo_raise", exc), "*": ("gloo",)},
-                                              str(stamps))
+            gloo.options(**QUIET, timeout=60)({1: ("gloo_raise", exc), "*": ("gloo",)}, str(stamps))
         _measure(f"raise-gloo-{exc}", stamps, 1, time.time())
         err = info.value
         assert isinstance(err, kt.RemoteError) and type(err).__name__ == exc
@@ -186,7 +198,8 @@ _ORDER_FIX = (
     "RuntimeError in most runs. Fix: record when each outcome was decided (e.g. "
     "`at=time.time()` on ranks.Outcome, carried through coordinator.PodOutcome and "
     "RankFailure), make the earliest failure the primary (its type is raised; a 'died' wins "
-    "over an 'error' decided after it) and list the later ones as consequences")
+    "over an 'error' decided after it) and list the later ones as consequences"
+)
 
 
 @pytest.mark.timeout(60)
@@ -194,8 +207,12 @@ def test_collateral_error_on_another_pod_does_not_replace_the_type(sleepers, tmp
     """Rank 3 raises FaultError first; pod 1 stops rank 2 (slow to die); rank 1 on pod 0
     raises ValueError the moment rank 2's process group is killed."""
     canary = str(tmp_path / "canary")
-    plan = {3: ("raise", "FaultError", 0.0), 2: ("slow_to_die", SLOW_MIB, canary),
-            1: ("raise_when_gone", "ValueError", canary), "*": ("sleep", 60)}
+    plan = {
+        3: ("raise", "FaultError", 0.0),
+        2: ("slow_to_die", SLOW_MIB, canary),
+        1: ("raise_when_gone", "ValueError", canary),
+        "*": ("sleep", 60),
+    }
     with pytest.raises(fr.FaultError) as info:
         sleepers.options(**QUIET)(plan, str(tmp_path), canary)
     assert "rank 3 on pod fre-sleep-1: " in _context(info.value)
@@ -206,8 +223,12 @@ def test_death_stays_the_cause_when_a_peer_on_another_pod_reacts(sleepers, tmp_p
     """Rank 3 kills itself (SIGKILL); pod 1 stops rank 2 (slow to die); rank 1 on pod 0 raises
     ValueError the moment rank 2's process group is killed."""
     canary = str(tmp_path / "canary")
-    plan = {3: ("die", "sigkill", 0.0), 2: ("slow_to_die", SLOW_MIB, canary),
-            1: ("raise_when_gone", "ValueError", canary), "*": ("sleep", 60)}
+    plan = {
+        3: ("die", "sigkill", 0.0),
+        2: ("slow_to_die", SLOW_MIB, canary),
+        1: ("raise_when_gone", "ValueError", canary),
+        "*": ("sleep", 60),
+    }
     with pytest.raises(kt.RankDied) as info:
         sleepers.options(**QUIET)(plan, str(tmp_path), canary)
     assert "rank 3 on pod fre-sleep-1: rank process was killed by SIGKILL" in str(info.value)
@@ -218,8 +239,11 @@ def test_own_exit_is_not_reported_as_cancelled(sleepers, tmp_path) -> None:
     """Rank 3 (holding 1 GiB, so its exit takes ~0.1 s) kills its canary and exits with code
     3; rank 2 on the same pod raises the moment the canary is gone."""
     canary = str(tmp_path / "canary")
-    plan = {3: ("exit_slowly", SLOW_MIB, canary, 3), 2: ("raise_when_gone", "ValueError", canary),
-            "*": ("sleep", 60)}
+    plan = {
+        3: ("exit_slowly", SLOW_MIB, canary, 3),
+        2: ("raise_when_gone", "ValueError", canary),
+        "*": ("sleep", 60),
+    }
     with pytest.raises(kt.RemoteError) as info:
         sleepers.options(**QUIET)(plan, str(tmp_path))
     kinds = {f.rank: f.kind for f in info.value.failures}
@@ -271,12 +295,15 @@ def test_a_rank_stopped_inside_an_import_is_replaced(tmp_path) -> None:
     ``cannot initialize type "RpcBackendOptions"`` on every later call of that rank)."""
     (tmp_path / "slow_import.py").write_text(SLOW_IMPORT)
     remote = kt.fn(import_slowly, name="fre-import").to(
-        kt.Compute(cpus=1).distribute("pytorch", workers=1, num_proc=2))
+        kt.Compute(cpus=1).distribute("pytorch", workers=1, num_proc=2)
+    )
     try:
         with pytest.raises(kt.RemoteError, match="rank 1 fails while rank 0 is importing") as info:
             remote.options(**QUIET, timeout=90)(str(tmp_path), str(tmp_path / "began"), 60.0)
         assert info.value.failed_ranks == [0, 1], info.value  # rank 0 was stopped
-        assert remote.options(**QUIET, timeout=90)(str(tmp_path), str(tmp_path / "again"), 0.0) == \
-            ["imported"] * 2
+        assert (
+            remote.options(**QUIET, timeout=90)(str(tmp_path), str(tmp_path / "again"), 0.0)
+            == ["imported"] * 2
+        )
     finally:
         remote.teardown()

@@ -24,7 +24,8 @@ FIELDS = {"rank", "local_rank", "pid", "state", "busy_for_s", "stuck", "last_exi
 
 def _deploy(name: str, max_restarts: int, request):
     remote = kt.fn(fr.act, name=name).to(
-        kt.Compute(cpus=1, max_restarts=max_restarts).distribute("pytorch", workers=1, num_proc=2))
+        kt.Compute(cpus=1, max_restarts=max_restarts).distribute("pytorch", workers=1, num_proc=2)
+    )
     request.addfinalizer(remote.teardown)
     return remote
 
@@ -146,6 +147,7 @@ def _call_in_thread(remote, *args):
             box["value"] = remote.options(**QUIET)(*args)
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             box["error"] = e
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, box
@@ -175,8 +177,9 @@ def test_stuck_worker_detection(health) -> None:
             default = _ranks(health)
             busy_now = [r for r in default.values() if r["state"] == "busy"]
             if busy_now:  # the call may just have ended
-                assert all(r["busy_for_s"] > threshold and r["stuck"] is False
-                           for r in busy_now), default
+                assert all(r["busy_for_s"] > threshold and r["stuck"] is False for r in busy_now), (
+                    default
+                )
                 break
         time.sleep(0.05)
     thread.join(20)

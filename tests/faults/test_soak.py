@@ -60,8 +60,18 @@ WORLD = 4
 # Pipes get more: a pod server keeps the stdout/stderr pipes of dead rank processes until its
 # garbage collector runs (test_dead_rank_pipes_are_closed_at_once), so their count churns.
 # A permanent leak would show anyway: the soak kills rank processes ~100 times (2 pipes each).
-SLACK = {"children": 0, "threads": 2, "fds": 28, "pipes": 24, "non_pipe_fds": 4, "listen": 0,
-         "established": 2, "tcp_other": 4, "other_sockets": 2, "processes": 0}
+SLACK = {
+    "children": 0,
+    "threads": 2,
+    "fds": 28,
+    "pipes": 24,
+    "non_pipe_fds": 4,
+    "listen": 0,
+    "established": 2,
+    "tcp_other": 4,
+    "other_sockets": 2,
+    "processes": 0,
+}
 
 
 def soak_fn(mode: str, arg: Any = None, who: int = 0) -> Any:
@@ -121,6 +131,7 @@ def deployments():
 
 
 # ---- the calls -----------------------------------------------------------------------------------
+
 
 def _run(kind: str, remote, i: int) -> str:
     """One call of ``kind`` on ``remote``; checks its value or its error. Returns the outcome."""
@@ -182,10 +193,23 @@ def _our_shm_files(before: set[str]) -> list[str]:
 
 
 def _schedule(seed: int) -> list[tuple[str, str]]:
-    single = (["ok"] * 150 + ["big"] * 10 + ["raise"] * 10 + ["big_raise"] * 3 + ["exit"] * 8
-              + ["timeout"] * 6)
-    dist = (["ok"] * 100 + ["big"] * 6 + ["raise"] * 8 + ["big_raise"] * 2 + ["exit"] * 6
-            + ["timeout"] * 5 + (["gloo"] * 2 + ["gloo_fail"] * 1 if TORCH else []))
+    single = (
+        ["ok"] * 150
+        + ["big"] * 10
+        + ["raise"] * 10
+        + ["big_raise"] * 3
+        + ["exit"] * 8
+        + ["timeout"] * 6
+    )
+    dist = (
+        ["ok"] * 100
+        + ["big"] * 6
+        + ["raise"] * 8
+        + ["big_raise"] * 2
+        + ["exit"] * 6
+        + ["timeout"] * 5
+        + (["gloo"] * 2 + ["gloo_fail"] * 1 if TORCH else [])
+    )
     calls = [("single", k) for k in single] + [("dist", k) for k in dist]
     random.Random(seed).shuffle(calls)
     return calls
@@ -202,6 +226,7 @@ def _normalize(deps: dict[str, Any]) -> None:
 
 
 # ---- counting -----------------------------------------------------------------------------------
+
 
 def _servers() -> dict[str, list[int]]:
     return {name: [p["pid"] for p in hm.read_state(name)["pods"]] for name in (SINGLE, DIST)}
@@ -244,27 +269,36 @@ def _settled() -> dict[str, Any]:
 
 
 def _growth(before: dict[str, int], after: dict[str, int], what: str) -> list[str]:
-    return [f"{what}: {k} {before[k]} -> {after[k]} (slack {SLACK.get(k, 0)})"
-            for k in before if after.get(k, 0) - before[k] > SLACK.get(k, 0)]
+    return [
+        f"{what}: {k} {before[k]} -> {after[k]} (slack {SLACK.get(k, 0)})"
+        for k in before
+        if after.get(k, 0) - before[k] > SLACK.get(k, 0)
+    ]
 
 
 def _table(title: str, before: dict[str, Any], after: dict[str, Any]) -> str:
     lines = [title]
-    for label, b, a in [(f"pod server {pid}", before["servers"][pid], after["servers"].get(pid, {}))
-                        for pid in before["servers"]] + [("rank processes (all)", before["ranks"],
-                                                          after["ranks"]),
-                                                         ("test process", before["me"], after["me"])]:
+    for label, b, a in [
+        (f"pod server {pid}", before["servers"][pid], after["servers"].get(pid, {}))
+        for pid in before["servers"]
+    ] + [
+        ("rank processes (all)", before["ranks"], after["ranks"]),
+        ("test process", before["me"], after["me"]),
+    ]:
         lines.append(f"  {label:24} " + "  ".join(f"{k}={b[k]}->{a.get(k)}" for k in b))
     lines.append(f"  zombies {before['zombies']} -> {after['zombies']}")
     for pid in before["server_fds"]:
-        lines.append(f"  fds of {pid}: {before['server_fds'][pid]} -> {after['server_fds'].get(pid)}")
+        lines.append(
+            f"  fds of {pid}: {before['server_fds'][pid]} -> {after['server_fds'].get(pid)}"
+        )
     return "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
 def pg_dist():
     remote = kt.fn(soak_fn, name="soak-pg").to(
-        kt.Compute(cpus=1, stream_logs=False).distribute("spmd", workers=2, num_proc=2))
+        kt.Compute(cpus=1, stream_logs=False).distribute("spmd", workers=2, num_proc=2)
+    )
     yield remote
     remote.teardown()
 
@@ -284,8 +318,13 @@ def test_soak_leaks_nothing(deployments) -> None:
     deps = deployments
     t0 = time.monotonic()
     # warm-up: every kind of call once, so first-time costs (imports, pools) are paid
-    for key, kinds in (("single", ["ok", "big", "raise", "exit", "timeout"]),
-                       ("dist", ["ok", "big", "raise", "exit", "timeout"] + (["gloo", "gloo_fail"] if TORCH else []))):
+    for key, kinds in (
+        ("single", ["ok", "big", "raise", "exit", "timeout"]),
+        (
+            "dist",
+            ["ok", "big", "raise", "exit", "timeout"] + (["gloo", "gloo_fail"] if TORCH else []),
+        ),
+    ):
         for i, kind in enumerate(kinds):
             _run(kind, deps[key], i)
     _normalize(deps)
@@ -318,9 +357,12 @@ def test_soak_leaks_nothing(deployments) -> None:
 
     total_calls = sum(counts.values())
     report = {
-        "calls": total_calls, "by_kind": counts, "soak_s": round(soak_s, 1),
+        "calls": total_calls,
+        "by_kind": counts,
+        "soak_s": round(soak_s, 1),
         "mean_ms": {k: round(1000 * durations[k] / counts[k], 1) for k in sorted(counts)},
-        "before": before, "after": after,
+        "before": before,
+        "after": after,
         "steady_rank_each": {"before": steady_before, "after": steady["rank_each"]},
     }
     print("\nSOAK " + json.dumps(report, default=str))
@@ -330,13 +372,17 @@ def test_soak_leaks_nothing(deployments) -> None:
     problems: list[str] = []
     for pid, row in before["servers"].items():
         problems += _growth(row, after["servers"][pid], f"pod server {pid}")
-        problems += _growth(after["servers"][pid], steady["servers"][pid], f"pod server {pid} (steady)")
+        problems += _growth(
+            after["servers"][pid], steady["servers"][pid], f"pod server {pid} (steady)"
+        )
     problems += _growth(before["ranks"], after["ranks"], "rank processes")
     problems += _growth(before["me"], after["me"], "test process")
     problems += _growth(after["me"], steady["me"], "test process (steady)")
     if steady["rank_pids"] != after["rank_pids"]:
-        problems.append(f"rank processes changed during plain calls: {after['rank_pids']} -> "
-                        f"{steady['rank_pids']}")
+        problems.append(
+            f"rank processes changed during plain calls: {after['rank_pids']} -> "
+            f"{steady['rank_pids']}"
+        )
     else:
         for pid, row in steady_before.items():
             problems += _growth(row, steady["rank_each"][pid], f"rank process {pid} (steady)")
@@ -346,8 +392,10 @@ def test_soak_leaks_nothing(deployments) -> None:
     if not zombies:
         problems.append(f"zombie processes: {_snapshot()['zombies']}")
     if problems:
-        problems.append(f"server fds by kind, before: {before['server_fds']}, after: "
-                        f"{after['server_fds']}, steady: {steady['server_fds']}")
+        problems.append(
+            f"server fds by kind, before: {before['server_fds']}, after: "
+            f"{after['server_fds']}, steady: {steady['server_fds']}"
+        )
     assert not problems, "\n".join(problems)
 
     # teardown: nothing of either deployment remains (found by the marker in their env, so
@@ -357,17 +405,23 @@ def test_soak_leaks_nothing(deployments) -> None:
     ports = set().union(*(hm.listen_ports_of(pid) for pid in ours))
     deps["single"].teardown()
     deps["dist"].teardown()
-    gone = hm.wait_for(lambda: not (hm.with_env("=".join(MARK)) or hm.pod_pids(SINGLE)
-                                    or hm.pod_pids(DIST)), timeout=10.0)
+    gone = hm.wait_for(
+        lambda: not (hm.with_env("=".join(MARK)) or hm.pod_pids(SINGLE) or hm.pod_pids(DIST)),
+        timeout=10.0,
+    )
     left = hm.with_env("=".join(MARK))
-    assert gone, (f"left running after teardown: {left} "
-                  f"{[Path(f'/proc/{p}/cmdline').read_bytes()[:120] for p in left]}, "
-                  f"listening on {[sorted(hm.listen_ports_of(p) & ports) for p in left]}")
+    assert gone, (
+        f"left running after teardown: {left} "
+        f"{[Path(f'/proc/{p}/cmdline').read_bytes()[:120] for p in left]}, "
+        f"listening on {[sorted(hm.listen_ports_of(p) & ports) for p in left]}"
+    )
     assert not hm.local_dir(SINGLE).exists() and not hm.local_dir(DIST).exists()
     leftover = hm.wait_for(lambda: not _our_shm_files(deps["shm_before"]), timeout=5.0)
     assert leftover, f"/dev/shm files left behind: {_our_shm_files(deps['shm_before'])}"
     me_after = hm.usage(os.getpid())
-    print(f"test process before deploy -> after teardown: {deps['me_before'].row()} -> {me_after.row()}")
+    print(
+        f"test process before deploy -> after teardown: {deps['me_before'].row()} -> {me_after.row()}"
+    )
     print(f"soak total wall {time.monotonic() - t0:.1f}s")
     # idle keep-alive sockets to the torn-down pods are test_teardown_closes_client_connections
     assert me_after.threads - deps["me_before"].threads <= 4  # the deploy thread pool, bounded
@@ -376,23 +430,29 @@ def test_soak_leaks_nothing(deployments) -> None:
 @pytest.mark.timeout(60)
 def test_teardown_closes_client_connections() -> None:
     remote = kt.fn(soak_fn, name="soak-conns").to(
-        kt.Compute(cpus=1, stream_logs=False).distribute("spmd", workers=2, num_proc=1))
+        kt.Compute(cpus=1, stream_logs=False).distribute("spmd", workers=2, num_proc=1)
+    )
     try:
         ports = {p["port"] for p in hm.read_state("soak-conns")["pods"]}
         assert remote("ok", 1) == [(0, 1), (1, 1)]
         remote.status()
-        assert ports & set(hm.tcp_peer_ports(os.getpid())), "no connection to the pods to begin with"
+        assert ports & set(hm.tcp_peer_ports(os.getpid())), (
+            "no connection to the pods to begin with"
+        )
     finally:
         remote.teardown()
     left = hm.wait_for(lambda: not ports & set(hm.tcp_peer_ports(os.getpid())), timeout=3.0)
-    assert left, (f"sockets to torn-down pods still open: "
-                  f"{sorted(p for p in hm.tcp_peer_ports(os.getpid()) if p in ports)}")
+    assert left, (
+        f"sockets to torn-down pods still open: "
+        f"{sorted(p for p in hm.tcp_peer_ports(os.getpid()) if p in ports)}"
+    )
 
 
 @pytest.mark.timeout(60)
 def test_dead_rank_pipes_are_closed_at_once() -> None:
-    single = kt.fn(soak_fn, name="soak-pipes").to(kt.Compute(cpus=1, stream_logs=False,
-                                                              max_restarts=100))
+    single = kt.fn(soak_fn, name="soak-pipes").to(
+        kt.Compute(cpus=1, stream_logs=False, max_restarts=100)
+    )
     try:
         server = hm.read_state("soak-pipes")["pods"][0]["pid"]
         assert single("ok", -1) == (0, -1)
@@ -406,5 +466,6 @@ def test_dead_rank_pipes_are_closed_at_once() -> None:
                 extra.append(hm.usage(server).pipes)
     finally:
         single.teardown()
-    assert not extra, (f"pipes held by the pod server after each rank death ({baseline} before "
-                       f"the first): {extra}")
+    assert not extra, (
+        f"pipes held by the pod server after each rank death ({baseline} before the first): {extra}"
+    )

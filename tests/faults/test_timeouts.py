@@ -30,8 +30,9 @@ from ktlite.modes.deploy import CallOptions
 from ktlite_server.peers import PROBE_AFTER_S
 
 NAME = "fx-timeouts"
-COMPUTE = kt.Compute(cpus=1, stream_logs=False).distribute("pytorch", workers=2, num_proc=1,
-                                                            quorum_timeout=2)
+COMPUTE = kt.Compute(cpus=1, stream_logs=False).distribute(
+    "pytorch", workers=2, num_proc=1, quorum_timeout=2
+)
 SLACK_S = 2.0  # what a loaded 2-core machine may add to a timeout
 
 # Blocks the pod *server* (not its rank processes) of the ordinals listed in FX_HANG_PODS
@@ -69,8 +70,11 @@ def _servers_of(name: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"ktlite_server" in argv and any(a.startswith(f"{name}-".encode()) for a in argv) \
-                and fm.pid_alive(int(proc.name)):
+        if (
+            b"ktlite_server" in argv
+            and any(a.startswith(f"{name}-".encode()) for a in argv)
+            and fm.pid_alive(int(proc.name))
+        ):
             out.append(int(proc.name))
     return out
 
@@ -99,6 +103,7 @@ def _no_rank_started(d: Path, tag: str, ranks=range(2)) -> None:
 
 # ---- defaults --------------------------------------------------------------------------------
 
+
 def test_timeout_defaults() -> None:
     """launch 600 s, quorum 300 s, call: no limit, teardown 30 s."""
     compute = kt.Compute()
@@ -119,12 +124,14 @@ def test_timeout_defaults() -> None:
 
 # ---- launch ----------------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_launch_timeout_when_pods_never_come_up(tmp_path) -> None:
     name = "fx-launch"
     limit = 3.0
-    compute = kt.Compute(cpus=1, launch_timeout=limit, env={"PYTHONPATH": _site(tmp_path),
-                                                             "FX_HANG_PODS": "0,1"})
+    compute = kt.Compute(
+        cpus=1, launch_timeout=limit, env={"PYTHONPATH": _site(tmp_path), "FX_HANG_PODS": "0,1"}
+    )
     t0 = time.monotonic()
     with pytest.raises(kt.LaunchTimeout) as info:
         kt.fn(fm.rank_of, name=name).to(compute.distribute("pytorch", workers=2))
@@ -154,7 +161,9 @@ def test_launch_timeout_is_one_deadline_and_says_which_pods_came_up(tmp_path, mo
     # no earlier than that deadline. One launch_timeout per pod, stacked, gives two deadlines.
     name = "fx-launch-slow"
     limit = 10.0  # pod 0 must come up within it, on a loaded machine too
-    compute = kt.Compute(cpus=1, launch_timeout=limit, env={"PYTHONPATH": _site(tmp_path), "FX_HANG_PODS": "1"})
+    compute = kt.Compute(
+        cpus=1, launch_timeout=limit, env={"PYTHONPATH": _site(tmp_path), "FX_HANG_PODS": "1"}
+    )
     waits: list[dict[str, float]] = []
     wait_ready = LocalBackend._wait_ready
 
@@ -172,20 +181,28 @@ def test_launch_timeout_is_one_deadline_and_says_which_pods_came_up(tmp_path, mo
         kt.fn(fm.rank_of, name=name).to(compute.distribute("pytorch", workers=2))
     msg = str(info.value)
     assert [w["ordinal"] for w in waits] == [0, 1], waits
-    assert waits[0]["deadline"] == waits[1]["deadline"], f"each pod's wait had a deadline of its own (stacked), not the launch's one: {waits}"
+    assert waits[0]["deadline"] == waits[1]["deadline"], (
+        f"each pod's wait had a deadline of its own (stacked), not the launch's one: {waits}"
+    )
     deadline = waits[0]["deadline"]
-    assert t0 + limit <= deadline <= waits[0]["began"] + limit, "the deadline is not launch_timeout from the launch"
+    assert t0 + limit <= deadline <= waits[0]["began"] + limit, (
+        "the deadline is not launch_timeout from the launch"
+    )
     assert waits[1]["ended"] >= deadline, "LaunchTimeout came before launch_timeout had passed"
     assert f"{name}-1" in msg and "launch_timeout=10s" in msg, msg
-    assert f"1 of 2 pods were ready: {name}-0" in msg, f"the error does not say that pod 0 came up: {msg}"
+    assert f"1 of 2 pods were ready: {name}-0" in msg, (
+        f"the error does not say that pod 0 came up: {msg}"
+    )
     assert _servers_of(name) == []
 
 
 # ---- quorum ----------------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_a_worker_pod_gone_before_the_call_is_started_again_and_the_call_runs_on_every_rank(
-        deployment, tmp_path) -> None:
+    deployment, tmp_path
+) -> None:
     # as on a cluster, where a deleted pod is replaced: the coordinator cannot reach pod 1, the
     # client sees it gone, starts it again, pushes the code and sends the call, which no rank
     # had started (a stopped pod, alive but silent, is the quorum timeout below)
@@ -198,7 +215,9 @@ def test_a_worker_pod_gone_before_the_call_is_started_again_and_the_call_runs_on
     t0 = time.monotonic()
     assert remote(str(tmp_path), "q", 0) == [0, 1]
     took = time.monotonic() - t0
-    fm.report("quorum: worker pod killed before the call -> restarted, call runs", took, quorum + 10)
+    fm.report(
+        "quorum: worker pod killed before the call -> restarted, call runs", took, quorum + 10
+    )
     assert remote.status()[1]["server_pid"] != pid
     assert remote(str(tmp_path), "after", 0) == [0, 1]
 
@@ -230,10 +249,13 @@ def test_quorum_timeout_when_a_worker_pod_is_stopped(deployment, stopped, tmp_pa
     # may find the request that reached it while stopped
     _no_rank_started(tmp_path, "q", ranks=[0])
     assert isinstance(info.value, kt.QuorumTimeout), repr(info.value)
-    assert took <= quorum + SLACK_S, f"the call failed {took:.2f}s after it started (quorum_timeout=2)"
+    assert took <= quorum + SLACK_S, (
+        f"the call failed {took:.2f}s after it started (quorum_timeout=2)"
+    )
 
 
 # ---- call ------------------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_call_timeout_option_names_the_ranks_still_running(deployment, tmp_path) -> None:
@@ -248,7 +270,9 @@ def test_call_timeout_option_names_the_ranks_still_running(deployment, tmp_path)
     err = info.value
     assert isinstance(err, TimeoutError) and isinstance(err, kt.RemoteError)
     msg = str(err)
-    assert f"rank 1 on pod {NAME}-1" in msg and "timeout of 1.5s" in msg, msg  # awaited, still running
+    assert f"rank 1 on pod {NAME}-1" in msg and "timeout of 1.5s" in msg, (
+        msg
+    )  # awaited, still running
     assert "finished: rank(s) 0" in msg, msg  # what arrived
     assert "to try" in msg and "timeout" in msg.split("to try", 1)[1], msg  # what to try
     assert err.results == {0: 0} and err.failed_ranks == [1]
@@ -263,8 +287,9 @@ def test_call_timeout_option_names_the_ranks_still_running(deployment, tmp_path)
 
 
 @pytest.mark.timeout(60)
-def test_call_timeout_default_is_no_limit_and_deployment_default_is_overridable(deployment,
-                                                                                tmp_path) -> None:
+def test_call_timeout_default_is_no_limit_and_deployment_default_is_overridable(
+    deployment, tmp_path
+) -> None:
     remote = _fresh()
     t0 = time.monotonic()
     assert remote(str(tmp_path), "long", 3.0) == [0, 1]  # no limit unless one is set
@@ -283,8 +308,10 @@ def test_call_timeout_default_is_no_limit_and_deployment_default_is_overridable(
 
 # ---- teardown --------------------------------------------------------------------------------
 
-def _stuck_deployment(name: str, compute: kt.Compute, d: Path) -> tuple[kt.RemoteFunction, list[int],
-                                                                        list[int], fm.Call]:
+
+def _stuck_deployment(
+    name: str, compute: kt.Compute, d: Path
+) -> tuple[kt.RemoteFunction, list[int], list[int], fm.Call]:
     """A deployment busy with a call whose pod servers are SIGSTOPped (SIGTERM stays pending)."""
     remote = kt.fn(fm.beat, name=name).to(compute)
     servers = [pod["server_pid"] for pod in remote.status()]
@@ -300,8 +327,9 @@ def _assert_gone(name: str, servers: list[int], ranks: list[int], call: fm.Call,
     assert not [p for p in servers if fm.pid_alive(p)], "pod servers survived teardown"
     # a rank process notices that its server is gone (it polls every 0.5 s) and exits
     t0 = time.monotonic()
-    assert fm.wait_for(lambda: not any(fm.pid_alive(p) for p in ranks), 2.0), \
+    assert fm.wait_for(lambda: not any(fm.pid_alive(p) for p in ranks), 2.0), (
         f"rank processes {[p for p in ranks if fm.pid_alive(p)]} survived teardown"
+    )
     fm.report(f"{what}: rank processes gone after teardown returned", time.monotonic() - t0, 2.0)
     assert name not in [row["name"] for row in LocalBackend.shared().list()]
     assert not (Path(os.environ["KTLITE_HOME"]) / "local" / name).exists()
@@ -329,13 +357,17 @@ def test_teardown_timeout_kills_pods_that_ignore_sigterm(tmp_path) -> None:
 @pytest.mark.timeout(60)
 def test_teardown_timeout_from_compute(tmp_path) -> None:
     name = "fx-teardown-dflt"
-    compute = kt.Compute(cpus=1, stream_logs=False, teardown_timeout=1.5).distribute("pytorch", workers=2)
+    compute = kt.Compute(cpus=1, stream_logs=False, teardown_timeout=1.5).distribute(
+        "pytorch", workers=2
+    )
     remote, servers, ranks, call = _stuck_deployment(name, compute, tmp_path)
     try:
         t0 = time.monotonic()
         remote.teardown()
         took = time.monotonic() - t0
-        fm.report("teardown() with Compute(teardown_timeout=1.5) of stopped pods", took, 1.5 + SLACK_S)
+        fm.report(
+            "teardown() with Compute(teardown_timeout=1.5) of stopped pods", took, 1.5 + SLACK_S
+        )
         assert 1.5 <= took <= 1.5 + SLACK_S
         _assert_gone(name, servers, ranks, call, "Compute(teardown_timeout=1.5)")
     finally:

@@ -12,8 +12,18 @@ import socket
 import sys
 import time
 
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-            "POD_IPS", "KTLITE_POD_NAME", "FOO")
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "POD_IPS",
+    "KTLITE_POD_NAME",
+    "FOO",
+)
 
 
 def _env() -> dict[str, str | None]:
@@ -22,9 +32,14 @@ def _env() -> dict[str, str | None]:
 
 def whoami(x: int, caller_file: str | None = None) -> dict[str, object]:
     """``caller_file``: a path of the caller's, which a pod must not see."""
-    return {"value": x * 2, "hostname": socket.gethostname(), "pid": os.getpid(),
-            "python": list(sys.version_info[:2]), "env": _env(),
-            "sees_caller_file": caller_file is not None and os.path.exists(caller_file)}
+    return {
+        "value": x * 2,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "python": list(sys.version_info[:2]),
+        "env": _env(),
+        "sees_caller_file": caller_file is not None and os.path.exists(caller_file),
+    }
 
 
 def gloo_all_reduce() -> dict[str, object]:
@@ -37,8 +52,13 @@ def gloo_all_reduce() -> dict[str, object]:
     rank = dist.get_rank()
     t = torch.ones(1) * (rank + 1)
     dist.all_reduce(t)
-    return {"rank": rank, "world": dist.get_world_size(), "sum": float(t.item()),
-            "hostname": socket.gethostname(), "env": _env()}
+    return {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "sum": float(t.item()),
+        "hostname": socket.gethostname(),
+        "env": _env(),
+    }
 
 
 def job(mode: str, arg: str | float | None = None) -> object:
@@ -61,13 +81,21 @@ def job(mode: str, arg: str | float | None = None) -> object:
 
 
 def version_one() -> dict[str, object]:
-    return {"version": 1, "pid": os.getpid(), "hostname": socket.gethostname(),
-            "foo": os.environ.get("FOO")}
+    return {
+        "version": 1,
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "foo": os.environ.get("FOO"),
+    }
 
 
 def version_two() -> dict[str, object]:
-    return {"version": 2, "pid": os.getpid(), "hostname": socket.gethostname(),
-            "foo": os.environ.get("FOO")}
+    return {
+        "version": 2,
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "foo": os.environ.get("FOO"),
+    }
 
 
 def _mount_points() -> list[str]:

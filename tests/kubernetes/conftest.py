@@ -54,13 +54,22 @@ MANAGED_BY = "app.kubernetes.io/managed-by=ktlite"
 NAME_LABEL = "ktlite.dev/name"
 # what a deployment creates, in deletion order (the StatefulSet before its pods); the same
 # kinds ktlite itself needs rights on (docs/kubernetes.md), so the suite needs no others
-KINDS = ("horizontalpodautoscalers", "deployments", "statefulsets", "services", "secrets", "networkpolicies",
-         "pods", "persistentvolumeclaims")
+KINDS = (
+    "horizontalpodautoscalers",
+    "deployments",
+    "statefulsets",
+    "services",
+    "secrets",
+    "networkpolicies",
+    "pods",
+    "persistentvolumeclaims",
+)
 WITHOUT_VOLUMES = KINDS[:-1]
 REQUEST_TIMEOUT = 30  # seconds, for every Kubernetes API request made here
 
 
 # ---- settings ------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -84,8 +93,11 @@ def settings() -> Settings:
         pytest.skip("set KTLITE_TEST_KUBECONFIG to run against a real cluster")
     kubeconfig = os.path.expanduser(kubeconfig)
     if not os.path.isfile(kubeconfig):
-        pytest.fail(f"KTLITE_TEST_KUBECONFIG={kubeconfig!r} is not a file; point it at the "
-                    "test cluster's kubeconfig, e.g. ~/.kube/config", pytrace=False)
+        pytest.fail(
+            f"KTLITE_TEST_KUBECONFIG={kubeconfig!r} is not a file; point it at the "
+            "test cluster's kubeconfig, e.g. ~/.kube/config",
+            pytrace=False,
+        )
     return Settings(
         kubeconfig=kubeconfig,
         context=os.environ.get("KTLITE_TEST_CONTEXT") or None,
@@ -132,6 +144,7 @@ def _kubeconfig(settings: Settings) -> Iterator[str]:
 
 # ---- the Kubernetes API, seen by the tests ---------------------------------------------------
 
+
 class Kube:
     """The few Kubernetes API reads and deletes the tests need, in one namespace.
 
@@ -143,33 +156,47 @@ class Kube:
         from kubernetes import client, config
 
         self.namespace = settings.namespace
-        self.api = config.new_client_from_config(config_file=settings.kubeconfig,
-                                                 context=settings.context, persist_config=False)
+        self.api = config.new_client_from_config(
+            config_file=settings.kubeconfig, context=settings.context, persist_config=False
+        )
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
         self.storage = client.StorageV1Api(self.api)
         self.networking = client.NetworkingV1Api(self.api)
         self.autoscaling = client.AutoscalingV2Api(self.api)
-        ns, core, apps, net, scaling = self.namespace, self.core, self.apps, self.networking, self.autoscaling
+        ns, core, apps, net, scaling = (
+            self.namespace,
+            self.core,
+            self.apps,
+            self.networking,
+            self.autoscaling,
+        )
         self._list = {
-            "horizontalpodautoscalers": lambda **kw: scaling.list_namespaced_horizontal_pod_autoscaler(ns, **kw),
+            "horizontalpodautoscalers": lambda **kw: (
+                scaling.list_namespaced_horizontal_pod_autoscaler(ns, **kw)
+            ),
             "deployments": lambda **kw: apps.list_namespaced_deployment(ns, **kw),
             "statefulsets": lambda **kw: apps.list_namespaced_stateful_set(ns, **kw),
             "services": lambda **kw: core.list_namespaced_service(ns, **kw),
             "secrets": lambda **kw: core.list_namespaced_secret(ns, **kw),
             "pods": lambda **kw: core.list_namespaced_pod(ns, **kw),
-            "persistentvolumeclaims": lambda **kw: core.list_namespaced_persistent_volume_claim(ns, **kw),
+            "persistentvolumeclaims": lambda **kw: core.list_namespaced_persistent_volume_claim(
+                ns, **kw
+            ),
             "networkpolicies": lambda **kw: net.list_namespaced_network_policy(ns, **kw),
         }
         self._delete = {
-            "horizontalpodautoscalers":
-                lambda n, **kw: scaling.delete_namespaced_horizontal_pod_autoscaler(n, ns, **kw),
+            "horizontalpodautoscalers": lambda n, **kw: (
+                scaling.delete_namespaced_horizontal_pod_autoscaler(n, ns, **kw)
+            ),
             "deployments": lambda n, **kw: apps.delete_namespaced_deployment(n, ns, **kw),
             "statefulsets": lambda n, **kw: apps.delete_namespaced_stateful_set(n, ns, **kw),
             "services": lambda n, **kw: core.delete_namespaced_service(n, ns, **kw),
             "secrets": lambda n, **kw: core.delete_namespaced_secret(n, ns, **kw),
             "pods": lambda n, **kw: core.delete_namespaced_pod(n, ns, **kw),
-            "persistentvolumeclaims": lambda n, **kw: core.delete_namespaced_persistent_volume_claim(n, ns, **kw),
+            "persistentvolumeclaims": lambda n, **kw: (
+                core.delete_namespaced_persistent_volume_claim(n, ns, **kw)
+            ),
             "networkpolicies": lambda n, **kw: net.delete_namespaced_network_policy(n, ns, **kw),
         }
 
@@ -183,21 +210,29 @@ class Kube:
         try:
             self.core.list_namespaced_pod(self.namespace, limit=1, _request_timeout=REQUEST_TIMEOUT)
         except Exception as e:  # noqa: BLE001
-            pytest.fail(f"cannot list pods in namespace {self.namespace!r} of the cluster of "
-                        f"KTLITE_TEST_KUBECONFIG: {type(e).__name__}: {e}", pytrace=False)
+            pytest.fail(
+                f"cannot list pods in namespace {self.namespace!r} of the cluster of "
+                f"KTLITE_TEST_KUBECONFIG: {type(e).__name__}: {e}",
+                pytrace=False,
+            )
         try:
             self.core.read_namespace(self.namespace, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as e:
             if e.status == 404:
-                pytest.fail(f"namespace {self.namespace!r} does not exist; create it "
-                            f"(kubectl create namespace {self.namespace}) or set "
-                            "KTLITE_TEST_NAMESPACE", pytrace=False)
+                pytest.fail(
+                    f"namespace {self.namespace!r} does not exist; create it "
+                    f"(kubectl create namespace {self.namespace}) or set "
+                    "KTLITE_TEST_NAMESPACE",
+                    pytrace=False,
+                )
             # 403: no right to read namespaces; the tests will say what else is missing
 
     # reads
 
     def list(self, kind: str, selector: str) -> list[Any]:
-        return list(self._list[kind](label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items)
+        return list(
+            self._list[kind](label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items
+        )
 
     def remaining(self, selector: str, kinds: tuple[str, ...] = KINDS) -> dict[str, list[str]]:
         """kind -> names of the objects matching ``selector`` (kinds with none left out)."""
@@ -208,8 +243,9 @@ class Kube:
                 out[kind] = names
         return out
 
-    def wait_gone(self, selector: str, kinds: tuple[str, ...] = KINDS,
-                  timeout: float = 120.0) -> dict[str, list[str]]:
+    def wait_gone(
+        self, selector: str, kinds: tuple[str, ...] = KINDS, timeout: float = 120.0
+    ) -> dict[str, list[str]]:
         """Poll until nothing matching ``selector`` is left; returns what is left at the deadline."""
         deadline = time.monotonic() + timeout
         while True:
@@ -224,7 +260,9 @@ class Kube:
         return sorted(pods, key=lambda p: int(p.metadata.name.rsplit("-", 1)[-1]))
 
     def pod(self, pod_name: str) -> Any:
-        return self.core.read_namespaced_pod(pod_name, self.namespace, _request_timeout=REQUEST_TIMEOUT)
+        return self.core.read_namespaced_pod(
+            pod_name, self.namespace, _request_timeout=REQUEST_TIMEOUT
+        )
 
     def has_default_storage_class(self) -> bool | None:
         """True/False; None when this user may not list StorageClasses."""
@@ -234,7 +272,10 @@ class Kube:
             classes = self.storage.list_storage_class(_request_timeout=REQUEST_TIMEOUT).items
         except ApiException:
             return None
-        keys = ("storageclass.kubernetes.io/is-default-class", "storageclass.beta.kubernetes.io/is-default-class")
+        keys = (
+            "storageclass.kubernetes.io/is-default-class",
+            "storageclass.beta.kubernetes.io/is-default-class",
+        )
         return any((sc.metadata.annotations or {}).get(k) == "true" for sc in classes for k in keys)
 
     # deletes
@@ -258,8 +299,12 @@ class Kube:
         response.read()
         response.release_conn()
 
-    def delete_matching(self, selector: str, keep: Callable[[Any], bool] = lambda obj: True,
-                        kinds: tuple[str, ...] = KINDS) -> list[str]:
+    def delete_matching(
+        self,
+        selector: str,
+        keep: Callable[[Any], bool] = lambda obj: True,
+        kinds: tuple[str, ...] = KINDS,
+    ) -> list[str]:
         """Delete what ``selector`` (and ``keep``) select; returns ``kind/name`` of each."""
         deleted = []
         for kind in kinds:
@@ -282,6 +327,7 @@ def kube(settings: Settings, _kubeconfig: str) -> Iterator[Kube]:
 
 # ---- names and cleanup -----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def run_prefix() -> str:
     """``kt-test-<6 hex>``: the prefix of every object this session creates."""
@@ -295,7 +341,9 @@ def _sweep(kube: Kube, run_prefix: str) -> Iterator[None]:
 
     def ours(obj: Any) -> bool:
         labels = obj.metadata.labels or {}
-        return obj.metadata.name.startswith(run_prefix) or labels.get(NAME_LABEL, "").startswith(run_prefix)
+        return obj.metadata.name.startswith(run_prefix) or labels.get(NAME_LABEL, "").startswith(
+            run_prefix
+        )
 
     try:
         left = kube.delete_matching(MANAGED_BY, ours)
@@ -376,6 +424,7 @@ def module_deployments(kube: Kube, run_prefix: str) -> Iterator[Deployments]:
 
 # ---- computes --------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def make_compute(settings: Settings) -> Callable[..., kt.Compute]:
     """``make_compute(image=None, workers=None, num_proc=1, **fields)``: a kubernetes Compute.
@@ -384,14 +433,19 @@ def make_compute(settings: Settings) -> Callable[..., kt.Compute]:
     ``workers=N`` gives ``.distribute("pytorch", workers=N, num_proc=num_proc)``.
     """
 
-    def make(image: str | None = None, workers: int | None = None, num_proc: int = 1,
-             **fields: Any) -> kt.Compute:
+    def make(
+        image: str | None = None, workers: int | None = None, num_proc: int = 1, **fields: Any
+    ) -> kt.Compute:
         fields.setdefault("cpus", "500m")
         fields.setdefault("memory", "1Gi")
         fields.setdefault("launch_timeout", 300)
         fields.setdefault("image_pull_policy", settings.pull_policy)
-        compute = kt.Compute(backend="kubernetes", namespace=settings.namespace,
-                             image=kt.Image(image or settings.image), **fields)
+        compute = kt.Compute(
+            backend="kubernetes",
+            namespace=settings.namespace,
+            image=kt.Image(image or settings.image),
+            **fields,
+        )
         if workers is not None:
             compute = compute.distribute("pytorch", workers=workers, num_proc=num_proc)
         return compute
@@ -407,6 +461,8 @@ def storage_class(settings: Settings, kube: Kube) -> str | None:
     if settings.storage_class:
         return settings.storage_class
     if kube.has_default_storage_class() is False:
-        pytest.skip("the cluster has no default StorageClass; set KTLITE_TEST_STORAGE_CLASS "
-                    "(or KTLITE_TEST_SKIP_VOLUMES=1)")
+        pytest.skip(
+            "the cluster has no default StorageClass; set KTLITE_TEST_STORAGE_CLASS "
+            "(or KTLITE_TEST_SKIP_VOLUMES=1)"
+        )
     return None

@@ -18,7 +18,10 @@ def digest(text: str | bytes | None) -> str | None:
 def read_secrets(env_names: list[str], files: list[str]) -> dict[str, Any]:
     """Each env var's digest, and each file's (``~`` is the pod's home): its digest, its mode,
     and whether its directory is writable (a subPath mount leaves ~/.ssh writable)."""
-    out: dict[str, Any] = {"rank": int(os.environ.get("RANK", "0")), "home": os.path.expanduser("~")}
+    out: dict[str, Any] = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "home": os.path.expanduser("~"),
+    }
     out["env"] = {name: digest(os.environ.get(name)) for name in env_names}
     out["files"] = {}
     for name in files:
@@ -30,8 +33,19 @@ def read_secrets(env_names: list[str], files: list[str]) -> dict[str, Any]:
         except OSError as e:
             out["files"][name] = {"error": f"{type(e).__name__}: {e}"}
             continue
-        out["files"][name] = {"digest": digest(data), "mode": oct(mode), "path": path,
-                              "dir_writable": os.access(os.path.dirname(path), os.W_OK)}
-    out["pointers"] = {k: os.environ.get(k) for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE",
-                                                      "GOOGLE_APPLICATION_CREDENTIALS", "KUBECONFIG")}
+        out["files"][name] = {
+            "digest": digest(data),
+            "mode": oct(mode),
+            "path": path,
+            "dir_writable": os.access(os.path.dirname(path), os.W_OK),
+        }
+    out["pointers"] = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_SHARED_CREDENTIALS_FILE",
+            "AWS_CONFIG_FILE",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+            "KUBECONFIG",
+        )
+    }
     return out

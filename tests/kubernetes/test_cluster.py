@@ -32,6 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 
 # ---- helpers ---------------------------------------------------------------------------------
 
+
 def context(err: BaseException) -> str:
     """An error's message and notes: where ktlite names ranks, pods and reasons."""
     return "\n".join([str(err), *getattr(err, "__notes__", [])])
@@ -60,10 +61,20 @@ def pod_identity(kube: Any, name: str) -> list[tuple[Any, ...]]:
     out = []
     for pod in kube.pods(name):
         containers = sorted(pod.status.container_statuses or [], key=lambda c: c.name)
-        out.append((pod.metadata.name, pod.metadata.uid,
-                    tuple((c.name, c.restart_count,
-                           c.state.running.started_at if c.state and c.state.running else None)
-                          for c in containers)))
+        out.append(
+            (
+                pod.metadata.name,
+                pod.metadata.uid,
+                tuple(
+                    (
+                        c.name,
+                        c.restart_count,
+                        c.state.running.started_at if c.state and c.state.running else None,
+                    )
+                    for c in containers
+                ),
+            )
+        )
     return out
 
 
@@ -77,6 +88,7 @@ def rank_pids(status: list[dict[str, Any]]) -> dict[int, int]:
 
 # ---- one pod ---------------------------------------------------------------------------------
 
+
 @pytest.mark.kubernetes
 @pytest.mark.timeout(600)  # the first deploy of a session may pull the image
 def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
@@ -84,7 +96,9 @@ def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
     remote = deployments.to(cluster_funcs.whoami, make_compute(), name)
     out = remote(21, caller_file=__file__)
     assert out["value"] == 42
-    assert not out["sees_caller_file"], "the caller's files must not exist on the pods (as on a real cluster)"
+    assert not out["sees_caller_file"], (
+        "the caller's files must not exist on the pods (as on a real cluster)"
+    )
     assert out["hostname"] == f"{name}-0", "the function did not run in the StatefulSet's pod 0"
     assert out["env"]["KTLITE_POD_NAME"] == f"{name}-0"
     assert (out["env"]["RANK"], out["env"]["WORLD_SIZE"]) == ("0", "1")
@@ -95,8 +109,23 @@ def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
     # health and resources, read by the pod's server: the process that ran the call, its memory
     rank = remote.status()[0]["ranks"][0]
     assert rank["pid"] == out["pid"] and rank["rss_bytes"] > 0 and rank["cpu_percent"] >= 0, rank
-    done = subprocess.run([sys.executable, "-m", "ktlite.commands.cli", "status", name, "--backend", "kubernetes",
-                           "-n", kube.namespace, "--json"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ktlite.commands.cli",
+            "status",
+            name,
+            "--backend",
+            "kubernetes",
+            "-n",
+            kube.namespace,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert [r["pid"] for p in json.loads(done.stdout) for r in p["ranks"]] == [out["pid"]]
     pods = kube.pods(name)
@@ -107,6 +136,7 @@ def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
 
 
 # ---- two pods, torch.distributed ---------------------------------------------------------------
+
 
 @pytest.mark.kubernetes
 @pytest.mark.timeout(600)  # may pull the torch image
@@ -124,7 +154,9 @@ def test_gloo_all_reduce_across_two_pods(settings, deployments, make_compute, ku
     ips = [p.status.pod_ip for p in pods]
     for r, res in enumerate(results):
         env = res["env"]
-        assert res["rank"] == r and env["RANK"] == str(r), f"results[{r}] came from rank {res['rank']}"
+        assert res["rank"] == r and env["RANK"] == str(r), (
+            f"results[{r}] came from rank {res['rank']}"
+        )
         assert res["world"] == 2
         assert res["sum"] == 3.0, f"rank {r} saw all_reduce = {res['sum']}"
         assert res["hostname"] == f"{name}-{r}"
@@ -142,18 +174,23 @@ def test_uneven_pods_1_and_2_ranks_all_reduce(settings, deployments, make_comput
         pytest.skip("KTLITE_TEST_TORCH_IMAGE is empty")
     name = deployments.name("uneven")
     compute = make_compute(settings.torch_image, memory="2Gi", launch_timeout=480).distribute(
-        "pytorch", num_proc=[1, 2])
+        "pytorch", num_proc=[1, 2]
+    )
     remote = deployments.to(cluster_funcs.gloo_all_reduce, compute, name)
     results = remote()
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert all(r["world"] == 3 and r["sum"] == 6.0 for r in results), results
     assert [r["hostname"] for r in results] == [f"{name}-0", f"{name}-1", f"{name}-1"]
     assert [(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for r in results] == [
-        ("0", "1"), ("0", "2"), ("1", "2")]
+        ("0", "1"),
+        ("0", "2"),
+        ("1", "2"),
+    ]
     assert [p.metadata.name for p in kube.pods(name)] == [f"{name}-0", f"{name}-1"]
 
 
 # ---- errors and logs on two pods (one deployment) --------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def pair(module_deployments, make_compute):
@@ -190,7 +227,9 @@ def test_logs_hold_each_ranks_lines_and_calls_stream_them(pair, capfd):
     missing = [w for w in wanted if w not in text]
     assert not missing, f"not in remote.logs(): {missing}\n--- logs ---\n{text[-4000:]}"
 
-    one = wait_for(lambda: pair.logs(rank=1), lambda t: f"[rank 1] {quiet} out rank=1" in t, timeout=60)
+    one = wait_for(
+        lambda: pair.logs(rank=1), lambda t: f"[rank 1] {quiet} out rank=1" in t, timeout=60
+    )
     assert f"[rank 1] {quiet} out rank=1" in one
     assert f"{quiet} out rank=0" not in one, "logs(rank=1) must not hold rank 0's lines"
 
@@ -205,10 +244,13 @@ def test_logs_hold_each_ranks_lines_and_calls_stream_them(pair, capfd):
     # ... and stays in the pod's log as well
     wanted = [f"[rank {r}] {loud} out rank={r}" for r in (0, 1)]
     text = wait_for(pair.logs, lambda t: all(w in t for w in wanted), timeout=60)
-    assert all(w in text for w in wanted), f"streamed lines missing from remote.logs():\n{text[-4000:]}"
+    assert all(w in text for w in wanted), (
+        f"streamed lines missing from remote.logs():\n{text[-4000:]}"
+    )
 
 
 # ---- redeploy --------------------------------------------------------------------------------
+
 
 @pytest.mark.kubernetes
 @pytest.mark.timeout(600)
@@ -229,10 +271,16 @@ def test_redeploy_after_a_code_change_keeps_the_pods(deployments, make_compute, 
     assert [v["foo"] for v in second] == ["one", "one"]
     assert [v["hostname"] for v in second] == [f"{name}-0", f"{name}-1"]
     after = r2.status()
-    assert servers(after) == servers(status), "a code-only redeploy must not restart the pod servers"
-    assert rank_pids(after) == rank_pids(status), "the code is reloaded into the same rank processes"
+    assert servers(after) == servers(status), (
+        "a code-only redeploy must not restart the pod servers"
+    )
+    assert rank_pids(after) == rank_pids(status), (
+        "the code is reloaded into the same rank processes"
+    )
     assert [v["pid"] for v in second] == [v["pid"] for v in first]
-    assert pod_identity(kube, name) == before, "a code-only redeploy must not replace or restart pods"
+    assert pod_identity(kube, name) == before, (
+        "a code-only redeploy must not replace or restart pods"
+    )
 
 
 @pytest.mark.kubernetes
@@ -252,6 +300,7 @@ def test_redeploy_with_a_changed_pod_field_replaces_the_pod(deployments, make_co
 
 
 # ---- teardown --------------------------------------------------------------------------------
+
 
 @pytest.mark.kubernetes
 @pytest.mark.timeout(600)
@@ -276,7 +325,9 @@ def test_teardown_leaves_nothing(deployments, make_compute, kube):
     for kind in ("statefulsets", "services", "secrets", "pods"):
         for obj in kube.list(kind, selector):
             labels = obj.metadata.labels or {}
-            assert labels.get(MANAGED_BY_KEY) == "ktlite", f"{kind}/{obj.metadata.name} lacks {MANAGED_BY_KEY}=ktlite"
+            assert labels.get(MANAGED_BY_KEY) == "ktlite", (
+                f"{kind}/{obj.metadata.name} lacks {MANAGED_BY_KEY}=ktlite"
+            )
 
     remote.teardown()
     left = kube.wait_gone(selector, ("statefulsets", "services", "secrets", "pods"), timeout=120)
@@ -287,6 +338,7 @@ def test_teardown_leaves_nothing(deployments, make_compute, kube):
 
 
 # ---- failures before the pods start ------------------------------------------------------------
+
 
 @pytest.mark.kubernetes
 @pytest.mark.timeout(300)
@@ -313,21 +365,30 @@ def test_unschedulable_request_fails_fast(deployments, make_compute):
         deployments.to(cluster_funcs.whoami, compute, name)
     elapsed = time.monotonic() - start
     text = context(info.value)
-    assert elapsed < 120, f".to() took {elapsed:.0f}s to report an unschedulable pod (launch_timeout=300)"
+    assert elapsed < 120, (
+        f".to() took {elapsed:.0f}s to report an unschedulable pod (launch_timeout=300)"
+    )
     assert "Unschedulable" in text or "Insufficient cpu" in text, text
 
 
 # ---- volumes ---------------------------------------------------------------------------------
 
+
 @pytest.mark.kubernetes
 @pytest.mark.kubernetes_volumes
 @pytest.mark.timeout(600)
-def test_volume_outlives_the_pod_and_teardown_volumes_deletes_it(deployments, make_compute, kube,
-                                                                  storage_class):
+def test_volume_outlives_the_pod_and_teardown_volumes_deletes_it(
+    deployments, make_compute, kube, storage_class
+):
     name = deployments.name("vol")
     selector = f"{NAME_LABEL}={name}"
-    volume = kt.Volume(f"{name}-data", size="1Gi", mount_path="/data", access_mode="ReadWriteOnce",
-                       storage_class=storage_class)
+    volume = kt.Volume(
+        f"{name}-data",
+        size="1Gi",
+        mount_path="/data",
+        access_mode="ReadWriteOnce",
+        storage_class=storage_class,
+    )
     compute = make_compute(volumes=[volume])
     token = secrets.token_hex(8)
 
@@ -345,7 +406,9 @@ def test_volume_outlives_the_pod_and_teardown_volumes_deletes_it(deployments, ma
     left = kube.wait_gone(selector, ("statefulsets", "services", "secrets", "pods"), timeout=120)
     assert left == {}, f"still there 120 s after teardown(): {left}"
     kept = kube.list("persistentvolumeclaims", selector)
-    assert sorted(p.metadata.uid for p in kept) == pvc_uids, "teardown() without volumes=True deleted a PVC"
+    assert sorted(p.metadata.uid for p in kept) == pvc_uids, (
+        "teardown() without volumes=True deleted a PVC"
+    )
     assert all(p.metadata.deletion_timestamp is None for p in kept)
 
     # ... so a new pod of the same name finds the file
@@ -360,18 +423,21 @@ def test_volume_outlives_the_pod_and_teardown_volumes_deletes_it(deployments, ma
 
 # ---- kt.app: a command on replicas, in the caller's working directory -------------------------
 
+
 @pytest.mark.kubernetes
 @pytest.mark.timeout(600)
-def test_app_runs_a_command_in_the_shipped_working_directory(deployments, make_compute, kube,
-                                                             tmp_path, capfd):
+def test_app_runs_a_command_in_the_shipped_working_directory(
+    deployments, make_compute, kube, tmp_path, capfd
+):
     # the files travel as an archive that each replica unpacks (on any Python the image has;
     # Debian's 3.11.2 has no tarfile extraction filter)
     name = deployments.name("app")
     token = secrets.token_hex(8)
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "message.txt").write_text(f"kt-app-file {token}\n")
-    app = kt.app(["cat", "conf/message.txt"], replicas=2, name=name, workdir=tmp_path,
-                 compute=make_compute())
+    app = kt.app(
+        ["cat", "conf/message.txt"], replicas=2, name=name, workdir=tmp_path, compute=make_compute()
+    )
     try:
         capfd.readouterr()
         assert app.run() == [0, 0]
@@ -381,6 +447,7 @@ def test_app_runs_a_command_in_the_shipped_working_directory(deployments, make_c
         assert [p.metadata.name for p in kube.pods(name)] == [f"{name}-0", f"{name}-1"]
     finally:
         app.teardown()
-    left = kube.wait_gone(f"{NAME_LABEL}={name}", ("statefulsets", "services", "secrets", "pods"),
-                          timeout=120)
+    left = kube.wait_gone(
+        f"{NAME_LABEL}={name}", ("statefulsets", "services", "secrets", "pods"), timeout=120
+    )
     assert left == {}, f"still there 120 s after app.teardown(): {left}"

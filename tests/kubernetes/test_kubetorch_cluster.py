@@ -19,9 +19,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 @pytest.mark.timeout(600)
 def test_kubetorch_forms_on_real_pods(deployments, make_compute, kube, settings, monkeypatch):
     name = deployments.name("kubetorch")
-    compute = make_compute(gpus=None, tolerations=None, priority_class_name=None,
-                           service_account_name=None, disk_size="1Gi", working_dir="/tmp",
-                           labels={"team": "ml"})
+    compute = make_compute(
+        gpus=None,
+        tolerations=None,
+        priority_class_name=None,
+        service_account_name=None,
+        disk_size="1Gi",
+        working_dir="/tmp",
+        labels={"team": "ml"},
+    )
     compute.distribute("spmd", workers=2)  # not assigned: Kubetorch's distribute changes compute
     remote = deployments.to(cluster_funcs.whoami, compute, name)
     out = remote(1)

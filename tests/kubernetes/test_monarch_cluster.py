@@ -25,7 +25,10 @@ def mesh_job(x: int) -> list[dict]:
 
     procs = monarch_procs()
     try:
-        return [{"point": dict(p), **v} for p, v in procs.spawn("where", Where).where.call(x).get().items()]
+        return [
+            {"point": dict(p), **v}
+            for p, v in procs.spawn("where", Where).where.call(x).get().items()
+        ]
     finally:
         procs.stop().get()
 
@@ -53,8 +56,9 @@ def test_monarch_mesh_across_pods(settings, deployments, make_compute, kube):
     if not settings.monarch_image:
         pytest.skip("KTLITE_TEST_MONARCH_IMAGE is empty")
     name = deployments.name("mesh")
-    compute = make_compute(settings.monarch_image, cpus="250m", memory="1Gi", launch_timeout=480).distribute(
-        "monarch", workers=2, num_proc=2)
+    compute = make_compute(
+        settings.monarch_image, cpus="250m", memory="1Gi", launch_timeout=480
+    ).distribute("monarch", workers=2, num_proc=2)
     # guarded before the pods exist: the loops' port has no authentication
     policies = [o.metadata.name for o in kube.list("networkpolicies", f"{NAME_LABEL}={name}")]
     assert policies == [], policies
@@ -65,7 +69,8 @@ def test_monarch_mesh_across_pods(settings, deployments, make_compute, kube):
     assert len(rows) == 4 and all(r["x2"] == 42 for r in rows)
     # host k of the mesh is pod k (its hostname is the pod's name)
     assert sorted((r["point"]["hosts"], r["host"]) for r in rows) == sorted(
-        (k, pod) for k, pod in enumerate(pods) for _ in range(2))
+        (k, pod) for k, pod in enumerate(pods) for _ in range(2)
+    )
     head = remote.status()[0]["engine"]
     ips = [p.status.pod_ip for p in kube.pods(name)]
     assert [h["address"].split("//")[1].rsplit(":", 1)[0] for h in head["hosts"]] == ips  # by IP

@@ -40,8 +40,9 @@ def test_ray_cluster_across_pods(settings, deployments, make_compute, kube):
     if not settings.ray_image:
         pytest.skip("KTLITE_TEST_RAY_IMAGE is empty")
     name = deployments.name("ray")
-    compute = make_compute(settings.ray_image, cpus="250m", memory="1Gi", launch_timeout=480).distribute(
-        "ray", workers=2, worker_node_options={"cpus": "300m", "memory": "1Gi"})
+    compute = make_compute(
+        settings.ray_image, cpus="250m", memory="1Gi", launch_timeout=480
+    ).distribute("ray", workers=2, worker_node_options={"cpus": "300m", "memory": "1Gi"})
     deployments.names.append(name)
     remote = kt.fn(ray_job).to(compute, name=name)
     deployments.remotes.append(remote)
@@ -51,8 +52,12 @@ def test_ray_cluster_across_pods(settings, deployments, make_compute, kube):
     assert sum(n["alive"] for n in head["nodes"]) == 3 and head["lost"] == []
     ips = sorted(p.status.pod_ip for p in kube.pods(name))  # the nodes are the pods, by IP
     assert sorted(n["ip"] for n in head["nodes"]) == ips
-    sets = sorted(s.metadata.name for s in kube.apps.list_namespaced_stateful_set(
-        kube.namespace, label_selector=f"{NAME_LABEL}={name}").items)
+    sets = sorted(
+        s.metadata.name
+        for s in kube.apps.list_namespaced_stateful_set(
+            kube.namespace, label_selector=f"{NAME_LABEL}={name}"
+        ).items
+    )
     assert sets == [name, f"{name}-s1"]  # the head and the worker nodes, sized apart
     failing = kt.fn(ray_failing_job).to(compute, name=name)
     with pytest.raises(KeyError, match="missing"):

@@ -50,14 +50,18 @@ def test_proxied_calls_never_fail_and_never_run_twice(recorder, make_compute, mo
             assert recorder.options(stream_logs=False)("small", i) == [i, i]
         except kt.KtliteError as e:  # collect, so the count is in the failure message
             failures.append(f"call {i}: {type(e).__name__}: {str(e)[:300]}")
-    assert not failures, f"{len(failures)} of {CALLS} proxied calls failed:\n" + "\n".join(failures[:5])
+    assert not failures, f"{len(failures)} of {CALLS} proxied calls failed:\n" + "\n".join(
+        failures[:5]
+    )
     payload = os.urandom(1 << 20)
     for i in range(MB_CALLS):
         try:
             assert recorder.options(stream_logs=False)("mb", i, payload) == [i, i]
         except kt.KtliteError as e:
             failures.append(f"1 MB call {i}: {type(e).__name__}: {str(e)[:300]}")
-    assert not failures, f"{len(failures)} of {MB_CALLS} 1 MB calls failed:\n" + "\n".join(failures[:5])
+    assert not failures, f"{len(failures)} of {MB_CALLS} 1 MB calls failed:\n" + "\n".join(
+        failures[:5]
+    )
     # the same pods, other code: each rank's ledger of the calls it ran
     reader = module_deployments.to(resilience_funcs.ledger, make_compute(workers=2), recorder.name)
     for rank, ran in enumerate(reader("small")):
@@ -67,6 +71,7 @@ def test_proxied_calls_never_fail_and_never_run_twice(recorder, make_compute, mo
 
 
 # ---- a pod deleted -----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def napper(deployments, make_compute):
@@ -90,6 +95,7 @@ def _call_in_thread(remote: Any, *args: Any) -> tuple[threading.Thread, dict[str
         except BaseException as e:  # noqa: BLE001
             out["error"] = e
         out["took"] = time.monotonic() - start
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, out
@@ -112,7 +118,10 @@ def test_a_pod_deleted_mid_call_fails_that_call_and_the_next_call_works(napper, 
     error = out["error"]
     assert isinstance(error, kt.WorkerMembershipChanged), repr(error)
     assert isinstance(error, kt.RankDied) and isinstance(error, kt.PodUnreachable)
-    assert old_ip in error.previous_ips and old_ip in error.removed_ips, (error.previous_ips, error.current_ips)
+    assert old_ip in error.previous_ips and old_ip in error.removed_ips, (
+        error.previous_ips,
+        error.current_ips,
+    )
     assert pod in str(error), str(error)
     failed_after = time.monotonic() - deleted
     assert failed_after < FAIL_BOUND_S, f"the call failed {failed_after:.1f}s after the delete"
@@ -150,14 +159,20 @@ def test_a_pod_deleted_while_idle_is_found_by_the_next_call(napper, kube, ordina
 
 # ---- volumes and failed deploys ------------------------------------------------------------------
 
+
 @pytest.mark.timeout(300)
-def test_a_volume_that_cannot_bind_fails_the_deploy_and_nothing_is_left(deployments, make_compute, kube):
+def test_a_volume_that_cannot_bind_fails_the_deploy_and_nothing_is_left(
+    deployments, make_compute, kube
+):
     name = deployments.name("novol")
-    volume = kt.Volume(f"{name}-data", size="1Gi", mount_path="/data",
-                       storage_class="ktlite-does-not-exist")
+    volume = kt.Volume(
+        f"{name}-data", size="1Gi", mount_path="/data", storage_class="ktlite-does-not-exist"
+    )
     start = time.monotonic()
     with pytest.raises(kt.DeployError) as info:
-        deployments.to(resilience_funcs.nap, make_compute(volumes=[volume], launch_timeout=240), name)
+        deployments.to(
+            resilience_funcs.nap, make_compute(volumes=[volume], launch_timeout=240), name
+        )
     took = time.monotonic() - start
     text = str(info.value)
     assert "ktlite-does-not-exist" in text and "volume" in text, text
@@ -178,7 +193,9 @@ def test_a_failed_first_deploy_removes_what_it_created(deployments, make_compute
 
 
 @pytest.mark.timeout(300)
-def test_a_failing_setup_step_fails_the_deploy_with_its_own_log(deployments, make_compute, settings):
+def test_a_failing_setup_step_fails_the_deploy_with_its_own_log(
+    deployments, make_compute, settings
+):
     """The container's own log says why its setup failed, not the kubelet's line for a
     container it no longer has (issue 9, item 9)."""
     name = deployments.name("badstep")

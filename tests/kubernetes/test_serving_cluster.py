@@ -34,12 +34,24 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 def launch(launch_id: str) -> bytes:
     """A deploy message as the client leaves it for replicas (a class of the standard library)."""
     from ktlite.net.packaging import bundle
-    return Launch(launch_id=launch_id, bundle=bundle(dict), kind="cls", distributed=DistributedConfig(),
-                  pod_ips=["127.0.0.1"], master_port=29500, replica=True, concurrency=4, load_timeout=120.0,
-                  single=True).encode()
+
+    return Launch(
+        launch_id=launch_id,
+        bundle=bundle(dict),
+        kind="cls",
+        distributed=DistributedConfig(),
+        pod_ips=["127.0.0.1"],
+        master_port=29500,
+        replica=True,
+        concurrency=4,
+        load_timeout=120.0,
+        single=True,
+    ).encode()
 
 
-def wait_for(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str) -> Any:
+def wait_for(
+    read: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str
+) -> Any:
     deadline = time.monotonic() + timeout
     value = read()
     while not done(value):
@@ -58,7 +70,9 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
     backend = get_backend("kubernetes", namespace=settings.namespace)
     token = secrets.token_urlsafe(16)
     if backend.autoscaler(spec) != "hpa":
-        pytest.skip("this cluster has Knative Serving: the HPA form is not what ktlite deploys here")
+        pytest.skip(
+            "this cluster has Knative Serving: the HPA form is not what ktlite deploys here"
+        )
     http = None
     try:
         applied = backend.apply(spec, token)
@@ -68,8 +82,11 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
 
         def health(url: str, ready: bool = False) -> Any:
             client = http or __import__("httpx")
-            return client.get(f"{url}/health" + ("?ready=1" if ready else ""), timeout=10,
-                              headers={TOKEN_HEADER: bearer(token)})
+            return client.get(
+                f"{url}/health" + ("?ready=1" if ready else ""),
+                timeout=10,
+                headers={TOKEN_HEADER: bearer(token)},
+            )
 
         # running and answering, but not ready: no code yet
         assert health(first.url).status_code == 200
@@ -78,7 +95,10 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
         selector = f"{NAME_LABEL}={name}"
         hpa = kube.autoscaling.read_namespaced_horizontal_pod_autoscaler(name, settings.namespace)
         assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (1, 3)
-        assert hpa.spec.scale_target_ref.kind == "Deployment" and hpa.spec.scale_target_ref.name == name
+        assert (
+            hpa.spec.scale_target_ref.kind == "Deployment"
+            and hpa.spec.scale_target_ref.name == name
+        )
         svc = kube.core.read_namespaced_service(name, settings.namespace)
         assert svc.spec.type == "ClusterIP" and svc.spec.cluster_ip not in (None, "None")
         pods = kube.list("pods", selector)
@@ -88,30 +108,58 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
         # the client's first push leaves the launch for replicas started later
         backend.write_launch(name, launch("launch-one"))
         kube.apps.patch_namespaced_deployment(name, settings.namespace, {"spec": {"replicas": 2}})
-        grown = wait_for(lambda: backend.lookup(name), lambda a: a is not None and len(a.endpoints) == 2, 240,
-                         "the second replica to run")
+        grown = wait_for(
+            lambda: backend.lookup(name),
+            lambda a: a is not None and len(a.endpoints) == 2,
+            240,
+            "the second replica to run",
+        )
         second = next(e for e in grown.endpoints if e.name != first.name)
-        ready = wait_for(lambda: health(second.url, ready=True), lambda r: r.status_code == 200, 240,
-                         "the second replica to load the launch from its Secret and report ready")
+        ready = wait_for(
+            lambda: health(second.url, ready=True),
+            lambda r: r.status_code == 200,
+            240,
+            "the second replica to load the launch from its Secret and report ready",
+        )
         assert ready.json()["launch_id"] == "launch-one"
         # the kubelet's readiness probe agrees
-        wait_for(lambda: kube.pod(second.name), lambda p: any(c.type == "Ready" and c.status == "True"
-                                                              for c in p.status.conditions or []),
-                 60, "the kubelet to report the second replica Ready")
+        wait_for(
+            lambda: kube.pod(second.name),
+            lambda p: any(
+                c.type == "Ready" and c.status == "True" for c in p.status.conditions or []
+            ),
+            60,
+            "the kubelet to report the second replica Ready",
+        )
         # the first replica never got code (no push in this test): it stays unready
         assert health(first.url, ready=True).status_code == 503
 
         # what the HPA controller says reaches scaling_status as the cluster wrote it
-        raw = wait_for(lambda: kube.autoscaling.read_namespaced_horizontal_pod_autoscaler(name, settings.namespace),
-                       lambda h: bool(h.status.conditions), 90, "the HPA controller's first conditions")
+        raw = wait_for(
+            lambda: kube.autoscaling.read_namespaced_horizontal_pod_autoscaler(
+                name, settings.namespace
+            ),
+            lambda h: bool(h.status.conditions),
+            90,
+            "the HPA controller's first conditions",
+        )
         status = backend.scaling_status(name)
-        assert status is not None and status["autoscaler"] == "hpa" and (status["min"], status["max"]) == (1, 3)
+        assert (
+            status is not None
+            and status["autoscaler"] == "hpa"
+            and (status["min"], status["max"]) == (1, 3)
+        )
         conditions = {c["type"]: c for c in status["conditions"]}
         for c in raw.status.conditions:
-            assert conditions[c.type]["reason"] == c.reason and conditions[c.type]["status"] == c.status
+            assert (
+                conditions[c.type]["reason"] == c.reason
+                and conditions[c.type]["status"] == c.status
+            )
         active = conditions.get("ScalingActive")
         print(f"\nHPA conditions: {status['conditions']}\nmetric: {status['metric']}")
-        assert active is not None and (active["status"] == "True" or active["reason"].startswith("FailedGet"))
+        assert active is not None and (
+            active["status"] == "True" or active["reason"].startswith("FailedGet")
+        )
         rows = [r for r in backend.list() if r["name"] == name]
         assert rows and rows[0]["autoscaled"] is True
     finally:
@@ -126,6 +174,7 @@ class Echo:
     def who(self, sleep: float = 0.0) -> tuple[str, str]:
         import os
         import time
+
         time.sleep(sleep)
         return os.environ["KTLITE_POD_NAME"], type(self).version
 
@@ -147,7 +196,12 @@ def test_served_class_through_the_public_api(settings, deployments, make_compute
     pod, version = remote.who()
     assert version == "v1" and pod.startswith(f"{name}-")
     kube.apps.patch_namespaced_deployment(name, settings.namespace, {"spec": {"replicas": 2}})
-    wait_for(lambda: len(remote.status()["replicas"]), lambda n: n == 2, 240, "the client to route to 2 replicas")
+    wait_for(
+        lambda: len(remote.status()["replicas"]),
+        lambda n: n == 2,
+        240,
+        "the client to route to 2 replicas",
+    )
     answers = {f.result(timeout=120) for f in [remote.who.submit(sleep=1.0) for _ in range(4)]}
     assert {v for _, v in answers} == {"v1"} and len({p for p, _ in answers}) == 2
     pods = {r["name"] for r in remote.status()["replicas"]}

@@ -30,14 +30,20 @@ def store_user(prefix: str) -> dict[str, Any]:
 
     import ktlite as kt
     from ktlite.errors import DataStoreError
+
     rank = int(os.environ["RANK"])
     try:
         tree = kt.get(f"{prefix}/tree", f"/tmp/{prefix}-tree-{rank}")
         big = kt.get(f"{prefix}/big.bin", f"/tmp/{prefix}-big-{rank}")
-        kt.put(f"{prefix}/from-rank-{rank}", {"rank": rank, "pod": os.environ.get("KTLITE_POD_NAME")})
-        return {"rank": rank, "config": kt.get(f"{prefix}/config"),
-                "files": sorted(p.name for p in tree.iterdir()),
-                "big": hashlib.sha256(big.read_bytes()).hexdigest()}
+        kt.put(
+            f"{prefix}/from-rank-{rank}", {"rank": rank, "pod": os.environ.get("KTLITE_POD_NAME")}
+        )
+        return {
+            "rank": rank,
+            "config": kt.get(f"{prefix}/config"),
+            "files": sorted(p.name for p in tree.iterdir()),
+            "big": hashlib.sha256(big.read_bytes()).hexdigest(),
+        }
     except DataStoreError as e:
         return {"rank": rank, "error": str(e)}
 
@@ -45,8 +51,16 @@ def store_user(prefix: str) -> dict[str, Any]:
 @pytest.mark.kubernetes
 @pytest.mark.kubernetes_volumes
 @pytest.mark.timeout(900)
-def test_store_from_the_caller_and_from_pods(settings, deployments, make_compute, kube, storage_class,
-                                            run_prefix, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_store_from_the_caller_and_from_pods(
+    settings,
+    deployments,
+    make_compute,
+    kube,
+    storage_class,
+    run_prefix,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+):
     monkeypatch.setenv("KTLITE_IMAGE", settings.image)
     monkeypatch.setenv("KTLITE_IMAGE_PULL_POLICY", settings.pull_policy)
     monkeypatch.setenv("KTLITE_NAMESPACE", settings.namespace)
@@ -54,7 +68,9 @@ def test_store_from_the_caller_and_from_pods(settings, deployments, make_compute
     if storage_class:
         monkeypatch.setenv("KTLITE_STORE_STORAGE_CLASS", storage_class)
     where = {"backend": "kubernetes", "namespace": settings.namespace}
-    had_store = any(s.metadata.name == "ktlite-store" for s in kube.list("statefulsets", "ktlite.dev/store"))
+    had_store = any(
+        s.metadata.name == "ktlite-store" for s in kube.list("statefulsets", "ktlite.dev/store")
+    )
     prefix = f"{run_prefix}-store"
     tree = tmp_path / "tree"
     (tree / "sub").mkdir(parents=True)
@@ -74,7 +90,9 @@ def test_store_from_the_caller_and_from_pods(settings, deployments, make_compute
         started = time.monotonic()
         out = kt.get(f"{prefix}/big.bin", tmp_path / "big.out", **where)
         down = time.monotonic() - started
-        print(f"\n20 MB through the API server's pod proxy: put {20 / up:.1f} MB/s, get {20 / down:.1f} MB/s")
+        print(
+            f"\n20 MB through the API server's pod proxy: put {20 / up:.1f} MB/s, get {20 / down:.1f} MB/s"
+        )
         assert hashlib.sha256(out.read_bytes()).hexdigest() == want
         assert {e["name"] for e in kt.ls(prefix, **where)} == {"config", "big.bin", "tree/"}
 
@@ -88,8 +106,10 @@ def test_store_from_the_caller_and_from_pods(settings, deployments, make_compute
         remote = deployments.to(store_user, make_compute(workers=2), name)
         results = remote(prefix)
         assert [r.get("error") for r in results] == [None, None], results
-        assert all(r["config"] == {"lr": 0.25} and r["files"] == ["a.txt", "sub"] and r["big"] == want
-                   for r in results)
+        assert all(
+            r["config"] == {"lr": 0.25} and r["files"] == ["a.txt", "sub"] and r["big"] == want
+            for r in results
+        )
         assert kt.get(f"{prefix}/from-rank-1", **where)["pod"] == f"{name}-1"
 
         # the store pod is replaced: new IP, same data; pods learn it at the next .to()
@@ -101,20 +121,30 @@ def test_store_from_the_caller_and_from_pods(settings, deployments, make_compute
                 new = kube.pod(STORE_POD)
             except Exception:  # noqa: BLE001 - not re-created yet
                 new = None
-            if new is not None and not new.metadata.deletion_timestamp and new.status.pod_ip \
-                    and new.status.pod_ip != old_ip:
+            if (
+                new is not None
+                and not new.metadata.deletion_timestamp
+                and new.status.pod_ip
+                and new.status.pod_ip != old_ip
+            ):
                 break
             assert time.monotonic() < deadline, "the store pod was not re-created within 600 s"
             time.sleep(2)
         assert kt.get(f"{prefix}/config", **where) == {"lr": 0.25}  # waits until it answers
         stale = remote(prefix)
-        assert all(old_ip in r.get("error", "") and "call .to() again" in r["error"] for r in stale), stale
+        assert all(
+            old_ip in r.get("error", "") and "call .to() again" in r["error"] for r in stale
+        ), stale
         remote = deployments.to(store_user, make_compute(workers=2), name)
         assert [r.get("error") for r in remote(prefix)] == [None, None]
 
         # a deployment's teardown leaves the store and its keys
         remote.teardown()
-        assert {e["name"] for e in kt.ls(prefix, **where)} >= {"config", "from-rank-0", "from-rank-1"}
+        assert {e["name"] for e in kt.ls(prefix, **where)} >= {
+            "config",
+            "from-rank-0",
+            "from-rank-1",
+        }
         with pytest.raises(kt.DataStoreError, match="no key"):
             kt.get(f"{prefix}/nope", **where)
     finally:
@@ -124,6 +154,7 @@ def test_store_from_the_caller_and_from_pods(settings, deployments, make_compute
             if not had_store:
                 from ktlite.backends.kube_store import KubeStore
                 from ktlite.backends.kubernetes import KubernetesBackend
+
                 KubeStore(KubernetesBackend.shared(settings.namespace)).teardown(volumes=True)
 
 

@@ -17,9 +17,17 @@ from __future__ import annotations
 import tarfile
 from typing import Any
 
-_GONE = ("data_filter", "tar_filter", "fully_trusted_filter", "FilterError", "AbsolutePathError",
-         "OutsideDestinationError", "SpecialFileError", "AbsoluteLinkError",
-         "LinkOutsideDestinationError")
+_GONE = (
+    "data_filter",
+    "tar_filter",
+    "fully_trusted_filter",
+    "FilterError",
+    "AbsolutePathError",
+    "OutsideDestinationError",
+    "SpecialFileError",
+    "AbsoluteLinkError",
+    "LinkOutsideDestinationError",
+)
 
 
 def _make_old() -> None:
@@ -30,12 +38,19 @@ def _make_old() -> None:
 
     # the old signatures; the filter is passed as a function because the module-level
     # names the new code looks a filter up by are deleted below
-    def extractall(self: tarfile.TarFile, path: Any = ".", members: Any = None, *,
-                   numeric_owner: bool = False) -> None:
+    def extractall(
+        self: tarfile.TarFile, path: Any = ".", members: Any = None, *, numeric_owner: bool = False
+    ) -> None:
         new_extractall(self, path, members, numeric_owner=numeric_owner, filter=trusted)
 
-    def extract(self: tarfile.TarFile, member: Any, path: Any = "", set_attrs: bool = True, *,
-                numeric_owner: bool = False) -> None:
+    def extract(
+        self: tarfile.TarFile,
+        member: Any,
+        path: Any = "",
+        set_attrs: bool = True,
+        *,
+        numeric_owner: bool = False,
+    ) -> None:
         new_extract(self, member, path, set_attrs, numeric_owner=numeric_owner, filter=trusted)
 
     extractall.__qualname__, extract.__qualname__ = "TarFile.extractall", "TarFile.extract"

@@ -21,7 +21,11 @@ RESULT_PREFIX = "ktlite-res-"
 
 
 def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return (
+        "/dev/shm"
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+        else tempfile.gettempdir()
+    )
 
 
 def write(parts: list[Any], prefix: str) -> tuple[str, int]:
@@ -47,7 +51,9 @@ def map_private(path: str, size: int) -> memoryview:
     if size == 0:
         return memoryview(bytearray())
     with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m = mmap.mmap(
+            f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
     return memoryview(m)
 
 
@@ -63,7 +69,10 @@ def take(path: str, size: int) -> memoryview:
 def check(path: str, prefix: str) -> str:
     """``path`` if it is a regular file this module made with ``prefix``; else ValueError."""
     real = os.path.realpath(path)
-    if os.path.dirname(real) != os.path.realpath(shm_dir()) or not os.path.basename(real).startswith(prefix) \
-            or not os.path.isfile(real):
+    if (
+        os.path.dirname(real) != os.path.realpath(shm_dir())
+        or not os.path.basename(real).startswith(prefix)
+        or not os.path.isfile(real)
+    ):
         raise ValueError(f"{path!r} is not a ktlite shared-memory file")
     return real

@@ -82,8 +82,9 @@ def _source(filename: str) -> _Source | None:
     return source
 
 
-def _rebuild_code(registered: None, make: Any, args: tuple[Any, ...], filename: str | None = None
-                  ) -> types.CodeType:
+def _rebuild_code(
+    registered: None, make: Any, args: tuple[Any, ...], filename: str | None = None
+) -> types.CodeType:
     # ``registered``: what unpickling the file's _Source gave, once its text is in linecache
     code: types.CodeType = make(*args)
     if filename is not None and code.co_filename != filename:
@@ -108,8 +109,9 @@ def _reduce_code(code: types.CodeType) -> Any:
 # message without code objects looks up types in the same number of maps, so it costs the
 # same (the table is only consulted for types pickle does not handle itself)
 _maps = cloudpickle.Pickler.dispatch_table.maps
-DISPATCH_TABLE: ChainMap[Any, Any] = ChainMap({**_maps[0], types.CodeType: _reduce_code},
-                                              *_maps[1:])
+DISPATCH_TABLE: ChainMap[Any, Any] = ChainMap(
+    {**_maps[0], types.CodeType: _reduce_code}, *_maps[1:]
+)
 
 
 def forget_stale() -> None:

@@ -41,7 +41,9 @@ KINDS = ("file", "dir", "object")
 class StoreFault(Exception):
     """A data store operation failed; ``code`` classifies it, ``key`` names the key."""
 
-    def __init__(self, message: str, key: str | None = None, code: ErrorCode = ErrorCode.CONFLICT) -> None:
+    def __init__(
+        self, message: str, key: str | None = None, code: ErrorCode = ErrorCode.CONFLICT
+    ) -> None:
         super().__init__(message)
         self.key = key
         self.code = code
@@ -77,9 +79,11 @@ def check_key(key: Any, *, what: str = "key", allow_root: bool = False) -> str:
         elif any(p in (".", "..") for p in parts):
             problem = "it has a '.' or '..' segment"
     if problem:
-        raise KeyRefused(f"{what}={key!r} is not a valid data store key: {problem}; keys are "
-                          "relative '/'-separated paths without '.', '..' or empty segments, "
-                          "e.g. 'datasets/mnist'")
+        raise KeyRefused(
+            f"{what}={key!r} is not a valid data store key: {problem}; keys are "
+            "relative '/'-separated paths without '.', '..' or empty segments, "
+            "e.g. 'datasets/mnist'"
+        )
     return norm
 
 
@@ -101,7 +105,9 @@ class StoreDir:
     def __repr__(self) -> str:
         return f"StoreDir({str(self.root)!r})"
 
-    def fault(self, message: str, key: str | None = None, code: ErrorCode = ErrorCode.CONFLICT) -> Exception:
+    def fault(
+        self, message: str, key: str | None = None, code: ErrorCode = ErrorCode.CONFLICT
+    ) -> Exception:
         """The exception this store raises (a subclass raises its own kind)."""
         return StoreFault(message, key, code)
 
@@ -143,7 +149,9 @@ class StoreDir:
                 for name in sorted(filenames):
                     entry = self.entry(name if rel == "." else f"{rel}/{name}")
                     if entry is not None:
-                        out.append({**entry, "name": entry["key"][len(prefix) + 1 if prefix else 0:]})
+                        out.append(
+                            {**entry, "name": entry["key"][len(prefix) + 1 if prefix else 0 :]}
+                        )
             return sorted(out, key=lambda e: e["key"])
         with contextlib.suppress(FileNotFoundError):
             for name in sorted(os.listdir(base)):
@@ -168,7 +176,11 @@ class StoreDir:
             f.seek(0)
             entry = {**entry, "type": "file", "size": os.fstat(f.fileno()).st_size}
         else:
-            entry = {**entry, "type": "object", "size": os.fstat(f.fileno()).st_size - len(OBJECT_MAGIC)}
+            entry = {
+                **entry,
+                "type": "object",
+                "size": os.fstat(f.fileno()).st_size - len(OBJECT_MAGIC),
+            }
         return f, entry
 
     def tar(self, key: str) -> tuple[int, Iterator[bytes]]:
@@ -242,9 +254,12 @@ class StoreDir:
         for i, part in enumerate(parts):
             here = here / part
             if here.exists() and not here.is_dir():
-                held = "/".join(parts[:i + 1])
-                raise self.fault(f"cannot store {key!r}: key {held!r} holds a file, not a directory; "
-                                 f"remove it first (kt.rm({held!r}))", key)
+                held = "/".join(parts[: i + 1])
+                raise self.fault(
+                    f"cannot store {key!r}: key {held!r} holds a file, not a directory; "
+                    f"remove it first (kt.rm({held!r}))",
+                    key,
+                )
             with contextlib.suppress(FileExistsError):
                 here.mkdir()
 
@@ -254,8 +269,11 @@ class StoreDir:
         if entry is None:
             raise self.missing(key)
         if entry["type"] == "dir" and not recursive:
-            raise self.fault(f"key {key!r} is a directory; pass recursive=True (`ktlite rm -r`) to "
-                             "remove it and everything under it", key)
+            raise self.fault(
+                f"key {key!r} is a directory; pass recursive=True (`ktlite rm -r`) to "
+                "remove it and everything under it",
+                key,
+            )
         if not key:
             for child in list(self.data.iterdir()):
                 aside = self.staging()
@@ -304,6 +322,7 @@ def _tree_size(path: Path) -> int:
 
 # ---- tar streams (directories on the wire) --------------------------------------------------
 
+
 def tar_stream(base: Path) -> tuple[int, Iterator[bytes]]:
     """Directory ``base`` as a tar stream, without reading any file into memory whole: (the
     stream's exact size, known up front so that it can go with a Content-Length; its chunks).
@@ -325,7 +344,11 @@ def tar_stream(base: Path) -> tuple[int, Iterator[bytes]]:
             if not stat.S_ISREG(st.st_mode):
                 continue
             info = tarfile.TarInfo((rel_dir / name).as_posix())
-            info.size, info.mode, info.mtime = st.st_size, stat.S_IMODE(st.st_mode), int(st.st_mtime)
+            info.size, info.mode, info.mtime = (
+                st.st_size,
+                stat.S_IMODE(st.st_mode),
+                int(st.st_mtime),
+            )
             members.append((info.tobuf(tarfile.PAX_FORMAT), path, st.st_size))
     total = sum(len(h) + _padded(size) for h, _, size in members) + 2 * tarfile.BLOCKSIZE
 
@@ -366,8 +389,10 @@ def extract(stream: IO[bytes], dest: Path) -> int:
             if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
                 if name in ("", "."):
                     continue
-                raise StoreFault(f"refused a directory upload: member {member.name!r} is not a "
-                                 "plain relative path")
+                raise StoreFault(
+                    f"refused a directory upload: member {member.name!r} is not a "
+                    "plain relative path"
+                )
             target = dest.joinpath(*parts)
             if member.isdir():
                 target.mkdir(parents=True, exist_ok=True)
@@ -387,8 +412,9 @@ def address_file(pod_ips_file: str) -> str:
     """Where a pod server keeps the store address handed to it at deploy time: next to its
     peer list (``KTLITE_POD_IPS_FILE``, which every rank process knows)."""
     directory, name = os.path.split(pod_ips_file)
-    return os.path.join(directory, name.replace("pod-ips", "store", 1) if "pod-ips" in name
-                        else f"store-{name}")
+    return os.path.join(
+        directory, name.replace("pod-ips", "store", 1) if "pod-ips" in name else f"store-{name}"
+    )
 
 
 class ChunkReader:
@@ -404,7 +430,7 @@ class ChunkReader:
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
-            rest = self._buf[self._pos:] + b"".join(self._chunks)
+            rest = self._buf[self._pos :] + b"".join(self._chunks)
             self._buf, self._pos = b"", 0
             return rest
         while len(self._buf) - self._pos < n:
@@ -412,13 +438,12 @@ class ChunkReader:
                 chunk = next(self._chunks)
             except StopIteration:
                 break
-            self._buf = self._buf[self._pos:] + chunk
+            self._buf = self._buf[self._pos :] + chunk
             self._pos = 0
-        out = self._buf[self._pos:self._pos + n]
+        out = self._buf[self._pos : self._pos + n]
         self._pos += len(out)
         return out
 
 
 def open_reader(chunks: Iterator[bytes]) -> IO[bytes]:
     return ChunkReader(chunks)  # type: ignore[return-value]
-
