@@ -79,7 +79,7 @@ def test_a_host_without_sftp_gets_ktlite_over_the_ssh_connection(hosts: SshHosts
     assert len(sources) == 1 and (home / ".cache" / "ktlite" / sources[0] / ".complete").exists(), (
         entries
     )
-    assert (home / ".cache" / "ktlite" / sources[0] / "ktlite" / "remote.py").exists()
+    assert (home / ".cache" / "ktlite" / sources[0] / "ktlite" / "api" / "remote.py").exists()
     assert not [e for e in entries if ".tmp-" in e], entries
 
 
