@@ -13,6 +13,7 @@ Hierarchy::
     │   ├── StartupError                   a pod's container or setup failed while starting
     │   └── PodTerminatedError             a pod was evicted, OOM-killed or failed
     ├── NotDeployedError                   calling a deployment that does not exist (anymore)
+    │   └── StaleLaunch                    a newer .to() of the same service replaced this launch
     ├── PodUnreachable (ConnectionError)   a pod's server cannot be reached or died mid-call
     ├── AuthError                          the server refused the deployment token
     ├── ProtocolMismatch                   client and server speak different protocol versions
@@ -134,6 +135,11 @@ PodContainerError = StartupError
 
 class NotDeployedError(KtliteError):
     """The deployment does not exist: it was never deployed or has been torn down."""
+
+
+class StaleLaunch(NotDeployedError):
+    """A served deployment's launch older than the one a replica holds: a newer ``.to()`` of
+    the same service deployed its code since (the replica refused it: ``stale_launch``)."""
 
 
 class PodUnreachable(KtliteError, ConnectionError):

@@ -35,16 +35,17 @@ import pytest
 import ktlite
 import ktlite as kt
 from ktlite import config
+from ktlite.backends import kube_launch
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
-from ktlite.backends.kube_api import ClusterInfo
+from ktlite.backends.kube_api import ClusterInfo, KubeApi
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.commands import cli
 from ktlite.errors import ConfigError, ImagePullError, LaunchTimeout
 from ktlite.modes import status
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite.specs.spec import DistributedConfig
-from ktlite_wire.launch import Launch
+from ktlite_wire.launch import Launch, decode_deploy
 
 HERE = Path(__file__).parent
 HOST = "https://fake-apiserver"
@@ -597,31 +598,64 @@ def test_lookup_reports_the_replicas_that_run_now(cluster: Cluster) -> None:
     assert cluster.backend.lookup("nothing-here") is None
 
 
-def test_write_launch_fills_the_secret_and_refuses_what_a_secret_cannot_hold(
+def _kept_launch(cluster: Cluster) -> tuple[Launch, str]:
+    """The launch the launch Secret holds, and the generation its annotation says."""
+    secret = cluster.fake.get("secrets", "default", f"{NAME}-launch")
+    assert secret is not None
+    kept = decode_deploy(gzip.decompress(base64.b64decode(secret["data"]["launch.pkl"])))
+    assert isinstance(kept, Launch)
+    return kept, secret["metadata"]["annotations"][kube_launch.GENERATION_ANNOTATION]
+
+
+def test_write_launch_fills_the_secret_with_the_next_generation_and_refuses_what_a_secret_cannot_hold(
     cluster: Cluster,
 ) -> None:
     cluster.backend.apply(served(min_scale=1)(cpus=1), TOKEN)
-    cluster.backend.write_launch(NAME, b"launch-1")
-    cluster.backend.write_launch(NAME, b"launch-2")
-    secret = cluster.fake.get("secrets", "default", f"{NAME}-launch")
-    assert (
-        secret is not None
-        and gzip.decompress(base64.b64decode(secret["data"]["launch.pkl"])) == b"launch-2"
-    )
+    assert cluster.backend.write_launch(NAME, launch_message("launch-1")).generation == 1
+    assert cluster.backend.write_launch(NAME, launch_message("launch-2")).generation == 2
+    kept, annotated = _kept_launch(cluster)
+    assert (kept.launch_id, kept.generation, annotated) == ("launch-2", 2, "2")
     # it is kept gzipped (local modules travel as source text): 1.1 MB of text fits
-    cluster.backend.write_launch(NAME, b"def f(): return 1\n" * 60_000)
+    text = launch_message("text", code=b"def f(): return 1\n" * 60_000)
+    assert cluster.backend.write_launch(NAME, text).generation == 3
     with pytest.raises(
         ConfigError, match=r"pickles to 1\.10 MB \(1\.10 MB compressed\).*bake big dependencies"
     ):
-        cluster.backend.write_launch(NAME, os.urandom(1_100_000))
-    cluster.backend.write_launch(NAME, b"launch-2")
-    # a redeploy does not empty it again
+        cluster.backend.write_launch(NAME, launch_message("big", code=os.urandom(1_100_000)))
+    # a refused launch takes no generation
+    assert cluster.backend.write_launch(NAME, launch_message("launch-2")).generation == 4
+    # a redeploy neither empties it nor starts the generations again
     cluster.backend.apply(served(min_scale=1)(cpus=1), TOKEN)
-    secret = cluster.fake.get("secrets", "default", f"{NAME}-launch")
-    assert (
-        secret is not None
-        and gzip.decompress(base64.b64decode(secret["data"]["launch.pkl"])) == b"launch-2"
-    )
+    kept, annotated = _kept_launch(cluster)
+    assert (kept.launch_id, kept.generation, annotated) == ("launch-2", 4, "4")
+    assert cluster.backend.write_launch(NAME, launch_message("launch-3")).generation == 5
+
+
+class _Racing:
+    """The cluster's API, where another .to() writes its launch just before our first write."""
+
+    def __init__(self, api: KubeApi) -> None:
+        self.api, self.rival = api, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.api, name)
+
+    def patch(self, kind: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        if self.rival is None:
+            self.rival = kube_launch.write(self.api, NAME, launch_message("rival"))
+        return self.api.patch(kind, name, patch)
+
+
+def test_two_writers_of_the_launch_secret_at_once_get_two_generations(cluster: Cluster) -> None:
+    cluster.backend.apply(served(min_scale=1)(cpus=1), TOKEN)
+    racing = _Racing(cluster.backend._api())
+    # both read the Secret at generation 0; the rival writes first, ours meets a conflict
+    # and is written again as the next generation
+    mine = kube_launch.write(racing, NAME, launch_message("mine"))  # type: ignore[arg-type]
+    assert racing.rival is not None and racing.rival.generation == 1
+    assert mine.generation == 2
+    kept, annotated = _kept_launch(cluster)
+    assert (kept.launch_id, kept.generation, annotated) == ("mine", 2, "2")
 
 
 def test_scaling_status_shows_the_hpa_and_its_failed_metric(cluster: Cluster) -> None:
@@ -889,13 +923,13 @@ def real(stand_in: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Kubernetes
     http.close()
 
 
-def launch_message(launch_id: str) -> bytes:
+def launch_message(launch_id: str, code: bytes | None = None) -> Launch:
     """A deploy message as the client sends it to a replica (a class of the standard library)."""
     from ktlite.net.packaging import bundle
 
     return Launch(
         launch_id=launch_id,
-        bundle=bundle(dict),
+        bundle=bundle(dict) if code is None else code,
         kind="cls",
         distributed=DistributedConfig(),
         pod_ips=["127.0.0.1"],
@@ -904,7 +938,7 @@ def launch_message(launch_id: str) -> bytes:
         concurrency=4,
         load_timeout=60.0,
         single=True,
-    ).encode()
+    )
 
 
 def health(backend: KubernetesBackend, url: str, ready: bool = False) -> httpx.Response:

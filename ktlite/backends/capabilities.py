@@ -4,7 +4,7 @@ Every backend starts, finds and stops pods (:class:`~ktlite.backends.base.Backen
 more, and callers ask for that here instead of probing a backend with ``hasattr``:
 
 - :class:`Serving`: runs autoscaled deployments, keeping the current launch where replicas
-  started later read it (local, kubernetes).
+  started later read it, with its generation (local, kubernetes).
 - :class:`ClientScaling`: its replicas are scaled by ktlite's own autoscaler in the caller,
   one process leading (local).
 - :class:`Waking`: a cluster autoscaler that scales to zero, woken for a call (kubernetes,
@@ -24,6 +24,7 @@ from ktlite.errors import ConfigError
 if TYPE_CHECKING:
     from ktlite.backends.base import Applied
     from ktlite.specs.deployment_spec import DeploymentSpec
+    from ktlite_wire.launch import Launch
 
 
 @runtime_checkable
@@ -35,8 +36,11 @@ class Serving(Protocol):
         :class:`ClientScaling`), or the cluster (``"hpa"``, ``"knative"``)."""
         ...
 
-    def write_launch(self, name: str, launch: bytes) -> None:
-        """Keep ``launch`` (the deploy message) where replicas started later read it."""
+    def write_launch(self, name: str, launch: Launch) -> Launch:
+        """Keep ``launch`` where replicas started later read it, as the next generation of
+        ``name``'s launches; returns it with that generation. Taking the generation and
+        writing the launch are one step (two ``.to()`` at once get two generations, and the
+        launch kept is the one with the higher)."""
         ...
 
 

@@ -9,13 +9,12 @@ launch in the ``NAME-launch`` Secret for replicas started later. Mixed into
 
 from __future__ import annotations
 
-import base64
-import gzip
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from ktlite.backends import kube_launch
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_pods as kp
 from ktlite.backends import kube_secrets as ksec
@@ -23,9 +22,10 @@ from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, PodEndpoint
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
-from ktlite.errors import ConfigError, DeployError, LaunchTimeout
+from ktlite.errors import DeployError, LaunchTimeout
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite.specs.spec import DEFAULT_MASTER_PORT
+from ktlite_wire.launch import Launch
 
 if TYPE_CHECKING:
     from ktlite.backends.kube_host import KubeHost as _Base
@@ -383,25 +383,9 @@ class ServedDeployments(_Base):
         self._served_names.add(name)
         return self._applied_served(name, pods, token, want, kss.autoscale_of(obj))
 
-    def write_launch(self, name: str, launch: bytes) -> None:
-        """Keep ``launch`` in the ``NAME-launch`` Secret (gzipped: the local modules that travel
-        by value are source text), which replicas started later mount."""
-        packed = gzip.compress(launch, compresslevel=6)
-        if len(packed) > kss.MAX_LAUNCH_BYTES:
-            raise ConfigError(
-                f"the code of served deployment {name!r} pickles to {len(launch) / 1e6:.2f} MB "
-                f"({len(packed) / 1e6:.2f} MB compressed), and a replica started later reads it from a "
-                f"Kubernetes Secret, which holds at most about {kss.MAX_LAUNCH_BYTES / 1e6:g} MB; bake big "
-                "dependencies (data, weights, modules) into the image or a volume and load them from there")
-        api = self._api()
-        data = {kss.LAUNCH_KEY: base64.b64encode(packed).decode()}
-        secret_name = kss.launch_secret_name(name)
-        try:
-            api.patch("Secret", secret_name, {"data": data})
-        except KubeApiError as e:
-            if e.status != 404:
-                raise
-            api.create({**kss.launch_secret(name, api.namespace), "data": data})
+    def write_launch(self, name: str, launch: Launch) -> Launch:
+        """Keep ``launch`` in the ``NAME-launch`` Secret as its next generation (kube_launch)."""
+        return kube_launch.write(self._api(), name, launch)
 
     def scaling_status(self, name: str) -> dict[str, Any] | None:
         """What the cluster's autoscaler says: replicas now and wanted, its bounds, when it last

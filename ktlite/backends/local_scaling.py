@@ -3,7 +3,8 @@
 One calling process leads (it holds the deployment's ``autoscaler.lock``) and scales; the
 others route calls and publish how many wait in them. A detached deployment gets a process
 of its own (``ktlite.commands.supervisor``). The current launch is kept as ``launch.pkl`` for
-replicas started later. The files live in the deployment's directory.
+replicas started later, its generation (one per ``.to()``) counted in ``launch.generation``.
+The files live in the deployment's directory.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ktlite.backends.base import Applied
 from ktlite.backends.processes import pid_alive
-from ktlite.errors import NotDeployedError
+from ktlite.errors import DeployError, NotDeployedError
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire.launch import Launch
 
 
 class LocalScaling:
@@ -44,15 +47,24 @@ class LocalScaling:
     def autoscaler(self, spec: DeploymentSpec) -> str:
         return "client"
 
-    def write_launch(self, name: str, launch: bytes) -> None:
-        """``launch.pkl`` in the deployment's directory (0600), which replicas load at boot."""
+    def write_launch(self, name: str, launch: Launch) -> Launch:
+        """``launch.pkl`` in the deployment's directory (0600), which replicas load at boot,
+        as the next generation (counted in ``launch.generation``, under ``launch.lock``: every
+        process that deploys ``name`` takes its generation from there)."""
         directory = self._dir(name)
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = directory / "launch.pkl.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(launch)
-        os.replace(tmp, directory / "launch.pkl")
+        with _locked(directory / "launch.lock", f"the launch of {name!r}"):
+            counter = directory / "launch.generation"
+            try:
+                generation = int(counter.read_text() or 0) + 1
+            except FileNotFoundError:
+                generation = 1
+            # the count first: a launch file is never newer than the count (a write cut
+            # between the two costs a generation, never gives one out twice)
+            _write_private(counter, str(generation).encode())
+            stamped = replace(launch, generation=generation)
+            _write_private(directory / "launch.pkl", stamped.encode())
+        return stamped
 
     def lead_scaling(self, name: str) -> bool:
         """Whether this process holds the deployment's autoscaler lock (taken once, kept until
@@ -155,3 +167,38 @@ class LocalScaling:
             return None
         info["alive"] = pid_alive(info.get("pid"))  # the process whose autoscaler decided it
         return info
+
+
+LOCK_TIMEOUT_S = 30.0  # a launch write holds the lock for two small file writes
+
+
+@contextlib.contextmanager
+def _locked(path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (another process writing ``what`` waits)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DeployError(
+                        f"{path} stayed locked for {LOCK_TIMEOUT_S:g}s while writing {what}: "
+                        "another process holds it (a .to() of the same deployment that hangs?); "
+                        "end that process, or delete the lock file if none runs, and try again"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``path`` (0600) whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

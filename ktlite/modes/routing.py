@@ -93,13 +93,17 @@ class Routing(Mode):
     def load(self, launch: Launch, store: concurrent.futures.Future[Any]) -> None:
         """Write the launch where new replicas read it, then load it on every running
         replica; returns once each runs it (the replicas that took calls with the old code
-        take new calls only with the new)."""
+        take new calls only with the new). Raises StaleLaunch where a replica holds the launch
+        of a newer ``.to()`` of the service (one that went ahead of this one)."""
         dep = self.dep
         timeout = dep.spec.compute.launch_timeout
-        current = replace(launch, store=store.result())
-        body = current.encode()
         with self._pushing:
-            require(dep.backend, Serving).write_launch(dep.name, body)
+            # the next generation of the service's launches, taken where the launch is kept:
+            # a replica refuses a launch older than the one it holds (StaleLaunch)
+            current = require(dep.backend, Serving).write_launch(
+                dep.name, replace(launch, store=store.result())
+            )
+            body = current.encode()
             self.pool.launch = current
             with self.pool.cond:  # old replicas take no calls until they report the new launch
                 for r in self.pool.replicas.values():

@@ -16,11 +16,10 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
 
 from ktlite.backends.base import Backend, PodEndpoint
 from ktlite.backends.capabilities import ClientScaling, Serving, Waking, optional, require
-from ktlite.errors import KtliteError
+from ktlite.errors import KtliteError, StaleLaunch
 from ktlite.modes import autoscalers
 from ktlite.modes.callpath import CallPath
 from ktlite.modes.outcomes import split
@@ -312,14 +311,14 @@ class ReplicaScaler(AutoscalerReport):
         with self.pool.cond:
             self.pool.everyone()
 
-    def _superseded(self, ep: PodEndpoint, theirs: str) -> None:
+    def _superseded(self, ep: PodEndpoint, theirs: str, said: str = "") -> None:
         """Another ``.to()`` (this process or another) deployed new code: this handle stops
-        scaling and routing; its calls fail saying so."""
+        scaling and routing; its calls fail saying so (``said``: the replica's refusal)."""
         self._stop.set()
         self.pool.forget(
             f"deployment {self.dep.name!r} was redeployed by another .to() (replica {ep.name} runs "
             f"launch {theirs}, this handle's is {self.dep.launch_id}); use the new handle, or "
-            "call .to() again"
+            "call .to() again" + (f" ({said})" if said else "")
         )
 
     def _bring_up(self, ep: PodEndpoint) -> None:
@@ -350,14 +349,19 @@ class ReplicaScaler(AutoscalerReport):
             seen = plain
         if self.pool.launch is None:
             return
-        # only if the replica still runs what it reported: a newer .to() (another handle, or
-        # another process) may have given it newer code since, which this launch must not replace
-        launch = replace(self.pool.launch, expect=str(seen.get("launch_id") or "")).encode()
+        # the replica installs it only if it holds no newer generation: a newer .to() (another
+        # handle, or another process) may have given it newer code, which this must not replace
+        launch = self.pool.launch
         try:
             failures, _ = split(
-                self.dep.client.deploy(ep.url, launch, self.dep.spec.compute.launch_timeout + 30)
+                self.dep.client.deploy(
+                    ep.url, launch.encode(), self.dep.spec.compute.launch_timeout + 30
+                )
             )
-        except KtliteError:  # refused (redeployed since: the next look says so) or unreachable
+        except StaleLaunch as e:  # this handle's .to() is not the newest any more
+            self._superseded(ep, str(seen.get("launch_id") or "newer code"), str(e))
+            return
+        except KtliteError:  # unreachable, or not ready: the next look tries again
             return
         if not failures:
             with self.pool.cond:

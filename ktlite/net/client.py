@@ -18,7 +18,14 @@ from typing import Any
 
 import httpx
 
-from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
+from ktlite.errors import (
+    AuthError,
+    KtliteError,
+    NotDeployedError,
+    PodUnreachable,
+    ProtocolMismatch,
+    StaleLaunch,
+)
 from ktlite.logconfig import http_hook
 from ktlite.net.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
@@ -427,6 +434,8 @@ def _raise_for_status(status: int, detail: str, url: str, code: str | None = Non
                         "the deployment was probably re-created: call .to() again")
     if error is ErrorCode.PROTOCOL_MISMATCH:
         raise ProtocolMismatch(detail)
+    if error is ErrorCode.STALE_LAUNCH:
+        raise StaleLaunch(detail)
     if error in (ErrorCode.NOT_DEPLOYED, ErrorCode.REDEPLOYED):
         raise NotDeployedError(detail)
     if error is ErrorCode.UNKNOWN_CALL:

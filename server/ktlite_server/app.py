@@ -150,6 +150,7 @@ class PodServer:
                 pod=pod.name,
                 ordinal=pod.ordinal,
                 launch_id=pod.dep.launch_id if pod.dep else None,
+                generation=self.launches.generation,  # of a served deployment's launches
                 started=self.started,
                 engine_failed=pod.engine_failed,
                 calls=len(pod.calls),

@@ -47,6 +47,10 @@ class Launches:
             None  # why the boot launch is not loaded (``/health?ready=1`` says it)
         )
         self.boot_task: asyncio.Task[None] | None = None
+        # the newest generation of the served deployment's launches this pod took, and whose
+        # (0: none; a plain deployment's launches are not ordered)
+        self.generation = 0
+        self.generation_of = ""
 
     async def deploy(self, request: Request) -> Response:
         """``POST /deploy``: install a launch, or add/replace/drop a colocated target."""
@@ -78,15 +82,7 @@ class Launches:
         """Start installing ``msg`` (or find its install running or done). No await before the
         install is recorded: which launch is this pod's newest is decided in one step."""
         pod = self.pod
-        newest = next(reversed(self.installing), "")
-        if msg.expect is not None and newest not in (msg.expect, msg.launch_id):
-            raise refuse(
-                409,
-                ErrorCode.REDEPLOYED,
-                f"pod {pod.name} took launch {newest} since its sender saw it with "
-                f"{msg.expect or 'none'}: it was redeployed (by a newer .to(), or from "
-                "its launch file); the launch was not installed",
-            )
+        self._check_order(msg)
         if msg.replica:
             # an autoscaled deployment's replica is a world of its own: rank 0 of one pod, at
             # this pod's own address (a replica started later reads the launch the client wrote)
@@ -135,6 +131,9 @@ class Launches:
             from ktlite_server.store import remember
 
             remember(msg.store, pod.pod_ips_file)
+        # the order is decided here, with no await since the check: of two launches sent at
+        # once, the one with the higher generation is installed, whichever arrives first
+        self.generation, self.generation_of = msg.generation, msg.launch_id
         deploys = self.installing
         task = deploys.get(dep.launch_id)
         if task is None:
@@ -144,11 +143,33 @@ class Launches:
                 deploys.popitem(last=False)
         return task
 
+    def _check_order(self, msg: Launch) -> None:
+        """Refuse a launch older than the one this pod holds (a lower generation), or another
+        launch of the same generation: a handle of an older ``.to()`` of the service must not
+        replace the code of a newer one, whatever the order its push arrives in."""
+        held, of = self.generation, self.generation_of
+        if msg.generation > held:
+            return
+        if msg.generation == held and (held == 0 or msg.launch_id == of):
+            return  # the same launch again, or not ordered (a plain deployment's: the newest wins)
+        why = (
+            f"launch {msg.launch_id} has generation {msg.generation}, older than that"
+            if msg.generation < held
+            else f"launch {msg.launch_id} claims the same generation {held}"
+        )
+        raise refuse(
+            409,
+            ErrorCode.STALE_LAUNCH,
+            f"pod {self.pod.name} holds launch {of} of generation {held}; {why}: a newer "
+            ".to() of this service deployed its code since, so this launch was not installed. "
+            "Use the handle the newest .to() returned, or call .to() again",
+        )
+
     def start_boot(self, path: str) -> None:
         """A replica started by an autoscaler loads the launch the client left for it (a
         mounted Secret on Kubernetes, a file locally) before it reports ready. Called before
-        the server takes requests: the launch file's install is recorded first, so a client's
-        POST /deploy that saw this pod without a launch (``expect=""``) cannot replace it."""
+        the server takes requests: the launch file's generation is held first, so a push of an
+        older launch is refused and a push of a newer one (the file was stale) replaces it."""
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -165,7 +186,7 @@ class Launches:
             logger.error("%s", self.boot)
             return
         try:
-            task = self.begin(dataclasses.replace(msg, expect=None))
+            task = self.begin(msg)
         except HTTPException as e:
             self.boot = f"the launch file {path} was refused: {e.detail}"
             logger.error("%s", self.boot)

@@ -31,7 +31,7 @@ from ktlite_wire.launch import Launch
 pytestmark = pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
 
 
-def launch(launch_id: str) -> bytes:
+def launch(launch_id: str) -> Launch:
     """A deploy message as the client leaves it for replicas (a class of the standard library)."""
     from ktlite.net.packaging import bundle
 
@@ -46,7 +46,7 @@ def launch(launch_id: str) -> bytes:
         concurrency=4,
         load_timeout=120.0,
         single=True,
-    ).encode()
+    )
 
 
 def wait_for(
@@ -106,7 +106,7 @@ def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
         assert pods[0].spec.containers[0].readiness_probe.http_get.path == "/health?ready=1"
 
         # the client's first push leaves the launch for replicas started later
-        backend.write_launch(name, launch("launch-one"))
+        assert backend.write_launch(name, launch("launch-one")).generation == 1
         kube.apps.patch_namespaced_deployment(name, settings.namespace, {"spec": {"replicas": 2}})
         grown = wait_for(
             lambda: backend.lookup(name),

@@ -17,6 +17,7 @@ class ErrorCode(str, Enum):
     PROTOCOL_MISMATCH = "protocol_mismatch"  # the two sides speak different protocol versions
     NOT_DEPLOYED = "not_deployed"  # the pod has no code (its server restarted after the deploy)
     REDEPLOYED = "redeployed"  # the pod runs another launch than the caller's
+    STALE_LAUNCH = "stale_launch"  # a launch older (by generation) than the one the pod holds
     UNKNOWN_CALL = "unknown_call"  # a re-attach to a call the pod never saw (it restarted)
     CALL_EXPIRED = "call_expired"  # a re-attach to a call whose result is no longer kept
     BAD_REQUEST = "bad_request"  # a malformed request: the caller's fault

@@ -47,10 +47,10 @@ class Launch:
     engine: dict[str, Any] | None = field(default=None, repr=False)
     # where the data store is, for kt.put/get in the ranks (holds the store's token)
     store: dict[str, Any] | None = field(default=None, repr=False)
-    # install only where the pod's newest launch is this one ("": none); None: in any case.
-    # A replica's handle sends a launch to a replica it saw without it, and a newer .to()
-    # (or the launch file that replica booted from) may have given it another since
-    expect: str | None = None
+    # a served deployment's launches are ordered: each .to() of the service takes the next
+    # generation from where the launch is kept (``Serving.write_launch``), and a pod refuses
+    # a launch older than the one it holds (ErrorCode.STALE_LAUNCH). 0: not ordered
+    generation: int = 0
 
     def encode(self) -> bytes:
         header = {
@@ -71,7 +71,7 @@ class Launch:
             "replica": self.replica,
             "engine": self.engine,
             "store": self.store,
-            "expect": self.expect,
+            "generation": self.generation,
             "bundle": 0,
             "init": None if self.init is None else 1,
         }
@@ -98,9 +98,9 @@ class Launch:
                 raise ValueError("engine must be an object")
             if store is not None and not isinstance(store, dict):
                 raise ValueError("store must be an object")
-            expect = h.get("expect")
-            if expect is not None and not isinstance(expect, str):
-                raise ValueError("expect must be a launch id")
+            generation = _int(h, "generation", 0)
+            if generation < 0:
+                raise ValueError(f"generation={generation} must be 0 or more")
             return cls(
                 launch_id=_text(h, "launch_id"),
                 bundle=bytes(bundle),
@@ -120,7 +120,7 @@ class Launch:
                 replica=bool(h.get("replica", False)),
                 engine=engine,
                 store=store,
-                expect=expect,
+                generation=generation,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"a malformed launch: {type(e).__name__}: {e}") from None
