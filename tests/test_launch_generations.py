@@ -14,7 +14,9 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import uuid
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,3 +179,55 @@ def test_a_stale_handle_cannot_push_its_older_launch_and_says_it_is_stale() -> N
         assert second() == "v2"  # the newer launch runs everywhere
     finally:
         (second or first).teardown()
+
+
+def test_a_to_overtaken_by_a_newer_one_fails_and_the_newer_code_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = f"race-{uuid.uuid4().hex[:6]}"
+    compute = kt.Compute(cpus=0.5).autoscale(
+        min_scale=1, max_scale=1, concurrency=1, window="1s", scale_down_delay="600s"
+    )
+    backend = LocalBackend.shared()
+    write = backend.write_launch
+    newer: list[Any] = []
+
+    def overtaken(service: str, launch: Launch) -> Launch:
+        # this .to() took its generation; another .to() of the service runs whole before
+        # this one pushes its launch to the replicas
+        mine = write(service, launch)
+        monkeypatch.setattr(backend, "write_launch", write)
+        newer.append(kt.fn(v2, name=name).to(compute))
+        return mine
+
+    monkeypatch.setattr(backend, "write_launch", overtaken)
+    try:
+        with pytest.raises(StaleLaunch, match="generation 1, older than that"):
+            kt.fn(v1, name=name).to(compute)
+        assert newer and newer[0]() == "v2"
+    finally:
+        backend.teardown(name)
+
+
+def test_attaching_by_name_routes_to_the_newest_generation() -> None:
+    name = f"attach-{uuid.uuid4().hex[:6]}"
+    compute = kt.Compute(cpus=0.5).autoscale(
+        min_scale=3, max_scale=3, concurrency=1, window="1s", scale_down_delay="600s"
+    )
+    first = kt.fn(v1, name=name).to(compute)
+    try:
+        dep, mode = first.deployment, first.deployment.mode
+        mode.scaler.stop()  # nothing but this test sends launches
+        mode.scaler.join(WAIT)
+        # a rollout under way: the newest .to()'s launch reached one replica of three
+        assert mode.pool.launch is not None
+        rolled = dep.backend.write_launch(
+            name, replace(mode.pool.launch, launch_id="newest", bundle=bundle(v2))
+        )
+        last = max(dep.applied.endpoints, key=lambda ep: ep.ordinal)
+        dep.client.deploy(last.url, rolled.encode(), WAIT)
+        attached = kt.fn(name=name)
+        assert attached.deployment.launch_id == "newest"
+        assert attached() == "v2"
+    finally:
+        first.teardown()

@@ -124,14 +124,17 @@ class Routing(Mode):
         ``get_if_exists``): route to the replicas that run its current launch (replicas started
         later load it from the launch file)."""
         dep = self.dep
-        ids = {}
+        ids: dict[str, str] = {}
+        generations: dict[str, int] = {}  # by launch id
         for ep in dep.applied.endpoints:
             with contextlib.suppress(KtliteError):
                 health = dep.client.ready(ep.url, timeout=2.0)
                 if health is not None and health.get("launch_id"):
-                    ids[ep.name] = health["launch_id"]
-        if ids:  # the newest launch is the one most replicas run once a rollout ends
-            dep.launch_id = max(set(ids.values()), key=list(ids.values()).count)
+                    ids[ep.name] = str(health["launch_id"])
+                    generations[ids[ep.name]] = int(health.get("generation") or 0)
+        if ids:  # the newest launch: the highest generation (of equals, the one most run)
+            runs = list(ids.values())
+            dep.launch_id = max(set(runs), key=lambda i: (generations[i], runs.count(i)))
         with self.pool.cond:
             for ep in dep.applied.endpoints:
                 if ids.get(ep.name) == dep.launch_id:
