@@ -37,6 +37,7 @@ from ktlite.errors import (
     NotDeployedError,
     PodUnreachable,
     RemoteError,
+    StaleLaunch,
 )
 from ktlite.modes.callpath import CallOptions, CallPath, pool, print_log, shm_arguments
 from ktlite.modes.mode import Mode
@@ -109,7 +110,15 @@ class Routing(Mode):
                 for r in self.pool.replicas.values():
                     r.launch_id = ""
             eps = list(dep.applied.endpoints)
-            outcomes = list(pool.map(lambda ep: self._load_on(ep, body, timeout), eps))
+            try:
+                outcomes = list(pool.map(lambda ep: self._load_on(ep, body, timeout), eps))
+            except StaleLaunch as e:
+                raise StaleLaunch(
+                    f"this .to() of {dep.name!r} (launch {dep.launch_id}, generation "
+                    f"{current.generation}) was overtaken by a newer .to() of the service while "
+                    "it loaded its code; the replicas keep the newer code: use the handle the "
+                    f"newer .to() returned, or call .to() again ({e})"
+                ) from e
         failures, values = split([o for outs in outcomes for o in outs])
         if failures:
             raise to_error(failures, values, f"deploying {dep.name!r} failed", DeployError)

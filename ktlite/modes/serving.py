@@ -299,7 +299,7 @@ class ReplicaScaler(AutoscalerReport):
                 with contextlib.suppress(KtliteError):
                     health = self.dep.client.health(ep.url, timeout=1.0)
                     if health.get("launch_id") not in (None, self.dep.launch_id):
-                        self._superseded(ep, str(health.get("launch_id")))
+                        self._superseded(f"replica {ep.name} runs launch {health['launch_id']}")
                         return
                     with self.pool.cond:
                         r = self.pool.replicas.get(ep.name)
@@ -311,14 +311,13 @@ class ReplicaScaler(AutoscalerReport):
         with self.pool.cond:
             self.pool.everyone()
 
-    def _superseded(self, ep: PodEndpoint, theirs: str, said: str = "") -> None:
+    def _superseded(self, seen: str) -> None:
         """Another ``.to()`` (this process or another) deployed new code: this handle stops
-        scaling and routing; its calls fail saying so (``said``: the replica's refusal)."""
+        scaling and routing; its calls fail saying so (``seen``: what showed it)."""
         self._stop.set()
         self.pool.forget(
-            f"deployment {self.dep.name!r} was redeployed by another .to() (replica {ep.name} runs "
-            f"launch {theirs}, this handle's is {self.dep.launch_id}); use the new handle, or "
-            "call .to() again" + (f" ({said})" if said else "")
+            f"deployment {self.dep.name!r} was redeployed by another .to() ({seen}; this "
+            f"handle's launch is {self.dep.launch_id}); use the new handle, or call .to() again"
         )
 
     def _bring_up(self, ep: PodEndpoint) -> None:
@@ -336,7 +335,6 @@ class ReplicaScaler(AutoscalerReport):
             with self.pool.cond:
                 self.pool.admit(ep, self.dep.launch_id)
             return
-        seen = health or {}
         if health is None:
             # booting (loading the launch file) or no code: a launch is sent only to a pod
             # that has none, so a boot that is loading the current launch finishes on its own
@@ -346,7 +344,6 @@ class ReplicaScaler(AutoscalerReport):
                 return
             if plain.get("launch_id") is not None:
                 return
-            seen = plain
         if self.pool.launch is None:
             return
         # the replica installs it only if it holds no newer generation: a newer .to() (another
@@ -359,7 +356,7 @@ class ReplicaScaler(AutoscalerReport):
                 )
             )
         except StaleLaunch as e:  # this handle's .to() is not the newest any more
-            self._superseded(ep, str(seen.get("launch_id") or "newer code"), str(e))
+            self._superseded(f"replica {ep.name} refused this handle's launch: {e}")
             return
         except KtliteError:  # unreachable, or not ready: the next look tries again
             return
