@@ -137,7 +137,7 @@ def _launch(**kw: object) -> Launch:
 
 
 def test_a_launch_round_trips_and_hides_its_secrets() -> None:
-    launch = _launch(ordinal=1, restart=True)
+    launch = _launch(ordinal=1, restart=True, replica=True, generation=7)
     assert decode_deploy(launch.encode()) == launch
     assert "s3cret" not in repr(launch) and "code" not in repr(launch)
     assert decode_deploy(_launch(init=None).encode()).init is None
@@ -170,6 +170,9 @@ def test_a_colocation_round_trips() -> None:
         ("sources", {"m": "text"}),
         ("bundle", 7),
         ("type", "exec"),
+        ("generation", -1),
+        ("generation", "2"),
+        ("generation", True),
     ],
 )
 def test_a_malformed_launch_is_a_protocol_error(field: str, value: object) -> None:

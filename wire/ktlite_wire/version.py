@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-# 4: typed JSON messages (launch, call result, rank channel), error codes; the pod server
-#    never unpickles. 3: chunked bodies, re-attachable calls, notices, shipped sources.
-PROTOCOL_VERSION = 4
+# 5: a served deployment's launches carry their generation, a pod refuses an older one
+#    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
+#    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
+#    calls, notices, shipped sources.
+PROTOCOL_VERSION = 5
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 
