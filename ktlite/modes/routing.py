@@ -8,8 +8,11 @@ Each replica is a world of one pod (RANK 0, WORLD_SIZE 1) running the same launc
   ``concurrency`` per replica (Knative's ``containerConcurrency``); calls beyond that wait
   here, and count as load;
 - **keeps the code current**: the launch is written where replicas started later read it
-  (``Backend.write_launch``) and pushed to every running replica; a replica takes calls only
-  once it reports that launch (``/health?ready=1``), so no call runs old code after ``.to()``;
+  (``Serving.write_launch``, which gives it the service's next generation) and pushed to every
+  running replica; a replica takes calls only once it reports that launch
+  (``/health?ready=1``), so no call runs old code after ``.to()``; a replica refuses a launch
+  of a lower generation than its own, so the newest ``.to()`` wins, and a handle whose launch
+  is refused stops routing (a newer ``.to()`` replaced it);
 - **scales** through its :class:`ktlite.modes.serving.ReplicaScaler` (a thread: ktlite's own
   autoscaler on the local backend, or following the cluster's on Kubernetes);
 - **never retries** a call a replica may have run: a replica lost mid-call fails that call
