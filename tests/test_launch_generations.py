@@ -22,7 +22,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.backends.local import LocalBackend
-from ktlite.errors import StaleLaunch
+from ktlite.errors import KtliteError, StaleLaunch
 from ktlite.net.client import PodClient
 from ktlite.net.packaging import bundle
 from ktlite_wire.distenv import DistributedLayout
@@ -46,6 +46,13 @@ def _launch(launch_id: str, generation: int) -> Launch:
         replica=True,
         generation=generation,
     )
+
+
+def _ready(client: PodClient, url: str) -> bool:
+    try:
+        return client.ready(url) is not None
+    except KtliteError:  # not answering yet
+        return False
 
 
 # ---- the pod server decides the order -------------------------------------------------------
@@ -169,7 +176,7 @@ def test_a_stale_handle_cannot_push_its_older_launch_and_says_it_is_stale() -> N
         # a second replica starts: it boots from the launch file, which holds the newer launch
         grown = dep.backend.scale(name, dep.applied.token, 2)
         booted = next(ep for ep in grown.endpoints if ep.ordinal == 1)
-        _wait_until(lambda: dep.client.ready(booted.url) is not None, "the new replica to boot")
+        _wait_until(lambda: _ready(dep.client, booted.url), "the new replica to boot")
         # the first handle sees it (a replica it does not route to) and sends its own launch
         old.scaler._bring_up(booted)
         with pytest.raises(kt.NotDeployedError, match="redeployed by another .to()") as stale:
