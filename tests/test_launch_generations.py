@@ -184,6 +184,7 @@ def test_a_stale_handle_cannot_push_its_older_launch_and_says_it_is_stale() -> N
         assert "generation 2" in str(stale.value) and "call .to() again" in str(stale.value)
         assert dep.client.health(booted.url)["launch_id"] == dep.launch_id
         assert second() == "v2"  # the newer launch runs everywhere
+        assert second.status()["generation"] == 2
     finally:
         (second or first).teardown()
 

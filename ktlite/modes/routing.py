@@ -56,7 +56,8 @@ logger = logging.getLogger(__name__)
 
 class Routing(Mode):
     """Each call on one replica, chosen by load; see the module docstring. Its ``status()``
-    is a dict: ``replicas`` (each ``name``, ``ip``, ``inflight``, ``served``, ``draining``,
+    is a dict: ``launch_id`` and ``generation`` (this handle's launch), ``replicas`` (each
+    ``name``, ``ip``, ``inflight``, ``served``, ``draining``,
     ``launch_id``), ``waiting`` (calls queued here) and ``autoscaler`` (who scales, the
     bounds, the target, the last decision and why)."""
 
@@ -367,6 +368,8 @@ class Routing(Mode):
         return {
             "name": dep.name,
             "launch_id": dep.launch_id,
+            # this handle's launch generation (None: attached by name, with no code of its own)
+            "generation": self.pool.launch.generation if self.pool.launch else None,
             "waiting": waiting,
             "replicas": list(pool.map(one, replicas)),
             "autoscaler": self.scaler.autoscaler_info(),
