@@ -33,7 +33,7 @@ from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
 from ktlite.backends.local_pods import LocalPods, _answers
-from ktlite.backends.local_scaling import LocalScaling
+from ktlite.backends.local_scaling import LAUNCH_FILE, LocalScaling
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.backends.processes import pid_alive
 from ktlite.errors import DeployError
@@ -144,7 +144,7 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
         if spec.autoscale is not None:
             cmds.append(
                 f"# autoscaled: {spec.autoscale.describe()}; ktlite's autoscaler in the calling process "
-                f"starts and stops replicas like these; each loads {self._dir(spec.name) / 'launch.pkl'} "
+                f"starts and stops replicas like these; each loads {self._dir(spec.name) / LAUNCH_FILE} "
                 "(KTLITE_LAUNCH_FILE) at boot"
             )
         for i in range(spec.workers):

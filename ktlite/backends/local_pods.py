@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import ktlite.specs.secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.local_cgroups import memory_cgroup, remove_cgroup
+from ktlite.backends.local_scaling import LAUNCH_FILE
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.backends.processes import pid_alive
 from ktlite.config import home as store_home
@@ -145,7 +146,7 @@ class LocalPods:
         )
         env["KTLITE_POD_ORDINAL"] = "0" if spec.autoscale is not None else str(ordinal)
         if spec.autoscale is not None:  # a replica started later loads the current code at boot
-            env["KTLITE_LAUNCH_FILE"] = str(self._dir(spec.name) / "launch.pkl")
+            env["KTLITE_LAUNCH_FILE"] = str(self._dir(spec.name) / LAUNCH_FILE)
         env["KTLITE_DEPLOYMENT"] = spec.name
         env["KTLITE_BACKEND"] = "local"
         env["KTLITE_STORE_HOME"] = str(store_home())  # kt.put/get in the ranks: the caller's store
