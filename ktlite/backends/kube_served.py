@@ -26,10 +26,10 @@ from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
 from ktlite.backends.kube_served_status import (
     ServedStatus,
-    _peek,
-    _pod_hash,
-    _scan,
-    _served,
+    is_served,
+    peek,
+    pod_hash,
+    scan,
 )
 from ktlite.errors import ConfigError, DeployError, LaunchTimeout
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -103,7 +103,7 @@ class ServedDeployments(ServedStatus):
         workload = (
             objects[-1] if caps.knative else next(o for o in objects if o["kind"] == "Deployment")
         )
-        want = _pod_hash(kss.template_of(workload)) or ""
+        want = pod_hash(kss.template_of(workload)) or ""
         first = self._served_object(api, name) is None and api.get("StatefulSet", name) is None
         before = {p["metadata"]["uid"] for p in api.list("Pod", km.selector(name))}
         created: list[tuple[str, str]] = []
@@ -180,7 +180,7 @@ class ServedDeployments(ServedStatus):
             api.create(obj)
             created.append((kind, name))
             return
-        if _pod_hash(kss.template_of(current)) == _pod_hash(kss.template_of(obj)):
+        if pod_hash(kss.template_of(current)) == pod_hash(kss.template_of(obj)):
             if kss.autoscale_of(current) != kss.autoscale_of(obj):  # new bounds: the pods stay
                 api.patch(
                     kind,
@@ -224,14 +224,14 @@ class ServedDeployments(ServedStatus):
 
     def _drop_hpa_form(self, api: KubeApi, name: str) -> None:
         for kind in ("HorizontalPodAutoscaler", "Deployment"):
-            if _served(_peek(api, kind, name), name):
+            if is_served(peek(api, kind, name), name):
                 api.delete(kind, name)
         svc = api.get("Service", name)
-        if _served(svc, name):
+        if is_served(svc, name):
             api.delete("Service", name)
 
     def _drop_knative(self, api: KubeApi, name: str) -> None:
-        if _served(_peek(api, "KnativeService", name), name):
+        if is_served(peek(api, "KnativeService", name), name):
             api.delete("KnativeService", name)
 
     def drop_served(self, api: KubeApi, name: str) -> None:
@@ -261,7 +261,7 @@ class ServedDeployments(ServedStatus):
             pods = [
                 p
                 for p in api.list("Pod", km.selector(spec.name))
-                if _pod_hash(p) == want and not p["metadata"].get("deletionTimestamp")
+                if pod_hash(p) == want and not p["metadata"].get("deletionTimestamp")
             ]
             line = (
                 ("replicas " + progress(pods, len(pods)).removeprefix("pods "))
@@ -367,7 +367,7 @@ class ServedDeployments(ServedStatus):
         """Delete a served deployment's own objects (the shared ones go with the rest)."""
         found = False
         for kind in ("HorizontalPodAutoscaler", "Deployment", "KnativeService"):
-            for obj in _scan(api, kind, km.selector(name)):
+            for obj in scan(api, kind, km.selector(name)):
                 found |= api.delete(kind, obj["metadata"]["name"])
         found |= api.delete("Secret", kss.launch_secret_name(name))
         return found

@@ -26,7 +26,7 @@ else:
     _Base = object
 
 
-def _pod_hash(obj: dict[str, Any]) -> str | None:
+def pod_hash(obj: dict[str, Any]) -> str | None:
     value: str | None = ((obj.get("metadata") or {}).get("annotations") or {}).get(
         km.HASH_ANNOTATION
     )
@@ -60,7 +60,7 @@ def _conditions(obj: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _peek(api: KubeApi, kind: str, name: str) -> dict[str, Any] | None:
+def peek(api: KubeApi, kind: str, name: str) -> dict[str, Any] | None:
     """``api.get`` for the kinds only served deployments use: None also where this account may
     not read them (403: it cannot have made any) or the cluster does not serve the kind (404)."""
     try:
@@ -71,7 +71,7 @@ def _peek(api: KubeApi, kind: str, name: str) -> dict[str, Any] | None:
         raise
 
 
-def _scan(api: KubeApi, kind: str, selector: str) -> list[dict[str, Any]]:
+def scan(api: KubeApi, kind: str, selector: str) -> list[dict[str, Any]]:
     """``api.list`` of such a kind: empty where it may not be read or is not served."""
     try:
         return api.list(kind, selector)
@@ -81,7 +81,7 @@ def _scan(api: KubeApi, kind: str, selector: str) -> list[dict[str, Any]]:
         raise
 
 
-def _served(obj: dict[str, Any] | None, name: str) -> bool:
+def is_served(obj: dict[str, Any] | None, name: str) -> bool:
     """``obj`` is a served deployment's object ktlite made for ``name``."""
     labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
     return labels.get(km.NAME_LABEL) == name and labels.get(kss.MODE_LABEL) == kss.SERVE
@@ -129,8 +129,8 @@ class ServedStatus(_Base):
     def _served_object(self, api: KubeApi, name: str) -> dict[str, Any] | None:
         """The Deployment or Knative Service of the served deployment ``name``, or None."""
         for kind in ("Deployment", "KnativeService"):
-            obj = _peek(api, kind, name)
-            if _served(obj, name):
+            obj = peek(api, kind, name)
+            if is_served(obj, name):
                 return obj
         return None
 
@@ -187,8 +187,8 @@ class ServedStatus(_Base):
         token = ksec.decode_token(secret)
         if token is None:
             return None
-        want = _pod_hash(kss.template_of(obj)) or ""
-        pods = [p for p in api.list("Pod", km.selector(name)) if _pod_hash(p) == want and _alive(p)]
+        want = pod_hash(kss.template_of(obj)) or ""
+        pods = [p for p in api.list("Pod", km.selector(name)) if pod_hash(p) == want and _alive(p)]
         self._served_names.add(name)
         return self._applied_served(name, pods, token, want, kss.autoscale_of(obj))
 
@@ -197,8 +197,8 @@ class ServedStatus(_Base):
         scaled, its conditions (e.g. FailedGetResourceMetric without metrics-server) and its
         metric; None for a deployment that is not served."""
         api = self._api()
-        hpa = _peek(api, "HorizontalPodAutoscaler", name)
-        if _served(hpa, name):
+        hpa = peek(api, "HorizontalPodAutoscaler", name)
+        if is_served(hpa, name):
             assert hpa is not None
             spec, status = hpa["spec"], hpa.get("status") or {}
             return {
@@ -209,17 +209,17 @@ class ServedStatus(_Base):
                 "max": spec.get("maxReplicas"),
                 "last_scale_time": status.get("lastScaleTime"),
                 "conditions": _conditions(hpa),
-                "metric": _describe_metric(spec, status, _peek(api, "Deployment", name)),
+                "metric": _describe_metric(spec, status, peek(api, "Deployment", name)),
             }
-        ksvc = _peek(api, "KnativeService", name)
-        if not _served(ksvc, name):
+        ksvc = peek(api, "KnativeService", name)
+        if not is_served(ksvc, name):
             return None
         assert ksvc is not None
         status = ksvc.get("status") or {}
         notes = kss.template_of(ksvc)["metadata"].get("annotations") or {}
         prefix = "autoscaling.knative.dev/"
         revision = status.get("latestCreatedRevisionName")
-        scaler = (_peek(api, "PodAutoscaler", revision) or {}) if revision else {}
+        scaler = (peek(api, "PodAutoscaler", revision) or {}) if revision else {}
         pods = [p for p in api.list("Pod", km.selector(name)) if _alive(p)]
         scaler_status = scaler.get("status") or {}
         return {
@@ -244,7 +244,7 @@ class ServedStatus(_Base):
         managed = ",".join(
             f"{k}={v}" for k, v in {**km.MANAGED_LABELS, kss.MODE_LABEL: kss.SERVE}.items()
         )
-        for dep in _scan(api, "Deployment", managed):
+        for dep in scan(api, "Deployment", managed):
             status = dep.get("status") or {}
             rows.append(
                 {
@@ -258,7 +258,7 @@ class ServedStatus(_Base):
                     "autoscaler": "hpa",
                 }
             )
-        for ksvc in _scan(api, "KnativeService", managed):
+        for ksvc in scan(api, "KnativeService", managed):
             name = ksvc["metadata"]["labels"].get(km.NAME_LABEL, ksvc["metadata"]["name"])
             pods = [p for p in api.list("Pod", km.selector(name)) if _alive(p)]
             ready = sum(

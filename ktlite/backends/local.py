@@ -32,7 +32,7 @@ import ktlite.specs.secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
-from ktlite.backends.local_pods import LocalPods, _answers
+from ktlite.backends.local_pods import LocalPods, answers
 from ktlite.backends.local_scaling import LAUNCH_FILE, LocalScaling
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.backends.processes import pid_alive
@@ -197,7 +197,7 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                     old
                     and old["hash"] == pod_hash
                     and pid_alive(old["pid"])
-                    and _answers(old["port"])
+                    and answers(old["port"])
                 ):
                     pods.append(old)
                     continue

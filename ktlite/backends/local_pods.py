@@ -57,7 +57,7 @@ def visible_gpus() -> list[str]:
     return _gpu_cache
 
 
-def _answers(port: int, timeout: float = 2.0) -> bool:
+def answers(port: int, timeout: float = 2.0) -> bool:
     """Whether a local pod's server answers GET /health."""
     import http.client
 

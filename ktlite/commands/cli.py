@@ -16,7 +16,7 @@ from ktlite import __version__, config, logconfig
 from ktlite.api.decorators import Decorated
 from ktlite.commands import run_cli
 from ktlite.commands.scripts import load_script
-from ktlite.commands.status_cli import _attach, _backend, _status
+from ktlite.commands.status_cli import attach, named_backend, status_command
 from ktlite.errors import ConfigError, KtliteError, NotDeployedError
 
 
@@ -81,7 +81,7 @@ def _call(args: argparse.Namespace) -> int:
     from ktlite.net import packaging
 
     options = _options({"timeout": args.timeout})  # bad values fail here, before the call
-    dep, status = _attach(args)
+    dep, status = attach(args)
     if args.method is None and status and status[0].get("kind") == "cls":
         raise ConfigError(
             f"{args.name!r} is a deployed class: name the method to call with "
@@ -103,7 +103,7 @@ def _call(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = _backend(args).list()
+    rows = named_backend(args).list()
     if not rows:
         print("no deployments")
         return 0
@@ -119,7 +119,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _teardown(args: argparse.Namespace) -> int:
-    backend = _backend(args)
+    backend = named_backend(args)
     deployed = [r["name"] for r in backend.list()]
     where = f"backend {backend.name!r}"
     if args.prefix:  # Kubetorch's --prefix: every deployment whose name starts with it
@@ -174,11 +174,11 @@ def _no_such(name: str, deployed: list[str], where: str) -> str:
 def _logs(args: argparse.Namespace) -> int:
     pod = args.pod
     if args.rank is not None:
-        _, status = _attach(args)
+        _, status = attach(args)
         procs = max(1, len(status[0]["ranks"])) if status else 1
         pod = args.rank // procs
     try:
-        for line in _backend(args).logs(args.name, pod, follow=args.follow, tail=args.tail):
+        for line in named_backend(args).logs(args.name, pod, follow=args.follow, tail=args.tail):
             print(line, flush=True)
     except KeyboardInterrupt:
         pass
@@ -316,7 +316,7 @@ def _parser() -> argparse.ArgumentParser:
         "show a deployment's ranks: state, CPU, memory, GPUs, running calls "
         "(exit 2 if a rank is stuck)",
         "ktlite status train   |   ktlite status train --watch 1   |   ktlite status train --json",
-        _status,
+        status_command,
     )
     st.add_argument("name")
     st.add_argument(
@@ -362,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
             alias,
             f"Kubetorch's `kt {alias}`: the same as `ktlite status`",
             f"ktlite {alias} train",
-            _status,
+            status_command,
         )
         ck.add_argument("name")
         ck.add_argument(

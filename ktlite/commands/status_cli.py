@@ -16,18 +16,18 @@ from ktlite.backends.registry import get_backend
 from ktlite.errors import ConfigError, KtliteError, NotDeployedError
 
 
-def _backend(args: argparse.Namespace) -> Backend:
+def named_backend(args: argparse.Namespace) -> Backend:
     return get_backend(args.backend, getattr(args, "namespace", None))
 
 
-def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
+def attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     """The running deployment NAME (as a Deployment) and its pods' status."""
     from ktlite.api.compute import Compute
     from ktlite.modes.deploy import Deployment
     from ktlite.net.client import PodClient
     from ktlite.specs.deployment_spec import DeploymentSpec
 
-    backend = _backend(args)
+    backend = named_backend(args)
     applied = backend.lookup(args.name)
     if applied is None:
         raise NotDeployedError(
@@ -69,14 +69,14 @@ def _pods_status(
         return list(pool.map(one, eps))
 
 
-def _status(args: argparse.Namespace) -> int:
+def status_command(args: argparse.Namespace) -> int:
     from ktlite.modes import status
 
     if args.watch is not None and not args.watch > 0:
         raise ConfigError(
             f"--watch {args.watch:g}: give the seconds between refreshes, > 0 (e.g. --watch 2)"
         )
-    dep, pods = _attach(args)
+    dep, pods = attach(args)
     if args.stuck_after is not None:
         pods = _pods_status(dep, args.stuck_after)
     if dep.applied.autoscale is not None:

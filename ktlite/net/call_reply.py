@@ -41,7 +41,7 @@ class CallReply:
     started: bool = True
 
 
-class _Frames:
+class FrameReader:
     """Reads a call's frame stream: prints logs, passes notices on, returns the result; counts
     the frames read so that a broken stream can be re-attached where it stopped."""
 

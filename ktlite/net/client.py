@@ -21,9 +21,9 @@ import httpx
 from ktlite.errors import KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
 from ktlite.logconfig import http_hook
 from ktlite.net.call_reply import CallReply as CallReply
-from ktlite.net.call_reply import LogSink, NoticeSink, Outcomes, _Frames
+from ktlite.net.call_reply import FrameReader, LogSink, NoticeSink, Outcomes
 from ktlite.net.connection import ConnectionFailed, ConnectionRefused, Pool
-from ktlite.net.refusals import _PROXY_ERRORS, _proxy_refusal, _ProxyError, _raise_for_status
+from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, proxy_refusal, raise_for_status
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
 from ktlite_wire import envelope, version
 from ktlite_wire.errors import ProtocolError
@@ -111,7 +111,7 @@ class PodClient:
             detail = resp.json().get("detail", resp.text)
         except (ValueError, AttributeError):
             detail = resp.text
-        _raise_for_status(resp.status, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
+        raise_for_status(resp.status, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
 
     def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
         resp = self.transport.request(
@@ -173,9 +173,9 @@ class PodClient:
                     headers=headers,
                     content=content,
                 )
-                if resp.status not in _PROXY_ERRORS:
+                if resp.status not in PROXY_ERRORS:
                     break
-                error: Exception = _ProxyError(resp.status, resp.text)
+                error: Exception = ProxyRefusal(resp.status, resp.text)
             except PodSilent:
                 raise
             except PodUnreachable as e:
@@ -248,7 +248,7 @@ class PodClient:
     ) -> CallReply:
         """Run a call through the coordinator ``pod`` at ``url``; returns per-rank outcomes."""
         who = f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
-        frames = _Frames(on_log, on_notice, url)
+        frames = FrameReader(on_log, on_notice, url)
         try:
             if self._lean and url.startswith("http://"):
                 headers = self._headers(
@@ -269,7 +269,7 @@ class PodClient:
             raise PodUnreachable(f"{who} closed the stream mid-call: {e}") from e
 
     def _call_lean(
-        self, url: str, headers: dict[str, str], parts: list[Any], frames: _Frames
+        self, url: str, headers: dict[str, str], parts: list[Any], frames: FrameReader
     ) -> CallReply:
         try:
             conn, status, hdrs = _pool.post(
@@ -287,7 +287,7 @@ class PodClient:
                     detail = str(json.loads(body).get("detail", body))
                 except ValueError:
                     detail = body.decode(errors="replace")
-                _raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
+                raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
             result = frames.read(conn.body(hdrs))
         except BaseException:
             conn.close()
@@ -296,7 +296,7 @@ class PodClient:
         return result
 
     def _call_resumable(
-        self, url: str, meta: dict[str, Any], parts: list[Any], frames: _Frames, who: str
+        self, url: str, meta: dict[str, Any], parts: list[Any], frames: FrameReader, who: str
     ) -> CallReply:
         """A call through a proxy (the Kubernetes API server's). A stream that breaks is
         re-attached by call id, reading on from the first frame not received; the pod keeps
@@ -336,7 +336,7 @@ class PodClient:
                 with self.http.stream(
                     "POST", f"{url}/call", content=content, headers=headers, timeout=timeout
                 ) as resp:
-                    refusal = _proxy_refusal(resp)
+                    refusal = proxy_refusal(resp)
                     if refusal is not None:
                         raise refusal
                     try:
@@ -357,16 +357,16 @@ class PodClient:
                     return frames.read(resp.iter_raw())
             except (httpx.ReadTimeout, httpx.PoolTimeout):
                 raise
-            except (httpx.TransportError, ProtocolError, _ProxyError) as e:
+            except (httpx.TransportError, ProtocolError, ProxyRefusal) as e:
                 if not delivered and not (
                     isinstance(e, httpx.ConnectError)
-                    or (isinstance(e, _ProxyError) and e.undelivered)
+                    or (isinstance(e, ProxyRefusal) and e.undelivered)
                 ):
                     delivered, first_delivered = True, sent_at
                 now = time.monotonic()
                 window_end = window_end or now + RESUME_WINDOW_S
                 if now >= window_end:
-                    if isinstance(e, _ProxyError):
+                    if isinstance(e, ProxyRefusal):
                         raise PodUnreachable(
                             f"{who} is not reachable through the proxy (HTTP "
                             f"{e.status}: {e.text[:300]})",

@@ -9,7 +9,7 @@ import httpx
 from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
 from ktlite_wire.errors import ErrorCode
 
-_PROXY_ERRORS = (502, 503, 504)
+PROXY_ERRORS = (502, 503, 504)
 # what the API server's proxy says when it cannot open a connection to the pod
 _UNDELIVERED = (
     "dial tcp",
@@ -21,24 +21,24 @@ _UNDELIVERED = (
 )
 
 
-def _proxy_refusal(resp: httpx.Response) -> _ProxyError | None:
+def proxy_refusal(resp: httpx.Response) -> ProxyRefusal | None:
     """The error of a proxy that could not reach the pod (502/503/504, or a Kubernetes
     ``Status`` body: the API server answered, not the pod), else None."""
     if resp.status_code < 400:
         return None
     resp.read()
-    if resp.status_code in _PROXY_ERRORS:
-        return _ProxyError(resp.status_code, resp.text)
+    if resp.status_code in PROXY_ERRORS:
+        return ProxyRefusal(resp.status_code, resp.text)
     try:
         body = resp.json()
     except ValueError:
         return None
     if isinstance(body, dict) and body.get("kind") == "Status":
-        return _ProxyError(resp.status_code, str(body.get("message", resp.text)))
+        return ProxyRefusal(resp.status_code, str(body.get("message", resp.text)))
     return None
 
 
-class _ProxyError(Exception):
+class ProxyRefusal(Exception):
     """A proxy between us and the pod could not reach it (the API server's pod proxy answers
     503 when it cannot connect, 400 "address not allowed" while the pod has no IP, 404 when
     no pod has the name: between a deleted pod and its replacement)."""
@@ -53,7 +53,7 @@ class _ProxyError(Exception):
         return any(sign in self.text for sign in _UNDELIVERED)
 
 
-def _raise_for_status(status: int, detail: str, url: str, code: str | None = None) -> None:
+def raise_for_status(status: int, detail: str, url: str, code: str | None = None) -> None:
     """Raise the ktlite error for a refusal, classified by its error code (the HTTP status
     only where a proxy, not the pod, answered)."""
     if status < 400:
@@ -70,7 +70,7 @@ def _raise_for_status(status: int, detail: str, url: str, code: str | None = Non
         raise NotDeployedError(detail)
     if error is ErrorCode.UNKNOWN_CALL:
         raise PodUnreachable(detail)
-    if status in _PROXY_ERRORS:
+    if status in PROXY_ERRORS:
         raise PodUnreachable(
             f"pod at {url} is not reachable through the proxy (HTTP {status}): {detail[:300]}"
         )
