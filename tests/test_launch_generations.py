@@ -22,6 +22,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.backends.local import LocalBackend
+from ktlite.backends.local_scaling import LAUNCH_FILE
 from ktlite.errors import KtliteError, StaleLaunch
 from ktlite.net.client import PodClient
 from ktlite.net.packaging import bundle
@@ -139,7 +140,7 @@ def test_local_write_launch_gives_every_writer_its_own_generation_and_keeps_the_
             )
         assert sorted(w.generation for w in written) == list(range(1, 9))
         newest = max(written, key=lambda w: w.generation)
-        kept = decode_deploy((backend._dir(name) / "launch.pkl").read_bytes())
+        kept = decode_deploy((backend._dir(name) / LAUNCH_FILE).read_bytes())
         assert isinstance(kept, Launch)
         assert (kept.launch_id, kept.generation) == (newest.launch_id, 8)
         # another process's backend goes on from there

@@ -2,7 +2,8 @@
 
 One calling process leads (it holds the deployment's ``autoscaler.lock``) and scales; the
 others route calls and publish how many wait in them. A detached deployment gets a process
-of its own (``ktlite.commands.supervisor``). The current launch is kept as ``launch.pkl`` for
+of its own (``ktlite.commands.supervisor``). The current launch is kept as ``launch.msg`` (the
+Launch message as ``ktlite_wire`` encodes it: a JSON header, the code in opaque buffers) for
 replicas started later, its generation (one per ``.to()``) counted in ``launch.generation``.
 The files live in the deployment's directory.
 """
@@ -30,6 +31,10 @@ from ktlite.errors import DeployError, NotDeployedError
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire.launch import Launch
 
+# the current launch, which replicas started later load (KTLITE_LAUNCH_FILE): the Launch
+# message as ktlite_wire encodes it, not a pickle
+LAUNCH_FILE = "launch.msg"
+
 
 class LocalScaling:
     """The local backend's :class:`~ktlite.backends.capabilities.Serving` and
@@ -48,7 +53,7 @@ class LocalScaling:
         return "client"
 
     def write_launch(self, name: str, launch: Launch) -> Launch:
-        """``launch.pkl`` in the deployment's directory (0600), which replicas load at boot,
+        """``launch.msg`` in the deployment's directory (0600), which replicas load at boot,
         as the next generation (counted in ``launch.generation``, under ``launch.lock``: every
         process that deploys ``name`` takes its generation from there)."""
         directory = self._dir(name)
@@ -63,7 +68,7 @@ class LocalScaling:
             # between the two costs a generation, never gives one out twice)
             _write_private(counter, str(generation).encode())
             stamped = replace(launch, generation=generation)
-            _write_private(directory / "launch.pkl", stamped.encode())
+            _write_private(directory / LAUNCH_FILE, stamped.encode())
         return stamped
 
     def lead_scaling(self, name: str) -> bool:
