@@ -56,7 +56,7 @@ class CallResult:
             elif data is not None:
                 buf = len(buffers)
                 buffers.append(data)
-            rows.append([o.rank, o.pod, Status(o.status).value, o.message, o.at, buf, shm])
+            rows.append([o.rank, o.pod, o.status.value, o.message, o.at, buf, shm])
         return envelope.encode({"outcomes": rows, "started": self.started}, buffers)
 
     def encode_bytes(self) -> bytes:
@@ -70,21 +70,20 @@ class CallResult:
         if not isinstance(rows, list):
             raise ProtocolError("a call result needs a list of outcomes")
         outs = []
-        for row in rows:
+        for row in rows:  # a row per rank: this loop is on the hot path of every call
             try:
                 rank, pod, status, message, at, buf, shm = row
-                if isinstance(rank, bool) or not isinstance(rank, int) or not math.isfinite(at):
-                    raise ValueError(f"rank {rank!r} at {at!r}")
+                if type(rank) is not int or type(pod) is not str or type(message) is not str:
+                    raise ValueError(f"rank {rank!r} of pod {pod!r}")
+                at = float(at)
+                if not math.isfinite(at):
+                    raise ValueError(f"at {at!r}")
                 data_: Any = (
                     ShmRef(str(shm[0]), int(shm[1]))
                     if shm is not None
                     else envelope.buffer(bufs, buf, f"rank {rank}'s outcome")
                 )
-                outs.append(
-                    RankOutcome(
-                        rank, str(pod), Status.parse(status), data_, str(message), float(at)
-                    )
-                )
+                outs.append(RankOutcome(rank, pod, Status.parse(status), data_, message, at))
             except (ValueError, TypeError, IndexError) as e:
                 raise ProtocolError(f"a malformed outcome {str(row)[:200]}: {e}") from None
         return cls(outs, bool(header.get("started", True)))
