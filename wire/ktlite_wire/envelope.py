@@ -65,6 +65,11 @@ def unpack(magic: bytes, data: Any, what: str) -> tuple[memoryview, list[memoryv
             )
         )
     pos = HEAD.size
+    if not nbufs:  # a small value or a typed message: its header is all of it
+        body = view[pos : pos + blen]
+        if body.nbytes != blen:
+            raise ProtocolError(f"{what} truncated in its header ({body.nbytes} of {blen} bytes)")
+        return body, []
     if nbufs > MAX_BUFFERS or view.nbytes < pos + 8 * nbufs:
         raise ProtocolError(f"{what} truncated in its buffer table")
     lens = struct.unpack_from(f"<{nbufs}Q", view, pos)
