@@ -5,11 +5,10 @@ never a crash on the pod.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
-from ktlite_wire import rankdata
+from ktlite_wire import envelope, rankdata
 
 
 class CallPlan:
@@ -176,7 +175,7 @@ def _number(meta: dict[str, Any], key: str, default: float | None) -> float | No
 def decode_plan(header: str) -> CallPlan:
     """The plan from its header's text. Raises ValueError (also for JSON that is not one)."""
     try:
-        meta = json.loads(header)
+        meta = envelope.loads_json(header)
     except RecursionError:
         raise ValueError("the call plan nests too deeply") from None
     return CallPlan(meta)
