@@ -186,6 +186,14 @@ class GuardedHttpTools(HttpToolsProtocol):
     # -- the request head: size and time -----------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        head = self._head
+        if head is None:  # a body (or a response being sent): no head limit applies
+            super().data_received(data)
+            return
+        if head + len(data) <= self.limits.max_head:  # the usual case: one piece, no copy
+            self._head = head + len(data)
+            super().data_received(data)
+            return
         while data:
             if self._head is None:  # a body (or a response being sent): no head limit applies
                 super().data_received(data)
