@@ -118,84 +118,93 @@ def _head(method: str, path: str, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def test_a_body_without_the_token_is_refused_from_the_head_and_not_read(tmp_path) -> None:
-    with store_server(tmp_path) as store:
-        for token in (None, "wrong"):
-            headers = {"content-length": str(BODY)}
-            if token:
-                headers[TOKEN_HEADER] = bearer(token)
-            with store.connect() as s:
-                s.sendall(_head("PUT", "/store/v1/key?key=big&kind=file", headers))
-                status, answer, body = _answer(s, "a PUT without the token")
-                assert status.startswith(b"HTTP/1.1 401 "), (status, body)
-                assert answer.get(ERROR_CODE_HEADER) == "unauthorized", answer
-                assert "missing or wrong store token" in json.loads(body)["detail"]
-                taken = _stream_body(s, BODY)
-            assert taken < CUT_OFF, f"the store took {taken >> 20} MiB of a refused body"
-            assert answer.get("connection") == "close", answer
-        assert not list((store.root / "data").rglob("*")), "nothing is stored"
-        with store.connect() as s:  # the store still answers
-            s.sendall(_head("GET", "/health", {"connection": "close"}))
-            assert _answer(s, "GET /health")[0].startswith(b"HTTP/1.1 200 ")
+LIMIT = 1 << 20  # KTLITE_STORE_MAX_BODY of the store these tests share
 
 
-def test_a_body_over_the_limit_is_refused_from_the_head_with_413(tmp_path) -> None:
-    limit = 1 << 20
-    with store_server(tmp_path, KTLITE_STORE_MAX_BODY=str(limit)) as store:
-        auth = {TOKEN_HEADER: bearer(store.token)}
-        declared = (
-            {"content-length": str(BODY)},
-            # a chunked upload (as the store client sends) names its length in its own header
-            {"transfer-encoding": "chunked", LENGTH_HEADER: str(BODY)},
-        )
-        for length in declared:
-            with store.connect() as s:
-                s.sendall(_head("PUT", "/store/v1/key?key=big&kind=file", {**auth, **length}))
-                status, answer, body = _answer(s, "a PUT over the limit")
-                assert status.startswith(b"HTTP/1.1 413 "), (status, body)
-                assert answer.get(ERROR_CODE_HEADER) == "too_large", answer
-                detail = json.loads(body)["detail"]
-                assert f"{BODY} bytes" in detail and "KTLITE_STORE_MAX_BODY" in detail, detail
-                taken = _stream_body(s, BODY)
-            assert taken < CUT_OFF, f"the store took {taken >> 20} MiB of a refused body"
-        # an endpoint that takes no body refuses one over 64 KiB the same way
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    with store_server(tmp_path_factory.mktemp("store"), KTLITE_STORE_MAX_BODY=str(LIMIT)) as s:
+        yield s
+
+
+def test_a_body_without_the_token_is_refused_from_the_head_and_not_read(store: Store) -> None:
+    for token in (None, "wrong"):
+        headers = {"content-length": str(BODY)}
+        if token:
+            headers[TOKEN_HEADER] = bearer(token)
         with store.connect() as s:
-            s.sendall(_head("GET", "/store/v1/ls", {**auth, "content-length": str(BODY)}))
-            status, _, body = _answer(s, "a GET with a body")
-            assert status.startswith(b"HTTP/1.1 413 ") and b"takes no body" in body, body
-        # within the limit, a PUT is stored as before
+            s.sendall(_head("PUT", "/store/v1/key?key=big&kind=file", headers))
+            status, answer, body = _answer(s, "a PUT without the token")
+            assert status.startswith(b"HTTP/1.1 401 "), (status, body)
+            assert answer.get(ERROR_CODE_HEADER) == "unauthorized", answer
+            assert "missing or wrong store token" in json.loads(body)["detail"]
+            taken = _stream_body(s, BODY)
+        assert taken < CUT_OFF, f"the store took {taken >> 20} MiB of a refused body"
+        assert answer.get("connection") == "close", answer
+    assert not (store.root / "data" / "big").exists(), "nothing is stored"
+    with store.connect() as s:  # the store still answers
+        s.sendall(_head("GET", "/health", {"connection": "close"}))
+        assert _answer(s, "GET /health")[0].startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_body_over_the_limit_is_refused_from_the_head_with_413(store: Store) -> None:
+    limit = LIMIT
+    auth = {TOKEN_HEADER: bearer(store.token)}
+    declared = (
+        {"content-length": str(BODY)},
+        # a chunked upload (as the store client sends) names its length in its own header
+        {"transfer-encoding": "chunked", LENGTH_HEADER: str(BODY)},
+    )
+    for length in declared:
         with store.connect() as s:
-            value = b"v" * limit
-            s.sendall(
-                _head(
-                    "PUT",
-                    "/store/v1/key?key=ok&kind=file",
-                    {**auth, "content-length": str(len(value)), "connection": "close"},
-                )
-                + value
+            s.sendall(_head("PUT", "/store/v1/key?key=big&kind=file", {**auth, **length}))
+            status, answer, body = _answer(s, "a PUT over the limit")
+            assert status.startswith(b"HTTP/1.1 413 "), (status, body)
+            assert answer.get(ERROR_CODE_HEADER) == "too_large", answer
+            detail = json.loads(body)["detail"]
+            assert f"{BODY} bytes" in detail and "KTLITE_STORE_MAX_BODY" in detail, detail
+            taken = _stream_body(s, BODY)
+        assert taken < CUT_OFF, f"the store took {taken >> 20} MiB of a refused body"
+    # an endpoint that takes no body refuses one over 64 KiB the same way
+    with store.connect() as s:
+        s.sendall(_head("GET", "/store/v1/ls", {**auth, "content-length": str(BODY)}))
+        status, _, body = _answer(s, "a GET with a body")
+        assert status.startswith(b"HTTP/1.1 413 ") and b"takes no body" in body, body
+    # within the limit, a PUT is stored as before
+    with store.connect() as s:
+        value = b"v" * limit
+        s.sendall(
+            _head(
+                "PUT",
+                "/store/v1/key?key=ok&kind=file",
+                {**auth, "content-length": str(len(value)), "connection": "close"},
             )
-            status, _, body = _answer(s, "a PUT within the limit")
-            assert status.startswith(b"HTTP/1.1 200 "), body
-            assert json.loads(body)["size"] == limit
-        assert (store.root / "data" / "ok").read_bytes() == value
+            + value
+        )
+        status, _, body = _answer(s, "a PUT within the limit")
+        assert status.startswith(b"HTTP/1.1 200 "), body
+        assert json.loads(body)["size"] == limit
+    assert (store.root / "data" / "ok").read_bytes() == value
 
 
-def test_the_store_client_names_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with store_server(tmp_path, KTLITE_STORE_MAX_BODY=str(1 << 20)) as store:
-        # as a rank on a Kubernetes pod: the store address its pod server was handed
-        from ktlite_server.store import remember
+def test_the_store_client_names_the_limit(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as a rank on a Kubernetes pod: the store address its pod server was handed
+    from ktlite_server.store import remember
 
-        ips = tmp_path / "ktlite-pod-ips-0.json"
-        monkeypatch.setenv("KTLITE_POD_IPS_FILE", str(ips))
-        monkeypatch.setenv("KTLITE_BACKEND", "kubernetes")
-        monkeypatch.setenv("KTLITE_NAMESPACE", "default")
-        remember({"url": store.url, "token": store.token, "pod": "ktlite-store-0"}, str(ips))
-        assert os.path.exists(address_file(str(ips)))
-        small = tmp_path / "small.bin"
-        small.write_bytes(b"s" * 1000)
-        kt.put("small", small)
-        big = tmp_path / "big.bin"
-        big.write_bytes(b"b" * (2 << 20))
-        with pytest.raises(DataStoreError, match="KTLITE_STORE_MAX_BODY"):
-            kt.put("big", big)
-        assert {e["name"] for e in kt.ls()} == {"small"}
+    ips = tmp_path / "ktlite-pod-ips-0.json"
+    monkeypatch.setenv("KTLITE_POD_IPS_FILE", str(ips))
+    monkeypatch.setenv("KTLITE_BACKEND", "kubernetes")
+    monkeypatch.setenv("KTLITE_NAMESPACE", "default")
+    remember({"url": store.url, "token": store.token, "pod": "ktlite-store-0"}, str(ips))
+    assert os.path.exists(address_file(str(ips)))
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"s" * 1000)
+    kt.put("small", small)
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"b" * (2 << 20))
+    with pytest.raises(DataStoreError, match="KTLITE_STORE_MAX_BODY"):
+        kt.put("big", big)
+    assert "big" not in {e["name"] for e in kt.ls()}
+    assert "small" in {e["name"] for e in kt.ls()}
