@@ -5,11 +5,10 @@ never a crash on the pod.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
-from ktlite_wire import rankdata
+from ktlite_wire import envelope, rankdata
 
 
 class CallPlan:
@@ -25,7 +24,7 @@ class CallPlan:
         workers = meta.get("workers")
         self.workers: list[int] | None = None if workers is None else _list(meta, "workers", int)
         if self.workers is not None and (
-            not self.workers or any(not 0 <= w < len(self.pods) for w in self.workers)
+            not self.workers or not 0 <= min(self.workers) <= max(self.workers) < len(self.pods)
         ):
             raise ValueError(
                 f"workers={workers!r} must be pod indices between 0 and {len(self.pods) - 1}"
@@ -41,9 +40,7 @@ class CallPlan:
         self.quorum_timeout = _number(meta, "quorum_timeout", 300.0) or 300.0
         num_proc = meta.get("num_proc") or 1
         sizes = num_proc if isinstance(num_proc, list) else [num_proc] * max(1, len(self.pods))
-        if not sizes or any(
-            isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096 for n in sizes
-        ):
+        if not sizes or not _all_of(sizes, int) or not 1 <= min(sizes) <= max(sizes) <= 4096:
             raise ValueError(
                 f"num_proc={num_proc!r} must be a whole number between 1 and 4096, or one per pod"
             )
@@ -145,11 +142,18 @@ def _str(meta: dict[str, Any], key: str, required: bool = False) -> str:
     return value
 
 
+def _all_of(values: list[Any], kind: type) -> bool:
+    """Every value is exactly a ``kind`` (a bool is not an int). A loop, not all() over a
+    generator: a plan is checked on every call, and its lists grow with the pods."""
+    for v in values:  # noqa: SIM110 - see above
+        if type(v) is not kind:
+            return False
+    return True
+
+
 def _list(meta: dict[str, Any], key: str, kind: type) -> list[Any]:
     value = meta.get(key) or []
-    if not isinstance(value, list) or not all(
-        isinstance(v, kind) and not isinstance(v, bool) for v in value
-    ):
+    if type(value) is not list or not _all_of(value, kind):
         raise ValueError(f"{key} must be a list of {kind.__name__}")
     return value
 
@@ -171,7 +175,7 @@ def _number(meta: dict[str, Any], key: str, default: float | None) -> float | No
 def decode_plan(header: str) -> CallPlan:
     """The plan from its header's text. Raises ValueError (also for JSON that is not one)."""
     try:
-        meta = json.loads(header)
+        meta = envelope.loads_json(header)
     except RecursionError:
         raise ValueError("the call plan nests too deeply") from None
     return CallPlan(meta)
