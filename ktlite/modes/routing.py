@@ -38,7 +38,14 @@ from ktlite.errors import (
     PodUnreachable,
     RemoteError,
 )
-from ktlite.modes.callpath import CallOptions, CallPath, pool, print_log, shm_arguments
+from ktlite.modes.callpath import (
+    CallOptions,
+    CallPath,
+    call_plan,
+    pool,
+    print_log,
+    shm_arguments,
+)
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.replicas import Replica, ReplicaSet
@@ -95,7 +102,7 @@ class Routing(Mode):
         replica; returns once each runs it (the replicas that took calls with the old code
         take new calls only with the new)."""
         dep = self.dep
-        timeout = dep.spec.compute.launch_timeout
+        timeout = dep.spec.pod.calls.launch_timeout
         current = replace(launch, store=store.result())
         body = current.encode()
         with self._pushing:
@@ -188,7 +195,7 @@ class Routing(Mode):
         """The ready replica with the fewest calls in flight and room for one more; waits
         (counted as load) while none has room, bounded by the launch timeout plus the call's."""
         dep, p = self.dep, self.pool
-        c = dep.spec.compute
+        c = dep.spec.pod.calls
         limit = c.launch_timeout + (options.timeout or c.call_timeout or c.launch_timeout)
         deadline = time.monotonic() + limit
         with p.cond:
@@ -255,33 +262,14 @@ class Routing(Mode):
         connection refused) goes to another replica, once."""
         dep = self.dep
         ep = replica.ep
-        d = dep.spec.distributed
-        stream = (
-            dep.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
-        )
         call_id = uuid.uuid4().hex
         if on_send is not None:
             on_send(call_id)
-        meta: dict[str, Any] = {
-            "id": call_id,
-            "launch_id": dep.launch_id,
-            "pods": [ep.peer_url],
-            "names": [ep.name],
-            "workers": None,
-            "timeout": options.timeout
-            if options.timeout is not None
-            else dep.spec.compute.call_timeout,
-            "stream_logs": stream,
-            "restart": options.restart_procs,
-            "fanout": True,
-            "quorum_timeout": d.quorum_timeout,
-            "num_proc": 1,
-        }
+        plan = call_plan(dep.spec, dep.launch_id, [ep], options, call_id=call_id, num_proc=1)
         try:
-            with shm_arguments(dep.applied, meta, parts) as sent:
-                reply = dep.client.call(
-                    ep.url, meta, sent, (log or print_log) if stream else None, None, pod=ep.name
-                )
+            with shm_arguments(dep.applied, plan, parts) as sent:
+                log = (log or print_log) if plan.stream_logs else None
+                reply = dep.client.call(ep.url, plan, sent, log, None, pod=ep.name)
         except NotDeployedError as e:
             # 409 before anything ran: the replica runs another launch (or none); it leaves the
             # routing until it reports ours, and the call may safely go to another replica

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -46,6 +46,7 @@ from ktlite_wire.headers import (
     bearer,
 )
 from ktlite_wire.outcome import CallResult, RankOutcome
+from ktlite_wire.plan import CallPlan
 
 logger = logging.getLogger(__name__)
 
@@ -208,17 +209,18 @@ class PodClient:
             self.transport.request("POST", url, f"/cancel/{call_id}", params={"reason": reason},
                                    headers=self._headers(), timeout=timeout, what="the cancel")
 
-    def call(self, url: str, meta: dict[str, Any], parts: list[Any], on_log: LogSink | None,
+    def call(self, url: str, plan: CallPlan, parts: list[Any], on_log: LogSink | None,
              on_notice: NoticeSink | None = None, pod: str = "") -> CallReply:
-        """Run a call through the coordinator ``pod`` at ``url``; returns per-rank outcomes."""
+        """Run the call ``plan`` through the coordinator ``pod`` at ``url``; returns per-rank
+        outcomes."""
         who = f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
         frames = _Frames(on_log, on_notice, url)
         try:
             if self._lean and url.startswith("http://"):
-                headers = self._headers({CALL_HEADER: json.dumps(meta),
+                headers = self._headers({CALL_HEADER: plan.encode(),
                                          "content-type": "application/octet-stream"})
                 return self._call_lean(url, headers, parts, frames)
-            return self._call_resumable(url, meta, parts, frames, who)
+            return self._call_resumable(url, plan, parts, frames, who)
         except KtliteError:
             raise  # already says what happened (PodUnreachable is an OSError too)
         except (httpx.ReadTimeout, TimeoutError) as e:
@@ -251,7 +253,7 @@ class PodClient:
         _pool.release(conn)
         return result
 
-    def _call_resumable(self, url: str, meta: dict[str, Any], parts: list[Any], frames: _Frames,
+    def _call_resumable(self, url: str, plan: CallPlan, parts: list[Any], frames: _Frames,
                         who: str) -> CallReply:
         """A call through a proxy (the Kubernetes API server's). A stream that breaks is
         re-attached by call id, reading on from the first frame not received; the pod keeps
@@ -266,7 +268,7 @@ class PodClient:
         pieces, at about two thirds of the throughput, while the race costs such a call only a
         re-attach (the pod had answered 200: nothing is sent again).
         """
-        meta = {**meta, "reattach": REATTACH_S}
+        header = replace(plan, reattach=REATTACH_S).encode()
         timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
         size = envelope.parts_size(parts)
         window_end, attempt = 0.0, 0
@@ -274,8 +276,7 @@ class PodClient:
         first_delivered = 0.0  # when the first attempt that may have reached one was sent
         accepted = False  # did the pod answer 200: it holds the call, and a re-attach needs no body
         while True:
-            headers = self._headers({CALL_HEADER: json.dumps(meta),
-                                     "content-type": "application/octet-stream"})
+            headers = self._headers({CALL_HEADER: header, "content-type": "application/octet-stream"})
             if accepted:
                 headers[RESUME_HEADER] = str(frames.seen)
                 content: Any = b""
