@@ -894,7 +894,7 @@ def test_token_not_in_reprs_or_errors(remote, srv, http, monkeypatch) -> None:
         with pytest.raises(kt.PodUnreachable) as unreachable:
             good.status(dead)
         with pytest.raises(kt.PodUnreachable) as unreachable_call:
-            good.call(dead, {"id": "x"}, [b""], None)
+            good.call(dead, CallPlan(id="x"), [b""], None)
     finally:
         good.close()
     errors += [unreachable.value, unreachable_call.value]
