@@ -115,11 +115,12 @@ class CallPlan:
 
     def to_meta(self) -> dict[str, Any]:
         """The plan as its JSON object: every field that is not its default."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.init and (f.name == "id" or getattr(self, f.name) != _DEFAULTS[f.name])
-        }
+        meta = {"id": self.id}
+        for name in _FIELDS[1:]:  # the order of the fields, id first
+            value = getattr(self, name)
+            if value != _DEFAULTS[name]:
+                meta[name] = value
+        return meta
 
     def encode(self) -> str:
         """The header's text."""
