@@ -115,7 +115,7 @@ class CallPlan:
 
     def to_meta(self) -> dict[str, Any]:
         """The plan as its JSON object: every field that is not its default."""
-        meta = {"id": self.id}
+        meta: dict[str, Any] = {"id": self.id}
         for name in _FIELDS[1:]:  # the order of the fields, id first
             value = getattr(self, name)
             if value != _DEFAULTS[name]:
