@@ -80,9 +80,9 @@ def call_plan(
     ranks: list[int] | None = None,
     per_rank: dict[str, Any] | None = None,
 ) -> CallPlan:
-    """The plan of one call to ``eps`` (the first coordinates: it calls the others), where
-    ``options`` leaves a setting open the deployment's call defaults (``spec.pod.calls``).
-    Every mode builds its calls' plans here."""
+    """The plan of one call to ``eps`` (the first coordinates: it calls the others), with the
+    deployment's call defaults (``spec.pod.calls``) where ``options`` leaves a setting open.
+    Every mode builds its calls' plans here; a plan the pods would refuse is a ConfigError."""
     calls = spec.pod.calls
     try:
         return CallPlan(
