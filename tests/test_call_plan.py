@@ -153,3 +153,27 @@ def test_a_plan_encodes_only_what_is_not_its_default() -> None:
         CallPlan(id="c", stream_logs="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="id"):
         decode_plan('{"pods": []}')
+
+
+@pytest.mark.timeout(240)
+def test_each_handle_keeps_the_compute_the_spec_no_longer_holds() -> None:
+    """``remote.compute`` is the handle's own: the one deployed (after a redeploy, the new one),
+    a colocated target's host's, and an attached-by-name handle's the layout the pods report."""
+    compute = kt.Compute(call_timeout=50).distribute("spmd", workers=2)
+    remote = kt.fn(whoami, name=_name("handle")).to(compute)
+    try:
+        assert remote.compute == compute and remote.compute is not compute  # its own copy
+        guest = kt.fn(whoami, name="guest").to(remote)
+        assert guest.compute is remote.compute
+        attached = kt.fn(name=remote.name)
+        assert attached.compute.distributed == compute.distributed
+        assert attached.deployment.spec.pod.distributed == compute.distributed
+        remote.distribute("spmd", workers=1)  # a redeploy from the handle
+        assert remote.compute.distributed is not None
+        assert remote.compute.distributed.workers == 1 and guest.compute is remote.compute
+        assert remote.deployment.spec.pod.calls.call_timeout == 50
+        attached.deployment.close()
+    finally:
+        remote.teardown()
+    with pytest.raises(kt.NotDeployedError):
+        remote.compute  # noqa: B018 - torn down, as before
