@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import ktlite as kt
-from ktlite.backends.local import visible_gpus
+from ktlite.backends.local_pods import visible_gpus
 
 NAME = "el-job"
 _LOCK = threading.Lock()  # a global that cannot be pickled

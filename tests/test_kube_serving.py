@@ -1208,7 +1208,7 @@ def test_fake_knative_is_served_only_when_switched_on() -> None:
 def test_calls_to_a_knative_replica_go_through_its_queue_proxy() -> None:
     """Knative's autoscaler counts the calls its queue-proxy sees: a replica Knative made is
     called on the queue-proxy's port, a replica of the HPA form on the server's."""
-    from ktlite.backends.kube_served import call_port
+    from ktlite.backends.kube_served_status import call_port
 
     plain = {
         "spec": {"containers": [{"name": "server", "ports": [{"containerPort": km.SERVER_PORT}]}]}

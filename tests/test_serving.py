@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import ktlite as kt
 from ktlite.backends.processes import pid_alive
 from ktlite.backends.registry import get_backend
 from ktlite.specs.autoscaling import AutoscaleConfig, Scaler, from_kwargs, seconds
+from ktlite_wire.launch import Launch, decode_deploy
 
 
 def _name(prefix: str) -> str:
@@ -298,6 +300,27 @@ def v2(sleep: float = 0.0) -> str:
 
     time.sleep(sleep)
     return "v2"
+
+
+def launch_file() -> str:
+    import os
+
+    return os.environ.get("KTLITE_LAUNCH_FILE", "")
+
+
+def test_a_local_replica_boots_from_a_launch_file_named_for_the_message_it_holds() -> None:
+    # the file holds the Launch message as ktlite_wire encodes it (a JSON header, the code in
+    # buffers), no pickle: its name says so, and it decodes as that message
+    compute = kt.Compute(cpus=0.5).autoscale(min_scale=1, max_scale=1)
+    remote = kt.fn(launch_file, name=_name("lfile")).to(compute)
+    try:
+        path = Path(remote())
+        assert path.name == "launch.msg", path
+        assert not path.with_name("launch.pkl").exists()
+        launch = decode_deploy(path.read_bytes())
+        assert isinstance(launch, Launch) and launch.launch_id == remote.deployment.launch_id
+    finally:
+        remote.teardown()
 
 
 def test_a_redeploy_reaches_every_replica_and_replicas_started_later() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import ktlite as kt
-from ktlite.backends import local
+from ktlite.backends import local_pods
 from ktlite_server import usage
 
 FAKE_SMI = """\
@@ -76,13 +76,13 @@ def fake_smi(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def remote(fake_smi: Path) -> Iterator[Any]:
-    saved = local._gpu_cache
-    local._gpu_cache = ["0", "1"]  # what this machine offers the local backend: two GPU ids
+    saved = local_pods._gpu_cache
+    local_pods._gpu_cache = ["0", "1"]  # what this machine offers the local backend: two GPU ids
     try:
         compute = kt.Compute(cpus=1, gpus=2, env={"PATH": f"{fake_smi}:{os.environ['PATH']}"})
         r = kt.fn(work, name="status-usage").to(compute.distribute("spmd", workers=1, num_proc=2))
     finally:
-        local._gpu_cache = saved
+        local_pods._gpu_cache = saved
     try:
         yield r
     finally:

@@ -67,20 +67,20 @@ def test_gpu_pods_of_different_sizes_get_a_gpu_per_rank_or_gpus_where_more() -> 
 
 
 def test_local_gpu_pods_of_different_sizes_split_the_machines_gpus(monkeypatch) -> None:
-    from ktlite.backends import local
+    from ktlite.backends import local, local_pods
     from ktlite.specs.deployment_spec import DeploymentSpec
 
     spec = DeploymentSpec(
         "uneven-gpus", kt.Compute(gpus=1).distribute("pytorch", num_proc=[1, 2, 1]).pod_spec()
     )
-    monkeypatch.setattr(local, "visible_gpus", lambda: ["0", "1", "2"])
+    monkeypatch.setattr(local_pods, "visible_gpus", lambda: ["0", "1", "2"])
     with pytest.raises(
         kt.ConfigError,
         match=r"pods of \[1, 2, 1\] GPUs \(one per rank\) needs 4 GPU\(s\), "
         "but this machine has 3",
     ):
         local.LocalBackend().plan(spec)
-    monkeypatch.setattr(local, "visible_gpus", lambda: ["0", "1", "2", "3", "4"])
+    monkeypatch.setattr(local_pods, "visible_gpus", lambda: ["0", "1", "2", "3", "4"])
     backend = local.LocalBackend()
     backend.plan(spec)
     assert [backend._env(spec, o)["CUDA_VISIBLE_DEVICES"] for o in range(3)] == ["0", "1,2", "3"]

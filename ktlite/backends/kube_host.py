@@ -1,4 +1,5 @@
 """What the Kubernetes backend's parts (:mod:`~ktlite.backends.kube_served`,
+:mod:`~ktlite.backends.kube_served_status`,
 :mod:`~ktlite.backends.kube_readiness`) use of the backend they are mixed into.
 
 For type checking only: the parts are mixed into

@@ -6,25 +6,21 @@ file secrets under ``secrets/`` (mode 0700; each file 0600) laid out as under a 
 (``secrets/.aws/credentials``), with the provider's variable pointing at each
 (``AWS_SHARED_CREDENTIALS_FILE``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``KUBECONFIG``). Pods of a normal
 deployment watch the Python process that created them and exit with it; a detached
-deployment lives until ``teardown``. Volumes are directories that outlive it
-(``local_volumes``); the Compute fields only Kubernetes acts on get one warning per
-deployment (``kube_only``).
+deployment lives until ``teardown``. A pod's process is :mod:`~ktlite.backends.local_pods`';
+volumes are directories that outlive it (``local_volumes``); the Compute fields only
+Kubernetes acts on get one warning per deployment (``kube_only``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
-import logging
 import os
 import pickle
 import random
 import shlex
 import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -36,13 +32,11 @@ import ktlite.specs.secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
-from ktlite.backends.local_cgroups import memory_cgroup, remove_cgroup
-from ktlite.backends.local_scaling import LocalScaling
+from ktlite.backends.local_pods import LocalPods, answers
+from ktlite.backends.local_scaling import LAUNCH_FILE, LocalScaling
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.backends.processes import pid_alive
-from ktlite.config import home as store_home
-from ktlite.errors import ConfigError, DeployError, LaunchTimeout, StartupError
-from ktlite.logconfig import pod_env
+from ktlite.errors import DeployError
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire.distenv import port_free
 
@@ -65,57 +59,14 @@ def _master_port(taken: set[int], span: int) -> int:
         ports = range(port, port + max(span, 1))
         if not taken.intersection(ports) and all(port_free(p) for p in ports):
             return int(port)
-    raise DeployError(f"found no free MASTER_PORT in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}; "
-                      "pass distribute(port=...)")
+    raise DeployError(
+        f"found no free MASTER_PORT in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}; pass distribute(port=...)"
+    )
 
 
-_gpu_cache: list[str] | None = None
-
-
-def visible_gpus() -> list[str]:
-    """GPU ids this machine offers: CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L``, else none."""
-    global _gpu_cache
-    if _gpu_cache is None:
-        env = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if env is not None:
-            _gpu_cache = [d for d in env.split(",") if d.strip() and d.strip() != "-1"]
-        elif shutil.which("nvidia-smi"):
-            try:
-                out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-                _gpu_cache = [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
-            except (OSError, subprocess.SubprocessError):
-                _gpu_cache = []
-        else:
-            _gpu_cache = []
-    return _gpu_cache
-
-
-def _answers(port: int, timeout: float = 2.0) -> bool:
-    """Whether a local pod's server answers GET /health."""
-    import http.client
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join("    " + ln for ln in text.splitlines()[-lines:])
-
-
-class LocalBackend(LocalScaling, Backend):
+class LocalBackend(LocalPods, LocalScaling, Backend):
     name = "local"
+
     def __init__(self) -> None:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._owned: set[str] = set()
@@ -141,8 +92,9 @@ class LocalBackend(LocalScaling, Backend):
             return None
         owner_gone = not state.get("detached") and not pid_alive(state.get("owner_pid"))
         # an autoscaled deployment may run no replica at all (scaled to zero)
-        all_dead = not any(pid_alive(p["pid"]) for p in state["pods"]) and \
-            (bool(state["pods"]) or not state.get("autoscaled"))
+        all_dead = not any(pid_alive(p["pid"]) for p in state["pods"]) and (
+            bool(state["pods"]) or not state.get("autoscaled")
+        )
         if owner_gone or all_dead:
             self._stop_pods(state["pods"], timeout=2.0)
             shutil.rmtree(self._dir(name), ignore_errors=True)
@@ -150,23 +102,6 @@ class LocalBackend(LocalScaling, Backend):
         return state
 
     # ---- backend API ------------------------------------------------------------------
-
-    def _command(self, spec: DeploymentSpec, ordinal: int, ready: Path,
-                 mounted: list[LocalVolume]) -> list[str]:
-        # an autoscaled deployment's replicas are each rank 0 of a world of their own
-        served = spec.autoscale is not None
-        cmd = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0", "--token-stdin",
-               "--pod", f"{spec.name}-{ordinal}", "--ordinal", "0" if served else str(ordinal),
-               "--procs", str(spec.distributed.procs(ordinal)), "--ready-file", str(ready)]
-        if not spec.detached:
-            cmd += ["--parent-pid", str(os.getpid())]
-        ttl = spec.pod.calls.inactivity_seconds
-        if ttl is not None:
-            cmd += ["--inactivity-ttl", f"{ttl:g}"]
-        if mounted:  # the same process, in a mount namespace of its own: see ktlite_server.mountns
-            cmd = local_volumes.wrap(cmd, [(v.source, v.mount_path) for v in mounted],
-                                     self._dir(spec.name) / "root")
-        return cmd
 
     def _volumes(self, spec: DeploymentSpec) -> tuple[list[LocalVolume], bool]:
         """The deployment's volumes, and whether its pods get them at their mount paths."""
@@ -179,10 +114,15 @@ class LocalBackend(LocalScaling, Backend):
         notes = []
         if volumes and not mounted:
             fields.append("volumes")
-            where = ", ".join(f"{v.name!r} ({v.mount_path}) is the directory {v.source}, in the pods' "
-                              f"environment as ${v.env_name}" for v in volumes)
-            notes.append(f"volumes are not mounted at their mount_path ({local_volumes.mounts_available()[1]}): "
-                         f"{where}")
+            where = ", ".join(
+                f"{v.name!r} ({v.mount_path}) is the directory {v.source}, in the pods' "
+                f"environment as ${v.env_name}"
+                for v in volumes
+            )
+            notes.append(
+                f"volumes are not mounted at their mount_path ({local_volumes.mounts_available()[1]}): "
+                f"{where}"
+            )
         if not fields:
             return
         key = (spec.name, ",".join(fields))
@@ -190,70 +130,34 @@ class LocalBackend(LocalScaling, Backend):
             self._warned.add(key)
             warn_unused(spec.name, fields, notes)
 
-    def _env(self, spec: DeploymentSpec, ordinal: int, volumes: list[LocalVolume] | None = None,
-             mounted: bool = False, secret_env: dict[str, str] | None = None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")} | pod_env()
-        image = spec.pod.image
-        if image is not None:
-            env.update(image.env)
-        env.update(spec.pod.env)
-        env.update(secret_env or {})
-        first = sum(spec.pod.pod_gpus(i) for i in range(ordinal))
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[first:first + spec.pod.pod_gpus(ordinal)])
-        env["KTLITE_POD_ORDINAL"] = "0" if spec.autoscale is not None else str(ordinal)
-        if spec.autoscale is not None:  # a replica started later loads the current code at boot
-            env["KTLITE_LAUNCH_FILE"] = str(self._dir(spec.name) / "launch.pkl")
-        env["KTLITE_DEPLOYMENT"] = spec.name
-        env["KTLITE_BACKEND"] = "local"
-        env["KTLITE_STORE_HOME"] = str(store_home())  # kt.put/get in the ranks: the caller's store
-        if spec.pod.kubernetes.namespace:
-            env["KTLITE_STORE_NAMESPACE"] = spec.pod.kubernetes.namespace
-        env["PYTHONUNBUFFERED"] = "1"
-        for vol in reversed(volumes or []):  # the first mount of a volume wins
-            env[vol.env_name] = vol.mount_path if mounted else str(vol.source)
-        return env
-
-    def _secrets(self, spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
-        """The Compute's secrets, read; there are no Kubernetes Secrets to reuse here."""
-        return kt_secrets.for_pod(spec.pod.secrets, spec.pod.merged_env, self.name)
-
-    def _secret_env(self, spec: DeploymentSpec, resolved: list[kt_secrets.Resolved]) -> dict[str, str]:
-        """Write the file secrets into the deployment's own dir; the env vars ranks get."""
-        env = {k: v for r in resolved for k, v in r.env.items()}
-        if any(r.files for r in resolved):
-            env.update(kt_secrets.write_files(resolved, self._dir(spec.name) / "secrets"))
-        return env
-
     def plan(self, spec: DeploymentSpec) -> Plan:
         self._check_gpus(spec)
         resolved = self._secrets(spec)
-        cmds = [f"# secret {r.key!r}: write {r.placeholders()[f.key]} to "
-                f"{self._dir(spec.name) / 'secrets' / f.pod_path} (0600)"
-                + (f"; {f.pointer} names it" if f.pointer else "") for r in resolved for f in r.files]
+        cmds = [
+            f"# secret {r.key!r}: write {r.placeholders()[f.key]} to "
+            f"{self._dir(spec.name) / 'secrets' / f.pod_path} (0600)"
+            + (f"; {f.pointer} names it" if f.pointer else "")
+            for r in resolved
+            for f in r.files
+        ]
         volumes, mounted = self._volumes(spec)
         if spec.autoscale is not None:
-            cmds.append(f"# autoscaled: {spec.autoscale.describe()}; ktlite's autoscaler in the calling process "
-                        f"starts and stops replicas like these; each loads {self._dir(spec.name) / 'launch.pkl'} "
-                        "(KTLITE_LAUNCH_FILE) at boot")
+            cmds.append(
+                f"# autoscaled: {spec.autoscale.describe()}; ktlite's autoscaler in the calling process "
+                f"starts and stops replicas like these; each loads {self._dir(spec.name) / LAUNCH_FILE} "
+                "(KTLITE_LAUNCH_FILE) at boot"
+            )
         for i in range(spec.workers):
             keys = sorted([*spec.pod.env, *(k for r in resolved for k in r.env)])
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
-            cmds.append(f"cd {shlex.quote(str(self._dir(spec.name)))} && echo <token> | KTLITE_WORKDIR="
-                        f"{shlex.quote(os.getcwd())} " + (prefix + " " if prefix else "")
-                        + shlex.join(self._command(spec, i, ready, volumes if mounted else [])))
+            cmds.append(
+                f"cd {shlex.quote(str(self._dir(spec.name)))} && echo <token> | KTLITE_WORKDIR="
+                f"{shlex.quote(os.getcwd())} "
+                + (prefix + " " if prefix else "")
+                + shlex.join(self._command(spec, i, ready, volumes if mounted else []))
+            )
         return Plan(backend=self.name, name=spec.name, commands=cmds)
-
-    def _check_gpus(self, spec: DeploymentSpec) -> None:
-        per_pod = [spec.pod.pod_gpus(i) for i in range(spec.workers)]
-        want = sum(per_pod)
-        have = len(visible_gpus())
-        if want > have:
-            shape = (f"gpus={spec.pod.resources.gpus} × workers={spec.workers}" if len(set(per_pod)) == 1
-                     else f"pods of {per_pod} GPUs (one per rank)")
-            raise ConfigError(f"{shape} needs {want} GPU(s), "
-                              f"but this machine has {have}; lower gpus/workers, or use "
-                              "backend='kubernetes' to run on a cluster")
 
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
         self._check_gpus(spec)
@@ -263,27 +167,38 @@ class LocalBackend(LocalScaling, Backend):
         with self._lock:
             state = self._live_state(spec.name)
             if state is not None and state.get("token") != token:
-                raise DeployError(f"deployment {spec.name!r} exists with another token; tear it down first")
+                raise DeployError(
+                    f"deployment {spec.name!r} exists with another token; tear it down first"
+                )
             pod_hash = spec.pod_hash()
-            if resolved:  # pods restart when a secret's value changes (the digest tells nothing of it)
+            # pods restart when a secret's value changes (the digest tells nothing of it)
+            if resolved:
                 pod_hash += "-" + kt_secrets.fingerprint(resolved, token)
             secret_env = self._secret_env(spec, resolved)
             # the ranks' working directory: the caller's (an autoscaled deployment's replicas all
             # get the first one's); pod servers start in the deployment's own directory, where
             # no file of the caller's can shadow ktlite (``python -m`` imports from its cwd first)
-            workdir = ((state or {}).get("workdir") if spec.autoscale is not None else None) or os.getcwd()
+            workdir = (
+                (state or {}).get("workdir") if spec.autoscale is not None else None
+            ) or os.getcwd()
             old_pods = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
             pods: list[dict[str, Any]] = []
             starting: list[tuple[int, subprocess.Popen[bytes], Path, Path, str | None]] = []
             self._dir(spec.name).mkdir(parents=True, exist_ok=True)
             local_volumes.prepare(volumes, owner=spec.name)
             if mounted:
-                (self._dir(spec.name) / "root").mkdir(exist_ok=True)  # where each pod builds its root
+                # where each pod builds its root
+                (self._dir(spec.name) / "root").mkdir(exist_ok=True)
             for i in range(spec.workers):
                 old = old_pods.pop(i, None)
                 # reuse a pod only if it answers: a killed one can look alive for a few ms,
                 # a stopped or hung one for ever
-                if old and old["hash"] == pod_hash and pid_alive(old["pid"]) and _answers(old["port"]):
+                if (
+                    old
+                    and old["hash"] == pod_hash
+                    and pid_alive(old["pid"])
+                    and answers(old["port"])
+                ):
                     pods.append(old)
                     continue
                 if old:
@@ -293,44 +208,87 @@ class LocalBackend(LocalScaling, Backend):
                 with contextlib.suppress(FileNotFoundError):
                     ready.unlink()
                 with open(log, "ab") as logf:
-                    proc = subprocess.Popen(self._command(spec, i, ready, volumes if mounted else []),
-                                            env={**self._env(spec, i, volumes, mounted, secret_env), "KTLITE_WORKDIR": workdir},
-                                            stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
-                                            start_new_session=True, cwd=self._dir(spec.name))
+                    proc = subprocess.Popen(
+                        self._command(spec, i, ready, volumes if mounted else []),
+                        env={
+                            **self._env(spec, i, volumes, mounted, secret_env),
+                            "KTLITE_WORKDIR": workdir,
+                        },
+                        stdin=subprocess.PIPE,
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        cwd=self._dir(spec.name),
+                    )
                 assert proc.stdin is not None
-                with contextlib.suppress(OSError):  # the token goes through a pipe, never env or argv
+                # the token goes through a pipe, never env or argv
+                with contextlib.suppress(OSError):
                     proc.stdin.write(token.encode() + b"\n")
                     proc.stdin.close()
                 self._procs[proc.pid] = proc
                 cgroup = self._limit_memory(spec, i, proc)
                 starting.append((i, proc, ready, log, cgroup))
             span = spec.distributed.port_span
-            kept = (state or {}).get("master_port") if (state or {}).get("port_span", 0) >= span else None
-            master_port = spec.distributed.port or kept or _master_port(self._ports_in_use(spec.name), span)
+            kept = (
+                (state or {}).get("master_port")
+                if (state or {}).get("port_span", 0) >= span
+                else None
+            )
+            master_port = (
+                spec.distributed.port or kept or _master_port(self._ports_in_use(spec.name), span)
+            )
             deadline = time.monotonic() + spec.pod.calls.launch_timeout  # one deadline for all pods
             try:
                 for i, proc, ready, log, cgroup in starting:
                     ready_names = ", ".join(p["name"] for p in pods) or "none"
-                    port = self._wait_ready(spec, i, proc, ready, log, deadline,
-                                            f"{len(pods)} of {spec.workers} pods were ready: {ready_names}")
-                    pods.append({"ordinal": i, "name": f"{spec.name}-{i}", "pid": proc.pid,
-                                 "port": port, "hash": pod_hash, "cgroup": cgroup})
+                    port = self._wait_ready(
+                        spec,
+                        i,
+                        proc,
+                        ready,
+                        log,
+                        deadline,
+                        f"{len(pods)} of {spec.workers} pods were ready: {ready_names}",
+                    )
+                    pods.append(
+                        {
+                            "ordinal": i,
+                            "name": f"{spec.name}-{i}",
+                            "pid": proc.pid,
+                            "port": port,
+                            "hash": pod_hash,
+                            "cgroup": cgroup,
+                        }
+                    )
             except BaseException:
-                self._stop_pods([{"pid": p.pid, "cgroup": c} for _, p, _, _, c in starting], timeout=2.0)
+                self._stop_pods(
+                    [{"pid": p.pid, "cgroup": c} for _, p, _, _, c in starting], timeout=2.0
+                )
                 raise
             pods.sort(key=lambda p: p["ordinal"])
-            state = {"name": spec.name, "detached": spec.detached, "owner_pid": os.getpid(),
-                     "autoscaled": spec.autoscale is not None,
-                     "autoscale": asdict(spec.autoscale) if spec.autoscale is not None else None,
-                     "master_port": master_port, "port_span": span, "token": token, "pods": pods,
-                     "workdir": workdir,
-                     "created": (state or {}).get("created", time.time())}
+            state = {
+                "name": spec.name,
+                "detached": spec.detached,
+                "owner_pid": os.getpid(),
+                "autoscaled": spec.autoscale is not None,
+                "autoscale": asdict(spec.autoscale) if spec.autoscale is not None else None,
+                "master_port": master_port,
+                "port_span": span,
+                "token": token,
+                "pods": pods,
+                "workdir": workdir,
+                "created": (state or {}).get("created", time.time()),
+            }
             self._write(spec.name, state)
             # ordinals beyond workers stop only once the state no longer lists them: another
             # process reading it meanwhile took a deployment whose pods were all dead for gone
             self._stop_pods(list(old_pods.values()), timeout=5.0)
             if spec.autoscale is not None:  # what scale() starts more replicas of
-                fd = os.open(self._dir(spec.name) / "spec.pkl.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                fd = os.open(
+                    self._dir(spec.name) / "spec.pkl.tmp",
+                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                    0o600,
+                )
                 with os.fdopen(fd, "wb") as f:
                     pickle.dump(replace(spec, replicas=None), f)
                 os.replace(self._dir(spec.name) / "spec.pkl.tmp", self._dir(spec.name) / "spec.pkl")
@@ -340,48 +298,28 @@ class LocalBackend(LocalScaling, Backend):
             applied.restarted = [i for i, *_ in starting]
             return applied
 
-    def _limit_memory(self, spec: DeploymentSpec, ordinal: int, proc: subprocess.Popen[bytes]) -> str | None:
-        """Put the pod (and the rank processes it will start) under ``memory_limit``."""
-        limit = spec.pod.resources.memory_limit
-        if limit is None:
-            return None
-        group = memory_cgroup(f"{spec.name}-{ordinal}-{proc.pid}", limit.bytes)
-        if group is None:
-            logging.getLogger(__name__).warning("memory_limit=%r is not enforced for local pod %s-%d: this machine "
-                                                "does not let ktlite create memory cgroups", limit.quantity,
-                                                spec.name, ordinal)
-            return None
-        try:
-            (group / "cgroup.procs").write_text(str(proc.pid))
-        except OSError:
-            remove_cgroup(str(group))
-            return None
-        return str(group)
-
-    def _wait_ready(self, spec: DeploymentSpec, ordinal: int, proc: subprocess.Popen[bytes],
-                    ready: Path, log: Path, deadline: float, progress: str) -> int:
-        timeout = spec.pod.calls.launch_timeout
-        while time.monotonic() < deadline:
-            code = proc.poll()
-            if code is not None:
-                raise StartupError(f"pod {spec.name}-{ordinal} exited with code {code} while starting; "
-                                  f"last lines of {log}:\n{_tail(log)}")
-            try:
-                with open(ready) as f:
-                    return int(json.load(f)["port"])
-            except (OSError, ValueError, KeyError):
-                time.sleep(0.01)
-        raise LaunchTimeout(f"pod {spec.name}-{ordinal} was not ready after launch_timeout={timeout:g}s "
-                            f"({progress}): the process is running but its server never came up; last "
-                            f"lines of {log}:\n{_tail(log)}\nraise launch_timeout, or check the log")
-
     def _applied(self, state: dict[str, Any]) -> Applied:
-        eps = [PodEndpoint(name=p["name"], ordinal=p["ordinal"], url=f"http://127.0.0.1:{p['port']}",
-                           peer_url=f"http://127.0.0.1:{p['port']}", ip="127.0.0.1",
-                           incarnation=str(p["pid"])) for p in state["pods"]]
-        return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
-                       master_port=state["master_port"], same_host=True, autoscale=state.get("autoscale"),
-                       spec_hash=str(state["pods"][0].get("hash", "")) if state["pods"] else "")
+        eps = [
+            PodEndpoint(
+                name=p["name"],
+                ordinal=p["ordinal"],
+                url=f"http://127.0.0.1:{p['port']}",
+                peer_url=f"http://127.0.0.1:{p['port']}",
+                ip="127.0.0.1",
+                incarnation=str(p["pid"]),
+            )
+            for p in state["pods"]
+        ]
+        return Applied(
+            name=state["name"],
+            backend=self.name,
+            endpoints=eps,
+            token=state["token"],
+            master_port=state["master_port"],
+            same_host=True,
+            autoscale=state.get("autoscale"),
+            spec_hash=str(state["pods"][0].get("hash", "")) if state["pods"] else "",
+        )
 
     def _ports_in_use(self, except_name: str) -> set[int]:
         """MASTER_PORT ranges of the other live local deployments."""
@@ -392,7 +330,11 @@ class LocalBackend(LocalScaling, Backend):
                 state = self._read(d.name) if d.name != except_name else None
                 if state and state.get("master_port"):
                     port = int(state["master_port"])
-                    taken.update(range(port, port + int(state.get("port_span") or len(state["pods"]) * 8 + 1)))
+                    taken.update(
+                        range(
+                            port, port + int(state.get("port_span") or len(state["pods"]) * 8 + 1)
+                        )
+                    )
         return taken
 
     def lookup(self, name: str) -> Applied | None:
@@ -402,29 +344,6 @@ class LocalBackend(LocalScaling, Backend):
         # a pod whose server died is gone from the deployment, as a deleted pod is on a
         # cluster: the next call (or .to()) starts it again and pushes the code
         return self._applied({**state, "pods": [p for p in state["pods"] if pid_alive(p["pid"])]})
-
-    def _stop_pods(self, pods: list[dict[str, Any]], timeout: float) -> None:
-        pids = [p["pid"] for p in pods if p.get("pid")]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for pid in pids:
-            proc = self._procs.pop(pid, None)
-            while time.monotonic() < deadline:
-                if proc is not None and proc.poll() is not None:
-                    break
-                if proc is None and not pid_alive(pid):
-                    break
-                time.sleep(0.01)
-            else:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                if proc is not None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(2.0)
-        for pod in pods:
-            remove_cgroup(pod.get("cgroup"))
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
         with self._lock:
@@ -449,20 +368,31 @@ class LocalBackend(LocalScaling, Backend):
                 if state is None:
                     continue
                 alive = sum(pid_alive(p["pid"]) for p in state["pods"])
-                out.append({"name": state["name"], "backend": self.name, "namespace": None,
-                            "pods": len(state["pods"]), "ready": alive, "detached": state["detached"],
-                            "autoscaled": bool(state.get("autoscaled"))})
+                out.append(
+                    {
+                        "name": state["name"],
+                        "backend": self.name,
+                        "namespace": None,
+                        "pods": len(state["pods"]),
+                        "ready": alive,
+                        "detached": state["detached"],
+                        "autoscaled": bool(state.get("autoscaled")),
+                    }
+                )
         return out
 
-    def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
-             tail: int | None = None) -> Iterator[str]:
+    def logs(
+        self, name: str, ordinal: int | None = None, follow: bool = False, tail: int | None = None
+    ) -> Iterator[str]:
         state = self._live_state(name)
         if state is None:
             raise DeployError(f"no local deployment {name!r}")
         pods = [p for p in state["pods"] if ordinal is None or p["ordinal"] == ordinal]
         if not pods:
-            raise DeployError(f"no pod {ordinal} of local deployment {name!r}; it has pods "
-                              f"0-{len(state['pods']) - 1}")
+            raise DeployError(
+                f"no pod {ordinal} of local deployment {name!r}; it has pods "
+                f"0-{len(state['pods']) - 1}"
+            )
         offsets = {}
         for pod in pods:
             path = self._dir(name) / f"pod-{pod['ordinal']}.log"

@@ -2,7 +2,8 @@
 
 One calling process leads (it holds the deployment's ``autoscaler.lock``) and scales; the
 others route calls and publish how many wait in them. A detached deployment gets a process
-of its own (``ktlite.commands.supervisor``). The current launch is kept as ``launch.pkl`` for
+of its own (``ktlite.commands.supervisor``). The current launch is kept as ``launch.msg`` (the
+Launch message as ``ktlite_wire`` encodes it: a JSON header, the code in opaque buffers) for
 replicas started later. The files live in the deployment's directory.
 """
 
@@ -27,6 +28,10 @@ from ktlite.backends.processes import pid_alive
 from ktlite.errors import NotDeployedError
 from ktlite.specs.deployment_spec import DeploymentSpec
 
+# the current launch, which replicas started later load (KTLITE_LAUNCH_FILE): the Launch
+# message as ktlite_wire encodes it, not a pickle
+LAUNCH_FILE = "launch.msg"
+
 
 class LocalScaling:
     """The local backend's :class:`~ktlite.backends.capabilities.Serving` and
@@ -45,14 +50,14 @@ class LocalScaling:
         return "client"
 
     def write_launch(self, name: str, launch: bytes) -> None:
-        """``launch.pkl`` in the deployment's directory (0600), which replicas load at boot."""
+        """``launch.msg`` in the deployment's directory (0600), which replicas load at boot."""
         directory = self._dir(name)
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = directory / "launch.pkl.tmp"
+        tmp = directory / f"{LAUNCH_FILE}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(launch)
-        os.replace(tmp, directory / "launch.pkl")
+        os.replace(tmp, directory / LAUNCH_FILE)
 
     def lead_scaling(self, name: str) -> bool:
         """Whether this process holds the deployment's autoscaler lock (taken once, kept until

@@ -6,7 +6,7 @@ every host at once (the user's ``~/.ssh/config``, agent and keys; host keys chec
 source into a per-user cache (``~/.cache/ktlite``) when that version is missing (over the
 SSH connection itself: :mod:`ktlite.backends.ssh_copy`),
 and starts the pod server through ``ktlite_server.sshlaunch``: the token and environment go
-over the channel, never on a command line. Calls then go straight to the pod servers over
+over the channel, never on a command line (a pod's server: :mod:`ktlite.backends.ssh_pods`). Calls then go straight to the pod servers over
 TCP (the protocol of every backend), or through SSH port forwards where a host's port does
 not answer (``Hosts(forward=...)``).
 
@@ -20,13 +20,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import importlib.metadata
-import json
 import os
-import platform
 import queue
 import shlex
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -38,40 +34,27 @@ from ktlite.backends import ssh_copy
 from ktlite.backends import ssh_hosts as sh
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.processes import pid_alive
-from ktlite.backends.server_source import server_packages
 from ktlite.backends.ssh_hosts import COMMAND_TIMEOUT_S
+from ktlite.backends.ssh_pods import SshPods
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
-from ktlite.logconfig import pod_env
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite.specs.hosts import Host, Hosts
-
-CACHE = "~/.cache/ktlite"
 
 
 def _home() -> Path:
     return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "ssh"
 
 
-class SshBackend(Backend):
+class SshBackend(SshPods, Backend):
     name = "ssh"
+
     def __init__(self) -> None:
         self._loop = sh.Loop()
-        self._live: dict[str, list[sh.HostConnection]] = {}  # deployment -> its hosts' connections (this process)
+        # deployment -> its hosts' connections (this process)
+        self._live: dict[str, list[sh.HostConnection]] = {}
         self._lock = threading.Lock()
         self._bundle: tuple[str, bytes] | None = None
         self._deps: tuple[str, bytes | None] | None = None  # (key, bundle once built)
-
-    def _deps_key(self) -> str:
-        if self._deps is None:
-            self._deps = (ssh_copy.deps_key(), None)
-        return self._deps[0]
-
-    def _deps_files(self) -> bytes:
-        key, bundle = self._deps or (ssh_copy.deps_key(), None)
-        if bundle is None:
-            bundle = ssh_copy.deps_bundle()
-            self._deps = (key, bundle)
-        return bundle
 
     # ---- state --------------------------------------------------------------------------
 
@@ -90,17 +73,11 @@ class SshBackend(Backend):
     def _hosts(spec: DeploymentSpec) -> Hosts:
         hosts = spec.pod.hosts
         if hosts is None:
-            raise ConfigError("backend='ssh' needs the machines: Compute(hosts=['gpu1', 'gpu2', ...]), or "
-                              "once for all: ktlite config set ssh.hosts gpu1,gpu2")
+            raise ConfigError(
+                "backend='ssh' needs the machines: Compute(hosts=['gpu1', 'gpu2', ...]), or "
+                "once for all: ktlite config set ssh.hosts gpu1,gpu2"
+            )
         return hosts
-
-    def _server_args(self, spec: DeploymentSpec, ordinal: int) -> list[str]:
-        args = ["--pod", f"{spec.name}-{ordinal}", "--ordinal", str(ordinal),
-                "--procs", str(spec.distributed.procs(ordinal))]
-        ttl = spec.pod.calls.inactivity_seconds
-        if ttl is not None:
-            args += ["--inactivity-ttl", f"{ttl:g}"]
-        return args
 
     def _secrets(self, spec: DeploymentSpec) -> list[kt_secrets.Resolved]:
         """The Compute's secrets, read, before anything connects. Env vars and files travel in
@@ -112,14 +89,20 @@ class SshBackend(Backend):
         hosts = self._hosts(spec)
         resolved = self._secrets(spec)
         secret_env = _env_of(resolved)
-        lines = [f"# secret {r.key!r}: {r.placeholders()[f.key]} goes to <run dir>/secrets/{f.pod_path} (0600)"
-                 + (f"; {f.pointer} names it" if f.pointer else "") for r in resolved for f in r.files]
+        lines = [
+            f"# secret {r.key!r}: {r.placeholders()[f.key]} goes to <run dir>/secrets/{f.pod_path} (0600)"
+            + (f"; {f.pointer} names it" if f.pointer else "")
+            for r in resolved
+            for f in r.files
+        ]
         for i, h in enumerate(hosts.hosts):
             keys = sorted([*spec.pod.env, *secret_env])
             env = " ".join(f"{k}=..." for k in keys)
-            lines.append(f"ssh {h.address}: python -m ktlite_server.sshlaunch  # token{', ' + env if env else ''} "
-                         f"on stdin; then: python -m ktlite_server --host <its address> --port 0 "
-                         + " ".join(shlex.quote(a) for a in self._server_args(spec, i)))
+            lines.append(
+                f"ssh {h.address}: python -m ktlite_server.sshlaunch  # token{', ' + env if env else ''} "
+                f"on stdin; then: python -m ktlite_server --host <its address> --port 0 "
+                + " ".join(shlex.quote(a) for a in self._server_args(spec, i))
+            )
         return Plan(backend=self.name, name=spec.name, commands=lines)
 
     def apply(self, spec: DeploymentSpec, token: str) -> Applied:
@@ -128,13 +111,18 @@ class SshBackend(Backend):
         with self._lock:
             state = self._current(spec.name)
             if state is not None and state.get("token") != token:
-                raise DeployError(f"deployment {spec.name!r} exists with another token; tear it down first")
+                raise DeployError(
+                    f"deployment {spec.name!r} exists with another token; tear it down first"
+                )
             timeout = spec.pod.calls.launch_timeout
             try:
-                state = self._loop.run(self._apply(spec, hosts, token, state, resolved), timeout + 30)
+                state = self._loop.run(
+                    self._apply(spec, hosts, token, state, resolved), timeout + 30
+                )
             except TimeoutError:
-                raise LaunchTimeout(f"deploying {spec.name!r} over SSH took over {timeout:.0f}s "
-                                    "(launch_timeout)") from None
+                raise LaunchTimeout(
+                    f"deploying {spec.name!r} over SSH took over {timeout:.0f}s (launch_timeout)"
+                ) from None
             self._write(spec.name, state)
             applied = self._applied(state)
             applied.restarted = state.pop("_restarted", [])
@@ -142,8 +130,11 @@ class SshBackend(Backend):
 
     async def _connect(self, name: str, hosts: Hosts) -> list[sh.HostConnection]:
         live = self._live.get(name)
-        if live is not None and [h.host for h in live] == list(hosts.hosts) and \
-                all(h.conn is not None and not h.conn.is_closed() for h in live):
+        if (
+            live is not None
+            and [h.host for h in live] == list(hosts.hosts)
+            and all(h.conn is not None and not h.conn.is_closed() for h in live)
+        ):
             return live
         for h in live or []:
             h.close()
@@ -158,33 +149,72 @@ class SshBackend(Backend):
         self._live[name] = conns
         return conns
 
-    async def _apply(self, spec: DeploymentSpec, hosts: Hosts, token: str,
-                     state: dict[str, Any] | None, resolved: list[kt_secrets.Resolved]) -> dict[str, Any]:
+    async def _apply(
+        self,
+        spec: DeploymentSpec,
+        hosts: Hosts,
+        token: str,
+        state: dict[str, Any] | None,
+        resolved: list[kt_secrets.Resolved],
+    ) -> dict[str, Any]:
         conns = await self._connect(spec.name, hosts)
         pod_hash = spec.pod_hash()
         if resolved:  # pods restart when a secret's value changes (the digest tells nothing of it)
             pod_hash += "-" + kt_secrets.fingerprint(resolved, token)
         secret_env = _env_of(resolved)
-        secret_files = [{"path": f.pod_path, "data": base64.b64encode(f.data).decode(), "pointer": f.pointer}
-                        for r in resolved for f in r.files]
+        secret_files = [
+            {"path": f.pod_path, "data": base64.b64encode(f.data).decode(), "pointer": f.pointer}
+            for r in resolved
+            for f in r.files
+        ]
         old = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
-        keep = {i for i, p in old.items() if p.get("hash") == pod_hash and i < len(conns)
-                and await sh.answers(p["address"], p["port"], conns[i])}
+        keep = {
+            i
+            for i, p in old.items()
+            if p.get("hash") == pod_hash
+            and i < len(conns)
+            and await sh.answers(p["address"], p["port"], conns[i])
+        }
         # pods whose host or shape changed stop; ordinals beyond the hosts too
-        await asyncio.gather(*(self._stop_pod(conns[i] if i < len(conns) else None, p, spec.pod.calls.teardown_timeout)
-                               for i, p in old.items() if i not in keep))
+        await asyncio.gather(
+            *(
+                self._stop_pod(
+                    conns[i] if i < len(conns) else None, p, spec.pod.calls.teardown_timeout
+                )
+                for i, p in old.items()
+                if i not in keep
+            )
+        )
         span = spec.distributed.port_span
         # a kept pod 0 keeps its MASTER_PORT; a new one picks a free span on its host
-        master_port = spec.distributed.port or ((state or {}).get("master_port") if 0 in keep else None)
+        master_port = spec.distributed.port or (
+            (state or {}).get("master_port") if 0 in keep else None
+        )
         version, bundle = self._bundle or ssh_copy.source_bundle()
         self._bundle = (version, bundle)
         starting = [c for c in conns if c.index not in keep]
-        started = await asyncio.gather(*(
-            self._start(spec, c, token, version, bundle, pick=span if (c.index == 0 and not master_port) else 0,
-                        pod_hash=pod_hash, secret_env=secret_env, secret_files=secret_files)
-            for c in starting), return_exceptions=True)
-        errors = [str(r) if isinstance(r, KtliteError) else f"{c.label}: {type(r).__name__}: {r}"
-                  for c, r in zip(starting, started, strict=True) if isinstance(r, BaseException)]
+        started = await asyncio.gather(
+            *(
+                self._start(
+                    spec,
+                    c,
+                    token,
+                    version,
+                    bundle,
+                    pick=span if (c.index == 0 and not master_port) else 0,
+                    pod_hash=pod_hash,
+                    secret_env=secret_env,
+                    secret_files=secret_files,
+                )
+                for c in starting
+            ),
+            return_exceptions=True,
+        )
+        errors = [
+            str(r) if isinstance(r, KtliteError) else f"{c.label}: {type(r).__name__}: {r}"
+            for c, r in zip(starting, started, strict=True)
+            if isinstance(r, BaseException)
+        ]
         pods = {i: old[i] for i in keep}
         for result in started:
             if not isinstance(result, BaseException):
@@ -196,158 +226,40 @@ class SshBackend(Backend):
             await asyncio.gather(*(self._stop_pod(conns[p["ordinal"]], p, 5.0) for p in new))
             raise DeployError("; ".join(errors))
         await asyncio.gather(*(self._reach(conns[i], p, hosts.forward) for i, p in pods.items()))
-        return {"name": spec.name, "detached": spec.detached, "owner_pid": os.getpid(), "token": token,
-                "master_port": master_port,
-                "port_span": span, "hosts": [h.address for h in hosts.hosts],
-                "options": _options(hosts), "created": (state or {}).get("created", time.time()),
-                "pods": [pods[i] for i in sorted(pods)], "_restarted": sorted(set(pods) - keep)}
-
-    async def _start(self, spec: DeploymentSpec, c: sh.HostConnection, token: str, version: str, bundle: bytes,
-                     pick: int, pod_hash: str, secret_env: dict[str, str],
-                     secret_files: list[dict[str, Any]]) -> dict[str, Any]:
-        src = f"{CACHE}/src-{version}"
-        deps = f"{CACHE}/deps-{self._deps_key()}"
-        python, missing, env_tag, holds = await self._python(
-            c, {"src": f"test -f {src}/.complete", "deps": f"test -f {deps}/.complete"})
-        c.python = python
-        if "src" not in holds:
-            await ssh_copy.upload(c, src, bundle)
-        path = src
-        if missing and env_tag == f"{sys.implementation.cache_tag} {platform.machine()}":
-            # the server's packages from this client's own installation: no index needed there
-            if "deps" not in holds:
-                await ssh_copy.upload(c, deps, await asyncio.to_thread(self._deps_files))
-            path = f"{src}:{deps}"
-        image = spec.pod.image
-        env = {**pod_env(), **spec.pod.merged_env, **secret_env,
-               "KTLITE_POD_ORDINAL": str(c.index), "KTLITE_DEPLOYMENT": spec.name, "KTLITE_BACKEND": "ssh",
-               "PYTHONUNBUFFERED": "1", "KTLITE_WORKDIR": "~"}  # ranks run in the login's home
-        steps = [[kind, list(arg) if kind == "pip_install" else arg]
-                 for kind, arg in (image.steps if image is not None else ()) if kind in ("pip_install", "run_bash")]
-        run_dir = f"{CACHE}/run/{spec.name}-{c.index}"
-        msg = {"token": token, "env": env, "args": self._server_args(spec, c.index), "run_dir": run_dir,
-               "cache_dir": CACHE, "steps": steps, "detached": spec.detached, "bind": c.address,
-               "pick_master_port": pick, "timeout": spec.pod.calls.launch_timeout, "secret_files": secret_files,
-               "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")}}
-        path = path.replace("~", "$HOME")  # expanded after ':' by every shell, unlike '~'
-        # started in ktlite's cache, not the home: a ~/ktlite folder there would shadow ktlite
-        command = f"cd {CACHE} && PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {shlex.quote(python)} " \
-                  "-m ktlite_server.sshlaunch"
-        proc = await c.conn.create_process(command, encoding="utf-8")
-        proc.stdin.write(json.dumps(msg) + "\n")
-        if spec.detached:
-            proc.stdin.write_eof()
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), spec.pod.calls.launch_timeout + 10)
-        except asyncio.TimeoutError:
-            proc.close()
-            raise LaunchTimeout(f"{c.label}: the pod server did not start within "
-                                f"{spec.pod.calls.launch_timeout:.0f}s") from None
-        if not line:
-            err = (await proc.stderr.read()).strip()
-            raise DeployError(f"{c.label}: starting the pod server failed: {err[-2000:] or 'no output'}")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise DeployError(f"{c.label}: {reply['error']}")
-        if spec.detached:
-            proc.close()
-        else:
-            c.tether = proc  # the server lives as long as this channel
-        return {"ordinal": c.index, "name": f"{spec.name}-{c.index}", "host": c.host.address,
-                "address": c.address, "port": reply["port"], "pid": reply["pid"], "run_dir": run_dir,
-                "python": python, "hash": pod_hash, "master_port": reply.get("master_port")}
-
-    async def _python(self, c: sh.HostConnection, checks: dict[str, str]) -> tuple[str, list[str], str, set[str]]:
-        """The host's Python: the one asked for, else the first python3.X at least as new
-        as this client's minor, else python3 when new enough. Also, in the same round trip:
-        which of the server's packages it lacks (cloudpickle: at this client's version), its
-        cache tag and machine, and which shell ``checks`` hold there (names of those true)."""
-        want = sys.version_info[:2]
-        if c.options.python:
-            candidates = [c.options.python]
-        else:
-            candidates = [f"python3.{m}" for m in range(want[1], want[1] + 4)] + ["python3"]
-        pins = {"cloudpickle": importlib.metadata.version("cloudpickle")}
-        code = (f"import sys\nprint(sys.executable, *sys.version_info[:2])\n"
-                f"sys.version_info[:2] < {tuple(want)} and sys.exit(1)\n"
-                "import importlib.metadata as m, importlib.util as u, platform\n"
-                f"pins = {pins!r}\n"
-                "def bad(p):\n"
-                "    if u.find_spec(p) is None: return True\n"
-                "    try: return p in pins and m.version(p) != pins[p]\n"
-                "    except m.PackageNotFoundError: return True\n"
-                "print('KTLITE_ENV', sys.implementation.cache_tag, platform.machine(), "
-                f"*[p for p in {server_packages()!r} if bad(p)])\n")
-        probe = " || ".join(f"(command -v {shlex.quote(p)} >/dev/null 2>&1 && {shlex.quote(p)} -c "
-                            f"{shlex.quote(code)})" for p in candidates)
-        tests = "; ".join(f"{test} && echo KTLITE_OK_{name}" for name, test in checks.items())
-        out = await c.run(f"{{ {probe}; }}; {tests}; true")
-        found: list[str] = []
-        holds = {line[len("KTLITE_OK_"):] for line in out.split() if line.startswith("KTLITE_OK_")}
-        lines = [line for line in out.splitlines() if not line.startswith("KTLITE_OK_")]
-        for i, line in enumerate(lines):
-            if line.startswith("KTLITE_ENV"):
-                continue
-            path, major, minor = line.rsplit(" ", 2)
-            found.append(f"{path} ({major}.{minor})")
-            env = lines[i + 1].split() if i + 1 < len(lines) and lines[i + 1].startswith("KTLITE_ENV") else None
-            if env is not None and (int(major), int(minor)) >= want:
-                return path, env[3:], f"{env[1]} {env[2]}", holds
-        raise DeployError(f"{c.label}: no Python {want[0]}.{want[1]} or newer (found: {', '.join(found) or 'none'} "
-                          f"among {', '.join(candidates)}); install one, or name it with kt.Hosts(..., python=...)")
-
-    async def _reach(self, c: sh.HostConnection, pod: dict[str, Any], forward: bool | None) -> None:
-        """How this client reaches the pod: straight, or through a port forward."""
-        direct = forward is not True and await sh.tcp_ok(pod["address"], pod["port"])
-        if direct:
-            pod["url"] = f"http://{sh.hostport(pod['address'], pod['port'])}"
-            return
-        if forward is False:
-            raise DeployError(f"{c.label}: its pod server at {pod['address']}:{pod['port']} does not answer "
-                              "from here, and forward=False; allow SSH port forwarding (forward=None)")
-        c.forward = await c.conn.forward_local_port("127.0.0.1", 0, pod["address"], pod["port"])
-        pod["url"] = f"http://127.0.0.1:{c.forward.get_port()}"
-
-    async def _stop_pod(self, c: sh.HostConnection | None, pod: dict[str, Any], grace: float) -> None:
-        """Stop a pod's server and everything of its session; remove its run dir."""
-        if c is None or c.conn is None:
-            return
-        # inline, not ktlite_server.engine.session_pids: teardown must work even where the
-        # host's cached ktlite source is gone
-        code = ("import os, signal, sys, time\n"
-                f"sid = {int(pod['pid'])}\n"
-                "def members():\n"
-                "    out = []\n"
-                "    for e in os.listdir('/proc'):\n"
-                "        if e.isdigit():\n"
-                "            try:\n"
-                "                if os.getsid(int(e)) != sid: continue\n"
-                "                state = open(f'/proc/{e}/stat').read().rsplit(')', 1)[1].split()[0]\n"
-                "            except (OSError, IndexError): continue\n"
-                "            if state not in 'ZXx': out.append(int(e))  # a zombie has exited\n"
-                "    return out\n"
-                "try: cmd = open(f'/proc/{sid}/cmdline', 'rb').read()\n"
-                "except OSError: cmd = b''\n"
-                "if b'ktlite_server' in cmd:\n"
-                "    for sig, wait in ((signal.SIGTERM, " + f"{grace}" + "), (signal.SIGKILL, 5)):\n"
-                "        for p in members():\n"
-                "            try: os.kill(p, sig)\n"
-                "            except OSError: pass\n"
-                "        end = time.monotonic() + wait\n"
-                "        while members() and time.monotonic() < end: time.sleep(0.05)\n")
-        run_dir = pod.get("run_dir")
-        rm = f" && rm -rf {sh.remote_path(run_dir)}" if run_dir and "/run/" in run_dir else ""
-        python = shlex.quote(pod.get("python") or c.python)
-        await c.run(f"{python} -c {shlex.quote(code)}{rm}", timeout=grace + 30)
+        return {
+            "name": spec.name,
+            "detached": spec.detached,
+            "owner_pid": os.getpid(),
+            "token": token,
+            "master_port": master_port,
+            "port_span": span,
+            "hosts": [h.address for h in hosts.hosts],
+            "options": _options(hosts),
+            "created": (state or {}).get("created", time.time()),
+            "pods": [pods[i] for i in sorted(pods)],
+            "_restarted": sorted(set(pods) - keep),
+        }
 
     def _applied(self, state: dict[str, Any]) -> Applied:
-        eps = [PodEndpoint(name=p["name"], ordinal=p["ordinal"], url=p.get("url") or
-                           f"http://{sh.hostport(p['address'], p['port'])}",
-                           peer_url=f"http://{sh.hostport(p['address'], p['port'])}", ip=p["address"],
-                           incarnation=f"{p['pid']}")
-               for p in state["pods"]]
-        return Applied(name=state["name"], backend=self.name, endpoints=eps, token=state["token"],
-                       master_port=int(state["master_port"]), same_host=False)
+        eps = [
+            PodEndpoint(
+                name=p["name"],
+                ordinal=p["ordinal"],
+                url=p.get("url") or f"http://{sh.hostport(p['address'], p['port'])}",
+                peer_url=f"http://{sh.hostport(p['address'], p['port'])}",
+                ip=p["address"],
+                incarnation=f"{p['pid']}",
+            )
+            for p in state["pods"]
+        ]
+        return Applied(
+            name=state["name"],
+            backend=self.name,
+            endpoints=eps,
+            token=state["token"],
+            master_port=int(state["master_port"]),
+            same_host=False,
+        )
 
     def _current(self, name: str) -> dict[str, Any] | None:
         """The deployment's state, or None (and the state dropped) when its servers went with
@@ -370,8 +282,11 @@ class SshBackend(Backend):
         state = self._current(name)
         if state is None:
             return None
-        if name not in self._live and any(p.get("url", "").startswith("http://127.0.0.1:")
-                                          and p["address"] not in ("127.0.0.1", "localhost") for p in state["pods"]):
+        if name not in self._live and any(
+            p.get("url", "").startswith("http://127.0.0.1:")
+            and p["address"] not in ("127.0.0.1", "localhost")
+            for p in state["pods"]
+        ):
             # forwarded pods: this process needs its own forwards
             hosts = _hosts_from_state(state)
             try:
@@ -382,7 +297,9 @@ class SshBackend(Backend):
 
     async def _rereach(self, name: str, hosts: Hosts, state: dict[str, Any]) -> dict[str, Any]:
         conns = await self._connect(name, hosts)
-        await asyncio.gather(*(self._reach(conns[p["ordinal"]], p, hosts.forward) for p in state["pods"]))
+        await asyncio.gather(
+            *(self._reach(conns[p["ordinal"]], p, hosts.forward) for p in state["pods"])
+        )
         return state
 
     def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
@@ -393,7 +310,9 @@ class SshBackend(Backend):
 
         async def stop() -> None:
             conns = await self._connect(name, hosts)
-            await asyncio.gather(*(self._stop_pod(conns[p["ordinal"]], p, timeout) for p in state["pods"]))
+            await asyncio.gather(
+                *(self._stop_pod(conns[p["ordinal"]], p, timeout) for p in state["pods"])
+            )
             for c in conns:
                 c.close()
             self._live.pop(name, None)
@@ -411,12 +330,21 @@ class SshBackend(Backend):
             state = self._current(d.name)
             if state is not None:
                 ready = sum(sh.tcp_ok_now(p["address"], p["port"]) for p in state["pods"])
-                rows.append({"name": d.name, "backend": self.name, "pods": len(state["pods"]), "ready": ready,
-                             "hosts": state.get("hosts"), "detached": state.get("detached", False)})
+                rows.append(
+                    {
+                        "name": d.name,
+                        "backend": self.name,
+                        "pods": len(state["pods"]),
+                        "ready": ready,
+                        "hosts": state.get("hosts"),
+                        "detached": state.get("detached", False),
+                    }
+                )
         return rows
 
-    def logs(self, name: str, ordinal: int | None = None, follow: bool = False,
-             tail: int | None = None) -> Iterator[str]:
+    def logs(
+        self, name: str, ordinal: int | None = None, follow: bool = False, tail: int | None = None
+    ) -> Iterator[str]:
         """Each host's pod log, read over SSH (``tail -F`` when following)."""
         state = self._current(name)
         if state is None:
@@ -435,8 +363,9 @@ class SshBackend(Backend):
             async def one(pod: dict[str, Any]) -> None:
                 log = sh.remote_path(f"{pod['run_dir']}/pod.log")
                 command = f"tail {count} {flag} {log} 2>/dev/null; true"
-                async with conns[pod["ordinal"]].conn.create_process(command, encoding="utf-8",
-                                                                     errors="replace") as proc:
+                async with conns[pod["ordinal"]].conn.create_process(
+                    command, encoding="utf-8", errors="replace"
+                ) as proc:
                     async for line in proc.stdout:
                         lines.put(f"[{pod['name']}] {line.rstrip()}")
 
@@ -451,8 +380,10 @@ class SshBackend(Backend):
                 try:  # following waits as long as the logs go on; a plain read has a limit
                     line = lines.get(timeout=None if follow else COMMAND_TIMEOUT_S)
                 except queue.Empty:
-                    raise DeployError(f"reading the logs of {name!r} over SSH took over "
-                                      f"{COMMAND_TIMEOUT_S:.0f}s; a host may be unreachable") from None
+                    raise DeployError(
+                        f"reading the logs of {name!r} over SSH took over "
+                        f"{COMMAND_TIMEOUT_S:.0f}s; a host may be unreachable"
+                    ) from None
                 if line is None:
                     break
                 yield line
@@ -466,9 +397,14 @@ def _env_of(resolved: list[kt_secrets.Resolved]) -> dict[str, str]:
 
 
 def _options(hosts: Hosts) -> dict[str, Any]:
-    return {"accept_new_host_keys": hosts.accept_new_host_keys, "python": hosts.python,
-            "forward": hosts.forward, "master_addr": hosts.master_addr, "ssh_config": hosts.ssh_config,
-            "known_hosts": hosts.known_hosts}
+    return {
+        "accept_new_host_keys": hosts.accept_new_host_keys,
+        "python": hosts.python,
+        "forward": hosts.forward,
+        "master_addr": hosts.master_addr,
+        "ssh_config": hosts.ssh_config,
+        "known_hosts": hosts.known_hosts,
+    }
 
 
 def _hosts_from_state(state: dict[str, Any]) -> Hosts:

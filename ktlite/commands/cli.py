@@ -1,4 +1,8 @@
-"""The ``ktlite`` command line: list, tear down and read the logs of deployments; settings."""
+"""The ``ktlite`` command line: list, tear down and read the logs of deployments; settings.
+
+A running deployment's status (and the attach that ``call`` uses):
+:mod:`~ktlite.commands.status_cli`.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +11,13 @@ import concurrent.futures
 import difflib
 import json
 import sys
-import time
-from typing import Any
 
 from ktlite import __version__, config, logconfig
 from ktlite.api.decorators import Decorated
-from ktlite.backends.base import Backend
-from ktlite.backends.registry import get_backend
 from ktlite.commands import run_cli
 from ktlite.commands.scripts import load_script
+from ktlite.commands.status_cli import attach, named_backend, status_command
 from ktlite.errors import ConfigError, KtliteError, NotDeployedError
-
-
-def _backend(args: argparse.Namespace) -> Backend:
-    return get_backend(args.backend, getattr(args, "namespace", None))
 
 
 def _marked(target: str) -> list[Decorated]:
@@ -32,8 +29,9 @@ def _marked(target: str) -> list[Decorated]:
             found.setdefault(id(value), value)
     marked = list(found.values())
     if not marked:
-        raise ConfigError(f"{path} has no function or class decorated with @kt.compute or "
-                          "@kt.distribute")
+        raise ConfigError(
+            f"{path} has no function or class decorated with @kt.compute or @kt.distribute"
+        )
     if only:
         chosen = [m for m in marked if only in (m.obj.__name__, m.name)]
         if not chosen:
@@ -62,109 +60,11 @@ def _deploy(args: argparse.Namespace) -> int:
             dep = remote.deployment
             d = dep.spec.distributed
             where = dep.backend.where()
-            print(f"{m.name}: deployed on {where}: {len(dep.endpoints)} pod(s), "
-                  f"{d.world_size}/{d.world_size} ranks ready")
+            print(
+                f"{m.name}: deployed on {where}: {len(dep.endpoints)} pod(s), "
+                f"{d.world_size}/{d.world_size} ranks ready"
+            )
     return 1 if failed else 0
-
-
-def _attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
-    """The running deployment NAME (as a Deployment) and its pods' status."""
-    from ktlite.api.compute import Compute
-    from ktlite.modes.deploy import Deployment
-    from ktlite.net.client import PodClient
-    from ktlite.specs.deployment_spec import DeploymentSpec
-
-    backend = _backend(args)
-    applied = backend.lookup(args.name)
-    if applied is None:
-        raise NotDeployedError(f"no deployment {args.name!r} on backend {backend.name!r}; "
-                               "`ktlite list` shows what runs")
-    if applied.autoscale is not None:  # replicas, each a world of one (and maybe none now)
-        from ktlite.specs.autoscaling import AutoscaleConfig
-        served = Compute(backend=backend.name, autoscaling=AutoscaleConfig(**applied.autoscale))
-        dep = Deployment(DeploymentSpec(args.name, served.pod_spec()), backend, applied)
-        return dep, _pods_status(dep, None)
-    # the layout (ranks per pod) is the pods' to tell: the CLI has no Compute
-    status = PodClient(applied.token, http=applied.http).status(applied.endpoints[0].url)
-    procs = max(1, len(status["ranks"]))
-    compute = Compute(backend=backend.name).distribute("spmd", workers=len(applied.endpoints), num_proc=procs)
-    dep = Deployment(DeploymentSpec(args.name, compute.pod_spec()), backend, applied)
-    return dep, [status, *_pods_status(dep, None, dep.endpoints[1:])]
-
-
-def _pods_status(dep: Any, stuck_after: float | None, endpoints: list[Any] | None = None) -> list[dict[str, Any]]:
-    """Each pod's status, all at once; a pod that does not answer is an entry saying so
-    (``error``), so the others still show."""
-    def one(ep: Any) -> dict[str, Any]:
-        try:
-            return dict(dep.client.status(ep.url, stuck_after))
-        except KtliteError as e:
-            return {"pod": ep.name, "ordinal": ep.ordinal, "error": str(e), "ranks": []}
-
-    eps = dep.endpoints if endpoints is None else endpoints
-    if not eps:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(eps))) as pool:
-        return list(pool.map(one, eps))
-
-
-def _status(args: argparse.Namespace) -> int:
-    from ktlite.modes import status
-
-    if args.watch is not None and not args.watch > 0:
-        raise ConfigError(f"--watch {args.watch:g}: give the seconds between refreshes, > 0 "
-                          "(e.g. --watch 2)")
-    dep, pods = _attach(args)
-    if args.stuck_after is not None:
-        pods = _pods_status(dep, args.stuck_after)
-    if dep.applied.autoscale is not None:
-        return _serving_status(args, dep, pods)
-    if args.watch is None:
-        print(json.dumps(pods, indent=2) if args.json else status.table(args.name, pods))
-        if status.stuck_ranks(pods):
-            return 2
-        return 1 if any("error" in p for p in pods) else 0
-    clear = sys.stdout.isatty() and not args.json
-    try:
-        while True:
-            if args.json:
-                print(json.dumps(pods), flush=True)
-            else:
-                stamp = time.strftime("%H:%M:%S")
-                frame = f"{stamp}  every {args.watch:g}s, Ctrl-C to stop\n{status.table(args.name, pods)}"
-                print(("\x1b[H\x1b[J" if clear else "\n") + frame, flush=True)
-            time.sleep(args.watch)
-            pods = _pods_status(dep, args.stuck_after)  # a pod restarting shows as not answering
-    except KeyboardInterrupt:
-        return 0
-
-
-def _serving_status(args: argparse.Namespace, dep: Any, pods: list[dict[str, Any]]) -> int:
-    """`ktlite status` of an autoscaled deployment: replicas, calls in flight, the autoscaler."""
-    from ktlite.modes import status
-
-    while True:
-        scaling = dep.backend.scaling_status(args.name)
-        if args.json:
-            print(json.dumps({"replicas": pods, "autoscale": dep.applied.autoscale, "autoscaler": scaling},
-                             indent=None if args.watch else 2, default=str), flush=True)
-        else:
-            text = status.serving(args.name, dep.applied.autoscale, scaling, pods)
-            if pods:
-                text += "\n" + status.table(args.name, pods)
-            print(text if args.watch is None else f"\n{time.strftime('%H:%M:%S')}\n{text}", flush=True)
-        if args.watch is None:
-            return 1 if any("error" in p for p in pods) else 0
-        try:
-            time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return 0
-        applied = dep.backend.lookup(args.name)
-        if applied is None:
-            print(f"{args.name}: torn down")
-            return 1
-        dep.applied = applied
-        pods = _pods_status(dep, args.stuck_after)
 
 
 def _call(args: argparse.Namespace) -> int:
@@ -172,21 +72,26 @@ def _call(args: argparse.Namespace) -> int:
         call_args = json.loads(args.args)
         call_kwargs = json.loads(args.kwargs)
     except ValueError as e:
-        raise ConfigError(f"--args and --kwargs take JSON, e.g. --args '[1, 2]' --kwargs "
-                          f"'{{\"x\": 3}}': {e}") from e
+        raise ConfigError(
+            f"--args and --kwargs take JSON, e.g. --args '[1, 2]' --kwargs '{{\"x\": 3}}': {e}"
+        ) from e
     if not isinstance(call_args, list) or not isinstance(call_kwargs, dict):
         raise ConfigError("--args must be a JSON list and --kwargs a JSON object")
     from ktlite.api.remote import _options
     from ktlite.net import packaging
 
     options = _options({"timeout": args.timeout})  # bad values fail here, before the call
-    dep, status = _attach(args)
+    dep, status = attach(args)
     if args.method is None and status and status[0].get("kind") == "cls":
-        raise ConfigError(f"{args.name!r} is a deployed class: name the method to call with "
-                          "--method, e.g. --method predict")
+        raise ConfigError(
+            f"{args.name!r} is a deployed class: name the method to call with "
+            "--method, e.g. --method predict"
+        )
     if args.method is not None and status and status[0].get("kind") == "fn":
-        raise ConfigError(f"{args.name!r} is a deployed function: it has no methods, so there is no "
-                          f"--method {args.method}; call it without --method")
+        raise ConfigError(
+            f"{args.name!r} is a deployed function: it has no methods, so there is no "
+            f"--method {args.method}; call it without --method"
+        )
     parts = packaging.encode_call(args.method, tuple(call_args), call_kwargs)
     values = dep.call(args.method, parts, options)
     result = values if len(values) > 1 else values[0]
@@ -198,7 +103,7 @@ def _call(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = _backend(args).list()
+    rows = named_backend(args).list()
     if not rows:
         print("no deployments")
         return 0
@@ -206,13 +111,15 @@ def _list(args: argparse.Namespace) -> int:
     for r in rows:
         ready = f"{r['ready']}/{r['pods']}"
         mode = "autoscaled" if r.get("autoscaled") else "pods"
-        print(f"{r['name']:30} {r['backend']:12} {r.get('namespace') or '-':16} {ready:8} {mode:11} "
-              f"{r['detached']}")
+        print(
+            f"{r['name']:30} {r['backend']:12} {r.get('namespace') or '-':16} {ready:8} {mode:11} "
+            f"{r['detached']}"
+        )
     return 0
 
 
 def _teardown(args: argparse.Namespace) -> int:
-    backend = _backend(args)
+    backend = named_backend(args)
     deployed = [r["name"] for r in backend.list()]
     where = f"backend {backend.name!r}"
     if args.prefix:  # Kubetorch's --prefix: every deployment whose name starts with it
@@ -231,9 +138,11 @@ def _teardown(args: argparse.Namespace) -> int:
     if (args.all or args.prefix) and not args.yes:
         which = "--all" if args.all else f"--prefix {args.prefix}"
         if sys.stdin is None or not sys.stdin.isatty():
-            print(f"ktlite: error: teardown {which} asks before it tears down {len(names)} deployment(s) "
-                  f"({', '.join(names)}), and there is no terminal to ask on: pass --yes (-y)",
-                  file=sys.stderr)
+            print(
+                f"ktlite: error: teardown {which} asks before it tears down {len(names)} deployment(s) "
+                f"({', '.join(names)}), and there is no terminal to ask on: pass --yes (-y)",
+                file=sys.stderr,
+            )
             return 2
         try:
             answer = input(f"tear down {len(names)} deployment(s): {', '.join(names)}? [y/N] ")
@@ -265,11 +174,11 @@ def _no_such(name: str, deployed: list[str], where: str) -> str:
 def _logs(args: argparse.Namespace) -> int:
     pod = args.pod
     if args.rank is not None:
-        _, status = _attach(args)
+        _, status = attach(args)
         procs = max(1, len(status[0]["ranks"])) if status else 1
         pod = args.rank // procs
     try:
-        for line in _backend(args).logs(args.name, pod, follow=args.follow, tail=args.tail):
+        for line in named_backend(args).logs(args.name, pod, follow=args.follow, tail=args.tail):
             print(line, flush=True)
     except KeyboardInterrupt:
         pass
@@ -279,16 +188,20 @@ def _logs(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> int:
     if args.action == "set":
         if args.value is None:
-            raise KtliteError("ktlite config set needs a key and a value, e.g. "
-                              "`ktlite config set backend kubernetes`")
+            raise KtliteError(
+                "ktlite config set needs a key and a value, e.g. "
+                "`ktlite config set backend kubernetes`"
+            )
         config.set_value(args.key, args.value)
         print(f"{args.key} = {args.value}")
     elif args.action == "unset":
         config.unset(args.key)
     elif args.action == "get":  # the value on stdout (for scripts), where it came from on stderr
         value, origin = config.origin(args.key)
-        print(f"{args.key}: {origin}" if value is not None else f"{args.key} is not set: {origin}",
-              file=sys.stderr)
+        print(
+            f"{args.key}: {origin}" if value is not None else f"{args.key} is not set: {origin}",
+            file=sys.stderr,
+        )
         if value is None:
             return 1
         print(value)
@@ -302,35 +215,40 @@ def _config(args: argparse.Namespace) -> int:
 # Kubetorch's commands that ktlite does not have, and what to use instead
 _REFUSED_COMMANDS = {
     "debug": "ktlite has no remote debugger; `ktlite logs NAME --rank R` shows a rank's output and "
-             "`ktlite status NAME` what every rank is doing",
+    "`ktlite status NAME` what every rank is doing",
     "port-forward": "ktlite reaches pods through the API server's pod proxy itself; for your own "
-                    "access use `kubectl port-forward pod/NAME-0 PORT`",
+    "access use `kubectl port-forward pod/NAME-0 PORT`",
     "apply": "ktlite builds its own manifests from kt.Compute (`ktlite deploy --dry-run` prints them); "
-             "run a raw manifest with `kubectl apply`",
+    "run a raw manifest with `kubectl apply`",
     "ssh": "use `kubectl exec -it NAME-0 -- bash` (Kubernetes) or ssh to the host (backend ssh)",
     "volumes": "volumes are created with a deployment (kt.Compute(volumes=[kt.Volume(...)])) and "
-               "deleted with `ktlite teardown NAME --volumes`; list them with `kubectl get pvc`",
+    "deleted with `ktlite teardown NAME --volumes`; list them with `kubectl get pvc`",
     "notebook": "run Jupyter where you like and deploy from it: kt.fn(f).to(compute) works in a notebook",
     "dashboard": "`ktlite status NAME --watch` shows every rank live",
     "secrets": "secrets are given per Compute (kt.Compute(secrets=['aws', kt.secret(...)])) and "
-               "created with the deployment; list them with `kubectl get secrets`",
+    "created with the deployment; list them with `kubectl get secrets`",
 }
 
 
 def _refused(command: str, asked_help: bool) -> int:
     """Kubetorch's ``kt COMMAND`` that ktlite lacks: what to use instead (exit 2; 0 for --help)."""
-    print(f"ktlite: `{command}` is Kubetorch's command and not ktlite's: "
-          f"{_REFUSED_COMMANDS[command]}", file=sys.stdout if asked_help else sys.stderr)
+    print(
+        f"ktlite: `{command}` is Kubetorch's command and not ktlite's: "
+        f"{_REFUSED_COMMANDS[command]}",
+        file=sys.stdout if asked_help else sys.stderr,
+    )
     return 0 if asked_help else 2
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ktlite", description="Run Python functions on N pods.",
+        prog="ktlite",
+        description="Run Python functions on N pods.",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog stays one line
         epilog=f"Kubetorch commands not in ktlite: {', '.join(_REFUSED_COMMANDS)} "
-               "(`ktlite COMMAND` says what to use instead).\n"
-               "KTLITE_LOG_LEVEL=INFO (or DEBUG) shows ktlite's diagnostics on stderr, and in the pods' logs.")
+        "(`ktlite COMMAND` says what to use instead).\n"
+        "KTLITE_LOG_LEVEL=INFO (or DEBUG) shows ktlite's diagnostics on stderr, and in the pods' logs.",
+    )
     p.add_argument("--version", action="version", version=f"ktlite {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -341,24 +259,47 @@ def _parser() -> argparse.ArgumentParser:
         return c
 
     def where(c: argparse.ArgumentParser) -> None:
-        c.add_argument("--backend", default=None, help="local, kubernetes or ssh (default: ktlite config)")
+        c.add_argument(
+            "--backend", default=None, help="local, kubernetes or ssh (default: ktlite config)"
+        )
         c.add_argument("--namespace", "-n", default=None, help="Kubernetes namespace")
 
-    dp = command("deploy", "deploy the decorated functions and classes of a script",
-                 "ktlite deploy train.py   |   ktlite deploy train.py:step --dry-run", _deploy)
+    dp = command(
+        "deploy",
+        "deploy the decorated functions and classes of a script",
+        "ktlite deploy train.py   |   ktlite deploy train.py:step --dry-run",
+        _deploy,
+    )
     dp.add_argument("target", help="SCRIPT.py, or SCRIPT.py:NAME for one of its objects")
-    dp.add_argument("--dry-run", action="store_true",
-                    help="print what would be created (Kubernetes manifests as YAML) and change nothing")
+    dp.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be created (Kubernetes manifests as YAML) and change nothing",
+    )
     ls = command("list", "list deployments", "ktlite list --backend kubernetes", _list)
     where(ls)
-    td = command("teardown", "stop deployments and delete what they created",
-                 "ktlite teardown train   |   ktlite teardown --all -y", _teardown)
+    td = command(
+        "teardown",
+        "stop deployments and delete what they created",
+        "ktlite teardown train   |   ktlite teardown --all -y",
+        _teardown,
+    )
     td.add_argument("names", nargs="*")
     td.add_argument("--all", action="store_true", help="every deployment of the backend")
     td.add_argument("--prefix", default=None, help="every deployment whose name starts with PREFIX")
-    td.add_argument("-y", "--yes", "-f", "--force", action="store_true",
-                    help="do not ask before --all / --prefix")
-    td.add_argument("--volumes", action="store_true", help="also delete the deployment's PVCs (local: the volume directories it made)")
+    td.add_argument(
+        "-y",
+        "--yes",
+        "-f",
+        "--force",
+        action="store_true",
+        help="do not ask before --all / --prefix",
+    )
+    td.add_argument(
+        "--volumes",
+        action="store_true",
+        help="also delete the deployment's PVCs (local: the volume directories it made)",
+    )
     td.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for pods to go")
     where(td)
     lg = command("logs", "print a deployment's pod logs", "ktlite logs train -f --pod 1", _logs)
@@ -366,41 +307,76 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     lg.add_argument("-p", "--pod", type=int, default=None, help="only this pod (its ordinal)")
     lg.add_argument("--rank", type=int, default=None, help="only the pod holding this rank")
-    lg.add_argument("-t", "--tail", type=int, default=None, help="only the last N lines of each pod")
+    lg.add_argument(
+        "-t", "--tail", type=int, default=None, help="only the last N lines of each pod"
+    )
     where(lg)
-    st = command("status", "show a deployment's ranks: state, CPU, memory, GPUs, running calls "
-                 "(exit 2 if a rank is stuck)",
-                 "ktlite status train   |   ktlite status train --watch 1   |   ktlite status train --json",
-                 _status)
+    st = command(
+        "status",
+        "show a deployment's ranks: state, CPU, memory, GPUs, running calls "
+        "(exit 2 if a rank is stuck)",
+        "ktlite status train   |   ktlite status train --watch 1   |   ktlite status train --json",
+        status_command,
+    )
     st.add_argument("name")
-    st.add_argument("--watch", "-w", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
-                    help="refresh every SECONDS (default 2) until Ctrl-C")
-    st.add_argument("--json", action="store_true",
-                    help="print the pods' status as JSON (with --watch: one JSON line per refresh)")
-    st.add_argument("--stuck-after", type=float, default=None,
-                    help="a rank busy longer than this many seconds is STUCK (default 600)")
+    st.add_argument(
+        "--watch",
+        "-w",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    st.add_argument(
+        "--json",
+        action="store_true",
+        help="print the pods' status as JSON (with --watch: one JSON line per refresh)",
+    )
+    st.add_argument(
+        "--stuck-after",
+        type=float,
+        default=None,
+        help="a rank busy longer than this many seconds is STUCK (default 600)",
+    )
     where(st)
-    cl = command("call", "call a deployed function (or a method of a deployed class)",
-                 "ktlite call square --args '[7]'   |   ktlite call model --method predict "
-                 "--kwargs '{\"x\": 1}'", _call)
+    cl = command(
+        "call",
+        "call a deployed function (or a method of a deployed class)",
+        "ktlite call square --args '[7]'   |   ktlite call model --method predict "
+        "--kwargs '{\"x\": 1}'",
+        _call,
+    )
     cl.add_argument("name")
     cl.add_argument("--args", default="[]", help="positional arguments as a JSON list")
     cl.add_argument("--kwargs", default="{}", help="keyword arguments as a JSON object")
     cl.add_argument("--method", default=None, help="for a deployed class: the method to call")
-    cl.add_argument("--timeout", type=float, default=None, help="seconds before the call is stopped")
+    cl.add_argument(
+        "--timeout", type=float, default=None, help="seconds before the call is stopped"
+    )
     where(cl)
     run_cli.add_command(command, where)
     for alias in ("check", "describe"):  # Kubetorch's names for a deployment's health and status
-        ck = command(alias, f"Kubetorch's `kt {alias}`: the same as `ktlite status`",
-                     f"ktlite {alias} train", _status)
+        ck = command(
+            alias,
+            f"Kubetorch's `kt {alias}`: the same as `ktlite status`",
+            f"ktlite {alias} train",
+            status_command,
+        )
         ck.add_argument("name")
-        ck.add_argument("--watch", "-w", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS")
+        ck.add_argument(
+            "--watch", "-w", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS"
+        )
         ck.add_argument("--json", action="store_true")
         ck.add_argument("--stuck-after", type=float, default=None)
         where(ck)
     from ktlite.commands import store_cli
+
     store_cli.add_commands(command, where)
-    cf = command("config", "read and change settings", "ktlite config set backend kubernetes", _config)
+    cf = command(
+        "config", "read and change settings", "ktlite config set backend kubernetes", _config
+    )
     cf.add_argument("action", choices=["get", "set", "unset", "list"])
     cf.add_argument("key", nargs="?", default=None, choices=sorted(config.KEYS))
     cf.add_argument("value", nargs="?", default=None)
@@ -415,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         return _refused(word, asked_help=bool({"-h", "--help"} & set(raw)))
     p = _parser()
     command_line: list[str] = []
-    if "--" in raw and "run" in raw[:raw.index("--")]:  # `ktlite run [opts] -- CMD ...`
-        command_line = raw[raw.index("--") + 1:]
-        raw = raw[:raw.index("--")]
+    if "--" in raw and "run" in raw[: raw.index("--")]:  # `ktlite run [opts] -- CMD ...`
+        command_line = raw[raw.index("--") + 1 :]
+        raw = raw[: raw.index("--")]
     args = p.parse_args(raw)
     args.command_line = command_line
     if args.command == "config" and args.action != "list" and args.key is None:

@@ -2,7 +2,8 @@
 
 Translates transport failures into ktlite errors where they enter: connection errors
 become :class:`PodUnreachable`, 401 :class:`AuthError`, a version clash
-:class:`ProtocolMismatch`. Holds the token privately; it never appears in a repr.
+:class:`ProtocolMismatch` (a refusal's error: :mod:`ktlite.net.refusals`; a call's reply stream:
+:mod:`ktlite.net.call_reply`). Holds the token privately; it never appears in a repr.
 """
 
 from __future__ import annotations
@@ -12,29 +13,21 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
 
-from ktlite.errors import AuthError, KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
+from ktlite.errors import KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
 from ktlite.logconfig import http_hook
+from ktlite.net.call_reply import CallReply as CallReply
+from ktlite.net.call_reply import FrameReader, LogSink, NoticeSink, Outcomes
 from ktlite.net.connection import ConnectionFailed, ConnectionRefused, Pool
+from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, proxy_refusal, raise_for_status
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
 from ktlite_wire import envelope, version
-from ktlite_wire.errors import ErrorCode, ProtocolError
-from ktlite_wire.frames import (
-    ERROR,
-    HEARTBEAT,
-    LOG,
-    NOTICE,
-    RESULT,
-    LogLine,
-    Notice,
-    decode_error,
-    read_frames,
-)
+from ktlite_wire.errors import ProtocolError
 from ktlite_wire.headers import (
     CALL_HEADER,
     ERROR_CODE_HEADER,
@@ -45,7 +38,7 @@ from ktlite_wire.headers import (
     VERSION_HEADER,
     bearer,
 )
-from ktlite_wire.outcome import CallResult, RankOutcome
+from ktlite_wire.outcome import CallResult
 from ktlite_wire.plan import CallPlan
 
 logger = logging.getLogger(__name__)
@@ -57,21 +50,6 @@ SILENCE_TIMEOUT = 10.0
 RESUME_WINDOW_S = 5.0
 REATTACH_S = 10.0
 CHUNKED_MAX = 8 << 20  # proxied bodies up to this size go chunked (see _call_resumable)
-_PROXY_ERRORS = (502, 503, 504)
-# what the API server's proxy says when it cannot open a connection to the pod
-_UNDELIVERED = ("dial tcp", "connect: ", "no route to host", "i/o timeout", "address not allowed",
-                "not found")
-LogSink = Callable[[int, str, str, str], None]  # (rank, pod, stream, text)
-NoticeSink = Callable[[dict[str, Any]], None]
-Outcomes = list[RankOutcome]
-
-
-@dataclass
-class CallReply:
-    """A call's per-rank outcomes; ``started=False`` when no rank started (safe to send again)."""
-
-    outcomes: Outcomes
-    started: bool = True
 
 
 _pool = Pool()  # one keep-alive pool for every deployment of this process (tokens go per request)
@@ -79,16 +57,23 @@ atexit.register(_pool.close)
 
 
 class PodClient:
-    def __init__(self, token: str, http: httpx.Client | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        token: str,
+        http: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self._token = token
         self._owns = transport is not None
         # calls to plain http:// pods take the lean connection unless a client was injected
         self._lean = http is None and transport is None
         self.reattempts = 0  # proxied requests sent again after a broken connection (a count)
         if transport is not None:
-            http = httpx.Client(transport=transport, timeout=httpx.Timeout(30.0, connect=10.0),
-                                event_hooks={"response": [http_hook(logger)]})
+            http = httpx.Client(
+                transport=transport,
+                timeout=httpx.Timeout(30.0, connect=10.0),
+                event_hooks={"response": [http_hook(logger)]},
+            )
         # direct pods (plain http://, nothing injected) take the lean pool, every endpoint
         self.transport = PodTransport(_pool, http, logger)
         self.http = http or shared_http()
@@ -106,8 +91,7 @@ class PodClient:
         _pool.drop(url)
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        h = {TOKEN_HEADER: bearer(self._token),
-             VERSION_HEADER: str(version.PROTOCOL_VERSION)}
+        h = {TOKEN_HEADER: bearer(self._token), VERSION_HEADER: str(version.PROTOCOL_VERSION)}
         if extra:
             h.update(extra)
         return h
@@ -129,28 +113,43 @@ class PodClient:
             detail = resp.json().get("detail", resp.text)
         except (ValueError, AttributeError):
             detail = resp.text
-        _raise_for_status(resp.status, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
+        raise_for_status(resp.status, str(detail), url, resp.headers.get(ERROR_CODE_HEADER))
 
     def health(self, url: str, timeout: float = 2.0) -> dict[str, Any]:
-        resp = self.transport.request("GET", url, "/health", headers=self._headers(), what="/health", timeout=timeout)
+        resp = self.transport.request(
+            "GET", url, "/health", headers=self._headers(), what="/health", timeout=timeout
+        )
         if resp.status in (502, 503, 504):  # a proxy (the API server's) cannot reach it yet
-            raise PodUnreachable(f"pod at {url} is not reachable through the proxy yet "
-                                 f"(HTTP {resp.status}): {resp.text[:300]}")
+            raise PodUnreachable(
+                f"pod at {url} is not reachable through the proxy yet "
+                f"(HTTP {resp.status}): {resp.text[:300]}"
+            )
         self._check(resp, url)
         data: dict[str, Any] = resp.json()
         if data.get("protocol") != version.PROTOCOL_VERSION:
-            raise ProtocolMismatch(version.mismatch(
-                data.get("protocol"), version.PROTOCOL_VERSION,
-                them=f"the pod at {url} (ktlite {data.get('version')})", us="this client"))
+            raise ProtocolMismatch(
+                version.mismatch(
+                    data.get("protocol"),
+                    version.PROTOCOL_VERSION,
+                    them=f"the pod at {url} (ktlite {data.get('version')})",
+                    us="this client",
+                )
+            )
         return data
 
     def ready(self, url: str, timeout: float = 2.0) -> dict[str, Any] | None:
         """``GET /health?ready=1``: the pod's health when it has a launch loaded, None when it
         answers but has none yet (or the proxy cannot reach it yet); PodUnreachable when the
         pod does not answer at all."""
-        resp = self.transport.request("GET", url, "/health", params={"ready": "1"}, headers=self._headers(),
-                                      what="/health",
-                                      timeout=timeout)
+        resp = self.transport.request(
+            "GET",
+            url,
+            "/health",
+            params={"ready": "1"},
+            headers=self._headers(),
+            what="/health",
+            timeout=timeout,
+        )
         if resp.status in (502, 503, 504):
             return None
         self._check(resp, url)
@@ -167,11 +166,18 @@ class PodClient:
             headers = self._headers({LENGTH_HEADER: str(len(message))})
             content = message if sized or self.transport.direct(url) else _chunks([message])
             try:
-                resp = self.transport.request("POST", url, "/deploy", what="the deploy", timeout=timeout,
-                                              headers=headers, content=content)
-                if resp.status not in _PROXY_ERRORS:
+                resp = self.transport.request(
+                    "POST",
+                    url,
+                    "/deploy",
+                    what="the deploy",
+                    timeout=timeout,
+                    headers=headers,
+                    content=content,
+                )
+                if resp.status not in PROXY_ERRORS:
                     break
-                error: Exception = _ProxyError(resp.status, resp.text)
+                error: Exception = ProxyRefusal(resp.status, resp.text)
             except PodSilent:
                 raise
             except PodUnreachable as e:
@@ -185,59 +191,98 @@ class PodClient:
         try:
             return CallResult.decode(bytearray(resp.content)).outcomes
         except ProtocolError as e:
-            raise PodUnreachable(f"pod at {url} answered the deploy with a malformed result: {e}") from e
+            raise PodUnreachable(
+                f"pod at {url} answered the deploy with a malformed result: {e}"
+            ) from e
 
     def status(self, url: str, stuck_after: float | None = None) -> dict[str, Any]:
         params = {} if stuck_after is None else {"stuck_after": str(stuck_after)}
-        resp = self.transport.request("GET", url, "/status", headers=self._headers(), params=params,
-                                      what="/status", timeout=5.0)
+        resp = self.transport.request(
+            "GET",
+            url,
+            "/status",
+            headers=self._headers(),
+            params=params,
+            what="/status",
+            timeout=5.0,
+        )
         self._check(resp, url)
         result: dict[str, Any] = resp.json()
         return result
 
     def restart_failed(self, url: str, timeout: float, regroup: bool = False) -> dict[str, Any]:
-        resp = self.transport.request("POST", url, "/restart_failed", headers=self._headers(), timeout=timeout,
-                                      params={"regroup": "true"} if regroup else None, what="/restart_failed")
+        resp = self.transport.request(
+            "POST",
+            url,
+            "/restart_failed",
+            headers=self._headers(),
+            timeout=timeout,
+            params={"regroup": "true"} if regroup else None,
+            what="/restart_failed",
+        )
         self._check(resp, url)
         result: dict[str, Any] = resp.json()
         return result
 
-    def cancel(self, url: str, call_id: str, reason: str = "cancelled by the caller",
-               timeout: float = 5.0) -> None:
+    def cancel(
+        self, url: str, call_id: str, reason: str = "cancelled by the caller", timeout: float = 5.0
+    ) -> None:
         # best effort: the pod also cancels when our stream closes
         with contextlib.suppress(PodUnreachable):
-            self.transport.request("POST", url, f"/cancel/{call_id}", params={"reason": reason},
-                                   headers=self._headers(), timeout=timeout, what="the cancel")
+            self.transport.request(
+                "POST",
+                url,
+                f"/cancel/{call_id}",
+                params={"reason": reason},
+                headers=self._headers(),
+                timeout=timeout,
+                what="the cancel",
+            )
 
-    def call(self, url: str, plan: CallPlan, parts: list[Any], on_log: LogSink | None,
-             on_notice: NoticeSink | None = None, pod: str = "") -> CallReply:
+    def call(
+        self,
+        url: str,
+        plan: CallPlan,
+        parts: list[Any],
+        on_log: LogSink | None,
+        on_notice: NoticeSink | None = None,
+        pod: str = "",
+    ) -> CallReply:
         """Run the call ``plan`` through the coordinator ``pod`` at ``url``; returns per-rank
         outcomes."""
         who = f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
-        frames = _Frames(on_log, on_notice, url)
+        frames = FrameReader(on_log, on_notice, url)
         try:
             if self._lean and url.startswith("http://"):
-                headers = self._headers({CALL_HEADER: plan.encode(),
-                                         "content-type": "application/octet-stream"})
+                headers = self._headers(
+                    {CALL_HEADER: plan.encode(), "content-type": "application/octet-stream"}
+                )
                 return self._call_lean(url, headers, parts, frames)
             return self._call_resumable(url, plan, parts, frames, who)
         except KtliteError:
             raise  # already says what happened (PodUnreachable is an OSError too)
         except (httpx.ReadTimeout, TimeoutError) as e:
-            raise PodUnreachable(f"{who} went silent for {SILENCE_TIMEOUT:g}s during the call (no "
-                                 "heartbeat): it probably died") from e
+            raise PodUnreachable(
+                f"{who} went silent for {SILENCE_TIMEOUT:g}s during the call (no "
+                "heartbeat): it probably died"
+            ) from e
         except (httpx.HTTPError, ConnectionFailed, OSError) as e:
             raise PodUnreachable(f"lost the connection to {who}: {e!r}") from e
         except ProtocolError as e:
             raise PodUnreachable(f"{who} closed the stream mid-call: {e}") from e
 
-    def _call_lean(self, url: str, headers: dict[str, str], parts: list[Any], frames: _Frames) -> CallReply:
+    def _call_lean(
+        self, url: str, headers: dict[str, str], parts: list[Any], frames: FrameReader
+    ) -> CallReply:
         try:
-            conn, status, hdrs = _pool.post(url, "/call", headers, parts, connect_timeout=10.0,
-                                            read_timeout=SILENCE_TIMEOUT)
+            conn, status, hdrs = _pool.post(
+                url, "/call", headers, parts, connect_timeout=10.0, read_timeout=SILENCE_TIMEOUT
+            )
             logger.debug("POST %s/call -> %d (direct connection)", url, status)
         except ConnectionRefused as e:
-            raise PodUnreachable(f"cannot connect to the coordinator pod at {url}: {e}", delivered=False) from e
+            raise PodUnreachable(
+                f"cannot connect to the coordinator pod at {url}: {e}", delivered=False
+            ) from e
         try:
             if status >= 400:
                 body = b"".join(conn.body(hdrs))
@@ -245,7 +290,7 @@ class PodClient:
                     detail = str(json.loads(body).get("detail", body))
                 except ValueError:
                     detail = body.decode(errors="replace")
-                _raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
+                raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
             result = frames.read(conn.body(hdrs))
         except BaseException:
             conn.close()
@@ -253,8 +298,9 @@ class PodClient:
         _pool.release(conn)
         return result
 
-    def _call_resumable(self, url: str, plan: CallPlan, parts: list[Any], frames: _Frames,
-                        who: str) -> CallReply:
+    def _call_resumable(
+        self, url: str, plan: CallPlan, parts: list[Any], frames: FrameReader, who: str
+    ) -> CallReply:
         """A call through a proxy (the Kubernetes API server's). A stream that breaks is
         re-attached by call id, reading on from the first frame not received; the pod keeps
         the call running meanwhile and never runs it twice.
@@ -276,7 +322,9 @@ class PodClient:
         first_delivered = 0.0  # when the first attempt that may have reached one was sent
         accepted = False  # did the pod answer 200: it holds the call, and a re-attach needs no body
         while True:
-            headers = self._headers({CALL_HEADER: header, "content-type": "application/octet-stream"})
+            headers = self._headers(
+                {CALL_HEADER: header, "content-type": "application/octet-stream"}
+            )
             if accepted:
                 headers[RESUME_HEADER] = str(frames.seen)
                 content: Any = b""
@@ -288,9 +336,10 @@ class PodClient:
                 content = _chunks(parts)
             sent_at = time.monotonic()
             try:
-                with self.http.stream("POST", f"{url}/call", content=content, headers=headers,
-                                      timeout=timeout) as resp:
-                    refusal = _proxy_refusal(resp)
+                with self.http.stream(
+                    "POST", f"{url}/call", content=content, headers=headers, timeout=timeout
+                ) as resp:
+                    refusal = proxy_refusal(resp)
                     if refusal is not None:
                         raise refusal
                     try:
@@ -302,29 +351,38 @@ class PodClient:
                             raise
                         # the server that had the call is gone: this one (a new pod, a restarted
                         # container) never saw it, and must not run it now
-                        raise PodUnreachable(f"{who} was restarted or replaced while the call ran "
-                                             f"(the server now there says: {e}); the call was lost "
-                                             "with it") from e
+                        raise PodUnreachable(
+                            f"{who} was restarted or replaced while the call ran "
+                            f"(the server now there says: {e}); the call was lost "
+                            "with it"
+                        ) from e
                     accepted = True
                     return frames.read(resp.iter_raw())
             except (httpx.ReadTimeout, httpx.PoolTimeout):
                 raise
-            except (httpx.TransportError, ProtocolError, _ProxyError) as e:
-                if not delivered and not (isinstance(e, httpx.ConnectError)
-                                          or (isinstance(e, _ProxyError) and e.undelivered)):
+            except (httpx.TransportError, ProtocolError, ProxyRefusal) as e:
+                if not delivered and not (
+                    isinstance(e, httpx.ConnectError)
+                    or (isinstance(e, ProxyRefusal) and e.undelivered)
+                ):
                     delivered, first_delivered = True, sent_at
                 now = time.monotonic()
                 window_end = window_end or now + RESUME_WINDOW_S
                 if now >= window_end:
-                    if isinstance(e, _ProxyError):
-                        raise PodUnreachable(f"{who} is not reachable through the proxy (HTTP "
-                                             f"{e.status}: {e.text[:300]})", delivered=delivered) from e
-                    raise PodUnreachable(f"lost the connection to {who} and could not re-attach to "
-                                         f"the call within {RESUME_WINDOW_S:g}s: {e!r}",
-                                         delivered=delivered) from e
+                    if isinstance(e, ProxyRefusal):
+                        raise PodUnreachable(
+                            f"{who} is not reachable through the proxy (HTTP "
+                            f"{e.status}: {e.text[:300]})",
+                            delivered=delivered,
+                        ) from e
+                    raise PodUnreachable(
+                        f"lost the connection to {who} and could not re-attach to "
+                        f"the call within {RESUME_WINDOW_S:g}s: {e!r}",
+                        delivered=delivered,
+                    ) from e
                 attempt += 1
                 self.reattempts += 1
-                time.sleep(min(0.01 * 2 ** attempt, 0.5))
+                time.sleep(min(0.01 * 2**attempt, 0.5))
 
 
 def _up_since(resp: httpx.Response, since: float, margin: float = 0.1) -> bool:
@@ -340,99 +398,7 @@ def _up_since(resp: httpx.Response, since: float, margin: float = 0.1) -> bool:
     return uptime > time.monotonic() - since + margin
 
 
-def _proxy_refusal(resp: httpx.Response) -> _ProxyError | None:
-    """The error of a proxy that could not reach the pod (502/503/504, or a Kubernetes
-    ``Status`` body: the API server answered, not the pod), else None."""
-    if resp.status_code < 400:
-        return None
-    resp.read()
-    if resp.status_code in _PROXY_ERRORS:
-        return _ProxyError(resp.status_code, resp.text)
-    try:
-        body = resp.json()
-    except ValueError:
-        return None
-    if isinstance(body, dict) and body.get("kind") == "Status":
-        return _ProxyError(resp.status_code, str(body.get("message", resp.text)))
-    return None
-
-
-class _ProxyError(Exception):
-    """A proxy between us and the pod could not reach it (the API server's pod proxy answers
-    503 when it cannot connect, 400 "address not allowed" while the pod has no IP, 404 when
-    no pod has the name: between a deleted pod and its replacement)."""
-
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status, self.text = status, text
-
-    @property
-    def undelivered(self) -> bool:
-        """The proxy could not even connect to the pod (so the request never reached it)."""
-        return any(sign in self.text for sign in _UNDELIVERED)
-
-
 def _chunks(parts: list[Any]) -> Iterator[bytes]:
     # a generator: httpx sends it with Transfer-Encoding: chunked
     # httpx writes each chunk as it is; a memoryview saves a copy (the checker wants bytes)
     yield from envelope.chunked(parts, size=1 << 20)  # type: ignore[misc]
-
-
-class _Frames:
-    """Reads a call's frame stream: prints logs, passes notices on, returns the result; counts
-    the frames read so that a broken stream can be re-attached where it stopped."""
-
-    def __init__(self, on_log: LogSink | None, on_notice: NoticeSink | None, url: str) -> None:
-        self.on_log, self.on_notice, self.url = on_log, on_notice, url
-        self.seen = 0
-
-    def read(self, chunks: Any) -> CallReply:
-        """Reads the stream to its end (it ends right after the result) so the connection can
-        be reused."""
-        result = None
-        for kind, payload in read_frames(chunks):
-            if kind == HEARTBEAT:
-                continue
-            if kind == NOTICE:
-                notice = Notice.decode(payload)
-                if notice.kind == "skip":
-                    self.seen = int(notice.fields["to"])
-                    logger.warning("%s while the connection to the pod was re-established", notice.message)
-                    continue
-                if self.on_notice is not None:
-                    self.on_notice(notice.as_dict())
-            elif kind == LOG:
-                if self.on_log is not None:
-                    line = LogLine.decode(payload)
-                    self.on_log(line.rank, line.pod, line.stream, line.text)
-            elif kind == RESULT:
-                got = CallResult.decode(payload)
-                result = CallReply(got.outcomes, got.started)
-            elif kind == ERROR:
-                err = decode_error(payload)
-                raise KtliteError(f"pod at {self.url} failed the call: {err.type_name or err.code}: {err.message}")
-            self.seen += 1
-        if result is None:
-            raise PodUnreachable(f"the coordinator pod at {self.url} ended the call without a result")
-        return result
-
-
-def _raise_for_status(status: int, detail: str, url: str, code: str | None = None) -> None:
-    """Raise the ktlite error for a refusal, classified by its error code (the HTTP status
-    only where a proxy, not the pod, answered)."""
-    if status < 400:
-        return
-    error = ErrorCode.parse(code)
-    if error is ErrorCode.UNAUTHORIZED or (error is None and status == 401):
-        raise AuthError(f"pod at {url} refused the deployment token (HTTP 401): {detail}; "
-                        "the deployment was probably re-created: call .to() again")
-    if error is ErrorCode.PROTOCOL_MISMATCH:
-        raise ProtocolMismatch(detail)
-    if error in (ErrorCode.NOT_DEPLOYED, ErrorCode.REDEPLOYED):
-        raise NotDeployedError(detail)
-    if error is ErrorCode.UNKNOWN_CALL:
-        raise PodUnreachable(detail)
-    if status in _PROXY_ERRORS:
-        raise PodUnreachable(f"pod at {url} is not reachable through the proxy (HTTP {status}): "
-                             f"{detail[:300]}")
-    raise KtliteError(f"pod at {url} answered HTTP {status}: {detail}")

@@ -1,9 +1,10 @@
 """One pod's runtime: its rank processes, the loaded deployment, and the calls it runs.
 
 A call on a pod runs on all its local ranks at once (up to the deployment's concurrency of
-calls, admitted in order). When one rank fails, its siblings in the call are interrupted and
-keep their processes and state; one still running after INTERRUPT_GRACE_S (blocked in a
-collective) is killed. Only dead ranks are restarted, so the next call finds a healthy pod.
+calls, admitted in order: :mod:`ktlite_server.podcalls`). When one rank fails, its siblings in
+the call are interrupted and keep their processes and state; one still running after
+INTERRUPT_GRACE_S (blocked in a collective) is killed. Only dead ranks are restarted, so the
+next call finds a healthy pod.
 """
 
 from __future__ import annotations
@@ -17,26 +18,24 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ktlite_server.deployment import Colocated, Deployment, layout_of
 from ktlite_server.engine import Engine, EngineError
 from ktlite_server.gate import Gate
-from ktlite_server.localcall import CallHandle, LocalCall, stop_rank
+from ktlite_server.localcall import CallHandle
 from ktlite_server.monarchhost import MonarchHost
 from ktlite_server.peers import PeerPool
+from ktlite_server.podcalls import LogEmit, PodCalls
 from ktlite_server.podstatus import pod_status
-from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
 from ktlite_server.usage import GpuQuery, ProcessUsage
 from ktlite_wire import rankchannel
-from ktlite_wire.distenv import distributed_env, port_free
+from ktlite_wire.distenv import distributed_env
 from ktlite_wire.status import Status
 
 logger = logging.getLogger(__name__)
-LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
 _RESERVED = ("KTLITE_TOKEN",)
 
 
@@ -46,7 +45,7 @@ DEFAULT_STUCK_AFTER_S = 600.0  # a rank busy with one call longer than this is r
 ENGINE_KINDS: dict[str, type[Engine]] = {"ray": RayNode, "monarch": MonarchHost}
 
 
-class Pod:
+class Pod(PodCalls):
     def __init__(self, name: str, ordinal: int, procs: int = 1) -> None:
         self.name = name
         self.ordinal = ordinal
@@ -61,31 +60,43 @@ class Pod:
         self.gate = Gate(1)  # calls at once on this pod (the deployment's concurrency)
         self.order = asyncio.Lock()  # pod 0: a distributed deployment's calls, one at a time, FIFO
         self.generation = 0  # pod 0: the process-group generation (bumped after a failed call)
-        self.group_port: int | None = None  # pod 0: that generation's MASTER_PORT (None: the deployment's)
+        # pod 0: that generation's MASTER_PORT (None: the deployment's)
+        self.group_port: int | None = None
         self.restarted: list[int] = []  # ranks restarted since restart_failed() last asked
         self.lost_groups: dict[int, str] = {}  # ranks that died idle holding a process group
         self.last_generation = 0  # the process-group generation of the last call run here
         self.calls: dict[str, CallHandle] = {}
         self.calls_total = 0
         self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
-        self.cancelled_early: collections.OrderedDict[str, tuple[Status, str]] = collections.OrderedDict()
+        self.cancelled_early: collections.OrderedDict[str, tuple[Status, str]] = (
+            collections.OrderedDict()
+        )
         self._sinks: dict[int, dict[str, LogEmit]] = {}  # local rank -> call id -> its log stream
         self._prespawn = procs
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
         self.engine: Engine | None = None  # distribute("ray"/"monarch"): this pod's engine
-        self.peers = PeerPool()  # this pod's connections to the others (the server gives it the token)
+        # this pod's connections to the others (the server gives it the token)
+        self.peers = PeerPool()
         self.last_active = time.monotonic()  # the last authorized request (--inactivity-ttl)
         self.engine_failed: dict[str, str] | None = None  # {"launch_id", "message"} (in /health)
         self.usage = ProcessUsage()
         self.gpu_query = GpuQuery()
         # the deployment's pod addresses, rewritten at every deploy: ktlite.distributed.pod_ips()
-        self.pod_ips_file = os.path.join(tempfile.gettempdir(), f"ktlite-pod-ips-{os.getpid()}.json")
+        self.pod_ips_file = os.path.join(
+            tempfile.gettempdir(), f"ktlite-pod-ips-{os.getpid()}.json"
+        )
 
     def rank_env(self, dep: Deployment, local_rank: int) -> dict[str, str]:
-        env = distributed_env(dep.config, node_rank=dep.ordinal, local_rank=local_rank,
-                              pod_ips=dep.pod_ips, master_port=dep.master_port,
-                              run_id=dep.launch_id, cpus_per_pod=dep.cpus or os.cpu_count())
+        env = distributed_env(
+            dep.config,
+            node_rank=dep.ordinal,
+            local_rank=local_rank,
+            pod_ips=dep.pod_ips,
+            master_port=dep.master_port,
+            run_id=dep.launch_id,
+            cpus_per_pod=dep.cpus or os.cpu_count(),
+        )
         if "OMP_NUM_THREADS" in self.base_env:
             env.pop("OMP_NUM_THREADS", None)  # the user's own setting wins
         visible = self.base_env.get("CUDA_VISIBLE_DEVICES")
@@ -93,7 +104,7 @@ class Pod:
         if visible and procs > 1:
             ids = [d for d in visible.split(",") if d]
             per = max(1, len(ids) // procs)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * per:(local_rank + 1) * per])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * per : (local_rank + 1) * per])
         if dep.engine is not None:
             env.update(ENGINE_KINDS[dep.engine["kind"]].rank_env(dep.engine))
         env["KTLITE_POD_NAME"] = self.name
@@ -116,7 +127,9 @@ class Pod:
 
     async def prespawn(self) -> None:
         """Start rank processes before any code arrives, so the first deploy is fast."""
-        await asyncio.gather(*(self._spawn(i) for i in range(self._prespawn)), return_exceptions=True)
+        await asyncio.gather(
+            *(self._spawn(i) for i in range(self._prespawn)), return_exceptions=True
+        )
 
     async def _spawn(self, local_rank: int) -> RankProcess:
         rank = RankProcess(local_rank, self.base_env, self._log)
@@ -134,8 +147,14 @@ class Pod:
     async def _load(self, rank: RankProcess, dep: Deployment) -> Outcome:
         env = self.rank_env(dep, rank.local_rank)
         rank.global_rank = dep.config.first_rank(dep.ordinal) + rank.local_rank
-        msg = rankchannel.Load(env=env, kind=dep.kind, bundle=dep.bundle, init=dep.init, sources=dep.sources,
-                               concurrency=dep.concurrency)
+        msg = rankchannel.Load(
+            env=env,
+            kind=dep.kind,
+            bundle=dep.bundle,
+            init=dep.init,
+            sources=dep.sources,
+            concurrency=dep.concurrency,
+        )
         try:
             loaded = await rank.load(msg, dep.load_timeout)
         except RankGone as e:
@@ -151,16 +170,29 @@ class Pod:
                     return out
         return Outcome(rank.global_rank, Status.OK)
 
-    async def _load_target(self, rank: RankProcess, dep: Deployment, name: str,
-                           target: Colocated | None) -> Outcome:
+    async def _load_target(
+        self, rank: RankProcess, dep: Deployment, name: str, target: Colocated | None
+    ) -> Outcome:
         """Load (or with ``target`` None, drop) one colocated target in one rank process."""
         env = self.rank_env(dep, rank.local_rank)
-        msg = rankchannel.Load(env=env, target=name, drop=True) if target is None else rankchannel.Load(
-            env=env, target=name, kind=target.kind, bundle=target.bundle, init=target.init, sources=target.sources)
+        msg = (
+            rankchannel.Load(env=env, target=name, drop=True)
+            if target is None
+            else rankchannel.Load(
+                env=env,
+                target=name,
+                kind=target.kind,
+                bundle=target.bundle,
+                init=target.init,
+                sources=target.sources,
+            )
+        )
         try:
             loaded = await rank.load(msg, dep.load_timeout)
         except RankGone as e:
-            return Outcome(rank.global_rank, Status.DIED, message=f"while loading colocated {name!r}: {e}")
+            return Outcome(
+                rank.global_rank, Status.DIED, message=f"while loading colocated {name!r}: {e}"
+            )
         if loaded.ok:
             if target is None:
                 rank.targets.discard(name)
@@ -170,7 +202,9 @@ class Pod:
         rank.targets.discard(name)
         return Outcome(rank.global_rank, Status.ERROR, loaded.error)
 
-    async def colocate(self, name: str, target: Colocated | None, if_missing: bool = False) -> list[Outcome]:
+    async def colocate(
+        self, name: str, target: Colocated | None, if_missing: bool = False
+    ) -> list[Outcome]:
         """Add/replace (``target`` given) or remove (None) a colocated target on every local
         rank; waits its turn behind running calls, like a call. ``if_missing``: only where a
         rank lacks it (re-pushed after a redeploy: instances that survived it stay)."""
@@ -180,43 +214,68 @@ class Pod:
         finally:
             self.gate.open(self.dep.concurrency if self.dep is not None else 1)
 
-    async def _colocate(self, name: str, target: Colocated | None, if_missing: bool) -> list[Outcome]:
+    async def _colocate(
+        self, name: str, target: Colocated | None, if_missing: bool
+    ) -> list[Outcome]:
         async with self.lock:
             await self._settle()
             dep = self.dep
             if dep is None:
-                raise RuntimeError(f"pod {self.name} has no code deployed to colocate {name!r} with")
+                raise RuntimeError(
+                    f"pod {self.name} has no code deployed to colocate {name!r} with"
+                )
             if if_missing and target is not None and self.colocated.get(name) == target:
                 bad = await self._heal()  # a restarted rank loads every target
-                return bad or [Outcome(r.global_rank, Status.OK) for r in self.ranks if r is not None]
+                return bad or [
+                    Outcome(r.global_rank, Status.OK) for r in self.ranks if r is not None
+                ]
             if target is None:
                 self.colocated.pop(name, None)
             else:
                 self.colocated[name] = target
             bad = await self._heal()  # a restarted rank loads every target, this one included
             if not bad:
-                bad = outs = list(await asyncio.gather(*(self._load_target(r, dep, name, target)
-                                                         for r in self.ranks if r is not None)))
+                bad = outs = list(
+                    await asyncio.gather(
+                        *(
+                            self._load_target(r, dep, name, target)
+                            for r in self.ranks
+                            if r is not None
+                        )
+                    )
+                )
                 if all(o.status is Status.OK for o in outs):
                     return outs
             if target is not None:
                 # a target that failed to load stays nowhere: a rank restart must not trip on it
                 self.colocated.pop(name, None)
-                await asyncio.gather(*(self._load_target(r, dep, name, None) for r in self.ranks
-                                       if r is not None and r.alive and name in r.targets))
+                await asyncio.gather(
+                    *(
+                        self._load_target(r, dep, name, None)
+                        for r in self.ranks
+                        if r is not None and r.alive and name in r.targets
+                    )
+                )
             return bad
 
     async def _ready_rank(self, local_rank: int, dep: Deployment, restart: bool) -> Outcome:
         rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
         env = self.rank_env(dep, local_rank)
         fresh = rank is not None and rank.alive and rank.loaded_env is None
-        same = rank is not None and rank.loaded_env is not None and layout_of(rank.loaded_env) == layout_of(env)
+        same = (
+            rank is not None
+            and rank.loaded_env is not None
+            and layout_of(rank.loaded_env) == layout_of(env)
+        )
         if rank is None or not rank.alive or restart or not (fresh or same):
             try:
                 rank = await self._spawn(local_rank)
             except Exception as e:  # noqa: BLE001
-                return Outcome(dep.config.first_rank(dep.ordinal) + local_rank, Status.DIED,
-                               message=f"rank process failed to start: {e}")
+                return Outcome(
+                    dep.config.first_rank(dep.ordinal) + local_rank,
+                    Status.DIED,
+                    message=f"rank process failed to start: {e}",
+                )
         return await self._load(rank, dep)
 
     async def deploy(self, dep: Deployment, restart: bool = False) -> list[Outcome]:
@@ -244,7 +303,10 @@ class Pod:
         except EngineError as e:
             # peers waiting for this pod's engine learn it from /health; a pod without ranks reports it too
             self.engine_failed = {"launch_id": dep.launch_id, "message": str(e)[:2000]}
-            return [Outcome(dep.config.first_rank(dep.ordinal) + i, Status.DIED, message=str(e)) for i in range(max(want, 1))]
+            return [
+                Outcome(dep.config.first_rank(dep.ordinal) + i, Status.DIED, message=str(e))
+                for i in range(max(want, 1))
+            ]
         self.dep = dep
         self._publish_pod_ips(dep)
         for extra in self.ranks[want:]:
@@ -269,11 +331,17 @@ class Pod:
         deadline = time.monotonic() + dep.load_timeout
         if self.engine is None:
             kind = cfg["kind"]
-            engine = ENGINE_KINDS[kind](cfg, self.name, lambda line: print(f"[{kind}] {line}", file=sys.stderr,
-                                        flush=True), launch_id=dep.launch_id, peers=self.peers)
+            engine = ENGINE_KINDS[kind](
+                cfg,
+                self.name,
+                lambda line: print(f"[{kind}] {line}", file=sys.stderr, flush=True),
+                launch_id=dep.launch_id,
+                peers=self.peers,
+            )
             await engine.start(dep.load_timeout)
             self.engine = engine
-        self.engine.launch_id = dep.launch_id  # a kept engine serves this launch (peers' failures name it)
+        # a kept engine serves this launch (peers' failures name it)
+        self.engine.launch_id = dep.launch_id
         await self.engine.await_cluster(max(1.0, deadline - time.monotonic()))
 
     async def engine_status(self) -> dict[str, Any] | None:
@@ -307,12 +375,21 @@ class Pod:
                     # it died between calls holding a process group: its peers still hold theirs
                     self.lost_groups[r.global_rank] = r.death_message()
                 if charged and r.streak >= dep.max_restarts:
-                    broken.append(Outcome(r.global_rank, Status.DIED, message=(
-                        f"rank process died {r.streak + 1} times; max_restarts={dep.max_restarts} "
-                        f"reached (last: {r.death_message()}); call with restart_procs=True or redeploy")))
+                    broken.append(
+                        Outcome(
+                            r.global_rank,
+                            Status.DIED,
+                            message=(
+                                f"rank process died {r.streak + 1} times; max_restarts={dep.max_restarts} "
+                                f"reached (last: {r.death_message()}); call with restart_procs=True or redeploy"
+                            ),
+                        )
+                    )
                     continue
                 todo.append((r.local_rank, crashed, charged))
-            outs = await asyncio.gather(*(self._ready_rank(i, dep, restart=True) for i, _, _ in todo))
+            outs = await asyncio.gather(
+                *(self._ready_rank(i, dep, restart=True) for i, _, _ in todo)
+            )
             for (i, crashed, charged), out in zip(todo, outs, strict=True):
                 if out.status is Status.OK:
                     self.restarted.append(self.ranks[i].global_rank)
@@ -332,6 +409,7 @@ class Pod:
                 broken = await self._heal()
                 if broken:
                     return  # reported to the next call
+
         self._healing = asyncio.get_running_loop().create_task(heal())
 
     async def _settle(self) -> None:
@@ -339,118 +417,7 @@ class Pod:
             await self._healing
             self._healing = None
 
-    def next_generation(self) -> None:
-        """(Pod 0, MASTER_ADDR) After a failed or stopped call, or a rank restart: the next call
-        forms a new process group, on the first port after the last one, cycling through
-        MASTER_PORT .. MASTER_PORT + PORT_SPAN - 1, that is free here now (the old group's
-        store may still hold its port, and on the local backend other deployments' ports are
-        near)."""
-        self.generation += 1
-        if self.dep is None:
-            return
-        base = self.dep.master_port
-        last = (self.group_port or base) - base
-        self.group_port = next((base + (last + k) % PORT_SPAN for k in range(1, PORT_SPAN)
-                                if port_free(base + (last + k) % PORT_SPAN)), base + self.generation % PORT_SPAN)
-
-    # ---- calls -------------------------------------------------------------------------
-
-    async def run(self, call_id: str, payload: Any, path: str | None, emit: LogEmit | None,
-                  restart: bool = False, per_rank: dict[str, Any] | None = None,
-                  generation: int = 0, ranks: list[int] | None = None,
-                  group_port: int | None = None) -> list[Outcome]:
-        """Run one call on every local rank; ``path`` names a shared-memory copy of ``payload``;
-        ``generation`` and ``group_port`` name the process group its collectives use (pod 0's
-        choice: see :meth:`next_generation`)."""
-        if call_id in self.finished:
-            return self.finished[call_id]  # duplicate delivery runs once
-        if call_id in self.calls:
-            handle = self.calls[call_id]
-            await handle.done.wait()
-            return handle.outcomes
-        handle = CallHandle(call_id)
-        early = self.cancelled_early.pop(call_id, None)
-        if early is not None:  # the stop overtook the call on its way here: never start it
-            handle.stop_kind, handle.stop_reason = early
-        self.calls[call_id] = handle
-        self.calls_total += 1
-        try:
-            handle.outcomes = await self._run(handle, payload, path, emit, restart, per_rank, generation, ranks,
-                                              group_port)
-        finally:
-            self.calls.pop(call_id, None)
-            handle.done.set()
-            self.finished[call_id] = handle.outcomes
-            while len(self.finished) > 256:
-                self.finished.popitem(last=False)
-        return handle.outcomes
-
-    async def _run(self, handle: CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
-                   restart: bool, per_rank: dict[str, Any] | None = None, generation: int = 0,
-                   ranks: list[int] | None = None, group_port: int | None = None) -> list[Outcome]:
-        await self.gate.acquire()  # FIFO: at most the deployment's concurrency run at once
-        try:
-            return await self._admitted(handle, payload, path, emit, restart, per_rank, generation, ranks,
-                                        group_port)
-        finally:
-            self.gate.release()
-
-    async def _admitted(self, handle: CallHandle, payload: Any, path: str | None, emit: LogEmit | None,
-                        restart: bool, per_rank: dict[str, Any] | None, generation: int,
-                        ranks: list[int] | None = None, group_port: int | None = None) -> list[Outcome]:
-        async with self.lock:  # heals and restarts happen between calls, never under one
-            await self._settle()
-            dep = self.dep
-            if dep is None:
-                raise RuntimeError("no code deployed on this pod; call .to() first")
-            if restart:  # fresh processes, and a fresh max_restarts budget
-                for r in self.ranks:
-                    if r is not None:
-                        r.restarts = r.streak = 0
-                loads = await asyncio.gather(*(self._ready_rank(i, dep, True) for i in range(len(self.ranks))))
-                bad = [o for o in loads if o.status is not Status.OK]
-            else:
-                bad = await self._heal()
-            if bad:
-                return bad
-            if generation != self.last_generation:
-                self.lost_groups.clear()  # the call re-forms the group: the restarted ranks join it
-            self.last_generation = generation
-            if self.lost_groups and dep.config.world_size > 1:
-                # a rank died between calls holding a process group and was restarted: its
-                # peers (here and on other pods) still hold the old group, and a collective
-                # with the fresh process would wait forever. Fail this call at once instead;
-                # pod 0 then moves the deployment to a new generation, and the next call runs.
-                lost, self.lost_groups = self.lost_groups, {}
-                first = dep.config.first_rank(dep.ordinal)
-                return [Outcome(first + i, Status.DIED, message=(
-                    f"rank {first + i} died between calls ({lost[first + i]}) and was restarted; the "
-                    "deployment's process group is formed anew at the next call: call again"))
-                        if first + i in lost else
-                        Outcome(first + i, Status.CANCELLED, message="not started: a rank of this pod was restarted")
-                        for i in range(dep.config.procs(dep.ordinal))]
-            if handle.stop_kind:  # cancelled before it started, or while ranks were restarted
-                # the ranks keep their groups: pod 0 moves the deployment to a new
-                # process-group generation after a stopped call (see Rank.regroup)
-                if any(self._needs_heal(r) for r in self.ranks):
-                    self._heal_later()
-                first = dep.config.first_rank(dep.ordinal)
-                return [Outcome(first + i, handle.stop_kind, message=handle.stop_reason)
-                        for i in range(dep.config.procs(dep.ordinal)) if ranks is None or first + i in ranks]
-        call = LocalCall(handle, dep, [r for r in self.ranks if r is not None])
-        msg, items, item_at, own_file = call.prepare(payload, path, per_rank, generation, group_port)
-        if emit is not None:
-            for r in self.ranks:
-                self._sinks.setdefault(r.local_rank, {})[handle.call_id] = emit
-        try:
-            return await call.fan_in(msg, items, item_at, None if ranks is None else set(ranks))
-        finally:
-            for sinks in self._sinks.values():
-                sinks.pop(handle.call_id, None)
-            if own_file is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(own_file)
-            self.reset()  # ranks that died or were killed in the call: healed before the next
+    # ---- after calls -------------------------------------------------------------------
 
     def reset(self) -> None:
         """A call failed elsewhere: restart this pod's dead ranks, if any, in the background."""
@@ -465,23 +432,11 @@ class Pod:
             await self._settle()
             broken = await self._heal()
         restarted, self.restarted = sorted(set(self.restarted)), []
-        return {"pod": self.name, "restarted": restarted,
-                "failed": [{"rank": o.rank, "status": o.status, "message": o.message} for o in broken]}
-
-    def cancel(self, call_id: str, kind: Status = Status.CANCELLED, reason: str = "cancelled") -> bool:
-        handle = self.calls.get(call_id)
-        if handle is None:
-            if call_id not in self.finished:
-                self.cancelled_early[call_id] = (kind, reason)
-                while len(self.cancelled_early) > 256:
-                    self.cancelled_early.popitem(last=False)
-            return False
-        if not handle.stop_kind:
-            handle.stop_kind, handle.stop_reason = kind, reason
-        for r in self.ranks:
-            if r is not None and call_id in r.running:
-                stop_rank(r, call_id, concurrent=self.dep is not None and self.dep.concurrency > 1)
-        return True
+        return {
+            "pod": self.name,
+            "restarted": restarted,
+            "failed": [{"rank": o.rank, "status": o.status, "message": o.message} for o in broken],
+        }
 
     async def status(self, stuck_after: float = DEFAULT_STUCK_AFTER_S) -> dict[str, Any]:
         """Each rank's state and what it uses (see :func:`ktlite_server.podstatus.pod_status`)."""
@@ -496,4 +451,3 @@ class Pod:
         await asyncio.gather(*(r.wait_dead(2) for r in self.ranks if r is not None))
         with contextlib.suppress(OSError):
             os.unlink(self.pod_ips_file)
-

@@ -22,7 +22,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.api.adverbs import _options
-from ktlite.backends.local import visible_gpus
+from ktlite.backends.local_pods import visible_gpus
 
 _LOCK = threading.Lock()  # a global that cannot be pickled
 TARGET = "badin-target"

@@ -1,0 +1,86 @@
+"""A call's reply: the frame stream a coordinator pod answers a call with (heartbeats, the
+ranks' log lines, notices, then the result), read into per-rank outcomes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ktlite.errors import KtliteError, PodUnreachable
+from ktlite_wire.frames import (
+    ERROR,
+    HEARTBEAT,
+    LOG,
+    NOTICE,
+    RESULT,
+    LogLine,
+    Notice,
+    decode_error,
+    read_frames,
+)
+from ktlite_wire.outcome import CallResult, RankOutcome
+
+logger = logging.getLogger(__name__)
+
+LogSink = Callable[[int, str, str, str], None]  # (rank, pod, stream, text)
+
+
+NoticeSink = Callable[[dict[str, Any]], None]
+
+
+Outcomes = list[RankOutcome]
+
+
+@dataclass
+class CallReply:
+    """A call's per-rank outcomes; ``started=False`` when no rank started (safe to send again)."""
+
+    outcomes: Outcomes
+    started: bool = True
+
+
+class FrameReader:
+    """Reads a call's frame stream: prints logs, passes notices on, returns the result; counts
+    the frames read so that a broken stream can be re-attached where it stopped."""
+
+    def __init__(self, on_log: LogSink | None, on_notice: NoticeSink | None, url: str) -> None:
+        self.on_log, self.on_notice, self.url = on_log, on_notice, url
+        self.seen = 0
+
+    def read(self, chunks: Any) -> CallReply:
+        """Reads the stream to its end (it ends right after the result) so the connection can
+        be reused."""
+        result = None
+        for kind, payload in read_frames(chunks):
+            if kind == HEARTBEAT:
+                continue
+            if kind == NOTICE:
+                notice = Notice.decode(payload)
+                if notice.kind == "skip":
+                    self.seen = int(notice.fields["to"])
+                    logger.warning(
+                        "%s while the connection to the pod was re-established", notice.message
+                    )
+                    continue
+                if self.on_notice is not None:
+                    self.on_notice(notice.as_dict())
+            elif kind == LOG:
+                if self.on_log is not None:
+                    line = LogLine.decode(payload)
+                    self.on_log(line.rank, line.pod, line.stream, line.text)
+            elif kind == RESULT:
+                got = CallResult.decode(payload)
+                result = CallReply(got.outcomes, got.started)
+            elif kind == ERROR:
+                err = decode_error(payload)
+                raise KtliteError(
+                    f"pod at {self.url} failed the call: {err.type_name or err.code}: {err.message}"
+                )
+            self.seen += 1
+        if result is None:
+            raise PodUnreachable(
+                f"the coordinator pod at {self.url} ended the call without a result"
+            )
+        return result
