@@ -188,6 +188,40 @@ def test_slowloris_connections_are_closed_after_the_header_timeout(tmp_path) -> 
         assert any(a.startswith(b"HTTP/1.1 408 ") for a in answers.values()), answers
 
 
+def test_a_slow_head_after_a_request_on_the_same_connection_is_closed(tmp_path) -> None:
+    """The header timer is not re-armed per request: a head that trickles in on a kept-alive
+    connection, long after the timer was first armed, still gets its full timeout, then 408."""
+    with (
+        pod_server(tmp_path, KTLITE_HEADER_TIMEOUT="1", KTLITE_IDLE_TIMEOUT="30") as server,
+        server.connect() as s,
+    ):
+        for _ in range(3):  # complete requests on one connection, across the first timeout
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            got = b""
+            while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+                chunk = s.recv(65536)
+                assert chunk, f"the server closed a kept-alive connection: {got[:200]!r}"
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+            time.sleep(0.6)
+        s.sendall(b"GET /health HTTP/1.1\r\nx-a: ")
+        s.settimeout(0.2)
+        answer = b""
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:  # one byte every 0.2 s: never a complete head
+            try:
+                s.sendall(b"a")
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
+
+
 def test_idle_connections_are_closed(tmp_path) -> None:
     with pod_server(tmp_path, KTLITE_HEADER_TIMEOUT="1", KTLITE_IDLE_TIMEOUT="1") as server:
         with server.connect() as silent:  # connects and never sends a byte

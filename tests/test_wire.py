@@ -268,6 +268,35 @@ def test_rank_channel_messages_round_trip(msg: rankchannel.Message) -> None:
     assert norm == values(msg)
 
 
+def test_hot_rank_messages_are_binary_and_checked() -> None:
+    """Call and Result have a fixed binary header (no JSON); a truncated one, one with bytes
+    left over, bad text or another protocol version is refused with a ProtocolError."""
+    call = rankchannel.Call(id="c1", args=b"\x00" * 100, generation=7, group_port=29500)
+    data = envelope.join(rankchannel.encode(call))[8:]
+    assert data[:3] == rankchannel.CALL_MAGIC and b"{" not in data[: rankchannel.CALL.size]
+    got = rankchannel.decode(data)
+    assert isinstance(got, rankchannel.Call) and bytes(got.args or b"") == bytes(100)
+    assert (got.generation, got.group_port, got.path, got.item_at) == (7, 29500, None, None)
+    result = envelope.join(rankchannel.encode(rankchannel.Result(id="c1", ok=False)))[8:]
+    got_result = rankchannel.decode(result)
+    assert isinstance(got_result, rankchannel.Result)
+    assert (got_result.ok, got_result.inline, got_result.path) == (False, None, None)
+    with pytest.raises(ProtocolError, match="truncated"):
+        rankchannel.decode(data[:20])
+    with pytest.raises(ProtocolError, match="fields take"):
+        rankchannel.decode(data[:-1])
+    with pytest.raises(ProtocolError, match="fields take"):
+        rankchannel.decode(data + b"x")
+    other = bytearray(data)
+    other[3] = PROTOCOL_VERSION + 1
+    with pytest.raises(ProtocolError, match=f"speaks {PROTOCOL_VERSION + 1}"):
+        rankchannel.decode(bytes(other))
+    bad_id = bytearray(data)
+    bad_id[rankchannel.CALL.size] = 0xFF
+    with pytest.raises(ProtocolError, match="malformed"):
+        rankchannel.decode(bytes(bad_id))
+
+
 def test_a_rank_channel_message_of_another_kind_is_refused() -> None:
     with pytest.raises(ProtocolError, match="unknown type"):
         rankchannel.decode(envelope.encode_bytes({"type": "exec", "code": "print(1)"}))

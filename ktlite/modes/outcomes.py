@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 from ktlite.errors import (
@@ -22,6 +23,8 @@ from ktlite_wire import codec, shm
 from ktlite_wire.outcome import RankOutcome, ShmRef
 from ktlite_wire.status import Status
 
+_BY_RANK = operator.itemgetter(0)  # a RankOutcome's rank
+
 # a failed rank's kind -> the error that reports it ("error" keeps the rank's own exception)
 KIND_ERRORS: dict[str, type[RemoteError]] = {
     Status.DIED: RankDied,
@@ -39,7 +42,7 @@ def split(outcomes: list[RankOutcome]) -> tuple[list[RankFailure], dict[int, Any
         o._replace(data=shm.take(o.data.path, o.data.size)) if isinstance(o.data, ShmRef) else o
         for o in outcomes
     ]
-    for rank, pod, status, data, message, at in sorted(outcomes, key=lambda o: o.rank):
+    for rank, pod, status, data, message, at in sorted(outcomes, key=_BY_RANK):
         if status is Status.OK:
             try:
                 values[rank] = codec.loads(data) if data is not None else None

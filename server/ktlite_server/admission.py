@@ -92,16 +92,9 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        token = length = chunked_length = version = None
-        for k, v in scope["headers"]:
-            if k == _TOKEN:
-                token = v
-            elif k == b"content-length":
-                length = v
-            elif k == _LENGTH:
-                chunked_length = v
-            elif k == _VERSION:
-                version = v
+        head = dict(scope["headers"])  # in C: cheaper than a loop over the pairs here
+        token, version = head.get(_TOKEN), head.get(_VERSION)
+        length, chunked_length = head.get(b"content-length"), head.get(_LENGTH)
         if path not in PUBLIC:
             if not self.token.matches(token):
                 await refuse(send, 401, "missing or wrong deployment token", ErrorCode.UNAUTHORIZED)

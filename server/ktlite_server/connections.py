@@ -122,7 +122,13 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head: int | None = 0  # bytes of the request head so far; None once it is complete
         self._head_timer: Any = None
-        self._waiting_since: float | None = time.monotonic()  # no request in progress since
+        now = time.monotonic()
+        self._waiting_since: float | None = now  # no request in progress since
+        # when the head being awaited began (its first byte, or the connection opening); None
+        # while no head is awaited. The timer is lazy: a complete head does not cancel it, it
+        # finds nothing to do when it fires (a timer per request cost more than the rest of
+        # this class on a warm call)
+        self._head_began: float | None = now
 
     # -- the connection cap ------------------------------------------------------------------
 
@@ -180,6 +186,14 @@ class GuardedHttpTools(HttpToolsProtocol):
     # -- the request head: size and time -----------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        head = self._head
+        if head is None:  # a body (or a response being sent): no head limit applies
+            super().data_received(data)
+            return
+        if head + len(data) <= self.limits.max_head:  # the usual case: one piece, no copy
+            self._head = head + len(data)
+            super().data_received(data)
+            return
         while data:
             if self._head is None:  # a body (or a response being sent): no head limit applies
                 super().data_received(data)
@@ -217,14 +231,16 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._head is None
         ):  # a request right after a body not yet counted (pipelined, or refused)
             self._head = 0
+        if self._head_began is None:  # else: counted since the connection opened
+            self._head_began = time.monotonic()
         if self._waiting_since is None:
-            self._waiting_since = time.monotonic()
-        self._arm_head_timer()
+            self._waiting_since = self._head_began
+        if self._head_timer is None:
+            self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
         self._head = None
-        self._waiting_since = None
-        self._cancel_head_timer()
+        self._waiting_since = self._head_began = None
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
@@ -243,13 +259,13 @@ class GuardedHttpTools(HttpToolsProtocol):
             # the body ended after its answer (a refused upload): idle from now, and bounded,
             # since uvicorn's keep-alive timer was cancelled by the body's arrival
             self._head = 0
-            self._waiting_since = time.monotonic()
+            self._waiting_since = self._head_began = time.monotonic()
             self._arm_head_timer()
 
-    def _arm_head_timer(self) -> None:
+    def _arm_head_timer(self, delay: float | None = None) -> None:
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(
-                self.limits.header_timeout, self._head_timed_out
+                self.limits.header_timeout if delay is None else delay, self._head_timed_out
             )
 
     def _cancel_head_timer(self) -> None:
@@ -259,7 +275,12 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._head is None or self.transport.is_closing():
+        began = self._head_began
+        if began is None or self._head is None or self.transport.is_closing():
+            return  # no head awaited: the next one arms the timer again
+        left = began + self.limits.header_timeout - time.monotonic()
+        if left > 0:  # a later head than the one this timer was armed for
+            self._arm_head_timer(left)
             return
         self.transport.write(
             _answer(

@@ -95,6 +95,7 @@ class Coordinator:
         self._deadline: float | None = None
         self.started = False  # a rank may have started (False: the call can be sent again)
         self._wake: asyncio.Event | None = None
+        self._shared_headers: dict[str, str] | None = None  # every member's, when they are alike
 
     def cancel(self, kind: Status, reason: str) -> None:
         """Stop the call on every pod (the caller went away, or asked to)."""
@@ -317,10 +318,16 @@ class Coordinator:
         name = plan.name(i)
         deadline = time.monotonic() + plan.quorum_timeout
         meta, body = plan.member_body(i, payload)
+        if plan.per_rank is not None:  # each pod's plan names its own items
+            member_headers = self._headers(meta)
+        else:  # the same plan for every member: encoded once per call
+            if self._shared_headers is None:
+                self._shared_headers = self._headers(meta)
+            member_headers = self._shared_headers
         while True:
             try:
                 async with self.peers.post(
-                    url, "/call", self._headers(meta), body, connect_timeout=5.0, read_timeout=10.0
+                    url, "/call", member_headers, body, connect_timeout=5.0, read_timeout=10.0
                 ) as resp:
                     if resp.status != 200:
                         text = (await resp.read()).decode(errors="replace")[:500]

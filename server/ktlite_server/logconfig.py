@@ -63,11 +63,14 @@ def configure() -> None:
 
 
 def request_log(app: ASGIApp) -> ASGIApp:
-    """``app``, logging each HTTP request it answers at DEBUG (when that level is on)."""
+    """``app``, logging each HTTP request it answers at DEBUG; ``app`` itself when DEBUG is
+    off at start (the level comes from the environment once: a layer per request costs)."""
     log = logging.getLogger("ktlite_server.requests")
+    if not log.isEnabledFor(logging.DEBUG):
+        return app
 
     async def logged(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not log.isEnabledFor(logging.DEBUG):
+        if scope["type"] != "http":
             await app(scope, receive, send)
             return
         started, status = time.monotonic(), [0]

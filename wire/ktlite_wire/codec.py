@@ -126,7 +126,7 @@ def dumps(obj: Any, *, sources: bool = False) -> bytes:
 def loads(data: Any) -> Any:
     """Decode one message; out-of-band buffers are views of ``data`` (no copies). Only the
     caller and the rank processes call this: it runs the sender's code."""
-    body, bufs = check(data)
+    body, bufs = envelope.unpack(MAGIC, data, "value message")
     return pickle.loads(body, buffers=bufs)
 
 

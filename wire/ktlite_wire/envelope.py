@@ -33,11 +33,11 @@ def _pad(n: int) -> int:
 def pack(magic: bytes, body: list[Any], buffers: list[memoryview]) -> list[Any]:
     """The parts of one message: head, ``body`` (the header's bytes, in pieces), padded
     buffers. Nothing is copied."""
-    blen = sum(memoryview(b).nbytes for b in body)
-    lens = [b.nbytes for b in buffers]
-    head = HEAD.pack(magic, PROTOCOL_VERSION, len(buffers), blen) + struct.pack(
-        f"<{len(lens)}Q", *lens
-    )
+    blen = parts_size(body)
+    head = HEAD.pack(magic, PROTOCOL_VERSION, len(buffers), blen)
+    if not buffers:  # a value small enough to travel in its pickle stream, or a typed message
+        return [head, *body]
+    head += struct.pack(f"<{len(buffers)}Q", *[b.nbytes for b in buffers])
     parts: list[Any] = [head, *body]
     offset = len(head) + blen
     for buf in buffers:
@@ -65,6 +65,11 @@ def unpack(magic: bytes, data: Any, what: str) -> tuple[memoryview, list[memoryv
             )
         )
     pos = HEAD.size
+    if not nbufs:  # a small value or a typed message: its header is all of it
+        body = view[pos : pos + blen]
+        if body.nbytes != blen:
+            raise ProtocolError(f"{what} truncated in its header ({body.nbytes} of {blen} bytes)")
+        return body, []
     if nbufs > MAX_BUFFERS or view.nbytes < pos + 8 * nbufs:
         raise ProtocolError(f"{what} truncated in its buffer table")
     lens = struct.unpack_from(f"<{nbufs}Q", view, pos)
@@ -103,13 +108,28 @@ def decode(data: Any, what: str = "message") -> tuple[dict[str, Any], list[memor
     return header, bufs
 
 
+_DECODER = json.JSONDecoder()
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads`` for a header this wire wrote (no whitespace around it): the same
+    errors, without its two regular-expression scans (it runs several times per call)."""
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except ValueError:
+        end = -1
+    if end != len(text):  # whitespace around the value is fine; json.loads says what is not
+        value = json.loads(text)
+    return value
+
+
 def decode_json(data: Any, what: str = "message") -> tuple[Any, list[memoryview]]:
     """A message's JSON header, of any JSON type (a hot message's is a list: cheaper to
     make and read than an object), and its buffers."""
     body, bufs = unpack(MAGIC, data, what)
     try:
-        header = json.loads(bytes(body))
-    except (ValueError, RecursionError) as e:
+        header = loads_json(str(body, "utf-8"))  # a str: json.loads sniffs a bytes' encoding
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise ProtocolError(f"{what}: its header is not JSON: {e}") from None
     return header, bufs
 
@@ -124,11 +144,14 @@ def buffer(bufs: list[memoryview], index: Any, what: str) -> memoryview | None:
 
 
 def parts_size(parts: Iterable[Any]) -> int:
-    return sum(memoryview(p).nbytes for p in parts)
+    n = 0
+    for p in parts:  # a loop, not sum() over a generator: this runs several times per call
+        n += len(p) if type(p) is bytes or type(p) is bytearray else memoryview(p).nbytes
+    return n
 
 
 def join(parts: Iterable[Any]) -> bytes:
-    return b"".join(bytes(p) if isinstance(p, memoryview) else p for p in parts)
+    return b"".join(parts)  # takes any buffer (memoryviews of any format, by their bytes)
 
 
 def chunked(parts: Iterable[Any], size: int = 4 << 20) -> Iterator[memoryview]:

@@ -15,6 +15,9 @@ from ktlite_wire import envelope
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.status import Status
 
+_STATUSES: dict[Any, Status] = {s.value: s for s in Status}
+_new = tuple.__new__
+
 
 class ShmRef(NamedTuple):
     """A value waiting in a shared-memory file for a caller on the same host."""
@@ -56,7 +59,9 @@ class CallResult:
             elif data is not None:
                 buf = len(buffers)
                 buffers.append(data)
-            rows.append([o.rank, o.pod, Status(o.status).value, o.message, o.at, buf, shm])
+            rows.append(
+                [o.rank, o.pod, o.status, o.message, o.at, buf, shm]
+            )  # str enum: JSON as its value
         return envelope.encode({"outcomes": rows, "started": self.started}, buffers)
 
     def encode_bytes(self) -> bytes:
@@ -70,21 +75,26 @@ class CallResult:
         if not isinstance(rows, list):
             raise ProtocolError("a call result needs a list of outcomes")
         outs = []
-        for row in rows:
+        statuses, nbufs = _STATUSES, len(bufs)
+        for row in rows:  # a row per rank: this loop is on the hot path of every call
             try:
                 rank, pod, status, message, at, buf, shm = row
-                if isinstance(rank, bool) or not isinstance(rank, int) or not math.isfinite(at):
-                    raise ValueError(f"rank {rank!r} at {at!r}")
-                data_: Any = (
-                    ShmRef(str(shm[0]), int(shm[1]))
-                    if shm is not None
-                    else envelope.buffer(bufs, buf, f"rank {rank}'s outcome")
-                )
-                outs.append(
-                    RankOutcome(
-                        rank, str(pod), Status.parse(status), data_, str(message), float(at)
-                    )
-                )
+                if type(rank) is not int or type(pod) is not str or type(message) is not str:
+                    raise ValueError(f"rank {rank!r} of pod {pod!r}")
+                at = float(at)
+                if not math.isfinite(at):
+                    raise ValueError(f"at {at!r}")
+                if shm is not None:
+                    data_: Any = ShmRef(str(shm[0]), int(shm[1]))
+                elif buf is None:
+                    data_ = None
+                elif type(buf) is int and 0 <= buf < nbufs:
+                    data_ = bufs[buf]
+                else:
+                    raise ValueError(f"rank {rank}'s outcome names buffer {buf!r} of {nbufs}")
+                st = statuses.get(status) or Status.parse(status)
+                # tuple.__new__: a NamedTuple's own __new__ is a Python function
+                outs.append(_new(RankOutcome, (rank, pod, st, data_, message, at)))
             except (ValueError, TypeError, IndexError) as e:
                 raise ProtocolError(f"a malformed outcome {str(row)[:200]}: {e}") from None
         return cls(outs, bool(header.get("started", True)))

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ktlite_wire import rankdata
+from ktlite_wire import envelope, rankdata
 
 
 @dataclass
@@ -52,15 +52,17 @@ class CallPlan:
         self.names = _list("names", self.names, str)
         if self.workers is not None:
             self.workers = _list("workers", self.workers, int)
-            if not self.workers or any(not 0 <= w < len(self.pods) for w in self.workers):
+            if not self.workers or not 0 <= min(self.workers) <= max(self.workers) < len(self.pods):
                 raise ValueError(
                     f"workers={self.workers!r} must be pod indices between 0 and "
                     f"{len(self.pods) - 1}"
                 )
         self.timeout = _seconds("timeout", self.timeout, None)
-        for flag in ("stream_logs", "restart", "fanout", "shm_results"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")
+        flags = (self.stream_logs, self.restart, self.fanout, self.shm_results)
+        if not _all_of(flags, bool):
+            for flag in ("stream_logs", "restart", "fanout", "shm_results"):
+                if type(getattr(self, flag)) is not bool:
+                    raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")
         if self.fanout and not self.pods:
             raise ValueError("a fan-out call needs its pods")
         if self.names and len(self.names) != len(self.pods):
@@ -70,9 +72,7 @@ class CallPlan:
         if isinstance(num_proc, tuple):
             num_proc = list(num_proc)
         sizes = num_proc if isinstance(num_proc, list) else [num_proc] * max(1, len(self.pods))
-        if not sizes or any(
-            isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096 for n in sizes
-        ):
+        if not sizes or not _all_of(sizes, int) or not 1 <= min(sizes) <= max(sizes) <= 4096:
             raise ValueError(
                 f"num_proc={self.num_proc!r} must be a whole number between 1 and 4096, or one "
                 "per pod"
@@ -109,8 +109,8 @@ class CallPlan:
         an unknown one is ignored (a newer caller's extra)."""
         if not isinstance(meta, dict):
             raise ValueError("the call plan must be a JSON object")
-        given = {k: meta[k] for k in _FIELDS if k != "id" and meta.get(k) is not None}
-        call_id: Any = meta.get("id")  # a missing one fails in __post_init__, naming it
+        given = {k: v for k, v in meta.items() if v is not None and k in _KNOWN}
+        call_id: Any = given.pop("id", None)  # a missing one fails in __post_init__, naming it
         return cls(id=call_id, **given)
 
     def to_meta(self) -> dict[str, Any]:
@@ -184,13 +184,20 @@ def _str(key: str, value: Any, required: bool = False) -> str:
     return value
 
 
+def _all_of(values: list[Any] | tuple[Any, ...], kind: type) -> bool:
+    """Every value is exactly a ``kind`` (a bool is not an int). A loop, not all() over a
+    generator: a plan is checked on every call, and its lists grow with the pods."""
+    for v in values:  # noqa: SIM110 - see above
+        if type(v) is not kind:
+            return False
+    return True
+
+
 def _list(key: str, value: Any, kind: type) -> list[Any]:
     value = [] if value is None else value
-    if isinstance(value, tuple):
+    if type(value) is tuple:  # built by the caller in Python; JSON gives lists
         value = list(value)
-    if not isinstance(value, list) or not all(
-        isinstance(v, kind) and not isinstance(v, bool) for v in value
-    ):
+    if type(value) is not list or not _all_of(value, kind):
         raise ValueError(f"{key} must be a list of {kind.__name__}")
     return value
 
@@ -210,6 +217,7 @@ def _seconds(key: str, value: Any, default: float | None, zero_ok: bool = False)
 
 
 _FIELDS = tuple(f.name for f in fields(CallPlan) if f.init)
+_KNOWN = frozenset(_FIELDS)
 _DEFAULTS: dict[str, Any] = {
     f.name: f.default_factory() if callable(f.default_factory) else f.default
     for f in fields(CallPlan)
@@ -220,7 +228,7 @@ _DEFAULTS: dict[str, Any] = {
 def decode_plan(header: str) -> CallPlan:
     """The plan from its header's text. Raises ValueError (also for JSON that is not one)."""
     try:
-        meta = json.loads(header)
+        meta = envelope.loads_json(header)
     except RecursionError:
         raise ValueError("the call plan nests too deeply") from None
     return CallPlan.from_meta(meta)

@@ -1,10 +1,20 @@
-"""The pod server <-> rank process control channel: ``length:u64`` + one envelope message
-(a JSON header plus buffers) per message, over a socketpair. Neither side unpickles a
-control message; the user's code and values ride in buffers as opaque bytes that only the
-rank process decodes (and the caller, for a result).
+"""The pod server <-> rank process control channel: ``length:u64`` + one message, over a
+socketpair. Neither side unpickles a control message; the user's code and values ride as
+opaque bytes that only the rank process decodes (and the caller, for a result).
 
-Server -> rank: :class:`Load`, :class:`Call`, :class:`Interrupt`, ``{"type": "exit"}``.
+Server -> rank: :class:`Load`, :class:`Call`, :class:`Interrupt`, :class:`Exit`.
 Rank -> server: :class:`Ready`, :class:`Loaded`, :class:`Result`.
+
+The rare messages are envelopes (``ktlite_wire.envelope``: a JSON header plus buffers). The
+two that every call sends, :class:`Call` and :class:`Result`, have a fixed binary header
+instead (JSON cost more than the rest of a warm call's work in the rank)::
+
+    Call:   b"KTC" version:u8 flags:u8 id_len:u8 path_len:u16 generation:u32 group_port:u16
+            size:u64 item_at:u64*2 args_len:u64 item_len:u64   id path args item
+    Result: b"KTR" version:u8 flags:u8 id_len:u8 path_len:u16 size:u64 inline_len:u64
+            id path inline
+
+``flags`` say which optional fields are present (a None is not a zero).
 """
 
 from __future__ import annotations
@@ -19,9 +29,17 @@ from typing import Any
 from ktlite_wire import envelope
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.launch import Sources, sources_from_json, sources_to_json
+from ktlite_wire.version import PROTOCOL_VERSION, mismatch
 
 Bytes = bytes | bytearray | memoryview
 LEN = struct.Struct("<Q")
+CALL = struct.Struct("<3sBBBHIHQQQQQ")
+RESULT = struct.Struct("<3sBBBHQQ")
+CALL_MAGIC, RESULT_MAGIC = b"KTC", b"KTR"
+# Call flags
+_ARGS, _PATH, _ITEM, _ITEM_AT, _PORT = 1, 2, 4, 8, 16
+# Result flags (and _PATH)
+_OK, _INLINE, _HAS_PG, _TAINTED = 1, 4, 8, 16
 MAX_MESSAGE = 64 << 30
 JOIN_MAX = 1 << 16  # messages up to this size are joined into one write
 
@@ -51,7 +69,7 @@ class Loaded:
     error: Bytes | None = None  # the pickled RemoteExceptionInfo (a value message), opaque here
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs more than the rest of decoding
 class Call:
     """Run one call: its arguments inline (``args``) or in the shared-memory file ``path``;
     a per-rank call's own items inline (``item``) or at ``item_at`` in that file."""
@@ -66,7 +84,7 @@ class Call:
     group_port: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs more than the rest of decoding
 class Result:
     """A call's value (or exception info) inline, or in the shared-memory file ``path``."""
 
@@ -94,6 +112,10 @@ Message = Ready | Load | Loaded | Call | Result | Interrupt | Exit
 
 def encode(msg: Message) -> list[Any]:
     """One message's parts, length prefix first."""
+    if isinstance(msg, Call):  # the hot messages first
+        return _encode_call(msg)
+    if isinstance(msg, Result):
+        return _encode_result(msg)
     bufs: list[Any] = []
 
     def buf(data: Any) -> int | None:
@@ -119,33 +141,6 @@ def encode(msg: Message) -> list[Any]:
         }
     elif isinstance(msg, Loaded):
         header = {"type": "loaded", "ok": msg.ok, "error": buf(msg.error)}
-    elif isinstance(msg, Call):  # the hot messages are JSON lists (cheaper than objects)
-        hot: list[Any] = [
-            "call",
-            msg.id,
-            buf(msg.args),
-            msg.path,
-            msg.size,
-            buf(msg.item),
-            msg.item_at,
-            msg.generation,
-            msg.group_port,
-        ]
-        parts = envelope.encode(hot, bufs)
-        return [LEN.pack(envelope.parts_size(parts)), *parts]
-    elif isinstance(msg, Result):
-        hot = [
-            "result",
-            msg.id,
-            msg.ok,
-            buf(msg.inline),
-            msg.path,
-            msg.size,
-            msg.has_pg,
-            msg.tainted,
-        ]
-        parts = envelope.encode(hot, bufs)
-        return [LEN.pack(envelope.parts_size(parts)), *parts]
     elif isinstance(msg, Interrupt):
         header = {"type": "interrupt", "id": msg.id}
     else:
@@ -154,13 +149,77 @@ def encode(msg: Message) -> list[Any]:
     return [LEN.pack(envelope.parts_size(parts)), *parts]
 
 
+def _encode_call(msg: Call) -> list[Any]:
+    cid, path, args, item, at = msg.id.encode(), b"", msg.args, msg.item, msg.item_at
+    flags = 0
+    if args is not None:
+        flags |= _ARGS
+    if msg.path is not None:
+        flags, path = flags | _PATH, msg.path.encode()
+    if item is not None:
+        flags |= _ITEM
+    if at is not None:
+        flags |= _ITEM_AT
+    if msg.group_port is not None:
+        flags |= _PORT
+    if len(cid) > 255 or len(path) > 65535:
+        raise ProtocolError(f"a call id of {len(cid)} bytes or a path of {len(path)}: too long")
+    args_len = 0 if args is None else memoryview(args).nbytes
+    item_len = 0 if item is None else memoryview(item).nbytes
+    head = CALL.pack(
+        CALL_MAGIC,
+        PROTOCOL_VERSION,
+        flags,
+        len(cid),
+        len(path),
+        msg.generation,
+        msg.group_port or 0,
+        msg.size,
+        at[0] if at is not None else 0,
+        at[1] if at is not None else 0,
+        args_len,
+        item_len,
+    )
+    n = CALL.size + len(cid) + len(path) + args_len + item_len
+    parts: list[Any] = [LEN.pack(n) + head + cid + path]
+    if args_len:
+        parts.append(args)
+    if item_len:
+        parts.append(item)
+    return parts
+
+
+def _encode_result(msg: Result) -> list[Any]:
+    cid, path, inline = msg.id.encode(), b"", msg.inline
+    flags = _OK if msg.ok else 0
+    if msg.path is not None:
+        flags, path = flags | _PATH, msg.path.encode()
+    if inline is not None:
+        flags |= _INLINE
+    if msg.has_pg:
+        flags |= _HAS_PG
+    if msg.tainted:
+        flags |= _TAINTED
+    if len(cid) > 255 or len(path) > 65535:
+        raise ProtocolError(f"a call id of {len(cid)} bytes or a path of {len(path)}: too long")
+    inline_len = 0 if inline is None else memoryview(inline).nbytes
+    head = RESULT.pack(
+        RESULT_MAGIC, PROTOCOL_VERSION, flags, len(cid), len(path), msg.size, inline_len
+    )
+    n = RESULT.size + len(cid) + len(path) + inline_len
+    first = LEN.pack(n) + head + cid + path
+    return [first, inline] if inline_len else [first]
+
+
 def decode(data: Any) -> Message:
     """One message from its bytes (without the length prefix). Raises ProtocolError."""
-    head, bufs = envelope.decode_json(data, "rank channel message")
-    if isinstance(head, list):
-        return _decode_hot(head, bufs)
+    view = memoryview(data).cast("B")
+    magic = bytes(view[:3])
+    if magic in (CALL_MAGIC, RESULT_MAGIC):
+        return _decode_hot(view, magic)
+    head, bufs = envelope.decode_json(view, "rank channel message")
     if not isinstance(head, dict):
-        raise ProtocolError("a rank channel message's header must be a JSON object or list")
+        raise ProtocolError("a rank channel message's header must be a JSON object")
     h: dict[str, Any] = head
 
     def buf(key: str) -> memoryview | None:  # a view of ``data``: no copy
@@ -195,35 +254,58 @@ def decode(data: Any) -> Message:
     raise ProtocolError(f"a rank channel message of unknown type {kind!r}")
 
 
-def _decode_hot(h: list[Any], bufs: list[memoryview]) -> Message:
-    """A Call or a Result: their headers are positional lists."""
+def _decode_hot(view: memoryview, magic: bytes) -> Message:
+    """A Call or a Result: a fixed binary header, then its strings and bytes (views of
+    ``view``: no copies)."""
+    layout = CALL if magic == CALL_MAGIC else RESULT
+    if view.nbytes < layout.size:
+        raise ProtocolError(f"a rank channel message truncated: {view.nbytes} bytes")
+    fields = layout.unpack_from(view)
+    if fields[1] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            mismatch(fields[1], them="a rank channel message", us="this pod server")
+        )
+    flags, id_len, path_len = fields[2], fields[3], fields[4]
+    pos = layout.size
     try:
-        if h[0] == "call" and len(h) == 9:
-            _, cid, args, path, size, item, at, generation, port = h
-            return Call(
-                id=str(cid),
-                args=envelope.buffer(bufs, args, "a call's arguments"),
-                path=None if path is None else str(path),
-                size=int(size),
-                item=envelope.buffer(bufs, item, "a call's per-rank item"),
-                item_at=None if at is None else [int(at[0]), int(at[1])],
-                generation=int(generation or 0),
-                group_port=None if port is None else int(port),
-            )
-        if h[0] == "result" and len(h) == 8:
-            _, cid, ok, inline, path, size, has_pg, tainted = h
-            return Result(
-                id=str(cid),
-                ok=bool(ok),
-                inline=envelope.buffer(bufs, inline, "a result's value"),
-                path=None if path is None else str(path),
-                size=int(size),
-                has_pg=bool(has_pg),
-                tainted=bool(tainted),
-            )
-    except (TypeError, ValueError, IndexError) as e:
-        raise ProtocolError(f"a malformed rank channel message: {type(e).__name__}: {e}") from None
-    raise ProtocolError(f"a rank channel message of unknown form {str(h)[:80]!r}")
+        cid = str(view[pos : pos + id_len], "utf-8")
+        pos += id_len
+        path = str(view[pos : pos + path_len], "utf-8") if flags & _PATH else None
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"a malformed rank channel message: {e}") from None
+    pos += path_len
+    if magic == CALL_MAGIC:
+        generation, port, size, at0, at1, args_len, item_len = fields[5:]
+        end = pos + args_len + item_len
+        args = view[pos : pos + args_len] if flags & _ARGS else None
+        item = view[pos + args_len : end] if flags & _ITEM else None
+        msg: Message = Call(
+            id=cid,
+            args=args,
+            path=path,
+            size=size,
+            item=item,
+            item_at=[at0, at1] if flags & _ITEM_AT else None,
+            generation=generation,
+            group_port=port if flags & _PORT else None,
+        )
+    else:
+        size, inline_len = fields[5:]
+        end = pos + inline_len
+        msg = Result(
+            id=cid,
+            ok=bool(flags & _OK),
+            inline=view[pos:end] if flags & _INLINE else None,
+            path=path,
+            size=size,
+            has_pg=bool(flags & _HAS_PG),
+            tainted=bool(flags & _TAINTED),
+        )
+    if end != view.nbytes:
+        raise ProtocolError(
+            f"a malformed rank channel message: its fields take {end} bytes, it has {view.nbytes}"
+        )
+    return msg
 
 
 class Channel:
