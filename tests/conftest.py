@@ -15,25 +15,42 @@ os.environ["KTLITE_HOME"] = _HOME
 os.environ.pop("KTLITE_BACKEND", None)
 
 
-# The modules that take longest go first, longest first (the stand-in cluster's parts, then
-# measured order), the rest as collected: with pyproject's `--dist load --maxschedchunk 1` each
-# xdist worker takes the next test when it is done with its own, so the long ones run beside the
-# rest and the run ends on short ones. A module stays in one piece, so its module fixtures
-# (warm deployments) are made at most once per worker.
+# The modules that take longest go first, longest first (measured: the sum of their tests'
+# durations), the rest as collected. pyproject's `--dist loadfile --no-loadscope-reorder`
+# keeps each module on one xdist worker, so its module fixtures (warm deployments) are made
+# once, and hands a worker the next module when it is done, in this order: the long ones run
+# beside the rest and the run ends on short ones. The stand-in cluster run is four modules
+# (tests/kube_e2e.py), so its parts spread over the workers.
 _FIRST = (
-    "tests/test_kube_e2e.py",
-    "tests/faults/test_soak.py",
+    "tests/test_kube_e2e_faults.py",
+    "tests/test_kube_e2e_engines.py",
+    "tests/test_kube_e2e_calls.py",
     "tests/test_app.py",
-    "tests/test_kube_serving.py",
-    "tests/test_serving.py",
-    "tests/test_kube_store.py",
-    "tests/faults/test_rank_error.py",
+    "tests/test_cli.py",
     "tests/test_local_calls.py",
-    "tests/test_errors_logs.py",
-    "tests/test_pg_recovery.py",
-    "tests/test_local_volumes.py",
-    "tests/faults/test_pod_death.py",
+    "tests/faults/test_soak.py",
+    "tests/test_partial_restart.py",
+    "tests/test_serving.py",
     "tests/faults/test_timeouts.py",
+    "tests/test_kubetorch_compat.py",
+    "tests/test_errors_logs.py",
+    "tests/faults/test_pod_death.py",
+    "tests/test_local_volumes.py",
+    "tests/test_pg_recovery.py",
+    "tests/faults/test_rank_error.py",
+    "tests/test_kube_store.py",
+    "tests/test_server_limits.py",
+    "tests/test_kube_e2e_lifecycle.py",
+    "tests/test_concurrency.py",
+    "tests/faults/test_hostile_input.py",
+    "tests/test_kube_manifests.py",
+    "tests/test_boot.py",
+    "tests/test_kubetorch_api.py",
+    "tests/test_store.py",
+    "tests/faults/test_rank_death.py",
+    "tests/test_kube_serving.py",
+    "tests/test_server_auth.py",
+    "tests/test_pod_ips.py",
 )
 
 

@@ -1,7 +1,7 @@
 """How much longer than on a quiet machine a test may take here and now.
 
 pytest-timeout's limits (guards against hangs, not timing assertions: ``tests/conftest.py``)
-and the stand-in cluster's part limits (``test_kube_e2e.py``) are multiplied by it, so a busy
+and the stand-in cluster's part limits (``kube_e2e.py``) are multiplied by it, so a busy
 machine makes the suite slower, not red.
 """
 

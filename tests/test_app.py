@@ -149,6 +149,9 @@ def test_torchrun_c10d_rendezvous_uses_the_pet_rdzv_env(capfd: pytest.CaptureFix
         assert len(groups) == 1, (replica, lines)
 
 
+RDZV_TIMEOUT_S = 5  # short: the test waits it out
+
+
 @pytest.mark.timeout(120)
 def test_rendezvous_that_cannot_complete_fails_within_the_timeout() -> None:
     # explicit arguments beat the PET_* env: torchrun waits for a third node that never comes
@@ -158,7 +161,7 @@ def test_rendezvous_that_cannot_complete_fails_within_the_timeout() -> None:
         replicas=2,
         name="app-rdzv-timeout",
         workdir=SCRIPTS,
-        rendezvous_timeout=15,
+        rendezvous_timeout=RDZV_TIMEOUT_S,
     )
     try:
         start = time.monotonic()
@@ -170,7 +173,9 @@ def test_rendezvous_that_cannot_complete_fails_within_the_timeout() -> None:
     err = info.value
     assert isinstance(err, kt.RemoteError)
     assert err.exit_code != 0
-    assert 12 < took < 40, took  # the configured 15 s timeout, not a hang and not faked
+    # torchrun waited the configured timeout (not failing early, nor faked); that it did not
+    # hang is the pytest-timeout's to catch (no upper bound: a busy machine is slow, not wrong)
+    assert took >= RDZV_TIMEOUT_S, took
     assert "ended with exit code" in str(err)
     assert re.search(r"time(d)? ?out", str(err), re.IGNORECASE), str(err)  # torchrun's last lines
 
@@ -257,17 +262,14 @@ def _alive(pid: int) -> bool:
 def test_a_failing_replica_stops_the_others_and_raises_its_exit_code(
     py_app: kt.App, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    start = time.monotonic()
     with pytest.raises(kt.ReplicaFailed) as info:
         py_app.run(env={"MODE": "fail", "PIDS": str(tmp_path)})
-    took = time.monotonic() - start
     err = info.value
     assert isinstance(err, kt.RemoteError)
     assert err.exit_code == 3
     assert "replica 1" in str(err) and "exit code 3" in str(err)
     last_lines = str(err).split("last lines:", 1)[1]
     assert "marker-3f9a" in last_lines
-    assert took < 20, took  # replica 0 was stopped, not waited for (it sleeps 120 s)
     sleeper = int((tmp_path / "0").read_text())
     deadline = time.monotonic() + 10
     while _alive(sleeper):
@@ -275,7 +277,7 @@ def test_a_failing_replica_stops_the_others_and_raises_its_exit_code(
         time.sleep(0.1)
     out, _ = capfd.readouterr()
     assert "[replica 1] replica 1 is about to fail: marker-3f9a" in out
-    assert "woke up" not in out
+    assert "woke up" not in out  # replica 0 was stopped, not waited for (it sleeps 120 s)
 
     # the deployment stays usable: the next run works
     assert py_app.run(env={"MODE": "ok"}) == [0, 0]

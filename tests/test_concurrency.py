@@ -141,7 +141,7 @@ def test_timeout_of_one_call_leaves_the_others_running(napper) -> None:
     results, took = _parallel(3, lambda f: f(0), (short,), (doomed,), (short,))
     assert isinstance(results[1], kt.CallTimeout), results[1]
     assert isinstance(results[0], dict) and isinstance(results[2], dict), results
-    assert took < 10.0
+    assert took < 30.0, took  # the others did not wait for the doomed call's 30 s nap
     assert napper(0.0)["pid"] == results[0]["pid"]  # the rank process was not killed
 
 

@@ -1,237 +1,27 @@
-"""The opt-in real-cluster suite (``tests/kubernetes``), run here against the stand-in cluster
-of ``kube_harness.py``: a fake API server over real HTTP, a kubeconfig with a token, and a
-real ktlite server process behind every pod, reached through the pod proxy, with real gloo
-between pods by IP. Only the control plane is fake; against a real cluster, run the suite
-itself (README: "Kubernetes").
-
-The suite runs in parts (one pytest process per part, see ``PARTS``), so that pytest-xdist
-spreads them over its workers; the parts a worker runs share one stand-in cluster (a module
-fixture: each part's deployments have names of their own and are swept when it ends).
-"""
+"""The stand-in cluster run of ``tests/kubernetes`` (``tests/kube_e2e.py``): its parts run in
+``tests/test_kube_e2e_<part>.py``, one module each, so that pytest-xdist spreads them; here,
+that the parts cover the suite once and that each part has its module."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
+import re
 from pathlib import Path
-from xml.etree import ElementTree
 
-import pytest
-from loadscale import time_scale
+from kube_e2e import PART_FILES, PARTS, check_parts_cover_the_suite_once
 
 HERE = Path(__file__).parent
-SUITE = HERE / "kubernetes"
-EXPECTED_SKIP = "KTLITE_TEST_SKIP_VOLUMES is set"  # the only skip expected (set below)
-# the parts: each a list of files or tests of the suite (every test of the suite is in exactly
-# one part: test_the_parts_cover_the_suite_once), of about equal time (180-200 s each on a
-# 2-core machine at load 18, 40-50 s of it alone), the longest first
-CLUSTER = "test_cluster.py::test_"
-RESILIENCE = "test_resilience.py::test_"
-PARTS: dict[str, tuple[str, ...]] = {
-    "calls-kubetorch-secrets": (
-        *(
-            CLUSTER + t
-            for t in (
-                "single_call_returns_value_from_pod_0",
-                "gloo_all_reduce_across_two_pods",
-                "uneven_pods_1_and_2_ranks_all_reduce",
-                "rank_error_keeps_its_type_and_the_finished_results",
-                "logs_hold_each_ranks_lines_and_calls_stream_them",
-                "app_runs_a_command_in_the_shipped_working_directory",
-            )
-        ),
-        "test_kubetorch_cluster.py",
-        "test_secrets_cluster.py",
-    ),
-    "faults-serving": (
-        *(
-            RESILIENCE + t
-            for t in (
-                "a_pod_deleted_mid_call_fails_that_call_and_the_next_call_works",
-                "a_pod_deleted_while_idle_is_found_by_the_next_call",
-                "a_volume_that_cannot_bind_fails_the_deploy_and_nothing_is_left",
-                "a_failed_first_deploy_removes_what_it_created",
-                "a_failing_setup_step_fails_the_deploy_with_its_own_log",
-            )
-        ),
-        "test_serving_cluster.py",
-    ),
-    "engines-store-groups": (
-        "test_ray_cluster.py",
-        "test_monarch_cluster.py",
-        "test_store_cluster.py",
-        "test_worker_groups.py",
-    ),
-    "proxied-lifecycle": (
-        RESILIENCE + "proxied_calls_never_fail_and_never_run_twice",
-        *(
-            CLUSTER + t
-            for t in (
-                "redeploy_after_a_code_change_keeps_the_pods",
-                "redeploy_with_a_changed_pod_field_replaces_the_pod",
-                "teardown_leaves_nothing",
-                "missing_image_fails_fast_with_the_pull_error",
-                "unschedulable_request_fails_fast",
-                "volume_outlives_the_pod_and_teardown_volumes_deletes_it",
-            )
-        ),
-    ),
-}
-# one part, in its own pytest process: the longest takes about a quarter of it alone on a quiet
-# 2-core machine; on a loaded one it gets more (loadscale; tests/conftest.py scales the
-# pytest-timeout marker below alike)
-PART_S = 300
-PART_TIMEOUT_S = round(PART_S * time_scale())
-START_TIMEOUT_S = 60  # the stand-in cluster writing its kubeconfig
-
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare"),
-    reason="the stand-in cluster's pods need root and unshare (own hostname)",
-)
-
-
-def _outcomes(junit: Path) -> list[tuple[str, str]]:
-    """(test, "passed" / "failure" / "error" / "skipped: <reason>") for each test case of
-    pytest's JUnit XML report; a list, as a test whose teardown fails may appear twice."""
-    out = []
-    for case in ElementTree.parse(junit).iter("testcase"):
-        marks = {child.tag: child.get("message", "") for child in case}
-        outcome = next((tag for tag in ("failure", "error") if tag in marks), None)
-        if outcome is None:
-            outcome = f"skipped: {marks['skipped']}" if "skipped" in marks else "passed"
-        out.append((f"{case.get('classname')}::{case.get('name')}", outcome))
-    return out
-
-
-def _suite_env(root: Path, home: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KTLITE_", "PYTEST_", "KUBECONFIG"))
-    }
-    env.update(
-        KTLITE_TEST_KUBECONFIG=str(root / "kubeconfig"),
-        KTLITE_TEST_SKIP_VOLUMES="1",
-        KTLITE_HOME=str(home),
-        KTLITE_TEST_PROXY_CALLS="250",
-        KTLITE_TEST_PROXY_MB_CALLS="40",
-        KTLITE_TEST_GPUS="8",
-    )  # the stand-in schedules any resource a pod asks for
-    return env
-
-
-def _pytest(
-    args: list[str], env: dict[str, str], timeout: float
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "kubernetes", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=HERE.parent,
-    )
-
-
-@pytest.fixture(scope="module")
-def stand_in(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
-    """One stand-in cluster for the parts this worker runs: its directory (with the kubeconfig)."""
-    root = tmp_path_factory.mktemp("stand-in")
-    # the pod proxy cuts streams as the API server's does (Go's race on Content-Length bodies),
-    # and then some more: every call of the suite must survive them
-    harness_env = {**os.environ, "KTLITE_HARNESS_CUT": "sized=0.1,post=0.02"}
-    with open(root / "harness.log", "wb") as log:
-        harness = subprocess.Popen(
-            [sys.executable, str(HERE / "kube_harness.py"), str(root)],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,
-            env=harness_env,
-        )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (root / "kubeconfig").exists():
-            assert harness.poll() is None, (
-                f"the stand-in cluster exited: {(root / 'harness.log').read_text()}"
-            )
-            assert time.monotonic() < deadline, (
-                f"the stand-in cluster wrote no kubeconfig within {START_TIMEOUT_S} s; its log: "
-                f"{(root / 'harness.log').read_text()[-3000:]}"
-            )
-            time.sleep(0.05)  # polling for the file, bounded by the deadline above
-        yield root, harness
-    finally:
-        os.killpg(harness.pid, signal.SIGTERM)
-        try:
-            harness.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(harness.pid, signal.SIGKILL)
-            harness.wait(5)
-
-
-@needs_root
-@pytest.mark.timeout(PART_S + 60)
-@pytest.mark.parametrize("part", list(PARTS))  # as listed: the longest first
-def test_cluster_suite_against_the_stand_in_cluster(
-    stand_in: tuple[Path, subprocess.Popen[bytes]], part: str, tmp_path: Path
-) -> None:
-    root, harness = stand_in
-    assert harness.poll() is None, (
-        f"the stand-in cluster is gone: {(root / 'harness.log').read_text()[-3000:]}"
-    )
-    junit = tmp_path / "suite.xml"
-    args = ["-q", f"--junitxml={junit}", *(str(SUITE / test) for test in PARTS[part])]
-    try:
-        run = _pytest(args, _suite_env(root, tmp_path / "home"), PART_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        out = (
-            (e.stdout or b"").decode(errors="replace")
-            if isinstance(e.stdout, bytes)
-            else (e.stdout or "")
-        )
-        pytest.fail(
-            f"part {part!r} ({' '.join(args[2:])}) did not end within {PART_TIMEOUT_S} s (load "
-            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores); its last output:\n{out[-4000:]}"
-        )
-    tail = "\n".join((run.stdout + run.stderr).splitlines()[-60:])
-    assert run.returncode == 0, tail
-    # every collected test passed, but those skipped for the one reason expected here: a
-    # test skipped for any other reason would otherwise pass unnoticed
-    outcomes = _outcomes(junit)
-    unexpected = [
-        (test, outcome)
-        for test, outcome in outcomes
-        if outcome not in ("passed", f"skipped: {EXPECTED_SKIP}")
-    ]
-    assert outcomes and not unexpected, f"{unexpected}\n{tail}"
-
-
-def _in(nodeid: str, selector: str) -> bool:
-    """Whether ``selector`` (a file of the suite, or a test of one) selects the test ``nodeid``."""
-    test = nodeid.split("kubernetes/", 1)[-1]
-    return test == selector or test.startswith((f"{selector}::", f"{selector}["))
 
 
 def test_the_parts_cover_the_suite_once(tmp_path: Path) -> None:
     """Every test of ``tests/kubernetes`` is in exactly one part, and every selector of a part
     selects a test (a new test, or a renamed one, fails here until it is put in a part)."""
-    # collection only: no cluster is reached (the kubeconfig named is never read)
-    run = _pytest(
-        ["-q", "--collect-only", str(SUITE)], _suite_env(tmp_path, tmp_path / "home"), timeout=300
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    tests = [line for line in run.stdout.splitlines() if "::" in line]
-    assert tests, f"no test collected in tests/kubernetes: {run.stdout}"
-    selectors = [s for part in PARTS.values() for s in part]
-    problems = [
-        f"{t} is in {n} parts" for t in tests if (n := sum(_in(t, s) for s in selectors)) != 1
-    ]
-    problems += [f"{s} selects no test" for s in selectors if not any(_in(t, s) for t in tests)]
-    assert not problems, "\n".join(problems)
+    check_parts_cover_the_suite_once(tmp_path)
+
+
+def test_each_part_runs_in_its_own_module() -> None:
+    assert sorted(PART_FILES) == sorted(PARTS)
+    modules = sorted(p.name for p in HERE.glob("test_kube_e2e_*.py"))
+    assert modules == sorted(PART_FILES.values()), modules
+    for part, name in PART_FILES.items():
+        text = (HERE / name).read_text()
+        assert re.findall(r'run_part\("([^"]+)"', text) == [part], (name, part)

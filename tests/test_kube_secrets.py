@@ -341,4 +341,4 @@ def test_refused_before_anything_is_made(cluster: Cluster, secret: str, message:
 # ---- the cluster suite's secrets test, against the stand-in cluster ------------------------------
 
 # tests/kubernetes/test_secrets_cluster.py runs against the stand-in cluster with the rest of the
-# cluster suite: tests/test_kube_e2e.py
+# cluster suite: tests/kube_e2e.py

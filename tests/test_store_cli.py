@@ -25,6 +25,7 @@ def run(
         [sys.executable, "-m", "ktlite.commands.cli", *args],
         env=full,
         cwd=cwd,
+        stdin=subprocess.DEVNULL,  # no terminal, as in CI (never the one pytest may run in)
         capture_output=True,
         text=True,
         timeout=60,
@@ -89,8 +90,21 @@ def test_namespace_option_and_store_status(home: Path, tmp_path: Path) -> None:
     assert f"local data store: {home / 'store' / 'team-a'}" in status
     kept = run(home, "store", "teardown", "-n", "team-a", ok=False)
     assert kept.returncode == 1 and "--volumes" in kept.stdout
-    run(home, "store", "teardown", "-n", "team-a", "--volumes")
+    run(home, "store", "teardown", "-n", "team-a", "--volumes", "-y")
     assert not (home / "store" / "team-a").exists()
+
+
+def test_store_teardown_volumes_without_a_terminal_needs_yes(home: Path) -> None:
+    # as `ktlite teardown --all`: stdin is no terminal (a script, CI), so nobody can answer
+    # [y/N]; the data is kept and the error says what to pass
+    run(home, "put", "k", "--value", "A", "-n", "team-a")
+    refused = run(home, "store", "teardown", "-n", "team-a", "--volumes", ok=False)
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert "Traceback" not in refused.stderr and "EOFError" not in refused.stderr
+    assert refused.stderr.startswith("ktlite: error: store teardown --volumes asks before it ")
+    assert "no terminal to ask on: pass --yes (-y)" in refused.stderr, refused.stderr
+    assert str(home / "store" / "team-a") in refused.stderr
+    assert json.loads(run(home, "get", "k", "-n", "team-a").stdout) == "A"
 
 
 def test_big_put_shows_progress_when_asked(home: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import sys
 from ktlite import __version__, config, logconfig
 from ktlite.api.decorators import Decorated
 from ktlite.commands import run_cli
+from ktlite.commands.confirmation import confirm
 from ktlite.commands.scripts import load_script
 from ktlite.commands.status_cli import attach, named_backend, status_command
 from ktlite.errors import ConfigError, KtliteError, NotDeployedError
@@ -135,22 +136,16 @@ def _teardown(args: argparse.Namespace) -> int:
             why = f"name a deployment or pass --all; deployed: {', '.join(deployed)}"
         print(f"nothing to tear down: {why}", file=sys.stderr)
         return 1
-    if (args.all or args.prefix) and not args.yes:
+    if args.all or args.prefix:
         which = "--all" if args.all else f"--prefix {args.prefix}"
-        if sys.stdin is None or not sys.stdin.isatty():
-            print(
-                f"ktlite: error: teardown {which} asks before it tears down {len(names)} deployment(s) "
-                f"({', '.join(names)}), and there is no terminal to ask on: pass --yes (-y)",
-                file=sys.stderr,
-            )
-            return 2
-        try:
-            answer = input(f"tear down {len(names)} deployment(s): {', '.join(names)}? [y/N] ")
-        except EOFError:
-            answer = ""
-        if answer.strip().lower() not in ("y", "yes"):
-            print("nothing torn down")
-            return 1
+        refused = confirm(
+            yes=args.yes,
+            command=f"teardown {which} asks before it tears down {len(names)} deployment(s) "
+            f"({', '.join(names)})",
+            question=f"tear down {len(names)} deployment(s): {', '.join(names)}?",
+        )
+        if refused is not None:
+            return refused
     missing = []
     for name in names:
         if backend.teardown(name, timeout=args.timeout, volumes=args.volumes):

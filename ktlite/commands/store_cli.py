@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from ktlite.backends.registry import backend_class, traits
+from ktlite.commands.confirmation import confirm
 from ktlite.datastore import store
 from ktlite.errors import ConfigError
 from ktlite.net.progress import _size
@@ -69,16 +69,13 @@ def _kube(args: argparse.Namespace) -> Any:
     return KubeStore(backend_class(name).shared(args.namespace))
 
 
-def _confirmed(args: argparse.Namespace, what: str) -> bool:
-    """Whether to delete the store's data: asked on a terminal unless ``-y``; a script (no
-    terminal) is not asked, as before ``-y`` existed."""
-    if args.yes or not sys.stdin.isatty():
-        return True
-    answer = input(f"delete {what} with all its data? [y/N] ")
-    if answer.strip().lower() in ("y", "yes"):
-        return True
-    print("nothing torn down")
-    return False
+def _confirm(args: argparse.Namespace, what: str) -> int | None:
+    """As ``ktlite teardown --all``: asked on a terminal, refused without one unless ``-y``."""
+    return confirm(
+        yes=args.yes,
+        command=f"store teardown --volumes asks before it deletes {what} with all its data",
+        question=f"delete {what} with all its data?",
+    )
 
 
 def _store(args: argparse.Namespace) -> int:
@@ -92,8 +89,9 @@ def _store(args: argparse.Namespace) -> int:
                     "deletes it with its data"
                 )
                 return 1
-            if not _confirmed(args, f"the local data store {root}"):
-                return 1
+            refused = _confirm(args, f"the local data store {root}")
+            if refused is not None:
+                return refused
             import shutil
 
             shutil.rmtree(root, ignore_errors=True)
@@ -122,10 +120,10 @@ def _store(args: argparse.Namespace) -> int:
             f"(pods deployed before it moved there need .to() again)"
         )
     else:
-        if args.volumes and not _confirmed(
-            args, f"the data store of namespace {kube.api.namespace!r}"
-        ):
-            return 1
+        if args.volumes:
+            refused = _confirm(args, f"the data store of namespace {kube.api.namespace!r}")
+            if refused is not None:
+                return refused
         found = kube.teardown(volumes=args.volumes)
         kept = (
             ""
@@ -185,7 +183,8 @@ def add_commands(command: Command, where: Callable[[argparse.ArgumentParser], No
         "-f",
         "--force",
         action="store_true",
-        help="teardown --volumes: do not ask before deleting the data (as `ktlite teardown -y`)",
+        help="teardown --volumes: do not ask before deleting the data; without a terminal to ask "
+        "on it is refused unless given (as `ktlite teardown --all -y`)",
     )
     st.add_argument("--size", default=None, help="create: the PVC's size (default 10Gi)")
     st.add_argument("--storage-class", default=None, help="create: the PVC's StorageClass")

@@ -71,7 +71,15 @@ async def refuse(send: Any, status: int, detail: str, code: ErrorCode) -> None:
 
 
 class Gate:
-    """ASGI middleware in front of the pod server's app: the token, then the declared size."""
+    """ASGI middleware in front of the pod server's app: the token, then the declared size.
+
+    The data store's server reuses it with its own paths (a subclass naming them).
+    """
+
+    public: frozenset[str] = PUBLIC  # answered without the token
+    large_bodies: frozenset[str] = LARGE_BODIES  # up to ``Limits.max_body``; the rest take none
+    token_name = "deployment token"  # in the 401
+    body_limit_name = "KTLITE_MAX_BODY"  # in the 413 of a large-body path
 
     def __init__(
         self,
@@ -95,9 +103,11 @@ class Gate:
         head = dict(scope["headers"])  # in C: cheaper than a loop over the pairs here
         token, version = head.get(_TOKEN), head.get(_VERSION)
         length, chunked_length = head.get(b"content-length"), head.get(_LENGTH)
-        if path not in PUBLIC:
+        if path not in self.public:
             if not self.token.matches(token):
-                await refuse(send, 401, "missing or wrong deployment token", ErrorCode.UNAUTHORIZED)
+                await refuse(
+                    send, 401, f"missing or wrong {self.token_name}", ErrorCode.UNAUTHORIZED
+                )
                 return
             self.on_admit()
             if version is not None and version != _OURS:
@@ -115,9 +125,10 @@ class Gate:
                 return
         declared = length or chunked_length  # a chunked body (through a proxy) names its length
         if declared is not None and declared.isdigit():
-            limit = self.limits.max_body if path in LARGE_BODIES else self.limits.max_small_body
+            large = path in self.large_bodies
+            limit = self.limits.max_body if large else self.limits.max_small_body
             if int(declared) > limit:
-                what = "KTLITE_MAX_BODY" if path in LARGE_BODIES else f"{path} takes no body"
+                what = self.body_limit_name if large else f"{path} takes no body"
                 await refuse(
                     send,
                     413,

@@ -14,33 +14,59 @@ keys go as the ``key`` query parameter and are checked by ``ktlite_wire.storedir
 - ``DELETE /store/v1/key?key=K&recursive=0|1``
 
 Errors: 400 a bad key (JSON ``detail``), 401 a wrong token, 404 a missing key, 409 a key of
-another type.
+another type, 413 a body declared larger than allowed (``KTLITE_STORE_MAX_BODY`` for a PUT,
+1 TiB by default; no body for the rest).
+
+The token and the declared size are checked from the request head, before the endpoint runs,
+by the pod server's own gate (:class:`ktlite_server.admission.Gate`): a refused request's
+body is never read, and its connection is closed. The connection limits are the pod
+server's too (:mod:`ktlite_server.connections`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import dataclasses
 import json
 import os
 import queue
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from ktlite_server.admission import Gate, Token
+from ktlite_server.connections import Limits, guarded
 from ktlite_server.logconfig import request_log
 from ktlite_server.refusal import refuse
 from ktlite_wire.errors import ErrorCode
-from ktlite_wire.headers import LENGTH_HEADER, TOKEN_HEADER, bearer
+from ktlite_wire.headers import LENGTH_HEADER
 from ktlite_wire.storedir import OBJECT_MAGIC, StoreDir, StoreFault, check_key
 from ktlite_wire.version import PROTOCOL_VERSION
 
 PREFIX = "/store/v1"
 _END = object()
+MAX_BODY = 1 << 40  # KTLITE_STORE_MAX_BODY: one value (a file, an object, a directory's tar)
+
+
+class StoreGate(Gate):
+    """The pod server's gate with the store's paths: only a PUT of a value takes a body."""
+
+    large_bodies = frozenset({PREFIX + "/key"})
+    token_name = "store token"
+    body_limit_name = "KTLITE_STORE_MAX_BODY"
+
+
+def store_limits(environ: Mapping[str, str] = os.environ) -> Limits:
+    """The pod server's limits (its ``KTLITE_*`` variables), with the store's body limit."""
+    raw = environ.get("KTLITE_STORE_MAX_BODY") or str(MAX_BODY)
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"KTLITE_STORE_MAX_BODY={raw!r}: must be a positive whole number of bytes")
+    return dataclasses.replace(Limits.from_env(environ), max_body=int(raw))
 
 
 _STATUS = {ErrorCode.BAD_REQUEST: 400, ErrorCode.NOT_FOUND: 404}
@@ -77,15 +103,15 @@ class _BodyReader:
         return out
 
 
-def create_store_app(root: str, token: str) -> FastAPI:
-    expected = bearer(token).encode()
-    store = StoreDir(root, where="of this namespace (the ktlite-store pod)")
-    app = FastAPI(title="ktlite data store", docs_url=None, redoc_url=None, openapi_url=None)
+def create_store_app(root: str, token: str, limits: Limits | None = None) -> StoreGate:
+    """The store server's ASGI app: its endpoints behind the gate that refuses from the head."""
+    app = _endpoints(StoreDir(root, where="of this namespace (the ktlite-store pod)"))
+    return StoreGate(app, Token(token), limits or store_limits(), pod_name="ktlite-store")
 
-    def authorize(request: Request) -> None:
-        got = request.headers.get(TOKEN_HEADER, "").encode()
-        if not hmac.compare_digest(got, expected):
-            raise refuse(401, ErrorCode.UNAUTHORIZED, "missing or wrong store token")
+
+def _endpoints(store: StoreDir) -> FastAPI:
+    """The store's endpoints; every request reaching them carries the token (the gate's)."""
+    app = FastAPI(title="ktlite data store", docs_url=None, redoc_url=None, openapi_url=None)
 
     def key_of(request: Request, name: str = "key", allow_root: bool = False) -> str:
         try:
@@ -99,7 +125,6 @@ def create_store_app(root: str, token: str) -> FastAPI:
 
     @app.get(PREFIX + "/stat")
     async def stat(request: Request) -> dict[str, Any]:
-        authorize(request)
         key = key_of(request)
         entry = await asyncio.to_thread(store.entry, key)
         if entry is None:
@@ -112,7 +137,6 @@ def create_store_app(root: str, token: str) -> FastAPI:
 
     @app.get(PREFIX + "/ls")
     async def ls(request: Request) -> JSONResponse:
-        authorize(request)
         prefix = key_of(request, "prefix", allow_root=True)
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
@@ -122,7 +146,6 @@ def create_store_app(root: str, token: str) -> FastAPI:
 
     @app.delete(PREFIX + "/key")
     async def remove(request: Request) -> dict[str, Any]:
-        authorize(request)
         key = key_of(request, allow_root=True)
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
@@ -132,7 +155,6 @@ def create_store_app(root: str, token: str) -> FastAPI:
 
     @app.put(PREFIX + "/key")
     async def put(request: Request) -> dict[str, Any]:
-        authorize(request)
         key = key_of(request)
         kind = request.query_params.get("kind", "file")
         if kind not in ("file", "object", "dir"):
@@ -217,7 +239,6 @@ def create_store_app(root: str, token: str) -> FastAPI:
 
     @app.get(PREFIX + "/key")
     async def get(request: Request) -> Response:
-        authorize(request)
         key = key_of(request)
         try:
             entry = await asyncio.to_thread(store.entry, key)
@@ -254,13 +275,14 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
 
     import uvicorn
 
-    app = request_log(create_store_app(root, token))  # each request at DEBUG (KTLITE_LOG_LEVEL)
+    try:
+        limits = store_limits()  # bounded heads, header and idle timeouts, a connection cap
+    except ValueError as e:
+        raise SystemExit(f"ktlite_server: {e}") from None
+    app = request_log(create_store_app(root, token, limits))  # each request at DEBUG
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    from ktlite_server.connections import Limits, guarded
-
-    limits = Limits.from_env()  # bounded heads, header and idle timeouts, a connection cap
     config = uvicorn.Config(
         app,
         log_level=os.environ.get("KTLITE_SERVER_LOG_LEVEL", "warning"),
