@@ -82,7 +82,7 @@ def test_traits_are_declared_without_importing_the_backend() -> None:
 
 
 def test_the_bare_backend_plans_and_says_where() -> None:
-    spec = DeploymentSpec("bare", kt.Compute())
+    spec = DeploymentSpec("bare", kt.Compute().pod_spec())
     assert str(BareBackend().plan(spec)).endswith("start 1 pod(s)")
     assert BareBackend().where() == "bare" and BareBackend().store_handoff() is None
 

@@ -101,17 +101,20 @@ def test_concurrency_is_validated_and_defaults_by_kind() -> None:
         kt.Compute(concurrency=0)
     with pytest.raises(kt.ConfigError, match="concurrency"):
         kt.Compute(concurrency=True)
-    single_cls = DeploymentSpec(name="a", compute=kt.Compute(), kind="cls")
+    single_cls = DeploymentSpec(name="a", pod=kt.Compute().pod_spec(), kind="cls")
     dist_cls = DeploymentSpec(
-        name="a", compute=kt.Compute().distribute("pytorch", workers=2), kind="cls"
+        name="a", pod=kt.Compute().distribute("pytorch", workers=2).pod_spec(), kind="cls"
     )
-    single_fn = DeploymentSpec(name="a", compute=kt.Compute(), kind="fn")
+    single_fn = DeploymentSpec(name="a", pod=kt.Compute().pod_spec(), kind="fn")
     assert (single_cls.concurrency, dist_cls.concurrency, single_fn.concurrency) == (8, 1, 1)
-    assert DeploymentSpec(name="a", compute=kt.Compute(concurrency=3), kind="fn").concurrency == 3
+    assert (
+        DeploymentSpec(name="a", pod=kt.Compute(concurrency=3).pod_spec(), kind="fn").concurrency
+        == 3
+    )
     # not a pod-shaping field: changing it reloads code, it does not replace pods
     assert (
-        DeploymentSpec("a", kt.Compute(concurrency=2)).pod_hash()
-        == DeploymentSpec("a", kt.Compute()).pod_hash()
+        DeploymentSpec("a", kt.Compute(concurrency=2).pod_spec()).pod_hash()
+        == DeploymentSpec("a", kt.Compute().pod_spec()).pod_hash()
     )
 
 

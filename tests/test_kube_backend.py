@@ -129,7 +129,10 @@ def spec(
 ) -> DeploymentSpec:
     compute.setdefault("launch_timeout", 60)
     return DeploymentSpec(
-        name, kt.Compute(backend="kubernetes", **compute).distribute(workers=workers, port=port)
+        name,
+        kt.Compute(backend="kubernetes", **compute)
+        .distribute(workers=workers, port=port)
+        .pod_spec(),
     )
 
 
@@ -1509,9 +1512,9 @@ def test_a_failed_redeploy_keeps_the_deployment_and_says_how_to_remove_it(make_c
 def uneven(num_proc: list[int], gpus: int = 1, name: str = NAME) -> DeploymentSpec:
     return DeploymentSpec(
         name,
-        kt.Compute(backend="kubernetes", gpus=gpus, launch_timeout=60).distribute(
-            "pytorch", num_proc=num_proc
-        ),
+        kt.Compute(backend="kubernetes", gpus=gpus, launch_timeout=60)
+        .distribute("pytorch", num_proc=num_proc)
+        .pod_spec(),
     )
 
 
@@ -1594,9 +1597,9 @@ def test_teardown_removes_every_statefulset_of_the_deployment(make_cluster) -> N
 def monarch_spec(name: str = NAME) -> DeploymentSpec:
     return DeploymentSpec(
         name,
-        kt.Compute(backend="kubernetes", launch_timeout=60).distribute(
-            "monarch", workers=2, num_proc=2
-        ),
+        kt.Compute(backend="kubernetes", launch_timeout=60)
+        .distribute("monarch", workers=2, num_proc=2)
+        .pod_spec(),
     )
 
 

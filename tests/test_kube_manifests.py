@@ -79,7 +79,7 @@ def _render(
     image: str = DEFAULT_IMAGE,
 ) -> list[dict[str, Any]]:
     return km.render(
-        DeploymentSpec(name=NAME, compute=compute),
+        DeploymentSpec(name=NAME, pod=compute.pod_spec()),
         namespace,
         image=image,
         install=f"ktlite=={ktlite.__version__}",

@@ -108,9 +108,9 @@ def cluster() -> Iterator[Cluster]:
 def spec(*secrets: Any, name: str = NAME, **compute: Any) -> DeploymentSpec:
     return DeploymentSpec(
         name,
-        kt.Compute(
-            backend="kubernetes", secrets=list(secrets), launch_timeout=60, **compute
-        ).distribute(workers=2),
+        kt.Compute(backend="kubernetes", secrets=list(secrets), launch_timeout=60, **compute)
+        .distribute(workers=2)
+        .pod_spec(),
     )
 
 

@@ -71,7 +71,9 @@ def served(name: str = NAME, kind: str = "cls", **autoscale: Any) -> Callable[..
     def make(**compute: Any) -> DeploymentSpec:
         compute.setdefault("launch_timeout", 60)
         return DeploymentSpec(
-            name, kt.Compute(backend="kubernetes", **compute).autoscale(**autoscale), kind=kind
+            name,
+            kt.Compute(backend="kubernetes", **compute).autoscale(**autoscale).pod_spec(),
+            kind=kind,
         )
 
     return make
@@ -201,7 +203,7 @@ def test_knative_form_is_valid_where_kubernetes_defines_it(case: str, version: s
     assert [o["kind"] for o in objs if o is not ksvc] == [
         "Secret",
         "Secret",
-        *["PersistentVolumeClaim"] * len(spec.compute.volumes),
+        *["PersistentVolumeClaim"] * len(spec.pod.volumes),
     ]
     for obj in objs:
         validate(as_pod(obj) if obj is ksvc else obj, version)
@@ -258,7 +260,7 @@ def test_replicas_are_rank_0_boot_from_the_launch_secret_and_are_ready_only_with
         )
     # the same container as a distributed deployment's pods: one bootstrap, the same resources
     sts_container = km.render(
-        DeploymentSpec(NAME, kt.Compute(backend="kubernetes", cpus=1)),
+        DeploymentSpec(NAME, kt.Compute(backend="kubernetes", cpus=1).pod_spec()),
         "default",
         image=IMAGE,
         install=f"ktlite=={ktlite.__version__}",
@@ -401,7 +403,7 @@ def test_notes_say_what_the_cluster_cannot_do() -> None:
     assert "needs a CPU request: set Compute(cpus=...)" in text
     assert kss.notes(spec, KNATIVE) == []  # Knative does all of it
     fixed = DeploymentSpec(
-        NAME, kt.Compute(backend="kubernetes", replicas=3).served()
+        NAME, kt.Compute(backend="kubernetes", replicas=3).served().pod_spec()
     )  # Kubetorch's replicas=N
     assert kss.notes(fixed, HPA_FORM) == []
     h = hpa_of(fixed)
@@ -765,7 +767,8 @@ def test_teardown_leaves_nothing_labelled_and_list_marks_served_deployments(
     other = Cluster()
     other.backend.apply(
         DeploymentSpec(
-            "plain", kt.Compute(backend="kubernetes", launch_timeout=60).distribute(workers=1)
+            "plain",
+            kt.Compute(backend="kubernetes", launch_timeout=60).distribute(workers=1).pod_spec(),
         ),
         TOKEN,
     )
@@ -782,7 +785,7 @@ def test_a_served_deployment_replaces_a_distributed_one_of_the_same_name_and_bac
     cluster: Cluster,
 ) -> None:
     plain = DeploymentSpec(
-        NAME, kt.Compute(backend="kubernetes", launch_timeout=60).distribute(workers=2)
+        NAME, kt.Compute(backend="kubernetes", launch_timeout=60).distribute(workers=2).pod_spec()
     )
     cluster.fake.pod_behavior = lambda pod: kf.ready()
     cluster.backend.apply(plain, TOKEN)
@@ -969,9 +972,9 @@ def test_a_replica_the_autoscaler_adds_boots_from_the_launch_secret(
     name = f"boot-{uuid.uuid4().hex[:6]}"
     spec = DeploymentSpec(
         name,
-        kt.Compute(backend="kubernetes", cpus=1, launch_timeout=60).autoscale(
-            min_scale=1, max_scale=3
-        ),
+        kt.Compute(backend="kubernetes", cpus=1, launch_timeout=60)
+        .autoscale(min_scale=1, max_scale=3)
+        .pod_spec(),
         kind="cls",
     )
     try:
@@ -1133,7 +1136,8 @@ def test_an_account_without_rights_on_served_kinds_still_runs_distributed_deploy
         times=10_000,
     )
     plain = DeploymentSpec(
-        "plain", kt.Compute(backend="kubernetes", launch_timeout=60).distribute(workers=1)
+        "plain",
+        kt.Compute(backend="kubernetes", launch_timeout=60).distribute(workers=1).pod_spec(),
     )
     assert len(c.backend.apply(plain, TOKEN).endpoints) == 1
     assert [r["name"] for r in c.backend.list()] == ["plain"]

@@ -49,7 +49,7 @@ class Model:
 
 def _render(compute: kt.Compute) -> list[dict[str, Any]]:
     objs = km.render(
-        DeploymentSpec(name="compat", compute=compute),
+        DeploymentSpec(name="compat", pod=compute.pod_spec()),
         "default",
         image="python:3.11-slim",
         install="ktlite",

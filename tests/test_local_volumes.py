@@ -405,7 +405,9 @@ def test_a_mount_path_hiding_ktlites_home_is_refused() -> None:
 
 
 def test_the_plan_shows_the_mount_namespace_only_when_it_is_used(monkeypatch) -> None:
-    spec = DeploymentSpec("planned", kt.Compute(volumes=[kt.Volume("v", mount_path="/v")]))
+    spec = DeploymentSpec(
+        "planned", kt.Compute(volumes=[kt.Volume("v", mount_path="/v")]).pod_spec()
+    )
     monkeypatch.setenv("KTLITE_LOCAL_MOUNTS", "0")
     assert "ktlite_server.mountns" not in str(LocalBackend.shared().plan(spec))
     monkeypatch.delenv("KTLITE_LOCAL_MOUNTS")

@@ -148,7 +148,7 @@ def test_pod_env_and_manifests_carry_the_level_only_when_set(
     def rendered_env() -> dict[str, str]:  # a deployment's pods
         return env(
             km.render(
-                DeploymentSpec(name="logging-k", compute=kt.Compute(backend="kubernetes")),
+                DeploymentSpec(name="logging-k", pod=kt.Compute(backend="kubernetes").pod_spec()),
                 "default",
                 image="python:3.12-slim",
                 install="ktlite==0",

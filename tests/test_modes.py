@@ -40,7 +40,7 @@ CALL_PATH = tuple(
 
 
 def _spec(compute: kt.Compute) -> DeploymentSpec:
-    return DeploymentSpec(name="m", compute=compute)
+    return DeploymentSpec(name="m", pod=compute.pod_spec())
 
 
 def test_the_mode_is_chosen_once_from_the_spec() -> None:

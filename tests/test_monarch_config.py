@@ -32,7 +32,9 @@ def job() -> int:
 def _spec(workers: int = 2, num_proc: int = 4) -> DeploymentSpec:
     return DeploymentSpec(
         name="mesh",
-        compute=kt.Compute(cpus="4").distribute("monarch", workers=workers, num_proc=num_proc),
+        pod=kt.Compute(cpus="4")
+        .distribute("monarch", workers=workers, num_proc=num_proc)
+        .pod_spec(),
     )
 
 
@@ -62,7 +64,7 @@ def test_num_proc_is_the_procs_per_host_and_one_controller_rank() -> None:
 )
 def test_bad_monarch_options_are_config_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(kt.ConfigError, match=match):
-        spec = DeploymentSpec(name="m", compute=kt.Compute().distribute("monarch", **kwargs))
+        spec = DeploymentSpec(name="m", pod=kt.Compute().distribute("monarch", **kwargs).pod_spec())
         engines.monarch_host(
             spec, 1, ["10.0.0.1", "10.0.0.2"], ["m-0", "m-1"], spec.distributed.port, "l1"
         )
@@ -212,7 +214,7 @@ def test_manifests_limit_the_pods_ports_to_the_deployment() -> None:
     for version in VERSIONS:
         for obj in objs:
             _validate(obj, version)
-    ddp = DeploymentSpec(name="ddp", compute=kt.Compute().distribute("pytorch", workers=2))
+    ddp = DeploymentSpec(name="ddp", pod=kt.Compute().distribute("pytorch", workers=2).pod_spec())
     assert "NetworkPolicy" not in [
         o["kind"] for o in km.render(ddp, "default", image="x", install="none")
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def test_parsed_once_backends_never_parse_again(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(podspec, "parse_cpus", counting)
     compute = kt.Compute(cpus="500m").distribute("pytorch", workers=2)
     before = len(calls)
-    spec = DeploymentSpec("once", compute)
+    spec = DeploymentSpec("once", compute.pod_spec())
     assert spec.pod.resources is compute.resources
     assert _container(_render(spec))["resources"]["requests"]["cpu"] == "500m"
     assert len(calls) == before
@@ -108,12 +109,25 @@ def test_a_backend_plans_from_a_pod_spec_built_without_compute() -> None:
         node_selector={"pool": "gpu"},
         launch_timeout=60,
     )
-    assert _render(DeploymentSpec("direct", same)) == objs
+    assert _render(DeploymentSpec("direct", same.pod_spec())) == objs
 
 
-def test_a_deployment_spec_needs_a_compute_or_a_pod_spec() -> None:
-    with pytest.raises(kt.ConfigError, match="compute= .* or pod="):
-        DeploymentSpec("nothing")
+def test_a_deployment_spec_holds_a_pod_spec_never_the_callers_compute() -> None:
+    """The spec is the parsed pods alone: a Compute given in their place is refused, naming
+    the call that parses it; one built from a Compute keeps nothing of it."""
+    compute = kt.Compute(cpus=1, env={"TOKEN": "s3cr3t-value"})
+    with pytest.raises(kt.ConfigError, match=r"compute\.pod_spec\(\)") as info:
+        DeploymentSpec("given-compute", compute)  # type: ignore[arg-type]
+    assert "s3cr3t-value" not in str(info.value)
+    spec = DeploymentSpec("parsed", compute.pod_spec())
+    assert [f.name for f in dataclasses.fields(spec)] == [
+        "name",
+        "pod",
+        "kind",
+        "detached",
+        "replicas",
+    ]
+    assert not any(isinstance(getattr(spec, f.name), kt.Compute) for f in dataclasses.fields(spec))
 
 
 def _imports(path: Path) -> set[str]:

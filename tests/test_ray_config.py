@@ -77,7 +77,7 @@ def test_per_rank_and_workers_do_not_apply_to_a_ray_call() -> None:
     from ktlite.modes.deploy import CallOptions, Deployment, mode_for
     from ktlite.modes.fanout import HeadOnly
 
-    spec = DeploymentSpec(name="r", compute=kt.Compute().distribute("ray", workers=2))
+    spec = DeploymentSpec(name="r", pod=kt.Compute().distribute("ray", workers=2).pod_spec())
     dep = Deployment.__new__(Deployment)
     dep.spec = spec
     mode = mode_for(spec)(dep)  # the strategy chosen at deploy
@@ -107,7 +107,7 @@ def test_ray_ports_are_distinct_per_node_and_inside_the_span() -> None:
 
 def _spec(**options) -> DeploymentSpec:
     c = kt.Compute(cpus="4", memory="16Gi").distribute("ray", workers=2, **options)
-    return DeploymentSpec(name="rayjob", compute=c)
+    return DeploymentSpec(name="rayjob", pod=c.pod_spec())
 
 
 def test_node_settings_head_and_workers() -> None:
@@ -155,7 +155,7 @@ def test_the_cluster_asks_for_a_token_derived_from_the_deployments() -> None:
 
 
 def test_local_nodes_cap_their_object_store() -> None:
-    spec = DeploymentSpec(name="r", compute=kt.Compute().distribute("ray", workers=2))
+    spec = DeploymentSpec(name="r", pod=kt.Compute().distribute("ray", workers=2).pod_spec())
     cfg = engines.ray_node(spec, 1, ["127.0.0.1"] * 3, ["r-0", "r-1", "r-2"], 20000)
     assert engines.MIN_OBJECT_STORE <= cfg["object_store_memory"] <= engines.LOCAL_OBJECT_STORE_MAX
     assert cfg["num_cpus"] is None and cfg["memory"] is None  # Ray counts this machine's CPUs
@@ -164,7 +164,9 @@ def test_local_nodes_cap_their_object_store() -> None:
 
 def test_local_object_stores_stay_bounded_whatever_memory_says() -> None:
     # the seed's memory="16Gi" on 5 nodes of one machine: 4.8 GiB of /dev/shm each before
-    spec = DeploymentSpec(name="r", compute=kt.Compute(memory="16Gi").distribute("ray", workers=4))
+    spec = DeploymentSpec(
+        name="r", pod=kt.Compute(memory="16Gi").distribute("ray", workers=4).pod_spec()
+    )
     ips, names = ["127.0.0.1"] * 5, [f"r-{k}" for k in range(5)]
     for k in range(5):
         cfg = engines.ray_node(spec, k, ips, names, 20000, one_machine=True)
@@ -173,11 +175,13 @@ def test_local_object_stores_stay_bounded_whatever_memory_says() -> None:
         )
         assert cfg["memory"] + cfg["object_store_memory"] == 16 * 2**30  # the heap is the rest
     # a head alone on this machine (one pod: no address repeats) is bounded too
-    alone = DeploymentSpec(name="a", compute=kt.Compute().distribute("ray", workers=0))
+    alone = DeploymentSpec(name="a", pod=kt.Compute().distribute("ray", workers=0).pod_spec())
     cfg = engines.ray_node(alone, 0, ["127.0.0.1"], ["a-0"], 20000, one_machine=True)
     assert engines.MIN_OBJECT_STORE <= cfg["object_store_memory"] <= engines.LOCAL_OBJECT_STORE_MAX
     # a small pod's store stays within its own 30%
-    small = DeploymentSpec(name="s", compute=kt.Compute(memory="1Gi").distribute("ray", workers=1))
+    small = DeploymentSpec(
+        name="s", pod=kt.Compute(memory="1Gi").distribute("ray", workers=1).pod_spec()
+    )
     assert engines.ray_node(small, 1, ["127.0.0.1"] * 2, ["s-0", "s-1"], 20000, one_machine=True)[
         "object_store_memory"
     ] == int(2**30 * 0.3)
@@ -349,7 +353,7 @@ def test_a_raylet_that_exits_without_a_fatal_line_fails_the_start(tmp_path) -> N
 
     raylet = tmp_path / "raylet"  # a process named "raylet", as Ray's binary is
     os.symlink(shutil.which("sleep"), raylet)
-    spec = DeploymentSpec(name="r", compute=kt.Compute().distribute("ray", workers=0))
+    spec = DeploymentSpec(name="r", pod=kt.Compute().distribute("ray", workers=0).pod_spec())
     node = raynode.RayNode(engines.ray_node(spec, 0, ["127.0.0.1"], ["r-0"], 20000), "r-0", print)
     node.temp_dir = str(tmp_path)  # no session logs: nothing fatal is logged
 

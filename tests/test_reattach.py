@@ -34,6 +34,7 @@ from ktlite_wire.headers import (
     UPTIME_HEADER,
     bearer,
 )
+from ktlite_wire.plan import CallPlan
 
 NAME = f"reattach-{uuid.uuid4().hex[:6]}"
 CALLS = 150
@@ -290,7 +291,9 @@ def test_a_proxy_that_cannot_reach_the_pod_gives_pod_unreachable_naming_it(
 
     client = PodClient("t0k3n", transport=httpx.MockTransport(proxy))
     with pytest.raises(kt.PodUnreachable) as info:
-        client.call("https://api/pods/job-0:32300/proxy", {"id": "c1"}, [b"x"], None, pod="job-0")
+        client.call(
+            "https://api/pods/job-0:32300/proxy", CallPlan(id="c1"), [b"x"], None, pod="job-0"
+        )
     text = str(info.value)
     assert "job-0" in text and f"HTTP {status}" in text, text
     assert info.value.delivered is delivered
@@ -322,6 +325,8 @@ def test_a_cut_attempt_then_no_code_is_lost_only_if_the_server_is_newer(uptime, 
     client = PodClient("t0k3n", transport=httpx.MockTransport(proxy))
     expected = kt.PodUnreachable if lost else kt.NotDeployedError
     with pytest.raises(expected) as info:
-        client.call("https://api/pods/job-0:32300/proxy", {"id": "c1"}, [b"x"], None, pod="job-0")
+        client.call(
+            "https://api/pods/job-0:32300/proxy", CallPlan(id="c1"), [b"x"], None, pod="job-0"
+        )
     assert len(asked) == 2
     assert ("was restarted or replaced while the call ran" in str(info.value)) is lost

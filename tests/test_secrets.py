@@ -461,12 +461,14 @@ def test_ssh_plan_names_keys_and_files_never_values(home: Path) -> None:
     compute = kt.Compute(
         hosts=["gpu1"], secrets=["aws", kt.secret(name="db", env_vars={"DB_PASSWORD": VALUE})]
     )
-    text = str(SshBackend().plan(DeploymentSpec("ssh-secrets", compute)))
+    text = str(SshBackend().plan(DeploymentSpec("ssh-secrets", compute.pod_spec())))
     assert "DB_PASSWORD=..." in text and VALUE not in text
     assert "bytes from ~/.aws/credentials> goes to <run dir>/secrets/.aws/credentials" in text
     with pytest.raises(kt.ConfigError, match="no meaning on backend 'ssh'"):
         SshBackend().plan(
-            DeploymentSpec("ssh-secrets", kt.Compute(hosts=["gpu1"], secrets=["team-secret"]))
+            DeploymentSpec(
+                "ssh-secrets", kt.Compute(hosts=["gpu1"], secrets=["team-secret"]).pod_spec()
+            )
         )
 
 

@@ -433,7 +433,9 @@ def test_replicas_stopped_by_a_scale_down_leave_the_state_first(
 
     backend = get_backend("local")
     spec = DeploymentSpec(
-        _name("order"), kt.Compute(cpus=0.1).autoscale(min_scale=0, max_scale=2), detached=True
+        _name("order"),
+        kt.Compute(cpus=0.1).autoscale(min_scale=0, max_scale=2).pod_spec(),
+        detached=True,
     )
     token = secrets.token_urlsafe(16)
     backend.apply(replace(spec, replicas=2), token)

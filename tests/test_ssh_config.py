@@ -103,7 +103,7 @@ def test_bad_inactivity_ttl(value: object) -> None:
 
 
 def test_backend_ssh_without_hosts_says_what_it_needs() -> None:
-    spec = DeploymentSpec("nohosts", kt.Compute(backend="ssh"))
+    spec = DeploymentSpec("nohosts", kt.Compute(backend="ssh").pod_spec())
     with pytest.raises(kt.ConfigError, match="needs the machines: Compute\\(hosts=.*ssh.hosts"):
         SshBackend.shared().plan(spec)
 
@@ -122,7 +122,7 @@ def test_the_plan_names_every_host_and_no_secret() -> None:
         env={"WANDB_API_KEY": "sk-secret-value"},
         inactivity_ttl="1h",
     ).distribute("pytorch", num_proc=2)
-    plan = get_backend("ssh").plan(DeploymentSpec("planned", compute))
+    plan = get_backend("ssh").plan(DeploymentSpec("planned", compute.pod_spec()))
     text = str(plan)
     assert "ssh gpu1:" in text and "ssh alice@10.0.0.2:2222:" in text
     assert "--inactivity-ttl 3600" in text and "--procs 2" in text

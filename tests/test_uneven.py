@@ -71,7 +71,7 @@ def test_local_gpu_pods_of_different_sizes_split_the_machines_gpus(monkeypatch) 
     from ktlite.specs.deployment_spec import DeploymentSpec
 
     spec = DeploymentSpec(
-        "uneven-gpus", kt.Compute(gpus=1).distribute("pytorch", num_proc=[1, 2, 1])
+        "uneven-gpus", kt.Compute(gpus=1).distribute("pytorch", num_proc=[1, 2, 1]).pod_spec()
     )
     monkeypatch.setattr(local_pods, "visible_gpus", lambda: ["0", "1", "2"])
     with pytest.raises(

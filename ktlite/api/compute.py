@@ -11,39 +11,43 @@ reading ``compute.namespace`` still works. :meth:`Compute.pod_spec` parses it on
 
 from __future__ import annotations
 
-import difflib
 import inspect
-import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, cast
+from typing import Any
 
+from ktlite.api import compute_checks as checks
+from ktlite.api import distribution
+from ktlite.api.compute_checks import WORKER_NODE_FIELDS
 from ktlite.api.kubetorch_compute import ALIASES, EXTRA, KubetorchOperations, adapt
-from ktlite.backends.registry import HOSTS_BACKEND, NAMES, traits
-from ktlite.config import get as setting
+from ktlite.backends.registry import NAMES, traits
 from ktlite.errors import ConfigError
 from ktlite.specs.autoscaling import AutoscaleConfig, from_kwargs
 from ktlite.specs.call_defaults import CALL_FIELDS, SERIALIZATIONS, CallDefaults
-from ktlite.specs.hosts import Host, Hosts, as_hosts
+from ktlite.specs.hosts import Hosts, as_hosts
 from ktlite.specs.images import Image
 from ktlite.specs.kube_options import KUBERNETES_FIELDS, PULL_POLICIES, KubernetesOptions
 from ktlite.specs.podspec import PodSpec, Resources
 from ktlite.specs.quantities import memory_quantity, parse_cpus, parse_duration, parse_memory
 from ktlite.specs.secrets import Secret, normalize
 from ktlite.specs.serving_options import SERVING_FIELDS, ServingOptions
-from ktlite.specs.spec import RESERVED_ENV, DistributedConfig
-from ktlite.specs.volume import DNS_LABEL, Volume
+from ktlite.specs.spec import DistributedConfig
+from ktlite.specs.volume import Volume
 
-__all__ = ["BACKENDS", "PULL_POLICIES", "SERIALIZATIONS", "WORKER_NODE_FIELDS", "Compute", "Volume",
-           "parse_cpus", "parse_duration", "parse_memory"]
+__all__ = [
+    "BACKENDS",
+    "PULL_POLICIES",
+    "SERIALIZATIONS",
+    "WORKER_NODE_FIELDS",
+    "Compute",
+    "Volume",
+    "parse_cpus",
+    "parse_duration",
+    "parse_memory",
+]
 
 BACKENDS = NAMES
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # what Kubernetes accepts (and POSIX shells)
-_RESERVED_MOUNTS = ("/ktlite", "/dev/shm")  # ktlite's state dir and shared memory on a pod
-# what distribute("ray", worker_node_options={...}) may size differently on the worker pods
-WORKER_NODE_FIELDS = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gpu_type",
-                      "shared_memory", "node_selector", "tolerations", "labels", "annotations",
-                      "priority_class")
 _MEMORY_FIELDS = ("memory", "memory_limit", "shared_memory", "disk_size", "gpu_memory")
+_RESOURCE_FIELDS = ("cpus", "gpus", "cpu_limit", "gpu_type", *_MEMORY_FIELDS)  # Resources.parse's
 # the parts a flat keyword goes to, and its keywords
 _PARTS: dict[str, tuple[type, tuple[str, ...]]] = {
     "kubernetes": (KubernetesOptions, KUBERNETES_FIELDS),
@@ -51,23 +55,21 @@ _PARTS: dict[str, tuple[type, tuple[str, ...]]] = {
     "serving": (ServingOptions, SERVING_FIELDS),
 }
 _PART_OF = {name: part for part, (_, names) in _PARTS.items() for name in names}
-_POSITIONAL = ("cpus", "memory", "gpus", "cpu_limit", "memory_limit", "gpu_type", "image", "env", "volumes")
+_POSITIONAL = (
+    "cpus",
+    "memory",
+    "gpus",
+    "cpu_limit",
+    "memory_limit",
+    "gpu_type",
+    "image",
+    "env",
+    "volumes",
+)
 
 
 def _default(f: Any) -> Any:
     return f.default_factory() if callable(f.default_factory) else f.default
-
-
-def _unknown(kwargs: dict[str, Any]) -> ConfigError:
-    """The error for keywords Compute does not take, with the closest names it does."""
-    known = sorted({f.name for f in fields(Compute) if f.init} | set(_PART_OF)
-                   | set(ALIASES) | set(EXTRA))
-    hints = []
-    for name in sorted(kwargs):
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hints.append(f"{name!r} (did you mean {close[0]}?)" if close else repr(name))
-    return ConfigError(f"Compute() got unknown keyword(s) {', '.join(hints)}; see help(kt.Compute) for "
-                       "the keywords it takes")
 
 
 @dataclass(frozen=True, init=False)
@@ -135,8 +137,10 @@ class Compute(KubetorchOperations):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if len(args) > len(_POSITIONAL):
-            raise ConfigError(f"Compute() takes at most {len(_POSITIONAL)} positional arguments "
-                              f"({', '.join(_POSITIONAL)}); pass the others by name")
+            raise ConfigError(
+                f"Compute() takes at most {len(_POSITIONAL)} positional arguments "
+                f"({', '.join(_POSITIONAL)}); pass the others by name"
+            )
         for name, value in zip(_POSITIONAL, args, strict=False):
             if name in kwargs:
                 raise ConfigError(f"Compute() got {name}= twice (by position and by name)")
@@ -147,8 +151,11 @@ class Compute(KubetorchOperations):
             if not isinstance(base, kind):
                 raise ConfigError(f"{part}={base!r} must be a {kind.__name__}")
             defaults = {f.name: f for f in fields(kind)}
-            own = {name: _default(defaults[name]) if kwargs[name] is None else kwargs[name]
-                   for name in names if name in kwargs}
+            own = {
+                name: _default(defaults[name]) if kwargs[name] is None else kwargs[name]
+                for name in names
+                if name in kwargs
+            }
             for name in own:
                 del kwargs[name]
             object.__setattr__(self, part, replace(base, **own) if own else base)  # type: ignore[type-var]
@@ -157,7 +164,8 @@ class Compute(KubetorchOperations):
                 value = kwargs.pop(f.name, None)
                 object.__setattr__(self, f.name, _default(f) if value is None else value)
         if kwargs:
-            raise _unknown(kwargs)
+            known = {f.name for f in fields(Compute) if f.init} | set(_PART_OF)
+            raise checks.unknown_keywords(kwargs, known | set(ALIASES) | set(EXTRA))
         self._validate()
 
     def _with(self, **changes: Any) -> Compute:
@@ -174,95 +182,53 @@ class Compute(KubetorchOperations):
         return getattr(object.__getattribute__(self, part), name)
 
     def _validate(self) -> None:
-        self._check_hosts()
+        hosts, backend, distributed = checks.resolve_hosts(
+            self.hosts, self.backend, self.distributed, self.gpus
+        )
+        object.__setattr__(self, "hosts", hosts)
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "distributed", distributed)
         for name in _MEMORY_FIELDS:
             if getattr(self, name) is not None:  # "8GB" as NeMo and Ray users write it: "8G"
                 object.__setattr__(self, name, memory_quantity(getattr(self, name), name))
-        object.__setattr__(self, "resources", Resources.parse(
-            cpus=self.cpus, memory=self.memory, gpus=self.gpus, cpu_limit=self.cpu_limit,
-            memory_limit=self.memory_limit, gpu_type=self.gpu_type, shared_memory=self.shared_memory,
-            disk_size=self.disk_size, gpu_memory=self.gpu_memory))
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r}; allowed: {', '.join(map(repr, BACKENDS))}")
-        for name in ("freeze",):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.working_dir is not None and (not isinstance(self.working_dir, str)
-                                             or not self.working_dir.startswith("/")):
-            raise ConfigError(f"working_dir={self.working_dir!r} must be an absolute path in the pod, "
-                              "e.g. '/workspace'")
-        self._check_env()
+        object.__setattr__(
+            self,
+            "resources",
+            Resources.parse(**{name: getattr(self, name) for name in _RESOURCE_FIELDS}),
+        )
+        checks.check_pod_settings(self.backend, self.freeze, self.working_dir)
+        checks.check_env(self.env)
         if isinstance(self.image, str):
             object.__setattr__(self, "image", Image(self.image))
         if self.image is not None and not isinstance(self.image, Image):
             raise ConfigError(f"image={self.image!r} must be a kt.Image or an image name string")
         object.__setattr__(self, "secrets", normalize(self.secrets))
-        self._check_volumes()
-        d = self.distributed
+        volumes = checks.check_volumes(self.volumes, self.kubernetes.namespace)
+        object.__setattr__(self, "volumes", volumes)
         if self.worker_node_options is not None:
-            if not isinstance(self.worker_node_options, dict):
-                raise ConfigError(f"worker_node_options={self.worker_node_options!r} must be a dict of "
-                                  "Compute fields, e.g. {'cpus': '4', 'memory': '16Gi', 'gpus': 1}")
-            if d is None or d.framework != "ray":
-                raise ConfigError("worker_node_options sizes the worker nodes of a Ray cluster; it needs "
-                                  "distribute('ray', ...). For pods of different sizes otherwise, "
-                                  "use num_proc=[...] (one entry per pod)")
+            checks.check_worker_node_options(self.worker_node_options, self.distributed)
             self.pod_compute(1)  # bad option names or values fail here
-        if d is not None and d.uniform and self.gpus and d.max_procs > self.gpus:
-            raise ConfigError(f"num_proc={d.num_proc} has a pod of {d.max_procs} ranks, more than gpus={self.gpus} "
-                              f"on a GPU pod; each rank needs at least one GPU: use num_proc<={self.gpus}")
-        if self.serving.autoscaling is not None and d is not None:
-            raise ConfigError("a Compute cannot use both .distribute() and .autoscale(); pick one")
-        replicas = self.serving.replicas
-        if replicas is not None and d is not None and replicas != d.workers:
-            raise ConfigError(f"replicas={replicas} but distribute() asks for {d.workers} pods; "
-                              "leave replicas out (distribute's workers sets it)")
-
-    def _check_env(self) -> None:
-        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                     for k, v in self.env.items()):
-            raise ConfigError(f"env={self.env!r} must map str to str; convert values with str()")
-        bad = [k for k in self.env if not _ENV_NAME.match(k)]
-        if bad:
-            raise ConfigError(f"env names {bad!r} are not valid environment variable names: use "
-                              "letters, digits and '_' (not starting with a digit), e.g. 'MY_VAR'")
-        nul = [k for k, v in self.env.items() if "\0" in v]
-        if nul:
-            raise ConfigError(f"env values of {nul!r} contain a NUL character, which no environment can hold")
-        clash = sorted(set(self.env) & set(RESERVED_ENV))
-        if clash:
-            raise ConfigError(f"env sets {', '.join(clash)}, which ktlite sets per rank; remove "
-                              "them (use distribute(port=...) for MASTER_PORT)")
-
-    def _check_volumes(self) -> None:
-        object.__setattr__(self, "volumes", tuple(self.volumes))
-        namespace = self.kubernetes.namespace
-        mounts: dict[str, Any] = {}
-        for v in self.volumes:
-            if not isinstance(v, (Volume, str)):
-                raise ConfigError(f"volumes entry {v!r} must be a kt.Volume or the name of an existing PVC")
-            if isinstance(v, str) and not DNS_LABEL.match(v):
-                raise ConfigError(f"volumes entry {v!r} is not a valid PVC name (lowercase letters, "
-                                  "digits and '-')")
-            if isinstance(v, Volume) and v.namespace and namespace and v.namespace != namespace:
-                raise ConfigError(f"Volume({v.name!r}, namespace={v.namespace!r}) is not in the deployment's "
-                                  f"namespace {namespace!r}; pods mount claims of their own namespace")
-            path = v.mount_path if isinstance(v, Volume) else f"/{v}"
-            if path.rstrip("/") in _RESERVED_MOUNTS:
-                raise ConfigError(f"volume {v!r} mounts at {path}, which ktlite uses on every pod; "
-                                  "pass another mount_path")
-            if path in mounts:
-                raise ConfigError(f"volumes {mounts[path]!r} and {v!r} both mount at {path}; give "
-                                  "each its own mount_path")
-            mounts[path] = v
+        checks.check_layout(self.distributed, self.gpus, self.serving)
 
     def pod_spec(self) -> PodSpec:
         """This Compute parsed into the :class:`~ktlite.specs.podspec.PodSpec` a backend reads."""
         worker = self.pod_compute(1).pod_spec() if self.worker_node_options else None
-        return PodSpec(resources=self.resources, image=self.image, env=dict(self.env), volumes=self.volumes,
-                       secrets=self.secrets, working_dir=self.working_dir, freeze=self.freeze,
-                       backend=self.backend, kubernetes=self.kubernetes, hosts=self.hosts, calls=self.calls,
-                       distributed=self.distributed, autoscaling=self.serving.autoscaling, worker=worker)
+        return PodSpec(
+            resources=self.resources,
+            image=self.image,
+            env=dict(self.env),
+            volumes=self.volumes,
+            secrets=self.secrets,
+            working_dir=self.working_dir,
+            freeze=self.freeze,
+            backend=self.backend,
+            kubernetes=self.kubernetes,
+            hosts=self.hosts,
+            calls=self.calls,
+            distributed=self.distributed,
+            autoscaling=self.serving.autoscaling,
+            worker=worker,
+        )
 
     def served(self) -> Compute:
         """What ``.to()`` deploys: ``Compute(replicas=N)`` without ``distribute()`` is Kubetorch's
@@ -270,10 +236,16 @@ class Compute(KubetorchOperations):
         ``.distribute()`` may still come, so this is decided at ``.to()``)."""
         if self.replicas is not None and self.distributed is None and self.autoscaling is None:
             if self.hosts is not None or not traits(self.backend).serves:
-                raise ConfigError(f"Compute(replicas={self.replicas}) asks for load-balanced replicas, which the "
-                                  "ssh backend does not run; use .distribute('spmd', workers=N)")
-            return self._with(replicas=None, autoscaling=AutoscaleConfig(
-                min_scale=self.replicas, max_scale=self.replicas, initial_scale=self.replicas))
+                raise ConfigError(
+                    f"Compute(replicas={self.replicas}) asks for load-balanced replicas, which the "
+                    "ssh backend does not run; use .distribute('spmd', workers=N)"
+                )
+            return self._with(
+                replicas=None,
+                autoscaling=AutoscaleConfig(
+                    min_scale=self.replicas, max_scale=self.replicas, initial_scale=self.replicas
+                ),
+            )
         return self
 
     def autoscale(self, **kwargs: Any) -> Compute:
@@ -283,46 +255,23 @@ class Compute(KubetorchOperations):
         :mod:`ktlite.specs.autoscaling` (``min_scale``, ``max_scale``, ``concurrency``, ``target``,
         ``metric``, ``window``, ``scale_down_delay``, ...)."""
         if self.hosts is not None:
-            raise ConfigError("autoscale() with hosts= (backend='ssh'): the ssh backend runs a fixed set of "
-                              "hosts; autoscaled serving runs on the local and kubernetes backends")
+            raise ConfigError(
+                "autoscale() with hosts= (backend='ssh'): the ssh backend runs a fixed set of "
+                "hosts; autoscaled serving runs on the local and kubernetes backends"
+            )
         if self.distributed is not None:
-            raise ConfigError("a Compute cannot use both .distribute() and .autoscale(): distribute() runs "
-                              "every call on every rank of N pods, autoscale() one call on one of N "
-                              "interchangeable replicas; pick one")
+            raise ConfigError(
+                "a Compute cannot use both .distribute() and .autoscale(): distribute() runs "
+                "every call on every rank of N pods, autoscale() one call on one of N "
+                "interchangeable replicas; pick one"
+            )
         if self.replicas is not None:
-            raise ConfigError(f"Compute(replicas={self.replicas}) with .autoscale(): the autoscaler sets the "
-                              "replicas; use autoscale(initial_scale=..., min_scale=..., max_scale=...)")
+            raise ConfigError(
+                f"Compute(replicas={self.replicas}) with .autoscale(): the autoscaler sets the "
+                "replicas; use autoscale(initial_scale=..., min_scale=..., max_scale=...)"
+            )
         object.__setattr__(self, "serving", replace(self.serving, autoscaling=from_kwargs(kwargs)))
         return self
-
-    def _check_hosts(self) -> None:
-        """``hosts`` means the ssh backend, one pod per host, each host's ranks its own."""
-        hosts = as_hosts(self.hosts)
-        if hosts is None and traits(self.backend).hosts:  # `ktlite config set ssh.hosts gpu1,gpu2`
-            listed = [h.strip() for h in (setting("ssh.hosts") or "").split(",") if h.strip()]
-            hosts = Hosts(tuple(Host(h) for h in listed)) if listed else None
-        object.__setattr__(self, "hosts", hosts)
-        if hosts is None:
-            return
-        if self.backend is None:
-            object.__setattr__(self, "backend", HOSTS_BACKEND)
-        elif not traits(self.backend).hosts:
-            raise ConfigError(f"hosts= names the machines of backend='ssh', not backend={self.backend!r}; "
-                              "leave backend out (or 'ssh') to run on those hosts")
-        d = self.distributed
-        if d is None:
-            object.__setattr__(self, "distributed", DistributedConfig(
-                workers=len(hosts), num_proc=tuple(n or self.gpus or 1 for n in hosts.sizes)))
-            return
-        if d.workers != len(hosts):
-            raise ConfigError(f"distribute(workers={d.workers}) but hosts= names {len(hosts)} host(s); one pod "
-                              "runs per host: leave workers out, or list as many hosts")
-        clash = [(h.address, h.num_proc, d.procs(i)) for i, h in enumerate(hosts.hosts)
-                 if h.num_proc is not None and h.num_proc != d.procs(i)]
-        if clash:
-            address, own, given = clash[0]
-            raise ConfigError(f"Host({address!r}, num_proc={own}) but distribute() gives it {given} rank(s); "
-                              "leave num_proc out of distribute() to use each host's own")
 
     def pod_compute(self, ordinal: int) -> Compute:
         """What pod ``ordinal`` looks like: this Compute, or for a Ray worker node (ordinal
@@ -330,11 +279,7 @@ class Compute(KubetorchOperations):
         options = self.worker_node_options
         if not options or ordinal == 0:
             return self
-        unknown = sorted(set(options) - set(WORKER_NODE_FIELDS))
-        if unknown:
-            raise ConfigError(f"worker_node_options has unknown or head-only field(s) {', '.join(map(repr, unknown))}; "
-                              f"allowed: {', '.join(WORKER_NODE_FIELDS)} (image, env, volumes and the "
-                              "rest are the head's for every node)")
+        checks.check_worker_node_fields(options)
         return self._with(**options, distributed=None, worker_node_options=None)
 
     def pod_gpus(self, ordinal: int) -> int:
@@ -351,14 +296,24 @@ class Compute(KubetorchOperations):
         """``cpus`` as a number (None: no request)."""
         return self.resources.cpus
 
-    def distribute(self, framework: str | None = None, workers: int | None = None,
-                   num_proc: int | list[int] | tuple[int, ...] | str | None = None,
-                   port: int | None = None, quorum_timeout: float | None = None,
-                   worker_node_options: dict[str, Any] | None = None, *,
-                   distribution_type: str | None = None, quorum_workers: int | None = None,
-                   monitor_members: bool | None = None, max_threads_per_proc: int | None = None,
-                   restart_procs: bool | None = None, tree_fanout: int | None = None,
-                   tree_minimum: int | None = None, **unknown: Any) -> Compute:
+    def distribute(
+        self,
+        framework: str | None = None,
+        workers: int | None = None,
+        num_proc: int | list[int] | tuple[int, ...] | str | None = None,
+        port: int | None = None,
+        quorum_timeout: float | None = None,
+        worker_node_options: dict[str, Any] | None = None,
+        *,
+        distribution_type: str | None = None,
+        quorum_workers: int | None = None,
+        monitor_members: bool | None = None,
+        max_threads_per_proc: int | None = None,
+        restart_procs: bool | None = None,
+        tree_fanout: int | None = None,
+        tree_minimum: int | None = None,
+        **unknown: Any,
+    ) -> Compute:
         """Make this Compute run on ``workers`` pods × ``num_proc`` ranks each; returns it.
 
         As in Kubetorch, the Compute it is called on changes (``compute.distribute(...)``
@@ -369,112 +324,80 @@ class Compute(KubetorchOperations):
         ``max_threads_per_proc`` (``Compute.concurrency``), ``restart_procs`` and
         ``tree_fanout``/``tree_minimum`` (ktlite's coordinator calls every pod itself).
         """
-        if distribution_type is not None:
-            if framework is not None and framework != distribution_type:
-                raise ConfigError("pass framework= or distribution_type= (the Kubetorch name), not both")
-            framework = distribution_type
-        framework = "spmd" if framework is None else framework
-        framework = "tensorflow" if framework == "tf" else framework
+        framework = distribution.framework_of(framework, distribution_type)
         if num_proc == "auto":
             num_proc = None
-        if monitor_members is not None and not isinstance(monitor_members, bool):
-            raise ConfigError(f"monitor_members={monitor_members!r} must be True or False")
-        for key, value in (("tree_fanout", tree_fanout), ("tree_minimum", tree_minimum)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{key}={value!r} must be a whole number >= 1")
+        distribution.check_kubetorch_options(monitor_members, tree_fanout, tree_minimum)
         changes: dict[str, Any] = {}
         if max_threads_per_proc is not None:
             changes["concurrency"] = max_threads_per_proc
         if restart_procs is not None:
             changes["restart_procs"] = restart_procs
         new = self._with(**changes)._distributed(
-            framework, workers, num_proc, port, 300.0 if quorum_timeout is None else quorum_timeout,
-            worker_node_options, **unknown)
-        pods = new.distributed.workers if new.distributed is not None else 1
-        if quorum_workers is not None and quorum_workers != pods:
-            raise ConfigError(f"quorum_workers={quorum_workers!r}: ktlite runs a call on every pod, so it "
-                              f"waits for all {pods} (up to quorum_timeout) and fails naming the missing "
-                              "ones; leave quorum_workers out, or lower workers")
+            framework,
+            workers,
+            num_proc,
+            port,
+            300.0 if quorum_timeout is None else quorum_timeout,
+            worker_node_options,
+            **unknown,
+        )
+        distribution.check_quorum_workers(
+            quorum_workers, new.distributed.workers if new.distributed is not None else 1
+        )
         for f in fields(self):
             object.__setattr__(self, f.name, getattr(new, f.name))
         return self
 
-    def _distributed(self, framework: str = "spmd", workers: int | None = None,
-                     num_proc: int | list[int] | tuple[int, ...] | str | None = None,
-                     port: int | None = None, quorum_timeout: float = 300.0,
-                     worker_node_options: dict[str, Any] | None = None, **unknown: Any) -> Compute:
-        """A copy of this Compute that runs on ``workers`` pods × ``num_proc`` ranks each.
-
-        ``num_proc`` defaults to the pod's GPU count (one rank per GPU), else 1. A list gives
-        each pod its own size (``num_proc=[4, 8, 2]``: 3 pods, 14 ranks); ``workers`` is then
-        its length. ``workers`` defaults to 1 otherwise.
-
-        ``framework="ray"``: a Ray cluster of one head pod (sized by this Compute, where the
-        function runs) plus ``workers`` worker-node pods (default 1), sized by this Compute
-        with ``worker_node_options`` applied (``{"cpus": "4", "memory": "16Gi", "gpus": 1}``).
-        """
-        if self.autoscaling is not None:
-            raise ConfigError("a Compute cannot use both .autoscale() and .distribute(): autoscale() sends "
-                              "each call to one of N interchangeable replicas, distribute() runs every call "
-                              "on every rank of N pods; pick one")
-        if unknown:
-            raise ConfigError(f"distribute() got unknown option(s) {', '.join(sorted(unknown))}; "
-                              "allowed: framework (distribution_type), workers, num_proc, port, "
-                              "quorum_timeout, worker_node_options (framework='ray'), quorum_workers, "
-                              "monitor_members, max_threads_per_proc, restart_procs, tree_fanout, "
-                              "tree_minimum")
-        if framework == "ray":
-            if workers is None:
-                workers = 1
-            if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-                raise ConfigError(f"distribute('ray', workers={workers!r}): workers is the number of Ray "
-                                  "worker nodes besides the head (0 for a head alone)")
-            config = DistributedConfig(framework=framework, workers=workers + 1,
-                                       num_proc=1 if num_proc is None else _sizes(num_proc), port=port,
-                                       quorum_timeout=quorum_timeout)
-            if worker_node_options is not None and not isinstance(worker_node_options, dict):
-                raise ConfigError(f"worker_node_options={worker_node_options!r} must be a dict of Compute "
-                                  "fields, e.g. {'cpus': '4', 'memory': '16Gi', 'gpus': 1}")
-            return self._with(distributed=config, replicas=None, worker_node_options=(
-                None if worker_node_options is None else dict(worker_node_options)))
-        if worker_node_options is not None:
-            raise ConfigError(f"distribute({framework!r}, worker_node_options=...): only framework='ray' "
-                              "has worker nodes of their own size; for pods of different sizes use "
-                              "num_proc=[...] (one entry per pod)")
-        hosts = as_hosts(self.hosts)
-        if hosts is not None:  # one pod per host, each with its own ranks unless given
-            workers = len(hosts) if workers is None else workers
-            if num_proc is None and any(n is not None for n in hosts.sizes):
-                num_proc = [n or self.gpus or 1 for n in hosts.sizes]
-        if num_proc is None:
-            num_proc = self.gpus or 1
-        if isinstance(num_proc, (list, tuple)) and not num_proc:
-            raise ConfigError("num_proc=[] names no pod; give one rank count per pod, e.g. [4, 8, 2]")
-        if workers is None:
-            workers = len(num_proc) if isinstance(num_proc, (list, tuple)) else 1
-        config = DistributedConfig(framework=framework, workers=workers, num_proc=_sizes(num_proc),
-                                   port=port, quorum_timeout=quorum_timeout)
-        return self._with(distributed=config, worker_node_options=None,
-                          replicas=None if self.replicas is None else workers)
+    def _distributed(
+        self,
+        framework: str = "spmd",
+        workers: int | None = None,
+        num_proc: int | list[int] | tuple[int, ...] | str | None = None,
+        port: int | None = None,
+        quorum_timeout: float = 300.0,
+        worker_node_options: dict[str, Any] | None = None,
+        **unknown: Any,
+    ) -> Compute:
+        """A copy of this Compute that runs on ``workers`` pods × ``num_proc`` ranks each
+        (a Ray cluster: a head and ``workers`` worker nodes); see
+        :func:`ktlite.api.distribution.layout`."""
+        config, node_options = distribution.layout(
+            framework,
+            workers,
+            num_proc,
+            port,
+            quorum_timeout,
+            worker_node_options,
+            gpus=self.gpus,
+            hosts=as_hosts(self.hosts),
+            autoscaled=self.autoscaling is not None,
+            unknown=unknown,
+        )
+        ray = config.framework == "ray"
+        return self._with(
+            distributed=config,
+            worker_node_options=node_options,
+            replicas=None if ray or self.replicas is None else config.workers,
+        )
 
 
 def _signature() -> inspect.Signature:
     """``Compute(...)``'s keywords for help() and editors: its own fields, then its parts'."""
     own = [f for f in fields(Compute) if f.init and f.name not in _PARTS]
     kinds = {name: inspect.Parameter.POSITIONAL_OR_KEYWORD for name in _POSITIONAL}
-    params = [inspect.Parameter(f.name, kinds.get(f.name, inspect.Parameter.KEYWORD_ONLY), default=_default(f))
-              for f in sorted(own, key=lambda f: f.name not in kinds)]
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f))
-               for kind, _ in _PARTS.values() for f in fields(kind)]
+    params = [
+        inspect.Parameter(
+            f.name, kinds.get(f.name, inspect.Parameter.KEYWORD_ONLY), default=_default(f)
+        )
+        for f in sorted(own, key=lambda f: f.name not in kinds)
+    ]
+    params += [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f))
+        for kind, _ in _PARTS.values()
+        for f in fields(kind)
+    ]
     return inspect.Signature(params)
 
 
 Compute.__signature__ = _signature()  # type: ignore[attr-defined]
-
-
-def _sizes(num_proc: int | list[int] | tuple[int, ...] | str) -> int | tuple[int, ...]:
-    """``num_proc`` as DistributedConfig keeps it: a list as a tuple (its __post_init__ does the
-    same). A str other than "auto" (gone by now) goes as it is, for DistributedConfig to refuse."""
-    if isinstance(num_proc, list):
-        return tuple(num_proc)
-    return cast("int | tuple[int, ...]", num_proc)

@@ -91,8 +91,9 @@ class Decorated:
         from ktlite.api.remote import RemoteClass, RemoteFunction
         from ktlite.modes.deploy import attach  # at first use, as in _source
 
+        compute = self.compute
         spec = DeploymentSpec(
-            name=self.name, compute=self.compute, kind="cls" if self.is_class else "fn"
+            name=self.name, pod=compute.pod_spec(), kind="cls" if self.is_class else "fn"
         )
         try:
             dep = attach(spec)
@@ -103,7 +104,11 @@ class Decorated:
                 f"(or call it from `python {where}`, which deploys on first call)"
             ) from e
         source = self._source()
-        remote = RemoteClass(source, dep, None) if self.is_class else RemoteFunction(source, dep)
+        remote = (
+            RemoteClass(source, dep, None, compute=compute)
+            if self.is_class
+            else RemoteFunction(source, dep, compute=compute)
+        )
         remote.async_ = self.async_
         return remote
 

@@ -73,11 +73,15 @@ class _Remote(ServedHandle):
         source: Source,
         deployment: Deployment,
         *,
+        compute: Compute | None = None,
         host: _Remote | None = None,
         target: str | None = None,
     ) -> None:
         self._source = source
         self._deployment: Deployment | None = deployment
+        # the caller's Compute it was deployed with (the deployment's spec keeps only the
+        # parsed pod spec); a colocated handle's is its host's
+        self._compute = compute
         # colocated (``kt.cls(B).to(remote_a)``): the handle whose deployment this one's code
         # lives in, and this code's target name in its rank processes
         self._host = host
@@ -112,7 +116,16 @@ class _Remote(ServedHandle):
 
     @property
     def compute(self) -> Compute:
-        return self.deployment.spec.compute
+        """The :class:`kt.Compute` this was deployed with (colocated: its host's)."""
+        self.deployment  # noqa: B018 - torn down: NotDeployedError, naming what to do
+        if self._host is not None:
+            return self._host.compute
+        if self._compute is None:
+            raise ConfigError(
+                f"{self._source.name!r} was made from a running deployment without its "
+                "kt.Compute; its pods are described by remote.deployment.spec.pod"
+            )
+        return self._compute
 
     def __repr__(self) -> str:
         if self._host is not None:
@@ -135,6 +148,7 @@ class _Remote(ServedHandle):
     def _redeploy(self, compute: Compute) -> None:
         new = self._source.to(compute, name=self.name, **self._to_options())
         old, self._deployment = self._deployment, new.deployment
+        self._compute = new._compute
         if old is not None:
             # the pods keep colocated targets through a redeploy; pods the backend replaces
             # later get them pushed again with the code
@@ -210,7 +224,7 @@ class _Remote(ServedHandle):
     def _serialization(self, given: str | None, dep: Deployment) -> str:
         """The call's format: per call, else ``remote.serialization``, else pickle (JSON when
         the Compute allows only JSON); one ``allowed_serialization`` forbids is refused."""
-        allowed = dep.spec.compute.allowed_serialization
+        allowed = dep.spec.pod.calls.allowed_serialization
         chosen = (
             given
             or self.serialization
@@ -309,7 +323,7 @@ class _Remote(ServedHandle):
         dep.teardown(volumes=volumes, timeout=timeout)
         self._deployment = None
         if not volumes:
-            self._kept_volumes = (dep.backend, dep.name, dep.spec.compute.teardown_timeout)
+            self._kept_volumes = (dep.backend, dep.name, dep.spec.pod.calls.teardown_timeout)
 
     def _delete_volumes(
         self, backend: Backend, name: str, default_timeout: float, *, timeout: float | None
@@ -401,10 +415,11 @@ class RemoteClass(_Remote):
         deployment: Deployment,
         init_args: Any,
         *,
+        compute: Compute | None = None,
         host: _Remote | None = None,
         target: str | None = None,
     ) -> None:
-        super().__init__(source, deployment, host=host, target=target)
+        super().__init__(source, deployment, compute=compute, host=host, target=target)
         self._init_args = init_args
 
     def __getattr__(self, attr: str) -> RemoteMethod:

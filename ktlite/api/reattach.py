@@ -69,10 +69,13 @@ def _reattach(
     except BaseException:
         client.close()
         raise
-    dep = Deployment(DeploymentSpec(name, compute, kind=kind), be, applied, client=client)
+    spec = DeploymentSpec(name, pod=compute.pod_spec(), kind=kind)
+    dep = Deployment(spec, be, applied, client=client)
     dep.mode.adopt()
     source = _Named(kind, name)
-    return RemoteClass(source, dep, None) if kind == "cls" else RemoteFunction(source, dep)
+    if kind == "cls":
+        return RemoteClass(source, dep, None, compute=compute)
+    return RemoteFunction(source, dep, compute=compute)
 
 
 def _attach_by_name(

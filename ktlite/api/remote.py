@@ -16,9 +16,8 @@ from ktlite.api.compute import Compute
 from ktlite.api.handles import RemoteClass, RemoteFunction, _Remote
 from ktlite.api.reattach import _attach_by_name, _layout
 from ktlite.backends.base import Plan
-from ktlite.backends.registry import get_backend
 from ktlite.errors import ConfigError, NotDeployedError
-from ktlite.modes.deploy import Deployment, attach, deploy
+from ktlite.modes.deploy import Deployment, attach, backend_of, deploy
 from ktlite.modes.routing import Routing
 from ktlite.net import packaging
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -38,16 +37,22 @@ class _Source:
     def __repr__(self) -> str:
         return f"kt.{self.kind}({self.obj.__qualname__}, name={self.name!r})"
 
-    def _spec(self, compute: Compute, name: str | None, detached: bool) -> DeploymentSpec:
+    @staticmethod
+    def _own(compute: Compute) -> Compute:
+        """The deployment's own copy of ``compute`` (distribute() changes the Compute it is
+        called on), as ``.to()`` deploys it (``Compute(replicas=N)``: served)."""
         if not isinstance(compute, Compute):
             raise ConfigError(
                 f".to() needs a kt.Compute, got {type(compute).__name__}; "
                 "e.g. .to(kt.Compute(cpus=1))"
             )
-        # the deployment's own copy: distribute() changes the Compute it is called on
+        return replace(compute.served())
+
+    def _spec(self, own: Compute, name: str | None, detached: bool) -> DeploymentSpec:
+        """The spec of a deployment of ``own`` (see :meth:`_own`): its pods parsed once."""
         return DeploymentSpec(
             name=check_name(name) if name else self.name,
-            compute=replace(compute.served()),
+            pod=own.pod_spec(),
             kind=self.kind,
             detached=detached,
         )
@@ -70,10 +75,10 @@ class _Source:
         host.deployment.colocate(target, self.kind, bundle, packaging.local_sources(), init)
         return host, target
 
-    def _existing(self, compute: Compute, name: str | None) -> Deployment | None:
+    def _existing(self, own: Compute, name: str | None) -> Deployment | None:
         """``get_if_exists=True``: the running deployment of this name as it is, or None.
-        Its layout must be the one ``compute`` asks for (calls are split by rank)."""
-        spec = self._spec(compute, name, False)
+        Its layout must be the one ``own`` asks for (calls are split by rank)."""
+        spec = self._spec(own, name, False)
         try:
             dep = attach(spec)
         except NotDeployedError:
@@ -108,25 +113,23 @@ class _Source:
 
     def _deploy(
         self,
-        compute: Compute,
+        own: Compute,
         name: str | None,
         detached: bool,
         dryrun: bool,
         restart_procs: bool,
         init: bytes | None,
     ) -> Deployment | Plan:
-        spec = self._spec(compute, name, detached)
+        spec = self._spec(own, name, detached)
         bundle = packaging.bundle(self.obj)  # fails before anything starts
         if dryrun:
-            return get_backend(compute.backend, compute.namespace, compute.kubeconfig_path).plan(
-                spec
-            )
+            return backend_of(spec).plan(spec)
         return deploy(
             spec,
             bundle,
             packaging.local_sources(),
             init,
-            restart=restart_procs or compute.restart_procs,
+            restart=restart_procs or spec.pod.calls.restart_procs,
         )
 
 
@@ -183,13 +186,14 @@ class Fn(_Source, _ToAsync):
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, None)
             return RemoteFunction(self, host.deployment, host=host, target=target)
+        own = self._own(compute)
         dep: Deployment | Plan | None = (
-            self._existing(compute, name) if get_if_exists and not dryrun else None
+            self._existing(own, name) if get_if_exists and not dryrun else None
         )
-        dep = dep or self._deploy(compute, name, detached, dryrun, restart_procs, None)
+        dep = dep or self._deploy(own, name, detached, dryrun, restart_procs, None)
         if isinstance(dep, Plan):
             return dep
-        return RemoteFunction(self, dep)
+        return RemoteFunction(self, dep, compute=own)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotDeployedError(f"{self!r} is not deployed: call .to(kt.Compute(...)) first")
@@ -257,13 +261,14 @@ class Cls(_Source, _ToAsync):
         if isinstance(compute, _Remote):
             host, target = self._colocate(compute, name, dryrun, init)
             return RemoteClass(self, host.deployment, init_args, host=host, target=target)
+        own = self._own(compute)
         dep: Deployment | Plan | None = (
-            self._existing(compute, name) if get_if_exists and not dryrun else None
+            self._existing(own, name) if get_if_exists and not dryrun else None
         )
-        dep = dep or self._deploy(compute, name, detached, dryrun, restart_procs, init)
+        dep = dep or self._deploy(own, name, detached, dryrun, restart_procs, init)
         if isinstance(dep, Plan):
             return dep
-        return RemoteClass(self, dep, init_args)
+        return RemoteClass(self, dep, init_args, compute=own)
 
 
 def _with_concurrency(compute: Any, concurrency: int | None) -> Any:

@@ -38,7 +38,7 @@ def attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         from ktlite.specs.autoscaling import AutoscaleConfig
 
         served = Compute(backend=backend.name, autoscaling=AutoscaleConfig(**applied.autoscale))
-        dep = Deployment(DeploymentSpec(args.name, served), backend, applied)
+        dep = Deployment(DeploymentSpec(args.name, served.pod_spec()), backend, applied)
         return dep, _pods_status(dep, None)
     # the layout (ranks per pod) is the pods' to tell: the CLI has no Compute
     status = PodClient(applied.token, http=applied.http).status(applied.endpoints[0].url)
@@ -46,7 +46,7 @@ def attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     compute = Compute(backend=backend.name).distribute(
         "spmd", workers=len(applied.endpoints), num_proc=procs
     )
-    dep = Deployment(DeploymentSpec(args.name, compute), backend, applied)
+    dep = Deployment(DeploymentSpec(args.name, compute.pod_spec()), backend, applied)
     return dep, [status, *_pods_status(dep, None, dep.endpoints[1:])]
 
 

@@ -29,7 +29,7 @@ def supervise(name: str) -> int:
         logger.error("no autoscaled local deployment %r", name)
         return 1
     spec = DeploymentSpec(
-        name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)), detached=True
+        name, Compute(autoscaling=AutoscaleConfig(**applied.autoscale)).pod_spec(), detached=True
     )
     dep = Deployment(spec, backend, applied)
     mode = dep.mode
@@ -40,7 +40,7 @@ def supervise(name: str) -> int:
     mode.adopt()
     while not mode.scaler.stopped(1.0):
         pass
-    mode.scaler.join(spec.compute.launch_timeout)
+    mode.scaler.join(spec.pod.calls.launch_timeout)
     return 0
 
 

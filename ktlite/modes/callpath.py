@@ -1,7 +1,8 @@
-"""What every mode of a deployment shares on the way to its pods: the call's options, how
-arguments and results travel (inline, or in shared-memory files where the pods share this
-machine), how streamed rank output is printed, and the :class:`CallPath` a mode works on
-(the deployment as a mode sees it: spec, backend, pods, client, launch id, code).
+"""What every mode of a deployment shares on the way to its pods: the call's options, its
+plan (:func:`call_plan`, the one place a call's ``CallPlan`` is built), how arguments and
+results travel (inline, or in shared-memory files where the pods share this machine), how
+streamed rank output is printed, and the :class:`CallPath` a mode works on (the deployment as
+a mode sees it: spec, backend, pods, client, launch id, code).
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ktlite.backends.base import Applied, Backend, PodEndpoint
-from ktlite.errors import ProtocolMismatch
+from ktlite.errors import ConfigError, ProtocolMismatch
 from ktlite.net.client import PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire import envelope, shm
+from ktlite_wire.plan import CallPlan
 
 # for work on every pod at once (health checks, launches, cancels, status)
 pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ktlite")
@@ -66,20 +68,58 @@ class CallPath(Protocol):
     def cancel_all(self, call_id: str, reason: str, eps: list[PodEndpoint]) -> None: ...
 
 
+def call_plan(
+    spec: DeploymentSpec,
+    launch_id: str,
+    eps: Sequence[PodEndpoint],
+    options: CallOptions,
+    *,
+    call_id: str,
+    num_proc: int | Sequence[int],
+    workers: list[int] | None = None,
+    ranks: list[int] | None = None,
+    per_rank: dict[str, Any] | None = None,
+) -> CallPlan:
+    """The plan of one call to ``eps`` (the first coordinates: it calls the others), with the
+    deployment's call defaults (``spec.pod.calls``) where ``options`` leaves a setting open.
+    Every mode builds its calls' plans here; a plan the pods would refuse is a ConfigError."""
+    calls = spec.pod.calls
+    try:
+        return CallPlan(
+            id=call_id,
+            launch_id=launch_id,
+            pods=[ep.peer_url for ep in eps],
+            names=[ep.name for ep in eps],
+            workers=workers,
+            ranks=ranks,
+            timeout=calls.call_timeout if options.timeout is None else options.timeout,
+            stream_logs=bool(
+                calls.stream_logs if options.stream_logs is None else options.stream_logs
+            ),
+            restart=bool(options.restart_procs),
+            fanout=True,
+            quorum_timeout=spec.distributed.quorum_timeout,
+            num_proc=num_proc if isinstance(num_proc, int) else list(num_proc),
+            per_rank=per_rank,
+        )
+    except ValueError as e:
+        raise ConfigError(f"call to {spec.name!r}: {e}") from e
+
+
 @contextlib.contextmanager
-def shm_arguments(applied: Applied, meta: dict[str, Any], parts: list[Any]) -> Iterator[list[Any]]:
+def shm_arguments(applied: Applied, plan: CallPlan, parts: list[Any]) -> Iterator[list[Any]]:
     """The call's parts as they are sent: where the pods share this machine (local backend;
     ``KTLITE_SHM=0`` turns it off) results come back in shared-memory files, and arguments too
-    big to inline go in one, removed when the call ends."""
+    big to inline go in one, removed when the call ends (``plan`` says so)."""
     if not applied.same_host or os.environ.get("KTLITE_SHM", "1") == "0":
         yield parts
         return
-    meta["shm_results"] = True
+    plan.shm_results = True
     if envelope.parts_size(parts) <= shm.INLINE_MAX:
         yield parts
         return
     arg_file, size = shm.write(parts, shm.ARG_PREFIX)
-    meta["shm"] = [arg_file, size]
+    plan.shm = [arg_file, size]
     try:
         yield []
     finally:

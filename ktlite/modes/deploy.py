@@ -43,6 +43,7 @@ __all__ = [
     "CallOptions",
     "Deployment",
     "attach",
+    "backend_of",
     "deploy",
     "mode_for",
     "print_log",
@@ -55,6 +56,12 @@ logger = logging.getLogger(__name__)
 
 class _CancelledBeforeSend(Exception):
     """A submitted call cancelled just before it left: it never reaches a pod."""
+
+
+def backend_of(spec: DeploymentSpec) -> Backend:
+    """The backend ``spec``'s pods run on (its cluster, for Kubernetes)."""
+    pod = spec.pod
+    return get_backend(pod.backend, pod.kubernetes.namespace, pod.kubernetes.kubeconfig_path)
 
 
 def mode_for(spec: DeploymentSpec) -> type[Mode]:
@@ -157,7 +164,7 @@ class Deployment:
         """Load a second function/class (``target``) into this deployment's rank processes
         (or with ``drop``, remove it): a colocation launch, sent like the code's own."""
         self.mode.check_colocation(target)
-        timeout = self.spec.compute.launch_timeout
+        timeout = self.spec.pod.calls.launch_timeout
         body = Colocation(
             target=target,
             launch_id=self.launch_id or "",
@@ -287,7 +294,7 @@ class Deployment:
         """Stop every pod of this deployment and delete what it created (its volumes too with
         ``volumes``), waiting up to ``timeout`` seconds (default ``Compute.teardown_timeout``);
         then close it."""
-        limit = self.spec.compute.teardown_timeout if timeout is None else timeout
+        limit = self.spec.pod.calls.teardown_timeout if timeout is None else timeout
         self.fail_queued()  # submitted calls that have not started never will
         self.backend.teardown(self.name, timeout=limit, volumes=volumes)
         for ep in self.endpoints:
@@ -327,9 +334,7 @@ def deploy(
 ) -> Deployment:
     mode = mode_for(spec)
     mode.check(spec)
-    backend = get_backend(
-        spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path
-    )
+    backend = backend_of(spec)
     existing = backend.lookup(spec.name)
     token = existing.token if existing is not None else secrets.token_urlsafe(32)
     spec = mode.shape(spec, backend, existing)
@@ -361,9 +366,7 @@ def deploy(
 
 def attach(spec: DeploymentSpec) -> Deployment:
     """The running deployment for ``spec.name``, without deploying."""
-    backend = get_backend(
-        spec.compute.backend, spec.compute.namespace, spec.compute.kubeconfig_path
-    )
+    backend = backend_of(spec)
     applied = backend.lookup(spec.name)
     if applied is None:
         raise NotDeployedError(

@@ -26,13 +26,14 @@ from ktlite.errors import (
     RemoteError,
 )
 from ktlite.modes import engines
-from ktlite.modes.callpath import CallOptions, pool, print_log, shm_arguments
+from ktlite.modes.callpath import CallOptions, call_plan, pool, print_log, shm_arguments
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.replacement import ReplacedWatch, Replacements
 from ktlite.net.client import CallReply, PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire.launch import Launch
+from ktlite_wire.plan import CallPlan
 from ktlite_wire.status import Status
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Fanout(Mode):
 
     @property
     def single(self) -> bool:  # type: ignore[override]
-        return self.dep.spec.compute.distributed is None  # one pod, one rank: its value
+        return self.dep.spec.pod.distributed is None  # one pod, one rank: its value
 
     # shorthands for the deployment's parts
     @property
@@ -80,13 +81,13 @@ class Fanout(Mode):
     def launch_fields(self) -> dict[str, Any]:
         return {
             "pod_ips": [ep.ip for ep in self.endpoints],
-            "single": self.spec.compute.distributed is None,
+            "single": self.spec.pod.distributed is None,
         }
 
     def load(self, launch: Launch, store: concurrent.futures.Future[Any]) -> None:
         """Send the launch to every pod, each with its ordinal; each restarts or reloads its
         rank processes."""
-        timeout = self.spec.compute.launch_timeout
+        timeout = self.spec.pod.calls.launch_timeout
 
         def one(ep: PodEndpoint) -> list[Any]:
             self.dep.wait_healthy(ep.url, timeout)
@@ -210,42 +211,32 @@ class Fanout(Mode):
     ) -> list[Any]:
         eps = self.endpoints
         d = self.spec.distributed
-        stream = (
-            self.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
-        )
-        call_id = uuid.uuid4().hex
-        if on_send is not None:
-            on_send(call_id)
-        meta: dict[str, Any] = {
-            "id": call_id,
-            "launch_id": self.dep.launch_id,
-            "pods": [ep.peer_url for ep in eps],
-            "names": [ep.name for ep in eps],
-            "workers": sorted(set(options.workers)) if options.workers is not None else None,
-            "timeout": options.timeout
-            if options.timeout is not None
-            else self.spec.compute.call_timeout,
-            "stream_logs": stream,
-            "restart": options.restart_procs,
-            "fanout": True,
-            "quorum_timeout": d.quorum_timeout,
-            "num_proc": d.num_proc if d.uniform else list(d.sizes),
-        }
-        if per_rank is not None:
-            meta["per_rank"] = per_rank  # where each rank's items are in the body
+        workers = sorted(set(options.workers)) if options.workers is not None else None
+        ranks = None
         if options.ranks is not None:  # only these ranks run it, so only their pods take part
             ranks = sorted(set(options.ranks))
-            pods = sorted(
-                {d.ordinal_of(r) for r in ranks} & set(meta["workers"] or range(len(eps)))
-            )
-            if not pods:
+            workers = sorted({d.ordinal_of(r) for r in ranks} & set(workers or range(len(eps))))
+            if not workers:
                 raise ConfigError(
                     f"ranks={options.ranks!r} are on none of workers={options.workers!r}"
                 )
-            meta["ranks"], meta["workers"] = ranks, pods
+        call_id = uuid.uuid4().hex
+        if on_send is not None:
+            on_send(call_id)
+        plan = call_plan(
+            self.spec,
+            self.dep.launch_id,
+            eps,
+            options,
+            call_id=call_id,
+            num_proc=d.num_proc if d.uniform else list(d.sizes),
+            workers=workers,
+            ranks=ranks,
+            per_rank=per_rank,  # where each rank's items are in the body
+        )
         watch = ReplacedWatch(self.pods, call_id)
-        with shm_arguments(self.dep.applied, meta, parts) as sent:
-            reply = self._send(call_id, meta, sent, (log or print_log) if stream else None, watch)
+        with shm_arguments(self.dep.applied, plan, parts) as sent:
+            reply = self._send(plan, sent, (log or print_log) if plan.stream_logs else None, watch)
         failures, values = split(reply.outcomes)
         if failures:
             if any(f.kind in (Status.DIED, Status.UNREACHABLE, Status.STALE) for f in failures):
@@ -273,13 +264,11 @@ class Fanout(Mode):
         self.pods.suspect = False
         return [values[r] for r in sorted(values)]
 
-    def _send(
-        self, call_id: str, meta: dict[str, Any], parts: list[Any], log: Any, watch: ReplacedWatch
-    ) -> CallReply:
+    def _send(self, plan: CallPlan, parts: list[Any], log: Any, watch: ReplacedWatch) -> CallReply:
         """The call through the coordinator (pod 0), with its transport failures explained."""
-        eps = self.endpoints
+        eps, call_id = self.endpoints, plan.id
         try:
-            return self.client.call(eps[0].url, meta, parts, log, watch, pod=eps[0].name)
+            return self.client.call(eps[0].url, plan, parts, log, watch, pod=eps[0].name)
         except NotDeployedError as e:
             # the coordinator answered 409 before anything ran: it lost our code (a new pod, a
             # restarted container) or runs another launch
@@ -312,7 +301,7 @@ class Fanout(Mode):
     def restart_failed(self) -> dict[str, Any]:
         """Restart the dead rank processes on every pod (only those); pod 0 last, so the
         process group is re-formed at the next call."""
-        timeout = self.spec.compute.launch_timeout + 30
+        timeout = self.spec.pod.calls.launch_timeout + 30
         eps = self.endpoints
         futures = [pool.submit(self.client.restart_failed, ep.url, timeout) for ep in eps[1:]]
         answers = [f.result() for f in futures]

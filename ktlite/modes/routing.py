@@ -42,7 +42,14 @@ from ktlite.errors import (
     RemoteError,
     StaleLaunch,
 )
-from ktlite.modes.callpath import CallOptions, CallPath, pool, print_log, shm_arguments
+from ktlite.modes.callpath import (
+    CallOptions,
+    CallPath,
+    call_plan,
+    pool,
+    print_log,
+    shm_arguments,
+)
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.replicas import Replica, ReplicaSet
@@ -101,7 +108,7 @@ class Routing(Mode):
         take new calls only with the new). Raises StaleLaunch where a replica holds the launch
         of a newer ``.to()`` of the service (one that went ahead of this one)."""
         dep = self.dep
-        timeout = dep.spec.compute.launch_timeout
+        timeout = dep.spec.pod.calls.launch_timeout
         with self._pushing:
             # the next generation of the service's launches, taken where the launch is kept:
             # a replica refuses a launch older than the one it holds (StaleLaunch)
@@ -208,7 +215,7 @@ class Routing(Mode):
         """The ready replica with the fewest calls in flight and room for one more; waits
         (counted as load) while none has room, bounded by the launch timeout plus the call's."""
         dep, p = self.dep, self.pool
-        c = dep.spec.compute
+        c = dep.spec.pod.calls
         limit = c.launch_timeout + (options.timeout or c.call_timeout or c.launch_timeout)
         deadline = time.monotonic() + limit
         with p.cond:
@@ -275,33 +282,14 @@ class Routing(Mode):
         connection refused) goes to another replica, once."""
         dep = self.dep
         ep = replica.ep
-        d = dep.spec.distributed
-        stream = (
-            dep.spec.compute.stream_logs if options.stream_logs is None else options.stream_logs
-        )
         call_id = uuid.uuid4().hex
         if on_send is not None:
             on_send(call_id)
-        meta: dict[str, Any] = {
-            "id": call_id,
-            "launch_id": dep.launch_id,
-            "pods": [ep.peer_url],
-            "names": [ep.name],
-            "workers": None,
-            "timeout": options.timeout
-            if options.timeout is not None
-            else dep.spec.compute.call_timeout,
-            "stream_logs": stream,
-            "restart": options.restart_procs,
-            "fanout": True,
-            "quorum_timeout": d.quorum_timeout,
-            "num_proc": 1,
-        }
+        plan = call_plan(dep.spec, dep.launch_id, [ep], options, call_id=call_id, num_proc=1)
         try:
-            with shm_arguments(dep.applied, meta, parts) as sent:
-                reply = dep.client.call(
-                    ep.url, meta, sent, (log or print_log) if stream else None, None, pod=ep.name
-                )
+            with shm_arguments(dep.applied, plan, parts) as sent:
+                log = (log or print_log) if plan.stream_logs else None
+                reply = dep.client.call(ep.url, plan, sent, log, None, pod=ep.name)
         except NotDeployedError as e:
             # 409 before anything ran: the replica runs another launch (or none); it leaves the
             # routing until it reports ours, and the call may safely go to another replica

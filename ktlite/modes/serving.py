@@ -27,7 +27,6 @@ from ktlite.modes.replicas import Replica, ReplicaSet
 from ktlite.modes.serving_status import AutoscalerReport
 from ktlite.specs.autoscaling import AutoscaleConfig, Decision, Scaler
 from ktlite.specs.deployment_spec import DeploymentSpec
-from ktlite.specs.quantities import parse_memory
 
 # how often the scaling thread samples the load and looks at the replicas
 TICK_S = 0.25
@@ -138,7 +137,7 @@ class ReplicaScaler(AutoscalerReport):
 
         def run() -> None:
             with contextlib.suppress(Exception):  # a failed wake leaves the call to its timeout
-                wake(self.dep.name, self.dep.spec.compute.launch_timeout)
+                wake(self.dep.name, self.dep.spec.pod.calls.launch_timeout)
             self._urgent = True
             self._wake.set()
 
@@ -255,18 +254,19 @@ class ReplicaScaler(AutoscalerReport):
         if now - self._usage_at[0] < 1.0:
             return self._usage_at[1]
         total = 0.0
+        resources = self.dep.spec.pod.resources
         for r in list(self.pool.replicas.values()):
             with contextlib.suppress(KtliteError):
                 rows = self.dep.client.status(r.ep.url).get("ranks") or []
                 if metric == "cpu":
                     total += sum(row.get("cpu_percent") or 0 for row in rows) / max(
-                        self.dep.spec.compute.cpu_count or 1, 1e-9
+                        resources.cpus or 1, 1e-9
                     )
-                elif self.dep.spec.compute.memory:
+                elif resources.memory is not None:
                     total += (
                         100
                         * sum(row.get("rss_bytes") or 0 for row in rows)
-                        / parse_memory(self.dep.spec.compute.memory)
+                        / resources.memory.bytes
                     )
         self._usage_at = (now, total)
         return total
@@ -352,7 +352,7 @@ class ReplicaScaler(AutoscalerReport):
         try:
             failures, _ = split(
                 self.dep.client.deploy(
-                    ep.url, launch.encode(), self.dep.spec.compute.launch_timeout + 30
+                    ep.url, launch.encode(), self.dep.spec.pod.calls.launch_timeout + 30
                 )
             )
         except StaleLaunch as e:  # this handle's .to() is not the newest any more

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -38,6 +39,7 @@ from ktlite_wire.headers import (
     bearer,
 )
 from ktlite_wire.outcome import CallResult
+from ktlite_wire.plan import CallPlan
 
 logger = logging.getLogger(__name__)
 
@@ -240,22 +242,23 @@ class PodClient:
     def call(
         self,
         url: str,
-        meta: dict[str, Any],
+        plan: CallPlan,
         parts: list[Any],
         on_log: LogSink | None,
         on_notice: NoticeSink | None = None,
         pod: str = "",
     ) -> CallReply:
-        """Run a call through the coordinator ``pod`` at ``url``; returns per-rank outcomes."""
+        """Run the call ``plan`` through the coordinator ``pod`` at ``url``; returns per-rank
+        outcomes."""
         who = f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
         frames = FrameReader(on_log, on_notice, url)
         try:
             if self._lean and url.startswith("http://"):
                 headers = self._headers(
-                    {CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}
+                    {CALL_HEADER: plan.encode(), "content-type": "application/octet-stream"}
                 )
                 return self._call_lean(url, headers, parts, frames)
-            return self._call_resumable(url, meta, parts, frames, who)
+            return self._call_resumable(url, plan, parts, frames, who)
         except KtliteError:
             raise  # already says what happened (PodUnreachable is an OSError too)
         except (httpx.ReadTimeout, TimeoutError) as e:
@@ -296,7 +299,7 @@ class PodClient:
         return result
 
     def _call_resumable(
-        self, url: str, meta: dict[str, Any], parts: list[Any], frames: FrameReader, who: str
+        self, url: str, plan: CallPlan, parts: list[Any], frames: FrameReader, who: str
     ) -> CallReply:
         """A call through a proxy (the Kubernetes API server's). A stream that breaks is
         re-attached by call id, reading on from the first frame not received; the pod keeps
@@ -311,7 +314,7 @@ class PodClient:
         pieces, at about two thirds of the throughput, while the race costs such a call only a
         re-attach (the pod had answered 200: nothing is sent again).
         """
-        meta = {**meta, "reattach": REATTACH_S}
+        header = replace(plan, reattach=REATTACH_S).encode()
         timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
         size = envelope.parts_size(parts)
         window_end, attempt = 0.0, 0
@@ -320,7 +323,7 @@ class PodClient:
         accepted = False  # did the pod answer 200: it holds the call, and a re-attach needs no body
         while True:
             headers = self._headers(
-                {CALL_HEADER: json.dumps(meta), "content-type": "application/octet-stream"}
+                {CALL_HEADER: header, "content-type": "application/octet-stream"}
             )
             if accepted:
                 headers[RESUME_HEADER] = str(frames.seen)

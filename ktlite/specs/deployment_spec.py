@@ -1,53 +1,41 @@
-"""``DeploymentSpec``: a deployment as a backend sees it, its pods as one parsed
-:class:`~ktlite.specs.podspec.PodSpec`."""
+"""``DeploymentSpec``: a deployment as a backend and the call path see it, its pods as one
+parsed :class:`~ktlite.specs.podspec.PodSpec`."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from ktlite.errors import ConfigError
 from ktlite.specs.autoscaling import AutoscaleConfig
 from ktlite.specs.podspec import PodSpec
 from ktlite.specs.spec import DistributedConfig
 
-if TYPE_CHECKING:  # the API layer above: a backend never loads it
-    from ktlite.api.compute import Compute
-
 
 @dataclass(frozen=True)
 class DeploymentSpec:
-    """Everything a backend needs to run a deployment: the only object it sees.
+    """Everything a backend and the call path need to run a deployment: the only object they see.
 
-    Built from the user's ``compute`` (``DeploymentSpec(name, compute)``), whose
-    :meth:`~ktlite.api.compute.Compute.pod_spec` gives ``pod`` once; or from a ``pod`` alone.
-    Backends read ``pod``; ``compute`` is kept for the caller (``remote.compute``).
+    Its pods are ``pod``, a parsed :class:`~ktlite.specs.podspec.PodSpec` that also holds the
+    call defaults (``pod.calls``), the backend and its options. ``.to()`` builds it from the
+    user's Compute (``DeploymentSpec(name, compute.pod_spec())``) and keeps that Compute on
+    the handle it returns (``remote.compute``), not here.
     """
 
     name: str
-    # the user's Compute; None only in a spec built from a pod spec alone (backend tests),
-    # which no caller reads
-    compute: Compute = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    pod: PodSpec
     kind: str = "fn"  # "fn" | "cls"
     detached: bool = False
     # an autoscaled deployment's replica count now (the backends that start replicas
     # themselves, local: the autoscaler asks for this many); None: the initial scale
     replicas: int | None = None
-    pod: PodSpec = field(default=None)  # type: ignore[assignment]  # set in __post_init__
 
     def __post_init__(self) -> None:
-        if self.pod is None:
-            if self.compute is None:
-                raise ConfigError(
-                    f"DeploymentSpec({self.name!r}) needs compute= (a kt.Compute) or pod= "
-                    "(a ktlite.specs.podspec.PodSpec)"
-                )
-            object.__setattr__(self, "pod", self.compute.pod_spec())
-        elif not isinstance(self.pod, PodSpec):
+        if not isinstance(self.pod, PodSpec):
             raise ConfigError(
-                f"DeploymentSpec.pod={self.pod!r} must be a ktlite.specs.podspec.PodSpec"
+                f"DeploymentSpec({self.name!r}).pod is a {type(self.pod).__name__}; it takes a "
+                "ktlite.specs.podspec.PodSpec (a kt.Compute gives its own: compute.pod_spec())"
             )
 
     @property

@@ -48,7 +48,8 @@ from ktlite.specs.deployment_spec import DeploymentSpec
 
 compute = kt.Compute(cpus=1, stream_logs=False).distribute("pytorch", workers=2, num_proc=2)
 remote = RemoteFunction(kt.fn(faults_mod.beat, name=name),
-                        attach(DeploymentSpec(name=name, compute=compute, kind="fn")))
+                        attach(DeploymentSpec(name=name, pod=compute.pod_spec(), kind="fn")),
+                        compute=compute)
 print("ATTACHED", flush=True)
 try:
     remote(d, tag, 60)

@@ -184,7 +184,9 @@ def test_broken_connection_to_a_worker_pod_is_never_retried(remote, tmp_path) ->
     backend._write(NAME, routed)
     try:
         via = RemoteFunction(
-            kt.fn(fm.beat, name=NAME), attach(DeploymentSpec(name=NAME, compute=COMPUTE, kind="fn"))
+            kt.fn(fm.beat, name=NAME),
+            attach(DeploymentSpec(name=NAME, pod=COMPUTE.pod_spec(), kind="fn")),
+            compute=COMPUTE,
         )
         assert via(str(tmp_path), "warm", 0) == [0, 1]
         call = fm.Call(via, str(tmp_path), "x", 30)

@@ -49,6 +49,7 @@ from ktlite_wire.frames import FRAME, RESULT, read_frames
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
 from ktlite_wire.launch import Launch
 from ktlite_wire.outcome import CallResult
+from ktlite_wire.plan import CallPlan
 from ktlite_wire.version import PROTOCOL_VERSION
 
 NAME = "hostile-srv"
@@ -790,7 +791,7 @@ def test_client_refuses_a_pod_speaking_another_protocol(fake_pod) -> None:
     text = str(info.value)
     assert "99" in text and PV in text and "9.9.9" in text, text
     # deploying onto it fails at once with the same error, not after launch_timeout
-    spec = DeploymentSpec(name="hostile-fake", compute=kt.Compute(launch_timeout=20))
+    spec = DeploymentSpec(name="hostile-fake", pod=kt.Compute(launch_timeout=20).pod_spec())
     applied = Applied(
         name="hostile-fake",
         backend="local",
@@ -819,7 +820,7 @@ def test_client_survives_a_frame_with_an_absurd_length(fake_pod) -> None:
         for length in ((1 << 64) - 1, 1 << 50):
             handler.call_body = FRAME.pack(RESULT, length) + b"abc"
             try:
-                client.call(url, {"id": "x"}, [b""], None)
+                client.call(url, CallPlan(id="x"), [b""], None)
             except (kt.PodUnreachable, ProtocolError):
                 continue
             except BaseException as e:  # noqa: BLE001
@@ -893,7 +894,7 @@ def test_token_not_in_reprs_or_errors(remote, srv, http, monkeypatch) -> None:
         with pytest.raises(kt.PodUnreachable) as unreachable:
             good.status(dead)
         with pytest.raises(kt.PodUnreachable) as unreachable_call:
-            good.call(dead, {"id": "x"}, [b""], None)
+            good.call(dead, CallPlan(id="x"), [b""], None)
     finally:
         good.close()
     errors += [unreachable.value, unreachable_call.value]

@@ -66,7 +66,7 @@ def wait_for(
 def test_hpa_form_end_to_end(settings, deployments, make_compute, kube):
     name = deployments.name("serve")
     compute = make_compute(launch_timeout=240).autoscale(min_scale=0, max_scale=3, concurrency=2)
-    spec = DeploymentSpec(name, compute, kind="cls")
+    spec = DeploymentSpec(name, compute.pod_spec(), kind="cls")
     backend = get_backend("kubernetes", namespace=settings.namespace)
     token = secrets.token_urlsafe(16)
     if backend.autoscaler(spec) != "hpa":

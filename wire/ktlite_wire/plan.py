@@ -1,87 +1,130 @@
 """The call plan: the ``x-ktlite-call`` header of ``POST /call`` (JSON), saying who runs a
-call and how. Decoding validates every field: a bad header is the caller's fault (400),
-never a crash on the pod.
+call and how. The caller builds one :class:`CallPlan` and sends :meth:`CallPlan.encode`; the
+pod decodes it with :func:`decode_plan`. Both run the same validation: a bad plan is the
+caller's fault (a ``ValueError``, answered 400), never a crash on the pod.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ktlite_wire import envelope, rankdata
 
 
+@dataclass
 class CallPlan:
-    """The ``x-ktlite-call`` header: who runs the call and how."""
+    """The ``x-ktlite-call`` header: who runs the call and how.
 
-    def __init__(self, meta: Any) -> None:
-        """Validate every field: a bad header is the caller's fault (400), never a crash."""
-        if not isinstance(meta, dict):
-            raise ValueError("the call plan must be a JSON object")
-        self.id = _str(meta, "id", required=True)
-        self.pods: list[str] = _list(meta, "pods", str)
-        self.names: list[str] = _list(meta, "names", str)
-        workers = meta.get("workers")
-        self.workers: list[int] | None = None if workers is None else _list(meta, "workers", int)
-        if self.workers is not None and (
-            not self.workers or not 0 <= min(self.workers) <= max(self.workers) < len(self.pods)
-        ):
-            raise ValueError(
-                f"workers={workers!r} must be pod indices between 0 and {len(self.pods) - 1}"
-            )
-        self.timeout = _number(meta, "timeout", None)
-        self.stream_logs = bool(meta.get("stream_logs", True))
-        self.restart = bool(meta.get("restart", False))
-        self.fanout = bool(meta.get("fanout", False))
+    Mutable on purpose: pod 0 stamps ``generation`` and ``group_port`` on the plan it got
+    before it fans the call out.
+    """
+
+    id: str
+    pods: list[str] = field(default_factory=list)  # every pod's URL, by ordinal
+    names: list[str] = field(default_factory=list)  # their names (for errors and logs)
+    workers: list[int] | None = None  # only these pods run it (None: all)
+    timeout: float | None = None  # the call's limit in seconds (None: none)
+    stream_logs: bool = True
+    restart: bool = False  # fresh rank processes before the call
+    fanout: bool = False  # this pod coordinates: it calls the other pods
+    quorum_timeout: float = 300.0  # how long the coordinator waits for every pod
+    num_proc: int | list[int] = 1  # ranks per pod: one number, or one per pod
+    launch_id: str = ""  # the code the caller deployed ("": whatever runs)
+    # same-host mode (local backend): arguments arrive, and results leave, as files
+    shm: list[Any] | None = None  # [path, size] of the arguments' file
+    shm_results: bool = False
+    # seconds a call waits for its caller to re-attach after the stream broke (callers behind
+    # a proxy ask for it); 0: a closed stream cancels the call at once. At most 120.
+    reattach: float = 0.0
+    ranks: list[int] | None = None  # only these global ranks run it
+    generation: int | None = None  # the process-group generation, set by pod 0
+    group_port: int | None = None  # its MASTER_PORT, picked by pod 0 (None: the first one)
+    # a per-rank call: the body is the shared message, then each rank's items
+    per_rank: dict[str, Any] | None = None
+    sizes: list[int] = field(init=False, repr=False, compare=False)  # ranks of each pod
+
+    def __post_init__(self) -> None:
+        self.id = _str("id", self.id, required=True)
+        self.pods = _list("pods", self.pods, str)
+        self.names = _list("names", self.names, str)
+        if self.workers is not None:
+            self.workers = _list("workers", self.workers, int)
+            if not self.workers or not 0 <= min(self.workers) <= max(self.workers) < len(self.pods):
+                raise ValueError(
+                    f"workers={self.workers!r} must be pod indices between 0 and "
+                    f"{len(self.pods) - 1}"
+                )
+        self.timeout = _seconds("timeout", self.timeout, None)
+        flags = (self.stream_logs, self.restart, self.fanout, self.shm_results)
+        if not _all_of(flags, bool):
+            for flag in ("stream_logs", "restart", "fanout", "shm_results"):
+                if type(getattr(self, flag)) is not bool:
+                    raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")
         if self.fanout and not self.pods:
             raise ValueError("a fan-out call needs its pods")
         if self.names and len(self.names) != len(self.pods):
             raise ValueError("names and pods differ in length")
-        self.quorum_timeout = _number(meta, "quorum_timeout", 300.0) or 300.0
-        num_proc = meta.get("num_proc") or 1
+        self.quorum_timeout = _seconds("quorum_timeout", self.quorum_timeout, 300.0) or 300.0
+        num_proc: Any = self.num_proc
+        if isinstance(num_proc, tuple):
+            num_proc = list(num_proc)
         sizes = num_proc if isinstance(num_proc, list) else [num_proc] * max(1, len(self.pods))
         if not sizes or not _all_of(sizes, int) or not 1 <= min(sizes) <= max(sizes) <= 4096:
             raise ValueError(
-                f"num_proc={num_proc!r} must be a whole number between 1 and 4096, or one per pod"
+                f"num_proc={self.num_proc!r} must be a whole number between 1 and 4096, or one "
+                "per pod"
             )
         if isinstance(num_proc, list) and self.pods and len(num_proc) != len(self.pods):
             raise ValueError(f"num_proc has {len(num_proc)} entries for {len(self.pods)} pods")
-        self.num_proc = num_proc
-        self.sizes: list[int] = sizes  # ranks of each pod
-        self.launch_id = _str(meta, "launch_id")  # the code the caller deployed
-        # same-host mode (local backend): arguments arrive, and results leave, as files
-        shm_arg = meta.get("shm")
-        if shm_arg is not None and not (isinstance(shm_arg, list) and len(shm_arg) == 2):
-            raise ValueError("shm must be [path, size]")
-        self.shm: list[Any] | None = shm_arg
-        self.shm_results = bool(meta.get("shm_results", False))
-        # seconds a call waits for its caller to re-attach after the stream broke (callers
-        # behind a proxy ask for it); 0: a closed stream cancels the call at once
-        self.reattach = min(_number(meta, "reattach", 0.0) or 0.0, 120.0)
-        ranks = meta.get("ranks")
-        self.ranks: list[int] | None = None if ranks is None else _list(meta, "ranks", int)
-        # the process-group generation, set by pod 0 (members get it in their plan)
-        generation = meta.get("generation")
-        if generation is not None and (
-            isinstance(generation, bool) or not isinstance(generation, int) or generation < 0
+        self.num_proc, self.sizes = num_proc, list(sizes)
+        self.launch_id = _str("launch_id", self.launch_id)
+        if self.shm is not None:
+            if not isinstance(self.shm, (list, tuple)) or len(self.shm) != 2:
+                raise ValueError("shm must be [path, size]")
+            self.shm = list(self.shm)
+        self.reattach = min(_seconds("reattach", self.reattach, 0.0, zero_ok=True) or 0.0, 120.0)
+        if self.ranks is not None:
+            self.ranks = _list("ranks", self.ranks, int)
+        if self.generation is not None and (
+            isinstance(self.generation, bool)
+            or not isinstance(self.generation, int)
+            or self.generation < 0
         ):
-            raise ValueError(f"generation={generation!r} must be a whole number")
-        self.generation: int | None = generation
-        group_port = meta.get(
-            "group_port"
-        )  # its MASTER_PORT, picked by pod 0 (None: the first one)
-        if group_port is not None and (
-            isinstance(group_port, bool)
-            or not isinstance(group_port, int)
-            or not 0 < group_port < 65536
+            raise ValueError(f"generation={self.generation!r} must be a whole number")
+        if self.group_port is not None and (
+            isinstance(self.group_port, bool)
+            or not isinstance(self.group_port, int)
+            or not 0 < self.group_port < 65536
         ):
-            raise ValueError(f"group_port={group_port!r} must be a TCP port")
-        self.group_port: int | None = group_port
-        # a per-rank call: the body is the shared message, then each rank's items
-        per_rank = meta.get("per_rank")
-        self.per_rank: dict[str, Any] | None = (
-            None if per_rank is None else rankdata.check_plan(per_rank)
-        )
+            raise ValueError(f"group_port={self.group_port!r} must be a TCP port")
+        if self.per_rank is not None:
+            self.per_rank = rankdata.check_plan(self.per_rank)
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> CallPlan:
+        """The plan from its decoded JSON object; a missing or null field is its default,
+        an unknown one is ignored (a newer caller's extra)."""
+        if not isinstance(meta, dict):
+            raise ValueError("the call plan must be a JSON object")
+        given = {k: v for k, v in meta.items() if v is not None and k in _KNOWN}
+        call_id: Any = given.pop("id", None)  # a missing one fails in __post_init__, naming it
+        return cls(id=call_id, **given)
+
+    def to_meta(self) -> dict[str, Any]:
+        """The plan as its JSON object: every field that is not its default."""
+        meta: dict[str, Any] = {"id": self.id}
+        for name in _FIELDS[1:]:  # the order of the fields, id first
+            value = getattr(self, name)
+            if value != _DEFAULTS[name]:
+                meta[name] = value
+        return meta
+
+    def encode(self) -> str:
+        """The header's text."""
+        return json.dumps(self.to_meta(), separators=(",", ":"))
 
     def name(self, i: int) -> str:
         """Pod ``i``'s name (its URL when the caller sent no names)."""
@@ -131,8 +174,7 @@ class CallPlan:
         return self.member_meta({"shared": shared, "items": items, "base": ranks.start}), body
 
 
-def _str(meta: dict[str, Any], key: str, required: bool = False) -> str:
-    value = meta.get(key)
+def _str(key: str, value: Any, required: bool = False) -> str:
     if value in (None, "") and not required:
         return ""
     if not isinstance(value, str) or not value or len(value) > 200:
@@ -142,7 +184,7 @@ def _str(meta: dict[str, Any], key: str, required: bool = False) -> str:
     return value
 
 
-def _all_of(values: list[Any], kind: type) -> bool:
+def _all_of(values: list[Any] | tuple[Any, ...], kind: type) -> bool:
     """Every value is exactly a ``kind`` (a bool is not an int). A loop, not all() over a
     generator: a plan is checked on every call, and its lists grow with the pods."""
     for v in values:  # noqa: SIM110 - see above
@@ -151,25 +193,36 @@ def _all_of(values: list[Any], kind: type) -> bool:
     return True
 
 
-def _list(meta: dict[str, Any], key: str, kind: type) -> list[Any]:
-    value = meta.get(key) or []
+def _list(key: str, value: Any, kind: type) -> list[Any]:
+    value = [] if value is None else value
+    if type(value) is tuple:  # built by the caller in Python; JSON gives lists
+        value = list(value)
     if type(value) is not list or not _all_of(value, kind):
         raise ValueError(f"{key} must be a list of {kind.__name__}")
     return value
 
 
-def _number(meta: dict[str, Any], key: str, default: float | None) -> float | None:
-    value = meta.get(key)
+def _seconds(key: str, value: Any, default: float | None, zero_ok: bool = False) -> float | None:
     if value is None:
         return default
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
-        or value <= 0
+        or value < 0
+        or (value == 0 and not zero_ok)
     ):
         raise ValueError(f"{key}={value!r} must be a positive number of seconds")
     return float(value)
+
+
+_FIELDS = tuple(f.name for f in fields(CallPlan) if f.init)
+_KNOWN = frozenset(_FIELDS)
+_DEFAULTS: dict[str, Any] = {
+    f.name: f.default_factory() if callable(f.default_factory) else f.default
+    for f in fields(CallPlan)
+    if f.init
+}
 
 
 def decode_plan(header: str) -> CallPlan:
@@ -178,4 +231,4 @@ def decode_plan(header: str) -> CallPlan:
         meta = envelope.loads_json(header)
     except RecursionError:
         raise ValueError("the call plan nests too deeply") from None
-    return CallPlan(meta)
+    return CallPlan.from_meta(meta)
