@@ -179,7 +179,12 @@ def test_a_stale_handle_cannot_push_its_older_launch_and_says_it_is_stale() -> N
         booted = next(ep for ep in grown.endpoints if ep.ordinal == 1)
         _wait_until(lambda: _ready(dep.client, booted.url), "the new replica to boot")
         # the first handle sees it (a replica it does not route to) and sends its own launch
-        old.scaler._bring_up(booted)
+        # (a step whose 1 s look at the replica timed out on a busy machine is taken again, as
+        # the scaling thread's next tick would)
+        _wait_until(
+            lambda: old.scaler._bring_up(booted) or old.pool.stale is not None,
+            "the first handle's push to be refused",
+        )
         with pytest.raises(kt.NotDeployedError, match="redeployed by another .to()") as stale:
             first()
         assert "generation 2" in str(stale.value) and "call .to() again" in str(stale.value)
