@@ -13,6 +13,9 @@ from typing import Any
 
 from ktlite_wire import envelope, rankdata
 
+# one encoder: json.dumps with any non-default argument builds a new JSONEncoder per call
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
 
 @dataclass
 class CallPlan:
@@ -124,7 +127,7 @@ class CallPlan:
 
     def encode(self) -> str:
         """The header's text."""
-        return json.dumps(self.to_meta(), separators=(",", ":"))
+        return _COMPACT.encode(self.to_meta())
 
     def name(self, i: int) -> str:
         """Pod ``i``'s name (its URL when the caller sent no names)."""
