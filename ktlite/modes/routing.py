@@ -45,7 +45,7 @@ from ktlite.errors import (
 from ktlite.modes.callpath import (
     CallOptions,
     CallPath,
-    call_plan,
+    CallPlans,
     pool,
     print_log,
     shm_arguments,
@@ -75,6 +75,7 @@ class Routing(Mode):
         self.pool = ReplicaSet()
         self.scaler = ReplicaScaler(dep, self.pool)
         self._pushing = threading.Lock()
+        self.plans = CallPlans()
 
     # ---- deploy -------------------------------------------------------------------------
 
@@ -285,7 +286,7 @@ class Routing(Mode):
         call_id = uuid.uuid4().hex
         if on_send is not None:
             on_send(call_id)
-        plan = call_plan(dep.spec, dep.launch_id, [ep], options, call_id=call_id, num_proc=1)
+        plan = self.plans.plan(dep.spec, dep.launch_id, [ep], options, call_id=call_id, num_proc=1)
         try:
             with shm_arguments(dep.applied, plan, parts) as sent:
                 log = (log or print_log) if plan.stream_logs else None
