@@ -6,7 +6,7 @@ A local pod is a process of this machine: no scheduler places it (``node_selecto
 ``service_template``), no container runtime runs an image (``image``'s base image and its
 ``pip_install`` / ``run_bash`` steps, ``image_pull_policy``, ``freeze``, ``working_dir``), and it
 shares this machine's ``/dev/shm``, disk and CPUs (``shared_memory``, ``cpu_limit``,
-``disk_size``, ``gpu_anti_affinity``). ``namespace`` and ``secrets`` do act locally (the data
+``disk_size``, ``gpu_anti_affinity``); it runs as the caller's user (``run_as_user``). ``namespace`` and ``secrets`` do act locally (the data
 store's namespace; secrets reach the ranks). docs/local_backend.md says what each field does
 locally.
 """
@@ -17,6 +17,7 @@ import warnings
 
 from ktlite.errors import LocalBackendWarning
 from ktlite.specs.images import DEFAULT_IMAGE
+from ktlite.specs.kube_options import DEFAULT_UID
 from ktlite.specs.podspec import PodSpec
 
 KUBE_ONLY = (
@@ -38,6 +39,7 @@ KUBE_ONLY = (
     "queue_name",
     "service_template",
     "freeze",
+    "run_as_user",
 )
 
 
@@ -49,6 +51,13 @@ def _setting(pod: PodSpec, name: str) -> object:
     return getattr(pod, name)
 
 
+def _is_set(name: str, value: object) -> bool:
+    """Whether the Compute sets field ``name`` to other than its default."""
+    if name == "run_as_user":  # a number whose default is not 0
+        return value != DEFAULT_UID
+    return value not in (None, "", {}, (), False)
+
+
 def unused_fields(pod: PodSpec, workers: int) -> list[str]:
     """The fields of ``pod`` (or of its Ray worker pods') that a local pod ignores."""
     found: list[str] = []
@@ -58,9 +67,7 @@ def unused_fields(pod: PodSpec, workers: int) -> list[str]:
             image.image_id != DEFAULT_IMAGE or any(kind != "env" for kind, _ in image.steps)
         ):
             found.append("image")
-        found += [
-            name for name in KUBE_ONLY if _setting(one, name) not in (None, "", {}, (), False)
-        ]
+        found += [name for name in KUBE_ONLY if _is_set(name, _setting(one, name))]
     return sorted(set(found), key=found.index)
 
 
