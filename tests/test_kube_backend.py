@@ -949,6 +949,7 @@ def test_plan_reads_no_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         "Secret",
         "Service",
         "PersistentVolumeClaim",
+        "NetworkPolicy",
         "StatefulSet",
     ]
     assert all(m["metadata"]["namespace"] == "team-a" for m in plan.manifests)
