@@ -114,3 +114,37 @@ def test_the_local_backend_still_hands_the_token_over_stdin(tmp_path: Path) -> N
         assert "KTLITE_TOKEN_FILE" not in remote()
     finally:
         remote.teardown()
+
+
+def test_a_server_told_to_read_stdin_ignores_a_token_file_it_inherited(tmp_path: Path) -> None:
+    """A rank on a Kubernetes pod that starts a local deployment of its own: that server gets
+    its token on stdin, and must not take the pod's token file from the inherited env."""
+    pod_token, own = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+    (tmp_path / "pod-token").write_text(pod_token)
+    ready = tmp_path / "ready.json"
+    argv = [sys.executable, "-m", "ktlite_server", "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(
+        [*argv, "--procs", "0", "--token-stdin", "--ready-file", str(ready)],
+        env=_server_env(KTLITE_TOKEN_FILE=str(tmp_path / "pod-token")),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(own.encode() + b"\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + WAIT
+        while not ready.exists():
+            assert proc.poll() is None, f"the server exited with {proc.returncode}"
+            assert time.monotonic() < deadline, f"no ready file in {WAIT:g}s"
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{json.loads(ready.read_text())['port']}/status"
+        for token, code in ((own, 200), (pod_token, 401)):
+            answer = httpx.get(url, headers={"x-ktlite-token": f"Bearer {token}"}, timeout=WAIT)
+            assert answer.status_code == code, (token == own, answer.text)
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        assert proc.stdin is not None
+        proc.stdin.close()

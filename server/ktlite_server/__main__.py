@@ -79,9 +79,15 @@ def _parse() -> argparse.Namespace:
 
 
 def _token(args: argparse.Namespace) -> str:
-    """The deployment token, from the first source given (file, stdin, then env)."""
-    token = os.environ.pop("KTLITE_TOKEN", "")  # gone from what the rank processes inherit
-    if args.token_file:
+    """The deployment token: from stdin when asked (a local or SSH server), else from the
+    token file, else from ``KTLITE_TOKEN``. Neither variable is left for the rank processes
+    to inherit: a rank that starts a deployment of its own (a local one, whose server reads
+    stdin) must not hand its server this pod's token file."""
+    token = os.environ.pop("KTLITE_TOKEN", "")
+    os.environ.pop("KTLITE_TOKEN_FILE", None)
+    if args.token_stdin:  # kept out of /proc/<pid>/environ, which env is not
+        token = sys.stdin.readline().strip()
+    elif args.token_file:
         try:
             with open(args.token_file, encoding="utf-8") as f:
                 token = f.read().strip()
@@ -93,8 +99,6 @@ def _token(args: argparse.Namespace) -> str:
             ) from None
         if not token:
             raise SystemExit(f"ktlite_server: the token file {args.token_file} is empty")
-    elif not token and args.token_stdin:  # kept out of /proc/<pid>/environ, which env is not
-        token = sys.stdin.readline().strip()
     if not token:
         raise SystemExit(
             "ktlite_server: no deployment token (--token-file, KTLITE_TOKEN_FILE, --token-stdin "

@@ -173,7 +173,7 @@ def what_user_code_sees() -> dict[str, Any]:
         except OSError as e:
             return [f"<unreadable: {e.strerror}>"]
 
-    token_file = os.environ.get("KTLITE_TOKEN_FILE", "")
+    token_file = "/var/run/ktlite/token/token"  # the server's; its env names it to no rank
     mode = stat.S_IMODE(os.stat(token_file).st_mode) if os.path.exists(token_file) else None
 
     def writable(path: str) -> bool:
@@ -195,7 +195,7 @@ def what_user_code_sees() -> dict[str, Any]:
         "env_names": sorted(os.environ),
         "pid1_env_names": environ_names("1"),
         "server_env_names": environ_names(str(os.getppid())),
-        "token_file": token_file,
+        "token_file_env": os.environ.get("KTLITE_TOKEN_FILE"),
         "token_file_mode": mode,
         "service_account_token": os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount"),
         "home": os.environ.get("HOME"),
