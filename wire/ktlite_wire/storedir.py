@@ -33,6 +33,7 @@ from ktlite_wire.errors import ErrorCode
 
 OBJECT_MAGIC = b"KTLITE-OBJECT-1\n"  # 16 bytes at the start of a stored Python object
 MAX_KEY = 1024
+MAX_SEGMENT = 255  # bytes of one segment in UTF-8: a file name's limit on every common filesystem
 CHUNK = 1 << 20
 _BAD_CHARS = ("\0", "\\")
 KINDS = ("file", "dir", "object")
@@ -78,6 +79,13 @@ def check_key(key: Any, *, what: str = "key", allow_root: bool = False) -> str:
             problem = "it has an empty segment ('//')"
         elif any(p in (".", "..") for p in parts):
             problem = "it has a '.' or '..' segment"
+        elif any(_unencodable(p) for p in parts):
+            problem = "it is not valid Unicode text (a lone surrogate)"
+        elif long := next((p for p in parts if len(p.encode()) > MAX_SEGMENT), None):
+            problem = (
+                f"its segment {long[:40]!r}... is {len(long.encode())} bytes long, over the "
+                f"{MAX_SEGMENT} bytes a segment may have (it is a file name in the store)"
+            )
     if problem:
         raise KeyRefused(
             f"{what}={key!r} is not a valid data store key: {problem}; keys are "
@@ -85,6 +93,14 @@ def check_key(key: Any, *, what: str = "key", allow_root: bool = False) -> str:
             "e.g. 'datasets/mnist'"
         )
     return norm
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def missing_text(key: str, where: str) -> str:
