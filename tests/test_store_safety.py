@@ -5,6 +5,7 @@ files) and the store server (``python -m ktlite_server`` in store mode, a real p
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 import ktlite as kt
+from ktlite.datastore.store import wipe
 from ktlite.errors import ConfigError
 from ktlite_wire.headers import ERROR_CODE_HEADER, TOKEN_HEADER, bearer
 from tests.test_store_limits import Store, store_server
@@ -73,3 +75,47 @@ def test_an_over_long_segment_is_refused_by_the_client_before_it_sends(home: Pat
         kt.put("a/" + "é" * 128, 1)  # 256 bytes in UTF-8
     kt.put("a/" + "é" * 127, 1)
     assert [e["name"] for e in kt.ls("a")] == ["é" * 127]
+
+
+# ---- the root: only an explicit wipe ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("root", ["", "/"])
+def test_rm_never_deletes_the_root_of_the_local_store(home: Path, root: str) -> None:
+    kt.put("a/b", 1)
+    kt.put("c", 2)
+    for recursive in (True, False):
+        with pytest.raises(ConfigError, match="root is not removed by rm.*`ktlite store wipe`"):
+            kt.rm(root, recursive=recursive)
+    assert [e["key"] for e in kt.ls()] == ["a", "c"]
+    assert wipe() == 2
+    assert kt.ls() == []
+
+
+def test_the_store_server_refuses_to_delete_its_root_and_wipes_on_the_explicit_call(
+    server: Store,
+) -> None:
+    auth = _auth(server.token)
+    assert httpx.put(f"{server.url}/store/v1/key?key=a/b", content=b"x", headers=auth).is_success
+    resp = httpx.delete(
+        f"{server.url}/store/v1/key", params={"key": "", "recursive": "1"}, headers=auth
+    )
+    assert resp.status_code == 400 and "`ktlite store wipe`" in resp.json()["detail"], resp.text
+    assert [e["key"] for e in httpx.get(f"{server.url}/store/v1/ls", headers=auth).json()] == ["a"]
+    resp = httpx.post(f"{server.url}/store/v1/wipe", headers=auth)
+    assert resp.json() == {"removed": 1}, resp.text
+    assert httpx.get(f"{server.url}/store/v1/ls", headers=auth).json() == []
+
+
+def test_store_wipe_asks_as_teardown_all_does(home: Path) -> None:
+    from test_store_cli import run
+
+    run(home, "put", "k", "--value", "A")
+    refused = run(home, "store", "wipe", ok=False)
+    assert refused.returncode == 2, refused
+    assert refused.stderr.startswith("ktlite: error: store wipe asks before it deletes every key")
+    assert "no terminal to ask on: pass --yes (-y)" in refused.stderr
+    assert run(home, "rm", "", "-r", ok=False).returncode == 1
+    assert json.loads(run(home, "get", "k").stdout) == "A"
+    assert "wiped (1 top-level key(s) removed)" in run(home, "store", "wipe", "-y").stdout
+    assert run(home, "ls").stdout == ""

@@ -28,7 +28,14 @@ from typing import Any
 
 from ktlite import config
 from ktlite.backends.registry import NAMES, backend_class, traits
-from ktlite.datastore.storedir import CHUNK, StoreDir, check_key, missing, tar_stream
+from ktlite.datastore.storedir import (
+    CHUNK,
+    ROOT_REFUSED,
+    StoreDir,
+    check_key,
+    missing,
+    tar_stream,
+)
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite.net.progress import Progress
 from ktlite_wire import codec
@@ -181,11 +188,28 @@ def rm(
     backend: str | None = None,
     verbose: bool = False,
 ) -> None:
-    """Delete ``key``; a directory only with ``recursive=True``."""
-    key = check_key(key, allow_root=recursive)
+    """Delete ``key``; a directory only with ``recursive=True``. Never the whole store
+    (``""`` or ``"/"``): that is :func:`wipe`, a separate call."""
+    if key in ("", "/"):
+        raise ConfigError(ROOT_REFUSED)
+    key = check_key(key)
     store = _open(backend, namespace, create=False)
     try:
         store.remove(key, recursive)
+    finally:
+        store.close()
+
+
+def wipe(*, namespace: str | None = None, backend: str | None = None) -> int:
+    """Delete every key of the namespace's store (``ktlite store wipe``, which asks first);
+    the number of top-level keys removed. Needs the store's full access (a deployment's pod
+    never has it)."""
+    store = _open(backend, namespace, create=False, absent_ok=True)
+    if store is None:
+        return 0
+    try:
+        removed: int = store.wipe()
+        return removed
     finally:
         store.close()
 
@@ -371,6 +395,9 @@ class _Local:
     def remove(self, key: str, recursive: bool) -> None:
         self.store.remove(key, recursive)
 
+    def wipe(self) -> int:
+        return self.store.wipe()
+
 
 class _Remote:
     def __init__(self, client: Any) -> None:
@@ -412,6 +439,10 @@ class _Remote:
 
     def remove(self, key: str, recursive: bool) -> None:
         self.client.remove(key, recursive)
+
+    def wipe(self) -> int:
+        removed: int = self.client.wipe()
+        return removed
 
 
 # ---- writing what arrives ----------------------------------------------------------------------

@@ -188,6 +188,19 @@ class StoreClient:
 
         self._run(f"rm {key!r}", attempt)
 
+    def wipe(self) -> int:
+        """Delete every key (the store's full token only); how many top-level keys went."""
+
+        def attempt() -> int:
+            resp = self.http.post(
+                self.url + PREFIX + "/wipe", headers=self._headers(), timeout=self._timeout()
+            )
+            self._check(resp, "wipe", None)
+            return int(resp.json()["removed"])
+
+        removed: int = self._run("wipe", attempt)
+        return removed
+
     def upload(
         self, key: str, kind: str, size: int, open_chunks: Callable[[], Iterator[bytes]]
     ) -> None:

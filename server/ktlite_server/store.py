@@ -11,7 +11,8 @@ keys go as the ``key`` query parameter and are checked by ``ktlite_wire.storedir
   for ``dir``), streamed to disk and renamed into place when complete → the entry
 - ``GET /store/v1/key?key=K`` → the value (a tar stream for a directory) with its exact
   Content-Length and the entry as JSON in ``x-ktlite-entry``
-- ``DELETE /store/v1/key?key=K&recursive=0|1``
+- ``DELETE /store/v1/key?key=K&recursive=0|1`` (never the root: 400)
+- ``POST /store/v1/wipe`` → ``{"removed": N}``: every key deleted (``ktlite store wipe``)
 
 Errors: 400 a bad key (JSON ``detail``), 401 a wrong token, 404 a missing key, 409 a key of
 another type, 413 a body declared larger than allowed (``KTLITE_STORE_MAX_BODY`` for a PUT,
@@ -152,6 +153,10 @@ def _endpoints(store: StoreDir) -> FastAPI:
             return await asyncio.to_thread(store.remove, key, recursive)
         except StoreFault as e:
             raise _fail(e) from None
+
+    @app.post(PREFIX + "/wipe")
+    async def wipe() -> dict[str, Any]:
+        return {"removed": await asyncio.to_thread(store.wipe)}
 
     @app.put(PREFIX + "/key")
     async def put(request: Request) -> dict[str, Any]:

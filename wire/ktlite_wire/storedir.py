@@ -37,6 +37,10 @@ MAX_SEGMENT = 255  # bytes of one segment in UTF-8: a file name's limit on every
 CHUNK = 1 << 20
 _BAD_CHARS = ("\0", "\\")
 KINDS = ("file", "dir", "object")
+ROOT_REFUSED = (
+    "the data store's root is not removed by rm (recursive or not): `ktlite store wipe` "
+    "deletes every key, after asking"
+)
 
 
 class StoreFault(Exception):
@@ -280,8 +284,11 @@ class StoreDir:
                 here.mkdir()
 
     def remove(self, key: str, recursive: bool = False) -> dict[str, Any]:
-        """Delete ``key`` (a directory only with ``recursive``; the root "" empties the store)."""
-        entry = self.entry(key) if key else {"key": "", "name": "", "type": "dir", "size": 0}
+        """Delete ``key`` (a directory only with ``recursive``). Never the root: emptying the
+        whole store is :meth:`wipe`, a separate call."""
+        if not key:
+            raise self.fault(ROOT_REFUSED, None, ErrorCode.BAD_REQUEST)
+        entry = self.entry(key)
         if entry is None:
             raise self.missing(key)
         if entry["type"] == "dir" and not recursive:
@@ -290,13 +297,6 @@ class StoreDir:
                 "remove it and everything under it",
                 key,
             )
-        if not key:
-            for child in list(self.data.iterdir()):
-                aside = self.staging()
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(child, aside)
-                    _remove(aside)
-            return entry
         aside = self.staging()
         try:
             os.rename(self.path(key), aside)
@@ -304,6 +304,17 @@ class StoreDir:
             raise self.missing(key) from None
         _remove(aside)
         return entry
+
+    def wipe(self) -> int:
+        """Delete every key (``ktlite store wipe``); the number of top-level keys removed."""
+        removed = 0
+        for child in list(self.data.iterdir()):
+            aside = self.staging()
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(child, aside)
+                _remove(aside)
+                removed += 1
+        return removed
 
 
 def _remove(path: Path) -> None:
