@@ -525,7 +525,9 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(
     kt.put(f"{tag}/tree", tree)
     closing: list[httpx.Client] = []
     remote = kt.fn(_in_rank, name=f"st-{tag}").to(
-        kt.Compute(cpus=0.1, launch_timeout=120).distribute("spmd", workers=2)
+        kt.Compute(cpus=0.1, launch_timeout=120, store_access={tag: "write"}).distribute(
+            "spmd", workers=2
+        )
     )
     try:
         results = remote(tag)
@@ -554,7 +556,9 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(
         stale = remote(tag)
         assert all(old_ip in r["error"] and "call .to() again" in r["error"] for r in stale), stale
         remote = kt.fn(_in_rank, name=f"st-{tag}").to(
-            kt.Compute(cpus=0.1, launch_timeout=120).distribute("spmd", workers=2)
+            kt.Compute(cpus=0.1, launch_timeout=120, store_access={tag: "write"}).distribute(
+                "spmd", workers=2
+            )
         )
         assert [r.get("error") for r in remote(tag)] == [None, None]
     finally:

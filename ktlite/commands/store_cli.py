@@ -9,7 +9,7 @@ from typing import Any
 
 from ktlite.backends.registry import backend_class, traits
 from ktlite.commands.confirmation import confirm
-from ktlite.datastore import store
+from ktlite.datastore import location, store
 from ktlite.errors import ConfigError
 from ktlite.net.progress import _size
 
@@ -61,7 +61,7 @@ def _rm(args: argparse.Namespace) -> int:
 
 
 def _kube(args: argparse.Namespace) -> Any:
-    name = store._backend_name(args.backend)
+    name = location.backend_name(args.backend)
     if traits(name).store != "pod":
         return None
     from ktlite.backends.kube_store import KubeStore
@@ -80,7 +80,7 @@ def _confirm(args: argparse.Namespace, what: str) -> int | None:
 
 def _wipe(args: argparse.Namespace) -> int:
     """Every key of the store deleted, after asking as ``ktlite teardown --all`` does."""
-    where = f"namespace {store._local_namespace(args.namespace)!r}"
+    where = f"namespace {location.local_namespace(args.namespace)!r}"
     if _kube(args) is not None and args.namespace:
         where = f"namespace {args.namespace!r}"
     refused = confirm(
@@ -120,7 +120,7 @@ def _store(args: argparse.Namespace) -> int:
         return 0
     if args.action == "create":
         address = kube.ensure(
-            timeout=store._timeout(),
+            timeout=location.timeout(),
             size=args.size,
             storage_class=args.storage_class,
             image=args.image,

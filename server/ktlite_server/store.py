@@ -45,8 +45,9 @@ from ktlite_server.connections import Limits, guarded
 from ktlite_server.logconfig import request_log
 from ktlite_server.refusal import refuse
 from ktlite_wire.errors import ErrorCode
-from ktlite_wire.headers import LENGTH_HEADER
+from ktlite_wire.headers import LENGTH_HEADER, TOKEN_HEADER
 from ktlite_wire.storedir import OBJECT_MAGIC, StoreDir, StoreFault, check_key
+from ktlite_wire.storescope import Scope, scope_of
 from ktlite_wire.version import PROTOCOL_VERSION
 
 PREFIX = "/store/v1"
@@ -60,6 +61,46 @@ class StoreGate(Gate):
     large_bodies = frozenset({PREFIX + "/key"})
     token_name = "store token"
     body_limit_name = "KTLITE_STORE_MAX_BODY"
+
+
+class StoreKey(Token):
+    """The store's master key: the full token, and the key scoped tokens are checked with
+    (:mod:`ktlite_wire.storescope`); never shown."""
+
+    def __init__(self, master: str) -> None:
+        super().__init__(master)
+        self._master = master
+
+    def scope(self, header: bytes | str | None) -> Scope | None:
+        """What the token of a request's header reaches; None for no valid token."""
+        if isinstance(header, str):
+            header = header.encode("latin-1", "replace")
+        if not header or not header.startswith(b"Bearer "):
+            return None
+        return scope_of(self._master, header[len(b"Bearer ") :].decode("latin-1"))
+
+    def matches(self, header: bytes | None) -> bool:
+        return self.scope(header) is not None
+
+
+_GRANT_FIX = (
+    "grant it from your machine with kt.Compute(store_access={prefix: 'read' or 'write'}) "
+    "and call .to() again"
+)
+
+
+def allowed(scope: Scope, key: str, write: bool) -> None:
+    """Refuse (403) a key outside what the request's token reaches."""
+    if (scope.may_write if write else scope.may_read)(key):
+        return
+    verb = "write" if write else "read"
+    what = f"key {key!r}" if key else "the store's root (every key)"
+    raise refuse(
+        403,
+        ErrorCode.FORBIDDEN,
+        f"{scope.describe()} may not {verb} {what}" + ("" if not key else f"; {_GRANT_FIX}"),
+        headers={"connection": "close"},
+    )
 
 
 def store_limits(environ: Mapping[str, str] = os.environ) -> Limits:
@@ -106,13 +147,21 @@ class _BodyReader:
 
 def create_store_app(root: str, token: str, limits: Limits | None = None) -> StoreGate:
     """The store server's ASGI app: its endpoints behind the gate that refuses from the head."""
-    app = _endpoints(StoreDir(root, where="of this namespace (the ktlite-store pod)"))
-    return StoreGate(app, Token(token), limits or store_limits(), pod_name="ktlite-store")
+    key = StoreKey(token)
+    app = _endpoints(StoreDir(root, where="of this namespace (the ktlite-store pod)"), key)
+    return StoreGate(app, key, limits or store_limits(), pod_name="ktlite-store")
 
 
-def _endpoints(store: StoreDir) -> FastAPI:
-    """The store's endpoints; every request reaching them carries the token (the gate's)."""
+def _endpoints(store: StoreDir, master: StoreKey) -> FastAPI:
+    """The store's endpoints; every request reaching them carries a valid token (the gate's),
+    and each checks that the token's scope reaches its key."""
     app = FastAPI(title="ktlite data store", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def may(request: Request, key: str, write: bool = False) -> None:
+        scope = master.scope(request.headers.get(TOKEN_HEADER))
+        if scope is None:  # the gate admitted it: only a token changed under us
+            raise refuse(401, ErrorCode.UNAUTHORIZED, "missing or wrong store token")
+        allowed(scope, key, write)
 
     def key_of(request: Request, name: str = "key", allow_root: bool = False) -> str:
         try:
@@ -127,6 +176,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
     @app.get(PREFIX + "/stat")
     async def stat(request: Request) -> dict[str, Any]:
         key = key_of(request)
+        may(request, key)
         entry = await asyncio.to_thread(store.entry, key)
         if entry is None:
             raise _fail(
@@ -139,6 +189,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
     @app.get(PREFIX + "/ls")
     async def ls(request: Request) -> JSONResponse:
         prefix = key_of(request, "prefix", allow_root=True)
+        may(request, prefix)
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
             return JSONResponse(await asyncio.to_thread(store.ls, prefix, recursive))
@@ -148,6 +199,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
     @app.delete(PREFIX + "/key")
     async def remove(request: Request) -> dict[str, Any]:
         key = key_of(request, allow_root=True)
+        may(request, key, write=True)
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
             return await asyncio.to_thread(store.remove, key, recursive)
@@ -155,12 +207,14 @@ def _endpoints(store: StoreDir) -> FastAPI:
             raise _fail(e) from None
 
     @app.post(PREFIX + "/wipe")
-    async def wipe() -> dict[str, Any]:
+    async def wipe(request: Request) -> dict[str, Any]:
+        may(request, "", write=True)
         return {"removed": await asyncio.to_thread(store.wipe)}
 
     @app.put(PREFIX + "/key")
     async def put(request: Request) -> dict[str, Any]:
         key = key_of(request)
+        may(request, key, write=True)
         kind = request.query_params.get("kind", "file")
         if kind not in ("file", "object", "dir"):
             raise refuse(400, ErrorCode.BAD_REQUEST, f"kind={kind!r}; allowed: file, object, dir")
@@ -245,6 +299,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
     @app.get(PREFIX + "/key")
     async def get(request: Request) -> Response:
         key = key_of(request)
+        may(request, key)
         try:
             entry = await asyncio.to_thread(store.entry, key)
             if entry is None:
@@ -319,9 +374,14 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
             asyncio.run(run())
 
 
+# what a deploy message brings about the store: its address, the deployment's scoped token,
+# its name and the signing keys of its prefixes (ktlite.datastore.location.handoff)
+_HANDED = ("url", "token", "pod", "namespace", "name", "keys", "writes")
+
+
 def remember(info: Any, pod_ips_file: str) -> None:
     """Keep the store address a deploy message brought (for this pod's ranks; mode 0600: it
-    holds the store token); ``{"url": None}`` means the namespace has no store (any old
+    holds the deployment's store token and signing keys); ``{"url": None}`` means the namespace has no store (any old
     address goes); a message without one changes nothing."""
     from ktlite_wire.storedir import address_file
 
@@ -335,5 +395,5 @@ def remember(info: Any, pod_ips_file: str) -> None:
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({k: info.get(k) for k in ("url", "token", "pod", "namespace")}, f)
+        json.dump({k: info.get(k) for k in _HANDED}, f)
     os.replace(tmp, path)
