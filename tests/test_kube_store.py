@@ -351,10 +351,12 @@ def test_teardown_of_a_deployment_leaves_the_store(
     cluster.backend.teardown("ktlite-other")
     assert cluster.names("statefulsets") == ["ktlite-store"]
     assert cluster.store.teardown() is True
-    assert cluster.names("statefulsets") == [] and cluster.names("secrets") == []
-    assert cluster.names("persistentvolumeclaims") == ["ktlite-store"]  # the data stays
+    assert cluster.names("statefulsets") == []
+    # the data stays, and the key that signed its objects with it
+    assert cluster.names("persistentvolumeclaims") == ["ktlite-store"]
+    assert cluster.names("secrets") == ["ktlite-store-token"]
     assert cluster.store.teardown(volumes=True) is True
-    assert cluster.names("persistentvolumeclaims") == []
+    assert cluster.names("persistentvolumeclaims") == [] and cluster.names("secrets") == []
     assert cluster.store.teardown() is False
 
 
@@ -583,6 +585,9 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(
     assert "none" in _cli("store", "status").stdout
     with pytest.raises(DataStoreError, match="no data store in namespace 'default' yet"):
         kt.get("cli/k")
+    # made again over the kept claim: the same key, so the objects it holds still verify
+    assert _cli("store", "create").returncode == 0
+    assert json.loads(_cli("get", "cli/k").stdout) == "v"
     for client in closing:
         client.close()
 

@@ -319,3 +319,24 @@ def test_the_local_store_signs_its_objects_and_refuses_planted_ones(
     ):
         kt.get("runs/moved")
     assert not ran.exists()
+
+
+def test_store_access_is_checked_at_construction_and_does_not_reshape_the_pods() -> None:
+    from ktlite.specs.deployment_spec import DeploymentSpec
+
+    compute = kt.Compute(backend="kubernetes", store_access={"datasets/": "read", "out": "write"})
+    assert compute.kubernetes.store_access == (("datasets", "read"), ("out", "write"))
+    listed = kt.Compute(backend="kubernetes", store_access=["datasets", "b"])
+    assert listed.kubernetes.store_access == (("b", "read"), ("datasets", "read"))
+    for bad, why in (
+        ({"": "read"}, "cannot grant the data store's root"),
+        (["/"], "cannot grant the data store's root"),
+        ({"a": "admin"}, "store_access\\['a'\\]='admin'; allowed: 'read', 'write'"),
+        ({"a/../b": "read"}, "not a valid data store key"),
+        ("datasets", "must map data store prefixes"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            kt.Compute(backend="kubernetes", store_access=bad)
+    plain = DeploymentSpec("d", pod=kt.Compute(backend="kubernetes").pod_spec())
+    shared = DeploymentSpec("d", pod=compute.pod_spec())
+    assert plain.pod_hash() == shared.pod_hash()  # a grant travels with the code, not the pods

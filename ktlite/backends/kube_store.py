@@ -6,7 +6,8 @@ down unless asked), and a StatefulSet ``ktlite-store`` of one pod running the kt
 image with ``KTLITE_STORE_ROOT=/store`` (``ktlite_server.store``). They are labelled
 ``ktlite.dev/store=ktlite-store`` and not ``ktlite.dev/name`` nor managed-by ``ktlite``: the
 store is no deployment, so ``ktlite list`` does not show it and ``ktlite teardown --all``
-leaves it alone; ``ktlite store teardown`` removes it.
+leaves it alone; ``ktlite store teardown`` removes its pod (and, with ``--volumes``, the claim
+and the Secret, whose key signs the stored objects: they go together).
 
 Reaching it: from outside the cluster through the API server's pod proxy; from a pod by the
 store pod's IP (no cluster DNS, no kube-proxy). Pods cannot ask the API for that IP, so the
@@ -414,12 +415,14 @@ class KubeStore:
         return None
 
     def teardown(self, volumes: bool = False) -> bool:
-        """Delete the store (its data too with ``volumes``); True if something was there."""
+        """Delete the store (its data too with ``volumes``); True if something was there. The
+        Secret goes with the data only: its key signs the stored objects, so a store made again
+        over the kept claim must have the same key to read them back."""
         api = self.api
         found = api.delete("StatefulSet", NAME)
         found |= api.delete("Pod", POD)
-        found |= api.delete("Secret", SECRET)
         if volumes:
+            found |= api.delete("Secret", SECRET)
             found |= api.delete("PersistentVolumeClaim", CLAIM)
         return found
 
