@@ -98,6 +98,10 @@ def test_render_names_objects_and_keeps_the_token_out_of_the_plan() -> None:
         "key": "token",
     }
     assert env["KTLITE_STORE_ROOT"]["value"] == ks.ROOT
+    assert env["KTLITE_STORE_MAX_BYTES"]["value"] == str(5 << 30)  # the claim's size
+    capped = ks.render("team", image="i", install="k", token=None, max_bytes=1000)[2]
+    capped_env = capped["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "KTLITE_STORE_MAX_BYTES", "value": "1000"} in capped_env
     assert container["imagePullPolicy"] == "Never" and container["image"] == "img:1"
     assert {"name": "data", "mountPath": ks.ROOT} in container["volumeMounts"]
     assert sts["spec"]["replicas"] == 1

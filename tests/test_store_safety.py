@@ -21,7 +21,7 @@ from ktlite.datastore.store import wipe
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite_wire import codec
 from ktlite_wire.headers import ERROR_CODE_HEADER, TOKEN_HEADER, bearer
-from ktlite_wire.storedir import OBJECT_MAGIC
+from ktlite_wire.storedir import OBJECT_MAGIC, tar_stream
 from ktlite_wire.storescope import Grant, mint
 from tests.test_store_limits import Store, store_server
 
@@ -340,3 +340,65 @@ def test_store_access_is_checked_at_construction_and_does_not_reshape_the_pods()
     plain = DeploymentSpec("d", pod=kt.Compute(backend="kubernetes").pod_spec())
     shared = DeploymentSpec("d", pod=compute.pod_spec())
     assert plain.pod_hash() == shared.pod_hash()  # a grant travels with the code, not the pods
+
+
+# ---- a cap on what the store holds --------------------------------------------------------------
+
+CAP = 1000  # KTLITE_STORE_MAX_BYTES of the stores below
+
+
+def _left_behind(root: Path) -> list[str]:
+    return [p.name for p in (root / "tmp").iterdir()]
+
+
+def test_the_store_server_refuses_an_upload_over_its_cap_before_and_while_it_streams(
+    tmp_path: Path,
+) -> None:
+    with store_server(tmp_path, KTLITE_STORE_MAX_BYTES=str(CAP)) as server:
+        url, auth = f"{server.url}/store/v1/key", _auth(server.token)
+        assert httpx.put(url, params={"key": "a"}, content=b"a" * 600, headers=auth).is_success
+        # declared: refused before its body is read
+        resp = httpx.put(url, params={"key": "b"}, content=b"b" * 600, headers=auth)
+        assert _status(resp) == (507, "store_full"), resp.text
+        detail = resp.json()["detail"]
+        assert "storing 'b' (600 bytes) on top of the 600 bytes it holds" in detail
+        assert f"cap of {CAP} bytes (KTLITE_STORE_MAX_BYTES)" in detail, detail
+
+        # chunked, declaring nothing: refused once what arrived goes over
+        def chunks() -> Iterator[bytes]:
+            yield from (b"c" * 150 for _ in range(4))
+
+        resp = httpx.put(url, params={"key": "c"}, content=chunks(), headers=auth)
+        assert _status(resp) == (507, "store_full") and "so far" in resp.json()["detail"]
+        tar_size, tar = tar_stream(_small_tree(tmp_path / "tree"))
+        assert tar_size > CAP - 600
+        resp = httpx.put(url, params={"key": "d", "kind": "dir"}, content=iter(tar), headers=auth)
+        assert _status(resp) == (507, "store_full"), resp.text
+        keys = [e["key"] for e in httpx.get(f"{server.url}/store/v1/ls", headers=auth).json()]
+        assert keys == ["a"] and _left_behind(server.root) == []
+        assert httpx.put(url, params={"key": "e"}, content=b"e" * 400, headers=auth).is_success
+
+
+def _small_tree(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "f").write_bytes(b"f" * 300)
+    return root
+
+
+def test_the_local_store_applies_the_same_cap(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KTLITE_STORE_MAX_BYTES", str(CAP))
+    (tmp_path / "f").write_bytes(b"x" * 600)
+    kt.put("f", tmp_path / "f")
+    with pytest.raises(DataStoreError, match=f"cap of {CAP} bytes \\(KTLITE_STORE_MAX_BYTES\\)"):
+        kt.put("g", tmp_path / "f")
+    with pytest.raises(DataStoreError, match="KTLITE_STORE_MAX_BYTES"):
+        kt.put("t", _small_tree(tmp_path / "tree"))
+    with pytest.raises(DataStoreError, match="KTLITE_STORE_MAX_BYTES"):
+        kt.put("o", data="o" * 600)
+    assert [e["key"] for e in kt.ls()] == ["f"]
+    assert _left_behind(home / "store" / "default") == []
+    monkeypatch.setenv("KTLITE_STORE_MAX_BYTES", "lots")
+    with pytest.raises(ConfigError, match="KTLITE_STORE_MAX_BYTES='lots': must be a positive"):
+        kt.put("h", 1)

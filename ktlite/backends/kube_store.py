@@ -32,6 +32,7 @@ from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
 from ktlite.errors import DataStoreError, KtliteError
 from ktlite.logconfig import pod_env
+from ktlite.specs.quantities import parse_memory
 
 NAME = "ktlite-store"
 SECRET = "ktlite-store-token"
@@ -71,9 +72,11 @@ def render(
     size: str = DEFAULT_SIZE,
     storage_class: str | None = None,
     pull_policy: str | None = None,
+    max_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """Pure: the store's objects, in apply order (the Secret holds a placeholder without
-    ``token``, for printing)."""
+    ``token``, for printing). The store refuses uploads beyond ``max_bytes`` in all
+    (``KTLITE_STORE_MAX_BYTES``; default: the claim's size)."""
     meta = {"namespace": namespace, "labels": dict(LABELS)}
     secret = {
         "apiVersion": "v1",
@@ -97,6 +100,7 @@ def render(
     env = [
         {"name": "KTLITE_TOKEN", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "token"}}},
         {"name": "KTLITE_STORE_ROOT", "value": ROOT},
+        {"name": "KTLITE_STORE_MAX_BYTES", "value": str(max_bytes or parse_memory(size, "size"))},
         {"name": "KTLITE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KTLITE_PORT", "value": str(km.SERVER_PORT)},
         {"name": "KTLITE_INSTALL", "value": install},
@@ -147,6 +151,17 @@ def render(
         },
     }
     return [secret, claim, sts]
+
+
+def _max_bytes() -> int | None:
+    """``KTLITE_STORE_MAX_BYTES`` of this process, for a store it creates (None: the claim's
+    size)."""
+    from ktlite_wire.storecap import max_bytes
+
+    try:
+        return max_bytes(os.environ)
+    except ValueError as e:
+        raise DataStoreError(str(e)) from None
 
 
 def _token(secret: dict[str, Any] | None) -> str | None:
@@ -231,6 +246,7 @@ class KubeStore:
             size=size or os.environ.get("KTLITE_STORE_SIZE") or DEFAULT_SIZE,
             storage_class=storage_class or os.environ.get("KTLITE_STORE_STORAGE_CLASS") or None,
             pull_policy=setting("image_pull_policy"),
+            max_bytes=_max_bytes(),
         )
         missing = [o for o in objects if api.get(o["kind"], o["metadata"]["name"]) is None]
         created: list[str] = []  # the kinds this call made (each named NAME, SECRET or CLAIM)

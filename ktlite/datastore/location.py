@@ -24,6 +24,7 @@ from ktlite.datastore.signing import Signer
 from ktlite.datastore.storedir import StoreDir
 from ktlite.datastore.stores import LocalStore, RemoteStore
 from ktlite.errors import ConfigError, DataStoreError
+from ktlite_wire.storecap import max_bytes
 from ktlite_wire.storescope import Grant, mint
 
 
@@ -65,7 +66,11 @@ def open_store(
     if kind == "directory":
         root = local_root(namespace)
         store = StoreDir(root, where=f"of namespace {local_namespace(namespace)!r} ({root})")
-        return LocalStore(store, Signer.full(local_master(root)))
+        try:
+            cap = max_bytes(os.environ)  # the same cap as the store server's
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return LocalStore(store, Signer.full(local_master(root)), cap)
     if kind is None:
         raise DataStoreError(
             f"the data store is not available on the {name} backend; use backend='local' "

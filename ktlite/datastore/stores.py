@@ -10,8 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from ktlite.datastore.signing import Signer
-from ktlite.datastore.storedir import CHUNK, StoreDir, missing, open_reader, tar_stream
+from ktlite.datastore.storedir import (
+    CHUNK,
+    StoreDir,
+    StoreFault,
+    missing,
+    open_reader,
+    tar_stream,
+    translate,
+)
 from ktlite.net.progress import Progress
+from ktlite_wire.storecap import Cap
 
 Receive = Callable[[dict[str, Any], Iterator[bytes]], Any]
 
@@ -25,17 +34,36 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
 class LocalStore:
     """A store directory of this machine (the local backend's), used in this process."""
 
-    def __init__(self, store: StoreDir, signer: Signer) -> None:
+    def __init__(self, store: StoreDir, signer: Signer, cap: int | None = None) -> None:
         self.store = store
         self.signer = signer
+        self.cap = cap  # KTLITE_STORE_MAX_BYTES, as the store server applies it
 
     def close(self) -> None:
         pass
 
-    def put_file(self, key: str, path: Path) -> None:
-        progress = Progress(f"put {key}", path.stat().st_size)
+    def _room(self, key: str, size: int) -> Cap:
         try:
-            self.store.write(key, progress.wrap(_file_chunks(path)))
+            return Cap(self.store, key, self.cap, size)
+        except StoreFault as e:
+            raise translate(e) from None
+
+    def _write(self, key: str, size: int, write: Callable[[Cap], Any]) -> None:
+        room = self._room(key, size)
+        try:
+            write(room)
+        except StoreFault as e:  # over the cap while it streamed: the store removed its staging
+            raise translate(e) from None
+
+    def put_file(self, key: str, path: Path) -> None:
+        size = path.stat().st_size
+        progress = Progress(f"put {key}", size)
+        try:
+            self._write(
+                key,
+                size,
+                lambda room: self.store.write(key, room.count(progress.wrap(_file_chunks(path)))),
+            )
         finally:
             progress.close()
 
@@ -43,12 +71,20 @@ class LocalStore:
         size, chunks = tar_stream(path)
         progress = Progress(f"put {key}", size)
         try:
-            self.store.write_tar(key, open_reader(progress.wrap(chunks)))
+            self._write(
+                key,
+                size,
+                lambda room: self.store.write_tar(
+                    key, open_reader(room.count(progress.wrap(chunks)))
+                ),
+            )
         finally:
             progress.close()
 
     def put_object(self, key: str, data: bytes) -> None:
-        self.store.write(key, [data], kind="object")
+        self._write(
+            key, len(data), lambda room: self.store.write(key, room.count([data]), kind="object")
+        )
 
     def fetch(self, key: str, receive: Receive) -> Any:
         entry = self.store.entry(key)

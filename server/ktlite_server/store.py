@@ -14,9 +14,11 @@ keys go as the ``key`` query parameter and are checked by ``ktlite_wire.storedir
 - ``DELETE /store/v1/key?key=K&recursive=0|1`` (never the root: 400)
 - ``POST /store/v1/wipe`` → ``{"removed": N}``: every key deleted (``ktlite store wipe``)
 
-Errors: 400 a bad key (JSON ``detail``), 401 a wrong token, 404 a missing key, 409 a key of
-another type, 413 a body declared larger than allowed (``KTLITE_STORE_MAX_BODY`` for a PUT,
-1 TiB by default; no body for the rest).
+Errors: 400 a bad key (JSON ``detail``), 401 a wrong token, 403 a key outside the token's
+scope (:mod:`ktlite_wire.storescope`), 404 a missing key, 409 a key of another type, 413 a body
+declared larger than allowed (``KTLITE_STORE_MAX_BODY`` for a PUT, 1 TiB by default; no body
+for the rest), 507 an upload that would take the store over ``KTLITE_STORE_MAX_BYTES``
+(:mod:`ktlite_wire.storecap`; checked before the body is read and while it streams).
 
 The token and the declared size are checked from the request head, before the endpoint runs,
 by the pod server's own gate (:class:`ktlite_server.admission.Gate`): a refused request's
@@ -46,6 +48,7 @@ from ktlite_server.logconfig import request_log
 from ktlite_server.refusal import refuse
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import LENGTH_HEADER, TOKEN_HEADER
+from ktlite_wire.storecap import Cap, max_bytes
 from ktlite_wire.storedir import OBJECT_MAGIC, StoreDir, StoreFault, check_key
 from ktlite_wire.storescope import Scope, scope_of
 from ktlite_wire.version import PROTOCOL_VERSION
@@ -111,12 +114,21 @@ def store_limits(environ: Mapping[str, str] = os.environ) -> Limits:
     return dataclasses.replace(Limits.from_env(environ), max_body=int(raw))
 
 
-_STATUS = {ErrorCode.BAD_REQUEST: 400, ErrorCode.NOT_FOUND: 404}
+_STATUS = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.STORE_FULL: 507,
+}
 
 
 def _fail(e: StoreFault) -> HTTPException:
     """The answer to a store fault: by its code, never by its text."""
-    return refuse(_STATUS.get(e.code, 409), e.code, str(e))
+    status = _STATUS.get(e.code, 409)
+    # a refused upload's body is left unread: the connection cannot carry another request
+    return refuse(
+        status, e.code, str(e), headers={"connection": "close"} if status == 507 else None
+    )
 
 
 class _BodyReader:
@@ -145,14 +157,17 @@ class _BodyReader:
         return out
 
 
-def create_store_app(root: str, token: str, limits: Limits | None = None) -> StoreGate:
-    """The store server's ASGI app: its endpoints behind the gate that refuses from the head."""
+def create_store_app(
+    root: str, token: str, limits: Limits | None = None, cap: int | None = None
+) -> StoreGate:
+    """The store server's ASGI app: its endpoints behind the gate that refuses from the head.
+    ``cap``: the bytes the store may hold (``KTLITE_STORE_MAX_BYTES``; None: no cap)."""
     key = StoreKey(token)
-    app = _endpoints(StoreDir(root, where="of this namespace (the ktlite-store pod)"), key)
+    app = _endpoints(StoreDir(root, where="of this namespace (the ktlite-store pod)"), key, cap)
     return StoreGate(app, key, limits or store_limits(), pod_name="ktlite-store")
 
 
-def _endpoints(store: StoreDir, master: StoreKey) -> FastAPI:
+def _endpoints(store: StoreDir, master: StoreKey, cap: int | None = None) -> FastAPI:
     """The store's endpoints; every request reaching them carries a valid token (the gate's),
     and each checks that the token's scope reaches its key."""
     app = FastAPI(title="ktlite data store", docs_url=None, redoc_url=None, openapi_url=None)
@@ -221,9 +236,11 @@ def _endpoints(store: StoreDir, master: StoreKey) -> FastAPI:
         length = request.headers.get(LENGTH_HEADER) or request.headers.get("content-length")
         expected_size = int(length) if length and length.isdigit() else None
         try:
+            # before any of the body is read: what the store holds and what is declared
+            room = await asyncio.to_thread(Cap, store, key, cap, expected_size)
             if kind == "dir":
-                return await _put_tar(request, key)
-            return await _put_file(request, key, kind, expected_size)
+                return await _put_tar(request, key, room)
+            return await _put_file(request, key, kind, expected_size, room)
         except StoreFault as e:
             raise _fail(e) from None
         except ClientDisconnect:
@@ -232,7 +249,7 @@ def _endpoints(store: StoreDir, master: StoreKey) -> FastAPI:
             ) from None
 
     async def _put_file(
-        request: Request, key: str, kind: str, expected_size: int | None
+        request: Request, key: str, kind: str, expected_size: int | None, room: Cap
     ) -> dict[str, Any]:
         staged = store.staging()
         got = 0
@@ -241,6 +258,7 @@ def _endpoints(store: StoreDir, master: StoreKey) -> FastAPI:
                 if kind == "object":
                     f.write(OBJECT_MAGIC)
                 async for chunk in request.stream():
+                    room.add(len(chunk))  # StoreFull once over the cap: the staged file goes
                     f.write(chunk)
                     got += len(chunk)
                 if expected_size is not None and got != expected_size:
@@ -260,7 +278,7 @@ def _endpoints(store: StoreDir, master: StoreKey) -> FastAPI:
         assert entry is not None
         return entry
 
-    async def _put_tar(request: Request, key: str) -> dict[str, Any]:
+    async def _put_tar(request: Request, key: str, room: Cap) -> dict[str, Any]:
         reader = _BodyReader()
         result: dict[str, Any] = {}
 
@@ -278,6 +296,7 @@ def _endpoints(store: StoreDir, master: StoreKey) -> FastAPI:
         thread.start()
         try:
             async for chunk in request.stream():
+                room.add(len(chunk))  # over the cap: the unpacking stops, its staging goes
                 await asyncio.to_thread(reader.q.put, chunk)
             await asyncio.to_thread(reader.q.put, _END)
         except BaseException as e:
@@ -337,9 +356,10 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
 
     try:
         limits = store_limits()  # bounded heads, header and idle timeouts, a connection cap
+        cap = max_bytes(os.environ)  # KTLITE_STORE_MAX_BYTES: what the whole store may hold
     except ValueError as e:
         raise SystemExit(f"ktlite_server: {e}") from None
-    app = request_log(create_store_app(root, token, limits))  # each request at DEBUG
+    app = request_log(create_store_app(root, token, limits, cap))  # each request at DEBUG
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

@@ -213,6 +213,10 @@ class StoreDir:
             raise self.fault(f"key {key!r} holds a file, not a directory", key)
         return tar_stream(base)
 
+    def used(self) -> int:
+        """Bytes the store holds: its values and the uploads in progress."""
+        return _tree_size(self.data) + _tree_size(self.tmp)
+
     # ---- writing ------------------------------------------------------------------------
 
     def staging(self) -> Path:
