@@ -9,6 +9,11 @@ Where the values live:
   first ``put`` (``ktlite.backends.kube_store``); inside a pod, at the address the client
   handed the pod when it pushed the deployment's code.
 
+On Kubernetes a deployment's pods reach their own prefix and what ``store_access`` shares
+(:mod:`ktlite.datastore.location`); objects are signed by their writer and checked before they
+are unpickled (:mod:`ktlite.datastore.signing`); ``rm`` never deletes the root (:func:`wipe`
+does).
+
 What a value is: ``put(key, src)`` with ``src`` a ``str`` or ``os.PathLike`` stores that file
 or directory (it must exist: a typo never becomes a stored string); any other ``src`` (or
 ``data=``, which also takes strings) is a Python object stored by value (cloudpickle, tensors
