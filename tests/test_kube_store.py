@@ -507,13 +507,24 @@ def _in_rank(tag: str) -> dict[str, Any]:
     try:
         kt.put(f"{tag}/rank-{rank}", {"rank": rank})
         path = kt.get(f"{tag}/tree", f"/tmp/{tag}-{rank}")
-        return {
+        out = {
             "rank": rank,
             "config": kt.get(f"{tag}/config"),
             "files": sorted(p.name for p in path.iterdir()),
         }
     except DataStoreError as e:
         return {"rank": rank, "error": str(e)}
+    try:  # its token reaches its grants only: never the root, nor another prefix
+        kt.ls()
+        out["root"] = "listed"
+    except DataStoreError as e:
+        out["root"] = str(e)
+    try:
+        kt.put("elsewhere/x", 1)
+        out["elsewhere"] = "written"
+    except DataStoreError as e:
+        out["elsewhere"] = str(e)
+    return out
 
 
 @pytest.mark.timeout(240)
@@ -539,6 +550,8 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(
         results = remote(tag)
         assert [r.get("error") for r in results] == [None, None]
         assert all(r["config"] == {"lr": 0.5} and r["files"] == ["a.txt", "sub"] for r in results)
+        assert all("may not read the store's root" in r["root"] for r in results), results
+        assert all("may not write 'elsewhere/x'" in r["elsewhere"] for r in results), results
         assert kt.get(f"{tag}/rank-1") == {"rank": 1}
         assert {e["name"] for e in kt.ls(tag)} == {"config", "tree/", "rank-0", "rank-1"}
         # the store pod is replaced: a new IP; the ranks still hold the old address
