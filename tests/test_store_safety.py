@@ -377,6 +377,18 @@ def test_the_store_server_refuses_an_upload_over_its_cap_before_and_while_it_str
         keys = [e["key"] for e in httpx.get(f"{server.url}/store/v1/ls", headers=auth).json()]
         assert keys == ["a"] and _left_behind(server.root) == []
         assert httpx.put(url, params={"key": "e"}, content=b"e" * 400, headers=auth).is_success
+        # the total follows what the store holds: a replaced value, a removal, a wipe
+        assert (
+            _status(httpx.put(url, params={"key": "a"}, content=b"A" * 600, headers=auth))[0] == 200
+        )
+        assert (
+            _status(httpx.put(url, params={"key": "f"}, content=b"f" * 1, headers=auth))[0] == 507
+        )
+        assert httpx.delete(url, params={"key": "e"}, headers=auth).is_success
+        assert httpx.put(url, params={"key": "f"}, content=b"f" * 400, headers=auth).is_success
+        assert httpx.post(f"{server.url}/store/v1/wipe", headers=auth).is_success
+        assert httpx.put(url, params={"key": "g"}, content=b"g" * CAP, headers=auth).is_success
+        assert _left_behind(server.root) == []
 
 
 def _small_tree(root: Path) -> Path:
@@ -391,6 +403,7 @@ def test_the_local_store_applies_the_same_cap(
     monkeypatch.setenv("KTLITE_STORE_MAX_BYTES", str(CAP))
     (tmp_path / "f").write_bytes(b"x" * 600)
     kt.put("f", tmp_path / "f")
+    kt.put("f", tmp_path / "f")  # a replaced value frees its bytes
     with pytest.raises(DataStoreError, match=f"cap of {CAP} bytes \\(KTLITE_STORE_MAX_BYTES\\)"):
         kt.put("g", tmp_path / "f")
     with pytest.raises(DataStoreError, match="KTLITE_STORE_MAX_BYTES"):

@@ -20,7 +20,7 @@ from ktlite.datastore.storedir import (
     translate,
 )
 from ktlite.net.progress import Progress
-from ktlite_wire.storecap import Cap
+from ktlite_wire.storecap import Cap, Usage
 
 Receive = Callable[[dict[str, Any], Iterator[bytes]], Any]
 
@@ -42,15 +42,11 @@ class LocalStore:
     def close(self) -> None:
         pass
 
-    def _room(self, key: str, size: int) -> Cap:
-        try:
-            return Cap(self.store, key, self.cap, size)
-        except StoreFault as e:
-            raise translate(e) from None
-
     def _write(self, key: str, size: int, write: Callable[[Cap], Any]) -> None:
-        room = self._room(key, size)
         try:
+            old = self.store.entry(key) if self.cap is not None else None
+            replacing = int(old["size"]) if old else 0
+            room = Cap(Usage(self.store), key, self.cap, size, replacing)  # walks, if capped
             write(room)
         except StoreFault as e:  # over the cap while it streamed: the store removed its staging
             raise translate(e) from None

@@ -48,7 +48,7 @@ from ktlite_server.logconfig import request_log
 from ktlite_server.refusal import refuse
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import LENGTH_HEADER, TOKEN_HEADER
-from ktlite_wire.storecap import Cap, max_bytes
+from ktlite_wire.storecap import Cap, Usage, max_bytes
 from ktlite_wire.storedir import OBJECT_MAGIC, StoreDir, StoreFault, check_key
 from ktlite_wire.storescope import Scope, scope_of
 from ktlite_wire.version import PROTOCOL_VERSION
@@ -171,6 +171,7 @@ def _endpoints(store: StoreDir, master: StoreKey, cap: int | None = None) -> Fas
     """The store's endpoints; every request reaching them carries a valid token (the gate's),
     and each checks that the token's scope reaches its key."""
     app = FastAPI(title="ktlite data store", docs_url=None, redoc_url=None, openapi_url=None)
+    usage = Usage(store)  # what the store holds, for KTLITE_STORE_MAX_BYTES
 
     def may(request: Request, key: str, write: bool = False) -> None:
         scope = master.scope(request.headers.get(TOKEN_HEADER))
@@ -217,14 +218,18 @@ def _endpoints(store: StoreDir, master: StoreKey, cap: int | None = None) -> Fas
         may(request, key, write=True)
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
-            return await asyncio.to_thread(store.remove, key, recursive)
+            entry = await asyncio.to_thread(store.remove, key, recursive)
         except StoreFault as e:
             raise _fail(e) from None
+        usage.add(-int(entry["size"]))
+        return entry
 
     @app.post(PREFIX + "/wipe")
     async def wipe(request: Request) -> dict[str, Any]:
         may(request, "", write=True)
-        return {"removed": await asyncio.to_thread(store.wipe)}
+        removed = await asyncio.to_thread(store.wipe)
+        usage.forget()
+        return {"removed": removed}
 
     @app.put(PREFIX + "/key")
     async def put(request: Request) -> dict[str, Any]:
@@ -237,10 +242,18 @@ def _endpoints(store: StoreDir, master: StoreKey, cap: int | None = None) -> Fas
         expected_size = int(length) if length and length.isdigit() else None
         try:
             # before any of the body is read: what the store holds and what is declared
-            room = await asyncio.to_thread(Cap, store, key, cap, expected_size)
-            if kind == "dir":
-                return await _put_tar(request, key, room)
-            return await _put_file(request, key, kind, expected_size, room)
+            old = await asyncio.to_thread(store.entry, key)
+            replacing = int((old or {}).get("size") or 0)
+            room = await asyncio.to_thread(Cap, usage, key, cap, expected_size, replacing)
+            try:
+                if kind == "dir":
+                    entry = await _put_tar(request, key, room)
+                else:
+                    entry = await _put_file(request, key, kind, expected_size, room)
+                usage.add(int(entry["size"]) - replacing)
+                return entry
+            finally:
+                room.close()
         except StoreFault as e:
             raise _fail(e) from None
         except ClientDisconnect:

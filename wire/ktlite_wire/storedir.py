@@ -213,9 +213,9 @@ class StoreDir:
             raise self.fault(f"key {key!r} holds a file, not a directory", key)
         return tar_stream(base)
 
-    def used(self) -> int:
-        """Bytes the store holds: its values and the uploads in progress."""
-        return _tree_size(self.data) + _tree_size(self.tmp)
+    def used_by_values(self) -> int:
+        """Bytes of the values the store holds (a walk of its tree)."""
+        return _tree_size(self.data)
 
     # ---- writing ------------------------------------------------------------------------
 
