@@ -223,6 +223,9 @@ def test_a_deployments_pods_get_a_scoped_token_and_never_the_master_key(
     _as_pod(monkeypatch, tmp_path, info)
     kt.put("dep-a/ckpt", {"step": 3})
     assert kt.get("dep-a/ckpt") == {"step": 3}
+    stored = (server.root / "data" / "dep-a" / "ckpt").read_bytes()[len(OBJECT_MAGIC) :]
+    assert b'"writer": "dep-a"' in stored  # signed by the pod, checked by your machine:
+    assert codec.loads(signer.verify("dep-a/ckpt", stored)) == {"step": 3}
     assert kt.get("datasets/mnist") == [1, 2]  # shared with it, written by your machine
     with pytest.raises(DataStoreError, match="may not read key 'dep-b/weights'"):
         kt.get("dep-b/weights")
