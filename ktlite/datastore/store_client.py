@@ -124,7 +124,9 @@ class StoreClient:
         if code is ErrorCode.UNAUTHORIZED or (code is None and resp.status_code == 401):
             raise AuthError(
                 f"{self.describe} refused the store token (HTTP 401) for {what}; the store "
-                "was probably re-created: call .to() again to hand the pods its new token"
+                "was probably re-created: call .to() again to hand the pods its new token (or "
+                "its pod runs a ktlite from before scoped tokens: `ktlite store teardown` then "
+                "`ktlite store create` restarts it, keeping its data and key)"
             )
         if not detail.strip():  # not the store's server (it always explains itself)
             raise DataStoreError(
