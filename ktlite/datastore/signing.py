@@ -97,6 +97,11 @@ class Signer:
 
     def sign(self, key: str, payload: bytes) -> bytes:
         """``payload`` (a pickle) as stored at ``key``: the signature block, then the pickle."""
+        return self.block(key, payload) + payload
+
+    def block(self, key: str, payload: bytes) -> bytes:
+        """The signature block that goes before ``payload`` at ``key`` (sent as its own part,
+        so a large pickle is not copied)."""
         levels = [p for p in self.writes if under(key, p)]
         if not levels:
             mine = ", ".join(repr(p) for p in self.writes)
@@ -117,7 +122,7 @@ class Signer:
             level_key, here = _step(level_key, segment), f"{here}/{segment}" if here else segment
             macs[here] = _mac(level_key, key, self.name, digest)
         header = json.dumps({"writer": self.name, "level": level, "macs": macs}).encode()
-        return SIG_MAGIC + header + b"\n" + payload
+        return SIG_MAGIC + header + b"\n"
 
     def verify(self, key: str, stored: bytes | bytearray) -> memoryview:
         """The pickle of an object read from ``key``, once its signature is checked; a

@@ -101,7 +101,7 @@ def put(
                 )
         else:
             payload = codec.dumps(src if data is _MISSING else data)
-            store.put_object(key, store.signer.sign(key, payload))
+            store.put_object(key, [store.signer.block(key, payload), payload])
     finally:
         store.close()
 

@@ -77,10 +77,9 @@ class LocalStore:
         finally:
             progress.close()
 
-    def put_object(self, key: str, data: bytes) -> None:
-        self._write(
-            key, len(data), lambda room: self.store.write(key, room.count([data]), kind="object")
-        )
+    def put_object(self, key: str, parts: list[bytes]) -> None:
+        size = sum(len(p) for p in parts)
+        self._write(key, size, lambda room: self.store.write(key, room.count(parts), kind="object"))
 
     def fetch(self, key: str, receive: Receive) -> Any:
         entry = self.store.entry(key)
@@ -134,8 +133,8 @@ class RemoteStore:
         size, _ = tar_stream(path)
         self._upload(key, "dir", size, lambda: tar_stream(path)[1])
 
-    def put_object(self, key: str, data: bytes) -> None:
-        self.client.upload(key, "object", len(data), lambda: iter([data]))
+    def put_object(self, key: str, parts: list[bytes]) -> None:
+        self.client.upload(key, "object", sum(len(p) for p in parts), lambda: iter(parts))
 
     def fetch(self, key: str, receive: Receive) -> Any:
         return self.client.download(key, receive)
