@@ -231,7 +231,7 @@ def test_a_deployments_pods_get_a_scoped_token_and_never_the_master_key(
         kt.get("dep-b/weights")
     with pytest.raises(DataStoreError, match="may not write"):
         kt.put("datasets/mnist", [666])
-    (tmp_path / "f").write_bytes(b"file")
+    (tmp_path / "f").write_bytes(b"f" * (24 << 20))  # more than the sockets buffer
     with pytest.raises(DataStoreError, match="may not write key 'datasets/f'"):
         kt.put("datasets/f", tmp_path / "f")  # a file: refused by the store itself
     with pytest.raises(DataStoreError, match="may not write key 'dep-b'"):
