@@ -224,7 +224,8 @@ class CallPlan:
         }
         if per_rank is not None:
             meta["per_rank"] = per_rank
-        return meta
+        # a null is its default: left out, the header is shorter and decodes in one update
+        return {k: v for k, v in meta.items() if v is not None}
 
     def member_body(self, i: int, payload: Any) -> tuple[dict[str, Any], Any]:
         """What pod ``i`` is sent: the call plan and body, a per-rank call's cut to the shared
