@@ -1,5 +1,5 @@
 """What every mode of a deployment shares on the way to its pods: the call's options, its
-plan (:func:`call_plan`, the one place a call's ``CallPlan`` is built), how arguments and
+plan (:class:`CallPlans`, the one place a call's ``CallPlan`` is built), how arguments and
 results travel (inline, or in shared-memory files where the pods share this machine), how
 streamed rank output is printed, and the :class:`CallPath` a mode works on (the deployment as
 a mode sees it: spec, backend, pods, client, launch id, code).
@@ -68,42 +68,65 @@ class CallPath(Protocol):
     def cancel_all(self, call_id: str, reason: str, eps: list[PodEndpoint]) -> None: ...
 
 
-def call_plan(
-    spec: DeploymentSpec,
-    launch_id: str,
-    eps: Sequence[PodEndpoint],
-    options: CallOptions,
-    *,
-    call_id: str,
-    num_proc: int | Sequence[int],
-    workers: list[int] | None = None,
-    ranks: list[int] | None = None,
-    per_rank: dict[str, Any] | None = None,
-) -> CallPlan:
-    """The plan of one call to ``eps`` (the first coordinates: it calls the others), with the
-    deployment's call defaults (``spec.pod.calls``) where ``options`` leaves a setting open.
-    Every mode builds its calls' plans here; a plan the pods would refuse is a ConfigError."""
-    calls = spec.pod.calls
-    try:
-        return CallPlan(
-            id=call_id,
-            launch_id=launch_id,
-            pods=[ep.peer_url for ep in eps],
-            names=[ep.name for ep in eps],
-            workers=workers,
-            ranks=ranks,
-            timeout=calls.call_timeout if options.timeout is None else options.timeout,
-            stream_logs=bool(
-                calls.stream_logs if options.stream_logs is None else options.stream_logs
-            ),
-            restart=bool(options.restart_procs),
-            fanout=True,
-            quorum_timeout=spec.distributed.quorum_timeout,
-            num_proc=num_proc if isinstance(num_proc, int) else list(num_proc),
-            per_rank=per_rank,
-        )
-    except ValueError as e:
-        raise ConfigError(f"call to {spec.name!r}: {e}") from e
+class CallPlans:
+    """The plans of one deployment's calls (:meth:`plan`, the one place a call's ``CallPlan``
+    is built). What every call to the same pods shares (their URLs and names, ranks per pod,
+    the launch, the quorum timeout) is built and checked once per set of pods; each call copies
+    it and sets, and checks, only its own fields."""
+
+    def __init__(self) -> None:
+        # by the identities of the spec and the endpoints (a replaced pod is a new
+        # PodEndpoint): the entry holds them, so no other object can take their ids
+        self._bases: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+    def plan(
+        self,
+        spec: DeploymentSpec,
+        launch_id: str,
+        eps: Sequence[PodEndpoint],
+        options: CallOptions,
+        *,
+        call_id: str,
+        num_proc: int | Sequence[int],
+        workers: list[int] | None = None,
+        ranks: list[int] | None = None,
+        per_rank: dict[str, Any] | None = None,
+    ) -> CallPlan:
+        """The plan of one call to ``eps`` (the first coordinates: it calls the others), with
+        the deployment's call defaults (``spec.pod.calls``) where ``options`` leaves a setting
+        open. A plan the pods would refuse is a ConfigError."""
+        calls = spec.pod.calls
+        sizes = num_proc if isinstance(num_proc, int) else tuple(num_proc)
+        key = (id(spec), launch_id, sizes, *[id(ep) for ep in eps])
+        try:
+            entry = self._bases.get(key)
+            if entry is None:  # new pods, a new launch: built and checked once
+                base = CallPlan(
+                    id="base",
+                    launch_id=launch_id,
+                    pods=[ep.peer_url for ep in eps],
+                    names=[ep.name for ep in eps],
+                    fanout=True,
+                    quorum_timeout=spec.distributed.quorum_timeout,
+                    num_proc=num_proc if isinstance(num_proc, int) else list(num_proc),
+                )
+                if len(self._bases) >= 64:  # replicas come and go: keep the recent ones
+                    self._bases.clear()
+                entry = self._bases[key] = (spec, tuple(eps), base)
+            plan: CallPlan = entry[2].for_call(
+                call_id,
+                workers=workers,
+                ranks=ranks,
+                timeout=calls.call_timeout if options.timeout is None else options.timeout,
+                stream_logs=bool(
+                    calls.stream_logs if options.stream_logs is None else options.stream_logs
+                ),
+                restart=bool(options.restart_procs),
+                per_rank=per_rank,
+            )
+        except ValueError as e:
+            raise ConfigError(f"call to {spec.name!r}: {e}") from e
+        return plan
 
 
 @contextlib.contextmanager

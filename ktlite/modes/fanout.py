@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import uuid
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +26,7 @@ from ktlite.errors import (
     RemoteError,
 )
 from ktlite.modes import engines
-from ktlite.modes.callpath import CallOptions, call_plan, pool, print_log, shm_arguments
+from ktlite.modes.callpath import CallOptions, CallPlans, pool, print_log, shm_arguments
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.replacement import ReplacedWatch, Replacements
@@ -54,6 +54,7 @@ class Fanout(Mode):
     def __init__(self, dep: Any) -> None:
         super().__init__(dep)
         self.pods = Replacements(dep)
+        self.plans = CallPlans()
 
     @property
     def single(self) -> bool:  # type: ignore[override]
@@ -220,10 +221,10 @@ class Fanout(Mode):
                 raise ConfigError(
                     f"ranks={options.ranks!r} are on none of workers={options.workers!r}"
                 )
-        call_id = uuid.uuid4().hex
+        call_id = os.urandom(16).hex()  # 128 random bits, as uuid4 without its Python __init__
         if on_send is not None:
             on_send(call_id)
-        plan = call_plan(
+        plan = self.plans.plan(
             self.spec,
             self.dep.launch_id,
             eps,

@@ -24,9 +24,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
-import uuid
 from dataclasses import replace
 from typing import Any
 
@@ -45,7 +45,7 @@ from ktlite.errors import (
 from ktlite.modes.callpath import (
     CallOptions,
     CallPath,
-    call_plan,
+    CallPlans,
     pool,
     print_log,
     shm_arguments,
@@ -75,6 +75,7 @@ class Routing(Mode):
         self.pool = ReplicaSet()
         self.scaler = ReplicaScaler(dep, self.pool)
         self._pushing = threading.Lock()
+        self.plans = CallPlans()
 
     # ---- deploy -------------------------------------------------------------------------
 
@@ -282,10 +283,10 @@ class Routing(Mode):
         connection refused) goes to another replica, once."""
         dep = self.dep
         ep = replica.ep
-        call_id = uuid.uuid4().hex
+        call_id = os.urandom(16).hex()  # 128 random bits, as uuid4 without its Python __init__
         if on_send is not None:
             on_send(call_id)
-        plan = call_plan(dep.spec, dep.launch_id, [ep], options, call_id=call_id, num_proc=1)
+        plan = self.plans.plan(dep.spec, dep.launch_id, [ep], options, call_id=call_id, num_proc=1)
         try:
             with shm_arguments(dep.applied, plan, parts) as sent:
                 log = (log or print_log) if plan.stream_logs else None

@@ -17,6 +17,7 @@ from ktlite_wire.status import Status
 
 _STATUSES: dict[Any, Status] = {s.value: s for s in Status}
 _new = tuple.__new__
+_OK = Status.OK
 
 
 class ShmRef(NamedTuple):
@@ -27,8 +28,9 @@ class ShmRef(NamedTuple):
 
 
 class RankOutcome(NamedTuple):
-    """One rank's outcome; ``at`` is the wall-clock time it was known (the earliest failure is
-    the cause). ``data``: the encoded value (or exception info), None, or a :class:`ShmRef`."""
+    """One rank's outcome; ``at`` is the wall-clock time a failure was known (the earliest
+    failure is the cause; a value's outcome travels with 0). ``data``: the encoded value (or
+    exception info), None, or a :class:`ShmRef`."""
 
     rank: int
     pod: str
@@ -49,7 +51,9 @@ class CallResult:
     def encode(self) -> list[Any]:
         """The message's parts (values are not copied). Each outcome is a JSON list, ``[rank,
         pod, status, message, at, buffer index or null, [shm path, size] or null]``: on the
-        hot path of every call, cheaper to make and read than an object."""
+        hot path of every call, cheaper to make and read than an object. ``at`` is 0 for a
+        value: only a failure's time is read, and a float's shortest text costs more than the
+        rest of the row."""
         rows: list[list[Any]] = []
         buffers: list[Any] = []
         for o in self.outcomes:
@@ -59,9 +63,8 @@ class CallResult:
             elif data is not None:
                 buf = len(buffers)
                 buffers.append(data)
-            rows.append(
-                [o.rank, o.pod, o.status, o.message, o.at, buf, shm]
-            )  # str enum: JSON as its value
+            at = 0 if o.status is _OK else o.at
+            rows.append([o.rank, o.pod, o.status, o.message, at, buf, shm])  # str enum: JSON value
         return envelope.encode({"outcomes": rows, "started": self.started}, buffers)
 
     def encode_bytes(self) -> bytes:
@@ -81,8 +84,11 @@ class CallResult:
                 rank, pod, status, message, at, buf, shm = row
                 if type(rank) is not int or type(pod) is not str or type(message) is not str:
                     raise ValueError(f"rank {rank!r} of pod {pod!r}")
-                at = float(at)
-                if not math.isfinite(at):
+                if at:  # a failure's time (a value's is 0)
+                    at = float(at)
+                    if not math.isfinite(at):
+                        raise ValueError(f"at {at!r}")
+                elif type(at) is not int and type(at) is not float:
                     raise ValueError(f"at {at!r}")
                 if shm is not None:
                     data_: Any = ShmRef(str(shm[0]), int(shm[1]))

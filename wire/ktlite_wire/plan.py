@@ -48,24 +48,19 @@ class CallPlan:
     # a per-rank call: the body is the shared message, then each rank's items
     per_rank: dict[str, Any] | None = None
     sizes: list[int] = field(init=False, repr=False, compare=False)  # ranks of each pod
+    # the pods' part as header text, kept by a plan made with for_call (shared, not changed)
+    _pods_text: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.id = _str("id", self.id, required=True)
+        self._check_pods()
+        self._check_call()
+
+    def _check_pods(self) -> None:
+        """The fields every call of a deployment shares: its pods and their ranks."""
         self.pods = _list("pods", self.pods, str)
         self.names = _list("names", self.names, str)
-        if self.workers is not None:
-            self.workers = _list("workers", self.workers, int)
-            if not self.workers or not 0 <= min(self.workers) <= max(self.workers) < len(self.pods):
-                raise ValueError(
-                    f"workers={self.workers!r} must be pod indices between 0 and "
-                    f"{len(self.pods) - 1}"
-                )
-        self.timeout = _seconds("timeout", self.timeout, None)
-        flags = (self.stream_logs, self.restart, self.fanout, self.shm_results)
-        if not _all_of(flags, bool):
-            for flag in ("stream_logs", "restart", "fanout", "shm_results"):
-                if type(getattr(self, flag)) is not bool:
-                    raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")
+        if type(self.fanout) is not bool:
+            raise ValueError(f"fanout={self.fanout!r} must be true or false")
         if self.fanout and not self.pods:
             raise ValueError("a fan-out call needs its pods")
         if self.names and len(self.names) != len(self.pods):
@@ -84,6 +79,23 @@ class CallPlan:
             raise ValueError(f"num_proc has {len(num_proc)} entries for {len(self.pods)} pods")
         self.num_proc, self.sizes = num_proc, list(sizes)
         self.launch_id = _str("launch_id", self.launch_id)
+
+    def _check_call(self) -> None:
+        """The fields of one call."""
+        self.id = _str("id", self.id, required=True)
+        if self.workers is not None:
+            self.workers = _list("workers", self.workers, int)
+            if not self.workers or not 0 <= min(self.workers) <= max(self.workers) < len(self.pods):
+                raise ValueError(
+                    f"workers={self.workers!r} must be pod indices between 0 and "
+                    f"{len(self.pods) - 1}"
+                )
+        self.timeout = _seconds("timeout", self.timeout, None)
+        flags = (self.stream_logs, self.restart, self.shm_results)
+        if not _all_of(flags, bool):
+            for flag in ("stream_logs", "restart", "shm_results"):
+                if type(getattr(self, flag)) is not bool:
+                    raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")
         if self.shm is not None:
             if not isinstance(self.shm, (list, tuple)) or len(self.shm) != 2:
                 raise ValueError("shm must be [path, size]")
@@ -106,28 +118,84 @@ class CallPlan:
         if self.per_rank is not None:
             self.per_rank = rankdata.check_plan(self.per_rank)
 
+    def for_call(
+        self,
+        call_id: str,
+        *,
+        timeout: float | None = None,
+        stream_logs: bool = True,
+        restart: bool = False,
+        workers: list[int] | None = None,
+        ranks: list[int] | None = None,
+        per_rank: dict[str, Any] | None = None,
+    ) -> CallPlan:
+        """This plan for one call: a copy with the call's own fields, checked; the pods' part
+        (checked when this plan was built) is shared, not checked again. A deployment builds
+        its pods' plan once and each call takes one from it."""
+        if self._pods_text is None:  # the pods' part, encoded once for every call
+            meta = {name: vars(self)[name] for name, _ in _DEFAULT_ITEMS if name in _PODS_PART}
+            self._pods_text = _COMPACT.encode({k: v for k, v in meta.items() if v != _DEFAULTS[k]})[
+                1:-1
+            ]
+        plan: CallPlan = object.__new__(CallPlan)
+        vars(plan).update(vars(self))
+        plan.id, plan.timeout, plan.stream_logs, plan.restart = (
+            call_id,
+            timeout,
+            stream_logs,
+            restart,
+        )
+        plan.workers, plan.ranks, plan.per_rank = workers, ranks, per_rank
+        plan.shm, plan.shm_results, plan.reattach = None, False, 0.0
+        plan.generation = plan.group_port = None
+        plan._check_call()
+        return plan
+
     @classmethod
     def from_meta(cls, meta: Any) -> CallPlan:
         """The plan from its decoded JSON object; a missing or null field is its default,
         an unknown one is ignored (a newer caller's extra)."""
         if not isinstance(meta, dict):
             raise ValueError("the call plan must be a JSON object")
-        given = {k: v for k, v in meta.items() if v is not None and k in _KNOWN}
-        call_id: Any = given.pop("id", None)  # a missing one fails in __post_init__, naming it
-        return cls(id=call_id, **given)
+        # filled in place, not through __init__ (this runs for every call on every pod): the
+        # defaults (fresh lists), then what was sent, then the checks __post_init__ runs
+        plan: CallPlan = object.__new__(cls)
+        fields_ = vars(plan)
+        fields_.update(_DEFAULTS)
+        fields_["pods"], fields_["names"], fields_["id"] = [], [], None
+        known = _KNOWN
+        for k, v in meta.items():
+            if v is not None and k in known:
+                fields_[k] = v
+        plan._check_pods()
+        plan._check_call()  # a missing id fails here, naming it
+        return plan
 
     def to_meta(self) -> dict[str, Any]:
         """The plan as its JSON object: every field that is not its default."""
         meta: dict[str, Any] = {"id": self.id}
-        for name in _FIELDS[1:]:  # the order of the fields, id first
-            value = getattr(self, name)
-            if value != _DEFAULTS[name]:
+        fields_ = vars(self)  # a dict lookup per field, not getattr
+        for name, default in _DEFAULT_ITEMS:  # the order of the fields after id
+            value = fields_[name]
+            if value != default:
                 meta[name] = value
         return meta
 
     def encode(self) -> str:
-        """The header's text."""
-        return _COMPACT.encode(self.to_meta())
+        """The header's text. A plan made by :meth:`for_call` encodes its call's fields and
+        adds its pods' part as text encoded once (the same object, the fields in another
+        order)."""
+        pods_text = self._pods_text
+        if pods_text is None:
+            return _COMPACT.encode(self.to_meta())
+        meta: dict[str, Any] = {"id": self.id}
+        fields_ = vars(self)
+        for name, default in _CALL_DEFAULTS:
+            value = fields_[name]
+            if value != default:
+                meta[name] = value
+        call_text = _COMPACT.encode(meta)
+        return f"{call_text[:-1]},{pods_text}}}" if pods_text else call_text
 
     def name(self, i: int) -> str:
         """Pod ``i``'s name (its URL when the caller sent no names)."""
@@ -224,8 +292,12 @@ _KNOWN = frozenset(_FIELDS)
 _DEFAULTS: dict[str, Any] = {
     f.name: f.default_factory() if callable(f.default_factory) else f.default
     for f in fields(CallPlan)
-    if f.init
+    if f.name != "sizes"  # set by the checks
 }
+_DEFAULT_ITEMS = tuple((name, _DEFAULTS[name]) for name in _FIELDS[1:])  # init fields only
+# the fields every call to the same pods shares (checked by _check_pods), and the call's own
+_PODS_PART = frozenset(("pods", "names", "fanout", "quorum_timeout", "num_proc", "launch_id"))
+_CALL_DEFAULTS = tuple(item for item in _DEFAULT_ITEMS if item[0] not in _PODS_PART)
 
 
 def decode_plan(header: str) -> CallPlan:
