@@ -617,7 +617,9 @@ def _dry_target(x: int) -> int:
 
 
 def _pod_processes(name: str) -> list[int]:
-    """pids of ktlite_server processes serving deployment ``name``."""
+    """pids of this test process's ktlite_server processes serving deployment ``name`` (their
+    ready file is under this process's KTLITE_HOME: other test runs use the same names)."""
+    home = os.environ["KTLITE_HOME"].encode()
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -626,7 +628,11 @@ def _pod_processes(name: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"ktlite_server" in argv and any(a.startswith(f"{name}-".encode()) for a in argv):
+        if (
+            b"ktlite_server" in argv
+            and any(a.startswith(f"{name}-".encode()) for a in argv)
+            and any(a.startswith(home) for a in argv)
+        ):
             found.append(int(proc.name))
     return found
 

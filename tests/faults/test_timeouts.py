@@ -65,7 +65,10 @@ def _site(tmp_path: Path) -> str:
 
 
 def _servers_of(name: str) -> list[int]:
-    """Pids of pod servers of deployment ``name`` still running on this machine."""
+    """Pids of this test process's pod servers of deployment ``name`` still running (theirs:
+    their ready file is under this process's KTLITE_HOME; other ktlite test runs on the
+    machine start pods of the same names)."""
+    home = os.environ["KTLITE_HOME"].encode()
     out = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -77,6 +80,7 @@ def _servers_of(name: str) -> list[int]:
         if (
             b"ktlite_server" in argv
             and any(a.startswith(f"{name}-".encode()) for a in argv)
+            and any(a.startswith(home) for a in argv)
             and fm.pid_alive(int(proc.name))
         ):
             out.append(int(proc.name))
