@@ -186,6 +186,9 @@ class CallStream:
 
 
 async def _send(send: Any, item: Any, more: bool) -> None:
+    if type(item) is bytes and len(item) <= JOIN_MAX:  # a frame joined when it was made
+        await send({"type": "http.response.body", "body": item, "more_body": more})
+        return
     parts = item if isinstance(item, list) else [item]
     if envelope.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
