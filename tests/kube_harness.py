@@ -19,10 +19,6 @@ without ktlite that cannot install it.
 
 ``KTLITE_HARNESS_KNATIVE=1`` makes it a cluster with Knative Serving (``kube_fake``'s ``knative``),
 ``KTLITE_HARNESS_CUSTOM_METRICS=1`` one with a custom metrics adapter.
-A deleted pod that reached a node stays Terminating for ``KTLITE_HARNESS_POD_TERMINATION_S``
-seconds (default 0.2; a real one takes seconds): long enough that whoever waits for it to go
-(teardown, a StatefulSet replacing it) sees it Terminating, short enough not to make every
-teardown of the suite wait.
 
 Needs root (``unshare``), like the pods it imitates.
 """
@@ -61,11 +57,10 @@ class Pods:
     def __init__(self, root: Path) -> None:
         self.root = root
         bind_s = float(os.environ.get("KTLITE_HARNESS_PVC_BIND_S", "1.5"))
-        termination_s = float(os.environ.get("KTLITE_HARNESS_POD_TERMINATION_S", "0.2"))
         self.fake = kf.FakeKube(
             token=TOKEN,
             pod_behavior=self.behavior,
-            pod_termination_seconds=termination_s,
+            pod_termination_seconds=0.2,  # a real pod: seconds; waits still see Terminating
             follow_idle_timeout=5.0,
             pvc_bind_seconds=bind_s,
             knative=os.environ.get("KTLITE_HARNESS_KNATIVE") == "1",
