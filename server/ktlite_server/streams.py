@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ktlite_wire import envelope, frames
+from ktlite_wire.heartbeat import HEARTBEAT_S
 
-HEARTBEAT_S = 2.0
 LOG_BUFFER_BYTES = 8 << 20  # frames kept for a re-attach; older log lines are dropped first
 RETAIN_S = 30.0  # a finished call's frames wait this long for a caller that lost its stream
 RETAIN_BYTES = 512 << 20  # at most this much of finished calls' frames is kept
