@@ -1,0 +1,83 @@
+"""Local hygiene (issue 25, item 8): what ktlite writes on a machine is its user's alone.
+
+Directories 0700, files 0600, temporary files under unpredictable names that never follow a
+planted link. One real local deployment (``lf-target``, 2 pods) is looked at from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import ktlite as kt
+
+NAME = "lf-target"
+
+
+def target(mode: str) -> object:
+    if mode == "ips-file":
+        path = os.environ["KTLITE_POD_IPS_FILE"]
+        with open(path) as f:
+            return {
+                "path": path,
+                "dir_mode": os.stat(os.path.dirname(path)).st_mode & 0o777,
+                "ips": json.load(f)["pod_ips"],
+            }
+    raise AssertionError(mode)
+
+
+def target_again(mode: str) -> object:
+    return target(mode)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path, follow_symlinks=False).st_mode)
+
+
+@pytest.fixture(scope="module")
+def remote():
+    r = kt.fn(target, name=NAME).to(kt.Compute(cpus=1).distribute("spmd", workers=2, num_proc=1))
+    yield r
+    r.teardown()
+
+
+def _state() -> dict:
+    return json.loads((Path(os.environ["KTLITE_HOME"]) / "local" / NAME / "state.json").read_text())
+
+
+# ---- temporary files on a pod ------------------------------------------------------------------
+
+
+def test_pod_ips_file_is_in_a_private_directory(remote) -> None:
+    for got in remote("ips-file", stream_logs=False):
+        assert got["dir_mode"] == 0o700
+        assert got["ips"] == ["127.0.0.1", "127.0.0.1"]
+        assert os.path.dirname(got["path"]) != tempfile.gettempdir()
+
+
+def test_a_link_planted_at_the_old_predictable_name_is_not_followed(remote, tmp_path) -> None:
+    # before: each deploy wrote /tmp/ktlite-pod-ips-<pid>.json.tmp with open(..., "w"),
+    # through whatever link another user had put there
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    planted = []
+    for pod in _state()["pods"]:
+        link = Path(tempfile.gettempdir()) / f"ktlite-pod-ips-{pod['pid']}.json.tmp"
+        link.unlink(missing_ok=True)
+        link.symlink_to(victim)
+        planted.append(link)
+    try:
+        again = kt.fn(target_again, name=NAME).to(
+            kt.Compute(cpus=1).distribute("spmd", workers=2, num_proc=1)
+        )
+        assert [g["ips"] for g in again("ips-file", stream_logs=False)] == [["127.0.0.1"] * 2] * 2
+        assert victim.read_text() == "untouched"
+        assert all(link.is_symlink() for link in planted)
+    finally:
+        for link in planted:
+            link.unlink(missing_ok=True)
