@@ -10,11 +10,17 @@ import json
 import os
 import stat
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
 
 import ktlite as kt
+from ktlite.modes.outcomes import split
+from ktlite_wire import codec, shm
+from ktlite_wire.errors import ProtocolError
+from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef
+from ktlite_wire.status import Status
 
 NAME = "lf-target"
 
@@ -81,3 +87,57 @@ def test_a_link_planted_at_the_old_predictable_name_is_not_followed(remote, tmp_
     finally:
         for link in planted:
             link.unlink(missing_ok=True)
+
+
+# ---- shared memory: only ktlite's own files, on a pod's say-so ---------------------------------
+
+
+def _reply_naming(*paths: tuple[str, int]) -> list:
+    """A pod's call result as the caller receives it (encoded, then decoded), each rank's value
+    handed over in the shared-memory file it names."""
+    result = CallResult(
+        [RankOutcome(r, "pod-0", Status.OK, ShmRef(p, n)) for r, (p, n) in enumerate(paths)]
+    )
+    return CallResult.decode(bytearray(result.encode_bytes())).outcomes
+
+
+def _own_shm_file(value: object) -> tuple[str, int]:
+    return shm.write([codec.dumps(value)], shm.RESULT_PREFIX)
+
+
+@pytest.mark.parametrize("where", ["outside", "dotdot", "wrong-prefix", "link"])
+def test_client_refuses_a_shared_memory_path_that_is_not_ktlites(tmp_path, where) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(bytes(codec.dumps("the victim's content")))
+    size = victim.stat().st_size
+    link = Path(shm.shm_dir()) / f"{shm.RESULT_PREFIX}{uuid.uuid4().hex}"
+    path = {
+        "outside": str(victim),
+        "dotdot": f"{shm.shm_dir()}/../..{victim}",  # /dev/shm/../.. is /
+        "wrong-prefix": str(Path(shm.shm_dir()) / f"not-ktlite-{uuid.uuid4().hex}"),
+        "link": str(link),
+    }[where]
+    if where == "wrong-prefix":
+        Path(path).write_bytes(victim.read_bytes())
+    if where == "link":
+        link.symlink_to(victim)
+    own, own_size = _own_shm_file("rank 1's value")
+    try:
+        with pytest.raises(ProtocolError) as info:
+            split(_reply_naming((path, size), (own, own_size)))
+        assert path in str(info.value)
+        # the named file is neither removed nor read; the genuine one is still taken
+        assert victim.read_bytes() == bytes(codec.dumps("the victim's content"))
+        assert os.path.lexists(path)
+        assert not os.path.exists(own)
+    finally:
+        for p in (path, own):
+            if where in ("wrong-prefix", "link") or p == own:
+                Path(p).unlink(missing_ok=True)
+
+
+def test_client_takes_its_own_shared_memory_files() -> None:
+    own, size = _own_shm_file(list(range(10)))
+    failures, values = split(_reply_naming((own, size)))
+    assert not failures and values == {0: list(range(10))}
+    assert not os.path.exists(own)
