@@ -141,3 +141,55 @@ def test_client_takes_its_own_shared_memory_files() -> None:
     failures, values = split(_reply_naming((own, size)))
     assert not failures and values == {0: list(range(10))}
     assert not os.path.exists(own)
+
+
+# ---- modes: KTLITE_HOME and everything ktlite writes under it ----------------------------------
+
+
+def _loose(root: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """Everything under ``root`` (and root) that group or others can use, with its mode."""
+    found = []
+    for here, dirs, files in os.walk(root):
+        for p in [Path(here)] + [Path(here) / n for n in (*dirs, *files)]:
+            rel = p.relative_to(root)
+            if rel.parts and rel.parts[0] in skip:
+                continue
+            if not p.is_symlink() and _mode(p) & 0o077:
+                found.append(f"{rel} {oct(_mode(p))}")
+    return found
+
+
+def helper_rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def test_home_and_what_a_deployment_writes_are_private(monkeypatch, tmp_path, caplog) -> None:
+    # a home an older ktlite left open: 0755 with a 0644 config and a deployment directory
+    home = tmp_path / "home"
+    (home / "local" / "old").mkdir(parents=True)
+    (home / "config.json").write_text("{}")
+    (home / "local" / "old" / "pod-0.log").write_text("old output")
+    for p in (home, home / "local", home / "local" / "old"):
+        p.chmod(0o755)
+    for p in (home / "config.json", home / "local" / "old" / "pod-0.log"):
+        p.chmod(0o644)
+    monkeypatch.setenv("KTLITE_HOME", str(home))
+    old_umask = os.umask(0o022)  # the usual one, under which files came out 0644
+    try:
+        with caplog.at_level("WARNING", logger="ktlite.config"):
+            r = kt.fn(helper_rank, name="lf-modes").to(
+                kt.Compute(cpus=1).distribute("spmd", workers=2, num_proc=1)
+            )
+        try:
+            assert r(stream_logs=False) == [0, 1]
+            kt.config.set("backend", "local")
+            kt.put("lf-modes/value", {"a": 1}, backend="local")
+            files = {str(p.relative_to(home)) for p in home.rglob("*") if p.is_file()}
+            assert {"config.json", "local/lf-modes/state.json", "local/lf-modes/pod-0.log"} <= files
+            assert any(f.startswith("store/") for f in files), files
+            assert _loose(home) == []
+        finally:
+            r.teardown()
+    finally:
+        os.umask(old_umask)
+    assert any("made it private" in rec.getMessage() for rec in caplog.records)

@@ -28,6 +28,7 @@ from typing import Any
 
 from ktlite import config
 from ktlite.backends.registry import NAMES, backend_class, traits
+from ktlite.config import private_home
 from ktlite.datastore.storedir import CHUNK, StoreDir, check_key, missing, tar_stream
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite.net.progress import Progress
@@ -224,6 +225,8 @@ def _open(backend: str | None, namespace: str | None, create: bool, absent_ok: b
     name = _backend_name(backend)
     kind = traits(name).store
     if kind == "directory":
+        if not os.environ.get("KTLITE_STORE_HOME"):
+            private_home()
         root = local_root(namespace)
         return _Local(
             StoreDir(root, where=f"of namespace {_local_namespace(namespace)!r} ({root})")

@@ -53,6 +53,21 @@ def tighten(path: StrPath) -> bool:
     return True
 
 
+def tighten_tree(root: StrPath, skip: tuple[str, ...] = ()) -> int:
+    """:func:`tighten` everything under ``root`` (links are not followed; the top-level
+    entries named in ``skip`` are left as they are, with what they hold); returns how many
+    entries had group or other permissions."""
+    count, top = 0, os.fspath(root)
+    for here, dirs, files in os.walk(top):
+        if here == top:
+            dirs[:] = [d for d in dirs if d not in skip]
+            files = [f for f in files if f not in skip]
+        for name in (*dirs, *files):
+            with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+                count += tighten(os.path.join(here, name))
+    return count
+
+
 def write_file(path: StrPath, data: bytes | str) -> None:
     """Write ``data`` to ``path`` (mode 0600) whole: a fresh temporary file in the same
     directory, renamed over ``path``. The directory must exist."""
