@@ -85,6 +85,12 @@ class Connection:
                 if size == 0:
                     self._line()
                     break
+                if size < PIECE:  # the usual small chunk (a frame of logs, a result): one read
+                    data = self.reader.read(size + 2)
+                    if len(data) != size + 2:
+                        raise ConnectionFailed("the pod closed the connection mid-chunk")
+                    yield data[:-2]
+                    continue
                 yield from self._exactly(size, "mid-chunk")
                 if self.reader.read(2) != b"\r\n":
                     raise ConnectionFailed("the pod sent a chunk longer than its size line")
