@@ -60,27 +60,26 @@ def home() -> Path:
     return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite")
 
 
-_made: set[Path] = set()  # homes made private in this process (checked once each)
-
-
 def private_home() -> Path:
-    """:func:`home`, made a directory of mode 0700 on first use in a process: everything
-    ktlite keeps under it (deployments, pod logs, the local store, the SSH caches, secrets)
-    is its user's alone. A home made with wider modes by an older ktlite is tightened, with a
-    log line."""
+    """:func:`home`, made a directory of mode 0700 if it is not one: everything ktlite keeps
+    under it (deployments, pod logs, the local store, the SSH caches, secrets) is its user's
+    alone. A home an older ktlite left open to others is tightened, with what it holds, and
+    a warning says so."""
     path = home()
-    if path not in _made:
-        if privatefiles.make_dir(path):
-            # made by an older ktlite: what it wrote there is made private too (not the
-            # volumes' contents, which are the user's own data)
-            count = privatefiles.tighten_tree(path, skip=("volumes",))
-            logger.warning(
-                "ktlite: %s was open to other users; made it private (mode 0700), and %d "
-                "files and directories in it (0600/0700)",
-                path,
-                count,
-            )
-        _made.add(path)
+    try:
+        tightened = privatefiles.make_dir(path)
+    except PermissionError as e:  # another user's directory: it stays as it is
+        logger.warning("ktlite: cannot make %s private (%s); its modes stay as they are", path, e)
+        return path
+    if tightened:
+        # what it holds is made private too (not the volumes' contents: the user's own data)
+        count = privatefiles.tighten_tree(path, skip=("volumes",))
+        logger.warning(
+            "ktlite: %s was open to other users; made it private (mode 0700), and %d "
+            "files and directories in it (0600/0700)",
+            path,
+            count,
+        )
     return path
 
 

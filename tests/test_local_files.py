@@ -17,7 +17,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.modes.outcomes import split
-from ktlite_wire import codec, shm
+from ktlite_wire import codec, privatefiles, shm
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef
 from ktlite_wire.status import Status
@@ -193,3 +193,23 @@ def test_home_and_what_a_deployment_writes_are_private(monkeypatch, tmp_path, ca
     finally:
         os.umask(old_umask)
     assert any("made it private" in rec.getMessage() for rec in caplog.records)
+
+
+# ---- the helper every writer goes through ------------------------------------------------------
+
+
+def test_private_files_never_write_through_a_link(tmp_path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    d = tmp_path / "d"
+    privatefiles.make_dir(d / "a" / "b")
+    assert [_mode(p) for p in (d, d / "a", d / "a" / "b")] == [0o700] * 3
+    (d / "state.json").symlink_to(victim)
+    privatefiles.write_file(d / "state.json", "new")  # replaces the link, never follows it
+    assert victim.read_text() == "untouched" and not (d / "state.json").is_symlink()
+    assert _mode(d / "state.json") == 0o600 and (d / "state.json").read_text() == "new"
+    (d / "pod.log").symlink_to(victim)
+    with pytest.raises(OSError):
+        privatefiles.open_append(d / "pod.log")
+    assert victim.read_text() == "untouched"
+    assert sorted(os.listdir(d)) == ["a", "pod.log", "state.json"]  # no temporary file left

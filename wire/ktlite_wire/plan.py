@@ -134,9 +134,9 @@ class CallPlan:
         its pods' plan once and each call takes one from it."""
         if self._pods_text is None:  # the pods' part, encoded once for every call
             meta = {name: vars(self)[name] for name, _ in _DEFAULT_ITEMS if name in _PODS_PART}
-            self._pods_text = _COMPACT.encode(
-                {k: v for k, v in meta.items() if v != _DEFAULTS[k]}
-            )[1:-1]
+            self._pods_text = _COMPACT.encode({k: v for k, v in meta.items() if v != _DEFAULTS[k]})[
+                1:-1
+            ]
         plan: CallPlan = object.__new__(CallPlan)
         vars(plan).update(vars(self))
         plan.id, plan.timeout, plan.stream_logs, plan.restart = (

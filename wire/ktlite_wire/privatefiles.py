@@ -63,7 +63,8 @@ def tighten_tree(root: StrPath, skip: tuple[str, ...] = ()) -> int:
             dirs[:] = [d for d in dirs if d not in skip]
             files = [f for f in files if f not in skip]
         for name in (*dirs, *files):
-            with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+            # gone meanwhile, or another user's (which stays as it is)
+            with contextlib.suppress(FileNotFoundError, PermissionError):
                 count += tighten(os.path.join(here, name))
     return count
 
