@@ -105,7 +105,7 @@ def _own_shm_file(value: object) -> tuple[str, int]:
     return shm.write([codec.dumps(value)], shm.RESULT_PREFIX)
 
 
-@pytest.mark.parametrize("where", ["outside", "dotdot", "wrong-prefix", "link"])
+@pytest.mark.parametrize("where", ["outside", "dotdot", "wrong-prefix", "link", "fifo"])
 def test_client_refuses_a_shared_memory_path_that_is_not_ktlites(tmp_path, where) -> None:
     victim = tmp_path / "victim"
     victim.write_bytes(bytes(codec.dumps("the victim's content")))
@@ -116,11 +116,14 @@ def test_client_refuses_a_shared_memory_path_that_is_not_ktlites(tmp_path, where
         "dotdot": f"{shm.shm_dir()}/../..{victim}",  # /dev/shm/../.. is /
         "wrong-prefix": str(Path(shm.shm_dir()) / f"not-ktlite-{uuid.uuid4().hex}"),
         "link": str(link),
+        "fifo": str(link),  # a fifo under ktlite's name: opening it to read used to block
     }[where]
     if where == "wrong-prefix":
         Path(path).write_bytes(victim.read_bytes())
     if where == "link":
         link.symlink_to(victim)
+    if where == "fifo":
+        os.mkfifo(link, 0o600)
     own, own_size = _own_shm_file("rank 1's value")
     try:
         with pytest.raises(ProtocolError) as info:
@@ -132,7 +135,7 @@ def test_client_refuses_a_shared_memory_path_that_is_not_ktlites(tmp_path, where
         assert not os.path.exists(own)
     finally:
         for p in (path, own):
-            if where in ("wrong-prefix", "link") or p == own:
+            if where in ("wrong-prefix", "link", "fifo") or p == own:
                 Path(p).unlink(missing_ok=True)
 
 

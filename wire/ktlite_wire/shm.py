@@ -14,6 +14,7 @@ import contextlib
 import functools
 import mmap
 import os
+import stat
 import tempfile
 from typing import Any
 
@@ -76,14 +77,19 @@ def _map(fd: int, size: int) -> memoryview:
 def take(path: str, size: int, prefix: str = RESULT_PREFIX) -> memoryview:
     """Map a file handed over to us and unlink it: the mapping keeps the memory alive.
     ``path`` must name a file this module made with ``prefix`` (:func:`check`); a path it
-    does not name, or a link, is neither opened nor removed."""
+    does not name, a link, or anything but a regular file of this user's is not removed."""
     fd = os.open(check(path, prefix), _OPEN_FLAGS)
     try:
-        return _map(fd, size)
+        st = os.fstat(fd)  # once per payload over INLINE_MAX: a file of this user's own
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise ProtocolError(f"{path!r} is not a regular file of this user's; refused")
+        try:
+            return _map(fd, size)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
     finally:
         os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 def check(path: str, prefix: str) -> str:
