@@ -44,10 +44,11 @@ def make_dir(path: StrPath) -> bool:
 
 
 def tighten(path: StrPath) -> bool:
-    """Take group and other permissions off ``path`` (a file or directory, not followed when
-    it is a link); returns whether it had any."""
+    """Take group and other permissions off ``path`` (a file or directory of this user's, not
+    followed when it is a link; another user's, such as a volume a pod is given, stays as it
+    is); returns whether it had any."""
     st = os.stat(path, follow_symlinks=False)
-    if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
+    if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077 or st.st_uid != os.geteuid():
         return False
     os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)
     return True
