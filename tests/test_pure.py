@@ -33,7 +33,7 @@ from ktlite_wire.frames import (
     RESULT,
     FrameParser,
     frame,
-    frame_parts,
+    frame_item,
     read_frames,
 )
 from ktlite_wire.version import PROTOCOL_VERSION
@@ -530,9 +530,12 @@ def test_frame_parser_random_chunks_and_one_chunk() -> None:
     assert [(k, bytes(p)) for k, p in parser.feed(stream)] == frames
 
 
-def test_frame_parts_matches_frame() -> None:
-    parts = codec.dumps_parts({"x": np.arange(5000)})
-    joined = b"".join(bytes(memoryview(p)) for p in frame_parts(RESULT, parts))
+@pytest.mark.parametrize("n", [5000, 300_000])  # joined (small) and in parts (large)
+def test_frame_item_matches_frame(n: int) -> None:
+    parts = codec.dumps_parts({"x": np.arange(n)})
+    item = frame_item(RESULT, parts)
+    assert isinstance(item, bytes) == (n == 5000)
+    joined = item if isinstance(item, bytes) else b"".join(bytes(memoryview(p)) for p in item)
     assert joined == frame(RESULT, b"".join(bytes(memoryview(p)) for p in parts))
 
 

@@ -9,6 +9,7 @@ Kubernetes API proxy) goes through the injectable ``httpx`` client instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import threading
 from collections.abc import Iterator
@@ -153,8 +154,7 @@ class Pool:
         read_timeout: float,
     ) -> tuple[Connection, int, dict[str, str]]:
         """Send a request (``path`` with its query) and read the response head."""
-        u = urlsplit(url)
-        key = (u.hostname or "127.0.0.1", u.port or 80)
+        key = _address(url)
         size = sum(memoryview(p).nbytes for p in parts)
         lines = [f"{method} {path} HTTP/1.1", f"host: {key[0]}:{key[1]}", f"content-length: {size}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
@@ -203,9 +203,8 @@ class Pool:
 
     def drop(self, url: str) -> None:
         """Close the idle connections to ``url`` (its pod is gone)."""
-        u = urlsplit(url)
         with self._lock:
-            conns = self._idle.pop((u.hostname or "127.0.0.1", u.port or 80), [])
+            conns = self._idle.pop(_address(url), [])
         for c in conns:
             c.close()
 
@@ -215,3 +214,10 @@ class Pool:
                 for c in conns:
                     c.close()
             self._idle.clear()
+
+
+@functools.lru_cache(maxsize=4096)
+def _address(url: str) -> tuple[str, int]:
+    """A pod URL's (host, port), parsed once (urlsplit is Python code that runs per call)."""
+    u = urlsplit(url)
+    return u.hostname or "127.0.0.1", u.port or 80

@@ -27,7 +27,7 @@ from ktlite_server.refusal import refuse
 from ktlite_server.streams import RETAIN_S, CallStream, Streams
 from ktlite_wire import codec, shm
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
-from ktlite_wire.frames import RESULT, error_frame, frame_parts
+from ktlite_wire.frames import RESULT, error_frame, frame_item
 from ktlite_wire.headers import CALL_HEADER, RESUME_HEADER, UPTIME_HEADER
 from ktlite_wire.outcome import CallResult
 from ktlite_wire.plan import decode_plan
@@ -232,7 +232,7 @@ class Calls:
                     # group: the next call forms a new one (every rank, on a new port)
                     pod.next_generation()
                 started = coordinator.started if coordinator is not None else True
-                stream.emit(frame_parts(RESULT, CallResult(outs, started).encode()))
+                stream.emit(frame_item(RESULT, CallResult(outs, started).encode()))
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
                 stream.emit(error_frame(WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)))
             finally:

@@ -27,7 +27,7 @@ HEARTBEAT_S = 2.0
 LOG_BUFFER_BYTES = 8 << 20  # frames kept for a re-attach; older log lines are dropped first
 RETAIN_S = 30.0  # a finished call's frames wait this long for a caller that lost its stream
 RETAIN_BYTES = 512 << 20  # at most this much of finished calls' frames is kept
-JOIN_MAX = 1 << 20  # frames up to this size leave in one piece (larger: in chunks, without copies)
+JOIN_MAX = frames.JOIN_MAX  # frames up to this size leave in one piece (larger: in chunks)
 
 
 def _size(item: Any) -> int:

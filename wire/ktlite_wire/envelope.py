@@ -20,6 +20,7 @@ from ktlite_wire.version import PROTOCOL_VERSION, mismatch
 
 MAGIC = b"KTJ"
 HEAD = struct.Struct("<3sBIQ")
+_HEAD_SIZE = HEAD.size
 ALIGN = 64
 MAX_BUFFERS = 1 << 20
 
@@ -53,9 +54,12 @@ def unpack(magic: bytes, data: Any, what: str) -> tuple[memoryview, list[memoryv
     """Check one message's framing (magic, version, buffer table, sizes): its header's
     bytes and its buffers, as views of ``data`` (no copies). Raises ProtocolError."""
     view = memoryview(data).cast("B")
-    if view.nbytes < HEAD.size:
-        raise ProtocolError(f"{what} truncated: {view.nbytes} bytes, its header needs {HEAD.size}")
+    size = view.nbytes
+    if size < _HEAD_SIZE:
+        raise ProtocolError(f"{what} truncated: {size} bytes, its header needs {HEAD.size}")
     got, version, nbufs, blen = HEAD.unpack_from(view)
+    if not nbufs and got == magic and version == PROTOCOL_VERSION and size == _HEAD_SIZE + blen:
+        return view[_HEAD_SIZE:], []  # the usual small value, whole: the checks below in one
     if got != magic:
         raise ProtocolError(f"not a ktlite {what} (magic {bytes(got)!r}, expected {magic!r})")
     if version != PROTOCOL_VERSION:
@@ -80,7 +84,7 @@ def unpack(magic: bytes, data: Any, what: str) -> tuple[memoryview, list[memoryv
     pos += blen
     bufs = []
     for n in lens:
-        pos += _pad(pos)
+        pos += (-pos) % ALIGN  # _pad, inline: a loop per buffer of every result
         if pos + n > view.nbytes:
             raise ProtocolError(
                 f"{what} truncated: a buffer of {n} bytes runs past its end ({view.nbytes})"

@@ -19,6 +19,7 @@ from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
 
 FRAME = struct.Struct("<BQ")
 MAX_FRAME = 64 << 30  # no result frame is larger; a bigger claim is corruption, not data
+JOIN_MAX = 1 << 20  # frames up to this size travel in one piece (larger: in parts, not copied)
 
 
 class FrameKind(IntEnum):
@@ -42,8 +43,15 @@ def frame(kind: int, payload: bytes) -> bytes:
     return FRAME.pack(kind, len(payload)) + payload
 
 
-def frame_parts(kind: int, parts: list[Any]) -> list[Any]:
-    return [FRAME.pack(kind, parts_size(parts)), *parts]
+def frame_item(kind: int, parts: list[Any]) -> bytes | list[Any]:
+    """One frame of ``parts``, sized once: joined into one ``bytes`` when it is small (then
+    whoever keeps, counts or sends it reads its length), else its parts (large buffers are
+    not copied)."""
+    size = parts_size(parts)
+    head = FRAME.pack(kind, size)
+    if size <= JOIN_MAX:
+        return head + b"".join(parts)
+    return [head, *parts]
 
 
 @dataclass(frozen=True)

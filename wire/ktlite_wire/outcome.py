@@ -84,8 +84,11 @@ class CallResult:
                 rank, pod, status, message, at, buf, shm = row
                 if type(rank) is not int or type(pod) is not str or type(message) is not str:
                     raise ValueError(f"rank {rank!r} of pod {pod!r}")
-                at = float(at)
-                if not math.isfinite(at):
+                if at:  # a failure's time (a value's is 0)
+                    at = float(at)
+                    if not math.isfinite(at):
+                        raise ValueError(f"at {at!r}")
+                elif type(at) is not int and type(at) is not float:
                     raise ValueError(f"at {at!r}")
                 if shm is not None:
                     data_: Any = ShmRef(str(shm[0]), int(shm[1]))

@@ -157,9 +157,19 @@ class CallPlan:
         an unknown one is ignored (a newer caller's extra)."""
         if not isinstance(meta, dict):
             raise ValueError("the call plan must be a JSON object")
-        given = {k: v for k, v in meta.items() if v is not None and k in _KNOWN}
-        call_id: Any = given.pop("id", None)  # a missing one fails in __post_init__, naming it
-        return cls(id=call_id, **given)
+        # filled in place, not through __init__ (this runs for every call on every pod): the
+        # defaults (fresh lists), then what was sent, then the checks __post_init__ runs
+        plan: CallPlan = object.__new__(cls)
+        fields_ = vars(plan)
+        fields_.update(_DEFAULTS)
+        fields_["pods"], fields_["names"], fields_["id"] = [], [], None
+        known = _KNOWN
+        for k, v in meta.items():
+            if v is not None and k in known:
+                fields_[k] = v
+        plan._check_pods()
+        plan._check_call()  # a missing id fails here, naming it
+        return plan
 
     def to_meta(self) -> dict[str, Any]:
         """The plan as its JSON object: every field that is not its default."""
@@ -282,9 +292,9 @@ _KNOWN = frozenset(_FIELDS)
 _DEFAULTS: dict[str, Any] = {
     f.name: f.default_factory() if callable(f.default_factory) else f.default
     for f in fields(CallPlan)
-    if f.init
+    if f.name != "sizes"  # set by the checks
 }
-_DEFAULT_ITEMS = tuple((name, _DEFAULTS[name]) for name in _FIELDS[1:])
+_DEFAULT_ITEMS = tuple((name, _DEFAULTS[name]) for name in _FIELDS[1:])  # init fields only
 # the fields every call to the same pods shares (checked by _check_pods), and the call's own
 _PODS_PART = frozenset(("pods", "names", "fanout", "quorum_timeout", "num_proc", "launch_id"))
 _CALL_DEFAULTS = tuple(item for item in _DEFAULT_ITEMS if item[0] not in _PODS_PART)

@@ -319,7 +319,7 @@ class Channel:
 
     def send(self, msg: Message) -> None:
         parts = encode(msg)
-        data = envelope.join(parts) if envelope.parts_size(parts) <= JOIN_MAX else None
+        data = envelope.join(parts) if _size(parts) <= JOIN_MAX else None
         with self._send_lock:
             if data is not None:
                 self.sock.sendall(data)
@@ -372,7 +372,13 @@ def write(writer: asyncio.StreamWriter, msg: Message) -> None:
     """Queue ``msg`` on the pod server's end (the caller drains): a small message in one
     write (one segment, so the rank's read wakes once), a large one without copying."""
     parts = encode(msg)
-    if envelope.parts_size(parts) <= JOIN_MAX:
+    if _size(parts) <= JOIN_MAX:
         writer.write(envelope.join(parts))
     else:
         writer.writelines(parts)
+
+
+def _size(parts: list[Any]) -> int:
+    """An encoded message's size, from its length prefix (the first part begins with it)."""
+    (n,) = LEN.unpack_from(parts[0])
+    return LEN.size + int(n)
