@@ -18,7 +18,8 @@ import pytest
 from ktlite.net.call_reply import FrameReader
 from ktlite.net.connection import Connection, ConnectionFailed
 from ktlite_wire import codec, rankchannel
-from ktlite_wire.frames import FRAME, RESULT, FrameParser, frame_parts
+from ktlite_wire.envelope import join
+from ktlite_wire.frames import FRAME, RESULT, FrameParser
 from ktlite_wire.outcome import CallResult, RankOutcome
 from ktlite_wire.status import Status
 
@@ -46,7 +47,7 @@ def test_frame_parser_grows_with_the_bytes_that_arrive() -> None:
 
 def test_frame_parser_still_reads_large_frames_whole() -> None:
     big = bytes(range(256)) * (12 << 12)  # 12 MiB, fed in uneven pieces
-    stream = b"".join(bytes(memoryview(p)) for p in frame_parts(RESULT, [big]))
+    stream = FRAME.pack(RESULT, len(big)) + big
     parser, got = FrameParser(), []
     for i in range(0, len(stream), 65531):
         got += parser.feed(stream[i : i + 65531])
@@ -103,7 +104,8 @@ def test_caller_reading_a_pods_stream_allocates_as_bytes_arrive(lie: str) -> Non
 def test_caller_still_reads_a_large_result_through_the_stream() -> None:
     value = bytes(range(256)) * (8 << 12)  # 8 MiB in one chunk
     result = CallResult([RankOutcome(0, "pod-0", Status.OK, codec.dumps(value))])
-    inner = b"".join(bytes(memoryview(p)) for p in frame_parts(RESULT, result.encode()))
+    payload = join(result.encode())
+    inner = FRAME.pack(RESULT, len(payload)) + payload
     reply = (
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
         + f"{len(inner):x}\r\n".encode()
