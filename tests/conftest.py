@@ -22,9 +22,9 @@ os.environ.pop("KTLITE_BACKEND", None)
 # beside the rest and the run ends on short ones. The stand-in cluster run is four modules
 # (tests/kube_e2e.py), so its parts spread over the workers.
 _FIRST = (
-    "tests/test_kube_e2e_faults.py",
-    "tests/test_kube_e2e_engines.py",
     "tests/test_kube_e2e_calls.py",
+    "tests/test_kube_e2e_engines.py",
+    "tests/test_kube_e2e_faults.py",
     "tests/test_app.py",
     "tests/test_cli.py",
     "tests/test_local_calls.py",

@@ -60,7 +60,7 @@ class Pods:
         self.fake = kf.FakeKube(
             token=TOKEN,
             pod_behavior=self.behavior,
-            pod_termination_seconds=1.0,
+            pod_termination_seconds=0.2,  # a real pod: seconds; waits still see Terminating
             follow_idle_timeout=5.0,
             pvc_bind_seconds=bind_s,
             knative=os.environ.get("KTLITE_HARNESS_KNATIVE") == "1",

@@ -294,8 +294,10 @@ def gloo():
 def test_failure_while_others_block_in_gloo_all_reduce(gloo) -> None:
     """Ranks 0, 2, 3 wait in an all_reduce that rank 1 never joins: the call still fails fast,
     and the next collective call, made right away, gets a fresh, complete process group.
-    Three rounds: the recovery after a failure must work every time, not just once."""
-    for round_ in range(3):
+    Two rounds: the recovery after a failure must work every time, not just once, the second
+    time on ranks that a recovery started (and, with max_restarts=1, the ranks killed twice
+    show that ktlite's own kills do not count as restarts)."""
+    for round_ in range(2):
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="rank 1 skips the all_reduce") as info:
             gloo.options(stream_logs=False, timeout=40)("gloo", "fail")

@@ -98,6 +98,10 @@ def test_render_names_objects_and_keeps_the_token_out_of_the_plan() -> None:
         "key": "token",
     }
     assert env["KTLITE_STORE_ROOT"]["value"] == ks.ROOT
+    assert env["KTLITE_STORE_MAX_BYTES"]["value"] == str(5 << 30)  # the claim's size
+    capped = ks.render("team", image="i", install="k", token=None, max_bytes=1000)[2]
+    capped_env = capped["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "KTLITE_STORE_MAX_BYTES", "value": "1000"} in capped_env
     assert container["imagePullPolicy"] == "Never" and container["image"] == "img:1"
     assert {"name": "data", "mountPath": ks.ROOT} in container["volumeMounts"]
     assert sts["spec"]["replicas"] == 1
@@ -351,10 +355,12 @@ def test_teardown_of_a_deployment_leaves_the_store(
     cluster.backend.teardown("ktlite-other")
     assert cluster.names("statefulsets") == ["ktlite-store"]
     assert cluster.store.teardown() is True
-    assert cluster.names("statefulsets") == [] and cluster.names("secrets") == []
-    assert cluster.names("persistentvolumeclaims") == ["ktlite-store"]  # the data stays
+    assert cluster.names("statefulsets") == []
+    # the data stays, and the key that signed its objects with it
+    assert cluster.names("persistentvolumeclaims") == ["ktlite-store"]
+    assert cluster.names("secrets") == ["ktlite-store-token"]
     assert cluster.store.teardown(volumes=True) is True
-    assert cluster.names("persistentvolumeclaims") == []
+    assert cluster.names("persistentvolumeclaims") == [] and cluster.names("secrets") == []
     assert cluster.store.teardown() is False
 
 
@@ -501,13 +507,24 @@ def _in_rank(tag: str) -> dict[str, Any]:
     try:
         kt.put(f"{tag}/rank-{rank}", {"rank": rank})
         path = kt.get(f"{tag}/tree", f"/tmp/{tag}-{rank}")
-        return {
+        out = {
             "rank": rank,
             "config": kt.get(f"{tag}/config"),
             "files": sorted(p.name for p in path.iterdir()),
         }
     except DataStoreError as e:
         return {"rank": rank, "error": str(e)}
+    try:  # its token reaches its grants only: never the root, nor another prefix
+        kt.ls()
+        out["root"] = "listed"
+    except DataStoreError as e:
+        out["root"] = str(e)
+    try:
+        kt.put("elsewhere/x", 1)
+        out["elsewhere"] = "written"
+    except DataStoreError as e:
+        out["elsewhere"] = str(e)
+    return out
 
 
 @pytest.mark.timeout(240)
@@ -525,12 +542,16 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(
     kt.put(f"{tag}/tree", tree)
     closing: list[httpx.Client] = []
     remote = kt.fn(_in_rank, name=f"st-{tag}").to(
-        kt.Compute(cpus=0.1, launch_timeout=120).distribute("spmd", workers=2)
+        kt.Compute(cpus=0.1, launch_timeout=120, store_access={tag: "write"}).distribute(
+            "spmd", workers=2
+        )
     )
     try:
         results = remote(tag)
         assert [r.get("error") for r in results] == [None, None]
         assert all(r["config"] == {"lr": 0.5} and r["files"] == ["a.txt", "sub"] for r in results)
+        assert all("may not read the store's root" in r["root"] for r in results), results
+        assert all("may not write 'elsewhere/x'" in r["elsewhere"] for r in results), results
         assert kt.get(f"{tag}/rank-1") == {"rank": 1}
         assert {e["name"] for e in kt.ls(tag)} == {"config", "tree/", "rank-0", "rank-1"}
         # the store pod is replaced: a new IP; the ranks still hold the old address
@@ -554,7 +575,9 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(
         stale = remote(tag)
         assert all(old_ip in r["error"] and "call .to() again" in r["error"] for r in stale), stale
         remote = kt.fn(_in_rank, name=f"st-{tag}").to(
-            kt.Compute(cpus=0.1, launch_timeout=120).distribute("spmd", workers=2)
+            kt.Compute(cpus=0.1, launch_timeout=120, store_access={tag: "write"}).distribute(
+                "spmd", workers=2
+            )
         )
         assert [r.get("error") for r in remote(tag)] == [None, None]
     finally:
@@ -579,6 +602,9 @@ def test_pods_reach_the_store_by_ip_and_name_a_replaced_store(
     assert "none" in _cli("store", "status").stdout
     with pytest.raises(DataStoreError, match="no data store in namespace 'default' yet"):
         kt.get("cli/k")
+    # made again over the kept claim: the same key, so the objects it holds still verify
+    assert _cli("store", "create").returncode == 0
+    assert json.loads(_cli("get", "cli/k").stdout) == "v"
     for client in closing:
         client.close()
 

@@ -617,8 +617,8 @@ def _dry_target(x: int) -> int:
 
 
 def _pod_processes(name: str) -> list[int]:
-    """pids of ktlite_server processes serving deployment ``name``."""
-    found = []
+    """pids of this process's ktlite_server processes of ``name`` (ready file in KTLITE_HOME)."""
+    found, ours = [], str(_local_dir(name)).encode() + b"/"  # other test runs use the names
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -626,7 +626,7 @@ def _pod_processes(name: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"ktlite_server" in argv and any(a.startswith(f"{name}-".encode()) for a in argv):
+        if b"ktlite_server" in argv and any(a.startswith(ours) for a in argv):
             found.append(int(proc.name))
     return found
 

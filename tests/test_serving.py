@@ -213,7 +213,7 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
 
 def test_load_grows_to_max_scale_and_shrinks_back_after_the_delay() -> None:
     compute = kt.Compute(cpus=0.5).autoscale(
-        min_scale=1, max_scale=4, concurrency=2, window="2s", scale_down_delay="2s"
+        min_scale=1, max_scale=4, concurrency=2, window="1s", scale_down_delay="1s"
     )
     remote = kt.cls(Model, name=_name("grow")).to(compute, init_args={"scale": 3})
     try:

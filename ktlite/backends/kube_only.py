@@ -6,7 +6,8 @@ A local pod is a process of this machine: no scheduler places it (``node_selecto
 ``service_template``), no container runtime runs an image (``image``'s base image and its
 ``pip_install`` / ``run_bash`` steps, ``image_pull_policy``, ``freeze``, ``working_dir``), and it
 shares this machine's ``/dev/shm``, disk and CPUs (``shared_memory``, ``cpu_limit``,
-``disk_size``, ``gpu_anti_affinity``). ``namespace`` and ``secrets`` do act locally (the data
+``disk_size``, ``gpu_anti_affinity``), and it reads the data store's directory as the caller
+does (``store_access``: nothing to scope). ``namespace`` and ``secrets`` do act locally (the data
 store's namespace; secrets reach the ranks). docs/local_backend.md says what each field does
 locally.
 """
@@ -38,6 +39,8 @@ KUBE_ONLY = (
     "queue_name",
     "service_template",
     "freeze",
+    # local pods are processes of the caller's user, reading the store's directory directly
+    "store_access",
 )
 
 

@@ -6,7 +6,8 @@ down unless asked), and a StatefulSet ``ktlite-store`` of one pod running the kt
 image with ``KTLITE_STORE_ROOT=/store`` (``ktlite_server.store``). They are labelled
 ``ktlite.dev/store=ktlite-store`` and not ``ktlite.dev/name`` nor managed-by ``ktlite``: the
 store is no deployment, so ``ktlite list`` does not show it and ``ktlite teardown --all``
-leaves it alone; ``ktlite store teardown`` removes it.
+leaves it alone; ``ktlite store teardown`` removes its pod (and, with ``--volumes``, the claim
+and the Secret, whose key signs the stored objects: they go together).
 
 Reaching it: from outside the cluster through the API server's pod proxy; from a pod by the
 store pod's IP (no cluster DNS, no kube-proxy). Pods cannot ask the API for that IP, so the
@@ -31,6 +32,7 @@ from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
 from ktlite.errors import DataStoreError, KtliteError
 from ktlite.logconfig import pod_env
+from ktlite.specs.quantities import parse_memory
 
 NAME = "ktlite-store"
 SECRET = "ktlite-store-token"
@@ -70,9 +72,11 @@ def render(
     size: str = DEFAULT_SIZE,
     storage_class: str | None = None,
     pull_policy: str | None = None,
+    max_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """Pure: the store's objects, in apply order (the Secret holds a placeholder without
-    ``token``, for printing)."""
+    ``token``, for printing). The store refuses uploads beyond ``max_bytes`` in all
+    (``KTLITE_STORE_MAX_BYTES``; default: the claim's size)."""
     meta = {"namespace": namespace, "labels": dict(LABELS)}
     secret = {
         "apiVersion": "v1",
@@ -96,6 +100,7 @@ def render(
     env = [
         {"name": "KTLITE_TOKEN", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "token"}}},
         {"name": "KTLITE_STORE_ROOT", "value": ROOT},
+        {"name": "KTLITE_STORE_MAX_BYTES", "value": str(max_bytes or parse_memory(size, "size"))},
         {"name": "KTLITE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KTLITE_PORT", "value": str(km.SERVER_PORT)},
         {"name": "KTLITE_INSTALL", "value": install},
@@ -146,6 +151,17 @@ def render(
         },
     }
     return [secret, claim, sts]
+
+
+def _max_bytes() -> int | None:
+    """``KTLITE_STORE_MAX_BYTES`` of this process, for a store it creates (None: the claim's
+    size)."""
+    from ktlite_wire.storecap import max_bytes
+
+    try:
+        return max_bytes(os.environ)
+    except ValueError as e:
+        raise DataStoreError(str(e)) from None
 
 
 def _token(secret: dict[str, Any] | None) -> str | None:
@@ -230,6 +246,7 @@ class KubeStore:
             size=size or os.environ.get("KTLITE_STORE_SIZE") or DEFAULT_SIZE,
             storage_class=storage_class or os.environ.get("KTLITE_STORE_STORAGE_CLASS") or None,
             pull_policy=setting("image_pull_policy"),
+            max_bytes=_max_bytes(),
         )
         missing = [o for o in objects if api.get(o["kind"], o["metadata"]["name"]) is None]
         created: list[str] = []  # the kinds this call made (each named NAME, SECRET or CLAIM)
@@ -414,12 +431,14 @@ class KubeStore:
         return None
 
     def teardown(self, volumes: bool = False) -> bool:
-        """Delete the store (its data too with ``volumes``); True if something was there."""
+        """Delete the store (its data too with ``volumes``); True if something was there. The
+        Secret goes with the data only: its key signs the stored objects, so a store made again
+        over the kept claim must have the same key to read them back."""
         api = self.api
         found = api.delete("StatefulSet", NAME)
         found |= api.delete("Pod", POD)
-        found |= api.delete("Secret", SECRET)
         if volumes:
+            found |= api.delete("Secret", SECRET)
             found |= api.delete("PersistentVolumeClaim", CLAIM)
         return found
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from ktlite.backends.registry import backend_class, traits
 from ktlite.commands.confirmation import confirm
-from ktlite.datastore import store
+from ktlite.datastore import location, store
 from ktlite.errors import ConfigError
 from ktlite.net.progress import _size
 
@@ -56,12 +56,12 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _rm(args: argparse.Namespace) -> int:
     store.rm(args.key, recursive=args.recursive, backend=args.backend, namespace=args.namespace)
-    print(f"{args.key or '(everything)'}: removed")
+    print(f"{args.key}: removed")
     return 0
 
 
 def _kube(args: argparse.Namespace) -> Any:
-    name = store._backend_name(args.backend)
+    name = location.backend_name(args.backend)
     if traits(name).store != "pod":
         return None
     from ktlite.backends.kube_store import KubeStore
@@ -78,7 +78,26 @@ def _confirm(args: argparse.Namespace, what: str) -> int | None:
     )
 
 
+def _wipe(args: argparse.Namespace) -> int:
+    """Every key of the store deleted, after asking as ``ktlite teardown --all`` does."""
+    where = f"namespace {location.local_namespace(args.namespace)!r}"
+    if _kube(args) is not None and args.namespace:
+        where = f"namespace {args.namespace!r}"
+    refused = confirm(
+        yes=args.yes,
+        command=f"store wipe asks before it deletes every key of the data store of {where}",
+        question=f"delete every key of the data store of {where}?",
+    )
+    if refused is not None:
+        return refused
+    removed = store.wipe(backend=args.backend, namespace=args.namespace)
+    print(f"data store of {where}: wiped ({removed} top-level key(s) removed)")
+    return 0
+
+
 def _store(args: argparse.Namespace) -> int:
+    if args.action == "wipe":
+        return _wipe(args)
     kube = _kube(args)
     if kube is None:
         root = store.local_root(args.namespace)
@@ -101,7 +120,7 @@ def _store(args: argparse.Namespace) -> int:
         return 0
     if args.action == "create":
         address = kube.ensure(
-            timeout=store._timeout(),
+            timeout=location.timeout(),
             size=args.size,
             storage_class=args.storage_class,
             image=args.image,
@@ -171,11 +190,11 @@ def add_commands(command: Command, where: Callable[[argparse.ArgumentParser], No
     where(rm)
     st = command(
         "store",
-        "the data store itself: status, create, teardown",
-        "ktlite store status -n team   |   ktlite store teardown --volumes",
+        "the data store itself: status, create, teardown, wipe (delete every key)",
+        "ktlite store status -n team   |   ktlite store wipe -y",
         _store,
     )
-    st.add_argument("action", choices=["status", "create", "teardown"])
+    st.add_argument("action", choices=["status", "create", "teardown", "wipe"])
     st.add_argument("--volumes", action="store_true", help="teardown: delete the stored data too")
     st.add_argument(
         "-y",
@@ -183,7 +202,8 @@ def add_commands(command: Command, where: Callable[[argparse.ArgumentParser], No
         "-f",
         "--force",
         action="store_true",
-        help="teardown --volumes: do not ask before deleting the data; without a terminal to ask "
+        help="teardown --volumes, wipe: do not ask before deleting the data; without a terminal "
+        "to ask "
         "on it is refused unless given (as `ktlite teardown --all -y`)",
     )
     st.add_argument("--size", default=None, help="create: the PVC's size (default 10Gi)")

@@ -9,6 +9,11 @@ Where the values live:
   first ``put`` (``ktlite.backends.kube_store``); inside a pod, at the address the client
   handed the pod when it pushed the deployment's code.
 
+On Kubernetes a deployment's pods reach their own prefix and what ``store_access`` shares
+(:mod:`ktlite.datastore.location`); objects are signed by their writer and checked before they
+are unpickled (:mod:`ktlite.datastore.signing`); ``rm`` never deletes the root (:func:`wipe`
+does).
+
 What a value is: ``put(key, src)`` with ``src`` a ``str`` or ``os.PathLike`` stores that file
 or directory (it must exist: a typo never becomes a stored string); any other ``src`` (or
 ``data=``, which also takes strings) is a Python object stored by value (cloudpickle, tensors
@@ -22,20 +27,19 @@ import contextlib
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ktlite import config
-from ktlite.backends.registry import NAMES, backend_class, traits
-from ktlite.config import private_home
-from ktlite.datastore.storedir import CHUNK, StoreDir, check_key, missing, tar_stream
+from ktlite.datastore.location import handoff, in_pod, local_root, open_store
+from ktlite.datastore.storedir import ROOT_REFUSED, check_key, missing
 from ktlite.errors import ConfigError, DataStoreError
 from ktlite.net.progress import Progress
 from ktlite_wire import codec
 
+__all__ = ["get", "handoff", "in_pod", "local_root", "ls", "put", "rm", "wipe"]
+
 _MISSING: Any = object()
-Receive = Callable[[dict[str, Any], Iterator[bytes]], Any]
 
 
 # ---- public API ----------------------------------------------------------------------------
@@ -80,7 +84,7 @@ def put(
             "kt.put(key, src) takes a path or an object as src, or data=<object>; "
             "give exactly one of them"
         )
-    store = _open(backend, namespace, create=True)
+    store = open_store(backend, namespace, create=True)
     try:
         if data is _MISSING and isinstance(src, (str, os.PathLike)):
             path = Path(src)
@@ -96,7 +100,8 @@ def put(
                     "as a value, pass it as data="
                 )
         else:
-            store.put_object(key, codec.dumps(src if data is _MISSING else data))
+            payload = codec.dumps(src if data is _MISSING else data)
+            store.put_object(key, [store.signer.block(key, payload), payload])
     finally:
         store.close()
 
@@ -119,7 +124,7 @@ def get(
     ``force`` and ``verbose`` are Kubetorch's and change nothing (files are always replaced).
     """
     key = check_key(key)
-    store = _open(backend, namespace, create=False)
+    store = open_store(backend, namespace, create=False)
     name = key.rsplit("/", 1)[-1]
     target = Path(dest) if dest is not None else Path.cwd() / name
 
@@ -131,7 +136,8 @@ def get(
                     f"key {key!r} holds a Python object: call kt.get({key!r}) without "
                     "dest to get it back"
                 )
-            return ("object", codec.loads(bytearray(b"".join(chunks))))
+            stored = bytearray(b"".join(chunks))
+            return ("object", codec.loads(store.signer.verify(key, stored)))
         progress = Progress(f"get {key}", int(entry.get("size") or 0))
         chunks = progress.wrap(chunks)
         try:
@@ -163,7 +169,7 @@ def ls(
     ``size`` in bytes and ``is_directory``. With ``recursive``, every file and object below.
     An empty store (or none yet) lists nothing."""
     prefix = check_key(key if key is not None else prefix, what="prefix", allow_root=True)
-    store = _open(backend, namespace, create=False, absent_ok=True)
+    store = open_store(backend, namespace, create=False, absent_ok=True)
     if store is None:
         if prefix:
             raise missing(prefix, "(there is no store in this namespace yet)")
@@ -182,239 +188,30 @@ def rm(
     backend: str | None = None,
     verbose: bool = False,
 ) -> None:
-    """Delete ``key``; a directory only with ``recursive=True``."""
-    key = check_key(key, allow_root=recursive)
-    store = _open(backend, namespace, create=False)
+    """Delete ``key``; a directory only with ``recursive=True``. Never the whole store
+    (``""`` or ``"/"``): that is :func:`wipe`, a separate call."""
+    if key in ("", "/"):
+        raise ConfigError(ROOT_REFUSED)
+    key = check_key(key)
+    store = open_store(backend, namespace, create=False)
     try:
         store.remove(key, recursive)
     finally:
         store.close()
 
 
-# ---- where the store is ----------------------------------------------------------------------
-
-
-def _backend_name(backend: str | None) -> str:
-    chosen = backend or config.get("backend") or "local"
-    if chosen not in NAMES:
-        raise ConfigError(f"backend={chosen!r} is not known; allowed: 'local', 'kubernetes'")
-    return chosen
-
-
-def _local_namespace(namespace: str | None) -> str:
-    return (
-        namespace
-        or os.environ.get("KTLITE_STORE_NAMESPACE")
-        or config.get("namespace")
-        or "default"
-    )
-
-
-def local_root(namespace: str | None = None) -> Path:
-    """The local backend's store directory (local pods are handed the caller's home as
-    KTLITE_STORE_HOME, and the deployment's namespace as KTLITE_STORE_NAMESPACE)."""
-    home = (
-        Path(os.environ["KTLITE_STORE_HOME"])
-        if os.environ.get("KTLITE_STORE_HOME")
-        else config.home()
-    )
-    return home / "store" / _local_namespace(namespace)
-
-
-def _open(backend: str | None, namespace: str | None, create: bool, absent_ok: bool = False) -> Any:
-    name = _backend_name(backend)
-    kind = traits(name).store
-    if kind == "directory":
-        if not os.environ.get("KTLITE_STORE_HOME"):
-            private_home()
-        root = local_root(namespace)
-        return _Local(
-            StoreDir(root, where=f"of namespace {_local_namespace(namespace)!r} ({root})")
-        )
-    if kind is None:
-        raise DataStoreError(
-            f"the data store is not available on the {name} backend; use backend='local' "
-            "or 'kubernetes'"
-        )
-    if in_pod():
-        return _Remote(pod_client(namespace))
-    from ktlite.backends.kube_store import KubeStore
-    from ktlite.datastore.store_client import StoreClient
-
-    kube = KubeStore(backend_class(name).shared(namespace))
-    address = kube.find()
-    if address is None or not kube.answers(address):
-        if create or kube.exists():  # to make, or made and not answering yet (being replaced)
-            address = kube.ensure(timeout=_timeout())
-        elif absent_ok:
-            return None
-        else:
-            raise DataStoreError(
-                f"there is no data store in namespace {kube.api.namespace!r} yet: kt.put creates it"
-            )
-    return _Remote(
-        StoreClient(
-            address.url,
-            address.token,
-            http=address.http,
-            describe=f"the data store pod {address.pod} in namespace {address.namespace!r}",
-            stale_hint="`ktlite store status` shows the store's state",
-        )
-    )
-
-
-def _timeout() -> float:
-    from ktlite.backends.kube_store import DEFAULT_TIMEOUT_S
-
-    return float(os.environ.get("KTLITE_STORE_TIMEOUT") or DEFAULT_TIMEOUT_S)
-
-
-def in_pod() -> bool:
-    """Whether this process runs in a Kubernetes pod of a ktlite deployment (a rank)."""
-    return (
-        bool(os.environ.get("KTLITE_POD_IPS_FILE"))
-        and traits(os.environ.get("KTLITE_BACKEND")).store == "pod"
-    )
-
-
-def address_file() -> Path:
-    """Where the pod server keeps the store address the client handed it (next to the pod's
-    peer list, which every rank knows)."""
-    from ktlite.datastore.storedir import address_file as path_for
-
-    return Path(path_for(os.environ["KTLITE_POD_IPS_FILE"]))
-
-
-def pod_client(namespace: str | None) -> Any:
-    """A client for the store, inside a pod, from the address handed to it at deploy time."""
-    import json
-
-    from ktlite.datastore.store_client import StoreClient
-
-    ns = os.environ.get("KTLITE_NAMESPACE", "?")
-    if namespace and namespace != ns:
-        raise DataStoreError(
-            f"inside a pod the data store is its own namespace's ({ns!r}), not {namespace!r}"
-        )
+def wipe(*, namespace: str | None = None, backend: str | None = None) -> int:
+    """Delete every key of the namespace's store (``ktlite store wipe``, which asks first);
+    the number of top-level keys removed. Needs the store's full access (a deployment's pod
+    never has it)."""
+    store = open_store(backend, namespace, create=False, absent_ok=True)
+    if store is None:
+        return 0
     try:
-        info = json.loads(address_file().read_text())
-    except (OSError, ValueError):
-        info = {"url": None}
-    if not info.get("url"):
-        raise DataStoreError(
-            f"this pod knows of no data store: namespace {ns!r} had none when the deployment's code "
-            "was pushed; create it from your machine (`ktlite store create`, or any kt.put there), "
-            "then call .to() again to hand the pods its address"
-        )
-    return StoreClient(
-        info["url"],
-        info["token"],
-        describe=f"the data store pod {info.get('pod')} at {info['url']}",
-        stale_hint="if the store pod was replaced since this deployment's code was "
-        "pushed, it has a new IP: call .to() again from your machine to hand the pods its "
-        "current address (`ktlite store status` shows it)",
-    )
-
-
-def handoff(backend: Any) -> dict[str, Any] | None:
-    """What ``Deployment.push`` sends each pod about the store (Kubernetes only), or None."""
-    return backend.store_handoff()  # type: ignore[no-any-return]
-
-
-# ---- the two kinds of store ----------------------------------------------------------------
-
-
-def _file_chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            yield chunk
-
-
-class _Local:
-    def __init__(self, store: StoreDir) -> None:
-        self.store = store
-
-    def close(self) -> None:
-        pass
-
-    def put_file(self, key: str, path: Path) -> None:
-        progress = Progress(f"put {key}", path.stat().st_size)
-        try:
-            self.store.write(key, progress.wrap(_file_chunks(path)))
-        finally:
-            progress.close()
-
-    def put_dir(self, key: str, path: Path) -> None:
-        from ktlite.datastore.storedir import open_reader
-
-        size, chunks = tar_stream(path)
-        progress = Progress(f"put {key}", size)
-        try:
-            self.store.write_tar(key, open_reader(progress.wrap(chunks)))
-        finally:
-            progress.close()
-
-    def put_object(self, key: str, data: bytes) -> None:
-        self.store.write(key, [data], kind="object")
-
-    def fetch(self, key: str, receive: Receive) -> Any:
-        entry = self.store.entry(key)
-        if entry is None:
-            raise missing(key, self.store.where)
-        if entry["type"] == "dir":
-            _, chunks = self.store.tar(key)
-            return receive(entry, chunks)
-        f, entry = self.store.open(key)
-        with f:
-            return receive(entry, iter(lambda: f.read(CHUNK), b""))
-
-    def ls(self, prefix: str, recursive: bool) -> list[dict[str, Any]]:
-        return self.store.ls(prefix, recursive)
-
-    def remove(self, key: str, recursive: bool) -> None:
-        self.store.remove(key, recursive)
-
-
-class _Remote:
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    def close(self) -> None:
-        self.client.close()
-
-    def _upload(
-        self, key: str, kind: str, size: int, chunks: Callable[[], Iterator[bytes]]
-    ) -> None:
-        progress = Progress(f"put {key}", size)
-
-        def counted() -> Iterator[bytes]:
-            progress.done = 0  # sent again from the start
-            return progress.wrap(chunks())
-
-        try:
-            self.client.upload(key, kind, size, counted)
-        finally:
-            progress.close()
-
-    def put_file(self, key: str, path: Path) -> None:
-        self._upload(key, "file", path.stat().st_size, lambda: _file_chunks(path))
-
-    def put_dir(self, key: str, path: Path) -> None:
-        size, _ = tar_stream(path)
-        self._upload(key, "dir", size, lambda: tar_stream(path)[1])
-
-    def put_object(self, key: str, data: bytes) -> None:
-        self.client.upload(key, "object", len(data), lambda: iter([data]))
-
-    def fetch(self, key: str, receive: Receive) -> Any:
-        return self.client.download(key, receive)
-
-    def ls(self, prefix: str, recursive: bool) -> list[dict[str, Any]]:
-        entries: list[dict[str, Any]] = self.client.ls(prefix, recursive)
-        return entries
-
-    def remove(self, key: str, recursive: bool) -> None:
-        self.client.remove(key, recursive)
+        removed: int = store.wipe()
+        return removed
+    finally:
+        store.close()
 
 
 # ---- writing what arrives ----------------------------------------------------------------------

@@ -124,7 +124,9 @@ class StoreClient:
         if code is ErrorCode.UNAUTHORIZED or (code is None and resp.status_code == 401):
             raise AuthError(
                 f"{self.describe} refused the store token (HTTP 401) for {what}; the store "
-                "was probably re-created: call .to() again to hand the pods its new token"
+                "was probably re-created: call .to() again to hand the pods its new token (or "
+                "its pod runs a ktlite from before scoped tokens: `ktlite store teardown` then "
+                "`ktlite store create` restarts it, keeping its data and key)"
             )
         if not detail.strip():  # not the store's server (it always explains itself)
             raise DataStoreError(
@@ -187,6 +189,19 @@ class StoreClient:
             self._check(resp, f"rm {key!r}", key)
 
         self._run(f"rm {key!r}", attempt)
+
+    def wipe(self) -> int:
+        """Delete every key (the store's full token only); how many top-level keys went."""
+
+        def attempt() -> int:
+            resp = self.http.post(
+                self.url + PREFIX + "/wipe", headers=self._headers(), timeout=self._timeout()
+            )
+            self._check(resp, "wipe", None)
+            return int(resp.json()["removed"])
+
+        removed: int = self._run("wipe", attempt)
+        return removed
 
     def upload(
         self, key: str, kind: str, size: int, open_chunks: Callable[[], Iterator[bytes]]

@@ -141,7 +141,8 @@ class Deployment:
         )
         # where the data store is, for kt.put/get in the ranks: read while the pods are asked for
         # /health (queued before them: a pod's launch waiting for it never holds up its task)
-        store = pool.submit(handoff, self.backend)
+        access = self.spec.pod.kubernetes.store_access
+        store = pool.submit(handoff, self.backend, self.spec.name, access)
         self.mode.load(launch, store)
         self.recolocate()
 

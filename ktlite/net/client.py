@@ -19,14 +19,20 @@ from typing import Any
 
 import httpx
 
-from ktlite.errors import KtliteError, NotDeployedError, PodUnreachable, ProtocolMismatch
+from ktlite.errors import (
+    ConfigError,
+    KtliteError,
+    NotDeployedError,
+    PodUnreachable,
+    ProtocolMismatch,
+)
 from ktlite.logconfig import http_hook
 from ktlite.net.call_reply import CallReply as CallReply
 from ktlite.net.call_reply import FrameReader, LogSink, NoticeSink, Outcomes
 from ktlite.net.connection import ConnectionFailed, ConnectionRefused, Pool
 from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, proxy_refusal, raise_for_status
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
-from ktlite_wire import envelope, version
+from ktlite_wire import envelope, heartbeat, version
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.headers import (
     CALL_HEADER,
@@ -43,8 +49,9 @@ from ktlite_wire.plan import CallPlan
 
 logger = logging.getLogger(__name__)
 
-# The server sends a heartbeat frame every 2 s; silence this long means the pod is gone.
-SILENCE_TIMEOUT = 10.0
+# The server sends a heartbeat frame every 2 s; silence this long means the pod is gone:
+# KTLITE_SILENCE_TIMEOUT (ktlite_wire.heartbeat), read at the first call (None until then).
+SILENCE_TIMEOUT: float | None = None
 # After a proxied call's stream breaks, re-attach attempts go on this long; the pod keeps the
 # call (and waits for us) for REATTACH_S, longer, so the window always ends first.
 RESUME_WINDOW_S = 5.0
@@ -54,6 +61,18 @@ CHUNKED_MAX = 8 << 20  # proxied bodies up to this size go chunked (see _call_re
 
 _pool = Pool()  # one keep-alive pool for every deployment of this process (tokens go per request)
 atexit.register(_pool.close)
+
+
+def silence_timeout() -> float:
+    """How long a call's stream may stay silent (no frame, no heartbeat) before its pod is
+    taken for gone: ``KTLITE_SILENCE_TIMEOUT``, read and checked once, at the first call."""
+    global SILENCE_TIMEOUT
+    if SILENCE_TIMEOUT is None:
+        try:
+            SILENCE_TIMEOUT = heartbeat.silence_timeout()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return SILENCE_TIMEOUT
 
 
 class PodClient:
@@ -251,19 +270,20 @@ class PodClient:
         """Run the call ``plan`` through the coordinator ``pod`` at ``url``; returns per-rank
         outcomes."""
         who = f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
+        silence = silence_timeout()
         frames = FrameReader(on_log, on_notice, url)
         try:
             if self._lean and url.startswith("http://"):
                 headers = self._headers(
                     {CALL_HEADER: plan.encode(), "content-type": "application/octet-stream"}
                 )
-                return self._call_lean(url, headers, parts, frames)
-            return self._call_resumable(url, plan, parts, frames, who)
+                return self._call_lean(url, headers, parts, frames, silence)
+            return self._call_resumable(url, plan, parts, frames, who, silence)
         except KtliteError:
             raise  # already says what happened (PodUnreachable is an OSError too)
         except (httpx.ReadTimeout, TimeoutError) as e:
             raise PodUnreachable(
-                f"{who} went silent for {SILENCE_TIMEOUT:g}s during the call (no "
+                f"{who} went silent for {silence:g}s during the call (no "
                 "heartbeat): it probably died"
             ) from e
         except (httpx.HTTPError, ConnectionFailed, OSError) as e:
@@ -272,11 +292,16 @@ class PodClient:
             raise PodUnreachable(f"{who} closed the stream mid-call: {e}") from e
 
     def _call_lean(
-        self, url: str, headers: dict[str, str], parts: list[Any], frames: FrameReader
+        self,
+        url: str,
+        headers: dict[str, str],
+        parts: list[Any],
+        frames: FrameReader,
+        silence: float,
     ) -> CallReply:
         try:
             conn, status, hdrs = _pool.post(
-                url, "/call", headers, parts, connect_timeout=10.0, read_timeout=SILENCE_TIMEOUT
+                url, "/call", headers, parts, connect_timeout=10.0, read_timeout=silence
             )
             logger.debug("POST %s/call -> %d (direct connection)", url, status)
         except ConnectionRefused as e:
@@ -299,7 +324,13 @@ class PodClient:
         return result
 
     def _call_resumable(
-        self, url: str, plan: CallPlan, parts: list[Any], frames: FrameReader, who: str
+        self,
+        url: str,
+        plan: CallPlan,
+        parts: list[Any],
+        frames: FrameReader,
+        who: str,
+        silence: float,
     ) -> CallReply:
         """A call through a proxy (the Kubernetes API server's). A stream that breaks is
         re-attached by call id, reading on from the first frame not received; the pod keeps
@@ -315,7 +346,7 @@ class PodClient:
         re-attach (the pod had answered 200: nothing is sent again).
         """
         header = replace(plan, reattach=REATTACH_S).encode()
-        timeout = httpx.Timeout(connect=10.0, read=SILENCE_TIMEOUT, write=300.0, pool=30.0)
+        timeout = httpx.Timeout(connect=10.0, read=silence, write=300.0, pool=30.0)
         size = envelope.parts_size(parts)
         window_end, attempt = 0.0, 0
         delivered = False  # did any attempt possibly reach a pod server?

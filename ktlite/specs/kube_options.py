@@ -12,6 +12,7 @@ from typing import Any
 
 from ktlite.errors import ConfigError
 from ktlite.specs.volume import DNS_LABEL
+from ktlite_wire.storedir import KeyRefused, check_key
 
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
@@ -32,6 +33,9 @@ class KubernetesOptions:
         service_template: merged deeply into each StatefulSet.
         gpu_anti_affinity: a CPU-only pod stays off nodes with GPUs.
         kubeconfig_path: the cluster's kubeconfig (does not shape the pods).
+        store_access: data store prefixes the pods may reach besides their own (the deployment's
+            name): ``{"datasets": "read", "shared/out": "write"}``, or a list of prefixes to
+            read (does not shape the pods: it travels with each push of the code).
     """
 
     namespace: str | None = None
@@ -46,9 +50,11 @@ class KubernetesOptions:
     service_template: dict[str, Any] | None = None
     gpu_anti_affinity: bool = False
     kubeconfig_path: str | None = None
+    store_access: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tolerations", tuple(self.tolerations))
+        object.__setattr__(self, "store_access", store_access(self.store_access))
         if self.image_pull_policy not in (None, *PULL_POLICIES):
             raise ConfigError(
                 f"image_pull_policy={self.image_pull_policy!r}; allowed: {', '.join(PULL_POLICIES)}"
@@ -71,7 +77,41 @@ class KubernetesOptions:
 
     def shape(self) -> dict[str, Any]:
         """The options that shape a pod (all but the kubeconfig, which picks the cluster)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kubeconfig_path"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SHAPING}
+
+
+_NOT_SHAPING = ("kubeconfig_path", "store_access")
+ACCESS_MODES = ("read", "write")
+
+
+def store_access(value: Any) -> tuple[tuple[str, str], ...]:
+    """``Compute(store_access=...)`` as sorted ``(prefix, "read" | "write")`` pairs, or a
+    ConfigError naming the bad entry."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, tuple, list)) for v in value):
+        pairs = [(v, "read") if isinstance(v, str) else tuple(v) for v in value]
+    else:
+        raise ConfigError(
+            f"store_access={value!r} must map data store prefixes to 'read' or 'write', e.g. "
+            "{'datasets': 'read', 'shared/out': 'write'}, or list prefixes to read"
+        )
+    out: dict[str, str] = {}
+    for pair in pairs:
+        prefix, mode = pair if len(pair) == 2 else (pair, None)
+        if mode not in ACCESS_MODES:
+            raise ConfigError(f"store_access[{prefix!r}]={mode!r}; allowed: 'read', 'write'")
+        if prefix in ("", "/"):
+            raise ConfigError(
+                "store_access cannot grant the data store's root: a deployment's pods reach "
+                "named prefixes only, e.g. {'datasets': 'read'}"
+            )
+        try:
+            prefix = check_key(prefix, what="store_access prefix")
+        except KeyRefused as e:
+            raise ConfigError(str(e)) from None
+        out[prefix] = "write" if "write" in (mode, out.get(prefix)) else "read"
+    return tuple(sorted(out.items()))
 
 
 KUBERNETES_FIELDS = tuple(f.name for f in fields(KubernetesOptions))

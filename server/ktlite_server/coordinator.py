@@ -19,7 +19,7 @@ from typing import Any
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome
-from ktlite_wire import frames, headers, shm
+from ktlite_wire import frames, headers, heartbeat, shm
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
 from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef
@@ -32,6 +32,9 @@ PodOutcome = RankOutcome
 REFUSED_GRACE_S = 5.0  # how long a peer may refuse connections before the call fails
 NOTICE_AFTER_S = 2.0  # the caller hears of pods not reachable yet after this, and this often
 STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are reported stuck
+# silence from another pod this long (no frame, no heartbeat) means it is gone; this pod's
+# KTLITE_SILENCE_TIMEOUT (kt.Compute(env=...)), read once: a bad value stops the server here
+SILENCE_S = heartbeat.silence_timeout()
 
 
 def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodOutcome]:
@@ -327,7 +330,7 @@ class Coordinator:
         while True:
             try:
                 async with self.peers.post(
-                    url, "/call", member_headers, body, connect_timeout=5.0, read_timeout=10.0
+                    url, "/call", member_headers, body, connect_timeout=5.0, read_timeout=SILENCE_S
                 ) as resp:
                     if resp.status != 200:
                         text = (await resp.read()).decode(errors="replace")[:500]
@@ -378,7 +381,7 @@ class Coordinator:
                 return self._failed_pod(
                     plan,
                     i,
-                    f"pod {name} stopped responding (no data or heartbeat for 10s); "
+                    f"pod {name} stopped responding (no data or heartbeat for {SILENCE_S:g}s); "
                     "the pod may have died or be overloaded",
                 )
             except (PeerError, ProtocolError) as e:

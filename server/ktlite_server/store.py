@@ -11,11 +11,14 @@ keys go as the ``key`` query parameter and are checked by ``ktlite_wire.storedir
   for ``dir``), streamed to disk and renamed into place when complete → the entry
 - ``GET /store/v1/key?key=K`` → the value (a tar stream for a directory) with its exact
   Content-Length and the entry as JSON in ``x-ktlite-entry``
-- ``DELETE /store/v1/key?key=K&recursive=0|1``
+- ``DELETE /store/v1/key?key=K&recursive=0|1`` (never the root: 400)
+- ``POST /store/v1/wipe`` → ``{"removed": N}``: every key deleted (``ktlite store wipe``)
 
-Errors: 400 a bad key (JSON ``detail``), 401 a wrong token, 404 a missing key, 409 a key of
-another type, 413 a body declared larger than allowed (``KTLITE_STORE_MAX_BODY`` for a PUT,
-1 TiB by default; no body for the rest).
+Errors: 400 a bad key (JSON ``detail``), 401 a wrong token, 403 a key outside the token's
+scope (:mod:`ktlite_wire.storescope`), 404 a missing key, 409 a key of another type, 413 a body
+declared larger than allowed (``KTLITE_STORE_MAX_BODY`` for a PUT, 1 TiB by default; no body
+for the rest), 507 an upload that would take the store over ``KTLITE_STORE_MAX_BYTES``
+(:mod:`ktlite_wire.storecap`; checked before the body is read and while it streams).
 
 The token and the declared size are checked from the request head, before the endpoint runs,
 by the pod server's own gate (:class:`ktlite_server.admission.Gate`): a refused request's
@@ -45,8 +48,10 @@ from ktlite_server.logconfig import request_log
 from ktlite_server.refusal import refuse
 from ktlite_wire import privatefiles
 from ktlite_wire.errors import ErrorCode
-from ktlite_wire.headers import LENGTH_HEADER
+from ktlite_wire.headers import LENGTH_HEADER, TOKEN_HEADER
+from ktlite_wire.storecap import Cap, Usage, max_bytes
 from ktlite_wire.storedir import OBJECT_MAGIC, StoreDir, StoreFault, check_key
+from ktlite_wire.storescope import Scope, scope_of
 from ktlite_wire.version import PROTOCOL_VERSION
 
 PREFIX = "/store/v1"
@@ -62,6 +67,46 @@ class StoreGate(Gate):
     body_limit_name = "KTLITE_STORE_MAX_BODY"
 
 
+class StoreKey(Token):
+    """The store's master key: the full token, and the key scoped tokens are checked with
+    (:mod:`ktlite_wire.storescope`); never shown."""
+
+    def __init__(self, master: str) -> None:
+        super().__init__(master)
+        self._master = master
+
+    def scope(self, header: bytes | str | None) -> Scope | None:
+        """What the token of a request's header reaches; None for no valid token."""
+        if isinstance(header, str):
+            header = header.encode("latin-1", "replace")
+        if not header or not header.startswith(b"Bearer "):
+            return None
+        return scope_of(self._master, header[len(b"Bearer ") :].decode("latin-1"))
+
+    def matches(self, header: bytes | None) -> bool:
+        return self.scope(header) is not None
+
+
+_GRANT_FIX = (
+    "grant it from your machine with kt.Compute(store_access={prefix: 'read' or 'write'}) "
+    "and call .to() again"
+)
+
+
+def allowed(scope: Scope, key: str, write: bool) -> None:
+    """Refuse (403) a key outside what the request's token reaches."""
+    if (scope.may_write if write else scope.may_read)(key):
+        return
+    verb = "write" if write else "read"
+    what = f"key {key!r}" if key else "the store's root (every key)"
+    raise refuse(
+        403,
+        ErrorCode.FORBIDDEN,
+        f"{scope.describe()} may not {verb} {what}" + ("" if not key else f"; {_GRANT_FIX}"),
+        headers={"connection": "close"},
+    )
+
+
 def store_limits(environ: Mapping[str, str] = os.environ) -> Limits:
     """The pod server's limits (its ``KTLITE_*`` variables), with the store's body limit."""
     raw = environ.get("KTLITE_STORE_MAX_BODY") or str(MAX_BODY)
@@ -70,12 +115,21 @@ def store_limits(environ: Mapping[str, str] = os.environ) -> Limits:
     return dataclasses.replace(Limits.from_env(environ), max_body=int(raw))
 
 
-_STATUS = {ErrorCode.BAD_REQUEST: 400, ErrorCode.NOT_FOUND: 404}
+_STATUS = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.STORE_FULL: 507,
+}
 
 
 def _fail(e: StoreFault) -> HTTPException:
     """The answer to a store fault: by its code, never by its text."""
-    return refuse(_STATUS.get(e.code, 409), e.code, str(e))
+    status = _STATUS.get(e.code, 409)
+    # a refused upload's body is left unread: the connection cannot carry another request
+    return refuse(
+        status, e.code, str(e), headers={"connection": "close"} if status == 507 else None
+    )
 
 
 class _BodyReader:
@@ -104,15 +158,27 @@ class _BodyReader:
         return out
 
 
-def create_store_app(root: str, token: str, limits: Limits | None = None) -> StoreGate:
-    """The store server's ASGI app: its endpoints behind the gate that refuses from the head."""
-    app = _endpoints(StoreDir(root, where="of this namespace (the ktlite-store pod)"))
-    return StoreGate(app, Token(token), limits or store_limits(), pod_name="ktlite-store")
+def create_store_app(
+    root: str, token: str, limits: Limits | None = None, cap: int | None = None
+) -> StoreGate:
+    """The store server's ASGI app: its endpoints behind the gate that refuses from the head.
+    ``cap``: the bytes the store may hold (``KTLITE_STORE_MAX_BYTES``; None: no cap)."""
+    key = StoreKey(token)
+    app = _endpoints(StoreDir(root, where="of this namespace (the ktlite-store pod)"), key, cap)
+    return StoreGate(app, key, limits or store_limits(), pod_name="ktlite-store")
 
 
-def _endpoints(store: StoreDir) -> FastAPI:
-    """The store's endpoints; every request reaching them carries the token (the gate's)."""
+def _endpoints(store: StoreDir, master: StoreKey, cap: int | None = None) -> FastAPI:
+    """The store's endpoints; every request reaching them carries a valid token (the gate's),
+    and each checks that the token's scope reaches its key."""
     app = FastAPI(title="ktlite data store", docs_url=None, redoc_url=None, openapi_url=None)
+    usage = Usage(store)  # what the store holds, for KTLITE_STORE_MAX_BYTES
+
+    def may(request: Request, key: str, write: bool = False) -> None:
+        scope = master.scope(request.headers.get(TOKEN_HEADER))
+        if scope is None:  # the gate admitted it: only a token changed under us
+            raise refuse(401, ErrorCode.UNAUTHORIZED, "missing or wrong store token")
+        allowed(scope, key, write)
 
     def key_of(request: Request, name: str = "key", allow_root: bool = False) -> str:
         try:
@@ -127,6 +193,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
     @app.get(PREFIX + "/stat")
     async def stat(request: Request) -> dict[str, Any]:
         key = key_of(request)
+        may(request, key)
         entry = await asyncio.to_thread(store.entry, key)
         if entry is None:
             raise _fail(
@@ -139,6 +206,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
     @app.get(PREFIX + "/ls")
     async def ls(request: Request) -> JSONResponse:
         prefix = key_of(request, "prefix", allow_root=True)
+        may(request, prefix)
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
             return JSONResponse(await asyncio.to_thread(store.ls, prefix, recursive))
@@ -148,24 +216,45 @@ def _endpoints(store: StoreDir) -> FastAPI:
     @app.delete(PREFIX + "/key")
     async def remove(request: Request) -> dict[str, Any]:
         key = key_of(request, allow_root=True)
+        may(request, key, write=True)
         recursive = request.query_params.get("recursive", "0") in ("1", "true")
         try:
-            return await asyncio.to_thread(store.remove, key, recursive)
+            entry = await asyncio.to_thread(store.remove, key, recursive)
         except StoreFault as e:
             raise _fail(e) from None
+        usage.add(-int(entry["size"]))
+        return entry
+
+    @app.post(PREFIX + "/wipe")
+    async def wipe(request: Request) -> dict[str, Any]:
+        may(request, "", write=True)
+        removed = await asyncio.to_thread(store.wipe)
+        usage.forget()
+        return {"removed": removed}
 
     @app.put(PREFIX + "/key")
     async def put(request: Request) -> dict[str, Any]:
         key = key_of(request)
+        may(request, key, write=True)
         kind = request.query_params.get("kind", "file")
         if kind not in ("file", "object", "dir"):
             raise refuse(400, ErrorCode.BAD_REQUEST, f"kind={kind!r}; allowed: file, object, dir")
         length = request.headers.get(LENGTH_HEADER) or request.headers.get("content-length")
         expected_size = int(length) if length and length.isdigit() else None
         try:
-            if kind == "dir":
-                return await _put_tar(request, key)
-            return await _put_file(request, key, kind, expected_size)
+            # before any of the body is read: what the store holds and what is declared
+            old = await asyncio.to_thread(store.entry, key)
+            replacing = int((old or {}).get("size") or 0)
+            room = await asyncio.to_thread(Cap, usage, key, cap, expected_size, replacing)
+            try:
+                if kind == "dir":
+                    entry = await _put_tar(request, key, room)
+                else:
+                    entry = await _put_file(request, key, kind, expected_size, room)
+                usage.add(int(entry["size"]) - replacing)
+                return entry
+            finally:
+                room.close()
         except StoreFault as e:
             raise _fail(e) from None
         except ClientDisconnect:
@@ -174,7 +263,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
             ) from None
 
     async def _put_file(
-        request: Request, key: str, kind: str, expected_size: int | None
+        request: Request, key: str, kind: str, expected_size: int | None, room: Cap
     ) -> dict[str, Any]:
         staged = store.staging()
         got = 0
@@ -183,6 +272,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
                 if kind == "object":
                     f.write(OBJECT_MAGIC)
                 async for chunk in request.stream():
+                    room.add(len(chunk))  # StoreFull once over the cap: the staged file goes
                     f.write(chunk)
                     got += len(chunk)
                 if expected_size is not None and got != expected_size:
@@ -202,7 +292,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
         assert entry is not None
         return entry
 
-    async def _put_tar(request: Request, key: str) -> dict[str, Any]:
+    async def _put_tar(request: Request, key: str, room: Cap) -> dict[str, Any]:
         reader = _BodyReader()
         result: dict[str, Any] = {}
 
@@ -220,6 +310,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
         thread.start()
         try:
             async for chunk in request.stream():
+                room.add(len(chunk))  # over the cap: the unpacking stops, its staging goes
                 await asyncio.to_thread(reader.q.put, chunk)
             await asyncio.to_thread(reader.q.put, _END)
         except BaseException as e:
@@ -241,6 +332,7 @@ def _endpoints(store: StoreDir) -> FastAPI:
     @app.get(PREFIX + "/key")
     async def get(request: Request) -> Response:
         key = key_of(request)
+        may(request, key)
         try:
             entry = await asyncio.to_thread(store.entry, key)
             if entry is None:
@@ -278,9 +370,10 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
 
     try:
         limits = store_limits()  # bounded heads, header and idle timeouts, a connection cap
+        cap = max_bytes(os.environ)  # KTLITE_STORE_MAX_BYTES: what the whole store may hold
     except ValueError as e:
         raise SystemExit(f"ktlite_server: {e}") from None
-    app = request_log(create_store_app(root, token, limits))  # each request at DEBUG
+    app = request_log(create_store_app(root, token, limits, cap))  # each request at DEBUG
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -314,9 +407,14 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
             asyncio.run(run())
 
 
+# what a deploy message brings about the store: its address, the deployment's scoped token,
+# its name and the signing keys of its prefixes (ktlite.datastore.location.handoff)
+_HANDED = ("url", "token", "pod", "namespace", "name", "keys", "writes")
+
+
 def remember(info: Any, pod_ips_file: str) -> None:
     """Keep the store address a deploy message brought (for this pod's ranks; mode 0600: it
-    holds the store token); ``{"url": None}`` means the namespace has no store (any old
+    holds the deployment's store token and signing keys); ``{"url": None}`` means the namespace has no store (any old
     address goes); a message without one changes nothing."""
     from ktlite_wire.storedir import address_file
 
@@ -327,6 +425,4 @@ def remember(info: Any, pod_ips_file: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
-    privatefiles.write_file(
-        path, json.dumps({k: info.get(k) for k in ("url", "token", "pod", "namespace")})
-    )
+    privatefiles.write_file(path, json.dumps({k: info.get(k) for k in _HANDED}))

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ktlite_wire import envelope, frames
+from ktlite_wire.heartbeat import HEARTBEAT_S
 
-HEARTBEAT_S = 2.0
 LOG_BUFFER_BYTES = 8 << 20  # frames kept for a re-attach; older log lines are dropped first
 RETAIN_S = 30.0  # a finished call's frames wait this long for a caller that lost its stream
 RETAIN_BYTES = 512 << 20  # at most this much of finished calls' frames is kept
@@ -186,6 +186,9 @@ class CallStream:
 
 
 async def _send(send: Any, item: Any, more: bool) -> None:
+    if type(item) is bytes and len(item) <= JOIN_MAX:  # a frame joined when it was made
+        await send({"type": "http.response.body", "body": item, "more_body": more})
+        return
     parts = item if isinstance(item, list) else [item]
     if envelope.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})

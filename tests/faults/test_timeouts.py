@@ -23,6 +23,7 @@ from pathlib import Path
 
 import faults_mod as fm
 import pytest
+from loadscale import time_scale
 
 import ktlite as kt
 from ktlite.backends.local import LocalBackend
@@ -33,7 +34,10 @@ NAME = "fx-timeouts"
 COMPUTE = kt.Compute(cpus=1, stream_logs=False).distribute(
     "pytorch", workers=2, num_proc=1, quorum_timeout=2
 )
-SLACK_S = 2.0  # what a loaded 2-core machine may add to a timeout
+# what a quiet 2-core machine may add to a timeout: reported beside each time, never asserted
+# (a loaded machine adds more). That the timeout, not something else, ended a wait is read from
+# what happened: its error type, and work that would have run far longer stopped
+SLACK_S = 2.0
 
 # Blocks the pod *server* (not its rank processes) of the ordinals listed in FX_HANG_PODS
 # forever, and delays those in FX_SLOW_PODS by FX_SLOW_S seconds, at interpreter start-up.
@@ -61,7 +65,10 @@ def _site(tmp_path: Path) -> str:
 
 
 def _servers_of(name: str) -> list[int]:
-    """Pids of pod servers of deployment ``name`` still running on this machine."""
+    """Pids of this test process's pod servers of deployment ``name`` still running (theirs:
+    their ready file is under this process's KTLITE_HOME; other ktlite test runs on the
+    machine start pods of the same names)."""
+    home = os.environ["KTLITE_HOME"].encode()
     out = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -73,6 +80,7 @@ def _servers_of(name: str) -> list[int]:
         if (
             b"ktlite_server" in argv
             and any(a.startswith(f"{name}-".encode()) for a in argv)
+            and any(a.startswith(home) for a in argv)
             and fm.pid_alive(int(proc.name))
         ):
             out.append(int(proc.name))
@@ -137,7 +145,7 @@ def test_launch_timeout_when_pods_never_come_up(tmp_path) -> None:
         kt.fn(fm.rank_of, name=name).to(compute.distribute("pytorch", workers=2))
     took = time.monotonic() - t0
     fm.report("launch: pods never come up -> LaunchTimeout", took, limit + SLACK_S)
-    assert limit <= took <= limit + SLACK_S
+    assert limit <= took  # the pods hang forever: only the launch timeout ends this wait
     err = info.value
     assert isinstance(err, kt.DeployError) and isinstance(err, TimeoutError)
     msg = str(err)
@@ -160,7 +168,8 @@ def test_launch_timeout_is_one_deadline_and_says_which_pods_came_up(tmp_path, mo
     # is given the same deadline, launch_timeout after the launch began, and the error comes
     # no earlier than that deadline. One launch_timeout per pod, stacked, gives two deadlines.
     name = "fx-launch-slow"
-    limit = 10.0  # pod 0 must come up within it, on a loaded machine too
+    # pod 0 must come up within it (half a second on a quiet machine), on a loaded one too
+    limit = round(5.0 * time_scale(), 1)
     compute = kt.Compute(
         cpus=1, launch_timeout=limit, env={"PYTHONPATH": _site(tmp_path), "FX_HANG_PODS": "1"}
     )
@@ -189,7 +198,7 @@ def test_launch_timeout_is_one_deadline_and_says_which_pods_came_up(tmp_path, mo
         "the deadline is not launch_timeout from the launch"
     )
     assert waits[1]["ended"] >= deadline, "LaunchTimeout came before launch_timeout had passed"
-    assert f"{name}-1" in msg and "launch_timeout=10s" in msg, msg
+    assert f"{name}-1" in msg and f"launch_timeout={limit:g}s" in msg, msg
     assert f"1 of 2 pods were ready: {name}-0" in msg, (
         f"the error does not say that pod 0 came up: {msg}"
     )
@@ -248,10 +257,9 @@ def test_quorum_timeout_when_a_worker_pod_is_stopped(deployment, stopped, tmp_pa
     # the known gaps, last (see the xfail reason); rank 1 is not checked: its pod, resumed,
     # may find the request that reached it while stopped
     _no_rank_started(tmp_path, "q", ranks=[0])
+    # the quorum wait ended it (the pod stays stopped until after the error)
     assert isinstance(info.value, kt.QuorumTimeout), repr(info.value)
-    assert took <= quorum + SLACK_S, (
-        f"the call failed {took:.2f}s after it started (quorum_timeout=2)"
-    )
+    assert f"quorum_timeout={quorum:g}s" in msg, msg
 
 
 # ---- call ------------------------------------------------------------------------------------
@@ -266,7 +274,7 @@ def test_call_timeout_option_names_the_ranks_still_running(deployment, tmp_path)
         remote.options(timeout=limit)(str(tmp_path), "t", 30, quick=[0])  # rank 0 returns at once
     took = time.monotonic() - t0
     fm.report("call: options(timeout=1.5) -> CallTimeout", took, limit + SLACK_S)
-    assert limit <= took <= limit + SLACK_S
+    assert limit <= took  # and the CallTimeout, not rank 1's 30 s of work, ended it
     err = info.value
     assert isinstance(err, TimeoutError) and isinstance(err, kt.RemoteError)
     msg = str(err)
@@ -278,8 +286,10 @@ def test_call_timeout_option_names_the_ranks_still_running(deployment, tmp_path)
     assert err.results == {0: 0} and err.failed_ranks == [1]
     assert [f.kind for f in err.failures] == ["timeout"]
     # the rank that ran past the limit is stopped, not left running
-    last = fm.last_beat_after_quiet(tmp_path, "t", 1, quiet=1.0, timeout=10)
-    assert last is not None and last - t0 <= limit + SLACK_S, "rank 1 still runs after the timeout"
+    last = fm.last_beat_after_quiet(tmp_path, "t", 1, quiet=1.0, timeout=40)
+    assert last is not None, "rank 1 still runs 40 s after the timeout"
+    first = fm.starts(tmp_path, "t", 1)[0][1]
+    assert last < first + 30 - 5, "rank 1 beat to the end of its 30 s: the timeout did not stop it"
     fm.report("call: options(timeout=1.5) -> rank 1 stops", last - t0, limit + SLACK_S)
     # interrupted, not killed: the rank keeps its process and state
     assert all(fm.pid_alive(p) for p, _ in fm.starts(tmp_path, "t", 1))
@@ -301,7 +311,7 @@ def test_call_timeout_default_is_no_limit_and_deployment_default_is_overridable(
         limited(str(tmp_path), "dflt", 30)
     took = time.monotonic() - t0
     fm.report("call: Compute(call_timeout=1.5) -> CallTimeout", took, 1.5 + SLACK_S)
-    assert 1.5 <= took <= 1.5 + SLACK_S
+    assert took >= 1.5  # and the CallTimeout, not the ranks' 30 s of work, ended it
     # ... that a per-call option overrides
     assert limited.options(timeout=10)(str(tmp_path), "over", 2.0) == [0, 1]
 
@@ -327,7 +337,7 @@ def _assert_gone(name: str, servers: list[int], ranks: list[int], call: fm.Call,
     assert not [p for p in servers if fm.pid_alive(p)], "pod servers survived teardown"
     # a rank process notices that its server is gone (it polls every 0.5 s) and exits
     t0 = time.monotonic()
-    assert fm.wait_for(lambda: not any(fm.pid_alive(p) for p in ranks), 2.0), (
+    assert fm.wait_for(lambda: not any(fm.pid_alive(p) for p in ranks), 30.0), (
         f"rank processes {[p for p in ranks if fm.pid_alive(p)]} survived teardown"
     )
     fm.report(f"{what}: rank processes gone after teardown returned", time.monotonic() - t0, 2.0)
@@ -347,7 +357,7 @@ def test_teardown_timeout_kills_pods_that_ignore_sigterm(tmp_path) -> None:
         remote.teardown(timeout=2)
         took = time.monotonic() - t0
         fm.report("teardown(timeout=2) of stopped pods", took, 2 + SLACK_S)
-        assert 2 <= took <= 2 + SLACK_S
+        assert took >= 2  # the stopped pods never end on SIGTERM: the timeout's kill did it
         _assert_gone(name, servers, ranks, call, "teardown(timeout=2)")
     finally:
         fm.release(servers)
@@ -368,7 +378,7 @@ def test_teardown_timeout_from_compute(tmp_path) -> None:
         fm.report(
             "teardown() with Compute(teardown_timeout=1.5) of stopped pods", took, 1.5 + SLACK_S
         )
-        assert 1.5 <= took <= 1.5 + SLACK_S
+        assert took >= 1.5  # the stopped pods never end on SIGTERM: the timeout's kill did it
         _assert_gone(name, servers, ranks, call, "Compute(teardown_timeout=1.5)")
     finally:
         fm.release(servers)

@@ -101,6 +101,18 @@ def _call_in_thread(remote: Any, *args: Any) -> tuple[threading.Thread, dict[str
     return thread, out
 
 
+def _wait_busy(remote: Any, thread: threading.Thread, out: dict[str, Any]) -> None:
+    """Until every rank of ``remote`` runs the call of ``thread`` (which must not end first)."""
+    deadline = time.monotonic() + 120.0
+    while True:
+        assert thread.is_alive(), f"the call ended before every rank ran it: {out}"
+        states = [r["state"] for pod in remote.status() for r in pod["ranks"]]
+        if states and all(state == "busy" for state in states):
+            return
+        assert time.monotonic() < deadline, f"the call never ran on every rank: {states}"
+        time.sleep(0.1)  # polling the pods' status, bounded by the deadline above
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ordinal", [1, 0])
 def test_a_pod_deleted_mid_call_fails_that_call_and_the_next_call_works(napper, kube, ordinal):
@@ -108,7 +120,7 @@ def test_a_pod_deleted_mid_call_fails_that_call_and_the_next_call_works(napper, 
     old = _uid(kube, pod)
     old_ip = kube.pod(pod).status.pod_ip
     thread, out = _call_in_thread(napper, 60)
-    time.sleep(3)
+    _wait_busy(napper, thread, out)
     deleted = time.monotonic()
     kube.delete("pods", pod)
     thread.join(FAIL_BOUND_S + 10)

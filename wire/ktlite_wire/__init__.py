@@ -10,6 +10,7 @@ Modules, one noun each:
 - :mod:`~ktlite_wire.envelope`: the framing, a JSON header plus opaque buffers.
 - :mod:`~ktlite_wire.codec`: user values (cloudpickle), opaque to the pod server.
 - :mod:`~ktlite_wire.frames`: the frame stream ``POST /call`` answers with.
+- :mod:`~ktlite_wire.heartbeat`: the frame stream's heartbeat and silence timeout.
 - :mod:`~ktlite_wire.status`, :mod:`~ktlite_wire.outcome`: how a rank's call ended.
 - :mod:`~ktlite_wire.errors`: error codes, protocol errors, a rank's exception info.
 - :mod:`~ktlite_wire.launch`, :mod:`~ktlite_wire.plan`: the deploy and call messages.

@@ -25,6 +25,8 @@ class ErrorCode(str, Enum):
     TOO_LARGE = "too_large"
     NOT_FOUND = "not_found"  # (data store) no such key
     CONFLICT = "conflict"  # (data store) the key exists as something else
+    FORBIDDEN = "forbidden"  # (data store) the token's scope does not reach the key
+    STORE_FULL = "store_full"  # (data store) the store holds KTLITE_STORE_MAX_BYTES already
     INTERNAL = "internal"  # an infrastructure failure on the pod
 
     def __str__(self) -> str:

@@ -163,10 +163,12 @@ class CallPlan:
         fields_ = vars(plan)
         fields_.update(_DEFAULTS)
         fields_["pods"], fields_["names"], fields_["id"] = [], [], None
-        known = _KNOWN
-        for k, v in meta.items():
-            if v is not None and k in known:
-                fields_[k] = v
+        if _KNOWN.issuperset(meta) and None not in meta.values():  # as a pod sends it
+            fields_.update(meta)
+        else:  # a newer caller's extra field, or a null: skipped
+            for k, v in meta.items():
+                if v is not None and k in _KNOWN:
+                    fields_[k] = v
         plan._check_pods()
         plan._check_call()  # a missing id fails here, naming it
         return plan
@@ -222,7 +224,8 @@ class CallPlan:
         }
         if per_rank is not None:
             meta["per_rank"] = per_rank
-        return meta
+        # a null is its default: left out, the header is shorter and decodes in one update
+        return {k: v for k, v in meta.items() if v is not None}
 
     def member_body(self, i: int, payload: Any) -> tuple[dict[str, Any], Any]:
         """What pod ``i`` is sent: the call plan and body, a per-rank call's cut to the shared
@@ -276,6 +279,9 @@ def _list(key: str, value: Any, kind: type) -> list[Any]:
 def _seconds(key: str, value: Any, default: float | None, zero_ok: bool = False) -> float | None:
     if value is None:
         return default
+    kind = type(value)  # the usual plain number in one comparison (NaN and inf fail it)
+    if (kind is float or kind is int) and (0 < value < math.inf or (zero_ok and value == 0)):
+        return float(value)
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))

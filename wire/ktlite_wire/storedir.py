@@ -34,9 +34,14 @@ from ktlite_wire.errors import ErrorCode
 
 OBJECT_MAGIC = b"KTLITE-OBJECT-1\n"  # 16 bytes at the start of a stored Python object
 MAX_KEY = 1024
+MAX_SEGMENT = 255  # bytes of one segment in UTF-8: a file name's limit on every common filesystem
 CHUNK = 1 << 20
 _BAD_CHARS = ("\0", "\\")
 KINDS = ("file", "dir", "object")
+ROOT_REFUSED = (
+    "the data store's root is not removed by rm (recursive or not): `ktlite store wipe` "
+    "deletes every key, after asking"
+)
 
 
 class StoreFault(Exception):
@@ -79,6 +84,13 @@ def check_key(key: Any, *, what: str = "key", allow_root: bool = False) -> str:
             problem = "it has an empty segment ('//')"
         elif any(p in (".", "..") for p in parts):
             problem = "it has a '.' or '..' segment"
+        elif any(_unencodable(p) for p in parts):
+            problem = "it is not valid Unicode text (a lone surrogate)"
+        elif long := next((p for p in parts if len(p.encode()) > MAX_SEGMENT), None):
+            problem = (
+                f"its segment {long[:40]!r}... is {len(long.encode())} bytes long, over the "
+                f"{MAX_SEGMENT} bytes a segment may have (it is a file name in the store)"
+            )
     if problem:
         raise KeyRefused(
             f"{what}={key!r} is not a valid data store key: {problem}; keys are "
@@ -86,6 +98,14 @@ def check_key(key: Any, *, what: str = "key", allow_root: bool = False) -> str:
             "e.g. 'datasets/mnist'"
         )
     return norm
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def missing_text(key: str, where: str) -> str:
@@ -194,6 +214,10 @@ class StoreDir:
             raise self.fault(f"key {key!r} holds a file, not a directory", key)
         return tar_stream(base)
 
+    def used_by_values(self) -> int:
+        """Bytes of the values the store holds (a walk of its tree)."""
+        return _tree_size(self.data)
+
     # ---- writing ------------------------------------------------------------------------
 
     def staging(self) -> Path:
@@ -265,8 +289,11 @@ class StoreDir:
                 here.mkdir(mode=privatefiles.DIR_MODE)
 
     def remove(self, key: str, recursive: bool = False) -> dict[str, Any]:
-        """Delete ``key`` (a directory only with ``recursive``; the root "" empties the store)."""
-        entry = self.entry(key) if key else {"key": "", "name": "", "type": "dir", "size": 0}
+        """Delete ``key`` (a directory only with ``recursive``). Never the root: emptying the
+        whole store is :meth:`wipe`, a separate call."""
+        if not key:
+            raise self.fault(ROOT_REFUSED, None, ErrorCode.BAD_REQUEST)
+        entry = self.entry(key)
         if entry is None:
             raise self.missing(key)
         if entry["type"] == "dir" and not recursive:
@@ -275,13 +302,6 @@ class StoreDir:
                 "remove it and everything under it",
                 key,
             )
-        if not key:
-            for child in list(self.data.iterdir()):
-                aside = self.staging()
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(child, aside)
-                    _remove(aside)
-            return entry
         aside = self.staging()
         try:
             os.rename(self.path(key), aside)
@@ -289,6 +309,17 @@ class StoreDir:
             raise self.missing(key) from None
         _remove(aside)
         return entry
+
+    def wipe(self) -> int:
+        """Delete every key (``ktlite store wipe``); the number of top-level keys removed."""
+        removed = 0
+        for child in list(self.data.iterdir()):
+            aside = self.staging()
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(child, aside)
+                _remove(aside)
+                removed += 1
+        return removed
 
 
 def _remove(path: Path) -> None:
