@@ -7,11 +7,15 @@ environment (``KTLITE_BACKEND``, ...), then this file, then the built-in default
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from ktlite.errors import ConfigError
+from ktlite_wire import privatefiles
+
+logger = logging.getLogger(__name__)
 
 # key → (environment variable, allowed values or None, what it is)
 KEYS: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
@@ -52,7 +56,38 @@ DEFAULTS = {"backend": "local"}
 
 
 def home() -> Path:
+    """``$KTLITE_HOME`` (default ``~/.ktlite``); nothing is created (:func:`private_home`)."""
     return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite")
+
+
+def private_home() -> Path:
+    """:func:`home`, made a directory of mode 0700 if it is not one: everything ktlite keeps
+    under it (deployments, pod logs, the local store, the SSH caches, secrets) is its user's
+    alone. A home an older ktlite left open to others is tightened, with what it holds, and
+    a warning says so."""
+    path = home()
+    try:
+        tightened = privatefiles.make_dir(path)
+    except PermissionError as e:  # another user's directory: it stays as it is
+        logger.warning("ktlite: cannot make %s private (%s); its modes stay as they are", path, e)
+        return path
+    if tightened:
+        # what it holds is made private too (not the volumes' contents: the user's own data)
+        count = privatefiles.tighten_tree(path, skip=("volumes",))
+        logger.warning(
+            "ktlite: %s was open to other users; made it private (mode 0700), and %d "
+            "files and directories in it (0600/0700)",
+            path,
+            count,
+        )
+    return path
+
+
+def private_dir(*parts: str) -> Path:
+    """A directory under :func:`private_home` (made, mode 0700)."""
+    path = private_home().joinpath(*parts)
+    privatefiles.make_dir(path)
+    return path
 
 
 def _path() -> Path:
@@ -114,8 +149,6 @@ def unset(key: str) -> None:
 
 
 def _write(data: dict[str, Any]) -> None:
-    path = _path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    privatefiles.write_file(
+        private_home() / "config.json", json.dumps(data, indent=2, sort_keys=True) + "\n"
+    )

@@ -7,14 +7,15 @@ A backend never sees user code or calls: only a :class:`DeploymentSpec`. It answ
 from __future__ import annotations
 
 import json
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ktlite.config import private_home
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import privatefiles
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's from Python 3.11
@@ -88,13 +89,11 @@ def read_state(directory: Path) -> dict[str, Any] | None:
 
 
 def write_state(directory: Path, state: dict[str, Any]) -> None:
-    """Write ``state.json`` atomically, readable by this user only (it holds the token)."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = directory / "state.json.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    os.replace(tmp, directory / "state.json")
+    """Write ``state.json`` atomically, readable by this user only (it holds the token);
+    ``directory`` is under ``$KTLITE_HOME``, which is made private first."""
+    private_home()
+    privatefiles.make_dir(directory)
+    privatefiles.write_file(directory / "state.json", json.dumps(state))
 
 
 class Backend(ABC):

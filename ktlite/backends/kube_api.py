@@ -29,6 +29,7 @@ import httpx
 from ktlite.backends import kubeconfig
 from ktlite.errors import ControllerRequestError, KubernetesCredentialsError
 from ktlite.logconfig import http_hook
+from ktlite_wire import privatefiles
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +119,7 @@ def _ssl_context(creds: kubeconfig.Credentials) -> ssl.SSLContext:
             with tempfile.TemporaryDirectory(prefix="ktlite-cert-") as tmp:
                 cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
                 for path, data in ((cert, creds.cert_pem), (key, creds.key_pem or b"")):
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    with os.fdopen(fd, "wb") as f:
+                    with privatefiles.create_new(path) as f:
                         f.write(data)
                 ctx.load_cert_chain(cert, key if creds.key_pem else None)
     return ctx

@@ -36,13 +36,16 @@ from ktlite.backends.local_pods import LocalPods, answers
 from ktlite.backends.local_scaling import LAUNCH_FILE, LocalScaling
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.backends.processes import pid_alive
+from ktlite.config import home as config_home
+from ktlite.config import private_dir
 from ktlite.errors import DeployError
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import privatefiles
 from ktlite_wire.distenv import port_free
 
 
 def _home() -> Path:
-    return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "local"
+    return config_home() / "local"
 
 
 # Below Linux's ephemeral range (32768+): bind(0) there hands the same few ports out again
@@ -184,11 +187,11 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
             old_pods = {p["ordinal"]: p for p in (state or {}).get("pods", [])}
             pods: list[dict[str, Any]] = []
             starting: list[tuple[int, subprocess.Popen[bytes], Path, Path, str | None]] = []
-            self._dir(spec.name).mkdir(parents=True, exist_ok=True)
+            private_dir("local", spec.name)
             local_volumes.prepare(volumes, owner=spec.name)
             if mounted:
                 # where each pod builds its root
-                (self._dir(spec.name) / "root").mkdir(exist_ok=True)
+                privatefiles.make_dir(self._dir(spec.name) / "root")
             for i in range(spec.workers):
                 old = old_pods.pop(i, None)
                 # reuse a pod only if it answers: a killed one can look alive for a few ms,
@@ -207,7 +210,7 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                 log = self._dir(spec.name) / f"pod-{i}.log"
                 with contextlib.suppress(FileNotFoundError):
                     ready.unlink()
-                with open(log, "ab") as logf:
+                with privatefiles.open_append(log) as logf:
                     proc = subprocess.Popen(
                         self._command(spec, i, ready, volumes if mounted else []),
                         env={
@@ -284,14 +287,9 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
             # process reading it meanwhile took a deployment whose pods were all dead for gone
             self._stop_pods(list(old_pods.values()), timeout=5.0)
             if spec.autoscale is not None:  # what scale() starts more replicas of
-                fd = os.open(
-                    self._dir(spec.name) / "spec.pkl.tmp",
-                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                    0o600,
+                privatefiles.write_file(
+                    self._dir(spec.name) / "spec.pkl", pickle.dumps(replace(spec, replicas=None))
                 )
-                with os.fdopen(fd, "wb") as f:
-                    pickle.dump(replace(spec, replicas=None), f)
-                os.replace(self._dir(spec.name) / "spec.pkl.tmp", self._dir(spec.name) / "spec.pkl")
             if not spec.detached:
                 self._owned.add(spec.name)
             applied = self._applied(state)

@@ -29,6 +29,7 @@ from ktlite.backends.base import Applied
 from ktlite.backends.processes import pid_alive
 from ktlite.errors import DeployError, NotDeployedError
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import privatefiles
 from ktlite_wire.launch import Launch
 
 # the current launch, which replicas started later load (KTLITE_LAUNCH_FILE): the Launch
@@ -57,7 +58,7 @@ class LocalScaling:
         as the next generation (counted in ``launch.generation``, under ``launch.lock``: every
         process that deploys ``name`` takes its generation from there)."""
         directory = self._dir(name)
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        privatefiles.make_dir(directory)
         with _locked(directory / "launch.lock", f"the launch of {name!r}"):
             counter = directory / "launch.generation"
             try:
@@ -66,9 +67,9 @@ class LocalScaling:
                 generation = 1
             # the count first: a launch file is never newer than the count (a write cut
             # between the two costs a generation, never gives one out twice)
-            _write_private(counter, str(generation).encode())
+            privatefiles.write_file(counter, str(generation))
             stamped = replace(launch, generation=generation)
-            _write_private(directory / LAUNCH_FILE, stamped.encode())
+            privatefiles.write_file(directory / LAUNCH_FILE, stamped.encode())
         return stamped
 
     def lead_scaling(self, name: str) -> bool:
@@ -83,7 +84,7 @@ class LocalScaling:
                     return True
             os.close(self._leads.pop(name))
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, _LOCK_FLAGS, privatefiles.FILE_MODE)
         except OSError:
             return False
         try:
@@ -113,10 +114,8 @@ class LocalScaling:
         """The calls waiting for a replica in this process, for the process that scales."""
         directory = self._dir(name) / "waiting"
         with contextlib.suppress(OSError):
-            directory.mkdir(exist_ok=True)
-            tmp = directory / f"{os.getpid()}.tmp"
-            tmp.write_text(str(count))
-            os.replace(tmp, directory / str(os.getpid()))
+            privatefiles.make_dir(directory)
+            privatefiles.write_file(directory / str(os.getpid()), str(count))
 
     def waiting_elsewhere(self, name: str) -> int:
         """The calls waiting in the other live processes that call ``name``."""
@@ -131,7 +130,7 @@ class LocalScaling:
     def supervise(self, name: str) -> None:
         """Start the autoscaler process of a detached deployment (ktlite.commands.supervisor.supervise)."""
         log = self._dir(name) / "autoscaler.log"
-        with open(log, "ab") as logf:
+        with privatefiles.open_append(log) as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ktlite.commands.supervisor", name],
                 stdin=subprocess.DEVNULL,
@@ -140,7 +139,8 @@ class LocalScaling:
                 start_new_session=True,
                 cwd=self._dir(name),
             )  # not the caller's: see apply()
-        (self._dir(name) / "supervisor.pid").write_text(str(proc.pid))  # teardown stops it first
+        # teardown stops it first
+        privatefiles.write_file(self._dir(name) / "supervisor.pid", str(proc.pid))
 
     def _stop_supervisor(self, name: str, timeout: float) -> None:
         """Stop a detached deployment's autoscaler process before its pods: it ends the scaling
@@ -161,9 +161,10 @@ class LocalScaling:
         """The autoscaler's last decision, for `ktlite status` in another process."""
         directory = self._dir(name)
         if directory.is_dir():
-            tmp = directory / "autoscaler.json.tmp"
-            tmp.write_text(json.dumps({**info, "pid": os.getpid()}, default=str))
-            os.replace(tmp, directory / "autoscaler.json")
+            privatefiles.write_file(
+                directory / "autoscaler.json",
+                json.dumps({**info, "pid": os.getpid()}, default=str),
+            )
 
     def scaling_status(self, name: str) -> dict[str, Any] | None:
         try:
@@ -174,13 +175,14 @@ class LocalScaling:
         return info
 
 
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC  # a lock file: 0600
 LOCK_TIMEOUT_S = 30.0  # a launch write holds the lock for two small file writes
 
 
 @contextlib.contextmanager
 def _locked(path: Path, what: str) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (another process writing ``what`` waits)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, _LOCK_FLAGS, privatefiles.FILE_MODE)
     try:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
@@ -198,12 +200,3 @@ def _locked(path: Path, what: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``path`` (0600) whole or not at all."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

@@ -20,21 +20,23 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ktlite.config import home as config_home
+from ktlite.config import private_home
 from ktlite.errors import ConfigError
 from ktlite.specs.podspec import PodSpec
 from ktlite.specs.volume import Volume
+from ktlite_wire import privatefiles
 
 _NO_MOUNTS_UNDER = ("/proc", "/sys", "/dev")  # kernel trees: ktlite never lays a tmpfs over them
 _probed: tuple[bool, str] | None = None
 
 
 def ktlite_home() -> Path:
-    return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite").absolute()
+    return config_home().absolute()
 
 
 def volumes_root() -> Path:
@@ -87,16 +89,17 @@ def local_volumes(pod: PodSpec) -> list[LocalVolume]:
 def prepare(volumes: list[LocalVolume], owner: str) -> None:
     """Make the volumes' directories that do not exist yet; a ``kt.Volume`` that makes its
     directory records ``owner`` as the deployment that deletes it."""
+    private_home()
     root = volumes_root()
-    root.mkdir(parents=True, exist_ok=True)
+    privatefiles.make_dir(root)
     for vol in volumes:
         try:
-            vol.source.mkdir()
+            vol.source.mkdir(mode=privatefiles.DIR_MODE)
         except FileExistsError:
             continue
         marker = root / f"{vol.name}.owner"
         if vol.declared:
-            marker.write_text(owner)
+            privatefiles.write_file(marker, owner)
         else:  # an existing PVC's name: its directory belongs to no deployment
             marker.unlink(missing_ok=True)
 
@@ -132,9 +135,8 @@ def mounts_available() -> tuple[bool, str]:
 def _probe() -> tuple[bool, str]:
     """Start a throwaway process the way a pod starts, with a volume at a path the host
     lacks; it must see the volume's file there, and the host must not see the path after."""
-    home = ktlite_home()
-    home.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="mount-probe-", dir=home))
+    home = private_home()
+    scratch = Path(privatefiles.scratch_dir("mount-probe-", home))
     target = f"/ktlite-probe-{uuid.uuid4().hex[:12]}"
     try:
         (scratch / "root").mkdir()

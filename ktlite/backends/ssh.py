@@ -36,13 +36,14 @@ from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state
 from ktlite.backends.processes import pid_alive
 from ktlite.backends.ssh_hosts import COMMAND_TIMEOUT_S
 from ktlite.backends.ssh_pods import SshPods
+from ktlite.config import home as config_home
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite.specs.hosts import Host, Hosts
 
 
 def _home() -> Path:
-    return Path(os.environ.get("KTLITE_HOME") or Path.home() / ".ktlite") / "ssh"
+    return config_home() / "ssh"
 
 
 class SshBackend(SshPods, Backend):

@@ -1,6 +1,10 @@
 """What the ssh backend copies to a host, and how: ktlite's own source and, where the host's
 Python lacks them, the pod server's dependencies, each a tar.gz unpacked into the host's
-cache (``~/.cache/ktlite``) once per version.
+cache (``~/.cache/ktlite``, mode 0700) once per content.
+
+Each copy is named for the digest of what it holds (:data:`DIGEST`: every file's path and
+SHA-256; ``__pycache__`` aside) and checked against it before it is reused and right after it
+is unpacked: a copy that was changed, or lost a file, or gained one, is shipped again.
 
 The bytes travel on the SSH connection itself, to the stdin of a Python process started on
 the host (``exec``): no SFTP subsystem is needed (an sshd without ``Subsystem sftp`` refuses
@@ -16,9 +20,7 @@ import asyncio
 import hashlib
 import io
 import os
-import platform
 import shlex
-import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,30 +33,86 @@ from ktlite.errors import DeployError
 
 COPY_TIMEOUT_S = 300.0
 
+# the digest of a directory tree, in the host's Python (which may lack ktlite) and here: every
+# regular file's path and SHA-256, sorted; anything else (a link, a fifo) makes it "!", which no
+# copy is named for. __pycache__ directories are the host Python's own and do not count.
+DIGEST = """\
+import hashlib, os, stat
+def tree_digest(root):
+    lines = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(here, d))]:
+            path = os.path.join(here, name)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                return "!"
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            lines.append(rel + "\\0" + h.hexdigest())
+    return hashlib.sha256("\\n".join(sorted(lines)).encode()).hexdigest()[:32]
+"""
+
 # run on the host by its Python: argv[1] the target directory, argv[2] a staging directory
-# beside it; the tar.gz arrives on stdin
-UNPACK = """\
-import os, shutil, sys, tarfile
+# beside it, argv[3] the digest the copy must have; the tar.gz arrives on stdin. A target that
+# is there already with another digest (changed, or cut short) is replaced.
+UNPACK = (
+    DIGEST
+    + """\
+import shutil, sys, tarfile
 target, staging = (os.path.expanduser(p) for p in sys.argv[1:3])
+want = sys.argv[3]
+os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+os.chmod(os.path.dirname(target), 0o700)
 try:
-    os.makedirs(staging)
+    os.mkdir(staging, 0o700)
     with tarfile.open(fileobj=sys.stdin.buffer, mode="r|gz") as tar:
         tar.extractall(staging, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    open(os.path.join(staging, ".complete"), "w").close()
+    got = tree_digest(staging)
+    if got != want:
+        sys.exit(f"the copy unpacked with digest {got}, not the {want} it was sent with")
     try:
         os.rename(staging, target)
-    except OSError:
-        pass  # another host's copy got there first (a shared home directory)
+    except OSError:  # there already: another host's copy (a shared home), or a spoilt one
+        if tree_digest(target) != want:
+            spoilt = staging + "-spoilt"
+            os.rename(target, spoilt)
+            os.rename(staging, target)
+            shutil.rmtree(spoilt, ignore_errors=True)
 finally:
     shutil.rmtree(staging, ignore_errors=True)
 """
+)
 
 
-async def upload(c: Any, target: str, bundle: bytes, timeout: float = COPY_TIMEOUT_S) -> None:
+def files_digest(files: list[tuple[str, bytes]]) -> str:
+    """:data:`DIGEST` of the tree that ``files`` ((path, content) pairs) unpack to."""
+    lines = [f"{name}\0{hashlib.sha256(data).hexdigest()}" for name, data in files]
+    return hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()[:32]
+
+
+def verify_code(copies: dict[str, tuple[str, str]]) -> str:
+    """Python for the host that prints ``KTLITE_OK_<name>`` for each of ``copies`` (name ->
+    (directory, digest)) whose directory holds exactly that digest."""
+    return (
+        DIGEST
+        + f"for _n, (_d, _w) in {copies!r}.items():\n"
+        + "    _d = os.path.expanduser(_d)\n"
+        + "    if os.path.isdir(_d) and tree_digest(_d) == _w: print('KTLITE_OK_' + _n)\n"
+    )
+
+
+async def upload(
+    c: Any, target: str, bundle: bytes, digest: str, timeout: float = COPY_TIMEOUT_S
+) -> None:
     """Unpack the tar.gz ``bundle`` into ``target`` (``~/...``) on host ``c`` (a connected
-    ``ktlite.backends.ssh._Host``); complete only once unpacked."""
+    ``ktlite.backends.ssh._Host``); complete only once unpacked with ``digest``
+    (:data:`DIGEST`), replacing whatever ``target`` held."""
     staging = f"{target}.tmp-{os.urandom(4).hex()}"  # hosts may share the home directory
-    command = f"{shlex.quote(c.python)} -c {shlex.quote(UNPACK)} {shlex.quote(target)} {shlex.quote(staging)}"
+    args = " ".join(shlex.quote(a) for a in (UNPACK, target, staging, digest))
+    command = f"{shlex.quote(c.python)} -c {args}"
     what = f"copying {len(bundle) >> 10} KiB of ktlite's files into {target} over SSH"
     try:
         result = await asyncio.wait_for(
@@ -77,23 +135,20 @@ async def upload(c: Any, target: str, bundle: bytes, timeout: float = COPY_TIMEO
 
 
 def source_bundle() -> tuple[str, bytes]:
-    """ktlite's own source (client, server and wire packages) as a tar.gz, and its content
-    hash: the hosts run exactly this client's code."""
-    files: list[tuple[str, Path]] = []
+    """ktlite's own source (client, server and wire packages) as a tar.gz, and its
+    :data:`DIGEST`: the hosts run exactly this client's code."""
+    files: list[tuple[str, bytes]] = []
     for root in (client_root(), server_root(), wire_root()):
         for path in sorted(root.rglob("*.py")):
             if "__pycache__" not in path.parts:
-                files.append((f"{root.name}/{path.relative_to(root)}", path))
-    digest = hashlib.sha256()
+                files.append((f"{root.name}/{path.relative_to(root)}", path.read_bytes()))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for name, path in files:
-            data = path.read_bytes()
-            digest.update(name.encode() + b"\0" + data + b"\0")
+        for name, data in files:
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
-    return digest.hexdigest()[:16], buf.getvalue()
+    return files_digest(files), buf.getvalue()
 
 
 def _closure(names: tuple[str, ...]) -> list[Any]:
@@ -127,13 +182,24 @@ def _closure(names: tuple[str, ...]) -> list[Any]:
     return [seen[k] for k in sorted(seen)]
 
 
-def deps_key() -> str:
-    """Which server dependencies this client would ship: their versions, this Python's
-    cache tag and the machine (compiled ones, such as pydantic-core, fit only those)."""
-    dists = _closure(server_packages())
-    ident = [f"{d.metadata['Name']}=={d.version}" for d in dists]
-    ident += [sys.implementation.cache_tag, platform.machine()]
-    return hashlib.sha256("\n".join(ident).encode()).hexdigest()[:16]
+def _deps_files() -> list[tuple[str, Path]]:
+    """The server's dependencies' installed files: (path in the copy, path here)."""
+    out = []
+    for dist in _closure(server_packages()):
+        for rel in dist.files or []:
+            if rel.parts[0] == ".." or "__pycache__" in rel.parts or rel.suffix == ".pyc":
+                continue
+            path = Path(dist.locate_file(rel))
+            if path.is_file():
+                out.append((rel.as_posix(), path))
+    return out
+
+
+def deps_digest() -> str:
+    """The :data:`DIGEST` of :func:`deps_bundle`'s copy (the files are read, not packed; the
+    copy is named for it: compiled packages fit only this Python and machine, and their file
+    names say which)."""
+    return files_digest([(name, path.read_bytes()) for name, path in _deps_files()])
 
 
 def deps_bundle() -> bytes:
@@ -141,11 +207,10 @@ def deps_bundle() -> bytes:
     ``PYTHONPATH`` (with their metadata: versions are checked there)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for dist in _closure(server_packages()):
-            for rel in dist.files or []:
-                if rel.parts[0] == ".." or "__pycache__" in rel.parts or rel.suffix == ".pyc":
-                    continue
-                path = Path(dist.locate_file(rel))
-                if path.is_file():
-                    tar.add(path, arcname=str(rel), recursive=False)
+        for name, path in _deps_files():
+            data = path.read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 0
+            info.mode = 0o755 if os.access(path, os.X_OK) else 0o644
+            tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()

@@ -34,11 +34,11 @@ class SshPods:
 
     def _deps_key(self) -> str:
         if self._deps is None:
-            self._deps = (ssh_copy.deps_key(), None)
+            self._deps = (ssh_copy.deps_digest(), None)
         return self._deps[0]
 
     def _deps_files(self) -> bytes:
-        key, bundle = self._deps or (ssh_copy.deps_key(), None)
+        key, bundle = self._deps or (ssh_copy.deps_digest(), None)
         if bundle is None:
             bundle = ssh_copy.deps_bundle()
             self._deps = (key, bundle)
@@ -70,19 +70,20 @@ class SshPods:
         secret_env: dict[str, str],
         secret_files: list[dict[str, Any]],
     ) -> dict[str, Any]:
+        # each copy in the host's cache is named for its digest and reused only when it still
+        # has it (ssh_copy.DIGEST): one changed, cut short or grown is shipped again
         src = f"{CACHE}/src-{version}"
-        deps = f"{CACHE}/deps-{self._deps_key()}"
-        python, missing, env_tag, holds = await self._python(
-            c, {"src": f"test -f {src}/.complete", "deps": f"test -f {deps}/.complete"}
-        )
+        python, missing, env_tag, holds = await self._python(c, {"src": (src, version)})
         c.python = python
         if "src" not in holds:
-            await ssh_copy.upload(c, src, bundle)
+            await ssh_copy.upload(c, src, bundle, version)
         path = src
         if missing and env_tag == f"{sys.implementation.cache_tag} {platform.machine()}":
             # the server's packages from this client's own installation: no index needed there
-            if "deps" not in holds:
-                await ssh_copy.upload(c, deps, await asyncio.to_thread(self._deps_files))
+            key = await asyncio.to_thread(self._deps_key)
+            deps = f"{CACHE}/deps-{key}"
+            if "deps" not in await self._verified(c, {"deps": (deps, key)}):
+                await ssh_copy.upload(c, deps, await asyncio.to_thread(self._deps_files), key)
             path = f"{src}:{deps}"
         image = spec.pod.image
         env = {
@@ -160,13 +161,20 @@ class SshPods:
             "master_port": reply.get("master_port"),
         }
 
+    async def _verified(self, c: sh.HostConnection, copies: dict[str, tuple[str, str]]) -> set[str]:
+        """Which of ``copies`` (name -> (directory, digest)) the host's cache holds intact."""
+        code = ssh_copy.verify_code(copies)
+        out = await c.run(f"{shlex.quote(c.python)} -c {shlex.quote(code)}")
+        return {w[len("KTLITE_OK_") :] for w in out.split() if w.startswith("KTLITE_OK_")}
+
     async def _python(
-        self, c: sh.HostConnection, checks: dict[str, str]
+        self, c: sh.HostConnection, copies: dict[str, tuple[str, str]]
     ) -> tuple[str, list[str], str, set[str]]:
         """The host's Python: the one asked for, else the first python3.X at least as new
         as this client's minor, else python3 when new enough. Also, in the same round trip:
         which of the server's packages it lacks (cloudpickle: at this client's version), its
-        cache tag and machine, and which shell ``checks`` hold there (names of those true)."""
+        cache tag and machine, and which of ``copies`` (name -> (directory, digest)) its
+        cache holds intact (:meth:`_verified`)."""
         want = sys.version_info[:2]
         if c.options.python:
             candidates = [c.options.python]
@@ -183,15 +191,14 @@ class SshPods:
             "    try: return p in pins and m.version(p) != pins[p]\n"
             "    except m.PackageNotFoundError: return True\n"
             "print('KTLITE_ENV', sys.implementation.cache_tag, platform.machine(), "
-            f"*[p for p in {server_packages()!r} if bad(p)])\n"
+            f"*[p for p in {server_packages()!r} if bad(p)])\n" + ssh_copy.verify_code(copies)
         )
         probe = " || ".join(
             f"(command -v {shlex.quote(p)} >/dev/null 2>&1 && {shlex.quote(p)} -c "
             f"{shlex.quote(code)})"
             for p in candidates
         )
-        tests = "; ".join(f"{test} && echo KTLITE_OK_{name}" for name, test in checks.items())
-        out = await c.run(f"{{ {probe}; }}; {tests}; true")
+        out = await c.run(f"{{ {probe}; }}; true")
         found: list[str] = []
         holds = {line[len("KTLITE_OK_") :] for line in out.split() if line.startswith("KTLITE_OK_")}
         lines = [line for line in out.splitlines() if not line.startswith("KTLITE_OK_")]

@@ -20,6 +20,7 @@ from typing import Any
 
 from ktlite import config
 from ktlite.backends.registry import NAMES, backend_class, traits
+from ktlite.config import private_home
 from ktlite.datastore.signing import Signer
 from ktlite.datastore.storedir import StoreDir
 from ktlite.datastore.stores import LocalStore, RemoteStore
@@ -64,6 +65,8 @@ def open_store(
     name = backend_name(backend)
     kind = traits(name).store
     if kind == "directory":
+        if not os.environ.get("KTLITE_STORE_HOME"):  # (a local pod's rank: the caller's home)
+            private_home()
         root = local_root(namespace)
         store = StoreDir(root, where=f"of namespace {local_namespace(namespace)!r} ({root})")
         try:

@@ -20,6 +20,7 @@ from ktlite.errors import (
     with_remote_context,
 )
 from ktlite_wire import codec, shm
+from ktlite_wire.errors import ProtocolError
 from ktlite_wire.outcome import RankOutcome, ShmRef
 from ktlite_wire.status import Status
 
@@ -34,14 +35,31 @@ KIND_ERRORS: dict[str, type[RemoteError]] = {
 }
 
 
+def take_shared(outcomes: list[RankOutcome]) -> list[RankOutcome]:
+    """The outcomes with each value a pod handed over in a shared-memory file mapped here (and
+    the file removed). Every file is taken, so none is left behind, before a path that names
+    no ktlite shared-memory file (or a link) is refused: :class:`ProtocolError`, naming it."""
+    taken: list[RankOutcome] = []
+    refused: Exception | None = None
+    for o in outcomes:
+        if isinstance(o.data, ShmRef):
+            try:
+                o = o._replace(data=shm.take(o.data.path, o.data.size))
+            except (ProtocolError, OSError) as e:
+                refused = refused or ProtocolError(
+                    f"rank {o.rank} (pod {o.pod}) handed over its value in {o.data.path!r}, "
+                    f"which cannot be taken: {e}"
+                )
+        taken.append(o)
+    if refused is not None:
+        raise refused
+    return taken
+
+
 def split(outcomes: list[RankOutcome]) -> tuple[list[RankFailure], dict[int, Any]]:
     failures: list[RankFailure] = []
     values: dict[int, Any] = {}
-    # values handed over in shared-memory files: take every one first, so none is left behind
-    outcomes = [
-        o._replace(data=shm.take(o.data.path, o.data.size)) if isinstance(o.data, ShmRef) else o
-        for o in outcomes
-    ]
+    outcomes = take_shared(outcomes)
     for rank, pod, status, data, message, at in sorted(outcomes, key=_BY_RANK):
         if status is Status.OK:
             try:

@@ -30,6 +30,7 @@ import tarfile
 from collections.abc import Sequence
 
 from ktlite.errors import ConfigError
+from ktlite_wire import privatefiles
 
 _NOT_PACKED = "kt.app's pack() never makes such a member: was the archive made elsewhere?"
 _LINK_FIX = (
@@ -169,9 +170,8 @@ def _write(tar: tarfile.TarFile, members: Sequence[tarfile.TarInfo], root: str) 
                 regular[_normal(member.linkname)] if member.islnk() else member
             )
             assert source is not None  # a regular file (or a hard link to one) always has data
-            # O_EXCL | O_NOFOLLOW: never through something already at that name
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as out, source:
+            # never through something already at that name (O_EXCL, O_NOFOLLOW)
+            with privatefiles.create_new(path) as out, source:
                 shutil.copyfileobj(source, out)
             os.chmod(path, _file_mode(member))
             os.utime(path, (member.mtime, member.mtime))

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+PIECE = 1 << 20  # the most bytes read at once from a response body
+
 
 class ConnectionFailed(ConnectionError):
     """The pod could not be connected to, or closed the connection mid-response."""
@@ -72,7 +74,9 @@ class Connection:
             headers[k.strip().lower()] = v.strip()
 
     def body(self, headers: dict[str, str]) -> Iterator[bytes]:
-        """The response body in chunks; the connection is reusable once this is exhausted."""
+        """The response body in pieces of at most :data:`PIECE` bytes (a chunk or length the
+        pod claims allocates nothing before its bytes arrive); the connection is reusable
+        once this is exhausted."""
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
                 try:
@@ -82,18 +86,26 @@ class Connection:
                 if size == 0:
                     self._line()
                     break
-                data = self.reader.read(size + 2)
-                if len(data) != size + 2:
-                    raise ConnectionFailed("the pod closed the connection mid-chunk")
-                yield data[:-2]
+                if size < PIECE:  # the usual small chunk (a frame of logs, a result): one read
+                    data = self.reader.read(size + 2)
+                    if len(data) != size + 2:
+                        raise ConnectionFailed("the pod closed the connection mid-chunk")
+                    yield data[:-2]
+                    continue
+                yield from self._exactly(size, "mid-chunk")
+                if self.reader.read(2) != b"\r\n":
+                    raise ConnectionFailed("the pod sent a chunk longer than its size line")
         else:
-            n = int(headers.get("content-length", "0"))
-            data = self.reader.read(n) if n else b""
-            if len(data) != n:
-                raise ConnectionFailed("the pod closed the connection mid-body")
-            if data:
-                yield data
+            yield from self._exactly(int(headers.get("content-length", "0")), "mid-body")
         self.reusable = headers.get("connection", "").lower() != "close"
+
+    def _exactly(self, n: int, where: str) -> Iterator[bytes]:
+        while n > 0:
+            data = self.reader.read(min(n, PIECE))
+            if not data:
+                raise ConnectionFailed(f"the pod closed the connection {where}")
+            n -= len(data)
+            yield data
 
 
 class Pool:

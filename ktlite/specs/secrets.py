@@ -30,6 +30,7 @@ from typing import Any, cast
 from ktlite.errors import ConfigError
 from ktlite.specs.secret_providers import PROVIDERS, SecretFile, find, read_file, shown
 from ktlite.specs.spec import RESERVED_ENV
+from ktlite_wire import privatefiles
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")  # a Secret name, and a label value
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -412,19 +413,13 @@ def write_files(resolved: list[Resolved], home: Path) -> dict[str, str]:
     """Write every file secret under ``home`` (dirs 0700, files 0600, nothing readable by
     others at any moment); the env vars that point at them (absolute paths)."""
     pointers: dict[str, str] = {}
-    home.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(home, 0o700)
+    privatefiles.make_dir(home)
     for r in resolved:
         for f in r.files:
             target = home / f.pod_path
-            for parent in reversed(target.relative_to(home).parents):
-                d = home / parent
-                d.mkdir(exist_ok=True, mode=0o700)
-            tmp = target.with_name(target.name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                out.write(f.data)
-            os.replace(tmp, target)
+            target.relative_to(home)  # ValueError for a path that leaves home
+            privatefiles.make_dir(target.parent)
+            privatefiles.write_file(target, f.data)
             if f.pointer:
                 pointers[f.pointer] = str(target)
     return pointers

@@ -30,6 +30,7 @@ from ktlite_server import logconfig
 from ktlite_server.app import create_app
 from ktlite_server.connections import Limits, guarded
 from ktlite_server.pod import Pod
+from ktlite_wire import privatefiles
 
 logger = logging.getLogger(
     "ktlite_server.__main__"
@@ -199,10 +200,7 @@ def main() -> None:
         while not server.started and not serving.done():
             await asyncio.sleep(0.005)
         if server.started and args.ready_file:
-            tmp = args.ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"port": port, "pid": os.getpid()}, f)
-            os.replace(tmp, args.ready_file)
+            privatefiles.write_file(args.ready_file, json.dumps({"port": port, "pid": os.getpid()}))
         await serving
 
     with contextlib.suppress(KeyboardInterrupt):

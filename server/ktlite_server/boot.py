@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite_server import logconfig
+from ktlite_wire import privatefiles
 
 logger = logging.getLogger("ktlite_server.boot")  # not __name__: this module also runs as __main__
 SETUP_FAILED_EXIT = 78
@@ -105,7 +106,7 @@ def run_steps(steps: list[list[Any]], state: Path) -> str:
         else:
             logger.error("unknown step %r; this server is older than the client", kind)
             sys.exit(SETUP_FAILED_EXIT)
-    marker.write_text(json.dumps(steps))
+    privatefiles.write_file(marker, json.dumps(steps))
     return python
 
 
@@ -115,7 +116,7 @@ def main() -> None:
     python = sys.executable
     if steps and os.environ.get("KTLITE_FREEZE") != "1":
         state = Path(os.environ.get("KTLITE_STATE_DIR", "/ktlite"))
-        state.mkdir(parents=True, exist_ok=True)
+        privatefiles.make_dir(state)
         python = run_steps(steps, state)
         _say("done")
     argv = [

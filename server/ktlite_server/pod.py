@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -31,7 +30,7 @@ from ktlite_server.podstatus import pod_status
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
 from ktlite_server.usage import GpuQuery, ProcessUsage
-from ktlite_wire import rankchannel
+from ktlite_wire import privatefiles, rankchannel
 from ktlite_wire.distenv import distributed_env
 from ktlite_wire.status import Status
 
@@ -83,9 +82,10 @@ class Pod(PodCalls):
         self.usage = ProcessUsage()
         self.gpu_query = GpuQuery()
         # the deployment's pod addresses, rewritten at every deploy: ktlite.distributed.pod_ips()
-        self.pod_ips_file = os.path.join(
-            tempfile.gettempdir(), f"ktlite-pod-ips-{os.getpid()}.json"
-        )
+        # (in a directory of this pod's own, 0700 under an unpredictable name: nothing another
+        # user planted at a predictable path is written through; the store address joins it)
+        self.files_dir = privatefiles.scratch_dir("ktlite-pod-")
+        self.pod_ips_file = os.path.join(self.files_dir, "ktlite-pod-ips.json")
 
     def rank_env(self, dep: Deployment, local_rank: int) -> dict[str, str]:
         env = distributed_env(
@@ -113,10 +113,9 @@ class Pod(PodCalls):
         return env
 
     def _publish_pod_ips(self, dep: Deployment) -> None:
-        tmp = self.pod_ips_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"pod_ips": dep.pod_ips, "launch_id": dep.launch_id}, f)
-        os.replace(tmp, self.pod_ips_file)
+        privatefiles.write_file(
+            self.pod_ips_file, json.dumps({"pod_ips": dep.pod_ips, "launch_id": dep.launch_id})
+        )
 
     def _log(self, rank: RankProcess, stream: str, line: str) -> None:
         # the pod's own log keeps every rank line (``remote.logs()``, ``kubectl logs``)
@@ -449,5 +448,4 @@ class Pod(PodCalls):
             if r is not None:
                 r.kill()
         await asyncio.gather(*(r.wait_dead(2) for r in self.ranks if r is not None))
-        with contextlib.suppress(OSError):
-            os.unlink(self.pod_ips_file)
+        shutil.rmtree(self.files_dir, ignore_errors=True)

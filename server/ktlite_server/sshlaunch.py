@@ -28,6 +28,8 @@ import venv
 from pathlib import Path
 from typing import Any
 
+from ktlite_wire import privatefiles
+
 SERVER_PACKAGES = ("fastapi", "uvicorn", "httptools", "httpx", "cloudpickle")
 PORT_RANGE = (20000, 32000)
 
@@ -166,13 +168,8 @@ def write_secret_files(files: list[dict[str, Any]], run: Path) -> dict[str, str]
         target = home / item["path"]
         if ".." in Path(item["path"]).parts or Path(item["path"]).is_absolute():
             _fail(f"secret file path {item['path']!r} leaves the run directory")
-        for parent in reversed(target.relative_to(run).parents):
-            (run / parent).mkdir(exist_ok=True, mode=0o700)
-        tmp = target.with_name(target.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(base64.b64decode(item["data"]))
-        os.replace(tmp, target)
+        privatefiles.make_dir(target.parent)
+        privatefiles.write_file(target, base64.b64decode(item["data"]))
         if item.get("pointer"):
             pointers[item["pointer"]] = str(target)
     return pointers
@@ -182,13 +179,17 @@ def main() -> None:
     msg = json.loads(sys.stdin.readline())
     run = Path(msg["run_dir"]).expanduser()
     cache = Path(msg["cache_dir"]).expanduser()
-    run.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(run, 0o700)  # its log may hold what the user's code prints
+    # the cache (ktlite's source, packages, setup) and the run directory (its log may hold
+    # what the user's code prints): this user's alone, tightened where an older ktlite made them
+    privatefiles.make_dir(cache)
+    privatefiles.make_dir(run)
     log_path = run / "pod.log"
     ready = run / "ready.json"
     ready.unlink(missing_ok=True)
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log, open(cache / ".lock", "a") as lock:
+    with (
+        privatefiles.open_append(log_path) as log,
+        privatefiles.open_append(cache / ".lock") as lock,
+    ):
         # hosts may share a home directory (NFS; or several pods on one machine): one
         # venv build or setup at a time
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -215,7 +216,7 @@ def main() -> None:
     if not msg["detached"]:
         argv.append("--tether-stdin")
     env = {**os.environ, **msg["env"], **write_secret_files(msg.get("secret_files") or [], run)}
-    with open(log_path, "ab") as log:
+    with privatefiles.open_append(log_path) as log:
         server = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,

@@ -46,6 +46,7 @@ from ktlite_server.admission import Gate, Token
 from ktlite_server.connections import Limits, guarded
 from ktlite_server.logconfig import request_log
 from ktlite_server.refusal import refuse
+from ktlite_wire import privatefiles
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import LENGTH_HEADER, TOKEN_HEADER
 from ktlite_wire.storecap import Cap, Usage, max_bytes
@@ -391,10 +392,9 @@ def serve(root: str, token: str, host: str, port: int, ready_file: str | None) -
         while not server.started and not serving.done():
             await asyncio.sleep(0.005)
         if server.started and ready_file:
-            tmp = ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"port": sock.getsockname()[1], "pid": os.getpid()}, f)
-            os.replace(tmp, ready_file)
+            privatefiles.write_file(
+                ready_file, json.dumps({"port": sock.getsockname()[1], "pid": os.getpid()})
+            )
         await serving
 
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
@@ -425,8 +425,4 @@ def remember(info: Any, pod_ips_file: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({k: info.get(k) for k in _HANDED}, f)
-    os.replace(tmp, path)
+    privatefiles.write_file(path, json.dumps({k: info.get(k) for k in _HANDED}))

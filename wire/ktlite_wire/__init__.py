@@ -17,4 +17,5 @@ Modules, one noun each:
 - :mod:`~ktlite_wire.rankchannel`: the pod server <-> rank process messages.
 - :mod:`~ktlite_wire.distenv`: the distributed env contract (RANK, WORLD_SIZE, ...).
 - :mod:`~ktlite_wire.rankdata`, :mod:`~ktlite_wire.shm`, :mod:`~ktlite_wire.sourcelines`.
+- :mod:`~ktlite_wire.privatefiles`: what ktlite writes on a machine (0700 directories, 0600 files).
 """

@@ -129,14 +129,15 @@ class FrameParser:
     """Incremental frame parser: ``feed`` chunks, get complete ``(kind, payload)`` frames.
 
     Each payload lands in its own bytearray, so messages decoded from it are writable and
-    zero-copy.
+    zero-copy. The bytearray grows with the bytes that arrive, never ahead of them: a header
+    that claims gigabytes costs nothing until they come.
     """
 
     def __init__(self) -> None:
         self._head = bytearray()
         self._payload: bytearray | None = None
         self._kind = 0
-        self._got = 0
+        self._need = 0  # bytes of the current payload still to come
 
     @property
     def mid_frame(self) -> bool:
@@ -145,12 +146,12 @@ class FrameParser:
     def feed(self, chunk: Any) -> list[tuple[int, bytearray]]:
         out: list[tuple[int, bytearray]] = []
         view = memoryview(chunk).cast("B")
-        pos = 0
-        while pos < view.nbytes:
+        pos, end = 0, view.nbytes
+        while pos < end:
             if self._payload is None:
                 need = FRAME.size - len(self._head)
                 self._head += view[pos : pos + need]
-                pos += min(need, view.nbytes - pos)
+                pos += min(need, end - pos)
                 if len(self._head) < FRAME.size:
                     break
                 self._kind, length = FRAME.unpack(self._head)
@@ -160,17 +161,15 @@ class FrameParser:
                         f"a frame claims {length} bytes, more than the {MAX_FRAME} a "
                         "ktlite peer sends: not a ktlite stream, or a corrupt one"
                     )
-                self._payload, self._got = bytearray(length), 0
-            take = min(len(self._payload) - self._got, view.nbytes - pos)
-            self._payload[self._got : self._got + take] = view[pos : pos + take]
-            self._got += take
-            pos += take
-            if self._got == len(self._payload):
+                self._payload, self._need = bytearray(), length
+            take = min(self._need, end - pos)
+            if take:
+                self._payload += view[pos : pos + take]
+                self._need -= take
+                pos += take
+            if not self._need:
                 out.append((self._kind, self._payload))
                 self._payload = None
-        if self._payload is not None and self._got == len(self._payload):
-            out.append((self._kind, self._payload))
-            self._payload = None
         return out
 
 

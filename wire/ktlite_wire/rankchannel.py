@@ -42,6 +42,7 @@ _ARGS, _PATH, _ITEM, _ITEM_AT, _PORT = 1, 2, 4, 8, 16
 _OK, _INLINE, _HAS_PG, _TAINTED = 1, 4, 8, 16
 MAX_MESSAGE = 64 << 30
 JOIN_MAX = 1 << 16  # messages up to this size are joined into one write
+PIECE = 1 << 20  # a longer message is read in pieces: its buffer grows with the bytes read
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +328,8 @@ class Channel:
                 self.sock.sendall(p)
 
     def _exactly(self, n: int) -> bytearray:
+        if n > PIECE:  # a length no byte has backed yet: grow with what arrives
+            return self._growing(n)
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -335,6 +338,19 @@ class Channel:
             if k == 0:
                 raise EOFError("the pod server closed the control channel")
             got += k
+        return buf
+
+    def _growing(self, n: int) -> bytearray:
+        buf, piece = bytearray(), bytearray(PIECE)
+        view = memoryview(piece)
+        while len(buf) < n:
+            k = self.sock.recv_into(view, min(PIECE, n - len(buf)))
+            if k == 0:
+                raise EOFError(
+                    f"the pod server closed the control channel {len(buf)} bytes into a "
+                    f"message of {n}"
+                )
+            buf += view[:k]
         return buf
 
     def recv(self) -> Message:

@@ -3,23 +3,31 @@
 A rank and its pod server always share a host; on the local backend the caller does too.
 There a payload larger than :data:`INLINE_MAX` is written once to a file in ``/dev/shm``
 and the reader maps it copy-on-write: no socket copies, and arrays decoded from it are
-writable. Only files this module created (``ktlite-`` prefix, in :func:`shm_dir`) are
-ever opened on a peer's say-so.
+writable. Only files this module created are ever opened or removed on a peer's say-so: a
+name directly in :func:`shm_dir` (no ``..``, no other directory) with the prefix its kind of
+payload has, opened without following a link; any other path is a :class:`ProtocolError`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
+import stat
 import tempfile
 from typing import Any
+
+from ktlite_wire.errors import ProtocolError
 
 INLINE_MAX = 1 << 20
 ARG_PREFIX = "ktlite-arg-"
 RESULT_PREFIX = "ktlite-res-"
+# a FIFO or device planted under a ktlite name must not block the open (mmap then refuses it)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+@functools.cache  # once per process: no syscalls per payload
 def shm_dir() -> str:
     return (
         "/dev/shm"
@@ -47,32 +55,51 @@ def write(parts: list[Any], prefix: str) -> tuple[str, int]:
 
 
 def map_private(path: str, size: int) -> memoryview:
-    """Map a file copy-on-write: writable views, no copy until written."""
+    """Map a file copy-on-write: writable views, no copy until written. A link at ``path``
+    is refused (OSError), never followed."""
     if size == 0:
         return memoryview(bytearray())
-    with open(path, "rb") as f:
-        m = mmap.mmap(
-            f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
-    return memoryview(m)
-
-
-def take(path: str, size: int) -> memoryview:
-    """Map a file handed over to us and unlink it: the mapping keeps the memory alive."""
+    fd = os.open(path, _OPEN_FLAGS)
     try:
-        return map_private(path, size)
+        return _map(fd, size)
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        os.close(fd)
+
+
+def _map(fd: int, size: int) -> memoryview:
+    if size == 0:
+        return memoryview(bytearray())
+    return memoryview(
+        mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    )
+
+
+def take(path: str, size: int, prefix: str = RESULT_PREFIX) -> memoryview:
+    """Map a file handed over to us and unlink it: the mapping keeps the memory alive.
+    ``path`` must name a file this module made with ``prefix`` (:func:`check`); a path it
+    does not name, a link, or anything but a regular file of this user's is not removed."""
+    fd = os.open(check(path, prefix), _OPEN_FLAGS)
+    try:
+        st = os.fstat(fd)  # once per payload over INLINE_MAX: a file of this user's own
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise ProtocolError(f"{path!r} is not a regular file of this user's; refused")
+        try:
+            return _map(fd, size)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    finally:
+        os.close(fd)
 
 
 def check(path: str, prefix: str) -> str:
-    """``path`` if it is a regular file this module made with ``prefix``; else ValueError."""
-    real = os.path.realpath(path)
-    if (
-        os.path.dirname(real) != os.path.realpath(shm_dir())
-        or not os.path.basename(real).startswith(prefix)
-        or not os.path.isfile(real)
-    ):
-        raise ValueError(f"{path!r} is not a ktlite shared-memory file")
-    return real
+    """``path`` if it names a file directly in :func:`shm_dir` whose name starts with
+    ``prefix``; else :class:`ProtocolError` naming it. (The file itself is opened without
+    following links: :func:`map_private`.)"""
+    directory, name = os.path.split(path)
+    if directory != shm_dir() or not name.startswith(prefix) or name in (".", ".."):
+        raise ProtocolError(
+            f"{path!r} is not a ktlite shared-memory file (one named {prefix}* directly in "
+            f"{shm_dir()}); refused: it is neither opened nor removed"
+        )
+    return path

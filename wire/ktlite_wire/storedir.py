@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from ktlite_wire import privatefiles
 from ktlite_wire.errors import ErrorCode
 
 OBJECT_MAGIC = b"KTLITE-OBJECT-1\n"  # 16 bytes at the start of a stored Python object
@@ -119,8 +120,8 @@ class StoreDir:
         self.data = self.root / "data"
         self.tmp = self.root / "tmp"
         self.where = where or f"at {self.root}"
-        self.data.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        for d in (self.root, self.data, self.tmp):  # 0700: one user's (or one pod's) data
+            privatefiles.make_dir(d)
 
     def __repr__(self) -> str:
         return f"StoreDir({str(self.root)!r})"
@@ -226,7 +227,7 @@ class StoreDir:
         """Store a file (or an object, ``kind="object"``) from ``chunks``."""
         staged = self.staging()
         try:
-            with open(staged, "wb") as f:
+            with privatefiles.create_new(staged) as f:
                 if kind == "object":
                     f.write(OBJECT_MAGIC)
                 for chunk in chunks:
@@ -285,7 +286,7 @@ class StoreDir:
                     key,
                 )
             with contextlib.suppress(FileExistsError):
-                here.mkdir()
+                here.mkdir(mode=privatefiles.DIR_MODE)
 
     def remove(self, key: str, recursive: bool = False) -> dict[str, Any]:
         """Delete ``key`` (a directory only with ``recursive``). Never the root: emptying the
