@@ -42,6 +42,7 @@ PARTS: dict[str, tuple[str, ...]] = {
             CLUSTER + t
             for t in (
                 "single_call_returns_value_from_pod_0",
+                "pods_run_as_non_root_and_user_code_cannot_read_the_token_from_any_environment",
                 "gloo_all_reduce_across_two_pods",
                 "uneven_pods_1_and_2_ranks_all_reduce",
                 "rank_error_keeps_its_type_and_the_finished_results",

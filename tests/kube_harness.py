@@ -7,9 +7,11 @@ Only the control plane is fake. Each pod is a real server process bound to its o
 address (127.X.0.10, .11, ..., X from the stand-in's pid) on the pod port, in its own UTS and mount namespace (hostname =
 pod name, resolved by the pod's own /etc/hosts as the kubelet writes it; PVCs bind-mounted from DIR/pvc/<claim>; /tmp and tests/ empty, since a real pod
 sees none of the caller's files), started with the env the pod spec names
-(token from the Secret, ``envFrom`` Secrets, downward-API fields) and with its secret volumes'
-files (mounted read-only, on a fresh tmpfs home at /root where they go there, as in a
-container of a root image; the Python this machine runs from stays visible), and reported Ready once it accepts
+(``envFrom`` Secrets, downward-API fields) and with its secret volumes' files (the token's too;
+mounted read-only, on a fresh tmpfs at the pod's HOME where they go there; the Python this
+machine runs from stays visible), as the user its securityContext names (``setpriv``: that
+uid and gid, the fsGroup as a supplementary group that owns its volumes and group-reads its
+Secret files, no capabilities, no new privileges; a fresh /root it may pass through), and reported Ready once it accepts
 connections (a pod whose readinessProbe asks another path, a served replica's
 ``/health?ready=1``, while that path answers 200). The pod proxy forwards to it; its output becomes the pod log; deleting the pod
 stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
@@ -45,6 +47,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kube_fake as kf  # noqa: E402
+
+from ktlite.backends.kube_security import LINK_SECRET_FILES  # noqa: E402
 
 NAMESPACE = "default"
 TOKEN = "harness-api-token"
@@ -193,17 +197,25 @@ class Pods:
             for v in pod["spec"].get("volumes", [])
             if "persistentVolumeClaim" in v
         }
+        user = _pod_user(pod)
         mounts = []
         for m in pod["spec"]["containers"][0].get("volumeMounts", []):
             if m["name"] in claims:
                 src = self.root / "pvc" / claims[m["name"]]
                 src.mkdir(parents=True, exist_ok=True)
+                if user is not None:  # as the kubelet does for a volume that applies fsGroup
+                    os.chown(src, -1, user[2])
+                    src.chmod(0o2775)
                 self._mount_point(Path(m["mountPath"]))
                 mounts.append(f"mount --bind {src} {m['mountPath']}")
-        secret_mounts = self._secret_mounts(pod)
-        if secret_mounts:
-            env["HOME"] = "/root"
-            mounts += secret_mounts
+        # the pod's home (an emptyDir at the HOME its spec names): a fresh tmpfs there, under
+        # which its file secrets go
+        home = pod_env.get("HOME") or ("/root" if self._secret_mounts(pod) else "")
+        if home:
+            env["HOME"] = home
+            mounts += self._secret_mounts(pod, home, user)
+        if user is not None:
+            mounts += self._open_root(pod)
         # the kubelet's hosts file: the pod's own name resolves to its IP, nothing else does
         hosts = self.root / "etc-hosts" / name
         hosts.parent.mkdir(exist_ok=True)
@@ -217,8 +229,10 @@ class Pods:
                 f"hostname {name}",
                 *mounts,
                 *_hide_callers_files(),
-                _SETUP,
-                f'exec "$(cat {_PYTHON_FILE})" -m ktlite_server --host {ip} '
+                # the file secrets' links in the home, as the pod's bootstrap makes them
+                f"{_as(user)}sh -c {shlex.quote(LINK_SECRET_FILES)}",
+                _as(user) + _SETUP,
+                f'exec {_as(user)}"$(cat {_PYTHON_FILE})" -m ktlite_server --host {ip} '
                 f"--port {SERVER_PORT} --procs {pod_env.get('KTLITE_PROCS', '1')}",
             ]
         )
@@ -233,16 +247,36 @@ class Pods:
         threading.Thread(target=self._pump, args=(proc, name), daemon=True).start()
         return proc
 
-    def _secret_mounts(self, pod: dict[str, Any]) -> list[str]:
+    def _open_root(self, pod: dict[str, Any]) -> list[str]:
+        """For a pod of a non-root user: a fresh /root it may pass through (0711), with what
+        this machine runs from under /root (a pyenv Python) bound back onto it; the machine's
+        own /root (0700) would stop that user from reaching its Python."""
+        keep = _under(Path("/root"))
+        stage = self.root / "secret-volumes" / pod["metadata"]["uid"] / "root-keep"
+        commands = []
+        for i, path in enumerate(keep):
+            commands += [
+                f"mkdir -p {stage}/{i}",
+                f"mount --bind {shlex.quote(str(path))} {stage}/{i}",
+            ]
+        commands.append("mount -t tmpfs -o mode=0711 tmpfs /root")
+        for i, path in enumerate(keep):
+            q = shlex.quote(str(path))
+            commands += [f"mkdir -p {q}", f"mount --bind {stage}/{i} {q}"]
+        return commands
+
+    def _secret_mounts(
+        self, pod: dict[str, Any], home: str = "", user: tuple[int, int, int] | None = None
+    ) -> list[str]:
         """Shell commands that mount the pod's secret volumes: each item written (with its
         mode) under DIR/secret-volumes/<pod uid>/, then bind-mounted read-only, one file per
-        ``subPath`` mount. Mounts under /root get a fresh tmpfs there first (a container's own
-        home), so nothing is written into this machine's /root."""
+        ``subPath`` mount. ``home`` (the pod's HOME) gets a fresh tmpfs first (a container's
+        own home), so nothing is written into this machine's."""
         volumes = {v["name"]: v["secret"] for v in pod["spec"].get("volumes", []) if "secret" in v}
         wanted = [
             m for m in pod["spec"]["containers"][0].get("volumeMounts", []) if m["name"] in volumes
         ]
-        if not wanted:
+        if not wanted and not home:
             return []
         base = self.root / "secret-volumes" / pod["metadata"]["uid"]
         for name, vol in volumes.items():
@@ -255,30 +289,24 @@ class Pods:
                 target = base / name / item["path"]
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(base64.b64decode(data[item["key"]]))
-                target.chmod(item.get("mode", vol.get("defaultMode", 0o644)))
+                mode = item.get("mode", vol.get("defaultMode", 0o644))
+                if user is not None:  # the kubelet's fsGroup: the group's, and group-readable
+                    os.chown(target, -1, user[2])
+                    mode |= 0o440
+                target.chmod(mode)
         commands = []
-        if any(m["mountPath"].startswith("/root/") for m in wanted):
+        if home:
             # what this machine runs from stays (a pyenv Python under /root): bound aside first,
             # then back onto the fresh home
-            keep = sorted(
-                {
-                    p
-                    for p in (
-                        Path(__file__).resolve().parent.parent,
-                        Path(sys.prefix).resolve(),
-                        Path(sys.base_prefix).resolve(),
-                        Path(sys.executable).resolve().parent,
-                    )
-                    if Path("/root") in p.parents
-                }
-            )
+            keep = _under(Path(home))
             stage = base / "keep"
             for i, path in enumerate(keep):
                 commands += [
                     f"mkdir -p {stage}/{i}",
                     f"mount --bind {shlex.quote(str(path))} {stage}/{i}",
                 ]
-            commands.append("mount -t tmpfs -o mode=0700 tmpfs /root")
+            self._mount_point(Path(home))
+            commands.append(f"mount -t tmpfs -o mode=0777 tmpfs {shlex.quote(home)}")
             for i, path in enumerate(keep):
                 commands += [
                     f"mkdir -p {shlex.quote(str(path))}",
@@ -352,6 +380,49 @@ class Pods:
                 with contextlib.suppress(OSError):
                     made.rmdir()
             self.made_dirs.clear()
+
+
+def _under(root: Path) -> list[Path]:
+    """What this machine runs from (this checkout, its Python) that lies under ``root``."""
+    return sorted(
+        {
+            p
+            for p in (
+                Path(__file__).resolve().parent.parent,
+                Path(sys.prefix).resolve(),
+                Path(sys.base_prefix).resolve(),
+                Path(sys.executable).resolve().parent,
+            )
+            if root in p.parents
+        }
+    )
+
+
+def _pod_user(pod: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(uid, gid, fsGroup) the pod's securityContext asks for, None for root (the image's)."""
+    spec = pod["spec"]
+    context = {
+        **(spec.get("securityContext") or {}),
+        **(spec["containers"][0].get("securityContext") or {}),
+    }
+    uid = context.get("runAsUser")
+    if not uid:
+        return None
+    gid = context.get("runAsGroup", uid)
+    return uid, gid, (spec.get("securityContext") or {}).get("fsGroup", gid)
+
+
+def _as(user: tuple[int, int, int] | None) -> str:
+    """The command prefix that runs a pod's processes as its user, with nothing to escalate
+    to (as runAsUser, fsGroup, allowPrivilegeEscalation: false and dropped capabilities do)."""
+    if user is None:
+        return ""
+    uid, gid, fs_group = user
+    groups = ",".join(str(g) for g in dict.fromkeys((gid, fs_group)))
+    return (
+        f"setpriv --reuid={uid} --regid={gid} --groups={groups} --no-new-privs "
+        "--inh-caps=-all --bounding-set=-all "
+    )
 
 
 def _black_hole(ip: str) -> tuple[socket.socket, socket.socket]:

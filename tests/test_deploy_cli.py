@@ -60,7 +60,7 @@ def test_dry_run_prints_the_manifests_as_yaml_and_touches_nothing(script: tuple[
     assert run.stdout.startswith(f"# ktlite plan for '{name}-k8s' on backend 'kubernetes'")
     docs = list(yaml.safe_load_all(run.stdout))
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["Secret", "Service", "StatefulSet"]
+    assert kinds == ["Secret", "Service", "NetworkPolicy", "StatefulSet"]
     sts = docs[-1]
     assert sts["metadata"]["namespace"] == "ml" and sts["spec"]["replicas"] == 2
     # the same objects as the Python API's plan

@@ -242,14 +242,14 @@ def test_token_lives_in_the_secret_only(cluster: Cluster) -> None:
         assert TOKEN not in text and _b64(TOKEN) not in text, kind
     carriers = [(r.method, r.path) for r in cluster.fake.requests if TOKEN.encode() in r.content]
     assert carriers == [("POST", "/api/v1/namespaces/default/secrets")]
-    # the pods get it from the Secret, not as a literal value
-    env = cluster.fake.get("statefulsets", "default", NAME)["spec"]["template"]["spec"][
+    # the pods get it from the Secret as a file, not as a literal value nor an env var
+    pod = cluster.fake.get("statefulsets", "default", NAME)["spec"]["template"]["spec"]
+    assert {"name": "KTLITE_TOKEN_FILE", "value": "/var/run/ktlite/token/token"} in pod[
         "containers"
     ][0]["env"]
-    assert {
-        "name": "KTLITE_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": f"{NAME}-token", "key": "token"}},
-    } in env
+    assert {v["name"]: v for v in pod["volumes"]}["ktlite-token"]["secret"]["secretName"] == (
+        f"{NAME}-token"
+    )
     assert TOKEN not in cluster.out.getvalue()
     assert TOKEN not in repr(applied) and TOKEN not in str(applied)
 
@@ -949,6 +949,7 @@ def test_plan_reads_no_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         "Secret",
         "Service",
         "PersistentVolumeClaim",
+        "NetworkPolicy",
         "StatefulSet",
     ]
     assert all(m["metadata"]["namespace"] == "team-a" for m in plan.manifests)
@@ -1591,7 +1592,7 @@ def test_teardown_removes_every_statefulset_of_the_deployment(make_cluster) -> N
     assert [r["name"] for r in c.backend.list()] == ["other"]
 
 
-# ---- distribute("monarch"): the NetworkPolicy ----------------------------------------------
+# ---- every deployment's NetworkPolicy ------------------------------------------------------------
 
 
 def monarch_spec(name: str = NAME) -> DeploymentSpec:
@@ -1603,11 +1604,15 @@ def monarch_spec(name: str = NAME) -> DeploymentSpec:
     )
 
 
-def test_a_monarch_deployment_limits_its_ports_before_its_pods_exist(cluster: Cluster) -> None:
-    cluster.backend.apply(monarch_spec(), TOKEN)
+@pytest.mark.parametrize("make", [spec, monarch_spec], ids=["pytorch", "monarch"])
+def test_a_deployment_limits_its_ports_before_its_pods_exist(
+    cluster: Cluster, make: Callable[[], DeploymentSpec]
+) -> None:
+    cluster.backend.apply(make(), TOKEN)
     assert cluster.names("networkpolicies") == [NAME]
     policy = cluster.fake.get("networkpolicies", "default", NAME)
     assert policy["metadata"]["labels"][km.NAME_LABEL] == NAME
+    assert policy["spec"]["podSelector"] == {"matchLabels": {km.NAME_LABEL: NAME}}
     order = [path for method, path in cluster.writes() if method == "POST"]
     assert order.index(
         "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
@@ -1616,10 +1621,40 @@ def test_a_monarch_deployment_limits_its_ports_before_its_pods_exist(cluster: Cl
     assert cluster.names("networkpolicies") == []
 
 
-def test_a_monarch_deployment_redeployed_as_another_kind_drops_its_policy(cluster: Cluster) -> None:
+def test_a_redeploy_keeps_the_policy_and_writes_it_only_when_it_differs(cluster: Cluster) -> None:
     cluster.backend.apply(monarch_spec(), TOKEN)
+    cluster.backend.apply(spec(), TOKEN)  # another kind of deployment: the same policy
+    assert cluster.names("networkpolicies") == [NAME]
+    writes = [w for w in cluster.writes() if "networkpolicies" in w[1]]
+    assert [method for method, _ in writes] == ["POST"], writes
+    # one an older ktlite made (or edited by hand) is put back as ktlite's
+    current = cluster.fake.get("networkpolicies", "default", NAME)
+    current["spec"]["ingress"] = [{}]  # admits everyone
+    cluster.http.put(
+        f"/apis/networking.k8s.io/v1/namespaces/default/networkpolicies/{NAME}", json=current
+    ).raise_for_status()
     cluster.backend.apply(spec(), TOKEN)
-    assert cluster.names("networkpolicies") == []
+    again = cluster.fake.get("networkpolicies", "default", NAME)
+    assert again["spec"]["ingress"][1] == {
+        "from": [{"podSelector": {"matchLabels": {km.NAME_LABEL: NAME}}}]
+    }
+
+
+def test_a_deploy_without_rights_on_policies_fails_saying_what_to_grant(cluster: Cluster) -> None:
+    cluster.fake.fail_next(
+        "POST",
+        "networkpolicies",
+        403,
+        "Forbidden",
+        'networkpolicies.networking.k8s.io is forbidden: User "dev" cannot create resource '
+        '"networkpolicies"',
+    )
+    with pytest.raises(DeployError) as e:
+        cluster.backend.apply(spec(), TOKEN)
+    text = str(e.value)
+    assert "NetworkPolicy 'job'" in text and "networkpolicies.networking.k8s.io" in text, text
+    assert "docs/kubernetes.md" in text and TOKEN not in text
+    assert cluster.names("statefulsets") == []  # no pod ever ran with its ports open
 
 
 def test_teardown_without_rights_on_policies_still_removes_the_rest(cluster: Cluster) -> None:
@@ -1634,9 +1669,3 @@ def test_teardown_without_rights_on_policies_still_removes_the_rest(cluster: Clu
     )
     assert cluster.backend.teardown(NAME) is True
     assert cluster.names("statefulsets") == [] and cluster.names("secrets") == []
-
-
-def test_a_deploy_of_another_kind_deletes_no_policy_that_is_not_there(cluster: Cluster) -> None:
-    cluster.backend.apply(spec(), TOKEN)
-    cluster.backend.apply(spec(), TOKEN)
-    assert not cluster.fake.find_requests("DELETE", "networkpolicies")

@@ -268,6 +268,7 @@ def test_every_setting_renders_strictly_valid_objects(case: str, version: str) -
             "Secret",
             "Service",
             *["PersistentVolumeClaim"] * len(claims),
+            "NetworkPolicy",
             "StatefulSet",
         ]
         for obj in objs:
@@ -550,12 +551,23 @@ def test_token_appears_only_in_the_secret() -> None:
     assert TOKEN not in json.dumps(plan.manifests)
 
 
-def test_container_reads_the_token_from_the_secret() -> None:
-    entry = _env(_render(K(), token=TOKEN))["KTLITE_TOKEN"]
-    assert entry == {
-        "name": "KTLITE_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": f"{NAME}-token", "key": "token"}},
+def test_container_reads_the_token_from_a_file_of_the_secret_not_from_an_env_var() -> None:
+    objs = _render(K(), token=TOKEN)
+    env = _env(objs)
+    assert "KTLITE_TOKEN" not in env
+    assert not [e for e in env.values() if "secretKeyRef" in e.get("valueFrom", {})]
+    assert env["KTLITE_TOKEN_FILE"] == {
+        "name": "KTLITE_TOKEN_FILE",
+        "value": "/var/run/ktlite/token/token",
     }
+    assert _pod_volumes(objs)["ktlite-token"]["secret"] == {
+        "secretName": f"{NAME}-token",
+        "defaultMode": 0o400,
+        "items": [{"key": "token", "path": "token"}],
+    }
+    assert {"name": "ktlite-token", "mountPath": "/var/run/ktlite/token", "readOnly": True} in (
+        _container(objs)["volumeMounts"]
+    )
 
 
 # ---- container env -------------------------------------------------------------------------------
@@ -736,6 +748,7 @@ def test_uneven_gpu_pods_get_one_statefulset_per_run_of_one_size(version: str) -
     assert [o["kind"] for o in objs] == [
         "Secret",
         "Service",
+        "NetworkPolicy",
         "StatefulSet",
         "StatefulSet",
         "StatefulSet",

@@ -180,23 +180,26 @@ def test_kubetorch_form_plan_is_valid_and_holds_placeholders_only(
     assert env["DB_PASSWORD"]["valueFrom"] == {
         "secretKeyRef": {"name": f"{NAME}-secret-db", "key": "DB_PASSWORD"}
     }
-    assert env["AWS_SHARED_CREDENTIALS_FILE"]["value"] == "/root/.aws/credentials"
-    assert env["AWS_CONFIG_FILE"]["value"] == "/root/.aws/config"
-    assert env["KUBECONFIG"]["value"] == "/root/.kube/config"
+    assert env["AWS_SHARED_CREDENTIALS_FILE"]["value"] == "/home/ktlite/.aws/credentials"
+    assert env["AWS_CONFIG_FILE"]["value"] == "/home/ktlite/.aws/config"
+    assert env["KUBECONFIG"]["value"] == "/home/ktlite/.kube/config"
     assert (
         env["GOOGLE_APPLICATION_CREDENTIALS"]["value"]
-        == "/root/.config/gcloud/application_default_credentials.json"
+        == "/home/ktlite/.config/gcloud/application_default_credentials.json"
     )
     assert c["envFrom"] == [{"secretRef": {"name": "existing-one"}}]
+    # each file secret's volume in a directory of ktlite's; its files linked to from the home
+    # at start (the directories there stay the user's: ~/.ssh/known_hosts can be written)
+    links = dict(line.split("=", 1) for line in env["KTLITE_SECRET_LINKS"]["value"].splitlines())
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-    assert (
-        mounts["/root/.aws/credentials"]["subPath"] == "credentials"
-        and mounts["/root/.aws/credentials"]["readOnly"]
-    )
-    assert mounts["/root/.ssh/id_ed25519"]["subPath"] == "id_ed25519"
+    aws_dir, _, aws_key = links["/home/ktlite/.aws/credentials"].rpartition("/")
+    assert aws_key == "credentials" and mounts[aws_dir]["readOnly"]
+    assert aws_dir.startswith("/var/run/ktlite/secrets/") and "subPath" not in mounts[aws_dir]
+    assert links["/home/ktlite/.ssh/id_ed25519"].endswith("/id_ed25519")
+    assert not [p for p in mounts if p.startswith("/home/ktlite/")]
     sts = next(o for o in plan.manifests if o["kind"] == "StatefulSet")
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"] if "secret" in v}
-    aws_volume = volumes[mounts["/root/.aws/credentials"]["name"]]["secret"]
+    aws_volume = volumes[mounts[aws_dir]["name"]]["secret"]
     assert aws_volume["secretName"] == f"{NAME}-secret-aws" and aws_volume["defaultMode"] == 0o400
     assert aws_volume["items"] == [
         {"key": "credentials", "path": "credentials", "mode": 0o400},

@@ -204,6 +204,7 @@ def test_knative_form_is_valid_where_kubernetes_defines_it(case: str, version: s
         "Secret",
         "Secret",
         *["PersistentVolumeClaim"] * len(spec.pod.volumes),
+        "NetworkPolicy",
     ]
     for obj in objs:
         validate(as_pod(obj) if obj is ksvc else obj, version)
@@ -234,10 +235,8 @@ def test_replicas_are_rank_0_boot_from_the_launch_secret_and_are_ready_only_with
         assert e["KTLITE_POD_ORDINAL"] == {"name": "KTLITE_POD_ORDINAL", "value": "0"}
         assert e["KTLITE_LAUNCH_FILE"]["value"] == "/var/run/ktlite/launch/launch.pkl"
         assert e["KTLITE_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        assert e["KTLITE_TOKEN"]["valueFrom"]["secretKeyRef"] == {
-            "name": f"{NAME}-token",
-            "key": "token",
-        }
+        assert "KTLITE_TOKEN" not in e
+        assert e["KTLITE_TOKEN_FILE"]["value"] == "/var/run/ktlite/token/token"
         c = container(workload)
         assert c["readinessProbe"]["httpGet"] == {"path": "/health?ready=1", "port": km.SERVER_PORT}
         assert {"name": "ktlite-launch", "mountPath": kss.LAUNCH_DIR, "readOnly": True} in c[

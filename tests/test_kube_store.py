@@ -93,10 +93,10 @@ def test_render_names_objects_and_keeps_the_token_out_of_the_plan() -> None:
         assert km.NAME_LABEL not in labels and "app.kubernetes.io/managed-by" not in labels
     container = sts["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
-    assert env["KTLITE_TOKEN"]["valueFrom"]["secretKeyRef"] == {
-        "name": "ktlite-store-token",
-        "key": "token",
-    }
+    assert "KTLITE_TOKEN" not in env  # a file of the Secret: /proc/1/environ shows no env var
+    assert env["KTLITE_TOKEN_FILE"]["value"] == "/var/run/ktlite/token/token"
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["ktlite-token"]["secret"]["secretName"] == "ktlite-store-token"
     assert env["KTLITE_STORE_ROOT"]["value"] == ks.ROOT
     assert env["KTLITE_STORE_MAX_BYTES"]["value"] == str(5 << 30)  # the claim's size
     capped = ks.render("team", image="i", install="k", token=None, max_bytes=1000)[2]

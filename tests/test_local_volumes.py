@@ -295,6 +295,7 @@ ALL_KUBE_ONLY = dict(
     queue_name="q",
     service_template={"spec": {"minReadySeconds": 1}},
     freeze=True,
+    run_as_user=0,
     store_access={"datasets": "read"},
 )
 

@@ -214,7 +214,11 @@ def test_manifests_limit_the_pods_ports_to_the_deployment() -> None:
     for version in VERSIONS:
         for obj in objs:
             _validate(obj, version)
+    # every deployment has one now, Monarch's as any other's
     ddp = DeploymentSpec(name="ddp", pod=kt.Compute().distribute("pytorch", workers=2).pod_spec())
-    assert "NetworkPolicy" not in [
-        o["kind"] for o in km.render(ddp, "default", image="x", install="none")
+    (other,) = [
+        o
+        for o in km.render(ddp, "default", image="x", install="none")
+        if o["kind"] == "NetworkPolicy"
     ]
+    assert other["spec"]["ingress"][0] == rules[0]

@@ -1,8 +1,9 @@
 """Pure: a :class:`DeploymentSpec` → the Kubernetes objects that run it (plain dicts).
 
-Per deployment NAME: a Secret ``NAME-token`` (the call token), a headless Service ``NAME``
-(``publishNotReadyAddresses``: peers are reachable before they report ready), one PVC per
-``kt.Volume``, and a StatefulSet ``NAME`` (Parallel pod management: all pods start at once;
+Per deployment NAME: a Secret ``NAME-token`` (the call token, a file on the pods), a headless
+Service ``NAME`` (``publishNotReadyAddresses``: peers are reachable before they report ready),
+one PVC per ``kt.Volume``, a NetworkPolicy ``NAME`` (the server's port open, every other port to
+the deployment's own pods only), and a StatefulSet ``NAME`` (Parallel pod management: all pods start at once;
 ``OnDelete`` updates: the backend decides which pods to replace). Everything carries
 ``ktlite.dev/name=NAME`` so list and teardown find it. Each secret given by value or preset
 (``Compute(secrets=["aws", kt.secret(...)])``) is a Secret ``NAME-secret-KEY`` (labelled
@@ -208,9 +209,8 @@ def render(
         if spec.pod.kubernetes.service_template:
             sts = _with_template(sts, spec.pod.kubernetes.service_template)
         statefulsets.append(sts)
-    policies = [network_policy(name, meta)] if spec.distributed.framework == "monarch" else []
     users = secret_objects(name, namespace, secrets, token)
-    return [secret, service, *users, *claims, *policies, *statefulsets]
+    return [secret, service, *users, *claims, network_policy(name, meta), *statefulsets]
 
 
 def _with_template(sts: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -246,11 +246,16 @@ def merge_template(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def network_policy(name: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """Monarch's worker port has no authentication (whoever connects runs code there): only
-    the deployment's own pods may reach its pods' ports, but for ktlite's server, which asks
-    every caller for the deployment token. Enforced where the cluster's network plugin
-    enforces NetworkPolicies."""
+def network_policy(
+    name: str, meta: dict[str, Any], open_ports: tuple[int, ...] = ()
+) -> dict[str, Any]:
+    """Every deployment's: its pods' ports are reachable from the deployment's own pods only
+    (the rendezvous ``MASTER_PORT`` and the TCPStore, gloo and NCCL, Ray's and Monarch's
+    ports, none of which authenticates), but for ktlite's server, which asks every caller for
+    the deployment token, and ``open_ports`` (a Knative queue-proxy's). Egress is left alone.
+    Enforced only where the cluster's network plugin enforces NetworkPolicies; a pod of the
+    same namespace that carries the deployment's name label passes it."""
+    ports = [{"protocol": "TCP", "port": port} for port in (SERVER_PORT, *open_ports)]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -259,7 +264,7 @@ def network_policy(name: str, meta: dict[str, Any]) -> dict[str, Any]:
             "podSelector": {"matchLabels": {NAME_LABEL: name}},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"ports": [{"protocol": "TCP", "port": SERVER_PORT}]},
+                {"ports": ports},
                 {"from": [{"podSelector": {"matchLabels": {NAME_LABEL: name}}}]},
             ],
         },

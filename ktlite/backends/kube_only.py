@@ -7,7 +7,8 @@ A local pod is a process of this machine: no scheduler places it (``node_selecto
 ``pip_install`` / ``run_bash`` steps, ``image_pull_policy``, ``freeze``, ``working_dir``), and it
 shares this machine's ``/dev/shm``, disk and CPUs (``shared_memory``, ``cpu_limit``,
 ``disk_size``, ``gpu_anti_affinity``), and it reads the data store's directory as the caller
-does (``store_access``: nothing to scope). ``namespace`` and ``secrets`` do act locally (the data
+does (``store_access``: nothing to scope); it runs as the caller's user (``run_as_user``).
+``namespace`` and ``secrets`` do act locally (the data
 store's namespace; secrets reach the ranks). docs/local_backend.md says what each field does
 locally.
 """
@@ -18,6 +19,7 @@ import warnings
 
 from ktlite.errors import LocalBackendWarning
 from ktlite.specs.images import DEFAULT_IMAGE
+from ktlite.specs.kube_options import DEFAULT_UID
 from ktlite.specs.podspec import PodSpec
 
 KUBE_ONLY = (
@@ -39,6 +41,7 @@ KUBE_ONLY = (
     "queue_name",
     "service_template",
     "freeze",
+    "run_as_user",
     # local pods are processes of the caller's user, reading the store's directory directly
     "store_access",
 )
@@ -52,6 +55,13 @@ def _setting(pod: PodSpec, name: str) -> object:
     return getattr(pod, name)
 
 
+def _is_set(name: str, value: object) -> bool:
+    """Whether the Compute sets field ``name`` to other than its default."""
+    if name == "run_as_user":  # a number whose default is not 0
+        return value != DEFAULT_UID
+    return value not in (None, "", {}, (), False)
+
+
 def unused_fields(pod: PodSpec, workers: int) -> list[str]:
     """The fields of ``pod`` (or of its Ray worker pods') that a local pod ignores."""
     found: list[str] = []
@@ -61,9 +71,7 @@ def unused_fields(pod: PodSpec, workers: int) -> list[str]:
             image.image_id != DEFAULT_IMAGE or any(kind != "env" for kind, _ in image.steps)
         ):
             found.append("image")
-        found += [
-            name for name in KUBE_ONLY if _setting(one, name) not in (None, "", {}, (), False)
-        ]
+        found += [name for name in KUBE_ONLY if _is_set(name, _setting(one, name))]
     return sorted(set(found), key=found.index)
 
 

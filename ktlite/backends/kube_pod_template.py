@@ -34,6 +34,14 @@ from ktlite.backends.kube_labels import (
     token_secret_name,
     user_secret_name,
 )
+from ktlite.backends.kube_security import (
+    LINK_SECRET_FILES,
+    LINKS_ENV,
+    POD_HOME,
+    SECRETS_DIR,
+    harden,
+)
+from ktlite.backends.kube_security import env as security_env
 from ktlite.errors import ConfigError
 from ktlite.logconfig import pod_env
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -42,7 +50,6 @@ from ktlite.specs.secrets import Resolved, fingerprint, for_pod
 from ktlite.specs.spec import DEFAULT_MASTER_PORT
 from ktlite.specs.volume import Volume
 
-POD_HOME = "/root"  # where file secrets go: the home of the images' (root) user
 SERVER_PORT = 32300
 STATE_DIR = "/ktlite"  # an emptyDir: survives container restarts, not pod replacement
 SETUP_FAILED_EXIT = 78  # the bootstrap's exit code when a setup step or the ktlite install fails
@@ -53,8 +60,10 @@ MAX_STATEFULSET_NAME = 52  # its pods' controller-revision-hash label adds 11 ch
 
 # Finds a Python that can import ktlite_server, installing ktlite into a venv on the
 # emptyDir when the image has none; everything else happens in ktlite_server.boot.
-BOOTSTRAP = r"""set -e
-if [ -n "$KTLITE_PYTHON" ]; then PY=$KTLITE_PYTHON
+BOOTSTRAP = (
+    "set -e\n"
+    + LINK_SECRET_FILES
+    + r"""if [ -n "$KTLITE_PYTHON" ]; then PY=$KTLITE_PYTHON
 elif [ -x /ktlite/venv/bin/python ]; then PY=/ktlite/venv/bin/python
 else PY=$(command -v python3 || command -v python || true); fi
 if [ -z "$PY" ] || ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
@@ -63,6 +72,10 @@ if [ -z "$PY" ] || ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
     exit 78
   fi
   if [ -z "$PY" ]; then
+    if [ "$(id -u)" != 0 ]; then
+      echo "ktlite: the image has no python, and installing one needs root: use an image with python, or Compute(run_as_user=0)" >&2
+      exit 78
+    fi
     echo "ktlite: the image has no python; installing python3"
     if command -v apt-get >/dev/null; then
       apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
@@ -78,6 +91,7 @@ if [ -z "$PY" ] || ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
 fi
 exec "$PY" -m ktlite_server.boot
 """
+)
 
 
 def resolve_secrets(spec: DeploymentSpec, namespace: str) -> list[Resolved]:
@@ -99,6 +113,7 @@ def _secret_wiring(
     env_from: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
+    links: list[str] = []
     for i, r in enumerate(secrets):
         if r.existing:
             env_from.append({"secretRef": {"name": r.existing}})
@@ -117,14 +132,18 @@ def _secret_wiring(
                     },
                 }
             )
+            # the volume in a directory of ktlite's, each file linked to from its place in the
+            # home by the bootstrap: the directories there stay the user's (~/.ssh: known_hosts)
+            mounts.append(
+                {"name": volume, "mountPath": f"{SECRETS_DIR}/{volume}", "readOnly": True}
+            )
             for f in r.files:
                 path = f"{POD_HOME}/{f.pod_path}"
-                # one file per mount: the directory (~/.ssh: known_hosts) stays writable
-                mounts.append(
-                    {"name": volume, "mountPath": path, "subPath": f.key, "readOnly": True}
-                )
+                links.append(f"{path}={SECRETS_DIR}/{volume}/{f.key}")
                 if f.pointer:
                     env.append({"name": f.pointer, "value": path})
+    if links:
+        env.append({"name": LINKS_ENV, "value": "\n".join(links)})
     values = [r for r in secrets if not r.existing]
     annotations = (
         {SECRETS_ANNOTATION: fingerprint(values, token) if token is not None else TOKEN_PLACEHOLDER}
@@ -267,10 +286,6 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
     env: list[dict[str, Any]] = [
-        {
-            "name": "KTLITE_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": token_secret_name(spec.name), "key": "token"}},
-        },
         {"name": "KTLITE_POD_NAME", **field("metadata.name")},
         {"name": "KTLITE_POD_IP", **field("status.podIP")},
         {"name": "KTLITE_POD_ORDINAL", **field("metadata.labels['apps.kubernetes.io/pod-index']")},
@@ -285,6 +300,8 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
             "value": "1" if spec.pod.freeze or (image is not None and image.freeze) else "0",
         },
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        # the token's path, HOME (unless the Compute's env sets it: its entry comes later)
+        *(e for e in security_env() if e["name"] not in spec.pod.merged_env),
         # KTLITE_LOG_LEVEL
         *({"name": k, "value": v} for k, v in pod_env().items() if k not in spec.pod.env),
     ]
@@ -359,6 +376,7 @@ def pod_template(
         "volumes": volumes,
         "terminationGracePeriodSeconds": 15,
     }
+    harden(pod, kube, token_secret_name(spec.name))
     if kube.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
         pod["affinity"] = {
             "nodeAffinity": {

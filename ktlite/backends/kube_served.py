@@ -116,6 +116,8 @@ class ServedDeployments(ServedStatus):
                 ksec.apply_user_secret(api, obj, current, created)
             for claim in (o for o in objects if o["kind"] == "PersistentVolumeClaim"):
                 self._ensure(api, claim, created)
+            for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):  # before pods
+                self._apply_policy(api, policy, created)
             if caps.knative:
                 self._drop_hpa_form(api, name)
                 self._apply_workload(api, "KnativeService", workload, created)
@@ -217,10 +219,10 @@ class ServedDeployments(ServedStatus):
             api.replace(obj, current["metadata"]["resourceVersion"])
 
     def _drop_statefulsets(self, api: KubeApi, name: str) -> None:
-        """Remove a distributed deployment of the same name (its StatefulSets and policy)."""
+        """Remove a distributed deployment of the same name (its StatefulSets; its policy is
+        replaced by the served form's)."""
         if api.list("StatefulSet", km.selector(name)):
             self._remove_stale_parts(api, name, set())
-            self._drop_policy(api, name, only_if_there=True)
 
     def _drop_hpa_form(self, api: KubeApi, name: str) -> None:
         for kind in ("HorizontalPodAutoscaler", "Deployment"):

@@ -13,7 +13,8 @@ objects that serve it (plain dicts), in one of two forms, by what the cluster ha
   own in-flight calls (``ktlite_inflight_calls``) or call rate (``ktlite_calls_per_second``,
   an adapter's rate of ``ktlite_calls_total``) where a custom-metrics adapter serves them.
 
-Both forms: the token Secret ``NAME-token``, and ``NAME-launch``, a Secret (made empty) that
+Both forms: the token Secret ``NAME-token``, a NetworkPolicy ``NAME`` (the server's port and,
+with Knative, its queue-proxy's ports open; nothing else), and ``NAME-launch``, a Secret (made empty) that
 holds the current launch (the pickled deploy message) as ``launch.pkl``, mounted read-only at
 ``LAUNCH_DIR``: a replica started later loads it at boot and reports ready
 (``GET /health?ready=1``, the readiness probe) only once it has the code. Every replica is
@@ -55,6 +56,9 @@ INFLIGHT_METRIC = "ktlite_inflight_calls"
 RATE_METRIC = (
     "ktlite_calls_per_second"  # what an adapter's rule names the rate of ktlite_calls_total
 )
+# Knative's queue-proxy: traffic (8012, h2c 8013), admin (8022), autoscaler metrics (9090),
+# user metrics and profiling (9091)
+KNATIVE_QUEUE_PORTS = (8012, 8013, 8022, 9090, 9091)
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/services.serving.knative.dev"
 ADAPTER_PATH = "/apis/apiregistration.k8s.io/v1/apiservices/v1beta1.custom.metrics.k8s.io"
 
@@ -260,6 +264,9 @@ def render(
         one, image=image, install=install, secrets=secrets, token=token, knative=caps.knative
     )
     meta = {"name": name, "namespace": namespace, "labels": served_labels(name)}
+    # the server's port to callers (a replica has no peers); Knative's activator and
+    # autoscaler reach its queue-proxy sidecar
+    policy = km.network_policy(name, meta, KNATIVE_QUEUE_PORTS if caps.knative else ())
     # what `kt.cls(name=...)` in another process reads back to serve it the same way
     workload_meta = {**meta, "annotations": {AUTOSCALE_ANNOTATION: autoscale_json(spec)}}
     if caps.knative:
@@ -267,12 +274,14 @@ def render(
             token_secret,
             launch_secret(name, namespace),
             *kept,
+            policy,
             knative_service(spec, workload_meta, template),
         ]
     return [
         token_secret,
         launch_secret(name, namespace),
         *kept,
+        policy,
         service(spec, meta, template),
         deployment(spec, workload_meta, template),
         hpa(spec, meta, caps),

@@ -30,8 +30,11 @@ from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_pods as kp
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_diagnose import diagnose, progress
-from ktlite.errors import DataStoreError, KtliteError
+from ktlite.backends.kube_security import env as security_env
+from ktlite.backends.kube_security import harden
+from ktlite.errors import ConfigError, DataStoreError, KtliteError
 from ktlite.logconfig import pod_env
+from ktlite.specs.kube_options import DEFAULT_UID, KubernetesOptions
 from ktlite.specs.quantities import parse_memory
 
 NAME = "ktlite-store"
@@ -72,11 +75,13 @@ def render(
     size: str = DEFAULT_SIZE,
     storage_class: str | None = None,
     pull_policy: str | None = None,
+    run_as_user: int = DEFAULT_UID,
     max_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """Pure: the store's objects, in apply order (the Secret holds a placeholder without
     ``token``, for printing). The store refuses uploads beyond ``max_bytes`` in all
-    (``KTLITE_STORE_MAX_BYTES``; default: the claim's size)."""
+    (``KTLITE_STORE_MAX_BYTES``; default: the claim's size). ``run_as_user``: its pod's user
+    (0: root, for a volume that ignores ``fsGroup``)."""
     meta = {"namespace": namespace, "labels": dict(LABELS)}
     secret = {
         "apiVersion": "v1",
@@ -98,7 +103,6 @@ def render(
         "spec": claim_spec,
     }
     env = [
-        {"name": "KTLITE_TOKEN", "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "token"}}},
         {"name": "KTLITE_STORE_ROOT", "value": ROOT},
         {"name": "KTLITE_STORE_MAX_BYTES", "value": str(max_bytes or parse_memory(size, "size"))},
         {"name": "KTLITE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -106,6 +110,7 @@ def render(
         {"name": "KTLITE_INSTALL", "value": install},
         {"name": "KTLITE_FREEZE", "value": "0"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *security_env(),  # the token's path, HOME
         *({"name": k, "value": v} for k, v in pod_env().items()),  # KTLITE_LOG_LEVEL, when set
     ]
     container: dict[str, Any] = {
@@ -128,17 +133,17 @@ def render(
     }
     if pull_policy:
         container["imagePullPolicy"] = pull_policy
-    template = {
-        "metadata": {"labels": dict(LABELS)},
-        "spec": {
-            "containers": [container],
-            "terminationGracePeriodSeconds": 10,
-            "volumes": [
-                {"name": "ktlite-state", "emptyDir": {}},
-                {"name": "data", "persistentVolumeClaim": {"claimName": CLAIM}},
-            ],
-        },
+    pod = {
+        "containers": [container],
+        "terminationGracePeriodSeconds": 10,
+        "volumes": [
+            {"name": "ktlite-state", "emptyDir": {}},
+            {"name": "data", "persistentVolumeClaim": {"claimName": CLAIM}},
+        ],
     }
+    # the same non-root user and token file as a deployment's pods
+    harden(pod, KubernetesOptions(run_as_user=run_as_user), SECRET)
+    template = {"metadata": {"labels": dict(LABELS)}, "spec": pod}
     sts = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -151,6 +156,19 @@ def render(
         },
     }
     return [secret, claim, sts]
+
+
+def store_user() -> int:
+    """The store pod's user id: ``KTLITE_STORE_RUN_AS_USER``, else the pods' default (1000)."""
+    text = os.environ.get("KTLITE_STORE_RUN_AS_USER", "").strip()
+    if not text:
+        return DEFAULT_UID
+    if not text.isdigit():
+        raise ConfigError(
+            f"KTLITE_STORE_RUN_AS_USER={text!r} must be a user id: {DEFAULT_UID} (the default) "
+            "or 0 (root, for a StorageClass whose volumes ignore fsGroup, such as hostPath)"
+        )
+    return KubernetesOptions(run_as_user=int(text)).run_as_user  # validated there
 
 
 def _max_bytes() -> int | None:
@@ -246,6 +264,7 @@ class KubeStore:
             size=size or os.environ.get("KTLITE_STORE_SIZE") or DEFAULT_SIZE,
             storage_class=storage_class or os.environ.get("KTLITE_STORE_STORAGE_CLASS") or None,
             pull_policy=setting("image_pull_policy"),
+            run_as_user=store_user(),
             max_bytes=_max_bytes(),
         )
         missing = [o for o in objects if api.get(o["kind"], o["metadata"]["name"]) is None]

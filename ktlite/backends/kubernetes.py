@@ -195,9 +195,7 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
             for claim in claims:
                 self._ensure(api, claim, created)
             for policy in policies:  # before the pods: no moment where their ports are open
-                self._ensure(api, policy, created)
-            if not policies and not first:  # a Monarch deployment redeployed as another kind
-                self._drop_policy(api, spec.name, only_if_there=True)
+                self._apply_policy(api, policy, created)
             self._remove_stale_parts(api, spec.name, {s["metadata"]["name"] for s in statefulsets})
             restarted: list[int] = []
             for sts in statefulsets:
@@ -277,13 +275,33 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                 if e.status != 409:  # created concurrently: fine
                     raise
 
-    def _drop_policy(self, api: KubeApi, name: str, only_if_there: bool = False) -> bool:
-        """Delete the deployment's NetworkPolicy (``distribute("monarch")``), if any (asked
-        first with ``only_if_there``: a redeploy that changes nothing writes nothing). Without
-        the right to manage policies it has none: ktlite could not have made one."""
+    def _apply_policy(
+        self, api: KubeApi, policy: dict[str, Any], created: list[tuple[str, str]]
+    ) -> None:
+        """Create the deployment's NetworkPolicy, or replace one that says otherwise (made by
+        an older ktlite, or for the other serving form); a redeploy that changes nothing
+        writes nothing. Without the right to manage policies the deploy fails, saying so."""
+        name = policy["metadata"]["name"]
         try:
-            if only_if_there and api.get("NetworkPolicy", name) is None:
-                return False
+            current = api.get("NetworkPolicy", name)
+            if current is None:
+                self._ensure(api, policy, created)
+            elif current.get("spec") != policy["spec"]:
+                api.replace(policy, current["metadata"]["resourceVersion"])
+        except KubeApiError as e:
+            if e.status != 403:
+                raise
+            raise DeployError(
+                f"cannot manage NetworkPolicy {name!r} in namespace {api.namespace!r} ({e}); "
+                "every deployment gets one, so that only its own pods reach its rendezvous "
+                "and collective ports: give your Role the verbs get, create, update, delete on "
+                "networkpolicies.networking.k8s.io (docs/kubernetes.md, 'Permissions')"
+            ) from e
+
+    def _drop_policy(self, api: KubeApi, name: str) -> bool:
+        """Delete the deployment's NetworkPolicy, if any. Without the right to manage policies
+        it has none: ktlite could not have made one."""
+        try:
             return api.delete("NetworkPolicy", name)
         except KubeApiError as e:
             if e.status in (403, 404):  # forbidden, or the API group is not served

@@ -15,6 +15,11 @@ from ktlite.specs.volume import DNS_LABEL
 from ktlite_wire.storedir import KeyRefused, check_key
 
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# the pods' user and group by default: the first user id of most Linux images, the id that
+# Python and ML images which ship a non-root user give it (Jupyter's, Hugging Face's), so
+# such an image runs as its own user; ktlite's images (images/) make user 1000 too
+DEFAULT_UID = 1000
+MAX_UID = 2**31 - 1  # Kubernetes' runAsUser is an int64 the kernel takes as a 31-bit id
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class KubernetesOptions:
         service_template: merged deeply into each StatefulSet.
         gpu_anti_affinity: a CPU-only pod stays off nodes with GPUs.
         kubeconfig_path: the cluster's kubeconfig (does not shape the pods).
+        run_as_user: the user (and group) id the pods run as, 1000 by default: non-root,
+            no privilege escalation, every capability dropped. ``0`` runs them as root with
+            the container runtime's default capabilities, for images that need it (a
+            ``run_bash`` step that calls ``apt-get``, a volume that ignores ``fsGroup``).
         store_access: data store prefixes the pods may reach besides their own (the deployment's
             name): ``{"datasets": "read", "shared/out": "write"}``, or a list of prefixes to
             read (does not shape the pods: it travels with each push of the code).
@@ -50,6 +59,7 @@ class KubernetesOptions:
     service_template: dict[str, Any] | None = None
     gpu_anti_affinity: bool = False
     kubeconfig_path: str | None = None
+    run_as_user: int = DEFAULT_UID
     store_access: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -71,6 +81,16 @@ class KubernetesOptions:
             raise ConfigError(
                 f"service_template={self.service_template!r} must be a dict merged into the "
                 "generated StatefulSet, e.g. {'spec': {'template': {'spec': {...}}}}"
+            )
+        if (
+            isinstance(self.run_as_user, bool)
+            or not isinstance(self.run_as_user, int)
+            or not 0 <= self.run_as_user <= MAX_UID
+        ):
+            raise ConfigError(
+                f"run_as_user={self.run_as_user!r} must be a user id from 0 to {MAX_UID}: "
+                f"{DEFAULT_UID} (the default) runs the pods as a non-root user, 0 as root for an "
+                "image that needs it"
             )
         if self.kubeconfig_path is not None and not isinstance(self.kubeconfig_path, str):
             raise ConfigError(f"kubeconfig_path={self.kubeconfig_path!r} must be a path string")

@@ -42,6 +42,8 @@ RAY_WORKER_PORTS = (16, RAY_STRIDE - 1)
 # the env names ktlite sets on every pod or rank: a user's env or secret may not set them
 RESERVED_ENV = (
     "KTLITE_TOKEN",
+    "KTLITE_TOKEN_FILE",
+    "KTLITE_SECRET_LINKS",
     "KTLITE_POD_NAME",
     "KTLITE_POD_IP",
     "KTLITE_POD_ORDINAL",

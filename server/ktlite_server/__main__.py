@@ -1,6 +1,11 @@
 """``python -m ktlite_server``: run one pod's server.
 
-The deployment token is read from ``KTLITE_TOKEN`` (never from argv, which ``ps`` shows).
+The deployment token is read from a file (``--token-file``, default ``KTLITE_TOKEN_FILE``;
+on Kubernetes a Secret volume), from stdin's first line (``--token-stdin``, the local and SSH
+backends), or, for a server started by hand, from ``KTLITE_TOKEN``; never from argv, which
+``ps`` shows. A file or stdin keeps it out of ``/proc/<pid>/environ``, which the rank
+processes (user code, the same user) could read: an environment variable stays there even
+once removed.
 With ``--ready-file`` the bound port is written there once the server accepts requests.
 """
 
@@ -56,6 +61,11 @@ def _parse() -> argparse.Namespace:
         "--token-stdin", action="store_true", help="read the token from stdin's first line"
     )
     p.add_argument(
+        "--token-file",
+        default=os.environ.get("KTLITE_TOKEN_FILE") or None,
+        help="read the token from this file (default: $KTLITE_TOKEN_FILE)",
+    )
+    p.add_argument(
         "--inactivity-ttl",
         type=float,
         default=None,
@@ -67,6 +77,35 @@ def _parse() -> argparse.Namespace:
         help="exit when stdin closes (the SSH channel that started this server is gone)",
     )
     return p.parse_args()
+
+
+def _token(args: argparse.Namespace) -> str:
+    """The deployment token: from stdin when asked (a local or SSH server), else from the
+    token file, else from ``KTLITE_TOKEN``. Neither variable is left for the rank processes
+    to inherit: a rank that starts a deployment of its own (a local one, whose server reads
+    stdin) must not hand its server this pod's token file."""
+    token = os.environ.pop("KTLITE_TOKEN", "")
+    os.environ.pop("KTLITE_TOKEN_FILE", None)
+    if args.token_stdin:  # kept out of /proc/<pid>/environ, which env is not
+        token = sys.stdin.readline().strip()
+    elif args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise SystemExit(
+                f"ktlite_server: cannot read the deployment token from {args.token_file}: "
+                f"{e.strerror} (uid {os.getuid()}, groups {os.getgroups()}); on Kubernetes the "
+                "pod's fsGroup must give its user read access to the token Secret's file"
+            ) from None
+        if not token:
+            raise SystemExit(f"ktlite_server: the token file {args.token_file} is empty")
+    if not token:
+        raise SystemExit(
+            "ktlite_server: no deployment token (--token-file, KTLITE_TOKEN_FILE, --token-stdin "
+            "or KTLITE_TOKEN): the server refuses to run without one"
+        )
+    return token
 
 
 def _stop(server: uvicorn.Server, pod: Pod) -> None:
@@ -110,17 +149,20 @@ async def _watch_parent(pid: int, server: uvicorn.Server, pod: Pod) -> None:
 def main() -> None:
     args = _parse()
     logconfig.configure()  # KTLITE_LOG_LEVEL, handed over by the client
-    token = os.environ.pop("KTLITE_TOKEN", "")
-    if not token and args.token_stdin:  # kept out of /proc/<pid>/environ, which env is not
-        token = sys.stdin.readline().strip()
-    if not token:
-        raise SystemExit(
-            "KTLITE_TOKEN is not set: the server refuses to run without a deployment token"
-        )
+    token = _token(args)
     if os.environ.get("KTLITE_STORE_ROOT"):  # the namespace's data store pod (kt.put/get)
         from ktlite_server.store import serve
 
-        serve(os.environ["KTLITE_STORE_ROOT"], token, args.host, args.port, args.ready_file)
+        root = os.environ["KTLITE_STORE_ROOT"]
+        if os.path.isdir(root) and not os.access(root, os.W_OK):
+            raise SystemExit(
+                f"ktlite_server: the store's volume {root} is not writable by this pod's user "
+                f"(uid {os.getuid()}, groups {os.getgroups()}): its StorageClass ignores the "
+                "pod's fsGroup (hostPath and some NFS provisioners do); create the store with "
+                "KTLITE_STORE_RUN_AS_USER=0 set, or use a StorageClass that applies fsGroup"
+            )
+
+        serve(root, token, args.host, args.port, args.ready_file)
         return
     try:
         limits = Limits.from_env()

@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from typing import Any
 
 ENV_KEYS = (
     "RANK",
@@ -157,3 +158,56 @@ class GroupWorker:
 class Colocated:
     def where(self, item: object) -> dict[str, object]:
         return {"rank": int(os.environ["RANK"]), "item": item, "pid": os.getpid()}
+
+
+def what_user_code_sees() -> dict[str, Any]:
+    """What a rank process (user code) can see of its pod's security: its ids, whether the
+    deployment token is in its environment or the container's first process's, the token
+    file's mode, the service-account token, and which directories it can write."""
+    import stat
+
+    def environ_names(pid: str) -> list[str]:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return [e.split(b"=", 1)[0].decode() for e in f.read().split(b"\0") if e]
+        except OSError as e:
+            return [f"<unreadable: {e.strerror}>"]
+
+    token_file = "/var/run/ktlite/token/token"  # the server's; its env names it to no rank
+    mode = stat.S_IMODE(os.stat(token_file).st_mode) if os.path.exists(token_file) else None
+
+    def writable(path: str) -> bool:
+        probe = os.path.join(path, f".probe-{os.getpid()}")
+        try:
+            with open(probe, "w") as f:
+                f.write("x")
+            os.unlink(probe)
+            return True
+        except OSError:
+            return False
+
+    with open("/proc/self/status") as f:
+        caps = {k: v.strip() for k, v in (line.split(":", 1) for line in f) if k.startswith("Cap")}
+    return {
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+        "groups": os.getgroups(),
+        "env_names": sorted(os.environ),
+        "pid1_env_names": environ_names("1"),
+        "server_env_names": environ_names(str(os.getppid())),
+        "token_file_env": os.environ.get("KTLITE_TOKEN_FILE"),
+        "token_file_mode": mode,
+        "service_account_token": os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount"),
+        "home": os.environ.get("HOME"),
+        "writable": {p: writable(p) for p in (os.path.expanduser("~"), os.getcwd(), "/tmp")},
+        "cap_eff": caps.get("CapEff"),
+        "no_new_privs": _status_field("NoNewPrivs"),
+    }
+
+
+def _status_field(name: str) -> str | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return line.split(":", 1)[1].strip()
+    return None

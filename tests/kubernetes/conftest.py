@@ -19,6 +19,10 @@ The tests here run only when ``KTLITE_TEST_KUBECONFIG`` names a kubeconfig; with
 - ``KTLITE_TEST_GPUS``: how many ``nvidia.com/gpu`` the cluster can schedule at once (default
   0). The uneven GPU pods test needs 4 (it requests them; its ranks use gloo on CPU, so a node
   that only advertises the resource will do: see docs/kubernetes.md).
+- ``KTLITE_TEST_VOLUME_RUN_AS_USER``: the user the pods that mount a volume (the volume test,
+  the data store) run as; default: ktlite's (1000, non-root). ``0`` where the StorageClass
+  ignores ``fsGroup`` and makes volumes only root can write (hostPath, as on a one-node test
+  cluster such as ``../shared/cluster``).
 
 The backend is always passed explicitly (``Compute(backend="kubernetes")``).
 
@@ -82,6 +86,9 @@ class Settings:
     storage_class: str | None
     skip_volumes: bool
     gpus: int = 0
+    # the pods' user where a volume is mounted: None (ktlite's default, 1000) where the
+    # StorageClass applies fsGroup; 0 where it does not (hostPath, as on a one-node test cluster)
+    volume_user: int | None = None
     ray_image: str = ""
     monarch_image: str = ""
 
@@ -110,6 +117,11 @@ def settings() -> Settings:
         storage_class=os.environ.get("KTLITE_TEST_STORAGE_CLASS") or None,
         skip_volumes=os.environ.get("KTLITE_TEST_SKIP_VOLUMES", "") not in ("", "0"),
         gpus=int(os.environ.get("KTLITE_TEST_GPUS") or 0),
+        volume_user=(
+            int(os.environ["KTLITE_TEST_VOLUME_RUN_AS_USER"])
+            if os.environ.get("KTLITE_TEST_VOLUME_RUN_AS_USER")
+            else None
+        ),
     )
 
 

@@ -135,6 +135,32 @@ def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
     assert labels.get(NAME_LABEL) == name
 
 
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_pods_run_as_non_root_and_user_code_cannot_read_the_token_from_any_environment(
+    deployments, make_compute, kube
+):
+    """ktlite's pod defaults seen from inside: user 1000, no capabilities, no privilege
+    escalation, no service-account token, the deployment token only as a 0440 file (the
+    kubelet adds group read for fsGroup), never in the rank's, the server's or the
+    container's first process's environment; a writable home, working directory and /tmp."""
+    name = deployments.name("nonroot")
+    seen = deployments.to(cluster_funcs.what_user_code_sees, make_compute(), name)()
+    assert (seen["uid"], seen["gid"]) == (1000, 1000), seen
+    assert 1000 in seen["groups"], seen
+    for where in ("env_names", "pid1_env_names", "server_env_names"):
+        assert "KTLITE_TOKEN" not in seen[where], (where, seen[where])
+    assert seen["token_file_env"] is None  # the server keeps even the path to itself
+    assert seen["token_file_mode"] == 0o440, oct(seen["token_file_mode"] or 0)
+    assert not seen["service_account_token"], "the service-account token is mounted"
+    assert seen["cap_eff"] == "0000000000000000", seen["cap_eff"]
+    assert seen["no_new_privs"] == "1", seen
+    assert seen["home"] == "/home/ktlite" and all(seen["writable"].values()), seen
+    pod = kube.pod(f"{name}-0")
+    assert pod.spec.security_context.run_as_non_root is True
+    assert not [e.name for e in pod.spec.containers[0].env or [] if e.name == "KTLITE_TOKEN"]
+
+
 # ---- two pods, torch.distributed ---------------------------------------------------------------
 
 
@@ -378,7 +404,7 @@ def test_unschedulable_request_fails_fast(deployments, make_compute):
 @pytest.mark.kubernetes_volumes
 @pytest.mark.timeout(600)
 def test_volume_outlives_the_pod_and_teardown_volumes_deletes_it(
-    deployments, make_compute, kube, storage_class
+    settings, deployments, make_compute, kube, storage_class
 ):
     name = deployments.name("vol")
     selector = f"{NAME_LABEL}={name}"
@@ -389,7 +415,8 @@ def test_volume_outlives_the_pod_and_teardown_volumes_deletes_it(
         access_mode="ReadWriteOnce",
         storage_class=storage_class,
     )
-    compute = make_compute(volumes=[volume])
+    user = {} if settings.volume_user is None else {"run_as_user": settings.volume_user}
+    compute = make_compute(volumes=[volume], **user)
     token = secrets.token_hex(8)
 
     remote = deployments.to(cluster_funcs.volume_io, compute, name)

@@ -55,8 +55,10 @@ def test_kubetorch_form_secrets_reach_every_rank_as_env_and_files(
         }, r
         file = r["files"]["~/.aws/credentials"]
         assert file.get("digest") == secret_funcs.digest(credentials), file
-        assert file["mode"] == "0o400" and file["dir_writable"], file
-        assert r["pointers"]["AWS_SHARED_CREDENTIALS_FILE"] == "/root/.aws/credentials"
+        # the item's 0400, plus the group read the kubelet adds for the pods' fsGroup (a Secret
+        # file is root's: without it user 1000 could not read it); ~/.aws stays the user's
+        assert file["mode"] == "0o440" and file["dir_writable"], file
+        assert r["pointers"]["AWS_SHARED_CREDENTIALS_FILE"] == "/home/ktlite/.aws/credentials"
 
     selector = f"{NAME_LABEL}={name}"
     made = {

@@ -67,6 +67,8 @@ def test_store_from_the_caller_and_from_pods(
     monkeypatch.setenv("KTLITE_STORE_TIMEOUT", "600")
     if storage_class:
         monkeypatch.setenv("KTLITE_STORE_STORAGE_CLASS", storage_class)
+    if settings.volume_user is not None:
+        monkeypatch.setenv("KTLITE_STORE_RUN_AS_USER", str(settings.volume_user))
     where = {"backend": "kubernetes", "namespace": settings.namespace}
     had_store = any(
         s.metadata.name == "ktlite-store" for s in kube.list("statefulsets", "ktlite.dev/store")
@@ -178,6 +180,8 @@ def test_a_store_that_cannot_start_is_rolled_back(
     monkeypatch.setenv("KTLITE_STORE_TIMEOUT", "600")
     if storage_class:
         monkeypatch.setenv("KTLITE_STORE_STORAGE_CLASS", storage_class)
+    if settings.volume_user is not None:
+        monkeypatch.setenv("KTLITE_STORE_RUN_AS_USER", str(settings.volume_user))
     where = {"backend": "kubernetes", "namespace": settings.namespace}
     from ktlite.backends.kube_store import KubeStore
     from ktlite.backends.kubernetes import KubernetesBackend
