@@ -27,6 +27,8 @@ from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
 
+import pytest
+
 SSHD = "/usr/sbin/sshd"
 PRIVSEP_DIR = "/run/sshd"
 START_TIMEOUT_S = 10.0
@@ -43,6 +45,18 @@ class SshdError(RuntimeError):
 def sshd_available() -> bool:
     """Whether this machine can run the fixture (for ``pytest.mark.skipif``)."""
     return os.path.exists(SSHD)
+
+
+def ssh_marks(timeout: float) -> list[pytest.MarkDecorator]:
+    """A module's ``pytestmark`` for tests against real sshd: marked ``ssh`` (run by
+    ``.ci/test``'s engines half), ``timeout`` seconds each, skipped without sshd."""
+    return [
+        pytest.mark.ssh,
+        pytest.mark.timeout(timeout),
+        pytest.mark.skipif(
+            not sshd_available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)"
+        ),
+    ]
 
 
 def _keygen(path: Path, comment: str) -> str:

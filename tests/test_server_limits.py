@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from server_procs import stop
+
 import ktlite as kt
 from ktlite_wire.headers import CALL_HEADER, TOKEN_HEADER, VERSION_HEADER, bearer
 from ktlite_wire.version import PROTOCOL_VERSION
@@ -75,12 +77,7 @@ def pod_server(tmp_path: Path, nofile: int | None = None, **limits: str) -> Iter
         assert proc.poll() is None, f"the pod server exited with {proc.returncode}"
         yield Server(proc, int(json.loads(ready.read_text())["port"]), token)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(15)
+        stop(proc)
 
 
 def _wait_until(cond: Callable[[], bool], what: str, timeout: float = WAIT) -> None:

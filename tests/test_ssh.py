@@ -16,18 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-from ssh_hosts import SshHosts, sshd_available
+from ssh_hosts import SshHosts, ssh_marks
 
 import ktlite as kt
 from ktlite.backends.processes import pid_alive
 
-pytestmark = [
-    pytest.mark.ssh,
-    pytest.mark.timeout(180),
-    pytest.mark.skipif(
-        not sshd_available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)"
-    ),
-]
+pytestmark = ssh_marks(timeout=180)
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from ssh_hosts import SshHosts, sshd_available
+from ssh_hosts import SshHosts, ssh_marks
 
 import ktlite as kt
 
-pytestmark = [
-    pytest.mark.ssh,
-    pytest.mark.timeout(240),
-    pytest.mark.skipif(
-        not sshd_available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)"
-    ),
-]
+pytestmark = ssh_marks(timeout=240)
 
 
 @pytest.fixture(scope="module")

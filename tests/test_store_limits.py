@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_procs import stop
 
 import ktlite as kt
 from ktlite.errors import DataStoreError
@@ -63,12 +64,7 @@ def store_server(tmp_path: Path, **env: str) -> Iterator[Store]:
         port = int(json.loads(ready.read_text())["port"])
         yield Store(f"http://127.0.0.1:{port}", port, token, root)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(15)
+        stop(proc)
 
 
 def _answer(s: socket.socket, what: str) -> tuple[bytes, dict[str, str], bytes]:

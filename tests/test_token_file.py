@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_procs import stop
 
 import ktlite as kt
 
@@ -59,12 +60,7 @@ def file_server(tmp_path: Path) -> Iterator[tuple[str, str, int]]:
         port = json.loads(ready.read_text())["port"]
         yield f"http://127.0.0.1:{port}", token, proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(15)
+        stop(proc)
 
 
 def _environ(pid: int) -> bytes:
