@@ -22,10 +22,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import pytest
 
@@ -360,6 +362,20 @@ class SshHosts:
             "  GlobalKnownHostsFile /dev/null\n"
             "  StrictHostKeyChecking yes\n"
             "  IdentitiesOnly yes\n"
+        )
+
+    def compute_on(self, index: int) -> Any:
+        """A ``kt.Compute`` on host ``index`` alone, through these hosts' client files and with
+        this interpreter on the host."""
+        import ktlite as kt
+
+        return kt.Compute(
+            hosts=kt.Hosts(
+                [self.hosts[index].name],
+                ssh_config=str(self.ssh_config),
+                known_hosts=str(self.known_hosts),
+                python=sys.executable,
+            )
         )
 
     def wrong_host_key_known_hosts(self) -> Path:

@@ -6,7 +6,6 @@ leaves no staging directory, and a ``ktlite`` folder in the login's home shadows
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory):
         yield h
 
 
-def on(hosts: SshHosts, index: int) -> kt.Compute:
-    return kt.Compute(
-        hosts=kt.Hosts(
-            [hosts.hosts[index].name],
-            ssh_config=str(hosts.ssh_config),
-            known_hosts=str(hosts.known_hosts),
-            python=sys.executable,
-        )
-    )
+on = SshHosts.compute_on  # on(hosts, i): a Compute on host i alone
 
 
 def cache(home: Path) -> list[str]:
