@@ -47,6 +47,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kube_fake as kf  # noqa: E402
+from mount_points import MountPoints  # noqa: E402
 
 from ktlite.backends.kube_security import LINK_SECRET_FILES  # noqa: E402
 
@@ -77,7 +78,7 @@ class Pods:
         self.procs: dict[
             str, tuple[subprocess.Popen[bytes], str, str]
         ] = {}  # uid -> (process, pod, ip)
-        self.made_dirs: list[Path] = []  # mount points made on this machine, parents first
+        self.mount_points = MountPoints()  # made on this machine, shared with other stand-ins
         self.lock = threading.Lock()
         self.ips = itertools.count(10)
         # each stand-in its own 127.X.0.0/16 (X from its pid): two stand-ins of one test run
@@ -316,7 +317,7 @@ class Pods:
             src, path = base / m["name"] / m.get("subPath", ""), shlex.quote(m["mountPath"])
             if not m.get(
                 "subPath"
-            ):  # a directory mount (the launch Secret): made here, removed at stop_all
+            ):  # a directory mount (the launch Secret): made here (mount_points)
                 self._mount_point(Path(m["mountPath"]))
             make = (
                 f"mkdir -p {shlex.quote(str(Path(m['mountPath']).parent))} && touch {path}"
@@ -360,13 +361,10 @@ class Pods:
                         self.holes.append(hole)
 
     def _mount_point(self, path: Path) -> None:
-        """A claim's mount point, which a bind mount needs on this machine's filesystem (a
-        private mount namespace does not make one): made here and removed again at
-        stop_all, so no /data or /store is left in this machine's root."""
-        missing = [p for p in (path, *path.parents) if not p.exists()]
-        path.mkdir(parents=True, exist_ok=True)
-        with self.lock:
-            self.made_dirs.extend(reversed(missing))
+        """A mount point a bind mount needs on this machine's filesystem (a private mount
+        namespace does not make one): removed by the last stand-in cluster to stop, so no /data
+        or /store is left in this machine's root (``mount_points``)."""
+        self.mount_points.make(path)
 
     def stop_all(self) -> None:
         with self.lock:
@@ -376,10 +374,7 @@ class Pods:
             for hole in self.holes:
                 for sock in hole:
                     sock.close()
-            for made in reversed(self.made_dirs):  # deepest first; only if empty (nothing mounted)
-                with contextlib.suppress(OSError):
-                    made.rmdir()
-            self.made_dirs.clear()
+            self.mount_points.release()
 
 
 def _under(root: Path) -> list[Path]:
