@@ -18,6 +18,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ktlite.backends.processes import pid_alive
+
 REGISTRY = Path(tempfile.gettempdir()) / "ktlite-harness-mount-points"
 
 
@@ -44,7 +46,7 @@ class MountPoints:
         with self._locked():
             self._me.unlink(missing_ok=True)
             for other in self.registry.glob("*.live"):
-                if _alive(int(other.stem)):
+                if pid_alive(int(other.stem)):
                     return
                 other.unlink(missing_ok=True)  # a cluster that died without releasing
             registered = self.registry / "dirs"
@@ -62,13 +64,3 @@ class MountPoints:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
