@@ -133,10 +133,9 @@ class CallPlan:
         (checked when this plan was built) is shared, not checked again. A deployment builds
         its pods' plan once and each call takes one from it."""
         if self._pods_text is None:  # the pods' part, encoded once for every call
-            meta = {name: vars(self)[name] for name, _ in _DEFAULT_ITEMS if name in _PODS_PART}
-            self._pods_text = _COMPACT.encode({k: v for k, v in meta.items() if v != _DEFAULTS[k]})[
-                1:-1
-            ]
+            fields_ = vars(self)
+            meta = {k: fields_[k] for k, default in _PODS_DEFAULTS if fields_[k] != default}
+            self._pods_text = _COMPACT.encode(meta)[1:-1]
         plan: CallPlan = object.__new__(CallPlan)
         vars(plan).update(vars(self))
         plan.id, plan.timeout, plan.stream_logs, plan.restart = (
@@ -303,6 +302,7 @@ _DEFAULTS: dict[str, Any] = {
 _DEFAULT_ITEMS = tuple((name, _DEFAULTS[name]) for name in _FIELDS[1:])  # init fields only
 # the fields every call to the same pods shares (checked by _check_pods), and the call's own
 _PODS_PART = frozenset(("pods", "names", "fanout", "quorum_timeout", "num_proc", "launch_id"))
+_PODS_DEFAULTS = tuple(item for item in _DEFAULT_ITEMS if item[0] in _PODS_PART)
 _CALL_DEFAULTS = tuple(item for item in _DEFAULT_ITEMS if item[0] not in _PODS_PART)
 
 
