@@ -105,6 +105,9 @@ class Compute(KubetorchOperations):
             single-rank ``kt.cls`` (serving), else 1; distributed deployments run their calls
             one at a time in arrival order unless this is set (collectives must run in the
             same order on every rank).
+        tls: encrypt every request to the pods and between them with TLS pinned to a
+            certificate made for this deployment (docs/tls.md). None (the default): on for
+            the ssh and kubernetes backends, off for the local one (loopback only).
 
     Example:
         >>> compute = kt.Compute(cpus=2, memory="4Gi").distribute("pytorch", workers=2, num_proc=2)
@@ -126,6 +129,7 @@ class Compute(KubetorchOperations):
     gpu_memory: str | None = None  # an annotation, as in Kubetorch: a whole GPU is requested
     freeze: bool = False  # the image already holds everything: no install at pod start
     working_dir: str | None = None  # the rank processes' working directory on a pod
+    tls: bool | None = None  # None: the backend's default (Backend.tls_default)
     hosts: Hosts | None = None
     distributed: DistributedConfig | None = None
     # distribute("ray", worker_node_options=...): the worker pods' own sizes (the head: this)
@@ -197,6 +201,7 @@ class Compute(KubetorchOperations):
             Resources.parse(**{name: getattr(self, name) for name in _RESOURCE_FIELDS}),
         )
         checks.check_pod_settings(self.backend, self.freeze, self.working_dir)
+        checks.check_tls(self.tls)
         checks.check_env(self.env)
         if isinstance(self.image, str):
             object.__setattr__(self, "image", Image(self.image))
@@ -221,6 +226,7 @@ class Compute(KubetorchOperations):
             secrets=self.secrets,
             working_dir=self.working_dir,
             freeze=self.freeze,
+            tls=self.tls,
             backend=self.backend,
             kubernetes=self.kubernetes,
             hosts=self.hosts,

@@ -68,6 +68,14 @@ def check_pod_settings(backend: object, freeze: object, working_dir: object) -> 
         )
 
 
+def check_tls(tls: object) -> None:
+    if tls is not None and not isinstance(tls, bool):
+        raise ConfigError(
+            f"tls={tls!r} must be True, False or None (the backend's default: on for ssh and "
+            "kubernetes, off for local)"
+        )
+
+
 def check_env(env: object) -> None:
     """Names a pod's environment can hold, values without NUL, none of the per-rank ones."""
     if not isinstance(env, dict) or not all(

@@ -98,6 +98,12 @@ def write_state(directory: Path, state: dict[str, Any]) -> None:
 
 class Backend(ABC):
     name: str = "base"
+    tls_default: bool = True  # Compute(tls=None) serves TLS (docs/tls.md); local: loopback, off
+
+    def encrypts(self, spec: DeploymentSpec) -> bool:
+        """Whether ``spec``'s pods serve TLS pinned to the deployment's certificate (and their
+        URLs are ``https://``): ``Compute(tls=...)``, else this backend's default."""
+        return self.tls_default if spec.pod.tls is None else spec.pod.tls
 
     @classmethod
     def shared(cls, namespace: str | None = None, kubeconfig: str | None = None) -> Self:

@@ -39,6 +39,7 @@ from ktlite.backends.processes import pid_alive
 from ktlite.config import home as config_home
 from ktlite.config import private_dir
 from ktlite.errors import DeployError
+from ktlite.net import tls
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire import privatefiles
 from ktlite_wire.distenv import port_free
@@ -69,6 +70,7 @@ def _master_port(taken: set[int], span: int) -> int:
 
 class LocalBackend(LocalPods, LocalScaling, Backend):
     name = "local"
+    tls_default = False  # loopback only; Compute(tls=True) asks for it
 
     def __init__(self) -> None:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -144,6 +146,9 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
             for f in r.files
         ]
         volumes, mounted = self._volumes(spec)
+        shipped = "echo <token>"
+        if self.encrypts(spec):  # the certificate and key follow the token on stdin
+            shipped = f"(echo <token>; echo {shlex.quote(tls.SHIPPED_PLACEHOLDER)})"
         if spec.autoscale is not None:
             cmds.append(
                 f"# autoscaled: {spec.autoscale.describe()}; ktlite's autoscaler in the calling process "
@@ -155,7 +160,7 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
             prefix = " ".join(f"{k}=..." for k in keys)
             ready = self._dir(spec.name) / f"pod-{i}.ready"
             cmds.append(
-                f"cd {shlex.quote(str(self._dir(spec.name)))} && echo <token> | KTLITE_WORKDIR="
+                f"cd {shlex.quote(str(self._dir(spec.name)))} && {shipped} | KTLITE_WORKDIR="
                 f"{shlex.quote(os.getcwd())} "
                 + (prefix + " " if prefix else "")
                 + shlex.join(self._command(spec, i, ready, volumes if mounted else []))
@@ -167,6 +172,7 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
         resolved = self._secrets(spec)  # a preset that finds nothing fails before any pod starts
         volumes, mounted = self._volumes(spec)
         self._warn_unused(spec, volumes, mounted)
+        secure = self.encrypts(spec)
         with self._lock:
             state = self._live_state(spec.name)
             if state is not None and state.get("token") != token:
@@ -224,9 +230,13 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                         cwd=self._dir(spec.name),
                     )
                 assert proc.stdin is not None
-                # the token goes through a pipe, never env or argv
+                # the token (and TLS key) go through a pipe, never env or argv
                 with contextlib.suppress(OSError):
-                    proc.stdin.write(token.encode() + b"\n")
+                    proc.stdin.write(
+                        token.encode()
+                        + b"\n"
+                        + (tls.identity(token).stdin_line() if secure else b"")
+                    )
                     proc.stdin.close()
                 self._procs[proc.pid] = proc
                 cgroup = self._limit_memory(spec, i, proc)
@@ -278,6 +288,7 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                 "master_port": master_port,
                 "port_span": span,
                 "token": token,
+                "tls": secure,
                 "pods": pods,
                 "workdir": workdir,
                 "created": (state or {}).get("created", time.time()),
@@ -297,12 +308,13 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
             return applied
 
     def _applied(self, state: dict[str, Any]) -> Applied:
+        scheme = "https" if state.get("tls") else "http"
         eps = [
             PodEndpoint(
                 name=p["name"],
                 ordinal=p["ordinal"],
-                url=f"http://127.0.0.1:{p['port']}",
-                peer_url=f"http://127.0.0.1:{p['port']}",
+                url=f"{scheme}://127.0.0.1:{p['port']}",
+                peer_url=f"{scheme}://127.0.0.1:{p['port']}",
                 ip="127.0.0.1",
                 incarnation=str(p["pid"]),
             )

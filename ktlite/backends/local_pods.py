@@ -92,6 +92,8 @@ class LocalPods:
 
         def _dir(self, name: str) -> Path: ...
 
+        def encrypts(self, spec: DeploymentSpec) -> bool: ...
+
     def _command(
         self, spec: DeploymentSpec, ordinal: int, ready: Path, mounted: list[LocalVolume]
     ) -> list[str]:
@@ -117,6 +119,8 @@ class LocalPods:
         ]
         if not spec.detached:
             cmd += ["--parent-pid", str(os.getpid())]
+        if self.encrypts(spec):  # certificate and key on stdin, after the token
+            cmd.append("--tls-stdin")
         ttl = spec.pod.calls.inactivity_seconds
         if ttl is not None:
             cmd += ["--inactivity-ttl", f"{ttl:g}"]

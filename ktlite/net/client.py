@@ -3,13 +3,15 @@
 Translates transport failures into ktlite errors where they enter: connection errors
 become :class:`PodUnreachable`, 401 :class:`AuthError`, a version clash
 :class:`ProtocolMismatch` (a refusal's error: :mod:`ktlite.net.refusals`; a call's reply stream:
-:mod:`ktlite.net.call_reply`). Holds the token privately; it never appears in a repr.
+:mod:`ktlite.net.call_reply`). Holds the token privately; it never appears in a repr. A pod at an ``https://`` address is
+reached over TLS that trusts only the deployment's own certificate (:mod:`ktlite.net.tls`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -27,6 +29,7 @@ from ktlite.errors import (
     ProtocolMismatch,
 )
 from ktlite.logconfig import http_hook
+from ktlite.net import tls
 from ktlite.net.call_reply import CallReply as CallReply
 from ktlite.net.call_reply import FrameReader, LogSink, NoticeSink, Outcomes
 from ktlite.net.connection import ConnectionFailed, ConnectionRefused, Pool
@@ -93,8 +96,11 @@ class PodClient:
                 timeout=httpx.Timeout(30.0, connect=10.0),
                 event_hooks={"response": [http_hook(logger)]},
             )
-        # direct pods (plain http://, nothing injected) take the lean pool, every endpoint
-        self.transport = PodTransport(_pool, http, logger)
+        # direct pods (nothing injected) take the lean pool, every endpoint; https:// ones
+        # over TLS pinned to the deployment's certificate (made from the token when first used)
+        self.transport = PodTransport(
+            _pool, http, logger, pinned=functools.partial(tls.pinned_context, token)
+        )
         self.http = http or shared_http()
 
     def __repr__(self) -> str:
@@ -273,7 +279,7 @@ class PodClient:
         silence = silence_timeout()
         frames = FrameReader(on_log, on_notice, url)
         try:
-            if self._lean and url.startswith("http://"):
+            if self._lean and self.transport.direct(url):
                 headers = self._headers(
                     {CALL_HEADER: plan.encode(), "content-type": "application/octet-stream"}
                 )
@@ -301,7 +307,13 @@ class PodClient:
     ) -> CallReply:
         try:
             conn, status, hdrs = _pool.post(
-                url, "/call", headers, parts, connect_timeout=10.0, read_timeout=silence
+                url,
+                "/call",
+                headers,
+                parts,
+                connect_timeout=10.0,
+                read_timeout=silence,
+                context=self.transport.context(url),
             )
             logger.debug("POST %s/call -> %d (direct connection)", url, status)
         except ConnectionRefused as e:

@@ -1,9 +1,11 @@
-"""A lean keep-alive HTTP/1.1 connection for the call hot path to plain ``http://`` pods.
+"""A lean keep-alive HTTP/1.1 connection for the call hot path to pods reached directly.
 
 A warm call is a few hundred microseconds of server work; a general HTTP client's
-per-request machinery costs as much again. Calls to pods reached directly (local backend,
-in-cluster) go through this; anything that needs TLS, proxies or auth plugins (the
-Kubernetes API proxy) goes through the injectable ``httpx`` client instead.
+per-request machinery costs as much again. Calls to pods reached directly (local and SSH
+backends, in-cluster) go through this, plain (``http://``) or over TLS pinned to the
+deployment's certificate (``https://``, with the context :mod:`ktlite.net.tls` makes); anything
+behind a proxy that needs its own credentials (the Kubernetes API proxy) goes through the
+injectable ``httpx`` client instead.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
+
+from ktlite_wire import pinning
 
 PIECE = 1 << 20  # the most bytes read at once from a response body
 
@@ -27,14 +32,23 @@ class ConnectionRefused(ConnectionFailed):
     """No connection could be opened to the pod (nothing was sent)."""
 
 
+class CertificateRefused(ConnectionRefused):
+    """The pod's TLS certificate is not the deployment's pinned one (nothing was sent)."""
+
+
+Key = tuple[str, int, "ssl.SSLContext | None"]  # a pod's address, and the context that pins it
+
+
 class Connection:
-    def __init__(self, host: str, port: int, connect_timeout: float) -> None:
-        self.key = (host, port)
+    def __init__(self, key: Key, connect_timeout: float) -> None:
+        self.key = key
+        host, port, context = key
         try:
-            self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+            raw = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as e:
             raise ConnectionRefused(f"cannot connect to {host}:{port}: {e!r}") from e
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = raw if context is None else _handshake(raw, host, port, context)
         self.reader = self.sock.makefile("rb", buffering=1 << 16)
         self.reusable = False
 
@@ -108,19 +122,38 @@ class Connection:
             yield data
 
 
+def _handshake(raw: socket.socket, host: str, port: int, context: ssl.SSLContext) -> socket.socket:
+    """``raw`` wrapped in TLS with ``context`` (the handshake within the socket's connect
+    timeout); a certificate that is not the pinned one is a CertificateRefused."""
+    try:
+        return context.wrap_socket(raw, server_hostname=pinning.SERVER_NAME)
+    except ssl.SSLCertVerificationError as e:
+        raw.close()
+        expected = context.get_ca_certs(binary_form=True)
+        pem = ssl.DER_cert_to_PEM_cert(expected[0]) if expected else ""
+        raise CertificateRefused(pinning.refusal(host, port, pem, e)) from e
+    except (OSError, ssl.SSLError) as e:  # e.g. a plain-HTTP server answering the handshake
+        raw.close()
+        raise ConnectionRefused(
+            f"no TLS connection to {host}:{port} ({e!r}); the pod may serve plain HTTP "
+            "(a server started without TLS): deploy it again"
+        ) from e
+
+
 class Pool:
-    """Idle connections per pod address; safe to share between threads."""
+    """Idle connections per pod address (and pinning context); safe to share between
+    threads."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, int], list[Connection]] = {}
+        self._idle: dict[Key, list[Connection]] = {}
         self._lock = threading.Lock()
 
-    def _get(self, key: tuple[str, int], connect_timeout: float) -> tuple[Connection, bool]:
+    def _get(self, key: Key, connect_timeout: float) -> tuple[Connection, bool]:
         with self._lock:
             idle = self._idle.get(key)
             if idle:
                 return idle.pop(), True
-        return Connection(key[0], key[1], connect_timeout), False
+        return Connection(key, connect_timeout), False
 
     def release(self, conn: Connection) -> None:
         if not conn.reusable:
@@ -138,10 +171,14 @@ class Pool:
         parts: list[Any],
         connect_timeout: float,
         read_timeout: float,
+        context: ssl.SSLContext | None = None,
     ) -> tuple[Connection, int, dict[str, str]]:
         """Send a POST and read the response head; the caller reads ``conn.body`` and then
-        ``release``s (or closes) the connection."""
-        return self.request("POST", url, path, headers, parts, connect_timeout, read_timeout)
+        ``release``s (or closes) the connection. ``context``: TLS pinned to the pod's
+        certificate, for an ``https://`` pod."""
+        return self.request(
+            "POST", url, path, headers, parts, connect_timeout, read_timeout, context
+        )
 
     def request(
         self,
@@ -152,11 +189,13 @@ class Pool:
         parts: list[Any],
         connect_timeout: float,
         read_timeout: float,
+        context: ssl.SSLContext | None = None,
     ) -> tuple[Connection, int, dict[str, str]]:
         """Send a request (``path`` with its query) and read the response head."""
-        key = _address(url)
+        host, port = _address(url)
+        key = (host, port, context)
         size = sum(memoryview(p).nbytes for p in parts)
-        lines = [f"{method} {path} HTTP/1.1", f"host: {key[0]}:{key[1]}", f"content-length: {size}"]
+        lines = [f"{method} {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {size}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
@@ -172,7 +211,7 @@ class Pool:
                 conn.close()
                 if reused and attempt == 0:
                     continue  # an idle connection the pod had closed: nothing was processed
-                raise ConnectionFailed(f"{key[0]}:{key[1]}: {e}") from e
+                raise ConnectionFailed(f"{host}:{port}: {e}") from e
             except BaseException:
                 conn.close()
                 raise
@@ -187,11 +226,12 @@ class Pool:
         parts: list[Any],
         connect_timeout: float,
         read_timeout: float,
+        context: ssl.SSLContext | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         """A whole request and response (status, headers, body); the connection goes back to
         the pool."""
         conn, status, hdrs = self.request(
-            method, url, path, headers, parts, connect_timeout, read_timeout
+            method, url, path, headers, parts, connect_timeout, read_timeout, context
         )
         try:
             body = b"".join(conn.body(hdrs))
@@ -202,9 +242,11 @@ class Pool:
         return status, hdrs, body
 
     def drop(self, url: str) -> None:
-        """Close the idle connections to ``url`` (its pod is gone)."""
+        """Close the idle connections to ``url`` (its pod is gone), with any context."""
+        address = _address(url)
         with self._lock:
-            conns = self._idle.pop(_address(url), [])
+            keys = [k for k in self._idle if k[:2] == address]
+            conns = [c for k in keys for c in self._idle.pop(k)]
         for c in conns:
             c.close()
 
@@ -220,4 +262,4 @@ class Pool:
 def _address(url: str) -> tuple[str, int]:
     """A pod URL's (host, port), parsed once (urlsplit is Python code that runs per call)."""
     u = urlsplit(url)
-    return u.hostname or "127.0.0.1", u.port or 80
+    return u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)

@@ -1,9 +1,9 @@
 """How the client reaches a pod: one request path for every endpoint, and the one place
 where foreign errors (httpx's, ``OSError``, socket timeouts) become ktlite errors.
 
-A pod reached directly (plain ``http://``: the local and SSH backends, in-cluster callers)
-is spoken to through :mod:`ktlite.net.connection`'s keep-alive pool, the same lean connections
-calls take; a pod behind a proxy that needs TLS and the user's credentials (the Kubernetes
+A pod reached directly (the local and SSH backends, in-cluster callers; plain ``http://``, or
+``https://`` pinned to the deployment's certificate) is spoken to through
+:mod:`ktlite.net.connection`'s keep-alive pool, the same lean connections calls take; a pod behind a proxy that needs TLS and the user's credentials (the Kubernetes
 API server's pod proxy) through the injected ``httpx`` client. Either way a request returns
 a :class:`Reply`; a pod that cannot be reached is a :class:`~ktlite.errors.PodUnreachable`.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import ssl
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -49,15 +50,32 @@ class Reply:
 
 
 class PodTransport:
-    """Requests to pods; ``http`` is an injected client (a proxy's), None for direct pods."""
+    """Requests to pods; ``http`` is an injected client (a proxy's), None for direct pods;
+    ``pinned`` gives the TLS context of the deployment's ``https://`` pods (made when first
+    needed)."""
 
-    def __init__(self, pool: Pool, http: httpx.Client | None, log: logging.Logger = logger) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        http: httpx.Client | None,
+        log: logging.Logger = logger,
+        pinned: Callable[[], ssl.SSLContext] | None = None,
+    ) -> None:
         self.pool = pool
         self.http = http
         self.log = log  # each request to a direct pod: one DEBUG record (no header, no query)
+        self.pinned = pinned
 
     def direct(self, url: str) -> bool:
-        return self.http is None and url.startswith("http://")
+        if self.http is not None:
+            return False
+        return url.startswith("http://") or (self.pinned is not None and url.startswith("https://"))
+
+    def context(self, url: str) -> ssl.SSLContext | None:
+        """The TLS context for a direct pod at ``url``: None for ``http://``."""
+        if url.startswith("https://") and self.pinned is not None:
+            return self.pinned()
+        return None
 
     def request(
         self,
@@ -90,6 +108,7 @@ class PodTransport:
                     parts,
                     CONNECT_TIMEOUT_S,
                     timeout,
+                    self.context(url),
                 )
                 self.log.debug("%s %s%s -> %d (direct connection)", method, url, path, status)
                 return Reply(status, hdrs, body)

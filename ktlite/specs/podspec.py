@@ -136,6 +136,7 @@ class PodSpec:
     secrets: tuple[Secret, ...] = ()
     working_dir: str | None = None  # the rank processes' working directory on a pod
     freeze: bool = False  # the image already holds everything: no install at pod start
+    tls: bool | None = None  # Compute(tls=...); None: the backend's default (tls_default)
     backend: str | None = None
     kubernetes: KubernetesOptions = field(default_factory=KubernetesOptions)
     hosts: Hosts | None = None
@@ -173,6 +174,7 @@ class PodSpec:
             "secrets": [s.describe() for s in self.secrets],
             "working_dir": self.working_dir,
             "freeze": self.freeze,
+            "tls": self.tls,
             "backend": self.backend,
             "kubernetes": self.kubernetes.shape(),
             "hosts": None if self.hosts is None else asdict(self.hosts),

@@ -7,6 +7,8 @@ backends), or, for a server started by hand, from ``KTLITE_TOKEN``; never from a
 processes (user code, the same user) could read: an environment variable stays there even
 once removed.
 With ``--ready-file`` the bound port is written there once the server accepts requests.
+With ``--tls-stdin`` or ``--tls-cert-file``/``--tls-key-file`` it serves only TLS, and pins
+that certificate in its requests to the other pods (:mod:`ktlite_server.tls`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 
 import uvicorn
 
-from ktlite_server import logconfig
+from ktlite_server import logconfig, tls
 from ktlite_server.app import create_app
 from ktlite_server.connections import Limits, guarded
 from ktlite_server.pod import Pod
@@ -76,6 +78,7 @@ def _parse() -> argparse.Namespace:
         action="store_true",
         help="exit when stdin closes (the SSH channel that started this server is gone)",
     )
+    tls.add_arguments(p)
     return p.parse_args()
 
 
@@ -150,6 +153,7 @@ def main() -> None:
     args = _parse()
     logconfig.configure()  # KTLITE_LOG_LEVEL, handed over by the client
     token = _token(args)
+    served_tls = tls.load(args)  # after the token: stdin's second line
     if os.environ.get("KTLITE_STORE_ROOT"):  # the namespace's data store pod (kt.put/get)
         from ktlite_server.store import serve
 
@@ -169,7 +173,9 @@ def main() -> None:
     except ValueError as e:
         raise SystemExit(f"ktlite_server: {e}") from None
     pod = Pod(args.pod, args.ordinal, procs=args.procs)
-    app = logconfig.request_log(create_app(pod, token, limits=limits))
+    app = logconfig.request_log(
+        create_app(pod, token, limits=limits, peer_tls=served_tls and served_tls.peers)
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
@@ -186,6 +192,10 @@ def main() -> None:
         timeout_graceful_shutdown=3,
         lifespan="on",
     )
+    if served_tls is not None:  # our own context: uvicorn's takes files, the key's is gone
+        config.load()
+        config.ssl = served_tls.server
+        logger.info("serving TLS, certificate SHA-256 %s", served_tls.fingerprint)
     server = uvicorn.Server(config)
 
     async def run_server() -> None:

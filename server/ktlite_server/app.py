@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -103,14 +104,22 @@ class PodServer:
         )
 
     @classmethod
-    def create(cls, pod: Pod, token: str, limits: Limits | None = None) -> PodServer:
+    def create(
+        cls,
+        pod: Pod,
+        token: str,
+        limits: Limits | None = None,
+        peer_tls: ssl.SSLContext | None = None,
+    ) -> PodServer:
         limits = limits or Limits()
-        # every request this pod makes to another carries the deployment's token
+        # every request this pod makes to another carries the deployment's token (over TLS
+        # pinned to the deployment's certificate, to https:// peers)
         pod.peers = PeerPool(
             {
                 TOKEN_HEADER: bearer(token),
                 VERSION_HEADER: str(PROTOCOL_VERSION),
-            }
+            },
+            tls=peer_tls,
         )
         started = process_start()
         return cls(
@@ -223,10 +232,16 @@ _STOPS = {s.value: s for s in (Status.CANCELLED, Status.TIMEOUT)}
 
 
 def create_app(
-    pod: Pod, token: str, *, max_body: int | None = None, limits: Limits | None = None
+    pod: Pod,
+    token: str,
+    *,
+    max_body: int | None = None,
+    limits: Limits | None = None,
+    peer_tls: ssl.SSLContext | None = None,
 ) -> Gate:
-    """The ASGI app of a pod server for ``pod`` (``PodServer.create(...).asgi``)."""
+    """The ASGI app of a pod server for ``pod`` (``PodServer.create(...).asgi``); ``peer_tls``
+    pins the deployment's certificate for ``https://`` peers."""
     limits = limits or Limits()
     if max_body is not None:
         limits = dataclasses.replace(limits, max_body=max_body)
-    return PodServer.create(pod, token, limits).asgi
+    return PodServer.create(pod, token, limits, peer_tls).asgi

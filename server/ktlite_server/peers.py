@@ -4,7 +4,9 @@ The coordinator streams every distributed call to every other pod; a general-pur
 async client costs more per request than the rest of the hop together. This one speaks
 exactly what the pod server answers (a chunked frame stream, or a short fixed body) over
 pooled asyncio connections: calls (:meth:`PeerPool.post`), cancels and ``/health`` polls
-(:meth:`PeerPool.request`), and quorum probes (:meth:`PeerPool.ensure`).
+(:meth:`PeerPool.request`), and quorum probes (:meth:`PeerPool.ensure`). A peer at an
+``https://`` address is reached over TLS pinned to the deployment's certificate (the pool's
+``tls`` context: :mod:`ktlite_server.tls`); a pool without one refuses such a peer.
 
 Errors: whatever fails underneath (``OSError``, asyncio's timeouts and short reads, a
 malformed answer) is raised as a :class:`PeerError`, here and nowhere else::
@@ -19,10 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import urlencode, urlsplit
+
+from ktlite_wire import pinning
 
 PROBE_AFTER_S = 2.0  # a pooled connection older than this is probed before a call relies on it
 
@@ -142,25 +147,41 @@ class PeerResponse:
 
 def _split(url: str) -> tuple[str, int, str]:
     parts = urlsplit(url)
-    return parts.hostname or "127.0.0.1", parts.port or 80, parts.path
+    default = 443 if parts.scheme == "https" else 80
+    return parts.hostname or "127.0.0.1", parts.port or default, parts.path
 
 
 class PeerPool:
     """Keep-alive connections to the other pods; ``headers`` go with every request (the
-    deployment's token: every pod of a deployment shares it)."""
+    deployment's token: every pod of a deployment shares it); ``tls`` pins the deployment's
+    certificate for peers at ``https://`` addresses."""
 
-    def __init__(self, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, headers: Mapping[str, str] | None = None, tls: ssl.SSLContext | None = None
+    ) -> None:
         self._idle: dict[str, list[_Conn]] = {}
         self._headers = dict(headers or {})
+        self._tls = tls
 
     def __repr__(self) -> str:
         return f"PeerPool({sum(len(c) for c in self._idle.values())} idle, headers=<hidden>)"
 
-    async def _connect(self, host: str, port: int, timeout: float) -> _Conn:
+    async def _connect(self, host: str, port: int, timeout: float, https: bool) -> _Conn:
+        if https and self._tls is None:
+            raise PeerConnectError(
+                f"{host}:{port} serves TLS, and this pod server was started without the "
+                "deployment's certificate to pin; deploy again"
+            )
+        secure = {"ssl": self._tls, "server_hostname": pinning.SERVER_NAME} if https else {}
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=1 << 22), timeout
+                asyncio.open_connection(host, port, limit=1 << 22, **secure), timeout
             )
+        except ssl.SSLCertVerificationError as e:  # not a retry case, but say what it is
+            raise PeerConnectError(
+                f"{host}:{port} presented a certificate that is not this deployment's ({e}); "
+                "another process may hold that address"
+            ) from e
         except (OSError, asyncio.TimeoutError) as e:
             raise PeerConnectError(f"cannot connect to {host}:{port}: {e!r}") from e
         return _Conn(reader, writer)
@@ -234,6 +255,7 @@ class PeerPool:
         read_timeout: float,
     ) -> PeerResponse:
         host, port, _ = _split(url)
+        https = url.startswith("https://")
         key = f"{host}:{port}"
         pieces = (
             body if isinstance(body, list) else [body]
@@ -245,7 +267,7 @@ class PeerPool:
         for attempt in (0, 1):
             idle = self._idle.get(key)
             reused = bool(idle)
-            conn = idle.pop() if idle else await self._connect(host, port, connect_timeout)
+            conn = idle.pop() if idle else await self._connect(host, port, connect_timeout, https)
             try:
                 conn.writer.write(request)
                 for piece in pieces:
@@ -284,8 +306,8 @@ class PeerPool:
     def fresh(self, url: str, fresh_s: float = PROBE_AFTER_S) -> bool:
         """True when a pooled connection to ``url`` carried a response within ``fresh_s``
         seconds and is still open: :meth:`ensure` would return at once."""
-        parts = urlsplit(url)
-        idle = self._idle.get(f"{parts.hostname or '127.0.0.1'}:{parts.port or 80}")
+        host, port, _ = _split(url)
+        idle = self._idle.get(f"{host}:{port}")
         if not idle:
             return False
         return time.monotonic() - idle[-1].used < fresh_s and not (
