@@ -129,9 +129,7 @@ def _handshake(raw: socket.socket, host: str, port: int, context: ssl.SSLContext
         return context.wrap_socket(raw, server_hostname=pinning.SERVER_NAME)
     except ssl.SSLCertVerificationError as e:
         raw.close()
-        expected = context.get_ca_certs(binary_form=True)
-        pem = ssl.DER_cert_to_PEM_cert(expected[0]) if expected else ""
-        raise CertificateRefused(pinning.refusal(host, port, pem, e)) from e
+        raise CertificateRefused(pinning.refusal(host, port, context, e)) from e
     except (OSError, ssl.SSLError) as e:  # e.g. a plain-HTTP server answering the handshake
         raw.close()
         raise ConnectionRefused(

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from ktlite_wire import pinning
 
-KEY_PLACEHOLDER = "<the deployment's TLS key: made from its token at deploy>"
-CERT_PLACEHOLDER = "<the deployment's TLS certificate: made from its token at deploy>"
+KEY_PLACEHOLDER = "<TLS key of the deployment, made from its token at deploy>"
+CERT_PLACEHOLDER = "<TLS certificate of the deployment, made from its token at deploy>"
 _LABEL = b"ktlite-pod-tls-key-v1"
 _NOT_BEFORE = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
 _VALID = datetime.timedelta(days=3650)

@@ -17,13 +17,21 @@ import ssl
 SERVER_NAME = "ktlite-pod"  # every deployment certificate's one subjectAltName (a DNS name)
 
 
-def client_context(cert_pem: bytes | str) -> ssl.SSLContext:
+class PinnedContext(ssl.SSLContext):
+    """A client context that trusts one certificate; ``pinned`` is its fingerprint (for
+    errors: the context lists no CA to read it back from)."""
+
+    pinned: str = ""
+
+
+def client_context(cert_pem: bytes | str) -> PinnedContext:
     """A client context that accepts only the certificate ``cert_pem`` (checked against
     :data:`SERVER_NAME`), TLS 1.2 or newer."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the peer and its name
+    ctx = PinnedContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the peer and its name
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     pem = cert_pem.decode() if isinstance(cert_pem, bytes) else cert_pem
     ctx.load_verify_locations(cadata=pem)
+    ctx.pinned = pem_fingerprint(pem)
     return ctx
 
 
@@ -58,13 +66,14 @@ def presented(host: str, port: int, timeout: float = 5.0) -> str:
     return f"a certificate with SHA-256 {fingerprint(der)}" if der else "no certificate"
 
 
-def refusal(host: str, port: int, cert_pem: bytes | str, error: BaseException) -> str:
-    """The message of a connection refused because the pod's certificate is not the pinned
-    one: what was expected, what arrived, what to do."""
+def refusal(host: str, port: int, context: ssl.SSLContext, error: BaseException) -> str:
+    """The message of a connection refused because the pod's certificate is not the one
+    ``context`` pins: what was expected, what arrived, what to do."""
+    expected = getattr(context, "pinned", "") or "unknown"
     return (
         f"the server at {host}:{port} is not this deployment's pod: TLS verification failed "
         f"({error}); expected the deployment's certificate (SHA-256 "
-        f"{pem_fingerprint(cert_pem)}), it presented {presented(host, port)}. Another "
+        f"{expected}), it presented {presented(host, port)}. Another "
         "process may hold that address, or the pods were started for another token: tear "
         "the deployment down and deploy again"
     )

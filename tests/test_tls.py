@@ -1,0 +1,152 @@
+"""Per-deployment TLS on real pod servers of the local backend (``Compute(tls=True)``): what
+crosses the wire (a relay that records every byte, caller to pod and pod to pod), the pinned
+certificate (a client with another deployment's is refused, saying what it expected and what
+it got), and the key kept out of plans and reprs."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from tcp_relay import Relay
+
+import ktlite as kt
+from ktlite.errors import PodUnreachable
+from ktlite.net import tls
+from ktlite.net.client import PodClient
+from ktlite_wire import pinning
+
+
+def echo(x: bytes) -> int:
+    return len(x)
+
+
+def _deploy(name: str, on: bool) -> Any:
+    compute = kt.Compute(tls=on).distribute("spmd", workers=2)
+    return kt.fn(echo, name=name).to(compute)
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[object]:
+    remote = _deploy("tls-on", True)
+    yield remote
+    remote.teardown()
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[object]:
+    remote = _deploy("tls-off", False)
+    yield remote
+    remote.teardown()
+
+
+def _sniff(remote: object) -> tuple[bytes, bytes, bytes, list[int]]:
+    """Call ``remote`` with pod 0 reached through one relay and pod 1 (from pod 0) through
+    another: (what crossed caller->pod 0, what crossed pod 0->pod 1, the marker sent, the
+    values)."""
+    dep = remote.deployment  # type: ignore[attr-defined]
+    eps = list(dep.applied.endpoints)
+    to_pod0 = Relay(urlsplit(eps[0].url).port or 0)
+    to_pod1 = Relay(urlsplit(eps[1].peer_url).port or 0)
+    scheme = urlsplit(eps[0].url).scheme
+    try:
+        dep.applied.endpoints = [
+            dataclasses.replace(eps[0], url=f"{scheme}://127.0.0.1:{to_pod0.port}"),
+            dataclasses.replace(eps[1], peer_url=f"{scheme}://127.0.0.1:{to_pod1.port}"),
+        ]
+        marker = b"SNIFF-ME-" + secrets.token_hex(8).encode()
+        values = remote(marker * 4)  # type: ignore[operator]
+    finally:
+        dep.applied.endpoints = eps
+        to_pod0.close()
+        to_pod1.close()
+    assert to_pod0.connections and to_pod1.connections  # both hops went through the relays
+    return to_pod0.seen(), to_pod1.seen(), marker, values
+
+
+def test_without_tls_a_sniffer_reads_the_token_and_the_arguments(plain: object) -> None:
+    """The control: the relay does see what travels in clear."""
+    caller_hop, peer_hop, marker, values = _sniff(plain)
+    token = plain.deployment.applied.token.encode()  # type: ignore[attr-defined]
+    assert values == [len(marker) * 4] * 2
+    for hop in (caller_hop, peer_hop):
+        assert token in hop
+        assert marker in hop
+
+
+def test_with_tls_a_sniffer_reads_neither_token_nor_arguments(secured: object) -> None:
+    caller_hop, peer_hop, marker, values = _sniff(secured)
+    dep = secured.deployment  # type: ignore[attr-defined]
+    assert all(ep.url.startswith("https://") for ep in dep.endpoints)
+    assert values == [len(marker) * 4] * 2
+    token = dep.applied.token.encode()
+    for hop in (caller_hop, peer_hop):
+        assert hop  # bytes did cross (a TLS handshake at least)
+        assert token not in hop
+        assert marker not in hop
+        assert b"HTTP/1.1" not in hop  # not even the request line
+
+
+def test_a_client_pinned_to_another_certificate_is_refused_and_told_why(secured: object) -> None:
+    dep = secured.deployment  # type: ignore[attr-defined]
+    url = dep.endpoints[0].url
+    stranger = "not-" + secrets.token_urlsafe(16)
+    with pytest.raises(PodUnreachable) as caught:
+        PodClient(stranger).health(url)
+    message = str(caught.value)
+    assert "not this deployment's pod" in message
+    assert tls.identity(stranger).fingerprint in message  # what was expected
+    assert tls.identity(dep.applied.token).fingerprint in message  # what arrived
+    assert "deploy again" in message  # what to do
+    assert dep.applied.token not in message and stranger not in message
+    # the deployment's own client is unaffected
+    assert PodClient(dep.applied.token).health(url)["protocol"]
+
+
+def test_a_tls_client_facing_a_plain_server_says_so(plain: object) -> None:
+    dep = plain.deployment  # type: ignore[attr-defined]
+    url = dep.endpoints[0].url.replace("http://", "https://")
+    with pytest.raises(PodUnreachable, match="plain HTTP"):
+        PodClient(dep.applied.token).health(url)
+
+
+def test_a_plain_client_gets_nothing_from_a_tls_pod(secured: object) -> None:
+    dep = secured.deployment  # type: ignore[attr-defined]
+    url = dep.endpoints[0].url.replace("https://", "http://")
+    with pytest.raises(PodUnreachable):
+        PodClient(dep.applied.token).health(url, timeout=10)
+
+
+def test_the_key_stays_out_of_plans_and_reprs() -> None:
+    token = secrets.token_urlsafe(32)
+    ident = tls.identity(token)
+    assert ident == tls.identity(token)  # made again from the token, the same key
+    assert b"PRIVATE KEY" in ident.key_pem
+    assert "PRIVATE" not in repr(ident) and ident.fingerprint in repr(ident)
+    compute = kt.Compute(tls=True)
+    plan = str(kt.fn(echo, name="tls-plan").to(compute, dryrun=True))
+    assert tls.KEY_PLACEHOLDER in plan and "--tls-stdin" in plan
+    assert "BEGIN" not in plan
+    assert pinning.SERVER_NAME == "ktlite-pod"
+
+
+def test_tls_is_a_bool_or_none() -> None:
+    with pytest.raises(kt.ConfigError, match="tls='yes'"):
+        kt.Compute(tls="yes")
+
+
+def test_a_redeploy_with_tls_switched_restarts_the_pods_as_asked() -> None:
+    remote = _deploy("tls-switch", False)
+    try:
+        assert remote.deployment.endpoints[0].url.startswith("http://")  # type: ignore[attr-defined]
+        remote = _deploy("tls-switch", True)
+        assert remote.deployment.endpoints[0].url.startswith("https://")  # type: ignore[attr-defined]
+        assert remote(b"abc") == [3, 3]  # type: ignore[operator]
+    finally:
+        remote.teardown()  # type: ignore[attr-defined]
+
+
