@@ -139,14 +139,18 @@ def test_tls_is_a_bool_or_none() -> None:
         kt.Compute(tls="yes")
 
 
-def test_a_redeploy_with_tls_switched_restarts_the_pods_as_asked() -> None:
+def test_a_redeploy_switches_tls_as_asked_and_keeps_tls_pods_that_did_not_change() -> None:
     remote = _deploy("tls-switch", False)
     try:
-        assert remote.deployment.endpoints[0].url.startswith("http://")  # type: ignore[attr-defined]
+        assert remote.deployment.endpoints[0].url.startswith("http://")
         remote = _deploy("tls-switch", True)
-        assert remote.deployment.endpoints[0].url.startswith("https://")  # type: ignore[attr-defined]
-        assert remote(b"abc") == [3, 3]  # type: ignore[operator]
+        started = [ep.incarnation for ep in remote.deployment.endpoints]
+        assert remote.deployment.endpoints[0].url.startswith("https://")
+        assert remote(b"abc") == [3, 3]
+        remote = _deploy("tls-switch", True)  # the same pods: asked over TLS if they answer
+        assert [ep.incarnation for ep in remote.deployment.endpoints] == started
+        assert remote(b"abcd") == [4, 4]
     finally:
-        remote.teardown()  # type: ignore[attr-defined]
+        remote.teardown()
 
 

@@ -206,7 +206,10 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                     old
                     and old["hash"] == pod_hash
                     and pid_alive(old["pid"])
-                    and answers(old["port"])
+                    and answers(
+                        f"{'https' if secure else 'http'}://127.0.0.1:{old['port']}",
+                        tls.pinned_context(token) if secure else None,
+                    )
                 ):
                     pods.append(old)
                     continue

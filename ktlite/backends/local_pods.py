@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from ktlite.backends.processes import pid_alive
 from ktlite.config import home as store_home
 from ktlite.errors import ConfigError, LaunchTimeout, StartupError
 from ktlite.logconfig import pod_env
+from ktlite.net.connection import Pool
 from ktlite.specs.deployment_spec import DeploymentSpec
 
 _gpu_cache: list[str] | None = None
@@ -57,18 +59,17 @@ def visible_gpus() -> list[str]:
     return _gpu_cache
 
 
-def answers(port: int, timeout: float = 2.0) -> bool:
-    """Whether a local pod's server answers GET /health."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def answers(url: str, context: ssl.SSLContext | None = None, timeout: float = 2.0) -> bool:
+    """Whether a local pod's server at ``url`` answers GET /health (over TLS pinned with
+    ``context`` for an ``https://`` pod)."""
+    pool = Pool()
     try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
+        status, _, _ = pool.fetch("GET", url, "/health", {}, [], timeout, timeout, context)
+    except OSError:  # refused, closed, timed out, or not the pinned certificate
         return False
     finally:
-        conn.close()
+        pool.close()
+    return status == 200
 
 
 def _tail(path: Path, lines: int = 20) -> str:
