@@ -152,5 +152,3 @@ def test_a_redeploy_switches_tls_as_asked_and_keeps_tls_pods_that_did_not_change
         assert remote(b"abcd") == [4, 4]
     finally:
         remote.teardown()
-
-

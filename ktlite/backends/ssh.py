@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import ktlite.specs.secrets as kt_secrets
 from ktlite.backends import ssh_copy
@@ -35,7 +36,7 @@ from ktlite.backends import ssh_hosts as sh
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.processes import pid_alive
 from ktlite.backends.ssh_hosts import COMMAND_TIMEOUT_S
-from ktlite.backends.ssh_pods import SshPods
+from ktlite.backends.ssh_pods import SshPods, pod_scheme
 from ktlite.config import home as config_home
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -96,12 +97,18 @@ class SshBackend(SshPods, Backend):
             for r in resolved
             for f in r.files
         ]
+        secure = self.encrypts(spec)
+        shipped = ", TLS certificate and key" if secure else ""
+        tls_arg = " --tls-stdin" if secure else ""
         for i, h in enumerate(hosts.hosts):
             keys = sorted([*spec.pod.env, *secret_env])
             env = " ".join(f"{k}=..." for k in keys)
             lines.append(
-                f"ssh {h.address}: python -m ktlite_server.sshlaunch  # token{', ' + env if env else ''} "
-                f"on stdin; then: python -m ktlite_server --host <its address> --port 0 "
+                f"ssh {h.address}: python -m ktlite_server.sshlaunch  # token{shipped}"
+                f"{', ' + env if env else ''} on stdin; then: python -m ktlite_server --host "
+                "<its address> --port 0"
+                + tls_arg
+                + " "
                 + " ".join(shlex.quote(a) for a in self._server_args(spec, i))
             )
         return Plan(backend=self.name, name=spec.name, commands=lines)
@@ -206,6 +213,7 @@ class SshBackend(SshPods, Backend):
                     pod_hash=pod_hash,
                     secret_env=secret_env,
                     secret_files=secret_files,
+                    secure=self.encrypts(spec),
                 )
                 for c in starting
             ),
@@ -246,8 +254,8 @@ class SshBackend(SshPods, Backend):
             PodEndpoint(
                 name=p["name"],
                 ordinal=p["ordinal"],
-                url=p.get("url") or f"http://{sh.hostport(p['address'], p['port'])}",
-                peer_url=f"http://{sh.hostport(p['address'], p['port'])}",
+                url=p.get("url") or f"{pod_scheme(p)}://{sh.hostport(p['address'], p['port'])}",
+                peer_url=f"{pod_scheme(p)}://{sh.hostport(p['address'], p['port'])}",
                 ip=p["address"],
                 incarnation=f"{p['pid']}",
             )
@@ -284,7 +292,7 @@ class SshBackend(SshPods, Backend):
         if state is None:
             return None
         if name not in self._live and any(
-            p.get("url", "").startswith("http://127.0.0.1:")
+            urlsplit(p.get("url", "")).hostname == "127.0.0.1"
             and p["address"] not in ("127.0.0.1", "localhost")
             for p in state["pods"]
         ):

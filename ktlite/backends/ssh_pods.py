@@ -21,9 +21,15 @@ from ktlite.backends import ssh_hosts as sh
 from ktlite.backends.server_source import server_packages
 from ktlite.errors import DeployError, LaunchTimeout
 from ktlite.logconfig import pod_env
+from ktlite.net import tls
 from ktlite.specs.deployment_spec import DeploymentSpec
 
 CACHE = "~/.cache/ktlite"
+
+
+def pod_scheme(pod: dict[str, Any]) -> str:
+    """How a pod of the state is spoken to: ``https`` where its server serves TLS."""
+    return "https" if pod.get("tls") else "http"
 
 
 class SshPods:
@@ -69,6 +75,7 @@ class SshPods:
         pod_hash: str,
         secret_env: dict[str, str],
         secret_files: list[dict[str, Any]],
+        secure: bool = False,
     ) -> dict[str, Any]:
         # each copy in the host's cache is named for its digest and reused only when it still
         # has it (ssh_copy.DIGEST): one changed, cut short or grown is shipped again
@@ -116,6 +123,8 @@ class SshPods:
             "secret_files": secret_files,
             "pins": {"cloudpickle": importlib.metadata.version("cloudpickle")},
         }
+        if secure:  # the deployment's certificate and key, on the channel as the token is
+            msg["tls"] = tls.identity(token).shipped()
         path = path.replace("~", "$HOME")  # expanded after ':' by every shell, unlike '~'
         # started in ktlite's cache, not the home: a ~/ktlite folder there would shadow ktlite
         command = (
@@ -159,6 +168,7 @@ class SshPods:
             "python": python,
             "hash": pod_hash,
             "master_port": reply.get("master_port"),
+            "tls": secure,
         }
 
     async def _verified(self, c: sh.HostConnection, copies: dict[str, tuple[str, str]]) -> set[str]:
@@ -222,8 +232,9 @@ class SshPods:
     async def _reach(self, c: sh.HostConnection, pod: dict[str, Any], forward: bool | None) -> None:
         """How this client reaches the pod: straight, or through a port forward."""
         direct = forward is not True and await sh.tcp_ok(pod["address"], pod["port"])
+        scheme = pod_scheme(pod)
         if direct:
-            pod["url"] = f"http://{sh.hostport(pod['address'], pod['port'])}"
+            pod["url"] = f"{scheme}://{sh.hostport(pod['address'], pod['port'])}"
             return
         if forward is False:
             raise DeployError(
@@ -231,7 +242,7 @@ class SshPods:
                 "from here, and forward=False; allow SSH port forwarding (forward=None)"
             )
         c.forward = await c.conn.forward_local_port("127.0.0.1", 0, pod["address"], pod["port"])
-        pod["url"] = f"http://127.0.0.1:{c.forward.get_port()}"
+        pod["url"] = f"{scheme}://127.0.0.1:{c.forward.get_port()}"
 
     async def _stop_pod(
         self, c: sh.HostConnection | None, pod: dict[str, Any], grace: float

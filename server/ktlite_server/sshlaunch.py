@@ -1,7 +1,8 @@
 """``python -m ktlite_server.sshlaunch``: start a pod server on a host of the ssh backend.
 
 Run by the client over an SSH channel, with only the standard library and ktlite's source on
-``PYTHONPATH``. Its first stdin line is JSON: the deployment token, the server's arguments
+``PYTHONPATH``. Its first stdin line is JSON: the deployment token (and, with TLS, the
+deployment's certificate and key, handed on to the server's stdin too), the server's arguments
 and environment (secrets stay off argv, which ``ps`` shows), file secrets (written under the
 run directory's ``secrets/``, 0600), the image's setup steps, the run directory. It makes sure the server's packages import (a per-user cache venv when they do
 not), runs the setup steps, starts the server in a session of its own with its output in
@@ -215,6 +216,8 @@ def main() -> None:
     ]
     if not msg["detached"]:
         argv.append("--tether-stdin")
+    if msg.get("tls"):  # the certificate and key follow the token on the server's stdin
+        argv.append("--tls-stdin")
     env = {**os.environ, **msg["env"], **write_secret_files(msg.get("secret_files") or [], run)}
     with privatefiles.open_append(log_path) as log:
         server = subprocess.Popen(
@@ -228,6 +231,8 @@ def main() -> None:
         )
     assert server.stdin is not None
     server.stdin.write(msg["token"].encode() + b"\n")
+    if msg.get("tls"):
+        server.stdin.write(json.dumps(msg["tls"]).encode() + b"\n")
     server.stdin.flush()
     if msg["detached"]:
         server.stdin.close()
