@@ -185,8 +185,9 @@ def test_apply_creates_labelled_objects_and_waits_for_ready_pods(cluster: Cluste
         ip = pods[ep.name]["status"]["podIP"]
         assert ep.name == f"{NAME}-{ep.ordinal}"
         assert ep.ip == ip
-        assert ep.peer_url == f"http://{ip}:32300"
-        assert ep.url == f"{HOST}/api/v1/namespaces/default/pods/{ep.name}:32300/proxy"
+        assert ep.peer_url == f"https://{ip}:32300"  # pods serve TLS (Compute(tls=None))
+        # the API server's proxy to a TLS pod: the https:POD:PORT form
+        assert ep.url == f"{HOST}/api/v1/namespaces/default/pods/https:{ep.name}:32300/proxy"
     assert applied.http is cluster.http
     assert applied.token == TOKEN
     assert applied.restarted == [0, 1]
@@ -915,7 +916,7 @@ def test_in_cluster_uses_pod_ips_directly(make_cluster) -> None:
     applied = c.backend.apply(spec(), TOKEN)
     assert applied.http is None
     for ep in applied.endpoints:
-        assert ep.url == ep.peer_url == f"http://{ep.ip}:32300"
+        assert ep.url == ep.peer_url == f"https://{ep.ip}:32300"  # TLS, pinned
     found = c.backend.lookup(NAME)
     assert found is not None and found.http is None and found.endpoints == applied.endpoints
 
@@ -926,10 +927,10 @@ def test_ipv6_pod_ips_are_bracketed(make_cluster) -> None:
     applied = c.backend.apply(spec(), TOKEN)
     assert [ep.ip for ep in applied.endpoints] == ["fd00:10:244::5", "fd00:10:244::6"]
     assert [ep.url for ep in applied.endpoints] == [
-        "http://[fd00:10:244::5]:32300",
-        "http://[fd00:10:244::6]:32300",
+        "https://[fd00:10:244::5]:32300",
+        "https://[fd00:10:244::6]:32300",
     ]
-    assert applied.endpoints[0].peer_url == "http://[fd00:10:244::5]:32300"
+    assert applied.endpoints[0].peer_url == "https://[fd00:10:244::5]:32300"
 
 
 # ---- plan ------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import yaml
 import ktlite
 import ktlite as kt
 from ktlite import config
+from ktlite.net import tls
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.base import Plan
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -500,7 +501,11 @@ def test_statefulset_shape() -> None:
         "server": km.SERVER_PORT,
         "master": 23456,
     }
-    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": km.SERVER_PORT}
+    assert container["readinessProbe"]["httpGet"] == {
+        "path": "/health",
+        "port": km.SERVER_PORT,
+        "scheme": "HTTPS",  # the pod serves only TLS (the kubelet does not verify it)
+    }
 
 
 def test_default_master_port_and_single_replica() -> None:
@@ -534,17 +539,28 @@ def test_plan_secret_holds_the_placeholder() -> None:
     plan = _plan(EVERYTHING())
     secret = _one(plan.manifests, "Secret")
     assert secret["metadata"]["name"] == f"{NAME}-token"
-    assert secret["stringData"] == {"token": km.TOKEN_PLACEHOLDER}
-    assert km.TOKEN_PLACEHOLDER in plan.yaml()
+    assert secret["stringData"] == {
+        "token": km.TOKEN_PLACEHOLDER,
+        "tls.crt": tls.CERT_PLACEHOLDER,
+        "tls.key": tls.KEY_PLACEHOLDER,
+    }
+    assert km.TOKEN_PLACEHOLDER in plan.yaml() and tls.KEY_PLACEHOLDER in plan.yaml()
+    assert "PRIVATE KEY" not in plan.yaml()
 
 
 def test_token_appears_only_in_the_secret() -> None:
     objs = _render(EVERYTHING(), token=TOKEN)
     secret = _one(objs, "Secret")
-    assert secret["stringData"] == {"token": TOKEN}
+    identity = tls.identity(TOKEN)
+    assert secret["stringData"] == {
+        "token": TOKEN,
+        "tls.crt": identity.cert_pem.decode(),
+        "tls.key": identity.key_pem.decode(),
+    }
     for obj in objs:
         if obj is not secret:
             assert TOKEN not in json.dumps(obj), obj["kind"]
+            assert "PRIVATE KEY" not in json.dumps(obj), obj["kind"]
     assert TOKEN not in json.dumps({k: v for k, v in secret.items() if k != "stringData"})
     plan = _plan(EVERYTHING())
     assert TOKEN not in str(plan) and TOKEN not in plan.yaml()
@@ -563,7 +579,11 @@ def test_container_reads_the_token_from_a_file_of_the_secret_not_from_an_env_var
     assert _pod_volumes(objs)["ktlite-token"]["secret"] == {
         "secretName": f"{NAME}-token",
         "defaultMode": 0o400,
-        "items": [{"key": "token", "path": "token"}],
+        "items": [
+            {"key": "token", "path": "token"},
+            {"key": "tls.crt", "path": "tls.crt"},
+            {"key": "tls.key", "path": "tls.key"},
+        ],
     }
     assert {"name": "ktlite-token", "mountPath": "/var/run/ktlite/token", "readOnly": True} in (
         _container(objs)["volumeMounts"]

@@ -113,8 +113,16 @@ def test_every_pod_reads_its_token_from_a_secret_file_never_from_an_env_var(kind
         assert not [e for e in env.values() if "secretKeyRef" in e.get("valueFrom", {})]
         assert env["KTLITE_TOKEN_FILE"]["value"] == "/var/run/ktlite/token/token"
         token = {v["name"]: v for v in pod["volumes"]}["ktlite-token"]["secret"]
+        # beside the token, the deployment's TLS certificate and key (docs/tls.md), where the
+        # pods serve TLS: not the store's, not an autoscaled deployment's replicas
+        tls = not kind.startswith("served") and kind != "store"
         assert token["defaultMode"] == 0o400 and token["items"] == [
-            {"key": "token", "path": "token"}
+            {"key": "token", "path": "token"},
+            *(
+                [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]
+                if tls
+                else []
+            ),
         ]
         assert token["secretName"] == ("ktlite-store-token" if kind == "store" else f"{NAME}-token")
         mount = {m["name"]: m for m in container["volumeMounts"]}["ktlite-token"]

@@ -291,9 +291,8 @@ def test_calls_through_ssh_port_forwards(hosts: SshHosts) -> None:
     remote = kt.fn(layout, name="ssh-forward").to(kt.Compute(hosts=options(hosts, forward=True)))
     try:
         urls = [ep.url for ep in remote.deployment.endpoints]
-        assert all(u.startswith("http://127.0.0.1:") for u in urls), (
-            urls
-        )  # this side of the tunnels
+        # this side of the tunnels, TLS end to end through them (pinned, as any ssh pod)
+        assert all(u.startswith("https://127.0.0.1:") for u in urls), urls
         assert [o["RANK"] for o in remote()] == ["0", "1"]
     finally:
         remote.teardown()

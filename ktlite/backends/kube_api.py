@@ -330,7 +330,9 @@ class KubeApi:
         except httpx.HTTPError as e:
             raise KubeApiError(f"lost the log stream of pod {name}: {e!r}") from e
 
-    def proxy_url(self, pod: str, port: int) -> str:
-        """The URL under which the API server proxies HTTP to ``pod``:``port``."""
+    def proxy_url(self, pod: str, port: int, https: bool = False) -> str:
+        """The URL under which the API server proxies HTTP to ``pod``:``port`` (``https``: to
+        a pod serving TLS, the ``https:POD:PORT`` form; the API server does not verify the
+        pod's certificate)."""
         base = str(self.http.base_url).rstrip("/")
-        return f"{base}{self._path('Pod', pod)}:{port}/proxy"
+        return f"{base}{self._path('Pod', ('https:' if https else '') + pod)}:{port}/proxy"

@@ -28,6 +28,7 @@ import copy
 import sys
 from typing import Any
 
+from ktlite.backends import kube_tls
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
     HASH_ANNOTATION,
@@ -147,7 +148,10 @@ def render(
         "kind": "Secret",
         "type": "Opaque",
         "metadata": {**meta, "name": token_secret_name(name)},
-        "stringData": {"token": token if token is not None else TOKEN_PLACEHOLDER},
+        "stringData": {
+            "token": token if token is not None else TOKEN_PLACEHOLDER,
+            **(kube_tls.secret_data(token) if kube_tls.wanted(spec) else {}),
+        },
     }
     service = {
         "apiVersion": "v1",

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ktlite.backends import kube_tls
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
     HASH_ANNOTATION,
@@ -377,6 +378,8 @@ def pod_template(
         "terminationGracePeriodSeconds": 15,
     }
     harden(pod, kube, token_secret_name(spec.name))
+    if kube_tls.wanted(spec):  # the certificate beside the token, the probe over HTTPS
+        kube_tls.secure(pod)
     if kube.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
         pod["affinity"] = {
             "nodeAffinity": {

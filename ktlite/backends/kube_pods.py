@@ -3,9 +3,11 @@ readiness, and the error a pod's fatal problem becomes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ktlite.backends import kube_manifests as km
+from ktlite.backends import kube_tls
 from ktlite.backends.kube_diagnose import PodProblem
 from ktlite.errors import (
     DeployError,
@@ -17,8 +19,19 @@ from ktlite.errors import (
 )
 
 
-def url(ip: str, port: int) -> str:
-    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+def url(ip: str, port: int, https: bool = False) -> str:
+    """A pod's address as a URL (``https``: it serves TLS, :mod:`~ktlite.backends.kube_tls`)."""
+    scheme = "https" if https else "http"
+    return f"{scheme}://[{ip}]:{port}" if ":" in ip else f"{scheme}://{ip}:{port}"
+
+
+def urls(pod: dict[str, Any], port: int, proxy: Callable[..., str] | None) -> tuple[str, str]:
+    """(the URL other pods reach ``pod`` at, the URL the caller does): the same in the cluster
+    (``proxy`` None), else the API server's pod proxy (``proxy``: ``KubeApi.proxy_url``).
+    ``https`` ones where the pod serves TLS (:func:`~ktlite.backends.kube_tls.serves_tls`)."""
+    secure = kube_tls.serves_tls(pod)
+    peer = url(pod["status"].get("podIP", ""), port, https=secure)
+    return peer, peer if proxy is None else proxy(pod["metadata"]["name"], port, https=secure)
 
 
 def ordinal(pod: dict[str, Any]) -> int:

@@ -9,6 +9,7 @@ import httpx
 
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_pods as kp
+from ktlite.backends import kube_tls
 from ktlite.backends.kube_api import KubeApi
 from ktlite.backends.kube_diagnose import PodProblem, diagnose, progress
 from ktlite.errors import LaunchTimeout
@@ -87,16 +88,20 @@ class PodReadiness(_Base):
         if status.get("phase") != "Running" or not status.get("podIP") or not running:
             return False
         http, info = self._connect()
+        secure = kube_tls.serves_tls(pod)
         try:
             if info.in_cluster:  # straight to the pod, without the API credentials
+                # only whether it answers: nothing is sent, so nothing to pin (as the kubelet)
                 ok = (
                     httpx.get(
-                        f"{kp.url(status['podIP'], km.SERVER_PORT)}/health", timeout=2.0
+                        f"{kp.url(status['podIP'], km.SERVER_PORT, https=secure)}/health",
+                        timeout=2.0,
+                        verify=False,
                     ).status_code
                     == 200
                 )
             else:
-                url = api.proxy_url(pod["metadata"]["name"], km.SERVER_PORT)
+                url = api.proxy_url(pod["metadata"]["name"], km.SERVER_PORT, https=secure)
                 ok = http.get(f"{url}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             ok = False

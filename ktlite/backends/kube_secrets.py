@@ -74,13 +74,15 @@ def apply_token_secret(
     api: KubeApi, secret: dict[str, Any], token: str, created: list[tuple[str, str]]
 ) -> bool:
     """Create or update the token Secret; True if running pods may hold another token
-    (a missing Secret counts: its pods started with the deleted one's)."""
+    (a missing Secret counts: its pods started with the deleted one's), or miss the TLS
+    certificate they are now to serve (its entries are made from the token)."""
     current = api.get("Secret", secret["metadata"]["name"])
     if current is None:
         api.create(secret)
         created.append(("Secret", secret["metadata"]["name"]))
         return True
-    if decode_token(current) == token:
+    entries = {*(current.get("data") or {}), *(current.get("stringData") or {})}
+    if decode_token(current) == token and entries == set(secret["stringData"]):
         return False
     api.replace(secret, current["metadata"]["resourceVersion"])
     return True

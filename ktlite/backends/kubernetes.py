@@ -381,14 +381,14 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         for pod in sorted(pods, key=kp.ordinal):
             ip = pod["status"].get("podIP", "")
             pod_name = pod["metadata"]["name"]
-            peer = kp.url(ip, km.SERVER_PORT)
+            peer, url = kp.urls(pod, km.SERVER_PORT, None if info.in_cluster else api.proxy_url)
             endpoints.append(
                 PodEndpoint(
                     name=pod_name,
                     ordinal=kp.ordinal(pod),
                     ip=ip,
                     peer_url=peer,
-                    url=peer if info.in_cluster else api.proxy_url(pod_name, km.SERVER_PORT),
+                    url=url,
                     incarnation=kp.incarnation(pod),
                 )
             )
