@@ -22,9 +22,9 @@ import yaml
 import ktlite
 import ktlite as kt
 from ktlite import config
-from ktlite.net import tls
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.base import Plan
+from ktlite.net import tls
 from ktlite.specs.deployment_spec import DeploymentSpec
 
 NAME = "case-x"

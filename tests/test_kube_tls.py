@@ -113,6 +113,7 @@ def test_calls_go_over_tls_through_the_proxy_and_in_the_cluster(
 ) -> None:
     name = "tls-e2e"
     remote = kt.fn(size, name=name).to(_compute(kubeconfig))
+    http, info = load(kubeconfig)
     try:
         eps = remote.deployment.endpoints
         assert all(f"/pods/https:{ep.name}:32300/proxy" in ep.url for ep in eps)
@@ -120,7 +121,6 @@ def test_calls_go_over_tls_through_the_proxy_and_in_the_cluster(
         assert remote(b"abc") == [3, 3]  # through the proxy, then pod to pod over TLS
 
         # the same deployment seen from inside the cluster: straight to the pod IPs
-        http, info = load(kubeconfig)
         inside = KubernetesBackend(http, dataclasses.replace(info, in_cluster=True))
         monkeypatch.setattr(deploy, "backend_of", lambda spec: inside)
         remote = kt.fn(size, name=name).to(_compute(kubeconfig))
@@ -150,3 +150,4 @@ def test_calls_go_over_tls_through_the_proxy_and_in_the_cluster(
             PodClient("another-" + token).health(eps[0].url)
     finally:
         remote.teardown()
+        http.close()
