@@ -7,7 +7,8 @@ TLS / plain), on the local backend (``Compute(tls=True)`` against ``tls=False``)
 
 Rows: a warm no-op call (1 worker) p50/p99; a warm no-op call on 2 workers (pod 0 calls pod 1:
 the peer hop is TLS too) p50/p99; a 100 MB argument (bytes, to a function returning None)
-and a 100 MB result (bytes it built once), as MB/s, best of the rounds. The two deployments
+and a 100 MB result (bytes it built once), as MB/s, best of the rounds, over the socket
+(``KTLITE_SHM=0``: on one machine they would otherwise go through /dev/shm files). The two deployments
 run round by round (``_rounds.run_rounds``), so both see the same stretch of the machine's
 load, which is printed with the table. MB = 10^6 bytes. A private KTLITE_HOME.
 """
@@ -75,7 +76,9 @@ def main() -> None:
         if workers > 1:
             compute = compute.distribute("spmd", workers=workers)
         name = f"tls-{'on' if on else 'off'}-{fn.__name__}-{workers}"
-        return kt.fn(fn, name=name).to(compute).options(stream_logs=False)
+        remote = kt.fn(fn, name=name).to(compute)
+        remotes.append(remote)
+        return remote.options(stream_logs=False)
 
     remotes: list[Any] = []
     try:
@@ -83,7 +86,6 @@ def main() -> None:
             systems = {}
             for on in (False, True):
                 remote = deploy(fn, on, workers)
-                remotes.append(remote)
                 key = "TLS" if on else "plain"
                 samples.setdefault(row, {})[key] = []
 
@@ -93,11 +95,13 @@ def main() -> None:
 
                 systems[key] = one
             _rounds.run_rounds(row, systems, rounds, load, failed)
+        # the transfers over the socket, as between machines: on one machine the local backend
+        # would pass them through /dev/shm files, which no TLS touches
+        os.environ["KTLITE_SHM"] = "0"
         for row, fn in (("100 MB argument", take), ("100 MB result", give)):
             systems = {}
             for on in (False, True):
                 remote = deploy(fn, on)
-                remotes.append(remote)
                 key = "TLS" if on else "plain"
                 samples.setdefault(row, {})[key] = []
                 blob = b"\x07" * MB

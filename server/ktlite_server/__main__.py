@@ -174,7 +174,7 @@ def main() -> None:
         raise SystemExit(f"ktlite_server: {e}") from None
     pod = Pod(args.pod, args.ordinal, procs=args.procs)
     app = logconfig.request_log(
-        create_app(pod, token, limits=limits, peer_tls=served_tls and served_tls.peers)
+        create_app(pod, token, limits=limits, peer_tls=served_tls.peers if served_tls else None)
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

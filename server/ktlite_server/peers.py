@@ -172,10 +172,16 @@ class PeerPool:
                 f"{host}:{port} serves TLS, and this pod server was started without the "
                 "deployment's certificate to pin; deploy again"
             )
-        secure = {"ssl": self._tls, "server_hostname": pinning.SERVER_NAME} if https else {}
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=1 << 22, **secure), timeout
+                asyncio.open_connection(
+                    host,
+                    port,
+                    limit=1 << 22,
+                    ssl=self._tls if https else None,
+                    server_hostname=pinning.SERVER_NAME if https else None,
+                ),
+                timeout,
             )
         except ssl.SSLCertVerificationError as e:  # not a retry case, but say what it is
             raise PeerConnectError(
