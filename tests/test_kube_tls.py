@@ -7,6 +7,7 @@ neither the token nor the arguments."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import secrets
@@ -47,8 +48,10 @@ def test_the_manifests_ship_the_certificate_beside_the_token_and_probe_over_http
     objs = _render(kt.Compute(cpus=1, backend="kubernetes"))
     secret = _kind(objs, "Secret")
     identity = tls.identity(TOKEN)
-    assert secret["stringData"]["tls.crt"] == identity.cert_pem.decode()
-    assert secret["stringData"]["tls.key"] == identity.key_pem.decode()
+    assert base64.b64decode(secret["data"]["tls.crt"]) == identity.cert_pem
+    assert base64.b64decode(secret["data"]["tls.key"]) == identity.key_pem
+    # the same bytes from the same token (an unchanged deployment rewrites no Secret)
+    assert _kind(_render(kt.Compute(cpus=1, backend="kubernetes")), "Secret") == secret
     pod = _kind(objs, "StatefulSet")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     volume = {v["name"]: v for v in pod["volumes"]}["ktlite-token"]["secret"]
@@ -71,7 +74,7 @@ def test_the_manifests_ship_the_certificate_beside_the_token_and_probe_over_http
 
 def test_tls_false_leaves_the_pods_plain() -> None:
     objs = _render(kt.Compute(cpus=1, backend="kubernetes", tls=False))
-    assert set(_kind(objs, "Secret")["stringData"]) == {"token"}
+    assert not {"tls.crt", "tls.key"} & set(_kind(objs, "Secret")["data"])
     pod = _kind(objs, "StatefulSet")["spec"]["template"]["spec"]
     assert "scheme" not in pod["containers"][0]["readinessProbe"]["httpGet"]
     assert not kube_tls.serves_tls({"spec": pod})

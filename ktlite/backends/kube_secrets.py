@@ -73,19 +73,22 @@ def drop_stale_secrets(api: KubeApi, name: str, keep: set[str]) -> None:
 def apply_token_secret(
     api: KubeApi, secret: dict[str, Any], token: str, created: list[tuple[str, str]]
 ) -> bool:
-    """Create or update the token Secret; True if running pods may hold another token
-    (a missing Secret counts: its pods started with the deleted one's), or miss the TLS
-    certificate they are now to serve (its entries are made from the token)."""
+    """Create or update the token Secret (the token, the boot files of ``kube_boot``, the TLS
+    certificate and key of ``kube_tls``);
+    True if running pods may hold another token (a missing Secret counts: its pods started
+    with the deleted one's). Changed boot files alone do not count: the pods' spec names
+    their digests, so the pods that need them are replaced anyway."""
     current = api.get("Secret", secret["metadata"]["name"])
     if current is None:
         api.create(secret)
         created.append(("Secret", secret["metadata"]["name"]))
         return True
-    entries = {*(current.get("data") or {}), *(current.get("stringData") or {})}
-    if decode_token(current) == token and entries == set(secret["stringData"]):
+    same_token = decode_token(current) == token
+    held = {k: v for k, v in (current.get("data") or {}).items() if k != "token"}
+    if same_token and held == (secret.get("data") or {}):
         return False
     api.replace(secret, current["metadata"]["resourceVersion"])
-    return True
+    return not same_token
 
 
 def decode_token(secret: dict[str, Any]) -> str | None:

@@ -18,6 +18,7 @@ needs no spec.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from ktlite.backends.kube_security import TOKEN_DIR, TOKEN_VOLUME
@@ -45,12 +46,16 @@ def wanted(spec: DeploymentSpec) -> bool:
 
 
 def secret_data(token: str | None) -> dict[str, str]:
-    """The token Secret's TLS entries (``stringData``); placeholders without ``token`` (a
-    plan)."""
+    """The token Secret's TLS entries as ``data`` (base64; the same bytes for the same token,
+    so an unchanged deployment writes nothing), or for a plan (no token) as ``stringData``
+    placeholders."""
     if token is None:
         return {CERT_KEY: tls.CERT_PLACEHOLDER, KEY_KEY: tls.KEY_PLACEHOLDER}
     identity = tls.identity(token)
-    return {CERT_KEY: identity.cert_pem.decode(), KEY_KEY: identity.key_pem.decode()}
+    return {
+        CERT_KEY: base64.b64encode(identity.cert_pem).decode(),
+        KEY_KEY: base64.b64encode(identity.key_pem).decode(),
+    }
 
 
 def secure(pod: dict[str, Any]) -> None:

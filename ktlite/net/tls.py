@@ -88,7 +88,7 @@ def identity(token: str) -> TlsIdentity:
             x509.SubjectAlternativeName([x509.DNSName(pinning.SERVER_NAME)]), critical=False
         )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
+        .sign(key, hashes.SHA256(), ecdsa_deterministic=True)  # the same bytes every time
     )
     return TlsIdentity(
         cert_pem=cert.public_bytes(serialization.Encoding.PEM),
