@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -132,6 +134,24 @@ def test_the_key_stays_out_of_plans_and_reprs() -> None:
     assert tls.KEY_PLACEHOLDER in plan and "--tls-stdin" in plan
     assert "BEGIN" not in plan
     assert pinning.SERVER_NAME == "ktlite-pod"
+
+
+def test_another_process_makes_the_same_certificate_and_key_from_the_token() -> None:
+    """What a client that did not start the pods (another process, `ktlite status`, a
+    reattach) pins, and what an unchanged Kubernetes Secret holds, must be the very bytes the
+    pods got."""
+    token = secrets.token_urlsafe(32)
+    code = (
+        "import sys; from ktlite.net.tls import identity; i = identity(sys.stdin.read()); "
+        "print((i.cert_pem + i.key_pem).hex())"
+    )
+    made = subprocess.run(
+        [sys.executable, "-c", code], input=token, capture_output=True, text=True, timeout=120
+    )
+    assert made.returncode == 0, made.stderr
+    here = tls.identity(token)
+    assert bytes.fromhex(made.stdout.strip()) == here.cert_pem + here.key_pem
+    assert tls.identity("another-" + token).key_pem != here.key_pem
 
 
 def test_tls_is_a_bool_or_none() -> None:
