@@ -9,9 +9,11 @@ the key gives no one more than they had. The key goes only to the deployment's o
 SSH channel, the local server's stdin, the token Secret); it never appears in a repr, a log
 or a plan (:data:`KEY_PLACEHOLDER`).
 
-The certificate names :data:`ktlite_wire.pinning.SERVER_NAME` (pods are reached by IP) and is
-valid for ten years: it is trusted by pinning, not by its dates, and a deployment's token
-changes it.
+The certificate names :data:`ktlite_wire.pinning.SERVER_NAME` (pods are reached by IP), is
+signed deterministically (RFC 6979: the same token gives the same bytes in every process, so
+a client that did not start the pods pins exactly what they serve, and an unchanged token
+Secret is not rewritten) and is valid for ten years: it is trusted by pinning, not by its
+dates, and a deployment's token changes it.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ SHIPPED_PLACEHOLDER = json.dumps({"cert": CERT_PLACEHOLDER, "key": KEY_PLACEHOLD
 
 @functools.lru_cache(maxsize=64)
 def identity(token: str) -> TlsIdentity:
-    """The TLS identity of the deployment whose token is ``token`` (the same for the same
-    token: the key is derived from it; the certificate is made again around it)."""
+    """The TLS identity of the deployment whose token is ``token``: the same bytes for the
+    same token, in any process."""
     # imported here: only deployments that use TLS pay for loading it
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
