@@ -90,8 +90,7 @@ class Pods:
         # (xdist workers) would otherwise both find an address free and then race for it
         self.net = f"127.{os.getpid() % 253 + 1}"
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # as Go's net/http has it
-        # the pod proxy's client: to a pod serving TLS (``https:POD:PORT``) it does not verify
-        # the pod's certificate, as the API server does not
+        # the pod proxy's; like the API server's, it does not verify a TLS pod's certificate
         self.http = httpx.Client(
             timeout=httpx.Timeout(600.0, connect=5.0),
             transport=httpx.HTTPTransport(socket_options=nodelay, verify=False),
@@ -134,7 +133,7 @@ class Pods:
         up: Any = (
             _Probe(ip)
             if probe.get("path", "/health") == "/health"
-            else _HttpProbe(ip, probe["path"], proc, probe.get("scheme", "HTTP").lower())
+            else _HttpProbe(ip, probe["path"], proc)
         )
 
         def status(ctx: kf.PodCtx) -> kf.Obj:
@@ -509,15 +508,12 @@ class _HttpProbe:
     """A readiness probe on a path (``/health?ready=1``), as the kubelet runs it: asked every
     half second by a thread of its own (never under the fake's lock); True while it answers 200."""
 
-    def __init__(
-        self, ip: str, path: str, proc: subprocess.Popen[bytes], scheme: str = "http"
-    ) -> None:
-        self.url, self.proc, self.ok = f"{scheme}://{ip}:{SERVER_PORT}{path}", proc, False
+    def __init__(self, ip: str, path: str, proc: subprocess.Popen[bytes]) -> None:
+        self.url, self.proc, self.ok = f"http://{ip}:{SERVER_PORT}{path}", proc, False
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        # scheme HTTPS: the kubelet does not verify the certificate
-        with httpx.Client(timeout=2.0, trust_env=False, verify=False) as client:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
             while self.proc.poll() is None:
                 try:
                     self.ok = client.get(self.url).status_code == 200
