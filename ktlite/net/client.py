@@ -3,8 +3,9 @@
 Translates transport failures into ktlite errors where they enter: connection errors
 become :class:`PodUnreachable`, 401 :class:`AuthError`, a version clash
 :class:`ProtocolMismatch` (a refusal's error: :mod:`ktlite.net.refusals`; a call's reply stream:
-:mod:`ktlite.net.call_reply`). Holds the token privately; it never appears in a repr. A pod at an ``https://`` address is
-reached over TLS that trusts only the deployment's own certificate (:mod:`ktlite.net.tls`).
+:mod:`ktlite.net.call_reply`). Holds the token privately; it never appears in a repr. A
+pod at an ``https://`` address is reached over TLS that trusts only the deployment's own
+certificate (:mod:`ktlite.net.tls`).
 """
 
 from __future__ import annotations

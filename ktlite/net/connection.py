@@ -130,7 +130,13 @@ def _handshake(raw: socket.socket, host: str, port: int, context: ssl.SSLContext
     except ssl.SSLCertVerificationError as e:
         raw.close()
         raise CertificateRefused(pinning.refusal(host, port, context, e)) from e
-    except (OSError, ssl.SSLError) as e:  # e.g. a plain-HTTP server answering the handshake
+    except TimeoutError as e:
+        raw.close()
+        raise ConnectionRefused(
+            f"{host}:{port} accepted a connection but did not complete a TLS handshake within "
+            f"{raw.gettimeout()}s (stopped, or hung)"
+        ) from e
+    except OSError as e:  # ssl.SSLError too: e.g. a plain-HTTP server answering the handshake
         raw.close()
         raise ConnectionRefused(
             f"no TLS connection to {host}:{port} ({e!r}); the pod may serve plain HTTP "

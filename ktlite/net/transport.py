@@ -3,7 +3,8 @@ where foreign errors (httpx's, ``OSError``, socket timeouts) become ktlite error
 
 A pod reached directly (the local and SSH backends, in-cluster callers; plain ``http://``, or
 ``https://`` pinned to the deployment's certificate) is spoken to through
-:mod:`ktlite.net.connection`'s keep-alive pool, the same lean connections calls take; a pod behind a proxy that needs TLS and the user's credentials (the Kubernetes
+:mod:`ktlite.net.connection`'s keep-alive pool, the same lean connections calls take; a pod
+behind a proxy that needs TLS and the user's credentials (the Kubernetes
 API server's pod proxy) through the injected ``httpx`` client. Either way a request returns
 a :class:`Reply`; a pod that cannot be reached is a :class:`~ktlite.errors.PodUnreachable`.
 """
@@ -138,8 +139,9 @@ _shared: httpx.Client | None = None
 
 
 def shared_http() -> httpx.Client:
-    """A client for pods that are neither direct nor behind an injected client (an https://
-    address given by hand): one keep-alive pool for the process."""
+    """A client for requests that go neither to a direct pod (``http://``, or ``https://``
+    with a pinned context) nor through an injected client: one keep-alive pool for the
+    process."""
     global _shared
     if _shared is None:
         import atexit
