@@ -40,9 +40,10 @@ Key = tuple[str, int, "ssl.SSLContext | None"]  # a pod's address, and the conte
 
 
 class Connection:
-    def __init__(self, key: Key, connect_timeout: float) -> None:
-        self.key = key
-        host, port, context = key
+    def __init__(
+        self, host: str, port: int, connect_timeout: float, context: ssl.SSLContext | None = None
+    ) -> None:
+        self.key: Key = (host, port, context)
         try:
             raw = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as e:
@@ -157,7 +158,7 @@ class Pool:
             idle = self._idle.get(key)
             if idle:
                 return idle.pop(), True
-        return Connection(key, connect_timeout), False
+        return Connection(key[0], key[1], connect_timeout, key[2]), False
 
     def release(self, conn: Connection) -> None:
         if not conn.reusable:
