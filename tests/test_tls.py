@@ -28,7 +28,8 @@ def echo(x: bytes) -> int:
 
 
 def _deploy(name: str, on: bool) -> Any:
-    compute = kt.Compute(tls=on).distribute("spmd", workers=2)
+    # a peer that is not this deployment's must fail a call at once, not after quorum_timeout
+    compute = kt.Compute(tls=on).distribute("spmd", workers=2, quorum_timeout=3600)
     return kt.fn(echo, name=name).to(compute)
 
 
@@ -172,3 +173,21 @@ def test_a_redeploy_switches_tls_as_asked_and_keeps_tls_pods_that_did_not_change
         assert remote(b"abcd") == [4, 4]
     finally:
         remote.teardown()
+
+
+def test_a_pod_refuses_a_peer_with_another_deployments_certificate(secured: object) -> None:
+    """Pod to pod is pinned too: pod 0 told that its peer is another deployment's TLS pod
+    (same port kind, another certificate) refuses it before sending the call."""
+    other = kt.fn(echo, name="tls-other").to(kt.Compute(tls=True))
+    dep = secured.deployment  # type: ignore[attr-defined]
+    eps = list(dep.applied.endpoints)
+    try:
+        stranger = other.deployment.endpoints[0].peer_url
+        dep.applied.endpoints = [eps[0], dataclasses.replace(eps[1], peer_url=stranger)]
+        with pytest.raises(kt.KtliteError, match="not this deployment's") as caught:
+            secured(b"x")  # type: ignore[operator]
+        assert dep.applied.token not in str(caught.value)
+    finally:
+        dep.applied.endpoints = eps
+        other.teardown()
+    assert secured(b"xy") == [2, 2]  # type: ignore[operator]

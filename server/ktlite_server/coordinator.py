@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -253,9 +254,11 @@ class Coordinator:
             missing = list(errors)
             waited = time.monotonic() - start
             # nothing listening at all: the server is gone, and one that restarts has lost the
-            # deployment's code anyway; waiting out quorum_timeout would only delay the error
+            # deployment's code anyway; or a server that is not this deployment's (its TLS
+            # certificate is another's): waiting out quorum_timeout would only delay the error
             refused = bool(failures) and all(
-                isinstance(e.__cause__, ConnectionRefusedError) for e in failures.values()
+                isinstance(e.__cause__, (ConnectionRefusedError, ssl.SSLCertVerificationError))
+                for e in failures.values()
             )
             if (
                 not missing
