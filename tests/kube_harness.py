@@ -13,8 +13,9 @@ machine runs from stays visible), as the user its securityContext names (``setpr
 uid and gid, the fsGroup as a supplementary group that owns its volumes and group-reads its
 Secret files, no capabilities, no new privileges; a fresh /root it may pass through), running
 its container's own command (the real bootstrap) with an image's Python that has the server's
-packages but no ktlite (``image_python``, first on PATH), so it runs the source the client
-shipped in the token Secret, and reported Ready once it accepts
+packages but no ktlite (``image_python``, first on PATH; for an image named
+``*no-server-packages*`` a Python with nothing installed), so it runs the source (and then the
+packages) the client shipped in Secrets, and reported Ready once it accepts
 connections (a pod whose readinessProbe asks another path, a served replica's
 ``/health?ready=1``, while that path answers 200). The pod proxy forwards to it; its output becomes the pod log; deleting the pod
 stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
@@ -95,6 +96,7 @@ class Pods:
             transport=httpx.HTTPTransport(socket_options=nodelay),
         )
         self.image_python = image_python.make(root / "image", seen_at=IMAGE_PYTHON)
+        self.bare_python = image_python.make(root / "bare-image", server_packages=False)
         threading.Thread(target=self._reap, daemon=True).start()
 
     def behavior(self, pod: dict[str, Any]) -> kf.PodScript:
@@ -233,7 +235,10 @@ class Pods:
         mounts.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
         # the image: a Python with the server's packages and no ktlite, first on PATH
         self._mount_point(Path(IMAGE_PYTHON))
-        mounts.append(f"mount --bind {shlex.quote(str(self.image_python))} {IMAGE_PYTHON}")
+        image = self.image_python
+        if "no-server-packages" in pod["spec"]["containers"][0].get("image", ""):
+            image = self.bare_python  # an image with a Python and nothing else
+        mounts.append(f"mount --bind {shlex.quote(str(image))} {IMAGE_PYTHON}")
         env["PATH"] = f"{IMAGE_PYTHON}/bin:{env.get('PATH', os.defpath)}"
         # the state emptyDir, and the pod's own address for the server to bind
         self._mount_point(Path(STATE_DIR))
@@ -285,28 +290,40 @@ class Pods:
         mode) under DIR/secret-volumes/<pod uid>/, then bind-mounted read-only, one file per
         ``subPath`` mount. ``home`` (the pod's HOME) gets a fresh tmpfs first (a container's
         own home), so nothing is written into this machine's."""
-        volumes = {v["name"]: v["secret"] for v in pod["spec"].get("volumes", []) if "secret" in v}
+        # each volume's Secrets: a secret volume's one, a projected volume's sources
+        volumes: dict[str, list[tuple[dict[str, Any], int]]] = {}
+        for v in pod["spec"].get("volumes", []):
+            if "secret" in v:
+                ref = {**v["secret"], "name": v["secret"]["secretName"]}
+                volumes[v["name"]] = [(ref, v["secret"].get("defaultMode", 0o644))]
+            elif "projected" in v:
+                mode = v["projected"].get("defaultMode", 0o644)
+                volumes[v["name"]] = [
+                    (s["secret"], mode) for s in v["projected"]["sources"] if "secret" in s
+                ]
         wanted = [
             m for m in pod["spec"]["containers"][0].get("volumeMounts", []) if m["name"] in volumes
         ]
         if not wanted and not home:
             return []
         base = self.root / "secret-volumes" / pod["metadata"]["uid"]
-        for name, vol in volumes.items():
-            data = (
-                self._secret(vol["secretName"]).get("data") or {}
-            )  # optional: may be absent or empty
+        for name, refs in volumes.items():
             (base / name).mkdir(parents=True, exist_ok=True)
-            items = vol.get("items") or [{"key": k, "path": k} for k in data]
-            for item in items:
-                target = base / name / item["path"]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(base64.b64decode(data[item["key"]]))
-                mode = item.get("mode", vol.get("defaultMode", 0o644))
-                if user is not None:  # the kubelet's fsGroup: the group's, and group-readable
-                    os.chown(target, -1, user[2])
-                    mode |= 0o440
-                target.chmod(mode)
+            for ref, default_mode in refs:
+                secret = self._secret(ref["name"])
+                if not secret and ref.get("optional"):
+                    continue  # an optional Secret that is not there: no files
+                data = secret.get("data") or {}
+                items = ref.get("items") or [{"key": k, "path": k} for k in data]
+                for item in items:
+                    target = base / name / item["path"]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(base64.b64decode(data[item["key"]]))
+                    mode = item.get("mode", default_mode)
+                    if user is not None:  # the kubelet's fsGroup: the group's, group-readable
+                        os.chown(target, -1, user[2])
+                        mode |= 0o440
+                    target.chmod(mode)
         commands = []
         if home:
             # what this machine runs from stays (a pyenv Python under /root): bound aside first,

@@ -25,6 +25,7 @@ from typing import Any
 
 from ktlite.backends import kube_boot
 from ktlite.backends.kube_boot import UNPACK_SOURCE
+from ktlite.backends.kube_deps import UNPACK_DEPS
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
     HASH_ANNOTATION,
@@ -90,6 +91,7 @@ elif [ "$KTLITE_FREEZE" = 1 ]; then
 else
 """
     + UNPACK_SOURCE
+    + UNPACK_DEPS
     + """fi
 if [ -z "$KTLITE_WORKDIR" ] && [ ! -w . ]; then
   echo "ktlite: the image's working directory $PWD is not writable by user $(id -u): user code runs in $HOME (Compute(working_dir=...) names another)"

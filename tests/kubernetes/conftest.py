@@ -11,6 +11,9 @@ The tests here run only when ``KTLITE_TEST_KUBECONFIG`` names a kubeconfig; with
 - ``KTLITE_TEST_IMAGE``: server image (default ``ktlite-server:dev``, images/Dockerfile).
 - ``KTLITE_TEST_TORCH_IMAGE``: image with torch for the gloo test (default
   ``ktlite-server-pytorch:dev``, images/Dockerfile.pytorch); empty skips that test.
+- ``KTLITE_TEST_BARE_IMAGE``: an image with a Python 3.11 and none of the pod server's
+  packages (default ``ktlite-no-server-packages:dev``: ``images/Dockerfile.bare``); empty
+  skips the test that the client ships them.
 - ``KTLITE_TEST_IMAGE_PULL_POLICY``: ``IfNotPresent`` (default); ``Never`` for images loaded
   into kind or minikube.
 - ``KTLITE_TEST_STORAGE_CLASS``: StorageClass of the volume test (default: the cluster's).
@@ -91,6 +94,7 @@ class Settings:
     volume_user: int | None = None
     ray_image: str = ""
     monarch_image: str = ""
+    bare_image: str = ""
 
 
 @pytest.fixture(scope="session")
@@ -113,6 +117,7 @@ def settings() -> Settings:
         torch_image=os.environ.get("KTLITE_TEST_TORCH_IMAGE", "ktlite-server-pytorch:dev"),
         ray_image=os.environ.get("KTLITE_TEST_RAY_IMAGE", "ktlite-server-ray:dev"),
         monarch_image=os.environ.get("KTLITE_TEST_MONARCH_IMAGE", "ktlite-server-monarch:dev"),
+        bare_image=os.environ.get("KTLITE_TEST_BARE_IMAGE", "ktlite-no-server-packages:dev"),
         pull_policy=os.environ.get("KTLITE_TEST_IMAGE_PULL_POLICY") or "IfNotPresent",
         storage_class=os.environ.get("KTLITE_TEST_STORAGE_CLASS") or None,
         skip_volumes=os.environ.get("KTLITE_TEST_SKIP_VOLUMES", "") not in ("", "0"),
