@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ktlite.backends.kube_expiry import give_pod
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
     HASH_ANNOTATION,
@@ -377,6 +378,7 @@ def pod_template(
         "terminationGracePeriodSeconds": 15,
     }
     harden(pod, kube, token_secret_name(spec.name))
+    give_pod(pod, spec, [p.name for p in parts(spec)], secrets)  # inactivity_ttl's
     if kube.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
         pod["affinity"] = {
             "nodeAffinity": {

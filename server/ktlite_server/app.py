@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from ktlite_server.admission import Gate, Token
 from ktlite_server.calls import Calls, FastCall
 from ktlite_server.connections import Limits
+from ktlite_server.inactivity import idle_seconds
 from ktlite_server.launches import Launches
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
@@ -154,6 +155,9 @@ class PodServer:
                 started=self.started,
                 engine_failed=pod.engine_failed,
                 calls=len(pod.calls),
+                # how long without a call, and the TTL: what `ktlite list` shows and sweeps by
+                idle_s=round(idle_seconds(pod), 3),
+                inactivity_ttl=pod.inactivity_ttl,
             )
         if request.query_params.get("ready") and (
             pod.dep is None or pod.ready_launch != pod.dep.launch_id
