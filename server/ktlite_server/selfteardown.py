@@ -4,7 +4,8 @@ The client gives a deployment with an ``inactivity_ttl`` a ServiceAccount of its
 Role may get its StatefulSets and delete only its own objects, by name. Its token reaches the
 server as a projected file (:data:`TOKEN_FILE`, refreshed by the kubelet, read again for every
 request), with the cluster's CA beside it. The objects to delete come in
-``KTLITE_TEARDOWN_PATHS``: the API paths in the order to delete them (the StatefulSets first,
+``KTLITE_TEARDOWN_PATHS``: the API paths (``{namespace}`` standing for the pod's own,
+``KTLITE_NAMESPACE``) in the order to delete them (the StatefulSets first,
 so no pod is restarted, then the Service, the Secrets and the NetworkPolicy, and last the
 ServiceAccount, which owns the Role and RoleBinding: the garbage collector removes those).
 
@@ -56,8 +57,9 @@ class SelfTeardown:
         raw = os.environ.get(PATHS_ENV)
         if not raw or not os.path.exists(TOKEN_FILE):
             return None
+        namespace = os.environ.get("KTLITE_NAMESPACE", "default")
         try:
-            paths = tuple(str(p) for p in json.loads(raw))
+            paths = tuple(str(p).replace("{namespace}", namespace) for p in json.loads(raw))
         except ValueError:
             logger.error("%s is not a JSON list of API paths; no self-teardown", PATHS_ENV)
             return None
