@@ -68,7 +68,8 @@ def access_name(name: str) -> str:
 
 
 def ttl_seconds(spec: DeploymentSpec) -> float | None:
-    return spec.pod.calls.inactivity_seconds
+    """The TTL in seconds; None without one, and for an autoscaled deployment (it scales)."""
+    return spec.pod.calls.inactivity_seconds if spec.autoscale is None else None
 
 
 def deletes_itself(spec: DeploymentSpec) -> bool:
