@@ -4,7 +4,8 @@ Endpoints (all but ``/health`` need ``x-ktlite-token: Bearer <deployment token>`
 from the request head before anything else: ``admission.py``):
 
 - ``GET /health``: liveness and protocol version; with the token also the pod, its launch id,
-  the calls running, its Python; ``?ready=1`` answers 503 until a launch is loaded (a
+  the calls running, its Python, how long it has been idle (``idle_s``) and its
+  ``inactivity_ttl``; never counted as activity; ``?ready=1`` answers 503 until a launch is loaded (a
   replica's readiness probe).
 - ``POST /deploy``: install a code bundle on this pod's ranks (ktlite message body):
   ``launches.py``.
