@@ -188,6 +188,9 @@ def _conflict(res: str, name: str, why: str) -> ApiError:
     )
 
 
+MAX_SECRET_BYTES = 1 << 20  # 1 MiB
+
+
 def _invalid(
     res: str, name: str, path: str, detail: str, cause: str = "FieldValueInvalid"
 ) -> ApiError:
@@ -1545,6 +1548,15 @@ class FakeKube(httpx.BaseTransport):
             obj.setdefault("type", "Opaque")
             for k, v in (obj.pop("stringData", None) or {}).items():
                 obj.setdefault("data", {})[k] = base64.b64encode(v.encode()).decode()
+            # the API server's limit on a Secret's data, decoded (MaxSecretSize)
+            size = sum(len(base64.b64decode(v)) for v in (obj.get("data") or {}).values())
+            if size > MAX_SECRET_BYTES:
+                raise _invalid(
+                    "secrets",
+                    name,
+                    "data",
+                    f"Too long: may not be more than {MAX_SECRET_BYTES} bytes",
+                )
         elif res == "services":
             spec = obj.setdefault("spec", {})
             spec.setdefault("type", "ClusterIP")

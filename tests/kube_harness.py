@@ -11,7 +11,10 @@ sees none of the caller's files), started with the env the pod spec names
 mounted read-only, on a fresh tmpfs at the pod's HOME where they go there; the Python this
 machine runs from stays visible), as the user its securityContext names (``setpriv``: that
 uid and gid, the fsGroup as a supplementary group that owns its volumes and group-reads its
-Secret files, no capabilities, no new privileges; a fresh /root it may pass through), and reported Ready once it accepts
+Secret files, no capabilities, no new privileges; a fresh /root it may pass through), running
+its container's own command (the real bootstrap) with an image's Python that has the server's
+packages but no ktlite (``image_python``, first on PATH), so it runs the source the client
+shipped in the token Secret, and reported Ready once it accepts
 connections (a pod whose readinessProbe asks another path, a served replica's
 ``/health?ready=1``, while that path answers 200). The pod proxy forwards to it; its output becomes the pod log; deleting the pod
 stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
@@ -52,14 +55,16 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+import image_python  # noqa: E402
 import kube_fake as kf  # noqa: E402
 from mount_points import MountPoints  # noqa: E402
 
-from ktlite.backends.kube_security import LINK_SECRET_FILES  # noqa: E402
+from ktlite.backends.kube_pod_template import STATE_DIR  # noqa: E402
 
 NAMESPACE = "default"
 TOKEN = "harness-api-token"
 SERVER_PORT = 32300
+IMAGE_PYTHON = "/opt/ktlite-harness-image"  # where a pod finds its image's Python
 
 
 class Pods:
@@ -99,6 +104,7 @@ class Pods:
             timeout=httpx.Timeout(600.0, connect=5.0),
             transport=httpx.HTTPTransport(socket_options=nodelay),
         )
+        self.image_python = image_python.make(root / "image", seen_at=IMAGE_PYTHON)
         threading.Thread(target=self._reap, daemon=True).start()
 
     def behavior(self, pod: dict[str, Any]) -> kf.PodScript:
@@ -236,16 +242,22 @@ class Pods:
             f"::1\tlocalhost ip6-localhost ip6-loopback\n{ip}\t{name}\n"
         )
         mounts.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
+        # the image: a Python with the server's packages and no ktlite, first on PATH
+        self._mount_point(Path(IMAGE_PYTHON))
+        mounts.append(f"mount --bind {shlex.quote(str(self.image_python))} {IMAGE_PYTHON}")
+        env["PATH"] = f"{IMAGE_PYTHON}/bin:{env.get('PATH', os.defpath)}"
+        # the state emptyDir, and the pod's own address for the server to bind
+        self._mount_point(Path(STATE_DIR))
+        mounts.append(f"mount -t tmpfs -o mode=0777 tmpfs {STATE_DIR}")
+        env["KTLITE_HOST"] = ip
+        command = pod["spec"]["containers"][0]["command"]
         script = " && ".join(
             [
                 f"hostname {name}",
                 *mounts,
                 *_hide_callers_files(),
-                # the file secrets' links in the home, as the pod's bootstrap makes them
-                f"{_as(user)}sh -c {shlex.quote(LINK_SECRET_FILES)}",
-                _as(user) + _SETUP,
-                f'exec {_as(user)}"$(cat {_PYTHON_FILE})" -m ktlite_server --host {ip} '
-                f"--port {SERVER_PORT} --procs {pod_env.get('KTLITE_PROCS', '1')}",
+                # the container's own command: the real bootstrap, as the pod's user
+                f"exec {_as(user)}{shlex.join(command)}",
             ]
         )
         proc = subprocess.Popen(
@@ -473,22 +485,6 @@ def _black_hole(ip: str, port: int = SERVER_PORT) -> tuple[socket.socket, socket
     with contextlib.suppress(BlockingIOError):
         filler.connect(hole.getsockname())
     return hole, filler  # closing either one opens the address again
-
-
-# The image's setup steps, as the pod's real entry point (ktlite_server.boot) runs them: in the
-# pod's own /tmp (an emptyDir); the Python the server then runs under goes to _PYTHON_FILE
-_PYTHON_FILE = "/tmp/.ktlite-python"
-_SETUP = f"{sys.executable} -c " + shlex.quote(
-    "import json, os, sys\n"
-    "from pathlib import Path\n"
-    "from ktlite_server.boot import run_steps\n"
-    "steps = json.loads(os.environ.get('KTLITE_SETUP') or '[]')\n"
-    "python = sys.executable\n"
-    "if steps and os.environ.get('KTLITE_FREEZE') != '1':\n"
-    "    Path('/tmp/ktlite-state').mkdir(exist_ok=True)\n"
-    "    python = run_steps(steps, Path('/tmp/ktlite-state'))\n"
-    f"Path({_PYTHON_FILE!r}).write_text(python)\n"
-)
 
 
 def _hide_callers_files() -> list[str]:

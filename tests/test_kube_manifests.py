@@ -8,6 +8,7 @@ supported and the newest known version) and for where each setting lands.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -19,9 +20,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-import ktlite
 import ktlite as kt
 from ktlite import config
+from ktlite.backends import kube_boot, shipped_source
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.base import Plan
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -82,7 +83,7 @@ def _render(
         DeploymentSpec(name=NAME, pod=compute.pod_spec()),
         namespace,
         image=image,
-        install=f"ktlite=={ktlite.__version__}",
+        install=km.install_spec(),
         token=token,
     )
 
@@ -276,8 +277,21 @@ def test_every_setting_renders_strictly_valid_objects(case: str, version: str) -
         _env(objs)  # env names are unique
         paths = [m["mountPath"] for m in _container(objs)["volumeMounts"]]
         assert len(paths) == len(set(paths))
-    # the plan and a deploy render the same objects but for the token
-    assert plan.manifests[1:] == rendered[1:]
+    # the plan and a deploy render the same objects but for the token and what it keys (the
+    # digest of the setup steps, which may hold an index password)
+    assert _keyless(plan.manifests[1:]) == _keyless(rendered[1:])
+
+
+def _keyless(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``objs`` without the setup steps' digest (keyed by the token) and the hash over it."""
+    out = json.loads(json.dumps(objs))
+    for obj in out:
+        if obj["kind"] == "StatefulSet":
+            template = obj["spec"]["template"]
+            template["metadata"]["annotations"].pop(km.HASH_ANNOTATION)
+            env = template["spec"]["containers"][0]["env"]
+            env[:] = [e for e in env if e["name"] != kube_boot.SETUP_DIGEST_ENV]
+    return out
 
 
 def test_matrix_covers_what_it_claims() -> None:
@@ -534,8 +548,13 @@ def test_plan_secret_holds_the_placeholder() -> None:
     plan = _plan(EVERYTHING())
     secret = _one(plan.manifests, "Secret")
     assert secret["metadata"]["name"] == f"{NAME}-token"
-    assert secret["stringData"] == {"token": km.TOKEN_PLACEHOLDER}
+    shown = secret["stringData"]
+    assert shown["token"] == km.TOKEN_PLACEHOLDER
     assert km.TOKEN_PLACEHOLDER in plan.yaml()
+    # the boot files are described, not held: a plan stays short
+    digest, bundle = shipped_source.source_bundle()
+    assert digest in shown[kube_boot.SOURCE_KEY] and "KiB gzipped" in shown[kube_boot.SOURCE_KEY]
+    assert len(plan.yaml()) < len(bundle) // 4
 
 
 def test_token_appears_only_in_the_secret() -> None:
@@ -596,24 +615,52 @@ def test_ktlite_env() -> None:
     assert env["KTLITE_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
-def test_setup_steps_are_json_in_order() -> None:
+def test_setup_steps_travel_in_the_token_secret_not_the_pod_spec() -> None:
     image = (
         kt.Image("python:3.11-slim")
-        .pip_install(["numpy", "rich==13.7.1"])
+        .pip_install(["--index-url", "https://me:s3cret@pypi.acme.dev/simple", "numpy"])
         .set_env_vars({"A": "1"})
         .run_bash("echo hi > /tmp/hi")
         .pip_install("tqdm")
     )
-    objs = _plan(K(image=image)).manifests
-    assert json.loads(_value(objs, "KTLITE_SETUP")) == [
-        ["pip_install", ["numpy", "rich==13.7.1"]],
+    objs = _render(K(image=image))
+    secret = _one(objs, "Secret")
+    assert json.loads(base64.b64decode(secret["data"][kube_boot.SETUP_KEY])) == [
+        ["pip_install", ["--index-url", "https://me:s3cret@pypi.acme.dev/simple", "numpy"]],
         ["run_bash", "echo hi > /tmp/hi"],
         ["pip_install", ["tqdm"]],
     ]
     assert _value(objs, "A") == "1"
-    assert "KTLITE_SETUP" not in _env(_plan(K()).manifests)
-    env_only = kt.Image("python:3.11-slim").set_env_vars({"A": "1"})
-    assert "KTLITE_SETUP" not in _env(_plan(K(image=env_only)).manifests)
+    assert _value(objs, kube_boot.SETUP_FILE_ENV) == f"{kube_boot.BOOT_DIR}/setup.json"
+    sts = json.dumps(_one(objs, "StatefulSet"))
+    assert "s3cret" not in sts and 'KTLITE_SETUP"' not in sts
+    assert "s3cret" not in _plan(K(image=image)).yaml()
+    # other steps, another digest: the pods are replaced
+    other = _render(K(image=kt.Image("python:3.11-slim").pip_install("tqdm")))
+    assert _value(other, kube_boot.SETUP_DIGEST_ENV) != _value(objs, kube_boot.SETUP_DIGEST_ENV)
+    for compute in (K(), K(image=kt.Image("python:3.11-slim").set_env_vars({"A": "1"}))):
+        rendered = _render(compute)
+        assert kube_boot.SETUP_FILE_ENV not in _env(rendered)
+        assert kube_boot.SETUP_KEY not in _one(rendered, "Secret")["data"]
+
+
+def test_pods_get_ktlite_from_the_client_not_an_index() -> None:
+    objs = _render(K())
+    data = _one(objs, "Secret")["data"]
+    digest, bundle = shipped_source.source_bundle()
+    assert base64.b64decode(data[kube_boot.SOURCE_KEY]) == bundle
+    assert _value(objs, kube_boot.SOURCE_DIGEST_ENV) == digest
+    pod = _one(objs, "StatefulSet")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == kube_boot.BOOT_VOLUME]
+    assert volume["secret"]["secretName"] == km.token_secret_name(NAME)
+    assert volume["secret"]["defaultMode"] == 0o400
+    mounts = {m["name"]: m for m in _container(objs)["volumeMounts"]}
+    assert mounts[kube_boot.BOOT_VOLUME] == {
+        "name": kube_boot.BOOT_VOLUME,
+        "mountPath": kube_boot.BOOT_DIR,
+        "readOnly": True,
+    }
+    assert "KTLITE_INSTALL" not in _env(objs)  # nothing is installed from an index
 
 
 def test_freeze() -> None:
@@ -623,10 +670,8 @@ def test_freeze() -> None:
     assert _value(_plan(K()).manifests, "KTLITE_FREEZE") == "0"
 
 
-def test_install_spec_defaults_to_this_version_and_follows_settings(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert _value(_plan(K()).manifests, "KTLITE_INSTALL") == f"ktlite=={ktlite.__version__}"
+def test_install_spec_is_only_what_the_user_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "KTLITE_INSTALL" not in _env(_plan(K()).manifests)
     config.set_value("install", "ktlite==9.9.9")
     assert _value(_plan(K()).manifests, "KTLITE_INSTALL") == "ktlite==9.9.9"
     monkeypatch.setenv("KTLITE_INSTALL", "ktlite @ git+https://example.com/ktlite@main")

@@ -131,7 +131,9 @@ def test_kubetorch_image_methods_and_arguments(tmp_path: Path) -> None:
     env = _env(_render(kt.Compute(image=image)))
     assert env["KTLITE_PYTHON"] == "/usr/local/bin/python3"
     assert env["KTLITE_PIP_CMD"] == "uv pip install --system"
-    assert json.loads(env["KTLITE_SETUP"]) == [
+    # the steps travel in the deployment's token Secret (kube_boot), in this order
+    spec = DeploymentSpec(name="compat", pod=kt.Compute(image=image).pod_spec())
+    assert km.setup_steps(spec) == [
         ["pip_install", ["--force-reinstall", "numpy"]],
         ["run_bash", "echo ready"],
     ]

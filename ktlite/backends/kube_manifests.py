@@ -28,6 +28,7 @@ import copy
 import sys
 from typing import Any
 
+from ktlite.backends import kube_boot
 from ktlite.backends import kube_expiry as kexp
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
@@ -57,12 +58,12 @@ from ktlite.backends.kube_pod_template import (
     parts,
     pod_template,
     resolve_secrets,
+    setup_steps,
 )
 from ktlite.config import get as setting
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite.specs.secrets import Resolved
 from ktlite.specs.volume import Volume
-from ktlite_wire.version import RELEASE as __version__
 
 __all__ = [
     "BOOTSTRAP",
@@ -143,13 +144,18 @@ def render(
     if secrets is None:
         secrets = resolve_secrets(spec, namespace)
     meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels(name)}
-    secret = {
+    secret: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
         "metadata": {**meta, "name": token_secret_name(name)},
         "stringData": {"token": token if token is not None else TOKEN_PLACEHOLDER},
     }
+    boot = kube_boot.secret_data(setup_steps(spec), token)  # placeholders in a plan
+    if token is None:
+        secret["stringData"].update(boot)
+    else:
+        secret["data"] = boot
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -281,5 +287,6 @@ def default_image() -> str:
 
 
 def install_spec() -> str:
-    """What a pod without ktlite installs: ``ktlite config``'s install, else this version."""
-    return setting("install") or f"ktlite=={__version__}"
+    """What a pod installs from the package index instead of running the client's shipped
+    source: ``ktlite config``'s install (``KTLITE_INSTALL``), else nothing."""
+    return setting("install") or ""

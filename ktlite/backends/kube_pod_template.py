@@ -10,9 +10,10 @@ share a pod template, so such a deployment has one StatefulSet per run of pods o
 (:func:`parts`). Pods that differ only in rank count do not differ as pods (they learn their
 ranks from the deploy message), so a CPU deployment with uneven ``num_proc`` stays one part.
 
-The container starts with a short shell bootstrap that finds a Python with ktlite (installing
-it pinned to the client's version when the image lacks it, unless ``freeze=True``), then runs
-``python -m ktlite_server.boot``, which runs the image's setup steps and execs the server.
+The container starts with a short shell bootstrap that finds the image's Python and unpacks the
+source of ktlite the client shipped in the token Secret (:mod:`ktlite.backends.kube_boot`; with
+``freeze=True`` the image's own ktlite runs instead), then runs ``python -m ktlite_server.boot``,
+which runs the image's setup steps (from the same Secret) and execs the server.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ktlite.backends import kube_boot
+from ktlite.backends.kube_boot import UNPACK_SOURCE
 from ktlite.backends.kube_expiry import give_pod
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
@@ -59,37 +62,36 @@ CONTAINER = "ktlite"
 MAX_STATEFULSET_NAME = 52  # its pods' controller-revision-hash label adds 11 characters to 63
 
 
-# Finds a Python that can import ktlite_server, installing ktlite into a venv on the
-# emptyDir when the image has none; everything else happens in ktlite_server.boot.
+# Finds the image's Python and gives it ktlite: the source the client shipped (kube_boot),
+# the image's own (freeze=True), or what KTLITE_INSTALL names, installed from the package
+# index only because the user set it; everything else happens in ktlite_server.boot.
 BOOTSTRAP = (
     "set -e\n"
     + LINK_SECRET_FILES
     + r"""if [ -n "$KTLITE_PYTHON" ]; then PY=$KTLITE_PYTHON
-elif [ -x /ktlite/venv/bin/python ]; then PY=/ktlite/venv/bin/python
 else PY=$(command -v python3 || command -v python || true); fi
-if [ -z "$PY" ] || ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
-  if [ "$KTLITE_FREEZE" = 1 ]; then
-    echo "ktlite: this image has no ktlite (python: ${PY:-none}) and freeze=True forbids installing it" >&2
+if [ -z "$PY" ]; then
+  echo "ktlite: the image ${KTLITE_IMAGE:-} has no python3 or python on PATH: use an image with Python 3.10 or newer, or name its interpreter with kt.Image(python_path=...)" >&2
+  exit 78
+fi
+if [ -n "$KTLITE_INSTALL" ]; then
+  if [ -x /ktlite/venv/bin/python ]; then PY=/ktlite/venv/bin/python
+  elif ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
+    echo "ktlite: installing $KTLITE_INSTALL from the package index (KTLITE_INSTALL asks for it)"
+    "$PY" -m venv --system-site-packages /ktlite/venv
+    /ktlite/venv/bin/python -m pip install -q --disable-pip-version-check "$KTLITE_INSTALL" \
+      || { echo "ktlite: could not install $KTLITE_INSTALL" >&2; exit 78; }
+    PY=/ktlite/venv/bin/python
+  fi
+elif [ "$KTLITE_FREEZE" = 1 ]; then
+  if ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
+    echo "ktlite: this image has no ktlite (python: $PY) and freeze=True runs only what the image has: use an image with ktlite installed, or freeze=False to run the client's own (shipped with the deployment)" >&2
     exit 78
   fi
-  if [ -z "$PY" ]; then
-    if [ "$(id -u)" != 0 ]; then
-      echo "ktlite: the image has no python, and installing one needs root: use an image with python, or Compute(run_as_user=0)" >&2
-      exit 78
-    fi
-    echo "ktlite: the image has no python; installing python3"
-    if command -v apt-get >/dev/null; then
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
-    elif command -v apk >/dev/null; then apk add --no-cache python3 >/dev/null
-    else echo "ktlite: the image has no python and no apt-get or apk to install one" >&2; exit 78; fi
-    PY=$(command -v python3)
-  fi
-  echo "ktlite: the image has no ktlite; installing $KTLITE_INSTALL"
-  "$PY" -m venv --system-site-packages /ktlite/venv
-  /ktlite/venv/bin/python -m pip install -q --disable-pip-version-check "$KTLITE_INSTALL" \
-    || { echo "ktlite: could not install $KTLITE_INSTALL" >&2; exit 78; }
-  PY=/ktlite/venv/bin/python
-fi
+else
+"""
+    + UNPACK_SOURCE
+    + """fi
 exec "$PY" -m ktlite_server.boot
 """
 )
@@ -295,7 +297,8 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
         {"name": "KTLITE_BACKEND", "value": "kubernetes"},
         {"name": "KTLITE_PORT", "value": str(SERVER_PORT)},
         {"name": "KTLITE_PROCS", "value": str(max(gpus, 1))},
-        {"name": "KTLITE_INSTALL", "value": install},
+        # a pip spec the user asked to install instead of the shipped source (none by default)
+        *([{"name": "KTLITE_INSTALL", "value": install}] if install else []),
         {
             "name": "KTLITE_FREEZE",
             "value": "1" if spec.pod.freeze or (image is not None and image.freeze) else "0",
@@ -310,9 +313,6 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
         env.append({"name": "KTLITE_PYTHON", "value": image.python_path})
     if image is not None and image.install_cmd:
         env.append({"name": "KTLITE_PIP_CMD", "value": image.install_cmd})
-    steps = setup_steps(spec)
-    if steps:
-        env.append({"name": "KTLITE_SETUP", "value": json.dumps(steps)})
     env += [{"name": k, "value": v} for k, v in spec.pod.merged_env.items()]
     return env
 
@@ -378,6 +378,7 @@ def pod_template(
         "terminationGracePeriodSeconds": 15,
     }
     harden(pod, kube, token_secret_name(spec.name))
+    kube_boot.wire(pod, token_secret_name(spec.name), setup_steps(spec), token)
     give_pod(pod, spec, [p.name for p in parts(spec)], secrets)  # inactivity_ttl's
     if kube.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
         pod["affinity"] = {

@@ -73,17 +73,21 @@ def drop_stale_secrets(api: KubeApi, name: str, keep: set[str]) -> None:
 def apply_token_secret(
     api: KubeApi, secret: dict[str, Any], token: str, created: list[tuple[str, str]]
 ) -> bool:
-    """Create or update the token Secret; True if running pods may hold another token
-    (a missing Secret counts: its pods started with the deleted one's)."""
+    """Create or update the token Secret (the token, and the boot files of ``kube_boot``);
+    True if running pods may hold another token (a missing Secret counts: its pods started
+    with the deleted one's). Changed boot files alone do not count: the pods' spec names
+    their digests, so the pods that need them are replaced anyway."""
     current = api.get("Secret", secret["metadata"]["name"])
     if current is None:
         api.create(secret)
         created.append(("Secret", secret["metadata"]["name"]))
         return True
-    if decode_token(current) == token:
+    same_token = decode_token(current) == token
+    held = {k: v for k, v in (current.get("data") or {}).items() if k != "token"}
+    if same_token and held == (secret.get("data") or {}):
         return False
     api.replace(secret, current["metadata"]["resourceVersion"])
-    return True
+    return not same_token
 
 
 def decode_token(secret: dict[str, Any]) -> str | None:

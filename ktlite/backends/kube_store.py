@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from ktlite.backends import kube_boot
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_pods as kp
 from ktlite.backends.kube_api import KubeApi, KubeApiError
@@ -83,13 +84,17 @@ def render(
     (``KTLITE_STORE_MAX_BYTES``; default: the claim's size). ``run_as_user``: its pod's user
     (0: root, for a volume that ignores ``fsGroup``)."""
     meta = {"namespace": namespace, "labels": dict(LABELS)}
-    secret = {
+    secret: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
         "metadata": {**meta, "name": SECRET},
         "stringData": {"token": token if token is not None else km.TOKEN_PLACEHOLDER},
     }
+    boot = kube_boot.secret_data([], token)  # ktlite's source for the pod: placeholders in a plan
+    secret.update(
+        {"data": boot} if token is not None else {"stringData": {**secret["stringData"], **boot}}
+    )
     claim_spec: dict[str, Any] = {
         "accessModes": ["ReadWriteOnce"],
         "resources": {"requests": {"storage": size}},
@@ -107,7 +112,7 @@ def render(
         {"name": "KTLITE_STORE_MAX_BYTES", "value": str(max_bytes or parse_memory(size, "size"))},
         {"name": "KTLITE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KTLITE_PORT", "value": str(km.SERVER_PORT)},
-        {"name": "KTLITE_INSTALL", "value": install},
+        *([{"name": "KTLITE_INSTALL", "value": install}] if install else []),
         {"name": "KTLITE_FREEZE", "value": "0"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         *security_env(),  # the token's path, HOME
@@ -143,6 +148,7 @@ def render(
     }
     # the same non-root user and token file as a deployment's pods
     harden(pod, KubernetesOptions(run_as_user=run_as_user), SECRET)
+    kube_boot.wire(pod, SECRET, [], token)
     template = {"metadata": {"labels": dict(LABELS)}, "spec": pod}
     sts = {
         "apiVersion": "apps/v1",

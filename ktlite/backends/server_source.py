@@ -3,7 +3,7 @@
 The ssh backend ships ktlite's own source to its hosts and installs the pod server's
 dependencies there. The client never imports ``ktlite_server`` for that: it finds the package
 with :func:`importlib.util.find_spec` and reads the dependency list from
-``ktlite_server/sshlaunch.py`` as text (the one place it is written).
+``ktlite_server/packages.py`` as text (the one place it is written).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def client_root() -> Path:
 
 @cache
 def server_packages() -> tuple[str, ...]:
-    """``SERVER_PACKAGES`` of ``ktlite_server/sshlaunch.py``: the distributions the pod server
+    """``SERVER_PACKAGES`` of ``ktlite_server/packages.py``: the distributions the pod server
     needs on a host, read from the source without running it."""
-    path = server_root() / "sshlaunch.py"
+    path = server_root() / "packages.py"
     for node in ast.parse(path.read_text(), str(path)).body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "SERVER_PACKAGES" for t in node.targets

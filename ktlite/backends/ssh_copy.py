@@ -17,7 +17,6 @@ stream). Every error names the host (``host K (address):``).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import os
 import shlex
@@ -28,69 +27,21 @@ from typing import Any
 
 import asyncssh
 
-from ktlite.backends.server_source import client_root, server_packages, server_root, wire_root
+from ktlite.backends.server_source import server_packages
+from ktlite.backends.shipped_source import DIGEST, UNPACK, files_digest, source_bundle
 from ktlite.errors import DeployError
 
 COPY_TIMEOUT_S = 300.0
-
-# the digest of a directory tree, in the host's Python (which may lack ktlite) and here: every
-# regular file's path and SHA-256, sorted; anything else (a link, a fifo) makes it "!", which no
-# copy is named for. __pycache__ directories are the host Python's own and do not count.
-DIGEST = """\
-import hashlib, os, stat
-def tree_digest(root):
-    lines = []
-    for here, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(here, d))]:
-            path = os.path.join(here, name)
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
-            if not stat.S_ISREG(os.lstat(path).st_mode):
-                return "!"
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            lines.append(rel + "\\0" + h.hexdigest())
-    return hashlib.sha256("\\n".join(sorted(lines)).encode()).hexdigest()[:32]
-"""
-
-# run on the host by its Python: argv[1] the target directory, argv[2] a staging directory
-# beside it, argv[3] the digest the copy must have; the tar.gz arrives on stdin. A target that
-# is there already with another digest (changed, or cut short) is replaced.
-UNPACK = (
-    DIGEST
-    + """\
-import shutil, sys, tarfile
-target, staging = (os.path.expanduser(p) for p in sys.argv[1:3])
-want = sys.argv[3]
-os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-os.chmod(os.path.dirname(target), 0o700)
-try:
-    os.mkdir(staging, 0o700)
-    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|gz") as tar:
-        tar.extractall(staging, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    got = tree_digest(staging)
-    if got != want:
-        sys.exit(f"the copy unpacked with digest {got}, not the {want} it was sent with")
-    try:
-        os.rename(staging, target)
-    except OSError:  # there already: another host's copy (a shared home), or a spoilt one
-        if tree_digest(target) != want:
-            spoilt = staging + "-spoilt"
-            os.rename(target, spoilt)
-            os.rename(staging, target)
-            shutil.rmtree(spoilt, ignore_errors=True)
-finally:
-    shutil.rmtree(staging, ignore_errors=True)
-"""
-)
-
-
-def files_digest(files: list[tuple[str, bytes]]) -> str:
-    """:data:`DIGEST` of the tree that ``files`` ((path, content) pairs) unpack to."""
-    lines = [f"{name}\0{hashlib.sha256(data).hexdigest()}" for name, data in files]
-    return hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()[:32]
+__all__ = [
+    "DIGEST",
+    "UNPACK",
+    "files_digest",
+    "source_bundle",
+    "deps_bundle",
+    "deps_digest",
+    "upload",
+    "verify_code",
+]
 
 
 def verify_code(copies: dict[str, tuple[str, str]]) -> str:
@@ -132,23 +83,6 @@ async def upload(
         raise DeployError(
             f"{c.label}: {what} failed (exit {result.exit_status}): {err or 'no output'}"
         )
-
-
-def source_bundle() -> tuple[str, bytes]:
-    """ktlite's own source (client, server and wire packages) as a tar.gz, and its
-    :data:`DIGEST`: the hosts run exactly this client's code."""
-    files: list[tuple[str, bytes]] = []
-    for root in (client_root(), server_root(), wire_root()):
-        for path in sorted(root.rglob("*.py")):
-            if "__pycache__" not in path.parts:
-                files.append((f"{root.name}/{path.relative_to(root)}", path.read_bytes()))
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for name, data in files:
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-    return files_digest(files), buf.getvalue()
 
 
 def _closure(names: tuple[str, ...]) -> list[Any]:

@@ -1,8 +1,9 @@
 """``python -m ktlite_server.boot``: a Kubernetes pod's entry point.
 
-Runs the image's setup steps (``kt.Image.pip_install`` / ``run_bash``, JSON in
-``KTLITE_SETUP``), then execs the server, so the pod answers /health (and becomes ready)
-only once the steps are done.
+Runs the image's setup steps (``kt.Image.pip_install`` / ``run_bash``, JSON in the file
+``KTLITE_SETUP_FILE`` names, from the deployment's Secret), checks that the server's packages
+import, then execs the server, so the pod answers /health (and becomes ready) only once the
+steps are done.
 
 Caching, keyed by the steps' content hash: pip steps install into a venv on the pod's
 emptyDir (``/ktlite/venv``) that sees the image's own packages, and a marker file records
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite_server import logconfig
+from ktlite_server.packages import SERVER_PACKAGES, missing_in
 from ktlite_wire import privatefiles
 
 logger = logging.getLogger("ktlite_server.boot")  # not __name__: this module also runs as __main__
@@ -110,21 +112,57 @@ def run_steps(steps: list[list[Any]], state: Path) -> str:
     return python
 
 
+def _steps() -> list[list[Any]]:
+    """The image's setup steps: the file the deployment's Secret mounts, else the env (a pod
+    spec of an older client)."""
+    path = os.environ.get("KTLITE_SETUP_FILE")
+    steps: list[list[Any]]
+    if path:
+        with open(path, encoding="utf-8") as f:
+            steps = json.load(f)
+        return steps
+    steps = json.loads(os.environ.get("KTLITE_SETUP") or "[]")
+    return steps
+
+
+def check_packages(python: str) -> None:
+    """Exit 78 with what to do when ``python`` lacks a package the server needs: ktlite
+    ships its own code to the pods, not these, and asks no package index for them."""
+    missing = missing_in(python, {})
+    if not missing:
+        return
+    image = os.environ.get("KTLITE_IMAGE") or "this image"
+    listed = ", ".join(missing)
+    logger.error(
+        "the image %s lacks the pod server's packages %s (%s); ktlite ships its own code to "
+        "the pods but installs nothing from a package index unless asked: use an image that "
+        "has them (ktlite's images/Dockerfile builds one; or pip install %s in yours), or "
+        "add kt.Image(...).pip_install(%r) to install them from your index at pod start",
+        image,
+        listed,
+        python,
+        " ".join(SERVER_PACKAGES),
+        list(SERVER_PACKAGES),
+    )
+    sys.exit(SETUP_FAILED_EXIT)
+
+
 def main() -> None:
     logconfig.configure()
-    steps = json.loads(os.environ.get("KTLITE_SETUP") or "[]")
+    steps = _steps()
     python = sys.executable
     if steps and os.environ.get("KTLITE_FREEZE") != "1":
         state = Path(os.environ.get("KTLITE_STATE_DIR", "/ktlite"))
         privatefiles.make_dir(state)
         python = run_steps(steps, state)
         _say("done")
+    check_packages(python)
     argv = [
         python,
         "-m",
         "ktlite_server",
         "--host",
-        "0.0.0.0",
+        os.environ.get("KTLITE_HOST", "0.0.0.0"),
         "--port",
         os.environ.get("KTLITE_PORT", "32300"),
         "--procs",

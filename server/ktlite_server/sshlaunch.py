@@ -28,9 +28,9 @@ import venv
 from pathlib import Path
 from typing import Any
 
+from ktlite_server.packages import missing_in
 from ktlite_wire import privatefiles
 
-SERVER_PACKAGES = ("fastapi", "uvicorn", "httptools", "httpx", "cloudpickle")
 PORT_RANGE = (20000, 32000)
 
 
@@ -44,46 +44,18 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-def missing_here(pins: dict[str, str]) -> list[str]:
-    """The server's packages this Python cannot import, or has at another version than
-    pinned."""
-    import importlib.metadata
-    import importlib.util
-
-    def bad(package: str) -> bool:
-        if importlib.util.find_spec(package) is None:
-            return True
-        try:
-            return package in pins and importlib.metadata.version(package) != pins[package]
-        except importlib.metadata.PackageNotFoundError:
-            return True
-
-    return [p for p in SERVER_PACKAGES if bad(p)]
-
-
-def _missing(python: str, pins: dict[str, str]) -> list[str]:
-    """:func:`missing_here` for ``python`` (in this process when it is this Python)."""
-    if python == sys.executable:
-        return missing_here(pins)
-    code = "import json, sys; from ktlite_server.sshlaunch import missing_here; print(*missing_here(json.loads(sys.argv[1])))"
-    out = subprocess.run(
-        [python, "-c", code, json.dumps(pins)], capture_output=True, text=True, timeout=60
-    )
-    return out.stdout.split()
-
-
 def server_python(cache: Path, log: Any, pins: dict[str, str]) -> str:
     """This Python if the server's packages import in it (``pins``: at the client's version:
     cloudpickle's format changes between versions), else a cache venv that sees this
     Python's packages and gets the rest from the package index."""
-    missing = _missing(sys.executable, pins)
+    missing = missing_in(sys.executable, pins)
     if not missing:
         return sys.executable
     root = cache / f"venv-py{sys.version_info.major}.{sys.version_info.minor}"
     python = root / "bin" / "python"
     if not python.exists():
         venv.EnvBuilder(with_pip=True, system_site_packages=True, symlinks=True).create(root)
-    missing = _missing(str(python), pins)
+    missing = missing_in(str(python), pins)
     if missing:
         wanted = [
             f"{p}=={pins[p]}" if p in pins else "uvicorn[standard]" if p == "uvicorn" else p
