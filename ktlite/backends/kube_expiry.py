@@ -24,9 +24,9 @@ clients' sweep is what removes them.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -243,11 +243,7 @@ def drop_access(api: KubeApi, name: str) -> bool:
 
 
 def idleness(
-    api: KubeApi,
-    http: httpx.Client,
-    sts: dict[str, Any],
-    token: Callable[[], str | None],
-    port: int,
+    api: KubeApi, http: httpx.Client, sts: dict[str, Any], port: int
 ) -> dict[str, float | None]:
     """``idle_s`` and ``ttl_s`` of the deployment whose head StatefulSet is ``sts``: the TTL
     from its annotation, the idle time from pod 0's ``/health`` through the API server's pod
@@ -257,10 +253,10 @@ def idleness(
         ttl = float(raw) if raw else None
     except ValueError:
         ttl = None
-    secret = token() if ttl is not None else None
+    name = sts["metadata"]["labels"].get(NAME_LABEL, sts["metadata"]["name"])
+    secret = _token(api, name) if ttl is not None else None
     if secret is None:
         return {"idle_s": None, "ttl_s": ttl}
-    name = sts["metadata"]["labels"].get(NAME_LABEL, sts["metadata"]["name"])
     url = api.proxy_url(f"{name}-0", port) + "/health"
     try:
         resp = http.get(url, headers={TOKEN_HEADER: bearer(secret)}, timeout=10.0)
@@ -269,3 +265,12 @@ def idleness(
         logger.info("could not ask pod %s-0 how long it has been idle: %r", name, e)
         idle = None
     return {"idle_s": float(idle) if isinstance(idle, (int, float)) else None, "ttl_s": ttl}
+
+
+def _token(api: KubeApi, name: str) -> str | None:
+    """The deployment token, from its Secret (None where it is gone or unreadable)."""
+    data = (api.get("Secret", token_secret_name(name)) or {}).get("data") or {}
+    try:
+        return base64.b64decode(data["token"]).decode() if "token" in data else None
+    except ValueError:
+        return None

@@ -487,8 +487,7 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                 },
             )
             if sts["metadata"]["name"] == name:  # idle_s, ttl_s (inactivity_ttl)
-                secret = lambda n=name: ksec.decode_token(api.get("Secret", f"{n}-token") or {})  # noqa: E731
-                row.update(kexp.idleness(api, self._connect()[0], sts, secret, km.SERVER_PORT))
+                row.update(kexp.idleness(api, self._connect()[0], sts, km.SERVER_PORT))
             row["pods"] += sts["spec"].get("replicas", 0)
             row["ready"] += (sts.get("status") or {}).get("readyReplicas", 0)
         return [*rows.values(), *self._served_rows(api)]

@@ -30,7 +30,7 @@ from ktlite_server.app import create_app
 from ktlite_server.connections import Limits, guarded
 from ktlite_server.inactivity import Inactivity
 from ktlite_server.pod import Pod
-from ktlite_server.selfteardown import SelfTeardown
+from ktlite_server.selfteardown import PATHS_ENV, SelfTeardown
 from ktlite_wire import privatefiles
 
 logger = logging.getLogger(
@@ -181,6 +181,9 @@ def main() -> None:
     )
     server = uvicorn.Server(config)
     inactivity = None
+    # read (default of --inactivity-ttl, SelfTeardown.from_env), and not handed to the ranks: a
+    # deployment a rank starts (a local one) is not this one and has no TTL of its own
+    os.environ.pop("KTLITE_INACTIVITY_TTL", None)
     if args.inactivity_ttl:
         pod.inactivity_ttl = args.inactivity_ttl
         kubernetes = os.environ.get("KTLITE_BACKEND") == "kubernetes"
@@ -191,6 +194,7 @@ def main() -> None:
             kubernetes=kubernetes,
             teardown=SelfTeardown.from_env() if kubernetes else None,
         )
+    os.environ.pop(PATHS_ENV, None)
 
     async def run_server() -> None:
         loop = asyncio.get_running_loop()
