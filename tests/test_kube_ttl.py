@@ -23,6 +23,7 @@ from ktlite.backends import kube_expiry as kexp
 from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.commands import expiry_cli
+from ktlite.errors import DeployError
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_server.selfteardown import SelfTeardown, TeardownError
 
@@ -309,3 +310,13 @@ def test_the_sweep_tears_down_what_expired_only() -> None:
     assert removed == ["old"] and said[-1] == "old: torn down (idle 1m01s, inactivity_ttl 1m00s)"
     assert expiry_cli.columns(rows[1]) == ("0s", "in 1m00s")
     assert expiry_cli.columns(rows[0]) == ("1m01s", "expired")
+
+
+def test_an_account_without_rights_on_service_accounts_deploys_without_a_ttl(
+    cluster: Cluster,
+) -> None:
+    cluster.fake.fail_next("*", "/serviceaccounts", status=403, reason="Forbidden", times=10)
+    cluster.backend.apply(spec("plain", ttl=None), TOKEN)  # never needs them
+    assert cluster.names("statefulsets") == ["plain"]
+    with pytest.raises(DeployError, match="verbs get, create, update, delete on serviceaccounts"):
+        cluster.backend.apply(spec("idle"), TOKEN)

@@ -194,11 +194,17 @@ def apply_access(
     Role and RoleBinding owned by the ServiceAccount), update a Role whose rules changed, or
     delete them where the deployment no longer deletes itself. Before the StatefulSets."""
     wanted = [o for o in objects if o["kind"] in KINDS]
+    if not wanted:  # one made by a deploy with a TTL goes
+        try:
+            stale = api.get("ServiceAccount", access_name(name)) is not None
+        except KubeApiError as e:
+            if e.status != 403:
+                raise
+            stale = False  # an account without the rights: no deploy of it made one
+        if stale:
+            drop_access(api, name)
+        return
     try:
-        if not wanted:
-            if api.get("ServiceAccount", access_name(name)) is not None:
-                drop_access(api, name)
-            return
         account = api.get("ServiceAccount", access_name(name))
         if account is None:
             account = api.create(wanted[0])
