@@ -74,7 +74,8 @@ def answers(port: int, timeout: float = 2.0) -> bool:
 
 def idleness(port: int, token: str, timeout: float = 2.0) -> dict[str, float | None]:
     """``idle_s`` and ``ttl_s`` (its inactivity_ttl) as a local pod's server reports them on
-    ``GET /health`` (``ktlite list``'s IDLE and DEADLINE); None where it does not answer."""
+    ``GET /health`` (``ktlite list``'s IDLE and DEADLINE); nothing for a server without a
+    TTL (as on Kubernetes), None where it does not answer."""
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -86,6 +87,8 @@ def idleness(port: int, token: str, timeout: float = 2.0) -> dict[str, float | N
         body = {}
     finally:
         conn.close()
+    if body and body.get("inactivity_ttl") is None:
+        return {}
     return {"idle_s": body.get("idle_s"), "ttl_s": body.get("inactivity_ttl")}
 
 
