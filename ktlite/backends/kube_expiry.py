@@ -265,7 +265,7 @@ def idleness(
         return {"idle_s": None, "ttl_s": ttl}
     url = api.proxy_url(f"{name}-0", port) + "/health"
     try:
-        resp = http.get(url, headers={TOKEN_HEADER: bearer(secret)}, timeout=10.0)
+        resp = http.get(url, headers={TOKEN_HEADER: bearer(secret)}, timeout=5.0)
         idle = resp.json().get("idle_s") if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as e:
         logger.info("could not ask pod %s-0 how long it has been idle: %r", name, e)
