@@ -92,6 +92,10 @@ else
 """
     + UNPACK_SOURCE
     + """fi
+if [ -z "$KTLITE_WORKDIR" ] && [ ! -w . ]; then
+  echo "ktlite: the image's working directory $PWD is not writable by user $(id -u): user code runs in $HOME (Compute(working_dir=...) names another)"
+  export KTLITE_WORKDIR="$HOME"
+fi
 exec "$PY" -m ktlite_server.boot
 """
 )
@@ -372,6 +376,7 @@ def pod_template(
         container["imagePullPolicy"] = kube.image_pull_policy
     if pod_spec.working_dir:
         container["workingDir"] = pod_spec.working_dir
+        container["env"].append({"name": "KTLITE_WORKDIR", "value": pod_spec.working_dir})
     pod: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
