@@ -86,6 +86,7 @@ PARTS: dict[str, tuple[str, ...]] = {
                 "volume_outlives_the_pod_and_teardown_volumes_deletes_it",
             )
         ),
+        "test_ttl_cluster.py",
     ),
 }
 PART_FILES = {

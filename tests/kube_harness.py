@@ -23,6 +23,12 @@ unschedulable, as on a small real cluster; a pod whose ``KTLITE_INSTALL`` names 
 ``*does-not-exist*`` package exits 78 and crash-loops, as the bootstrap does in an image
 without ktlite that cannot install it.
 
+A pod with a projected ServiceAccount token gets one the fake issued for its account, which
+the fake authorizes by the account's Roles (``kube_rbac``); pods reach the API server at
+``KTLITE_KUBE_API`` (this stand-in's address), or, with ``KTLITE_HARNESS_POD_API=unreachable``,
+do not (an address that swallows connections, as the ``kubernetes`` Service's does on a
+cluster without kube-proxy).
+
 ``KTLITE_HARNESS_KNATIVE=1`` makes it a cluster with Knative Serving (``kube_fake``'s ``knative``),
 ``KTLITE_HARNESS_CUSTOM_METRICS=1`` one with a custom metrics adapter.
 
@@ -87,6 +93,10 @@ class Pods:
         self.mount_points = MountPoints()  # made on this machine, shared with other stand-ins
         self.lock = threading.Lock()
         self.ips = itertools.count(10)
+        # where pods reach the API server: this stand-in's (serve() sets it), or, with
+        # KTLITE_HARNESS_POD_API=unreachable, an address that swallows connections, as the
+        # `kubernetes` Service's address does on a cluster without kube-proxy
+        self.api_url = ""
         # each stand-in its own 127.X.0.0/16 (X from its pid): two stand-ins of one test run
         # (xdist workers) would otherwise both find an address free and then race for it
         self.net = f"127.{os.getpid() % 253 + 1}"
@@ -197,6 +207,7 @@ class Pods:
         pod_env = self._env(pod, ip)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
         env.update(pod_env)
+        env["KTLITE_KUBE_API"] = self.api_url  # the API server as pods reach it (or do not)
         # as in the real cluster's image (Debian's Python 3.11.2): a tarfile without extraction
         # filters, in the server and every process it starts (they inherit PYTHONPATH)
         old_tarfile = str(Path(__file__).resolve().parent / "old_tarfile")
@@ -290,40 +301,23 @@ class Pods:
         mode) under DIR/secret-volumes/<pod uid>/, then bind-mounted read-only, one file per
         ``subPath`` mount. ``home`` (the pod's HOME) gets a fresh tmpfs first (a container's
         own home), so nothing is written into this machine's."""
-        # each volume's Secrets: a secret volume's one, a projected volume's sources
-        volumes: dict[str, list[tuple[dict[str, Any], int]]] = {}
-        for v in pod["spec"].get("volumes", []):
-            if "secret" in v:
-                ref = {**v["secret"], "name": v["secret"]["secretName"]}
-                volumes[v["name"]] = [(ref, v["secret"].get("defaultMode", 0o644))]
-            elif "projected" in v:
-                mode = v["projected"].get("defaultMode", 0o644)
-                volumes[v["name"]] = [
-                    (s["secret"], mode) for s in v["projected"]["sources"] if "secret" in s
-                ]
+        volumes = self._volume_files(pod)
         wanted = [
             m for m in pod["spec"]["containers"][0].get("volumeMounts", []) if m["name"] in volumes
         ]
         if not wanted and not home:
             return []
         base = self.root / "secret-volumes" / pod["metadata"]["uid"]
-        for name, refs in volumes.items():
+        for name, files in volumes.items():
             (base / name).mkdir(parents=True, exist_ok=True)
-            for ref, default_mode in refs:
-                secret = self._secret(ref["name"])
-                if not secret and ref.get("optional"):
-                    continue  # an optional Secret that is not there: no files
-                data = secret.get("data") or {}
-                items = ref.get("items") or [{"key": k, "path": k} for k in data]
-                for item in items:
-                    target = base / name / item["path"]
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(base64.b64decode(data[item["key"]]))
-                    mode = item.get("mode", default_mode)
-                    if user is not None:  # the kubelet's fsGroup: the group's, group-readable
-                        os.chown(target, -1, user[2])
-                        mode |= 0o440
-                    target.chmod(mode)
+            for rel, (content, mode) in files.items():
+                target = base / name / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+                if user is not None:  # the kubelet's fsGroup: the group's, and group-readable
+                    os.chown(target, -1, user[2])
+                    mode |= 0o440
+                target.chmod(mode)
         commands = []
         if home:
             # what this machine runs from stays (a pyenv Python under /root): bound aside first,
@@ -359,6 +353,47 @@ class Pods:
                 f"mount -o remount,bind,ro {path}",
             ]
         return commands
+
+    def _volume_files(self, pod: dict[str, Any]) -> dict[str, dict[str, tuple[bytes, int]]]:
+        """Each secret or projected volume's files: path -> (content, mode). A projected
+        Secret's (optional: an absent one gives none), a projected ServiceAccount token is one the fake issued for the pod's account (none if that
+        account does not exist); the cluster's CA a placeholder (the API here is plain HTTP)."""
+        out: dict[str, dict[str, tuple[bytes, int]]] = {}
+        for v in pod["spec"].get("volumes", []):
+            if "secret" in v:
+                vol = v["secret"]
+                data = self._secret(vol["secretName"]).get("data") or {}  # may be absent
+                items = vol.get("items") or [{"key": k, "path": k} for k in data]
+                out[v["name"]] = {
+                    item["path"]: (
+                        base64.b64decode(data[item["key"]]),
+                        item.get("mode", vol.get("defaultMode", 0o644)),
+                    )
+                    for item in items
+                }
+            elif "projected" in v:
+                vol, files = v["projected"], {}
+                mode = vol.get("defaultMode", 0o644)
+                for source in vol.get("sources", []):
+                    if "serviceAccountToken" in source:
+                        account = pod["spec"].get("serviceAccountName", "default")
+                        found = self.fake._store.get(("serviceaccounts", NAMESPACE, account))
+                        if found is not None:  # the store itself, as _secret reads it
+                            token = self.fake.accounts.issue(
+                                NAMESPACE, account, found["metadata"]["uid"]
+                            )
+                            files[source["serviceAccountToken"]["path"]] = (token.encode(), mode)
+                    for item in (source.get("configMap") or {}).get("items", []):
+                        files[item["path"]] = (b"# the stand-in's API is plain HTTP\n", mode)
+                    ref = source.get("secret")
+                    if ref is not None:  # an optional one that is not there gives no files
+                        data = self._secret(ref["name"]).get("data") or {}
+                        for item in ref.get("items") or [{"key": k, "path": k} for k in data]:
+                            if item["key"] in data:
+                                content = base64.b64decode(data[item["key"]])
+                                files[item["path"]] = (content, item.get("mode", mode))
+                out[v["name"]] = files
+        return out
 
     def _pump(self, proc: subprocess.Popen[bytes], name: str) -> None:
         assert proc.stdout is not None
@@ -449,18 +484,18 @@ def _as(user: tuple[int, int, int] | None) -> str:
     )
 
 
-def _black_hole(ip: str) -> tuple[socket.socket, socket.socket]:
+def _black_hole(ip: str, port: int = SERVER_PORT) -> tuple[socket.socket, socket.socket]:
     """Make a gone pod's address swallow connection attempts instead of refusing them, as a
     deleted pod's IP does on a real cluster (nothing answers there, not even with a reset): a
     listener that never accepts, its one-slot backlog taken, so the kernel drops new SYNs."""
     hole = socket.socket()
     hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    hole.bind((ip, SERVER_PORT))
+    hole.bind((ip, port))
     hole.listen(0)
     filler = socket.socket()
     filler.setblocking(False)
     with contextlib.suppress(BlockingIOError):
-        filler.connect((ip, SERVER_PORT))
+        filler.connect(hole.getsockname())
     return hole, filler  # closing either one opens the address again
 
 
@@ -672,6 +707,11 @@ def serve(root: Path) -> None:
 
     server = Server(("127.0.0.1", 0), Bridge)
     port = server.server_address[1]
+    pods.api_url = f"http://127.0.0.1:{port}"
+    if os.environ.get("KTLITE_HARNESS_POD_API") == "unreachable":
+        hole = _black_hole("127.0.0.1", 0)
+        pods.holes.append(hole)
+        pods.api_url = f"http://127.0.0.1:{hole[0].getsockname()[1]}"
     tmp = root / "kubeconfig.tmp"
     tmp.write_text(f"""apiVersion: v1
 kind: Config

@@ -26,6 +26,7 @@ from typing import Any
 from ktlite.backends import kube_boot
 from ktlite.backends.kube_boot import UNPACK_SOURCE
 from ktlite.backends.kube_deps import UNPACK_DEPS
+from ktlite.backends.kube_expiry import give_pod
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
     HASH_ANNOTATION,
@@ -385,6 +386,7 @@ def pod_template(
     }
     harden(pod, kube, token_secret_name(spec.name))
     kube_boot.wire(pod, token_secret_name(spec.name), setup_steps(spec), token)
+    give_pod(pod, spec, [p.name for p in parts(spec)], secrets)  # inactivity_ttl's
     if kube.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
         pod["affinity"] = {
             "nodeAffinity": {

@@ -68,6 +68,9 @@ KINDS = (
     "services",
     "secrets",
     "networkpolicies",
+    "serviceaccounts",  # with the Role and RoleBinding: a deployment with an inactivity_ttl
+    "roles",
+    "rolebindings",
     "pods",
     "persistentvolumeclaims",
 )
@@ -181,6 +184,7 @@ class Kube:
         self.storage = client.StorageV1Api(self.api)
         self.networking = client.NetworkingV1Api(self.api)
         self.autoscaling = client.AutoscalingV2Api(self.api)
+        rbac = client.RbacAuthorizationV1Api(self.api)
         ns, core, apps, net, scaling = (
             self.namespace,
             self.core,
@@ -201,6 +205,9 @@ class Kube:
                 ns, **kw
             ),
             "networkpolicies": lambda **kw: net.list_namespaced_network_policy(ns, **kw),
+            "serviceaccounts": lambda **kw: core.list_namespaced_service_account(ns, **kw),
+            "roles": lambda **kw: rbac.list_namespaced_role(ns, **kw),
+            "rolebindings": lambda **kw: rbac.list_namespaced_role_binding(ns, **kw),
         }
         self._delete = {
             "horizontalpodautoscalers": lambda n, **kw: (
@@ -215,6 +222,9 @@ class Kube:
                 core.delete_namespaced_persistent_volume_claim(n, ns, **kw)
             ),
             "networkpolicies": lambda n, **kw: net.delete_namespaced_network_policy(n, ns, **kw),
+            "serviceaccounts": lambda n, **kw: core.delete_namespaced_service_account(n, ns, **kw),
+            "roles": lambda n, **kw: rbac.delete_namespaced_role(n, ns, **kw),
+            "rolebindings": lambda n, **kw: rbac.delete_namespaced_role_binding(n, ns, **kw),
         }
 
     def close(self) -> None:
