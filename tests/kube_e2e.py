@@ -43,6 +43,7 @@ PARTS: dict[str, tuple[str, ...]] = {
             for t in (
                 "single_call_returns_value_from_pod_0",
                 "pods_run_as_non_root_and_user_code_cannot_read_the_token_from_any_environment",
+                "an_image_with_only_python_gets_ktlite_and_its_packages_from_the_client",
                 "gloo_all_reduce_across_two_pods",
                 "uneven_pods_1_and_2_ranks_all_reduce",
                 "rank_error_keeps_its_type_and_the_finished_results",
@@ -85,6 +86,7 @@ PARTS: dict[str, tuple[str, ...]] = {
                 "volume_outlives_the_pod_and_teardown_volumes_deletes_it",
             )
         ),
+        "test_ttl_cluster.py",
     ),
 }
 PART_FILES = {

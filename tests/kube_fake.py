@@ -29,12 +29,15 @@ What it simulates, with the JSON shapes a v1.31 API server returns:
   below (``ready()``, ``unschedulable()``, ``crash_loop()``...) build the pod ``status`` exactly
   as a real cluster reports it, plus the events and log text that go with it. A script may be a
   list of ``(after_seconds, PodState)`` steps timed from pod creation on the injected clock.
+* ServiceAccounts, Roles and RoleBindings (stored), and RBAC for the tokens
+  ``service_account_token`` issues (``kube_rbac``: a Role's ``resourceNames`` hold); the
+  fake's own token is an administrator's.
 * Pod logs (``tailLines``, ``limitBytes``, ``previous``, ``container``, ``follow``) served with
   the kubelet's rules for which container's log a request gets, pod proxy delegated to
   ``proxy_handlers[(pod, port)]``, bearer-token auth, error injection, request recording.
 
 What it does not do: watches, ``limit``/``continue`` paging, other resources or subresources
-(``/status`` is GET only), RBAC, admission beyond the checks above, JSON patch (RFC 6902),
+(``/status`` is GET only), ClusterRoles, admission beyond the checks above, JSON patch (RFC 6902),
 field managers (apply is a strategic merge that may create), the full strategic-merge-patch
 rules (lists merge by ``name``/``mountPath``/``containerPort``/``port`` only), ControllerRevisions,
 finalizers (Foreground/Orphan deletion completes at once; a claim deleted while a pod mounts
@@ -60,6 +63,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import httpx
+import kube_rbac
 
 Obj = dict[str, Any]
 ProxyHandler = Callable[[httpx.Request], httpx.Response]
@@ -72,6 +76,9 @@ _RESOURCES: dict[str, tuple[str, str]] = {  # plural -> (apiVersion, kind)
     "events": ("v1", "Event"),
     "statefulsets": ("apps/v1", "StatefulSet"),
     "networkpolicies": ("networking.k8s.io/v1", "NetworkPolicy"),
+    "serviceaccounts": ("v1", "ServiceAccount"),
+    "roles": ("rbac.authorization.k8s.io/v1", "Role"),
+    "rolebindings": ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     "deployments": ("apps/v1", "Deployment"),
     "horizontalpodautoscalers": ("autoscaling/v2", "HorizontalPodAutoscaler"),
     "ksvc": ("serving.knative.dev/v1", "Service"),  # Knative's; served only with knative=True
@@ -827,6 +834,7 @@ class FakeKube(httpx.BaseTransport):
             str, dict[str, int]
         ] = {}  # ksvc uid -> template hash -> revision number
         self.token = token
+        self.accounts = kube_rbac.ServiceAccountTokens()
         self.namespaces = tuple(namespaces)
         self.pod_behavior = pod_behavior
         self.clock = clock
@@ -872,6 +880,15 @@ class FakeKube(httpx.BaseTransport):
             obj = copy.deepcopy(self._create(self._resource(kind), ns, body))
             self._tick()
             return obj
+
+    def service_account_token(self, ns: str, name: str) -> str | None:
+        """A token for ServiceAccount ``name`` (None if there is none), as the kubelet
+        projects into a pod: the API server authorizes it by the account's Roles."""
+        with self.lock:
+            account = self._store.get(("serviceaccounts", ns, name))
+            if account is None:
+                return None
+            return self.accounts.issue(ns, name, account["metadata"]["uid"])
 
     def set_pod_script(self, pod_name: str, script: PodScript, ns: str | None = None) -> None:
         """Script this pod name from now on, the live pod (timed from now) and any re-creation
@@ -979,11 +996,15 @@ class FakeKube(httpx.BaseTransport):
             self.requests.append(
                 RecordedRequest(request.method, path, query, body, dict(request.headers), content)
             )
-            if (
-                self.token is not None
-                and request.headers.get("authorization") != f"Bearer {self.token}"
-            ):
-                return _json(401, status_body(401, "Unauthorized", "Unauthorized"))
+            auth = request.headers.get("authorization")
+            if self.token is not None and auth != f"Bearer {self.token}":
+                account = self.accounts.who(auth)  # a ServiceAccount's token: RBAC decides
+                live = account and self._store.get(("serviceaccounts", account[0], account[1]))
+                if not account or not live or live["metadata"]["uid"] != account[2]:
+                    return _json(401, status_body(401, "Unauthorized", "Unauthorized"))
+                denied = kube_rbac.forbidden(self._store, account, request.method, path)
+                if denied is not None:
+                    return _json(403, status_body(403, "Forbidden", denied))
             for failure in self._failures:
                 if failure.method in ("*", request.method) and failure.path.search(path):
                     failure.times -= 1

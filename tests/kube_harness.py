@@ -13,14 +13,21 @@ machine runs from stays visible), as the user its securityContext names (``setpr
 uid and gid, the fsGroup as a supplementary group that owns its volumes and group-reads its
 Secret files, no capabilities, no new privileges; a fresh /root it may pass through), running
 its container's own command (the real bootstrap) with an image's Python that has the server's
-packages but no ktlite (``image_python``, first on PATH), so it runs the source the client
-shipped in the token Secret, and reported Ready once it accepts
+packages but no ktlite (``image_python``, first on PATH; for an image named
+``*no-server-packages*`` a Python with nothing installed), so it runs the source (and then the
+packages) the client shipped in Secrets, and reported Ready once it accepts
 connections (a pod whose readinessProbe asks another path, a served replica's
 ``/health?ready=1``, while that path answers 200). The pod proxy forwards to it; its output becomes the pod log; deleting the pod
 stops it. Images named ``*does-not-exist*`` fail to pull and CPU requests above 64 cores are
 unschedulable, as on a small real cluster; a pod whose ``KTLITE_INSTALL`` names a
 ``*does-not-exist*`` package exits 78 and crash-loops, as the bootstrap does in an image
 without ktlite that cannot install it.
+
+A pod with a projected ServiceAccount token gets one the fake issued for its account, which
+the fake authorizes by the account's Roles (``kube_rbac``); pods reach the API server at
+``KTLITE_KUBE_API`` (this stand-in's address), or, with ``KTLITE_HARNESS_POD_API=unreachable``,
+do not (an address that swallows connections, as the ``kubernetes`` Service's does on a
+cluster without kube-proxy).
 
 ``KTLITE_HARNESS_KNATIVE=1`` makes it a cluster with Knative Serving (``kube_fake``'s ``knative``),
 ``KTLITE_HARNESS_CUSTOM_METRICS=1`` one with a custom metrics adapter.
@@ -86,6 +93,10 @@ class Pods:
         self.mount_points = MountPoints()  # made on this machine, shared with other stand-ins
         self.lock = threading.Lock()
         self.ips = itertools.count(10)
+        # where pods reach the API server: this stand-in's (serve() sets it), or, with
+        # KTLITE_HARNESS_POD_API=unreachable, an address that swallows connections, as the
+        # `kubernetes` Service's address does on a cluster without kube-proxy
+        self.api_url = ""
         # each stand-in its own 127.X.0.0/16 (X from its pid): two stand-ins of one test run
         # (xdist workers) would otherwise both find an address free and then race for it
         self.net = f"127.{os.getpid() % 253 + 1}"
@@ -96,6 +107,7 @@ class Pods:
             transport=httpx.HTTPTransport(socket_options=nodelay, verify=False),
         )
         self.image_python = image_python.make(root / "image", seen_at=IMAGE_PYTHON)
+        self.bare_python = image_python.make(root / "bare-image", server_packages=False)
         threading.Thread(target=self._reap, daemon=True).start()
 
     def behavior(self, pod: dict[str, Any]) -> kf.PodScript:
@@ -196,6 +208,7 @@ class Pods:
         pod_env = self._env(pod, ip)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
         env.update(pod_env)
+        env["KTLITE_KUBE_API"] = self.api_url  # the API server as pods reach it (or do not)
         # as in the real cluster's image (Debian's Python 3.11.2): a tarfile without extraction
         # filters, in the server and every process it starts (they inherit PYTHONPATH)
         old_tarfile = str(Path(__file__).resolve().parent / "old_tarfile")
@@ -234,7 +247,10 @@ class Pods:
         mounts.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
         # the image: a Python with the server's packages and no ktlite, first on PATH
         self._mount_point(Path(IMAGE_PYTHON))
-        mounts.append(f"mount --bind {shlex.quote(str(self.image_python))} {IMAGE_PYTHON}")
+        image = self.image_python
+        if "no-server-packages" in pod["spec"]["containers"][0].get("image", ""):
+            image = self.bare_python  # an image with a Python and nothing else
+        mounts.append(f"mount --bind {shlex.quote(str(image))} {IMAGE_PYTHON}")
         env["PATH"] = f"{IMAGE_PYTHON}/bin:{env.get('PATH', os.defpath)}"
         # the state emptyDir, and the pod's own address for the server to bind
         self._mount_point(Path(STATE_DIR))
@@ -286,24 +302,19 @@ class Pods:
         mode) under DIR/secret-volumes/<pod uid>/, then bind-mounted read-only, one file per
         ``subPath`` mount. ``home`` (the pod's HOME) gets a fresh tmpfs first (a container's
         own home), so nothing is written into this machine's."""
-        volumes = {v["name"]: v["secret"] for v in pod["spec"].get("volumes", []) if "secret" in v}
+        volumes = self._volume_files(pod)
         wanted = [
             m for m in pod["spec"]["containers"][0].get("volumeMounts", []) if m["name"] in volumes
         ]
         if not wanted and not home:
             return []
         base = self.root / "secret-volumes" / pod["metadata"]["uid"]
-        for name, vol in volumes.items():
-            data = (
-                self._secret(vol["secretName"]).get("data") or {}
-            )  # optional: may be absent or empty
+        for name, files in volumes.items():
             (base / name).mkdir(parents=True, exist_ok=True)
-            items = vol.get("items") or [{"key": k, "path": k} for k in data]
-            for item in items:
-                target = base / name / item["path"]
+            for rel, (content, mode) in files.items():
+                target = base / name / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(base64.b64decode(data[item["key"]]))
-                mode = item.get("mode", vol.get("defaultMode", 0o644))
+                target.write_bytes(content)
                 if user is not None:  # the kubelet's fsGroup: the group's, and group-readable
                     os.chown(target, -1, user[2])
                     mode |= 0o440
@@ -343,6 +354,47 @@ class Pods:
                 f"mount -o remount,bind,ro {path}",
             ]
         return commands
+
+    def _volume_files(self, pod: dict[str, Any]) -> dict[str, dict[str, tuple[bytes, int]]]:
+        """Each secret or projected volume's files: path -> (content, mode). A projected
+        Secret's (optional: an absent one gives none), a projected ServiceAccount token is one the fake issued for the pod's account (none if that
+        account does not exist); the cluster's CA a placeholder (the API here is plain HTTP)."""
+        out: dict[str, dict[str, tuple[bytes, int]]] = {}
+        for v in pod["spec"].get("volumes", []):
+            if "secret" in v:
+                vol = v["secret"]
+                data = self._secret(vol["secretName"]).get("data") or {}  # may be absent
+                items = vol.get("items") or [{"key": k, "path": k} for k in data]
+                out[v["name"]] = {
+                    item["path"]: (
+                        base64.b64decode(data[item["key"]]),
+                        item.get("mode", vol.get("defaultMode", 0o644)),
+                    )
+                    for item in items
+                }
+            elif "projected" in v:
+                vol, files = v["projected"], {}
+                mode = vol.get("defaultMode", 0o644)
+                for source in vol.get("sources", []):
+                    if "serviceAccountToken" in source:
+                        account = pod["spec"].get("serviceAccountName", "default")
+                        found = self.fake._store.get(("serviceaccounts", NAMESPACE, account))
+                        if found is not None:  # the store itself, as _secret reads it
+                            token = self.fake.accounts.issue(
+                                NAMESPACE, account, found["metadata"]["uid"]
+                            )
+                            files[source["serviceAccountToken"]["path"]] = (token.encode(), mode)
+                    for item in (source.get("configMap") or {}).get("items", []):
+                        files[item["path"]] = (b"# the stand-in's API is plain HTTP\n", mode)
+                    ref = source.get("secret")
+                    if ref is not None:  # an optional one that is not there gives no files
+                        data = self._secret(ref["name"]).get("data") or {}
+                        for item in ref.get("items") or [{"key": k, "path": k} for k in data]:
+                            if item["key"] in data:
+                                content = base64.b64decode(data[item["key"]])
+                                files[item["path"]] = (content, item.get("mode", mode))
+                out[v["name"]] = files
+        return out
 
     def _pump(self, proc: subprocess.Popen[bytes], name: str) -> None:
         assert proc.stdout is not None
@@ -433,18 +485,18 @@ def _as(user: tuple[int, int, int] | None) -> str:
     )
 
 
-def _black_hole(ip: str) -> tuple[socket.socket, socket.socket]:
+def _black_hole(ip: str, port: int = SERVER_PORT) -> tuple[socket.socket, socket.socket]:
     """Make a gone pod's address swallow connection attempts instead of refusing them, as a
     deleted pod's IP does on a real cluster (nothing answers there, not even with a reset): a
     listener that never accepts, its one-slot backlog taken, so the kernel drops new SYNs."""
     hole = socket.socket()
     hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    hole.bind((ip, SERVER_PORT))
+    hole.bind((ip, port))
     hole.listen(0)
     filler = socket.socket()
     filler.setblocking(False)
     with contextlib.suppress(BlockingIOError):
-        filler.connect((ip, SERVER_PORT))
+        filler.connect(hole.getsockname())
     return hole, filler  # closing either one opens the address again
 
 
@@ -656,6 +708,11 @@ def serve(root: Path) -> None:
 
     server = Server(("127.0.0.1", 0), Bridge)
     port = server.server_address[1]
+    pods.api_url = f"http://127.0.0.1:{port}"
+    if os.environ.get("KTLITE_HARNESS_POD_API") == "unreachable":
+        hole = _black_hole("127.0.0.1", 0)
+        pods.holes.append(hole)
+        pods.api_url = f"http://127.0.0.1:{hole[0].getsockname()[1]}"
     tmp = root / "kubeconfig.tmp"
     tmp.write_text(f"""apiVersion: v1
 kind: Config

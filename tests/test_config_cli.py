@@ -370,8 +370,11 @@ def test_list_and_teardown_all_asks_first(
         code, out, _ = main(capsys, "list")
         assert code == 0
         header, *rows = out.splitlines()
-        assert header.split() == ["NAME", "BACKEND", "NAMESPACE", "READY", "MODE", "DETACHED"]
-        assert [r.split()[:5] for r in rows] == [[name, "local", "-", "1/1", "pods"]]
+        assert header.split() == [
+            *("NAME", "BACKEND", "NAMESPACE", "READY", "MODE", "DETACHED", "IDLE", "DEADLINE")
+        ]
+        # no inactivity_ttl: no idle time or deadline to show
+        assert [r.split() for r in rows] == [[name, "local", "-", "1/1", "pods", "False", "-", "-"]]
 
         monkeypatch.setattr("sys.stdin", Terminal("n\n"))  # a user at a terminal answers n
         code, out, _ = main(capsys, "teardown", "--all")

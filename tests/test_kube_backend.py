@@ -29,6 +29,7 @@ import pytest
 import ktlite as kt
 from ktlite import config
 from ktlite.api.remote import RemoteFunction
+from ktlite.backends import kube_deps
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.base import Plan
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
@@ -90,7 +91,13 @@ class Cluster:
         )
 
     def names(self, kind: str) -> list[str]:
-        return [o["metadata"]["name"] for o in self.fake.objects(kind)]
+        """The names of ``kind`` there, but the namespace's shared cache of the server's
+        packages (``kube_deps``: no deployment's own)."""
+        return [
+            o["metadata"]["name"]
+            for o in self.fake.objects(kind)
+            if kube_deps.DEPS_LABEL not in (o["metadata"].get("labels") or {})
+        ]
 
     def pods(self) -> dict[str, dict[str, Any]]:
         return {p["metadata"]["name"]: p for p in self.fake.objects("pods")}
@@ -172,6 +179,9 @@ def test_apply_creates_labelled_objects_and_waits_for_ready_pods(cluster: Cluste
     for kind in ("secrets", "services", "statefulsets", "persistentvolumeclaims", "pods"):
         for obj in cluster.fake.objects(kind):
             labels = obj["metadata"]["labels"]
+            if kube_deps.DEPS_LABEL in labels:  # the namespace's, not the deployment's
+                assert labels["app.kubernetes.io/managed-by"] == "ktlite", labels
+                continue
             assert labels[km.NAME_LABEL] == NAME, (kind, labels)
             if kind != "pods":
                 assert labels["app.kubernetes.io/managed-by"] == "ktlite", (kind, labels)

@@ -21,8 +21,9 @@ import httpx
 import image_python
 import pytest
 
-from ktlite.backends import kube_boot
+from ktlite.backends import kube_boot, kube_deps, shipped_source
 from ktlite.backends.kube_pod_template import BOOTSTRAP
+from ktlite.backends.server_source import server_packages
 
 START_S = 90.0
 DEAD_INDEX = "http://127.0.0.1:9/simple"  # nothing listens: any index request fails at once
@@ -180,3 +181,40 @@ def test_the_setup_steps_travel_in_the_secret() -> None:
     assert "s3cret" not in digest and digest != kube_boot.setup_digest(steps, "b-token")
     plan = kube_boot.secret_data(steps, None)
     assert "s3cret" not in json.dumps(plan) and "1 setup step" in plan[kube_boot.SETUP_KEY]
+
+
+def _ship_packages(tmp_path: Path, env: dict[str, str]) -> None:
+    """The ktlite-deps Secrets' files, as the pod's projected volume holds them."""
+    parts = tmp_path / "deps"
+    parts.mkdir()
+    for i, part in enumerate(kube_deps._parts()):
+        (parts / f"part-{i:03d}").write_bytes(part)
+    (parts / "digest").write_text(shipped_source.deps_digest())
+    env.update(
+        KTLITE_DEPS_DIR=str(parts),
+        KTLITE_DEPS_KEY=kube_deps.key(),
+        KTLITE_DEPS_TAG=kube_deps.tag(),
+        KTLITE_SERVER_PACKAGES=", ".join(server_packages()),
+    )
+
+
+def test_an_image_with_only_python_runs_the_packages_the_client_shipped(
+    tmp_path: Path, bare_image: Path
+) -> None:
+    env = _pod_env(tmp_path, bare_image, [])
+    _ship_packages(tmp_path, env)
+    with _bootstrap(env, tmp_path) as proc:
+        _serves(proc, env["KTLITE_PORT"], tmp_path / "pod.log")
+    assert (tmp_path / "state" / "deps" / shipped_source.deps_digest() / "fastapi").is_dir()
+
+
+def test_shipped_packages_built_for_another_python_are_not_used(
+    tmp_path: Path, bare_image: Path
+) -> None:
+    env = _pod_env(tmp_path, bare_image, [])
+    _ship_packages(tmp_path, env)
+    env["KTLITE_DEPS_TAG"] = "cpython-399 riscv64"
+    code, out = _exits(env, tmp_path)
+    assert code == 78, out
+    assert "built for cpython-399 riscv64; this image's Python is cpython-3" in out
+    assert "lacks the pod server's packages" in out

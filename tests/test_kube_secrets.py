@@ -21,6 +21,7 @@ import pytest
 
 import ktlite as kt
 from ktlite import config
+from ktlite.backends import kube_deps, shipped_source
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
@@ -86,7 +87,19 @@ class Cluster:
         )
 
     def secrets(self) -> dict[str, dict[str, Any]]:
-        return {o["metadata"]["name"]: o for o in self.fake.objects("secrets")}
+        """The Secrets there, but the namespace's shared cache of the server's packages."""
+        return {
+            o["metadata"]["name"]: o
+            for o in self.fake.objects("secrets")
+            if kube_deps.DEPS_LABEL not in (o["metadata"].get("labels") or {})
+        }
+
+    def deps(self) -> list[dict[str, Any]]:
+        return [
+            o
+            for o in self.fake.objects("secrets")
+            if kube_deps.DEPS_LABEL in (o["metadata"].get("labels") or {})
+        ]
 
     def data(self, name: str) -> dict[str, str]:
         return {k: base64.b64decode(v).decode() for k, v in self.secrets()[name]["data"].items()}
@@ -345,3 +358,32 @@ def test_refused_before_anything_is_made(cluster: Cluster, secret: str, message:
 
 # tests/kubernetes/test_secrets_cluster.py runs against the stand-in cluster with the rest of the
 # cluster suite: tests/kube_e2e.py
+
+
+def test_the_server_packages_are_shipped_once_per_namespace_and_outlive_a_deployment(
+    cluster: Cluster,
+) -> None:
+    """The ktlite-deps Secrets: made by the first deploy (each under a Secret's 1 MiB, part 0
+    with the copy's digest), mounted by every pod, not made again by the next deploy, left by
+    teardown as the namespace's cache."""
+    cluster.backend.apply(spec(name="one"), "tok-1")
+    parts = cluster.deps()
+    assert len(parts) == len(kube_deps._parts()) >= 2
+    for part in parts:
+        raw = {k: base64.b64decode(v) for k, v in part["data"].items()}
+        assert len(b"".join(raw.values())) <= 1 << 20
+        assert part["metadata"]["labels"][kube_deps.DEPS_LABEL] == kube_deps.key()
+    first = next(p for p in parts if p["metadata"]["name"] == kube_deps.secret_name(0))
+    assert base64.b64decode(first["data"]["digest"]).decode() == shipped_source.deps_digest()
+    pod = cluster.fake.objects("statefulsets")[0]["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == kube_deps.DEPS_VOLUME]
+    names = [s["secret"]["name"] for s in volume["projected"]["sources"]]
+    assert names == [kube_deps.secret_name(i) for i in range(kube_deps.MAX_PARTS)]
+    assert all(s["secret"]["optional"] for s in volume["projected"]["sources"])
+    since = len(cluster.fake.requests)
+    cluster.backend.apply(spec(name="two"), "tok-2")
+    made = [p for m, p in cluster.writes(since) if m == "POST" and p.endswith("/secrets")]
+    assert len(made) == 1  # its token Secret only
+    cluster.backend.teardown("one")
+    cluster.backend.teardown("two")
+    assert len(cluster.deps()) == len(parts)

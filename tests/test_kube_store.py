@@ -33,6 +33,7 @@ import pytest
 
 import ktlite as kt
 from ktlite import config
+from ktlite.backends import kube_deps
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_store as ks
 from ktlite.backends.kube_api import ClusterInfo
@@ -174,7 +175,13 @@ class Cluster:
             client.close()
 
     def names(self, kind: str) -> list[str]:
-        return sorted(o["metadata"]["name"] for o in self.fake.objects(kind))
+        """The names of ``kind`` there, but the namespace's shared cache of the server's
+        packages (``kube_deps``)."""
+        return sorted(
+            o["metadata"]["name"]
+            for o in self.fake.objects(kind)
+            if kube_deps.DEPS_LABEL not in (o["metadata"].get("labels") or {})
+        )
 
     def token(self) -> str:
         secret = self.fake.get("secrets", "default", ks.SECRET)

@@ -221,6 +221,7 @@ def test_kubetorch_compute_field_names_render() -> None:
     )
     assert container["resources"]["requests"]["ephemeral-storage"] == "20Gi"
     assert container["workingDir"] == "/workspace"
+    assert _env(objs)["KTLITE_WORKDIR"] == "/workspace"  # user code runs there, writable or not
     assert sts["spec"]["template"]["metadata"]["annotations"][km.GPU_MEMORY_ANNOTATION] == "16Gi"
     assert sts["spec"]["template"]["metadata"]["labels"][km.QUEUE_LABEL] == "team-a"
     assert _env(objs)["KTLITE_FREEZE"] == "1"

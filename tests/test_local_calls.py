@@ -701,3 +701,22 @@ def test_a_detached_local_deployment_stops_after_inactivity_ttl() -> None:
         time.sleep(0.25)
     assert not any(alive(p) for p in pids), "the pod outlived its inactivity_ttl"
     remote.teardown()
+
+
+def test_list_shows_how_long_a_local_deployment_has_been_idle_and_its_deadline(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ktlite.commands import cli
+
+    name = f"local-idle-{uuid.uuid4().hex[:6]}"
+    remote = kt.fn(_answer_one, name=name).to(kt.Compute(inactivity_ttl="1h"), detached=True)
+    try:
+        assert remote() == 1
+        row = next(r for r in LocalBackend.shared().list() if r["name"] == name)
+        assert row["ttl_s"] == 3600 and 0 <= row["idle_s"] < 3600, row
+        capsys.readouterr()
+        assert cli.main(["list", "--backend", "local"]) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(name))
+        assert " in 59m" in line or " in 1h00m" in line, line
+    finally:
+        remote.teardown()

@@ -127,7 +127,7 @@ def test_the_pod_server_logs_through_ktlite_server_at_its_level(tmp_path: Path) 
     assert done.returncode == 0, done.stderr
     stopping = [line for line in done.stderr.splitlines() if "inactivity_ttl" in line]
     assert len(stopping) == 1, done.stderr
-    assert " WARNING ktlite_server.__main__[" in stopping[0], stopping
+    assert " WARNING ktlite_server.inactivity[" in stopping[0], stopping
     assert stopping[0].endswith("]: no client for 0.3s (inactivity_ttl): stopping"), stopping
     assert "s3cret" not in done.stderr
 

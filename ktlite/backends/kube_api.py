@@ -41,6 +41,9 @@ PATHS = {
     "Event": "/api/v1/namespaces/{ns}/events",
     "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets",
     "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
     "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     # Knative Serving's Service shares its kind with the core one: keyed by this name instead

@@ -27,6 +27,7 @@ import hmac
 import json
 from typing import Any
 
+from ktlite.backends import kube_deps
 from ktlite.backends.shipped_source import UNPACK, source_bundle
 
 BOOT_DIR = "/var/run/ktlite/boot"
@@ -103,3 +104,4 @@ def wire(pod: dict[str, Any], secret: str, steps: list[list[Any]], token: str | 
         {"name": BOOT_VOLUME, "mountPath": BOOT_DIR, "readOnly": True}
     )
     container.setdefault("env", []).extend(env)
+    kube_deps.wire(pod)

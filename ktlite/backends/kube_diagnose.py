@@ -144,7 +144,7 @@ def diagnose(
         if term is not None and term.get("exitCode") == SETUP_FAILED_EXIT:
             return PodProblem(
                 name,
-                "the pod's setup failed (installing ktlite or an image step)",
+                "the pod's setup failed (unpacking ktlite, the server's packages, or an image step)",
                 fatal=True,
                 want_logs=True,
                 kind="setup",

@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from ktlite.backends import kube_boot, kube_tls
+from ktlite.backends import kube_expiry as kexp
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
     HASH_ANNOTATION,
@@ -204,7 +205,7 @@ def render(
         }
         if part.start:
             sts_spec["ordinals"] = {"start": part.start}
-        sts = {
+        sts: dict[str, Any] = {
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
             "metadata": {
@@ -214,11 +215,14 @@ def render(
             },
             "spec": sts_spec,
         }
+        if kexp.ttl_seconds(spec) is not None:  # read by a client's sweep
+            sts["metadata"]["annotations"] = {kexp.TTL_ANNOTATION: f"{kexp.ttl_seconds(spec):g}"}
         if spec.pod.kubernetes.service_template:
             sts = _with_template(sts, spec.pod.kubernetes.service_template)
         statefulsets.append(sts)
     users = secret_objects(name, namespace, secrets, token)
-    return [secret, service, *users, *claims, network_policy(name, meta), *statefulsets]
+    access = kexp.access_objects(spec, namespace, [p.name for p in parts(spec)], secrets)
+    return [secret, service, *users, *claims, network_policy(name, meta), *access, *statefulsets]
 
 
 def _with_template(sts: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

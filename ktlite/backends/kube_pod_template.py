@@ -25,6 +25,8 @@ from typing import Any
 
 from ktlite.backends import kube_boot, kube_tls
 from ktlite.backends.kube_boot import UNPACK_SOURCE
+from ktlite.backends.kube_deps import UNPACK_DEPS
+from ktlite.backends.kube_expiry import give_pod
 from ktlite.backends.kube_labels import (
     GPU_MEMORY_ANNOTATION,
     HASH_ANNOTATION,
@@ -90,7 +92,12 @@ elif [ "$KTLITE_FREEZE" = 1 ]; then
 else
 """
     + UNPACK_SOURCE
+    + UNPACK_DEPS
     + """fi
+if [ -z "$KTLITE_WORKDIR" ] && [ ! -w . ]; then
+  echo "ktlite: the image's working directory $PWD is not writable by user $(id -u): user code runs in $HOME (Compute(working_dir=...) names another)"
+  export KTLITE_WORKDIR="$HOME"
+fi
 exec "$PY" -m ktlite_server.boot
 """
 )
@@ -371,6 +378,7 @@ def pod_template(
         container["imagePullPolicy"] = kube.image_pull_policy
     if pod_spec.working_dir:
         container["workingDir"] = pod_spec.working_dir
+        container["env"].append({"name": "KTLITE_WORKDIR", "value": pod_spec.working_dir})
     pod: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -380,6 +388,7 @@ def pod_template(
     kube_boot.wire(pod, token_secret_name(spec.name), setup_steps(spec), token)
     if kube_tls.wanted(spec):  # the certificate beside the token, the probe over HTTPS
         kube_tls.secure(pod)
+    give_pod(pod, spec, [p.name for p in parts(spec)], secrets)  # inactivity_ttl's
     if kube.gpu_anti_affinity and not part.gpus:  # a CPU-only pod stays off GPU nodes
         pod["affinity"] = {
             "nodeAffinity": {

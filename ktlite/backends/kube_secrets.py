@@ -7,6 +7,7 @@ import base64
 import contextlib
 from typing import Any
 
+from ktlite.backends import kube_deps
 from ktlite.backends import kube_manifests as km
 from ktlite.backends.kube_api import KubeApi
 from ktlite.errors import ConfigError
@@ -78,6 +79,7 @@ def apply_token_secret(
     True if running pods may hold another token (a missing Secret counts: its pods started
     with the deleted one's). Changed boot files alone do not count: the pods' spec names
     their digests, so the pods that need them are replaced anyway."""
+    kube_deps.ensure(api)  # the server's packages, for pods whose image lacks them
     current = api.get("Secret", secret["metadata"]["name"])
     if current is None:
         api.create(secret)

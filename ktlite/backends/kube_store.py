@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from ktlite.backends import kube_boot
+from ktlite.backends import kube_boot, kube_deps
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_pods as kp
 from ktlite.backends.kube_api import KubeApi, KubeApiError
@@ -274,6 +274,8 @@ class KubeStore:
             max_bytes=_max_bytes(),
         )
         missing = [o for o in objects if api.get(o["kind"], o["metadata"]["name"]) is None]
+        if missing:
+            kube_deps.ensure(api)  # the server's packages, for an image that lacks them
         created: list[str] = []  # the kinds this call made (each named NAME, SECRET or CLAIM)
         try:
             for obj in missing:

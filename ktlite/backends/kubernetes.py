@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import httpx
 
+from ktlite.backends import kube_expiry as kexp
 from ktlite.backends import kube_logs
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_pods as kp
@@ -28,9 +29,7 @@ from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
 from ktlite.backends.kube_readiness import POLL_S, PodReadiness
 from ktlite.backends.kube_served import ServedDeployments
 from ktlite.config import get as setting
-from ktlite.errors import (
-    DeployError,
-)
+from ktlite.errors import DeployError
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite.specs.secrets import Resolved
 from ktlite.specs.spec import DEFAULT_MASTER_PORT
@@ -196,6 +195,7 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                 self._ensure(api, claim, created)
             for policy in policies:  # before the pods: no moment where their ports are open
                 self._apply_policy(api, policy, created)
+            kexp.apply_access(api, objects, spec.name, created)  # inactivity_ttl's
             self._remove_stale_parts(api, spec.name, {s["metadata"]["name"] for s in statefulsets})
             restarted: list[int] = []
             for sts in statefulsets:
@@ -324,9 +324,8 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
             try:
                 api.replace(sts, current["metadata"]["resourceVersion"])
             except KubeApiError as e:
-                if (
-                    e.status != 422
-                ):  # an immutable field differs (an older ktlite made it, or its selector)
+                # an immutable field differs (an older ktlite made it, or its selector)
+                if e.status != 422:
                     raise
                 api.delete("StatefulSet", name, propagation="Foreground")
                 self._wait_gone(api, "StatefulSet", name, 60.0)
@@ -334,9 +333,8 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                 return list(ordinals)
         elif old_replicas != replicas:
             api.patch("StatefulSet", name, {"spec": {"replicas": replicas}})
-        restarted = list(
-            range(start + old_replicas, start + replicas)
-        )  # new ordinals of a scale-up
+        # new ordinals of a scale-up
+        restarted = list(range(start + old_replicas, start + replicas))
         present = set()
         for pod in api.list("Pod", kp.match(sts)):
             ordinal = kp.ordinal(pod)
@@ -407,9 +405,8 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
 
     def lookup(self, name: str) -> Applied | None:
         api = self._api()
-        if (
-            name in self._served_names
-        ):  # a serving client asks several times a second: its kind first
+        # a serving client asks several times a second: its kind first
+        if name in self._served_names:
             found = self._lookup_served(api, name)
             if found is not None:
                 return found
@@ -450,7 +447,7 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
         for obj in api.list("Secret", km.selector(name)):  # the user's values (kt.secret / presets)
             if km.SECRET_LABEL in (obj["metadata"].get("labels") or {}):
                 found |= api.delete("Secret", obj["metadata"]["name"])
-        found |= self._drop_policy(api, name)
+        found |= self._drop_policy(api, name) | kexp.drop_access(api, name)
         found |= self._teardown_served(api, name)
         pods = api.list("Pod", km.selector(name))
         for pod in pods:
@@ -489,6 +486,8 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                     "autoscaled": False,
                 },
             )
+            if sts["metadata"]["name"] == name:  # idle_s, ttl_s (inactivity_ttl)
+                row.update(kexp.idleness(api, self._connect()[0], sts, km.SERVER_PORT))
             row["pods"] += sts["spec"].get("replicas", 0)
             row["ready"] += (sts.get("status") or {}).get("readyReplicas", 0)
         return [*rows.values(), *self._served_rows(api)]

@@ -32,7 +32,7 @@ import ktlite.specs.secrets as kt_secrets
 from ktlite.backends import local_volumes
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint, read_state, write_state
 from ktlite.backends.kube_only import unused_fields, warn_unused
-from ktlite.backends.local_pods import LocalPods, answers
+from ktlite.backends.local_pods import LocalPods, answers, idleness
 from ktlite.backends.local_scaling import LAUNCH_FILE, LocalScaling
 from ktlite.backends.local_volumes import LocalVolume
 from ktlite.backends.processes import pid_alive
@@ -381,8 +381,11 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                 if state is None:
                     continue
                 alive = sum(pid_alive(p["pid"]) for p in state["pods"])
+                head = next((p for p in state["pods"] if p["ordinal"] == 0), None)
+                live = head is not None and pid_alive(head["pid"])
                 out.append(
                     {
+                        **(idleness(head["port"], state["token"]) if head and live else {}),
                         "name": state["name"],
                         "backend": self.name,
                         "namespace": None,

@@ -33,6 +33,7 @@ from ktlite.errors import ConfigError, LaunchTimeout, StartupError
 from ktlite.logconfig import pod_env
 from ktlite.net.connection import Pool
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire.headers import TOKEN_HEADER, bearer
 
 _gpu_cache: list[str] | None = None
 
@@ -70,6 +71,26 @@ def answers(url: str, context: ssl.SSLContext | None = None, timeout: float = 2.
     finally:
         pool.close()
     return status == 200
+
+
+def idleness(port: int, token: str, timeout: float = 2.0) -> dict[str, float | None]:
+    """``idle_s`` and ``ttl_s`` (its inactivity_ttl) as a local pod's server reports them on
+    ``GET /health`` (``ktlite list``'s IDLE and DEADLINE); nothing for a server without a
+    TTL (as on Kubernetes), None where it does not answer."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/health", headers={TOKEN_HEADER: bearer(token)})
+        resp = conn.getresponse()
+        body = json.loads(resp.read()) if resp.status == 200 else {}
+    except (OSError, http.client.HTTPException, ValueError):
+        body = {}
+    finally:
+        conn.close()
+    if body and body.get("inactivity_ttl") is None:
+        return {}
+    return {"idle_s": body.get("idle_s"), "ttl_s": body.get("inactivity_ttl")}
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -1,6 +1,7 @@
 """What the ssh backend copies to a host, and how: ktlite's own source and, where the host's
 Python lacks them, the pod server's dependencies, each a tar.gz unpacked into the host's
-cache (``~/.cache/ktlite``, mode 0700) once per content.
+cache (``~/.cache/ktlite``, mode 0700) once per content (the bundles and their digests are
+:mod:`ktlite.backends.shipped_source`'s, shared with the Kubernetes pods).
 
 Each copy is named for the digest of what it holds (:data:`DIGEST`: every file's path and
 SHA-256; ``__pycache__`` aside) and checked against it before it is reused and right after it
@@ -17,18 +18,20 @@ stream). Every error names the host (``host K (address):``).
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import shlex
-import tarfile
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import asyncssh
 
-from ktlite.backends.server_source import server_packages
-from ktlite.backends.shipped_source import DIGEST, UNPACK, files_digest, source_bundle
+from ktlite.backends.shipped_source import (
+    DIGEST,
+    UNPACK,
+    deps_bundle,
+    deps_digest,
+    files_digest,
+    source_bundle,
+)
 from ktlite.errors import DeployError
 
 COPY_TIMEOUT_S = 300.0
@@ -83,68 +86,3 @@ async def upload(
         raise DeployError(
             f"{c.label}: {what} failed (exit {result.exit_status}): {err or 'no output'}"
         )
-
-
-def _closure(names: tuple[str, ...]) -> list[Any]:
-    """The installed distributions ``names`` need (their requirements, no extras), here."""
-    from importlib import metadata
-
-    parse: Callable[[str], Any] | None
-    try:
-        from packaging.requirements import Requirement as parse
-    except ImportError:  # pragma: no cover - pip's own copy is not importable
-        parse = None
-    seen: dict[str, Any] = {}
-    todo = list(names)
-    while todo:
-        name = todo.pop()
-        key = name.lower().replace("_", "-")
-        if key in seen:
-            continue
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-        seen[key] = dist
-        for req in dist.requires or []:
-            if parse is not None:
-                r = parse(req)
-                if r.marker is None or r.marker.evaluate({"extra": ""}):
-                    todo.append(r.name)
-            elif "extra ==" not in req:
-                todo.append(req.split(";")[0].split("[")[0].split()[0].rstrip("<>=!~"))
-    return [seen[k] for k in sorted(seen)]
-
-
-def _deps_files() -> list[tuple[str, Path]]:
-    """The server's dependencies' installed files: (path in the copy, path here)."""
-    out = []
-    for dist in _closure(server_packages()):
-        for rel in dist.files or []:
-            if rel.parts[0] == ".." or "__pycache__" in rel.parts or rel.suffix == ".pyc":
-                continue
-            path = Path(dist.locate_file(rel))
-            if path.is_file():
-                out.append((rel.as_posix(), path))
-    return out
-
-
-def deps_digest() -> str:
-    """The :data:`DIGEST` of :func:`deps_bundle`'s copy (the files are read, not packed; the
-    copy is named for it: compiled packages fit only this Python and machine, and their file
-    names say which)."""
-    return files_digest([(name, path.read_bytes()) for name, path in _deps_files()])
-
-
-def deps_bundle() -> bytes:
-    """The installed files of the server's dependencies, as a tar.gz of a directory to put on
-    ``PYTHONPATH`` (with their metadata: versions are checked there)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for name, path in _deps_files():
-            data = path.read_bytes()
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime = len(data), 0
-            info.mode = 0o755 if os.access(path, os.X_OK) else 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()

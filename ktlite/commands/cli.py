@@ -14,7 +14,7 @@ import sys
 
 from ktlite import __version__, config, logconfig
 from ktlite.api.decorators import Decorated
-from ktlite.commands import run_cli
+from ktlite.commands import expiry_cli, run_cli
 from ktlite.commands.confirmation import confirm
 from ktlite.commands.scripts import load_script
 from ktlite.commands.status_cli import attach, named_backend, status_command
@@ -104,25 +104,37 @@ def _call(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = named_backend(args).list()
+    backend = named_backend(args)
+    rows = backend.list()
+    # what has outlived its inactivity_ttl goes now (where its pods could not delete it)
+    say = lambda text: print(f"ktlite: {text}", file=sys.stderr)  # noqa: E731
+    swept = expiry_cli.sweep(backend, rows, say=say)
+    rows = [r for r in rows if r["name"] not in swept]
     if not rows:
         print("no deployments")
         return 0
-    print(f"{'NAME':30} {'BACKEND':12} {'NAMESPACE':16} {'READY':8} {'MODE':11} DETACHED")
+    head = f"{'NAME':30} {'BACKEND':12} {'NAMESPACE':16} {'READY':8} {'MODE':11} {'DETACHED':9}"
+    print(f"{head} {'IDLE':8} DEADLINE")
     for r in rows:
         ready = f"{r['ready']}/{r['pods']}"
         mode = "autoscaled" if r.get("autoscaled") else "pods"
+        idle, deadline = expiry_cli.columns(r)
         print(
             f"{r['name']:30} {r['backend']:12} {r.get('namespace') or '-':16} {ready:8} {mode:11} "
-            f"{r['detached']}"
+            f"{r['detached']!s:9} {idle:8} {deadline}"
         )
     return 0
 
 
 def _teardown(args: argparse.Namespace) -> int:
     backend = named_backend(args)
-    deployed = [r["name"] for r in backend.list()]
+    rows = backend.list()
+    deployed = [r["name"] for r in rows]
     where = f"backend {backend.name!r}"
+    if args.expired:  # those idle for longer than their inactivity_ttl
+        if not expiry_cli.sweep(backend, rows, dry_run=args.dry_run, timeout=args.timeout):
+            print(f"nothing has expired on {where}")
+        return 0
     if args.prefix:  # Kubetorch's --prefix: every deployment whose name starts with it
         names = [n for n in deployed if n.startswith(args.prefix)]
     else:
@@ -136,7 +148,7 @@ def _teardown(args: argparse.Namespace) -> int:
             why = f"name a deployment or pass --all; deployed: {', '.join(deployed)}"
         print(f"nothing to tear down: {why}", file=sys.stderr)
         return 1
-    if args.all or args.prefix:
+    if (args.all or args.prefix) and not args.dry_run:
         which = "--all" if args.all else f"--prefix {args.prefix}"
         refused = confirm(
             yes=args.yes,
@@ -148,7 +160,11 @@ def _teardown(args: argparse.Namespace) -> int:
             return refused
     missing = []
     for name in names:
-        if backend.teardown(name, timeout=args.timeout, volumes=args.volumes):
+        if args.dry_run and name in deployed:
+            print(f"{name}: would be torn down")
+        elif not args.dry_run and backend.teardown(
+            name, timeout=args.timeout, volumes=args.volumes
+        ):
             print(f"{name}: torn down")
         else:
             missing.append(name)
@@ -296,6 +312,14 @@ def _parser() -> argparse.ArgumentParser:
         help="also delete the deployment's PVCs (local: the volume directories it made)",
     )
     td.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for pods to go")
+    td.add_argument(
+        "--expired",
+        action="store_true",
+        help="every deployment idle for longer than its inactivity_ttl",
+    )
+    td.add_argument(
+        "--dry-run", action="store_true", help="print what would be torn down; change nothing"
+    )
     where(td)
     lg = command("logs", "print a deployment's pod logs", "ktlite logs train -f --pod 1", _logs)
     lg.add_argument("name")

@@ -24,14 +24,15 @@ import signal
 import socket
 import sys
 import threading
-import time
 
 import uvicorn
 
 from ktlite_server import logconfig, tls
 from ktlite_server.app import create_app
 from ktlite_server.connections import Limits, guarded
+from ktlite_server.inactivity import Inactivity
 from ktlite_server.pod import Pod
+from ktlite_server.selfteardown import PATHS_ENV, SelfTeardown
 from ktlite_wire import privatefiles
 
 logger = logging.getLogger(
@@ -70,8 +71,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument(
         "--inactivity-ttl",
         type=float,
-        default=None,
-        help="exit after this many seconds without a request or a running call",
+        default=float(os.environ.get("KTLITE_INACTIVITY_TTL") or 0) or None,
+        help="after this many seconds without a call: exit (on Kubernetes: pod 0 deletes the "
+        "deployment; default: $KTLITE_INACTIVITY_TTL)",
     )
     p.add_argument(
         "--tether-stdin",
@@ -116,15 +118,6 @@ def _stop(server: uvicorn.Server, pod: Pod) -> None:
         if rank is not None:
             rank.kill()
     server.should_exit = True
-
-
-async def _watch_idle(ttl: float, server: uvicorn.Server, pod: Pod) -> None:
-    while True:
-        await asyncio.sleep(min(1.0, ttl / 4))
-        if not pod.calls and time.monotonic() - pod.last_active > ttl:
-            logger.warning("no client for %gs (inactivity_ttl): stopping", ttl)
-            _stop(server, pod)
-            return
 
 
 def _watch_stdin(loop: asyncio.AbstractEventLoop, server: uvicorn.Server, pod: Pod) -> None:
@@ -197,13 +190,28 @@ def main() -> None:
         config.ssl = served_tls.server
         logger.info("serving TLS, certificate SHA-256 %s", served_tls.fingerprint)
     server = uvicorn.Server(config)
+    inactivity = None
+    # read (default of --inactivity-ttl, SelfTeardown.from_env), and not handed to the ranks: a
+    # deployment a rank starts (a local one) is not this one and has no TTL of its own
+    os.environ.pop("KTLITE_INACTIVITY_TTL", None)
+    if args.inactivity_ttl:
+        pod.inactivity_ttl = args.inactivity_ttl
+        kubernetes = os.environ.get("KTLITE_BACKEND") == "kubernetes"
+        inactivity = Inactivity(
+            args.inactivity_ttl,
+            pod,
+            lambda: _stop(server, pod),
+            kubernetes=kubernetes,
+            teardown=SelfTeardown.from_env() if kubernetes else None,
+        )
+    os.environ.pop(PATHS_ENV, None)
 
     async def run_server() -> None:
         loop = asyncio.get_running_loop()
         if args.parent_pid:
             loop.create_task(_watch_parent(args.parent_pid, server, pod))
-        if args.inactivity_ttl:
-            loop.create_task(_watch_idle(args.inactivity_ttl, server, pod))
+        if inactivity is not None:
+            loop.create_task(inactivity.watch())
         if args.tether_stdin:
             threading.Thread(target=_watch_stdin, args=(loop, server, pod), daemon=True).start()
         serving = loop.create_task(server.serve(sockets=[sock]))
@@ -212,6 +220,8 @@ def main() -> None:
         if server.started and args.ready_file:
             privatefiles.write_file(args.ready_file, json.dumps({"port": port, "pid": os.getpid()}))
         await serving
+        if inactivity is not None and inactivity.tearing_down is not None:
+            await inactivity.tearing_down  # SIGTERM came as its deletes ran: let them finish
 
     with contextlib.suppress(KeyboardInterrupt):
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))

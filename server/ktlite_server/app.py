@@ -4,7 +4,8 @@ Endpoints (all but ``/health`` need ``x-ktlite-token: Bearer <deployment token>`
 from the request head before anything else: ``admission.py``):
 
 - ``GET /health``: liveness and protocol version; with the token also the pod, its launch id,
-  the calls running, its Python; ``?ready=1`` answers 503 until a launch is loaded (a
+  the calls running, its Python, how long it has been idle (``idle_s``) and its
+  ``inactivity_ttl``; never counted as activity; ``?ready=1`` answers 503 until a launch is loaded (a
   replica's readiness probe).
 - ``POST /deploy``: install a code bundle on this pod's ranks (ktlite message body):
   ``launches.py``.
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from ktlite_server.admission import Gate, Token
 from ktlite_server.calls import Calls, FastCall
 from ktlite_server.connections import Limits
+from ktlite_server.inactivity import idle_seconds
 from ktlite_server.launches import Launches
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
@@ -163,6 +165,9 @@ class PodServer:
                 started=self.started,
                 engine_failed=pod.engine_failed,
                 calls=len(pod.calls),
+                # how long without a call, and the TTL: what `ktlite list` shows and sweeps by
+                idle_s=round(idle_seconds(pod), 3),
+                inactivity_ttl=pod.inactivity_ttl,
             )
         if request.query_params.get("ready") and (
             pod.dep is None or pod.ready_launch != pod.dep.launch_id

@@ -126,18 +126,20 @@ def _steps() -> list[list[Any]]:
 
 
 def check_packages(python: str) -> None:
-    """Exit 78 with what to do when ``python`` lacks a package the server needs: ktlite
-    ships its own code to the pods, not these, and asks no package index for them."""
+    """Exit 78 with what to do when ``python`` lacks a package the server needs (after what
+    the client shipped: its own copies fit only a Python like its own); ktlite asks no
+    package index for them."""
     missing = missing_in(python, {})
     if not missing:
         return
     image = os.environ.get("KTLITE_IMAGE") or "this image"
     listed = ", ".join(missing)
     logger.error(
-        "the image %s lacks the pod server's packages %s (%s); ktlite ships its own code to "
-        "the pods but installs nothing from a package index unless asked: use an image that "
-        "has them (ktlite's images/Dockerfile builds one; or pip install %s in yours), or "
-        "add kt.Image(...).pip_install(%r) to install them from your index at pod start",
+        "the image %s lacks the pod server's packages %s (%s), and the client could not ship "
+        "its own (only a Linux client does, to a Python of its version and machine); ktlite "
+        "installs nothing from a package index unless asked: use an image that has them "
+        "(ktlite's images/Dockerfile builds one; or pip install %s in yours), or add "
+        "kt.Image(...).pip_install(%r) to install them from your index at pod start",
         image,
         listed,
         python,

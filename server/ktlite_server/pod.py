@@ -78,6 +78,7 @@ class Pod(PodCalls):
         # this pod's connections to the others (the server gives it the token)
         self.peers = PeerPool()
         self.last_active = time.monotonic()  # the last authorized request (--inactivity-ttl)
+        self.inactivity_ttl: float | None = None  # seconds, reported by /health with idle_s
         self.engine_failed: dict[str, str] | None = None  # {"launch_id", "message"} (in /health)
         self.usage = ProcessUsage()
         self.gpu_query = GpuQuery()

@@ -160,6 +160,16 @@ class Colocated:
         return {"rank": int(os.environ["RANK"]), "item": item, "pid": os.getpid()}
 
 
+def where_packages_come_from() -> dict[str, str]:
+    """Where a rank imports ktlite's server and the server's packages from."""
+    import importlib
+
+    return {
+        name: str(importlib.import_module(name).__file__)
+        for name in ("ktlite_server", "ktlite_wire", "fastapi", "uvicorn", "cloudpickle")
+    }
+
+
 def what_user_code_sees() -> dict[str, Any]:
     """What a rank process (user code) can see of its pod's security: its ids, whether the
     deployment token is in its environment or the container's first process's, the token

@@ -11,6 +11,9 @@ The tests here run only when ``KTLITE_TEST_KUBECONFIG`` names a kubeconfig; with
 - ``KTLITE_TEST_IMAGE``: server image (default ``ktlite-server:dev``, images/Dockerfile).
 - ``KTLITE_TEST_TORCH_IMAGE``: image with torch for the gloo test (default
   ``ktlite-server-pytorch:dev``, images/Dockerfile.pytorch); empty skips that test.
+- ``KTLITE_TEST_BARE_IMAGE``: an image with a Python 3.11 and none of the pod server's
+  packages (default ``ktlite-no-server-packages:dev``: ``images/Dockerfile.bare``); empty
+  skips the test that the client ships them.
 - ``KTLITE_TEST_IMAGE_PULL_POLICY``: ``IfNotPresent`` (default); ``Never`` for images loaded
   into kind or minikube.
 - ``KTLITE_TEST_STORAGE_CLASS``: StorageClass of the volume test (default: the cluster's).
@@ -65,6 +68,9 @@ KINDS = (
     "services",
     "secrets",
     "networkpolicies",
+    "serviceaccounts",  # with the Role and RoleBinding: a deployment with an inactivity_ttl
+    "roles",
+    "rolebindings",
     "pods",
     "persistentvolumeclaims",
 )
@@ -91,6 +97,7 @@ class Settings:
     volume_user: int | None = None
     ray_image: str = ""
     monarch_image: str = ""
+    bare_image: str = ""
 
 
 @pytest.fixture(scope="session")
@@ -113,6 +120,7 @@ def settings() -> Settings:
         torch_image=os.environ.get("KTLITE_TEST_TORCH_IMAGE", "ktlite-server-pytorch:dev"),
         ray_image=os.environ.get("KTLITE_TEST_RAY_IMAGE", "ktlite-server-ray:dev"),
         monarch_image=os.environ.get("KTLITE_TEST_MONARCH_IMAGE", "ktlite-server-monarch:dev"),
+        bare_image=os.environ.get("KTLITE_TEST_BARE_IMAGE", "ktlite-no-server-packages:dev"),
         pull_policy=os.environ.get("KTLITE_TEST_IMAGE_PULL_POLICY") or "IfNotPresent",
         storage_class=os.environ.get("KTLITE_TEST_STORAGE_CLASS") or None,
         skip_volumes=os.environ.get("KTLITE_TEST_SKIP_VOLUMES", "") not in ("", "0"),
@@ -176,6 +184,7 @@ class Kube:
         self.storage = client.StorageV1Api(self.api)
         self.networking = client.NetworkingV1Api(self.api)
         self.autoscaling = client.AutoscalingV2Api(self.api)
+        rbac = client.RbacAuthorizationV1Api(self.api)
         ns, core, apps, net, scaling = (
             self.namespace,
             self.core,
@@ -196,6 +205,9 @@ class Kube:
                 ns, **kw
             ),
             "networkpolicies": lambda **kw: net.list_namespaced_network_policy(ns, **kw),
+            "serviceaccounts": lambda **kw: core.list_namespaced_service_account(ns, **kw),
+            "roles": lambda **kw: rbac.list_namespaced_role(ns, **kw),
+            "rolebindings": lambda **kw: rbac.list_namespaced_role_binding(ns, **kw),
         }
         self._delete = {
             "horizontalpodautoscalers": lambda n, **kw: (
@@ -210,6 +222,9 @@ class Kube:
                 core.delete_namespaced_persistent_volume_claim(n, ns, **kw)
             ),
             "networkpolicies": lambda n, **kw: net.delete_namespaced_network_policy(n, ns, **kw),
+            "serviceaccounts": lambda n, **kw: core.delete_namespaced_service_account(n, ns, **kw),
+            "roles": lambda n, **kw: rbac.delete_namespaced_role(n, ns, **kw),
+            "rolebindings": lambda n, **kw: rbac.delete_namespaced_role_binding(n, ns, **kw),
         }
 
     def close(self) -> None:

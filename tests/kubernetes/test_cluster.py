@@ -8,6 +8,7 @@ what the tests check about the cluster they read through the official client.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import secrets
@@ -133,6 +134,31 @@ def test_single_call_returns_value_from_pod_0(deployments, make_compute, kube):
     assert pods[0].status.phase == "Running"
     labels = pods[0].metadata.labels or {}
     assert labels.get(NAME_LABEL) == name
+
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_an_image_with_only_python_gets_ktlite_and_its_packages_from_the_client(
+    deployments, make_compute, settings, kube
+):
+    """An image with a Python and nothing else installed: no pod asks a package index, the
+    client ships ktlite's source in the token Secret and, since its Python fits the image's
+    (a Linux client, the same ABI), the server's packages in the shared ktlite-deps Secrets."""
+    if not settings.bare_image:
+        pytest.skip("KTLITE_TEST_BARE_IMAGE is empty")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("only a Linux client ships the server's packages")
+    name = deployments.name("bare")
+    where = deployments.to(
+        cluster_funcs.where_packages_come_from, make_compute(image=settings.bare_image), name
+    )()
+    assert where["ktlite_server"].startswith("/ktlite/src/"), where
+    assert where["ktlite_wire"].startswith("/ktlite/src/"), where
+    for package in ("fastapi", "uvicorn", "cloudpickle"):
+        assert where[package].startswith("/ktlite/deps/"), where
+    parts = kube.list("secrets", "ktlite.dev/deps")
+    assert parts and all(p.metadata.name.startswith("ktlite-deps-") for p in parts)
+    assert all(len(base64.b64decode(p.data["part"])) <= 1 << 20 for p in parts)
 
 
 @pytest.mark.kubernetes

@@ -166,15 +166,16 @@ def test_store_from_the_caller_and_from_pods(
 def test_a_store_that_cannot_start_is_rolled_back(
     settings, kube, storage_class, run_prefix, monkeypatch: pytest.MonkeyPatch
 ):
-    """The default image without ktlite on a cluster whose pods cannot install it: the store
-    pod's setup exits 78 and the pod crash-loops. The attempt removes what it made (nothing of
-    it is left but a claim that goes with its pod), and the next attempt, with an image that
-    holds ktlite, makes a new store instead of failing against the old one."""
+    """A store whose pods are told to install a ktlite (``KTLITE_INSTALL``) on a cluster whose
+    pods cannot reach an index: the store pod's setup exits 78 and the pod crash-loops. The attempt removes what it made (nothing of
+    it is left but a claim that goes with its pod), and the next attempt, with the source the client
+    ships, makes a new store instead of failing against the old one."""
     if any(
         s.metadata.name == "ktlite-store" for s in kube.list("statefulsets", "ktlite.dev/store")
     ):
         pytest.skip("the namespace has a data store already (someone's data): not replaced here")
-    monkeypatch.setenv("KTLITE_IMAGE", "python:3.11-slim")  # no ktlite in it; pods have no network
+    # an install the pods cannot do (they have no network): the setup exits 78
+    monkeypatch.setenv("KTLITE_INSTALL", "ktlite-does-not-exist==0.1")
     monkeypatch.setenv("KTLITE_IMAGE_PULL_POLICY", settings.pull_policy)
     monkeypatch.setenv("KTLITE_NAMESPACE", settings.namespace)
     monkeypatch.setenv("KTLITE_STORE_TIMEOUT", "600")
@@ -198,6 +199,7 @@ def test_a_store_that_cannot_start_is_rolled_back(
         )
         assert [s.metadata.name for s in kube.list("statefulsets", "ktlite.dev/store")] == []
         assert [s.metadata.name for s in kube.list("secrets", "ktlite.dev/store")] == []
+        monkeypatch.delenv("KTLITE_INSTALL")  # the source the client ships, as by default
         monkeypatch.setenv("KTLITE_IMAGE", settings.image)
         started = time.monotonic()
         kt.put(f"{run_prefix}-rollback/k", {"v": 1}, **where)  # a new store
