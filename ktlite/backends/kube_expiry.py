@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from ktlite.backends import kube_tls
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_labels import (
     NAME_LABEL,
@@ -263,7 +264,8 @@ def idleness(
     secret = _token(api, name) if ttl is not None else None
     if secret is None:
         return {"idle_s": None, "ttl_s": ttl}
-    url = api.proxy_url(f"{name}-0", port) + "/health"
+    https = kube_tls.serves_tls(sts["spec"]["template"])  # the proxy's https:POD:PORT form
+    url = api.proxy_url(f"{name}-0", port, https=https) + "/health"
     try:
         resp = http.get(url, headers={TOKEN_HEADER: bearer(secret)}, timeout=5.0)
         idle = resp.json().get("idle_s") if resp.status_code == 200 else None
