@@ -218,3 +218,17 @@ def test_shipped_packages_built_for_another_python_are_not_used(
     assert code == 78, out
     assert "built for cpython-399 riscv64; this image's Python is cpython-3" in out
     assert "lacks the pod server's packages" in out
+
+
+def test_an_install_asked_for_that_fails_exits_78_at_every_start(
+    tmp_path: Path, image: Path
+) -> None:
+    """KTLITE_INSTALL (the user's own ask for an index install) that cannot be done: the
+    setup fails (78), also when the container starts again over the venv the first try
+    left (it once ran that venv's Python, which has no ktlite: exit 1)."""
+    env = _pod_env(tmp_path, image, [], KTLITE_INSTALL="ktlite-does-not-exist==0.1")
+    for attempt in (1, 2):
+        code, out = _exits(env, tmp_path)
+        assert code == 78, (attempt, out)
+        assert "could not install ktlite-does-not-exist==0.1" in out
+    assert (tmp_path / "state" / "venv" / "bin" / "python").exists()

@@ -76,13 +76,14 @@ if [ -z "$PY" ]; then
   exit 78
 fi
 if [ -n "$KTLITE_INSTALL" ]; then
-  if [ -x /ktlite/venv/bin/python ]; then PY=/ktlite/venv/bin/python
+  VENV=${KTLITE_STATE_DIR:-/ktlite}/venv
+  if "$VENV/bin/python" -c 'import ktlite_server' 2>/dev/null; then PY=$VENV/bin/python
   elif ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
     echo "ktlite: installing $KTLITE_INSTALL from the package index (KTLITE_INSTALL asks for it)"
-    "$PY" -m venv --system-site-packages /ktlite/venv
-    /ktlite/venv/bin/python -m pip install -q --disable-pip-version-check "$KTLITE_INSTALL" \
+    "$PY" -m venv --system-site-packages "$VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$KTLITE_INSTALL" \
       || { echo "ktlite: could not install $KTLITE_INSTALL" >&2; exit 78; }
-    PY=/ktlite/venv/bin/python
+    PY=$VENV/bin/python
   fi
 elif [ "$KTLITE_FREEZE" = 1 ]; then
   if ! "$PY" -c 'import ktlite_server' 2>/dev/null; then
