@@ -1,0 +1,441 @@
+"""The Kubernetes backend at 8 to 1,000 pods, against the stand-in API server: how many API
+requests, and how much time, each step of a deployment's life takes (issue 26, item 3).
+
+    python bench/bench_kube_scale.py                        # 8, 64, 256 and 1,000 pods
+    python bench/bench_kube_scale.py --pods 8,64 --json out.json
+
+What is real and what is simulated:
+
+- real: ``KubernetesBackend`` (``lookup``, ``apply`` with its readiness wait, ``teardown``) and
+  ``Deployment.push`` (the code push), each unchanged, over an ``httpx.Client`` as in
+  ``tests/test_kube_backend.py``;
+- the API server is ``tests/kube_fake.py`` in-process (an httpx transport) on a fake clock:
+  the backend's ``sleep`` advances that clock, so its polls take no real time. Each pod's
+  script: Pending, ContainerCreating at 1 s, its container running (not Ready) at 4-7.5 s
+  (spread by ordinal), Ready at 2 s after that; a deleted pod stays Terminating for 2 s;
+- the pod servers are stubs behind the fake's pod proxy: ``GET /health`` answers (with the
+  protocol and this Python) from 0.5 s after the container runs, before that the proxy says
+  "connection refused" (503); ``POST /deploy`` answers an empty result. So the code push
+  counts the client's requests but no pod loads code.
+
+Columns: ``requests`` counted by the stand-in (``FakeKube.requests``), by verb and resource
+(``LIST`` a collection GET, ``GET proxy /health`` a request through the pod proxy);
+``resp MB`` the bytes of the API server's answers (not the proxied pods'); ``wall s`` real
+seconds of the step (the stand-in's time included); ``client CPU s`` this process's CPU time
+less the stand-in's (what ktlite itself spent); ``stand-in CPU s`` CPU seconds inside the
+stand-in (the fake's own cost, which a real API server would not charge to the client);
+``fake-clock s`` simulated seconds the step waited (its sleeps on the fake clock), no real
+time. A warm-up deployment of 2 pods runs first, unreported (the first deploy builds the
+source it ships). The redeploy comes 60 fake seconds after the code push, when every pod is
+Ready (within the readiness probe's window, a redeploy's wait asks each pod that is not
+Ready yet for /health again: ``wait_ready`` keeps no memory of the pods that answered).
+
+The fake has no watches, no paging and no API priority and fairness: what a watch-based wait
+would cost cannot be measured here, and a request costs the stand-in far more than a real API
+server (it recomputes every pod's status on each request), so ``stand-in s`` is not a
+prediction of a real cluster's latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+_HOME = tempfile.mkdtemp(prefix="ktlite-bench-kscale-")
+os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # the stand-in API server lives with the tests
+
+import cloudpickle  # noqa: E402
+import httpx  # noqa: E402
+import kube_fake as kf  # noqa: E402
+from _rounds import LoadLog  # noqa: E402
+
+import ktlite as kt  # noqa: E402
+from ktlite.backends.kube_api import ClusterInfo  # noqa: E402
+from ktlite.backends.kubernetes import KubernetesBackend  # noqa: E402
+from ktlite.modes.deploy import Deployment  # noqa: E402
+from ktlite.specs.deployment_spec import DeploymentSpec  # noqa: E402
+from ktlite_wire.outcome import CallResult  # noqa: E402
+from ktlite_wire.version import PROTOCOL_VERSION  # noqa: E402
+
+HOST = "https://fake-apiserver"
+API_TOKEN = "bench-api-token"
+TOKEN = "bench-call-token-0123456789abcdef"
+NAME = "scale"
+CREATING_S, RUNNING_S, SPREAD_S, PROBE_S, SERVER_UP_S, TERMINATING_S = 1.0, 4.0, 0.5, 2.0, 0.5, 2.0
+IDLE_S = 60.0  # fake seconds between the code push and the redeploy
+
+STEPS = (
+    "deploy: objects",
+    "deploy: readiness wait",
+    "code push",
+    "redeploy, no change",
+    "teardown",
+)
+
+# Where the requests that grow with the pod count come from (read from the code, issue 26).
+CAUSES = {
+    ("deploy: readiness wait", "GET proxy /health"): (
+        "PodReadiness._serving (backends/kube_readiness.py), called by wait_ready on every poll "
+        "for the pods that run but are not Ready yet: one GET /health through the API "
+        "server's pod proxy per such pod per poll, in ordinal order up to the first that does "
+        "not answer (all() stops there), until the kubelet reports it Ready"
+    ),
+    ("code push", "GET proxy /health"): (
+        "Fanout.load (modes/fanout.py) -> Deployment.wait_healthy: one GET /health per pod "
+        "through the pod proxy before its launch"
+    ),
+    ("code push", "POST proxy /deploy"): (
+        "Fanout.load -> PodClient.deploy (net/client.py): one POST /deploy per pod through "
+        "the pod proxy (pod 0 could push to the others instead: issue 26, item 2)"
+    ),
+    ("teardown", "DELETE pod"): (
+        "KubernetesBackend.teardown (backends/kubernetes.py): after deleting the StatefulSet it "
+        "deletes every pod by name (the garbage collector deletes them anyway; one DELETE on "
+        "the collection with the label selector would do it in one request)"
+    ),
+}
+
+_API_PATH = re.compile(
+    r"/(?:api/v1|apis/[^/]+/[^/]+)(?:/namespaces/[^/]+)?/([^/]+)(?:/([^/]+)(?:/(.*))?)?"
+)
+_SHORT = {"persistentvolumeclaims": "pvc", "networkpolicies": "networkpolicy"}
+
+
+def kind_of(req: kf.RecordedRequest) -> str:
+    """``LIST pod``, ``GET secret``, ``DELETE pod``, ``GET proxy /health``, ..."""
+    m = _API_PATH.fullmatch(req.path)
+    if m is None:
+        return f"{req.method} {req.path}"
+    plural, name, sub = m.groups()
+    if sub is not None and sub.split("/", 1)[0] == "proxy":
+        return f"{req.method} proxy /{sub.split('/', 1)[1] if '/' in sub else ''}"
+    res = _SHORT.get(plural, plural[:-1] if plural.endswith("s") else plural)
+    if name is None:
+        verb = {"GET": "LIST", "DELETE": "DELETECOLLECTION"}.get(req.method, req.method)
+    else:
+        verb = req.method
+    return f"{verb} {res}" + (f"/{sub}" if sub else "")
+
+
+class StandIn(kf.FakeKube):
+    """The fake API server, counting its own CPU time and the bytes it answers."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.cpu_s = 0.0  # CPU seconds its threads spent in it (thread_time: not lock waits)
+        self.resp_bytes = 0
+        self._meter = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        cpu = time.thread_time()
+        try:
+            response = super().handle_request(request)
+            if "/proxy" not in request.url.path:  # the API server's own answer, not a pod's
+                size = len(response.read())
+                with self._meter:
+                    self.resp_bytes += size
+            return response
+        finally:
+            with self._meter:
+                self.cpu_s += time.thread_time() - cpu
+
+
+def ordinal(name: str) -> int:
+    return int(name.rsplit("-", 1)[1])
+
+
+def running_at(name: str) -> float:
+    """Fake seconds after its creation when a pod's container runs (spread over 8 values)."""
+    return RUNNING_S + (ordinal(name) % 8) * SPREAD_S
+
+
+def script(pod: dict[str, Any]) -> kf.PodScript:
+    run = running_at(pod["metadata"]["name"])
+    return [
+        (0.0, kf.pending()),
+        (CREATING_S, kf.container_creating()),
+        (run, kf.running_not_ready()),
+        (run + PROBE_S, kf.ready()),
+    ]
+
+
+class StubServers(dict):  # type: ignore[type-arg]
+    """The fake's proxy table: every pod's stub server, answering from SERVER_UP_S after its
+    container runs (on the fake clock)."""
+
+    def __init__(self, fake: StandIn, clock: kf.FakeClock) -> None:
+        super().__init__()
+        self.fake, self.clock = fake, clock
+
+    def up(self, name: str) -> bool:
+        """Whether the pod's stub server accepts connections (its script's start, as the fake
+        times it, plus the container's start and the server's)."""
+        pod = self.fake._store.get(("pods", "default", name))
+        meta = self.fake._pods.get(pod["metadata"]["uid"]) if pod else None
+        return meta is not None and self.clock() >= meta.start + running_at(name) + SERVER_UP_S
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        name = key[0]
+
+        def answer(request: httpx.Request) -> httpx.Response:
+            if not self.up(name):
+                raise httpx.ConnectError("connection refused")
+            if request.url.path == "/health":
+                body = {
+                    "status": "ok",
+                    "protocol": PROTOCOL_VERSION,
+                    "python": platform.python_version(),
+                    "pod": name,
+                }
+                return httpx.Response(200, json=body)
+            if request.url.path == "/deploy":
+                request.read()
+                return httpx.Response(200, content=CallResult([]).encode_bytes())
+            return httpx.Response(404, json={"detail": "not in the stub"})
+
+        return answer
+
+
+class Meter:
+    """Snapshots of the counters; a step is the difference of two."""
+
+    def __init__(self, fake: StandIn, clock: kf.FakeClock) -> None:
+        self.fake, self.clock = fake, clock
+
+    def snap(self) -> dict[str, Any]:
+        return {
+            "at": len(self.fake.requests),
+            "wall": time.perf_counter(),
+            "cpu": time.process_time(),
+            "standin_cpu": self.fake.cpu_s,
+            "fake_clock": self.clock(),
+            "resp": self.fake.resp_bytes,
+        }
+
+    def diff(self, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        kinds = Counter(kind_of(r) for r in self.fake.requests[a["at"] : b["at"]])
+        standin_cpu = b["standin_cpu"] - a["standin_cpu"]
+        return {
+            "requests": b["at"] - a["at"],
+            "by_kind": dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "resp_mb": (b["resp"] - a["resp"]) / 1e6,
+            "wall_s": b["wall"] - a["wall"],
+            "client_cpu_s": (b["cpu"] - a["cpu"]) - standin_cpu,
+            "standin_cpu_s": standin_cpu,
+            "fake_clock_s": b["fake_clock"] - a["fake_clock"],
+        }
+
+
+def minus(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    out = {k: total[k] - part[k] for k in total if k != "by_kind"}
+    kinds = Counter(total["by_kind"]) - Counter(part["by_kind"])
+    out["by_kind"] = dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+    return out
+
+
+def noop() -> None:
+    return None
+
+
+def run_one(n: int, load: LoadLog) -> dict[str, dict[str, Any]]:
+    """Every step for one deployment of ``n`` pods, on a fresh stand-in."""
+    clock = kf.FakeClock()
+    fake = StandIn(
+        token=API_TOKEN,
+        pod_behavior=script,
+        clock=clock,
+        pod_termination_seconds=TERMINATING_S,
+    )
+    fake.proxy_handlers = StubServers(fake, clock)
+    http = httpx.Client(
+        transport=fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
+    )
+    backend = KubernetesBackend(
+        http,
+        ClusterInfo(HOST, "stand-in", "default", False),
+        out=io.StringIO(),  # its progress lines, not shown
+        clock=clock,
+        sleep=clock.advance,
+    )
+    meter = Meter(fake, clock)
+    waits: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    wait_ready = backend.wait_ready
+
+    def timed_wait(*args: Any, **kwargs: Any) -> Any:  # the readiness wait inside apply
+        start = meter.snap()
+        try:
+            return wait_ready(*args, **kwargs)
+        finally:
+            waits.append((start, meter.snap()))
+
+    backend.wait_ready = timed_wait  # type: ignore[method-assign]
+    compute = kt.Compute(backend="kubernetes", launch_timeout=600).distribute(workers=n)
+    spec = DeploymentSpec(NAME, compute.pod_spec())
+    rows: dict[str, dict[str, Any]] = {}
+
+    def deploy() -> Any:  # what .to() asks the backend: lookup, then apply
+        found = backend.lookup(NAME)
+        return backend.apply(spec, found.token if found is not None else TOKEN)
+
+    try:
+        with load.step(f"deploy {n}"):
+            a = meter.snap()
+            applied = deploy()
+            total = meter.diff(a, meter.snap())
+        wait = meter.diff(*waits[-1])
+        rows["deploy: objects"] = minus(total, wait)
+        rows["deploy: readiness wait"] = wait
+        if len(applied.endpoints) != n:
+            raise RuntimeError(f"the deploy reported {len(applied.endpoints)} pods, not {n}")
+
+        with load.step(f"push {n}"):
+            a = meter.snap()
+            Deployment(spec, backend, applied).push(cloudpickle.dumps(noop), {}, None)
+            rows["code push"] = meter.diff(a, meter.snap())
+
+        clock.advance(IDLE_S)  # a later .to(): every pod Ready by then (see the docstring)
+        with load.step(f"redeploy {n}"):
+            a = meter.snap()
+            again = deploy()
+            rows["redeploy, no change"] = meter.diff(a, meter.snap())
+        if again.restarted:
+            raise RuntimeError(f"a redeploy with no change restarted pods {again.restarted}")
+
+        with load.step(f"teardown {n}"):
+            a = meter.snap()
+            backend.teardown(NAME, timeout=60.0)
+            rows["teardown"] = meter.diff(a, meter.snap())
+    finally:
+        http.close()
+    return rows
+
+
+def short(n: float) -> str:
+    return f"{n / 1000:.1f}k" if n >= 10_000 else str(n)
+
+
+def growth(results: dict[int, dict[str, dict[str, Any]]], step: str) -> dict[str, Any]:
+    """O(1) or O(N) for a step's requests: the extra requests per extra pod, overall and per
+    kind, between the smallest and the largest pod count."""
+    lo, hi = min(results), max(results)
+    a, b = results[lo][step], results[hi][step]
+    per_pod = (b["requests"] - a["requests"]) / (hi - lo) if hi > lo else 0.0
+    kinds = {
+        k: round((b["by_kind"].get(k, 0) - a["by_kind"].get(k, 0)) / (hi - lo), 2)
+        for k in b["by_kind"]
+        if hi > lo and (b["by_kind"].get(k, 0) - a["by_kind"].get(k, 0)) / (hi - lo) >= 0.05
+    }
+    return {
+        "per_pod": round(per_pod, 2),
+        "order": "O(N)" if per_pod >= 0.05 else "O(1)",
+        "growing_kinds": kinds,
+        "causes": {k: CAUSES.get((step, k), "") for k in kinds},
+    }
+
+
+def table(results: dict[int, dict[str, dict[str, Any]]]) -> str:
+    head = (
+        "step",
+        "pods",
+        "requests",
+        "resp MB",
+        "wall s",
+        "client CPU s",
+        "stand-in CPU s",
+        "fake-clock s",
+        "requests by kind",
+    )
+    lines = []
+    for step in STEPS:
+        for n in sorted(results):
+            r = results[n][step]
+            kinds = ", ".join(f"{k} {short(v)}" for k, v in r["by_kind"].items())
+            lines.append(
+                (
+                    step,
+                    str(n),
+                    str(r["requests"]),
+                    f"{r['resp_mb']:.2f}",
+                    f"{r['wall_s']:.2f}",
+                    f"{r['client_cpu_s']:.2f}",
+                    f"{r['standin_cpu_s']:.2f}",
+                    f"{r['fake_clock_s']:.1f}",
+                    kinds,
+                )
+            )
+    widths = [max(len(row[i]) for row in [head, *lines]) for i in range(len(head) - 1)]
+    fmt = "  ".join(f"{{:{'<' if i < 1 else '>'}{w}}}" for i, w in enumerate(widths)) + "  {}"
+    out = [fmt.format(*head), fmt.format(*("-" * w for w in widths), "-" * 16)]
+    out += [fmt.format(*row) for row in lines]
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pods", default="8,64,256,1000", help="pod counts, comma-separated")
+    parser.add_argument("--json", help="write every number to this file")
+    args = parser.parse_args()
+    sizes = sorted({int(p) for p in args.pods.split(",") if p.strip()})
+    load = LoadLog()
+    results: dict[int, dict[str, dict[str, Any]]] = {}
+    started = time.perf_counter()
+    run_one(2, LoadLog())  # warm-up, not reported: the first deploy builds the shipped source
+    for n in sizes:
+        results[n] = run_one(n, load)
+        print(
+            f"  {n} pods: {time.perf_counter() - started:.0f} s so far", file=sys.stderr, flush=True
+        )
+    print(
+        f"ktlite Kubernetes backend against the stand-in API server (tests/kube_fake.py), "
+        f"pods {', '.join(map(str, sizes))}; Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPU(s), {time.perf_counter() - started:.0f} s"
+    )
+    print(load.summary())
+    print(
+        "wall s, client CPU s, stand-in CPU s: real seconds (client CPU = this process's CPU "
+        "less the stand-in's); fake-clock s: simulated seconds the step slept, no real time"
+    )
+    print("code push: the pod servers are stubs (GET /health, POST /deploy answered; no code runs)")
+    print()
+    print(table(results))
+    print()
+    grown = {step: growth(results, step) for step in STEPS}
+    print(
+        "API requests against the pod count (extra requests per extra pod from the smallest "
+        "to the largest; the counts at each size):"
+    )
+    for step in STEPS:
+        g = grown[step]
+        kinds = ", ".join(f"{k} +{v}/pod" for k, v in g["growing_kinds"].items())
+        counts = " / ".join(str(results[n][step]["requests"]) for n in sizes)
+        print(f"  {step:<24} {g['order']:<5} {g['per_pod']:>5.2f}/pod  ({counts})  {kinds}")
+        for kind, cause in g["causes"].items():
+            if cause:
+                print(f"      {kind}: {cause}")
+    print(
+        "  LIST pod is one request per poll at any size, but each answer carries every pod "
+        "(resp MB grows with N): KubernetesBackend.wait_ready and teardown poll with LIST, not "
+        "a watch (the stand-in has no watches, so a watch's cost is not measured here)"
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"pods": sizes, "results": results, "growth": grown, "load": load.steps})
+        )
+
+
+if __name__ == "__main__":
+    main()
