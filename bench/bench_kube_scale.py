@@ -39,11 +39,13 @@ prediction of a real cluster's latency.
 from __future__ import annotations
 
 import argparse
+import atexit
 import io
 import json
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -55,6 +57,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 _HOME = tempfile.mkdtemp(prefix="ktlite-bench-kscale-")
 os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the stand-in API server lives with the tests
 
@@ -341,7 +344,7 @@ def growth(results: dict[int, dict[str, dict[str, Any]]], step: str) -> dict[str
     }
     return {
         "per_pod": round(per_pod, 2),
-        "order": "O(N)" if per_pod >= 0.05 else "O(1)",
+        "order": "n/a" if hi == lo else "O(N)" if per_pod >= 0.05 else "O(1)",  # one size: none
         "growing_kinds": kinds,
         "causes": {k: CAUSES.get((step, k), "") for k in kinds},
     }
