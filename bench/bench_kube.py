@@ -35,6 +35,7 @@ from _rounds import LoadLog
 
 import ktlite as kt
 from ktlite.backends.kube_api import KubeApi, load
+from ktlite_wire.headers import TOKEN_HEADER, bearer
 
 MB = 1_000_000
 _BLOB: bytes | None = None
@@ -102,6 +103,7 @@ class Bench:
             image_pull_policy=self.args.pull_policy,
             launch_timeout=300,
             stream_logs=False,
+            tls=self.args.tls == "on",
             **extra,
         )
         return c.distribute("spmd", workers=workers) if workers > 1 else c
@@ -242,10 +244,12 @@ class Bench:
             try:
                 remote()
                 done = time.time()
+                # /health says when the server started to the deployment's token only
+                token = {TOKEN_HEADER: bearer(remote.deployment.applied.token)}
                 started = max(
                     s["started"]
                     for s in (
-                        self.http.get(f"{ep.url}/health").json()
+                        self.http.get(f"{ep.url}/health", headers=token).json()
                         for ep in remote.deployment.endpoints
                     )
                 )
@@ -351,6 +355,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=300, help="calls per latency measurement")
     p.add_argument("--cold", type=int, default=3, help="cold starts to take the median of")
     p.add_argument("--loops", action="store_true", help="also the 10,000 / 1,000 call loops")
+    p.add_argument(
+        "--tls", choices=("on", "off"), default="on", help="the pods serve TLS (the default) or not"
+    )
     p.add_argument("--json", metavar="PATH")
     Bench(p.parse_args()).run()
 
