@@ -363,27 +363,35 @@ def test_refused_before_anything_is_made(cluster: Cluster, secret: str, message:
 def test_the_server_packages_are_shipped_once_per_namespace_and_outlive_a_deployment(
     cluster: Cluster,
 ) -> None:
-    """The ktlite-deps Secrets: made by the first deploy (each under a Secret's 1 MiB, part 0
-    with the copy's digest), mounted by every pod, not made again by the next deploy, left by
-    teardown as the namespace's cache."""
+    """The ktlite-deps Secrets: made by the first deploy (each under a Secret's 1 MiB, then the
+    marker with the copy's digest), mounted by every pod, not made again (nor read: no part's
+    megabyte) by the next deploy, left by teardown as the namespace's cache."""
     cluster.backend.apply(spec(name="one"), "tok-1")
     parts = cluster.deps()
-    assert len(parts) == len(kube_deps._parts()) >= 2
+    assert len(parts) == len(kube_deps._parts()) + 1 >= 3
     for part in parts:
         raw = {k: base64.b64decode(v) for k, v in part["data"].items()}
         assert len(b"".join(raw.values())) <= 1 << 20
         assert part["metadata"]["labels"][kube_deps.DEPS_LABEL] == kube_deps.key()
-    first = next(p for p in parts if p["metadata"]["name"] == kube_deps.secret_name(0))
-    assert base64.b64decode(first["data"]["digest"]).decode() == shipped_source.deps_digest()
+    marker = next(p for p in parts if p["metadata"]["name"] == kube_deps.marker_name())
+    assert base64.b64decode(marker["data"]["digest"]).decode() == shipped_source.deps_digest()
     pod = cluster.fake.objects("statefulsets")[0]["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == kube_deps.DEPS_VOLUME]
     names = [s["secret"]["name"] for s in volume["projected"]["sources"]]
-    assert names == [kube_deps.secret_name(i) for i in range(kube_deps.MAX_PARTS)]
+    assert names == [
+        kube_deps.marker_name(),
+        *(kube_deps.secret_name(i) for i in range(kube_deps.MAX_PARTS)),
+    ]
     assert all(s["secret"]["optional"] for s in volume["projected"]["sources"])
     since = len(cluster.fake.requests)
     cluster.backend.apply(spec(name="two"), "tok-2")
     made = [p for m, p in cluster.writes(since) if m == "POST" and p.endswith("/secrets")]
     assert len(made) == 1  # its token Secret only
+    reads = [r for r in cluster.fake.requests[since:] if r.method == "GET"]
+    assert [r.path.rsplit("/", 1)[1] for r in reads if "/secrets/ktlite-deps" in r.path] == [
+        kube_deps.marker_name()
+    ]
+    assert not [r for r in reads if kube_deps.DEPS_LABEL in r.query.get("labelSelector", "")]
     cluster.backend.teardown("one")
     cluster.backend.teardown("two")
     assert len(cluster.deps()) == len(parts)

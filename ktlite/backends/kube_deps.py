@@ -11,10 +11,10 @@ packages, and say so at start).
 A Secret holds at most 1 MiB, so the bundle is cut into parts, one Secret each,
 ``ktlite-deps-<key>-<i>`` (the key: the packages' versions and the ABI), shared by every
 deployment in the namespace that runs this client's packages (labelled
-``ktlite.dev/deps=<key>``): made once, when a ``.to()`` finds them missing (part 0, which also
-holds the copy's digest, last), and left as a cache (``kubectl delete secret -l
-ktlite.dev/deps`` removes them; a later ``.to()`` makes them again). Each pod mounts up to
-:data:`MAX_PARTS` of them, ``optional``, in one projected volume at :data:`DEPS_DIR`; its
+``ktlite.dev/deps=<key>``): made once, when a ``.to()`` finds their marker
+``ktlite-deps-<key>`` (a small Secret holding the copy's digest, made last) missing, and left
+as a cache (``kubectl delete secret -l ktlite.dev/deps`` removes them; a later ``.to()`` makes
+them again). Each pod mounts the marker and up to :data:`MAX_PARTS` parts, ``optional``, in one projected volume at :data:`DEPS_DIR`; its
 bootstrap joins the parts and unpacks them into ``/ktlite/deps/<digest>`` (checked against the
 digest) only when the image's Python lacks a package and has the ABI and machine they were
 built for.
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 # Run by the container's shell after the source is unpacked ($PY, $BOOT as there): the
 # shipped packages go on PYTHONPATH after ktlite's source, before the image's own, only when
 # the image lacks one (found without importing it: importing fastapi takes 0.4 s) and its
-# Python fits them. Part 0 also holds the copy's digest.
+# Python fits them. The marker Secret holds the copy's digest.
 UNPACK_DEPS = r"""if [ -n "$KTLITE_DEPS_KEY" ] && ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(p.strip()) is None for p in sys.argv[1].split(',')))" "$KTLITE_SERVER_PACKAGES"; then
   TAG=$("$PY" -c 'import platform, sys; print(sys.implementation.cache_tag, platform.machine())')
   PARTS=${KTLITE_DEPS_DIR:-/var/run/ktlite/deps}
@@ -96,13 +96,17 @@ def secret_name(i: int) -> str:
     return f"ktlite-deps-{key()}-{i}"
 
 
+def marker_name() -> str:
+    """The small Secret made after every part, holding the copy's digest: its presence says
+    the parts are all there, and asking for it costs no part's megabyte."""
+    return f"ktlite-deps-{key()}"
+
+
 def ensure(api: KubeApi) -> None:
-    """Make the Secrets of the parts that are missing in ``api``'s namespace (none on a
-    client that does not ship them); another client making them at once is fine."""
-    if not shipped():
-        return
-    there = {o["metadata"]["name"] for o in api.list("Secret", f"{DEPS_LABEL}={key()}")}
-    if secret_name(0) in there:  # part 0, holding the digest, is made last
+    """Make the Secrets of the parts and the marker where the marker is missing in ``api``'s
+    namespace (nothing on a client that does not ship them); another client making them at
+    once is fine (409s are skipped)."""
+    if not shipped() or api.get("Secret", marker_name()) is not None:
         return
     parts = _parts()
     if len(parts) > MAX_PARTS:
@@ -119,28 +123,24 @@ def ensure(api: KubeApi) -> None:
         api.namespace,
         len(parts),
     )
-    for i in reversed(range(len(parts))):
-        data = {"part": parts[i]}
-        if i == 0:
-            data["digest"] = deps_digest().encode()
+    named = [(secret_name(i), {"part": part}) for i, part in enumerate(parts)]
+    for name, data in [*named, (marker_name(), {"digest": deps_digest().encode()})]:
         body = {
             "apiVersion": "v1",
             "kind": "Secret",
             "type": "Opaque",
             "metadata": {
-                "name": secret_name(i),
+                "name": name,
                 "namespace": api.namespace,
                 "labels": {**MANAGED_LABELS, DEPS_LABEL: key()},
                 "annotations": {"ktlite.dev/deps-tag": tag()},
             },
             "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
         }
-        if secret_name(i) in there:
-            continue
         try:
             api.create(body)
         except KubeApiError as e:
-            if e.status != 409:  # 409: another client made it first
+            if e.status != 409:  # 409: there already (another client, an earlier try)
                 raise
 
 
@@ -156,13 +156,21 @@ def wire(pod: dict[str, Any]) -> None:
     sources = [
         {
             "secret": {
-                "name": secret_name(i),
-                "items": [{"key": "part", "path": f"part-{i:03d}"}]
-                + ([{"key": "digest", "path": "digest"}] if i == 0 else []),
+                "name": marker_name(),
+                "items": [{"key": "digest", "path": "digest"}],
                 "optional": True,
             }
-        }
-        for i in range(MAX_PARTS)
+        },
+        *(
+            {
+                "secret": {
+                    "name": secret_name(i),
+                    "items": [{"key": "part", "path": f"part-{i:03d}"}],
+                    "optional": True,
+                }
+            }
+            for i in range(MAX_PARTS)
+        ),
     ]
     pod.setdefault("volumes", []).append(
         {"name": DEPS_VOLUME, "projected": {"sources": sources, "defaultMode": 0o444}}
