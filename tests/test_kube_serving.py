@@ -17,7 +17,6 @@ import gzip
 import io
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import httpx
 import kube_fake as kf
 import kubernetes_validate
 import pytest
+import server_procs
 
 import ktlite
 import ktlite as kt
@@ -907,12 +907,7 @@ def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             time.sleep(0.05)
         yield root
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        server_procs.stop_group(proc)
 
 
 @pytest.fixture

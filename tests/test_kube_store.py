@@ -17,7 +17,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 import httpx
 import kube_fake as kf
 import pytest
+import server_procs
 
 import ktlite as kt
 from ktlite import config
@@ -496,12 +496,7 @@ def harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     finally:
         for client, _ in KubernetesBackend._clients.values():  # what kt.put and .to() loaded
             client.close()
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        server_procs.stop_group(proc)
 
 
 def _in_rank(tag: str) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import server_procs
 from loadscale import time_scale
 
 import ktlite as kt
@@ -72,12 +72,7 @@ def _stand_in(root: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> Iterat
     finally:
         for client, _ in KubernetesBackend._clients.values():
             client.close()
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        server_procs.stop_group(proc)
 
 
 def _left(api: KubeApi, name: str) -> dict[str, list[str]]:
