@@ -4,7 +4,7 @@ ranks' log lines, notices, then the result), read into per-rank outcomes."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +52,12 @@ class FrameReader:
     def read(self, chunks: Any) -> CallReply:
         """Reads the stream to its end (it ends right after the result) so the connection can
         be reused."""
+        return self.take(read_frames(chunks))
+
+    def take(self, frames: Iterator[tuple[int, Any]]) -> CallReply:
+        """:meth:`read`, from the stream's frames (``Connection.frames`` reads them)."""
         result = None
-        for kind, payload in read_frames(chunks):
+        for kind, payload in frames:
             if kind == HEARTBEAT:
                 continue
             if kind == NOTICE:

@@ -329,7 +329,7 @@ class PodClient:
                 except ValueError:
                     detail = body.decode(errors="replace")
                 raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
-            result = frames.read(conn.body(hdrs))
+            result = frames.take(conn.frames(hdrs))
         except BaseException:
             conn.close()
             raise

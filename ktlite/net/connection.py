@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import socket
 import ssl
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ktlite_wire import pinning
+from ktlite_wire.errors import ProtocolError
+from ktlite_wire.frames import FrameParser
 
 PIECE = 1 << 20  # the most bytes read at once from a response body
 
@@ -50,7 +53,7 @@ class Connection:
             raise ConnectionRefused(f"cannot connect to {host}:{port}: {e!r}") from e
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = raw if context is None else _handshake(raw, host, port, context)
-        self.reader = self.sock.makefile("rb", buffering=1 << 16)
+        self.reader = cast(io.BufferedReader, self.sock.makefile("rb", buffering=1 << 16))
         self.reusable = False
 
     def close(self) -> None:
@@ -92,6 +95,23 @@ class Connection:
         """The response body in pieces of at most :data:`PIECE` bytes (a chunk or length the
         pod claims allocates nothing before its bytes arrive); the connection is reusable
         once this is exhausted."""
+        yield from self._pieces(headers, None)  # type: ignore[misc]  # no parser: all bytes
+
+    def frames(self, headers: dict[str, str]) -> Iterator[tuple[int, Any]]:
+        """The response body's frames (``ktlite_wire.frames``); a large frame's payload is
+        read from the socket straight into its own memory (``FrameParser.room``), not
+        through pieces that are copied on. Raises ProtocolError when the body ends mid-frame."""
+        parser = FrameParser()
+        for got in self._pieces(headers, parser):
+            yield from got if isinstance(got, list) else parser.feed(got)
+        if parser.mid_frame:
+            raise ProtocolError("stream ended inside a frame")
+
+    def _pieces(
+        self, headers: dict[str, str], parser: FrameParser | None
+    ) -> Iterator[bytes | list[tuple[int, Any]]]:
+        """The body's bytes, in pieces; with ``parser``, the frames of the bytes it read into
+        the parser's room itself (a list) among them."""
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
                 try:
@@ -107,16 +127,26 @@ class Connection:
                         raise ConnectionFailed("the pod closed the connection mid-chunk")
                     yield data[:-2]
                     continue
-                yield from self._exactly(size, "mid-chunk")
+                yield from self._exactly(size, "mid-chunk", parser)
                 if self.reader.read(2) != b"\r\n":
                     raise ConnectionFailed("the pod sent a chunk longer than its size line")
         else:
-            yield from self._exactly(int(headers.get("content-length", "0")), "mid-body")
+            yield from self._exactly(int(headers.get("content-length", "0")), "mid-body", parser)
         self.reusable = headers.get("connection", "").lower() != "close"
 
-    def _exactly(self, n: int, where: str) -> Iterator[bytes]:
+    def _exactly(
+        self, n: int, where: str, parser: FrameParser | None = None
+    ) -> Iterator[bytes | list[tuple[int, Any]]]:
         while n > 0:
-            data = self.reader.read(min(n, PIECE))
+            if parser is not None and (room := parser.room()) is not None:
+                # a large payload: read into its memory
+                k = self.reader.readinto(room[: min(n, room.nbytes)])
+                if not k:
+                    raise ConnectionFailed(f"the pod closed the connection {where}")
+                n -= k
+                yield parser.filled(k)
+                continue
+            data = self.reader.read(min(n, PIECE, parser.due() if parser else PIECE))
             if not data:
                 raise ConnectionFailed(f"the pod closed the connection {where}")
             n -= len(data)

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import HTTPException, Request
 from starlette.requests import ClientDisconnect
 
+from ktlite_server import directbody
 from ktlite_server.refusal import refuse
 from ktlite_wire import shm
 from ktlite_wire.errors import ErrorCode
@@ -35,6 +36,9 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
             f"body of {n} bytes is larger than this server's limit of {limit} bytes "
             "(KTLITE_MAX_BODY)",
         )
+    into = request.scope.get("extensions", {}).get(directbody.BODY_INTO)
+    if into is not None:  # the server's protocol reads it past uvicorn's receive()
+        return await _read_direct(into, n)
     path = None
     if n > shm.INLINE_MAX:
         fd, path = tempfile.mkstemp(prefix=shm.ARG_PREFIX, dir=shm.shm_dir())
@@ -72,3 +76,21 @@ async def discard_body(request: Request) -> None:
     with contextlib.suppress(ClientDisconnect):
         async for _ in request.stream():
             pass
+
+
+async def _read_direct(into: Any, n: int) -> tuple[Any, str | None]:
+    """The body through ``into`` (``directbody.receive_into``): into a ``bytearray``, or onto a
+    shared-memory file that is then mapped, as :func:`read_body` would have it."""
+    if n <= shm.INLINE_MAX:
+        view = memoryview(bytearray(n))
+        await into(directbody.MemorySink(view))
+        return view, None
+    fd, path = tempfile.mkstemp(prefix=shm.ARG_PREFIX, dir=shm.shm_dir())
+    try:
+        await into(directbody.FileSink(fd, n))
+        return memoryview(mmap.mmap(fd, n)), path
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)

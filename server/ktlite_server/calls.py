@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from ktlite_server.bodies import discard_body, read_body
 from ktlite_server.coordinator import Coordinator, run_local
+from ktlite_server.directbody import WRITE_CHUNK
 from ktlite_server.localcall import LOG_BODIES
 from ktlite_server.pod import Pod
 from ktlite_server.refusal import refuse
@@ -47,7 +48,8 @@ class StreamResponse(Response):
         self.start = start
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.stream.send(send, receive, self.start)
+        write = scope.get("extensions", {}).get(WRITE_CHUNK)
+        await self.stream.send(send, receive, self.start, write)
 
 
 def _resume_from(request: Request) -> int | None:

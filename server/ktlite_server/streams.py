@@ -105,9 +105,10 @@ class CallStream:
         if not self.done and not self.attached:
             self.on_abandon()
 
-    async def send(self, send: Any, receive: Any, start: int) -> None:
+    async def send(self, send: Any, receive: Any, start: int, write: Any = None) -> None:
         """Stream frames ``start...`` to one response, heartbeats while idle, until the call
-        ends (then the response ends) or the caller disconnects."""
+        ends (then the response ends) or the caller disconnects. ``write``: the server's way
+        to write a large frame's parts as one chunk, uncopied (``directbody.write_chunk``)."""
         loop = asyncio.get_running_loop()
         self.attached += 1
         if self._abandon is not None:
@@ -164,7 +165,9 @@ class CallStream:
                     at += len(batch)
                     last = self.done and at == self.end
                     for i, item in enumerate(batch):
-                        await _send(send, item, more=not (last and i == len(batch) - 1))
+                        await _send(
+                            send, item, more=not (last and i == len(batch) - 1), write=write
+                        )
                     if last:
                         return
                     continue
@@ -185,13 +188,17 @@ class CallStream:
             self._detached()
 
 
-async def _send(send: Any, item: Any, more: bool) -> None:
+async def _send(send: Any, item: Any, more: bool, write: Any = None) -> None:
     if type(item) is bytes and len(item) <= JOIN_MAX:  # a frame joined when it was made
         await send({"type": "http.response.body", "body": item, "more_body": more})
         return
     parts = item if isinstance(item, list) else [item]
     if envelope.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
+        return
+    if write is not None and await write(parts):  # one chunk, its parts as they are
+        if not more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
     chunks: list[bytes | memoryview] = [*envelope.chunked(parts)] or [b""]
     for i, chunk in enumerate(chunks):

@@ -8,6 +8,7 @@ message, an error a :class:`ktlite_wire.errors.WireError` as JSON, a heartbeat e
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -128,26 +129,73 @@ def decode_error(payload: Any) -> WireError:
 class FrameParser:
     """Incremental frame parser: ``feed`` chunks, get complete ``(kind, payload)`` frames.
 
-    Each payload lands in its own bytearray, so messages decoded from it are writable and
-    zero-copy. The bytearray grows with the bytes that arrive, never ahead of them: a header
-    that claims gigabytes costs nothing until they come.
+    Each payload lands in memory of its own, so messages decoded from it are writable and
+    zero-copy: a ``bytearray`` that grows with the bytes that arrive, or for a payload over
+    :data:`JOIN_MAX` an anonymous private mapping of its length, whose pages the kernel
+    provides only as bytes land in them. Either way a header that claims gigabytes costs
+    nothing until they come. A reader with a socket can read a large payload straight into
+    its memory: :meth:`room` is where the next bytes go, :meth:`filled` says they came.
     """
 
     def __init__(self) -> None:
         self._head = bytearray()
         self._payload: bytearray | None = None
+        self._big: memoryview | None = None  # a large payload's mapping
+        self._at = 0  # bytes of the large payload so far
         self._kind = 0
         self._need = 0  # bytes of the current payload still to come
 
     @property
     def mid_frame(self) -> bool:
-        return bool(self._head) or self._payload is not None
+        return bool(self._head) or self._payload is not None or self._big is not None
 
-    def feed(self, chunk: Any) -> list[tuple[int, bytearray]]:
-        out: list[tuple[int, bytearray]] = []
+    def room(self) -> memoryview | None:
+        """The rest of a large payload's memory, to read into (then :meth:`filled`); None
+        between frames and in a small frame: give those bytes to :meth:`feed`."""
+        if self._big is None:
+            return None
+        return self._big[self._at :]
+
+    def due(self) -> int:
+        """How many bytes :meth:`feed` takes before the parser knows more (the rest of a
+        frame's header, or of a small payload): a reader that reads no more than that at a
+        time reads every large payload through :meth:`room`, none of it through ``feed``."""
+        if self._payload is not None:
+            return self._need
+        return FRAME.size - len(self._head)
+
+    def filled(self, n: int) -> list[tuple[int, Any]]:
+        """``n`` bytes were read into :meth:`room`: the frame, once it is complete."""
+        if self._big is None or not 0 <= n <= self._need:
+            raise ValueError(f"filled({n}) with {self._need} payload bytes due")
+        self._at += n
+        self._need -= n
+        if self._need:
+            return []
+        done, self._big = self._big, None
+        return [(self._kind, done)]
+
+    def _start(self, length: int) -> None:
+        if length > JOIN_MAX:
+            try:
+                self._big = memoryview(mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE))
+                self._at, self._need = 0, length
+                return
+            except (OSError, OverflowError, ValueError):
+                pass  # no address space for it: grow a bytearray as bytes come
+        self._payload, self._need = bytearray(), length
+
+    def feed(self, chunk: Any) -> list[tuple[int, Any]]:
+        out: list[tuple[int, Any]] = []
         view = memoryview(chunk).cast("B")
         pos, end = 0, view.nbytes
         while pos < end:
+            if self._big is not None:
+                take = min(self._need, end - pos)
+                self._big[self._at : self._at + take] = view[pos : pos + take]
+                pos += take
+                out += self.filled(take)
+                continue
             if self._payload is None:
                 need = FRAME.size - len(self._head)
                 self._head += view[pos : pos + need]
@@ -161,19 +209,23 @@ class FrameParser:
                         f"a frame claims {length} bytes, more than the {MAX_FRAME} a "
                         "ktlite peer sends: not a ktlite stream, or a corrupt one"
                     )
-                self._payload, self._need = bytearray(), length
+                self._start(length)
+                if self._big is not None:
+                    continue
+            payload = self._payload
+            assert payload is not None  # started above, or by an earlier feed
             take = min(self._need, end - pos)
             if take:
-                self._payload += view[pos : pos + take]
+                payload += view[pos : pos + take]
                 self._need -= take
                 pos += take
             if not self._need:
-                out.append((self._kind, self._payload))
+                out.append((self._kind, payload))
                 self._payload = None
         return out
 
 
-def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, bytearray]]:
+def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, Any]]:
     """Frames from an iterator of byte chunks; raises ProtocolError if it ends mid-frame."""
     parser = FrameParser()
     for chunk in chunks:

@@ -1,0 +1,105 @@
+"""Reference peer of ``bench_data.py``: the least a uvicorn server does to move a large body.
+
+``POST /upload`` reads the body (``receive()`` messages) into a buffer allocated for it and
+answers its length; ``GET /download?n=N`` answers N bytes from a buffer built once (sent in
+4 MiB pieces, as an app streams a large answer). uvloop + httptools when installed, as the
+pod server runs. Prints ``PORT <n>`` once it accepts connections; exits when its parent does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import socket
+import sys
+from typing import Any
+
+import uvicorn
+
+PIECE = 4 << 20
+_HELD: dict[int, bytes] = {}
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    if scope["method"] == "POST":
+        size = int(dict(scope["headers"]).get(b"content-length", b"0"))
+        view, got = memoryview(bytearray(size)), 0
+        while True:
+            msg = await receive()
+            chunk = msg.get("body", b"")
+            view[got : got + len(chunk)] = chunk
+            got += len(chunk)
+            if not msg.get("more_body"):
+                break
+        body = str(got).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+        return
+    n = int(scope["query_string"].decode().partition("=")[2] or 0)
+    blob = memoryview(_HELD.setdefault(n, b"\x07" * n))
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", str(n).encode())],
+        }
+    )
+    for i in range(0, n, PIECE):
+        await send(
+            {"type": "http.response.body", "body": blob[i : i + PIECE], "more_body": i + PIECE < n}
+        )
+
+
+async def _watch_parent(ppid: int, server: uvicorn.Server) -> None:
+    while os.getppid() == ppid:
+        await asyncio.sleep(0.5)
+    server.should_exit = True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--parent-pid", type=int, default=os.getppid())
+    args = p.parse_args()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, log_level="warning", access_log=False, loop=loop, http=http, lifespan="off"
+        )
+    )
+
+    async def serve() -> None:
+        running = asyncio.get_running_loop()
+        running.create_task(_watch_parent(args.parent_pid, server))
+        serving = running.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.005)
+        if server.started:
+            print(f"PORT {port} {loop} {http} {os.getpid()}", flush=True)
+        await serving
+
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(serve())
+    else:
+        asyncio.run(serve())
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
