@@ -96,7 +96,7 @@ class LocalCall:
     ) -> list[Outcome]:
         handle = self.handle
         now = time.monotonic()
-        tasks = {}
+        calls = []
         for r in self.ranks:
             if only is not None and r.global_rank not in only:
                 continue  # the call names other ranks
@@ -110,7 +110,18 @@ class LocalCall:
                     item_at=None if item_at is None else item_at[r.local_rank],
                 )
             )
-            tasks[asyncio.get_running_loop().create_task(self._call_rank(r, own))] = r
+            calls.append((r, own))
+        if len(calls) == 1:  # one rank: no other to stop when it fails, no task to wait on
+            r, own = calls[0]
+            o = await self._call_rank(r, own)
+            if not r.running:
+                r.busy_since = None
+            if o.status is not Status.OK and not handle.stop_kind:
+                handle.stop_kind = Status.CANCELLED
+                handle.stop_reason = f"stopped because rank {o.rank} failed"
+            return [o]
+        loop = asyncio.get_running_loop()
+        tasks = {loop.create_task(self._call_rank(r, own)): r for r, own in calls}
         outcomes: dict[int, Outcome] = {}
         pending = set(tasks)
         while pending:
