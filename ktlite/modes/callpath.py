@@ -133,7 +133,8 @@ class CallPlans:
 def shm_arguments(applied: Applied, plan: CallPlan, parts: list[Any]) -> Iterator[list[Any]]:
     """The call's parts as they are sent: where the pods share this machine (local backend;
     ``KTLITE_SHM=0`` turns it off) results come back in shared-memory files, and arguments too
-    big to inline go in one, removed when the call ends (``plan`` says so)."""
+    big to inline go in one, removed (on a thread: ``shm.remove_later``) when the call ends
+    (``plan`` says so)."""
     if not applied.same_host or os.environ.get("KTLITE_SHM", "1") == "0":
         yield parts
         return
@@ -146,8 +147,7 @@ def shm_arguments(applied: Applied, plan: CallPlan, parts: list[Any]) -> Iterato
     try:
         yield []
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(arg_file)
+        shm.remove_later(arg_file)  # freeing its pages need not delay the call's return
 
 
 def print_log(rank: int, pod: str, stream: str, text: str) -> None:

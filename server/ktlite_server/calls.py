@@ -238,9 +238,8 @@ class Calls:
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
                 stream.emit(error_frame(WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)))
             finally:
-                if path and own_file:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+                if path and own_file:  # freeing a large body's pages off the event loop
+                    shm.remove_later(path)
                 coordinators.pop(plan.id, None)
                 streams.finished(stream)
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +16,7 @@ from ktlite_server.gate import Gate
 from ktlite_server.localcall import CallHandle, LocalCall, stop_rank
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankProcess
+from ktlite_wire import shm
 from ktlite_wire.distenv import port_free
 from ktlite_wire.status import Status
 
@@ -209,9 +208,8 @@ class PodCalls:
         finally:
             for sinks in self._sinks.values():
                 sinks.pop(handle.call_id, None)
-            if own_file is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(own_file)
+            if own_file is not None:  # its pages are freed off the event loop
+                shm.remove_later(own_file)
             self.reset()  # ranks that died or were killed in the call: healed before the next
 
     def cancel(

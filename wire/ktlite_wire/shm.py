@@ -10,12 +10,15 @@ payload has, opened without following a link; any other path is a :class:`Protoc
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import mmap
 import os
+import queue
 import stat
 import tempfile
+import threading
 from typing import Any
 
 from ktlite_wire.errors import ProtocolError
@@ -103,3 +106,39 @@ def check(path: str, prefix: str) -> str:
             f"{shm_dir()}); refused: it is neither opened nor removed"
         )
     return path
+
+
+_doomed: queue.SimpleQueue[str | None] | None = None
+_remover: threading.Thread | None = None
+_remover_lock = threading.Lock()
+REMOVE_AT_EXIT_S = 10.0  # how long an exiting process waits for the files it queued
+
+
+def remove_later(path: str) -> None:
+    """Remove the file at ``path`` on a thread of this process's, not here: freeing a large
+    file's pages takes milliseconds (about 1 ms per 8 MB on a small VM) that a call's return,
+    or a server's event loop, need not wait for. What is queued is removed before the
+    process exits (it waits up to :data:`REMOVE_AT_EXIT_S`)."""
+    global _doomed, _remover
+    if _doomed is None:
+        with _remover_lock:
+            if _doomed is None:
+                doomed: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+                _remover = threading.Thread(
+                    target=_remove, args=(doomed,), name="ktlite-shm-remover", daemon=True
+                )
+                _remover.start()
+                atexit.register(_drain, doomed, _remover)
+                _doomed = doomed
+    _doomed.put(path)
+
+
+def _remove(doomed: queue.SimpleQueue[str | None]) -> None:
+    while (path := doomed.get()) is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _drain(doomed: queue.SimpleQueue[str | None], remover: threading.Thread) -> None:
+    doomed.put(None)
+    remover.join(REMOVE_AT_EXIT_S)
