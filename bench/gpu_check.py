@@ -230,6 +230,17 @@ def measure(steps: int) -> list[tuple[str, str]]:
                 f"({inside['step_ms'] / plain['step_ms']:.2f}x)",
             )
         )
+        (pod,) = remote.status()
+        (rank,) = pod["ranks"]
+        rows.append(
+            (
+                f"status(): GPU read through {pod['gpu_source']}",
+                f"rank holds {(rank['gpu_process_memory_bytes'] or 0) / 2**20:.0f} MiB of "
+                f"{(rank['gpu_memory_used_bytes'] or 0) / 2**20:.0f} used / "
+                f"{(rank['gpu_memory_total_bytes'] or 0) / 2**30:.0f} GiB, "
+                f"utilisation {rank['gpu_utilization_percent']}%",
+            )
+        )
         (ms,) = remote.all_reduce(SIZE, 20)
         rows.append(("NCCL all_reduce 256 MB, world 1", f"{ms:.2f} ms"))
         _transfers(_Each(remote), "shared-memory files", rows)

@@ -172,6 +172,12 @@ class GpuHolder:
         return int(t.cuda.memory_allocated())
 
 
+def _has_pynvml() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pynvml") is not None
+
+
 def test_status_shows_the_rank_gpu_memory_and_utilisation() -> None:
     remote = kt.cls(GpuHolder, name="gpu-status").to(kt.Compute(cpus=1, gpus=1))
     try:
@@ -180,6 +186,7 @@ def test_status_shows_the_rank_gpu_memory_and_utilisation() -> None:
     finally:
         remote.teardown()
     assert pod.get("gpu_error") is None
+    assert pod["gpu_source"] == ("nvml" if _has_pynvml() else "nvidia-smi")
     (rank,) = pod["ranks"]
     assert rank["gpu_memory_total_bytes"] > rank["gpu_memory_used_bytes"] >= 512 * MIB
     assert rank["gpu_utilization_percent"] is not None

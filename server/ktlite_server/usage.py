@@ -276,6 +276,7 @@ class GpuQuery:
         self._at = -1e9
         self._value: Snapshot = (None, None, None)
         self._nvml = nvml.Reader()
+        self.source: str | None = None  # "nvml" or "nvidia-smi": what the last answer came from
 
     async def snapshot(self) -> Snapshot:
         async with self._lock:
@@ -283,33 +284,35 @@ class GpuQuery:
             ttl = GPU_RETRY_S if error else GPU_TTL_S
             if time.monotonic() - self._at < ttl:
                 return self._value
-            self._value = await self._query()
+            self._value, self.source = await self._query()
             self._at = time.monotonic()
             return self._value
 
-    async def _query(self) -> Snapshot:
+    async def _query(self) -> tuple[Snapshot, str | None]:
         if self._nvml.available:
             try:
                 rows = await asyncio.wait_for(asyncio.to_thread(self._nvml), GPU_TIMEOUT_S)
             except asyncio.TimeoutError:
-                return [], None, f"NVML did not answer within {GPU_TIMEOUT_S:g}s"
+                return ([], None, f"NVML did not answer within {GPU_TIMEOUT_S:g}s"), "nvml"
             except RuntimeError as e:
-                return [], None, str(e)
+                return ([], None, str(e)), "nvml"
             if rows is not None:
-                return _own_pids(*rows)
+                return _own_pids(*rows), "nvml"
         exe = shutil.which("nvidia-smi")  # looked up each time: PATH is the pod's own
         if exe is None:
-            return None, None, None
-        gpu_text, apps_text = await asyncio.gather(
-            _run(exe, GPU_QUERY), _run(exe, APPS_QUERY), return_exceptions=True
-        )
-        if isinstance(gpu_text, BaseException):
-            return [], None, str(gpu_text)
-        if isinstance(
-            apps_text, BaseException
-        ):  # the GPUs are known; only per-process memory is not
-            return parse_gpus(gpu_text), None, str(apps_text)
-        return _own_pids(parse_gpus(gpu_text), parse_apps(apps_text))
+            return (None, None, None), None
+        return await _smi(exe), "nvidia-smi"
+
+
+async def _smi(exe: str) -> Snapshot:
+    gpu_text, apps_text = await asyncio.gather(
+        _run(exe, GPU_QUERY), _run(exe, APPS_QUERY), return_exceptions=True
+    )
+    if isinstance(gpu_text, BaseException):
+        return [], None, str(gpu_text)
+    if isinstance(apps_text, BaseException):  # the GPUs are known; only per-process memory is not
+        return parse_gpus(gpu_text), None, str(apps_text)
+    return _own_pids(parse_gpus(gpu_text), parse_apps(apps_text))
 
 
 def _own_pids(gpus: list[dict[str, Any]], apps: Apps) -> Snapshot:

@@ -53,23 +53,19 @@ class _SourcePickler(_Pickler):
 
 
 def _reduce_tensor(torch: Any, t: Any) -> Any:
+    if t.layout != torch.strided or t.is_quantized:
+        return None  # torch's own reduction (a sparse tensor's parts come back here)
+    if t.requires_grad and t.grad_fn is not None:
+        return None  # torch's own refusal of a non-leaf tensor says it best
     device = None
     if t.device.type == "cuda":
-        if t.requires_grad and t.grad_fn is not None:
-            return None  # torch's own refusal of a non-leaf tensor says it best
         device = str(t.device)
-        t_cpu = t.detach().to("cpu").resolve_conj().resolve_neg()
-        data, requires_grad = t_cpu.contiguous(), bool(t.requires_grad)
-    elif t.device.type != "cpu":
+        data = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    elif t.device.type != "cpu" or t.is_conj() or t.is_neg():
         return None
     else:
-        if t.requires_grad and t.grad_fn is not None:
-            return None
-        if t.is_conj() or t.is_neg():
-            return None
-        data, requires_grad = t.detach().contiguous(), bool(t.requires_grad)
-    if data.layout != torch.strided or data.is_quantized:
-        return None
+        data = t.detach().contiguous()
+    requires_grad = bool(t.requires_grad)
     dtype = str(data.dtype).removeprefix("torch.")
     as_np = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}.get(dtype)
     try:
