@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import tempfile
@@ -37,8 +38,11 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
             "(KTLITE_MAX_BODY)",
         )
     into = request.scope.get("extensions", {}).get(directbody.BODY_INTO)
-    if into is not None:  # the server's protocol reads it past uvicorn's receive()
-        return await _read_direct(into, n)
+    if into is not None and n >= directbody.DIRECT_MIN and "content-length" in request.headers:
+        # the server's protocol reads it past uvicorn's receive()
+        direct = await _read_direct(functools.partial(into, request.scope, n), n)
+        if direct is not None:
+            return direct
     path = None
     if n > shm.INLINE_MAX:
         fd, path = tempfile.mkstemp(prefix=shm.ARG_PREFIX, dir=shm.shm_dir())
@@ -78,16 +82,18 @@ async def discard_body(request: Request) -> None:
             pass
 
 
-async def _read_direct(into: Any, n: int) -> tuple[Any, str | None]:
+async def _read_direct(into: Any, n: int) -> tuple[Any, str | None] | None:
     """The body through ``into`` (``directbody.receive_into``): into a ``bytearray``, or onto a
-    shared-memory file that is then mapped, as :func:`read_body` would have it."""
+    shared-memory file that is then mapped, as :func:`read_body` would have it; None when the
+    protocol could not take it (then it comes through ``receive()``)."""
     if n <= shm.INLINE_MAX:
         view = memoryview(bytearray(n))
-        await into(directbody.MemorySink(view))
-        return view, None
+        return (view, None) if await into(directbody.MemorySink(view)) else None
     fd, path = tempfile.mkstemp(prefix=shm.ARG_PREFIX, dir=shm.shm_dir())
     try:
-        await into(directbody.FileSink(fd, n))
+        if not await into(directbody.FileSink(fd, n)):
+            os.unlink(path)
+            return None
         return memoryview(mmap.mmap(fd, n)), path
     except BaseException:
         os.unlink(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -49,6 +50,8 @@ class StreamResponse(Response):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         write = scope.get("extensions", {}).get(WRITE_CHUNK)
+        if write is not None:
+            write = functools.partial(write, scope)
         await self.stream.send(send, receive, self.start, write)
 
 

@@ -132,7 +132,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         # finds nothing to do when it fires (a timer per request cost more than the rest of
         # this class on a warm call)
         self._head_began: float | None = now
-        self._body_seen = 0  # bytes of the current request's body the parser has had
+        self._extensions: dict[str, Any] = {
+            directbody.BODY_INTO: functools.partial(directbody.receive_into, self),
+            directbody.WRITE_CHUNK: functools.partial(directbody.write_chunk, self),
+        }
 
     # -- the connection cap ------------------------------------------------------------------
 
@@ -246,32 +249,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._head = None
         self._waiting_since = self._head_began = None
         super().on_headers_complete()
-        self._body_seen = 0
-        cycle = self.cycle
-        scope = self.scope
-        if cycle is None or cycle.scope is not scope or scope.get("method") != "POST":
-            return
-        extensions: dict[str, Any] = {}
-        if scope["path"] == "/call":  # a large result's chunks leave without uvicorn's join
-            extensions[directbody.WRITE_CHUNK] = functools.partial(
-                directbody.write_chunk, self, cycle
-            )
-        length = next((v for k, v in self.headers if k == b"content-length"), b"")
-        if length.isdigit() and int(length) >= directbody.DIRECT_MIN:
-            # a large body may be read past uvicorn, straight into its destination
-            extensions[directbody.BODY_INTO] = functools.partial(
-                directbody.receive_into, self, cycle, int(length), self._seen
-            )
-        if extensions:
-            scope["extensions"] = {**scope.get("extensions", {}), **extensions}
-
-    def on_body(self, body: bytes) -> None:
-        self._body_seen += len(body)
-        super().on_body(body)
-
-    def _seen(self) -> int:
-        """The bytes of the current body the parser has had."""
-        return self._body_seen
+        if self.scope.get("method") == "POST":
+            # large bodies past uvicorn's copies, both ways (one dict for the connection: a
+            # warm call pays for an assignment, the rest only a large body does)
+            self.scope["extensions"] = self._extensions
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)

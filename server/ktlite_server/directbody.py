@@ -31,10 +31,10 @@ import httptools
 from starlette.requests import ClientDisconnect
 
 if TYPE_CHECKING:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-BODY_INTO = "ktlite.body_into"  # the ASGI scope extension: await it with a Sink
-WRITE_CHUNK = "ktlite.write_chunk"  # the ASGI scope extension: await it with a list of parts
+BODY_INTO = "ktlite.body_into"  # the ASGI scope extension: await it(scope, length, sink)
+WRITE_CHUNK = "ktlite.write_chunk"  # the ASGI scope extension: await it(scope, parts)
 DIRECT_MIN = 64 << 10  # smaller bodies go through uvicorn's receive() as before
 PIECE = 1 << 20  # a FileSink's reused buffer
 WRITE_PIECE = 4 << 20  # write_chunk hands the transport this much at a time
@@ -149,33 +149,39 @@ def _give_back(http: HttpToolsProtocol) -> None:
     cycle.message_event.set()
 
 
-async def receive_into(
-    http: HttpToolsProtocol, cycle: RequestResponseCycle, length: int, seen: Any, sink: Sink
-) -> None:
-    """Read the rest of ``cycle``'s body (``length`` bytes in all; ``seen()`` of them already
-    parsed) into ``sink``. Raises ClientDisconnect when the connection goes first."""
-    if http.cycle is not cycle or cycle.disconnected:
+async def receive_into(http: HttpToolsProtocol, scope: Any, length: int, sink: Sink) -> bool:
+    """Read the body of the request of ``scope`` (``length`` bytes, its Content-Length) into
+    ``sink``, if that request is the connection's current one and nothing of its body has
+    been taken through ``receive()`` yet (await this first); False (nothing read) otherwise:
+    then read it through ``receive()``. Raises ClientDisconnect when the connection goes
+    first."""
+    cycle = http.cycle
+    if cycle is None or cycle.scope is not scope:
+        return False
+    if cycle.disconnected:
         raise ClientDisconnect()
     early, cycle.body = cycle.body, bytearray()  # parsed before the app asked: not read yet
     put(sink, early)
     if not cycle.more_body:  # the parser had all of it
-        return
+        return True
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    http.transport.set_protocol(BodyInto(http, sink, length - seen(), done))
+    http.transport.set_protocol(BodyInto(http, sink, length - len(early), done))
     http.flow.resume_reading()  # uvicorn paused it while the body waited for the app
     await done
+    return True
 
 
-async def write_chunk(
-    http: HttpToolsProtocol, cycle: RequestResponseCycle, parts: list[Any]
-) -> bool:
+async def write_chunk(http: HttpToolsProtocol, scope: Any, parts: list[Any]) -> bool:
     """Write ``parts`` as one chunk of ``cycle``'s chunked response, uncopied, in pieces of at
     most :data:`WRITE_PIECE` bytes, each after the transport has drained (so a TLS transport,
     which encrypts what it is given at once, holds one piece at a time). False (nothing
     written) when that is not possible now: the response has not started, is not chunked, or
     is over, or the caller left; the caller then sends through ``send`` as usual."""
+    cycle = http.cycle
     if (
-        cycle.disconnected
+        cycle is None
+        or cycle.scope is not scope
+        or cycle.disconnected
         or cycle.response_complete
         or not cycle.response_started
         or not cycle.chunked_encoding
