@@ -32,11 +32,13 @@ What it simulates, with the JSON shapes a v1.31 API server returns:
 * ServiceAccounts, Roles and RoleBindings (stored), and RBAC for the tokens
   ``service_account_token`` issues (``kube_rbac``: a Role's ``resourceNames`` hold); the
   fake's own token is an administrator's.
+* Watches of any collection (``kube_fake_watch``: bookmarks, 410 for a compacted version, the
+  server's ``timeoutSeconds``) and a timeline of actions at clock times.
 * Pod logs (``tailLines``, ``limitBytes``, ``previous``, ``container``, ``follow``) served with
   the kubelet's rules for which container's log a request gets, pod proxy delegated to
   ``proxy_handlers[(pod, port)]``, bearer-token auth, error injection, request recording.
 
-What it does not do: watches, ``limit``/``continue`` paging, other resources or subresources
+What it does not do: ``limit``/``continue`` paging, other resources or subresources
 (``/status`` is GET only), ClusterRoles, admission beyond the checks above, JSON patch (RFC 6902),
 field managers (apply is a strategic merge that may create), the full strategic-merge-patch
 rules (lists merge by ``name``/``mountPath``/``containerPort``/``port`` only), ControllerRevisions,
@@ -63,6 +65,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import httpx
+import kube_fake_watch
 import kube_rbac
 
 Obj = dict[str, Any]
@@ -856,6 +859,7 @@ class FakeKube(httpx.BaseTransport):
         self._seq = itertools.count(2)  # service IPs, event names
         self._t0, self._wall0 = clock(), time.time()
         self._ns_uids = {ns: str(uuid.uuid4()) for ns in self.namespaces}
+        self.watches = kube_fake_watch.Watches(self)  # watch=true, and a timeline for tests
 
     # ----------------------------------------------------------------- test conveniences
     def objects(self, kind: str, ns: str | None = None) -> list[Obj]:
@@ -1005,6 +1009,7 @@ class FakeKube(httpx.BaseTransport):
                 denied = kube_rbac.forbidden(self._store, account, request.method, path)
                 if denied is not None:
                     return _json(403, status_body(403, "Forbidden", denied))
+            self.watches.read_timeout = (request.extensions.get("timeout") or {}).get("read")
             for failure in self._failures:
                 if failure.method in ("*", request.method) and failure.path.search(path):
                     failure.times -= 1
@@ -1079,7 +1084,9 @@ class FakeKube(httpx.BaseTransport):
         if res not in _RESOURCES or _group(res) != (group or ""):
             raise _unknown()
         if query.get("watch") in ("true", "1"):
-            raise _bad("watch is not supported by the fake API server")
+            if name is not None or method != "GET":
+                raise _not_allowed()
+            return self.watches.serve(res, ns, query)
         if name is None:
             if method == "GET":
                 return _json(200, self._list(res, ns, query))
@@ -1799,6 +1806,7 @@ class FakeKube(httpx.BaseTransport):
 
     def _tick(self) -> None:
         """Bring pods, kubelet and controllers up to the clock, until nothing changes."""
+        self.watches.run_due()
         self._bind_claims()
         for _ in range(500):
             changed = False
@@ -1823,6 +1831,7 @@ class FakeKube(httpx.BaseTransport):
         for hpa in [o for (r, _, _), o in self._store.items() if r == "horizontalpodautoscalers"]:
             self._hpa_status(hpa)
         self._release_claims()
+        self.watches.record()
 
     def _hpa_status(self, hpa: Obj) -> None:
         """The HPA controller of a cluster without metrics-server (or a custom metrics adapter):
