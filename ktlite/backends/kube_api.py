@@ -229,6 +229,17 @@ class KubeApi:
         )
         return None if resp is None else resp.json()
 
+    def list_at(
+        self, kind: str, label_selector: str | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The objects, and the list's ``resourceVersion``: where a watch of them starts."""
+        params = {"labelSelector": label_selector} if label_selector else {}
+        resp = self.request("GET", self._path(kind), what=f"list {kind}s", params=params)
+        assert resp is not None
+        body = resp.json()
+        items: list[dict[str, Any]] = body.get("items") or []
+        return items, str((body.get("metadata") or {}).get("resourceVersion", ""))
+
     def list(
         self, kind: str, label_selector: str | None = None, field_selector: str | None = None
     ) -> list[dict[str, Any]]:
@@ -241,17 +252,6 @@ class KubeApi:
         assert resp is not None
         items: list[dict[str, Any]] = resp.json().get("items") or []
         return items
-
-    def list_at(
-        self, kind: str, label_selector: str | None = None
-    ) -> tuple[list[dict[str, Any]], str]:
-        """The objects, and the list's ``resourceVersion``: where a watch of them starts."""
-        params = {"labelSelector": label_selector} if label_selector else {}
-        resp = self.request("GET", self._path(kind), what=f"list {kind}s", params=params)
-        assert resp is not None
-        body = resp.json()
-        items: list[dict[str, Any]] = body.get("items") or []
-        return items, str((body.get("metadata") or {}).get("resourceVersion", ""))
 
     @contextlib.contextmanager
     def watch(
@@ -290,15 +290,21 @@ class KubeApi:
                 "connection dropped"
             ) from e
 
-    def delete_collection(self, kind: str, label_selector: str) -> None:
-        """Delete every ``kind`` that ``label_selector`` matches, in one request."""
-        self.request(
+    def delete_collection(self, kind: str, label_selector: str) -> int:
+        """Delete every ``kind`` that ``label_selector`` matches, in one request; how many
+        there were."""
+        resp = self.request(
             "DELETE",
             self._path(kind),
             what=f"delete the {kind}s with labels {label_selector}",
             params={"labelSelector": label_selector},
             json={"propagationPolicy": "Background"},
         )
+        assert resp is not None
+        try:
+            return len(resp.json().get("items") or [])
+        except ValueError:  # an API server that answers a Status without the items
+            return 0
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind, name = kind_of(obj), obj["metadata"]["name"]

@@ -97,7 +97,7 @@ class PodReadiness(_Base):
             return
         if problem.fatal:
             raise kp.deploy_error(problem, self._explain(api, spec, problem))
-        scheduled = next(
+        scheduled: dict[str, Any] = next(
             (
                 c
                 for c in (pod.get("status") or {}).get("conditions") or []

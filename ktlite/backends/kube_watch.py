@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from ktlite.backends.kube_api import KubeApi, KubeApiError
@@ -46,7 +46,7 @@ class PodWatch:
         self._polling = False  # this account may not watch pods
         self.lists = self.watches = 0  # requests made, for messages and tests
 
-    def changes(self, until: float) -> Iterator[str]:
+    def changes(self, until: float) -> Generator[str, None, None]:
         """The names of the pods that changed (or went), as the changes arrive, until the
         clock passes ``until``; the first call names every pod the LIST found. Close the
         iterator (``contextlib.closing``) when leaving it early: it holds a watch open."""
