@@ -102,20 +102,21 @@ class Watches:
             if old is not None and old[0] == rv:
                 continue
             if old is not None and old[1]["metadata"].get("uid") != obj["metadata"].get("uid"):
-                new.append((int(self.fake._next_rv()), "DELETED", key, old[1], None))
+                # a successor under the same name: the predecessor's end comes first
+                new.append((int(rv), 0, "DELETED", key, old[1], None))
                 old = None
             snapshot = copy.deepcopy(obj)
             self.seen[key] = (rv, snapshot)
             kind = "ADDED" if old is None else "MODIFIED"
-            new.append((int(rv), kind, key, snapshot, None if old is None else old[1]))
+            new.append((int(rv), 1, kind, key, snapshot, None if old is None else old[1]))
         for key in [k for k in self.seen if k not in store]:
             _, last = self.seen.pop(key)
             gone = copy.deepcopy(last)
             gone["metadata"]["resourceVersion"] = rv = self.fake._next_rv()
-            new.append((int(rv), "DELETED", key, gone, None))
+            new.append((int(rv), 0, "DELETED", key, gone, None))
         if not new:
             return
-        for rv_, kind, key, obj, old_obj in sorted(new, key=lambda e: e[0]):
+        for rv_, _, kind, key, obj, old_obj in sorted(new, key=lambda e: e[:2]):
             self.rvs.append(rv_)
             self.events.append((kind, key[0] + "/" + key[1], obj, old_obj))
         if len(self.rvs) > HISTORY:
