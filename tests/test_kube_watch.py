@@ -133,6 +133,28 @@ def test_teardown_requests_do_not_grow_with_the_pod_count(clusters) -> None:
     assert counts[40]["DELETECOLLECTION"] == 1 and counts[40].get("DELETE pod", 0) == 0
 
 
+def test_a_redeploy_that_restarts_every_pod_does_not_grow_with_the_pod_count(clusters) -> None:
+    counts = {}
+    for n in (4, 40):
+        c = make(clusters)
+        c.backend.apply(spec(n), TOKEN)
+        before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.fake.objects("pods")}
+        changed = DeploymentSpec(
+            NAME,
+            kt.Compute(backend="kubernetes", launch_timeout=120, env={"LR": "0.1"})
+            .distribute(workers=n)
+            .pod_spec(),
+        )
+        since = len(c.fake.requests)
+        applied = c.backend.apply(changed, TOKEN)
+        assert applied.restarted == list(range(n))
+        after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.fake.objects("pods")}
+        assert sorted(after) == sorted(before) and not set(after.values()) & set(before.values())
+        counts[n] = c.requests(since)
+    assert counts[4] == counts[40], counts
+    assert counts[40]["DELETECOLLECTION"] == 1
+
+
 # ---- the watch's edge cases --------------------------------------------------------------------
 
 

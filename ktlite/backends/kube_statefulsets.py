@@ -51,18 +51,18 @@ class StatefulSets(_Base):
             api.patch("StatefulSet", name, {"spec": {"replicas": replicas}})
         # new ordinals of a scale-up
         restarted = list(range(start + old_replicas, start + replicas))
-        present = set()
-        for pod in api.list("Pod", kp.match(sts)):
-            ordinal = kp.ordinal(pod)
-            present.add(ordinal)
-            if (
-                ordinal in ordinals
-                and (roll_all or kp.pod_hash(pod) != want)
-                and not pod["metadata"].get("deletionTimestamp")
-            ):
+        pods = api.list("Pod", kp.match(sts))
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        stale = [
+            p for p in live if kp.ordinal(p) in ordinals and (roll_all or kp.pod_hash(p) != want)
+        ]
+        if len(stale) > 1 and len(stale) == len(live):  # all of them: one request at any count
+            api.delete_collection("Pod", kp.match(sts))
+        else:
+            for pod in stale:
                 api.delete("Pod", pod["metadata"]["name"])
-                restarted.append(ordinal)
-        restarted += [i for i in ordinals if i not in present]
+        present = {kp.ordinal(p) for p in pods}
+        restarted += [kp.ordinal(p) for p in stale] + [i for i in ordinals if i not in present]
         return sorted(set(restarted))
 
     def _remove_stale_parts(self, api: KubeApi, name: str, keep: set[str]) -> None:
