@@ -155,6 +155,15 @@ def test_a_redeploy_that_restarts_every_pod_does_not_grow_with_the_pod_count(clu
     assert counts[40]["DELETECOLLECTION"] == 1
 
 
+def test_an_account_without_deletecollection_deletes_pods_one_by_one(clusters) -> None:
+    c = make(clusters, pod_termination_seconds=2)  # still listed after the StatefulSet goes
+    c.backend.apply(spec(3), TOKEN)
+    c.fake.fail_next("DELETE", "/pods$", 403, "Forbidden", "cannot deletecollection pods")
+    assert c.backend.teardown(NAME) is True
+    assert c.fake.objects("pods") == []
+    assert c.requests()["DELETE pod"] == 3
+
+
 # ---- the watch's edge cases --------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_pods as kp
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_readiness import POLL_S
+from ktlite.backends.kube_teardown import delete_pods
 from ktlite.errors import DeployError
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class StatefulSets(_Base):
             p for p in live if kp.ordinal(p) in ordinals and (roll_all or kp.pod_hash(p) != want)
         ]
         if len(stale) > 1 and len(stale) == len(live):  # all of them: one request at any count
-            api.delete_collection("Pod", kp.match(sts))
+            delete_pods(api, kp.match(sts))
         else:
             for pod in stale:
                 api.delete("Pod", pod["metadata"]["name"])

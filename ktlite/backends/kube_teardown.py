@@ -8,6 +8,7 @@ Mixed into :class:`~ktlite.backends.kubernetes.KubernetesBackend`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 from ktlite.backends import kube_expiry as kexp
@@ -20,6 +21,23 @@ if TYPE_CHECKING:
     from ktlite.backends.kube_host import KubeHost as _Base
 else:
     _Base = object
+
+logger = logging.getLogger(__name__)
+
+
+def delete_pods(api: KubeApi, selector: str) -> int:
+    """Delete the pods ``selector`` matches: one ``deletecollection``, or, for an account
+    without that verb, one DELETE per pod. How many there were."""
+    try:
+        return api.delete_collection("Pod", selector)
+    except KubeApiError as e:
+        if e.status != 403:
+            raise
+        logger.info("may not deletecollection pods (%s); deleting them one by one", e)
+    pods = api.list("Pod", selector)
+    for pod in pods:
+        api.delete("Pod", pod["metadata"]["name"])
+    return len(pods)
 
 
 class Teardown(_Base):
@@ -38,7 +56,7 @@ class Teardown(_Base):
                 found |= api.delete("Secret", obj["metadata"]["name"])
         found |= self._drop_policy(api, name) | kexp.drop_access(api, name)
         found |= self._teardown_served(api, name)
-        found |= api.delete_collection("Pod", km.selector(name)) > 0
+        found |= delete_pods(api, km.selector(name)) > 0
         if volumes:
             for claim in api.list("PersistentVolumeClaim", km.selector(name)):
                 found |= api.delete("PersistentVolumeClaim", claim["metadata"]["name"])
@@ -71,7 +89,7 @@ class Teardown(_Base):
     def _remove(self, api: KubeApi, name: str, created: list[tuple[str, str]]) -> None:
         for kind, obj in reversed(created):  # the StatefulSet (and so its pods) first
             api.delete(kind, obj)
-        api.delete_collection("Pod", km.selector(name))
+        delete_pods(api, km.selector(name))
 
     def _drop_policy(self, api: KubeApi, name: str) -> bool:
         """Delete the deployment's NetworkPolicy, if any. Without the right to manage policies
