@@ -59,12 +59,13 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import httpx
+import kube_fake_logs
 import kube_fake_watch
 import kube_rbac
 
@@ -794,15 +795,6 @@ class _Failure:
     path: re.Pattern[str]
     body: Obj
     times: int = 1
-
-
-@dataclass
-class _LogKey:
-    ns: str
-    pod: str
-    container: str
-    uid: str
-    offset: int = 0
 
 
 class FakeKube(httpx.BaseTransport):
@@ -2534,8 +2526,10 @@ class FakeKube(httpx.BaseTransport):
             text = text.encode()[: int(query["limitBytes"])].decode(errors="ignore")
         headers = {"content-type": "text/plain"}
         if query.get("follow") in ("true", "1") and "running" in state and not previous:
-            key = _LogKey(ns, name, container, pod["metadata"]["uid"], len(full))
-            return httpx.Response(200, headers=headers, stream=_FollowStream(self, key, text))
+            key = kube_fake_logs.LogKey(ns, name, container, pod["metadata"]["uid"], len(full))
+            return httpx.Response(
+                200, headers=headers, stream=kube_fake_logs.FollowStream(self, key, text)
+            )
         return httpx.Response(200, text=text, headers=headers)
 
     def _proxy(self, request: httpx.Request, ns: str, target: str, rest: str) -> httpx.Response:
@@ -2604,34 +2598,3 @@ class FakeKube(httpx.BaseTransport):
             stream=answer.stream,
             extensions={"ktlite_from_pod": True},
         )
-
-
-class _FollowStream(httpx.SyncByteStream):
-    """``follow=true``: what is there, then appended text until the pod or its container goes,
-    or nothing new came for ``follow_idle_timeout`` seconds."""
-
-    def __init__(self, fake: FakeKube, key: _LogKey, first: str) -> None:
-        self.fake, self.key, self.first = fake, key, first
-
-    def __iter__(self) -> Iterator[bytes]:
-        if self.first:
-            yield self.first.encode()
-        key, fake = self.key, self.fake
-        idle_until = time.monotonic() + fake.follow_idle_timeout
-        while time.monotonic() < idle_until:
-            time.sleep(0.01)
-            with fake.lock:
-                fake._tick()
-                pod = fake._store.get(("pods", key.ns, key.pod))
-                alive = pod is not None and pod["metadata"]["uid"] == key.uid
-                text = fake._log_text(key.ns, key.pod, key.container, False) if alive else ""
-                running = alive and any(
-                    s["name"] == key.container and "running" in s["state"]
-                    for s in pod["status"].get("containerStatuses", [])
-                )
-            if len(text) > key.offset:
-                yield text[key.offset :].encode()
-                key.offset = len(text)
-                idle_until = time.monotonic() + fake.follow_idle_timeout
-            if not running:
-                return
