@@ -162,7 +162,7 @@ class _WatchStream(httpx.SyncByteStream):
         self.timeout = float(query.get("timeoutSeconds") or DEFAULT_TIMEOUT_S)
 
     def _matches(self, obj: Obj | None, res: str) -> bool:
-        from kube_fake import _labels, field_selector_matches, label_selector_matches
+        from kube_fake_api import _labels, field_selector_matches, label_selector_matches
 
         if obj is None:
             return False
@@ -268,7 +268,7 @@ class _WatchStream(httpx.SyncByteStream):
 
 
 def _resource(res: str) -> tuple[str, str]:
-    from kube_fake import _RESOURCES
+    from kube_fake_api import _RESOURCES
 
     return _RESOURCES[res]
 
