@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -153,6 +154,22 @@ def test_a_redeploy_that_restarts_every_pod_does_not_grow_with_the_pod_count(clu
         counts[n] = c.requests(since)
     assert counts[4] == counts[40], counts
     assert counts[40]["DELETECOLLECTION"] == 1
+
+
+def test_lookup_and_list_do_not_grow_with_the_pod_count(clusters) -> None:
+    counts = {}
+    for n in (4, 40):
+        c = make(clusters)
+        c.backend.apply(spec(n), TOKEN)
+        since = len(c.fake.requests)
+        found = c.backend.lookup(NAME)
+        assert found is not None and len(found.endpoints) == n
+        assert [row["pods"] for row in c.backend.list()] == [n]
+        counts[n] = Counter(
+            (r.method, re.sub(r"/[^/]*-\d+($|/)", "/POD\\1", r.path))
+            for r in c.fake.requests[since:]
+        )
+    assert counts[4] == counts[40], counts
 
 
 def test_an_account_without_deletecollection_deletes_pods_one_by_one(clusters) -> None:
