@@ -156,6 +156,19 @@ def test_a_redeploy_that_restarts_every_pod_does_not_grow_with_the_pod_count(clu
     assert counts[40]["DELETECOLLECTION"] == 1
 
 
+def test_a_redeploy_of_ready_pods_says_one_progress_line(clusters) -> None:
+    c = make(clusters)
+    c.backend.apply(spec(3), TOKEN)
+    out = c.backend._out
+    assert isinstance(out, io.StringIO)
+    out.seek(0)
+    out.truncate()
+    c.backend.apply(spec(3), TOKEN)
+    assert out.getvalue().splitlines() == [
+        f"ktlite: {NAME}: pods scheduled 3/3, running 3/3, ready 3/3"
+    ]
+
+
 def test_lookup_and_list_do_not_grow_with_the_pod_count(clusters) -> None:
     counts = {}
     for n in (4, 40):

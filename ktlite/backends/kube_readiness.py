@@ -65,6 +65,7 @@ class PodReadiness(_Base):
                     recheck.discard(name)
                     if pod is not None and not kp.is_ready(pod):
                         self._check(api, spec, pod, lookups, recheck)
+            show.flush(tally.line())
             now = self._clock()
             if recheck and now >= next_check:
                 for name in sorted(recheck):
@@ -243,18 +244,26 @@ class _Lookups:
 
 
 class _Progress:
-    """The progress line, said when it changed and the clock moved on (so one instant's
-    changes are one line), at most once per ``PROGRESS_S``, and at the end."""
+    """The progress line: the state of one instant, said when the next change comes at a
+    later time (so one instant's changes are one line) or a watch ends without one, if it
+    changed, at most once per ``PROGRESS_S``; and the last state at the end."""
 
     def __init__(self, backend: PodReadiness, name: str) -> None:
         self.backend, self.name = backend, name
         self.shown, self.shown_at, self.stamp = "", -math.inf, -math.inf
 
     def before_change(self, line: str) -> None:
+        """Before a change is taken in; ``line`` is the state before it (none before the
+        first change: that is no state the cluster was in)."""
         now = self.backend._clock()
-        if now > self.stamp and line != self.shown and now >= self.shown_at + PROGRESS_S:
-            self._say(line, now)
+        if now > self.stamp > -math.inf:
+            self.flush(line)
         self.stamp = now
+
+    def flush(self, line: str) -> None:
+        now = self.backend._clock()
+        if self.stamp > -math.inf and line != self.shown and now >= self.shown_at + PROGRESS_S:
+            self._say(line, now)
 
     def final(self, line: str) -> None:
         if line != self.shown:
