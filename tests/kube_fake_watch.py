@@ -19,8 +19,9 @@ waits, looking again every 0.1 s (pod states may follow real processes).
 
 Faults, for tests: ``compact()`` forgets the history (a resume gets 410, as after etcd
 compaction); ``drop()`` cuts every open watch (the client sees the chunked body end early);
-``stall()`` makes open and new watches go silent: on a ``FakeClock`` the clock moves by the
-client's read timeout and the read times out, as a real transport's would.
+``stall()`` makes open and new watches go silent, past their ``timeoutSeconds``: on a
+``FakeClock`` the clock moves by the client's read timeout and the read times out, as a real
+transport's would; on a real clock the client's own read timeout ends them.
 """
 
 from __future__ import annotations
@@ -263,8 +264,10 @@ class _WatchStream(httpx.SyncByteStream):
             with fake.lock:
                 advance(self.read_timeout)
             raise httpx.ReadTimeout("timed out")
-        while fake.clock() < end and self.w._stalled:  # a real client's read timeout ends it
-            time.sleep(0.1)
+        # silent, past its own end, as a stalled watch is: the client's read timeout ends it
+        # (bounded, so a client that never gives up does not hold this thread for ever)
+        while self.w._stalled and fake.clock() < end + 600:
+            time.sleep(0.05)
 
 
 def _resource(res: str) -> tuple[str, str]:

@@ -6,9 +6,12 @@ replaced during the wait). Also the stand-in's watches themselves (``kube_fake_w
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
 import re
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -377,3 +380,77 @@ def test_stand_in_watch_from_version_zero_starts_with_the_state(clusters) -> Non
     with c.http.stream("GET", PODS, params=params) as resp:
         lines = [json.loads(line) for line in resp.iter_lines()]
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in lines] == [("ADDED", "a")]
+
+
+# ---- over real HTTP: a real read timeout, a real broken chunked body ---------------------------
+
+
+class _Served:
+    """The fake API server on a real clock behind a real HTTP server (chunked answers)."""
+
+    def __init__(self) -> None:
+        self.fake = kf.FakeKube(token=API_TOKEN)
+        fake = self.fake
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                headers = [(k, v) for k, v in self.headers.items() if k.lower() != "host"]
+                resp = fake.handle_request(
+                    httpx.Request("GET", f"http://fake{self.path}", headers=headers)
+                )
+                self.send_response(resp.status_code)
+                self.send_header("content-type", "application/json")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                try:
+                    for chunk in resp.stream:  # type: ignore[union-attr]
+                        self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                except (httpx.HTTPError, OSError):  # cut: no last chunk, the connection goes
+                    self.close_connection = True
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = httpx.Client(
+            base_url=f"http://127.0.0.1:{self.server.server_address[1]}",
+            headers={"authorization": f"Bearer {API_TOKEN}"},
+        )
+
+    def close(self) -> None:
+        self.fake.watches.stall(False)
+        self.http.close()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_over_http_a_stalled_or_dropped_watch_is_given_up_and_listed_again() -> None:
+    served = _Served()
+    try:
+        served.fake.create("pods", "default", _pod("p-0", {"app": "x"}))
+        api = KubeApi(served.http, "default")
+        watch = PodWatch(api, "app=x", time.monotonic, time.sleep, stall_s=0.5)
+        assert list(watch.changes(time.monotonic() + 1)) == ["p-0"]  # the LIST, a quiet watch
+        assert (watch.lists, watch.watches) == (1, 1) and watch._version
+
+        served.fake.watches.stall()  # silent past its end: only the read timeout ends it
+        assert list(watch.changes(time.monotonic() + 1)) == []
+        assert watch._version == ""  # given up: the next change is a LIST
+        served.fake.watches.stall(False)
+        assert list(watch.changes(time.monotonic() + 1)) == []  # nothing changed meanwhile
+        assert watch.lists == 2
+
+        served.fake.watches.schedule(time.monotonic() + 0.3, served.fake.watches.drop)
+        assert list(watch.changes(time.monotonic() + 5)) == []  # the body cut short
+        assert watch._version == ""
+        served.fake.create("pods", "default", _pod("p-1", {"app": "x"}))
+        assert list(watch.changes(time.monotonic() + 1)) == ["p-1"]
+        assert watch.lists == 3 and sorted(watch.pods) == ["p-0", "p-1"]
+    finally:
+        served.close()

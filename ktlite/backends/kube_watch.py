@@ -36,13 +36,14 @@ class PodWatch:
         sleep: Callable[[float], None],
         *,
         relist_s: float = RELIST_S,
+        stall_s: float = STALL_S,
     ) -> None:
         self.api, self.selector = api, selector
         self._clock, self._sleep = clock, sleep
         self.pods: dict[str, dict[str, Any]] = {}
         self._version = ""  # empty: the next change is a LIST
         self._listed_at = -math.inf
-        self._relist_s = relist_s
+        self._relist_s, self._stall_s = relist_s, stall_s
         self._polling = False  # this account may not watch pods
         self.lists = self.watches = 0  # requests made, for messages and tests
 
@@ -67,7 +68,7 @@ class PodWatch:
                 self.selector,
                 self._version,
                 timeout_s=max(1, math.ceil(window)),
-                stall_s=window + STALL_S,
+                stall_s=window + self._stall_s,
             ) as events:
                 for event in events:
                     name = self._apply(event)
