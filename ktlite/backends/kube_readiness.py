@@ -3,8 +3,8 @@ template and its readiness probe passes (the kubelet asks its server's /health);
 cannot start fails the wait early, with why.
 
 The wait follows the pods with one LIST and then WATCH (``kube_watch``): its API requests do
-not grow with the pod count, and it asks no pod anything itself (the caller then talks to
-pod 0 alone, which reaches the others)."""
+not grow with the pod count, and it asks no pod anything itself (the code push that follows
+is the first to reach a pod)."""
 
 from __future__ import annotations
 
