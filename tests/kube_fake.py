@@ -114,7 +114,7 @@ from kube_fake_api import (  # noqa: F401 (re-exported)
     status_body,
 )
 from kube_fake_checks import Checks
-from kube_fake_controls import TestControls
+from kube_fake_controls import Conveniences
 from kube_fake_logs import Logs
 from kube_fake_pods import (  # noqa: F401 (re-exported)
     PodBehavior,
@@ -166,7 +166,7 @@ class FakeClock:
 
 
 class FakeKube(
-    TestControls,
+    Conveniences,
     Storage,
     Checks,
     StatefulSetController,

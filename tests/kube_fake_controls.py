@@ -19,7 +19,7 @@ from kube_fake_pods import (
 )
 
 
-class TestControls:
+class Conveniences:
     def objects(self, kind: str, ns: str | None = None) -> list[Obj]:
         """Stored objects of ``kind`` ("pods", "Pod", "statefulset"...), all namespaces if None."""
         res = self._resource(kind)
