@@ -32,6 +32,7 @@ from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.replacement import ReplacedWatch, Replacements
 from ktlite.net.client import CallReply, PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import calltree
 from ktlite_wire.calltree import LaunchRelay
 from ktlite_wire.launch import Launch
 from ktlite_wire.plan import CallPlan
@@ -127,6 +128,17 @@ class Fanout(Mode):
             fanout,
             float(timeout),
         ).encode()
+
+    def cancel_targets(self, eps: list[PodEndpoint]) -> list[PodEndpoint]:
+        """In a call tree, pod 0 relays a cancel to every pod: it and its children (they
+        relay it on if pod 0 hangs) stand for all of ``eps``; flat, every pod of ``eps``."""
+        every = self.endpoints
+        fanout = self.spec.distributed.tree(len(every))
+        if not fanout:
+            return eps
+        ordinals = {ep.ordinal for ep in eps}
+        heads = [0] + [sub[0] for sub in calltree.split(list(range(1, len(every))), fanout)]
+        return [every[i] for i in heads if i in ordinals] or eps
 
     # ---- calls -------------------------------------------------------------------------
 
