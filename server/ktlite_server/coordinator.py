@@ -168,36 +168,54 @@ class Coordinator:
             )
             tasks[loop.create_task(coro)] = i
         self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
+        # each pod's outcomes as they arrive: a done callback, not asyncio.wait over every
+        # pending pod again after each arrival (quadratic in the pods of a flat fan-out)
+        arrived: list[asyncio.Task[list[PodOutcome]]] = []
+        wake = asyncio.Event()
+
+        def on_done(t: asyncio.Task[list[PodOutcome]]) -> None:
+            arrived.append(t)
+            wake.set()
+
+        for t in tasks:
+            t.add_done_callback(on_done)
         results: list[PodOutcome] = []
-        pending = set(tasks)
-        while pending:
-            remaining = (
-                None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-            )
-            done, pending = await asyncio.wait(
-                pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not done and not self._stopped:
-                await self._stop(
-                    Status.TIMEOUT, f"the call ran past its timeout of {plan.timeout:g}s"
+        left = len(tasks)
+        while left:
+            if not arrived:
+                wake.clear()
+                remaining = (
+                    None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
                 )
-                continue
-            if not done:  # stopped, but these pods never confirmed: report them, stop waiting
-                for t in pending:
-                    t.cancel()
-                    results.extend(
-                        self._failed_pod(
-                            plan,
-                            tasks[t],
-                            (
-                                f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it may be stuck "
-                                "(see its log)"
-                            ),
-                            status=Status.CANCELLED,
-                        )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), remaining)
+                if arrived:
+                    continue
+                if not self._stopped:
+                    await self._stop(
+                        Status.TIMEOUT, f"the call ran past its timeout of {plan.timeout:g}s"
                     )
+                    continue
+                # stopped, but these pods never confirmed: report them, stop waiting
+                for t, i in tasks.items():
+                    if not t.done():
+                        t.cancel()
+                        results.extend(
+                            self._failed_pod(
+                                plan,
+                                i,
+                                (
+                                    f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it "
+                                    "may be stuck (see its log)"
+                                ),
+                                status=Status.CANCELLED,
+                            )
+                        )
                 break
-            for t in done:
+            batch = arrived.copy()
+            arrived.clear()
+            for t in batch:
+                left -= 1
                 outs = t.result()
                 results.extend(outs)
                 failed = [o for o in outs if o.status.failed]

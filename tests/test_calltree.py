@@ -1,0 +1,101 @@
+"""The call tree's shape and messages (``ktlite_wire.calltree``): pure functions, no pods."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ktlite.specs.spec import TREE_FANOUT, TREE_MINIMUM, DistributedConfig
+from ktlite_wire import codec, envelope
+from ktlite_wire.calltree import LaunchRelay, depth, relay_meta, split, subtree_body
+from ktlite_wire.plan import CallPlan, decode_plan
+
+
+def _covers(pods: int, fanout: int) -> list[int]:
+    """Every pod reached once, walking the tree from pod 0."""
+    seen, todo = [0], [list(range(pods))]
+    while todo:
+        sub = todo.pop()
+        for child in split(sub[1:], fanout):
+            assert len(child) >= 1
+            seen.append(child[0])
+            todo.append(child)
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("pods,fanout", [(7, 2), (1000, 16), (33, 16), (5, 8), (2, 1)])
+def test_every_pod_is_reached_once_by_contiguous_subtrees(pods: int, fanout: int) -> None:
+    assert _covers(pods, fanout) == list(range(pods))
+    parts = split(list(range(1, pods)), fanout)
+    assert len(parts) == min(fanout, pods - 1)
+    assert [i for part in parts for i in part] == list(range(1, pods))  # in order, contiguous
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_depth_is_logarithmic() -> None:
+    assert split([1, 2, 3, 4, 5, 6], 2) == [[1, 2, 3], [4, 5, 6]]
+    assert depth(1, 16) == 0 and depth(17, 16) == 1 and depth(7, 2) == 2
+    assert depth(1000, 16) == 3 and depth(1000, 999) == 1
+
+
+def test_the_defaults_and_who_uses_the_tree() -> None:
+    d = DistributedConfig(workers=1000, num_proc=8)
+    assert d.tree(1000) == TREE_FANOUT and d.tree(TREE_MINIMUM - 1) == 0
+    mine = DistributedConfig(workers=7, tree_fanout=2, tree_minimum=2)
+    assert mine.tree(7) == 2 and mine.tree(1) == 0
+    with pytest.raises(Exception, match="tree_fanout"):
+        DistributedConfig(workers=7, tree_fanout=0)
+
+
+def _plan(**kw: object) -> CallPlan:
+    return CallPlan(
+        id="c1",
+        pods=[f"http://p{i}" for i in range(7)],
+        names=[f"n-{i}" for i in range(7)],
+        fanout=True,
+        num_proc=2,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_a_relay_plan_names_its_subtree_and_decodes_on_the_pod() -> None:
+    plan = _plan(tree=2)
+    plan.generation, plan.group_port = 3, 29600
+    meta = relay_meta(plan, [1, 2, 3], None)
+    got = decode_plan(json.dumps(meta))
+    assert got.fanout and got.workers == [1, 2, 3] and got.tree == 2
+    assert got.pods == plan.pods and got.generation == 3 and got.group_port == 29600
+    with pytest.raises(ValueError, match="tree"):
+        _plan(tree=-1)
+
+
+def test_a_per_rank_body_is_cut_to_the_subtree_and_reads_back() -> None:
+    items = [codec.dumps(f"item {r}") for r in range(14)]
+    shared = codec.dumps("shared")
+    body = envelope.join([shared, *items])
+    offsets, pos = [], len(shared)
+    for it in items:
+        offsets.append([pos, len(it)])
+        pos += len(it)
+    plan = _plan(tree=2, per_rank={"shared": len(shared), "items": offsets, "base": 0})
+    per_rank, parts = subtree_body(plan, [4, 5, 6], memoryview(body))
+    cut = b"".join(bytes(p) for p in parts)
+    assert per_rank is not None and per_rank["base"] == 8  # pod 4's first rank
+    for r in range(8, 14):
+        off, n = per_rank["items"][r - 8]
+        assert codec.loads(cut[off : off + n]) == f"item {r}"
+    assert codec.loads(cut[: per_rank["shared"]]) == "shared"
+
+
+def test_a_launch_relay_header_round_trips_and_refuses_nonsense() -> None:
+    relay = LaunchRelay(["http://a", "http://b"], ["a", "b"], [0, 1], 16, 300.0)
+    assert LaunchRelay.decode(relay.encode()) == relay
+    assert relay.below([1]).subtree == [1]
+    for bad in (
+        '{"pods": 1}',
+        "[]",
+        '{"pods":["x"],"names":["x"],"subtree":[5],"fanout":2,"timeout":1}',
+    ):
+        with pytest.raises(ValueError):
+            LaunchRelay.decode(bad)
