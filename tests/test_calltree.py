@@ -8,7 +8,15 @@ import pytest
 
 from ktlite.specs.spec import TREE_FANOUT, TREE_MINIMUM, DistributedConfig
 from ktlite_wire import codec, envelope
-from ktlite_wire.calltree import LaunchRelay, depth, relay_meta, split, subtree_body
+from ktlite_wire.calltree import (
+    LaunchRelay,
+    depth,
+    relay_header,
+    relay_meta,
+    relay_shared,
+    split,
+    subtree_body,
+)
 from ktlite_wire.plan import CallPlan, decode_plan
 
 
@@ -63,9 +71,12 @@ def test_a_relay_plan_names_its_subtree_and_decodes_on_the_pod() -> None:
     plan = _plan(tree=2)
     plan.generation, plan.group_port = 3, 29600
     meta = relay_meta(plan, [1, 2, 3], None)
-    got = decode_plan(json.dumps(meta))
-    assert got.fanout and got.workers == [1, 2, 3] and got.tree == 2
+    text = relay_header(plan, [1, 2, 3], None, relay_shared(plan))
+    assert json.loads(text) == meta  # the header as sent: the shared part encoded once
+    got = decode_plan(text)
+    assert got.fanout and got.workers == [1, 2, 3] and got.tree == 2 and got.id == "c1"
     assert got.pods == plan.pods and got.generation == 3 and got.group_port == 29600
+    assert got.names == plan.names and got.num_proc == 2
     with pytest.raises(ValueError, match="tree"):
         _plan(tree=-1)
 

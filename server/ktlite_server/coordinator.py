@@ -110,6 +110,7 @@ class Coordinator:
         # the pods this one sends the call to: every target (flat), or its children (a tree)
         self._members: list[int] = []
         self._subtrees: dict[int, list[int]] = {}  # a tree: each child's subtree, itself first
+        self._relay_shared: str | None = None  # a tree: the relays' plans' common part
         self.root = plan.generation is None  # pod 0 for the caller (not a relay in a tree)
 
     def cancel(self, kind: Status, reason: str) -> None:
@@ -122,11 +123,11 @@ class Coordinator:
                 return
             asyncio.get_running_loop().create_task(self._stop(kind, reason))
 
-    def _headers(self, meta: dict[str, Any]) -> dict[str, str]:
+    def _headers(self, meta: dict[str, Any] | str) -> dict[str, str]:
         return {
             headers.TOKEN_HEADER: headers.bearer(self.token),
             headers.VERSION_HEADER: str(PROTOCOL_VERSION),
-            headers.CALL_HEADER: json.dumps(meta),
+            headers.CALL_HEADER: meta if isinstance(meta, str) else json.dumps(meta),
             "content-type": "application/octet-stream",
         }
 
@@ -383,7 +384,11 @@ class Coordinator:
         subtree = self._subtrees.get(i, [i])
         if len(subtree) > 1:  # a child that relays the call to its subtree
             per_rank, body = calltree.subtree_body(plan, subtree, payload)
-            member_headers = self._headers(calltree.relay_meta(plan, subtree, per_rank))
+            if self._relay_shared is None:  # the pods' part, encoded once per call
+                self._relay_shared = calltree.relay_shared(plan)
+            member_headers = self._headers(
+                calltree.relay_header(plan, subtree, per_rank, self._relay_shared)
+            )
         elif plan.per_rank is not None:  # each pod's plan names its own items
             meta, body = plan.member_body(i, payload)
             member_headers = self._headers(meta)
