@@ -111,7 +111,6 @@ class Coordinator:
         self._members: list[int] = []
         self._subtrees: dict[int, list[int]] = {}  # a tree: each child's subtree, itself first
         self._relay_shared: str | None = None  # a tree: the relays' plans' common part
-        self.root = plan.generation is None  # pod 0 for the caller (not a relay in a tree)
 
     def cancel(self, kind: Status, reason: str) -> None:
         """Stop the call on every pod (the caller went away, or asked to)."""
