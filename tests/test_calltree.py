@@ -1,8 +1,11 @@
-"""The call tree's shape and messages (``ktlite_wire.calltree``): pure functions, no pods."""
+"""The call tree's shape and messages (``ktlite_wire.calltree``), and a relayed launch's failures."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import sys
 
 import pytest
 
@@ -17,7 +20,9 @@ from ktlite_wire.calltree import (
     split,
     subtree_body,
 )
+from ktlite_wire.distenv import DistributedLayout
 from ktlite_wire.plan import CallPlan, decode_plan
+from ktlite_wire.status import Status
 
 
 def _covers(pods: int, fanout: int) -> list[int]:
@@ -110,3 +115,38 @@ def test_a_launch_relay_header_round_trips_and_refuses_nonsense() -> None:
     ):
         with pytest.raises(ValueError):
             LaunchRelay.decode(bad)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again: nothing listens there
+
+
+def test_a_relayed_launch_names_a_child_that_never_listens_with_its_whole_subtree() -> None:
+    from ktlite_server.launchtree import relay
+    from ktlite_server.peers import PeerPool
+
+    port = _closed_port()
+    pods = ["http://127.0.0.1:1"] + [f"http://127.0.0.1:{port}"] * 3
+    tree = LaunchRelay(pods, [f"p-{i}" for i in range(4)], [0, 1, 2, 3], 1, 0.5)
+    layout = DistributedLayout(workers=4, num_proc=2)
+    outs = asyncio.run(relay(PeerPool(), tree, layout, b"launch"))
+    # fan-out 1: pod 0 relays to pod 1 only, which would relay to 2, then 3
+    assert sorted(o.rank for o in outs) == list(range(2, 8))
+    assert {o.status for o in outs} == {Status.DIED}
+    assert all("pod p-1 at" in o.message and "not reachable" in o.message for o in outs)
+    assert "2 pod(s) it relays the launch to" in outs[0].message
+
+
+def test_a_pod_on_another_python_refuses_a_relayed_launch() -> None:
+    from ktlite_server.launchtree import python_mismatch
+
+    layout = DistributedLayout(workers=2, num_proc=2)
+    same = f"{sys.version_info.major}.{sys.version_info.minor}"
+    tree = LaunchRelay(["http://a", "http://b"], ["a", "b"], [1], 2, 5.0, same)
+    assert python_mismatch(tree, layout, 1) is None
+    other = LaunchRelay(["http://a", "http://b"], ["a", "b"], [1], 2, 5.0, "2.7")
+    outs = python_mismatch(other, layout, 1)
+    assert outs is not None and [o.rank for o in outs] == [2, 3]
+    assert "Python 2.7" in outs[0].message and outs[0].pod == "b"

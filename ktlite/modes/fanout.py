@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -127,6 +128,7 @@ class Fanout(Mode):
             list(range(len(eps))),
             fanout,
             float(timeout),
+            f"{sys.version_info.major}.{sys.version_info.minor}",
         ).encode()
 
     def cancel_targets(self, eps: list[PodEndpoint]) -> list[PodEndpoint]:

@@ -81,8 +81,11 @@ class Launches:
                 f"a relayed launch for pod {tree.subtree[0]} reached pod {self.pod.name} "
                 f"(ordinal {self.pod.ordinal})",
             )
-        own = self.install(dataclasses.replace(msg, ordinal=self.pod.ordinal))
         below = launchtree.relay(self.pod.peers, tree, msg.distributed, body)
+        refused = launchtree.python_mismatch(tree, msg.distributed, self.pod.ordinal)
+        if refused is not None:
+            return self._outcomes([], refused + await below)
+        own = self.install(dataclasses.replace(msg, ordinal=self.pod.ordinal))
         outs, relayed = await asyncio.gather(own, below)
         return self._outcomes(outs, relayed)
 

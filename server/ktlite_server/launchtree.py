@@ -1,12 +1,12 @@
 """A code push relayed down the call tree: ``POST /deploy`` with the ``x-ktlite-tree`` header.
 
 The caller sends a deployment's launch once, to pod 0, naming every pod
-(:class:`ktlite_wire.calltree.LaunchRelay`). Each pod installs it with its own ordinal and, at
-the same time, waits for each of its children to answer ``/health`` (a pod still starting,
-up to the relay's timeout), checks it runs the same Python minor (the code is cloudpickled
-bytecode), and sends it the same body with the child's subtree. The answers of the whole
-subtree come back in one result: a child that cannot be reached, or answers with an error,
-is reported with every rank of its subtree, never left out.
+(:class:`ktlite_wire.calltree.LaunchRelay`). Each pod installs it with its own ordinal (unless
+it runs another Python minor than the caller: the code is cloudpickled bytecode) and, at the
+same time, sends the same body to each of its children with the child's subtree, retrying a
+child that does not accept connections yet (a pod still starting) up to the relay's timeout.
+The answers of the whole subtree come back in one result: a child that cannot be reached, or
+answers with an error, is reported with every rank of its subtree, never left out.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import platform
 import time
 from typing import Any
 
-from ktlite_server.peers import PeerError, PeerPool
+from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_wire import calltree
 from ktlite_wire.distenv import DistributedLayout
 from ktlite_wire.errors import ProtocolError
@@ -26,7 +26,7 @@ from ktlite_wire.headers import LENGTH_HEADER, TREE_HEADER
 from ktlite_wire.outcome import CallResult, RankOutcome
 from ktlite_wire.status import Status
 
-RETRY_S = 0.2  # between /health attempts at a child that is not up yet
+RETRY_S = 0.2  # between attempts at a child that is not listening yet
 
 
 def _minor(version: str) -> str:
@@ -37,28 +37,20 @@ class LaunchRelayFailed(Exception):
     """A child of the tree could not take the launch; the message says why."""
 
 
-async def _ready(peers: PeerPool, url: str, name: str, deadline: float) -> None:
-    """Wait until the pod at ``url`` answers ``/health`` (up to ``deadline``), and check its
-    Python minor against this pod's."""
-    last = ""
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            health = await peers.get_json(
-                url.rstrip("/") + "/health", timeout=max(0.5, min(left, 5.0))
-            )
-            break
-        except PeerError as e:
-            last = str(e)
-        if time.monotonic() + RETRY_S >= deadline:
-            raise LaunchRelayFailed(f"pod {name} at {url} did not answer /health in time: {last}")
-        await asyncio.sleep(RETRY_S)  # a retry with a pause, bounded by the deadline
-    theirs, ours = str(health.get("python") or ""), platform.python_version()
-    if theirs and _minor(theirs) != _minor(ours):
-        raise LaunchRelayFailed(
-            f"pod {name} at {url} runs Python {theirs}, pod 0's Python {ours}: code shipped by "
-            f"cloudpickle needs the same minor version on every pod; use one image for all"
-        )
+def python_mismatch(
+    relay: calltree.LaunchRelay, layout: DistributedLayout, ordinal: int
+) -> list[RankOutcome] | None:
+    """This pod's ranks as failed when it runs another Python minor than the caller, whose
+    cloudpickled bytecode only a matching minor runs; None when it matches."""
+    ours = platform.python_version()
+    if not relay.python or _minor(ours) == _minor(relay.python):
+        return None
+    message = (
+        f"pod {relay.names[ordinal]} runs Python {ours}, the caller Python {relay.python}: code "
+        "shipped by cloudpickle needs the same minor version; use an image with Python "
+        f"{_minor(relay.python)} for every pod"
+    )
+    return _subtree_failed(relay, layout, [ordinal], message)
 
 
 def _subtree_failed(
@@ -81,36 +73,49 @@ async def _child(
 ) -> list[RankOutcome]:
     i = subtree[0]
     url, name = relay.pods[i], relay.names[i]
+    deadline = time.monotonic() + relay.timeout
+    view = memoryview(body).cast("B")
+    headers = {
+        TREE_HEADER: relay.below(subtree).encode(),
+        LENGTH_HEADER: str(view.nbytes),
+        "content-type": "application/octet-stream",
+    }
     try:
-        await _ready(peers, url, name, time.monotonic() + relay.timeout)
-        view = memoryview(body).cast("B")
-        headers = {
-            TREE_HEADER: relay.below(subtree).encode(),
-            LENGTH_HEADER: str(view.nbytes),
-            "content-type": "application/octet-stream",
-        }
-        async with peers.post(
-            url, "/deploy", headers, view, connect_timeout=5.0, read_timeout=relay.timeout + 30
-        ) as resp:
-            data = await resp.read()
-            if resp.status != 200:
-                text = data.decode(errors="replace")[:500]
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    text = json.loads(text)["detail"]
-                raise LaunchRelayFailed(
-                    f"pod {name} answered the deploy with HTTP {resp.status}: {text}"
-                )
+        while True:  # a child still starting refuses connections: nothing was sent, retry
+            try:
+                status, data = await _post(peers, url, headers, view, relay.timeout + 30)
+                break
+            except PeerConnectError as e:
+                if time.monotonic() + RETRY_S >= deadline:
+                    raise LaunchRelayFailed(
+                        f"pod {name} at {url} was not reachable within {relay.timeout:g}s: {e}"
+                    ) from e
+            await asyncio.sleep(RETRY_S)  # a retry with a pause, bounded by the deadline
+        if status != 200:
+            text = data.decode(errors="replace")[:500]
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                text = json.loads(text)["detail"]
+            raise LaunchRelayFailed(f"pod {name} answered the deploy with HTTP {status}: {text}")
         return CallResult.decode(bytearray(data)).outcomes
     except LaunchRelayFailed as e:
         why = str(e)
     except (PeerError, ProtocolError) as e:
         why = f"lost the connection to pod {name} during the deploy: {e}"
     below = (
-        f"; the launch is relayed through it to pod(s) {len(subtree) - 1} more"
+        f"; the {len(subtree) - 1} pod(s) it relays the launch to did not get it either"
         if len(subtree) > 1
         else ""
     )
     return _subtree_failed(relay, layout, subtree, why + below)
+
+
+async def _post(
+    peers: PeerPool, url: str, headers: dict[str, str], body: memoryview, timeout: float
+) -> tuple[int, bytes]:
+    async with peers.post(
+        url, "/deploy", headers, body, connect_timeout=5.0, read_timeout=timeout
+    ) as resp:
+        return resp.status, await resp.read()
 
 
 async def relay(

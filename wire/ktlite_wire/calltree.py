@@ -111,7 +111,8 @@ def subtree_body(
 class LaunchRelay:
     """The ``x-ktlite-tree`` header of a code push relayed down the tree: every pod's address
     and name (by ordinal), the subtree the receiving pod (its first pod) installs the launch
-    on, the fan-out, and how long a pod may take to answer ``/health`` before it is reported.
+    on, the fan-out, how long a child may take to accept a connection before it is reported, and
+    the caller's Python.
     The body is the launch as pod 0 got it; each pod installs it with its own ordinal."""
 
     pods: list[str]
@@ -119,6 +120,7 @@ class LaunchRelay:
     subtree: list[int]
     fanout: int
     timeout: float
+    python: str = ""  # the caller's Python (major.minor): a pod running another refuses
 
     def __post_init__(self) -> None:
         n = len(self.pods)
@@ -130,6 +132,8 @@ class LaunchRelay:
             raise ValueError(f"fanout={self.fanout!r} must be a whole number >= 1")
         if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e9:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds")
+        if not isinstance(self.python, str) or len(self.python) > 20:
+            raise ValueError(f"python={self.python!r} must be a version such as '3.11'")
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -145,4 +149,4 @@ class LaunchRelay:
 
     def below(self, subtree: list[int]) -> LaunchRelay:
         """The header for the child that relays to ``subtree``."""
-        return LaunchRelay(self.pods, self.names, subtree, self.fanout, self.timeout)
+        return LaunchRelay(self.pods, self.names, subtree, self.fanout, self.timeout, self.python)
