@@ -328,8 +328,8 @@ class Compute(KubetorchOperations):
         ``workers``: a call runs on every pod), ``monitor_members`` (ktlite always watches: a
         lost pod fails the call with :class:`kt.WorkerMembershipChanged`),
         ``max_threads_per_proc`` (``Compute.concurrency``), ``restart_procs``, and
-        ``tree_fanout``/``tree_minimum``: from ``tree_minimum`` pods on (default 32), pod 0
-        sends a call, a code push and a cancel to at most ``tree_fanout`` pods (default 16),
+        ``tree_fanout``/``tree_minimum``: from ``tree_minimum`` pods on (default 64), pod 0
+        sends a call, a code push and a cancel to at most ``tree_fanout`` pods (default 32),
         each of which relays it to its share of the rest (see :class:`DistributedConfig`).
         """
         framework = distribution.framework_of(framework, distribution_type)

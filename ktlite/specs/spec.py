@@ -73,8 +73,8 @@ RESERVED_ENV = (
 # pick their own ports)
 # the call tree's defaults (distribute(tree_fanout=, tree_minimum=)), measured with
 # bench/bench_scale.py (see bench/README.md, "Scale")
-TREE_FANOUT = 16
-TREE_MINIMUM = 32
+TREE_FANOUT = 32
+TREE_MINIMUM = 64
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
 
 
