@@ -26,11 +26,13 @@ What is real and what is simulated:
 
 Rows: ``.to() s`` the first ``.to()`` (hosts started: simulated, then the code pushed);
 ``push s`` a second ``.to()`` of new code to the running pods (the launch, sent once to
-pod 0 and relayed to every pod, each loading it on 8 ranks); ``no-op p50/p99 ms`` a call of
+pod 0 and relayed to every pod, each loading it on 8 ranks; ``push: pods CPU s`` what the
+pods spent on it); ``no-op p50/p99 ms`` a call of
 a method that returns None; ``1 KB p50 ms`` each rank returns 1 KB; ``per-rank ms`` a
 ``.each()`` with one small item per rank (checked back in rank order); ``logs ms`` every rank
 prints one line (all counted at the caller); ``cancel s`` from ``Future.cancel()`` to the
-call ended with every rank stopped and reported; ``dead pod s`` from an inner pod's death (its
+call ended with every rank stopped and reported (``cancel: pods CPU s``: what the pods spent
+on that call, its start and its stop); ``dead pod s`` from an inner pod's death (its
 connections reset, as a killed process's) to the call's error naming it; ``client CPU
 ms/call`` this process's CPU per no-op call; ``pod 0 CPU ms/call`` the CPU of pod 0 (in a host
 process of its own) per no-op call: the coordinator's share, on a cluster its own machine's;
@@ -150,9 +152,10 @@ def measure(
     try:
         hosts = backend.deployments[name]
         host_pids = [p.pid for p in hosts.procs]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu(host_pids)
         remote = kt.cls(Workload, name=name).to(compute, init_args={"tag": "again"})
         row["push_s"] = time.perf_counter() - t0
+        row["push_cpu_s"] = _cpu(host_pids) - cpu0
         assert remote.tag() == ["again"] * world
         _timed(remote.noop, 3)  # warm connections
         cpu0, root0, own0 = _cpu(host_pids), _cpu(host_pids[:1]), time.process_time()
@@ -174,7 +177,9 @@ def measure(
             remote.say.options(stream_logs=True)()
             row["logs_ms"] = (time.perf_counter() - t0) * 1000
             row["log_lines"] = f"{lines.count}/{world}"
+            cpu0 = _cpu(host_pids)
             row["cancel_s"] = _cancel(remote, lines, world)
+            row["cancel_cpu_s"] = _cpu(host_pids) - cpu0  # the long call's start, and its stop
             row["dead_s"], row["dead_named"] = _dead(remote, lines, world, hosts, fanout)
         finally:
             sys.stdout = quiet
@@ -228,6 +233,7 @@ COLUMNS = [
     ("tree", "tree", ""),
     (".to() s", "to_s", ".2f"),
     ("push s", "push_s", ".2f"),
+    ("push: pods CPU s", "push_cpu_s", ".2f"),
     ("no-op p50 ms", "noop_p50_ms", ".1f"),
     ("no-op p99 ms", "noop_p99_ms", ".1f"),
     ("1 KB p50 ms", "kb_p50_ms", ".1f"),
@@ -235,6 +241,7 @@ COLUMNS = [
     ("logs ms", "logs_ms", ".1f"),
     ("log lines", "log_lines", ""),
     ("cancel s", "cancel_s", ".2f"),
+    ("cancel: pods CPU s", "cancel_cpu_s", ".2f"),
     ("dead pod s", "dead_s", ".2f"),
     ("client CPU ms/call", "client_cpu_ms", ".2f"),
     ("pod 0 CPU ms/call", "pod0_cpu_ms", ".2f"),
@@ -280,6 +287,11 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         v, bound = big[key], TARGETS[key]
         ok = v <= bound and (key != "dead_s" or big["dead_named"])
         extra = "" if key != "dead_s" or big["dead_named"] else " (the error did not name it)"
+        if key == "push_s" and not ok:
+            extra = (
+                f"; cause: the pods spent {big['push_cpu_s']:.2f} s of CPU on it, on {cores} "
+                f"cores here ({big['push_cpu_s'] / big['pods'] * 1000:.1f} ms each on a cluster)"
+            )
         out.append(
             f"{what} at {big['pods']} pods: {v:.2f} s (target <= {bound:g} s): "
             f"{'met' if ok else 'not met'}{extra}"
