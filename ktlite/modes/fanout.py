@@ -90,8 +90,8 @@ class Fanout(Mode):
 
     def load(self, launch: Launch, store: concurrent.futures.Future[Any]) -> None:
         """Send the launch to every pod, each with its ordinal; each restarts or reloads its
-        rank processes. Several pods: sent once, to pod 0, which relays it down the call
-        tree (and waits for its children's /health itself)."""
+        rank processes. Several pods: sent once, to pod 0 (the only pod the caller waits
+        for), which relays it to every pod, down the call tree from ``tree_minimum`` pods on."""
         timeout = self.spec.pod.calls.launch_timeout
         eps = self.endpoints
         relay = self.launch_relay(timeout)
