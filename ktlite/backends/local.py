@@ -40,6 +40,7 @@ from ktlite.config import home as config_home
 from ktlite.config import private_dir
 from ktlite.errors import DeployError
 from ktlite.net import tls
+from ktlite.net.progress import StatusLine
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire import privatefiles
 from ktlite_wire.distenv import port_free
@@ -254,9 +255,11 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                 spec.distributed.port or kept or _master_port(self._ports_in_use(spec.name), span)
             )
             deadline = time.monotonic() + spec.pod.calls.launch_timeout  # one deadline for all pods
+            line = StatusLine(spec.name)
             try:
                 for i, proc, ready, log, cgroup in starting:
                     ready_names = ", ".join(p["name"] for p in pods) or "none"
+                    line.update(f"starting pods, {len(pods)}/{len(starting)} ready")
                     port = self._wait_ready(
                         spec,
                         i,
@@ -265,6 +268,7 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                         log,
                         deadline,
                         f"{len(pods)} of {spec.workers} pods were ready: {ready_names}",
+                        line,
                     )
                     pods.append(
                         {
@@ -277,10 +281,12 @@ class LocalBackend(LocalPods, LocalScaling, Backend):
                         }
                     )
             except BaseException:
+                line.done("failed")
                 self._stop_pods(
                     [{"pid": p.pid, "cgroup": c} for _, p, _, _, c in starting], timeout=2.0
                 )
                 raise
+            line.done(f"{len(starting)} pod(s) ready")
             pods.sort(key=lambda p: p["ordinal"])
             state = {
                 "name": spec.name,

@@ -32,6 +32,7 @@ from ktlite.config import home as store_home
 from ktlite.errors import ConfigError, LaunchTimeout, StartupError
 from ktlite.logconfig import pod_env
 from ktlite.net.connection import Pool
+from ktlite.net.progress import StatusLine
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire.headers import TOKEN_HEADER, bearer
 
@@ -245,9 +246,11 @@ class LocalPods:
         log: Path,
         deadline: float,
         progress: str,
+        line: StatusLine,
     ) -> int:
         timeout = spec.pod.calls.launch_timeout
         while time.monotonic() < deadline:
+            line.tick()
             code = proc.poll()
             if code is not None:
                 raise StartupError(

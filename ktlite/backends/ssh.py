@@ -39,6 +39,7 @@ from ktlite.backends.ssh_hosts import COMMAND_TIMEOUT_S
 from ktlite.backends.ssh_pods import SshPods, pod_scheme
 from ktlite.config import home as config_home
 from ktlite.errors import ConfigError, DeployError, KtliteError, LaunchTimeout
+from ktlite.net.progress import ticking
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite.specs.hosts import Host, Hosts
 
@@ -123,10 +124,15 @@ class SshBackend(SshPods, Backend):
                     f"deployment {spec.name!r} exists with another token; tear it down first"
                 )
             timeout = spec.pod.calls.launch_timeout
+            what = (
+                f"starting the pod servers on {len(hosts.hosts)} host(s) (copying ktlite, "
+                "and the server's packages where a host lacks them)"
+            )
             try:
-                state = self._loop.run(
-                    self._apply(spec, hosts, token, state, resolved), timeout + 30
-                )
+                with ticking(f"{spec.name} over SSH", what):
+                    state = self._loop.run(
+                        self._apply(spec, hosts, token, state, resolved), timeout + 30
+                    )
             except TimeoutError:
                 raise LaunchTimeout(
                     f"deploying {spec.name!r} over SSH took over {timeout:.0f}s (launch_timeout)"

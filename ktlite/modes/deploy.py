@@ -36,6 +36,7 @@ from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.routing import Routing
 from ktlite.net.client import PodClient
+from ktlite.net.progress import ticking
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire.launch import Colocation
 
@@ -56,6 +57,17 @@ logger = logging.getLogger(__name__)
 
 class _CancelledBeforeSend(Exception):
     """A submitted call cancelled just before it left: it never reaches a pod."""
+
+
+def _loading(spec: DeploymentSpec) -> str:
+    """What a code push waits for, as its status line says it."""
+    pods = f"{spec.workers} pod(s)"
+    framework = spec.distributed.framework
+    if framework == "ray":
+        return f"loading the code and forming the Ray cluster on {pods}"
+    if framework == "monarch":
+        return f"loading the code and forming the Monarch mesh on {pods}"
+    return f"loading the code on {pods}"
 
 
 def backend_of(spec: DeploymentSpec) -> Backend:
@@ -143,7 +155,8 @@ class Deployment:
         # /health (queued before them: a pod's launch waiting for it never holds up its task)
         access = self.spec.pod.kubernetes.store_access
         store = pool.submit(handoff, self.backend, self.spec.name, access)
-        self.mode.load(launch, store)
+        with ticking(self.name, _loading(self.spec)):
+            self.mode.load(launch, store)
         self.recolocate()
 
     def recolocate(self) -> None:

@@ -100,7 +100,7 @@ def table(name: str, pods: list[dict[str, Any]]) -> str:
     )
     errors = [f"  {p['pod']}: not answering: {p['error']}" for p in pods if p.get("error")]
     errors += [
-        f"  {p['pod']}: nvidia-smi failed: {p['gpu_error']}" for p in pods if p.get("gpu_error")
+        f"  {p['pod']}: GPU query failed: {p['gpu_error']}" for p in pods if p.get("gpu_error")
     ]
     cells = [COLUMNS] + [_cells(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]

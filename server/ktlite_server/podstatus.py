@@ -22,7 +22,7 @@ async def pod_status(pod: Pod, stuck_after: float) -> dict[str, Any]:
 
     Per rank: ``pid``, ``cpu_percent`` / ``rss_bytes`` / ``procs`` (the rank process and
     everything it started), ``calls`` (each running call's ``id`` and ``running_s``), and
-    where this pod has ``nvidia-smi``: the rank's GPUs (its ``CUDA_VISIBLE_DEVICES``) with
+    where this pod has NVML or ``nvidia-smi`` (``gpu_source`` says which): the rank's GPUs (its ``CUDA_VISIBLE_DEVICES``) with
     memory used/total and utilisation. Fields that cannot be known are None.
     """
     ranks = [r for r in pod.ranks if r is not None]
@@ -70,6 +70,7 @@ async def pod_status(pod: Pod, stuck_after: float) -> dict[str, Any]:
         "active_calls": list(pod.calls),
         "gpus": None if gpus is None else visible(gpus, server_cvd),
         "gpu_error": gpu_error,
+        "gpu_source": pod.gpu_query.source,
         "engine": await pod.engine_status(),
     }
 

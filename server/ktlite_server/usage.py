@@ -1,11 +1,13 @@
-"""What a rank process uses: CPU and memory read from /proc, GPUs from ``nvidia-smi`` where present.
+"""What a rank process uses: CPU and memory read from /proc, GPUs from NVML (``pynvml``) or
+``nvidia-smi`` where present.
 
 A rank counts with everything it started: its own session (rank processes start with
 ``start_new_session``) and any descendant that left it. CPU % is measured between two
 samples, like ``top``: since the previous status request when that was recent, else over
-a short window. ``nvidia-smi`` runs with a timeout, at most one at a time, and its answer
-is kept for a moment, so a ``--watch`` loop or several callers never pile up GPU queries.
-Nothing here needs a package beyond the standard library.
+a short window. A GPU query (NVML in a thread, else ``nvidia-smi``) runs with a timeout, at
+most one at a time, and its answer is kept for a moment, so a ``--watch`` loop or several
+callers never pile up GPU queries. Nothing here needs a package beyond the standard library
+(``pynvml`` is used where the image has it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from ktlite_server import nvml
 
 CPU_WINDOW_S = 0.25  # the shortest window a CPU % is measured over
 CPU_STALE_S = 30.0  # an older previous sample is not used: it would average over idle minutes
@@ -259,10 +263,10 @@ Snapshot = tuple[list[dict[str, Any]] | None, Apps | None, str | None]
 
 
 class GpuQuery:
-    """``nvidia-smi`` answers, cached for ``GPU_TTL_S``; one query at a time.
+    """NVML's or ``nvidia-smi``'s answers, cached for ``GPU_TTL_S``; one query at a time.
 
-    ``snapshot()`` returns (gpus, compute apps, error): gpus is None where this pod has no
-    ``nvidia-smi`` on its PATH (no GPUs to report); apps is None where the processes on the
+    ``snapshot()`` returns (gpus, compute apps, error): gpus is None where this pod has
+    neither NVML nor ``nvidia-smi`` on its PATH (no GPUs to report); apps is None where the processes on the
     GPUs are unknown: the query failed, or nvidia-smi names them by pids this pod cannot see
     (a container whose pid namespace it does not share); error says why a query failed.
     """
@@ -271,6 +275,8 @@ class GpuQuery:
         self._lock = asyncio.Lock()
         self._at = -1e9
         self._value: Snapshot = (None, None, None)
+        self._nvml = nvml.Reader()
+        self.source: str | None = None  # "nvml" or "nvidia-smi": what the last answer came from
 
     async def snapshot(self) -> Snapshot:
         async with self._lock:
@@ -278,27 +284,41 @@ class GpuQuery:
             ttl = GPU_RETRY_S if error else GPU_TTL_S
             if time.monotonic() - self._at < ttl:
                 return self._value
-            self._value = await self._query()
+            self._value, self.source = await self._query()
             self._at = time.monotonic()
             return self._value
 
-    async def _query(self) -> Snapshot:
+    async def _query(self) -> tuple[Snapshot, str | None]:
+        if self._nvml.available:
+            try:
+                rows = await asyncio.wait_for(asyncio.to_thread(self._nvml), GPU_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return ([], None, f"NVML did not answer within {GPU_TIMEOUT_S:g}s"), "nvml"
+            except RuntimeError as e:
+                return ([], None, str(e)), "nvml"
+            if rows is not None:
+                return _own_pids(*rows), "nvml"
         exe = shutil.which("nvidia-smi")  # looked up each time: PATH is the pod's own
         if exe is None:
-            return None, None, None
-        gpu_text, apps_text = await asyncio.gather(
-            _run(exe, GPU_QUERY), _run(exe, APPS_QUERY), return_exceptions=True
-        )
-        if isinstance(gpu_text, BaseException):
-            return [], None, str(gpu_text)
-        if isinstance(
-            apps_text, BaseException
-        ):  # the GPUs are known; only per-process memory is not
-            return parse_gpus(gpu_text), None, str(apps_text)
-        apps = parse_apps(apps_text)
-        if apps and not any(os.path.exists(f"/proc/{pid}") for pid, _, _ in apps):
-            return parse_gpus(gpu_text), None, None  # another pid namespace's pids
-        return parse_gpus(gpu_text), apps, None
+            return (None, None, None), None
+        return await _smi(exe), "nvidia-smi"
+
+
+async def _smi(exe: str) -> Snapshot:
+    gpu_text, apps_text = await asyncio.gather(
+        _run(exe, GPU_QUERY), _run(exe, APPS_QUERY), return_exceptions=True
+    )
+    if isinstance(gpu_text, BaseException):
+        return [], None, str(gpu_text)
+    if isinstance(apps_text, BaseException):  # the GPUs are known; only per-process memory is not
+        return parse_gpus(gpu_text), None, str(apps_text)
+    return _own_pids(parse_gpus(gpu_text), parse_apps(apps_text))
+
+
+def _own_pids(gpus: list[dict[str, Any]], apps: Apps) -> Snapshot:
+    if apps and not any(os.path.exists(f"/proc/{pid}") for pid, _, _ in apps):
+        return gpus, None, None  # another pid namespace's pids
+    return gpus, apps, None
 
 
 async def _run(exe: str, args: list[str]) -> str:

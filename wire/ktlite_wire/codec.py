@@ -12,6 +12,8 @@ writable buffer gives arrays backed by that buffer: no copies.
 
 from __future__ import annotations
 
+import io
+import logging
 import pickle
 import sys
 from typing import Any
@@ -20,6 +22,8 @@ import cloudpickle
 
 from ktlite_wire import envelope, sourcelines
 
+logger = logging.getLogger(__name__)
+
 MAGIC = b"KTL"
 # out-of-band threshold: smaller buffers stay in the pickle stream
 _OOB_MIN = 4096
@@ -27,7 +31,10 @@ parts_size = envelope.parts_size
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle has no type hints
-    """cloudpickle plus out-of-band buffers for CPU torch tensors (cloudpickle copies them)."""
+    """cloudpickle plus out-of-band buffers for torch tensors (cloudpickle copies them). A
+    CUDA tensor travels as its CPU copy and the name of its device: it lands on that device
+    where the receiver has it, else on the CPU (a caller without CUDA can take a rank's
+    CUDA result)."""
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
@@ -46,13 +53,19 @@ class _SourcePickler(_Pickler):
 
 
 def _reduce_tensor(torch: Any, t: Any) -> Any:
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-        return None
+    if t.layout != torch.strided or t.is_quantized:
+        return None  # torch's own reduction (a sparse tensor's parts come back here)
     if t.requires_grad and t.grad_fn is not None:
+        return None  # torch's own refusal of a non-leaf tensor says it best
+    device = None
+    if t.device.type == "cuda":
+        device = str(t.device)
+        data = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    elif t.device.type != "cpu" or t.is_conj() or t.is_neg():
         return None
-    if t.is_conj() or t.is_neg():
-        return None
-    data = t.detach().contiguous()
+    else:
+        data = t.detach().contiguous()
+    requires_grad = bool(t.requires_grad)
     dtype = str(data.dtype).removeprefix("torch.")
     as_np = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}.get(dtype)
     try:
@@ -60,17 +73,23 @@ def _reduce_tensor(torch: Any, t: Any) -> Any:
     except (TypeError, RuntimeError):
         return None
     is_param = type(t) is not torch.Tensor
-    return _rebuild_tensor, (
+    args: tuple[Any, ...] = (
         pickle.PickleBuffer(arr.reshape(-1).view("uint8")) if arr.size else b"",
         dtype,
         tuple(data.shape),
-        bool(t.requires_grad),
+        requires_grad,
         is_param,
     )
+    return _rebuild_tensor, (args + (device,) if device else args)
 
 
 def _rebuild_tensor(
-    buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool, is_param: bool
+    buf: Any,
+    dtype: str,
+    shape: tuple[int, ...],
+    requires_grad: bool,
+    is_param: bool,
+    device: str | None = None,
 ) -> Any:
     import torch
 
@@ -81,9 +100,35 @@ def _rebuild_tensor(
         else torch.empty(0, dtype=torch.uint8)
     )
     t = raw.view(tdtype).reshape(shape)
+    if device is not None:
+        t = _on_device(torch, t, device)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+_warned_cpu: set[str] = set()
+
+
+def _on_device(torch: Any, t: Any, device: str) -> Any:
+    """``t`` (CPU) on ``device`` where this process has it, else left on the CPU (said once)."""
+    index = int(device.partition(":")[2] or 0)
+    if torch.cuda.is_available() and index < torch.cuda.device_count():
+        return t.to(device)
+    _say_on_cpu(torch, device)
+    return t
+
+
+def _say_on_cpu(torch: Any, device: str) -> None:
+    if device not in _warned_cpu:
+        _warned_cpu.add(device)
+        logger.warning(
+            "a tensor that was on %s arrived in a process without that CUDA device "
+            "(torch.cuda.is_available() is %s here): it is on the CPU; .to('cuda') moves it "
+            "where a GPU is",
+            device,
+            torch.cuda.is_available(),
+        )
 
 
 class _Pieces:
@@ -127,7 +172,30 @@ def loads(data: Any) -> Any:
     """Decode one message; out-of-band buffers are views of ``data`` (no copies). Only the
     caller and the rank processes call this: it runs the sender's code."""
     body, bufs = envelope.unpack(MAGIC, data, "value message")
-    return pickle.loads(body, buffers=bufs)
+    try:
+        return pickle.loads(body, buffers=bufs)
+    except RuntimeError as e:
+        if "torch.cuda.is_available() is False" not in str(e):
+            raise
+    # a CUDA object pickled by torch itself (a storage, a sparse or quantized tensor: not
+    # the tensors above), in a process without CUDA: load it again, onto the CPU
+    return _CpuUnpickler(io.BytesIO(body), buffers=bufs).load()
+
+
+def _load_storage_on_cpu(b: bytes) -> Any:
+    import torch
+
+    _say_on_cpu(torch, "cuda")
+    return torch.load(io.BytesIO(b), weights_only=False, map_location="cpu")
+
+
+class _CpuUnpickler(pickle.Unpickler):
+    """An unpickler that loads torch's own CUDA storages onto the CPU."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage_on_cpu
+        return super().find_class(module, name)
 
 
 def check(data: Any) -> tuple[memoryview, list[memoryview]]:
