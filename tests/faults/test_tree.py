@@ -218,3 +218,44 @@ def test_cut_streams_are_reattached_through_the_tree_and_run_once(deployment, tm
     for r in RANKS:
         ran = [int(x) for x in Path(f"{ledger}-{r}").read_text().split()]
         assert ran == list(range(calls)), f"rank {r} ran a call twice or missed one"
+
+
+@pytest.fixture
+def stopped(deployment):
+    """Pids a test SIGSTOPs; resumed at the end whatever happened."""
+    pids: list[int] = []
+    yield pids
+    fm.recover(NAME, pids)
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_inner_pod_is_named_by_the_silence_and_its_subtree_stopped(
+    deployment, stopped, tmp_path
+) -> None:
+    remote = _to(fm.beat)
+    pid = remote.status()[INNER]["server_pid"]
+    call = fm.Call(remote, str(tmp_path), "c", LONG_S)
+    assert fm.wait_for(lambda: fm.all_beating(tmp_path, "c", RANKS), 60), "never started"
+    stopped.append(pid)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)  # alive, connections open, silent: a vanished relay
+    assert call.join(JOIN_S), "the call hangs after its inner pod stopped answering"
+    fm.report("inner pod SIGSTOP -> the call fails", call.ended - t0, SILENCE_S)
+    err = call.error
+    assert isinstance(err, kt.RemoteError), repr(err)
+    text = str(err)
+    assert f"pod {NAME}-{INNER} stopped responding" in text, text
+    kinds = {f.rank: f for f in err.failures}
+    assert sorted(kinds) == list(RANKS), text
+    assert kinds[INNER].kind == "died", text
+    assert all(kinds[r].kind == "unreachable" for r in BELOW_INNER), text
+    # the pods below the hung relay cannot hear it: pod 0 told them to stop, past it
+    for r in set(RANKS) - {INNER}:
+        last = fm.last_beat_after_quiet(tmp_path, "c", r, quiet=1.0, timeout=JOIN_S)
+        assert last is not None and last < fm.starts(tmp_path, "c", r)[0][1] + LONG_S - 5, r
+    os.kill(pid, signal.SIGCONT)  # resumed, it finds its caller gone and stops its rank
+    last = fm.last_beat_after_quiet(tmp_path, "c", INNER, quiet=1.0, timeout=JOIN_S)
+    assert last is not None and last < fm.starts(tmp_path, "c", INNER)[0][1] + LONG_S - 5
+    for r in RANKS:
+        assert len(fm.starts(tmp_path, "c", r)) == 1, f"rank {r} ran the call twice"
+    assert _to(fm.beat)(str(tmp_path), "after", 0) == list(RANKS)
