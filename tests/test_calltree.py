@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import sys
+from dataclasses import asdict
 
 import pytest
 
@@ -59,6 +60,8 @@ def test_the_defaults_and_who_uses_the_tree() -> None:
     assert mine.tree(7) == 2 and mine.tree(1) == 0
     with pytest.raises(Exception, match="tree_fanout"):
         DistributedConfig(workers=7, tree_fanout=0)
+    # the wire's layout carries them as the client has them (a pod rebuilds it from JSON)
+    assert asdict(DistributedLayout.from_json(json.loads(json.dumps(asdict(mine))))) == asdict(mine)
 
 
 def _plan(**kw: object) -> CallPlan:
