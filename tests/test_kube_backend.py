@@ -322,12 +322,11 @@ def test_changed_pod_spec_replaces_every_pod(cluster: Cluster, change: dict[str,
     applied = cluster.backend.apply(spec(**{"cpus": 1, **change}), TOKEN)
 
     assert cluster.fake.find_requests("PUT", f"/statefulsets/{NAME}$")
-    deleted = sorted(
-        r.path.rsplit("/", 1)[1]
-        for r in cluster.fake.requests[seen:]
-        if r.method == "DELETE" and "/pods/" in r.path
-    )
-    assert deleted == [f"{NAME}-0", f"{NAME}-1"]
+    # every pod is out of date: one request deletes them all (at any pod count)
+    deleted = [(r.path, r.query) for r in cluster.fake.requests[seen:] if r.method == "DELETE"]
+    assert deleted == [
+        ("/api/v1/namespaces/default/pods", {"labelSelector": f"{km.NAME_LABEL}={NAME}"})
+    ], deleted
     after = cluster.uids()
     assert sorted(after) == sorted(before)
     assert all(after[n] != before[n] for n in after)

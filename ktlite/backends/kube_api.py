@@ -15,6 +15,7 @@ depend on the generated classes' signatures, which changed between client releas
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -228,6 +229,17 @@ class KubeApi:
         )
         return None if resp is None else resp.json()
 
+    def list_at(
+        self, kind: str, label_selector: str | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The objects, and the list's ``resourceVersion``: where a watch of them starts."""
+        params = {"labelSelector": label_selector} if label_selector else {}
+        resp = self.request("GET", self._path(kind), what=f"list {kind}s", params=params)
+        assert resp is not None
+        body = resp.json()
+        items: list[dict[str, Any]] = body.get("items") or []
+        return items, str((body.get("metadata") or {}).get("resourceVersion", ""))
+
     def list(
         self, kind: str, label_selector: str | None = None, field_selector: str | None = None
     ) -> list[dict[str, Any]]:
@@ -240,6 +252,59 @@ class KubeApi:
         assert resp is not None
         items: list[dict[str, Any]] = resp.json().get("items") or []
         return items
+
+    @contextlib.contextmanager
+    def watch(
+        self,
+        kind: str,
+        label_selector: str | None,
+        resource_version: str,
+        timeout_s: int,
+        stall_s: float,
+    ) -> Iterator[Iterator[dict[str, Any]]]:
+        """The changes to ``kind`` after ``resource_version``, one event (``{"type": ...,
+        "object": ...}``) at a time, with bookmarks, until the API server ends the watch after
+        ``timeout_s``. ``stall_s``: the longest silence before the watch counts as stalled
+        (``KubeApiError``; client libraries' watches are known to stall without a word).
+        A too-old ``resource_version`` is a ``KubeApiError`` with status 410 (either as the HTTP
+        status or as an ERROR event, which API servers send both ways)."""
+        params: dict[str, Any] = {
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": timeout_s,
+            "allowWatchBookmarks": "true",
+        }
+        if label_selector:
+            params["labelSelector"] = label_selector
+        what = f"watch {kind}s"
+        timeout = httpx.Timeout(30.0, connect=10.0, read=stall_s)
+        try:
+            with self.http.stream("GET", self._path(kind), params=params, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise self._error(resp, what)
+                yield _events(resp.iter_lines(), what)
+        except httpx.HTTPError as e:
+            raise KubeApiError(
+                f"the watch of {kind}s broke ({e!r}): nothing for {stall_s:g}s, or the "
+                "connection dropped"
+            ) from e
+
+    def delete_collection(self, kind: str, label_selector: str) -> int:
+        """Delete every ``kind`` that ``label_selector`` matches, in one request; how many
+        there were."""
+        resp = self.request(
+            "DELETE",
+            self._path(kind),
+            what=f"delete the {kind}s with labels {label_selector}",
+            params={"labelSelector": label_selector},
+            json={"propagationPolicy": "Background"},
+        )
+        assert resp is not None
+        try:
+            return len(resp.json().get("items") or [])
+        except ValueError:  # an API server that answers a Status without the items
+            return 0
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind, name = kind_of(obj), obj["metadata"]["name"]
@@ -339,3 +404,23 @@ class KubeApi:
         pod's certificate)."""
         base = str(self.http.base_url).rstrip("/")
         return f"{base}{self._path('Pod', ('https:' if https else '') + pod)}:{port}/proxy"
+
+
+def _events(lines: Iterator[str], what: str) -> Iterator[dict[str, Any]]:
+    """A watch's JSON lines as events; an ERROR event becomes ``KubeApiError`` (410: expired)."""
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            event: dict[str, Any] = json.loads(line)
+        except ValueError as e:
+            raise KubeApiError(f"{what}: the API server sent {line[:200]!r}, not JSON") from e
+        if event.get("type") == "ERROR":
+            status = event.get("object") or {}
+            raise KubeApiError(
+                f"Kubernetes API: {what} failed: {status.get('code')} "
+                f"{status.get('reason', '')}: {status.get('message', '')}",
+                status=status.get("code"),
+                reason=status.get("reason", ""),
+            )
+        yield event

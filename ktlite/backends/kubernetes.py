@@ -26,8 +26,10 @@ from ktlite.backends import kube_secrets as ksec
 from ktlite.backends import kube_serving as kss
 from ktlite.backends.base import Applied, Backend, Plan, PodEndpoint
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError, load
-from ktlite.backends.kube_readiness import POLL_S, PodReadiness
+from ktlite.backends.kube_readiness import PodReadiness
 from ktlite.backends.kube_served import ServedDeployments
+from ktlite.backends.kube_statefulsets import StatefulSets
+from ktlite.backends.kube_teardown import Teardown
 from ktlite.config import get as setting
 from ktlite.errors import DeployError
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing's from Python 3.11
 
 
-class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
+class KubernetesBackend(ServedDeployments, StatefulSets, Teardown, PodReadiness, Backend):
     name = "kubernetes"
     _clients: dict[tuple[str | None, str | None], tuple[httpx.Client, ClusterInfo]] = {}
     _announced: set[str] = set()
@@ -260,12 +262,6 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
             error.add_note(note)
         return error
 
-    def _remove(self, api: KubeApi, name: str, created: list[tuple[str, str]]) -> None:
-        for kind, obj in reversed(created):  # the StatefulSet (and so its pods) first
-            api.delete(kind, obj)
-        for pod in api.list("Pod", km.selector(name)):
-            api.delete("Pod", pod["metadata"]["name"])
-
     def _ensure(self, api: KubeApi, obj: dict[str, Any], created: list[tuple[str, str]]) -> None:
         if api.get(obj["kind"], obj["metadata"]["name"]) is None:
             try:
@@ -297,73 +293,6 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
                 "and collective ports: give your Role the verbs get, create, update, delete on "
                 "networkpolicies.networking.k8s.io (docs/kubernetes.md, 'Permissions')"
             ) from e
-
-    def _drop_policy(self, api: KubeApi, name: str) -> bool:
-        """Delete the deployment's NetworkPolicy, if any. Without the right to manage policies
-        it has none: ktlite could not have made one."""
-        try:
-            return api.delete("NetworkPolicy", name)
-        except KubeApiError as e:
-            if e.status in (403, 404):  # forbidden, or the API group is not served
-                return False
-            raise
-
-    def _apply_statefulset(self, api: KubeApi, sts: dict[str, Any], roll_all: bool) -> list[int]:
-        """Create or update one StatefulSet; delete its pods whose template is out of date (the
-        controller re-creates them). Returns the ordinals that get new pods."""
-        name = sts["metadata"]["name"]
-        start, replicas = kp.first_ordinal(sts), sts["spec"]["replicas"]
-        ordinals = range(start, start + replicas)
-        current = api.get("StatefulSet", name)
-        if current is None:
-            api.create(sts)
-            return list(ordinals)
-        want = kp.pod_hash(sts["spec"]["template"])
-        old_replicas = current["spec"].get("replicas", 0)
-        if kp.pod_hash(current["spec"]["template"]) != want:
-            try:
-                api.replace(sts, current["metadata"]["resourceVersion"])
-            except KubeApiError as e:
-                # an immutable field differs (an older ktlite made it, or its selector)
-                if e.status != 422:
-                    raise
-                api.delete("StatefulSet", name, propagation="Foreground")
-                self._wait_gone(api, "StatefulSet", name, 60.0)
-                api.create(sts)
-                return list(ordinals)
-        elif old_replicas != replicas:
-            api.patch("StatefulSet", name, {"spec": {"replicas": replicas}})
-        # new ordinals of a scale-up
-        restarted = list(range(start + old_replicas, start + replicas))
-        present = set()
-        for pod in api.list("Pod", kp.match(sts)):
-            ordinal = kp.ordinal(pod)
-            present.add(ordinal)
-            if (
-                ordinal in ordinals
-                and (roll_all or kp.pod_hash(pod) != want)
-                and not pod["metadata"].get("deletionTimestamp")
-            ):
-                api.delete("Pod", pod["metadata"]["name"])
-                restarted.append(ordinal)
-        restarted += [i for i in ordinals if i not in present]
-        return sorted(set(restarted))
-
-    def _remove_stale_parts(self, api: KubeApi, name: str, keep: set[str]) -> None:
-        """Delete this deployment's StatefulSets that the new shape has no place for (pods of
-        other sizes); their pods go with them. Before the others are applied, so no two
-        StatefulSets ever claim a pod."""
-        for sts in api.list("StatefulSet", km.selector(name)):
-            if sts["metadata"]["name"] not in keep:
-                api.delete("StatefulSet", sts["metadata"]["name"], propagation="Foreground")
-                self._wait_gone(api, "StatefulSet", sts["metadata"]["name"], 60.0)
-
-    def _wait_gone(self, api: KubeApi, kind: str, name: str, timeout: float) -> None:
-        deadline = self._clock() + timeout
-        while api.get(kind, name) is not None:
-            if self._clock() > deadline:
-                raise DeployError(f"{kind} {name} was still being deleted after {timeout:g}s")
-            self._sleep(POLL_S)
 
     def _applied(
         self,
@@ -435,38 +364,6 @@ class KubernetesBackend(ServedDeployments, PodReadiness, Backend):
             if p.get("name") == "master"
         ]
         return self._applied(name, pods, token, ports[0] if ports else DEFAULT_MASTER_PORT, [])
-
-    def teardown(self, name: str, timeout: float = 30.0, volumes: bool = False) -> bool:
-        api = self._api()
-        found = False
-        for sts in api.list("StatefulSet", km.selector(name)):
-            found |= api.delete("StatefulSet", sts["metadata"]["name"])
-        found |= api.delete("StatefulSet", name)  # one an older ktlite made without the label
-        found |= api.delete("Service", name)
-        found |= api.delete("Secret", km.token_secret_name(name))
-        for obj in api.list("Secret", km.selector(name)):  # the user's values (kt.secret / presets)
-            if km.SECRET_LABEL in (obj["metadata"].get("labels") or {}):
-                found |= api.delete("Secret", obj["metadata"]["name"])
-        found |= self._drop_policy(api, name) | kexp.drop_access(api, name)
-        found |= self._teardown_served(api, name)
-        pods = api.list("Pod", km.selector(name))
-        for pod in pods:
-            api.delete("Pod", pod["metadata"]["name"])
-        if volumes:
-            for claim in api.list("PersistentVolumeClaim", km.selector(name)):
-                found |= api.delete("PersistentVolumeClaim", claim["metadata"]["name"])
-        deadline = self._clock() + timeout
-        while pods:
-            if self._clock() > deadline:
-                names = ", ".join(p["metadata"]["name"] for p in pods)
-                raise DeployError(
-                    f"teardown of {name!r}: pod(s) {names} were still terminating after "
-                    f"{timeout:g}s; they will go on their own, or check "
-                    f"`kubectl -n {api.namespace} get pods -l {km.selector(name)}`"
-                )
-            self._sleep(POLL_S / 2)
-            pods = api.list("Pod", km.selector(name))
-        return found or bool(pods)
 
     def list(self) -> list[dict[str, Any]]:
         api = self._api()

@@ -176,11 +176,11 @@ def test_launch_timeout_is_one_deadline_and_says_which_pods_came_up(tmp_path, mo
     waits: list[dict[str, float]] = []
     wait_ready = LocalBackend._wait_ready
 
-    def spy(self, spec, ordinal, proc, ready, log, deadline, progress):
+    def spy(self, spec, ordinal, proc, ready, log, deadline, *rest):
         wait = {"ordinal": ordinal, "deadline": deadline, "began": time.monotonic()}
         waits.append(wait)
         try:
-            return wait_ready(self, spec, ordinal, proc, ready, log, deadline, progress)
+            return wait_ready(self, spec, ordinal, proc, ready, log, deadline, *rest)
         finally:
             wait["ended"] = time.monotonic()
 
