@@ -327,8 +327,10 @@ class Compute(KubetorchOperations):
         ``distribution_type`` (``framework``), ``num_proc="auto"``, ``quorum_workers`` (must be
         ``workers``: a call runs on every pod), ``monitor_members`` (ktlite always watches: a
         lost pod fails the call with :class:`kt.WorkerMembershipChanged`),
-        ``max_threads_per_proc`` (``Compute.concurrency``), ``restart_procs`` and
-        ``tree_fanout``/``tree_minimum`` (ktlite's coordinator calls every pod itself).
+        ``max_threads_per_proc`` (``Compute.concurrency``), ``restart_procs``, and
+        ``tree_fanout``/``tree_minimum``: from ``tree_minimum`` pods on (default 64), pod 0
+        sends a call, a code push and a cancel to at most ``tree_fanout`` pods (default 32),
+        each of which relays it to its share of the rest (see :class:`DistributedConfig`).
         """
         framework = distribution.framework_of(framework, distribution_type)
         if num_proc == "auto":
@@ -348,6 +350,9 @@ class Compute(KubetorchOperations):
             worker_node_options,
             **unknown,
         )
+        if new.distributed is not None and (tree_fanout, tree_minimum) != (None, None):
+            tree = replace(new.distributed, tree_fanout=tree_fanout, tree_minimum=tree_minimum)
+            new = new._with(distributed=tree)
         distribution.check_quorum_workers(
             quorum_workers, new.distributed.workers if new.distributed is not None else 1
         )

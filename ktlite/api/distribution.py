@@ -35,8 +35,8 @@ def framework_of(framework: str | None, distribution_type: str | None) -> str:
 def check_kubetorch_options(
     monitor_members: object, tree_fanout: object, tree_minimum: object
 ) -> None:
-    """Kubetorch's keywords that change nothing here still take only values it takes: ktlite
-    always watches the members, and its coordinator calls every pod itself."""
+    """Kubetorch's keywords take only values it takes: ``monitor_members`` changes nothing
+    (ktlite always watches the members); the tree's are the call tree's (DistributedConfig)."""
     if monitor_members is not None and not isinstance(monitor_members, bool):
         raise ConfigError(f"monitor_members={monitor_members!r} must be True or False")
     for key, value in (("tree_fanout", tree_fanout), ("tree_minimum", tree_minimum)):

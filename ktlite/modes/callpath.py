@@ -91,8 +91,10 @@ class CallPlans:
         workers: list[int] | None = None,
         ranks: list[int] | None = None,
         per_rank: dict[str, Any] | None = None,
+        tree: int = 0,
     ) -> CallPlan:
-        """The plan of one call to ``eps`` (the first coordinates: it calls the others), with
+        """The plan of one call to ``eps`` (the first coordinates: it calls the others, or
+        with ``tree`` its children in a call tree of that fan-out), with
         the deployment's call defaults (``spec.pod.calls``) where ``options`` leaves a setting
         open. A plan the pods would refuse is a ConfigError."""
         calls = spec.pod.calls
@@ -123,6 +125,7 @@ class CallPlans:
                 ),
                 restart=bool(options.restart_procs),
                 per_rank=per_rank,
+                tree=tree,
             )
         except ValueError as e:
             raise ConfigError(f"call to {spec.name!r}: {e}") from e

@@ -293,7 +293,9 @@ class Deployment:
         return self.mode.call(parts, options, log, on_send, per_rank)
 
     def cancel_all(self, call_id: str, reason: str, eps: list[PodEndpoint]) -> None:
-        """Best effort, all at once, briefly: a hung pod must not delay the others."""
+        """Best effort, all at once, briefly: a hung pod must not delay the others (in a call
+        tree: to the pods that relay it to the others: ``mode.cancel_targets``)."""
+        eps = self.mode.cancel_targets(eps)
         futures = [pool.submit(self.client.cancel, ep.url, call_id, reason, 1.5) for ep in eps]
         concurrent.futures.wait(futures, timeout=2.0)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +33,8 @@ from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.replacement import ReplacedWatch, Replacements
 from ktlite.net.client import CallReply, PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import calltree
+from ktlite_wire.calltree import LaunchRelay
 from ktlite_wire.launch import Launch
 from ktlite_wire.plan import CallPlan
 from ktlite_wire.status import Status
@@ -87,17 +90,22 @@ class Fanout(Mode):
 
     def load(self, launch: Launch, store: concurrent.futures.Future[Any]) -> None:
         """Send the launch to every pod, each with its ordinal; each restarts or reloads its
-        rank processes."""
+        rank processes. Several pods: sent once, to pod 0 (the only pod the caller waits
+        for), which relays it to every pod, down the call tree from ``tree_minimum`` pods on."""
         timeout = self.spec.pod.calls.launch_timeout
+        eps = self.endpoints
+        relay = self.launch_relay(timeout)
 
         def one(ep: PodEndpoint) -> list[Any]:
             self.dep.wait_healthy(ep.url, timeout)
             msg = replace(
                 launch, ordinal=ep.ordinal, store=store.result(), **self.launch_extras(ep)
             )
+            if relay is not None:
+                return self.client.deploy(ep.url, msg.encode(), timeout + 30, relay=relay)
             return self.client.deploy(ep.url, msg.encode(), timeout + 30)
 
-        outcomes = [o for outs in pool.map(one, self.endpoints) for o in outs]
+        outcomes = [o for outs in pool.map(one, eps[:1] if relay else eps) for o in outs]
         failures, values = split(outcomes)
         if failures:
             raise to_error(failures, values, f"deploying {self.name!r} failed", DeployError)
@@ -105,6 +113,34 @@ class Fanout(Mode):
     def launch_extras(self, ep: PodEndpoint) -> dict[str, Any]:
         """What pod ``ep``'s launch carries beyond the shared keys (an engine's settings)."""
         return {}
+
+    def launch_relay(self, timeout: float) -> str | None:
+        """The ``x-ktlite-tree`` header of a code push relayed from pod 0 to every pod (down
+        the call tree from ``tree_minimum`` pods on, else from pod 0 to each); None: one pod,
+        or pods whose launches differ (an engine's)."""
+        eps = self.endpoints
+        if len(eps) < 2 or [ep.ordinal for ep in eps] != list(range(len(eps))):
+            return None
+        fanout = self.spec.distributed.tree(len(eps)) or len(eps) - 1
+        return LaunchRelay(
+            [ep.peer_url for ep in eps],
+            [ep.name for ep in eps],
+            list(range(len(eps))),
+            fanout,
+            float(timeout),
+            f"{sys.version_info.major}.{sys.version_info.minor}",
+        ).encode()
+
+    def cancel_targets(self, eps: list[PodEndpoint]) -> list[PodEndpoint]:
+        """In a call tree, pod 0 relays a cancel to every pod: it and its children (they
+        relay it on if pod 0 hangs) stand for all of ``eps``; flat, every pod of ``eps``."""
+        every = self.endpoints
+        fanout = self.spec.distributed.tree(len(every))
+        if not fanout:
+            return eps
+        ordinals = {ep.ordinal for ep in eps}
+        heads = [0] + [sub[0] for sub in calltree.split(list(range(1, len(every))), fanout)]
+        return [every[i] for i in heads if i in ordinals] or eps
 
     # ---- calls -------------------------------------------------------------------------
 
@@ -234,6 +270,7 @@ class Fanout(Mode):
             workers=workers,
             ranks=ranks,
             per_rank=per_rank,  # where each rank's items are in the body
+            tree=d.tree(len(eps) if workers is None else len(workers)),
         )
         watch = ReplacedWatch(self.pods, call_id)
         with shm_arguments(self.dep.applied, plan, parts) as sent:
@@ -352,6 +389,9 @@ class HeadOnly(Fanout):
                 self.dep.applied.same_host,
             )
         }
+
+    def launch_relay(self, timeout: float) -> str | None:
+        return None  # each pod's launch carries its own engine settings
 
     def head_options(self, options: CallOptions, per_rank: dict[str, Any] | None) -> CallOptions:
         """A Ray or Monarch deployment's call runs on pod 0 (rank 0) only: the function is the

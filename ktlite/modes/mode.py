@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from ktlite.backends.base import Applied, Backend
+from ktlite.backends.base import Applied, Backend, PodEndpoint
 from ktlite.errors import ConfigError
 from ktlite.modes.callpath import CallOptions, CallPath
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -91,6 +91,10 @@ class Mode:
         ``log(rank, pod, stream, text)`` prints streamed lines; ``on_send(call_id)`` runs just
         before the call leaves; ``per_rank`` says where each rank's items are in ``parts``."""
         raise NotImplementedError(f"{type(self).__name__}.call")
+
+    def cancel_targets(self, eps: list[PodEndpoint]) -> list[PodEndpoint]:
+        """The pods to send a call's cancel to, of ``eps``, for it to reach all of them."""
+        return eps
 
     # ---- state -------------------------------------------------------------------------
 

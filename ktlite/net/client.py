@@ -44,6 +44,7 @@ from ktlite_wire.headers import (
     LENGTH_HEADER,
     RESUME_HEADER,
     TOKEN_HEADER,
+    TREE_HEADER,
     UPTIME_HEADER,
     VERSION_HEADER,
     bearer,
@@ -182,14 +183,19 @@ class PodClient:
         data: dict[str, Any] = resp.json()
         return data
 
-    def deploy(self, url: str, message: bytes, timeout: float) -> Outcomes:
-        """Install a launch on the pod at ``url``. A pod installs a launch once, so a request
+    def deploy(
+        self, url: str, message: bytes, timeout: float, relay: str | None = None
+    ) -> Outcomes:
+        """Install a launch on the pod at ``url`` (with ``relay``, the ``x-ktlite-tree``
+        header, on every pod it names, through it). A pod installs a launch once, so a request
         whose answer a proxy dropped is sent again (chunked, for the reason in
         :meth:`_call_resumable`)."""
         window_end = 0.0
         while True:
             sized = len(message) > CHUNKED_MAX  # as for calls: see _call_resumable
             headers = self._headers({LENGTH_HEADER: str(len(message))})
+            if relay is not None:
+                headers[TREE_HEADER] = relay
             content = message if sized or self.transport.direct(url) else _chunks([message])
             try:
                 resp = self.transport.request(

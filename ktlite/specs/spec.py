@@ -71,6 +71,10 @@ RESERVED_ENV = (
 )
 # pod k's Monarch worker loop listens on MASTER_PORT + GROUP_PORTS + k (the procs it spawns
 # pick their own ports)
+# the call tree's defaults (distribute(tree_fanout=, tree_minimum=)), measured with
+# bench/bench_scale.py (see bench/README.md, "Scale")
+TREE_FANOUT = 32
+TREE_MINIMUM = 64
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
 
 
@@ -93,6 +97,12 @@ class DistributedConfig(DistributedLayout):
             None).
         port: MASTER_PORT; default 29500 on clusters, a free port on the local backend.
         quorum_timeout: seconds to wait for every worker to be reachable before a call.
+        tree_fanout: children per pod of the call tree (Kubetorch's keyword): from
+            ``tree_minimum`` pods on, pod 0 sends a call, a code push and a cancel to at most
+            this many pods, and each of them relays it to its own share of the rest. None:
+            :data:`TREE_FANOUT`.
+        tree_minimum: the pod count from which calls and code pushes go down the tree (below
+            it pod 0 reaches every pod itself). None: :data:`TREE_MINIMUM`.
     """
 
     framework: str = "spmd"
@@ -101,8 +111,15 @@ class DistributedConfig(DistributedLayout):
     port: int | None = None
     quorum_timeout: float = 300.0
     procs_per_host: int | None = None
+    tree_fanout: int | None = None
+    tree_minimum: int | None = None
 
     def __post_init__(self) -> None:
+        for key in ("tree_fanout", "tree_minimum"):
+            if getattr(self, key) is not None:
+                _check_int(
+                    key, getattr(self, key), minimum=1, fix=f"leave {key} out for the default"
+                )
         if self.framework not in FRAMEWORKS:
             raise ConfigError(
                 f"distribute(framework={self.framework!r}) is not a known framework; "
@@ -195,6 +212,13 @@ class DistributedConfig(DistributedLayout):
             minimum=1,
             fix="for Monarch it is the procs each host spawns (per_host={'gpus': num_proc})",
         )
+
+    def tree(self, pods: int) -> int:
+        """The call tree's fan-out for a call or a code push to ``pods`` pods (0: flat)."""
+        minimum = TREE_MINIMUM if self.tree_minimum is None else self.tree_minimum
+        if pods < max(minimum, 2):
+            return 0
+        return TREE_FANOUT if self.tree_fanout is None else self.tree_fanout
 
     @property
     def port_span(self) -> int:

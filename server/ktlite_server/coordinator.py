@@ -4,6 +4,13 @@ The coordinator runs its own ranks and streams the call to the other pods concur
 forwarding their log frames to the caller as they arrive. The first failing rank stops the
 call everywhere; a timeout does the same. Rank results are never unpickled here: they
 pass through as opaque buffers.
+
+With a call tree (the plan's ``tree``: :mod:`ktlite_wire.calltree`) the coordinator sends
+the call to its children only, and each child coordinates its own subtree the same way: it
+waits for its children's quorum, runs its ranks, relays logs, stops and results up and
+down. A child that fails or goes silent is reported with every rank of its subtree (its
+own as failed, the ones below it as not reached); those below it stop on their own when the
+stream to it breaks, and are told to stop as well.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome
-from ktlite_wire import frames, headers, heartbeat, shm
+from ktlite_wire import calltree, frames, headers, heartbeat, shm
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
 from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef
@@ -100,6 +107,10 @@ class Coordinator:
         self.started = False  # a rank may have started (False: the call can be sent again)
         self._wake: asyncio.Event | None = None
         self._shared_headers: dict[str, str] | None = None  # every member's, when they are alike
+        # the pods this one sends the call to: every target (flat), or its children (a tree)
+        self._members: list[int] = []
+        self._subtrees: dict[int, list[int]] = {}  # a tree: each child's subtree, itself first
+        self._relay_shared: str | None = None  # a tree: the relays' plans' common part
 
     def cancel(self, kind: Status, reason: str) -> None:
         """Stop the call on every pod (the caller went away, or asked to)."""
@@ -111,11 +122,11 @@ class Coordinator:
                 return
             asyncio.get_running_loop().create_task(self._stop(kind, reason))
 
-    def _headers(self, meta: dict[str, Any]) -> dict[str, str]:
+    def _headers(self, meta: dict[str, Any] | str) -> dict[str, str]:
         return {
             headers.TOKEN_HEADER: headers.bearer(self.token),
             headers.VERSION_HEADER: str(PROTOCOL_VERSION),
-            headers.CALL_HEADER: json.dumps(meta),
+            headers.CALL_HEADER: meta if isinstance(meta, str) else json.dumps(meta),
             "content-type": "application/octet-stream",
         }
 
@@ -124,16 +135,23 @@ class Coordinator:
         if plan.generation is None:
             plan.generation, plan.group_port = self.pod.generation, self.pod.group_port
         targets = plan.workers if plan.workers is not None else list(range(len(plan.pods)))
-        if targets == [self.pod.ordinal] and plan.timeout is None:
+        me = self.pod.ordinal
+        if targets == [me] and plan.timeout is None:
             self.started = True
             return await run_local(self.pod, plan, payload, path, emit)  # nothing to fan out
-        missing = await self._quorum(plan, [i for i in targets if i != self.pod.ordinal], emit)
+        if plan.tree:
+            subtrees = calltree.split([i for i in targets if i != me], plan.tree)
+            self._subtrees = {sub[0]: sub for sub in subtrees}
+            self._members = ([me] if me in targets else []) + list(self._subtrees)
+        else:
+            self._members = targets
+        missing = await self._quorum(plan, [i for i in self._members if i != me], emit)
         if missing:
             return missing
         if self._stopped:  # cancelled while waiting for the quorum: no rank started
             return [
                 o
-                for i in targets
+                for i in self._members
                 for o in self._failed_pod(
                     plan, i, f"not started: {self._stop_reason}", status=Status.CANCELLED
                 )
@@ -142,7 +160,7 @@ class Coordinator:
         tasks: dict[asyncio.Task[list[PodOutcome]], int] = {}
         loop = asyncio.get_running_loop()
         # remote pods first: their hop is the longer one, so their requests should leave first
-        for i in sorted(targets, key=lambda i: i == self.pod.ordinal):
+        for i in sorted(self._members, key=lambda i: i == me):
             coro = (
                 run_local(self.pod, plan, payload, path, emit)
                 if i == self.pod.ordinal
@@ -150,36 +168,54 @@ class Coordinator:
             )
             tasks[loop.create_task(coro)] = i
         self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
+        # each pod's outcomes as they arrive: a done callback, not asyncio.wait over every
+        # pending pod again after each arrival (quadratic in the pods of a flat fan-out)
+        arrived: list[asyncio.Task[list[PodOutcome]]] = []
+        wake = asyncio.Event()
+
+        def on_done(t: asyncio.Task[list[PodOutcome]]) -> None:
+            arrived.append(t)
+            wake.set()
+
+        for t in tasks:
+            t.add_done_callback(on_done)
         results: list[PodOutcome] = []
-        pending = set(tasks)
-        while pending:
-            remaining = (
-                None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-            )
-            done, pending = await asyncio.wait(
-                pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not done and not self._stopped:
-                await self._stop(
-                    Status.TIMEOUT, f"the call ran past its timeout of {plan.timeout:g}s"
+        left = len(tasks)
+        while left:
+            if not arrived:
+                wake.clear()
+                remaining = (
+                    None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
                 )
-                continue
-            if not done:  # stopped, but these pods never confirmed: report them, stop waiting
-                for t in pending:
-                    t.cancel()
-                    results.extend(
-                        self._failed_pod(
-                            plan,
-                            tasks[t],
-                            (
-                                f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it may be stuck "
-                                "(see its log)"
-                            ),
-                            status=Status.CANCELLED,
-                        )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), remaining)
+                if arrived:
+                    continue
+                if not self._stopped:
+                    await self._stop(
+                        Status.TIMEOUT, f"the call ran past its timeout of {plan.timeout:g}s"
                     )
+                    continue
+                # stopped, but these pods never confirmed: report them, stop waiting
+                for t, i in tasks.items():
+                    if not t.done():
+                        t.cancel()
+                        results.extend(
+                            self._failed_pod(
+                                plan,
+                                i,
+                                (
+                                    f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it "
+                                    "may be stuck (see its log)"
+                                ),
+                                status=Status.CANCELLED,
+                            )
+                        )
                 break
-            for t in done:
+            batch = arrived.copy()
+            arrived.clear()
+            for t in batch:
+                left -= 1
                 outs = t.result()
                 results.extend(outs)
                 failed = [o for o in outs if o.status.failed]
@@ -204,7 +240,14 @@ class Coordinator:
                     self.pod.reset()
                 return
             if i in self._lost:
-                return  # its stream already failed: a cancel would only wait on a dead pod
+                # its stream already failed: a cancel would only wait on a dead pod. In a tree
+                # the pods it relayed to stop when their stream to it breaks; tell them too
+                below = calltree.split(self._subtrees.get(i, [i])[1:], plan.tree)
+                await asyncio.gather(*(cancel(sub[0]) for sub in below))
+                return
+            await cancel(i)
+
+        async def cancel(i: int) -> None:
             with contextlib.suppress(PeerError):
                 await self.peers.request(
                     "POST",
@@ -214,8 +257,7 @@ class Coordinator:
                     timeout=2.0,
                 )
 
-        targets = plan.workers if plan.workers is not None else range(len(plan.pods))
-        await asyncio.gather(*(stop_one(i) for i in targets))
+        await asyncio.gather(*(stop_one(i) for i in self._members))
 
     async def _quorum(self, plan: CallPlan, remote: list[int], emit: Emit) -> list[PodOutcome]:
         """Every remote pod reachable before any rank starts: a job never runs with fewer
@@ -284,8 +326,7 @@ class Coordinator:
         unreached = [plan.name(i) for i in missing]
         reached = len(plan.pods) - len(missing)
         outs: list[PodOutcome] = []
-        targets = plan.workers if plan.workers is not None else range(len(plan.pods))
-        for i in targets:
+        for i in self._members:
             if i in errors:
                 outs += self._failed_pod(
                     plan,
@@ -311,22 +352,47 @@ class Coordinator:
     def _failed_pod(
         self, plan: CallPlan, i: int, message: str, status: Status = Status.DIED
     ) -> list[PodOutcome]:
+        """Every rank of pod ``i`` ended with ``status``; in a tree, the ranks of the pods it
+        relays to are not reached (or their outcome was lost with it)."""
         name = plan.name(i)
         now = time.time()
-        return [
+        outs = [
             RankOutcome(r, name, status, None, message, now)
             for r in plan.pod_ranks(i)
             if plan.ranks is None or r in plan.ranks
         ]
+        below = self._subtrees.get(i, [i])[1:]
+        if below and status is not Status.CANCELLED:
+            status = Status.UNREACHABLE
+            message = (
+                f"not reached, or its outcome was lost: pod {name}, which relays the call to "
+                f"this pod, failed ({message[:300]})"
+            )
+        for j in below:
+            outs += [
+                RankOutcome(r, plan.name(j), status, None, message, now)
+                for r in plan.pod_ranks(j)
+                if plan.ranks is None or r in plan.ranks
+            ]
+        return outs
 
     async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
         url = plan.pods[i]
         name = plan.name(i)
         deadline = time.monotonic() + plan.quorum_timeout
-        meta, body = plan.member_body(i, payload)
-        if plan.per_rank is not None:  # each pod's plan names its own items
+        subtree = self._subtrees.get(i, [i])
+        if len(subtree) > 1:  # a child that relays the call to its subtree
+            per_rank, body = calltree.subtree_body(plan, subtree, payload)
+            if self._relay_shared is None:  # the pods' part, encoded once per call
+                self._relay_shared = calltree.relay_shared(plan)
+            member_headers = self._headers(
+                calltree.relay_header(plan, subtree, per_rank, self._relay_shared)
+            )
+        elif plan.per_rank is not None:  # each pod's plan names its own items
+            meta, body = plan.member_body(i, payload)
             member_headers = self._headers(meta)
         else:  # the same plan for every member: encoded once per call
+            meta, body = plan.member_body(i, payload)
             if self._shared_headers is None:
                 self._shared_headers = self._headers(meta)
             member_headers = self._shared_headers
@@ -356,6 +422,13 @@ class Coordinator:
                         for kind, data in parser.feed(chunk):
                             if kind == frames.LOG:
                                 emit(frames.frame(frames.LOG, bytes(data)))
+                            elif kind == frames.NOTICE and len(subtree) > 1:
+                                # a relay waits for pods of its subtree: the caller may know
+                                # they were replaced (a skip notice numbers that pod's frames,
+                                # not ours: not passed on)
+                                notice = frames.Notice.decode(data)
+                                if notice.kind == "waiting":
+                                    emit(notice.encode())
                             elif kind == frames.RESULT:
                                 result = CallResult.decode(
                                     data

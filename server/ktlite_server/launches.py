@@ -13,17 +13,21 @@ import dataclasses
 import gzip
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
 
+from ktlite_server import launchtree
 from ktlite_server.bodies import read_body
 from ktlite_server.deployment import Colocated, Deployment
 from ktlite_server.pod import Pod
 from ktlite_server.refusal import refuse
+from ktlite_wire import calltree
 from ktlite_wire.distenv import distributed_env
 from ktlite_wire.errors import ErrorCode, ProtocolError
+from ktlite_wire.headers import TREE_HEADER
 from ktlite_wire.launch import Colocation, Launch, decode_deploy
 from ktlite_wire.outcome import CallResult, RankOutcome
 from ktlite_wire.status import Status
@@ -53,23 +57,43 @@ class Launches:
         self.generation_of = ""
 
     async def deploy(self, request: Request) -> Response:
-        """``POST /deploy``: install a launch, or add/replace/drop a colocated target."""
+        """``POST /deploy``: install a launch (with the ``x-ktlite-tree`` header: here and,
+        relayed, on this pod's subtree: ``launchtree.py``), or add/replace/drop a colocated
+        target."""
         body, path = await read_body(request, self.max_body)
         try:
             msg = decode_deploy(body)  # JSON and opaque buffers: nothing is unpickled here
-        except ProtocolError as e:
+            header = request.headers.get(TREE_HEADER)
+            tree = None if header is None else calltree.LaunchRelay.decode(header)
+        except (ProtocolError, ValueError) as e:
             raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed deploy request: {e}") from e
         finally:
             if path:
-                os.unlink(path)
+                os.unlink(path)  # a large body stays mapped while it is relayed
         if isinstance(msg, Colocation):
             return await self._colocate(msg)
-        return self._outcomes(await self.install(msg))
+        if tree is None:
+            return self._outcomes(await self.install(msg))
+        if tree.subtree[0] != self.pod.ordinal:
+            raise refuse(
+                400,
+                ErrorCode.BAD_REQUEST,
+                f"a relayed launch for pod {tree.subtree[0]} reached pod {self.pod.name} "
+                f"(ordinal {self.pod.ordinal})",
+            )
+        below = launchtree.relay(self.pod.peers, tree, msg.distributed, body)
+        refused = launchtree.python_mismatch(tree, msg.distributed, self.pod.ordinal)
+        if refused is not None:
+            return self._outcomes([], refused + await below)
+        own = self.install(dataclasses.replace(msg, ordinal=self.pod.ordinal))
+        outs, relayed = await asyncio.gather(own, below)
+        return self._outcomes(outs, relayed)
 
-    def _outcomes(self, outs: list[Any]) -> Response:
+    def _outcomes(self, outs: list[Any], relayed: Sequence[RankOutcome] = ()) -> Response:
         name = self.pod.name
         result = CallResult(
             [RankOutcome(o.rank, name, o.status, o.data, o.message, o.at) for o in outs]
+            + list(relayed)
         )
         return Response(result.encode_bytes(), media_type="application/octet-stream")
 

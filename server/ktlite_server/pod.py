@@ -45,6 +45,10 @@ ENGINE_KINDS: dict[str, type[Engine]] = {"ray": RayNode, "monarch": MonarchHost}
 
 
 class Pod(PodCalls):
+    # what a rank is: a child process (bench/bench_scale.py runs an in-process stand-in of
+    # the same contract, to hold a thousand simulated pods on one machine)
+    rank_type: type[RankProcess] = RankProcess
+
     def __init__(self, name: str, ordinal: int, procs: int = 1) -> None:
         self.name = name
         self.ordinal = ordinal
@@ -132,7 +136,7 @@ class Pod(PodCalls):
         )
 
     async def _spawn(self, local_rank: int) -> RankProcess:
-        rank = RankProcess(local_rank, self.base_env, self._log)
+        rank = self.rank_type(local_rank, self.base_env, self._log)
         while len(self.ranks) <= local_rank:
             self.ranks.append(None)  # type: ignore[arg-type]
         old = self.ranks[local_rank]

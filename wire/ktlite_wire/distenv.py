@@ -33,8 +33,16 @@ class DistributedLayout:
     port: int | None = None
     quorum_timeout: float = 300.0
     procs_per_host: int | None = None
+    # the call tree (ktlite_wire.calltree): children per pod, and the pods from which it is
+    # used; None: the client's defaults
+    tree_fanout: int | None = None
+    tree_minimum: int | None = None
 
     def __post_init__(self) -> None:
+        for key in ("tree_fanout", "tree_minimum"):
+            value = getattr(self, key)
+            if value is not None and not _count(value):
+                raise ValueError(f"{key}={value!r} must be a whole number of at least 1")
         if isinstance(self.num_proc, list):
             object.__setattr__(self, "num_proc", tuple(self.num_proc))
         if self.framework not in FRAMEWORKS:
@@ -52,7 +60,16 @@ class DistributedLayout:
     def from_json(cls, data: Any) -> DistributedLayout:
         if not isinstance(data, dict):
             raise ValueError("the distributed layout must be a JSON object")
-        known = {"framework", "workers", "num_proc", "port", "quorum_timeout", "procs_per_host"}
+        known = {
+            "framework",
+            "workers",
+            "num_proc",
+            "port",
+            "quorum_timeout",
+            "procs_per_host",
+            "tree_fanout",
+            "tree_minimum",
+        }
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @property

@@ -15,6 +15,9 @@ RESUME_HEADER = "x-ktlite-resume"
 # A pod refusing a call for want of code says how long its server has been up (seconds): a
 # caller whose earlier attempt was cut knows then whether that attempt met this same server
 UPTIME_HEADER = "x-ktlite-uptime"
+# A code push relayed down the call tree (``POST /deploy``): the pods, and the subtree the
+# receiving pod installs the launch on (ktlite_wire.calltree.LaunchRelay, JSON)
+TREE_HEADER = "x-ktlite-tree"
 # A refusal's error code (ktlite_wire.errors.ErrorCode): callers classify errors by it
 ERROR_CODE_HEADER = "x-ktlite-error"
 

@@ -43,6 +43,9 @@ class CallPlan:
     # a proxy ask for it); 0: a closed stream cancels the call at once. At most 120.
     reattach: float = 0.0
     ranks: list[int] | None = None  # only these global ranks run it
+    # a call tree of this fan-out (ktlite_wire.calltree): each pod relays the call to at most
+    # this many children; 0: flat, pod 0 calls every pod itself
+    tree: int = 0
     generation: int | None = None  # the process-group generation, set by pod 0
     group_port: int | None = None  # its MASTER_PORT, picked by pod 0 (None: the first one)
     # a per-rank call: the body is the shared message, then each rank's items
@@ -103,6 +106,8 @@ class CallPlan:
         self.reattach = min(_seconds("reattach", self.reattach, 0.0, zero_ok=True) or 0.0, 120.0)
         if self.ranks is not None:
             self.ranks = _list("ranks", self.ranks, int)
+        if type(self.tree) is not int or self.tree < 0:
+            raise ValueError(f"tree={self.tree!r} must be a whole number of children (0: flat)")
         if self.generation is not None and (
             isinstance(self.generation, bool)
             or not isinstance(self.generation, int)
@@ -128,6 +133,7 @@ class CallPlan:
         workers: list[int] | None = None,
         ranks: list[int] | None = None,
         per_rank: dict[str, Any] | None = None,
+        tree: int = 0,
     ) -> CallPlan:
         """This plan for one call: a copy with the call's own fields, checked; the pods' part
         (checked when this plan was built) is shared, not checked again. A deployment builds
@@ -144,7 +150,7 @@ class CallPlan:
             stream_logs,
             restart,
         )
-        plan.workers, plan.ranks, plan.per_rank = workers, ranks, per_rank
+        plan.workers, plan.ranks, plan.per_rank, plan.tree = workers, ranks, per_rank, tree
         plan.shm, plan.shm_results, plan.reattach = None, False, 0.0
         plan.generation = plan.group_port = None
         plan._check_call()

@@ -1,0 +1,122 @@
+"""One process holding many simulated pods for ``bench_scale.py``: each pod is the real
+pod server (``ktlite_server``'s app, admission gate, connection guard, coordinator, peers,
+call plans, streams, launches) on its own listening socket, over the real pod runtime
+(``Pod``), whose ranks are in-process stand-ins (``_sim_rank.SimRank``).
+
+    python bench/_sim_host.py --name NAME --first 0 --count 250 --procs 8 --ready-file F
+
+The token is stdin's first line (as ``ktlite_server --token-stdin``). Then stdin takes
+commands, one a line: ``kill <ordinal>`` makes that pod die as a killed process would (its
+connections reset, its socket closed, its ranks gone). The process exits when stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+import uvicorn
+from uvicorn.server import ServerState
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _sim_rank import SimPod  # noqa: E402
+
+from ktlite_server.app import create_app  # noqa: E402
+from ktlite_server.connections import Limits, guarded  # noqa: E402
+from ktlite_wire import privatefiles  # noqa: E402
+
+logger = logging.getLogger("bench.sim_host")
+
+
+class SimServer:
+    """One simulated pod: its server's listener and connections, and its pod runtime."""
+
+    def __init__(self, pod: SimPod, token: str) -> None:
+        self.pod = pod
+        limits = Limits()
+        self.config = uvicorn.Config(
+            create_app(pod, token, limits=limits),
+            http=guarded(limits),
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            proxy_headers=False,
+            timeout_keep_alive=int(limits.idle_timeout),
+        )
+        self.config.load()
+        self.state = ServerState()
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> int:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> Any:
+            return self.config.http_protocol_class(  # type: ignore[call-arg]
+                config=self.config, server_state=self.state, app_state={}
+            )
+
+        self.server = await loop.create_server(protocol, sock=sock, backlog=2048)
+        await self.pod.prespawn()
+        return int(sock.getsockname()[1])
+
+    def kill(self) -> None:
+        """Die as a killed process: every connection reset, the listener gone, ranks gone."""
+        if self.server is not None:
+            self.server.close()
+        for conn in list(self.state.connections):
+            conn.transport.abort()  # type: ignore[attr-defined]
+        for conns in self.pod.peers._idle.values():
+            for c in conns:
+                c.writer.transport.abort()
+        for rank in self.pod.ranks:
+            if rank is not None:
+                rank.kill()
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--name", required=True)
+    p.add_argument("--first", type=int, required=True)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--procs", type=int, default=8)
+    p.add_argument("--ready-file", required=True)
+    args = p.parse_args()
+    token = sys.stdin.readline().strip()
+    servers = {
+        i: SimServer(SimPod(f"{args.name}-{i}", i, procs=args.procs), token)
+        for i in range(args.first, args.first + args.count)
+    }
+    ports = {i: await s.start() for i, s in servers.items()}
+    privatefiles.write_file(args.ready_file, json.dumps({"pid": os.getpid(), "ports": ports}))
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def commands() -> None:
+        for line in sys.stdin:
+            word, _, arg = line.strip().partition(" ")
+            if word == "kill" and arg.isdigit() and int(arg) in servers:
+                loop.call_soon_threadsafe(servers[int(arg)].kill)
+        loop.call_soon_threadsafe(done.set)
+
+    threading.Thread(target=commands, daemon=True).start()
+    await done.wait()
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())  # as the pod server runs

@@ -1,0 +1,342 @@
+"""A thousand pods × 8 ranks on this machine: ktlite's client and pod servers at 8 to 1,000
+simulated pods (issue 26, item 1), with the call tree (item 2).
+
+    python bench/bench_scale.py                       # 1 (the baseline), 8, 64, 256, 1,000 pods
+    python bench/bench_scale.py --pods 8,64 --calls 30
+    python bench/bench_scale.py --pods 64,256 --tree flat      # or 8: tree_fanout=8 from 2 pods
+
+What is real and what is simulated:
+
+- real: the client (``kt.cls(...).to(...)``, the ``Fanout`` mode, call plans, the HTTP client,
+  results in rank order, streamed log lines, ``Future.cancel``); every pod server (the
+  ``ktlite_server`` app behind its admission gate and connection guard, one listening socket
+  per pod, the coordinator and its peers, the call tree's relays, streams, the code push and
+  its relays, launches, the pod runtime ``Pod`` with its gate, heals and per-call handling);
+  loopback TCP between all of them;
+- simulated: where the pods run and what a rank is. The pods are spread over a few host
+  processes (``_sim_host.py``, 250 pods each) instead of one process (and one machine) each,
+  so all of them share this machine's cores: the whole fan-out's server work, which a cluster
+  spreads over N machines, is done here by two cores. A rank is ``_sim_rank.SimRank``: the
+  rank runtime's contract (load the cloudpickled class, decode each call, run the method,
+  encode its value or error, hand printed lines to the pod) run inline in its pod server's
+  process, behind the seam real rank processes use (``Pod.rank_type``): no process, pipes,
+  socketpair or ``torch.distributed``. The backend (``_sim_backend.SimBackend``) starts the
+  hosts and reports the pods; values travel in HTTP bodies, as on Kubernetes and SSH (no
+  shared memory).
+
+Rows: ``.to() s`` the first ``.to()`` (hosts started: simulated, then the code pushed);
+``push s`` a second ``.to()`` of new code to the running pods (the launch, sent once to
+pod 0 and relayed to every pod, each loading it on 8 ranks; ``push: pods CPU s`` what the
+pods spent on it); ``no-op p50/p99 ms`` a call of
+a method that returns None; ``1 KB p50 ms`` each rank returns 1 KB; ``per-rank ms`` a
+``.each()`` with one small item per rank (checked back in rank order); ``logs ms`` every rank
+prints one line (all counted at the caller); ``cancel s`` from ``Future.cancel()`` to the
+call ended with every rank stopped and reported (``cancel: pods CPU s``: what the pods spent
+on that call, its start and its stop); ``dead pod s`` from an inner pod's death (its
+connections reset, as a killed process's) to the call's error naming it; ``client CPU
+ms/call`` this process's CPU per no-op call; ``pod 0 CPU ms/call`` the CPU of pod 0 (in a host
+process of its own) per no-op call: the coordinator's share, on a cluster its own machine's;
+``all pods CPU ms/call`` every host process's, i.e. the server work a cluster spreads over its
+machines and this machine's two cores do in turn; ``client MB`` this process's resident memory
+after the size (peak in parentheses). CPU is read from ``/proc`` in clock ticks (10 ms), so a
+per-call figure is good to 10 ms / calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import concurrent.futures
+import contextlib
+import io
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+_HOME = tempfile.mkdtemp(prefix="ktlite-bench-scale-")
+os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the tests' deployments
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
+sys.path.insert(0, str(HERE))
+
+import _sim_backend  # noqa: E402
+from _rounds import loadavg  # noqa: E402
+from _scale_workload import Workload  # noqa: E402
+
+import ktlite as kt  # noqa: E402
+from ktlite.specs.spec import TREE_FANOUT, TREE_MINIMUM  # noqa: E402
+from ktlite_wire import calltree  # noqa: E402
+
+PROCS = 8
+TARGETS = {"p50_ms": 20.0, "p99_ms": 100.0, "push_s": 2.0, "dead_s": 5.0, "client_mb": 200.0}
+
+
+class Lines(io.TextIOBase):
+    """A stdout that counts the streamed lines holding ``marker`` (the caller's rank output)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.marker = ""
+        self._cv = threading.Condition()
+
+    def write(self, text: str) -> int:
+        with self._cv:
+            self.count += text.count(self.marker) if self.marker else 0
+            self._cv.notify_all()
+        return len(text)
+
+    def expect(self, marker: str) -> None:
+        with self._cv:
+            self.marker, self.count = marker, 0
+
+    def wait(self, n: int, timeout: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self.count >= n, timeout)
+
+
+def _cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) of these processes so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def _rss_mb() -> tuple[float, float]:
+    now = 0.0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            now = int(line.split()[1]) / 1024
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timed(fn: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def measure(
+    pods: int, calls: int, tree: dict[str, int], lines: Lines, backend: Any
+) -> dict[str, Any]:
+    name = f"scale-{pods}"
+    world = pods * PROCS
+    compute = kt.Compute(cpus=1, stream_logs=False).distribute(
+        "spmd", workers=pods, num_proc=PROCS, **tree
+    )
+    row: dict[str, Any] = {"pods": pods, "ranks": world, "load_before": loadavg()}
+    fanout = compute.distributed.tree(pods)
+    row["tree"] = f"{fanout} (depth {calltree.depth(pods, fanout)})" if fanout else "flat"
+    t0 = time.perf_counter()
+    remote = kt.cls(Workload, name=name).to(compute)
+    row["to_s"] = time.perf_counter() - t0
+    try:
+        hosts = backend.deployments[name]
+        host_pids = [p.pid for p in hosts.procs]
+        t0, cpu0 = time.perf_counter(), _cpu(host_pids)
+        remote = kt.cls(Workload, name=name).to(compute, init_args={"tag": "again"})
+        row["push_s"] = time.perf_counter() - t0
+        row["push_cpu_s"] = _cpu(host_pids) - cpu0
+        assert remote.tag() == ["again"] * world
+        _timed(remote.noop, 3)  # warm connections
+        cpu0, root0, own0 = _cpu(host_pids), _cpu(host_pids[:1]), time.process_time()
+        lat = _timed(remote.noop, calls)
+        row["client_cpu_ms"] = (time.process_time() - own0) / calls * 1000
+        row["host_cpu_ms"] = (_cpu(host_pids) - cpu0) / calls * 1000
+        row["pod0_cpu_ms"] = (_cpu(host_pids[:1]) - root0) / calls * 1000
+        row["noop_p50_ms"], row["noop_p99_ms"] = _pct(lat, 0.5), _pct(lat, 0.99)
+        kb = _timed(lambda: _check(remote.kilobyte(), [b"x" * 1024] * world), max(3, calls // 4))
+        row["kb_p50_ms"] = _pct(kb, 0.5)
+        items = list(range(world))
+        each = _timed(lambda: _check(remote.echo.each(items), items), max(3, calls // 4))
+        row["each_p50_ms"] = _pct(each, 0.5)
+        quiet = sys.stdout
+        sys.stdout = lines
+        try:
+            lines.expect("says hello")
+            t0 = time.perf_counter()
+            remote.say.options(stream_logs=True)()
+            row["logs_ms"] = (time.perf_counter() - t0) * 1000
+            row["log_lines"] = f"{lines.count}/{world}"
+            cpu0 = _cpu(host_pids)
+            row["cancel_s"] = _cancel(remote, lines, world)
+            row["cancel_cpu_s"] = _cpu(host_pids) - cpu0  # the long call's start, and its stop
+            row["dead_s"], row["dead_named"] = _dead(remote, lines, world, hosts, fanout)
+        finally:
+            sys.stdout = quiet
+    finally:
+        remote.teardown()
+    row["client_mb"], row["client_peak_mb"] = _rss_mb()
+    row["load_after"] = loadavg()
+    return row
+
+
+def _check(got: Any, want: Any) -> None:
+    if got != want:
+        raise AssertionError(f"wrong values: {str(got)[:200]} (want {str(want)[:200]})")
+
+
+def _started(remote: Any, lines: Lines, world: int) -> Any:
+    lines.expect("holds")
+    future = remote.hold.options(stream_logs=True).submit(300.0)
+    if not lines.wait(world, 300.0):
+        raise RuntimeError(f"only {lines.count} of {world} ranks started the long call")
+    return future
+
+
+def _cancel(remote: Any, lines: Lines, world: int) -> float:
+    future = _started(remote, lines, world)
+    t0 = time.perf_counter()
+    future.cancel()
+    with contextlib.suppress(concurrent.futures.CancelledError):
+        future.exception(120.0)
+    return time.perf_counter() - t0
+
+
+def _dead(remote: Any, lines: Lines, world: int, hosts: Any, fanout: int) -> tuple[float, bool]:
+    """Kill an inner pod (pod 1: in a tree, the relay of a subtree) mid-call."""
+    future = _started(remote, lines, world)
+    victim = 1 if len(hosts.ports) > 1 else 0
+    t0 = time.perf_counter()
+    hosts.kill_pod(victim)
+    error = future.exception(120.0)
+    took = time.perf_counter() - t0
+    return took, error is not None and f"scale-{len(hosts.ports)}-{victim}" in str(error)
+
+
+def _fmt(v: Any, spec: str = ".1f") -> str:
+    return "n/a" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+COLUMNS = [
+    ("pods", "pods", "d"),
+    ("ranks", "ranks", "d"),
+    ("tree", "tree", ""),
+    (".to() s", "to_s", ".2f"),
+    ("push s", "push_s", ".2f"),
+    ("push: pods CPU s", "push_cpu_s", ".2f"),
+    ("no-op p50 ms", "noop_p50_ms", ".1f"),
+    ("no-op p99 ms", "noop_p99_ms", ".1f"),
+    ("1 KB p50 ms", "kb_p50_ms", ".1f"),
+    ("per-rank ms", "each_p50_ms", ".1f"),
+    ("logs ms", "logs_ms", ".1f"),
+    ("log lines", "log_lines", ""),
+    ("cancel s", "cancel_s", ".2f"),
+    ("cancel: pods CPU s", "cancel_cpu_s", ".2f"),
+    ("dead pod s", "dead_s", ".2f"),
+    ("client CPU ms/call", "client_cpu_ms", ".2f"),
+    ("pod 0 CPU ms/call", "pod0_cpu_ms", ".2f"),
+    ("all pods CPU ms/call", "host_cpu_ms", ".1f"),
+    ("client MB", "client_mb", ".0f"),
+]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
+    out = [head, "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = [
+            _fmt(r.get(key), spec) if spec else str(r.get(key, "n/a")) for _, key, spec in COLUMNS
+        ]
+        cells[-1] += f" ({r.get('client_peak_mb', 0):.0f})"
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Each issue-26 target for this harness: met / not met, and the cause of a miss."""
+    base = next((r for r in rows if r["pods"] == 1), None)
+    big = max(rows, key=lambda r: r["pods"])
+    cores = os.cpu_count() or 1
+    out = []
+    if base is not None and big["pods"] > 1:
+        for q, key in (("p50", "noop_p50_ms"), ("p99", "noop_p99_ms")):
+            over = big[key] - base[key]
+            bound = TARGETS[f"{q}_ms"]
+            cause = (
+                ""
+                if over <= bound
+                else f"; cause: the {big['pods']} pod servers share {cores} cores here, and a "
+                f"call costs them {big['host_cpu_ms']:.0f} ms of CPU in all (a cluster spreads it "
+                f"over {big['pods']} machines: {big['host_cpu_ms'] / big['pods']:.2f} ms each)"
+            )
+            out.append(
+                f"no-op call {q} at {big['pods']} x {PROCS}: {over:+.1f} ms over 1 pod "
+                f"(target <= {bound:g} ms): {'met' if over <= bound else 'not met'}{cause}"
+            )
+    for key, what in (("push_s", "code push to all"), ("dead_s", "a dead pod named")):
+        v, bound = big[key], TARGETS[key]
+        ok = v <= bound and (key != "dead_s" or big["dead_named"])
+        extra = "" if key != "dead_s" or big["dead_named"] else " (the error did not name it)"
+        if key == "push_s" and not ok:
+            extra = (
+                f"; cause: the pods spent {big['push_cpu_s']:.2f} s of CPU on it, on {cores} "
+                f"cores here ({big['push_cpu_s'] / big['pods'] * 1000:.1f} ms each on a cluster)"
+            )
+        out.append(
+            f"{what} at {big['pods']} pods: {v:.2f} s (target <= {bound:g} s): "
+            f"{'met' if ok else 'not met'}{extra}"
+        )
+    peak = max(r["client_peak_mb"] for r in rows)
+    out.append(
+        f"client memory: peak {peak:.0f} MB (target <= {TARGETS['client_mb']:g} MB): "
+        f"{'met' if peak <= TARGETS['client_mb'] else 'not met'}"
+    )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--pods", default="1,8,64,256,1000")
+    p.add_argument("--calls", type=int, default=100, help="no-op calls per size")
+    p.add_argument("--tree", default="default", help="default, flat, or a fan-out (from 2 pods)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    tree: dict[str, int] = {}
+    if args.tree == "flat":
+        tree = {"tree_minimum": 1 << 30}
+    elif args.tree != "default":
+        tree = {"tree_fanout": int(args.tree), "tree_minimum": 2}
+    backend = _sim_backend.install()
+    lines = Lines()
+    rows = []
+    print(
+        f"bench_scale: {os.cpu_count()} cores, load {loadavg()}, tree {args.tree} "
+        f"(defaults: fan-out {TREE_FANOUT} from {TREE_MINIMUM} pods)",
+        file=sys.stderr,
+    )
+    for pods in (int(x) for x in args.pods.split(",")):
+        row = measure(pods, args.calls, tree, lines, backend)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    print(table(rows))
+    print()
+    for line in verdicts(rows):
+        print("- " + line)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

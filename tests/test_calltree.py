@@ -1,0 +1,155 @@
+"""The call tree's shape and messages (``ktlite_wire.calltree``), and a relayed launch's failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from dataclasses import asdict
+
+import pytest
+
+from ktlite.specs.spec import TREE_FANOUT, TREE_MINIMUM, DistributedConfig
+from ktlite_wire import codec, envelope
+from ktlite_wire.calltree import (
+    LaunchRelay,
+    depth,
+    relay_header,
+    relay_meta,
+    relay_shared,
+    split,
+    subtree_body,
+)
+from ktlite_wire.distenv import DistributedLayout
+from ktlite_wire.plan import CallPlan, decode_plan
+from ktlite_wire.status import Status
+
+
+def _covers(pods: int, fanout: int) -> list[int]:
+    """Every pod reached once, walking the tree from pod 0."""
+    seen, todo = [0], [list(range(pods))]
+    while todo:
+        sub = todo.pop()
+        for child in split(sub[1:], fanout):
+            assert len(child) >= 1
+            seen.append(child[0])
+            todo.append(child)
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("pods,fanout", [(7, 2), (1000, 16), (33, 16), (5, 8), (2, 1)])
+def test_every_pod_is_reached_once_by_contiguous_subtrees(pods: int, fanout: int) -> None:
+    assert _covers(pods, fanout) == list(range(pods))
+    parts = split(list(range(1, pods)), fanout)
+    assert len(parts) == min(fanout, pods - 1)
+    assert [i for part in parts for i in part] == list(range(1, pods))  # in order, contiguous
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_depth_is_logarithmic() -> None:
+    assert split([1, 2, 3, 4, 5, 6], 2) == [[1, 2, 3], [4, 5, 6]]
+    assert depth(1, 16) == 0 and depth(17, 16) == 1 and depth(7, 2) == 2
+    assert depth(1000, 16) == 3 and depth(1000, 999) == 1
+
+
+def test_the_defaults_and_who_uses_the_tree() -> None:
+    d = DistributedConfig(workers=1000, num_proc=8)
+    assert d.tree(1000) == TREE_FANOUT and d.tree(TREE_MINIMUM - 1) == 0
+    mine = DistributedConfig(workers=7, tree_fanout=2, tree_minimum=2)
+    assert mine.tree(7) == 2 and mine.tree(1) == 0
+    with pytest.raises(Exception, match="tree_fanout"):
+        DistributedConfig(workers=7, tree_fanout=0)
+    # the wire's layout carries them as the client has them (a pod rebuilds it from JSON)
+    assert asdict(DistributedLayout.from_json(json.loads(json.dumps(asdict(mine))))) == asdict(mine)
+
+
+def _plan(**kw: object) -> CallPlan:
+    return CallPlan(
+        id="c1",
+        pods=[f"http://p{i}" for i in range(7)],
+        names=[f"n-{i}" for i in range(7)],
+        fanout=True,
+        num_proc=2,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_a_relay_plan_names_its_subtree_and_decodes_on_the_pod() -> None:
+    plan = _plan(tree=2)
+    plan.generation, plan.group_port = 3, 29600
+    meta = relay_meta(plan, [1, 2, 3], None)
+    text = relay_header(plan, [1, 2, 3], None, relay_shared(plan))
+    assert json.loads(text) == meta  # the header as sent: the shared part encoded once
+    got = decode_plan(text)
+    assert got.fanout and got.workers == [1, 2, 3] and got.tree == 2 and got.id == "c1"
+    assert got.pods == plan.pods and got.generation == 3 and got.group_port == 29600
+    assert got.names == plan.names and got.num_proc == 2
+    with pytest.raises(ValueError, match="tree"):
+        _plan(tree=-1)
+
+
+def test_a_per_rank_body_is_cut_to_the_subtree_and_reads_back() -> None:
+    items = [codec.dumps(f"item {r}") for r in range(14)]
+    shared = codec.dumps("shared")
+    body = envelope.join([shared, *items])
+    offsets, pos = [], len(shared)
+    for it in items:
+        offsets.append([pos, len(it)])
+        pos += len(it)
+    plan = _plan(tree=2, per_rank={"shared": len(shared), "items": offsets, "base": 0})
+    per_rank, parts = subtree_body(plan, [4, 5, 6], memoryview(body))
+    cut = b"".join(bytes(p) for p in parts)
+    assert per_rank is not None and per_rank["base"] == 8  # pod 4's first rank
+    for r in range(8, 14):
+        off, n = per_rank["items"][r - 8]
+        assert codec.loads(cut[off : off + n]) == f"item {r}"
+    assert codec.loads(cut[: per_rank["shared"]]) == "shared"
+
+
+def test_a_launch_relay_header_round_trips_and_refuses_nonsense() -> None:
+    relay = LaunchRelay(["http://a", "http://b"], ["a", "b"], [0, 1], 16, 300.0)
+    assert LaunchRelay.decode(relay.encode()) == relay
+    assert relay.below([1]).subtree == [1]
+    for bad in (
+        '{"pods": 1}',
+        "[]",
+        '{"pods":["x"],"names":["x"],"subtree":[5],"fanout":2,"timeout":1}',
+    ):
+        with pytest.raises(ValueError):
+            LaunchRelay.decode(bad)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again: nothing listens there
+
+
+def test_a_relayed_launch_names_a_child_that_never_listens_with_its_whole_subtree() -> None:
+    from ktlite_server.launchtree import relay
+    from ktlite_server.peers import PeerPool
+
+    port = _closed_port()
+    pods = ["http://127.0.0.1:1"] + [f"http://127.0.0.1:{port}"] * 3
+    tree = LaunchRelay(pods, [f"p-{i}" for i in range(4)], [0, 1, 2, 3], 1, 0.5)
+    layout = DistributedLayout(workers=4, num_proc=2)
+    outs = asyncio.run(relay(PeerPool(), tree, layout, b"launch"))
+    # fan-out 1: pod 0 relays to pod 1 only, which would relay to 2, then 3
+    assert sorted(o.rank for o in outs) == list(range(2, 8))
+    assert {o.status for o in outs} == {Status.DIED}
+    assert all("pod p-1 at" in o.message and "not reachable" in o.message for o in outs)
+    assert "2 pod(s) it relays the launch to" in outs[0].message
+
+
+def test_a_pod_on_another_python_refuses_a_relayed_launch() -> None:
+    from ktlite_server.launchtree import python_mismatch
+
+    layout = DistributedLayout(workers=2, num_proc=2)
+    same = f"{sys.version_info.major}.{sys.version_info.minor}"
+    tree = LaunchRelay(["http://a", "http://b"], ["a", "b"], [1], 2, 5.0, same)
+    assert python_mismatch(tree, layout, 1) is None
+    other = LaunchRelay(["http://a", "http://b"], ["a", "b"], [1], 2, 5.0, "2.7")
+    outs = python_mismatch(other, layout, 1)
+    assert outs is not None and [o.rank for o in outs] == [2, 3]
+    assert "Python 2.7" in outs[0].message and outs[0].pod == "b"

@@ -1,0 +1,152 @@
+"""The call tree: which pods a pod relays a call (or a launch) to.
+
+Flat (a plan's ``tree`` 0): pod 0 sends a call to every other pod itself. A tree of fan-out
+``k`` (``distribute(tree_fanout=k)``, from ``tree_minimum`` pods on): a pod relays it to at
+most ``k`` children, and each child relays it on to the pods of its own subtree, so no pod
+talks to more than ``k + 1`` others and a call crosses about ``log_k(N)`` hops.
+
+A subtree is a contiguous run of the pods below its parent, in order; its first pod is the
+child that relays to the rest. A subtree's ranks are then one run of the world's ranks, and a
+per-rank body is cut once per child::
+
+    split([1, 2, 3, 4, 5, 6], 2) == [[1, 2, 3], [4, 5, 6]]   # pod 1 relays to 2 and 3
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ktlite_wire.plan import CallPlan
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
+def split(rest: list[int], fanout: int) -> list[list[int]]:
+    """``rest`` (the pods below one pod, in order) as at most ``fanout`` contiguous subtrees
+    of near-equal size; each one's first pod is the child that relays to the others."""
+    n = len(rest)
+    k = min(max(fanout, 1), n)
+    out: list[list[int]] = []
+    start = 0
+    for j in range(k):
+        size = n // k + (1 if j < n % k else 0)
+        out.append(rest[start : start + size])
+        start += size
+    return out
+
+
+def depth(pods: int, fanout: int) -> int:
+    """Hops from the root to the deepest pod of a tree of ``pods`` pods (0: one pod)."""
+    if pods <= 1:
+        return 0
+    return 1 + max(depth(len(sub), fanout) for sub in split(list(range(pods - 1)), fanout))
+
+
+def relay_meta(
+    plan: CallPlan, subtree: list[int], per_rank: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The plan a child that relays to ``subtree`` (itself first) is sent: a member's, plus
+    the pods and the subtree it coordinates (its ``workers``)."""
+    meta = plan.member_meta(per_rank)
+    meta.update(json.loads("{" + relay_shared(plan) + "}"))
+    meta["workers"] = subtree
+    return meta
+
+
+def relay_shared(plan: CallPlan) -> str:
+    """The part of a call's relay plans that every relay shares (the pods: at a thousand
+    pods, 45 KB), as JSON text without its braces: encoded once per call, not per child."""
+    shared = {
+        "fanout": True,
+        "pods": plan.pods,
+        "names": plan.names,
+        "num_proc": plan.num_proc,
+        "launch_id": plan.launch_id,
+        "quorum_timeout": plan.quorum_timeout,
+        "tree": plan.tree,
+    }
+    return _COMPACT.encode(shared)[1:-1]
+
+
+def relay_header(
+    plan: CallPlan, subtree: list[int], per_rank: dict[str, Any] | None, shared: str
+) -> str:
+    """The ``x-ktlite-call`` header of the child relaying to ``subtree``: its own fields, and
+    ``shared`` (:func:`relay_shared`) as it was encoded."""
+    meta = plan.member_meta(per_rank)
+    for key in ("fanout", "num_proc", "launch_id"):  # in the shared part
+        meta.pop(key, None)
+    meta["workers"] = subtree
+    return f"{_COMPACT.encode(meta)[:-1]},{shared}}}"
+
+
+def subtree_body(
+    plan: CallPlan, subtree: list[int], payload: Any
+) -> tuple[dict[str, Any] | None, Any]:
+    """What a child relaying to ``subtree`` needs of the call's body: all of it, or for a
+    per-rank call the shared message and the items of the subtree's ranks (from shared
+    memory: their offsets only). Returns its ``per_rank`` field and its body."""
+    if plan.per_rank is None:
+        return None, memoryview(b"" if plan.shm else payload).cast("B")
+    inside = {r for i in subtree for r in plan.pod_ranks(i)}
+    lo, hi = min(inside), max(inside) + 1
+    items, base = plan.per_rank["items"], int(plan.per_rank.get("base", 0))
+    shared = plan.per_rank["shared"]
+    if plan.shm:  # every pod maps the same file
+        at = [items[r - base] if r in inside else [0, 0] for r in range(lo, hi)]
+        return {"shared": shared, "items": at, "base": lo}, memoryview(b"")
+    view = memoryview(payload).cast("B")
+    body, cut, pos = [view[:shared]], [], shared
+    for r in range(lo, hi):  # ranks of pods outside the subtree (workers=) get no bytes
+        off, n = items[r - base] if r in inside else (0, 0)
+        body.append(view[off : off + n])
+        cut.append([pos, n])
+        pos += n
+    return {"shared": shared, "items": cut, "base": lo}, body
+
+
+@dataclass(frozen=True)
+class LaunchRelay:
+    """The ``x-ktlite-tree`` header of a code push relayed down the tree: every pod's address
+    and name (by ordinal), the subtree the receiving pod (its first pod) installs the launch
+    on, the fan-out, how long a child may take to accept a connection before it is reported, and
+    the caller's Python.
+    The body is the launch as pod 0 got it; each pod installs it with its own ordinal."""
+
+    pods: list[str]
+    names: list[str]
+    subtree: list[int]
+    fanout: int
+    timeout: float
+    python: str = ""  # the caller's Python (major.minor): a pod running another refuses
+
+    def __post_init__(self) -> None:
+        n = len(self.pods)
+        if len(self.names) != n or not all(isinstance(p, str) for p in self.pods + self.names):
+            raise ValueError("pods and names must be lists of strings of the same length")
+        if not self.subtree or not all(type(i) is int and 0 <= i < n for i in self.subtree):
+            raise ValueError(f"subtree must name pods between 0 and {n - 1}")
+        if type(self.fanout) is not int or self.fanout < 1:
+            raise ValueError(f"fanout={self.fanout!r} must be a whole number >= 1")
+        if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e9:
+            raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds")
+        if not isinstance(self.python, str) or len(self.python) > 20:
+            raise ValueError(f"python={self.python!r} must be a version such as '3.11'")
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, text: str) -> LaunchRelay:
+        """Raises ValueError for a malformed header."""
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (TypeError, RecursionError) as e:
+            raise ValueError(f"malformed launch relay: {e}") from None
+
+    def below(self, subtree: list[int]) -> LaunchRelay:
+        """The header for the child that relays to ``subtree``."""
+        return LaunchRelay(self.pods, self.names, subtree, self.fanout, self.timeout, self.python)
