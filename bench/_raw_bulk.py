@@ -9,14 +9,10 @@ pod server runs. Prints ``PORT <n>`` once it accepts connections; exits when its
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib.util
 import os
-import socket
-import sys
 from typing import Any
 
-import uvicorn
+from _raw_server import serve
 
 PIECE = 4 << 20
 _HELD: dict[int, bytes] = {}
@@ -60,45 +56,11 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         )
 
 
-async def _watch_parent(ppid: int, server: uvicorn.Server) -> None:
-    while os.getppid() == ppid:
-        await asyncio.sleep(0.5)
-    server.should_exit = True
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--parent-pid", type=int, default=os.getppid())
     args = p.parse_args()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, log_level="warning", access_log=False, loop=loop, http=http, lifespan="off"
-        )
-    )
-
-    async def serve() -> None:
-        running = asyncio.get_running_loop()
-        running.create_task(_watch_parent(args.parent_pid, server))
-        serving = running.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.005)
-        if server.started:
-            print(f"PORT {port} {loop} {http} {os.getpid()}", flush=True)
-        await serving
-
-    if loop == "uvloop":
-        import uvloop
-
-        uvloop.run(serve())
-    else:
-        asyncio.run(serve())
-    sys.exit(0)
+    serve(app, args.parent_pid, with_pid=True)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ async def _watch_parent(ppid: int, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--parent-pid", type=int, default=os.getppid())
-    args = p.parse_args()
+def serve(app: object, parent_pid: int, with_pid: bool = False, **config: object) -> None:
+    """Serve ``app`` with uvicorn on a free loopback port (uvloop and httptools where
+    installed) until the parent process goes; print ``PORT port loop http`` (and the pid with
+    ``with_pid``) once it listens. The raw peers' shared start (``_raw_bulk.py`` too)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -51,33 +51,41 @@ def main() -> None:
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     server = uvicorn.Server(
         uvicorn.Config(
-            app,
+            app,  # type: ignore[arg-type]
             log_level="warning",
             access_log=False,
             loop=loop,
             http=http,
             lifespan="off",
-            timeout_keep_alive=300,
+            **config,  # type: ignore[arg-type]
         )
     )
+    banner = f"PORT {port} {loop} {http}" + (f" {os.getpid()}" if with_pid else "")
 
-    async def serve() -> None:
+    async def run() -> None:
         running = asyncio.get_running_loop()
-        running.create_task(_watch_parent(args.parent_pid, server))
+        running.create_task(_watch_parent(parent_pid, server))
         serving = running.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.005)
         if server.started:
-            print(f"PORT {port} {loop} {http}", flush=True)
+            print(banner, flush=True)
         await serving
 
     if loop == "uvloop":
         import uvloop
 
-        uvloop.run(serve())
+        uvloop.run(run())
     else:
-        asyncio.run(serve())
+        asyncio.run(run())
     sys.exit(0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--parent-pid", type=int, default=os.getppid())
+    args = p.parse_args()
+    serve(app, args.parent_pid, timeout_keep_alive=300)
 
 
 if __name__ == "__main__":
