@@ -137,6 +137,20 @@ def test_teardown_requests_do_not_grow_with_the_pod_count(clusters) -> None:
     assert counts[40]["DELETECOLLECTION"] == 1 and counts[40].get("DELETE pod", 0) == 0
 
 
+def test_teardown_of_a_deployment_without_pods_opens_no_watch(clusters) -> None:
+    # found on the real cluster: a second teardown (or one whose pods were already gone)
+    # opened a watch on no pods and waited out its whole window (30 s) for an event that
+    # could not come; here the fake clock would have moved by that window
+    c = make(clusters, pod_termination_seconds=2)
+    c.backend.apply(spec(4), TOKEN)
+    assert c.backend.teardown(NAME) is True
+    since, at = len(c.fake.requests), c.clock()
+    assert c.backend.teardown(NAME) is False
+    counts = c.requests(since)
+    assert counts.get("WATCH", 0) == 0 and counts["LIST"] >= 1, counts
+    assert c.clock() == at
+
+
 def test_a_redeploy_that_restarts_every_pod_does_not_grow_with_the_pod_count(clusters) -> None:
     counts = {}
     for n in (4, 40):

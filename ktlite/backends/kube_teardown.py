@@ -66,7 +66,10 @@ class Teardown(_Base):
         """Follow the deployment's pods until none is left; True if any was there."""
         deadline = self._clock() + timeout
         watch = PodWatch(api, km.selector(name), self._clock, self._sleep)
-        seen = False
+        watch.list_now()
+        if not watch.pods:  # none left (or none ever): no watch, which would wait its window out
+            return False
+        seen = True
         while True:
             with contextlib.closing(watch.changes(deadline)) as changes:
                 for _ in changes:

@@ -108,6 +108,12 @@ class PodWatch:
             self.pods[name] = obj
         return name
 
+    def list_now(self) -> None:
+        """LIST the pods now (``pods`` holds them); a following :meth:`changes` watches from
+        this list's version."""
+        for _ in self._relist():
+            pass
+
     def _relist(self) -> Iterator[str]:
         items, version = self.api.list_at("Pod", self.selector)
         self.lists += 1
