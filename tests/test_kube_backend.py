@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 import kube_fake as kf
 import pytest
+from kube_unit import isolate_backend
 
 import ktlite as kt
-from ktlite import config
 from ktlite.api.remote import RemoteFunction
 from ktlite.backends import kube_deps
 from ktlite.backends import kube_manifests as km
@@ -50,12 +50,7 @@ NAME = "job"
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No announcement or client cached across tests; no user config or env settings."""
-    monkeypatch.setattr(KubernetesBackend, "_announced", set())
-    monkeypatch.setattr(KubernetesBackend, "_clients", {})
-    monkeypatch.setenv("KTLITE_HOME", str(tmp_path / "ktlite-home"))
-    for env, _, _ in config.KEYS.values():
-        monkeypatch.delenv(env, raising=False)
+    isolate_backend(monkeypatch, tmp_path)
 
 
 class Cluster:

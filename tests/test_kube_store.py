@@ -30,9 +30,9 @@ import httpx
 import kube_fake as kf
 import pytest
 import server_procs
+from kube_unit import isolate_backend
 
 import ktlite as kt
-from ktlite import config
 from ktlite.backends import kube_deps
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_store as ks
@@ -48,11 +48,7 @@ API_TOKEN = "api-bearer-store"
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(KubernetesBackend, "_announced", set())
-    monkeypatch.setattr(KubernetesBackend, "_clients", {})
-    monkeypatch.setenv("KTLITE_HOME", str(tmp_path / "ktlite-home"))
-    for env, _, _ in config.KEYS.values():
-        monkeypatch.delenv(env, raising=False)
+    isolate_backend(monkeypatch, tmp_path)
     for env in (
         "KTLITE_STORE_SIZE",
         "KTLITE_STORE_STORAGE_CLASS",

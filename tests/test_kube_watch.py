@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import kube_fake as kf
 import pytest
+from kube_unit import isolate_backend
 
 import ktlite as kt
-from ktlite import config
 from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError
 from ktlite.backends.kube_watch import PodWatch
 from ktlite.backends.kubernetes import KubernetesBackend
@@ -37,11 +37,7 @@ PODS = "/api/v1/namespaces/default/pods"
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    monkeypatch.setattr(KubernetesBackend, "_announced", set())
-    monkeypatch.setattr(KubernetesBackend, "_clients", {})
-    monkeypatch.setenv("KTLITE_HOME", str(tmp_path / "ktlite-home"))
-    for env, _, _ in config.KEYS.values():
-        monkeypatch.delenv(env, raising=False)
+    isolate_backend(monkeypatch, tmp_path)
 
 
 class Cluster:
