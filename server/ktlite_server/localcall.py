@@ -165,6 +165,7 @@ class LocalCall:
             result.inline,
             path=result.path,
             size=result.size,
+            feed=rank.feed(handle.call_id) if result.streaming else None,
         )
 
 
