@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from ktlite_wire import pinning
+from ktlite_wire import landing, pinning
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import FrameParser
 
@@ -101,7 +101,7 @@ class Connection:
         """The response body's frames (``ktlite_wire.frames``); a large frame's payload is
         read from the socket straight into its own memory (``FrameParser.room``), not
         through pieces that are copied on. Raises ProtocolError when the body ends mid-frame."""
-        parser = FrameParser()
+        parser = FrameParser(landing.caller())  # warm memory, where a payload was let go
         for got in self._pieces(headers, parser):
             yield from got if isinstance(got, list) else parser.feed(got)
         if parser.mid_frame:

@@ -7,23 +7,20 @@ message, an error a :class:`ktlite_wire.errors.WireError` as JSON, a heartbeat e
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from ktlite_wire import landing
 from ktlite_wire.envelope import parts_size
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
 
 FRAME = struct.Struct("<BQ")
 MAX_FRAME = 64 << 30  # no result frame is larger; a bigger claim is corruption, not data
 JOIN_MAX = 1 << 20  # frames up to this size travel in one piece (larger: in parts, not copied)
-HUGE_PAGES: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 
 
 class FrameKind(IntEnum):
@@ -129,34 +126,20 @@ def decode_error(payload: Any) -> WireError:
     return WireError.decode(data)
 
 
-def landing(length: int) -> memoryview:
-    """Fresh memory for a large payload to be read into and kept (the arrays decoded from it
-    are views of it): an anonymous private mapping, advised for transparent huge pages where
-    the kernel has them. The bytes land in memory the receiver has never touched, and on a
-    small VM the first touch costs more than the copy (a fault and zeroing per 4 KiB page:
-    100 MB into 4 KiB pages took 140-440 ms here, into 2 MiB pages 15-60 ms); with huge pages
-    the kernel faults 512 times fewer. Where they are off (``never``) or not available, the
-    advice is ignored and the pages are 4 KiB as before."""
-    mem = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
-    if HUGE_PAGES is not None and length >= 2 * HUGE_PAGE:
-        # a kernel without transparent huge pages says EINVAL: then 4 KiB pages
-        with contextlib.suppress(OSError):
-            mem.madvise(HUGE_PAGES)
-    return memoryview(mem)
-
-
 class FrameParser:
     """Incremental frame parser: ``feed`` chunks, get complete ``(kind, payload)`` frames.
 
     Each payload lands in memory of its own, so messages decoded from it are writable and
     zero-copy: a ``bytearray`` that grows with the bytes that arrive, or for a payload over
-    :data:`JOIN_MAX` an anonymous private mapping of its length (:func:`landing`), whose pages
-    the kernel provides only as bytes land in them. Either way a header that claims gigabytes costs
+    :data:`JOIN_MAX` an anonymous private mapping of its length (``ktlite_wire.landing``: a
+    warm one from ``landings`` when given), whose pages the kernel provides only as bytes
+    land in them. Either way a header that claims gigabytes costs
     nothing until they come. A reader with a socket can read a large payload straight into
     its memory: :meth:`room` is where the next bytes go, :meth:`filled` says they came.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, landings: landing.Landings | None = None) -> None:
+        self.landings = landings
         self._head = bytearray()
         self._payload: bytearray | None = None
         self._big: memoryview | None = None  # a large payload's mapping
@@ -197,7 +180,11 @@ class FrameParser:
     def _start(self, length: int) -> None:
         if length > JOIN_MAX:
             try:
-                self._big = landing(length)
+                self._big = (
+                    self.landings.take(length)
+                    if self.landings is not None
+                    else memoryview(landing.fresh(length))
+                )
                 self._at, self._need = 0, length
                 return
             except (OSError, OverflowError, ValueError):
@@ -244,9 +231,11 @@ class FrameParser:
         return out
 
 
-def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+def read_frames(
+    chunks: Iterable[Any], landings: landing.Landings | None = None
+) -> Iterator[tuple[int, Any]]:
     """Frames from an iterator of byte chunks; raises ProtocolError if it ends mid-frame."""
-    parser = FrameParser()
+    parser = FrameParser(landings)
     for chunk in chunks:
         yield from parser.feed(chunk)
     if parser.mid_frame:
