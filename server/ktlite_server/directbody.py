@@ -18,8 +18,7 @@ The other way, uvicorn joins each chunk of a chunked response into one new ``byt
 line, the body, CRLF): a copy of every byte of a large result. For ``POST /call`` the
 protocol offers :data:`WRITE_CHUNK`, :func:`write_chunk`: one chunk from a list of buffers,
 handed to the transport as views of them (uvloop queues a view, it does not copy it), each
-after waiting for the transport to drain, as uvicorn's own ``send`` does, and for a result its
-rank still writes, for the rank to have written it (``resultfeed``).
+after waiting for the transport to drain, as uvicorn's own ``send`` does.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httptools
 from starlette.requests import ClientDisconnect
-
-from ktlite_server import resultfeed
 
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -199,7 +196,6 @@ async def write_chunk(http: HttpToolsProtocol, scope: Any, parts: list[Any]) -> 
         for i in range(0, view.nbytes, WRITE_PIECE):
             if cycle.flow.write_paused:
                 await cycle.flow.drain()
-            await resultfeed.ready(view, i + WRITE_PIECE)  # a result its rank still writes
             if cycle.disconnected:  # the transport is closed: the rest goes nowhere
                 return True
             http.transport.write(view[i : i + WRITE_PIECE])

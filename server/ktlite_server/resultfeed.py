@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import mmap
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from ktlite_wire import shm
@@ -114,14 +114,30 @@ def feed_of(part: Any) -> Feed | None:
     return feed  # still written, or failed (its sender must hear of it)
 
 
-async def ready(part: Any, end: int) -> None:
-    """Return once bytes ``[0, end)`` of ``part`` are written (at once for any other part).
-    A view that does not start at its mapping's start waits for the whole file."""
-    feed = feed_of(part)
-    if feed is None:
-        return
-    view: memoryview = part
-    await feed.until(min(end, feed.size) if view.nbytes == feed.size else feed.size)
+def growing(parts: Iterable[Any]) -> bool:
+    """Whether any part is a result its rank still writes (or failed to)."""
+    return any(feed_of(p) is not None for p in parts)
+
+
+async def written(parts: list[Any]) -> AsyncGenerator[list[Any], None]:
+    """``parts`` in runs, each as soon as it is written: a growing part in pieces of
+    :data:`PIECE` bytes (the first with the parts before it), each once its rank wrote it.
+    A writer sends each run as it comes (one HTTP chunk each: the frame's bytes are the same)."""
+    run: list[Any] = []
+    for part in parts:
+        feed = feed_of(part)
+        if feed is None:
+            run.append(part)
+            continue
+        view = memoryview(part).cast("B")
+        whole = view.nbytes == feed.size  # a view that does not start the file waits for all
+        for i in range(0, view.nbytes, PIECE):
+            await feed.until(min(i + PIECE, view.nbytes) if whole else feed.size)
+            run.append(view[i : i + PIECE])
+            yield run
+            run = []
+    if run:
+        yield run
 
 
 async def complete(parts: Iterable[Any]) -> None:

@@ -217,6 +217,20 @@ async def _send(send: Any, item: Any, more: bool, write: Any = None) -> None:
     if envelope.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
         return
+    if write is not None and resultfeed.growing(parts):
+        # a result its rank still writes: each piece as it is written, a chunk each
+        wrote = False
+        async with contextlib.aclosing(resultfeed.written(parts)) as runs:
+            async for run in runs:
+                if not await write(run):
+                    if wrote:
+                        return  # the caller left mid-frame
+                    break  # the writer cannot: the frame goes at once, below
+                wrote = True
+            else:
+                if not more:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
     if write is not None and await write(parts):  # one chunk, its parts as they are
         if not more:
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -151,6 +151,16 @@ class FrameParser:
     def mid_frame(self) -> bool:
         return bool(self._head) or self._payload is not None or self._big is not None
 
+    def where(self) -> str:
+        """Where in the stream the parser is, for an error: how much of which frame came."""
+        if self._big is not None:
+            return f"{self._at} of the {self._at + self._need} bytes of a frame"
+        if self._payload is not None:
+            return f"{len(self._payload)} of the {len(self._payload) + self._need} bytes of a frame"
+        if self._head:
+            return f"{len(self._head)} bytes of a frame's header"
+        return "between frames"
+
     def room(self) -> memoryview | None:
         """The rest of a large payload's memory, to read into (then :meth:`filled`); None
         between frames and in a small frame: give those bytes to :meth:`feed`."""
