@@ -12,7 +12,6 @@ large frame's payload is read straight into its memory, not through ``FrameParse
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import hashlib
 import json
@@ -319,43 +318,6 @@ def test_directbody_put_splits_across_small_buffers() -> None:
     finally:
         os.close(r)
         os.close(w)
-
-
-def _vm_flags(view: memoryview) -> list[str]:
-    """The kernel's flags (``VmFlags`` in /proc/self/smaps) of the mapping that holds ``view``."""
-    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    region: tuple[int, int] | None = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                region = (lo, hi)
-            elif line.startswith("VmFlags:") and region and region[0] <= address < region[1]:
-                return line.split()[1:]
-    raise AssertionError(f"no mapping in /proc/self/smaps holds address {address:#x}")
-
-
-@pytest.mark.skipif(
-    landing.HUGE_PAGES is None
-    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
-    reason="this kernel has no transparent huge pages",
-)
-def test_a_large_payload_lands_in_memory_advised_for_huge_pages() -> None:
-    """Fresh memory costs a fault and zeroing per page: a large payload is received into a
-    mapping advised for 2 MiB pages (``hg``), a small one stays a bytearray."""
-    parser = FrameParser()
-    parser.feed(frames.FRAME.pack(RESULT, 8 * landing.HUGE_PAGE))
-    room = parser.room()
-    assert room is not None
-    assert "hg" in _vm_flags(room)
-    room[:] = b"\x01" * room.nbytes
-    ((kind, payload),) = parser.filled(room.nbytes)
-    del room
-    assert kind == RESULT and bytes(payload[-3:]) == b"\x01\x01\x01"
-    small = FrameParser()
-    small.feed(frames.FRAME.pack(RESULT, 1000))
-    assert small.room() is None  # read through feed(), into a bytearray
 
 
 def _receive(parser: FrameParser, value: np.ndarray) -> np.ndarray:

@@ -3,42 +3,36 @@ views of it (``FrameParser.room``).
 
 Fresh memory costs more than the copy into it on a small VM: the kernel faults and zeroes
 each 4 KiB page as the first byte lands in it (100 MB: 40-60 ms of CPU here, against 10-15 ms
-for the copy itself). Two things make that cheaper:
+for the copy itself). So a :class:`Landings` keeps the mappings it handed out, up to ``keep``
+bytes, and hands one whose payload nobody holds any more (no array, no view of it is alive)
+to the next payload of about its size: its pages are already there. The caller's client
+keeps one (:func:`caller`, ``KTLITE_RECEIVE_KEEP_MB``, default 256, 0 turns it off); a mapping
+still in use is never handed out again, and one past the bound is left to be unmapped when
+its payload goes.
 
-- **huge pages**: a mapping is advised for transparent huge pages where the kernel has them
-  (``madvise`` mode): 512 times fewer faults. Their first allocation in a process can cost
-  more than 4 KiB pages (the kernel compacts memory to find 2 MiB blocks), so
-- **warm mappings**: a :class:`Landings` keeps the mappings it handed out, up to ``keep``
-  bytes, and hands one whose payload nobody holds any more (no array, no view of it is
-  alive) to the next payload of about its size: its pages are already there. The caller's
-  client keeps one (:func:`caller`, ``KTLITE_RECEIVE_KEEP_MB``, default 256, 0 turns it off);
-  a mapping still in use is never handed out again, and one past the bound is left to be
-  unmapped when its payload goes.
+Not transparent huge pages: advised for them (``MADV_HUGEPAGE``), 100 MB took 7 ms of CPU
+instead of 40 once the kernel had free 2 MiB blocks, but 200-250 ms when it had to compact
+memory to make them (a process's first large receive, or one whose earlier payloads are
+still held, on a machine whose memory is fragmented by its page cache): more than the faults
+they save.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import sys
 import threading
 from typing import Any
 
-HUGE_PAGES: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 KEEP_ENV = "KTLITE_RECEIVE_KEEP_MB"
 DEFAULT_KEEP_MB = 256
 
 
 def fresh(length: int) -> mmap.mmap:
-    """An anonymous private mapping of ``length`` bytes, advised for huge pages: its pages
-    come as bytes land in it. Where huge pages are off or missing the advice is ignored."""
-    mem = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
-    if HUGE_PAGES is not None and length >= 2 * HUGE_PAGE:
-        with contextlib.suppress(OSError):  # a kernel without them says EINVAL: 4 KiB pages
-            mem.madvise(HUGE_PAGES)
-    return mem
+    """An anonymous private mapping of ``length`` bytes: its pages come as bytes land in them
+    (a length claimed by a header costs nothing until its bytes arrive)."""
+    return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
 
 
 def _refs(items: list[Any], i: int) -> int:
