@@ -256,3 +256,28 @@ def test_a_rank_dying_mid_write_is_an_error_not_a_result(remote, monkeypatch, ro
         assert "bytes of a frame" in text and "lost" in text, text
     got = remote(3 << 20)  # the rank is replaced; the next call runs
     assert hashlib.sha256(got).digest() == _expected(3 << 20)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1])
+
+
+def test_a_result_into_warm_memory_raises_no_peak(remote, monkeypatch) -> None:
+    """The client holds a received result once, in memory it keeps: a second result of the
+    same size, after the first is let go, lands there and raises the client's peak RSS by
+    (almost) nothing; a result still held is never overwritten."""
+    monkeypatch.setenv("KTLITE_SHM", "0")
+    n = 48 << 20
+    first = remote(n)
+    kept = first[:16].copy()
+    del first
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS starts again from the RSS now
+    base = _status_kb("VmRSS")
+    got = remote(n)
+    rise = (_status_kb("VmHWM") - base) << 10
+    assert hashlib.sha256(got).digest() == _expected(n)
+    assert rise < n // 4, f"peak RSS rose {rise >> 20} MiB receiving {n >> 20} MiB"
+    held = remote(n)  # lands in fresh memory: ``got`` still holds the warm one
+    assert np.array_equal(got[:16], kept) and np.array_equal(held[:16], kept)
