@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -281,3 +282,36 @@ def test_a_result_into_warm_memory_raises_no_peak(remote, monkeypatch) -> None:
     assert rise < n // 4, f"peak RSS rose {rise >> 20} MiB receiving {n >> 20} MiB"
     held = remote(n)  # lands in fresh memory: ``got`` still holds the warm one
     assert np.array_equal(got[:16], kept) and np.array_equal(held[:16], kept)
+
+
+def fail_or_stop_loudly() -> None:
+    """Rank 1 fails; rank 0, stopped by it, raises an error over 1 MiB (a file of its own)."""
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 fails")
+    try:
+        time.sleep(60)
+    except BaseException:
+        raise RuntimeError("x" * (2 << 20)) from None
+
+
+def _result_files() -> set[str]:
+    return {n for n in os.listdir(shm.shm_dir()) if n.startswith(shm.RESULT_PREFIX)}
+
+
+def test_a_stopped_rank_s_large_error_leaves_no_file() -> None:
+    r = kt.fn(fail_or_stop_loudly, name="resultstream-stopped").to(
+        kt.Compute(cpus=1, stream_logs=False).distribute("spmd", workers=1, num_proc=2)
+    )
+    try:
+        before = _result_files()
+        with pytest.raises(kt.KtliteError, match="rank 1 fails"):
+            r()
+        deadline = time.monotonic() + 10
+        while _result_files() - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _result_files() - before  # other tests' files come and go; this one stayed
+    finally:
+        r.teardown()

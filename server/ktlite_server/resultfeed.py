@@ -146,10 +146,3 @@ async def complete(parts: Iterable[Any]) -> None:
         feed = feed_of(p)
         if feed is not None:
             await feed.until(feed.size)
-
-
-async def settled(feeds: Iterable[Feed | None]) -> None:
-    """Return once each feed is written whole: a caller on this host maps the file itself."""
-    for feed in feeds:
-        if feed is not None:
-            await feed.until(feed.size)
