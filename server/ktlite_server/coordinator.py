@@ -299,14 +299,18 @@ class Coordinator:
             missing = list(errors)
             waited = time.monotonic() - start
             # nothing listening at all: the server is gone, and one that restarts has lost the
-            # deployment's code anyway; or a server that is not this deployment's (its TLS
-            # certificate is another's): waiting out quorum_timeout would only delay the error
+            # deployment's code anyway: waiting out quorum_timeout would only delay the error;
+            # a server that is not this deployment's (its TLS certificate is another's) will
+            # not become it: the call fails at once
             refused = bool(failures) and all(
-                isinstance(e.__cause__, (ConnectionRefusedError, ssl.SSLCertVerificationError))
-                for e in failures.values()
+                isinstance(e.__cause__, ConnectionRefusedError) for e in failures.values()
+            )
+            foreign = any(
+                isinstance(e.__cause__, ssl.SSLCertVerificationError) for e in failures.values()
             )
             if (
                 not missing
+                or foreign
                 or waited >= plan.quorum_timeout
                 or (refused and waited >= REFUSED_GRACE_S)
             ):
