@@ -17,10 +17,11 @@ every client and proxy (the Kubernetes API server's) reads it as before.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ktlite_server import directbody
+from ktlite_server import directbody, resultfeed
 from ktlite_wire import envelope
 from ktlite_wire.frames import JOIN_MAX
 
@@ -59,6 +60,7 @@ class RawOut:
         self.cycle = cycle
         self._lost = lost
         self._wake: Callable[[], None] | None = None
+        self.failed = 0  # the index of the frame the last write failed on
 
     @property
     def gone(self) -> bool:
@@ -86,7 +88,8 @@ class RawOut:
         if cycle.disconnected:
             return
         out: list[Any] = []
-        for item in items:
+        for i, item in enumerate(items):
+            self.failed = i
             if type(item) is bytes and len(item) <= JOIN_MAX:
                 out += (b"%x\r\n" % len(item), item, b"\r\n")
                 continue
@@ -99,7 +102,15 @@ class RawOut:
             if out:
                 self.http.transport.write(b"".join(out))
                 out = []
-            await directbody.write_chunk(self.http, cycle.scope, parts)
+            if resultfeed.growing(parts):
+                # a result its rank still writes: each piece as it is written, a chunk each
+                # (ResultLost when the rank died writing it: the response is cut off)
+                async with contextlib.aclosing(resultfeed.written(parts)) as runs:
+                    async for run in runs:
+                        if not await directbody.write_chunk(self.http, cycle.scope, run):
+                            return  # the caller left mid-frame
+            elif not await directbody.write_chunk(self.http, cycle.scope, parts):
+                return  # the caller left
             if cycle.disconnected:
                 return
         if last:

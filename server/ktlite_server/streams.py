@@ -18,12 +18,17 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ktlite_server import resultfeed
 from ktlite_wire import envelope, frames
+from ktlite_wire.errors import ErrorCode, WireError
 from ktlite_wire.heartbeat import HEARTBEAT_S
+
+logger = logging.getLogger(__name__)
 
 LOG_BUFFER_BYTES = 8 << 20  # frames kept for a re-attach; older log lines are dropped first
 RETAIN_S = 30.0  # a finished call's frames wait this long for a caller that lost its stream
@@ -94,6 +99,18 @@ class CallStream:
             self._abandon.cancel()
         self._wake()
 
+    def _lost(self, number: int, error: resultfeed.ResultLost) -> None:
+        """Frame ``number``'s result could not be read whole (its rank died writing it): the
+        response that carried it is cut off mid-frame (raised on), and a caller that attaches
+        again reads the cause in its place."""
+        logger.error("call %s: %s; the caller's stream is cut off", self.id, error)
+        if self.base <= number < self.end:
+            old = self.frames[number - self.base]
+            self.frames[number - self.base] = item = frames.error_frame(
+                WireError(ErrorCode.INTERNAL, str(error), "ResultLost")
+            )
+            self.kept_bytes += len(item) - _size(old)
+
     def _detached(self) -> None:
         if self.done or self.attached:
             return
@@ -147,7 +164,11 @@ class CallStream:
                     at = self.end
                 last = self.done and at == self.end
                 if batch or last:
-                    await out.write(batch, last)
+                    try:
+                        await out.write(batch, last)
+                    except resultfeed.ResultLost as e:  # batch[out.failed] is frame at - (len - i)
+                        self._lost(at - (len(batch) - out.failed), e)
+                        raise
                     if last:
                         return
                     continue
@@ -175,6 +196,11 @@ class FrameOut(Protocol):
         """The caller disconnected: nothing more can be written."""
         ...
 
+    @property
+    def failed(self) -> int:
+        """The index, in the last ``write``'s items, of the frame it failed on."""
+        ...
+
     async def open(self, wake: Callable[[], None]) -> None:
         """Begin: from now on call ``wake`` when the caller disconnects."""
         ...
@@ -199,6 +225,7 @@ class AsgiOut:
         self._write_chunk = write_chunk
         self._watcher: asyncio.Task[None] | None = None
         self.gone = False
+        self.failed = 0
 
     async def open(self, wake: Callable[[], None]) -> None:
         async def watch() -> None:
@@ -223,6 +250,7 @@ class AsgiOut:
             await self._send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         for i, item in enumerate(items):
+            self.failed = i
             more = not (last and i == len(items) - 1)
             await _send(self._send, item, more=more, write=self._write_chunk)
 
@@ -239,10 +267,25 @@ async def _send(send: Any, item: Any, more: bool, write: Any = None) -> None:
     if envelope.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
         return
+    if write is not None and resultfeed.growing(parts):
+        # a result its rank still writes: each piece as it is written, a chunk each
+        wrote = False
+        async with contextlib.aclosing(resultfeed.written(parts)) as runs:
+            async for run in runs:
+                if not await write(run):
+                    if wrote:
+                        return  # the caller left mid-frame
+                    break  # the writer cannot: the frame goes at once, below
+                wrote = True
+            else:
+                if not more:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
     if write is not None and await write(parts):  # one chunk, its parts as they are
         if not more:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
+    await resultfeed.complete(parts)  # sent at once: a result its rank still writes, once written
     chunks: list[bytes | memoryview] = [*envelope.chunked(parts)] or [b""]
     for i, chunk in enumerate(chunks):
         await send(
