@@ -797,9 +797,11 @@ def test_teardown_then_teardown_with_volumes_on_one_handle_deletes_the_claims(
 
     remote.teardown(volumes=True)
     assert cluster.names("persistentvolumeclaims") == []
-    assert len(cluster.fake.find_requests("DELETE", "/persistentvolumeclaims/data$")) == 1
+    assert (
+        len(cluster.fake.find_requests("DELETE", "/persistentvolumeclaims$")) == 1
+    )  # one collection
     remote.teardown(volumes=True)  # nothing left to do
-    assert len(cluster.fake.find_requests("DELETE", "/persistentvolumeclaims/data$")) == 1
+    assert len(cluster.fake.find_requests("DELETE", "/persistentvolumeclaims$")) == 1
 
 
 def test_teardown_volumes_on_a_torn_down_handle_spares_a_new_deployment(cluster: Cluster) -> None:
@@ -1221,7 +1223,9 @@ def test_load_token_kubeconfig_sends_bearer_and_uses_context_namespace(
         with client:
             assert info == ClusterInfo(server.url, "dev-ctx", "team-a", False)
             assert KubeApi(client, info.namespace).list("Pod") == []
-            assert server.seen == [("/api/v1/namespaces/team-a/pods", "Bearer alice-token-123")]
+            assert server.seen == [
+                ("/api/v1/namespaces/team-a/pods?limit=500", "Bearer alice-token-123")
+            ]
             # the auth object renews the header per request and never shows the token
             request = client.build_request("GET", "/api/v1/namespaces/team-a/pods")
             assert (
@@ -1284,7 +1288,7 @@ def test_kubernetes_backend_loads_the_configured_kubeconfig(
         assert backend.namespace == "ns-a"
         assert backend.list() == []
         assert (
-            "/apis/apps/v1/namespaces/ns-a/statefulsets?labelSelector=app.kubernetes.io%2Fmanaged-by%3Dktlite",
+            "/apis/apps/v1/namespaces/ns-a/statefulsets?labelSelector=app.kubernetes.io%2Fmanaged-by%3Dktlite&limit=500",
             "Bearer cfg-token",
         ) in server.seen  # then the served deployments' kinds
         for client, _ in KubernetesBackend._clients.values():
@@ -1416,7 +1420,7 @@ def test_client_certificate_kubeconfig_over_real_tls(
         with client:
             assert info.namespace == "default"
             assert KubeApi(client, info.namespace).list("Pod") == []
-        assert server.seen == [("/api/v1/namespaces/default/pods", None)]
+        assert server.seen == [("/api/v1/namespaces/default/pods?limit=500", None)]
 
         no_cert = _tls_kubeconfig(tmp_path, server.url, ca, {"token": "not-enough"})
         client, info = load(no_cert)
@@ -1448,7 +1452,7 @@ def test_server_certificate_is_verified_unless_insecure_skip_tls_verify(
         client, info = load(insecure)
         with client:
             assert KubeApi(client, info.namespace).list("Pod") == []
-        assert server.seen == [("/api/v1/namespaces/default/pods", "Bearer tok-a")]
+        assert server.seen == [("/api/v1/namespaces/default/pods?limit=500", "Bearer tok-a")]
 
 
 # ---- issue 9: volumes that bind late or never, failed deploys rolled back -----------------------

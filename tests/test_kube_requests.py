@@ -1,0 +1,183 @@
+"""Per-pod Kubernetes API requests outside the call path (issue 26, item 3), against the
+stand-in API server on a fake clock: LIST paging (``limit``/``continue``, exercised by a
+stand-in that answers small pages), teardown's claims as one collection, and the logs of
+every pod read a bounded number at a time. Counts are asserted, never times."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import kube_fake as kf
+import pytest
+from kube_cluster import Cluster
+from kube_unit import isolate_backend
+
+import ktlite as kt
+from ktlite.backends import kube_api
+from ktlite.backends.kube_api import KubeApi, KubeApiError
+from ktlite.specs.deployment_spec import DeploymentSpec
+
+TOKEN = "tok-Requests-0123456789abcdef"
+NAME = "job"
+CLAIMS = "/api/v1/namespaces/default/persistentvolumeclaims"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    isolate_backend(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def clusters() -> Iterator[list[Cluster]]:
+    made: list[Cluster] = []
+    yield made
+    for c in made:
+        c.close()
+
+
+def make(made: list[Cluster], behavior: kf.PodBehavior | None = None, **options: Any) -> Cluster:
+    made.append(Cluster(behavior, **options))
+    return made[-1]
+
+
+def spec(workers: int, **compute: Any) -> DeploymentSpec:
+    c = kt.Compute(backend="kubernetes", launch_timeout=120, **compute)
+    return DeploymentSpec(NAME, c.distribute(workers=workers).pod_spec())
+
+
+def pod_lists(c: Cluster, since: int = 0) -> list[kf.RecordedRequest]:
+    """The LISTs of pods (not watches) since ``since``."""
+    return [
+        r
+        for r in c.fake.requests[since:]
+        if r.method == "GET" and r.path.endswith("/pods") and r.query.get("watch") != "true"
+    ]
+
+
+# ---- paging -----------------------------------------------------------------------------------
+
+
+def test_every_list_asks_for_pages_and_follows_continue(clusters, monkeypatch) -> None:
+    monkeypatch.setattr(kube_api, "PAGE", 4)
+    c = make(clusters)
+    c.fake.pages.max_page = 3  # fewer than asked, as a server may answer
+    applied = c.backend.apply(spec(10), TOKEN)  # the readiness wait: LIST (paged), then WATCH
+    assert [ep.ordinal for ep in applied.endpoints] == list(range(10))
+    since = len(c.fake.requests)
+    found = c.backend.lookup(NAME)
+    assert found is not None and [ep.name for ep in found.endpoints] == [
+        f"{NAME}-{i}" for i in range(10)
+    ]
+    lists = pod_lists(c, since)
+    assert len(lists) == 4  # 3 + 3 + 3 + 1 pods
+    assert all(r.query["limit"] == "4" for r in lists)
+    assert "continue" not in lists[0].query and all("continue" in r.query for r in lists[1:])
+    assert all(r.query["labelSelector"] == lists[0].query["labelSelector"] for r in lists)
+
+
+def test_a_paged_list_is_one_snapshot_and_its_watch_starts_at_its_version(clusters) -> None:
+    c = make(clusters)
+    c.fake.pages.max_page = 2
+    c.backend.apply(spec(5), TOKEN)
+    api = KubeApi(c.http, "default")
+    taken: list[tuple[list[Any], Any]] = []
+    page = c.fake.pages.page
+
+    def page_then_delete(query: dict[str, str], items: list[Any], rv: str) -> Any:
+        out = page(query, items, rv)
+        taken.append(out)
+        if len(taken) == 1:  # between the first and the second page, a pod goes
+            c.fake.objects("pods")  # (brought up to the clock first)
+            c.fake._delete("pods", "default", f"{NAME}-4", {"gracePeriodSeconds": 0})
+        return out
+
+    c.fake.pages.page = page_then_delete  # type: ignore[method-assign]
+    items, version = api.list_at("Pod", f"ktlite.dev/name={NAME}")
+    assert sorted(p["metadata"]["name"] for p in items) == [f"{NAME}-{i}" for i in range(5)]
+    assert {meta["resourceVersion"] for _, meta in taken} == {version}
+
+
+def test_an_expired_page_token_lists_again_from_the_start(clusters, monkeypatch) -> None:
+    monkeypatch.setattr(kube_api, "PAGE", 2)
+    c = make(clusters)
+    c.backend.apply(spec(5), TOKEN)
+    page, expired = c.fake.pages.page, []
+
+    def expire_once(query: dict[str, str], items: list[Any], rv: str) -> Any:
+        if query.get("continue") and not expired:
+            expired.append(query["continue"])
+            c.fake.pages.expire()  # as after a compaction
+        return page(query, items, rv)
+
+    c.fake.pages.page = expire_once  # type: ignore[method-assign]
+    since = len(c.fake.requests)
+    found = c.backend.lookup(NAME)
+    assert found is not None and len(found.endpoints) == 5
+    assert expired
+    assert len(pod_lists(c, since)) == 2 + 3  # the first page, its expired token, then 3 pages
+
+
+def test_a_token_that_keeps_expiring_fails_the_list_saying_so(clusters, monkeypatch) -> None:
+    monkeypatch.setattr(kube_api, "PAGE", 2)
+    c = make(clusters)
+    c.backend.apply(spec(5), TOKEN)
+    page = c.fake.pages.page
+
+    def always_expire(query: dict[str, str], items: list[Any], rv: str) -> Any:
+        if query.get("continue"):
+            c.fake.pages.expire()
+        return page(query, items, rv)
+
+    c.fake.pages.page = always_expire  # type: ignore[method-assign]
+    since = len(c.fake.requests)
+    with pytest.raises(KubeApiError, match="too old") as err:
+        KubeApi(c.http, "default").list("Pod", f"ktlite.dev/name={NAME}")
+    assert err.value.status == 410
+    assert len(pod_lists(c, since)) == 2 * kube_api.LIST_ATTEMPTS
+
+
+def test_the_stand_in_pages_only_when_asked(clusters) -> None:
+    c = make(clusters)
+    c.fake.pages.max_page = 2
+    c.backend.apply(spec(5), TOKEN)
+    whole = c.http.get("/api/v1/namespaces/default/pods").json()
+    assert len(whole["items"]) == 5 and "continue" not in whole["metadata"]
+    first = c.http.get("/api/v1/namespaces/default/pods", params={"limit": 10}).json()
+    assert len(first["items"]) == 2 and first["metadata"]["remainingItemCount"] == 3
+    bad = c.http.get("/api/v1/namespaces/default/pods", params={"continue": "x", "limit": 2})
+    assert bad.status_code == 400
+
+
+# ---- teardown's claims ------------------------------------------------------------------------
+
+
+def claim_requests(c: Cluster, since: int) -> Counter[str]:
+    return Counter(
+        f"{r.method} {'collection' if r.path == CLAIMS else 'one'}"
+        for r in c.fake.requests[since:]
+        if r.path.startswith(CLAIMS)
+    )
+
+
+def test_teardown_with_volumes_deletes_the_claims_as_one_collection(clusters) -> None:
+    c = make(clusters)
+    vols = (kt.Volume("data", size="1Gi"), kt.Volume("ckpt", size="1Gi"))
+    c.backend.apply(spec(3, volumes=vols), TOKEN)
+    since = len(c.fake.requests)
+    assert c.backend.teardown(NAME, volumes=True) is True
+    assert c.fake.objects("persistentvolumeclaims") == []
+    assert claim_requests(c, since) == Counter({"DELETE collection": 1})
+
+
+def test_teardown_with_volumes_without_deletecollection_deletes_each_claim(clusters) -> None:
+    c = make(clusters)
+    c.backend.apply(spec(2, volumes=(kt.Volume("data", size="1Gi"),)), TOKEN)
+    c.fake.fail_next("DELETE", "/persistentvolumeclaims$", 403, "Forbidden")
+    since = len(c.fake.requests)
+    assert c.backend.teardown(NAME, volumes=True) is True
+    assert c.fake.objects("persistentvolumeclaims") == []
+    assert claim_requests(c, since) == Counter(
+        {"DELETE collection": 1, "GET collection": 1, "DELETE one": 1}
+    )
