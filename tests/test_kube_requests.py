@@ -1,10 +1,12 @@
 """Per-pod Kubernetes API requests outside the call path (issue 26, item 3), against the
 stand-in API server on a fake clock: LIST paging (``limit``/``continue``, exercised by a
 stand-in that answers small pages), teardown's claims as one collection, and the logs of
-every pod read a bounded number at a time. Counts are asserted, never times."""
+every pod (the log API is per pod) read a bounded number at a time. Counts are asserted,
+never times."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +17,7 @@ from kube_cluster import Cluster
 from kube_unit import isolate_backend
 
 import ktlite as kt
-from ktlite.backends import kube_api
+from ktlite.backends import kube_api, kube_logs
 from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.specs.deployment_spec import DeploymentSpec
 
@@ -181,3 +183,49 @@ def test_teardown_with_volumes_without_deletecollection_deletes_each_claim(clust
     assert claim_requests(c, since) == Counter(
         {"DELETE collection": 1, "GET collection": 1, "DELETE one": 1}
     )
+
+
+# ---- every pod's log --------------------------------------------------------------------------
+
+
+def test_every_pods_log_is_read_several_at_once_and_printed_in_order(clusters, monkeypatch) -> None:
+    monkeypatch.setattr(kube_logs, "READERS", 3)
+    c = make(clusters)
+    c.backend.apply(spec(7), TOKEN)
+    for i in range(7):
+        c.fake.set_logs(f"{NAME}-{i}", f"pod {i} a\npod {i} b\n")
+    handle, lock = c.fake.handle_request, threading.Lock()
+    in_flight, most, second = [0], [0], threading.Event()
+
+    def counted(request: Any) -> Any:
+        if not request.url.path.endswith("/log"):
+            return handle(request)
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            if in_flight[0] >= 2:
+                second.set()
+        try:
+            # the first read waits (bounded) for a second to start: read one by one, it never would
+            assert second.wait(10), "the pods' logs were read one at a time"
+            return handle(request)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    c.fake.handle_request = counted  # type: ignore[method-assign]  (before the fake's lock)
+    since = len(c.fake.requests)
+    lines = list(c.backend.logs(NAME))
+    assert lines == [f"[{NAME}-{i}] pod {i} {x}" for i in range(7) for x in "ab"]
+    assert 2 <= most[0] <= 3
+    assert c.requests(since) == Counter({"LIST": 1, "log": 7})  # the log API is per pod
+
+
+def test_following_more_pods_than_streams_allowed_says_what_to_do(clusters, monkeypatch) -> None:
+    monkeypatch.setattr(kube_logs, "FOLLOW_MAX", 3)
+    c = make(clusters)
+    c.backend.apply(spec(4), TOKEN)
+    since = len(c.fake.requests)
+    with pytest.raises(kt.DeployError, match="following the logs of 4 pods.*at most 3.*one pod"):
+        list(c.backend.logs(NAME, follow=True))
+    assert c.requests(since) == Counter({"LIST": 1})  # no stream was opened
