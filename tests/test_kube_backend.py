@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import kube_fake as kf
 import pytest
+from kube_cluster import Cluster as StandIn
 from kube_unit import isolate_backend
 
 import ktlite as kt
@@ -53,55 +54,16 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     isolate_backend(monkeypatch, tmp_path)
 
 
-class Cluster:
-    """A fake API server, a client for it and a backend wired to both and to a fake clock."""
+class Cluster(StandIn):
+    """The stand-in cluster (``kube_cluster``), with this module's credential."""
 
-    def __init__(
-        self,
-        behavior: kf.PodBehavior | None = None,
-        *,
-        namespace: str = "default",
-        in_cluster: bool = False,
-        **fake_options: Any,
-    ) -> None:
-        self.clock = kf.FakeClock()
-        self.fake = kf.FakeKube(
-            token=API_TOKEN, pod_behavior=behavior, clock=self.clock, **fake_options
-        )
-        self.http = httpx.Client(
-            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
-        )
-        self.out = io.StringIO()
-        self.info = ClusterInfo(HOST, "fake-ctx", namespace, in_cluster)
-        self.backend = self.new_backend()
-
-    def new_backend(self, **options: Any) -> KubernetesBackend:
-        return KubernetesBackend(
-            self.http,
-            self.info,
-            out=self.out,
-            clock=self.clock,
-            sleep=self.clock.advance,
-            **options,
-        )
-
-    def names(self, kind: str) -> list[str]:
-        """The names of ``kind`` there, but the namespace's shared cache of the server's
-        packages (``kube_deps``: no deployment's own)."""
-        return [
-            o["metadata"]["name"]
-            for o in self.fake.objects(kind)
-            if kube_deps.DEPS_LABEL not in (o["metadata"].get("labels") or {})
-        ]
+    api_token = API_TOKEN
 
     def pods(self) -> dict[str, dict[str, Any]]:
         return {p["metadata"]["name"]: p for p in self.fake.objects("pods")}
 
     def uids(self) -> dict[str, str]:
         return {name: p["metadata"]["uid"] for name, p in self.pods().items()}
-
-    def writes(self, since: int = 0) -> list[tuple[str, str]]:
-        return [(r.method, r.path) for r in self.fake.requests[since:] if r.method != "GET"]
 
     def delete(self, path: str) -> None:
         """Delete an object behind the backend's back."""
