@@ -46,6 +46,7 @@ from ktlite_server.launches import Launches
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
 from ktlite_server.refusal import refuse
+from ktlite_wire import calltree
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import TOKEN_HEADER, TREE_HEADER, VERSION_HEADER, bearer
 from ktlite_wire.status import Status
@@ -211,7 +212,7 @@ class PodServer:
             return await podtable.statuses(self.pod.peers, relay, own, dict(request.query_params))
         return await self.pod.status(stuck_after)
 
-    def _relay(self, request: Request) -> Any:
+    def _relay(self, request: Request) -> calltree.LaunchRelay | None:
         try:
             return podtable.parse(request.headers.get(TREE_HEADER), self.pod.ordinal)
         except ValueError as e:
