@@ -17,7 +17,6 @@ etcd's compaction); a token that was never issued, or one used with other select
 from __future__ import annotations
 
 import base64
-import copy
 import itertools
 import json
 from collections import OrderedDict
@@ -33,7 +32,7 @@ class Pages:
     def __init__(self) -> None:
         self.max_page: int | None = None
         self.served = 0
-        self._snapshots: OrderedDict[str, tuple[str, list[Obj], str]] = OrderedDict()
+        self._snapshots: OrderedDict[str, tuple[str, str, str]] = OrderedDict()  # items as JSON
         self._ids = itertools.count(1)
 
     def expire(self) -> None:
@@ -55,7 +54,8 @@ class Pages:
                     "The provided continue parameter is too old to display a consistent list "
                     "result. You can start a new list without the continue parameter.",
                 )
-            rv, items, asked = self._snapshots[key]
+            rv, frozen, asked = self._snapshots[key]
+            items = json.loads(frozen)
             if asked != selectors:
                 raise _bad("the continue token was issued for other selectors")
         limit = _limit(query.get("limit"))
@@ -68,7 +68,7 @@ class Pages:
         if end < len(items):
             if not token:
                 key = str(next(self._ids))  # later pages read a copy: the objects change
-                self._snapshots[key] = (rv, copy.deepcopy(items), selectors)
+                self._snapshots[key] = (rv, json.dumps(items), selectors)
                 while len(self._snapshots) > KEEP:
                     self._snapshots.popitem(last=False)
             meta["continue"] = _encode(key, end)
