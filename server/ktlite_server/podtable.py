@@ -95,7 +95,8 @@ async def _child(
             if isinstance(entries, list) and len(entries) == len(subtree):
                 return entries
             why = (
-                f"pod {relay.names[first]} answered {len(entries)} entries for {len(subtree)} pods"
+                f"pod {relay.names[first]} answered {path} with something other than a list of "
+                f"{len(subtree)} entries, one per pod of its subtree"
             )
         else:
             code = status
