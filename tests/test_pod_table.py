@@ -8,6 +8,7 @@ processes (local backend); the caller's requests are counted by wrapping its cli
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ import pytest
 
 import ktlite as kt
 from ktlite.commands import status_cli
+from ktlite.modes.deploy import Deployment
 from ktlite_wire.calltree import LaunchRelay
 
 QUIET = {"stream_logs": False}
@@ -149,3 +151,20 @@ def test_colocating_is_one_request_to_pod_0(trainer: Any) -> None:
             helper.teardown()
         assert seen == [("deploy", pod0)]  # removing it: relayed too
     assert [p["colocated"] for p in trainer.status()] == [[]] * 4
+
+
+def test_the_status_command_asks_each_pod_when_pod_0_does_not_answer(trainer: Any) -> None:
+    dep = trainer.deployment
+    with socket_nobody_listens_on() as dead:
+        eps = [dataclasses.replace(dep.endpoints[0], url=dead), *dep.endpoints[1:]]
+        applied = dataclasses.replace(dep.applied, endpoints=eps)
+        lost = Deployment(dep.spec, dep.backend, applied)
+        table = status_cli._pods_status(lost, None)
+    assert [p["ordinal"] for p in table] == [0, 1, 2, 3]
+    assert "error" in table[0] and table[0]["ranks"] == []
+    assert all("error" not in p and len(p["ranks"]) == 1 for p in table[1:])
+    try:
+        with pytest.raises(kt.PodUnreachable):
+            lost.status()  # remote.status() raises, as with one pod that does not answer
+    finally:
+        lost.close()  # its own connections; the pods are the module's deployment's
