@@ -1,16 +1,19 @@
 """Per-pod Kubernetes API requests outside the call path (issue 26, item 3), against the
 stand-in API server on a fake clock: LIST paging (``limit``/``continue``, exercised by a
-stand-in that answers small pages), teardown's claims as one collection, and the logs of
-every pod (the log API is per pod) read a bounded number at a time. Counts are asserted,
-never times."""
+stand-in that answers small pages), teardown's claims as one collection, the logs of every
+pod (the log API is per pod) read a bounded number at a time, and status, restart_failed and
+a colocation push as one proxied request at any pod count. Counts are asserted, never times."""
 
 from __future__ import annotations
 
+import platform
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import cloudpickle
+import httpx
 import kube_fake as kf
 import pytest
 from kube_cluster import Cluster
@@ -19,7 +22,12 @@ from kube_unit import isolate_backend
 import ktlite as kt
 from ktlite.backends import kube_api, kube_logs
 from ktlite.backends.kube_api import KubeApi, KubeApiError
+from ktlite.modes.deploy import Deployment
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire.calltree import LaunchRelay
+from ktlite_wire.headers import TREE_HEADER
+from ktlite_wire.outcome import CallResult
+from ktlite_wire.version import PROTOCOL_VERSION
 
 TOKEN = "tok-Requests-0123456789abcdef"
 NAME = "job"
@@ -229,3 +237,63 @@ def test_following_more_pods_than_streams_allowed_says_what_to_do(clusters, monk
     with pytest.raises(kt.DeployError, match="following the logs of 4 pods.*at most 3.*one pod"):
         list(c.backend.logs(NAME, follow=True))
     assert c.requests(since) == Counter({"LIST": 1})  # no stream was opened
+
+
+# ---- what the caller asks the pods, through the pod proxy -------------------------------------
+
+
+class StubPods(dict):  # type: ignore[type-arg]
+    """The fake's proxy table: every pod a stub server. ``/status`` and ``/restart_failed``
+    with ``x-ktlite-tree`` answer for every pod the header names, as pod 0 does once it has
+    asked the others (that gathering runs on real pod servers in tests/test_pod_table.py)."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        name = key[0]
+
+        def answer(request: httpx.Request) -> httpx.Response:
+            path = request.url.path
+            if path == "/health":
+                return httpx.Response(
+                    200,
+                    json={
+                        "status": "ok",
+                        "protocol": PROTOCOL_VERSION,
+                        "python": platform.python_version(),
+                        "pod": name,
+                    },
+                )
+            if path == "/deploy":
+                request.read()
+                return httpx.Response(200, content=CallResult([]).encode_bytes())
+            header = request.headers.get(TREE_HEADER)
+            names = [name] if header is None else LaunchRelay.decode(header).names
+            table = [
+                {"pod": n, "ordinal": int(n.rsplit("-", 1)[1]), "ranks": [], "restarted": []}
+                | {"failed": [], "colocated": []}
+                for n in names
+            ]
+            return httpx.Response(200, json=table if header is not None else table[0])
+
+        return answer
+
+
+def test_status_restart_and_colocation_do_not_grow_with_the_pod_count(clusters) -> None:
+    counts: dict[int, dict[str, Counter[str]]] = {}
+    for n in (4, 40):
+        c = make(clusters)
+        c.fake.proxy_handlers = StubPods()
+        s = spec(n)
+        dep = Deployment(s, c.backend, c.backend.apply(s, TOKEN))
+        dep.push(cloudpickle.dumps(len), {}, None)
+        counts[n] = steps = {}
+        for step in ("status", "restart_failed", "colocate"):
+            since = len(c.fake.requests)
+            if step == "status":
+                assert len(dep.status()) == n
+            elif step == "restart_failed":
+                assert len(dep.restart_failed()["pods"]) == n
+            else:
+                dep.colocate("helper", "fn", cloudpickle.dumps(len), {}, None)
+            steps[step] = c.requests(since)
+    assert counts[4] == counts[40], counts
+    assert all(kinds == Counter({"proxy": 1}) for kinds in counts[40].values()), counts[40]
