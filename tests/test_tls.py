@@ -182,18 +182,22 @@ def test_a_redeploy_switches_tls_as_asked_and_keeps_tls_pods_that_did_not_change
 
 def test_a_pod_refuses_a_peer_with_another_deployments_certificate(secured: object) -> None:
     """Pod to pod is pinned too: pod 0 told that its peer is another deployment's TLS pod
-    (same port kind, another certificate) refuses it before sending the call."""
+    (same port kind, another certificate) refuses it before sending the call, at its first
+    try: waiting cannot make another deployment's server this one's."""
     other = kt.fn(echo, name="tls-other").to(kt.Compute(tls=True))
     dep = secured.deployment  # type: ignore[attr-defined]
     eps = list(dep.applied.endpoints)
+    stranger = Relay(urlsplit(other.deployment.endpoints[0].peer_url).port or 0)
     try:
-        stranger = other.deployment.endpoints[0].peer_url
-        dep.applied.endpoints = [eps[0], dataclasses.replace(eps[1], peer_url=stranger)]
+        peer_url = f"https://127.0.0.1:{stranger.port}"
+        dep.applied.endpoints = [eps[0], dataclasses.replace(eps[1], peer_url=peer_url)]
         with pytest.raises(kt.KtliteError, match="not this deployment's") as caught:
             secured(b"x")  # type: ignore[operator]
         assert dep.applied.token not in str(caught.value)
+        assert stranger.connections == 1, stranger.connections
     finally:
         dep.applied.endpoints = eps
+        stranger.close()
         other.teardown()
     assert secured(b"xy") == [2, 2]  # type: ignore[operator]
 
