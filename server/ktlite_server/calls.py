@@ -21,12 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from ktlite_server.bodies import discard_body, read_body
+from ktlite_server.callresponse import RAW_RESPONSE
 from ktlite_server.coordinator import Coordinator, run_local
 from ktlite_server.directbody import WRITE_CHUNK
 from ktlite_server.localcall import LOG_BODIES
 from ktlite_server.pod import Pod
 from ktlite_server.refusal import refuse
-from ktlite_server.streams import RETAIN_S, CallStream, Streams
+from ktlite_server.streams import RETAIN_S, AsgiOut, CallStream, Streams
 from ktlite_wire import codec, shm
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
 from ktlite_wire.frames import RESULT, error_frame, frame_item
@@ -49,10 +50,15 @@ class StreamResponse(Response):
         self.start = start
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        write = scope.get("extensions", {}).get(WRITE_CHUNK)
-        if write is not None:
-            write = functools.partial(write, scope)
-        await self.stream.send(send, receive, self.start, write)
+        extensions = scope.get("extensions") or {}
+        raw = extensions.get(RAW_RESPONSE)
+        out = raw(scope) if raw is not None else None  # the server's own writer, when it has one
+        if out is None:
+            write = extensions.get(WRITE_CHUNK)
+            if write is not None:
+                write = functools.partial(write, scope)
+            out = AsgiOut(send, receive, write)
+        await self.stream.send(out, self.start)
 
 
 def _resume_from(request: Request) -> int | None:

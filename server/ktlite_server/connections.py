@@ -34,7 +34,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ktlite_server import directbody
+from ktlite_server import callresponse, directbody
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +132,11 @@ class GuardedHttpTools(HttpToolsProtocol):
         # finds nothing to do when it fires (a timer per request cost more than the rest of
         # this class on a warm call)
         self._head_began: float | None = now
+        self._lost = callresponse.Lost()  # the current call response's disconnect hook
         self._extensions: dict[str, Any] = {
             directbody.BODY_INTO: functools.partial(directbody.receive_into, self),
             directbody.WRITE_CHUNK: functools.partial(directbody.write_chunk, self),
+            callresponse.RAW_RESPONSE: functools.partial(callresponse.open_raw, self, self._lost),
         }
 
     # -- the connection cap ------------------------------------------------------------------
@@ -189,6 +191,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+        self._lost()  # a call response written by the server itself learns of it here
 
     def shutdown(self) -> None:
         """The server stops (SIGTERM, teardown): an idle connection whose output is all sent

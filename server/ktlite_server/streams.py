@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ktlite_server import resultfeed
 from ktlite_wire import envelope, frames
@@ -122,27 +123,16 @@ class CallStream:
         if not self.done and not self.attached:
             self.on_abandon()
 
-    async def send(self, send: Any, receive: Any, start: int, write: Any = None) -> None:
-        """Stream frames ``start...`` to one response, heartbeats while idle, until the call
-        ends (then the response ends) or the caller disconnects. ``write``: the server's way
-        to write a large frame's parts as one chunk, uncopied (``directbody.write_chunk``)."""
+    async def send(self, out: FrameOut, start: int) -> None:
+        """Stream frames ``start...`` to one response (``out``), heartbeats while idle, until
+        the call ends (then the response ends) or the caller disconnects. The frames that are
+        due go to ``out`` together (the server's own writer sends them in one write)."""
         loop = asyncio.get_running_loop()
         self.attached += 1
         if self._abandon is not None:
             self._abandon.cancel()
             self._abandon = None
-        gone = False
         beat_due = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    gone = True
-                    self._wake()
-                    return
-
         heart: asyncio.TimerHandle  # set below, once beat exists
 
         def beat() -> None:  # a timer, not a task: most calls end long before the first beat
@@ -151,62 +141,122 @@ class CallStream:
             self._wake()
             heart = loop.call_later(HEARTBEAT_S, beat)
 
-        watcher = loop.create_task(watch())
         heart = loop.call_later(HEARTBEAT_S, beat)
         at = start
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/x-ktlite-frames")],
-                }
-            )
-            while not gone:
+            await out.open(self._wake)
+            while not out.gone:
+                batch: list[Any] = []
                 if at < self.base:
                     # older frames were dropped (the caller was away, or slow, while more than
                     # the buffer was written): say where the stream goes on, so the caller's
                     # count of frames stays the pod's
-                    await _send(
-                        send,
+                    batch.append(
                         frames.notice_frame(
                             "skip",
                             f"{self.base - at} frame(s) of log lines were dropped",
                             to=self.base,
-                        ),
-                        more=True,
+                        )
                     )
                     at = self.base
                 if at < self.end:
-                    batch = list(self.frames)[at - self.base :]
-                    at += len(batch)
-                    last = self.done and at == self.end
-                    for i, item in enumerate(batch):
-                        try:
-                            await _send(
-                                send, item, more=not (last and i == len(batch) - 1), write=write
-                            )
-                        except resultfeed.ResultLost as e:
-                            self._lost(at - len(batch) + i, e)
-                            raise
+                    batch.extend(itertools.islice(self.frames, at - self.base, None))
+                    at = self.end
+                last = self.done and at == self.end
+                if batch or last:
+                    try:
+                        await out.write(batch, last)
+                    except resultfeed.ResultLost as e:  # batch[out.failed] is frame at - (len - i)
+                        self._lost(at - (len(batch) - out.failed), e)
+                        raise
                     if last:
                         return
                     continue
-                if self.done:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    return
                 if beat_due:
                     beat_due = False
-                    await _send(send, frames.frame(frames.HEARTBEAT, b""), more=True)
+                    await out.write([frames.frame(frames.HEARTBEAT, b"")], False)
                     continue
                 if self._changed is None:  # nothing awaited between the checks and here
                     self._changed = asyncio.Event()
                 await self._changed.wait()
         finally:
-            watcher.cancel()
+            out.close()
             heart.cancel()
             self.attached -= 1
             self._detached()
+
+
+class FrameOut(Protocol):
+    """Where :meth:`CallStream.send` writes one response's frames: :class:`AsgiOut` (through
+    the ASGI ``send``), or the pod server's own writer on its connection
+    (``callresponse.RawOut``)."""
+
+    @property
+    def gone(self) -> bool:
+        """The caller disconnected: nothing more can be written."""
+        ...
+
+    @property
+    def failed(self) -> int:
+        """The index, in the last ``write``'s items, of the frame it failed on."""
+        ...
+
+    async def open(self, wake: Callable[[], None]) -> None:
+        """Begin: from now on call ``wake`` when the caller disconnects."""
+        ...
+
+    async def write(self, items: list[Any], last: bool) -> None:
+        """Write frames (each bytes, or a list of parts); ``last``: the response ends after."""
+        ...
+
+    def close(self) -> None:
+        """Stop watching the connection (the response ended, or its reader did)."""
+        ...
+
+
+class AsgiOut:
+    """A call's frames through ASGI ``send`` messages: the head at once, a message per frame;
+    a task awaits ``receive`` to learn of a disconnect. ``write_chunk``: the server's way to
+    write a large frame's parts as one chunk, uncopied (``directbody.write_chunk``)."""
+
+    def __init__(self, send: Any, receive: Any, write_chunk: Any = None) -> None:
+        self._send = send
+        self._receive = receive
+        self._write_chunk = write_chunk
+        self._watcher: asyncio.Task[None] | None = None
+        self.gone = False
+        self.failed = 0
+
+    async def open(self, wake: Callable[[], None]) -> None:
+        async def watch() -> None:
+            while True:
+                msg = await self._receive()
+                if msg["type"] == "http.disconnect":
+                    self.gone = True
+                    wake()
+                    return
+
+        self._watcher = asyncio.get_running_loop().create_task(watch())
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/x-ktlite-frames")],
+            }
+        )
+
+    async def write(self, items: list[Any], last: bool) -> None:
+        if not items:
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        for i, item in enumerate(items):
+            self.failed = i
+            more = not (last and i == len(items) - 1)
+            await _send(self._send, item, more=more, write=self._write_chunk)
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 async def _send(send: Any, item: Any, more: bool, write: Any = None) -> None:
