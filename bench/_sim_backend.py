@@ -117,6 +117,21 @@ class _Hosts:
         proc.stdin.write(f"kill {ordinal}\n".encode())
         proc.stdin.flush()
 
+    def profile(self, ordinal: int, path: str | None) -> None:
+        """Start cProfile in the host of pod ``ordinal`` (None), or stop it and write its
+        stats to ``path``; :meth:`profiled` waits for them."""
+        proc = self.owner[ordinal]
+        assert proc.stdin is not None
+        proc.stdin.write(f"profile {path or 'on'}\n".encode())
+        proc.stdin.flush()
+
+    def profiled(self, path: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the host did not write its profile {path} in {timeout:g}s")
+            time.sleep(0.05)  # polling a file another process writes, bounded above
+
     def stop(self) -> None:
         for p in self.procs:
             if p.stdin is not None:

@@ -48,9 +48,11 @@ import argparse
 import atexit
 import concurrent.futures
 import contextlib
+import cProfile
 import io
 import json
 import os
+import pstats
 import resource
 import shutil
 import sys
@@ -136,7 +138,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def measure(
-    pods: int, calls: int, tree: dict[str, int], lines: Lines, backend: Any
+    pods: int, calls: int, tree: dict[str, int], lines: Lines, backend: Any, profile: str = ""
 ) -> dict[str, Any]:
     name = f"scale-{pods}"
     world = pods * PROCS
@@ -158,12 +160,25 @@ def measure(
         row["push_cpu_s"] = _cpu(host_pids) - cpu0
         assert remote.tag() == ["again"] * world
         _timed(remote.noop, 3)  # warm connections
+        if profile:
+            hosts.profile(0, None)
+            own = cProfile.Profile()
+            own.enable()
         cpu0, root0, own0 = _cpu(host_pids), _cpu(host_pids[:1]), time.process_time()
         lat = _timed(remote.noop, calls)
         row["client_cpu_ms"] = (time.process_time() - own0) / calls * 1000
         row["host_cpu_ms"] = (_cpu(host_pids) - cpu0) / calls * 1000
         row["pod0_cpu_ms"] = (_cpu(host_pids[:1]) - root0) / calls * 1000
         row["noop_p50_ms"], row["noop_p99_ms"] = _pct(lat, 0.5), _pct(lat, 0.99)
+        if profile:
+            own.disable()
+            _report_profile(
+                own, f"{profile}/client-{pods}.prof", f"the client, {calls} no-op calls"
+            )
+            path = f"{profile}/pod0-{pods}.prof"
+            hosts.profile(0, path)
+            hosts.profiled(path)
+            _report_profile(pstats.Stats(path), path, f"pod 0's host, {calls} no-op calls")
         kb = _timed(lambda: _check(remote.kilobyte(), [b"x" * 1024] * world), max(3, calls // 4))
         row["kb_p50_ms"] = _pct(kb, 0.5)
         items = list(range(world))
@@ -188,6 +203,14 @@ def measure(
     row["client_mb"], row["client_peak_mb"] = _rss_mb()
     row["load_after"] = loadavg()
     return row
+
+
+def _report_profile(prof: Any, path: str, what: str) -> None:
+    """Write a cProfile's stats to ``path`` and its top functions (own time) to stderr."""
+    stats = pstats.Stats(prof, stream=sys.stderr)
+    stats.dump_stats(path)
+    print(f"--- profile of {what} ({path}), by own time:", file=sys.stderr)
+    stats.sort_stats("tottime").print_stats(18)
 
 
 def _check(got: Any, want: Any) -> None:
@@ -312,6 +335,13 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=100, help="no-op calls per size")
     p.add_argument("--tree", default="default", help="default, flat, or a fan-out (from 2 pods)")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--profile",
+        default="",
+        metavar="DIR",
+        help="cProfile the client and pod 0's host over the no-op calls (from 2 pods), stats "
+        "to DIR; that run's times and CPU columns include the profiler's cost",
+    )
     args = p.parse_args()
     tree: dict[str, int] = {}
     if args.tree == "flat":
@@ -327,7 +357,7 @@ def main() -> None:
         file=sys.stderr,
     )
     for pods in (int(x) for x in args.pods.split(",")):
-        row = measure(pods, args.calls, tree, lines, backend)
+        row = measure(pods, args.calls, tree, lines, backend, args.profile if pods > 1 else "")
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     print(table(rows))
