@@ -162,7 +162,7 @@ def measure(
         _timed(remote.noop, 3)  # warm connections
         if profile:
             hosts.profile(0, None)
-            own = cProfile.Profile()
+            own = cProfile.Profile(time.thread_time)  # CPU of the calling thread
             own.enable()
         cpu0, root0, own0 = _cpu(host_pids), _cpu(host_pids[:1]), time.process_time()
         lat = _timed(remote.noop, calls)
@@ -178,7 +178,7 @@ def measure(
             path = f"{profile}/pod0-{pods}.prof"
             hosts.profile(0, path)
             hosts.profiled(path)
-            _report_profile(pstats.Stats(path), path, f"pod 0's host, {calls} no-op calls")
+            _report_profile(path, path, f"pod 0's host, {calls} no-op calls")
         kb = _timed(lambda: _check(remote.kilobyte(), [b"x" * 1024] * world), max(3, calls // 4))
         row["kb_p50_ms"] = _pct(kb, 0.5)
         items = list(range(world))

@@ -12,7 +12,7 @@ import pytest
 from ktlite.modes.outcomes import decode_values, split
 from ktlite_wire import codec, envelope
 from ktlite_wire.errors import ProtocolError
-from ktlite_wire.outcome import CallResult, RankOutcome, ReadResult, ShmRef, Subtree
+from ktlite_wire.outcome import SAME_MAX, CallResult, RankOutcome, ReadResult, ShmRef, Subtree
 from ktlite_wire.status import Status
 
 NONE = codec.dumps(None)
@@ -37,7 +37,7 @@ def _tree() -> tuple[bytearray, list[bytearray]]:
 def test_a_relay_passes_its_subtrees_results_on_byte_for_byte() -> None:
     root, below = _tree()
     header, bufs = envelope.decode(root)
-    assert header["outcomes"] == [] and header["runs"] == [[0, 2, "p-0", 0]]  # its own ranks
+    assert header["outcomes"] == [] and header["runs"] == [[0, 2, "p-0", 0, 1]]  # its own ranks
     relayed = [bytes(bufs[i]) for i in header["subtrees"]]
     assert relayed == [bytes(below[0]), bytes(below[3])]  # pod 1's answer and pod 4's, as sent
     inner, inner_bufs = envelope.decode(below[0])
@@ -95,6 +95,20 @@ def test_values_in_shared_memory_and_rows_keep_their_records() -> None:
     ]
 
 
+def test_a_run_of_equal_small_values_travels_once_distinct_or_large_ones_each() -> None:
+    big = codec.dumps(b"x" * SAME_MAX)
+    outs = _pod(0, 3) + _pod(1, 3, codec.dumps([1, 2])) + _pod(2, 3, big)
+    outs += [RankOutcome(9 + r, "p-3", Status.OK, codec.dumps(r)) for r in range(3)]
+    header, bufs = envelope.decode(_sent(CallResult(outs)))
+    assert [run[4] for run in header["runs"]] == [1, 1, 3, 3]  # buffers per run
+    assert len(bufs) == 1 + 1 + 3 + 3
+    values = decode_values(ReadResult(_sent(CallResult(outs))).values() or [])
+    assert values is not None
+    assert values == [None] * 3 + [[1, 2]] * 3 + [b"x" * SAME_MAX] * 3 + [0, 1, 2]
+    values[3].append(3)  # each rank's list is its own object, though its bytes came once
+    assert values[4] == [1, 2] and values[5] == [1, 2]
+
+
 def test_equal_immutable_values_are_decoded_once_mutable_ones_for_each_rank() -> None:
     assert decode_values([NONE] * 4) == [None] * 4
     lists = decode_values([codec.dumps([1, 2])] * 3)
@@ -132,10 +146,12 @@ def _with(header_change: dict[str, Any], nest: int = 0) -> bytes:
         {"subtrees": [9]},
         {"subtrees": [None]},
         {"runs": {"a": 1}},
-        {"runs": [[0, 2, "p", 5]]},
-        {"runs": [[0, 0, "p", 0]]},
-        {"runs": [["0", 1, "p", 0]]},
-        {"runs": [[0, 1, "p"]]},
+        {"runs": [[0, 2, "p", 5, 2]]},
+        {"runs": [[0, 2, "p", 0, 3]]},
+        {"runs": [[0, 2, "p", 0, 0]]},
+        {"runs": [[0, 0, "p", 0, 1]]},
+        {"runs": [["0", 1, "p", 0, 1]]},
+        {"runs": [[0, 1, "p", 0]]},
     ],
 )
 def test_a_malformed_result_is_a_protocol_error(change: dict[str, Any]) -> None:

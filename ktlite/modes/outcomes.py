@@ -66,7 +66,7 @@ def decode_values(blobs: list[Any]) -> list[Any] | None:
     prev: Any = None
     value: Any = None
     for data in blobs:
-        if prev is not None and data == prev:  # the same bytes: the same immutable value
+        if prev is not None and (data is prev or data == prev):  # the same immutable value
             append(value)
             continue
         try:

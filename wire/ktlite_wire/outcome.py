@@ -66,9 +66,12 @@ class Subtree(NamedTuple):
 
 
 MAX_NESTING = 32  # relays within relays; a deeper claim is corruption (a tree has ~log N)
+# a value this small that every rank of a run sent alike travels once: below the codec's
+# out-of-band size (4096), so each rank's copy decoded from it shares no memory with another's
+SAME_MAX = 4096
 
 # a run of values: consecutive ranks of one pod that each returned a value, their buffers in a row
-Run = tuple[int, int, str, list[Any]]  # first rank, count, pod, the values' buffers
+Run = tuple[int, int, str, list[Any]]  # first rank, count, pod, each rank's value's buffer
 
 
 @dataclass
@@ -93,31 +96,30 @@ class CallResult:
     def encode(self) -> list[Any]:
         """The message's parts (values are not copied). Header fields:
 
-        - ``runs``: ranks that returned a value, as ``[first rank, count, pod, first buffer]``
-          for each run of consecutive ranks of one pod (their values in consecutive buffers):
-          a pod's 8 ranks are one entry, so its caller builds no record per rank;
+        - ``runs``: ranks that returned a value, as ``[first rank, count, pod, first buffer,
+          buffers]`` for each run of consecutive ranks of one pod (their values in
+          consecutive buffers), so a pod's 8 ranks are one entry and its caller builds no
+          record per rank; ``buffers`` is 1 when every rank of the run sent the same bytes
+          (at most :data:`SAME_MAX`: a ``None`` from each rank travels once per pod), else
+          ``count``;
         - ``outcomes``: every other outcome, a JSON list ``[rank, pod, status, message, at,
           buffer index or null, [shm path, size] or null]`` (``at`` is 0 for a value: only a
           failure's time is read, and a float's shortest text costs more than the rest);
         - ``subtrees``: a relay's children's results, as they came (buffer indexes), and
           ``failed`` / ``not_ok``, the summary its own relay reads (:class:`Subtree`)."""
         rows: list[list[Any]] = []
-        runs: list[list[Any]] = []
+        runs: list[list[Any]] = []  # [first rank, count, pod, the values], laid out below
         buffers: list[Any] = []
-        run: list[Any] = [-2, 0, "", -1]  # the open run (none yet)
+        run: list[Any] = [-2, 0, "", []]  # the open run (none yet)
         for o in self.outcomes:
             data, status = o.data, o.status
             if status is _OK and data is not None and type(data) is not ShmRef:
-                if (
-                    o.rank == run[0] + run[1]
-                    and o.pod == run[2]
-                    and run[3] + run[1] == len(buffers)
-                ):
+                if o.rank == run[0] + run[1] and o.pod == run[2]:
                     run[1] += 1
+                    run[3].append(data)
                 else:
-                    run = [o.rank, 1, o.pod, len(buffers)]
+                    run = [o.rank, 1, o.pod, [data]]
                     runs.append(run)
-                buffers.append(data)
                 continue
             buf, shm = None, None
             if isinstance(data, ShmRef):
@@ -127,6 +129,14 @@ class CallResult:
                 buffers.append(data)
             at = 0 if status is _OK else o.at
             rows.append([o.rank, o.pod, status, o.message, at, buf, shm])  # str enum: JSON value
+        for run in runs:
+            values = run[3]
+            first = values[0]
+            same = len(values) > 1 and memoryview(first).nbytes <= SAME_MAX
+            same = same and all(v == first for v in values)
+            run[3] = len(buffers)
+            run.append(1 if same else len(values))
+            buffers += [first] if same else values
         failed, not_ok = self.summary()
         header: dict[str, Any] = {"outcomes": rows, "started": self.started}
         header["failed"], header["not_ok"] = failed, not_ok
@@ -229,19 +239,21 @@ def _read_into(data: Any, rows: list[RankOutcome], runs: list[Run], depth: int) 
         raise ProtocolError(f"a call result's runs must be a list, got {str(listed)[:200]}")
     for run in listed:  # a run per pod whose ranks all returned a value
         try:
-            first, count, pod, buf = run
+            first, count, pod, buf, n = run
             if not (
                 type(first) is int
                 and type(count) is int
                 and type(pod) is str
                 and type(buf) is int
                 and count > 0
-                and 0 <= buf <= nbufs - count
+                and (n == 1 or n == count)
+                and type(n) is int
+                and 0 <= buf <= nbufs - n
             ):
-                raise ValueError(f"it names buffers {buf!r}+{count!r} of {nbufs}")
+                raise ValueError(f"it names buffers {buf!r}+{n!r} of {nbufs}")
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"a malformed run of values {str(run)[:200]}: {e}") from None
-        runs.append((first, count, pod, bufs[buf : buf + count]))
+        runs.append((first, count, pod, [bufs[buf]] * count if n == 1 else bufs[buf : buf + n]))
     subtrees = header.get("subtrees") or []
     if not isinstance(subtrees, list):
         raise ProtocolError(f"a call result's subtrees must be a list, got {subtrees!r}")
