@@ -94,6 +94,36 @@ def test_silent_peer_times_out_instead_of_hanging() -> None:
     assert asyncio.run(main()) < 3
 
 
+def test_a_peer_silent_before_its_response_head_times_out_on_a_reused_connection() -> None:
+    """The head's wait is bounded too, and a silent peer is not sent the request again (a
+    stale keep-alive connection is: nothing was processed there)."""
+    requests = []
+
+    async def handler(reader, writer):
+        while True:
+            await _read_request(reader)
+            requests.append(1)
+            if len(requests) == 1:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+            else:
+                await asyncio.sleep(30)  # read the request, never answer
+
+    async def main() -> None:
+        server, url = await _serve(handler)
+        pool = PeerPool()
+        async with pool.post(url, "/call", {}, memoryview(b"x")) as resp:
+            assert await resp.read() == b"ok"
+        with pytest.raises(PeerTimeout, match="sent no response for 0.3s"):
+            async with pool.post(url, "/call", {}, memoryview(b"y"), read_timeout=0.3):
+                pass
+        await pool.aclose()
+        await _stop(server)
+
+    asyncio.run(main())
+    assert len(requests) == 2
+
+
 def test_unreachable_peer_is_a_connect_error() -> None:
     async def main() -> None:
         import socket
