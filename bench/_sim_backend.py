@@ -36,16 +36,15 @@ class _Hosts:
         self.spec, self.token = spec, token
         pods = spec.distributed.workers
         procs = spec.distributed.max_procs
-        # pod 0 (the caller's coordinator) in a host of its own, when there are others: its
-        # CPU per call is then measured apart from the rest's
-        runs = [(0, 1)] if pods > 1 else []
-        rest = pods - len(runs)
+        # pod 0 (the caller's coordinator) and pod 1 (in a tree, a relay; flat, a member) in
+        # hosts of their own, when there are others: their CPU per call is then measured
+        # apart from the rest's
+        runs = [(i, 1) for i in range(min(2, pods - 1))]
+        alone = len(runs)
+        rest = pods - alone
         parts = max(1, -(-rest // PODS_PER_HOST))
         share = -(-rest // parts)
-        runs += [
-            (1 + k * share if runs else k * share, min(share, rest - k * share))
-            for k in range(parts)
-        ]
+        runs += [(alone + k * share, min(share, rest - k * share)) for k in range(parts)]
         hosts = len(runs)
         self.dir = tempfile.mkdtemp(prefix="ktlite-sim-")
         self.procs: list[subprocess.Popen[bytes]] = []
