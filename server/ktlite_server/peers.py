@@ -286,9 +286,10 @@ class PeerPool:
         request = ("\r\n".join(request_head) + "\r\n\r\n").encode("latin-1")
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
-            idle = self._idle.get(key)
-            reused = bool(idle)
-            conn = idle.pop() if idle else await self._connect(host, port, connect_timeout, https)
+            conn = self._pooled(key)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(host, port, connect_timeout, https)
             # one timer that aborts the connection, not a wait_for (a task per request)
             silent = _Silence(conn)
             try:
@@ -328,6 +329,18 @@ class PeerPool:
             if k:
                 hdrs[k.strip().lower()] = v.strip()
         return PeerResponse(status, hdrs, conn, self, key, read_timeout)
+
+    def _pooled(self, key: str) -> _Conn | None:
+        """The most recently used idle connection to ``key`` that is still open: one the peer
+        closed meanwhile (its keep-alive timeout, a restart) is dropped, not written to
+        (uvloop raises on a write to a closed transport, asyncio's loop drops the bytes)."""
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not (conn.reader.at_eof() or conn.writer.is_closing()):
+                return conn
+            conn.close()
+        return None
 
     def fresh(self, url: str, fresh_s: float = PROBE_AFTER_S) -> bool:
         """True when a pooled connection to ``url`` carried a response within ``fresh_s``
