@@ -1,7 +1,7 @@
 """The stand-in cluster of ``bench_kube_scale.py``: the fake API server (``tests/kube_fake.py``)
 metering its own CPU and the bytes it answers (a watch's as the client reads them), a fake clock
 that notes when it reached each time, each pod's scripted life, and stub pod servers behind the
-pod proxy. Import it after ``tests/`` is on ``sys.path`` (the bench puts it there)."""
+pod proxy (``/health``, ``/deploy``, ``/status``, ``/restart_failed``; no ranks). Import it after ``tests/`` is on ``sys.path`` (the bench puts it there)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import kube_fake as kf
 
+from ktlite_wire.calltree import LaunchRelay
+from ktlite_wire.headers import TREE_HEADER
 from ktlite_wire.outcome import CallResult
 from ktlite_wire.version import PROTOCOL_VERSION
 
@@ -146,6 +148,21 @@ class StubServers(dict):  # type: ignore[type-arg]
             if request.url.path == "/deploy":
                 request.read()
                 return httpx.Response(200, content=CallResult([]).encode_bytes())
+            if request.url.path in ("/status", "/restart_failed"):
+                # with x-ktlite-tree pod 0 answers for every pod it names (the gathering down
+                # the tree is not run here: the stubs hold no ranks); else for itself
+                header = request.headers.get(TREE_HEADER)
+                names = [name] if header is None else LaunchRelay.decode(header).names
+                table = [_entry(n, request.url.path) for n in names]
+                return httpx.Response(200, json=table if header is not None else table[0])
             return httpx.Response(404, json={"detail": "not in the stub"})
 
         return answer
+
+
+def _entry(name: str, path: str) -> dict[str, Any]:
+    """A stub pod's answer to ``/status`` (one idle rank) or ``/restart_failed`` (nothing)."""
+    if path == "/restart_failed":
+        return {"pod": name, "ordinal": ordinal(name), "restarted": [], "failed": []}
+    rank = {"rank": ordinal(name), "state": "idle", "calls": [], "targets": []}
+    return {"pod": name, "ordinal": ordinal(name), "ranks": [rank], "colocated": []}

@@ -23,6 +23,11 @@ Memory: before each ktlite transfer the peak RSS of the client (this process) an
 server (its pid from ``remote.status()``) is reset (``/proc/<pid>/clear_refs``), and after it
 the rise of the peak over the RSS before is reported, as MB and as a multiple of the payload:
 what the transfer held at once beyond what was there. MB = 10^6 bytes.
+
+CPU: the CPU time (user + system) a transfer took in the client (this process) and in the pod
+(its server and rank processes, from ``/proc/<pid>/stat``, in clock ticks of 10 ms): on a
+machine shared with other jobs the wall-clock rates move by 2x from run to run, the work a
+transfer costs much less.
 """
 
 from __future__ import annotations
@@ -82,6 +87,38 @@ def _status_kb(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _family(pid: int) -> list[int]:
+    """``pid`` and its children (a pod server's rank processes)."""
+    kids: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+    return [pid, *kids]
+
+
+def pod_cpu_s(pid: int) -> float:
+    total = 0.0
+    for p in _family(pid):
+        try:
+            total += _cpu_s(p)
+        except OSError:  # a rank process that exited meanwhile
+            continue
+    return total
 
 
 class Peak:
@@ -208,28 +245,34 @@ class Kt:
         self.server = Peak(int(self.remote.status()[0]["server_pid"]))
         self.client = Peak(os.getpid())
         self.value = numpy.ones(N // 4, dtype=numpy.float32)
-        self.warm = False
+        # each direction's first transfer (imports, the held array, the connection, and the
+        # client's first receive memory), measured apart: the rounds measure warm transfers
+        self.first: dict[str, tuple[float, int, int, float, float]] = {}
 
-    def _timed(self, fn: Callable[[], None]) -> tuple[float, int, int]:
-        if not self.warm:
-            fn()  # imports, the held array, the connection
-            self.warm = True
+    def _timed(self, fn: Callable[[], None], key: str) -> tuple[float, int, int, float, float]:
+        if key not in self.first:
+            self.first[key] = self._measure(fn)
+        return self._measure(fn)
+
+    def _measure(self, fn: Callable[[], None]) -> tuple[float, int, int, float, float]:
         gc.collect()
         self.client.arm()
         self.server.arm()
+        pod0, client0 = pod_cpu_s(self.server.pid), time.process_time()
         t = clock()
         fn()
         dt = clock() - t
-        return N / dt / MB, self.client.rise(), self.server.rise()
+        client_cpu, pod_cpu = time.process_time() - client0, pod_cpu_s(self.server.pid) - pod0
+        return N / dt / MB, self.client.rise(), self.server.rise(), client_cpu, pod_cpu
 
-    def arg(self) -> tuple[float, int, int]:
+    def arg(self) -> tuple[float, int, int, float, float]:
         def one() -> None:
             if self.call(self.value) not in (None, [None, None]):
                 raise RuntimeError("xfer(x) returned something")
 
-        return self._timed(one)
+        return self._timed(one, "arg")
 
-    def result(self) -> tuple[float, int, int]:
+    def result(self) -> tuple[float, int, int, float, float]:
         def one() -> None:
             got = self.call(give=True)
             if isinstance(got, list):  # a 2-pod deployment answers per rank
@@ -237,7 +280,7 @@ class Kt:
             if got.nbytes != N or float(got[-1]) != 1.0:
                 raise RuntimeError(f"xfer(give=True) returned {type(got)} of {got.nbytes} bytes")
 
-        return self._timed(one)
+        return self._timed(one, "result")
 
     def close(self) -> None:
         self.remote.teardown()
@@ -253,15 +296,17 @@ def main() -> None:
     failures: list[str] = []
     rates: dict[str, list[float]] = {}
     mem: dict[str, list[tuple[int, int]]] = {}
+    cpu: dict[str, list[tuple[float, float]]] = {}
     started = clock()
 
     def failed(name: str, e: BaseException) -> None:
         failures.append(f"{name}: {type(e).__name__}: {e}")
 
-    def record(row: str, got: float | tuple[float, int, int]) -> None:
+    def record(row: str, got: float | tuple[float, int, int, float, float]) -> None:
         if isinstance(got, tuple):
             rates.setdefault(row, []).append(got[0])
             mem.setdefault(row, []).append((got[1], got[2]))
+            cpu.setdefault(row, []).append((got[3], got[4]))
         else:
             rates.setdefault(row, []).append(got)
 
@@ -288,6 +333,8 @@ def main() -> None:
         def kt_plain(r: int) -> None:
             record("ktlite argument (caller -> pod)", plain.arg())
             record("ktlite result (pod -> caller)", plain.result())
+            if r == 0:  # the process's first result: into memory it never touched
+                record("ktlite result, the process's first", plain.first["result"])
 
         def kt_tls(r: int) -> None:
             record("ktlite TLS argument (caller -> pod)", secure.arg())
@@ -313,11 +360,17 @@ def main() -> None:
         if raw is not None:
             raw.close()
         shutil.rmtree(_HOME, ignore_errors=True)
-    report(rates, mem, load, failures, clock() - started, rounds)
+    report(rates, mem, cpu, load, failures, clock() - started, rounds)
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"rates": rates, "memory": mem, "load": load.as_json(), "failures": failures}
+                {
+                    "rates": rates,
+                    "memory": mem,
+                    "cpu": cpu,
+                    "load": load.as_json(),
+                    "failures": failures,
+                }
             )
         )
 
@@ -325,6 +378,7 @@ def main() -> None:
 def report(
     rates: dict[str, list[float]],
     mem: dict[str, list[tuple[int, int]]],
+    cpu: dict[str, list[tuple[float, float]]],
     load: _rounds.LoadLog,
     failures: list[str],
     wall: float,
@@ -333,11 +387,13 @@ def report(
     print(
         f"\nktlite bulk data over HTTP: 10^8 bytes, {rounds} rounds, {wall:.0f} s; Python "
         f"{sys.version.split()[0]}, {os.cpu_count()} CPU(s)\n{load.summary()}\n"
-        "MB/s: median (best); peak RSS rise: median over the rounds, MB and x payload"
+        "MB/s: median (best); peak RSS rise: median over the rounds, MB and x payload; "
+        "CPU: median ms of one transfer (user + system)"
     )
     floor = statistics.median(rates.get("loopback TCP, fresh 100 MB buffer") or [0]) or None
     print(
-        f"\n{'measurement':<44}{'MB/s':>16}{'vs fresh TCP':>14}{'client peak':>18}{'server peak':>18}"
+        f"\n{'measurement':<44}{'MB/s':>16}{'vs fresh TCP':>14}{'client peak':>18}"
+        f"{'server peak':>18}{'CPU client':>12}{'CPU pod':>10}"
     )
     for row, got in rates.items():
         med = statistics.median(got)
@@ -348,7 +404,13 @@ def report(
             for i in (0, 1):
                 rise = statistics.median(m[i] for m in mem[row])
                 peaks[i] = f"{rise / MB:,.0f} MB ({rise / N:.2f}x)"
-        print(f"{row:<44}{cells:>16}{ratio:>14}{peaks[0]:>18}{peaks[1]:>18}")
+        used = ["", ""]
+        if row in cpu:
+            for i in (0, 1):
+                used[i] = f"{statistics.median(c[i] for c in cpu[row]) * 1e3:,.0f}"
+        print(
+            f"{row:<44}{cells:>16}{ratio:>14}{peaks[0]:>18}{peaks[1]:>18}{used[0]:>12}{used[1]:>10}"
+        )
     one = statistics.median(rates.get("ktlite argument (caller -> pod)") or [0])
     two = statistics.median(rates.get("ktlite argument, 2 pods") or [0])
     if one and two and N / two > N / one:

@@ -6,9 +6,10 @@ requests, and how much time, each step of a deployment's life takes (issue 26, i
 
 What is real and what is simulated:
 
-- real: ``KubernetesBackend`` (``lookup``, ``apply`` with its readiness wait, ``teardown``) and
-  ``Deployment.push`` (the code push), each unchanged, over an ``httpx.Client`` as in
-  ``tests/test_kube_backend.py``;
+- real: ``KubernetesBackend`` (``lookup``, ``apply`` with its readiness wait, ``logs``,
+  ``teardown`` with ``volumes=True``) and ``Deployment`` (``push``, the code push; ``status``;
+  ``restart_failed``; ``colocate``, a colocation push), each unchanged, over an
+  ``httpx.Client`` as in ``tests/test_kube_backend.py``; the deployment has one volume;
 - the API server is ``tests/kube_fake.py`` in-process (an httpx transport) on a fake clock:
   the backend's ``sleep`` advances that clock, and a watch that waits moves it to the next
   scripted change (``tests/kube_fake_watch.py``), so no wait takes real time. Each pod's
@@ -16,8 +17,10 @@ What is real and what is simulated:
   (spread by ordinal), Ready at 2 s after that; a deleted pod stays Terminating for 2 s;
 - the pod servers are stubs behind the fake's pod proxy: ``GET /health`` answers (with the
   protocol and this Python) from 0.5 s after the container runs, before that the proxy says
-  "connection refused" (503); ``POST /deploy`` answers an empty result. So the code push
-  counts the client's requests but no pod loads code.
+  "connection refused" (503); ``POST /deploy`` answers an empty result; ``GET /status`` and
+  ``POST /restart_failed`` answer for every pod the ``x-ktlite-tree`` header names (pod 0's
+  gathering down the tree is not run: ``bench_scale.py`` runs the tree on real pod servers),
+  else for the pod. So these steps count the client's requests but no pod loads code.
 
 Columns: ``requests`` counted by the stand-in (``FakeKube.requests``), by verb and resource
 (``LIST`` a collection GET, ``GET proxy /health`` a request through the pod proxy);
@@ -32,8 +35,9 @@ Ready (within the readiness probe's window, a redeploy's wait asks each pod that
 Ready yet for /health again: ``wait_ready`` keeps no memory of the pods that answered).
 
 Watches are served as a v1.31 API server serves them (chunked JSON lines, bookmarks, 410,
-``timeoutSeconds``); their bytes count in ``resp MB``. The fake has no paging and no API
-priority and fairness, and a request costs it far more than a real API server (it recomputes
+``timeoutSeconds``); their bytes count in ``resp MB``. LISTs page as a real API server pages
+them when asked with ``limit`` (ktlite asks 500 at a time: 2 pages at 1,000 pods). The fake has
+no API priority and fairness, and a request costs it far more than a real API server (it recomputes
 every pod's status on each request), so ``stand-in s`` is not a prediction of a real cluster's
 latency.
 
@@ -97,8 +101,12 @@ STEPS = (
     "deploy: objects",
     "deploy: readiness wait",
     "code push",
+    "status",
+    "restart_failed",
+    "colocation push",
+    "logs, every pod",
     "redeploy, no change",
-    "teardown",
+    "teardown, volumes too",
 )
 
 TARGET_TAIL_S = (
@@ -107,6 +115,11 @@ TARGET_TAIL_S = (
 
 # Where the requests that grow with the pod count come from (read from the code, issue 26).
 CAUSES = {
+    ("logs, every pod", "GET pod/log"): (
+        "kube_logs.pod_logs: the Kubernetes log API is per pod (the kubelet of each pod's node "
+        "serves it) and a pod server cannot read another container's log: one request per pod, "
+        "16 at a time, printed in ordinal order"
+    ),
     ("code push", "GET proxy /health"): (
         "Fanout.load (modes/fanout.py) -> Deployment.wait_healthy: one GET /health per pod "
         "through the pod proxy before its launch"
@@ -214,7 +227,9 @@ def run_one(n: int, load: LoadLog) -> dict[str, dict[str, Any]]:
             waits.append((start, meter.snap()))
 
     backend.wait_ready = timed_wait  # type: ignore[method-assign]
-    compute = kt.Compute(backend="kubernetes", launch_timeout=600).distribute(workers=n)
+    compute = kt.Compute(
+        backend="kubernetes", launch_timeout=600, volumes=[kt.Volume("scratch", size="1Gi")]
+    ).distribute(workers=n)
     spec = DeploymentSpec(NAME, compute.pod_spec())
     rows: dict[str, dict[str, Any]] = {}
 
@@ -234,10 +249,30 @@ def run_one(n: int, load: LoadLog) -> dict[str, dict[str, Any]]:
             raise RuntimeError(f"the deploy reported {len(applied.endpoints)} pods, not {n}")
 
         applied_at = time.perf_counter()
+        dep = Deployment(spec, backend, applied)
         with load.step(f"push {n}"):
             a = meter.snap()
-            Deployment(spec, backend, applied).push(cloudpickle.dumps(noop), {}, None)
+            dep.push(cloudpickle.dumps(noop), {}, None)
             rows["code push"] = meter.diff(a, meter.snap())
+        with load.step(f"status {n}"):
+            a = meter.snap()
+            if len(dep.status()) != n:
+                raise RuntimeError(f"status reported other than {n} pods")
+            rows["status"] = meter.diff(a, meter.snap())
+        with load.step(f"restart_failed {n}"):
+            a = meter.snap()
+            if len(dep.restart_failed()["pods"]) != n:
+                raise RuntimeError(f"restart_failed answered for other than {n} pods")
+            rows["restart_failed"] = meter.diff(a, meter.snap())
+        with load.step(f"colocate {n}"):
+            a = meter.snap()
+            dep.colocate("helper", "fn", cloudpickle.dumps(noop), {}, None)
+            rows["colocation push"] = meter.diff(a, meter.snap())
+        with load.step(f"logs {n}"):
+            a = meter.snap()
+            for _ in backend.logs(NAME):
+                pass
+            rows["logs, every pod"] = meter.diff(a, meter.snap())
         last_start = max(running_at(f"{NAME}-{i}") for i in range(n))
         rows["cold .to()"] = {
             "last_container_start_s": last_start,
@@ -256,8 +291,8 @@ def run_one(n: int, load: LoadLog) -> dict[str, dict[str, Any]]:
 
         with load.step(f"teardown {n}"):
             a = meter.snap()
-            backend.teardown(NAME, timeout=60.0)
-            rows["teardown"] = meter.diff(a, meter.snap())
+            backend.teardown(NAME, timeout=60.0, volumes=True)
+            rows["teardown, volumes too"] = meter.diff(a, meter.snap())
     finally:
         http.close()
     return rows
@@ -377,7 +412,10 @@ def main() -> None:
         "wall s, client CPU s, stand-in CPU s: real seconds (client CPU = this process's CPU "
         "less the stand-in's); fake-clock s: simulated seconds the step slept, no real time"
     )
-    print("code push: the pod servers are stubs (GET /health, POST /deploy answered; no code runs)")
+    print(
+        "code push, status, restart_failed, colocation push: the pod servers are stubs (GET "
+        "/health, POST /deploy, GET /status, POST /restart_failed answered; no code runs)"
+    )
     print()
     print(table(results))
     print()
@@ -395,8 +433,9 @@ def main() -> None:
             if cause:
                 print(f"      {kind}: {cause}")
     print(
-        "  a LIST pod answer carries every pod (resp MB grows with N); the readiness wait and "
-        "teardown make one, then follow the pods with a WATCH, whose events grow with N too"
+        "  a LIST pod answer carries every pod (resp MB grows with N; in pages of 500, so one "
+        "request more per 500 pods); the readiness wait and teardown make one, then follow the "
+        "pods with a WATCH, whose events grow with N too"
     )
     print()
     print("Targets (issue 26, item 3), at the largest size:")

@@ -37,8 +37,9 @@ What it simulates, with the JSON shapes a v1.31 API server returns:
 * Pod logs (``tailLines``, ``limitBytes``, ``previous``, ``container``, ``follow``) served with
   the kubelet's rules for which container's log a request gets, pod proxy delegated to
   ``proxy_handlers[(pod, port)]``, bearer-token auth, error injection, request recording.
+* LIST paging (``limit``/``continue`` over a snapshot, 410 when expired: ``kube_fake_paging``).
 
-What it does not do: ``limit``/``continue`` paging, other resources or subresources
+What it does not do: other resources or subresources
 (``/status`` is GET only), ClusterRoles, admission beyond the checks above, JSON patch (RFC 6902),
 field managers (apply is a strategic merge that may create), the full strategic-merge-patch
 rules (lists merge by ``name``/``mountPath``/``containerPort``/``port`` only), ControllerRevisions,
@@ -68,6 +69,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
 import httpx
+import kube_fake_paging
 import kube_fake_watch
 import kube_rbac
 from kube_fake_api import (  # noqa: F401 (re-exported)
@@ -229,6 +231,7 @@ class FakeKube(
         self._t0, self._wall0 = clock(), time.time()
         self._ns_uids = {ns: str(uuid.uuid4()) for ns in self.namespaces}
         self.watches = kube_fake_watch.Watches(self)  # watch=true, and a timeline for tests
+        self.pages = kube_fake_paging.Pages()  # limit/continue; tests set pages.max_page
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         content = request.read()

@@ -84,12 +84,8 @@ class Storage:
             for o in (self._select(res, ns, query) if objs is None else objs)
         ]
         api_version, kind = _RESOURCES[res]
-        return {
-            "kind": kind + "List",
-            "apiVersion": api_version,
-            "metadata": {"resourceVersion": self._last_rv()},
-            "items": items,
-        }
+        items, meta = self.pages.page(query, items, self._last_rv())  # limit, continue
+        return {"kind": kind + "List", "apiVersion": api_version, "metadata": meta, "items": items}
 
     def _create(self, res: str, ns: str, body: Obj) -> Obj:
         if ns not in self.namespaces:

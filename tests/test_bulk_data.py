@@ -12,6 +12,7 @@ large frame's payload is read straight into its memory, not through ``FrameParse
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ from ktlite_server.bodies import read_body
 from ktlite_server.calls import StreamResponse
 from ktlite_server.connections import Limits, guarded
 from ktlite_server.streams import CallStream
-from ktlite_wire import codec, envelope, frames, shm
+from ktlite_wire import codec, envelope, frames, landing, shm
 from ktlite_wire.frames import RESULT, FrameParser, frame_item
 from ktlite_wire.outcome import CallResult, RankOutcome
 from ktlite_wire.plan import CallPlan
@@ -317,3 +318,53 @@ def test_directbody_put_splits_across_small_buffers() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def _receive(parser: FrameParser, value: np.ndarray) -> np.ndarray:
+    """``value`` through ``parser`` as a result frame's payload, decoded (a view of it)."""
+    parts = codec.dumps_parts(value)
+    ((kind, payload),) = parser.feed(
+        envelope.join([frames.FRAME.pack(RESULT, codec.parts_size(parts)), *parts])
+    )
+    assert kind == RESULT
+    arr: np.ndarray = codec.loads(payload)
+    return arr
+
+
+def test_a_payload_let_go_leaves_warm_memory_for_the_next() -> None:
+    landings = landing.Landings(keep=64 << 20)
+    parser = FrameParser(landings)
+    one = np.full(8 << 20, 1, dtype=np.uint8)
+    first = _receive(parser, one)
+    two = _receive(parser, np.full(8 << 20, 2, dtype=np.uint8))  # the first is still held
+    assert landings.reused == 0 and int(first[-1]) == 1 and int(two[-1]) == 2
+    part = first[10:20]  # a view of a view still holds the memory
+    del first
+    assert int(_receive(parser, one)[-1]) == 1 and landings.reused == 0
+    assert int(part[0]) == 1
+    del part, two  # nothing holds the first two any more
+    gc.collect()
+    third = _receive(parser, np.full(8 << 20, 3, dtype=np.uint8))
+    fourth = _receive(parser, np.full(8 << 20, 4, dtype=np.uint8))
+    assert landings.reused == 2 and int(third[-1]) == 3 and int(fourth[-1]) == 4
+    assert (
+        third.flags.writeable
+        and hashlib.sha256(third).digest()
+        == hashlib.sha256(np.full(8 << 20, 3, dtype=np.uint8)).digest()
+    )
+    # a much smaller payload does not take a large mapping (it would hold memory unused)
+    del third
+    gc.collect()
+    small = _receive(parser, np.full(2 << 20, 5, dtype=np.uint8))
+    assert landings.reused == 2 and int(small[0]) == 5
+
+
+def test_warm_memory_is_bounded() -> None:
+    landings = landing.Landings(keep=20 << 20)
+    parser = FrameParser(landings)
+    held = [_receive(parser, np.full(8 << 20, i, dtype=np.uint8)) for i in range(4)]
+    assert landings.held_bytes() <= 20 << 20  # the oldest were let go (their arrays stay valid)
+    assert [int(a[-1]) for a in held] == [0, 1, 2, 3]
+    off = FrameParser(landing.Landings(keep=0))
+    _receive(off, np.zeros(4 << 20, dtype=np.uint8))
+    assert off.landings is not None and off.landings.held_bytes() == 0

@@ -7,23 +7,20 @@ the stand-in cluster (``kube_harness.py``: real pod processes reading the env va
 from __future__ import annotations
 
 import base64
-import io
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-import kube_fake as kf
 import kubernetes_validate
 import pytest
+from kube_cluster import Cluster as StandIn
 
 import ktlite as kt
 from ktlite import config
 from ktlite.backends import kube_deps, shipped_source
 from ktlite.backends import kube_manifests as km
-from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.specs.deployment_spec import DeploymentSpec
 
@@ -70,21 +67,10 @@ def put(rel: str, text: str) -> Path:
     return path
 
 
-class Cluster:
-    def __init__(self) -> None:
-        self.clock = kf.FakeClock()
-        self.fake = kf.FakeKube(token=API_TOKEN, clock=self.clock)
-        self.http = httpx.Client(
-            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
-        )
-        self.out = io.StringIO()
-        self.backend = KubernetesBackend(
-            self.http,
-            ClusterInfo(HOST, "fake-ctx", "default", False),
-            out=self.out,
-            clock=self.clock,
-            sleep=self.clock.advance,
-        )
+class Cluster(StandIn):
+    """The stand-in cluster (``kube_cluster``), with this module's credential."""
+
+    api_token = API_TOKEN
 
     def secrets(self) -> dict[str, dict[str, Any]]:
         """The Secrets there, but the namespace's shared cache of the server's packages."""
@@ -103,9 +89,6 @@ class Cluster:
 
     def data(self, name: str) -> dict[str, str]:
         return {k: base64.b64decode(v).decode() for k, v in self.secrets()[name]["data"].items()}
-
-    def writes(self, since: int = 0) -> list[tuple[str, str]]:
-        return [(r.method, r.path) for r in self.fake.requests[since:] if r.method != "GET"]
 
     def uids(self) -> list[str]:
         return sorted(p["metadata"]["uid"] for p in self.fake.objects("pods"))

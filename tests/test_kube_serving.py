@@ -31,6 +31,7 @@ import kube_fake as kf
 import kubernetes_validate
 import pytest
 import server_procs
+from kube_cluster import Cluster as StandIn
 
 import ktlite
 import ktlite as kt
@@ -38,7 +39,7 @@ from ktlite import config
 from ktlite.backends import kube_launch
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_serving as kss
-from ktlite.backends.kube_api import ClusterInfo, KubeApi
+from ktlite.backends.kube_api import KubeApi
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.commands import cli
 from ktlite.errors import ConfigError, ImagePullError, LaunchTimeout
@@ -427,22 +428,14 @@ class Answers(dict):  # type: ignore[type-arg]
         return lambda request: httpx.Response(200, json={"status": "ok"})
 
 
-class Cluster:
+class Cluster(StandIn):
+    """The stand-in cluster (``kube_cluster``), its pods answering as replicas (``Answers``)."""
+
+    api_token = API_TOKEN
+
     def __init__(self, behavior: kf.PodBehavior | None = None, **options: Any) -> None:
-        self.clock = kf.FakeClock()
-        self.fake = kf.FakeKube(token=API_TOKEN, clock=self.clock, pod_behavior=behavior, **options)
+        super().__init__(behavior, **options)
         self.fake.proxy_handlers = Answers()
-        self.http = httpx.Client(
-            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
-        )
-        self.out = io.StringIO()
-        self.backend = KubernetesBackend(
-            self.http,
-            ClusterInfo(HOST, "fake-ctx", "default", False),
-            out=self.out,
-            clock=self.clock,
-            sleep=self.clock.advance,
-        )
 
     def labelled(self) -> list[tuple[str, str]]:
         return [
@@ -463,9 +456,6 @@ class Cluster:
 
     def pods(self) -> list[dict[str, Any]]:
         return [p for p in self.fake.objects("pods") if not p["metadata"].get("deletionTimestamp")]
-
-    def writes(self, since: int = 0) -> list[tuple[str, str]]:
-        return [(r.method, r.path) for r in self.fake.requests[since:] if r.method != "GET"]
 
     def scale(self, replicas: int) -> None:
         """Play the HPA: set the Deployment's replicas."""

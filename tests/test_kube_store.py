@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -30,13 +29,13 @@ import httpx
 import kube_fake as kf
 import pytest
 import server_procs
+from kube_cluster import Cluster as StandIn
 from kube_unit import isolate_backend
 
 import ktlite as kt
 from ktlite.backends import kube_deps
 from ktlite.backends import kube_manifests as km
 from ktlite.backends import kube_store as ks
-from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.commands import cli
 from ktlite.errors import DataStoreError
@@ -148,21 +147,15 @@ def store_server(tmp_path: Path) -> Iterator[str]:
         proc.wait(10)
 
 
-class Cluster:
+class Cluster(StandIn):
+    """The stand-in cluster (``kube_cluster``) with the data store's objects, and the clients
+    it opened (closed with it)."""
+
+    api_token = API_TOKEN
+    context = "fake"
+
     def __init__(self, behavior: kf.PodBehavior | None = None, **options: Any) -> None:
-        self.clock = kf.FakeClock()
-        self.fake = kf.FakeKube(token=API_TOKEN, pod_behavior=behavior, clock=self.clock, **options)
-        self.http = httpx.Client(
-            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
-        )
-        self.out = io.StringIO()
-        self.backend = KubernetesBackend(
-            self.http,
-            ClusterInfo(HOST, "fake", "default", False),
-            out=self.out,
-            clock=self.clock,
-            sleep=self.clock.advance,
-        )
+        super().__init__(behavior, **options)
         self.store = ks.KubeStore(self.backend)
         self.clients = [self.http]
 

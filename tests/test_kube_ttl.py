@@ -7,7 +7,6 @@ The stand-in cluster runs the whole of it: ``test_kube_ttl_e2e.py``.
 
 from __future__ import annotations
 
-import io
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,11 +16,11 @@ import httpx
 import kube_fake as kf
 import kubernetes_validate
 import pytest
+from kube_cluster import Cluster as StandIn
 
 import ktlite as kt
 from ktlite.backends import kube_deps
 from ktlite.backends import kube_expiry as kexp
-from ktlite.backends.kube_api import ClusterInfo
 from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.commands import expiry_cli
 from ktlite.errors import DeployError
@@ -44,20 +43,10 @@ def spec(name: str = "idle", ttl: Any = "30m", **compute: Any) -> DeploymentSpec
     )
 
 
-class Cluster:
-    def __init__(self) -> None:
-        self.clock = kf.FakeClock()
-        self.fake = kf.FakeKube(token=API_TOKEN, clock=self.clock)
-        self.http = httpx.Client(
-            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
-        )
-        self.backend = KubernetesBackend(
-            self.http,
-            ClusterInfo(HOST, "fake-ctx", "default", False),
-            out=io.StringIO(),
-            clock=self.clock,
-            sleep=self.clock.advance,
-        )
+class Cluster(StandIn):
+    """The stand-in cluster (``kube_cluster``), with this module's credential."""
+
+    api_token = API_TOKEN
 
     def names(self, kind: str) -> list[str]:
         return [o["metadata"]["name"] for o in self.fake.objects(kind)]

@@ -19,12 +19,12 @@ from typing import Any
 import httpx
 import kube_fake as kf
 import pytest
+from kube_cluster import Cluster as StandIn
 from kube_unit import isolate_backend
 
 import ktlite as kt
-from ktlite.backends.kube_api import ClusterInfo, KubeApi, KubeApiError
+from ktlite.backends.kube_api import KubeApi, KubeApiError
 from ktlite.backends.kube_watch import PodWatch
-from ktlite.backends.kubernetes import KubernetesBackend
 from ktlite.errors import LaunchTimeout
 from ktlite.specs.deployment_spec import DeploymentSpec
 
@@ -40,37 +40,10 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     isolate_backend(monkeypatch, tmp_path)
 
 
-class Cluster:
-    def __init__(self, behavior: kf.PodBehavior | None = None, **options: Any) -> None:
-        self.clock = kf.FakeClock()
-        self.fake = kf.FakeKube(token=API_TOKEN, pod_behavior=behavior, clock=self.clock, **options)
-        self.http = httpx.Client(
-            transport=self.fake, base_url=HOST, headers={"authorization": f"Bearer {API_TOKEN}"}
-        )
-        self.backend = KubernetesBackend(
-            self.http,
-            ClusterInfo(HOST, "fake-ctx", "default", False),
-            out=io.StringIO(),
-            clock=self.clock,
-            sleep=self.clock.advance,
-        )
+class Cluster(StandIn):
+    """The stand-in cluster (``kube_cluster``), with this module's credential."""
 
-    def requests(self, since: int = 0) -> Counter[str]:
-        """Requests about pods since ``since``, by kind: ``LIST``, ``WATCH``, ``DELETE pod``,
-        ``DELETECOLLECTION``, ``proxy`` (to a pod), ``GET pod``."""
-        kinds: Counter[str] = Counter()
-        for r in self.fake.requests[since:]:
-            if not r.path.startswith(PODS):
-                continue
-            if "/proxy" in r.path:
-                kinds["proxy"] += 1
-            elif r.path == PODS:
-                watch = r.query.get("watch") == "true"
-                verb = {"GET": "WATCH" if watch else "LIST", "DELETE": "DELETECOLLECTION"}
-                kinds[verb.get(r.method, r.method)] += 1
-            else:
-                kinds[f"{r.method} pod"] += 1
-        return kinds
+    api_token = API_TOKEN
 
 
 @pytest.fixture

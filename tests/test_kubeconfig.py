@@ -386,7 +386,7 @@ def test_an_exec_plugins_client_certificate_over_real_tls(
         with client:
             assert KubeApi(client, info.namespace).list("Pod") == []
         assert (
-            server.seen == [("/api/v1/namespaces/default/pods", None)]
+            server.seen == [("/api/v1/namespaces/default/pods?limit=500", None)]
             and server.handshake_errors == []
         )
     assert not list(

@@ -26,6 +26,7 @@ import helpers_mod
 import numpy as np
 import pytest
 from helpers_mod import Scaler, double
+from loadscale import time_scale
 
 import ktlite as kt
 from ktlite.backends.local import LocalBackend
@@ -701,6 +702,26 @@ def test_a_detached_local_deployment_stops_after_inactivity_ttl() -> None:
         time.sleep(0.25)
     assert not any(alive(p) for p in pids), "the pod outlived its inactivity_ttl"
     remote.teardown()
+
+
+def _sleep_then_one(seconds: float) -> int:
+    time.sleep(seconds)  # the call's own work, longer than the idle time checked after it
+    return 1
+
+
+def test_idle_time_counts_from_the_end_of_the_last_call_not_its_start() -> None:
+    """A call that ran for a while leaves its deployment just used, not idle for as long as
+    the call took (else a long call ending past ``inactivity_ttl`` tore the deployment down
+    right after it returned, found by the stand-in cluster's TTL test)."""
+    seconds = 3.0 * time_scale()
+    name = f"local-busy-{uuid.uuid4().hex[:6]}"
+    remote = kt.fn(_sleep_then_one, name=name).to(kt.Compute(inactivity_ttl="1h"), detached=True)
+    try:
+        assert remote(seconds) == 1
+        row = next(r for r in LocalBackend.shared().list() if r["name"] == name)
+        assert row["idle_s"] < seconds, row
+    finally:
+        remote.teardown()
 
 
 def test_list_shows_how_long_a_local_deployment_has_been_idle_and_its_deadline(

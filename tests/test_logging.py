@@ -103,7 +103,7 @@ def test_a_diagnostic_that_printed_is_a_log_record_at_its_level(
 
 def test_the_pod_server_logs_through_ktlite_server_at_its_level(tmp_path: Path) -> None:
     """A real pod server that stops itself (inactivity_ttl): the notice is a WARNING record
-    of ``ktlite_server.__main__`` on its stderr (the pod log), in the pod's format."""
+    of ``ktlite_server`` on its stderr (the pod log), in the pod's format."""
     env = {k: v for k, v in os.environ.items() if k != LOG_ENV}
     env["KTLITE_TOKEN"] = "tok-" + "s3cret" * 4
     done = subprocess.run(

@@ -6,10 +6,14 @@ it got), and the key kept out of plans and reprs."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,6 +21,7 @@ import pytest
 from tcp_relay import Relay
 
 import ktlite as kt
+from ktlite.backends.processes import pid_alive
 from ktlite.errors import PodUnreachable
 from ktlite.net import tls
 from ktlite.net.client import PodClient
@@ -177,17 +182,48 @@ def test_a_redeploy_switches_tls_as_asked_and_keeps_tls_pods_that_did_not_change
 
 def test_a_pod_refuses_a_peer_with_another_deployments_certificate(secured: object) -> None:
     """Pod to pod is pinned too: pod 0 told that its peer is another deployment's TLS pod
-    (same port kind, another certificate) refuses it before sending the call."""
+    (same port kind, another certificate) refuses it before sending the call, at its first
+    try: waiting cannot make another deployment's server this one's."""
     other = kt.fn(echo, name="tls-other").to(kt.Compute(tls=True))
     dep = secured.deployment  # type: ignore[attr-defined]
     eps = list(dep.applied.endpoints)
+    stranger = Relay(urlsplit(other.deployment.endpoints[0].peer_url).port or 0)
     try:
-        stranger = other.deployment.endpoints[0].peer_url
-        dep.applied.endpoints = [eps[0], dataclasses.replace(eps[1], peer_url=stranger)]
+        peer_url = f"https://127.0.0.1:{stranger.port}"
+        dep.applied.endpoints = [eps[0], dataclasses.replace(eps[1], peer_url=peer_url)]
         with pytest.raises(kt.KtliteError, match="not this deployment's") as caught:
             secured(b"x")  # type: ignore[operator]
         assert dep.applied.token not in str(caught.value)
+        assert stranger.connections == 1, stranger.connections
     finally:
         dep.applied.endpoints = eps
+        stranger.close()
         other.teardown()
     assert secured(b"xy") == [2, 2]  # type: ignore[operator]
+
+
+def test_a_tls_pod_server_stops_at_once_with_idle_connections_open() -> None:
+    """SIGTERM with the caller's pooled TLS connection and pod 0's to pod 1 idle: each server
+    drops them and exits, instead of waiting for a TLS close_notify that an idle peer never
+    sends (uvicorn's graceful timeout then cancels: every TLS teardown took 3 s longer)."""
+    name = f"tls-stop-{secrets.token_hex(3)}"
+    remote = kt.fn(echo, name=name).to(kt.Compute(tls=True).distribute("spmd", workers=2))
+    try:
+        assert remote(b"abc") == [3, 3]  # pooled: caller -> pod 0, pod 0 -> pod 1
+        pids = [pod["server_pid"] for pod in remote.status()]
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        for pid in pids:
+            _wait_gone(pid)
+        pod_logs = Path(os.environ["KTLITE_HOME"], "local", name).glob("pod-*.log")
+        logs = "\n".join(path.read_text() for path in pod_logs)
+        assert "graceful shutdown exceeded" not in logs, logs
+    finally:
+        remote.teardown()
+
+
+def _wait_gone(pid: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        assert time.monotonic() < deadline, f"pod server {pid} still running after SIGTERM"
+        time.sleep(0.05)  # polling the pid, bounded by the deadline

@@ -64,6 +64,8 @@ def kind_of(obj: dict[str, Any]) -> str:
 
 
 _TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+PAGE = 500  # objects per LIST answer (kubectl's chunk size): a LIST of 1,000s of pods pages
+LIST_ATTEMPTS = 3  # a list whose page token expired (410) starts again, this many times at most
 
 
 class KubeApiError(ControllerRequestError):
@@ -229,16 +231,36 @@ class KubeApi:
         )
         return None if resp is None else resp.json()
 
+    def _pages(self, kind: str, params: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+        """Every object of a LIST, read ``PAGE`` at a time (``limit``/``continue``, as kubectl
+        reads), and the list's ``resourceVersion`` (every page's: one snapshot). A token the
+        API server has expired meanwhile (410) starts the list again, a few times at most."""
+        what, attempt = f"list {kind}s", 0
+        while True:
+            attempt += 1
+            items: list[dict[str, Any]] = []
+            token = ""
+            try:
+                while True:
+                    page = {**params, "limit": PAGE, **({"continue": token} if token else {})}
+                    resp = self.request("GET", self._path(kind), what=what, params=page)
+                    assert resp is not None
+                    body = resp.json()
+                    items += body.get("items") or []
+                    meta = body.get("metadata") or {}
+                    token = meta.get("continue") or ""
+                    if not token:
+                        return items, str(meta.get("resourceVersion", ""))
+            except KubeApiError as e:
+                if e.status != 410 or not token or attempt == LIST_ATTEMPTS:
+                    raise
+                logger.info("%s: its page token expired after %d items; again", what, len(items))
+
     def list_at(
         self, kind: str, label_selector: str | None = None
     ) -> tuple[list[dict[str, Any]], str]:
         """The objects, and the list's ``resourceVersion``: where a watch of them starts."""
-        params = {"labelSelector": label_selector} if label_selector else {}
-        resp = self.request("GET", self._path(kind), what=f"list {kind}s", params=params)
-        assert resp is not None
-        body = resp.json()
-        items: list[dict[str, Any]] = body.get("items") or []
-        return items, str((body.get("metadata") or {}).get("resourceVersion", ""))
+        return self._pages(kind, {"labelSelector": label_selector} if label_selector else {})
 
     def list(
         self, kind: str, label_selector: str | None = None, field_selector: str | None = None
@@ -248,10 +270,7 @@ class KubeApi:
             for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector))
             if v
         }
-        resp = self.request("GET", self._path(kind), what=f"list {kind}s", params=params)
-        assert resp is not None
-        items: list[dict[str, Any]] = resp.json().get("items") or []
-        return items
+        return self._pages(kind, params)[0]
 
     @contextlib.contextmanager
     def watch(

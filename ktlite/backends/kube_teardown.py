@@ -1,6 +1,6 @@
-"""Removing a Kubernetes deployment: its objects by name, its pods as one collection (one
-request at any pod count), then a watch until they are gone; and removing what a failed first
-deploy had made.
+"""Removing a Kubernetes deployment: its objects by name, its pods (and with ``volumes`` its
+claims) as one collection each (one request at any pod count), then a watch until they are
+gone; and removing what a failed first deploy had made.
 
 Mixed into :class:`~ktlite.backends.kubernetes.KubernetesBackend`.
 """
@@ -26,18 +26,23 @@ logger = logging.getLogger(__name__)
 
 
 def delete_pods(api: KubeApi, selector: str) -> int:
-    """Delete the pods ``selector`` matches: one ``deletecollection``, or, for an account
-    without that verb, one DELETE per pod. How many there were."""
+    """Delete the pods ``selector`` matches (``delete_all``); how many there were."""
+    return delete_all(api, "Pod", selector)
+
+
+def delete_all(api: KubeApi, kind: str, selector: str) -> int:
+    """Delete the ``kind`` objects ``selector`` matches: one ``deletecollection``, or, for an
+    account without that verb, a LIST and one DELETE each. How many there were."""
     try:
-        return api.delete_collection("Pod", selector)
+        return api.delete_collection(kind, selector)
     except KubeApiError as e:
         if e.status != 403:
             raise
-        logger.info("may not deletecollection pods (%s); deleting them one by one", e)
-    pods = api.list("Pod", selector)
-    for pod in pods:
-        api.delete("Pod", pod["metadata"]["name"])
-    return len(pods)
+        logger.info("may not deletecollection %ss (%s); deleting them one by one", kind, e)
+    objs = api.list(kind, selector)
+    for obj in objs:
+        api.delete(kind, obj["metadata"]["name"])
+    return len(objs)
 
 
 class Teardown(_Base):
@@ -57,9 +62,8 @@ class Teardown(_Base):
         found |= self._drop_policy(api, name) | kexp.drop_access(api, name)
         found |= self._teardown_served(api, name)
         found |= delete_pods(api, km.selector(name)) > 0
-        if volumes:
-            for claim in api.list("PersistentVolumeClaim", km.selector(name)):
-                found |= api.delete("PersistentVolumeClaim", claim["metadata"]["name"])
+        if volumes:  # the claims, as one collection too
+            found |= delete_all(api, "PersistentVolumeClaim", km.selector(name)) > 0
         return self._watch_pods_gone(api, name, timeout) or found
 
     def _watch_pods_gone(self, api: KubeApi, name: str, timeout: float) -> bool:

@@ -47,14 +47,29 @@ def attach(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         "spmd", workers=len(applied.endpoints), num_proc=procs
     )
     dep = Deployment(DeploymentSpec(args.name, compute.pod_spec()), backend, applied)
-    return dep, [status, *_pods_status(dep, None, dep.endpoints[1:])]
+    if len(dep.endpoints) == 1:
+        return dep, [status]
+    return dep, _pods_status(dep, None)
 
 
-def _pods_status(
-    dep: Any, stuck_after: float | None, endpoints: list[Any] | None = None
-) -> list[dict[str, Any]]:
-    """Each pod's status, all at once; a pod that does not answer is an entry saying so
-    (``error``), so the others still show."""
+def _pods_status(dep: Any, stuck_after: float | None) -> list[dict[str, Any]]:
+    """Each pod's status: asked of pod 0, which gathers the others' (``modes.podtable``), else
+    of each pod at once; a pod that does not answer is an entry saying so (``error``), so the
+    others still show."""
+    from ktlite.modes import podtable
+
+    eps = dep.endpoints
+    if not eps:
+        return []
+    header = dep.mode.table_relay(podtable.STATUS_S)
+    if header is not None:
+        try:
+            table: list[dict[str, Any]] = dep.client.status(
+                eps[0].url, stuck_after, relay=header, timeout=podtable.STATUS_S + podtable.SLACK_S
+            )
+            return table
+        except KtliteError:
+            pass  # pod 0 did not answer: ask each pod, so the others still show
 
     def one(ep: Any) -> dict[str, Any]:
         try:
@@ -62,9 +77,6 @@ def _pods_status(
         except KtliteError as e:
             return {"pod": ep.name, "ordinal": ep.ordinal, "error": str(e), "ranks": []}
 
-    eps = dep.endpoints if endpoints is None else endpoints
-    if not eps:
-        return []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(eps))) as pool:
         return list(pool.map(one, eps))
 

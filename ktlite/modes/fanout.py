@@ -26,7 +26,7 @@ from ktlite.errors import (
     PodUnreachable,
     RemoteError,
 )
-from ktlite.modes import engines
+from ktlite.modes import engines, podtable
 from ktlite.modes.callpath import CallOptions, CallPlans, pool, print_log, shm_arguments
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import decode_values, split, to_error
@@ -342,30 +342,18 @@ class Fanout(Mode):
             raise
 
     def restart_failed(self) -> dict[str, Any]:
-        """Restart the dead rank processes on every pod (only those); pod 0 last, so the
-        process group is re-formed at the next call."""
-        timeout = self.spec.pod.calls.launch_timeout + 30
-        eps = self.endpoints
-        futures = [pool.submit(self.client.restart_failed, ep.url, timeout) for ep in eps[1:]]
-        answers = [f.result() for f in futures]
-        # pod 0 moves the deployment to a new process-group generation when a rank restarted
-        answers.insert(
-            0,
-            self.client.restart_failed(
-                eps[0].url, timeout, regroup=any(a["restarted"] for a in answers)
-            ),
-        )
-        restarted = sorted(r for a in answers for r in a["restarted"])
-        return {
-            "restarted": restarted,
-            "failed": [f for a in answers for f in a["failed"]],
-            "pods": answers,
-        }
+        """Restart the dead rank processes on every pod (only those), asked of pod 0, which
+        asks the others (``podtable``); pod 0 last, so the process group is re-formed."""
+        return podtable.restart_failed(self)
+
+    def table_relay(self, timeout: float) -> str | None:
+        return podtable.relay(self, timeout)
 
     def status(self, stuck_after: float | None = None) -> list[dict[str, Any]]:
-        # all pods at once: each may take a moment to measure its ranks' CPU
-        futures = [pool.submit(self.client.status, ep.url, stuck_after) for ep in self.endpoints]
-        return [f.result() for f in futures]
+        """Every pod's status, asked of pod 0, which gathers it (``podtable``)."""
+        table = podtable.entries(self, stuck_after)
+        podtable.raise_errors(table, f"the status of {self.name!r}")
+        return table
 
 
 class HeadOnly(Fanout):

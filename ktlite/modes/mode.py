@@ -73,6 +73,16 @@ class Mode:
     def check_colocation(self, target: str) -> None:
         """Raise if ``target`` may not be colocated into this deployment's rank processes."""
 
+    def launch_relay(self, timeout: float) -> str | None:
+        """The ``x-ktlite-tree`` header of a push that pod 0 relays to every pod; None: the
+        caller sends it to each pod itself."""
+        return None
+
+    def table_relay(self, timeout: float) -> str | None:
+        """The ``x-ktlite-tree`` header with which pod 0 gathers every pod's status
+        (``modes.podtable``); None: the caller asks each pod itself."""
+        return None
+
     # ---- calls -------------------------------------------------------------------------
 
     def parallel_calls(self) -> int:

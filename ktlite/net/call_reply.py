@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ktlite.errors import KtliteError, PodUnreachable
+from ktlite_wire import landing
 from ktlite_wire.frames import (
     ERROR,
     HEARTBEAT,
@@ -61,7 +62,7 @@ class FrameReader:
     def read(self, chunks: Any) -> CallReply:
         """Reads the stream to its end (it ends right after the result) so the connection can
         be reused."""
-        return self.take(read_frames(chunks))
+        return self.take(read_frames(chunks, landing.caller()))
 
     def take(self, frames: Iterator[tuple[int, Any]]) -> CallReply:
         """:meth:`read`, from the stream's frames (``Connection.frames`` reads them)."""

@@ -227,34 +227,42 @@ class PodClient:
                 f"pod at {url} answered the deploy with a malformed result: {e}"
             ) from e
 
-    def status(self, url: str, stuck_after: float | None = None) -> dict[str, Any]:
+    def status(
+        self,
+        url: str,
+        stuck_after: float | None = None,
+        relay: str | None = None,
+        timeout: float = 5.0,
+    ) -> Any:
+        """The pod's status; with ``relay`` (``x-ktlite-tree``) a list, every pod it names."""
         params = {} if stuck_after is None else {"stuck_after": str(stuck_after)}
         resp = self.transport.request(
             "GET",
             url,
             "/status",
-            headers=self._headers(),
+            headers=self._headers({} if relay is None else {TREE_HEADER: relay}),
             params=params,
             what="/status",
-            timeout=5.0,
+            timeout=timeout,
         )
         self._check(resp, url)
-        result: dict[str, Any] = resp.json()
-        return result
+        return resp.json()
 
-    def restart_failed(self, url: str, timeout: float, regroup: bool = False) -> dict[str, Any]:
+    def restart_failed(
+        self, url: str, timeout: float, regroup: bool = False, relay: str | None = None
+    ) -> Any:
+        """Restart the pod's dead ranks; with ``relay`` every pod's, a list of answers."""
         resp = self.transport.request(
             "POST",
             url,
             "/restart_failed",
-            headers=self._headers(),
+            headers=self._headers({} if relay is None else {TREE_HEADER: relay}),
             timeout=timeout,
             params={"regroup": "true"} if regroup else None,
             what="/restart_failed",
         )
         self._check(resp, url)
-        result: dict[str, Any] = resp.json()
-        return result
+        return resp.json()
 
     def cancel(
         self, url: str, call_id: str, reason: str = "cancelled by the caller", timeout: float = 5.0

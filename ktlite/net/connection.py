@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from ktlite_wire import pinning
+from ktlite_wire import landing, pinning
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import FrameParser
 
@@ -101,9 +101,19 @@ class Connection:
         """The response body's frames (``ktlite_wire.frames``); a large frame's payload is
         read from the socket straight into its own memory (``FrameParser.room``), not
         through pieces that are copied on. Raises ProtocolError when the body ends mid-frame."""
-        parser = FrameParser()
-        for got in self._pieces(headers, parser):
-            yield from got if isinstance(got, list) else parser.feed(got)
+        parser = FrameParser(landing.caller())  # warm memory, where a payload was let go
+        try:
+            for got in self._pieces(headers, parser):
+                yield from got if isinstance(got, list) else parser.feed(got)
+        except ConnectionFailed as e:
+            if not parser.mid_frame:
+                raise
+            # a pod cuts a response off mid-frame when the value it was sending is lost (its
+            # rank died writing it): never a value, whole or not
+            raise ConnectionFailed(
+                f"{e} after {parser.where()}: the frame, and the value in it, are lost "
+                "(the pod's log says why)"
+            ) from e
         if parser.mid_frame:
             raise ProtocolError("stream ended inside a frame")
 

@@ -16,6 +16,7 @@ from the request head before anything else: ``admission.py``):
 - ``POST /restart_failed``: restart this pod's dead rank processes.
 - ``GET /status``: each rank's state, last exit, restarts, how long it has been busy, its running
   calls, and what it uses (pid, CPU %, RSS, GPU memory and utilisation: ``usage.py``).
+  Both with ``x-ktlite-tree``: for every pod, gathered down the tree (``podtable.py``).
 - ``GET /metrics``: Prometheus text (calls running, calls taken).
 
 What a connection may send and hold (head size, header and idle timeouts, the connection
@@ -36,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ktlite_server import podtable
 from ktlite_server.admission import Gate, Token
 from ktlite_server.calls import Calls, FastCall
 from ktlite_server.connections import Limits
@@ -44,8 +46,9 @@ from ktlite_server.launches import Launches
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
 from ktlite_server.refusal import refuse
+from ktlite_wire import calltree
 from ktlite_wire.errors import ErrorCode
-from ktlite_wire.headers import TOKEN_HEADER, VERSION_HEADER, bearer
+from ktlite_wire.headers import TOKEN_HEADER, TREE_HEADER, VERSION_HEADER, bearer
 from ktlite_wire.status import Status
 from ktlite_wire.version import PROTOCOL_VERSION, RELEASE
 
@@ -196,17 +199,34 @@ class PodServer:
         )
         return Response(text, media_type="text/plain; version=0.0.4")
 
-    async def status(self, request: Request) -> dict[str, Any]:
+    async def status(self, request: Request) -> Any:
         try:
             stuck_after = float(request.query_params.get("stuck_after", DEFAULT_STUCK_AFTER_S))
         except ValueError:
             raise refuse(
                 400, ErrorCode.BAD_REQUEST, "stuck_after must be a number of seconds"
             ) from None
+        relay = self._relay(request)  # the whole subtree's, in one answer: podtable.py
+        if relay is not None:
+            own = self.pod.status(stuck_after)
+            return await podtable.statuses(self.pod.peers, relay, own, dict(request.query_params))
         return await self.pod.status(stuck_after)
 
-    async def restart_failed(self, request: Request) -> JSONResponse:
+    def _relay(self, request: Request) -> calltree.LaunchRelay | None:
+        try:
+            return podtable.parse(request.headers.get(TREE_HEADER), self.pod.ordinal)
+        except ValueError as e:
+            raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed x-ktlite-tree: {e}") from e
+
+    async def restart_failed(self, request: Request) -> Any:
         """Restart this pod's dead rank processes (only those: the others keep their state)."""
+        relay = self._relay(request)
+        if relay is not None:
+            return await podtable.restarts(self.pod.peers, relay, self._restart)
+        regroup = request.query_params.get("regroup", "").lower() in _YES
+        return JSONResponse(await self._restart(regroup))
+
+    async def _restart(self, regroup: bool) -> dict[str, Any]:
         pod = self.pod
         if pod.dep is None:
             raise refuse(
@@ -215,9 +235,9 @@ class PodServer:
                 f"pod {pod.name} has no code deployed; call .to() first",
             )
         result = await pod.restart_failed()
-        if result["restarted"] or request.query_params.get("regroup", "").lower() in _YES:
+        if result["restarted"] or regroup:
             pod.next_generation()  # on pod 0 this re-forms the process group at the next call
-        return JSONResponse({**result, "generation": pod.generation})
+        return {**result, "pod": pod.name, "ordinal": pod.ordinal, "generation": pod.generation}
 
     async def cancel(self, call_id: str, request: Request) -> JSONResponse:
         query = request.query_params

@@ -190,6 +190,18 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._cancel_head_timer()
         super().connection_lost(exc)
 
+    def shutdown(self) -> None:
+        """The server stops (SIGTERM, teardown): an idle connection whose output is all sent
+        is dropped at once. uvicorn closes it, and over TLS a close waits for the peer's
+        close_notify, which an idle peer (the caller's pooled connection, another pod's)
+        never sends: every TLS server waited out its whole graceful timeout (3 s)."""
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and not self.transport.get_write_buffer_size():
+            self.connections.discard(self)
+            self.transport.abort()
+            return
+        super().shutdown()
+
     # -- the request head: size and time -----------------------------------------------------
 
     def data_received(self, data: bytes) -> None:

@@ -26,8 +26,9 @@ from typing import Any
 
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
 from ktlite_server.pod import Pod
-from ktlite_server.ranks import Outcome
-from ktlite_wire import calltree, frames, headers, heartbeat, shm
+from ktlite_server.ranks import Outcome, settled
+from ktlite_server.resultfeed import take
+from ktlite_wire import calltree, frames, headers, heartbeat
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
 from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef, Subtree
@@ -63,7 +64,7 @@ def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodO
                 "are not kept",
                 o.at,
             )
-        data = ShmRef(o.path, o.size) if shm_results else shm.take(o.path, o.size)
+        data = ShmRef(o.path, o.size) if shm_results else take(o.path, o.size, o.feed)
         return RankOutcome(o.rank, pod.name, o.status, data, o.message, o.at)
 
     return [one(o) for o in outs]
@@ -91,6 +92,8 @@ async def run_local(
         group_port=plan.group_port,
         ranks=plan.ranks,
     )
+    if plan.shm_results:  # the caller maps the files itself: each once its rank wrote it whole
+        outs = await settled(outs)
     return _pod_outcomes(pod, outs, plan.shm_results)
 
 
@@ -305,14 +308,18 @@ class Coordinator:
             missing = list(errors)
             waited = time.monotonic() - start
             # nothing listening at all: the server is gone, and one that restarts has lost the
-            # deployment's code anyway; or a server that is not this deployment's (its TLS
-            # certificate is another's): waiting out quorum_timeout would only delay the error
+            # deployment's code anyway: waiting out quorum_timeout would only delay the error;
+            # a server that is not this deployment's (its TLS certificate is another's) will
+            # not become it: the call fails at once
             refused = bool(failures) and all(
-                isinstance(e.__cause__, (ConnectionRefusedError, ssl.SSLCertVerificationError))
-                for e in failures.values()
+                isinstance(e.__cause__, ConnectionRefusedError) for e in failures.values()
+            )
+            foreign = any(
+                isinstance(e.__cause__, ssl.SSLCertVerificationError) for e in failures.values()
             )
             if (
                 not missing
+                or foreign
                 or waited >= plan.quorum_timeout
                 or (refused and waited >= REFUSED_GRACE_S)
             ):

@@ -70,17 +70,17 @@ class Launches:
         finally:
             if path:
                 os.unlink(path)  # a large body stays mapped while it is relayed
-        if isinstance(msg, Colocation):
-            return await self._colocate(msg)
-        if tree is None:
-            return self._outcomes(await self.install(msg))
-        if tree.subtree[0] != self.pod.ordinal:
+        if tree is not None and tree.subtree[0] != self.pod.ordinal:
             raise refuse(
                 400,
                 ErrorCode.BAD_REQUEST,
                 f"a relayed launch for pod {tree.subtree[0]} reached pod {self.pod.name} "
                 f"(ordinal {self.pod.ordinal})",
             )
+        if isinstance(msg, Colocation):
+            return await self._colocate(msg, tree, body)
+        if tree is None:
+            return self._outcomes(await self.install(msg))
         below = launchtree.relay(self.pod.peers, tree, msg.distributed, body)
         refused = launchtree.python_mismatch(tree, msg.distributed, self.pod.ordinal)
         if refused is not None:
@@ -229,9 +229,12 @@ class Launches:
         if failed:
             logger.error("%s", self.boot)
 
-    async def _colocate(self, msg: Colocation) -> Response:
+    async def _colocate(
+        self, msg: Colocation, tree: calltree.LaunchRelay | None, body: Any
+    ) -> Response:
         """A colocation launch (``kt.cls(B).to(remote_a)``): add, replace or (``drop``) remove
-        a named target in the rank processes of the deployment this pod serves."""
+        a named target in the rank processes of the deployment this pod serves; with ``tree``
+        (the ``x-ktlite-tree`` header) here and, relayed as a code push is, on its subtree."""
         pod, name = self.pod, msg.target
         target = (
             None
@@ -253,4 +256,9 @@ class Launches:
                 f"{msg.launch_id}: the deployment to colocate {name!r} "
                 "with was redeployed since",
             )
-        return self._outcomes(await pod.colocate(name, target, if_missing=msg.if_missing))
+        own = pod.colocate(name, target, if_missing=msg.if_missing)
+        if tree is None:
+            return self._outcomes(await own)
+        below = launchtree.relay(pod.peers, tree, pod.dep.config, body)
+        outs, relayed = await asyncio.gather(own, below)
+        return self._outcomes(outs, relayed)

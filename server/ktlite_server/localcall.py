@@ -158,6 +158,9 @@ class LocalCall:
         if (
             not result.ok and handle.stop_kind
         ):  # interrupted on its own (CallInterrupted): the stop's outcome
+            if result.path is not None:  # its exception's info, large: nobody takes the file
+                rank.feed(handle.call_id)
+                shm.remove_later(result.path)
             return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
         return Outcome(
             rank.global_rank,
@@ -165,6 +168,7 @@ class LocalCall:
             result.inline,
             path=result.path,
             size=result.size,
+            feed=rank.feed(handle.call_id) if result.streaming else None,
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ class PodCalls:
     last_generation: int
     calls: dict[str, CallHandle]
     calls_total: int
+    last_active: float  # monotonic time of the last authorized request or call end
     finished: collections.OrderedDict[str, list[Outcome]]
     cancelled_early: collections.OrderedDict[str, tuple[Status, str]]
     _sinks: dict[int, dict[str, LogEmit]]
@@ -103,6 +105,7 @@ class PodCalls:
             )
         finally:
             self.calls.pop(call_id, None)
+            self.last_active = time.monotonic()  # idle from the call's end, not its start
             handle.done.set()
             self.finished[call_id] = handle.outcomes
             while len(self.finished) > 256:

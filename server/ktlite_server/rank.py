@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from ktlite_server import logconfig, workdir
+from ktlite_server import logconfig, resultfeed, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
 from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
@@ -350,12 +350,37 @@ class Rank:
         self._flush()
         size = codec.parts_size(parts)
         if size <= shm.INLINE_MAX:
-            inline, path = b"".join(parts), None
-        else:
-            inline, (path, size) = None, shm.write(parts, shm.RESULT_PREFIX)
-        self.chan.send(
-            rankchannel.Result(call_id, ok, inline, path, size, holds_dist_state(), self.tainted)
-        )
+            self.chan.send(
+                rankchannel.Result(
+                    call_id, ok, b"".join(parts), None, size, holds_dist_state(), self.tainted
+                )
+            )
+            return
+        # large: the pod server sends each piece while this process writes the next
+        fd, path = shm.create(shm.RESULT_PREFIX, size)
+        try:
+            self.chan.send(
+                rankchannel.Result(
+                    call_id, ok, None, path, size, holds_dist_state(), self.tainted, True
+                )
+            )
+            written = 0
+
+            def progress(n: int) -> None:
+                nonlocal written
+                written = n
+                self.chan.send(rankchannel.Written(call_id, n))
+
+            try:
+                shm.write_into(fd, parts, resultfeed.PIECE, progress)
+            except OSError as e:  # a full /dev/shm: the server cuts the stream, naming this
+                self.chan.send(
+                    rankchannel.Written(
+                        call_id, written, f"writing it to {path} failed: {e.strerror or e}"
+                    )
+                )
+        finally:
+            os.close(fd)
 
     def _loaded(self, error: RemoteExceptionInfo | None) -> None:
         """Answer a load; a failure's info goes pickled, for the caller alone to read."""

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ktlite_server.resultfeed import Feed, ResultLost
 from ktlite_wire import rankchannel
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.status import Status
@@ -38,9 +39,27 @@ class Outcome:
     message: str = ""
     path: str | None = None  # a large value waits in this shared-memory file instead
     size: int = 0
+    feed: Feed | None = None  # the rank still writes that file: how far it got
     at: float = field(
         default_factory=time.time
     )  # when it was known: the earliest failure is the cause
+
+
+async def settled(outs: list[Outcome]) -> list[Outcome]:
+    """``outs`` once every result a rank still writes is written whole; one whose rank died
+    or failed to write it is that rank's death (its file removed)."""
+    settled = []
+    for o in outs:
+        if o.feed is not None:
+            try:
+                await o.feed.until(o.size)
+            except ResultLost as e:
+                if o.path is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(o.path)
+                o = Outcome(o.rank, Status.DIED, message=str(e), at=time.time())
+        settled.append(o)
+    return settled
 
 
 class RankGone(Exception):
@@ -92,6 +111,8 @@ class RankProcess:
         self._fds: dict[int, str] = {}
         self._pidfd: int | None = None
         self._oom: bool | None = None  # whether its death was an OOM kill, once known
+        self._feeds: dict[str, Feed] = {}  # call id -> a result the rank still writes
+        self._streamed: dict[str, Feed] = {}  # ... until the call that awaits it takes it
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -187,6 +208,11 @@ class RankProcess:
         self.tainted = reply.tainted  # interrupted inside an import: the pod replaces it
         return reply
 
+    def feed(self, call_id: str) -> Feed | None:
+        """The progress of call ``call_id``'s result while the rank writes it (once, after
+        :meth:`call` returned a streaming result)."""
+        return self._streamed.pop(call_id, None)
+
     def interrupt_main(self) -> None:
         """SIGUSR2: the call on the rank's main thread raises CallInterrupted."""
         if self.proc is not None and self.alive:
@@ -233,6 +259,9 @@ class RankProcess:
         try:
             while True:
                 msg = await rankchannel.read(self._reader)
+                if isinstance(msg, rankchannel.Written):
+                    self._progress(msg)
+                    continue
                 key = (
                     "start"
                     if isinstance(msg, rankchannel.Ready)
@@ -243,6 +272,10 @@ class RankProcess:
                     else None
                 )
                 future = self._pending.get(key) if key is not None else None
+                if isinstance(msg, rankchannel.Result) and msg.streaming:
+                    self._feeds[msg.id] = feed = Feed(self.global_rank, msg.size)
+                    if future is not None:
+                        self._streamed[msg.id] = feed
                 if future is not None and not future.done():
                     future.set_result(msg)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -257,6 +290,14 @@ class RankProcess:
                     break
                 await asyncio.sleep(0.02)
         self._on_exit()
+
+    def _progress(self, msg: rankchannel.Written) -> None:
+        feed = self._feeds.get(msg.id)
+        if feed is None:
+            return  # a result nobody streams any more
+        feed.advance(msg.written, msg.error)
+        if feed.finished:
+            del self._feeds[msg.id]
 
     def _on_exit(self) -> None:
         if self._dead.is_set() or self.proc is None:
@@ -284,6 +325,11 @@ class RankProcess:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(RankGone(self.death_message()))
+        if self._feeds:  # results it was still writing are lost with it
+            death = self.death_message()
+            for feed in self._feeds.values():
+                feed.fail(death)
+            self._feeds.clear()
 
     def death_message(self) -> str:
         code = (

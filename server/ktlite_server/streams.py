@@ -17,12 +17,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ktlite_server import resultfeed
 from ktlite_wire import envelope, frames
+from ktlite_wire.errors import ErrorCode, WireError
 from ktlite_wire.heartbeat import HEARTBEAT_S
+
+logger = logging.getLogger(__name__)
 
 LOG_BUFFER_BYTES = 8 << 20  # frames kept for a re-attach; older log lines are dropped first
 RETAIN_S = 30.0  # a finished call's frames wait this long for a caller that lost its stream
@@ -92,6 +97,18 @@ class CallStream:
         if self._abandon is not None:
             self._abandon.cancel()
         self._wake()
+
+    def _lost(self, number: int, error: resultfeed.ResultLost) -> None:
+        """Frame ``number``'s result could not be read whole (its rank died writing it): the
+        response that carried it is cut off mid-frame (raised on), and a caller that attaches
+        again reads the cause in its place."""
+        logger.error("call %s: %s; the caller's stream is cut off", self.id, error)
+        if self.base <= number < self.end:
+            old = self.frames[number - self.base]
+            self.frames[number - self.base] = item = frames.error_frame(
+                WireError(ErrorCode.INTERNAL, str(error), "ResultLost")
+            )
+            self.kept_bytes += len(item) - _size(old)
 
     def _detached(self) -> None:
         if self.done or self.attached:
@@ -165,9 +182,13 @@ class CallStream:
                     at += len(batch)
                     last = self.done and at == self.end
                     for i, item in enumerate(batch):
-                        await _send(
-                            send, item, more=not (last and i == len(batch) - 1), write=write
-                        )
+                        try:
+                            await _send(
+                                send, item, more=not (last and i == len(batch) - 1), write=write
+                            )
+                        except resultfeed.ResultLost as e:
+                            self._lost(at - len(batch) + i, e)
+                            raise
                     if last:
                         return
                     continue
@@ -196,10 +217,25 @@ async def _send(send: Any, item: Any, more: bool, write: Any = None) -> None:
     if envelope.parts_size(parts) <= JOIN_MAX:  # one write, not one per part
         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
         return
+    if write is not None and resultfeed.growing(parts):
+        # a result its rank still writes: each piece as it is written, a chunk each
+        wrote = False
+        async with contextlib.aclosing(resultfeed.written(parts)) as runs:
+            async for run in runs:
+                if not await write(run):
+                    if wrote:
+                        return  # the caller left mid-frame
+                    break  # the writer cannot: the frame goes at once, below
+                wrote = True
+            else:
+                if not more:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
     if write is not None and await write(parts):  # one chunk, its parts as they are
         if not more:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
+    await resultfeed.complete(parts)  # sent at once: a result its rank still writes, once written
     chunks: list[bytes | memoryview] = [*envelope.chunked(parts)] or [b""]
     for i, chunk in enumerate(chunks):
         await send(

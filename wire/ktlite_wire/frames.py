@@ -8,13 +8,13 @@ message, an error a :class:`ktlite_wire.errors.WireError` as JSON, a heartbeat e
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from ktlite_wire import landing
 from ktlite_wire.envelope import parts_size
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
 
@@ -131,13 +131,15 @@ class FrameParser:
 
     Each payload lands in memory of its own, so messages decoded from it are writable and
     zero-copy: a ``bytearray`` that grows with the bytes that arrive, or for a payload over
-    :data:`JOIN_MAX` an anonymous private mapping of its length, whose pages the kernel
-    provides only as bytes land in them. Either way a header that claims gigabytes costs
+    :data:`JOIN_MAX` an anonymous private mapping of its length (``ktlite_wire.landing``: a
+    warm one from ``landings`` when given), whose pages the kernel provides only as bytes
+    land in them. Either way a header that claims gigabytes costs
     nothing until they come. A reader with a socket can read a large payload straight into
     its memory: :meth:`room` is where the next bytes go, :meth:`filled` says they came.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, landings: landing.Landings | None = None) -> None:
+        self.landings = landings
         self._head = bytearray()
         self._payload: bytearray | None = None
         self._big: memoryview | None = None  # a large payload's mapping
@@ -148,6 +150,16 @@ class FrameParser:
     @property
     def mid_frame(self) -> bool:
         return bool(self._head) or self._payload is not None or self._big is not None
+
+    def where(self) -> str:
+        """Where in the stream the parser is, for an error: how much of which frame came."""
+        if self._big is not None:
+            return f"{self._at} of the {self._at + self._need} bytes of a frame"
+        if self._payload is not None:
+            return f"{len(self._payload)} of the {len(self._payload) + self._need} bytes of a frame"
+        if self._head:
+            return f"{len(self._head)} bytes of a frame's header"
+        return "between frames"
 
     def room(self) -> memoryview | None:
         """The rest of a large payload's memory, to read into (then :meth:`filled`); None
@@ -178,7 +190,11 @@ class FrameParser:
     def _start(self, length: int) -> None:
         if length > JOIN_MAX:
             try:
-                self._big = memoryview(mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE))
+                self._big = (
+                    self.landings.take(length)
+                    if self.landings is not None
+                    else memoryview(landing.fresh(length))
+                )
                 self._at, self._need = 0, length
                 return
             except (OSError, OverflowError, ValueError):
@@ -225,9 +241,11 @@ class FrameParser:
         return out
 
 
-def read_frames(chunks: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+def read_frames(
+    chunks: Iterable[Any], landings: landing.Landings | None = None
+) -> Iterator[tuple[int, Any]]:
     """Frames from an iterator of byte chunks; raises ProtocolError if it ends mid-frame."""
-    parser = FrameParser()
+    parser = FrameParser(landings)
     for chunk in chunks:
         yield from parser.feed(chunk)
     if parser.mid_frame:

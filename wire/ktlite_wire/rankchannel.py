@@ -3,7 +3,7 @@ socketpair. Neither side unpickles a control message; the user's code and values
 opaque bytes that only the rank process decodes (and the caller, for a result).
 
 Server -> rank: :class:`Load`, :class:`Call`, :class:`Interrupt`, :class:`Exit`.
-Rank -> server: :class:`Ready`, :class:`Loaded`, :class:`Result`.
+Rank -> server: :class:`Ready`, :class:`Loaded`, :class:`Result`, :class:`Written`.
 
 The rare messages are envelopes (``ktlite_wire.envelope``: a JSON header plus buffers). The
 two that every call sends, :class:`Call` and :class:`Result`, have a fixed binary header
@@ -39,7 +39,7 @@ CALL_MAGIC, RESULT_MAGIC = b"KTC", b"KTR"
 # Call flags
 _ARGS, _PATH, _ITEM, _ITEM_AT, _PORT = 1, 2, 4, 8, 16
 # Result flags (and _PATH)
-_OK, _INLINE, _HAS_PG, _TAINTED = 1, 4, 8, 16
+_OK, _INLINE, _HAS_PG, _TAINTED, _STREAMING = 1, 4, 8, 16, 32
 MAX_MESSAGE = 64 << 30
 JOIN_MAX = 1 << 16  # messages up to this size are joined into one write
 PIECE = 1 << 20  # a longer message is read in pieces: its buffer grows with the bytes read
@@ -87,7 +87,10 @@ class Call:
 
 @dataclass(slots=True)  # not frozen: a frozen init costs more than the rest of decoding
 class Result:
-    """A call's value (or exception info) inline, or in the shared-memory file ``path``."""
+    """A call's value (or exception info) inline, or in the shared-memory file ``path``.
+    ``streaming``: the file has its full ``size`` but the rank is still writing it, and says
+    how far it got in :class:`Written` messages (the pod server sends each part as it is
+    written, while the rank writes the next)."""
 
     id: str
     ok: bool
@@ -96,6 +99,18 @@ class Result:
     size: int = 0
     has_pg: bool = False  # torch.distributed state lives in the process
     tainted: bool = False  # interrupted inside an import: the pod replaces the process
+    streaming: bool = False  # ``path`` is still being written: Written messages follow
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """How much of a streaming result's file the rank has written: ``written`` bytes from
+    its start (the last message has them all); ``error``: writing failed there (a full
+    ``/dev/shm``), and no more of it comes."""
+
+    id: str
+    written: int
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +123,7 @@ class Exit:
     pass
 
 
-Message = Ready | Load | Loaded | Call | Result | Interrupt | Exit
+Message = Ready | Load | Loaded | Call | Result | Written | Interrupt | Exit
 
 
 def encode(msg: Message) -> list[Any]:
@@ -142,6 +157,8 @@ def encode(msg: Message) -> list[Any]:
         }
     elif isinstance(msg, Loaded):
         header = {"type": "loaded", "ok": msg.ok, "error": buf(msg.error)}
+    elif isinstance(msg, Written):
+        header = {"type": "written", "id": msg.id, "written": msg.written, "error": msg.error}
     elif isinstance(msg, Interrupt):
         header = {"type": "interrupt", "id": msg.id}
     else:
@@ -201,6 +218,8 @@ def _encode_result(msg: Result) -> list[Any]:
         flags |= _HAS_PG
     if msg.tainted:
         flags |= _TAINTED
+    if msg.streaming:
+        flags |= _STREAMING
     if len(cid) > 255 or len(path) > 65535:
         raise ProtocolError(f"a call id of {len(cid)} bytes or a path of {len(path)}: too long")
     inline_len = 0 if inline is None else memoryview(inline).nbytes
@@ -246,6 +265,8 @@ def decode(data: Any) -> Message:
             )
         if kind == "loaded":
             return Loaded(bool(h["ok"]), buf("error"))
+        if kind == "written":
+            return Written(str(h["id"]), int(h["written"]), str(h.get("error") or ""))
         if kind == "interrupt":
             return Interrupt(str(h["id"]))
         if kind == "exit":
@@ -301,6 +322,7 @@ def _decode_hot(view: memoryview, magic: bytes) -> Message:
             size=size,
             has_pg=bool(flags & _HAS_PG),
             tainted=bool(flags & _TAINTED),
+            streaming=bool(flags & _STREAMING),
         )
     if end != view.nbytes:
         raise ProtocolError(

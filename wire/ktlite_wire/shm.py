@@ -19,6 +19,7 @@ import queue
 import stat
 import tempfile
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ktlite_wire.errors import ProtocolError
@@ -57,6 +58,39 @@ def write(parts: list[Any], prefix: str) -> tuple[str, int]:
     return path, size
 
 
+def create(prefix: str, size: int) -> tuple[int, str]:
+    """A fresh shared-memory file of ``size`` bytes, open for writing: (fd, path). Its length
+    is set at once, so a reader may map all of it while it is written (its pages come as
+    bytes are written: until then it holds no memory)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=shm_dir())
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd, path
+
+
+def write_into(fd: int, parts: list[Any], piece: int, progress: Callable[[int], None]) -> int:
+    """Write message parts to ``fd`` from its start, ``progress(total)`` after each ``piece``
+    bytes (and at the end); returns the total. An OSError (a full ``/dev/shm``) is raised
+    with what was written before it reported."""
+    total = reported = 0
+    for p in parts:
+        mv = memoryview(p).cast("B")
+        while mv.nbytes:
+            n = os.pwrite(fd, mv[: piece - (total - reported)], total)
+            total += n
+            mv = mv[n:]
+            if total - reported >= piece:
+                progress(total)
+                reported = total
+    if total != reported or total == 0:
+        progress(total)
+    return total
+
+
 def map_private(path: str, size: int) -> memoryview:
     """Map a file copy-on-write: writable views, no copy until written. A link at ``path``
     is refused (OSError), never followed."""
@@ -69,25 +103,31 @@ def map_private(path: str, size: int) -> memoryview:
         os.close(fd)
 
 
-def _map(fd: int, size: int) -> memoryview:
+def _map(fd: int, size: int, kind: type[mmap.mmap] | None = None) -> memoryview:
     if size == 0:
         return memoryview(bytearray())
+    if kind is not None:  # shared and read-only: it sees the file's pages as they are written
+        return memoryview(kind(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
     return memoryview(
         mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     )
 
 
-def take(path: str, size: int, prefix: str = RESULT_PREFIX) -> memoryview:
+def take(
+    path: str, size: int, prefix: str = RESULT_PREFIX, kind: type[mmap.mmap] | None = None
+) -> memoryview:
     """Map a file handed over to us and unlink it: the mapping keeps the memory alive.
     ``path`` must name a file this module made with ``prefix`` (:func:`check`); a path it
-    does not name, a link, or anything but a regular file of this user's is not removed."""
+    does not name, a link, or anything but a regular file of this user's is not removed.
+    ``kind``: a shared read-only mapping of that ``mmap`` class, for a file its writer is
+    still writing (a private one is writable, and sees the file as it is when touched)."""
     fd = os.open(check(path, prefix), _OPEN_FLAGS)
     try:
         st = os.fstat(fd)  # once per payload over INLINE_MAX: a file of this user's own
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             raise ProtocolError(f"{path!r} is not a regular file of this user's; refused")
         try:
-            return _map(fd, size)
+            return _map(fd, size, kind)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
