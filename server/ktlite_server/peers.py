@@ -286,10 +286,9 @@ class PeerPool:
         request = ("\r\n".join(request_head) + "\r\n\r\n").encode("latin-1")
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
-            conn = self._pooled(key)
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(host, port, connect_timeout, https)
+            pooled = self._pooled(key)
+            reused = pooled is not None
+            conn = pooled or await self._connect(host, port, connect_timeout, https)
             # one timer that aborts the connection, not a wait_for (a task per request)
             silent = _Silence(conn)
             try:
