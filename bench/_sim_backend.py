@@ -36,16 +36,15 @@ class _Hosts:
         self.spec, self.token = spec, token
         pods = spec.distributed.workers
         procs = spec.distributed.max_procs
-        # pod 0 (the caller's coordinator) in a host of its own, when there are others: its
-        # CPU per call is then measured apart from the rest's
-        runs = [(0, 1)] if pods > 1 else []
-        rest = pods - len(runs)
+        # pod 0 (the caller's coordinator) and pod 1 (in a tree, a relay; flat, a member) in
+        # hosts of their own, when there are others: their CPU per call is then measured
+        # apart from the rest's
+        runs = [(i, 1) for i in range(min(2, pods - 1))]
+        alone = len(runs)
+        rest = pods - alone
         parts = max(1, -(-rest // PODS_PER_HOST))
         share = -(-rest // parts)
-        runs += [
-            (1 + k * share if runs else k * share, min(share, rest - k * share))
-            for k in range(parts)
-        ]
+        runs += [(alone + k * share, min(share, rest - k * share)) for k in range(parts)]
         hosts = len(runs)
         self.dir = tempfile.mkdtemp(prefix="ktlite-sim-")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -116,6 +115,21 @@ class _Hosts:
         assert proc.stdin is not None
         proc.stdin.write(f"kill {ordinal}\n".encode())
         proc.stdin.flush()
+
+    def profile(self, ordinal: int, path: str | None) -> None:
+        """Start cProfile in the host of pod ``ordinal`` (None), or stop it and write its
+        stats to ``path``; :meth:`profiled` waits for them."""
+        proc = self.owner[ordinal]
+        assert proc.stdin is not None
+        proc.stdin.write(f"profile {path or 'on'}\n".encode())
+        proc.stdin.flush()
+
+    def profiled(self, path: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the host did not write its profile {path} in {timeout:g}s")
+            time.sleep(0.05)  # polling a file another process writes, bounded above
 
     def stop(self) -> None:
         for p in self.procs:

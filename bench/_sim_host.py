@@ -7,19 +7,23 @@ call plans, streams, launches) on its own listening socket, over the real pod ru
 
 The token is stdin's first line (as ``ktlite_server --token-stdin``). Then stdin takes
 commands, one a line: ``kill <ordinal>`` makes that pod die as a killed process would (its
-connections reset, its socket closed, its ranks gone). The process exits when stdin closes.
+connections reset, its socket closed, its ranks gone); ``profile on`` starts cProfile on the
+servers' event loop, ``profile <path>`` stops it and writes its stats to ``path`` (written
+whole under another name, then renamed). The process exits when stdin closes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import logging
 import os
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import uvicorn
@@ -102,11 +106,22 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
 
+    profiler = cProfile.Profile(time.thread_time)  # CPU, not the wall: 2 busy cores
+
+    def dump(path: str) -> None:
+        profiler.disable()
+        profiler.dump_stats(path + ".part")
+        os.replace(path + ".part", path)
+
     def commands() -> None:
         for line in sys.stdin:
             word, _, arg = line.strip().partition(" ")
             if word == "kill" and arg.isdigit() and int(arg) in servers:
                 loop.call_soon_threadsafe(servers[int(arg)].kill)
+            elif word == "profile" and arg == "on":  # the loop's thread is the one profiled
+                loop.call_soon_threadsafe(profiler.enable)
+            elif word == "profile" and arg:
+                loop.call_soon_threadsafe(dump, arg)
         loop.call_soon_threadsafe(done.set)
 
     threading.Thread(target=commands, daemon=True).start()

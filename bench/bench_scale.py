@@ -36,7 +36,11 @@ on that call, its start and its stop); ``dead pod s`` from an inner pod's death 
 connections reset, as a killed process's) to the call's error naming it; ``client CPU
 ms/call`` this process's CPU per no-op call; ``pod 0 CPU ms/call`` the CPU of pod 0 (in a host
 process of its own) per no-op call: the coordinator's share, on a cluster its own machine's;
-``all pods CPU ms/call`` every host process's, i.e. the server work a cluster spreads over its
+``pod 1 CPU ms/call`` the same of pod 1, also alone in its host (in a tree, a relay; flat,
+a member); ``serial CPU ms/call`` the call's CPU on its longest path, what a cluster spends
+one step after another: the client's, pod 0's, pod 1's once per relay level below pod 0, and
+a member's (what the pods spent less pod 0's and the relays', each counted as pod 1's, over
+the members); ``all pods CPU ms/call`` every host process's, i.e. the server work a cluster spreads over its
 machines and this machine's two cores do in turn; ``client MB`` this process's resident memory
 after the size (peak in parentheses). CPU is read from ``/proc`` in clock ticks (10 ms), so a
 per-call figure is good to 10 ms / calls.
@@ -48,9 +52,11 @@ import argparse
 import atexit
 import concurrent.futures
 import contextlib
+import cProfile
 import io
 import json
 import os
+import pstats
 import resource
 import shutil
 import sys
@@ -136,7 +142,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def measure(
-    pods: int, calls: int, tree: dict[str, int], lines: Lines, backend: Any
+    pods: int, calls: int, tree: dict[str, int], lines: Lines, backend: Any, profile: str = ""
 ) -> dict[str, Any]:
     name = f"scale-{pods}"
     world = pods * PROCS
@@ -158,12 +164,30 @@ def measure(
         row["push_cpu_s"] = _cpu(host_pids) - cpu0
         assert remote.tag() == ["again"] * world
         _timed(remote.noop, 3)  # warm connections
+        if profile:
+            hosts.profile(0, None)
+            own = cProfile.Profile(time.thread_time)  # CPU of the calling thread
+            own.enable()
+        pod1 = host_pids[1:2] if pods > 2 else []  # pod 1 alone in its host
         cpu0, root0, own0 = _cpu(host_pids), _cpu(host_pids[:1]), time.process_time()
+        one0 = _cpu(pod1)
         lat = _timed(remote.noop, calls)
         row["client_cpu_ms"] = (time.process_time() - own0) / calls * 1000
         row["host_cpu_ms"] = (_cpu(host_pids) - cpu0) / calls * 1000
         row["pod0_cpu_ms"] = (_cpu(host_pids[:1]) - root0) / calls * 1000
+        row["pod1_cpu_ms"] = (_cpu(pod1) - one0) / calls * 1000 if pod1 else None
+        if pod1:  # the call's CPU on its longest path: what a cluster does one after another
+            row["serial_cpu_ms"] = _serial_cpu(row, pods, fanout)
         row["noop_p50_ms"], row["noop_p99_ms"] = _pct(lat, 0.5), _pct(lat, 0.99)
+        if profile:
+            own.disable()
+            _report_profile(
+                own, f"{profile}/client-{pods}.prof", f"the client, {calls} no-op calls"
+            )
+            path = f"{profile}/pod0-{pods}.prof"
+            hosts.profile(0, path)
+            hosts.profiled(path)
+            _report_profile(path, path, f"pod 0's host, {calls} no-op calls")
         kb = _timed(lambda: _check(remote.kilobyte(), [b"x" * 1024] * world), max(3, calls // 4))
         row["kb_p50_ms"] = _pct(kb, 0.5)
         items = list(range(world))
@@ -188,6 +212,37 @@ def measure(
     row["client_mb"], row["client_peak_mb"] = _rss_mb()
     row["load_after"] = loadavg()
     return row
+
+
+def _relays(pods: int, fanout: int) -> int:
+    """How many pods of a call tree relay the call to others (pod 0 not counted)."""
+    todo, relays = calltree.split(list(range(1, pods)), fanout) if fanout else [], 0
+    while todo:
+        sub = todo.pop()
+        if len(sub) > 1:
+            relays += 1
+            todo += calltree.split(sub[1:], fanout)
+    return relays
+
+
+def _serial_cpu(row: dict[str, Any], pods: int, fanout: int) -> float:
+    """The CPU of a call on its longest path: the client, pod 0, a relay per level below it
+    (pod 1, measured alone; flat, pod 1 is a member like any other) and a member, whose share
+    is what the pods spent less pod 0's and the relays' (taken as pod 1's each)."""
+    relays = _relays(pods, fanout)
+    levels = calltree.depth(pods, fanout) - 1 if fanout else 0
+    members = pods - 1 - relays
+    pod1 = row["pod1_cpu_ms"]
+    member = (row["host_cpu_ms"] - row["pod0_cpu_ms"] - pod1 * relays) / members if relays else pod1
+    return float(row["client_cpu_ms"] + row["pod0_cpu_ms"] + pod1 * levels + max(member, 0.0))
+
+
+def _report_profile(prof: Any, path: str, what: str) -> None:
+    """Write a cProfile's stats to ``path`` and its top functions (own time) to stderr."""
+    stats = pstats.Stats(prof, stream=sys.stderr)
+    stats.dump_stats(path)
+    print(f"--- profile of {what} ({path}), by own time:", file=sys.stderr)
+    stats.sort_stats("tottime").print_stats(18)
 
 
 def _check(got: Any, want: Any) -> None:
@@ -245,6 +300,8 @@ COLUMNS = [
     ("dead pod s", "dead_s", ".2f"),
     ("client CPU ms/call", "client_cpu_ms", ".2f"),
     ("pod 0 CPU ms/call", "pod0_cpu_ms", ".2f"),
+    ("pod 1 CPU ms/call", "pod1_cpu_ms", ".2f"),
+    ("serial CPU ms/call", "serial_cpu_ms", ".1f"),
     ("all pods CPU ms/call", "host_cpu_ms", ".1f"),
     ("client MB", "client_mb", ".0f"),
 ]
@@ -279,6 +336,14 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                 f"call costs them {big['host_cpu_ms']:.0f} ms of CPU in all (a cluster spreads it "
                 f"over {big['pods']} machines: {big['host_cpu_ms'] / big['pods']:.2f} ms each)"
             )
+            serial = big.get("serial_cpu_ms")
+            if serial is not None and over > bound and q == "p50":
+                cause += (
+                    f"; on a cluster the call's longest path (the client, pod 0, a relay per "
+                    f"level, a member) costs {serial:.1f} ms of CPU: "
+                    f"{'within' if serial <= bound else 'over'} the {bound:g} ms, before "
+                    "the network's hops"
+                )
             out.append(
                 f"no-op call {q} at {big['pods']} x {PROCS}: {over:+.1f} ms over 1 pod "
                 f"(target <= {bound:g} ms): {'met' if over <= bound else 'not met'}{cause}"
@@ -312,6 +377,13 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=100, help="no-op calls per size")
     p.add_argument("--tree", default="default", help="default, flat, or a fan-out (from 2 pods)")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--profile",
+        default="",
+        metavar="DIR",
+        help="cProfile the client and pod 0's host over the no-op calls (from 2 pods), stats "
+        "to DIR; that run's times and CPU columns include the profiler's cost",
+    )
     args = p.parse_args()
     tree: dict[str, int] = {}
     if args.tree == "flat":
@@ -327,7 +399,7 @@ def main() -> None:
         file=sys.stderr,
     )
     for pods in (int(x) for x in args.pods.split(",")):
-        row = measure(pods, args.calls, tree, lines, backend)
+        row = measure(pods, args.calls, tree, lines, backend, args.profile if pods > 1 else "")
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     print(table(rows))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 
 import pytest
@@ -92,6 +94,73 @@ def test_silent_peer_times_out_instead_of_hanging() -> None:
         return elapsed
 
     assert asyncio.run(main()) < 3
+
+
+def test_a_peer_silent_before_its_response_head_times_out_on_a_reused_connection() -> None:
+    """The head's wait is bounded too, and a silent peer is not sent the request again (a
+    stale keep-alive connection is: nothing was processed there)."""
+    requests = []
+
+    async def handler(reader, writer):
+        while True:
+            await _read_request(reader)
+            requests.append(1)
+            if len(requests) == 1:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+            else:
+                await asyncio.sleep(30)  # read the request, never answer
+
+    async def main() -> None:
+        server, url = await _serve(handler)
+        pool = PeerPool()
+        async with pool.post(url, "/call", {}, memoryview(b"x")) as resp:
+            assert await resp.read() == b"ok"
+        with pytest.raises(PeerTimeout, match="sent no response for 0.3s"):
+            async with pool.post(url, "/call", {}, memoryview(b"y"), read_timeout=0.3):
+                pass
+        await pool.aclose()
+        await _stop(server)
+
+    asyncio.run(main())
+    assert len(requests) == 2
+
+
+def test_a_pooled_connection_the_peer_closed_is_not_reused_on_uvloop() -> None:
+    """The pod server's loop (uvloop) raises on a write to a closed transport: a pooled
+    connection the peer reset meanwhile must be dropped, and the request sent on a new one."""
+    uvloop = pytest.importorskip("uvloop")
+    connections = []
+
+    async def handler(reader, writer):
+        connections.append(writer)
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        if len(connections) == 1:  # the first connection: reset once answered
+            linger = struct.pack("ii", 1, 0)  # close with a reset, as a killed process's
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            writer.transport.abort()
+
+    async def main() -> list[bytes]:
+        server, url = await _serve(handler)
+        pool = PeerPool()
+        got = []
+        try:
+            async with pool.post(url, "/call", {}, memoryview(b"x")) as resp:
+                got.append(await resp.read())
+            (pooled,) = [c for conns in pool._idle.values() for c in conns]
+            with pytest.raises(ConnectionResetError):  # the reset arrived: the transport closed
+                await asyncio.wait_for(pooled.writer.wait_closed(), 10)
+            async with pool.post(url, "/call", {}, memoryview(b"y")) as resp:
+                got.append(await resp.read())
+        finally:
+            await pool.aclose()
+            await _stop(server)
+        return got
+
+    assert uvloop.run(main()) == [b"ok", b"ok"]
+    assert len(connections) == 2
 
 
 def test_unreachable_peer_is_a_connect_error() -> None:

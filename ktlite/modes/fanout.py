@@ -29,7 +29,7 @@ from ktlite.errors import (
 from ktlite.modes import engines, podtable
 from ktlite.modes.callpath import CallOptions, CallPlans, pool, print_log, shm_arguments
 from ktlite.modes.mode import Mode
-from ktlite.modes.outcomes import split, to_error
+from ktlite.modes.outcomes import decode_values, split, to_error
 from ktlite.modes.replacement import ReplacedWatch, Replacements
 from ktlite.net.client import CallReply, PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -275,6 +275,11 @@ class Fanout(Mode):
         watch = ReplacedWatch(self.pods, call_id)
         with shm_arguments(self.dep.applied, plan, parts) as sent:
             reply = self._send(plan, sent, (log or print_log) if plan.stream_logs else None, watch)
+        blobs = reply.values()  # every rank's value, when each returned one: no records
+        ok = decode_values(blobs) if blobs is not None else None
+        if ok is not None:
+            self.pods.suspect = False
+            return ok
         failures, values = split(reply.outcomes)
         if failures:
             if any(f.kind in (Status.DIED, Status.UNREACHABLE, Status.STALE) for f in failures):

@@ -56,6 +56,33 @@ def take_shared(outcomes: list[RankOutcome]) -> list[RankOutcome]:
     return taken
 
 
+def decode_values(blobs: list[Any]) -> list[Any] | None:
+    """The encoded values of a call's ranks (``CallReply.values``), decoded; None when one
+    does not decode here (then :func:`split` names that rank and the error). A value equal
+    to the one before it, of an immutable type, is decoded once: a call that returns None
+    on 8,000 ranks unpickles one None."""
+    values: list[Any] = []
+    append, loads = values.append, codec.loads
+    prev: Any = None
+    value: Any = None
+    for data in blobs:
+        if prev is not None and (data is prev or data == prev):  # the same immutable value
+            append(value)
+            continue
+        try:
+            value = loads(data)
+        except Exception:  # noqa: BLE001 - split names the rank and the error
+            return None
+        prev = data if type(value) in _SHARED_TYPES else None
+        append(value)
+    return values
+
+
+# values of these types are immutable: one decoded object may stand for several ranks' equal
+# encoded values
+_SHARED_TYPES = (type(None), bool, int, float, complex, str, bytes)
+
+
 def split(outcomes: list[RankOutcome]) -> tuple[list[RankFailure], dict[int, Any]]:
     failures: list[RankFailure] = []
     values: dict[int, Any] = {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from ktlite.errors import KtliteError, PodUnreachable
@@ -21,7 +20,7 @@ from ktlite_wire.frames import (
     decode_error,
     read_frames,
 )
-from ktlite_wire.outcome import CallResult, RankOutcome
+from ktlite_wire.outcome import RankOutcome, ReadResult
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +33,22 @@ NoticeSink = Callable[[dict[str, Any]], None]
 Outcomes = list[RankOutcome]
 
 
-@dataclass
 class CallReply:
-    """A call's per-rank outcomes; ``started=False`` when no rank started (safe to send again)."""
+    """A call's per-rank outcomes; ``started=False`` when no rank started (safe to send
+    again). Read lazily: :meth:`values` gives a call whose every rank returned a value
+    without a record per rank; :attr:`outcomes` builds the records."""
 
-    outcomes: Outcomes
-    started: bool = True
+    def __init__(self, result: ReadResult) -> None:
+        self._result = result
+        self.started = result.started
+
+    @property
+    def outcomes(self) -> Outcomes:
+        return self._result.outcomes
+
+    def values(self) -> list[Any] | None:
+        """Every rank's encoded value in rank order; None unless every rank returned one."""
+        return self._result.values()
 
 
 class FrameReader:
@@ -76,8 +85,7 @@ class FrameReader:
                     line = LogLine.decode(payload)
                     self.on_log(line.rank, line.pod, line.stream, line.text)
             elif kind == RESULT:
-                got = CallResult.decode(payload)
-                result = CallReply(got.outcomes, got.started)
+                result = CallReply(ReadResult(payload))
             elif kind == ERROR:
                 err = decode_error(payload)
                 raise KtliteError(

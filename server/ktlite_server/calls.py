@@ -233,17 +233,16 @@ class Calls:
                     # collectives must run in the same order on every rank: a distributed
                     # deployment runs its calls one at a time, in the order they arrived here
                     async with pod.order:
-                        outs = await coordinator.run(body, path, stream.emit)
+                        result = await coordinator.run(body, path, stream.emit)
                 elif coordinator is not None:
-                    outs = await coordinator.run(body, path, stream.emit)
+                    result = await coordinator.run(body, path, stream.emit)
                 else:
-                    outs = await run_local(pod, plan, body, path, stream.emit)
-                if coordinator is not None and any(o.status is not Status.OK for o in outs):
+                    result = CallResult(await run_local(pod, plan, body, path, stream.emit))
+                if coordinator is not None and result.summary()[1]:
                     # a failed or stopped call may leave ranks out of step in their process
                     # group: the next call forms a new one (every rank, on a new port)
                     pod.next_generation()
-                started = coordinator.started if coordinator is not None else True
-                stream.emit(frame_item(RESULT, CallResult(outs, started).encode()))
+                stream.emit(frame_item(RESULT, result.encode()))
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
                 stream.emit(error_frame(WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)))
             finally:

@@ -31,7 +31,7 @@ from ktlite_server.resultfeed import take
 from ktlite_wire import calltree, frames, headers, heartbeat
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
-from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef
+from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef, Subtree
 from ktlite_wire.plan import CallPlan
 from ktlite_wire.status import Status
 from ktlite_wire.version import PROTOCOL_VERSION
@@ -133,7 +133,9 @@ class Coordinator:
             "content-type": "application/octet-stream",
         }
 
-    async def run(self, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
+    async def run(self, payload: Any, path: str | None, emit: Emit) -> CallResult:
+        """The call on this pod's targets: this pod's own outcomes (and those it made up for
+        pods that failed), and the results its members answered, passed on undecoded."""
         plan = self.plan
         if plan.generation is None:
             plan.generation, plan.group_port = self.pod.generation, self.pod.group_port
@@ -141,7 +143,7 @@ class Coordinator:
         me = self.pod.ordinal
         if targets == [me] and plan.timeout is None:
             self.started = True
-            return await run_local(self.pod, plan, payload, path, emit)  # nothing to fan out
+            return CallResult(await run_local(self.pod, plan, payload, path, emit))  # no fan-out
         if plan.tree:
             subtrees = calltree.split([i for i in targets if i != me], plan.tree)
             self._subtrees = {sub[0]: sub for sub in subtrees}
@@ -150,17 +152,20 @@ class Coordinator:
             self._members = targets
         missing = await self._quorum(plan, [i for i in self._members if i != me], emit)
         if missing:
-            return missing
+            return CallResult(missing, started=False)
         if self._stopped:  # cancelled while waiting for the quorum: no rank started
-            return [
-                o
-                for i in self._members
-                for o in self._failed_pod(
-                    plan, i, f"not started: {self._stop_reason}", status=Status.CANCELLED
-                )
-            ]
+            return CallResult(
+                [
+                    o
+                    for i in self._members
+                    for o in self._failed_pod(
+                        plan, i, f"not started: {self._stop_reason}", status=Status.CANCELLED
+                    )
+                ],
+                started=False,
+            )
         self.started = True
-        tasks: dict[asyncio.Task[list[PodOutcome]], int] = {}
+        tasks: dict[asyncio.Task[list[PodOutcome] | Subtree], int] = {}
         loop = asyncio.get_running_loop()
         # remote pods first: their hop is the longer one, so their requests should leave first
         for i in sorted(self._members, key=lambda i: i == me):
@@ -173,16 +178,17 @@ class Coordinator:
         self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
         # each pod's outcomes as they arrive: a done callback, not asyncio.wait over every
         # pending pod again after each arrival (quadratic in the pods of a flat fan-out)
-        arrived: list[asyncio.Task[list[PodOutcome]]] = []
+        arrived: list[asyncio.Task[list[PodOutcome] | Subtree]] = []
         wake = asyncio.Event()
 
-        def on_done(t: asyncio.Task[list[PodOutcome]]) -> None:
+        def on_done(t: asyncio.Task[list[PodOutcome] | Subtree]) -> None:
             arrived.append(t)
             wake.set()
 
         for t in tasks:
             t.add_done_callback(on_done)
         results: list[PodOutcome] = []
+        passed: dict[int, Subtree] = {}  # the members' own results, by ordinal: not decoded
         left = len(tasks)
         while left:
             if not arrived:
@@ -219,16 +225,19 @@ class Coordinator:
             arrived.clear()
             for t in batch:
                 left -= 1
-                outs = t.result()
-                results.extend(outs)
-                failed = [o for o in outs if o.status.failed]
+                got = t.result()
+                if isinstance(got, Subtree):
+                    passed[tasks[t]] = got
+                    failed = got.failed
+                else:
+                    results.extend(got)
+                    failed = min((o.rank for o in got if o.status.failed), default=None)
                 # even when it is the last to arrive: the other pods must drop the process
                 # groups their ranks share with the failed one, or the next collective hangs
-                if failed and not self._stopped:
-                    await self._stop(
-                        Status.CANCELLED, f"stopped because rank {failed[0].rank} failed"
-                    )
-        return sorted(results, key=lambda o: o.rank)
+                if failed is not None and not self._stopped:
+                    await self._stop(Status.CANCELLED, f"stopped because rank {failed} failed")
+        results.sort(key=lambda o: o.rank)
+        return CallResult(results, subtrees=[passed[i] for i in sorted(passed)])
 
     async def _stop(self, kind: Status, reason: str) -> None:
         """Stop the call on every pod of it: running ones cancel, finished ones drop their
@@ -383,7 +392,11 @@ class Coordinator:
             ]
         return outs
 
-    async def _remote(self, plan: CallPlan, i: int, payload: Any, emit: Emit) -> list[PodOutcome]:
+    async def _remote(
+        self, plan: CallPlan, i: int, payload: Any, emit: Emit
+    ) -> list[PodOutcome] | Subtree:
+        """Pod ``i``'s (and its subtree's) answer, passed on as it came, or its ranks'
+        outcomes made up here when it failed."""
         url = plan.pods[i]
         name = plan.name(i)
         deadline = time.monotonic() + plan.quorum_timeout
@@ -424,7 +437,7 @@ class Coordinator:
                             status=Status.STALE if stale else Status.DIED,
                         )
                     parser = frames.FrameParser()
-                    result: list[PodOutcome] | None = None
+                    result: Subtree | None = None
                     async for chunk in resp.iter_chunks():
                         for kind, data in parser.feed(chunk):
                             if kind == frames.LOG:
@@ -436,10 +449,8 @@ class Coordinator:
                                 notice = frames.Notice.decode(data)
                                 if notice.kind == "waiting":
                                     emit(notice.encode())
-                            elif kind == frames.RESULT:
-                                result = CallResult.decode(
-                                    data
-                                ).outcomes  # typed JSON: never unpickled
+                            elif kind == frames.RESULT:  # its head read, its rows passed on
+                                result = Subtree.peek(data)
                             elif kind == frames.ERROR:
                                 err = frames.decode_error(data)
                                 return self._failed_pod(plan, i, f"pod {name}: {err.message}")

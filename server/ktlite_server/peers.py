@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import ssl
 import time
@@ -53,6 +54,18 @@ class _Conn:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.writer.close()
+
+
+class _Silence:
+    """Aborts a connection whose peer stayed silent too long, and remembers that it did."""
+
+    def __init__(self, conn: _Conn) -> None:
+        self.conn = conn
+        self.expired = False
+
+    def expire(self) -> None:
+        self.expired = True
+        self.conn.writer.transport.abort()
 
 
 class PeerResponse:
@@ -145,6 +158,7 @@ class PeerResponse:
             self._conn.close()
 
 
+@functools.lru_cache(maxsize=4096)  # the same few peers' URLs, on every request of every call
 def _split(url: str) -> tuple[str, int, str]:
     parts = urlsplit(url)
     default = 443 if parts.scheme == "https" else 80
@@ -270,25 +284,31 @@ class PeerPool:
         request_head = [f"{method} {path} HTTP/1.1", f"host: {key}", f"content-length: {length}"]
         request_head += [f"{k}: {v}" for k, v in {**self._headers, **headers}.items()]
         request = ("\r\n".join(request_head) + "\r\n\r\n").encode("latin-1")
+        loop = asyncio.get_running_loop()
         for attempt in (0, 1):
-            idle = self._idle.get(key)
-            reused = bool(idle)
-            conn = idle.pop() if idle else await self._connect(host, port, connect_timeout, https)
+            pooled = self._pooled(key)
+            reused = pooled is not None
+            conn = pooled or await self._connect(host, port, connect_timeout, https)
+            # one timer that aborts the connection, not a wait_for (a task per request)
+            silent = _Silence(conn)
             try:
                 conn.writer.write(request)
                 for piece in pieces:
                     if piece.nbytes:
                         conn.writer.write(piece)
                 await conn.writer.drain()
-                head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), read_timeout)
+                timer = loop.call_later(read_timeout, silent.expire)
+                try:
+                    head = await conn.reader.readuntil(b"\r\n\r\n")
+                finally:
+                    timer.cancel()
             except (PeerError, ConnectionError, asyncio.IncompleteReadError) as e:
                 conn.close()
+                if silent.expired:
+                    raise PeerTimeout(f"{key} sent no response for {read_timeout:g}s") from None
                 if reused and attempt == 0:
                     continue  # a stale keep-alive connection: nothing was processed, retry once
                 raise PeerError(f"{key}: {e!r}") from e
-            except asyncio.TimeoutError:
-                conn.close()
-                raise PeerTimeout(f"{key} sent no response for {read_timeout:g}s") from None
             except asyncio.LimitOverrunError as e:
                 conn.close()
                 raise PeerError(f"{key} sent oversized response headers") from e
@@ -308,6 +328,18 @@ class PeerPool:
             if k:
                 hdrs[k.strip().lower()] = v.strip()
         return PeerResponse(status, hdrs, conn, self, key, read_timeout)
+
+    def _pooled(self, key: str) -> _Conn | None:
+        """The most recently used idle connection to ``key`` that is still open: one the peer
+        closed meanwhile (its keep-alive timeout, a restart) is dropped, not written to
+        (uvloop raises on a write to a closed transport, asyncio's loop drops the bytes)."""
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not (conn.reader.at_eof() or conn.writer.is_closing()):
+                return conn
+            conn.close()
+        return None
 
     def fresh(self, url: str, fresh_s: float = PROBE_AFTER_S) -> bool:
         """True when a pooled connection to ``url`` carried a response within ``fresh_s``

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,10 @@ from test_reattach import CuttingProxy, record
 import ktlite as kt
 import ktlite.net.client
 from ktlite.backends.local import LocalBackend
+from ktlite.net.call_reply import FrameReader
 from ktlite.net.client import PodClient
+from ktlite_wire import envelope
+from ktlite_wire.frames import RESULT
 from ktlite_wire.heartbeat import HEARTBEAT_S, SILENCE_ENV
 
 NAME = "fx-tree"
@@ -122,6 +126,46 @@ def test_values_in_rank_order_logs_from_every_rank_and_per_rank_items(
             assert out.count(line) == 1, (line, out)
     each = _to(item_times_rank)
     assert each.each([10 + r for r in RANKS]) == [(10 + r) * r for r in RANKS]
+
+
+def _result_frames(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Record the RESULT frame of each call the caller reads, letting it through."""
+    seen: list[bytes] = []
+    real = FrameReader.take
+
+    def take(self: FrameReader, frames: Iterator[tuple[int, Any]]) -> Any:
+        def watch() -> Iterator[tuple[int, Any]]:
+            for kind, payload in frames:
+                if kind == RESULT:
+                    seen.append(bytes(payload))
+                yield kind, payload
+
+        return real(self, watch())
+
+    monkeypatch.setattr(FrameReader, "take", take)
+    return seen
+
+
+def _shape(result: Any) -> tuple[list[int], list[Any]]:
+    """The ranks one pod's result message holds itself, and the same of each result nested
+    in it untouched (a relay's subtrees)."""
+    header, bufs = envelope.decode(result)
+    own = [row[0] for row in header["outcomes"]]
+    own += [r for first, count, *_ in header.get("runs", []) for r in range(first, first + count)]
+    return sorted(own), [_shape(bufs[i]) for i in header.get("subtrees", [])]
+
+
+@pytest.mark.timeout(240)
+def test_each_relay_passes_its_subtrees_results_on_as_they_came(deployment, monkeypatch) -> None:
+    remote = _to(shout)
+    results = _result_frames(monkeypatch)
+    assert remote(0) == list(RANKS)
+    # pod 0 holds its own rank and passes on pod 1's answer (which holds pod 2's and 3's as
+    # they came) and pod 4's: no pod decodes and encodes again the outcomes of those below it
+    assert _shape(bytearray(results[0])) == (
+        [0],
+        [([1], [([2], []), ([3], [])]), ([4], [([5], []), ([6], [])])],
+    )
 
 
 @pytest.mark.timeout(300)

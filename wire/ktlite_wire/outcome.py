@@ -8,7 +8,8 @@ header says who, how and when. Pods pass each other's outcomes on without unpick
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ktlite_wire import envelope
@@ -18,6 +19,7 @@ from ktlite_wire.status import Status
 _STATUSES: dict[Any, Status] = {s.value: s for s in Status}
 _new = tuple.__new__
 _OK = Status.OK
+_BY_RANK = operator.itemgetter(0)  # a RankOutcome's rank
 
 
 class ShmRef(NamedTuple):
@@ -40,67 +42,226 @@ class RankOutcome(NamedTuple):
     at: float = 0.0
 
 
+class Subtree(NamedTuple):
+    """A pod's whole answer to a call it relayed, as it sent it: the encoded
+    :class:`CallResult` (passed on untouched, decoded by the caller alone) and what its
+    relay needs of it, read from the message's head (its own rows, not its subtree's)."""
+
+    data: memoryview
+    failed: int | None  # the lowest rank below it that failed of its own (Status.failed)
+    not_ok: int  # how many of its outcomes are not OK
+
+    @classmethod
+    def peek(cls, data: Any) -> Subtree:
+        """The summary of an encoded result, its subtrees' rows left undecoded. Raises
+        ProtocolError for a malformed head (the rows are checked by whoever decodes them)."""
+        header, _ = envelope.decode(data, "call result")
+        failed, not_ok = header.get("failed"), header.get("not_ok")
+        if (failed is not None and type(failed) is not int) or type(not_ok) is not int:
+            raise ProtocolError(
+                f"a relayed call result needs 'failed' (a rank or null) and 'not_ok' (a count), "
+                f"got {failed!r} and {not_ok!r}"
+            )
+        return cls(memoryview(data).cast("B"), failed, not_ok)
+
+
+MAX_NESTING = 32  # relays within relays; a deeper claim is corruption (a tree has ~log N)
+# a value this small that every rank of a run sent alike travels once: below the codec's
+# out-of-band size (4096), so each rank's copy decoded from it shares no memory with another's
+SAME_MAX = 4096
+
+# a run of values: consecutive ranks of one pod that each returned a value, their buffers in a row
+Run = tuple[int, int, str, list[Any]]  # first rank, count, pod, each rank's value's buffer
+
+
 @dataclass
 class CallResult:
     """Every outcome of a call on the pods that answer; ``started=False`` tells the caller
-    that no rank started (the call may be sent again)."""
+    that no rank started (the call may be sent again). A relay's result carries its own
+    ranks' outcomes and, untouched, the results its children relayed (``subtrees``): the
+    caller decodes them all (:class:`ReadResult`), no pod between."""
 
     outcomes: list[RankOutcome]
     started: bool = True
+    subtrees: list[Subtree] = field(default_factory=list)
+
+    def summary(self) -> tuple[int | None, int]:
+        """The lowest rank that failed of its own (None: none), and how many outcomes are not
+        OK, over this result and its subtrees."""
+        failed = [o.rank for o in self.outcomes if o.status.failed]
+        failed += [s.failed for s in self.subtrees if s.failed is not None]
+        not_ok = sum(1 for o in self.outcomes if o.status is not _OK)
+        return (min(failed) if failed else None), not_ok + sum(s.not_ok for s in self.subtrees)
 
     def encode(self) -> list[Any]:
-        """The message's parts (values are not copied). Each outcome is a JSON list, ``[rank,
-        pod, status, message, at, buffer index or null, [shm path, size] or null]``: on the
-        hot path of every call, cheaper to make and read than an object. ``at`` is 0 for a
-        value: only a failure's time is read, and a float's shortest text costs more than the
-        rest of the row."""
+        """The message's parts (values are not copied). Header fields:
+
+        - ``runs``: ranks that returned a value, as ``[first rank, count, pod, first buffer,
+          buffers]`` for each run of consecutive ranks of one pod (their values in
+          consecutive buffers), so a pod's 8 ranks are one entry and its caller builds no
+          record per rank; ``buffers`` is 1 when every rank of the run sent the same bytes
+          (at most :data:`SAME_MAX`: a ``None`` from each rank travels once per pod), else
+          ``count``;
+        - ``outcomes``: every other outcome, a JSON list ``[rank, pod, status, message, at,
+          buffer index or null, [shm path, size] or null]`` (``at`` is 0 for a value: only a
+          failure's time is read, and a float's shortest text costs more than the rest);
+        - ``subtrees``: a relay's children's results, as they came (buffer indexes), and
+          ``failed`` / ``not_ok``, the summary its own relay reads (:class:`Subtree`)."""
         rows: list[list[Any]] = []
+        runs: list[list[Any]] = []  # [first rank, count, pod, the values], laid out below
         buffers: list[Any] = []
+        run: list[Any] = [-2, 0, "", []]  # the open run (none yet)
         for o in self.outcomes:
-            data, buf, shm = o.data, None, None
+            data, status = o.data, o.status
+            if status is _OK and data is not None and type(data) is not ShmRef:
+                if o.rank == run[0] + run[1] and o.pod == run[2]:
+                    run[1] += 1
+                    run[3].append(data)
+                else:
+                    run = [o.rank, 1, o.pod, [data]]
+                    runs.append(run)
+                continue
+            buf, shm = None, None
             if isinstance(data, ShmRef):
                 shm = [data.path, data.size]
             elif data is not None:
                 buf = len(buffers)
                 buffers.append(data)
-            at = 0 if o.status is _OK else o.at
-            rows.append([o.rank, o.pod, o.status, o.message, at, buf, shm])  # str enum: JSON value
-        return envelope.encode({"outcomes": rows, "started": self.started}, buffers)
+            at = 0 if status is _OK else o.at
+            rows.append([o.rank, o.pod, status, o.message, at, buf, shm])  # str enum: JSON value
+        for run in runs:
+            values = run[3]
+            first = values[0]
+            same = len(values) > 1 and memoryview(first).nbytes <= SAME_MAX
+            same = same and all(v == first for v in values)
+            run[3] = len(buffers)
+            run.append(1 if same else len(values))
+            buffers += [first] if same else values
+        failed, not_ok = self.summary()
+        header: dict[str, Any] = {"outcomes": rows, "started": self.started}
+        header["failed"], header["not_ok"] = failed, not_ok
+        if runs:
+            header["runs"] = runs
+        if self.subtrees:
+            header["subtrees"] = list(range(len(buffers), len(buffers) + len(self.subtrees)))
+            buffers += [s.data for s in self.subtrees]
+        return envelope.encode(header, buffers)
 
     def encode_bytes(self) -> bytes:
         return envelope.join(self.encode())
 
     @classmethod
     def decode(cls, data: Any) -> CallResult:
-        """Decode a result; values are views of ``data`` (writable when ``data`` is)."""
-        header, bufs = envelope.decode(data, "call result")
-        rows = header.get("outcomes")
-        if not isinstance(rows, list):
-            raise ProtocolError("a call result needs a list of outcomes")
-        outs = []
-        statuses, nbufs = _STATUSES, len(bufs)
-        for row in rows:  # a row per rank: this loop is on the hot path of every call
-            try:
-                rank, pod, status, message, at, buf, shm = row
-                if type(rank) is not int or type(pod) is not str or type(message) is not str:
-                    raise ValueError(f"rank {rank!r} of pod {pod!r}")
-                if at:  # a failure's time (a value's is 0)
-                    at = float(at)
-                    if not math.isfinite(at):
-                        raise ValueError(f"at {at!r}")
-                elif type(at) is not int and type(at) is not float:
+        """Decode a result, its subtrees' outcomes with its own, in rank order; values are
+        views of ``data`` (writable when ``data`` is)."""
+        read = ReadResult(data)
+        return cls(read.outcomes, read.started)
+
+
+class ReadResult:
+    """A call result as the caller reads it: its subtrees' rows and runs of values gathered
+    in one pass over the nested messages, the per-rank records (:attr:`outcomes`) built only
+    when asked. A call whose every rank returned a value needs none: :meth:`values`.
+    Raises ProtocolError for a malformed result."""
+
+    def __init__(self, data: Any) -> None:
+        self.rows: list[RankOutcome] = []
+        self.runs: list[Run] = []
+        self.started = _read_into(data, self.rows, self.runs, 0)
+        self._outcomes: list[RankOutcome] | None = None
+
+    def values(self) -> list[Any] | None:
+        """Every rank's encoded value in rank order, when every outcome is a value carried
+        in the message (no failure, no shared-memory file); else None."""
+        if self.rows:
+            return None
+        runs = self.runs
+        if any(runs[k][0] > runs[k + 1][0] for k in range(len(runs) - 1)):
+            runs = sorted(runs, key=_BY_RANK)
+        out: list[Any] = []
+        end = -1  # the rank after the last run's
+        for first, count, _pod, bufs in runs:
+            if first < end:  # a rank twice: the records say which value wins
+                return None
+            out += bufs
+            end = first + count
+        return out
+
+    @property
+    def outcomes(self) -> list[RankOutcome]:
+        """Every outcome, in rank order."""
+        if self._outcomes is None:
+            outs = list(self.rows)
+            for first, _count, pod, bufs in self.runs:
+                outs += [
+                    _new(RankOutcome, (first + k, pod, _OK, buf, "", 0))
+                    for k, buf in enumerate(bufs)
+                ]
+            outs.sort(key=_BY_RANK)  # runs of ranks in order: timsort merges them in linear time
+            self._outcomes = outs
+        return self._outcomes
+
+
+def _read_into(data: Any, rows: list[RankOutcome], runs: list[Run], depth: int) -> bool:
+    """Append one encoded result's outcomes (and its subtrees') to ``rows`` and ``runs``;
+    returns its ``started``."""
+    header, bufs = envelope.decode(data, "call result")
+    listed = header.get("outcomes")
+    if not isinstance(listed, list):
+        raise ProtocolError("a call result needs a list of outcomes")
+    statuses, nbufs, append = _STATUSES, len(bufs), rows.append
+    for row in listed:  # a row per rank that did not return a value
+        try:
+            rank, pod, status, message, at, buf, shm = row
+            if type(rank) is not int or type(pod) is not str or type(message) is not str:
+                raise ValueError(f"rank {rank!r} of pod {pod!r}")
+            if at:  # a failure's time (a value's is 0)
+                at = float(at)
+                if not math.isfinite(at):
                     raise ValueError(f"at {at!r}")
-                if shm is not None:
-                    data_: Any = ShmRef(str(shm[0]), int(shm[1]))
-                elif buf is None:
-                    data_ = None
-                elif type(buf) is int and 0 <= buf < nbufs:
-                    data_ = bufs[buf]
-                else:
-                    raise ValueError(f"rank {rank}'s outcome names buffer {buf!r} of {nbufs}")
-                st = statuses.get(status) or Status.parse(status)
-                # tuple.__new__: a NamedTuple's own __new__ is a Python function
-                outs.append(_new(RankOutcome, (rank, pod, st, data_, message, at)))
-            except (ValueError, TypeError, IndexError) as e:
-                raise ProtocolError(f"a malformed outcome {str(row)[:200]}: {e}") from None
-        return cls(outs, bool(header.get("started", True)))
+            elif type(at) is not int and type(at) is not float:
+                raise ValueError(f"at {at!r}")
+            if shm is not None:
+                data_: Any = ShmRef(str(shm[0]), int(shm[1]))
+            elif buf is None:
+                data_ = None
+            elif type(buf) is int and 0 <= buf < nbufs:
+                data_ = bufs[buf]
+            else:
+                raise ValueError(f"rank {rank}'s outcome names buffer {buf!r} of {nbufs}")
+            st = statuses.get(status) or Status.parse(status)
+            # tuple.__new__: a NamedTuple's own __new__ is a Python function
+            append(_new(RankOutcome, (rank, pod, st, data_, message, at)))
+        except (ValueError, TypeError, IndexError) as e:
+            raise ProtocolError(f"a malformed outcome {str(row)[:200]}: {e}") from None
+    listed = header.get("runs") or []
+    if not isinstance(listed, list):
+        raise ProtocolError(f"a call result's runs must be a list, got {str(listed)[:200]}")
+    for run in listed:  # a run per pod whose ranks all returned a value
+        try:
+            first, count, pod, buf, n = run
+            if not (
+                type(first) is int
+                and type(count) is int
+                and type(pod) is str
+                and type(buf) is int
+                and count > 0
+                and (n == 1 or n == count)
+                and type(n) is int
+                and 0 <= buf <= nbufs - n
+            ):
+                raise ValueError(f"it names buffers {buf!r}+{n!r} of {nbufs}")
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(f"a malformed run of values {str(run)[:200]}: {e}") from None
+        runs.append((first, count, pod, [bufs[buf]] * count if n == 1 else bufs[buf : buf + n]))
+    subtrees = header.get("subtrees") or []
+    if not isinstance(subtrees, list):
+        raise ProtocolError(f"a call result's subtrees must be a list, got {subtrees!r}")
+    if subtrees and depth >= MAX_NESTING:
+        raise ProtocolError(f"a call result nests subtrees deeper than {MAX_NESTING} relays")
+    for index in subtrees:
+        sub = envelope.buffer(bufs, index, "a call result's subtree")
+        if sub is None:
+            raise ProtocolError("a call result's subtree names no buffer")
+        _read_into(sub, rows, runs, depth + 1)
+    return bool(header.get("started", True))

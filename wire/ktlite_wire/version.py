@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-# 5: a served deployment's launches carry their generation, a pod refuses an older one
+# 6: a relay passes its children's call results on untouched (a result nests them:
+#    ``subtrees``), and a pod's ranks that returned a value are one ``runs`` entry, not a row
+#    each; an older caller would miss every nested rank. 5: a served deployment's launches carry their generation, a pod refuses an older one
 #    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
 #    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
 #    calls, notices, shipped sources.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 
