@@ -68,6 +68,7 @@ def request_log(app: ASGIApp) -> ASGIApp:
     log = logging.getLogger("ktlite_server.requests")
     if not log.isEnabledFor(logging.DEBUG):
         return app
+    from ktlite_server.callresponse import RAW_RESPONSE  # the pod server's, not a rank's
 
     async def logged(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,6 +80,18 @@ def request_log(app: ASGIApp) -> ASGIApp:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+
+        extensions = scope.get("extensions") or {}
+        raw = extensions.get(RAW_RESPONSE)
+        if raw is not None:  # a call's answer the server writes itself (always a 200 head)
+
+            def raw_logged(raw_scope: Scope) -> Any:
+                out = raw(raw_scope)
+                if out is not None:
+                    status[0] = 200
+                return out
+
+            scope["extensions"] = {**extensions, RAW_RESPONSE: raw_logged}  # same scope object
 
         try:
             await app(scope, receive, sending)
