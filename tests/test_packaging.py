@@ -155,5 +155,5 @@ def test_readme_test_command_runs_both_halves_and_fails_if_either_fails(
         ["bash", "-c", test_command], cwd=repo, env=env, capture_output=True, text=True, timeout=60
     )
     calls = log.read_text().splitlines()
-    assert calls == ["-m pytest -n 3", "-m pytest -m ray or monarch or ssh"], (calls, proc.stderr)
+    assert calls == ["-m pytest -n 4", "-m pytest -m ray or monarch or ssh"], (calls, proc.stderr)
     assert (proc.returncode == 0) == ok, (codes, proc.returncode, proc.stderr)
