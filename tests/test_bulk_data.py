@@ -17,8 +17,6 @@ import hashlib
 import json
 import os
 import socket
-import ssl
-import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -27,16 +25,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
+from served_app import Served
 from starlette.requests import ClientDisconnect, Request
 
-from ktlite.net import tls
 from ktlite.net.client import PodClient
 from ktlite.net.connection import Pool
 from ktlite_server import directbody
 from ktlite_server.bodies import read_body
 from ktlite_server.calls import StreamResponse
-from ktlite_server.connections import Limits, guarded
 from ktlite_server.streams import CallStream
 from ktlite_wire import codec, envelope, frames, landing, shm
 from ktlite_wire.frames import RESULT, FrameParser, frame_item
@@ -49,49 +45,12 @@ BIG = 24 << 20  # past shm.INLINE_MAX: onto a shared-memory file
 MID = 300 << 10  # past directbody.DIRECT_MIN, under INLINE_MAX: into memory
 
 
-class Served:
-    """An ASGI app on uvicorn in a thread, with the pod server's protocol; ``url``."""
-
-    def __init__(self, app: Any, tls_dir: Path | None) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(
-            app, loop="uvloop", http=guarded(Limits()), log_level="warning", lifespan="off"
-        )
-        scheme = "http"
-        if tls_dir is not None:
-            ident = tls.identity(TOKEN)
-            (tls_dir / "cert.pem").write_bytes(ident.cert_pem)
-            (tls_dir / "key.pem").write_bytes(ident.key_pem)
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(tls_dir / "cert.pem", tls_dir / "key.pem")
-            config.load()
-            config.ssl = context
-            scheme = "https"
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test's uvicorn server did not start within 30 s")
-            time.sleep(0.01)
-        self.url = f"{scheme}://127.0.0.1:{sock.getsockname()[1]}"
-        self.context = tls.pinned_context(TOKEN) if tls_dir is not None else None
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(params=["plain", "tls"])
 def serve(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[Any], Served]]:
     started: list[Served] = []
 
     def start(app: Any) -> Served:
-        started.append(Served(app, tmp_path if request.param == "tls" else None))
+        started.append(Served(app, tmp_path if request.param == "tls" else None, TOKEN))
         return started[-1]
 
     yield start

@@ -12,17 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import ssl
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
+from served_app import Served
 
-from ktlite.net import tls
 from ktlite.net.connection import Pool
 from ktlite_server import streams
 from ktlite_server.calls import StreamResponse
@@ -50,44 +47,6 @@ class CountingTransport:
         return getattr(self._inner, name)
 
 
-class Served:
-    """An ASGI app on uvicorn in a thread; ``protocol`` is uvicorn's ``http`` setting."""
-
-    def __init__(self, app: Any, tls_dir: Path | None, protocol: Any) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(
-            app, loop="uvloop", http=protocol, log_level="warning", lifespan="off"
-        )
-        scheme = "http"
-        if tls_dir is not None:
-            ident = tls.identity(TOKEN)
-            (tls_dir / "cert.pem").write_bytes(ident.cert_pem)
-            (tls_dir / "key.pem").write_bytes(ident.key_pem)
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(tls_dir / "cert.pem", tls_dir / "key.pem")
-            config.load()
-            config.ssl = context
-            scheme = "https"
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + WAIT_S
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError(f"the test's uvicorn server did not start within {WAIT_S:g} s")
-            time.sleep(0.01)
-        self.port = sock.getsockname()[1]
-        self.url = f"{scheme}://127.0.0.1:{self.port}"
-        self.context = tls.pinned_context(TOKEN) if tls_dir is not None else None
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(WAIT_S)
-
-
 def counting(writes: list[int]) -> type[GuardedHttpTools]:
     """The pod server's protocol, its transport's writes counted into ``writes``."""
     base = guarded(Limits())
@@ -105,7 +64,7 @@ def serve(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[.
 
     def start(app: Any, protocol: Any = None) -> Served:
         tls_dir = tmp_path if request.param == "tls" else None
-        started.append(Served(app, tls_dir, protocol or guarded(Limits())))
+        started.append(Served(app, tls_dir, TOKEN, protocol))
         return started[-1]
 
     yield start

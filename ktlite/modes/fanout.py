@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import sys
 from dataclasses import replace
 from typing import Any
 
@@ -34,7 +33,6 @@ from ktlite.modes.replacement import ReplacedWatch, Replacements
 from ktlite.net.client import CallReply, PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
 from ktlite_wire import calltree
-from ktlite_wire.calltree import LaunchRelay
 from ktlite_wire.launch import Launch
 from ktlite_wire.plan import CallPlan
 from ktlite_wire.status import Status
@@ -118,18 +116,7 @@ class Fanout(Mode):
         """The ``x-ktlite-tree`` header of a code push relayed from pod 0 to every pod (down
         the call tree from ``tree_minimum`` pods on, else from pod 0 to each); None: one pod,
         or pods whose launches differ (an engine's)."""
-        eps = self.endpoints
-        if len(eps) < 2 or [ep.ordinal for ep in eps] != list(range(len(eps))):
-            return None
-        fanout = self.spec.distributed.tree(len(eps)) or len(eps) - 1
-        return LaunchRelay(
-            [ep.peer_url for ep in eps],
-            [ep.name for ep in eps],
-            list(range(len(eps))),
-            fanout,
-            float(timeout),
-            f"{sys.version_info.major}.{sys.version_info.minor}",
-        ).encode()
+        return podtable.relay(self, timeout)  # the same header as the pod table's
 
     def cancel_targets(self, eps: list[PodEndpoint]) -> list[PodEndpoint]:
         """In a call tree, pod 0 relays a cancel to every pod: it and its children (they
