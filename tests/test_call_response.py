@@ -108,6 +108,14 @@ def _call_app(events: list[str], later: Callable[[CallStream], None] | None = No
     return app
 
 
+def _socket_to(served: Served) -> Any:
+    """A raw socket to ``served``, TLS-wrapped (pinned) where it serves TLS."""
+    raw = socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S)
+    if served.context is None:
+        return raw
+    return served.context.wrap_socket(raw, server_hostname=pinning.SERVER_NAME)
+
+
 def _frames_of(
     pool: Pool, served: Served, headers: dict[str, str] | None = None
 ) -> list[tuple[int, Any]]:
@@ -154,10 +162,7 @@ def test_a_silent_call_beats_on_the_servers_own_writer(
     events: list[str] = []
     calls: list[CallStream] = []
     served = serve(_call_app(events, later=calls.append))
-    raw = socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S)
-    sock: Any = raw
-    if served.context is not None:
-        sock = served.context.wrap_socket(raw, server_hostname=pinning.SERVER_NAME)
+    sock = _socket_to(served)
     try:
         sock.sendall(b"POST /call HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
         got = b""
@@ -191,10 +196,7 @@ def test_a_caller_that_leaves_mid_call_abandons_it(
     events: list[str] = []
     calls: list[CallStream] = []
     served = serve(_call_app(events, later=calls.append))
-    raw = socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S)
-    sock: Any = raw
-    if served.context is not None:
-        sock = served.context.wrap_socket(raw, server_hostname=pinning.SERVER_NAME)
+    sock = _socket_to(served)
     sock.sendall(b"POST /call HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
     deadline = time.monotonic() + WAIT_S
     while not calls and time.monotonic() < deadline:

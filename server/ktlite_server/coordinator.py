@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
+from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome, settled
 from ktlite_server.resultfeed import take
@@ -422,9 +422,7 @@ class Coordinator:
                     url, "/call", member_headers, body, connect_timeout=5.0, read_timeout=SILENCE_S
                 ) as resp:
                     if resp.status != 200:
-                        text = (await resp.read()).decode(errors="replace")[:500]
-                        with contextlib.suppress(ValueError, AttributeError):
-                            text = json.loads(text)["detail"]
+                        text = error_text(await resp.read())
                         # the pod lost or replaced the deployment's code: nothing ran there
                         stale = ErrorCode.parse(resp.headers.get(ERROR_CODE_HEADER)) in (
                             ErrorCode.NOT_DEPLOYED,

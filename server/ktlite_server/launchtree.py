@@ -12,13 +12,11 @@ answers with an error, is reported with every rank of its subtree, never left ou
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import platform
 import time
 from typing import Any
 
-from ktlite_server.peers import PeerConnectError, PeerError, PeerPool
+from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_wire import calltree
 from ktlite_wire.distenv import DistributedLayout
 from ktlite_wire.errors import ProtocolError
@@ -92,9 +90,7 @@ async def _child(
                     ) from e
             await asyncio.sleep(RETRY_S)  # a retry with a pause, bounded by the deadline
         if status != 200:
-            text = data.decode(errors="replace")[:500]
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                text = json.loads(text)["detail"]
+            text = error_text(data)
             raise LaunchRelayFailed(f"pod {name} answered the deploy with HTTP {status}: {text}")
         return CallResult.decode(bytearray(data)).outcomes
     except LaunchRelayFailed as e:

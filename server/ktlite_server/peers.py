@@ -158,6 +158,15 @@ class PeerResponse:
             self._conn.close()
 
 
+def error_text(body: bytes) -> str:
+    """What a pod's error answer says: its JSON ``detail`` where it has one, else the body's
+    first 500 characters."""
+    text = body.decode(errors="replace")[:500]
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        return str(json.loads(text)["detail"])
+    return text
+
+
 @functools.lru_cache(maxsize=4096)  # the same few peers' URLs, on every request of every call
 def _split(url: str) -> tuple[str, int, str]:
     parts = urlsplit(url)

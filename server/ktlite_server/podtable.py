@@ -18,12 +18,11 @@ when the caller asked every other pod and then pod 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ktlite_server.peers import PeerError, PeerPool
+from ktlite_server.peers import PeerError, PeerPool, error_text
 from ktlite_wire import calltree
 from ktlite_wire.headers import TREE_HEADER
 
@@ -100,9 +99,7 @@ async def _child(
             )
         else:
             code = status
-            text = body.decode(errors="replace")[:500]
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                text = json.loads(text)["detail"]
+            text = error_text(body)
             why = f"pod {relay.names[first]} answered {path} with HTTP {status}: {text}"
     except PeerError as e:
         why = f"pod {relay.names[first]} could not be asked for {path} (budget {budget:.3g}s): {e}"
