@@ -261,7 +261,10 @@ class Fanout(Mode):
         )
         watch = ReplacedWatch(self.pods, call_id)
         with shm_arguments(self.dep.applied, plan, parts) as sent:
-            reply = self._send(plan, sent, (log or print_log) if plan.stream_logs else None, watch)
+            reply = self._send(
+                plan, sent.parts, (log or print_log) if plan.stream_logs else None, watch
+            )
+            sent.done(reply)
         blobs = reply.values()  # every rank's value, when each returned one: no records
         ok = decode_values(blobs) if blobs is not None else None
         if ok is not None:

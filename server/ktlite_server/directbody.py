@@ -69,6 +69,7 @@ class FileSink:
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
+        self.pos = 0
         self.left = size
         self.piece = memoryview(bytearray(min(PIECE, max(size, 1))))
 
@@ -78,7 +79,9 @@ class FileSink:
     def filled(self, n: int) -> None:
         data = self.piece[:n]
         while data:
-            data = data[os.write(self.fd, data) :]
+            k = os.pwrite(self.fd, data, self.pos)
+            self.pos += k
+            data = data[k:]
         self.left -= n
 
 

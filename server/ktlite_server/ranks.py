@@ -40,6 +40,7 @@ class Outcome:
     path: str | None = None  # a large value waits in this shared-memory file instead
     size: int = 0
     feed: Feed | None = None  # the rank still writes that file: how far it got
+    holds_args: bool = False  # the rank may still map the call's argument file (argfiles)
     at: float = field(
         default_factory=time.time
     )  # when it was known: the earliest failure is the cause
