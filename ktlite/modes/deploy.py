@@ -38,6 +38,7 @@ from ktlite.modes.routing import Routing
 from ktlite.net.client import PodClient
 from ktlite.net.progress import ticking
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import argfiles
 from ktlite_wire.launch import Colocation
 
 __all__ = [
@@ -319,6 +320,7 @@ class Deployment:
         self.backend.teardown(self.name, timeout=limit, volumes=volumes)
         for ep in self.endpoints:
             self.client.forget(ep.url)
+        argfiles.process().clear()  # the warm argument files this process kept (none in use)
         self.close()
 
     def close(self) -> None:

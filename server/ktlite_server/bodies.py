@@ -29,11 +29,9 @@ async def read_body(request: Request, limit: int) -> tuple[Any, str | None]:
     return view, landed.path
 
 
-async def receive_body(
-    request: Request, limit: int, files: ArgFiles | None
-) -> tuple[Any, ArgFile | None]:
-    """Read the body into memory, or straight into a shared-memory file when large: one of
-    ``files`` (a warm one when it has one free; given back by the caller), else a fresh one."""
+def body_length(request: Request, limit: int) -> int:
+    """The request body's length (its Content-Length, or a proxy's LENGTH_HEADER); a refusal
+    when it names none or one over ``limit``."""
     # a chunked body (through a proxy) names its length in LENGTH_HEADER
     length = request.headers.get("content-length") or request.headers.get(LENGTH_HEADER)
     if length is None or not length.isdigit():
@@ -50,6 +48,15 @@ async def receive_body(
             f"body of {n} bytes is larger than this server's limit of {limit} bytes "
             "(KTLITE_MAX_BODY)",
         )
+    return n
+
+
+async def receive_body(
+    request: Request, limit: int, files: ArgFiles | None
+) -> tuple[Any, ArgFile | None]:
+    """Read the body into memory, or straight into a shared-memory file when large: one of
+    ``files`` (a warm one when it has one free; given back by the caller), else a fresh one."""
+    n = body_length(request, limit)
     into = request.scope.get("extensions", {}).get(directbody.BODY_INTO)
     if into is not None and n >= directbody.DIRECT_MIN and "content-length" in request.headers:
         # the server's protocol reads it past uvicorn's receive()
@@ -119,11 +126,13 @@ async def _read_direct(
         view = memoryview(bytearray(n))
         return (view, None) if await into(directbody.MemorySink(view)) else None
     landed = _take(files, n)
+    sink = directbody.FileSink(landed.fd, n)
     try:
-        if not await into(directbody.FileSink(landed.fd, n)):
+        if not await into(sink):
             _give_back(files, landed)
             return None
         return memoryview(mmap.mmap(landed.fd, n)), landed
     except BaseException:
+        sink.close()  # cancelled while the body arrives: none of it lands in a file given back
         _give_back(files, landed)
         raise

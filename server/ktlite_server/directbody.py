@@ -24,6 +24,7 @@ after waiting for the transport to drain, as uvicorn's own ``send`` does.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -76,7 +77,14 @@ class FileSink:
     def buffer(self) -> memoryview:
         return self.piece[: min(self.piece.nbytes, self.left)]
 
+    def close(self) -> None:
+        """Write nothing more (the file went back, or away): a byte still arriving fails the
+        body (``BodyInto`` aborts the connection) instead of landing in a file reused."""
+        self.fd = -1
+
     def filled(self, n: int) -> None:
+        if self.fd < 0:
+            raise OSError(errno.EBADF, "the body's file was given up before its end arrived")
         data = self.piece[:n]
         while data:
             k = os.pwrite(self.fd, data, self.pos)

@@ -28,8 +28,10 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from ktlite_server.arriving import Arriving
 from ktlite_wire import pinning
 
+WRITE_PIECE = 1 << 20  # a larger body is written this much at a time, each after a drain
 PROBE_AFTER_S = 2.0  # a pooled connection older than this is probed before a call relies on it
 
 
@@ -158,6 +160,27 @@ class PeerResponse:
             self._conn.close()
 
 
+async def _write_body(
+    writer: asyncio.StreamWriter, pieces: list[memoryview], arriving: Arriving | None
+) -> None:
+    """A large body, a piece of at most WRITE_PIECE at a time, each after the connection
+    drained (a TLS transport encrypts what it is given at once: it holds one piece, not the
+    body); with ``arriving``, each byte once it has landed (a failed body raises its error)."""
+    sent = 0
+    for piece in pieces:
+        view = piece.cast("B")
+        pos = 0
+        while pos < view.nbytes:
+            end = min(view.nbytes, pos + WRITE_PIECE)
+            if arriving is not None:  # the one piece is the body itself: what has landed
+                await arriving.until(sent + pos + 1)
+                end = min(end, arriving.have - sent)
+            writer.write(view[pos:end])
+            pos = end
+            await writer.drain()
+        sent += view.nbytes
+
+
 def error_text(body: bytes) -> str:
     """What a pod's error answer says: its JSON ``detail`` where it has one, else the body's
     first 500 characters."""
@@ -224,9 +247,13 @@ class PeerPool:
         body: memoryview | list[memoryview],
         connect_timeout: float = 5.0,
         read_timeout: float = 10.0,
+        arriving: Arriving | None = None,
     ) -> AsyncIterator[PeerResponse]:
-        """POST ``body`` (in pieces, never joined) to ``url`` + ``path``; the response streams."""
-        resp = await self._send("POST", url, path, headers, body, connect_timeout, read_timeout)
+        """POST ``body`` (in pieces, never joined) to ``url`` + ``path``; the response streams.
+        ``arriving``: ``body`` is one view of a body still landing, sent as it lands."""
+        resp = await self._send(
+            "POST", url, path, headers, body, connect_timeout, read_timeout, arriving
+        )
         try:
             yield resp
         finally:
@@ -282,6 +309,7 @@ class PeerPool:
         body: memoryview | list[memoryview],
         connect_timeout: float,
         read_timeout: float,
+        arriving: Arriving | None = None,
     ) -> PeerResponse:
         host, port, _ = _split(url)
         https = url.startswith("https://")
@@ -302,10 +330,13 @@ class PeerPool:
             silent = _Silence(conn)
             try:
                 conn.writer.write(request)
-                for piece in pieces:
-                    if piece.nbytes:
-                        conn.writer.write(piece)
-                await conn.writer.drain()
+                if arriving is None and length <= WRITE_PIECE:
+                    for piece in pieces:
+                        if piece.nbytes:
+                            conn.writer.write(piece)
+                    await conn.writer.drain()
+                else:
+                    await _write_body(conn.writer, pieces, arriving)
                 timer = loop.call_later(read_timeout, silent.expire)
                 try:
                     head = await conn.reader.readuntil(b"\r\n\r\n")
