@@ -2,15 +2,23 @@
 post sends each piece once it is there, stops when the body is cut, fails at once when its
 pod goes, and holds one piece at a time for a pod that reads slowly. Real sockets: the other
 pod is a small asyncio server; the body an ``arriving.Arriving`` fed as a connection would.
+Then real pods of the local backend, pod 1 behind a relay that cuts its connection mid-body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import socket
+from urllib.parse import urlsplit
 
+import numpy as np
 import pytest
 from starlette.requests import ClientDisconnect
+from tcp_relay import Relay
 
+import ktlite as kt
 from ktlite_server import peers
 from ktlite_server.arriving import Arriving
 from ktlite_server.peers import PeerError, PeerPool
@@ -170,3 +178,61 @@ def test_a_slow_pod_is_given_one_piece_at_a_time() -> None:
 
     asyncio.run(main())
     assert max(queued) <= peers.WRITE_PIECE
+
+
+# ---- real pods: pod 0 forwards to pod 1 through a relay that cuts the connection ------------
+
+
+def size_of(x: np.ndarray) -> int:
+    return int(x.nbytes)
+
+
+class CuttingRelay(Relay):
+    """A relay that cuts every connection once ``cut_after`` bytes went one way through it."""
+
+    def __init__(self, target_port: int, cut_after: int) -> None:
+        self.cut_after = cut_after
+        super().__init__(target_port)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        passed = 0
+        try:
+            while passed < self.cut_after:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                passed += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):  # the pod behind it is gone, mid-body
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_pod_cut_off_mid_body_fails_the_call_naming_it(monkeypatch) -> None:
+    monkeypatch.setenv("KTLITE_SHM", "0")  # the body over HTTP, forwarded by pod 0
+    remote = kt.fn(size_of, name="fwd-cut").to(
+        kt.Compute(stream_logs=False).distribute("spmd", workers=2)
+    )
+    try:
+        x = np.ones(12 << 20, dtype=np.float32)  # 48 MiB
+        assert remote(x) == [x.nbytes, x.nbytes]  # forwarded whole, as it landed
+        dep = remote.deployment
+        eps = list(dep.applied.endpoints)
+        relay = CuttingRelay(urlsplit(eps[1].peer_url).port or 0, cut_after=8 * MB)
+        try:
+            scheme = urlsplit(eps[1].peer_url).scheme
+            dep.applied.endpoints = [
+                eps[0],
+                dataclasses.replace(eps[1], peer_url=f"{scheme}://127.0.0.1:{relay.port}"),
+            ]
+            with pytest.raises(kt.RemoteError) as failed:
+                remote(x)
+        finally:
+            dep.applied.endpoints = eps
+            relay.close()
+        assert eps[1].name in str(failed.value) and "connection" in str(failed.value)
+        assert remote(x) == [x.nbytes, x.nbytes]  # the deployment goes on
+    finally:
+        remote.teardown()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 
 from ktlite_wire import shm
 
@@ -24,7 +25,7 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | os.O_
 class ArgMap:
     """One call's mapping of its argument file (``view`` covers ``size`` bytes)."""
 
-    __slots__ = ("mem", "view", "forked")
+    __slots__ = ("mem", "view", "forked", "__weakref__")
 
     def __init__(self, mem: mmap.mmap | None, view: memoryview) -> None:
         self.mem = mem
@@ -32,7 +33,9 @@ class ArgMap:
         self.forked = False
 
 
-_live: set[ArgMap] = set()  # the mappings open now: a fork marks them
+# the mappings open now: a fork marks them (weakly held: one a call never let go of, cut short
+# by an interrupt, is unmapped once its views go)
+_live: weakref.WeakSet[ArgMap] = weakref.WeakSet()
 _lock = threading.Lock()
 
 
