@@ -18,8 +18,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from ktlite_server.arriving import receive_arriving
-from ktlite_server.bodies import body_length, discard_body, receive_body
+from ktlite_server.bodies import discard_body, receive_body
 from ktlite_server.callresponse import RAW_RESPONSE
 from ktlite_server.coordinator import Coordinator, run_local
 from ktlite_server.directbody import WRITE_CHUNK
@@ -185,14 +184,8 @@ class Calls:
 
         stream = streams.open(plan.id, plan.reattach, abandoned)
         landed = None  # the file a large body landed in (this pod's: given back at the end)
-        arrival = None  # a coordinator's large body goes on while it still arrives (arriving.py)
         try:
-            if plan.shm is None and coordinator is not None:
-                arrival = await receive_arriving(request, body_length(request, self.max_body))
-            if arrival is not None and coordinator is not None:
-                body, landed, coordinator.arriving, reading = arrival
-                path: str | None = landed.path
-            elif plan.shm is None:
+            if plan.shm is None:
                 body, landed = await receive_body(request, self.max_body, argfiles.process())
                 path = None if landed is None else landed.path
             else:  # the caller shares this host and wrote the arguments to shared memory
@@ -217,8 +210,6 @@ class Calls:
                                 f"({view.nbytes} bytes)"
                             )
             except ProtocolError as e:
-                if arrival is not None:  # refused once all of it is read, as any other body
-                    await asyncio.gather(reading, return_exceptions=True)
                 if landed is not None:  # no rank saw it
                     argfiles.process().give_back(landed, reusable=True)
                 raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed call body: {e}") from e
@@ -275,12 +266,6 @@ class Calls:
                 streams.finished(stream)
 
         asyncio.get_running_loop().create_task(produce())
-        if arrival is not None and coordinator is not None:
-            try:  # the answer begins once the body is whole: a broken upload ran nothing
-                await reading
-            except BaseException:
-                coordinator.cancel(Status.CANCELLED, "the caller's upload broke off")
-                raise
         return StreamResponse(stream, 0)
 
     def cancel(self, call_id: str, kind: Status, reason: str, reset: bool) -> bool:

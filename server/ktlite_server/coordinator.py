@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ktlite_server.arriving import Arriving, streamed
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome, settled
@@ -115,7 +114,6 @@ class Coordinator:
         self._members: list[int] = []
         self._subtrees: dict[int, list[int]] = {}  # a tree: each child's subtree, itself first
         self._relay_shared: str | None = None  # a tree: the relays' plans' common part
-        self.arriving: Arriving | None = None  # the body while it lands (arriving.py)
 
     def cancel(self, kind: Status, reason: str) -> None:
         """Stop the call on every pod (the caller went away, or asked to)."""
@@ -145,7 +143,7 @@ class Coordinator:
         me = self.pod.ordinal
         if targets == [me] and plan.timeout is None:
             self.started = True
-            return CallResult(await self._local(payload, path, emit))  # no fan-out
+            return CallResult(await run_local(self.pod, plan, payload, path, emit))  # no fan-out
         if plan.tree:
             subtrees = calltree.split([i for i in targets if i != me], plan.tree)
             self._subtrees = {sub[0]: sub for sub in subtrees}
@@ -172,7 +170,7 @@ class Coordinator:
         # remote pods first: their hop is the longer one, so their requests should leave first
         for i in sorted(self._members, key=lambda i: i == me):
             coro = (
-                self._local(payload, path, emit)
+                run_local(self.pod, plan, payload, path, emit)
                 if i == self.pod.ordinal
                 else self._remote(plan, i, payload, emit)
             )
@@ -240,11 +238,6 @@ class Coordinator:
                     await self._stop(Status.CANCELLED, f"stopped because rank {failed} failed")
         results.sort(key=lambda o: o.rank)
         return CallResult(results, subtrees=[passed[i] for i in sorted(passed)])
-
-    async def _local(self, payload: Any, path: str | None, emit: Emit) -> list[PodOutcome]:
-        if self.arriving is not None:
-            await self.arriving.whole()
-        return await run_local(self.pod, self.plan, payload, path, emit)
 
     async def _stop(self, kind: Status, reason: str) -> None:
         """Stop the call on every pod of it: running ones cancel, finished ones drop their
@@ -423,11 +416,10 @@ class Coordinator:
             if self._shared_headers is None:
                 self._shared_headers = self._headers(meta)
             member_headers = self._shared_headers
-        arriving = await streamed(self.arriving, body)
         while True:
             try:
                 async with self.peers.post(
-                    url, "/call", member_headers, body, 5.0, SILENCE_S, arriving
+                    url, "/call", member_headers, body, connect_timeout=5.0, read_timeout=SILENCE_S
                 ) as resp:
                     if resp.status != 200:
                         text = error_text(await resp.read())

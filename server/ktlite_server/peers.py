@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from ktlite_server.arriving import Arriving
 from ktlite_wire import pinning
 
 WRITE_PIECE = 1 << 20  # a larger body is written this much at a time, each after a drain
@@ -160,25 +159,15 @@ class PeerResponse:
             self._conn.close()
 
 
-async def _write_body(
-    writer: asyncio.StreamWriter, pieces: list[memoryview], arriving: Arriving | None
-) -> None:
+async def _write_body(writer: asyncio.StreamWriter, pieces: list[memoryview]) -> None:
     """A large body, a piece of at most WRITE_PIECE at a time, each after the connection
     drained (a TLS transport encrypts what it is given at once: it holds one piece, not the
-    body); with ``arriving``, each byte once it has landed (a failed body raises its error)."""
-    sent = 0
+    body, and a slow peer holds up its own post only)."""
     for piece in pieces:
         view = piece.cast("B")
-        pos = 0
-        while pos < view.nbytes:
-            end = min(view.nbytes, pos + WRITE_PIECE)
-            if arriving is not None:  # the one piece is the body itself: what has landed
-                await arriving.until(sent + pos + 1)
-                end = min(end, arriving.have - sent)
-            writer.write(view[pos:end])
-            pos = end
+        for pos in range(0, view.nbytes, WRITE_PIECE):
+            writer.write(view[pos : pos + WRITE_PIECE])
             await writer.drain()
-        sent += view.nbytes
 
 
 def error_text(body: bytes) -> str:
@@ -247,13 +236,9 @@ class PeerPool:
         body: memoryview | list[memoryview],
         connect_timeout: float = 5.0,
         read_timeout: float = 10.0,
-        arriving: Arriving | None = None,
     ) -> AsyncIterator[PeerResponse]:
-        """POST ``body`` (in pieces, never joined) to ``url`` + ``path``; the response streams.
-        ``arriving``: ``body`` is one view of a body still landing, sent as it lands."""
-        resp = await self._send(
-            "POST", url, path, headers, body, connect_timeout, read_timeout, arriving
-        )
+        """POST ``body`` (in pieces, never joined) to ``url`` + ``path``; the response streams."""
+        resp = await self._send("POST", url, path, headers, body, connect_timeout, read_timeout)
         try:
             yield resp
         finally:
@@ -309,7 +294,6 @@ class PeerPool:
         body: memoryview | list[memoryview],
         connect_timeout: float,
         read_timeout: float,
-        arriving: Arriving | None = None,
     ) -> PeerResponse:
         host, port, _ = _split(url)
         https = url.startswith("https://")
@@ -330,13 +314,13 @@ class PeerPool:
             silent = _Silence(conn)
             try:
                 conn.writer.write(request)
-                if arriving is None and length <= WRITE_PIECE:
+                if length <= WRITE_PIECE:
                     for piece in pieces:
                         if piece.nbytes:
                             conn.writer.write(piece)
                     await conn.writer.drain()
                 else:
-                    await _write_body(conn.writer, pieces, arriving)
+                    await _write_body(conn.writer, pieces)
                 timer = loop.call_later(read_timeout, silent.expire)
                 try:
                     head = await conn.reader.readuntil(b"\r\n\r\n")
