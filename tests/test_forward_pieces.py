@@ -62,6 +62,33 @@ def test_a_pod_that_goes_mid_body_fails_the_post() -> None:
     asyncio.run(asyncio.wait_for(main(), WAIT_S))
 
 
+def test_a_pod_that_stops_reading_fails_the_post_after_its_silence() -> None:
+    """A pod that takes no more of the body (hung, or behind a dead link) fails the post once
+    the read timeout passes: before, the post waited on the connection's drain for ever."""
+
+    async def member(reader, writer):
+        await _read_head(reader)
+        try:
+            await asyncio.sleep(WAIT_S)  # reads nothing more
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server, url = await _serve(member)
+        pool = PeerPool()
+        with pytest.raises(PeerError, match="took no more of the body"):
+            body = memoryview(bytes(64 * MB))
+            async with pool.post(url, "/call", {}, body, read_timeout=0.5):
+                pass
+        await pool.aclose()
+        server.close()
+        for t in asyncio.all_tasks() - {asyncio.current_task()}:
+            t.cancel()  # the member still sleeping
+        await asyncio.sleep(0)
+
+    asyncio.run(main())  # the post itself waits 0.5 s for the pod to take more
+
+
 def test_a_slow_pod_is_given_one_piece_at_a_time() -> None:
     """A pod that does not read: the body is not handed to its connection whole (a TLS one
     would encrypt all of it into memory), one piece at a time after each drain."""
@@ -77,7 +104,9 @@ def test_a_slow_pod_is_given_one_piece_at_a_time() -> None:
     async def main() -> None:
         server, url = await _serve(member)
         _, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
-        task = asyncio.ensure_future(peers._write_body(writer, [memoryview(bytes(size))]))
+        task = asyncio.ensure_future(
+            peers._write_body(writer, [memoryview(bytes(size))], WAIT_S, "member")
+        )
         for _ in range(50):  # the kernel's buffers fill; the write waits on the drain
             await asyncio.sleep(0.01)
             high = writer.transport.get_write_buffer_limits()[1]  # drain() waits below it
