@@ -193,11 +193,15 @@ class Pool:
         self._idle: dict[Key, list[Connection]] = {}
         self._lock = threading.Lock()
 
-    def _get(self, key: Key, connect_timeout: float) -> tuple[Connection, bool]:
-        with self._lock:
-            idle = self._idle.get(key)
-            if idle:
-                return idle.pop(), True
+    def take(
+        self, key: Key, connect_timeout: float, fresh: bool = False
+    ) -> tuple[Connection, bool]:
+        """An idle connection to ``key`` (and True), else (or with ``fresh``) a new one."""
+        if not fresh:
+            with self._lock:
+                idle = self._idle.get(key)
+                if idle:
+                    return idle.pop(), True
         return Connection(key[0], key[1], connect_timeout, key[2]), False
 
     def release(self, conn: Connection) -> None:
@@ -237,14 +241,10 @@ class Pool:
         context: ssl.SSLContext | None = None,
     ) -> tuple[Connection, int, dict[str, str]]:
         """Send a request (``path`` with its query) and read the response head."""
-        host, port = _address(url)
-        key = (host, port, context)
-        size = sum(memoryview(p).nbytes for p in parts)
-        lines = [f"{method} {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {size}"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        key, head = self.prepare(method, url, path, headers, parts, context)
+        host, port = key[0], key[1]
         for attempt in (0, 1):
-            conn, reused = self._get(key, connect_timeout)  # ConnectionRefused passes through
+            conn, reused = self.take(key, connect_timeout)  # ConnectionRefused passes through
             try:
                 conn.send(head, parts)
                 status, hdrs = conn.response(read_timeout)
@@ -261,6 +261,22 @@ class Pool:
                 conn.close()
                 raise
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def prepare(
+        method: str,
+        url: str,
+        path: str,
+        headers: dict[str, str],
+        parts: list[Any],
+        context: ssl.SSLContext | None = None,
+    ) -> tuple[Key, bytes]:
+        """The pool key of ``url`` and a request's head (``path`` with its query)."""
+        host, port = _address(url)
+        size = sum(memoryview(p).nbytes for p in parts)
+        lines = [f"{method} {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {size}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        return (host, port, context), ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def fetch(
         self,
