@@ -124,15 +124,16 @@ class Submissions:
             self._settle(future, values, None)
 
     def _settle(self, future: Any, values: list[Any] | None, error: BaseException | None) -> None:
-        """End ``future`` with its call's outcome (callbacks the user added to it run on a
-        thread of ``pool``, never on the thread that reads every call's answer), then send
-        the next queued call."""
+        """Send the next queued call, then end ``future`` with its call's outcome (callbacks
+        the user added to it run on a thread of ``pool``, never on the thread that reads every
+        call's answer)."""
         if future._done_callbacks:
             pool.submit(self._end, future, values, error)
         else:
             self._end(future, values, error)
 
     def _end(self, future: Any, values: list[Any] | None, error: BaseException | None) -> None:
+        self._ended(future)  # the next queued call leaves before this one's waiter wakes
         try:
             if error is None:
                 assert values is not None
@@ -145,8 +146,6 @@ class Submissions:
                 future.set_exception(error)
         except concurrent.futures.InvalidStateError:
             pass  # failed by close() meanwhile
-        finally:
-            self._ended(future)
 
     def _ended(self, future: Any) -> None:
         with self._lock:

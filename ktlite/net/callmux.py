@@ -63,49 +63,53 @@ class ResponseParser:
     def feed(self, data: bytes) -> list[tuple[int, Any]]:
         """The frames completed by ``data``; raises ConnectionFailed or ProtocolError on a
         stream that is not a pod's answer."""
-        self.buf += data
+        if self.buf:  # the rest of a line or head that came before
+            data = bytes(self.buf) + data
+            self.buf.clear()
         out: list[tuple[int, Any]] = []
-        while self.buf and not self.done:
-            if self._state == "head":
-                end = self.buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self.buf) > HEAD_MAX:
-                        raise ConnectionFailed("a response head of more than 64 KiB")
-                    break
-                self._head(bytes(self.buf[:end]))
-                del self.buf[: end + 4]
-            elif self._state in ("size", "end"):
-                end = self.buf.find(b"\r\n")
-                if end < 0:
-                    break
-                line = bytes(self.buf[:end])
-                del self.buf[: end + 2]
-                if self._state == "end":
-                    self.done = not line  # trailers: none are sent; skip any
-                    continue
-                try:
-                    self._left = int(line.split(b";")[0].strip(), 16)
-                except ValueError:
-                    raise ConnectionFailed("bad chunk size line") from None
-                self._state = "data" if self._left else "end"
-            elif self._state in ("data", "body"):
-                take = min(self._left, len(self.buf))
-                piece = bytes(self.buf[:take])
-                del self.buf[:take]
+        pos, end = 0, len(data)
+        while pos < end and not self.done:
+            state = self._state
+            if state == "data" or state == "body":
+                take = min(self._left, end - pos)
+                out += self._body(memoryview(data)[pos : pos + take])
+                pos += take
                 self._left -= take
-                out += self._body(piece)
                 if not self._left:
-                    if self._state == "body":
+                    if state == "body":
                         self.done = True
                     else:
                         self._state = "crlf"
-            else:  # crlf after a chunk's data
-                if len(self.buf) < 2:
+            elif state == "crlf":  # after a chunk's data
+                if end - pos < 2:
                     break
-                if self.buf[:2] != b"\r\n":
+                if data[pos : pos + 2] != b"\r\n":
                     raise ConnectionFailed("the pod sent a chunk longer than its size line")
-                del self.buf[:2]
+                pos += 2
                 self._state = "size"
+            elif state == "head":
+                at = data.find(b"\r\n\r\n", pos)
+                if at < 0:
+                    if end - pos > HEAD_MAX:
+                        raise ConnectionFailed("a response head of more than 64 KiB")
+                    break
+                self._head(data[pos:at])
+                pos = at + 4
+            else:  # a chunk's size line, or the line that ends the body
+                at = data.find(b"\r\n", pos)
+                if at < 0:
+                    break
+                line, pos = data[pos:at], at + 2
+                if state == "end":
+                    self.done = not line  # trailers: none are sent; skip any
+                    continue
+                try:
+                    self._left = int(line.split(b";")[0], 16)
+                except ValueError:
+                    raise ConnectionFailed("bad chunk size line") from None
+                self._state = "data" if self._left else "end"
+        if pos < end:
+            self.buf += data[pos:]  # a part line (or, after the end, bytes of no answer)
         return out
 
     def _head(self, head: bytes) -> None:
@@ -160,6 +164,7 @@ class CallMux:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self._answers: dict[int, _Answer] = {}
+        self._ended: list[tuple[Done, tuple[Any, ...]]] = []  # the loop's thread's only
         self._lock = threading.Lock()
         self._epoll: Any = None
         self._thread: threading.Thread | None = None
@@ -248,6 +253,14 @@ class CallMux:
                         answer,
                         TimeoutError(f"no frame and no heartbeat for {answer.silence:g}s"),
                     )
+            # the calls that ended, once every answer that came is read: what their ``done``
+            # starts (the next calls) leaves in one go, before their waiters wake
+            ended, self._ended = self._ended, []
+            for done, args in ended:
+                try:
+                    done(*args)
+                except BaseException:  # noqa: BLE001 - never the mux's thread
+                    logger.exception("a call's completion failed")
 
     def _read(self, fd: int, answer: _Answer) -> None:
         sock, parser = answer.conn.sock, answer.parser
@@ -301,7 +314,4 @@ class CallMux:
         else:
             conn.close()
         body: Any = bytes(parser.refusal) if parser.status >= 400 else None
-        try:
-            answer.done(parser.status, parser.headers, body, error)
-        except BaseException:  # noqa: BLE001 - never the mux's thread
-            logger.exception("a call's completion failed")
+        self._ended.append((answer.done, (parser.status, parser.headers, body, error)))
