@@ -198,6 +198,16 @@ class CallMux:
         done: Done,
         fresh: bool,
     ) -> None:
+        if threading.current_thread() is self._thread and (fresh or not self.pool.has_idle(key)):
+            # a connect may take its whole timeout (a pod whose address swallows packets):
+            # never on the thread that reads the other calls' answers
+            threading.Thread(
+                target=self._send,
+                args=(key, head, parts, connect_timeout, silence, on_frame, done, fresh),
+                name="ktlite-calls-connect",
+                daemon=True,
+            ).start()
+            return
         try:
             conn, reused = self.pool.take(key, connect_timeout, fresh)
         except ConnectionRefused as e:
@@ -232,35 +242,50 @@ class CallMux:
             return self._epoll
 
     def _loop(self) -> None:
-        epoll = self._epoll
         while True:
-            answers = self._answers
-            now = time.monotonic()
-            wait = min((a.deadline for a in list(answers.values())), default=now + 1.0) - now
             try:
-                events = epoll.poll(max(0.0, min(wait, 1.0)))
-            except InterruptedError:
-                continue
-            for fd, _ in events:
-                answer = answers.get(fd)
-                if answer is not None:
-                    self._read(fd, answer)
-            now = time.monotonic()
-            for fd, answer in list(answers.items()):
-                if answer.deadline < now:
+                self._turn()
+            except Exception as e:  # noqa: BLE001 - a bug here must not leave calls waiting
+                logger.exception("the reader of calls in flight failed; failing those calls")
+                for fd, answer in list(self._answers.items()):
                     self._end(
-                        fd,
-                        answer,
-                        TimeoutError(f"no frame and no heartbeat for {answer.silence:g}s"),
+                        fd, answer, ConnectionFailed(f"the caller's call reader failed: {e!r}")
                     )
-            # the calls that ended, once every answer that came is read: what their ``done``
-            # starts (the next calls) leaves in one go, before their waiters wake
-            ended, self._ended = self._ended, []
-            for done, args in ended:
-                try:
-                    done(*args)
-                except BaseException:  # noqa: BLE001 - never the mux's thread
-                    logger.exception("a call's completion failed")
+                self._finish()
+
+    def _turn(self) -> None:
+        """One wait for answers: what came is read, silent calls fail, ended calls end."""
+        epoll = self._epoll
+        answers = self._answers
+        now = time.monotonic()
+        wait = min((a.deadline for a in list(answers.values())), default=now + 1.0) - now
+        try:
+            events = epoll.poll(max(0.0, min(wait, 1.0)))
+        except InterruptedError:
+            return
+        for fd, _ in events:
+            answer = answers.get(fd)
+            if answer is not None:
+                self._read(fd, answer)
+        now = time.monotonic()
+        for fd, answer in list(answers.items()):
+            if answer.deadline < now:
+                self._end(
+                    fd,
+                    answer,
+                    TimeoutError(f"no frame and no heartbeat for {answer.silence:g}s"),
+                )
+        self._finish()
+
+    def _finish(self) -> None:
+        """The calls that ended, once every answer that came is read: what their ``done``
+        starts (the next calls) leaves in one go, before their waiters wake."""
+        ended, self._ended = self._ended, []
+        for done, args in ended:
+            try:
+                done(*args)
+            except BaseException:  # noqa: BLE001 - never the mux's thread
+                logger.exception("a call's completion failed")
 
     def _read(self, fd: int, answer: _Answer) -> None:
         sock, parser = answer.conn.sock, answer.parser

@@ -193,6 +193,10 @@ class Pool:
         self._idle: dict[Key, list[Connection]] = {}
         self._lock = threading.Lock()
 
+    def has_idle(self, key: Key) -> bool:
+        """Whether an idle connection to ``key`` waits (:meth:`take` would not connect)."""
+        return bool(self._idle.get(key))
+
     def take(
         self, key: Key, connect_timeout: float, fresh: bool = False
     ) -> tuple[Connection, bool]:
