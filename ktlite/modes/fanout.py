@@ -11,7 +11,6 @@ runs, as long as no rank had started it. No call is retried once a rank may have
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -209,11 +208,11 @@ class Fanout(Mode):
             return False
         options = self.head_options(options, per_rank)
         plan, watch, log = self.plan_call(options, None, on_send, per_rank)
-        sending = contextlib.ExitStack()
-        sent = sending.enter_context(shm_arguments(self.dep.applied, plan, parts))
+        sending = shm_arguments(self.dep.applied, plan, parts)
+        sent = sending.__enter__()  # left when the call ends: on the thread that reads it
 
         def finished(reply: CallReply | None, error: BaseException | None) -> None:
-            sending.close()
+            sending.__exit__(None, None, None)
             if reply is not None and (blobs := reply.values()) is not None:
                 values = decode_values(blobs)  # the usual end: every rank returned a value
                 if values is not None:

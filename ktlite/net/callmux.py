@@ -214,7 +214,7 @@ class CallMux:
             done(0, {}, None, e)
             return
         try:
-            conn.send(head, parts)
+            conn.send(head, parts, connect_timeout)
         except OSError as e:
             conn.close()
             if reused:  # an idle connection the pod had closed: nothing was processed
@@ -226,7 +226,9 @@ class CallMux:
         def resend() -> None:
             self._send(key, head, parts, connect_timeout, silence, on_frame, done, True)
 
-        conn.sock.setblocking(False)
+        if not conn.nonblocking:  # it stays so in the pool: one system call less per call
+            conn.sock.setblocking(False)
+            conn.nonblocking = True
         answer = _Answer(conn, reused, on_frame, done, silence, resend)
         fd = conn.sock.fileno()
         epoll = self._running()
@@ -289,6 +291,7 @@ class CallMux:
 
     def _read(self, fd: int, answer: _Answer) -> None:
         sock, parser = answer.conn.sock, answer.parser
+        tls = isinstance(sock, ssl.SSLSocket)  # its buffer may hold more than the socket says
         try:
             while not parser.done:
                 try:
@@ -311,6 +314,8 @@ class CallMux:
                 answer.deadline = time.monotonic() + answer.silence
                 for kind, payload in parser.feed(data):
                     answer.on_frame(kind, payload)
+                if not parser.done and len(data) < READ and not (tls and sock.pending()):
+                    return  # all there was (epoll says when more comes): no recv to learn it
         except (ConnectionFailed, ProtocolError) as e:
             self._end(fd, answer, e)
             return
@@ -333,7 +338,6 @@ class CallMux:
         if error is None and parser.frames.mid_frame:
             error = ProtocolError("stream ended inside a frame")
         if error is None and parser.reusable:
-            conn.sock.setblocking(True)
             conn.reusable = True
             self.pool.release(conn)
         else:

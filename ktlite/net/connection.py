@@ -55,14 +55,27 @@ class Connection:
         self.sock = raw if context is None else _handshake(raw, host, port, context)
         self.reader = cast(io.BufferedReader, self.sock.makefile("rb", buffering=1 << 16))
         self.reusable = False
+        self.nonblocking = False  # left so by callmux; a blocking send sets a timeout first
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.reader.close()
             self.sock.close()
 
-    def send(self, head: bytes, parts: list[Any]) -> None:
+    def send(self, head: bytes, parts: list[Any], timeout: float = 10.0) -> None:
         small = sum(memoryview(p).nbytes for p in parts) <= 1 << 16
+        if small and self.nonblocking:  # callmux's: one send, unless the buffer is full
+            data = head + b"".join(parts)
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent == len(data):
+                return
+            head, parts = data[sent:], []
+        if self.nonblocking:
+            self.sock.settimeout(timeout)
+            self.nonblocking = False
         if small:  # one segment for the usual tiny call
             self.sock.sendall(head + b"".join(parts))
             return
@@ -78,6 +91,7 @@ class Connection:
 
     def response(self, read_timeout: float) -> tuple[int, dict[str, str]]:
         self.sock.settimeout(read_timeout)
+        self.nonblocking = False
         status_line = self._line()
         try:
             status = int(status_line.split()[1])
