@@ -135,3 +135,14 @@ def test_a_pod_killed_or_stopped_mid_flight_fails_every_call_in_it(monkeypatch) 
         assert all("sub-death" in str(e) for e in errors), errors
     finally:
         remote.teardown()
+
+
+def test_submitted_calls_to_a_tls_pod() -> None:
+    remote = kt.fn(big).to(kt.Compute(cpus=1, concurrency=4, tls=True), name="sub-tls")
+    try:
+        assert remote.deployment.endpoints[0].url.startswith("https://")
+        sizes = [10] * 20 + [3 << 20, 200 << 10]
+        assert [len(f.result(timeout=60)) for f in [remote.submit(n) for n in sizes]] == sizes
+        assert len(remote(5)) == 5  # a call that waits, on the same connections
+    finally:
+        remote.teardown()
