@@ -89,6 +89,18 @@ def test_calls_queued_past_the_concurrency_leave_as_others_end(napper) -> None:
     assert len({f.result(timeout=120) for f in futures}) == 1
 
 
+def test_calls_past_the_silence_timeout_on_connections_the_reader_used(napper, monkeypatch) -> None:
+    # the reader's connections wake it only from a whole head on (SO_RCVLOWAT): a call that
+    # lives on heartbeats alone, through the reader or through a blocking read of the same
+    # pooled connections, must still hear each one
+    monkeypatch.setattr(ktlite.net.client, "SILENCE_TIMEOUT", SILENCE_S)
+    assert len({f.result(timeout=60) for f in [napper.submit(0.0) for _ in range(8)]}) == 1
+    long = 2 * SILENCE_S
+    assert isinstance(napper(long), int)
+    assert isinstance(napper.submit(long).result(timeout=long + 60), int)
+    assert len({f.result(timeout=60) for f in [napper.submit(0.0) for _ in range(8)]}) == 1
+
+
 def test_log_lines_and_large_results_of_submitted_calls(capfd) -> None:
     # one call at a time: a rank running two at once streams its lines to both (it cannot
     # tell whose a line is)

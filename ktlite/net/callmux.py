@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import select
+import socket
 import ssl
 import threading
 import time
@@ -36,6 +37,12 @@ from ktlite_wire.frames import FrameParser
 logger = logging.getLogger(__name__)
 
 HEAD_MAX = 1 << 16  # a response head longer than this is not a pod's
+# A pod writes a call's head (90 bytes: "HTTP/1.1 200 OK", its content type, chunked) as soon as
+# it has the call, and its frames later: a socket that is readable only from this many bytes
+# on (SO_RCVLOWAT) wakes the reader once, with the head and the first frame, where it woke for
+# each. Every whole answer is longer (the head and a frame; a refusal's head and JSON); after
+# the first frame of a call that goes on, every byte wakes it again (a log line, a heartbeat).
+HEAD_LOWAT = 91
 READ = 1 << 16  # bytes read at once
 Done = Callable[[int, dict[str, str], Any, BaseException | None], None]
 # (status, headers, frames or the refusal's body, error): the answer, once whole
@@ -155,6 +162,7 @@ class _Answer:
         self.resend = resend
         self.parser = ResponseParser()
         self.heard = False  # any byte of the answer came
+        self.woken = False  # its connection wakes the reader from its first byte on
 
 
 class CallMux:
@@ -229,6 +237,9 @@ class CallMux:
         if not conn.nonblocking:  # it stays so in the pool: one system call less per call
             conn.sock.setblocking(False)
             conn.nonblocking = True
+            if not isinstance(conn.sock, ssl.SSLSocket):  # TLS records are longer anyway
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, HEAD_LOWAT)
+                conn.lowat = HEAD_LOWAT
         answer = _Answer(conn, reused, on_frame, done, silence, resend)
         fd = conn.sock.fileno()
         epoll = self._running()
@@ -272,6 +283,9 @@ class CallMux:
         now = time.monotonic()
         for fd, answer in list(answers.items()):
             if answer.deadline < now:
+                self._read(fd, answer)  # bytes short of HEAD_LOWAT wake no one: read them
+                if answers.get(fd) is not answer or answer.deadline >= now:
+                    continue  # they came
                 self._end(
                     fd,
                     answer,
@@ -314,6 +328,9 @@ class CallMux:
                 answer.deadline = time.monotonic() + answer.silence
                 for kind, payload in parser.feed(data):
                     answer.on_frame(kind, payload)
+                if not parser.done and answer.conn.lowat > 1:  # the call goes on
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+                    answer.conn.lowat, answer.woken = 1, True
                 if not parser.done and len(data) < READ and not (tls and sock.pending()):
                     return  # all there was (epoll says when more comes): no recv to learn it
         except (ConnectionFailed, ProtocolError) as e:
@@ -337,6 +354,10 @@ class CallMux:
         parser, conn = answer.parser, answer.conn
         if error is None and parser.frames.mid_frame:
             error = ProtocolError("stream ended inside a frame")
+        if error is None and parser.reusable and answer.woken:  # ready for the next call
+            with contextlib.suppress(OSError):
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, HEAD_LOWAT)
+                conn.lowat = HEAD_LOWAT
         if error is None and parser.reusable:
             conn.reusable = True
             self.pool.release(conn)

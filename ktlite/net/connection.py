@@ -56,6 +56,7 @@ class Connection:
         self.reader = cast(io.BufferedReader, self.sock.makefile("rb", buffering=1 << 16))
         self.reusable = False
         self.nonblocking = False  # left so by callmux; a blocking send sets a timeout first
+        self.lowat = 1  # SO_RCVLOWAT: callmux's connections wake it only from a whole head on
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -92,6 +93,9 @@ class Connection:
     def response(self, read_timeout: float) -> tuple[int, dict[str, str]]:
         self.sock.settimeout(read_timeout)
         self.nonblocking = False
+        if self.lowat > 1:  # left by callmux: a blocking read returns whatever came
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            self.lowat = 1
         status_line = self._line()
         try:
             status = int(status_line.split()[1])
