@@ -34,6 +34,7 @@ from ktlite.net.client import PodClient
 from ktlite_wire import envelope
 from ktlite_wire.frames import RESULT
 from ktlite_wire.heartbeat import HEARTBEAT_S, SILENCE_ENV
+from ktlite_wire.outcome import CallResult
 
 NAME = "fx-tree"
 PODS = 7
@@ -109,6 +110,30 @@ def test_the_code_push_goes_once_to_pod_0_which_relays_it(deployment, monkeypatc
     for pod in remote.status():  # every pod installed that launch, each as its own ordinal
         assert pod.get("launch_id", launch) == launch
     assert remote(0) == list(RANKS)
+
+
+@pytest.mark.timeout(240)
+def test_each_relay_passes_its_subtrees_push_answers_on_as_they_came(
+    deployment, monkeypatch
+) -> None:
+    """A relayed code push's answer nests each child's as it came, as a call's does: no pod
+    decodes and encodes again the outcomes of the pods below it (at a thousand pods each
+    relay decoded its 31 children's 8 ranks' outcomes and pod 0 its 999 pods')."""
+    answers: list[bytes] = []
+    real = CallResult.decode.__func__  # type: ignore[attr-defined]
+
+    def decode(cls: type[CallResult], data: Any) -> CallResult:
+        answers.append(bytes(data))
+        return real(cls, data)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(CallResult, "decode", classmethod(decode))
+    remote = _to(item_times_rank)
+    assert len(answers) == 1, "one push, answered by pod 0"
+    assert _shape(answers[0]) == (
+        [0],
+        [([1], [([2], []), ([3], [])]), ([4], [([5], []), ([6], [])])],
+    )
+    assert remote(3) == [3 * r for r in RANKS]
 
 
 @pytest.mark.timeout(240)
