@@ -165,7 +165,8 @@ def measure(
         assert remote.tag() == ["again"] * world
         _timed(remote.noop, 3)  # warm connections
         if profile:
-            hosts.profile(0, None)
+            for ordinal in (0, 1)[: min(2, pods - 1)]:  # pod 0's host, and pod 1's (alone)
+                hosts.profile(ordinal, None)
             own = cProfile.Profile(time.thread_time)  # CPU of the calling thread
             own.enable()
         pod1 = host_pids[1:2] if pods > 2 else []  # pod 1 alone in its host
@@ -184,10 +185,11 @@ def measure(
             _report_profile(
                 own, f"{profile}/client-{pods}.prof", f"the client, {calls} no-op calls"
             )
-            path = f"{profile}/pod0-{pods}.prof"
-            hosts.profile(0, path)
-            hosts.profiled(path)
-            _report_profile(path, path, f"pod 0's host, {calls} no-op calls")
+            for ordinal in (0, 1)[: min(2, pods - 1)]:
+                path = f"{profile}/pod{ordinal}-{pods}.prof"
+                hosts.profile(ordinal, path)
+                hosts.profiled(path)
+                _report_profile(path, path, f"pod {ordinal}'s host, {calls} no-op calls")
         kb = _timed(lambda: _check(remote.kilobyte(), [b"x" * 1024] * world), max(3, calls // 4))
         row["kb_p50_ms"] = _pct(kb, 0.5)
         items = list(range(world))
@@ -381,7 +383,7 @@ def main() -> None:
         "--profile",
         default="",
         metavar="DIR",
-        help="cProfile the client and pod 0's host over the no-op calls (from 2 pods), stats "
+        help="cProfile the client, pod 0's and pod 1's hosts over the no-op calls (from 2 pods), stats "
         "to DIR; that run's times and CPU columns include the profiler's cost",
     )
     args = p.parse_args()
