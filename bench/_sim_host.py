@@ -9,7 +9,11 @@ The token is stdin's first line (as ``ktlite_server --token-stdin``). Then stdin
 commands, one a line: ``kill <ordinal>`` makes that pod die as a killed process would (its
 connections reset, its socket closed, its ranks gone); ``profile on`` starts cProfile on the
 servers' event loop, ``profile <path>`` stops it and writes its stats to ``path`` (written
-whole under another name, then renamed). The process exits when stdin closes.
+whole under another name, then renamed); ``timeline on`` records, for each call this host's
+pods coordinate or relay, when each child's answer arrived (the monotonic clock, which every
+process of the machine shares, and the loop thread's CPU time then), ``timeline <path>``
+writes those records to ``path`` (JSON, the same way) and stops. The process exits when stdin
+closes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from _sim_rank import SimPod  # noqa: E402
 
 from ktlite_server.app import create_app  # noqa: E402
 from ktlite_server.connections import Limits, guarded  # noqa: E402
+from ktlite_server.coordinator import Coordinator  # noqa: E402
 from ktlite_wire import privatefiles  # noqa: E402
 
 logger = logging.getLogger("bench.sim_host")
@@ -88,6 +93,31 @@ class SimServer:
                 rank.kill()
 
 
+# (call id, this pod's ordinal, the child's ordinal, monotonic s, the loop thread's CPU s)
+Arrival = tuple[str, int, int, float, float]
+
+
+def record_arrivals(into: list[Arrival]) -> Any:
+    """Wrap ``Coordinator._remote`` (each child's answer, as the coordinator gets it) to note
+    when it arrived; returns the original, to put back. Measuring only: the call runs as it
+    would."""
+    real = Coordinator._remote
+
+    async def timed(self: Coordinator, plan: Any, i: int, payload: Any, emit: Any) -> Any:
+        got = await real(self, plan, i, payload, emit)
+        into.append((plan.id, self.pod.ordinal, i, time.monotonic(), time.thread_time()))
+        return got
+
+    Coordinator._remote = timed  # type: ignore[method-assign]
+    return real
+
+
+def write_json(path: str, data: Any) -> None:
+    with open(path + ".part", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".part", path)
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--name", required=True)
@@ -113,6 +143,18 @@ async def main() -> None:
         profiler.dump_stats(path + ".part")
         os.replace(path + ".part", path)
 
+    arrivals: list[Arrival] = []
+    unwrapped: list[Any] = []
+
+    def timeline(arg: str) -> None:
+        if arg == "on" and not unwrapped:
+            arrivals.clear()
+            unwrapped.append(record_arrivals(arrivals))
+        elif arg != "on":
+            if unwrapped:
+                Coordinator._remote = unwrapped.pop()  # type: ignore[method-assign]
+            write_json(arg, arrivals)
+
     def commands() -> None:
         for line in sys.stdin:
             word, _, arg = line.strip().partition(" ")
@@ -122,6 +164,8 @@ async def main() -> None:
                 loop.call_soon_threadsafe(profiler.enable)
             elif word == "profile" and arg:
                 loop.call_soon_threadsafe(dump, arg)
+            elif word == "timeline" and arg:
+                loop.call_soon_threadsafe(timeline, arg)
         loop.call_soon_threadsafe(done.set)
 
     threading.Thread(target=commands, daemon=True).start()

@@ -37,6 +37,28 @@ def test_the_harness_runs_through_the_call_tree_at_a_small_size(tmp_path: Path) 
     # pod 0 and pod 1 (a relay) measured alone, the call's longest path summed; profiles kept
     assert rows[1]["pod1_cpu_ms"] is not None and rows[1]["serial_cpu_ms"] is not None, rows[1]
     assert (tmp_path / "client-7.prof").exists() and (tmp_path / "pod0-7.prof").exists()
+    # the longest path measured apart from the pods off it (bench/_scale_path.py)
+    assert all(r["path_p50_ms"] is not None for r in rows), rows
+    assert "on the call's longest path" in proc.stdout, proc.stdout
     assert "| pods | ranks | tree |" in proc.stdout
     for target in ("no-op call p50", "no-op call p99", "code push", "a dead pod", "client memory"):
         assert target in proc.stdout, proc.stdout
+
+
+def test_the_longest_path_is_the_wall_time_less_the_idle_wait_off_it() -> None:
+    """``_scale_path.path_times``: pod 0 waits 0.7 s after pod 1's answer for its other
+    child's, of which it spends 0.04 s of CPU reading answers; pod 1 waits 0.05 s after its
+    first child's answer, 0.01 s of it on CPU. The path keeps the CPU, not the idle wait."""
+    sys.path.insert(0, str(BENCH))
+    from _scale_path import path_times
+
+    records = [
+        ["c1", 0, 1, 10.2, 1.01],
+        ["c1", 0, 2, 10.9, 1.05],
+        ["c1", 1, 3, 10.10, 2.001],
+        ["c1", 1, 4, 10.15, 2.011],
+        ["c0", 0, 1, 9.5, 0.5],  # another call's, outside this one's span
+    ]
+    [(wall, path)] = path_times([(10.0, 11.0)], records)
+    assert wall == pytest.approx(1.0) and path == pytest.approx(1.0 - 0.66 - 0.04)
+    assert path_times([(12.0, 12.5)], records) == [(0.5, 0.5)]  # one pod: nothing fanned out
