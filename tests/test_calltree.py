@@ -221,3 +221,44 @@ def test_a_pod_on_another_python_refuses_a_relayed_launch() -> None:
     outs = python_mismatch(other, layout, 1)
     assert outs is not None and [o.rank for o in outs] == [2, 3]
     assert "Python 2.7" in outs[0].message and outs[0].pod == "b"
+
+
+def test_a_relayed_launch_passes_a_childs_answer_on_as_it_came() -> None:
+    """A child's answer to a relayed push is nested in its relay's result byte for byte (its
+    head read for the summary, no outcome decoded), as a call's is."""
+    from served_app import Served
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from ktlite_server.launchtree import relay
+    from ktlite_server.peers import PeerPool
+    from ktlite_wire.outcome import LIFT_MAX, CallResult, RankOutcome
+
+    # a subtree's answer too large to lift: one row per rank, each its own failure
+    outs = [RankOutcome(r, "p-1", Status.DIED, None, f"rank {r}", 1.0) for r in range(LIFT_MAX + 1)]
+    answer = CallResult(outs).encode_bytes()
+    asked: list[str] = []
+
+    async def deploy(request: Request) -> Response:
+        asked.append(request.headers["x-ktlite-tree"])
+        return Response(answer, media_type="application/octet-stream")
+
+    served = Served(Starlette(routes=[Route("/deploy", deploy, methods=["POST"])]), None, "t")
+    try:
+        tree = LaunchRelay(["http://127.0.0.1:1", served.url], ["p-0", "p-1"], [0, 1], 1, 5.0)
+        layout = DistributedLayout(workers=2, num_proc=LIFT_MAX + 1)
+
+        async def push() -> CallResult:
+            peers = PeerPool()
+            try:
+                return await relay(peers, tree, layout, b"launch")
+            finally:
+                await peers.aclose()
+
+        got = asyncio.run(push())
+    finally:
+        served.stop()
+    assert got.outcomes == [] and [bytes(s.data) for s in got.subtrees] == [answer]
+    assert LaunchRelay.decode(asked[0]) == tree.below([1])  # its own pod, not every pod
