@@ -136,11 +136,13 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
 
-    profiler = cProfile.Profile(time.thread_time)  # CPU, not the wall: 2 busy cores
+    profilers = [cProfile.Profile(time.thread_time)]  # CPU, not the wall: 2 busy cores
 
     def dump(path: str) -> None:
+        profiler = profilers[-1]
         profiler.disable()
         profiler.dump_stats(path + ".part")
+        profilers.append(cProfile.Profile(time.thread_time))  # the next one starts afresh
         os.replace(path + ".part", path)
 
     arrivals: list[Arrival] = []
@@ -161,7 +163,7 @@ async def main() -> None:
             if word == "kill" and arg.isdigit() and int(arg) in servers:
                 loop.call_soon_threadsafe(servers[int(arg)].kill)
             elif word == "profile" and arg == "on":  # the loop's thread is the one profiled
-                loop.call_soon_threadsafe(profiler.enable)
+                loop.call_soon_threadsafe(lambda: profilers[-1].enable())
             elif word == "profile" and arg:
                 loop.call_soon_threadsafe(dump, arg)
             elif word == "timeline" and arg:

@@ -75,14 +75,12 @@ sys.path.insert(0, str(HERE))
 import _scale_path  # noqa: E402
 import _sim_backend  # noqa: E402
 from _rounds import loadavg  # noqa: E402
+from _scale_report import PROCS, table, verdicts  # noqa: E402
 from _scale_workload import Workload  # noqa: E402
 
 import ktlite as kt  # noqa: E402
 from ktlite.specs.spec import TREE_FANOUT, TREE_MINIMUM  # noqa: E402
 from ktlite_wire import calltree  # noqa: E402
-
-PROCS = 8
-TARGETS = {"p50_ms": 20.0, "p99_ms": 100.0, "push_s": 2.0, "dead_s": 5.0, "client_mb": 200.0}
 
 
 class Lines(io.TextIOBase):
@@ -166,10 +164,31 @@ def measure(
     try:
         hosts = backend.deployments[name]
         host_pids = [p.pid for p in hosts.procs]
-        t0, cpu0 = time.perf_counter(), _cpu(host_pids)
+        pushed = sorted({0, 1, pods - 1})[: min(3, pods)]  # pod 0, a relay, a member's host
+        if profile:
+            for ordinal in pushed:
+                hosts.profile(ordinal, None)
+        pod1 = host_pids[1:2] if pods > 2 else []  # pod 1 alone in its host
+        t0, cpu0, own0 = time.perf_counter(), _cpu(host_pids), time.process_time()
+        root0, one0 = _cpu(host_pids[:1]), _cpu(pod1)
         remote = kt.cls(Workload, name=name).to(compute, init_args={"tag": "again"})
         row["push_s"] = time.perf_counter() - t0
         row["push_cpu_s"] = _cpu(host_pids) - cpu0
+        if pod1:  # the push's CPU on its longest path, as a call's below
+            row["push_serial_cpu_ms"] = 1000 * _serial_cpu(
+                time.process_time() - own0,
+                _cpu(host_pids[:1]) - root0,
+                _cpu(pod1) - one0,
+                row["push_cpu_s"],
+                pods,
+                fanout,
+            )
+        if profile:
+            for ordinal in pushed:
+                path = f"{profile}/push-pod{ordinal}-{pods}.prof"
+                hosts.profile(ordinal, path)
+                hosts.profiled(path)
+                _report_profile(path, path, f"the host of pod {ordinal}, the code push")
         assert remote.tag() == ["again"] * world
         _timed(remote.noop, 3)  # warm connections
         if profile:
@@ -177,7 +196,6 @@ def measure(
                 hosts.profile(ordinal, None)
             own = cProfile.Profile(time.thread_time)  # CPU of the calling thread
             own.enable()
-        pod1 = host_pids[1:2] if pods > 2 else []  # pod 1 alone in its host
         cpu0, root0, own0 = _cpu(host_pids), _cpu(host_pids[:1]), time.process_time()
         one0 = _cpu(pod1)
         lat = _timed(remote.noop, calls)
@@ -186,7 +204,14 @@ def measure(
         row["pod0_cpu_ms"] = (_cpu(host_pids[:1]) - root0) / calls * 1000
         row["pod1_cpu_ms"] = (_cpu(pod1) - one0) / calls * 1000 if pod1 else None
         if pod1:  # the call's CPU on its longest path: what a cluster does one after another
-            row["serial_cpu_ms"] = _serial_cpu(row, pods, fanout)
+            row["serial_cpu_ms"] = _serial_cpu(
+                row["client_cpu_ms"],
+                row["pod0_cpu_ms"],
+                row["pod1_cpu_ms"],
+                row["host_cpu_ms"],
+                pods,
+                fanout,
+            )
         row["noop_p50_ms"], row["noop_p99_ms"] = _pct(lat, 0.5), _pct(lat, 0.99)
         if profile:
             own.disable()
@@ -237,16 +262,18 @@ def _relays(pods: int, fanout: int) -> int:
     return relays
 
 
-def _serial_cpu(row: dict[str, Any], pods: int, fanout: int) -> float:
-    """The CPU of a call on its longest path: the client, pod 0, a relay per level below it
-    (pod 1, measured alone; flat, pod 1 is a member like any other) and a member, whose share
-    is what the pods spent less pod 0's and the relays' (taken as pod 1's each)."""
+def _serial_cpu(
+    client: float, pod0: float, pod1: float, every_pod: float, pods: int, fanout: int
+) -> float:
+    """The CPU of a call (or a push) on its longest path: the client, pod 0, a relay per level
+    below it (pod 1, measured alone; flat, pod 1 is a member like any other) and a member,
+    whose share is what the pods spent (``every_pod``) less pod 0's and the relays' (taken as
+    pod 1's each)."""
     relays = _relays(pods, fanout)
     levels = calltree.depth(pods, fanout) - 1 if fanout else 0
     members = pods - 1 - relays
-    pod1 = row["pod1_cpu_ms"]
-    member = (row["host_cpu_ms"] - row["pod0_cpu_ms"] - pod1 * relays) / members if relays else pod1
-    return float(row["client_cpu_ms"] + row["pod0_cpu_ms"] + pod1 * levels + max(member, 0.0))
+    member = (every_pod - pod0 - pod1 * relays) / members if relays else pod1
+    return float(client + pod0 + pod1 * levels + max(member, 0.0))
 
 
 def _report_profile(prof: Any, path: str, what: str) -> None:
@@ -288,122 +315,6 @@ def _dead(remote: Any, lines: Lines, world: int, hosts: Any, fanout: int) -> tup
     error = future.exception(120.0)
     took = time.perf_counter() - t0
     return took, error is not None and f"scale-{len(hosts.ports)}-{victim}" in str(error)
-
-
-def _fmt(v: Any, spec: str = ".1f") -> str:
-    return "n/a" if v is None else format(v, spec) if isinstance(v, float) else str(v)
-
-
-COLUMNS = [
-    ("pods", "pods", "d"),
-    ("ranks", "ranks", "d"),
-    ("tree", "tree", ""),
-    (".to() s", "to_s", ".2f"),
-    ("push s", "push_s", ".2f"),
-    ("push: pods CPU s", "push_cpu_s", ".2f"),
-    ("no-op p50 ms", "noop_p50_ms", ".1f"),
-    ("no-op p99 ms", "noop_p99_ms", ".1f"),
-    ("1 KB p50 ms", "kb_p50_ms", ".1f"),
-    ("per-rank ms", "each_p50_ms", ".1f"),
-    ("logs ms", "logs_ms", ".1f"),
-    ("log lines", "log_lines", ""),
-    ("cancel s", "cancel_s", ".2f"),
-    ("cancel: pods CPU s", "cancel_cpu_s", ".2f"),
-    ("dead pod s", "dead_s", ".2f"),
-    ("client CPU ms/call", "client_cpu_ms", ".2f"),
-    ("pod 0 CPU ms/call", "pod0_cpu_ms", ".2f"),
-    ("pod 1 CPU ms/call", "pod1_cpu_ms", ".2f"),
-    ("serial CPU ms/call", "serial_cpu_ms", ".1f"),
-    ("path p50 ms", "path_p50_ms", ".1f"),
-    ("path p99 ms", "path_p99_ms", ".1f"),
-    ("path: its wall p50 ms", "path_wall_p50_ms", ".1f"),
-    ("path: idle taken out ms", "path_idle_ms", ".1f"),
-    ("all pods CPU ms/call", "host_cpu_ms", ".1f"),
-    ("client MB", "client_mb", ".0f"),
-]
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
-    out = [head, "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        cells = [
-            _fmt(r.get(key), spec) if spec else str(r.get(key, "n/a")) for _, key, spec in COLUMNS
-        ]
-        cells[-1] += f" ({r.get('client_peak_mb', 0):.0f})"
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """Each issue-26 target for this harness: met / not met, and the cause of a miss."""
-    base = next((r for r in rows if r["pods"] == 1), None)
-    big = max(rows, key=lambda r: r["pods"])
-    cores = os.cpu_count() or 1
-    out = []
-    if base is not None and big["pods"] > 1:
-        for q, key in (("p50", "noop_p50_ms"), ("p99", "noop_p99_ms")):
-            out += _latency_verdicts(q, base, big, key, cores)
-    for key, what in (("push_s", "code push to all"), ("dead_s", "a dead pod named")):
-        v, bound = big[key], TARGETS[key]
-        ok = v <= bound and (key != "dead_s" or big["dead_named"])
-        extra = "" if key != "dead_s" or big["dead_named"] else " (the error did not name it)"
-        if key == "push_s" and not ok:
-            extra = (
-                f"; cause: the pods spent {big['push_cpu_s']:.2f} s of CPU on it, on {cores} "
-                f"cores here ({big['push_cpu_s'] / big['pods'] * 1000:.1f} ms each on a cluster)"
-            )
-        out.append(
-            f"{what} at {big['pods']} pods: {v:.2f} s (target <= {bound:g} s): "
-            f"{'met' if ok else 'not met'}{extra}"
-        )
-    peak = max(r["client_peak_mb"] for r in rows)
-    out.append(
-        f"client memory: peak {peak:.0f} MB (target <= {TARGETS['client_mb']:g} MB): "
-        f"{'met' if peak <= TARGETS['client_mb'] else 'not met'}"
-    )
-    return out
-
-
-def _latency_verdicts(
-    q: str, base: dict[str, Any], big: dict[str, Any], key: str, cores: int
-) -> list[str]:
-    """The no-op call's target at ``q``: on the longest path (measured with its processes
-    unthrottled, ``_scale_path.py``), and in plain wall time here."""
-    bound = TARGETS[f"{q}_ms"]
-    at = f"{big['pods']} x {PROCS}"
-    out = []
-    path_key = f"path_{q}_ms"
-    if big.get(path_key) is not None and base.get(path_key) is not None:
-        over = big[path_key] - base[path_key]
-        out.append(
-            f"no-op call {q} at {at} on the call's longest path: {over:+.1f} ms over 1 pod "
-            f"(target <= {bound:g} ms): {'met' if over <= bound else 'not met'} on the longest "
-            "path's measured time (the client, pod 0 and relay pod 1 pinned to one core, pod "
-            "1's leaves to the other, every other pod at nice 19; the wall time less "
-            f"pod 0's and pod 1's idle wait, {big['path_idle_ms']:.0f} ms at p50, for the "
-            "branches off the path, which a cluster runs alongside: _scale_path.py)"
-        )
-    over = big[key] - base[key]
-    cause = ""
-    if over > bound:
-        cause = (
-            f"; cause: the {big['pods']} pod servers share {cores} cores here, and a call costs "
-            f"them {big['host_cpu_ms']:.0f} ms of CPU in all (a cluster spreads it over "
-            f"{big['pods']} machines: {big['host_cpu_ms'] / big['pods']:.2f} ms each): not "
-            f"measurable in wall time on {cores} cores"
-        )
-        serial = big.get("serial_cpu_ms")
-        if serial is not None and q == "p50":
-            cause += (
-                f"; the call's CPU along its longest path (the client, pod 0, a relay per level, "
-                f"a member) is {serial:.1f} ms"
-            )
-    out.append(
-        f"no-op call {q} at {at} in wall time here: {over:+.1f} ms over 1 pod (target <= "
-        f"{bound:g} ms): {'met' if over <= bound else 'not met'}{cause}"
-    )
-    return out
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ per-rank body is cut once per child::
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ktlite_wire.plan import CallPlan
@@ -126,7 +126,19 @@ class LaunchRelay:
         return self.names[i - self.first]
 
     def encode(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        # a dict of the fields, not dataclasses.asdict: that deep-copies the lists, and a
+        # relay encodes one header per child
+        return _COMPACT.encode(
+            {
+                "pods": self.pods,
+                "names": self.names,
+                "subtree": self.subtree,
+                "fanout": self.fanout,
+                "timeout": self.timeout,
+                "python": self.python,
+                "first": self.first,
+            }
+        )
 
     @classmethod
     def decode(cls, text: str) -> LaunchRelay:
