@@ -81,8 +81,10 @@ class Subtree(NamedTuple):
 
 # a child's answer of at most this many rows and runs (a leaf pod's: one run for its 8 ranks
 # that returned a value) is lifted into its relay's result, a larger one nested untouched: a
-# relay's work per call stays bounded by its children, whatever their ranks
-LIFT_MAX = 16
+# relay's work per call stays bounded by its children, whatever their ranks. Small: lifting
+# costs the relay about what it saves the caller per entry, and pod 0, on every call's path,
+# should not lift its relays' answers (32 children x 8 pods at 256 pods)
+LIFT_MAX = 4
 MAX_NESTING = 32  # relays within relays; a deeper claim is corruption (a tree has ~log N)
 # a value this small that every rank of a run sent alike travels once: below the codec's
 # out-of-band size (4096), so each rank's copy decoded from it shares no memory with another's
