@@ -13,12 +13,15 @@ the rest cost apart:
   98% of a core it shares with nice-19 ones, and lets it preempt them when it wakes), while
   they take whatever the path leaves idle. Other work on the machine (other sessions' at nice
   0) is not placed: the run's load says how much there was;
-- timeline: pod 0's and pod 1's hosts note when each child's answer arrived (the machine's
-  monotonic clock, shared by every process, and the loop thread's CPU time then:
-  ``_sim_host.py timeline``);
+- timeline: pod 0's and pod 1's hosts note when each child's answer arrived, and when the
+  probes of the children before the call began and answered (the machine's monotonic clock,
+  shared by every process, and the loop thread's CPU time then: ``_sim_host.py timeline``);
 - the path's time of a call: its wall time at the caller, less the time pod 0 sat idle after
   pod 1's answer arrived waiting for its other children's, and the time pod 1 sat idle after
-  the first of its children's answers waiting for the others'. Idle is wall time less the
+  the first of its children's answers waiting for the others', and the same for the probes of
+  the children that precede a call whose connections sat idle over 2 s (``peers.ensure``:
+  every call here, where the pods off the path take seconds; on a cluster, calls back to back
+  skip them). Idle is wall time less the
   thread's CPU: what pod 0 and pod 1 spent on the other answers as they came (each is read
   once, as on a cluster) stays in. That is the call as a cluster would run it if every branch
   took as long as pod 1's (the tree's branches are alike: the same fan-out, the same work per
@@ -88,28 +91,42 @@ def _idle(arrivals: list[tuple[float, float]], after: float, cpu_after: float) -
 def path_times(
     calls: list[tuple[float, float]], records: list[list[Any]]
 ) -> list[tuple[float, float]]:
-    """Each call's (wall, path) seconds from the caller's (start, end) and the hosts'
-    arrivals (``[call id, pod, child, monotonic, cpu]``)."""
-    by_call: dict[str, dict[int, list[tuple[int, float, float]]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
-    for call_id, pod, child, t, cpu in records:
-        by_call[call_id][pod].append((child, t, cpu))
+    """Each call's (wall, path) seconds from the caller's (start, end) and the hosts' records
+    (``[call id, pod, what, child, monotonic, cpu]``, ``_sim_host.py``): the wall time less
+    pod 0's idle wait after pod 1's answer (pod 1's: after its first child's), and the same
+    for the probes of the children before the call (``Coordinator._quorum``, when their
+    connections were idle longer than ``peers.PROBE_AFTER_S``: every call, where the pods off
+    the path take seconds)."""
+    by_call: dict[str, list[list[Any]]] = defaultdict(list)
+    for record in records:
+        by_call[record[0]].append(record)
     out = []
     for start, end in calls:
         wall = end - start
-        mine = [pods for pods in by_call.values() if any(start <= t <= end for _, t, _ in pods[0])]
+        mine = [
+            rows
+            for rows in by_call.values()
+            if any(r[1] == 0 and start <= r[4] <= end for r in rows)
+        ]
         if not mine:  # one pod: nothing fanned out, the call is its path
             out.append((wall, wall))
             continue
-        pods = mine[0]
         idle = 0.0
-        root = {child: (t, cpu) for child, t, cpu in pods[0]}
-        if 1 in root:
-            idle += _idle(list(root.values()), *root[1])
-        relay = [(t, cpu) for _, t, cpu in pods.get(1, [])]
-        if relay:
-            idle += _idle(relay, *min(relay))
+        for pod in (0, 1):
+            rows = [r for r in mine[0] if r[1] == pod]
+            kinds: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
+            for _, _, what, child, t, cpu in rows:
+                kinds[what][child] = (t, cpu)
+            answers, probes = kinds["answer"], kinds["probe"]
+            # the path's child: pod 1 for pod 0; for pod 1, whichever of its own came first
+            if answers and (pod == 1 or 1 in answers):
+                idle += _idle(
+                    list(answers.values()), *(answers[1] if pod == 0 else min(answers.values()))
+                )
+            if probes:
+                began = kinds["quorum"].get(-1, min(probes.values()))
+                path = probes.get(1) if pod == 0 else min(probes.values())
+                idle += _idle(list(probes.values()), *(path or began))
         out.append((wall, wall - idle))
     return out
 

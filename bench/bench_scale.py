@@ -41,9 +41,14 @@ a member); ``serial CPU ms/call`` the call's CPU on its longest path, what a clu
 one step after another: the client's, pod 0's, pod 1's once per relay level below pod 0, and
 a member's (what the pods spent less pod 0's and the relays', each counted as pod 1's, over
 the members); ``all pods CPU ms/call`` every host process's, i.e. the server work a cluster spreads over its
-machines and this machine's two cores do in turn; ``client MB`` this process's resident memory
-after the size (peak in parentheses). CPU is read from ``/proc`` in clock ticks (10 ms), so a
-per-call figure is good to 10 ms / calls.
+machines and this machine's two cores do in turn; ``push: serial CPU ms`` the push's CPU on
+its longest path, as the call's; ``path p50/p99 ms`` the no-op call's longest path measured
+with its processes unthrottled (``_scale_path.py``: the client, pod 0 and pod 1 pinned to one
+core, pod 1's leaves to the other, every other pod at nice 19; the wall time less pod 0's and
+pod 1's idle wait for the branches off the path, ``path: idle taken out ms``; ``path: its
+wall p50 ms`` the same calls' plain wall time; ``--no-path`` skips it); ``client MB`` this
+process's resident memory after the size (peak in parentheses). The pods' CPU is read from
+``/proc/PID/task/*/schedstat`` (nanoseconds), the client's from ``time.process_time``.
 """
 
 from __future__ import annotations

@@ -48,17 +48,22 @@ def test_the_harness_runs_through_the_call_tree_at_a_small_size(tmp_path: Path) 
 def test_the_longest_path_is_the_wall_time_less_the_idle_wait_off_it() -> None:
     """``_scale_path.path_times``: pod 0 waits 0.7 s after pod 1's answer for its other
     child's, of which it spends 0.04 s of CPU reading answers; pod 1 waits 0.05 s after its
-    first child's answer, 0.01 s of it on CPU. The path keeps the CPU, not the idle wait."""
+    first child's answer, 0.01 s of it on CPU; before the call pod 0 probed its children
+    (their connections idle too long), pod 1's answering at once and pod 2's 0.1 s later.
+    The path keeps the CPU, not the idle waits off it."""
     sys.path.insert(0, str(BENCH))
     from _scale_path import path_times
 
     records = [
-        ["c1", 0, 1, 10.2, 1.01],
-        ["c1", 0, 2, 10.9, 1.05],
-        ["c1", 1, 3, 10.10, 2.001],
-        ["c1", 1, 4, 10.15, 2.011],
-        ["c0", 0, 1, 9.5, 0.5],  # another call's, outside this one's span
+        ["c1", 0, "quorum", -1, 10.00, 1.000],
+        ["c1", 0, "probe", 1, 10.01, 1.001],
+        ["c1", 0, "probe", 2, 10.11, 1.001],
+        ["c1", 0, "answer", 1, 10.2, 1.01],
+        ["c1", 0, "answer", 2, 10.9, 1.05],
+        ["c1", 1, "answer", 3, 10.10, 2.001],
+        ["c1", 1, "answer", 4, 10.15, 2.011],
+        ["c0", 0, "answer", 1, 9.5, 0.5],  # another call's, outside this one's span
     ]
     [(wall, path)] = path_times([(10.0, 11.0)], records)
-    assert wall == pytest.approx(1.0) and path == pytest.approx(1.0 - 0.66 - 0.04)
+    assert wall == pytest.approx(1.0) and path == pytest.approx(1.0 - 0.66 - 0.04 - 0.1)
     assert path_times([(12.0, 12.5)], records) == [(0.5, 0.5)]  # one pod: nothing fanned out
