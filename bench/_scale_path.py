@@ -60,26 +60,27 @@ def placed(path_pids: list[int], leaf_pids: list[int], rest_pids: list[int]) -> 
     if len(cores) < 2:
         yield False
         return
-    before: dict[int, tuple[set[int], int]] = {}
-    plan = [(pids, {cores[0]}, 0) for pids in [path_pids]]
-    plan += [(leaf_pids, {cores[1]}, 0), (rest_pids, set(cores), NICE_REST)]
+    before: dict[int, tuple[set[int], int]] = {}  # by process: its main thread's
+    plan = [(path_pids, {cores[0]}, 0), (leaf_pids, {cores[1]}, 0)]
+    plan += [(rest_pids, set(cores), NICE_REST)]
     try:
         for pids, cpus, nice in plan:
             for pid in pids:
-                for tid in _tasks(pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        before[tid] = (
-                            os.sched_getaffinity(tid),
-                            os.getpriority(os.PRIO_PROCESS, tid),
-                        )
-                        os.sched_setaffinity(tid, cpus)
-                        os.setpriority(os.PRIO_PROCESS, tid, nice)
+                with contextlib.suppress(ProcessLookupError):
+                    before[pid] = (os.sched_getaffinity(pid), os.getpriority(os.PRIO_PROCESS, pid))
+                _set(pid, cpus, nice)
         yield True
-    finally:
-        for tid, (cpus, nice) in before.items():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.sched_setaffinity(tid, cpus)
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    finally:  # every thread as its process was, those started meanwhile too
+        for pid, (cpus, nice) in before.items():
+            _set(pid, cpus, nice)
+
+
+def _set(pid: int, cpus: set[int], nice: int) -> None:
+    """Every thread of ``pid``: on ``cpus``, at ``nice`` (Linux keeps both per thread)."""
+    for tid in _tasks(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cpus)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 def _idle(arrivals: list[tuple[float, float]], after: float, cpu_after: float) -> float:

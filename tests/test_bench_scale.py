@@ -8,8 +8,10 @@ a time: the harness's numbers are for ``bench/README.md``, not for the suite.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,27 @@ def test_the_longest_path_is_the_wall_time_less_the_idle_wait_off_it() -> None:
     [(wall, path)] = path_times([(10.0, 11.0)], records)
     assert wall == pytest.approx(1.0) and path == pytest.approx(1.0 - 0.66 - 0.04 - 0.1)
     assert path_times([(12.0, 12.5)], records) == [(0.5, 0.5)]  # one pod: nothing fanned out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins to one of two cores")
+def test_the_paths_placement_puts_back_every_thread_even_one_started_meanwhile() -> None:
+    """A thread started while the path was pinned (a pool's) runs where its process did
+    before, not on the path's core for the rest of the run."""
+    sys.path.insert(0, str(BENCH))
+    from _scale_path import placed
+
+    was = os.sched_getaffinity(0)
+    started: list[threading.Thread] = []
+    release = threading.Event()
+    with placed([os.getpid()], [], []) as ok:
+        assert ok and len(os.sched_getaffinity(0)) == 1
+        started.append(threading.Thread(target=release.wait, args=(30,)))
+        started[0].start()
+        assert started[0].native_id is not None
+        assert len(os.sched_getaffinity(started[0].native_id)) == 1
+    try:
+        assert os.sched_getaffinity(started[0].native_id) == was
+        assert os.sched_getaffinity(0) == was
+    finally:
+        release.set()
+        started[0].join(30)
