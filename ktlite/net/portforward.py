@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from ktlite_wire import pinning
 from ktlite_wire.headers import TOKEN_HEADER, bearer
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,13 @@ class PortForward:
         self.port = port
         self._token = token
         self._own_client = http is None
+        self._extensions: dict[str, Any] = {}
         if http is None:
-            verify: Any = pinned() if pinned is not None and pod_url.startswith("https") else True
+            verify: Any = True
+            if pinned is not None and pod_url.startswith("https"):
+                # a direct pod's certificate is the deployment's, named for no address
+                verify = pinned()
+                self._extensions["sni_hostname"] = pinning.SERVER_NAME
             http = httpx.Client(verify=verify, trust_env=False)
         self.http = http
         self._server = _Server((host, local_port), _handler(self))
@@ -104,6 +110,7 @@ class PortForward:
             headers=sent,
             content=body,
             timeout=httpx.Timeout(10.0, read=READ_TIMEOUT_S),
+            extensions=self._extensions,
         )
 
 
