@@ -114,6 +114,11 @@ class FrameReader:
         return self.result
 
 
+def coordinator(url: str, pod: str) -> str:
+    """How errors name the coordinator pod ``pod`` at ``url``."""
+    return f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
+
+
 def refused(status: int, body: bytes, url: str, hdrs: dict[str, str]) -> None:
     """Raise the ktlite error of a pod's refusal of a call (its JSON ``detail``)."""
     try:

@@ -37,10 +37,12 @@ from ktlite.net.call_reply import (
     Outcomes,
     answered,
     call_error,
+    coordinator,
     refused,
 )
 from ktlite.net.callmux import CallMux
-from ktlite.net.connection import ConnectionRefused, Pool
+from ktlite.net.connection import PROGRESS_BYTES, ConnectionRefused, Pool
+from ktlite.net.progress import Progress
 from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, proxy_refusal, raise_for_status
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
 from ktlite_wire import envelope, heartbeat, version
@@ -298,7 +300,7 @@ class PodClient:
     ) -> CallReply:
         """Run the call ``plan`` through the coordinator ``pod`` at ``url``; returns per-rank
         outcomes."""
-        who = _who(url, pod)
+        who = coordinator(url, pod)
         silence = silence_timeout()
         frames = FrameReader(on_log, on_notice, url)
         try:
@@ -315,8 +317,7 @@ class PodClient:
             raise error from e
 
     def can_start(self, url: str) -> bool:
-        """Whether :meth:`start_call` may take a call to ``url``: a pod reached directly (a
-        proxied call is re-attached when its stream breaks, which needs a thread of its own)."""
+        """Whether :meth:`start_call` takes a call to ``url``: a pod reached directly."""
         return self._lean and self.transport.direct(url)
 
     def start_call(
@@ -334,20 +335,12 @@ class PodClient:
         :meth:`can_start` takes."""
         silence = silence_timeout()
         frames = FrameReader(on_log, None, url)
-        finished = answered(frames, _who(url, pod), silence, done)
+        finished = answered(frames, coordinator(url, pod), silence, done)
         headers = self._headers(
             {CALL_HEADER: plan.encode(), "content-type": "application/octet-stream"}
         )
-        _mux.start(
-            url,
-            "/call",
-            headers,
-            parts,
-            self.transport.context(url),
-            silence,
-            frames.frame,
-            finished,
-        )
+        context = self.transport.context(url)
+        _mux.start(url, "/call", headers, parts, context, silence, frames.frame, finished)
 
     def _call_lean(
         self,
@@ -420,10 +413,10 @@ class PodClient:
                 content: Any = b""
             elif size > CHUNKED_MAX:
                 headers["content-length"] = str(size)
-                content = envelope.chunked(parts)
+                content = _sending(envelope.chunked(parts), size, who)
             else:  # sent again in whole until accepted: a pod that has the call id attaches
                 headers[LENGTH_HEADER] = str(size)
-                content = _chunks(parts)
+                content = _sending(_chunks(parts), size, who)
             sent_at = time.monotonic()
             try:
                 with self.http.stream(
@@ -475,10 +468,6 @@ class PodClient:
                 time.sleep(min(0.01 * 2**attempt, 0.5))
 
 
-def _who(url: str, pod: str) -> str:
-    return f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
-
-
 def _up_since(resp: httpx.Response, since: float, margin: float = 0.1) -> bool:
     """Whether the server that answered ``resp`` was already up at ``since`` (monotonic), by
     the uptime it reports (from its process's start, in clock ticks), with ``margin``
@@ -496,3 +485,16 @@ def _chunks(parts: list[Any]) -> Iterator[bytes]:
     # a generator: httpx sends it with Transfer-Encoding: chunked
     # httpx writes each chunk as it is; a memoryview saves a copy (the checker wants bytes)
     yield from envelope.chunked(parts, size=1 << 20)  # type: ignore[misc]
+
+
+def _sending(chunks: Iterator[Any], size: int, who: str) -> Iterator[Any]:
+    """``chunks`` as they go; a large body (a GiB argument takes seconds through a proxy)
+    shows a bar once it has lasted a second."""
+    if size < PROGRESS_BYTES:
+        yield from chunks
+        return
+    bar = Progress(f"sending to {who}", size, delay_s=1.0)
+    for chunk in chunks:
+        bar.add(memoryview(chunk).nbytes)
+        yield chunk
+    bar.close()
