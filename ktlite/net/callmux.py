@@ -134,7 +134,7 @@ class ResponseParser:
         self._state, self._left = "body", int(self.headers.get("content-length", "0"))
         self.done = not self._left
 
-    def _body(self, piece: bytes) -> list[tuple[int, Any]]:
+    def _body(self, piece: memoryview) -> list[tuple[int, Any]]:
         if self.status >= 400:
             self.refusal += piece
             return []
@@ -305,7 +305,6 @@ class CallMux:
 
     def _read(self, fd: int, answer: _Answer) -> None:
         sock, parser = answer.conn.sock, answer.parser
-        tls = isinstance(sock, ssl.SSLSocket)  # its buffer may hold more than the socket says
         try:
             while not parser.done:
                 try:
@@ -331,7 +330,8 @@ class CallMux:
                 if not parser.done and answer.conn.lowat > 1:  # the call goes on
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
                     answer.conn.lowat, answer.woken = 1, True
-                if not parser.done and len(data) < READ and not (tls and sock.pending()):
+                more = isinstance(sock, ssl.SSLSocket) and sock.pending()  # decrypted, held
+                if not parser.done and len(data) < READ and not more:
                     return  # all there was (epoll says when more comes): no recv to learn it
         except (ConnectionFailed, ProtocolError) as e:
             self._end(fd, answer, e)
