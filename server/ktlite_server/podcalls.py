@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ktlite_server.deployment import Deployment
 from ktlite_server.gate import Gate
 from ktlite_server.localcall import CallHandle, LocalCall, stop_rank
+from ktlite_server.metrics import CallMetrics
 from ktlite_server.rank import PORT_SPAN
 from ktlite_server.ranks import Outcome, RankProcess
 from ktlite_wire import shm
@@ -38,6 +39,7 @@ class PodCalls:
     last_generation: int
     calls: dict[str, CallHandle]
     calls_total: int
+    call_metrics: CallMetrics
     last_active: float  # monotonic time of the last authorized request or call end
     finished: collections.OrderedDict[str, list[Outcome]]
     cancelled_early: collections.OrderedDict[str, tuple[Status, str]]
@@ -106,6 +108,9 @@ class PodCalls:
         finally:
             self.calls.pop(call_id, None)
             self.last_active = time.monotonic()  # idle from the call's end, not its start
+            self.call_metrics.ended(
+                handle.outcomes, self.last_active - handle.started, payload, path
+            )
             handle.done.set()
             self.finished[call_id] = handle.outcomes
             while len(self.finished) > 256:
