@@ -56,6 +56,7 @@ COMMANDS = [
     "logs",
     "call",
     "teardown",
+    "dashboard",
     "run",
     "config",
     "put",
@@ -68,7 +69,7 @@ COMMANDS = [
     "describe",
 ]
 # Kubetorch's commands that ktlite lacks: one line of the help, and each says what to use instead
-REFUSED = ["debug", "port-forward", "apply", "ssh", "volumes", "notebook", "dashboard", "secrets"]
+REFUSED = ["debug", "port-forward", "apply", "ssh", "volumes", "notebook", "secrets"]
 
 
 @dataclass
