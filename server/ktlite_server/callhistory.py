@@ -31,12 +31,13 @@ MESSAGE_MAX = 2000  # a rank's message (a death's exit and last stderr lines)
 # (rank, status, when its outcome was known (epoch s), message, encoded error or None, dropped)
 _Rank = tuple[int, Status, float, str, bytes | None, bool]
 # (call id, reached this pod (monotonic s), ended here (monotonic s), ranks, error bytes)
-_Entry = tuple[str, float, float, tuple[_Rank, ...], int]
+_Entry = tuple[str, float, float, list[_Rank], int]
 
 
-def _rank(o: Any) -> _Rank:
-    if o.status is Status.OK:
-        return (o.rank, o.status, o.at, "", None, False)
+_OK = Status.OK
+
+
+def _failed(o: Any) -> _Rank:
     data = o.data
     size = 0 if data is None else memoryview(data).nbytes
     kept = bytes(data) if o.status is Status.ERROR and 0 < size <= ERROR_MAX else None
@@ -58,8 +59,15 @@ class CallHistory:
 
     def record(self, handle: CallHandle) -> None:
         """Keep call ``handle`` (ended now) with its ranks' outcomes."""
-        ranks = tuple(map(_rank, handle.outcomes))
-        errors = sum(len(r[4]) for r in ranks if r[4] is not None) if ranks else 0
+        ranks: list[_Rank] = []
+        errors = 0
+        for o in handle.outcomes:  # a call's cost: one tuple per rank
+            if o.status is _OK:
+                ranks.append((o.rank, _OK, o.at, "", None, False))
+            else:
+                failed = _failed(o)
+                errors += len(failed[4] or b"")
+                ranks.append(failed)
         ring = self._ring
         ring.append((handle.call_id, handle.started, time.monotonic(), ranks, errors))
         self._error_bytes += errors
