@@ -39,6 +39,7 @@ from ktlite_wire.errors import RemoteExceptionInfo
 from ktlite_wire.status import Status
 
 NAME = "dash-job"
+SERVED = "dash-served"  # an autoscaled deployment: replicas and the autoscaler's decision
 WAIT_S = 60.0  # the page's refreshes run every 1-3 s; a busy 2-core machine is slower
 ARTIFACTS = Path(os.environ.get("KTLITE_TEST_ARTIFACTS", Path(__file__).parent / "artifacts"))
 
@@ -49,6 +50,18 @@ def work(fail: bool = False) -> int:
     if fail and rank == 3:
         raise ValueError("dashboard-boom on rank 3")
     return rank
+
+
+def _until(what: str, ask: Any, done: Any) -> Any:
+    """``ask()`` again until ``done`` says its answer is the one awaited (the dashboard follows
+    logs in a thread of its own), for up to ``WAIT_S``."""
+    deadline = time.monotonic() + WAIT_S
+    answer = ask()
+    while not done(answer):
+        assert time.monotonic() < deadline, f"waited {WAIT_S:g}s for {what}; last: {answer}"
+        time.sleep(0.2)  # between two requests, bounded by the deadline
+        answer = ask()
+    return answer
 
 
 @dataclass
@@ -70,8 +83,11 @@ def board(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Board]:
     before = os.environ.get("KTLITE_KUBECONFIG")
     os.environ["KTLITE_KUBECONFIG"] = str(missing)
     remote = kt.fn(work).to(kt.Compute().distribute("pytorch", workers=2, num_proc=2), name=NAME)
+    served = None
     dashboard = None
     try:
+        served = kt.fn(work).to(kt.Compute().autoscale(min_scale=1, max_scale=2), name=SERVED)
+        assert served() == 0
         assert remote() == [0, 1, 2, 3]
         with pytest.raises(ValueError, match="dashboard-boom"):
             remote(fail=True)
@@ -82,6 +98,8 @@ def board(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Board]:
             dashboard.stop()
         if LocalBackend.shared().lookup(NAME) is not None:
             remote.teardown()
+        if served is not None:
+            served.teardown()
         if before is None:
             os.environ.pop("KTLITE_KUBECONFIG", None)
         else:
@@ -117,7 +135,7 @@ def test_a_teardown_from_another_origin_is_refused(board: Board) -> None:
 def test_the_deployment_its_ranks_calls_and_logs_without_its_token(board: Board) -> None:
     listing = board.get("/api/deployments")
     rows = {b["backend"]: b for b in listing.json()["backends"]}
-    assert [d["name"] for d in rows["local"]["deployments"]] == [NAME]
+    assert sorted(d["name"] for d in rows["local"]["deployments"]) == [NAME, SERVED]
     assert "could not load a Kubernetes configuration" in rows["kubernetes"]["error"]
 
     detail = board.get(f"/api/deployments/local/{NAME}")
@@ -137,17 +155,28 @@ def test_the_deployment_its_ranks_calls_and_logs_without_its_token(board: Board)
     assert error["type"] == "ValueError" and "dashboard-boom on rank 3" in error["message"]
     assert "in work" in error["traceback"] and "raise ValueError" in error["traceback"]
 
-    deadline = time.monotonic() + WAIT_S
-    lines: list[dict[str, Any]] = []
-    while not {1, 3} <= {x["rank"] for x in lines if "dashboard-line" in x["text"]}:
-        assert time.monotonic() < deadline, f"no rank lines in the dashboard's logs: {lines}"
-        lines = board.get(f"/api/deployments/local/{NAME}/logs").json()["lines"]
-        time.sleep(0.2)  # the follower reads the pods' log files in its own thread
+    lines = _until(
+        "rank 1's and rank 3's lines in the dashboard's logs",
+        lambda: board.get(f"/api/deployments/local/{NAME}/logs").json()["lines"],
+        lambda lines: {1, 3} <= {x["rank"] for x in lines if "dashboard-line" in x["text"]},
+    )
     line = next(x for x in lines if x["text"] == "dashboard-line from rank 1")
     assert line["pod"] == f"{NAME}-0" and line["rank"] == 1
 
     for text in (listing.text, detail.text, str(lines)):
         assert board.token not in text
+
+    replicas = board.get(f"/api/deployments/local/{SERVED}").json()
+    assert f"{SERVED}: autoscaled, 1 replica(s) running (1..2)" in replicas["serving"]
+    assert "autoscaler:" in replicas["serving"], replicas["serving"]
+    assert [c["status"] for c in replicas["calls"]] == ["ok"]
+    assert board.get("/api/deployments/local/no-such-job").status_code == 404
+    gone = _until(
+        "the logs of a deployment that does not run to say so",
+        lambda: board.get("/api/deployments/local/no-such-job/logs").json(),
+        lambda answer: answer["error"] is not None,
+    )
+    assert "no-such-job" in gone["error"] and gone["ended"] and not gone["lines"]
 
 
 def test_the_command_prints_its_address_and_stops_on_ctrl_c(tmp_path: Path) -> None:

@@ -89,11 +89,10 @@ def create_app(access: Access, backends: Backends) -> FastAPI:
     @app.get("/api/deployments/{backend}/{name}/logs", dependencies=[Depends(guard)])
     def logs(backend: str, name: str, after: int = 0, follower: int = 0) -> Response:
         source = backends.backend(backend)
-        redact = backends.secrets_of(backend, name)
-        if not redact:
-            raise NotDeployedError(f"no deployment {name!r} on backend {backend!r}")
         chosen = followers.get(
-            (backend, name), lambda: source.logs(name, None, follow=True, tail=TAIL_LINES), redact
+            (backend, name),
+            lambda: source.logs(name, None, follow=True, tail=TAIL_LINES),
+            lambda: backends.secrets_of(backend, name),
         )
         return answer(chosen.since(after if follower == chosen.serial else 0))
 

@@ -42,11 +42,15 @@ class Follower:
     """Follows one deployment's logs in a thread (see the module's docstring)."""
 
     def __init__(
-        self, open_lines: Callable[[], Iterator[str]], redact: tuple[str, ...], serial: int = 0
+        self,
+        open_lines: Callable[[], Iterator[str]],
+        redact: Callable[[], tuple[str, ...]],
+        serial: int = 0,
     ) -> None:
         self.serial = serial  # a new follower numbers its lines from 1 again: the page starts over
         self._open = open_lines
-        self._redact = tuple(s for s in redact if s)
+        self._secrets = redact  # asked once, in the follower's thread
+        self._redact: tuple[str, ...] = ()
         self._lines: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_LINES)
         self._next = 1
         self._lock = threading.Lock()
@@ -59,6 +63,7 @@ class Follower:
     def _follow(self) -> None:
         lines: Iterator[str] = iter(())
         try:
+            self._redact = tuple(s for s in self._secrets() if s)
             lines = self._open()
             for line in lines:
                 for secret in self._redact:
@@ -98,7 +103,7 @@ class Followers:
         self,
         key: tuple[str, str],
         open_lines: Callable[[], Iterator[str]],
-        redact: tuple[str, ...],
+        redact: Callable[[], tuple[str, ...]],
     ) -> Follower:
         with self._lock:
             follower = self._by.get(key)

@@ -20,6 +20,7 @@ from ktlite.backends.base import Backend
 from ktlite.backends.registry import NAMES, get_backend
 from ktlite.dashboard import timeline
 from ktlite.errors import KtliteError, NotDeployedError
+from ktlite.modes import status
 from ktlite.modes.deploy import Deployment
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,9 @@ class Backends:
         return dep, pods
 
     def detail(self, backend: str, name: str) -> dict[str, Any]:
-        """One deployment's pods (each with its ranks' state and usage), its recent calls and
-        where serving replicas are, its autoscaler's view."""
+        """One deployment's pods (each with its ranks' state and usage) and its recent calls;
+        for an autoscaled one also its replicas and its autoscaler's last decision
+        (``serving``: what ``ktlite status`` prints)."""
         dep, pods = self._deployment(backend, name)
         token = dep.applied.token
         answer: dict[str, Any] = {
@@ -132,18 +134,23 @@ class Backends:
             "calls": timeline.calls(pods),
             "autoscale": dep.applied.autoscale,
         }
-        if dep.applied.autoscale is not None:
-            answer["autoscaler"] = _quietly(lambda: dep.backend.scaling_status(name))
+        if dep.applied.autoscale is not None:  # replicas and the autoscaler, as `ktlite status`
+            scaling = _quietly(lambda: dep.backend.scaling_status(name))
+            answer["autoscaler"] = scaling
+            answer["serving"] = status.serving(name, dep.applied.autoscale, scaling, pods)
         return dict(scrub(answer, (token,)))
 
     def secrets_of(self, backend: str, name: str) -> tuple[str, ...]:
-        """The deployment's token (to blank it in what its pods write), if it is attached."""
+        """The deployment's token (to blank it in what its pods write); NotDeployedError when
+        it does not run."""
         with self._lock:
             dep = self._attached.get((backend, name))
-        if dep is None:
-            applied = self.backend(backend).lookup(name)
-            return (applied.token,) if applied is not None else ()
-        return (dep.applied.token,)
+        if dep is not None:
+            return (dep.applied.token,)
+        applied = self.backend(backend).lookup(name)
+        if applied is None:
+            raise NotDeployedError(f"no deployment {name!r} on backend {backend!r}")
+        return (applied.token,)
 
     def forget(self, backend: str, name: str) -> None:
         with self._lock:

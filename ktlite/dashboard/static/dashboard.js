@@ -170,9 +170,8 @@ function drawDetail(d) {
   }
   $("engine").hidden = !engines.length;
   $("engine-text").textContent = engines.join("\n");
-  $("serving").hidden = !d.autoscale;
-  if (d.autoscale)
-    $("serving-text").textContent = JSON.stringify({ autoscale: d.autoscale, autoscaler: d.autoscaler }, null, 2);
+  $("serving").hidden = !d.serving;
+  $("serving-text").textContent = d.serving || "";
   drawRankChoices([...ranks].sort((a, b) => a - b));
   drawCalls(d.calls);
 }
