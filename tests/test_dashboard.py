@@ -30,7 +30,9 @@ import ktlite as kt
 from ktlite.backends.local import LocalBackend
 from ktlite.dashboard import timeline
 from ktlite.dashboard.access import HEADER
+from ktlite.dashboard.logs import Follower
 from ktlite.dashboard.serve import Dashboard
+from ktlite.dashboard.views import scrub
 from ktlite_server.callhistory import CallHistory
 from ktlite_server.localcall import CallHandle
 from ktlite_server.ranks import Outcome
@@ -137,6 +139,7 @@ def test_the_deployment_its_ranks_calls_and_logs_without_its_token(board: Board)
     rows = {b["backend"]: b for b in listing.json()["backends"]}
     assert sorted(d["name"] for d in rows["local"]["deployments"]) == [NAME, SERVED]
     assert "could not load a Kubernetes configuration" in rows["kubernetes"]["error"]
+    assert rows["kubernetes"]["set_up"] is False  # a row saying why, not an error page
 
     detail = board.get(f"/api/deployments/local/{NAME}")
     assert detail.status_code == 200, detail.text
@@ -348,3 +351,25 @@ def test_the_page_in_a_real_browser(board: Board) -> None:
         assert LocalBackend.shared().lookup(NAME) is None
     finally:
         browser.quit()
+
+
+def test_scrub_and_the_log_follower_blank_a_token() -> None:
+    secret = "tok-" + "x" * 20
+    answer = {"name": "a", "token": secret, "pods": [{"error": f"Bearer {secret} refused"}]}
+    assert scrub(answer, (secret,)) == {
+        "name": "a",
+        "pods": [{"error": "Bearer [redacted] refused"}],
+    }
+    follower = Follower(
+        lambda: iter([f"[job-0] [rank 1] printed {secret}", "[job-1] server line", "bare"]),
+        lambda: (secret,),
+    )
+    got = _until(
+        "the follower to read its three lines", lambda: follower.since(0), lambda a: a["ended"]
+    )
+    assert [(x["pod"], x["rank"], x["text"]) for x in got["lines"]] == [
+        ("job-0", 1, "printed [redacted]"),
+        ("job-1", None, "server line"),
+        (None, None, "bare"),
+    ]
+    assert got["error"] is None and follower.since(2)["lines"][0]["text"] == "bare"

@@ -19,7 +19,7 @@ from ktlite.api.attach import attach, pods_status
 from ktlite.backends.base import Backend
 from ktlite.backends.registry import NAMES, get_backend
 from ktlite.dashboard import timeline
-from ktlite.errors import KtliteError, NotDeployedError
+from ktlite.errors import ConfigError, KtliteError, NotDeployedError
 from ktlite.modes import status
 from ktlite.modes.deploy import Deployment
 
@@ -75,7 +75,9 @@ class Backends:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def listing(self) -> list[dict[str, Any]]:
-        """Per backend: ``deployments`` (``ktlite list``'s rows), or ``error`` saying why not."""
+        """Per backend: ``deployments`` (``ktlite list``'s rows), or ``error`` saying why not
+        and ``set_up``: False where the backend is not set up here (a ConfigError: no
+        kubeconfig, a missing extra), True where it is but could not be listed."""
         with self._lock:
             for name in self.names:
                 running = self._listing.get(name)
@@ -94,11 +96,15 @@ class Backends:
                         "backend": name,
                         "error": f"its list did not answer within {LIST_S:g}s "
                         "(an unreachable cluster or host?); asked again at the next refresh",
+                        "set_up": True,
                     }
                 )
                 continue
+            except ConfigError as e:  # no kubeconfig, no SSH extra: not set up here
+                out.append({"backend": name, "error": str(e), "set_up": False})
+                continue
             except Exception as e:  # noqa: BLE001 - any backend failure is a row, not a page error
-                out.append({"backend": name, "error": f"{type(e).__name__}: {e}"})
+                out.append({"backend": name, "error": f"{type(e).__name__}: {e}", "set_up": True})
                 continue
             out.append({"backend": name, "deployments": scrub(rows, ())})
         return out

@@ -82,7 +82,9 @@ function drawList(backends) {
   for (const b of backends) {
     nav.append(el("h4", { text: b.backend }));
     if (b.error) {
-      nav.append(el("p", { class: "unreachable", text: `not reachable: ${b.error}` }));
+      nav.append(b.set_up
+        ? el("p", { class: "unreachable", text: `not reachable: ${b.error}` })
+        : el("p", { class: "muted small", text: `not set up here: ${b.error}` }));
       continue;
     }
     if (!b.deployments.length) nav.append(el("p", { class: "muted", text: "no deployments" }));
