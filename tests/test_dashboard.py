@@ -46,9 +46,14 @@ WAIT_S = 60.0  # the page's refreshes run every 1-3 s; a busy 2-core machine is 
 ARTIFACTS = Path(os.environ.get("KTLITE_TEST_ARTIFACTS", Path(__file__).parent / "artifacts"))
 
 
-def work(fail: bool = False) -> int:
+def work(fail: bool = False, wait_for: str | None = None) -> int:
     rank = int(os.environ["RANK"])
     print(f"dashboard-line from rank {rank}", flush=True)
+    deadline = time.monotonic() + 120
+    while wait_for and not Path(wait_for).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{wait_for} did not appear within 120 s")
+        time.sleep(0.05)  # until the test lets the call end
     if fail and rank == 3:
         raise ValueError("dashboard-boom on rank 3")
     return rank
@@ -180,6 +185,32 @@ def test_the_deployment_its_ranks_calls_and_logs_without_its_token(board: Board)
         lambda answer: answer["error"] is not None,
     )
     assert "no-such-job" in gone["error"] and gone["ended"] and not gone["lines"]
+
+
+def test_a_running_call_and_a_stuck_rank(board: Board, tmp_path: Path) -> None:
+    """A rank busy with a call shows it (the call's id, for how long) and, busy for longer than
+    the page's ``stuck_after``, as stuck; once the call ends it is in the recent calls."""
+    served = kt.fn(name=SERVED)
+    release = tmp_path / "release"
+    done: queue.Queue[Any] = queue.Queue()
+    caller = threading.Thread(target=lambda: done.put(served(wait_for=str(release))), daemon=True)
+    caller.start()
+    path = f"/api/deployments/local/{SERVED}?stuck_after=0.5"
+    try:
+        seen = _until(
+            "the served call's rank to be stuck",
+            lambda: board.get(path).json(),
+            lambda a: any(r["stuck"] for p in a["pods"] for r in p["ranks"]),
+        )
+        (rank,) = [r for p in seen["pods"] for r in p["ranks"]]
+        assert rank["state"] == "busy" and len(rank["calls"]) == 1, rank
+        assert board.get(f"/api/deployments/local/{SERVED}?stuck_after=0").status_code == 400
+    finally:
+        release.touch()
+    assert done.get(timeout=WAIT_S) == 0
+    calls = board.get(path).json()["calls"]
+    assert calls[0]["id"] == rank["calls"][0]["id"] and calls[0]["status"] == "ok"
+    assert calls[0]["duration_s"] >= 0.5  # it was stuck for at least that long
 
 
 def test_the_command_prints_its_address_and_stops_on_ctrl_c(tmp_path: Path) -> None:

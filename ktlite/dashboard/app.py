@@ -4,8 +4,9 @@
 Every ``/api/`` request needs the run's secret (:mod:`ktlite.dashboard.access`):
 
 - ``GET /api/deployments``: every shown backend's deployments, or why a backend is not listed;
-- ``GET /api/deployments/{backend}/{name}``: its pods and ranks (state, CPU, RSS, GPUs, running
-  calls), its recent calls with each rank's span and a failed rank's traceback;
+- ``GET /api/deployments/{backend}/{name}[?stuck_after=S]``: its pods and ranks (state, CPU,
+  RSS, GPUs, running calls, stuck), its recent calls with each rank's span and a failed
+  rank's traceback;
 - ``GET /api/deployments/{backend}/{name}/logs?after=N``: its pod logs' lines after line N;
 - ``POST /api/deployments/{backend}/{name}/teardown``: tears it down (the page asks first).
 """
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from ktlite.dashboard.access import Access, Refused
 from ktlite.dashboard.logs import TAIL_LINES, Followers
 from ktlite.dashboard.views import Backends
-from ktlite.errors import KtliteError, NotDeployedError
+from ktlite.errors import ConfigError, KtliteError, NotDeployedError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ def create_app(access: Access, backends: Backends) -> FastAPI:
 
     @app.exception_handler(KtliteError)
     async def failed(request: Request, e: KtliteError) -> Response:
-        status = 404 if isinstance(e, NotDeployedError) else 502
+        status = (
+            404 if isinstance(e, NotDeployedError) else 400 if isinstance(e, ConfigError) else 502
+        )
         return JSONResponse({"detail": str(e)}, status_code=status, headers=PAGE_HEADERS)
 
     def guard(request: Request) -> None:
@@ -83,8 +86,8 @@ def create_app(access: Access, backends: Backends) -> FastAPI:
         return answer({"backends": backends.listing()})
 
     @app.get("/api/deployments/{backend}/{name}", dependencies=[Depends(guard)])
-    def deployment(backend: str, name: str) -> Response:
-        return answer(backends.detail(backend, name))
+    def deployment(backend: str, name: str, stuck_after: float | None = None) -> Response:
+        return answer(backends.detail(backend, name, stuck_after))
 
     @app.get("/api/deployments/{backend}/{name}/logs", dependencies=[Depends(guard)])
     def logs(backend: str, name: str, after: int = 0, follower: int = 0) -> Response:

@@ -113,24 +113,31 @@ class Backends:
         rows: list[dict[str, Any]] = self.backend(name).list()
         return rows
 
-    def _deployment(self, backend: str, name: str) -> tuple[Deployment, list[dict[str, Any]]]:
+    def _deployment(
+        self, backend: str, name: str, stuck_after: float | None
+    ) -> tuple[Deployment, list[dict[str, Any]]]:
         key = (backend, name)
         with self._lock:
             dep = self._attached.get(key)
         if dep is not None:
-            pods = pods_status(dep, None)
+            pods = pods_status(dep, stuck_after)
             if pods and not all("error" in p for p in pods):
                 return dep, pods
         dep, pods = attach(self.backend(backend), name)  # new, or its pods were replaced
         with self._lock:
             self._attached[key] = dep
+        if stuck_after is not None:
+            pods = pods_status(dep, stuck_after)
         return dep, pods
 
-    def detail(self, backend: str, name: str) -> dict[str, Any]:
-        """One deployment's pods (each with its ranks' state and usage) and its recent calls;
-        for an autoscaled one also its replicas and its autoscaler's last decision
-        (``serving``: what ``ktlite status`` prints)."""
-        dep, pods = self._deployment(backend, name)
+    def detail(self, backend: str, name: str, stuck_after: float | None = None) -> dict[str, Any]:
+        """One deployment's pods (each with its ranks' state and usage; ``stuck`` where a rank
+        has been busy with one call for over ``stuck_after`` seconds, default the pods' 600)
+        and its recent calls; for an autoscaled one also its replicas and its autoscaler's
+        last decision (``serving``: what ``ktlite status`` prints)."""
+        if stuck_after is not None and not stuck_after > 0:
+            raise ConfigError(f"stuck_after={stuck_after:g}: give seconds > 0, e.g. 60")
+        dep, pods = self._deployment(backend, name, stuck_after)
         token = dep.applied.token
         answer: dict[str, Any] = {
             "backend": backend,

@@ -132,7 +132,9 @@ async function refreshDetail() {
   state.detailBusy = true;
   const asked = state.chosen;
   try {
-    const body = await api(chosenPath());
+    const stuck = Number($("stuck-after").value);
+    const query = stuck > 0 ? `?stuck_after=${stuck}` : "";
+    const body = await api(chosenPath() + query);
     if (asked !== state.chosen) return;
     state.detail = body;
     drawDetail(body);
@@ -174,6 +176,8 @@ function drawDetail(d) {
   $("engine-text").textContent = engines.join("\n");
   $("serving").hidden = !d.serving;
   $("serving-text").textContent = d.serving || "";
+  const stuck = d.pods.flatMap((p) => (p.ranks || []).filter((r) => r.stuck).map((r) => r.rank));
+  $("stuck").textContent = stuck.length ? `stuck: rank ${stuck.join(", ")}` : "";
   drawRankChoices([...ranks].sort((a, b) => a - b));
   drawCalls(d.calls);
 }
@@ -311,6 +315,7 @@ function start() {
   $("teardown").addEventListener("click", teardown);
   $("log-rank").addEventListener("change", drawLogs);
   $("log-search").addEventListener("input", drawLogs);
+  $("stuck-after").addEventListener("change", refreshDetail);
   refreshList();
   setInterval(refreshList, LIST_MS);
   setInterval(refreshDetail, DETAIL_MS);
