@@ -95,7 +95,7 @@ class Backends:
                     {
                         "backend": name,
                         "error": f"its list did not answer within {LIST_S:g}s "
-                        "(an unreachable cluster or host?); asked again at the next refresh",
+                        "(an unreachable cluster or host?); it shows once it answers",
                         "set_up": True,
                     }
                 )
