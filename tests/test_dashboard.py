@@ -30,7 +30,7 @@ import ktlite as kt
 from ktlite.backends.local import LocalBackend
 from ktlite.dashboard import timeline
 from ktlite.dashboard.access import HEADER
-from ktlite.dashboard.logs import Follower
+from ktlite.dashboard.logs import Follower, Followers
 from ktlite.dashboard.serve import Dashboard
 from ktlite.dashboard.views import scrub
 from ktlite_server.callhistory import CallHistory
@@ -404,3 +404,8 @@ def test_scrub_and_the_log_follower_blank_a_token() -> None:
         (None, None, "bare"),
     ]
     assert got["error"] is None and follower.since(2)["lines"][0]["text"] == "bare"
+    # a follower that ended is kept for a while: the page is told why, not handed a new one
+    followers = Followers()
+    gone = followers.get(("local", "gone"), lambda: iter(()), lambda: ())
+    _until("the follower of an empty log to end", lambda: gone.since(0), lambda a: a["ended"])
+    assert followers.get(("local", "gone"), lambda: iter(()), lambda: ()) is gone

@@ -5,12 +5,14 @@ refresh moves only the new lines. A rank's line (``[rank R] ...`` in its pod's l
 its rank, so the page filters by rank and searches without asking again.
 
 A follower nobody has read for ``IDLE_S`` stops at its next line; one stops by itself when
-its deployment is torn down (the backend's follow ends).
+its deployment is torn down (the backend's follow ends). One that ended is answered with for
+``RETRY_S`` (with why it ended), then a new one reads the logs again.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import re
 import threading
@@ -24,6 +26,7 @@ KEEP_LINES = 5000  # the newest lines each follower keeps
 TAIL_LINES = 1000  # the lines of the existing log read first
 ANSWER_LINES = 2000  # the most lines one answer carries
 IDLE_S = 120.0
+RETRY_S = 10.0  # a follower that ended (its deployment gone, its log unreadable) is kept this long
 MAX_FOLLOWERS = 16
 _LINE = re.compile(r"^\[(?P<pod>[^\]]*)\] (?:\[rank (?P<rank>\d+)\] )?(?P<text>.*)$", re.S)
 
@@ -57,6 +60,7 @@ class Follower:
         self.read_at = time.monotonic()
         self.error: str | None = None
         self.ended = False
+        self.ended_at = float("inf")  # monotonic
         self._thread = threading.Thread(target=self._follow, daemon=True, name="ktlite-logs")
         self._thread.start()
 
@@ -81,13 +85,16 @@ class Follower:
             close = getattr(lines, "close", None)
             if close is not None:
                 close()
+            self.ended_at = time.monotonic()
             self.ended = True
 
     def since(self, after: int) -> dict[str, Any]:
         """The lines numbered after ``after`` (at most ``ANSWER_LINES``, the newest)."""
         self.read_at = time.monotonic()
         with self._lock:
-            lines = [line for line in self._lines if line["n"] > after][-ANSWER_LINES:]
+            first = self._next - len(self._lines)  # the lines are numbered without gaps
+            start = max(len(self._lines) - ANSWER_LINES, after - first + 1, 0)
+            lines = list(itertools.islice(self._lines, start, None))
         return {"follower": self.serial, "lines": lines, "ended": self.ended, "error": self.error}
 
 
@@ -106,10 +113,11 @@ class Followers:
         redact: Callable[[], tuple[str, ...]],
     ) -> Follower:
         with self._lock:
+            now = time.monotonic()
             follower = self._by.get(key)
-            if follower is not None and not follower.ended:
-                return follower
-            for old in [k for k, f in self._by.items() if f.ended]:
+            if follower is not None and now - follower.ended_at < RETRY_S:
+                return follower  # still following, or ended a moment ago: the page shows why
+            for old in [k for k, f in self._by.items() if now - f.ended_at >= RETRY_S]:
                 del self._by[old]
             if len(self._by) >= MAX_FOLLOWERS:
                 oldest = min(self._by, key=lambda k: self._by[k].read_at)
