@@ -46,9 +46,9 @@ WAIT_S = 60.0  # the page's refreshes run every 1-3 s; a busy 2-core machine is 
 ARTIFACTS = Path(os.environ.get("KTLITE_TEST_ARTIFACTS", Path(__file__).parent / "artifacts"))
 
 
-def work(fail: bool = False, wait_for: str | None = None) -> int:
+def work(fail: bool = False, wait_for: str | None = None, say: str = "dashboard-line") -> int:
     rank = int(os.environ["RANK"])
-    print(f"dashboard-line from rank {rank}", flush=True)
+    print(f"{say} from rank {rank}", flush=True)
     deadline = time.monotonic() + 120
     while wait_for and not Path(wait_for).exists():
         if time.monotonic() > deadline:
@@ -369,6 +369,20 @@ def test_the_page_in_a_real_browser(board: Board) -> None:
         assert len(bars) == 4 and all(b.size["width"] >= 1 for b in bars)
         assert browser.save_screenshot(str(shots[1])), f"no screenshot at {shots[1]}"
         print(f"dashboard screenshots: {shots[0]} {shots[1]}")
+
+        # live: a call made while the page is open shows up, with its lines, without a reload
+        assert board.remote(say="live-call") == [0, 1, 2, 3]
+        until(
+            "the new call's row",
+            lambda b: len(b.find_elements(By.CSS_SELECTOR, "#calls tr[data-call]")) == 3,
+        )
+        until(
+            "the new call's line of rank 1",
+            lambda b: any(
+                e.text.endswith("live-call from rank 1")
+                for e in b.find_elements(By.CSS_SELECTOR, "#logs .line")
+            ),
+        )
 
         browser.find_element(By.ID, "teardown").click()  # asks first
         until("the confirmation", expected_conditions.alert_is_present())
