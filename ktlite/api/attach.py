@@ -5,19 +5,23 @@ pods tell their layout."""
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ktlite.api.compute import Compute
-from ktlite.backends.base import Backend
 from ktlite.errors import KtliteError, NotDeployedError
-from ktlite.modes.deploy import Deployment
-from ktlite.net.client import PodClient
-from ktlite.specs.deployment_spec import DeploymentSpec
+
+if TYPE_CHECKING:  # the call path loads when a deployment is attached: `ktlite --help` needs none
+    from ktlite.backends.base import Backend
+    from ktlite.modes.deploy import Deployment
 
 
 def attach(backend: Backend, name: str) -> tuple[Deployment, list[dict[str, Any]]]:
     """The running deployment ``name`` on ``backend`` (as a Deployment) and its pods' status;
     NotDeployedError when it does not run there."""
+    from ktlite.api.compute import Compute
+    from ktlite.modes.deploy import Deployment
+    from ktlite.net.client import PodClient
+    from ktlite.specs.deployment_spec import DeploymentSpec
+
     applied = backend.lookup(name)
     if applied is None:
         raise NotDeployedError(
