@@ -373,7 +373,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     where(cl)
     run_cli.add_command(command, where)
-    dashboard_cli.add_command(command, where)
+    dashboard_cli.add_command(command)
     portforward_cli.add_command(command, where)
     for alias in ("check", "describe"):  # Kubetorch's names for a deployment's health and status
         ck = command(

@@ -29,8 +29,8 @@ def dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_command(command: Any, where: Any) -> None:
-    """``ktlite dashboard``'s parser, through the CLI's ``command`` and ``where`` helpers."""
+def add_command(command: Any) -> None:
+    """``ktlite dashboard``'s parser, through the CLI's ``command`` helper."""
     db = command(
         "dashboard",
         "a local web page of every deployment: ranks, usage, live logs, calls, teardown",
@@ -43,4 +43,10 @@ def add_command(command: Any, where: Any) -> None:
     db.add_argument(
         "--no-browser", action="store_true", help="print the address; do not open a browser"
     )
-    where(db)
+    db.add_argument(
+        "--backend",
+        default=None,
+        choices=NAMES,
+        help="show only this backend (default: every backend, each listed or why not)",
+    )
+    db.add_argument("--namespace", "-n", default=None, help="Kubernetes namespace")
