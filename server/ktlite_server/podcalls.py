@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Deployment
 from ktlite_server.gate import Gate
 from ktlite_server.localcall import CallHandle, LocalCall, stop_rank
@@ -44,6 +45,7 @@ class PodCalls:
     finished: collections.OrderedDict[str, list[Outcome]]
     cancelled_early: collections.OrderedDict[str, tuple[Status, str]]
     _sinks: dict[int, dict[str, LogEmit]]
+    history: CallHistory
 
     if TYPE_CHECKING:  # the pod's, which this is mixed into
 
@@ -113,6 +115,7 @@ class PodCalls:
             )
             handle.done.set()
             self.finished[call_id] = handle.outcomes
+            self.history.record(handle)  # the dashboard's recent calls (callhistory.py)
             while len(self.finished) > 256:
                 self.finished.popitem(last=False)
         return handle.outcomes
