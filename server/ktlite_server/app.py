@@ -43,6 +43,7 @@ from ktlite_server.calls import Calls, FastCall
 from ktlite_server.connections import Limits
 from ktlite_server.inactivity import idle_seconds
 from ktlite_server.launches import Launches
+from ktlite_server.linkserver import Links
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
 from ktlite_server.refusal import refuse
@@ -101,7 +102,8 @@ class PodServer:
         self.app.add_api_route("/restart_failed", self.restart_failed, methods=["POST"])
         self.app.add_api_route("/cancel/{call_id}", self.cancel, methods=["POST"])
         self.asgi = Gate(
-            FastCall(self.app, self.calls.call),
+            # another pod's link (linkserver) carries its calls to this one without HTTP
+            Links(FastCall(self.app, self.calls.call), self.calls.call, self.limits.max_body),
             self.token,
             self.limits,
             on_admit=self._touch,
