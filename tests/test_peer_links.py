@@ -52,7 +52,7 @@ def serve(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[
         s.stop()
 
 
-def _echo_app(events: list[str]) -> Any:
+def _echo_app(events: list[str], idle_s: float = 75.0) -> Any:
     """A pod server's front (the token gate, then links) whose calls answer their body back
     as a result frame, after a log frame."""
 
@@ -67,7 +67,7 @@ def _echo_app(events: list[str]) -> Any:
     async def other(scope: Any, receive: Any, send: Any) -> None:  # POST /call over HTTP
         await (await serve_call(Request(scope, receive)))(scope, receive, send)
 
-    return Gate(Links(other, serve_call, 1 << 20), Token(TOKEN), Limits())
+    return Gate(Links(other, serve_call, 1 << 20, idle_s), Token(TOKEN), Limits())
 
 
 async def _frames(resp: Any) -> list[tuple[int, bytes]]:
@@ -326,3 +326,28 @@ def test_link_messages_survive_any_split() -> None:
         meta, body = linkframes.split_call(memoryview(got[0][2]))
         assert (meta, bytes(body)) == ('{"id": "x"}', b"ab" + b"c" * 300)
         assert linkframes.split_head(memoryview(got[1][2])) == (409, "not_deployed", b"{}")
+
+
+def test_an_idle_link_is_closed_by_the_pod_and_the_next_call_opens_another(
+    serve: Callable[[Any], Served],
+) -> None:
+    served = serve(_echo_app([], idle_s=0.2))
+
+    async def main() -> tuple[bytes, bytes, bool]:
+        pool = PeerPool(AUTH, tls=served.context)
+        async with linkclient.post(
+            pool, served.url, "/call", {CALL_HEADER: "a"}, memoryview(b"one")
+        ) as resp:
+            first = (await _frames(resp))[1][1]
+        link = pool.links[next(iter(pool.links))]
+        await link.wait_closed(WAIT_S)  # the pod closes it once idle: no sleep here
+        closed = link.lost
+        async with linkclient.post(
+            pool, served.url, "/call", {CALL_HEADER: "b"}, memoryview(b"two")
+        ) as resp:
+            second = (await _frames(resp))[1][1]
+        assert pool.links[next(iter(pool.links))] is not link
+        await pool.aclose()
+        return first, second, closed
+
+    assert asyncio.run(asyncio.wait_for(main(), WAIT_S)) == (b"one", b"two", True)

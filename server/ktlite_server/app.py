@@ -103,7 +103,12 @@ class PodServer:
         self.app.add_api_route("/cancel/{call_id}", self.cancel, methods=["POST"])
         self.asgi = Gate(
             # another pod's link (linkserver) carries its calls to this one without HTTP
-            Links(FastCall(self.app, self.calls.call), self.calls.call, self.limits.max_body),
+            Links(
+                FastCall(self.app, self.calls.call),
+                self.calls.call,
+                self.limits.max_body,
+                self.limits.idle_timeout,
+            ),
             self.token,
             self.limits,
             on_admit=self._touch,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -133,11 +134,15 @@ class _Out:
 class LinkServer(asyncio.Protocol):
     """A member pod's end of one link: ``serve`` runs each call (``Calls.call``)."""
 
-    def __init__(self, transport: Any, serve: Serve, max_body: int) -> None:
+    def __init__(self, transport: Any, serve: Serve, max_body: int, idle_s: float) -> None:
         self.transport = transport
         self.serve = serve
         self.max_body = max_body
+        self.idle_s = idle_s  # a link without a call this long is closed (KTLITE_IDLE_TIMEOUT)
         self.lost = False
+        self._active = 0  # calls on the link (from their CALL to the end of their answer)
+        self._last = time.monotonic()
+        self._idle = asyncio.get_running_loop().call_later(idle_s, self._idle_check)
         self.paused = False
         self._drained: asyncio.Event | None = None
         self._reader = linkframes.Reader()
@@ -183,13 +188,34 @@ class LinkServer(asyncio.Protocol):
             logger.warning("closed a peer link that sent a malformed message: %s", e)
             self.transport.abort()
 
+    def _idle_check(self) -> None:
+        """Close a link idle for ``idle_s`` (its pod went away without closing it, or stopped
+        calling): the other end opens a new one for its next call, as for an HTTP keep-alive
+        connection closed meanwhile. Checked lazily: no timer per call."""
+        idle = time.monotonic() - self._last
+        if self._active or idle < self.idle_s:
+            wait = self.idle_s - (0.0 if self._active else idle)
+            self._idle = asyncio.get_running_loop().call_later(wait, self._idle_check)
+            return
+        logger.debug("closed a peer link idle for %.0fs", idle)
+        self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._idle.cancel()
         self.resume_writing()  # wakes a writer that waits for the link to drain
         for out in list(self._outs.values()):
             out.disconnect()
 
     async def _call(self, stream: int, payload: memoryview) -> None:
+        self._active += 1
+        try:
+            await self._run(stream, payload)
+        finally:
+            self._active -= 1
+            self._last = time.monotonic()
+
+    async def _run(self, stream: int, payload: memoryview) -> None:
         try:
             meta, body = linkframes.split_call(payload)
         except (ProtocolError, UnicodeDecodeError) as e:
@@ -249,10 +275,11 @@ class Links:
     """ASGI: ``POST /link`` becomes a link (behind the admission gate, which checked the token
     and version); every other request goes on to ``app``."""
 
-    def __init__(self, app: Any, serve: Serve, max_body: int) -> None:
+    def __init__(self, app: Any, serve: Serve, max_body: int, idle_s: float) -> None:
         self.app = app
         self.serve = serve
         self.max_body = max_body
+        self.idle_s = idle_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != linkframes.PATH:
@@ -262,7 +289,10 @@ class Links:
         if (
             scope["method"] == "POST"
             and take is not None
-            and take(scope, lambda t: LinkServer(t, self.serve, self.max_body))
+            and take(
+                scope,
+                lambda t: LinkServer(t, self.serve, self.max_body, self.idle_s),
+            )
         ):
             return
         detail = (
