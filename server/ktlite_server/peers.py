@@ -3,7 +3,8 @@
 The coordinator streams every distributed call to every other pod; a general-purpose
 async client costs more per request than the rest of the hop together. This one speaks
 exactly what the pod server answers (a chunked frame stream, or a short fixed body) over
-pooled asyncio connections: calls (:meth:`PeerPool.post`), cancels and ``/health`` polls
+pooled asyncio connections: calls with a large body (:meth:`PeerPool.post`; the others go over
+the pool's persistent peer links, ``linkclient``), cancels and ``/health`` polls
 (:meth:`PeerPool.request`), and quorum probes (:meth:`PeerPool.ensure`). A peer at an
 ``https://`` address is reached over TLS pinned to the deployment's certificate (the pool's
 ``tls`` context: :mod:`ktlite_server.tls`); a pool without one refuses such a peer.
