@@ -80,7 +80,11 @@ async def post(
         link = pool.links.get(key)
         reused = link is not None and link.open
         if not reused:
-            link = await _connect(pool, key, host, port, https, connect_timeout)
+            try:
+                link = await _connect(pool, key, host, port, https, connect_timeout)
+            except LinkRefused as refused:  # read as the pod's answer to the call
+                yield refused
+                return
         assert isinstance(link, PeerLink)
         await link.drain()
         resp = link.send(meta, pieces, read_timeout)
@@ -123,6 +127,22 @@ async def _connect(
 
         pending.add_done_callback(stored)
     return await asyncio.shield(pending)
+
+
+class LinkRefused(PeerError):
+    """The pod answered the link request with an HTTP answer (401, 409, ...), not ``101``."""
+
+    def __init__(self, key: str, status: int, headers: dict[str, str], body: bytes) -> None:
+        super().__init__(f"{key} refused a peer link: HTTP {status}")
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:  # PeerResponse's surface
+        yield self.body
+
+    async def read(self) -> bytes:
+        return self.body
 
 
 class LinkResponse:
@@ -253,6 +273,8 @@ class PeerLink(asyncio.Protocol):
         self._switched: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._head = bytearray()
+        self._refusal: LinkRefused | None = None  # an HTTP answer to the link request, being read
+        self._refusal_left = 0
         self._reader = linkframes.Reader()
         self._streams: dict[int, LinkResponse] = {}
         self._next = 0
@@ -364,6 +386,9 @@ class PeerLink(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.used = time.monotonic()
         if not self._switched.done():
+            if self._refusal is not None:
+                self._refusal_body(data)
+                return
             data = self._handshake(data)
             if not data:
                 return
@@ -394,17 +419,36 @@ class PeerLink(asyncio.Protocol):
             return b""
         head, rest = bytes(self._head[: end + 4]), bytes(self._head[end + 4 :])
         self._head = bytearray()
-        status = head.split(b"\r\n", 1)[0].split(b" ")
-        if len(status) >= 2 and status[1] == b"101":
+        lines = head.decode("latin-1").split("\r\n")
+        status = lines[0].split(" ")
+        if len(status) >= 2 and status[1] == "101":
             self._switched.set_result(None)
             return rest
-        # an HTTP answer (401 without the token, 409 for another version, 404 for a pod server
-        # without links): what it says, from the body that came with it
-        text = rest[:500].decode(errors="replace")
-        self._refused(
-            PeerError(f"{self.key} refused a peer link: {status[1:2]!r} {text}".replace("b'", "'"))
-        )
+        # an HTTP answer (401 without the token, 409 for another version): the pod's own
+        # answer, read by the coordinator as it reads a refused POST /call
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            if k:
+                headers[k.strip().lower()] = v.strip()
+        code = int(status[1]) if len(status) >= 2 and status[1].isdigit() else 0
+        length = headers.get("content-length", "")
+        self._refusal = LinkRefused(self.key, code, headers, b"")
+        self._refusal_left = int(length) if length.isdigit() else HEAD_MAX
+        self._refusal_body(rest)
         return b""
+
+    def _refusal_body(self, data: bytes) -> None:
+        """The body of an HTTP answer to the link request: the refusal is raised once it is
+        whole (or the pod closed the connection)."""
+        refusal = self._refusal
+        if refusal is None:
+            return
+        take = data[: self._refusal_left]
+        refusal.body += take
+        self._refusal_left -= len(take)
+        if self._refusal_left <= 0:
+            self._refused(refusal)
 
     def _refused(self, error: PeerError) -> None:
         if not self._switched.done():
@@ -418,7 +462,7 @@ class PeerLink(asyncio.Protocol):
         self.resume_writing()
         error = PeerError(f"{self.key} closed the link mid-response: {exc!r}")
         if not self._switched.done():
-            self._switched.set_exception(error)
+            self._switched.set_exception(self._refusal or error)
             self._switched.exception()
         self._fail(error)
 
