@@ -84,6 +84,7 @@ PARTS: dict[str, tuple[str, ...]] = {
                 "missing_image_fails_fast_with_the_pull_error",
                 "unschedulable_request_fails_fast",
                 "volume_outlives_the_pod_and_teardown_volumes_deletes_it",
+                "a_served_app_is_reached_through_the_api_servers_pod_proxy",
             )
         ),
         "test_ttl_cluster.py",

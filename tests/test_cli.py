@@ -57,6 +57,7 @@ COMMANDS = [
     "call",
     "teardown",
     "run",
+    "port-forward",
     "config",
     "put",
     "get",
@@ -68,7 +69,7 @@ COMMANDS = [
     "describe",
 ]
 # Kubetorch's commands that ktlite lacks: one line of the help, and each says what to use instead
-REFUSED = ["debug", "port-forward", "apply", "ssh", "volumes", "notebook", "dashboard", "secrets"]
+REFUSED = ["debug", "apply", "ssh", "volumes", "notebook", "dashboard", "secrets"]
 
 
 @dataclass

@@ -33,7 +33,8 @@ from ktlite.logconfig import http_hook
 from ktlite.net import tls
 from ktlite.net.call_reply import CallReply as CallReply
 from ktlite.net.call_reply import FrameReader, LogSink, NoticeSink, Outcomes
-from ktlite.net.connection import ConnectionFailed, ConnectionRefused, Pool
+from ktlite.net.connection import PROGRESS_BYTES, ConnectionFailed, ConnectionRefused, Pool
+from ktlite.net.progress import Progress
 from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, proxy_refusal, raise_for_status
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
 from ktlite_wire import envelope, heartbeat, version
@@ -388,10 +389,10 @@ class PodClient:
                 content: Any = b""
             elif size > CHUNKED_MAX:
                 headers["content-length"] = str(size)
-                content = envelope.chunked(parts)
+                content = _sending(envelope.chunked(parts), size, who)
             else:  # sent again in whole until accepted: a pod that has the call id attaches
                 headers[LENGTH_HEADER] = str(size)
-                content = _chunks(parts)
+                content = _sending(_chunks(parts), size, who)
             sent_at = time.monotonic()
             try:
                 with self.http.stream(
@@ -460,3 +461,16 @@ def _chunks(parts: list[Any]) -> Iterator[bytes]:
     # a generator: httpx sends it with Transfer-Encoding: chunked
     # httpx writes each chunk as it is; a memoryview saves a copy (the checker wants bytes)
     yield from envelope.chunked(parts, size=1 << 20)  # type: ignore[misc]
+
+
+def _sending(chunks: Iterator[Any], size: int, who: str) -> Iterator[Any]:
+    """``chunks`` as they go; a large body (a GiB argument takes seconds through a proxy)
+    shows a bar once it has lasted a second."""
+    if size < PROGRESS_BYTES:
+        yield from chunks
+        return
+    bar = Progress(f"sending to {who}", size, delay_s=1.0)
+    for chunk in chunks:
+        bar.add(memoryview(chunk).nbytes)
+        yield chunk
+    bar.close()

@@ -20,11 +20,14 @@ from collections.abc import Iterator
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from ktlite.net.progress import Progress
 from ktlite_wire import landing, pinning
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import FrameParser
 
 PIECE = 1 << 20  # the most bytes read at once from a response body
+PROGRESS_BYTES = 64 << 20  # a body at least this large is sent in slices, with a bar
+SLICE_BYTES = 16 << 20
 
 
 class ConnectionFailed(ConnectionError):
@@ -62,13 +65,24 @@ class Connection:
             self.sock.close()
 
     def send(self, head: bytes, parts: list[Any]) -> None:
-        small = sum(memoryview(p).nbytes for p in parts) <= 1 << 16
-        if small:  # one segment for the usual tiny call
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size <= 1 << 16:  # one segment for the usual tiny call
             self.sock.sendall(head + b"".join(parts))
             return
         self.sock.sendall(head)
+        if size < PROGRESS_BYTES:
+            for p in parts:
+                self.sock.sendall(memoryview(p).cast("B"))
+            return
+        # a large body (a GiB argument takes seconds): a bar once it has lasted a second
+        bar = Progress(f"sending to {self.key[0]}:{self.key[1]}", size, delay_s=1.0)
         for p in parts:
-            self.sock.sendall(memoryview(p).cast("B"))
+            view = memoryview(p).cast("B")
+            for i in range(0, view.nbytes, SLICE_BYTES):
+                piece = view[i : i + SLICE_BYTES]
+                self.sock.sendall(piece)
+                bar.add(piece.nbytes)
+        bar.close()
 
     def _line(self) -> bytes:
         line = self.reader.readline(1 << 16)

@@ -78,6 +78,7 @@ class Gate:
 
     public: frozenset[str] = PUBLIC  # answered without the token
     large_bodies: frozenset[str] = LARGE_BODIES  # up to ``Limits.max_body``; the rest take none
+    large_prefixes: tuple[str, ...] = ("/ports/",)  # a pod's own apps' requests (portproxy)
     token_name = "deployment token"  # in the 401
     body_limit_name = "KTLITE_MAX_BODY"  # in the 413 of a large-body path
 
@@ -125,7 +126,7 @@ class Gate:
                 return
         declared = length or chunked_length  # a chunked body (through a proxy) names its length
         if declared is not None and declared.isdigit():
-            large = path in self.large_bodies
+            large = path in self.large_bodies or path.startswith(self.large_prefixes)
             limit = self.limits.max_body if large else self.limits.max_small_body
             if int(declared) > limit:
                 what = self.body_limit_name if large else f"{path} takes no body"

@@ -18,6 +18,8 @@ from the request head before anything else: ``admission.py``):
   calls, and what it uses (pid, CPU %, RSS, GPU memory and utilisation: ``usage.py``).
   Both with ``x-ktlite-tree``: for every pod, gathered down the tree (``podtable.py``).
 - ``GET /metrics``: Prometheus text (calls running, calls taken).
+- ``/ports/{port}/{path}`` (any method): HTTP to a port inside this pod, such as a
+  ``kt.app(port=...)`` command's server: ``portproxy.py``.
 
 What a connection may send and hold (head size, header and idle timeouts, the connection
 cap) is enforced below the app, in ``connections.py``.
@@ -46,6 +48,7 @@ from ktlite_server.launches import Launches
 from ktlite_server.linkserver import Links
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
+from ktlite_server.portproxy import PortProxy
 from ktlite_server.refusal import refuse
 from ktlite_wire import calltree
 from ktlite_wire.errors import ErrorCode
@@ -101,6 +104,12 @@ class PodServer:
         self.app.add_api_route("/call", self.calls.call, methods=["POST"])
         self.app.add_api_route("/restart_failed", self.restart_failed, methods=["POST"])
         self.app.add_api_route("/cancel/{call_id}", self.cancel, methods=["POST"])
+        self.ports = PortProxy(self.pod.name)
+        self.app.add_api_route(
+            "/ports/{port}/{path:path}",
+            self.ports.forward,
+            methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+        )
         self.asgi = Gate(
             # another pod's link (linkserver) carries its calls to this one without HTTP
             Links(
@@ -154,6 +163,7 @@ class PodServer:
             self.launches.start_boot(launch_file)
         yield
         self.calls.streams.close()
+        await self.ports.aclose()
         await self.pod.shutdown()
         await self.pod.peers.aclose()
 

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -68,6 +69,23 @@ class _Conn:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.writer.close()
+
+    def closed(self) -> bool:
+        """The peer closed this connection, as far as the kernel knows: the loop learns of a
+        peer's end (a killed pod's FIN or reset) only when it next reads the socket, which a
+        call's quorum check can come before; a peek at the socket cannot."""
+        if self.reader.at_eof() or self.writer.is_closing():
+            return True
+        raw = self.writer.get_extra_info("socket")
+        if raw is None:
+            return False
+        try:  # the loop's socket object cannot recv: peek through a duplicate of its fd
+            with socket.socket(fileno=socket.dup(raw.fileno())) as dup:
+                return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False  # open, nothing queued
+        except OSError:
+            return True  # reset
 
 
 class _Silence:
@@ -343,7 +361,13 @@ class PeerPool:
                 if silent.expired:
                     raise PeerTimeout(f"{key} sent no response for {read_timeout:g}s") from None
                 if reused and attempt == 0:
-                    continue  # a stale keep-alive connection: nothing was processed, retry once
+                    # a stale keep-alive connection: nothing was processed. Retry once, on a
+                    # new connection: the peer's other idle ones are as stale (a killed pod's
+                    # end can still be on its way to each), and a second stale one would be
+                    # taken for a call lost mid-way
+                    for other in self._idle.pop(key, []):
+                        other.close()
+                    continue
                 raise PeerError(f"{key}: {e!r}") from e
             except asyncio.LimitOverrunError as e:
                 conn.close()
@@ -372,7 +396,7 @@ class PeerPool:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not (conn.reader.at_eof() or conn.writer.is_closing()):
+            if not conn.closed():
                 return conn
             conn.close()
         return None
@@ -387,9 +411,7 @@ class PeerPool:
         idle = self._idle.get(f"{host}:{port}")
         if not idle:
             return False
-        return time.monotonic() - idle[-1].used < fresh_s and not (
-            idle[-1].reader.at_eof() or idle[-1].writer.is_closing()
-        )
+        return time.monotonic() - idle[-1].used < fresh_s and not idle[-1].closed()
 
     async def ensure(self, url: str, timeout: float = 5.0, fresh_s: float = PROBE_AFTER_S) -> None:
         """Prove ``url`` answers: free when a pooled connection carried a response within
@@ -398,7 +420,7 @@ class PeerPool:
         Raises PeerConnectError if the peer is unreachable or silent for ``timeout``."""
         host, port, _ = _split(url)
         idle = self._idle.setdefault(f"{host}:{port}", [])
-        while idle and (idle[-1].reader.at_eof() or idle[-1].writer.is_closing()):
+        while idle and idle[-1].closed():
             idle.pop().close()  # the peer closed it (it exited, or restarted)
         if idle and time.monotonic() - idle[-1].used < fresh_s:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import cluster_funcs
+import httpx
 import pytest
 
 import ktlite as kt
@@ -504,3 +506,61 @@ def test_app_runs_a_command_in_the_shipped_working_directory(
         f"{NAME_LABEL}={name}", ("statefulsets", "services", "secrets", "pods"), timeout=120
     )
     assert left == {}, f"still there 120 s after app.teardown(): {left}"
+
+
+SERVED_APP = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        body = ("ok" if self.path == "/health" else os.environ["KTLITE_POD_NAME"]).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_a_served_app_is_reached_through_the_api_servers_pod_proxy(
+    deployments, make_compute, tmp_path
+):
+    # kt.app(port=...): the command serves inside each pod, where nothing outside the
+    # deployment may connect (its NetworkPolicy); the caller reaches it through the API
+    # server's pod proxy and the pod server's /ports/ route, at a local URL
+    # (one replica: the stand-in cluster's pods share one loopback interface, so two would
+    # contend for the port; on a cluster each pod has its own)
+    name = deployments.name("served")
+    port = 18000 + secrets.randbelow(2000)
+    (tmp_path / "serve.py").write_text(SERVED_APP)
+    app = kt.app(
+        ["python", "serve.py", str(port)],
+        name=name,
+        workdir=tmp_path,
+        port=port,
+        health_check="/health",
+        compute=make_compute(),
+    )
+    try:
+        (started,) = app.start()
+        assert started["pod"] == f"{name}-0"
+        assert httpx.get(app.url + "/", timeout=60).text == f"{name}-0"
+        body = os.urandom(2 << 20)
+        assert httpx.post(app.url + "/echo", content=body, timeout=120).content == body
+    finally:
+        app.teardown()
