@@ -26,7 +26,7 @@ from ktlite_server.app import create_app
 from ktlite_server.calls import StreamResponse
 from ktlite_server.connections import Limits
 from ktlite_server.linkserver import Links
-from ktlite_server.peers import PeerError, PeerPool, PeerTimeout
+from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, PeerTimeout
 from ktlite_server.pod import Pod
 from ktlite_server.streams import CallStream
 from ktlite_wire import frames
@@ -355,3 +355,57 @@ def test_an_idle_link_is_closed_by_the_pod_and_the_next_call_opens_another(
         return first, second, closed
 
     assert asyncio.run(asyncio.wait_for(main(), WAIT_S)) == (b"one", b"two", True)
+
+
+def test_a_link_whose_pod_closed_it_before_the_loop_read_it_is_not_fresh() -> None:
+    """A pod killed a moment before a call: its FIN is queued on pod 0's link but the loop has
+    not read it yet. The quorum check must not trust the link (the call would be written into
+    it and count as started): ensure() probes instead, and the gone pod is not reachable."""
+    import select
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    answered, close_now = threading.Event(), threading.Event()
+
+    def serve_one() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            conn.sendall(linkframes.SWITCH)
+            reader = linkframes.Reader()
+            calls: list[int] = []
+            while not calls:
+                calls += [s for k, s, _ in reader.feed(conn.recv(65536)) if k == linkframes.CALL]
+            conn.sendall(_answer(calls[0], b"ok"))
+            answered.set()
+            close_now.wait(WAIT_S)
+        listener.close()  # the pod is gone: nothing listens there any more
+
+    server = threading.Thread(target=serve_one, daemon=True)
+    server.start()
+
+    async def main() -> tuple[bool, bool]:
+        pool = PeerPool(AUTH)
+        try:
+            async with linkclient.post(
+                pool, url, "/call", {CALL_HEADER: "a"}, memoryview(b"")
+            ) as resp:
+                assert await _frames(resp) == [(frames.RESULT, b"ok")]
+            fresh_before = pool.fresh(url)
+            link = pool.links[next(iter(pool.links))]
+            close_now.set()
+            server.join(WAIT_S)
+            # wait for the FIN without running the loop (which would read it)
+            fd = link.transport.get_extra_info("socket").fileno()
+            assert select.select([fd], [], [], WAIT_S)[0], "the pod's close never arrived"
+            fresh_after = pool.fresh(url)
+            with pytest.raises(PeerConnectError):
+                await pool.ensure(url, 2.0)
+            return fresh_before, fresh_after
+        finally:
+            await pool.aclose()
+
+    assert asyncio.run(asyncio.wait_for(main(), WAIT_S)) == (True, False)

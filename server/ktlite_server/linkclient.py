@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ktlite_server import linkframes
-from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, PeerTimeout
+from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, PeerTimeout, peer_closed
 from ktlite_wire import headers as wire_headers
 from ktlite_wire import pinning
 from ktlite_wire.errors import ProtocolError
@@ -287,6 +287,11 @@ class PeerLink(asyncio.Protocol):
     @property
     def open(self) -> bool:
         return self._switched.done() and not self.lost and not self.transport.is_closing()
+
+    def closed(self) -> bool:
+        """Not open, or the pod's end of it is in the kernel and not read yet (a killed pod):
+        what a call's quorum check asks before it relies on the link."""
+        return not self.open or peer_closed(self.transport.get_extra_info("socket"))
 
     @classmethod
     async def connect(

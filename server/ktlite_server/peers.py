@@ -55,6 +55,8 @@ class Link(Protocol):
     @property
     def open(self) -> bool: ...
 
+    def closed(self) -> bool: ...
+
     def close(self) -> None: ...
 
     async def wait_closed(self, timeout: float = 5.0) -> None: ...
@@ -76,16 +78,21 @@ class _Conn:
         call's quorum check can come before; a peek at the socket cannot."""
         if self.reader.at_eof() or self.writer.is_closing():
             return True
-        raw = self.writer.get_extra_info("socket")
-        if raw is None:
-            return False
-        try:  # the loop's socket object cannot recv: peek through a duplicate of its fd
-            with socket.socket(fileno=socket.dup(raw.fileno())) as dup:
-                return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False  # open, nothing queued
-        except OSError:
-            return True  # reset
+        return peer_closed(self.writer.get_extra_info("socket"))
+
+
+def peer_closed(raw: socket.socket | None) -> bool:
+    """Whether the kernel has the peer's end of this connection (its FIN, or a reset) that
+    the loop has not read yet: a peek at the socket (nothing else queued before it)."""
+    if raw is None:
+        return False
+    try:  # the loop's socket object cannot recv: peek through a duplicate of its fd
+        with socket.socket(fileno=socket.dup(raw.fileno())) as dup:
+            return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # open, nothing queued
+    except OSError:
+        return True  # reset
 
 
 class _Silence:
@@ -406,7 +413,7 @@ class PeerPool:
         seconds and is still open: :meth:`ensure` would return at once."""
         host, port, _ = _split(url)
         link = self.links.get(f"{host}:{port}")
-        if link is not None and link.open and time.monotonic() - link.used < fresh_s:
+        if link is not None and time.monotonic() - link.used < fresh_s and not link.closed():
             return True  # calls go over a link: it carried an answer within fresh_s
         idle = self._idle.get(f"{host}:{port}")
         if not idle:
