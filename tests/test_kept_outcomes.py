@@ -42,3 +42,8 @@ def test_a_large_or_unfinished_value_keeps_its_outcome() -> None:
     held = keep([large, in_file])
     assert held[0] is large and held[1] is in_file
     assert kept(held) == [large, in_file]
+
+
+def test_a_status_given_as_its_text_is_kept_too() -> None:
+    (out,) = kept(keep([Outcome(3, "cancelled", None, "stopped")]))  # type: ignore[arg-type]
+    assert (out.rank, out.status, out.message) == (3, Status.CANCELLED, "stopped")

@@ -74,11 +74,16 @@ def keep(outs: list[Outcome]) -> Kept:
     collection that the new ones triggered (every ~150 calls) walked them all, a pause in a
     call's tail. A large value, or one its rank still writes, keeps its Outcome."""
     return tuple(
-        (o.rank, o.status.value, bytes(o.data) if o.data is not None else None, o.message, o.at)
+        (o.rank, _plain(o.status), bytes(o.data) if o.data is not None else None, o.message, o.at)
         if o.feed is None and o.path is None and (o.data is None or len(o.data) <= KEEP_INLINE)
         else o
         for o in outs
     )
+
+
+def _plain(status: Status | str) -> str:
+    """A status as a plain ``str`` (an enum member is a tracked object; its value is not)."""
+    return status.value if isinstance(status, Status) else str(status)
 
 
 def kept(outs: Kept) -> list[Outcome]:
