@@ -48,6 +48,7 @@ PARTS: dict[str, tuple[str, ...]] = {
                 "uneven_pods_1_and_2_ranks_all_reduce",
                 "rank_error_keeps_its_type_and_the_finished_results",
                 "logs_hold_each_ranks_lines_and_calls_stream_them",
+                "the_dashboard_shows_a_cluster_deployment",
                 "app_runs_a_command_in_the_shipped_working_directory",
             )
         ),

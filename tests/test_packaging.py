@@ -65,6 +65,11 @@ def test_wheel_ships_license_and_type_hints(tmp_path: Path) -> None:
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         typed = {"ktlite/py.typed", "ktlite_server/py.typed", "ktlite_wire/py.typed"}
         assert typed | {"ktlite_wire/launch.py", f"{info}/licenses/LICENSE"} <= names
+        # the dashboard's page ships in the package (it works offline)
+        page = {
+            f"ktlite/dashboard/static/{n}" for n in ("index.html", "dashboard.js", "dashboard.css")
+        }
+        assert page <= names, sorted(page - names)
         assert "Apache License" in zf.read(f"{info}/licenses/LICENSE").decode()
         _check_metadata(zf.read(f"{info}/METADATA").decode(), stderr)
 

@@ -14,7 +14,7 @@ import sys
 
 from ktlite import __version__, config, logconfig
 from ktlite.api.decorators import Decorated
-from ktlite.commands import expiry_cli, portforward_cli, run_cli
+from ktlite.commands import dashboard_cli, expiry_cli, portforward_cli, run_cli
 from ktlite.commands.confirmation import confirm
 from ktlite.commands.scripts import load_script
 from ktlite.commands.status_cli import attach, named_backend, status_command
@@ -233,7 +233,6 @@ _REFUSED_COMMANDS = {
     "volumes": "volumes are created with a deployment (kt.Compute(volumes=[kt.Volume(...)])) and "
     "deleted with `ktlite teardown NAME --volumes`; list them with `kubectl get pvc`",
     "notebook": "run Jupyter where you like and deploy from it: kt.fn(f).to(compute) works in a notebook",
-    "dashboard": "`ktlite status NAME --watch` shows every rank live",
     "secrets": "secrets are given per Compute (kt.Compute(secrets=['aws', kt.secret(...)])) and "
     "created with the deployment; list them with `kubectl get secrets`",
 }
@@ -374,6 +373,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     where(cl)
     run_cli.add_command(command, where)
+    dashboard_cli.add_command(command)
     portforward_cli.add_command(command, where)
     for alias in ("check", "describe"):  # Kubetorch's names for a deployment's health and status
         ck = command(

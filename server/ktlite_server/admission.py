@@ -1,6 +1,7 @@
 """Admission: which requests the pod server takes, decided from the request head alone.
 
-Every endpoint but ``/health`` needs the deployment token; a request without it is answered
+Every endpoint but ``/health`` needs the deployment token (``/metrics`` also takes it as
+Prometheus sends one, ``authorization: Bearer <token>``); a request without it is answered
 401 before anything of its body is read, and the connection is closed (the body is never
 read). A client speaking another protocol version is answered 409, naming both. A body declared larger than its endpoint allows (``Limits.max_body`` for ``/call`` and
 ``/deploy``, ``Limits.max_small_body`` for the rest, which take none) is answered 413 the same
@@ -103,6 +104,8 @@ class Gate:
         path = scope["path"]
         head = dict(scope["headers"])  # in C: cheaper than a loop over the pairs here
         token, version = head.get(_TOKEN), head.get(_VERSION)
+        if token is None and path == "/metrics":  # a scraper's own `authorization: Bearer`
+            token = head.get(b"authorization")
         length, chunked_length = head.get(b"content-length"), head.get(_LENGTH)
         if path not in self.public:
             if not self.token.matches(token):

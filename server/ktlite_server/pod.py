@@ -20,10 +20,12 @@ import sys
 import time
 from typing import Any
 
+from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Colocated, Deployment, layout_of
 from ktlite_server.engine import Engine, EngineError
 from ktlite_server.gate import Gate
 from ktlite_server.localcall import CallHandle
+from ktlite_server.metrics import CallMetrics
 from ktlite_server.monarchhost import MonarchHost
 from ktlite_server.peers import PeerPool
 from ktlite_server.podcalls import LogEmit, PodCalls
@@ -72,6 +74,8 @@ class Pod(PodCalls):
         self.last_generation = 0  # the process-group generation of the last call run here
         self.calls: dict[str, CallHandle] = {}
         self.calls_total = 0
+        self.call_metrics = CallMetrics()  # what GET /metrics reports
+        self.history = CallHistory()  # the recent calls GET /status reports
         self.finished: collections.OrderedDict[str, Kept] = collections.OrderedDict()
         self.cancelled_early: collections.OrderedDict[str, tuple[Status, str]] = (
             collections.OrderedDict()

@@ -303,6 +303,51 @@ def test_logs_hold_each_ranks_lines_and_calls_stream_them(pair, capfd):
     )
 
 
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_the_dashboard_shows_a_cluster_deployment(pair):
+    """``ktlite dashboard`` over the API server: the deployment in the backend's list, its ranks
+    (pod 0 gathers the table, through the pod proxy), its calls' timeline with a failed rank's
+    traceback, its pods' logs followed by rank; never its token."""
+    import httpx
+
+    from ktlite.dashboard.access import HEADER
+    from ktlite.dashboard.serve import Dashboard
+
+    marker = f"kt-dash-{secrets.token_hex(4)}"
+    assert pair("print", marker) == [0, 1]
+    with pytest.raises(ValueError, match="boom from rank 1"):
+        pair("fail1", 0)
+    token = pair.deployment.applied.token
+    with Dashboard(backends=["kubernetes"], namespace=pair.deployment.backend.namespace) as board:
+
+        def get(path: str) -> Any:
+            resp = httpx.get(board.base_url + path, headers={HEADER: board.token}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            assert token not in resp.text
+            return resp.json()
+
+        (listed,) = get("/api/deployments")["backends"]
+        assert pair.name in [d["name"] for d in listed["deployments"]], listed
+        detail = get(f"/api/deployments/kubernetes/{pair.name}")
+        assert sorted(r["rank"] for p in detail["pods"] for r in p["ranks"]) == [0, 1]
+        failed, ok = detail["calls"][:2]  # newest first
+        assert ok["status"] == "ok" and {r["pod"] for r in ok["ranks"]} == {
+            f"{pair.name}-0",
+            f"{pair.name}-1",
+        }
+        assert failed["failed_ranks"] == [1]
+        assert "raise ValueError" in failed["ranks"][1]["error"]["traceback"]
+        path = f"/api/deployments/kubernetes/{pair.name}/logs"
+        lines = wait_for(
+            lambda: get(path)["lines"],
+            lambda lines: {0, 1} <= {x["rank"] for x in lines if marker in x["text"]},
+            timeout=60,
+        )
+        by_rank = {(x["pod"], x["rank"]) for x in lines if x["text"] == f"{marker} out rank=1"}
+        assert by_rank == {(f"{pair.name}-1", 1)}, lines[-20:]
+
+
 # ---- redeploy --------------------------------------------------------------------------------
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+# 7: a relay's call plan and a relayed push's header name only the pods of its subtree
+#    (``first_pod``/``first_rank``, ``first``), and a relayed push nests its children's
+#    results as a call does; an older pod would index the window as the whole pod list.
 # 6: a relay passes its children's call results on untouched (a result nests them:
 #    ``subtrees``), and a pod's ranks that returned a value are one ``runs`` entry, not a row
 #    each; an older caller would miss every nested rank. 5: a served deployment's launches carry their generation, a pod refuses an older one
 #    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
 #    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
 #    calls, notices, shipped sources.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 
