@@ -46,6 +46,7 @@ from ktlite_server.calls import Calls, FastCall
 from ktlite_server.connections import Limits
 from ktlite_server.inactivity import idle_seconds
 from ktlite_server.launches import Launches
+from ktlite_server.linkserver import Links
 from ktlite_server.metrics import render
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
@@ -112,7 +113,13 @@ class PodServer:
             methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
         )
         self.asgi = Gate(
-            FastCall(self.app, self.calls.call),
+            # another pod's link (linkserver) carries its calls to this one without HTTP
+            Links(
+                FastCall(self.app, self.calls.call),
+                self.calls.call,
+                self.limits.max_body,
+                self.limits.idle_timeout,
+            ),
             self.token,
             self.limits,
             on_admit=self._touch,

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ktlite_server import linkclient
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome, settled
@@ -413,8 +414,15 @@ class Coordinator:
             member_headers = self._shared_headers
         while True:
             try:
-                async with self.peers.post(
-                    url, "/call", member_headers, body, connect_timeout=5.0, read_timeout=SILENCE_S
+                # over the pool's link to that pod (an HTTP request when the body is large)
+                async with linkclient.post(
+                    self.peers,
+                    url,
+                    "/call",
+                    member_headers,
+                    body,
+                    connect_timeout=5.0,
+                    read_timeout=SILENCE_S,
                 ) as resp:
                     if resp.status != 200:
                         text = error_text(await resp.read())

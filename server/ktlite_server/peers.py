@@ -3,7 +3,8 @@
 The coordinator streams every distributed call to every other pod; a general-purpose
 async client costs more per request than the rest of the hop together. This one speaks
 exactly what the pod server answers (a chunked frame stream, or a short fixed body) over
-pooled asyncio connections: calls (:meth:`PeerPool.post`), cancels and ``/health`` polls
+pooled asyncio connections: calls with a large body (:meth:`PeerPool.post`; the others go over
+the pool's persistent peer links, ``linkclient``), cancels and ``/health`` polls
 (:meth:`PeerPool.request`), and quorum probes (:meth:`PeerPool.ensure`). A peer at an
 ``https://`` address is reached over TLS pinned to the deployment's certificate (the pool's
 ``tls`` context: :mod:`ktlite_server.tls`); a pool without one refuses such a peer.
@@ -26,7 +27,7 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlencode, urlsplit
 
 from ktlite_wire import pinning
@@ -46,6 +47,21 @@ class PeerTimeout(PeerError, TimeoutError):
     """The peer sent nothing for longer than the read timeout."""
 
 
+class Link(Protocol):
+    """A persistent link to a peer (``linkclient.PeerLink``): what the pool asks of it."""
+
+    used: float  # when it last received anything (monotonic)
+
+    @property
+    def open(self) -> bool: ...
+
+    def closed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    async def wait_closed(self, timeout: float = 5.0) -> None: ...
+
+
 class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -62,16 +78,21 @@ class _Conn:
         call's quorum check can come before; a peek at the socket cannot."""
         if self.reader.at_eof() or self.writer.is_closing():
             return True
-        raw = self.writer.get_extra_info("socket")
-        if raw is None:
-            return False
-        try:  # the loop's socket object cannot recv: peek through a duplicate of its fd
-            with socket.socket(fileno=socket.dup(raw.fileno())) as dup:
-                return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False  # open, nothing queued
-        except OSError:
-            return True  # reset
+        return peer_closed(self.writer.get_extra_info("socket"))
+
+
+def peer_closed(raw: socket.socket | None) -> bool:
+    """Whether the kernel has the peer's end of this connection (its FIN, or a reset) that
+    the loop has not read yet: a peek at the socket (nothing else queued before it)."""
+    if raw is None:
+        return False
+    try:  # the loop's socket object cannot recv: peek through a duplicate of its fd
+        with socket.socket(fileno=socket.dup(raw.fileno())) as dup:
+            return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # open, nothing queued
+    except OSError:
+        return True  # reset
 
 
 class _Silence:
@@ -203,9 +224,22 @@ class PeerPool:
         self._idle: dict[str, list[_Conn]] = {}
         self._headers = dict(headers or {})
         self._tls = tls
+        # links to peers, by host:port, and the ones being opened (``linkclient``)
+        self.links: dict[str, Link] = {}
+        self.link_connects: dict[str, asyncio.Future[Any]] = {}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What goes with every request (the deployment's token): a link's opening request."""
+        return dict(self._headers)
+
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        return self._tls
 
     def __repr__(self) -> str:
-        return f"PeerPool({sum(len(c) for c in self._idle.values())} idle, headers=<hidden>)"
+        idle = sum(len(c) for c in self._idle.values())
+        return f"PeerPool({idle} idle, {len(self.links)} links, headers=<hidden>)"
 
     async def _connect(self, host: str, port: int, timeout: float, https: bool) -> _Conn:
         if https and self._tls is None:
@@ -378,6 +412,9 @@ class PeerPool:
         """True when a pooled connection to ``url`` carried a response within ``fresh_s``
         seconds and is still open: :meth:`ensure` would return at once."""
         host, port, _ = _split(url)
+        link = self.links.get(f"{host}:{port}")
+        if link is not None and time.monotonic() - link.used < fresh_s and not link.closed():
+            return True  # calls go over a link: it carried an answer within fresh_s
         idle = self._idle.get(f"{host}:{port}")
         if not idle:
             return False
@@ -394,6 +431,8 @@ class PeerPool:
             idle.pop().close()  # the peer closed it (it exited, or restarted)
         if idle and time.monotonic() - idle[-1].used < fresh_s:
             return
+        if self.fresh(url, fresh_s):  # a link carried an answer within fresh_s
+            return
         try:
             await self.request("GET", url.rstrip("/") + "/health", timeout=timeout)
         except PeerTimeout:
@@ -407,7 +446,17 @@ class PeerPool:
             raise PeerConnectError(f"{host}:{port} did not answer /health: {e}") from e
 
     async def aclose(self) -> None:
-        for conns in self._idle.values():
-            for c in conns:
-                c.close()
+        links = list(self.links.values())
+        self.links.clear()
+        for link in links:
+            link.close()
+        idle = [c for conns in self._idle.values() for c in conns]
         self._idle.clear()
+        for c in idle:
+            c.close()
+
+        async def closed(c: _Conn) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(c.writer.wait_closed(), 5.0)
+
+        await asyncio.gather(*(link.wait_closed() for link in links), *(closed(c) for c in idle))
