@@ -384,6 +384,22 @@ def test_the_page_in_a_real_browser(board: Board) -> None:
             ),
         )
 
+        # an engine pod's line (a Ray head that lost a node), as the page writes it
+        line = browser.execute_script(
+            "return engineLine('job-0', arguments[0]);",
+            {
+                "kind": "ray",
+                "head": True,
+                "alive": True,
+                "pid": 7,
+                "started_at": time.time() - 60,
+                "nodes": [{}, {}],
+                "lost": ["job-2"],
+            },
+        )
+        assert line.startswith("job-0: ray head · alive · pid 7 · up "), line
+        assert line.endswith("· 2 Ray node(s) in the cluster · LOST: job-2"), line
+
         browser.find_element(By.ID, "teardown").click()  # asks first
         until("the confirmation", expected_conditions.alert_is_present())
         browser.switch_to.alert.accept()

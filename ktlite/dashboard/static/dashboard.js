@@ -56,6 +56,20 @@ function bytes(n) {
 }
 
 function num(v, suffix) { return v === null || v === undefined ? "–" : `${v}${suffix || ""}`; }
+// a Ray node or Monarch host, as its pod server reports it (the head adds its cluster's view)
+function engineLine(name, e) {
+  const parts = [`${e.kind || "engine"} ${e.head ? "head" : "worker"}`, e.alive ? "alive" : "NOT RUNNING"];
+  if (e.pid) parts.push(`pid ${e.pid}`);
+  if (e.started_at) parts.push(`up ${secs(Date.now() / 1000 - e.started_at)}`);
+  if (Array.isArray(e.nodes)) parts.push(`${e.nodes.length} Ray node(s) in the cluster`);
+  if (Array.isArray(e.hosts)) {
+    parts.push(`${e.hosts.filter((h) => h.reachable).length}/${e.hosts.length} hosts reachable`);
+  }
+  if (Array.isArray(e.lost) && e.lost.length) parts.push(`LOST: ${e.lost.join(", ")}`);
+  if (e.error) parts.push(`error: ${e.error}`);
+  return `${name}: ${parts.join(" · ")}`;
+}
+
 function secs(s) { return s >= 1 ? `${s.toFixed(2)} s` : `${(s * 1000).toFixed(1)} ms`; }
 function key(b, n) { return `${b}/${n}`; }
 
@@ -158,7 +172,7 @@ function drawDetail(d) {
         el("td", { colspan: "8", class: "bad", text: `not answering: ${pod.error}` })));
       continue;
     }
-    if (pod.engine) engines.push(`${pod.pod}: ${JSON.stringify(pod.engine)}`);
+    if (pod.engine) engines.push(engineLine(pod.pod, pod.engine));
     for (const r of pod.ranks) {
       ranks.add(r.rank);
       const calls = (r.calls || []).map((c) => `${c.id.slice(0, 8)} ${secs(c.running_s)}`).join(", ");
