@@ -23,6 +23,7 @@ from ktlite.backends.base import Applied, Plan, PodEndpoint
 from ktlite.backends.local import LocalBackend
 from ktlite.errors import DeployError
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import calltree
 
 HOST = Path(__file__).with_name("_sim_host.py")
 PODS_PER_HOST = 250  # a host process's share of the pods
@@ -38,13 +39,19 @@ class _Hosts:
         procs = spec.distributed.max_procs
         # pod 0 (the caller's coordinator) and pod 1 (in a tree, a relay; flat, a member) in
         # hosts of their own, when there are others: their CPU per call is then measured
-        # apart from the rest's
+        # apart from the rest's; in a tree, the pods pod 1 relays to in one host of their own
+        # too (the longest path's leaves: bench/_scale_path.py)
         runs = [(i, 1) for i in range(min(2, pods - 1))]
-        alone = len(runs)
+        fanout = spec.distributed.tree(pods)
+        below_1 = calltree.split(list(range(1, pods)), fanout)[0][1:] if fanout else []
+        if below_1:
+            runs.append((2, len(below_1)))
+        alone = sum(count for _, count in runs)
         rest = pods - alone
         parts = max(1, -(-rest // PODS_PER_HOST))
         share = -(-rest // parts)
-        runs += [(alone + k * share, min(share, rest - k * share)) for k in range(parts)]
+        runs += [(alone + k * share, min(share, rest - k * share)) for k in range(parts) if rest]
+        self.below_1 = below_1
         hosts = len(runs)
         self.dir = tempfile.mkdtemp(prefix="ktlite-sim-")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -119,9 +126,13 @@ class _Hosts:
     def profile(self, ordinal: int, path: str | None) -> None:
         """Start cProfile in the host of pod ``ordinal`` (None), or stop it and write its
         stats to ``path``; :meth:`profiled` waits for them."""
+        self.command(ordinal, f"profile {path or 'on'}")
+
+    def command(self, ordinal: int, line: str) -> None:
+        """Send the host of pod ``ordinal`` one command (``_sim_host.py``)."""
         proc = self.owner[ordinal]
         assert proc.stdin is not None
-        proc.stdin.write(f"profile {path or 'on'}\n".encode())
+        proc.stdin.write(f"{line}\n".encode())
         proc.stdin.flush()
 
     def profiled(self, path: str, timeout: float = 60.0) -> None:

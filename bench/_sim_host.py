@@ -9,13 +9,19 @@ The token is stdin's first line (as ``ktlite_server --token-stdin``). Then stdin
 commands, one a line: ``kill <ordinal>`` makes that pod die as a killed process would (its
 connections reset, its socket closed, its ranks gone); ``profile on`` starts cProfile on the
 servers' event loop, ``profile <path>`` stops it and writes its stats to ``path`` (written
-whole under another name, then renamed). The process exits when stdin closes.
+whole under another name, then renamed); ``timeline on`` records, for each call this host's
+pods coordinate or relay, when each child's answer arrived and when the probes of its children
+before the call (``Coordinator._quorum``) began and answered (the monotonic clock, which every
+process of the machine shares, and the loop thread's CPU time then), ``timeline <path>``
+writes those records to ``path`` (JSON, the same way) and stops. The process exits when stdin
+closes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import cProfile
 import json
 import logging
@@ -35,6 +41,8 @@ from _sim_rank import SimPod  # noqa: E402
 
 from ktlite_server.app import create_app  # noqa: E402
 from ktlite_server.connections import Limits, guarded  # noqa: E402
+from ktlite_server.coordinator import Coordinator  # noqa: E402
+from ktlite_server.peers import PeerPool  # noqa: E402
 from ktlite_wire import privatefiles  # noqa: E402
 
 logger = logging.getLogger("bench.sim_host")
@@ -88,6 +96,67 @@ class SimServer:
                 rank.kill()
 
 
+# (call id, this pod's ordinal, what: "answer" (a child's answer arrived), "probe" (the quorum
+# probe of a child answered) or "quorum" (the probes began; child -1), the child's ordinal,
+# monotonic s, the loop thread's CPU s)
+Arrival = tuple[str, int, str, int, float, float]
+_CALL: contextvars.ContextVar[tuple[str, int, dict[str, int]] | None] = contextvars.ContextVar(
+    "sim_call", default=None
+)
+
+
+def record_arrivals(into: list[Arrival]) -> Any:
+    """Wrap ``Coordinator._remote`` (each child's answer, as the coordinator gets it),
+    ``Coordinator._quorum`` and ``PeerPool.ensure`` (the probes of the children before a
+    call, when their connections were idle too long) to note when each happened; returns a
+    function that puts the originals back. Measuring only: the call runs as it would."""
+    real_remote, real_quorum, real_ensure = (
+        Coordinator._remote,
+        Coordinator._quorum,
+        PeerPool.ensure,
+    )
+
+    def note(call_id: str, pod: int, what: str, child: int) -> None:
+        into.append((call_id, pod, what, child, time.monotonic(), time.thread_time()))
+
+    async def remote(self: Coordinator, plan: Any, i: int, payload: Any, emit: Any) -> Any:
+        got = await real_remote(self, plan, i, payload, emit)
+        note(plan.id, self.pod.ordinal, "answer", i)
+        return got
+
+    async def quorum(self: Coordinator, plan: Any, remote: list[int], emit: Any) -> Any:
+        note(plan.id, self.pod.ordinal, "quorum", -1)
+        urls = {plan.url(i): i for i in remote}
+        token = _CALL.set((plan.id, self.pod.ordinal, urls))  # the probes' tasks inherit it
+        try:
+            return await real_quorum(self, plan, remote, emit)
+        finally:
+            _CALL.reset(token)
+
+    async def ensure(self: PeerPool, url: str, *args: Any, **kwargs: Any) -> None:
+        await real_ensure(self, url, *args, **kwargs)
+        call = _CALL.get()
+        if call is not None and url in call[2]:
+            note(call[0], call[1], "probe", call[2][url])
+
+    Coordinator._remote = remote  # type: ignore[method-assign]
+    Coordinator._quorum = quorum  # type: ignore[method-assign]
+    PeerPool.ensure = ensure  # type: ignore[method-assign]
+
+    def restore() -> None:
+        Coordinator._remote = real_remote  # type: ignore[method-assign]
+        Coordinator._quorum = real_quorum  # type: ignore[method-assign]
+        PeerPool.ensure = real_ensure  # type: ignore[method-assign]
+
+    return restore
+
+
+def write_json(path: str, data: Any) -> None:
+    with open(path + ".part", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".part", path)
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--name", required=True)
@@ -106,12 +175,26 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
 
-    profiler = cProfile.Profile(time.thread_time)  # CPU, not the wall: 2 busy cores
+    profilers = [cProfile.Profile(time.thread_time)]  # CPU, not the wall: 2 busy cores
 
     def dump(path: str) -> None:
+        profiler = profilers[-1]
         profiler.disable()
         profiler.dump_stats(path + ".part")
+        profilers.append(cProfile.Profile(time.thread_time))  # the next one starts afresh
         os.replace(path + ".part", path)
+
+    arrivals: list[Arrival] = []
+    unwrapped: list[Any] = []
+
+    def timeline(arg: str) -> None:
+        if arg == "on" and not unwrapped:
+            arrivals.clear()
+            unwrapped.append(record_arrivals(arrivals))
+        elif arg != "on":
+            if unwrapped:
+                unwrapped.pop()()
+            write_json(arg, arrivals)
 
     def commands() -> None:
         for line in sys.stdin:
@@ -119,9 +202,11 @@ async def main() -> None:
             if word == "kill" and arg.isdigit() and int(arg) in servers:
                 loop.call_soon_threadsafe(servers[int(arg)].kill)
             elif word == "profile" and arg == "on":  # the loop's thread is the one profiled
-                loop.call_soon_threadsafe(profiler.enable)
+                loop.call_soon_threadsafe(lambda: profilers[-1].enable())
             elif word == "profile" and arg:
                 loop.call_soon_threadsafe(dump, arg)
+            elif word == "timeline" and arg:
+                loop.call_soon_threadsafe(timeline, arg)
         loop.call_soon_threadsafe(done.set)
 
     threading.Thread(target=commands, daemon=True).start()

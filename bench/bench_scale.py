@@ -41,9 +41,14 @@ a member); ``serial CPU ms/call`` the call's CPU on its longest path, what a clu
 one step after another: the client's, pod 0's, pod 1's once per relay level below pod 0, and
 a member's (what the pods spent less pod 0's and the relays', each counted as pod 1's, over
 the members); ``all pods CPU ms/call`` every host process's, i.e. the server work a cluster spreads over its
-machines and this machine's two cores do in turn; ``client MB`` this process's resident memory
-after the size (peak in parentheses). CPU is read from ``/proc`` in clock ticks (10 ms), so a
-per-call figure is good to 10 ms / calls.
+machines and this machine's two cores do in turn; ``push: serial CPU ms`` the push's CPU on
+its longest path, as the call's; ``path p50/p99 ms`` the no-op call's longest path measured
+with its processes unthrottled (``_scale_path.py``: the client, pod 0 and pod 1 pinned to one
+core, pod 1's leaves to the other, every other pod at nice 19; the wall time less pod 0's and
+pod 1's idle wait for the branches off the path, ``path: idle taken out ms``; ``path: its
+wall p50 ms`` the same calls' plain wall time; ``--no-path`` skips it); ``client MB`` this
+process's resident memory after the size (peak in parentheses). The pods' CPU is read from
+``/proc/PID/task/*/schedstat`` (nanoseconds), the client's from ``time.process_time``.
 """
 
 from __future__ import annotations
@@ -72,16 +77,15 @@ os.environ["KTLITE_HOME"] = _HOME  # before ktlite is imported: never share the 
 atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 sys.path.insert(0, str(HERE))
 
+import _scale_path  # noqa: E402
 import _sim_backend  # noqa: E402
 from _rounds import loadavg  # noqa: E402
+from _scale_report import PROCS, table, verdicts  # noqa: E402
 from _scale_workload import Workload  # noqa: E402
 
 import ktlite as kt  # noqa: E402
 from ktlite.specs.spec import TREE_FANOUT, TREE_MINIMUM  # noqa: E402
 from ktlite_wire import calltree  # noqa: E402
-
-PROCS = 8
-TARGETS = {"p50_ms": 20.0, "p99_ms": 100.0, "push_s": 2.0, "dead_s": 5.0, "client_mb": 200.0}
 
 
 class Lines(io.TextIOBase):
@@ -108,15 +112,16 @@ class Lines(io.TextIOBase):
 
 
 def _cpu(pids: list[int]) -> float:
-    """CPU seconds (user + system) of these processes so far."""
-    total = 0.0
+    """CPU seconds of these processes so far: each thread's time on a CPU in nanoseconds
+    (``/proc/PID/task/TID/schedstat``; the clock ticks of ``/proc/PID/stat`` are 10 ms, too
+    coarse for a few milliseconds per call)."""
+    total = 0
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def _rss_mb() -> tuple[float, float]:
@@ -142,7 +147,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def measure(
-    pods: int, calls: int, tree: dict[str, int], lines: Lines, backend: Any, profile: str = ""
+    pods: int,
+    calls: int,
+    tree: dict[str, int],
+    lines: Lines,
+    backend: Any,
+    profile: str = "",
+    path: bool = True,
 ) -> dict[str, Any]:
     name = f"scale-{pods}"
     world = pods * PROCS
@@ -158,17 +169,38 @@ def measure(
     try:
         hosts = backend.deployments[name]
         host_pids = [p.pid for p in hosts.procs]
-        t0, cpu0 = time.perf_counter(), _cpu(host_pids)
+        pushed = sorted({0, 1, pods - 1})[: min(3, pods)]  # pod 0, a relay, a member's host
+        if profile:
+            for ordinal in pushed:
+                hosts.profile(ordinal, None)
+        pod1 = host_pids[1:2] if pods > 2 else []  # pod 1 alone in its host
+        t0, cpu0, own0 = time.perf_counter(), _cpu(host_pids), time.process_time()
+        root0, one0 = _cpu(host_pids[:1]), _cpu(pod1)
         remote = kt.cls(Workload, name=name).to(compute, init_args={"tag": "again"})
         row["push_s"] = time.perf_counter() - t0
         row["push_cpu_s"] = _cpu(host_pids) - cpu0
+        if pod1:  # the push's CPU on its longest path, as a call's below
+            row["push_serial_cpu_ms"] = 1000 * _serial_cpu(
+                time.process_time() - own0,
+                _cpu(host_pids[:1]) - root0,
+                _cpu(pod1) - one0,
+                row["push_cpu_s"],
+                pods,
+                fanout,
+            )
+        if profile:
+            for ordinal in pushed:
+                path = f"{profile}/push-pod{ordinal}-{pods}.prof"
+                hosts.profile(ordinal, path)
+                hosts.profiled(path)
+                _report_profile(path, path, f"the host of pod {ordinal}, the code push")
         assert remote.tag() == ["again"] * world
         _timed(remote.noop, 3)  # warm connections
         if profile:
-            hosts.profile(0, None)
+            for ordinal in (0, 1)[: min(2, pods - 1)]:  # pod 0's host, and pod 1's (alone)
+                hosts.profile(ordinal, None)
             own = cProfile.Profile(time.thread_time)  # CPU of the calling thread
             own.enable()
-        pod1 = host_pids[1:2] if pods > 2 else []  # pod 1 alone in its host
         cpu0, root0, own0 = _cpu(host_pids), _cpu(host_pids[:1]), time.process_time()
         one0 = _cpu(pod1)
         lat = _timed(remote.noop, calls)
@@ -177,17 +209,27 @@ def measure(
         row["pod0_cpu_ms"] = (_cpu(host_pids[:1]) - root0) / calls * 1000
         row["pod1_cpu_ms"] = (_cpu(pod1) - one0) / calls * 1000 if pod1 else None
         if pod1:  # the call's CPU on its longest path: what a cluster does one after another
-            row["serial_cpu_ms"] = _serial_cpu(row, pods, fanout)
+            row["serial_cpu_ms"] = _serial_cpu(
+                row["client_cpu_ms"],
+                row["pod0_cpu_ms"],
+                row["pod1_cpu_ms"],
+                row["host_cpu_ms"],
+                pods,
+                fanout,
+            )
         row["noop_p50_ms"], row["noop_p99_ms"] = _pct(lat, 0.5), _pct(lat, 0.99)
         if profile:
             own.disable()
             _report_profile(
                 own, f"{profile}/client-{pods}.prof", f"the client, {calls} no-op calls"
             )
-            path = f"{profile}/pod0-{pods}.prof"
-            hosts.profile(0, path)
-            hosts.profiled(path)
-            _report_profile(path, path, f"pod 0's host, {calls} no-op calls")
+            for ordinal in (0, 1)[: min(2, pods - 1)]:
+                path = f"{profile}/pod{ordinal}-{pods}.prof"
+                hosts.profile(ordinal, path)
+                hosts.profiled(path)
+                _report_profile(path, path, f"pod {ordinal}'s host, {calls} no-op calls")
+        if path:
+            row.update(_scale_path.measure(remote.noop, hosts, pods, calls, _HOME))
         kb = _timed(lambda: _check(remote.kilobyte(), [b"x" * 1024] * world), max(3, calls // 4))
         row["kb_p50_ms"] = _pct(kb, 0.5)
         items = list(range(world))
@@ -225,16 +267,18 @@ def _relays(pods: int, fanout: int) -> int:
     return relays
 
 
-def _serial_cpu(row: dict[str, Any], pods: int, fanout: int) -> float:
-    """The CPU of a call on its longest path: the client, pod 0, a relay per level below it
-    (pod 1, measured alone; flat, pod 1 is a member like any other) and a member, whose share
-    is what the pods spent less pod 0's and the relays' (taken as pod 1's each)."""
+def _serial_cpu(
+    client: float, pod0: float, pod1: float, every_pod: float, pods: int, fanout: int
+) -> float:
+    """The CPU of a call (or a push) on its longest path: the client, pod 0, a relay per level
+    below it (pod 1, measured alone; flat, pod 1 is a member like any other) and a member,
+    whose share is what the pods spent (``every_pod``) less pod 0's and the relays' (taken as
+    pod 1's each)."""
     relays = _relays(pods, fanout)
     levels = calltree.depth(pods, fanout) - 1 if fanout else 0
     members = pods - 1 - relays
-    pod1 = row["pod1_cpu_ms"]
-    member = (row["host_cpu_ms"] - row["pod0_cpu_ms"] - pod1 * relays) / members if relays else pod1
-    return float(row["client_cpu_ms"] + row["pod0_cpu_ms"] + pod1 * levels + max(member, 0.0))
+    member = (every_pod - pod0 - pod1 * relays) / members if relays else pod1
+    return float(client + pod0 + pod1 * levels + max(member, 0.0))
 
 
 def _report_profile(prof: Any, path: str, what: str) -> None:
@@ -278,97 +322,6 @@ def _dead(remote: Any, lines: Lines, world: int, hosts: Any, fanout: int) -> tup
     return took, error is not None and f"scale-{len(hosts.ports)}-{victim}" in str(error)
 
 
-def _fmt(v: Any, spec: str = ".1f") -> str:
-    return "n/a" if v is None else format(v, spec) if isinstance(v, float) else str(v)
-
-
-COLUMNS = [
-    ("pods", "pods", "d"),
-    ("ranks", "ranks", "d"),
-    ("tree", "tree", ""),
-    (".to() s", "to_s", ".2f"),
-    ("push s", "push_s", ".2f"),
-    ("push: pods CPU s", "push_cpu_s", ".2f"),
-    ("no-op p50 ms", "noop_p50_ms", ".1f"),
-    ("no-op p99 ms", "noop_p99_ms", ".1f"),
-    ("1 KB p50 ms", "kb_p50_ms", ".1f"),
-    ("per-rank ms", "each_p50_ms", ".1f"),
-    ("logs ms", "logs_ms", ".1f"),
-    ("log lines", "log_lines", ""),
-    ("cancel s", "cancel_s", ".2f"),
-    ("cancel: pods CPU s", "cancel_cpu_s", ".2f"),
-    ("dead pod s", "dead_s", ".2f"),
-    ("client CPU ms/call", "client_cpu_ms", ".2f"),
-    ("pod 0 CPU ms/call", "pod0_cpu_ms", ".2f"),
-    ("pod 1 CPU ms/call", "pod1_cpu_ms", ".2f"),
-    ("serial CPU ms/call", "serial_cpu_ms", ".1f"),
-    ("all pods CPU ms/call", "host_cpu_ms", ".1f"),
-    ("client MB", "client_mb", ".0f"),
-]
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
-    out = [head, "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        cells = [
-            _fmt(r.get(key), spec) if spec else str(r.get(key, "n/a")) for _, key, spec in COLUMNS
-        ]
-        cells[-1] += f" ({r.get('client_peak_mb', 0):.0f})"
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """Each issue-26 target for this harness: met / not met, and the cause of a miss."""
-    base = next((r for r in rows if r["pods"] == 1), None)
-    big = max(rows, key=lambda r: r["pods"])
-    cores = os.cpu_count() or 1
-    out = []
-    if base is not None and big["pods"] > 1:
-        for q, key in (("p50", "noop_p50_ms"), ("p99", "noop_p99_ms")):
-            over = big[key] - base[key]
-            bound = TARGETS[f"{q}_ms"]
-            cause = (
-                ""
-                if over <= bound
-                else f"; cause: the {big['pods']} pod servers share {cores} cores here, and a "
-                f"call costs them {big['host_cpu_ms']:.0f} ms of CPU in all (a cluster spreads it "
-                f"over {big['pods']} machines: {big['host_cpu_ms'] / big['pods']:.2f} ms each)"
-            )
-            serial = big.get("serial_cpu_ms")
-            if serial is not None and over > bound and q == "p50":
-                cause += (
-                    f"; on a cluster the call's longest path (the client, pod 0, a relay per "
-                    f"level, a member) costs {serial:.1f} ms of CPU: "
-                    f"{'within' if serial <= bound else 'over'} the {bound:g} ms, before "
-                    "the network's hops"
-                )
-            out.append(
-                f"no-op call {q} at {big['pods']} x {PROCS}: {over:+.1f} ms over 1 pod "
-                f"(target <= {bound:g} ms): {'met' if over <= bound else 'not met'}{cause}"
-            )
-    for key, what in (("push_s", "code push to all"), ("dead_s", "a dead pod named")):
-        v, bound = big[key], TARGETS[key]
-        ok = v <= bound and (key != "dead_s" or big["dead_named"])
-        extra = "" if key != "dead_s" or big["dead_named"] else " (the error did not name it)"
-        if key == "push_s" and not ok:
-            extra = (
-                f"; cause: the pods spent {big['push_cpu_s']:.2f} s of CPU on it, on {cores} "
-                f"cores here ({big['push_cpu_s'] / big['pods'] * 1000:.1f} ms each on a cluster)"
-            )
-        out.append(
-            f"{what} at {big['pods']} pods: {v:.2f} s (target <= {bound:g} s): "
-            f"{'met' if ok else 'not met'}{extra}"
-        )
-    peak = max(r["client_peak_mb"] for r in rows)
-    out.append(
-        f"client memory: peak {peak:.0f} MB (target <= {TARGETS['client_mb']:g} MB): "
-        f"{'met' if peak <= TARGETS['client_mb'] else 'not met'}"
-    )
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -381,8 +334,13 @@ def main() -> None:
         "--profile",
         default="",
         metavar="DIR",
-        help="cProfile the client and pod 0's host over the no-op calls (from 2 pods), stats "
+        help="cProfile the client, pod 0's and pod 1's hosts over the no-op calls (from 2 pods), stats "
         "to DIR; that run's times and CPU columns include the profiler's cost",
+    )
+    p.add_argument(
+        "--no-path",
+        action="store_true",
+        help="skip the longest path's measure (_scale_path.py: pinned cores, a timeline)",
     )
     args = p.parse_args()
     tree: dict[str, int] = {}
@@ -399,7 +357,15 @@ def main() -> None:
         file=sys.stderr,
     )
     for pods in (int(x) for x in args.pods.split(",")):
-        row = measure(pods, args.calls, tree, lines, backend, args.profile if pods > 1 else "")
+        row = measure(
+            pods,
+            args.calls,
+            tree,
+            lines,
+            backend,
+            args.profile if pods > 1 else "",
+            path=not args.no_path,
+        )
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     print(table(rows))

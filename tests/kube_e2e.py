@@ -48,6 +48,7 @@ PARTS: dict[str, tuple[str, ...]] = {
                 "uneven_pods_1_and_2_ranks_all_reduce",
                 "rank_error_keeps_its_type_and_the_finished_results",
                 "logs_hold_each_ranks_lines_and_calls_stream_them",
+                "the_dashboard_shows_a_cluster_deployment",
                 "app_runs_a_command_in_the_shipped_working_directory",
             )
         ),
@@ -84,6 +85,7 @@ PARTS: dict[str, tuple[str, ...]] = {
                 "missing_image_fails_fast_with_the_pull_error",
                 "unschedulable_request_fails_fast",
                 "volume_outlives_the_pod_and_teardown_volumes_deletes_it",
+                "a_served_app_is_reached_through_the_api_servers_pod_proxy",
             )
         ),
         "test_ttl_cluster.py",

@@ -1,7 +1,8 @@
 """A call's result as relays pass it on (issue 26): each relay sends its own ranks' outcomes
 and its children's results as they came (``CallResult.subtrees``), reading only their heads'
-summary (``Subtree.peek``); the caller reads them all (``ReadResult``), and a call whose every
-rank returned a value is decoded without a record per rank (``decode_values``)."""
+summary (``Subtree.peek``), but for a child's small answer (a leaf pod's), whose rows and runs
+it lifts into its own; the caller reads them all (``ReadResult``), and a call whose every rank
+returned a value is decoded without a record per rank (``decode_values``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import pytest
 from ktlite.modes.outcomes import decode_values, split
 from ktlite_wire import codec, envelope
 from ktlite_wire.errors import ProtocolError
-from ktlite_wire.outcome import SAME_MAX, CallResult, RankOutcome, ReadResult, ShmRef, Subtree
+from ktlite_wire.outcome import (
+    LIFT_MAX,
+    SAME_MAX,
+    CallResult,
+    RankOutcome,
+    ReadResult,
+    ShmRef,
+    Subtree,
+)
 from ktlite_wire.status import Status
 
 NONE = codec.dumps(None)
@@ -34,14 +43,50 @@ def _tree() -> tuple[bytearray, list[bytearray]]:
     return root, [relay, *leaves]
 
 
-def test_a_relay_passes_its_subtrees_results_on_byte_for_byte() -> None:
+def _nested(data: bytearray) -> Subtree:
+    """A child's answer as a relay passes on a large one: nested, not lifted."""
+    return Subtree.peek(data)._replace(head=None, bufs=None)
+
+
+def _big(p: int) -> bytearray:
+    """A pod whose every rank failed with its own error: one row each, too many to lift."""
+    ranks = LIFT_MAX + 1
+    outs = [
+        RankOutcome(p * 100 + r, f"p-{p}", Status.ERROR, codec.dumps(r), "boom", 1.0)
+        for r in range(ranks)
+    ]
+    return _sent(CallResult(outs))
+
+
+def test_a_relay_lifts_small_answers_and_passes_large_ones_on_byte_for_byte() -> None:
+    """A leaf's answer (a run for its ranks that returned a value) is lifted into its relay's
+    result: the caller reads one message per relay, not one per pod (at 1,000 pods, 1,000
+    messages of one run each). An answer of more rows and runs than ``LIFT_MAX`` is nested as
+    it came: the relay's work per child stays bounded, whatever its ranks."""
     root, below = _tree()
     header, bufs = envelope.decode(root)
-    assert header["outcomes"] == [] and header["runs"] == [[0, 2, "p-0", 0, 1]]  # its own ranks
-    relayed = [bytes(bufs[i]) for i in header["subtrees"]]
-    assert relayed == [bytes(below[0]), bytes(below[3])]  # pod 1's answer and pod 4's, as sent
-    inner, inner_bufs = envelope.decode(below[0])
-    assert [bytes(inner_bufs[i]) for i in inner["subtrees"]] == [bytes(b) for b in below[1:3]]
+    assert "subtrees" not in header and header["outcomes"] == []
+    assert [run[0] for run in header["runs"]] == [0, 2, 4, 6, 8]  # every pod's run, lifted
+    big = _big(3)
+    relay = _sent(CallResult(_pod(1), subtrees=[Subtree.peek(below[1]), Subtree.peek(big)]))
+    header, bufs = envelope.decode(relay)
+    assert [bytes(bufs[i]) for i in header["subtrees"]] == [bytes(big)]  # as sent
+    assert [run[0] for run in header["runs"]] == [2, 4]  # its own, and pod 2's lifted
+    read = ReadResult(relay)
+    assert [o.rank for o in read.outcomes] == [2, 3, 4, 5] + list(range(300, 300 + LIFT_MAX + 1))
+    assert codec.loads(read.outcomes[5].data) == 1  # a lifted row's buffer still its own
+
+
+def test_a_lifted_answer_that_is_not_as_this_wire_writes_it_is_nested_for_the_caller() -> None:
+    """A child's head that a relay cannot lift (a run naming a buffer by a string) is nested
+    as it came, and the caller says what is wrong."""
+    header, bufs = envelope.decode(bytearray(CallResult(_pod(2)).encode_bytes()))
+    header["runs"][0][3] = "zero"
+    odd = bytearray(envelope.encode_bytes(header, bufs))
+    relay = _sent(CallResult(_pod(1), subtrees=[Subtree.peek(odd)]))
+    assert [bytes(b) for b in envelope.decode(relay)[1][-1:]] == [bytes(odd)]
+    with pytest.raises(ProtocolError, match="malformed run"):
+        ReadResult(relay)
 
 
 def test_the_caller_reads_every_subtree_in_rank_order() -> None:
@@ -133,7 +178,7 @@ def test_a_value_that_does_not_decode_leaves_it_to_split_to_name_the_rank() -> N
 def _with(header_change: dict[str, Any], nest: int = 0) -> bytes:
     inner = CallResult(_pod(1)).encode_bytes()
     for _ in range(nest):
-        inner = CallResult([], subtrees=[Subtree.peek(bytearray(inner))]).encode_bytes()
+        inner = CallResult([], subtrees=[_nested(bytearray(inner))]).encode_bytes()
     header, bufs = envelope.decode(bytearray(inner))
     header.update(header_change)
     return envelope.encode_bytes(header, bufs)

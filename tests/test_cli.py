@@ -56,7 +56,9 @@ COMMANDS = [
     "logs",
     "call",
     "teardown",
+    "dashboard",
     "run",
+    "port-forward",
     "config",
     "put",
     "get",
@@ -68,7 +70,7 @@ COMMANDS = [
     "describe",
 ]
 # Kubetorch's commands that ktlite lacks: one line of the help, and each says what to use instead
-REFUSED = ["debug", "port-forward", "apply", "ssh", "volumes", "notebook", "dashboard", "secrets"]
+REFUSED = ["debug", "apply", "ssh", "volumes", "notebook", "secrets"]
 
 
 @dataclass

@@ -391,7 +391,27 @@ def test_annotations_go_on_the_pod_template() -> None:
     objs = _plan(K(annotations={"owner": "alice@example.com"})).manifests
     annotations = _sts(objs)["spec"]["template"]["metadata"]["annotations"]
     assert annotations["owner"] == "alice@example.com"
-    assert set(annotations) == {"owner", km.HASH_ANNOTATION}
+    scrape = {k for k in annotations if k.startswith("prometheus.io/")}
+    assert set(annotations) == {"owner", km.HASH_ANNOTATION, *scrape}
+
+
+def test_pods_carry_the_usual_prometheus_scrape_annotations() -> None:
+    from ktlite.backends.kube_pod_template import SERVER_PORT
+
+    for encrypted, scheme in ((False, "http"), (True, "https")):
+        objs = _plan(K(tls=encrypted)).manifests
+        annotations = _sts(objs)["spec"]["template"]["metadata"]["annotations"]
+        assert {k: v for k, v in annotations.items() if k.startswith("prometheus.io/")} == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(SERVER_PORT),
+            "prometheus.io/path": "/metrics",
+            "prometheus.io/scheme": scheme,
+        }
+    # the user's own annotation wins over ours
+    mine = _plan(K(annotations={"prometheus.io/scrape": "false"})).manifests
+    assert _sts(mine)["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == (
+        "false"
+    )
 
 
 def test_secrets_become_env_from_secret_refs() -> None:

@@ -459,7 +459,7 @@ def test_kubetorch_config_object(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 
 def test_kubetorch_cli_commands_ktlite_lacks_are_refused_clearly() -> None:
-    for command in ("debug", "port-forward", "apply", "ssh", "volumes", "notebook", "secrets"):
+    for command in ("debug", "apply", "ssh", "volumes", "notebook", "secrets"):
         out = subprocess.run(
             [sys.executable, "-m", "ktlite.commands.cli", command, "x"],
             capture_output=True,
@@ -637,7 +637,10 @@ def test_kubetorch_run_app_script(tmp_path: Path) -> None:
     assert refused.returncode == 1 and "kt.app(...)" in refused.stderr
 
 
-def test_kubetorch_app_port_is_refused_before_anything_runs() -> None:
-    with pytest.raises(NotImplementedError, match="HTTP app"):
-        kt.app(name="web", port=8000)
-    assert kt.app(name="not-under-run") is None  # plain python: the script goes on
+def test_kubetorch_app_port_outside_ktlite_run_lets_the_script_go_on() -> None:
+    # Kubetorch's form at the top of a script: under plain python (on the pods, or run by
+    # hand) kt.app returns None and the script serves; a bad port is told at once all the same
+    assert kt.app(name="web", port=8000, health_check="/health") is None
+    assert kt.app(name="not-under-run") is None
+    with pytest.raises(kt.ConfigError, match="port=0"):
+        kt.app(name="web", port=0)

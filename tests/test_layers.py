@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("ktlite.api",)),
     ("face", ("ktlite", "ktlite.compute")),
     ("workers", ("ktlite.groups", "ktlite.workers")),
+    ("dashboard", ("ktlite.dashboard",)),
     ("commands", ("ktlite.commands",)),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

@@ -270,3 +270,114 @@ def test_short_request_failures_are_peer_errors() -> None:
     got = asyncio.run(main())
     assert got[0] is PeerTimeout and issubclass(PeerTimeout, TimeoutError)
     assert all(issubclass(t, PeerError) for t in got), got
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_peer_that_closed_before_the_loop_read_it_is_not_fresh(loop: str) -> None:
+    """A pod killed a moment before a call: its FIN is queued on pod 0's pooled connection but
+    the loop has not read it yet. The quorum check must not trust that connection (the call
+    would be written into it and count as started), and ensure() must probe instead."""
+    import select
+    import threading
+
+    run = pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    answered, close_now = threading.Event(), threading.Event()
+
+    def serve_one() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            answered.set()
+            close_now.wait(10)
+        listener.close()  # the pod is gone: nothing listens there any more
+
+    server = threading.Thread(target=serve_one, daemon=True)
+    server.start()
+
+    async def main() -> tuple[bool, bool]:
+        pool = PeerPool()
+        try:
+            async with pool.post(url, "/call", {}, memoryview(b"x")) as resp:
+                assert await resp.read() == b"ok"
+            fresh_before = pool.fresh(url)
+            (pooled,) = [c for conns in pool._idle.values() for c in conns]
+            close_now.set()
+            server.join(10)
+            # wait for the FIN without running the loop (which would read it)
+            fd = pooled.writer.get_extra_info("socket").fileno()
+            assert select.select([fd], [], [], 10)[0], "the peer's close never arrived"
+            fresh_after = pool.fresh(url)
+            with pytest.raises(PeerConnectError):
+                await pool.ensure(url, 2.0)
+            return fresh_before, fresh_after
+        finally:
+            await pool.aclose()
+
+    assert run(main()) == (True, False)
+
+
+def test_a_failed_stale_connection_is_retried_on_a_new_one_not_another_pooled_one() -> None:
+    """Two idle connections to a pod that is gone, neither showing it yet: the first fails
+    before any answer (nothing was processed: retried), and the retry must not take the
+    second, as stale, whose failure would read as a call lost mid-way. On a new connection
+    the gone pod refuses: a connect error, which the coordinator reports as not started."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    both_answered = threading.Barrier(3)  # the two connections' threads and the acceptor
+    gone = threading.Event()
+
+    def read_request(conn: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return b""
+            data += chunk
+        return data
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            read_request(conn)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            both_answered.wait(10)
+            if read_request(conn):  # the next request: the pod dies with it unanswered
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def accept_two() -> None:
+        threads = [threading.Thread(target=serve, args=(listener.accept()[0],)) for _ in (0, 1)]
+        for t in threads:
+            t.start()
+        both_answered.wait(10)
+        listener.close()  # nothing listens any more: a new connection is refused
+        gone.set()
+        for t in threads:
+            t.join(10)
+
+    acceptor = threading.Thread(target=accept_two, daemon=True)
+    acceptor.start()
+
+    async def main() -> None:
+        pool = PeerPool()
+
+        async def one() -> bytes:
+            async with pool.post(url, "/call", {}, memoryview(b"x")) as resp:
+                return await resp.read()
+
+        try:
+            assert await asyncio.gather(one(), one()) == [b"ok", b"ok"]
+            assert sum(len(c) for c in pool._idle.values()) == 2
+            assert await asyncio.get_running_loop().run_in_executor(None, gone.wait, 10)
+            with pytest.raises(PeerConnectError):
+                await one()
+        finally:
+            await pool.aclose()
+
+    asyncio.run(main())
+    acceptor.join(10)

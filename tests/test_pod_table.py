@@ -92,7 +92,7 @@ def test_status_of_every_pod_is_one_request_to_pod_0(trainer: Any) -> None:
 def test_the_status_command_asks_pod_0_alone(trainer: Any) -> None:
     pod0 = trainer.deployment.endpoints[0].url
     with asked(trainer) as seen:
-        table = status_cli._pods_status(trainer.deployment, None)
+        table = status_cli.pods_status(trainer.deployment, None)
     assert seen == [("status", pod0)]
     assert [p["pod"] for p in table] == [ep.name for ep in trainer.deployment.endpoints]
 
@@ -159,7 +159,7 @@ def test_the_status_command_asks_each_pod_when_pod_0_does_not_answer(trainer: An
         eps = [dataclasses.replace(dep.endpoints[0], url=dead), *dep.endpoints[1:]]
         applied = dataclasses.replace(dep.applied, endpoints=eps)
         lost = Deployment(dep.spec, dep.backend, applied)
-        table = status_cli._pods_status(lost, None)
+        table = status_cli.pods_status(lost, None)
     assert [p["ordinal"] for p in table] == [0, 1, 2, 3]
     assert "error" in table[0] and table[0]["ranks"] == []
     assert all("error" not in p and len(p["ranks"]) == 1 for p in table[1:])

@@ -135,3 +135,89 @@ def test_a_code_push_names_the_formation_it_waits_for(framework, says) -> None:
     text = _loading(spec)
     assert text.startswith("loading the code") and text.endswith(f"on {spec.workers} pod(s)")
     assert says in text
+
+
+def test_a_large_argument_shows_a_bar_as_it_goes(monkeypatch, capsys) -> None:
+    """A call's body of hundreds of MB takes seconds (a GiB through a proxy, 7-14 s): sent in
+    slices, with a bar (forced on here; else only once it has lasted a second)."""
+    import socket
+    import threading
+
+    from ktlite.net.connection import PROGRESS_BYTES, Connection
+
+    monkeypatch.setenv("KTLITE_PROGRESS", "1")
+    listener = socket.create_server(("127.0.0.1", 0))
+    size = PROGRESS_BYTES + (3 << 20)
+    got = []
+
+    def drain() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            n = 0
+            while n < size + 5:  # the 5-byte head, then the body
+                chunk = conn.recv(1 << 20)
+                if not chunk:
+                    break
+                n += len(chunk)
+            got.append(n)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    conn = Connection("127.0.0.1", listener.getsockname()[1], 10.0, None)
+    try:
+        conn.send(b"H\r\n\r\n", [bytearray(size)])
+    finally:
+        reader.join(30)
+        conn.close()
+        listener.close()
+    assert got == [size + 5]
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("sending to 127.0.0.1:")]
+    assert lines and "100.0%" in lines[-1], err
+    assert len(lines) >= 2, err  # a line per quarter, then the end
+
+
+def test_a_small_argument_is_sent_without_a_bar(monkeypatch, capsys) -> None:
+    import socket
+    import threading
+
+    from ktlite.net.connection import Connection
+
+    monkeypatch.setenv("KTLITE_PROGRESS", "1")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def drain() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while conn.recv(1 << 20):
+                pass
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    conn = Connection("127.0.0.1", listener.getsockname()[1], 10.0, None)
+    conn.send(b"H\r\n\r\n", [bytearray(8 << 20)])
+    conn.close()
+    reader.join(30)
+    listener.close()
+    assert "sending to" not in capsys.readouterr().err
+
+
+def test_a_delayed_bar_stays_quiet_for_a_quick_transfer_and_shows_for_a_slow_one(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv("KTLITE_PROGRESS", raising=False)
+    clock = Clock()
+    monkeypatch.setattr(progress.time, "monotonic", clock)
+    quick, slow = Terminal(), Terminal()
+    bar = Progress("sending to pod", 100 << 20, quick, delay_s=1.0)
+    bar.add(100 << 20)
+    clock.now += 0.5
+    bar.close()
+    assert quick.getvalue() == ""
+    bar = Progress("sending to pod", 100 << 20, slow, delay_s=1.0)
+    bar.add(10 << 20)  # at once: not yet
+    assert slow.getvalue() == ""
+    clock.now += 1.5
+    bar.add(90 << 20)
+    bar.close()
+    assert "sending to pod" in slow.getvalue() and "100.0%" in slow.getvalue()

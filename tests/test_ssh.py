@@ -354,6 +354,37 @@ def test_kt_app_runs_a_script_of_this_directory_on_each_host(
         app.teardown()
 
 
+def test_a_served_app_on_a_host_is_reached_through_the_ssh_port_forward(
+    hosts: SshHosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kt.app(port=...) on a host reached only through an SSH tunnel: the local URL goes
+    # through the tunnel (TLS to the pod server) and its /ports/ route to the app
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.chdir(Path(__file__).parent / "apps_served")
+    app = kt.app(
+        cli_command=[sys.executable, "echo_app.py", str(port)],
+        name="ssh-served",
+        port=port,
+        health_check="/health",
+        hosts=options(hosts, names=[hosts.hosts[0].name], forward=True),
+    )
+    try:
+        (started,) = app.start()
+        assert started["port"] == port
+        answer = httpx.get(app.url + "/hello", timeout=30)
+        assert answer.status_code == 200 and answer.text.startswith("hello from pod"), answer.text
+        body = os.urandom(1 << 20)
+        assert httpx.post(app.url + "/echo", content=body, timeout=60).content == body
+    finally:
+        app.teardown()
+
+
 def test_refused_authentication_names_the_host(hosts: SshHosts, tmp_path: Path) -> None:
     stranger = tmp_path / "stranger"  # a key no host authorized
     import subprocess

@@ -163,6 +163,7 @@ def test_a_colocation_round_trips() -> None:
     [
         ("kind", "lambda"),
         ("pod_ips", "10.0.0.1"),
+        ("pod_ips", ["10.0.0.1", 7]),
         ("master_port", "29500"),
         ("launch_id", ""),
         ("distributed", {"framework": "mpi"}),

@@ -15,7 +15,6 @@ script joins across replicas with no rank arguments: ``PET_NNODES``, ``PET_NODE_
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
 import os
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite.api.compute import Compute
+from ktlite.api.served_apps import check_port, die_with_parent, start_replica, stop_command
 from ktlite.backends.registry import traits
 from ktlite.errors import ConfigError, ReplicaFailed
 from ktlite.net.archive import check_members, extract
@@ -107,30 +107,6 @@ def torchrun_env(rendezvous_timeout: float) -> dict[str, str]:
     }
 
 
-def _die_with_parent() -> None:
-    """In the command's process: get SIGTERM when the replica's rank process dies, so that
-    torchrun (which stops its workers on SIGTERM) never outlives a stopped call."""
-    import contextlib
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _stop_command(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the command's session (torchrun stops its workers on it), SIGKILL after 5 s."""
-    import signal
-
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(wait)
-
-
 def run_replica(
     command: list[str],
     files: bytes | None,
@@ -165,7 +141,7 @@ def run_replica(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     assert proc.stdout is not None
     try:
@@ -176,7 +152,7 @@ def run_replica(
                 print(line, flush=True)
         code = proc.wait()
     except BaseException:
-        _stop_command(proc)  # the call was stopped (a replica failed, a cancel): so is the command
+        stop_command(proc)  # the call was stopped (a replica failed, a cancel): so is the command
         raise
     finally:
         if files is not None:  # the unpacked copy is this run's only
@@ -192,6 +168,15 @@ def run_replica(
         )
     sys.stdout.flush()
     return 0
+
+
+def replica(action: str, *args: Any) -> Any:
+    """On a pod: what :class:`App` asks of a replica: ``"run"`` its command to completion
+    (:func:`run_replica`), or ``"start"`` a served app's in the background
+    (:func:`~ktlite.api.served_apps.start_replica`)."""
+    if action == "start":
+        return start_replica(*args)
+    return run_replica(*args)
 
 
 class App:
@@ -215,8 +200,11 @@ class App:
         workdir: str | os.PathLike[str] | None = None,
         rendezvous_timeout: float = 300.0,
         compute: Compute | None = None,
+        port: int | None = None,
+        health_check: str | None = None,
         **compute_kwargs: Any,
     ) -> None:
+        self.port, self.health_check = check_port(port, health_check)
         command = shlex.split(cli_command) if isinstance(cli_command, str) else list(cli_command)
         if not command or not all(isinstance(c, str) and c for c in command):
             raise ConfigError(
@@ -249,8 +237,19 @@ class App:
         self.workdir = Path(workdir or os.getcwd()).resolve()
         if not self.workdir.is_dir():
             raise ConfigError(f"workdir={str(workdir)!r} is not a folder")
+        if self.port is not None and replicas > 1:
+            from ktlite.config import get as setting
+
+            backend = self.compute.backend or setting("backend") or "local"
+            if traits(backend).local_files:
+                raise ConfigError(
+                    f"kt.app(port={self.port}, replicas={replicas}) on the {backend!r} backend: "
+                    f"its replicas are processes of this machine and cannot each listen on "
+                    f"port {self.port}; use replicas=1 here"
+                )
         self.rendezvous_timeout = float(rendezvous_timeout)
         self._remote: Any = None
+        self._forwards: dict[int, Any] = {}  # replica -> its PortForward
 
     @property
     def replica_count(self) -> int:
@@ -262,16 +261,43 @@ class App:
     def __repr__(self) -> str:
         return f"<kt.app {shlex.join(self.command)!r} as {self.name!r} on {self.replica_count} replica(s)>"
 
-    def deploy(self, dryrun: bool = False) -> Any:
+    def deploy(self, dryrun: bool = False, detached: bool = False) -> Any:
+        """The replicas' pods (``detached``: they outlive this process on the local backend,
+        as a served app started by ``ktlite run`` does)."""
         from ktlite.api.remote import fn
 
-        remote = fn(run_replica, name=self.name).to(self.compute, dryrun=dryrun)
+        remote = fn(replica, name=self.name).to(self.compute, dryrun=dryrun, detached=detached)
         if not dryrun:
             self._remote = remote
         return remote
 
     def run(self, timeout: float | None = None, env: dict[str, str] | None = None) -> list[int]:
-        """Deploy if needed, run the command on every replica; returns their exit codes."""
+        """Deploy if needed, run the command on every replica; returns their exit codes. A
+        served app (``port=``) is started instead (:meth:`start`) and this returns a 0 per
+        replica once each answers."""
+        if self.port is not None:
+            self.start(env=env)
+            return [0] * self.replica_count
+        return list(self._call("run", (self.rendezvous_timeout, dict(env or {})), timeout))
+
+    def start(
+        self, env: dict[str, str] | None = None, timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        """A served app's command, started on every replica (again, if it ran): returns once
+        each replica's ``port`` answers (``health_check`` with a 2xx, else a connection);
+        raises :class:`ReplicaFailed` with the command's last lines when it exits first or
+        does not answer within ``timeout`` seconds (default: the Compute's
+        ``launch_timeout``)."""
+        if self.port is None:
+            raise ConfigError(f"{self!r} serves no port: kt.app(..., port=8000) to start it")
+        if timeout is None:
+            timeout = self.compute.pod_spec().calls.launch_timeout
+        started: list[dict[str, Any]] = self._call(
+            "start", (dict(env or {}), self.port, self.health_check, timeout), None
+        )
+        return started
+
+    def _call(self, action: str, args: tuple[Any, ...], timeout: float | None) -> Any:
         from ktlite.api.remote import _options
         from ktlite.net import packaging
 
@@ -280,16 +306,51 @@ class App:
         dep = self._remote.deployment
         # the local backend's replicas run in this very folder; elsewhere its files travel
         files = None if traits(dep.backend.name).local_files else pack(self.workdir)
-        options = _options({"timeout": timeout})
         parts = packaging.encode_call(
-            None,
-            (self.command, files, str(self.workdir), self.rendezvous_timeout, dict(env or {})),
-            {},
+            None, (action, self.command, files, str(self.workdir), *args), {}
         )
-        codes: list[int] = dep.call(None, parts, options, log=_replica_log)
-        return codes
+        return dep.call(None, parts, _options({"timeout": timeout}), log=_replica_log)
+
+    def local_port(self, replica: int = 0, port: int = 0) -> int:
+        """A port on this machine's loopback interface that reaches the app on ``replica``
+        (through its pod server, with the deployment token); ``port`` 0 picks a free one."""
+        forward = self._forwards.get(replica)
+        if forward is None:
+            forward = self._forwards[replica] = self._forward(replica, port)
+            forward.start()
+        return int(forward.local_port)
+
+    @property
+    def url(self) -> str:
+        """Where the app answers from here: ``http://127.0.0.1:LOCAL``, replica 0's."""
+        return f"http://127.0.0.1:{self.local_port()}"
+
+    def _forward(self, replica: int, local: int) -> Any:
+        import functools
+
+        from ktlite.net import tls
+        from ktlite.net.portforward import PortForward
+
+        if self.port is None:
+            raise ConfigError(f"{self!r} serves no port: kt.app(..., port=8000)")
+        if self._remote is None:
+            raise ConfigError(f"{self.name!r} is not started: call .start() (or .run()) first")
+        applied = self._remote.deployment.applied
+        if not 0 <= replica < len(applied.endpoints):
+            raise ConfigError(f"replica={replica}: {self.name!r} has {len(applied.endpoints)}")
+        return PortForward(
+            applied.endpoints[replica].url,
+            self.port,
+            applied.token,
+            http=applied.http,
+            pinned=functools.partial(tls.pinned_context, applied.token),
+            local_port=local,
+        )
 
     def teardown(self) -> None:
+        for forward in self._forwards.values():
+            forward.close()
+        self._forwards.clear()
         if self._remote is not None:
             self._remote.teardown()
             self._remote = None
@@ -328,14 +389,9 @@ def app(
     output and ends this process with their outcome; anywhere else (on the pods, or under
     plain ``python train.py``) it returns None and the script goes on.
     """
-    if port is not None or health_check is not None:
-        raise NotImplementedError(
-            "kt.app(port=..., health_check=...) serves an HTTP app through a proxy, which ktlite does "
-            "not do yet: ktlite's kt.app runs a command to completion on N replicas (torchrun, "
-            "python train.py). For a long-lived service, deploy a kt.cls and call its methods"
-        )
+    check_port(port, health_check)  # also where the script goes on: told at once, not at `run`
     if cli_command is not None:
-        return App(cli_command, replicas=replicas, name=name, **kwargs)
+        return App(cli_command, replicas, name=name, port=port, health_check=health_check, **kwargs)
     command = os.environ.pop(RUN_ENV, None)  # popped: pods started from here must not see it
     if command is None:
         return None
@@ -343,10 +399,26 @@ def app(
 
     argv = json.loads(command)
     chosen = App(
-        argv, replicas=replicas, name=name or os.environ.pop("KTLITE_RUN_NAME", None), **kwargs
+        argv,
+        replicas=replicas,
+        name=name or os.environ.pop("KTLITE_RUN_NAME", None),
+        port=port,
+        health_check=health_check,
+        **kwargs,
     )
     timeout = os.environ.pop("KTLITE_RUN_TIMEOUT", None)
     try:
+        if chosen.port is not None:  # a server: started, it serves until torn down
+            chosen.deploy(detached=True)
+            chosen.start()
+            print(
+                f"ktlite: {chosen.name}: serving port {chosen.port} on "
+                f"{chosen.replica_count} replica(s); `ktlite port-forward {chosen.name} "
+                f"{chosen.port}` reaches it here, `ktlite teardown {chosen.name}` stops it",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(0)
         codes = chosen.run(timeout=float(timeout) if timeout else None)
     except ReplicaFailed as e:
         print(f"ktlite: {chosen.name}: {e}", file=sys.stderr, flush=True)

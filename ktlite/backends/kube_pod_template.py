@@ -56,6 +56,19 @@ from ktlite.specs.spec import DEFAULT_MASTER_PORT
 from ktlite.specs.volume import Volume
 
 SERVER_PORT = 32300
+
+
+def scrape_annotations(tls: bool) -> dict[str, str]:
+    """The usual Prometheus annotations: the pod server's ``/metrics``, which a scrape job
+    reaches with the deployment token (``docs/metrics.md``)."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(SERVER_PORT),
+        "prometheus.io/path": "/metrics",
+        "prometheus.io/scheme": "https" if tls else "http",
+    }
+
+
 STATE_DIR = "/ktlite"  # an emptyDir: survives container restarts, not pod replacement
 SETUP_FAILED_EXIT = 78  # the bootstrap's exit code when a setup step or the ktlite install fails
 TOKEN_PLACEHOLDER = "<generated at deploy time>"
@@ -422,7 +435,11 @@ def pod_template(
             **labels(spec.name),
             **part_selector(spec.name, part),
         },
-        "annotations": {**kube.annotations, **secret_notes},
+        "annotations": {
+            **scrape_annotations(kube_tls.wanted(spec)),
+            **kube.annotations,
+            **secret_notes,
+        },
     }
     if res.gpu_memory:
         meta["annotations"][GPU_MEMORY_ANNOTATION] = res.gpu_memory.quantity

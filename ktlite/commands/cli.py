@@ -14,7 +14,7 @@ import sys
 
 from ktlite import __version__, config, logconfig
 from ktlite.api.decorators import Decorated
-from ktlite.commands import expiry_cli, run_cli
+from ktlite.commands import dashboard_cli, expiry_cli, portforward_cli, run_cli
 from ktlite.commands.confirmation import confirm
 from ktlite.commands.scripts import load_script
 from ktlite.commands.status_cli import attach, named_backend, status_command
@@ -227,15 +227,12 @@ def _config(args: argparse.Namespace) -> int:
 _REFUSED_COMMANDS = {
     "debug": "ktlite has no remote debugger; `ktlite logs NAME --rank R` shows a rank's output and "
     "`ktlite status NAME` what every rank is doing",
-    "port-forward": "ktlite reaches pods through the API server's pod proxy itself; for your own "
-    "access use `kubectl port-forward pod/NAME-0 PORT`",
     "apply": "ktlite builds its own manifests from kt.Compute (`ktlite deploy --dry-run` prints them); "
     "run a raw manifest with `kubectl apply`",
     "ssh": "use `kubectl exec -it NAME-0 -- bash` (Kubernetes) or ssh to the host (backend ssh)",
     "volumes": "volumes are created with a deployment (kt.Compute(volumes=[kt.Volume(...)])) and "
     "deleted with `ktlite teardown NAME --volumes`; list them with `kubectl get pvc`",
     "notebook": "run Jupyter where you like and deploy from it: kt.fn(f).to(compute) works in a notebook",
-    "dashboard": "`ktlite status NAME --watch` shows every rank live",
     "secrets": "secrets are given per Compute (kt.Compute(secrets=['aws', kt.secret(...)])) and "
     "created with the deployment; list them with `kubectl get secrets`",
 }
@@ -376,6 +373,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     where(cl)
     run_cli.add_command(command, where)
+    dashboard_cli.add_command(command)
+    portforward_cli.add_command(command, where)
     for alias in ("check", "describe"):  # Kubetorch's names for a deployment's health and status
         ck = command(
             alias,

@@ -9,11 +9,9 @@ and closing. Where a call goes and how its results come back is its mode's
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import secrets
 import sys
-import threading
 import time
 import uuid
 from typing import Any
@@ -22,12 +20,10 @@ from ktlite.backends.base import Applied, Backend, PodEndpoint
 from ktlite.backends.registry import get_backend, traits
 from ktlite.datastore.store import handoff
 from ktlite.errors import (
-    CallCancelled,
     DeployError,
     LaunchTimeout,
     NotDeployedError,
     PodUnreachable,
-    RemoteError,
 )
 from ktlite.modes.callpath import CallOptions, check_python, pool, print_log, shm_arguments
 from ktlite.modes.fanout import Fanout, HeadOnly
@@ -35,6 +31,7 @@ from ktlite.modes.launch import build_launch
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import split, to_error
 from ktlite.modes.routing import Routing
+from ktlite.modes.submissions import Submissions
 from ktlite.net.client import PodClient
 from ktlite.net.progress import ticking
 from ktlite.specs.deployment_spec import DeploymentSpec
@@ -54,10 +51,6 @@ __all__ = [
 
 
 logger = logging.getLogger(__name__)
-
-
-class _CancelledBeforeSend(Exception):
-    """A submitted call cancelled just before it left: it never reaches a pod."""
 
 
 def _loading(spec: DeploymentSpec) -> str:
@@ -102,9 +95,7 @@ class Deployment:
         self.client = client or PodClient(applied.token, http=applied.http)
         self.launch_id = ""
         self.code: tuple[bytes, dict[str, Any], bytes | None] | None = None  # for pushing again
-        self._queue: concurrent.futures.ThreadPoolExecutor | None = None  # submitted calls, FIFO
-        self._queued: set[Any] = set()  # their futures, until they end
-        self._queue_lock = threading.Lock()
+        self.submissions = Submissions(self)  # remote.submit()'s calls, FIFO
         self._closed = False
         # colocated targets (kt.cls(B).to(remote)): name -> (kind, bundle, sources, init), pushed
         # again with the code to pods the backend replaced
@@ -239,50 +230,9 @@ class Deployment:
         Submitted calls leave in the order they were submitted, at most
         ``mode.parallel_calls()`` at a time (one for a distributed deployment: the ranks run its
         calls one by one, and a queue here keeps them in submission order; many for an
-        autoscaled one, whose waiting calls count as load)."""
-        with self._queue_lock:
-            if self._closed:
-                raise NotDeployedError(f"deployment {self.name!r} was torn down; call .to() again")
-            if self._queue is None:
-                self._queue = concurrent.futures.ThreadPoolExecutor(
-                    self.mode.parallel_calls(), thread_name_prefix=f"ktlite-{self.name}"
-                )
-            self._queued.add(future)
-            self._queue.submit(self._run_submitted, method, parts, options, future, per_rank)
+        autoscaled one, whose waiting calls count as load): ``submissions.Submissions``."""
+        self.submissions.submit((method, parts, options, future, per_rank))
         return future
-
-    def _run_submitted(
-        self,
-        method: str | None,
-        parts: list[Any],
-        options: CallOptions,
-        future: Any,
-        per_rank: dict[str, Any] | None,
-    ) -> None:
-        try:
-            if future.done() or not future.set_running_or_notify_cancel():
-                return  # cancelled while queued (or failed by close()): never sent
-            future._stop = lambda call_id, why: self.cancel_all(call_id, why, self.endpoints)
-
-            def sending(call_id: str) -> None:
-                future.call_id = call_id
-                if future.cancel_requested:
-                    raise _CancelledBeforeSend()
-
-            try:
-                values = self.call(method, parts, options, on_send=sending, per_rank=per_rank)
-            except _CancelledBeforeSend:
-                future._end_cancelled()
-            except BaseException as e:  # noqa: BLE001 - the future carries every failure
-                if future.cancel_requested and isinstance(e, (CallCancelled, RemoteError)):
-                    future._end_cancelled()
-                else:
-                    future.set_exception(e)
-            else:
-                future.set_result(values[0] if future.single else values)
-        finally:
-            with self._queue_lock:
-                self._queued.discard(future)
 
     def call(
         self,
@@ -331,19 +281,8 @@ class Deployment:
     def fail_queued(self) -> None:
         """No more submitted calls: those not started yet fail with NotDeployedError; the
         mode stops what it runs in the background and wakes the calls waiting in it."""
-        with self._queue_lock:
-            self._closed = True
-            waiting = [f for f in self._queued if not f.running() and not f.done()]
-            queue, self._queue = self._queue, None
-        for future in waiting:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                future.set_exception(
-                    NotDeployedError(
-                        f"deployment {self.name!r} was torn down before this submitted call started"
-                    )
-                )
-        if queue is not None:
-            queue.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
+        self.submissions.close()
         self.mode.stop()
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 from ktlite.backends.base import PodEndpoint
 from ktlite.errors import (
@@ -32,12 +33,15 @@ from ktlite.modes.outcomes import decode_values, split, to_error
 from ktlite.modes.replacement import ReplacedWatch, Replacements
 from ktlite.net.client import CallReply, PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
-from ktlite_wire import calltree
+from ktlite_wire import calltree, envelope
 from ktlite_wire.launch import Launch
 from ktlite_wire.plan import CallPlan
 from ktlite_wire.status import Status
 
 logger = logging.getLogger(__name__)
+
+START_MAX = 1 << 20  # a larger call's body is sent by a thread of its own (start_call)
+Done = Callable[[list[Any] | None, BaseException | None], None]  # (values, error)
 
 
 class _NotStarted(Exception):
@@ -179,6 +183,64 @@ class Fanout(Mode):
                 raise e.error from None
         return self._call_once(parts, options, log, on_send, per_rank)
 
+    def start_call(
+        self,
+        parts: list[Any],
+        options: CallOptions,
+        on_send: Any,
+        per_rank: dict[str, Any] | None,
+        done: Done,
+    ) -> bool:
+        """:meth:`call`, without a thread waiting on it, for a call to one pod reached
+        directly: its answer is read with every other's (``ktlite.net.callmux``) and
+        ``done(values, None)`` or ``done(None, error)`` is called once it has come (a failure
+        is explained, and a call no rank started sent again, on a thread of ``pool``). False
+        when the call must go through :meth:`call`."""
+        eps = self.endpoints
+        if (
+            len(eps) != 1
+            or self.pods.suspect
+            or options.workers is not None
+            or options.ranks is not None
+            or envelope.parts_size(parts) > START_MAX
+            or not self.client.can_start(eps[0].url)
+        ):
+            return False
+        options = self.head_options(options, per_rank)
+        plan, watch, log = self.plan_call(options, None, on_send, per_rank)
+        sending = shm_arguments(self.dep.applied, plan, parts)
+        sent = sending.__enter__()  # left when the call ends: on the thread that reads it
+
+        def finished(reply: CallReply | None, error: BaseException | None) -> None:
+            if reply is not None:
+                sent.done(reply)
+            sending.__exit__(None, None, None)
+            if reply is not None and (blobs := reply.values()) is not None:
+                values = decode_values(blobs)  # the usual end: every rank returned a value
+                if values is not None:
+                    self.pods.suspect = False
+                    done(values, None)
+                    return
+            pool.submit(conclude, reply, error)
+
+        def conclude(reply: CallReply | None, error: BaseException | None) -> None:
+            try:
+                try:
+                    if reply is None:
+                        self.failed(error or PodUnreachable("no reply"), plan)
+                    values = self.values(reply, watch)
+                except _NotStarted as e:
+                    if not self.pods.heal(e.why):
+                        raise e.error from None
+                    values = self._call_once(parts, options, None, on_send, per_rank)
+            except BaseException as e:  # noqa: BLE001 - the call's own outcome
+                done(None, e)
+                return
+            done(values, None)
+
+        self.client.start_call(eps[0].url, plan, sent.parts, log, finished, pod=eps[0].name)
+        return True
+
     def pick_workers(self, workers: Any) -> list[int]:
         """Kubetorch's ``workers=`` forms as pod indices: ``"any"`` (the coordinator pod),
         ``"ready"`` (the pods that answer /health now), an IP or a piece of one, or a list of
@@ -233,6 +295,21 @@ class Fanout(Mode):
         on_send: Any = None,
         per_rank: dict[str, Any] | None = None,
     ) -> list[Any]:
+        plan, watch, log = self.plan_call(options, log, on_send, per_rank)
+        with shm_arguments(self.dep.applied, plan, parts) as sent:
+            reply = self._send(plan, sent.parts, log, watch)
+            sent.done(reply)
+        return self.values(reply, watch)
+
+    def plan_call(
+        self,
+        options: CallOptions,
+        log: Any = None,
+        on_send: Any = None,
+        per_rank: dict[str, Any] | None = None,
+    ) -> tuple[CallPlan, ReplacedWatch, Any]:
+        """A call's plan, the watch over its notices and where its streamed lines go (None:
+        not streamed); ``on_send(call_id)`` runs with its new id."""
         eps = self.endpoints
         d = self.spec.distributed
         workers = sorted(set(options.workers)) if options.workers is not None else None
@@ -259,12 +336,15 @@ class Fanout(Mode):
             per_rank=per_rank,  # where each rank's items are in the body
             tree=d.tree(len(eps) if workers is None else len(workers)),
         )
-        watch = ReplacedWatch(self.pods, call_id)
-        with shm_arguments(self.dep.applied, plan, parts) as sent:
-            reply = self._send(
-                plan, sent.parts, (log or print_log) if plan.stream_logs else None, watch
-            )
-            sent.done(reply)
+        return (
+            plan,
+            ReplacedWatch(self.pods, call_id),
+            (log or print_log) if plan.stream_logs else None,
+        )
+
+    def values(self, reply: CallReply, watch: ReplacedWatch) -> list[Any]:
+        """A call's values in rank order, from its reply; its failures as one error
+        (``_NotStarted`` when no rank ran it and its pods were replaced)."""
         blobs = reply.values()  # every rank's value, when each returned one: no records
         ok = decode_values(blobs) if blobs is not None else None
         if ok is not None:
@@ -302,14 +382,25 @@ class Fanout(Mode):
         eps, call_id = self.endpoints, plan.id
         try:
             return self.client.call(eps[0].url, plan, parts, log, watch, pod=eps[0].name)
-        except NotDeployedError as e:
+        except (NotDeployedError, PodUnreachable) as e:
+            self.failed(e, plan)
+        except KeyboardInterrupt:
+            # stop the ranks everywhere before giving control back; the deployment stays usable
+            self.dep.cancel_all(call_id, "the caller pressed Ctrl-C", [*eps[1:], eps[0]])
+            raise
+
+    def failed(self, e: BaseException, plan: CallPlan) -> NoReturn:
+        """Raise what the failure ``e`` of sending the call ``plan`` means (see the module
+        docstring: ``_NotStarted`` when it can go again once the pods are healed)."""
+        eps, call_id = self.endpoints, plan.id
+        if isinstance(e, NotDeployedError):
             # the coordinator answered 409 before anything ran: it lost our code (a new pod, a
             # restarted container) or runs another launch
             gone = self.pods.replaced([0])
             if gone:
                 raise _NotStarted(e, f"{gone[0]} had none of our code") from e
-            raise
-        except PodUnreachable as e:
+            raise e
+        if isinstance(e, PodUnreachable):
             self.pods.suspect = True
             # the coordinator cannot stop the other pods' ranks now: ask them directly
             self.dep.cancel_all(call_id, "the coordinator pod stopped answering", eps[1:])
@@ -326,10 +417,7 @@ class Fanout(Mode):
                 f"{e}; the other pods were told to stop the call. {self.pods.pod_state(0, current)}",
                 delivered=e.delivered,
             ) from e
-        except KeyboardInterrupt:
-            # stop the ranks everywhere before giving control back; the deployment stays usable
-            self.dep.cancel_all(call_id, "the caller pressed Ctrl-C", [*eps[1:], eps[0]])
-            raise
+        raise e
 
     def restart_failed(self) -> dict[str, Any]:
         """Restart the dead rank processes on every pod (only those), asked of pod 0, which

@@ -102,6 +102,18 @@ class Mode:
         before the call leaves; ``per_rank`` says where each rank's items are in ``parts``."""
         raise NotImplementedError(f"{type(self).__name__}.call")
 
+    def start_call(
+        self,
+        parts: list[Any],
+        options: CallOptions,
+        on_send: Any,
+        per_rank: dict[str, Any] | None,
+        done: Any,
+    ) -> bool:
+        """Start a call without a thread waiting on it; ``done(values, error)`` once it ended.
+        False (the default): this mode's calls go through :meth:`call`."""
+        return False
+
     def cancel_targets(self, eps: list[PodEndpoint]) -> list[PodEndpoint]:
         """The pods to send a call's cancel to, of ``eps``, for it to reach all of them."""
         return eps

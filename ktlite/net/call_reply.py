@@ -3,12 +3,18 @@ ranks' log lines, notices, then the result), read into per-rank outcomes."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
+
 from ktlite.errors import KtliteError, PodUnreachable
+from ktlite.net.connection import ConnectionFailed, ConnectionRefused
+from ktlite.net.refusals import raise_for_status
 from ktlite_wire import landing
+from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import (
     ERROR,
     HEARTBEAT,
@@ -20,6 +26,7 @@ from ktlite_wire.frames import (
     decode_error,
     read_frames,
 )
+from ktlite_wire.headers import ERROR_CODE_HEADER
 from ktlite_wire.outcome import RankOutcome, ReadResult
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,7 @@ class FrameReader:
     def __init__(self, on_log: LogSink | None, on_notice: NoticeSink | None, url: str) -> None:
         self.on_log, self.on_notice, self.url = on_log, on_notice, url
         self.seen = 0
+        self.result: CallReply | None = None
 
     def read(self, chunks: Any) -> CallReply:
         """Reads the stream to its end (it ends right after the result) so the connection can
@@ -75,34 +83,101 @@ class FrameReader:
 
     def take(self, frames: Iterator[tuple[int, Any]]) -> CallReply:
         """:meth:`read`, from the stream's frames (``Connection.frames`` reads them)."""
-        result = None
         for kind, payload in frames:
-            if kind == HEARTBEAT:
-                continue
-            if kind == NOTICE:
-                notice = Notice.decode(payload)
-                if notice.kind == "skip":
-                    self.seen = int(notice.fields["to"])
-                    logger.warning(
-                        "%s while the connection to the pod was re-established", notice.message
-                    )
-                    continue
-                if self.on_notice is not None:
-                    self.on_notice(notice.as_dict())
-            elif kind == LOG:
-                if self.on_log is not None:
-                    line = LogLine.decode(payload)
-                    self.on_log(line.rank, line.pod, line.stream, line.text)
-            elif kind == RESULT:
-                result = CallReply(ReadResult(payload))
-            elif kind == ERROR:
-                err = decode_error(payload)
-                raise KtliteError(
-                    f"pod at {self.url} failed the call: {err.type_name or err.code}: {err.message}"
+            self.frame(kind, payload)
+        return self.end()
+
+    def frame(self, kind: int, payload: Any) -> None:
+        """One frame of the stream, as it comes (``callmux`` gives them one by one)."""
+        if kind == HEARTBEAT:
+            return
+        if kind == NOTICE:
+            notice = Notice.decode(payload)
+            if notice.kind == "skip":
+                self.seen = int(notice.fields["to"])
+                logger.warning(
+                    "%s while the connection to the pod was re-established", notice.message
                 )
-            self.seen += 1
-        if result is None:
+                return
+            if self.on_notice is not None:
+                self.on_notice(notice.as_dict())
+        elif kind == LOG:
+            if self.on_log is not None:
+                line = LogLine.decode(payload)
+                self.on_log(line.rank, line.pod, line.stream, line.text)
+        elif kind == RESULT:
+            self.result = CallReply(ReadResult(payload))
+        elif kind == ERROR:
+            err = decode_error(payload)
+            raise KtliteError(
+                f"pod at {self.url} failed the call: {err.type_name or err.code}: {err.message}"
+            )
+        self.seen += 1
+
+    def end(self) -> CallReply:
+        """The call's reply, once its stream ended."""
+        if self.result is None:
             raise PodUnreachable(
                 f"the coordinator pod at {self.url} ended the call without a result"
             )
-        return result
+        return self.result
+
+
+def coordinator(url: str, pod: str) -> str:
+    """How errors name the coordinator pod ``pod`` at ``url``."""
+    return f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
+
+
+def refused(status: int, body: bytes, url: str, hdrs: dict[str, str]) -> None:
+    """Raise the ktlite error of a pod's refusal of a call (its JSON ``detail``)."""
+    try:
+        detail = str(json.loads(body).get("detail", body))
+    except ValueError:
+        detail = body.decode(errors="replace")
+    raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
+
+
+def call_error(e: Exception, who: str, silence: float, connect: bool = False) -> Exception:
+    """The ktlite error a call's failure ``e`` is to the caller; with ``connect``, a
+    connection that could not be opened is one the call never reached (as ``_call_lean``
+    says it)."""
+    if isinstance(e, KtliteError):
+        return e  # already says what happened (PodUnreachable is an OSError too)
+    if connect and isinstance(e, ConnectionRefused):
+        return PodUnreachable(f"cannot connect to {who}: {e}", delivered=False)
+    if isinstance(e, (httpx.ReadTimeout, TimeoutError)):
+        return PodUnreachable(
+            f"{who} went silent for {silence:g}s during the call (no heartbeat): it probably died"
+        )
+    if isinstance(e, (httpx.HTTPError, ConnectionFailed, OSError)):
+        return PodUnreachable(f"lost the connection to {who}: {e!r}")
+    if isinstance(e, ProtocolError):
+        return PodUnreachable(f"{who} closed the stream mid-call: {e}")
+    return e
+
+
+def answered(
+    frames: FrameReader,
+    who: str,
+    silence: float,
+    done: Callable[[CallReply | None, BaseException | None], None],
+) -> Callable[[int, dict[str, str], Any, BaseException | None], None]:
+    """What ``callmux`` calls when a call's answer has ended: ``done`` with the reply its
+    frames brought, or with the error ``PodClient.call`` would raise."""
+
+    def finished(status: int, hdrs: dict[str, str], body: Any, error: BaseException | None) -> None:
+        try:
+            if error is not None:
+                raise error
+            if status >= 400:
+                refused(status, body, frames.url, hdrs)
+            reply = frames.end()
+        except Exception as e:  # noqa: BLE001 - the call's own error, as call() raises it
+            failure = call_error(e, who, silence, connect=True)
+            if failure is not e:
+                failure.__cause__ = e
+            done(None, failure)
+            return
+        done(reply, None)
+
+    return finished

@@ -13,10 +13,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +23,6 @@ import httpx
 
 from ktlite.errors import (
     ConfigError,
-    KtliteError,
     NotDeployedError,
     PodUnreachable,
     ProtocolMismatch,
@@ -32,8 +30,19 @@ from ktlite.errors import (
 from ktlite.logconfig import http_hook
 from ktlite.net import tls
 from ktlite.net.call_reply import CallReply as CallReply
-from ktlite.net.call_reply import FrameReader, LogSink, NoticeSink, Outcomes
-from ktlite.net.connection import ConnectionFailed, ConnectionRefused, Pool
+from ktlite.net.call_reply import (
+    FrameReader,
+    LogSink,
+    NoticeSink,
+    Outcomes,
+    answered,
+    call_error,
+    coordinator,
+    refused,
+)
+from ktlite.net.callmux import CallMux
+from ktlite.net.connection import PROGRESS_BYTES, ConnectionRefused, Pool
+from ktlite.net.progress import Progress
 from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, proxy_refusal, raise_for_status
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
 from ktlite_wire import envelope, heartbeat, version
@@ -66,6 +75,7 @@ CHUNKED_MAX = 8 << 20  # proxied bodies up to this size go chunked (see _call_re
 
 _pool = Pool()  # one keep-alive pool for every deployment of this process (tokens go per request)
 atexit.register(_pool.close)
+_mux = CallMux(_pool)  # reads the answers of calls started without waiting (start_call)
 
 
 def silence_timeout() -> float:
@@ -290,7 +300,7 @@ class PodClient:
     ) -> CallReply:
         """Run the call ``plan`` through the coordinator ``pod`` at ``url``; returns per-rank
         outcomes."""
-        who = f"coordinator pod {pod} at {url}" if pod else f"the coordinator pod at {url}"
+        who = coordinator(url, pod)
         silence = silence_timeout()
         frames = FrameReader(on_log, on_notice, url)
         try:
@@ -300,17 +310,37 @@ class PodClient:
                 )
                 return self._call_lean(url, headers, parts, frames, silence)
             return self._call_resumable(url, plan, parts, frames, who, silence)
-        except KtliteError:
-            raise  # already says what happened (PodUnreachable is an OSError too)
-        except (httpx.ReadTimeout, TimeoutError) as e:
-            raise PodUnreachable(
-                f"{who} went silent for {silence:g}s during the call (no "
-                "heartbeat): it probably died"
-            ) from e
-        except (httpx.HTTPError, ConnectionFailed, OSError) as e:
-            raise PodUnreachable(f"lost the connection to {who}: {e!r}") from e
-        except ProtocolError as e:
-            raise PodUnreachable(f"{who} closed the stream mid-call: {e}") from e
+        except Exception as e:  # noqa: BLE001 - each becomes the ktlite error that says it
+            error = call_error(e, who, silence)
+            if error is e:
+                raise
+            raise error from e
+
+    def can_start(self, url: str) -> bool:
+        """Whether :meth:`start_call` takes a call to ``url``: a pod reached directly."""
+        return self._lean and self.transport.direct(url)
+
+    def start_call(
+        self,
+        url: str,
+        plan: CallPlan,
+        parts: list[Any],
+        on_log: LogSink | None,
+        done: Callable[[CallReply | None, BaseException | None], None],
+        pod: str = "",
+    ) -> None:
+        """:meth:`call`, without waiting: the request leaves now and its answer is read on
+        the call multiplexer's thread (``callmux``), which calls ``done(reply, None)`` or
+        ``done(None, error)`` with the error :meth:`call` would raise. Only for a pod that
+        :meth:`can_start` takes."""
+        silence = silence_timeout()
+        frames = FrameReader(on_log, None, url)
+        finished = answered(frames, coordinator(url, pod), silence, done)
+        headers = self._headers(
+            {CALL_HEADER: plan.encode(), "content-type": "application/octet-stream"}
+        )
+        context = self.transport.context(url)
+        _mux.start(url, "/call", headers, parts, context, silence, frames.frame, finished)
 
     def _call_lean(
         self,
@@ -337,12 +367,7 @@ class PodClient:
             ) from e
         try:
             if status >= 400:
-                body = b"".join(conn.body(hdrs))
-                try:
-                    detail = str(json.loads(body).get("detail", body))
-                except ValueError:
-                    detail = body.decode(errors="replace")
-                raise_for_status(status, detail, url, hdrs.get(ERROR_CODE_HEADER))
+                refused(status, b"".join(conn.body(hdrs)), url, hdrs)
             result = frames.take(conn.frames(hdrs))
         except BaseException:
             conn.close()
@@ -388,10 +413,10 @@ class PodClient:
                 content: Any = b""
             elif size > CHUNKED_MAX:
                 headers["content-length"] = str(size)
-                content = envelope.chunked(parts)
+                content = _sending(envelope.chunked(parts), size, who)
             else:  # sent again in whole until accepted: a pod that has the call id attaches
                 headers[LENGTH_HEADER] = str(size)
-                content = _chunks(parts)
+                content = _sending(_chunks(parts), size, who)
             sent_at = time.monotonic()
             try:
                 with self.http.stream(
@@ -460,3 +485,16 @@ def _chunks(parts: list[Any]) -> Iterator[bytes]:
     # a generator: httpx sends it with Transfer-Encoding: chunked
     # httpx writes each chunk as it is; a memoryview saves a copy (the checker wants bytes)
     yield from envelope.chunked(parts, size=1 << 20)  # type: ignore[misc]
+
+
+def _sending(chunks: Iterator[Any], size: int, who: str) -> Iterator[Any]:
+    """``chunks`` as they go; a large body (a GiB argument takes seconds through a proxy)
+    shows a bar once it has lasted a second."""
+    if size < PROGRESS_BYTES:
+        yield from chunks
+        return
+    bar = Progress(f"sending to {who}", size, delay_s=1.0)
+    for chunk in chunks:
+        bar.add(memoryview(chunk).nbytes)
+        yield chunk
+    bar.close()

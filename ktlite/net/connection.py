@@ -20,11 +20,14 @@ from collections.abc import Iterator
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from ktlite.net.progress import Progress
 from ktlite_wire import landing, pinning
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import FrameParser
 
 PIECE = 1 << 20  # the most bytes read at once from a response body
+PROGRESS_BYTES = 64 << 20  # a body at least this large is sent in slices, with a bar
+SLICE_BYTES = 16 << 20
 
 
 class ConnectionFailed(ConnectionError):
@@ -55,20 +58,45 @@ class Connection:
         self.sock = raw if context is None else _handshake(raw, host, port, context)
         self.reader = cast(io.BufferedReader, self.sock.makefile("rb", buffering=1 << 16))
         self.reusable = False
+        self.nonblocking = False  # left so by callmux; a blocking send sets a timeout first
+        self.lowat = 1  # SO_RCVLOWAT: callmux's connections wake it only from a whole head on
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.reader.close()
             self.sock.close()
 
-    def send(self, head: bytes, parts: list[Any]) -> None:
-        small = sum(memoryview(p).nbytes for p in parts) <= 1 << 16
-        if small:  # one segment for the usual tiny call
+    def send(self, head: bytes, parts: list[Any], timeout: float = 10.0) -> None:
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size <= 1 << 16 and self.nonblocking:  # callmux's: one send, unless the buffer is full
+            data = head + b"".join(parts)
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent == len(data):
+                return
+            head, parts, size = data[sent:], [], 0
+        if self.nonblocking:
+            self.sock.settimeout(timeout)
+            self.nonblocking = False
+        if size <= 1 << 16:  # one segment for the usual tiny call
             self.sock.sendall(head + b"".join(parts))
             return
         self.sock.sendall(head)
+        if size < PROGRESS_BYTES:
+            for p in parts:
+                self.sock.sendall(memoryview(p).cast("B"))
+            return
+        # a large body (a GiB argument takes seconds): a bar once it has lasted a second
+        bar = Progress(f"sending to {self.key[0]}:{self.key[1]}", size, delay_s=1.0)
         for p in parts:
-            self.sock.sendall(memoryview(p).cast("B"))
+            view = memoryview(p).cast("B")
+            for i in range(0, view.nbytes, SLICE_BYTES):
+                piece = view[i : i + SLICE_BYTES]
+                self.sock.sendall(piece)
+                bar.add(piece.nbytes)
+        bar.close()
 
     def _line(self) -> bytes:
         line = self.reader.readline(1 << 16)
@@ -78,6 +106,10 @@ class Connection:
 
     def response(self, read_timeout: float) -> tuple[int, dict[str, str]]:
         self.sock.settimeout(read_timeout)
+        self.nonblocking = False
+        if self.lowat > 1:  # left by callmux: a blocking read returns whatever came
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            self.lowat = 1
         status_line = self._line()
         try:
             status = int(status_line.split()[1])
@@ -193,11 +225,19 @@ class Pool:
         self._idle: dict[Key, list[Connection]] = {}
         self._lock = threading.Lock()
 
-    def _get(self, key: Key, connect_timeout: float) -> tuple[Connection, bool]:
-        with self._lock:
-            idle = self._idle.get(key)
-            if idle:
-                return idle.pop(), True
+    def has_idle(self, key: Key) -> bool:
+        """Whether an idle connection to ``key`` waits (:meth:`take` would not connect)."""
+        return bool(self._idle.get(key))
+
+    def take(
+        self, key: Key, connect_timeout: float, fresh: bool = False
+    ) -> tuple[Connection, bool]:
+        """An idle connection to ``key`` (and True), else (or with ``fresh``) a new one."""
+        if not fresh:
+            with self._lock:
+                idle = self._idle.get(key)
+                if idle:
+                    return idle.pop(), True
         return Connection(key[0], key[1], connect_timeout, key[2]), False
 
     def release(self, conn: Connection) -> None:
@@ -237,14 +277,10 @@ class Pool:
         context: ssl.SSLContext | None = None,
     ) -> tuple[Connection, int, dict[str, str]]:
         """Send a request (``path`` with its query) and read the response head."""
-        host, port = _address(url)
-        key = (host, port, context)
-        size = sum(memoryview(p).nbytes for p in parts)
-        lines = [f"{method} {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {size}"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        key, head = self.prepare(method, url, path, headers, parts, context)
+        host, port = key[0], key[1]
         for attempt in (0, 1):
-            conn, reused = self._get(key, connect_timeout)  # ConnectionRefused passes through
+            conn, reused = self.take(key, connect_timeout)  # ConnectionRefused passes through
             try:
                 conn.send(head, parts)
                 status, hdrs = conn.response(read_timeout)
@@ -261,6 +297,22 @@ class Pool:
                 conn.close()
                 raise
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def prepare(
+        method: str,
+        url: str,
+        path: str,
+        headers: dict[str, str],
+        parts: list[Any],
+        context: ssl.SSLContext | None = None,
+    ) -> tuple[Key, bytes]:
+        """The pool key of ``url`` and a request's head (``path`` with its query)."""
+        host, port = _address(url)
+        size = sum(memoryview(p).nbytes for p in parts)
+        lines = [f"{method} {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {size}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        return (host, port, context), ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def fetch(
         self,

@@ -29,7 +29,12 @@ def quiet() -> bool:
 
 
 class Progress:
-    def __init__(self, label: str, total: int, out: TextIO | None = None) -> None:
+    """A transfer's bar; ``delay_s``: drawn only once the transfer has lasted that long (a
+    call's argument: the bar of a fast one would only flicker), unless forced on."""
+
+    def __init__(
+        self, label: str, total: int, out: TextIO | None = None, delay_s: float = 0.0
+    ) -> None:
         self.out = out or sys.stderr
         self.label, self.total, self.done = label, max(total, 0), 0
         self.start = time.monotonic()
@@ -38,6 +43,8 @@ class Progress:
         forced = os.environ.get("KTLITE_PROGRESS", "")
         self.tty = bool(getattr(self.out, "isatty", lambda: False)())
         self.enabled = forced == "1" or (forced != "0" and self.tty and self.total >= MIN_BYTES)
+        self.delay_s = 0.0 if forced == "1" else delay_s
+        self.shown = False
 
     def wrap(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
         for chunk in chunks:
@@ -49,6 +56,8 @@ class Progress:
         if not self.enabled:
             return
         now = time.monotonic()
+        if now - self.start < self.delay_s:
+            return
         if self.tty:
             if now - self._last_draw >= 0.1:
                 self._last_draw = now
@@ -60,7 +69,7 @@ class Progress:
                 self._draw("", "\n")
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and (self.shown or not self.delay_s):
             self._draw("\r" if self.tty else "", "\n")
 
     def _draw(self, start: str, end: str) -> None:
@@ -74,6 +83,7 @@ class Progress:
             text = f"{self.label} {_size(self.done)}"
         self.out.write(f"{start}{text} {_size(rate)}/s{_ERASE if self.tty else ''}{end}")
         self.out.flush()
+        self.shown = True
 
 
 class StatusLine:

@@ -1,6 +1,7 @@
 """Admission: which requests the pod server takes, decided from the request head alone.
 
-Every endpoint but ``/health`` needs the deployment token; a request without it is answered
+Every endpoint but ``/health`` needs the deployment token (``/metrics`` also takes it as
+Prometheus sends one, ``authorization: Bearer <token>``); a request without it is answered
 401 before anything of its body is read, and the connection is closed (the body is never
 read). A client speaking another protocol version is answered 409, naming both. A body declared larger than its endpoint allows (``Limits.max_body`` for ``/call`` and
 ``/deploy``, ``Limits.max_small_body`` for the rest, which take none) is answered 413 the same
@@ -78,6 +79,7 @@ class Gate:
 
     public: frozenset[str] = PUBLIC  # answered without the token
     large_bodies: frozenset[str] = LARGE_BODIES  # up to ``Limits.max_body``; the rest take none
+    large_prefixes: tuple[str, ...] = ("/ports/",)  # a pod's own apps' requests (portproxy)
     token_name = "deployment token"  # in the 401
     body_limit_name = "KTLITE_MAX_BODY"  # in the 413 of a large-body path
 
@@ -102,6 +104,8 @@ class Gate:
         path = scope["path"]
         head = dict(scope["headers"])  # in C: cheaper than a loop over the pairs here
         token, version = head.get(_TOKEN), head.get(_VERSION)
+        if token is None and path == "/metrics":  # a scraper's own `authorization: Bearer`
+            token = head.get(b"authorization")
         length, chunked_length = head.get(b"content-length"), head.get(_LENGTH)
         if path not in self.public:
             if not self.token.matches(token):
@@ -125,7 +129,7 @@ class Gate:
                 return
         declared = length or chunked_length  # a chunked body (through a proxy) names its length
         if declared is not None and declared.isdigit():
-            large = path in self.large_bodies
+            large = path in self.large_bodies or path.startswith(self.large_prefixes)
             limit = self.limits.max_body if large else self.limits.max_small_body
             if int(declared) > limit:
                 what = self.body_limit_name if large else f"{path} takes no body"

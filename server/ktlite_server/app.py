@@ -17,7 +17,10 @@ from the request head before anything else: ``admission.py``):
 - ``GET /status``: each rank's state, last exit, restarts, how long it has been busy, its running
   calls, and what it uses (pid, CPU %, RSS, GPU memory and utilisation: ``usage.py``).
   Both with ``x-ktlite-tree``: for every pod, gathered down the tree (``podtable.py``).
-- ``GET /metrics``: Prometheus text (calls running, calls taken).
+- ``GET /metrics``: Prometheus metrics (calls, outcomes, durations, bytes, each rank's
+  restarts and use): ``metrics.py``.
+- ``/ports/{port}/{path}`` (any method): HTTP to a port inside this pod, such as a
+  ``kt.app(port=...)`` command's server: ``portproxy.py``.
 
 What a connection may send and hold (head size, header and idle timeouts, the connection
 cap) is enforced below the app, in ``connections.py``.
@@ -43,8 +46,11 @@ from ktlite_server.calls import Calls, FastCall
 from ktlite_server.connections import Limits
 from ktlite_server.inactivity import idle_seconds
 from ktlite_server.launches import Launches
+from ktlite_server.linkserver import Links
+from ktlite_server.metrics import render
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
+from ktlite_server.portproxy import PortProxy
 from ktlite_server.refusal import refuse
 from ktlite_wire import calltree
 from ktlite_wire.errors import ErrorCode
@@ -100,8 +106,20 @@ class PodServer:
         self.app.add_api_route("/call", self.calls.call, methods=["POST"])
         self.app.add_api_route("/restart_failed", self.restart_failed, methods=["POST"])
         self.app.add_api_route("/cancel/{call_id}", self.cancel, methods=["POST"])
+        self.ports = PortProxy(self.pod.name)
+        self.app.add_api_route(
+            "/ports/{port}/{path:path}",
+            self.ports.forward,
+            methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+        )
         self.asgi = Gate(
-            FastCall(self.app, self.calls.call),
+            # another pod's link (linkserver) carries its calls to this one without HTTP
+            Links(
+                FastCall(self.app, self.calls.call),
+                self.calls.call,
+                self.limits.max_body,
+                self.limits.idle_timeout,
+            ),
             self.token,
             self.limits,
             on_admit=self._touch,
@@ -147,6 +165,7 @@ class PodServer:
             self.launches.start_boot(launch_file)
         yield
         self.calls.streams.close()
+        await self.ports.aclose()
         await self.pod.shutdown()
         await self.pod.peers.aclose()
 
@@ -186,18 +205,22 @@ class PodServer:
         return JSONResponse(body)
 
     async def metrics(self) -> Response:
-        """Prometheus text: the calls running now (what an HPA on ``metric="concurrency"``
-        scales on, through a metrics adapter) and the calls taken since start. Scrapes send the
-        deployment token, as every other caller does."""
-        text = (
-            "# HELP ktlite_inflight_calls Calls running on this pod now.\n"
-            "# TYPE ktlite_inflight_calls gauge\n"
-            f"ktlite_inflight_calls {len(self.pod.calls)}\n"
-            "# HELP ktlite_calls_total Calls this pod has taken since it started.\n"
-            "# TYPE ktlite_calls_total counter\n"
-            f"ktlite_calls_total {self.pod.calls_total}\n"
-        )
-        return Response(text, media_type="text/plain; version=0.0.4")
+        """Prometheus metrics (``metrics.py``): calls, their outcomes and durations, bytes,
+        and each rank's restarts and use. Scrapes send the deployment token, as every other
+        caller does."""
+        ranks = (await self.pod.status()).get("ranks") or []
+        try:
+            body, content_type = render(
+                self.pod.call_metrics, self.pod.calls_total, len(self.pod.calls), ranks
+            )
+        except ImportError:
+            raise refuse(
+                503,
+                ErrorCode.INTERNAL,
+                f"pod {self.pod.name} has no prometheus_client, which /metrics needs: use an "
+                "image with ktlite's server packages, or one the client may ship them to",
+            ) from None
+        return Response(body, media_type=content_type)
 
     async def status(self, request: Request) -> Any:
         try:

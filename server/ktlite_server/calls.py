@@ -24,6 +24,7 @@ from ktlite_server.coordinator import Coordinator, run_local
 from ktlite_server.directbody import WRITE_CHUNK
 from ktlite_server.localcall import LOG_BODIES
 from ktlite_server.pod import Pod
+from ktlite_server.ranks import kept
 from ktlite_server.refusal import refuse
 from ktlite_server.streams import RETAIN_S, AsgiOut, CallStream, Streams
 from ktlite_wire import argfiles, codec, shm
@@ -105,7 +106,7 @@ def _held(pod: Pod, call_id: str, path: str | None) -> int:
     outs = pod.finished.get(call_id)
     if not outs:
         return 1
-    return sum(1 for o in outs if o.holds_args)
+    return sum(1 for o in kept(outs) if o.holds_args)
 
 
 class Calls:

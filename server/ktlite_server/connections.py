@@ -34,7 +34,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ktlite_server import callresponse, directbody
+from ktlite_server import callresponse, directbody, linkserver
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class GuardedHttpTools(HttpToolsProtocol):
             directbody.BODY_INTO: functools.partial(directbody.receive_into, self),
             directbody.WRITE_CHUNK: functools.partial(directbody.write_chunk, self),
             callresponse.RAW_RESPONSE: functools.partial(callresponse.open_raw, self, self._lost),
+            linkserver.TAKE_OVER: functools.partial(linkserver.take_over, self),
         }
 
     # -- the connection cap ------------------------------------------------------------------

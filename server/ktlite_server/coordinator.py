@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ktlite_server import linkclient
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome, settled
@@ -113,7 +114,6 @@ class Coordinator:
         # the pods this one sends the call to: every target (flat), or its children (a tree)
         self._members: list[int] = []
         self._subtrees: dict[int, list[int]] = {}  # a tree: each child's subtree, itself first
-        self._relay_shared: str | None = None  # a tree: the relays' plans' common part
 
     def cancel(self, kind: Status, reason: str) -> None:
         """Stop the call on every pod (the caller went away, or asked to)."""
@@ -139,7 +139,7 @@ class Coordinator:
         plan = self.plan
         if plan.generation is None:
             plan.generation, plan.group_port = self.pod.generation, self.pod.group_port
-        targets = plan.workers if plan.workers is not None else list(range(len(plan.pods)))
+        targets = plan.workers if plan.workers is not None else list(plan.ordinals())
         me = self.pod.ordinal
         if targets == [me] and plan.timeout is None:
             self.started = True
@@ -263,7 +263,7 @@ class Coordinator:
             with contextlib.suppress(PeerError):
                 await self.peers.request(
                     "POST",
-                    f"{plan.pods[i]}/cancel/{plan.id}",
+                    f"{plan.url(i)}/cancel/{plan.id}",
                     params={"kind": kind.value, "reason": reason, "reset": "true"},
                     headers=self._headers({"id": plan.id}),
                     timeout=2.0,
@@ -276,7 +276,7 @@ class Coordinator:
         ranks. Warm keep-alive connections make this free; waits up to quorum_timeout. Every
         NOTICE_AFTER_S the caller hears which pods are missing (it may know they were
         replaced, and cancel); a cancel ends the wait at once."""
-        missing = [i for i in remote if not self.peers.fresh(plan.pods[i])]
+        missing = [i for i in remote if not self.peers.fresh(plan.url(i))]
         if not missing:
             return []  # calls back to back: every peer answered within the last seconds
         start = time.monotonic()
@@ -287,7 +287,7 @@ class Coordinator:
             left = max(0.5, min(NOTICE_AFTER_S, plan.quorum_timeout - (time.monotonic() - start)))
             probes = asyncio.ensure_future(
                 asyncio.gather(
-                    *(self.peers.ensure(plan.pods[i], left) for i in missing),
+                    *(self.peers.ensure(plan.url(i), left) for i in missing),
                     return_exceptions=True,
                 )
             )
@@ -348,7 +348,7 @@ class Coordinator:
                     plan,
                     i,
                     (
-                        f"pod {plan.name(i)} at {plan.pods[i]} was not reachable "
+                        f"pod {plan.name(i)} at {plan.url(i)} was not reachable "
                         f"(waited {time.monotonic() - start:.1f}s of quorum_timeout={plan.quorum_timeout:g}s: "
                         f"{errors[i]}); {reached} of "
                         f"{len(plan.pods)} pods were; no rank started. Check that the pod is running, or "
@@ -397,17 +397,13 @@ class Coordinator:
     ) -> list[PodOutcome] | Subtree:
         """Pod ``i``'s (and its subtree's) answer, passed on as it came, or its ranks'
         outcomes made up here when it failed."""
-        url = plan.pods[i]
+        url = plan.url(i)
         name = plan.name(i)
         deadline = time.monotonic() + plan.quorum_timeout
         subtree = self._subtrees.get(i, [i])
         if len(subtree) > 1:  # a child that relays the call to its subtree
             per_rank, body = calltree.subtree_body(plan, subtree, payload)
-            if self._relay_shared is None:  # the pods' part, encoded once per call
-                self._relay_shared = calltree.relay_shared(plan)
-            member_headers = self._headers(
-                calltree.relay_header(plan, subtree, per_rank, self._relay_shared)
-            )
+            member_headers = self._headers(calltree.relay_header(plan, subtree, per_rank))
         elif plan.per_rank is not None:  # each pod's plan names its own items
             meta, body = plan.member_body(i, payload)
             member_headers = self._headers(meta)
@@ -418,8 +414,15 @@ class Coordinator:
             member_headers = self._shared_headers
         while True:
             try:
-                async with self.peers.post(
-                    url, "/call", member_headers, body, connect_timeout=5.0, read_timeout=SILENCE_S
+                # over the pool's link to that pod (an HTTP request when the body is large)
+                async with linkclient.post(
+                    self.peers,
+                    url,
+                    "/call",
+                    member_headers,
+                    body,
+                    connect_timeout=5.0,
+                    read_timeout=SILENCE_S,
                 ) as resp:
                     if resp.status != 200:
                         text = error_text(await resp.read())

@@ -84,16 +84,22 @@ class Launches:
         below = launchtree.relay(self.pod.peers, tree, msg.distributed, body)
         refused = launchtree.python_mismatch(tree, msg.distributed, self.pod.ordinal)
         if refused is not None:
-            return self._outcomes([], refused + await below)
+            return self._outcomes([], await below, refused)
         own = self.install(dataclasses.replace(msg, ordinal=self.pod.ordinal))
         outs, relayed = await asyncio.gather(own, below)
         return self._outcomes(outs, relayed)
 
-    def _outcomes(self, outs: list[Any], relayed: Sequence[RankOutcome] = ()) -> Response:
+    def _outcomes(
+        self, outs: list[Any], relayed: CallResult | None = None, made: Sequence[RankOutcome] = ()
+    ) -> Response:
+        """This pod's outcomes (``outs``, from its ranks; ``made``, made up here), and what its
+        children answered, their results nested untouched (only the caller decodes them)."""
         name = self.pod.name
         result = CallResult(
             [RankOutcome(o.rank, name, o.status, o.data, o.message, o.at) for o in outs]
-            + list(relayed)
+            + list(made)
+            + (relayed.outcomes if relayed is not None else []),
+            subtrees=relayed.subtrees if relayed is not None else [],
         )
         return Response(result.encode_bytes(), media_type="application/octet-stream")
 

@@ -5,8 +5,10 @@ The caller sends a deployment's launch once, to pod 0, naming every pod
 it runs another Python minor than the caller: the code is cloudpickled bytecode) and, at the
 same time, sends the same body to each of its children with the child's subtree, retrying a
 child that does not accept connections yet (a pod still starting) up to the relay's timeout.
-The answers of the whole subtree come back in one result: a child that cannot be reached, or
-answers with an error, is reported with every rank of its subtree, never left out.
+The answers of the whole subtree come back in one result: a child's result is passed on as
+it came, nested in this pod's (as a call's is: only the caller decodes it); a child that
+cannot be reached, or answers with an error, is reported with every rank of its subtree,
+never left out.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ktlite_wire import calltree
 from ktlite_wire.distenv import DistributedLayout
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.headers import LENGTH_HEADER, TREE_HEADER
-from ktlite_wire.outcome import CallResult, RankOutcome
+from ktlite_wire.outcome import CallResult, RankOutcome, Subtree
 from ktlite_wire.status import Status
 
 RETRY_S = 0.2  # between attempts at a child that is not listening yet
@@ -44,7 +46,7 @@ def python_mismatch(
     if not relay.python or _minor(ours) == _minor(relay.python):
         return None
     message = (
-        f"pod {relay.names[ordinal]} runs Python {ours}, the caller Python {relay.python}: code "
+        f"pod {relay.name(ordinal)} runs Python {ours}, the caller Python {relay.python}: code "
         "shipped by cloudpickle needs the same minor version; use an image with Python "
         f"{_minor(relay.python)} for every pod"
     )
@@ -56,7 +58,7 @@ def _subtree_failed(
 ) -> list[RankOutcome]:
     now = time.time()
     return [
-        RankOutcome(r, relay.names[j], Status.DIED, None, message, now)
+        RankOutcome(r, relay.name(j), Status.DIED, None, message, now)
         for j in subtree
         for r in range(layout.first_rank(j), layout.first_rank(j) + layout.procs(j))
     ]
@@ -68,9 +70,11 @@ async def _child(
     layout: DistributedLayout,
     subtree: list[int],
     body: Any,
-) -> list[RankOutcome]:
+) -> Subtree | list[RankOutcome]:
+    """The child's result as it came (its head read, its rows not decoded), or its whole
+    subtree's ranks as failed, naming why."""
     i = subtree[0]
-    url, name = relay.pods[i], relay.names[i]
+    url, name = relay.url(i), relay.name(i)
     deadline = time.monotonic() + relay.timeout
     view = memoryview(body).cast("B")
     headers = {
@@ -92,7 +96,7 @@ async def _child(
         if status != 200:
             text = error_text(data)
             raise LaunchRelayFailed(f"pod {name} answered the deploy with HTTP {status}: {text}")
-        return CallResult.decode(bytearray(data)).outcomes
+        return Subtree.peek(data)
     except LaunchRelayFailed as e:
         why = str(e)
     except (PeerError, ProtocolError) as e:
@@ -116,9 +120,11 @@ async def _post(
 
 async def relay(
     peers: PeerPool, relay: calltree.LaunchRelay, layout: DistributedLayout, body: Any
-) -> list[RankOutcome]:
-    """Send the launch ``body`` to the children of this pod's subtree; their whole subtrees'
-    outcomes (a child that failed: every rank below it, as DIED, naming why)."""
+) -> CallResult:
+    """Send the launch ``body`` to the children of this pod's subtree; their answers: each
+    child's result passed on undecoded (``subtrees``), and for a child that failed every rank
+    below it, as DIED, naming why (``outcomes``)."""
     children = calltree.split(relay.subtree[1:], relay.fanout)
     answers = await asyncio.gather(*(_child(peers, relay, layout, sub, body) for sub in children))
-    return [o for outs in answers for o in outs]
+    failed = [o for got in answers if not isinstance(got, Subtree) for o in got]
+    return CallResult(failed, subtrees=[got for got in answers if isinstance(got, Subtree)])

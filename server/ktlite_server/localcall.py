@@ -123,10 +123,27 @@ class LocalCall:
         loop = asyncio.get_running_loop()
         tasks = {loop.create_task(self._call_rank(r, own)): r for r, own in calls}
         outcomes: dict[int, Outcome] = {}
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
+        # each rank's outcome as it arrives: a done callback, not asyncio.wait over every
+        # pending rank again after each arrival (quadratic in the ranks: 64 ranks, 2,000
+        # callbacks added and removed per call)
+        arrived: list[asyncio.Task[Outcome]] = []
+        wake: list[asyncio.Future[None]] = []
+
+        def on_done(t: asyncio.Task[Outcome]) -> None:
+            arrived.append(t)
+            if wake and not wake[0].done():
+                wake[0].set_result(None)
+
+        for t in tasks:
+            t.add_done_callback(on_done)
+        left = len(tasks)
+        while left:
+            if not arrived:
+                wake[:] = [loop.create_future()]
+                await wake[0]
+            batch, arrived[:] = arrived[:], []
+            for t in batch:
+                left -= 1
                 o = t.result()
                 outcomes[o.rank] = o
                 if not tasks[t].running:
@@ -134,8 +151,11 @@ class LocalCall:
                 if o.status is not Status.OK and not handle.stop_kind:
                     handle.stop_kind = Status.CANCELLED
                     handle.stop_reason = f"stopped because rank {o.rank} failed"
-                    for other in pending:
-                        stop_rank(tasks[other], handle.call_id, concurrent=self.dep.concurrency > 1)
+                    for other in tasks:
+                        if not other.done():
+                            stop_rank(
+                                tasks[other], handle.call_id, concurrent=self.dep.concurrency > 1
+                            )
         return [outcomes[k] for k in sorted(outcomes)]
 
     async def _call_rank(self, rank: RankProcess, msg: rankchannel.Call) -> Outcome:

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-SERVER_PACKAGES = ("fastapi", "uvicorn", "httptools", "httpx", "cloudpickle")
+SERVER_PACKAGES = ("fastapi", "uvicorn", "httptools", "httpx", "cloudpickle", "prometheus_client")
 
 
 def missing_here(pins: dict[str, str]) -> list[str]:

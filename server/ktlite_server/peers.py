@@ -3,7 +3,8 @@
 The coordinator streams every distributed call to every other pod; a general-purpose
 async client costs more per request than the rest of the hop together. This one speaks
 exactly what the pod server answers (a chunked frame stream, or a short fixed body) over
-pooled asyncio connections: calls (:meth:`PeerPool.post`), cancels and ``/health`` polls
+pooled asyncio connections: calls with a large body (:meth:`PeerPool.post`; the others go over
+the pool's persistent peer links, ``linkclient``), cancels and ``/health`` polls
 (:meth:`PeerPool.request`), and quorum probes (:meth:`PeerPool.ensure`). A peer at an
 ``https://`` address is reached over TLS pinned to the deployment's certificate (the pool's
 ``tls`` context: :mod:`ktlite_server.tls`); a pool without one refuses such a peer.
@@ -22,10 +23,11 @@ import asyncio
 import contextlib
 import functools
 import json
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlencode, urlsplit
 
 from ktlite_wire import pinning
@@ -46,6 +48,21 @@ class PeerTimeout(PeerError, TimeoutError):
     """The peer sent nothing for longer than the read timeout."""
 
 
+class Link(Protocol):
+    """A persistent link to a peer (``linkclient.PeerLink``): what the pool asks of it."""
+
+    used: float  # when it last received anything (monotonic)
+
+    @property
+    def open(self) -> bool: ...
+
+    def closed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    async def wait_closed(self, timeout: float = 5.0) -> None: ...
+
+
 class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -55,6 +72,28 @@ class _Conn:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.writer.close()
+
+    def closed(self) -> bool:
+        """The peer closed this connection, as far as the kernel knows: the loop learns of a
+        peer's end (a killed pod's FIN or reset) only when it next reads the socket, which a
+        call's quorum check can come before; a peek at the socket cannot."""
+        if self.reader.at_eof() or self.writer.is_closing():
+            return True
+        return peer_closed(self.writer.get_extra_info("socket"))
+
+
+def peer_closed(raw: socket.socket | None) -> bool:
+    """Whether the kernel has the peer's end of this connection (its FIN, or a reset) that
+    the loop has not read yet: a peek at the socket (nothing else queued before it)."""
+    if raw is None:
+        return False
+    try:  # the loop's socket object cannot recv: peek through a duplicate of its fd
+        with socket.socket(fileno=socket.dup(raw.fileno())) as dup:
+            return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # open, nothing queued
+    except OSError:
+        return True  # reset
 
 
 class _Silence:
@@ -207,9 +246,22 @@ class PeerPool:
         self._idle: dict[str, list[_Conn]] = {}
         self._headers = dict(headers or {})
         self._tls = tls
+        # links to peers, by host:port, and the ones being opened (``linkclient``)
+        self.links: dict[str, Link] = {}
+        self.link_connects: dict[str, asyncio.Future[Any]] = {}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What goes with every request (the deployment's token): a link's opening request."""
+        return dict(self._headers)
+
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        return self._tls
 
     def __repr__(self) -> str:
-        return f"PeerPool({sum(len(c) for c in self._idle.values())} idle, headers=<hidden>)"
+        idle = sum(len(c) for c in self._idle.values())
+        return f"PeerPool({idle} idle, {len(self.links)} links, headers=<hidden>)"
 
     async def _connect(self, host: str, port: int, timeout: float, https: bool) -> _Conn:
         if https and self._tls is None:
@@ -341,7 +393,13 @@ class PeerPool:
                 if silent.expired:
                     raise PeerTimeout(f"{key} sent no response for {read_timeout:g}s") from None
                 if reused and attempt == 0:
-                    continue  # a stale keep-alive connection: nothing was processed, retry once
+                    # a stale keep-alive connection: nothing was processed. Retry once, on a
+                    # new connection: the peer's other idle ones are as stale (a killed pod's
+                    # end can still be on its way to each), and a second stale one would be
+                    # taken for a call lost mid-way
+                    for other in self._idle.pop(key, []):
+                        other.close()
+                    continue
                 raise PeerError(f"{key}: {e!r}") from e
             except asyncio.LimitOverrunError as e:
                 conn.close()
@@ -370,7 +428,7 @@ class PeerPool:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not (conn.reader.at_eof() or conn.writer.is_closing()):
+            if not conn.closed():
                 return conn
             conn.close()
         return None
@@ -379,12 +437,13 @@ class PeerPool:
         """True when a pooled connection to ``url`` carried a response within ``fresh_s``
         seconds and is still open: :meth:`ensure` would return at once."""
         host, port, _ = _split(url)
+        link = self.links.get(f"{host}:{port}")
+        if link is not None and time.monotonic() - link.used < fresh_s and not link.closed():
+            return True  # calls go over a link: it carried an answer within fresh_s
         idle = self._idle.get(f"{host}:{port}")
         if not idle:
             return False
-        return time.monotonic() - idle[-1].used < fresh_s and not (
-            idle[-1].reader.at_eof() or idle[-1].writer.is_closing()
-        )
+        return time.monotonic() - idle[-1].used < fresh_s and not idle[-1].closed()
 
     async def ensure(self, url: str, timeout: float = 5.0, fresh_s: float = PROBE_AFTER_S) -> None:
         """Prove ``url`` answers: free when a pooled connection carried a response within
@@ -393,9 +452,11 @@ class PeerPool:
         Raises PeerConnectError if the peer is unreachable or silent for ``timeout``."""
         host, port, _ = _split(url)
         idle = self._idle.setdefault(f"{host}:{port}", [])
-        while idle and (idle[-1].reader.at_eof() or idle[-1].writer.is_closing()):
+        while idle and idle[-1].closed():
             idle.pop().close()  # the peer closed it (it exited, or restarted)
         if idle and time.monotonic() - idle[-1].used < fresh_s:
+            return
+        if self.fresh(url, fresh_s):  # a link carried an answer within fresh_s
             return
         try:
             await self.request("GET", url.rstrip("/") + "/health", timeout=timeout)
@@ -410,7 +471,17 @@ class PeerPool:
             raise PeerConnectError(f"{host}:{port} did not answer /health: {e}") from e
 
     async def aclose(self) -> None:
-        for conns in self._idle.values():
-            for c in conns:
-                c.close()
+        links = list(self.links.values())
+        self.links.clear()
+        for link in links:
+            link.close()
+        idle = [c for conns in self._idle.values() for c in conns]
         self._idle.clear()
+        for c in idle:
+            c.close()
+
+        async def closed(c: _Conn) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(c.writer.wait_closed(), 5.0)
+
+        await asyncio.gather(*(link.wait_closed() for link in links), *(closed(c) for c in idle))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import logging
 import os
@@ -19,15 +20,17 @@ import sys
 import time
 from typing import Any
 
+from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Colocated, Deployment, layout_of
 from ktlite_server.engine import Engine, EngineError
 from ktlite_server.gate import Gate
 from ktlite_server.localcall import CallHandle
+from ktlite_server.metrics import CallMetrics
 from ktlite_server.monarchhost import MonarchHost
 from ktlite_server.peers import PeerPool
 from ktlite_server.podcalls import LogEmit, PodCalls
 from ktlite_server.podstatus import pod_status
-from ktlite_server.ranks import Outcome, RankGone, RankProcess
+from ktlite_server.ranks import Kept, Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
 from ktlite_server.usage import GpuQuery, ProcessUsage
 from ktlite_wire import privatefiles, rankchannel
@@ -56,6 +59,7 @@ class Pod(PodCalls):
         self.ranks: list[RankProcess] = []
         self.dep: Deployment | None = None
         self.ready_launch: str | None = None  # the launch every rank loaded (readiness)
+        self.heap_frozen = False  # the first launch's objects were frozen (gc.freeze)
         # colocated targets by name: kept across redeploys of the primary code, loaded into
         # every rank process this pod starts (a restarted rank gets them all back)
         self.colocated: dict[str, Colocated] = {}
@@ -70,7 +74,9 @@ class Pod(PodCalls):
         self.last_generation = 0  # the process-group generation of the last call run here
         self.calls: dict[str, CallHandle] = {}
         self.calls_total = 0
-        self.finished: collections.OrderedDict[str, list[Outcome]] = collections.OrderedDict()
+        self.call_metrics = CallMetrics()  # what GET /metrics reports
+        self.history = CallHistory()  # the recent calls GET /status reports
+        self.finished: collections.OrderedDict[str, Kept] = collections.OrderedDict()
         self.cancelled_early: collections.OrderedDict[str, tuple[Status, str]] = (
             collections.OrderedDict()
         )
@@ -292,6 +298,13 @@ class Pod(PodCalls):
                 outs = await self._deploy(dep, restart)
             if all(o.status is Status.OK for o in outs):
                 self.ready_launch = dep.launch_id
+                if not self.heap_frozen:
+                    # the first launch's state (its rank processes' handles and streams) lives
+                    # as long as the server: frozen, the full collections that the calls'
+                    # survivors trigger do not walk it (a pause in a call's tail). Once only: a
+                    # later launch's garbage is never pinned
+                    self.heap_frozen = True
+                    gc.freeze()
             return outs
         finally:
             self.gate.open(dep.concurrency)

@@ -12,11 +12,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Deployment
 from ktlite_server.gate import Gate
 from ktlite_server.localcall import CallHandle, LocalCall, stop_rank
+from ktlite_server.metrics import CallMetrics
 from ktlite_server.rank import PORT_SPAN
-from ktlite_server.ranks import Outcome, RankProcess
+from ktlite_server.ranks import Kept, Outcome, RankProcess, keep, kept
 from ktlite_wire import shm
 from ktlite_wire.distenv import port_free
 from ktlite_wire.status import Status
@@ -38,10 +40,12 @@ class PodCalls:
     last_generation: int
     calls: dict[str, CallHandle]
     calls_total: int
+    call_metrics: CallMetrics
     last_active: float  # monotonic time of the last authorized request or call end
-    finished: collections.OrderedDict[str, list[Outcome]]
+    finished: collections.OrderedDict[str, Kept]
     cancelled_early: collections.OrderedDict[str, tuple[Status, str]]
     _sinks: dict[int, dict[str, LogEmit]]
+    history: CallHistory
 
     if TYPE_CHECKING:  # the pod's, which this is mixed into
 
@@ -88,7 +92,7 @@ class PodCalls:
         ``generation`` and ``group_port`` name the process group its collectives use (pod 0's
         choice: see :meth:`next_generation`)."""
         if call_id in self.finished:
-            return self.finished[call_id]  # duplicate delivery runs once
+            return kept(self.finished[call_id])  # duplicate delivery runs once
         if call_id in self.calls:
             handle = self.calls[call_id]
             await handle.done.wait()
@@ -106,8 +110,12 @@ class PodCalls:
         finally:
             self.calls.pop(call_id, None)
             self.last_active = time.monotonic()  # idle from the call's end, not its start
+            self.call_metrics.ended(
+                handle.outcomes, self.last_active - handle.started, payload, path
+            )
             handle.done.set()
-            self.finished[call_id] = handle.outcomes
+            self.finished[call_id] = keep(handle.outcomes)
+            self.history.record(handle)  # the dashboard's recent calls (callhistory.py)
             while len(self.finished) > 256:
                 self.finished.popitem(last=False)
         return handle.outcomes

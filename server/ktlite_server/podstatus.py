@@ -24,6 +24,8 @@ async def pod_status(pod: Pod, stuck_after: float) -> dict[str, Any]:
     everything it started), ``calls`` (each running call's ``id`` and ``running_s``), and
     where this pod has NVML or ``nvidia-smi`` (``gpu_source`` says which): the rank's GPUs (its ``CUDA_VISIBLE_DEVICES``) with
     memory used/total and utilisation. Fields that cannot be known are None.
+    ``recent_calls``: the last calls this pod ran, with each rank's outcome and end
+    (:mod:`ktlite_server.callhistory`).
     """
     ranks = [r for r in pod.ranks if r is not None]
     live = [r.pid for r in ranks if r.alive and r.pid is not None]
@@ -72,6 +74,7 @@ async def pod_status(pod: Pod, stuck_after: float) -> dict[str, Any]:
         "gpu_error": gpu_error,
         "gpu_source": pod.gpu_query.source,
         "engine": await pod.engine_status(),
+        "recent_calls": pod.history.snapshot(),
     }
 
 

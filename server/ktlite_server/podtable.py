@@ -77,14 +77,12 @@ async def _child(
     params: dict[str, str],
 ) -> list[Entry]:
     first, budget = subtree[0], relay.timeout * SHRINK
-    below = calltree.LaunchRelay(
-        relay.pods, relay.names, subtree, relay.fanout, budget, relay.python
-    )
+    below = relay.below(subtree, budget)
     code: int | None = None
     try:
         status, body = await peers.request(
             method,
-            relay.pods[first] + path,
+            relay.url(first) + path,
             params=params,
             headers={TREE_HEADER: below.encode()},
             timeout=budget,
@@ -94,25 +92,25 @@ async def _child(
             if isinstance(entries, list) and len(entries) == len(subtree):
                 return entries
             why = (
-                f"pod {relay.names[first]} answered {path} with something other than a list of "
+                f"pod {relay.name(first)} answered {path} with something other than a list of "
                 f"{len(subtree)} entries, one per pod of its subtree"
             )
         else:
             code = status
             text = error_text(body)
-            why = f"pod {relay.names[first]} answered {path} with HTTP {status}: {text}"
+            why = f"pod {relay.name(first)} answered {path} with HTTP {status}: {text}"
     except PeerError as e:
-        why = f"pod {relay.names[first]} could not be asked for {path} (budget {budget:.3g}s): {e}"
+        why = f"pod {relay.name(first)} could not be asked for {path} (budget {budget:.3g}s): {e}"
     except (ValueError, TypeError) as e:
-        why = f"pod {relay.names[first]} answered {path} with something that is not a list: {e}"
+        why = f"pod {relay.name(first)} answered {path} with something that is not a list: {e}"
     via = (
-        f" (asked through pod {relay.names[first]}, which did not answer)"
+        f" (asked through pod {relay.name(first)}, which did not answer)"
         if len(subtree) > 1
         else ""
     )
     return [
         {
-            "pod": relay.names[j],
+            "pod": relay.name(j),
             "ordinal": j,
             "error": why if j == first else why + via,
             "code": code,

@@ -63,6 +63,7 @@ class StoreGate(Gate):
     """The pod server's gate with the store's paths: only a PUT of a value takes a body."""
 
     large_bodies = frozenset({PREFIX + "/key"})
+    large_prefixes = ()
     token_name = "store token"
     body_limit_name = "KTLITE_STORE_MAX_BODY"
 

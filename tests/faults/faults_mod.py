@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -133,6 +134,19 @@ def local_state(name: str) -> dict[str, Any]:
         state: dict[str, Any] = json.load(f)
     state["urls"] = [f"http://127.0.0.1:{p['port']}" for p in state["pods"]]
     return state
+
+
+def refuses(url: str) -> bool:
+    """Nothing listens at ``url`` any more. A killed pod server's process shows as a zombie
+    while its other threads still exit and hold its sockets: only then are they closed."""
+    host, _, port = url.rpartition("//")[2].partition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def signal_quietly(pid: int | None, sig: int) -> None:

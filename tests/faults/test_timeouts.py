@@ -218,8 +218,12 @@ def test_a_worker_pod_gone_before_the_call_is_started_again_and_the_call_runs_on
     remote = _fresh()
     assert remote(str(tmp_path), "warm", 0) == [0, 1]  # the coordinator knows pod 1
     pid = remote.status()[1]["server_pid"]
+    url = fm.local_state(NAME)["urls"][1]
     os.kill(pid, signal.SIGKILL)
     assert fm.wait_for(lambda: not fm.pid_alive(pid), 5.0)
+    # gone from the network too: its last thread has exited and closed its sockets (the
+    # process shows as a zombie a moment before: a call then finds pod 1 vanish mid-call)
+    assert fm.wait_for(lambda: fm.refuses(url), 5.0)
     quorum = COMPUTE.distributed.quorum_timeout
     t0 = time.monotonic()
     assert remote(str(tmp_path), "q", 0) == [0, 1]

@@ -34,6 +34,7 @@ from ktlite.net.client import PodClient
 from ktlite_wire import envelope
 from ktlite_wire.frames import RESULT
 from ktlite_wire.heartbeat import HEARTBEAT_S, SILENCE_ENV
+from ktlite_wire.outcome import CallResult
 
 NAME = "fx-tree"
 PODS = 7
@@ -112,6 +113,28 @@ def test_the_code_push_goes_once_to_pod_0_which_relays_it(deployment, monkeypatc
 
 
 @pytest.mark.timeout(240)
+def test_each_relay_passes_its_subtrees_push_answers_on_as_they_came(
+    deployment, monkeypatch
+) -> None:
+    """A relayed code push's answer is passed on as a call's is (small answers lifted, large
+    ones nested as they came): no pod decodes the outcomes of the pods below it (at a
+    thousand pods each relay decoded its 31 children's 8 ranks' outcomes and pod 0 its 999
+    pods')."""
+    answers: list[bytes] = []
+    real = CallResult.decode.__func__  # type: ignore[attr-defined]
+
+    def decode(cls: type[CallResult], data: Any) -> CallResult:
+        answers.append(bytes(data))
+        return real(cls, data)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(CallResult, "decode", classmethod(decode))
+    remote = _to(item_times_rank)
+    assert len(answers) == 1, "one push, answered by pod 0"
+    assert _shape(answers[0]) == (list(RANKS), [])
+    assert remote(3) == [3 * r for r in RANKS]
+
+
+@pytest.mark.timeout(240)
 def test_values_in_rank_order_logs_from_every_rank_and_per_rank_items(
     deployment, monkeypatch, capfd
 ) -> None:
@@ -160,12 +183,10 @@ def test_each_relay_passes_its_subtrees_results_on_as_they_came(deployment, monk
     remote = _to(shout)
     results = _result_frames(monkeypatch)
     assert remote(0) == list(RANKS)
-    # pod 0 holds its own rank and passes on pod 1's answer (which holds pod 2's and 3's as
-    # they came) and pod 4's: no pod decodes and encodes again the outcomes of those below it
-    assert _shape(bytearray(results[0])) == (
-        [0],
-        [([1], [([2], []), ([3], [])]), ([4], [([5], []), ([6], [])])],
-    )
+    # every answer here is small: pod 1 lifts pod 2's and 3's into its own, pod 0 pod 1's and
+    # pod 4's; no pod decodes a value of another (a large answer is nested as it came:
+    # tests/test_call_results.py), and the caller reads one message
+    assert _shape(bytearray(results[0])) == (list(RANKS), [])
 
 
 @pytest.mark.timeout(300)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import cluster_funcs
+import httpx
 import pytest
 
 import ktlite as kt
@@ -301,6 +303,51 @@ def test_logs_hold_each_ranks_lines_and_calls_stream_them(pair, capfd):
     )
 
 
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_the_dashboard_shows_a_cluster_deployment(pair):
+    """``ktlite dashboard`` over the API server: the deployment in the backend's list, its ranks
+    (pod 0 gathers the table, through the pod proxy), its calls' timeline with a failed rank's
+    traceback, its pods' logs followed by rank; never its token."""
+    import httpx
+
+    from ktlite.dashboard.access import HEADER
+    from ktlite.dashboard.serve import Dashboard
+
+    marker = f"kt-dash-{secrets.token_hex(4)}"
+    assert pair("print", marker) == [0, 1]
+    with pytest.raises(ValueError, match="boom from rank 1"):
+        pair("fail1", 0)
+    token = pair.deployment.applied.token
+    with Dashboard(backends=["kubernetes"], namespace=pair.deployment.backend.namespace) as board:
+
+        def get(path: str) -> Any:
+            resp = httpx.get(board.base_url + path, headers={HEADER: board.token}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            assert token not in resp.text
+            return resp.json()
+
+        (listed,) = get("/api/deployments")["backends"]
+        assert pair.name in [d["name"] for d in listed["deployments"]], listed
+        detail = get(f"/api/deployments/kubernetes/{pair.name}")
+        assert sorted(r["rank"] for p in detail["pods"] for r in p["ranks"]) == [0, 1]
+        failed, ok = detail["calls"][:2]  # newest first
+        assert ok["status"] == "ok" and {r["pod"] for r in ok["ranks"]} == {
+            f"{pair.name}-0",
+            f"{pair.name}-1",
+        }
+        assert failed["failed_ranks"] == [1]
+        assert "raise ValueError" in failed["ranks"][1]["error"]["traceback"]
+        path = f"/api/deployments/kubernetes/{pair.name}/logs"
+        lines = wait_for(
+            lambda: get(path)["lines"],
+            lambda lines: {0, 1} <= {x["rank"] for x in lines if marker in x["text"]},
+            timeout=60,
+        )
+        by_rank = {(x["pod"], x["rank"]) for x in lines if x["text"] == f"{marker} out rank=1"}
+        assert by_rank == {(f"{pair.name}-1", 1)}, lines[-20:]
+
+
 # ---- redeploy --------------------------------------------------------------------------------
 
 
@@ -504,3 +551,61 @@ def test_app_runs_a_command_in_the_shipped_working_directory(
         f"{NAME_LABEL}={name}", ("statefulsets", "services", "secrets", "pods"), timeout=120
     )
     assert left == {}, f"still there 120 s after app.teardown(): {left}"
+
+
+SERVED_APP = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        body = ("ok" if self.path == "/health" else os.environ["KTLITE_POD_NAME"]).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+@pytest.mark.kubernetes
+@pytest.mark.timeout(600)
+def test_a_served_app_is_reached_through_the_api_servers_pod_proxy(
+    deployments, make_compute, tmp_path
+):
+    # kt.app(port=...): the command serves inside each pod, where nothing outside the
+    # deployment may connect (its NetworkPolicy); the caller reaches it through the API
+    # server's pod proxy and the pod server's /ports/ route, at a local URL
+    # (one replica: the stand-in cluster's pods share one loopback interface, so two would
+    # contend for the port; on a cluster each pod has its own)
+    name = deployments.name("served")
+    port = 18000 + secrets.randbelow(2000)
+    (tmp_path / "serve.py").write_text(SERVED_APP)
+    app = kt.app(
+        ["python", "serve.py", str(port)],
+        name=name,
+        workdir=tmp_path,
+        port=port,
+        health_check="/health",
+        compute=make_compute(),
+    )
+    try:
+        (started,) = app.start()
+        assert started["pod"] == f"{name}-0"
+        assert httpx.get(app.url + "/", timeout=60).text == f"{name}-0"
+        body = os.urandom(2 << 20)
+        assert httpx.post(app.url + "/echo", content=body, timeout=120).content == body
+    finally:
+        app.teardown()

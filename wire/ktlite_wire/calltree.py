@@ -15,7 +15,7 @@ per-rank body is cut once per child::
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ktlite_wire.plan import CallPlan
@@ -48,38 +48,16 @@ def relay_meta(
     plan: CallPlan, subtree: list[int], per_rank: dict[str, Any] | None
 ) -> dict[str, Any]:
     """The plan a child that relays to ``subtree`` (itself first) is sent: a member's, plus
-    the pods and the subtree it coordinates (its ``workers``)."""
+    the pods of its subtree and nothing of the others (:meth:`CallPlan.window`), so what a
+    relay is sent and parses grows with its subtree, not with the deployment."""
     meta = plan.member_meta(per_rank)
-    meta.update(json.loads("{" + relay_shared(plan) + "}"))
-    meta["workers"] = subtree
+    meta.update(plan.window(subtree))
     return meta
 
 
-def relay_shared(plan: CallPlan) -> str:
-    """The part of a call's relay plans that every relay shares (the pods: at a thousand
-    pods, 45 KB), as JSON text without its braces: encoded once per call, not per child."""
-    shared = {
-        "fanout": True,
-        "pods": plan.pods,
-        "names": plan.names,
-        "num_proc": plan.num_proc,
-        "launch_id": plan.launch_id,
-        "quorum_timeout": plan.quorum_timeout,
-        "tree": plan.tree,
-    }
-    return _COMPACT.encode(shared)[1:-1]
-
-
-def relay_header(
-    plan: CallPlan, subtree: list[int], per_rank: dict[str, Any] | None, shared: str
-) -> str:
-    """The ``x-ktlite-call`` header of the child relaying to ``subtree``: its own fields, and
-    ``shared`` (:func:`relay_shared`) as it was encoded."""
-    meta = plan.member_meta(per_rank)
-    for key in ("fanout", "num_proc", "launch_id"):  # in the shared part
-        meta.pop(key, None)
-    meta["workers"] = subtree
-    return f"{_COMPACT.encode(meta)[:-1]},{shared}}}"
+def relay_header(plan: CallPlan, subtree: list[int], per_rank: dict[str, Any] | None) -> str:
+    """The ``x-ktlite-call`` header of the child relaying to ``subtree``."""
+    return _COMPACT.encode(relay_meta(plan, subtree, per_rank))
 
 
 def subtree_body(
@@ -109,10 +87,11 @@ def subtree_body(
 
 @dataclass(frozen=True)
 class LaunchRelay:
-    """The ``x-ktlite-tree`` header of a code push relayed down the tree: every pod's address
-    and name (by ordinal), the subtree the receiving pod (its first pod) installs the launch
-    on, the fan-out, how long a child may take to accept a connection before it is reported, and
-    the caller's Python.
+    """The ``x-ktlite-tree`` header of a code push (or a pod-table request) relayed down the
+    tree: the addresses and names of the pods from ordinal ``first`` on (the caller's names
+    every pod; a relay's only its subtree's, :meth:`below`), the subtree the receiving pod
+    (its first pod) relays to, the fan-out, how long a child may take to accept a connection
+    before it is reported, and the caller's Python.
     The body is the launch as pod 0 got it; each pod installs it with its own ordinal."""
 
     pods: list[str]
@@ -121,13 +100,17 @@ class LaunchRelay:
     fanout: int
     timeout: float
     python: str = ""  # the caller's Python (major.minor): a pod running another refuses
+    first: int = 0  # the ordinal of pods[0]
 
     def __post_init__(self) -> None:
         n = len(self.pods)
         if len(self.names) != n or not all(isinstance(p, str) for p in self.pods + self.names):
             raise ValueError("pods and names must be lists of strings of the same length")
-        if not self.subtree or not all(type(i) is int and 0 <= i < n for i in self.subtree):
-            raise ValueError(f"subtree must name pods between 0 and {n - 1}")
+        if type(self.first) is not int or self.first < 0:
+            raise ValueError(f"first={self.first!r} must be a whole number >= 0")
+        lo, hi = self.first, self.first + n
+        if not self.subtree or not all(type(i) is int and lo <= i < hi for i in self.subtree):
+            raise ValueError(f"subtree must name pods between {lo} and {hi - 1}")
         if type(self.fanout) is not int or self.fanout < 1:
             raise ValueError(f"fanout={self.fanout!r} must be a whole number >= 1")
         if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e9:
@@ -135,8 +118,27 @@ class LaunchRelay:
         if not isinstance(self.python, str) or len(self.python) > 20:
             raise ValueError(f"python={self.python!r} must be a version such as '3.11'")
 
+    def url(self, i: int) -> str:
+        """Pod ``i``'s address (``i`` an ordinal this header names)."""
+        return self.pods[i - self.first]
+
+    def name(self, i: int) -> str:
+        return self.names[i - self.first]
+
     def encode(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        # a dict of the fields, not dataclasses.asdict: that deep-copies the lists, and a
+        # relay encodes one header per child
+        return _COMPACT.encode(
+            {
+                "pods": self.pods,
+                "names": self.names,
+                "subtree": self.subtree,
+                "fanout": self.fanout,
+                "timeout": self.timeout,
+                "python": self.python,
+                "first": self.first,
+            }
+        )
 
     @classmethod
     def decode(cls, text: str) -> LaunchRelay:
@@ -147,6 +149,17 @@ class LaunchRelay:
         except (TypeError, RecursionError) as e:
             raise ValueError(f"malformed launch relay: {e}") from None
 
-    def below(self, subtree: list[int]) -> LaunchRelay:
-        """The header for the child that relays to ``subtree``."""
-        return LaunchRelay(self.pods, self.names, subtree, self.fanout, self.timeout, self.python)
+    def below(self, subtree: list[int], timeout: float | None = None) -> LaunchRelay:
+        """The header for the child that relays to ``subtree`` (``timeout``: its own, else
+        this one's): the pods from its first to its last only, so what a pod is sent and
+        parses grows with its subtree, not with the deployment."""
+        lo, hi = subtree[0] - self.first, subtree[-1] - self.first + 1
+        return LaunchRelay(
+            self.pods[lo:hi],
+            self.names[lo:hi],
+            subtree,
+            self.fanout,
+            self.timeout if timeout is None else timeout,
+            self.python,
+            subtree[0],
+        )

@@ -28,6 +28,7 @@ class ErrorCode(str, Enum):
     FORBIDDEN = "forbidden"  # (data store) the token's scope does not reach the key
     STORE_FULL = "store_full"  # (data store) the store holds KTLITE_STORE_MAX_BYTES already
     INTERNAL = "internal"  # an infrastructure failure on the pod
+    PORT_UNREACHABLE = "port_unreachable"  # /ports/P: nothing answers on port P in the pod
 
     def __str__(self) -> str:
         return self.value

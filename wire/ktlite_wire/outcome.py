@@ -45,26 +45,46 @@ class RankOutcome(NamedTuple):
 class Subtree(NamedTuple):
     """A pod's whole answer to a call it relayed, as it sent it: the encoded
     :class:`CallResult` (passed on untouched, decoded by the caller alone) and what its
-    relay needs of it, read from the message's head (its own rows, not its subtree's)."""
+    relay needs of it, read from the message's head (its own rows, not its subtree's).
+    ``head`` and ``bufs``: the head and buffers of a small answer with no subtrees of its
+    own (a leaf pod's), which the relay lifts into its own result (:meth:`CallResult.encode`)
+    rather than nesting it: the caller then reads one message per relay, not one per pod."""
 
     data: memoryview
     failed: int | None  # the lowest rank below it that failed of its own (Status.failed)
     not_ok: int  # how many of its outcomes are not OK
+    head: dict[str, Any] | None = None
+    bufs: list[memoryview] | None = None
 
     @classmethod
     def peek(cls, data: Any) -> Subtree:
         """The summary of an encoded result, its subtrees' rows left undecoded. Raises
         ProtocolError for a malformed head (the rows are checked by whoever decodes them)."""
-        header, _ = envelope.decode(data, "call result")
+        header, bufs = envelope.decode(data, "call result")
         failed, not_ok = header.get("failed"), header.get("not_ok")
         if (failed is not None and type(failed) is not int) or type(not_ok) is not int:
             raise ProtocolError(
                 f"a relayed call result needs 'failed' (a rank or null) and 'not_ok' (a count), "
                 f"got {failed!r} and {not_ok!r}"
             )
-        return cls(memoryview(data).cast("B"), failed, not_ok)
+        view = memoryview(data).cast("B")
+        rows, runs = header.get("outcomes"), header.get("runs") or []
+        if (
+            not header.get("subtrees")
+            and type(rows) is list
+            and type(runs) is list
+            and len(rows) + len(runs) <= LIFT_MAX
+        ):
+            return cls(view, failed, not_ok, header, bufs)
+        return cls(view, failed, not_ok)
 
 
+# a child's answer of at most this many rows and runs (a leaf pod's: one run for its 8 ranks
+# that returned a value) is lifted into its relay's result, a larger one nested untouched: a
+# relay's work per call stays bounded by its children, whatever their ranks. Small: lifting
+# costs the relay about what it saves the caller per entry, and pod 0, on every call's path,
+# should not lift its relays' answers (32 children x 8 pods at 256 pods)
+LIFT_MAX = 4
 MAX_NESTING = 32  # relays within relays; a deeper claim is corruption (a tree has ~log N)
 # a value this small that every rank of a run sent alike travels once: below the codec's
 # out-of-band size (4096), so each rank's copy decoded from it shares no memory with another's
@@ -143,13 +163,20 @@ class CallResult:
         failed, not_ok = self.summary()
         header: dict[str, Any] = {"outcomes": rows, "started": self.started}
         header["failed"], header["not_ok"] = failed, not_ok
+        held, nested = self.held, []
+        for s in self.subtrees:
+            if s.head is None or s.bufs is None or not _lift(s.head, s.bufs, rows, runs, buffers):
+                nested.append(s)
+            else:  # a lifted child's count is this result's (a malformed one: held)
+                count = s.head.get("held", 0)
+                held += count if type(count) is int and count >= 0 else 1
         if runs:
             header["runs"] = runs
-        if self.held:
-            header["held"] = self.held
-        if self.subtrees:
-            header["subtrees"] = list(range(len(buffers), len(buffers) + len(self.subtrees)))
-            buffers += [s.data for s in self.subtrees]
+        if held:
+            header["held"] = held
+        if nested:
+            header["subtrees"] = list(range(len(buffers), len(buffers) + len(nested)))
+            buffers += [s.data for s in nested]
         return envelope.encode(header, buffers)
 
     def encode_bytes(self) -> bytes:
@@ -161,6 +188,31 @@ class CallResult:
         views of ``data`` (writable when ``data`` is)."""
         read = ReadResult(data)
         return cls(read.outcomes, read.started)
+
+
+def _lift(
+    head: dict[str, Any],
+    bufs: list[memoryview],
+    rows: list[Any],
+    runs: list[Any],
+    buffers: list[Any],
+) -> bool:
+    """Add a small child answer's rows, runs and buffers to a result being encoded (its
+    buffer indexes moved past ``buffers``); False, nothing added, when its head is not as
+    this wire writes it (then it is nested as it came, and the caller says what is wrong)."""
+    base = len(buffers)
+    try:
+        mine = [
+            [*row[:5], None if row[5] is None else base + row[5], row[6]]
+            for row in head["outcomes"]
+        ]
+        theirs = [[*run[:3], base + run[3], run[4]] for run in head.get("runs") or []]
+    except (TypeError, IndexError, KeyError):
+        return False
+    rows += mine
+    runs += theirs
+    buffers += bufs
+    return True
 
 
 class ReadResult:

@@ -26,7 +26,9 @@ class CallPlan:
     """
 
     id: str
-    pods: list[str] = field(default_factory=list)  # every pod's URL, by ordinal
+    # the pods' URLs by ordinal, from ordinal ``first_pod`` on: the caller's plan names every
+    # pod; a relay's (ktlite_wire.calltree) only the pods of the subtree it coordinates
+    pods: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)  # their names (for errors and logs)
     workers: list[int] | None = None  # only these pods run it (None: all)
     timeout: float | None = None  # the call's limit in seconds (None: none)
@@ -46,6 +48,8 @@ class CallPlan:
     # a call tree of this fan-out (ktlite_wire.calltree): each pod relays the call to at most
     # this many children; 0: flat, pod 0 calls every pod itself
     tree: int = 0
+    first_pod: int = 0  # the ordinal of pods[0]
+    first_rank: int = 0  # the global rank of that pod's first rank
     generation: int | None = None  # the process-group generation, set by pod 0
     group_port: int | None = None  # its MASTER_PORT, picked by pod 0 (None: the first one)
     # a per-rank call: the body is the shared message, then each rank's items
@@ -82,16 +86,21 @@ class CallPlan:
             raise ValueError(f"num_proc has {len(num_proc)} entries for {len(self.pods)} pods")
         self.num_proc, self.sizes = num_proc, list(sizes)
         self.launch_id = _str("launch_id", self.launch_id)
+        if self.first_pod or self.first_rank:  # a relay's plan: its subtree's pods only
+            for key in ("first_pod", "first_rank"):
+                value = getattr(self, key)
+                if type(value) is not int or value < 0:
+                    raise ValueError(f"{key}={value!r} must be a whole number >= 0")
 
     def _check_call(self) -> None:
         """The fields of one call."""
         self.id = _str("id", self.id, required=True)
         if self.workers is not None:
             self.workers = _list("workers", self.workers, int)
-            if not self.workers or not 0 <= min(self.workers) <= max(self.workers) < len(self.pods):
+            lo, n = self.first_pod, len(self.pods)
+            if not self.workers or not lo <= min(self.workers) <= max(self.workers) < lo + n:
                 raise ValueError(
-                    f"workers={self.workers!r} must be pod indices between 0 and "
-                    f"{len(self.pods) - 1}"
+                    f"workers={self.workers!r} must be pod indices between {lo} and {lo + n - 1}"
                 )
         self.timeout = _seconds("timeout", self.timeout, None)
         flags = (self.stream_logs, self.restart, self.shm_results)
@@ -204,14 +213,45 @@ class CallPlan:
         call_text = _COMPACT.encode(meta)
         return f"{call_text[:-1]},{pods_text}}}" if pods_text else call_text
 
+    def ordinals(self) -> range:
+        """The ordinals of the pods this plan names (a relay's: its subtree's)."""
+        return range(self.first_pod, self.first_pod + len(self.pods))
+
+    def url(self, i: int) -> str:
+        """Pod ``i``'s URL (``i`` an ordinal this plan names)."""
+        return self.pods[i - self.first_pod]
+
     def name(self, i: int) -> str:
         """Pod ``i``'s name (its URL when the caller sent no names)."""
-        return self.names[i] if self.names else self.pods[i]
+        return self.names[i - self.first_pod] if self.names else self.url(i)
 
     def pod_ranks(self, i: int) -> range:
         """The global ranks of pod ``i``."""
-        start = sum(self.sizes[:i])
-        return range(start, start + self.sizes[i])
+        at = i - self.first_pod
+        start = self.first_rank + sum(self.sizes[:at])
+        return range(start, start + self.sizes[at])
+
+    def window(self, subtree: list[int]) -> dict[str, Any]:
+        """The pods' part of the plan of a relay that coordinates ``subtree`` (ordinals in
+        order, itself first): the pods from its first to its last only, not every pod (at a
+        thousand pods the whole list is 45 KB, and pod 0 sends a plan to each of its
+        children), and ``workers`` when the subtree skips some of them."""
+        lo, hi = subtree[0] - self.first_pod, subtree[-1] - self.first_pod + 1
+        num_proc = self.num_proc
+        meta: dict[str, Any] = {
+            "fanout": True,
+            "pods": self.pods[lo:hi],
+            "names": self.names[lo:hi],
+            "num_proc": num_proc[lo:hi] if isinstance(num_proc, list) else num_proc,
+            "first_pod": subtree[0],
+            "first_rank": self.pod_ranks(subtree[0]).start,
+            "launch_id": self.launch_id,
+            "quorum_timeout": self.quorum_timeout,
+            "tree": self.tree,
+        }
+        if len(subtree) != hi - lo:  # the caller's workers= left some of them out
+            meta["workers"] = subtree
+        return meta
 
     def member_meta(self, per_rank: dict[str, Any] | None = None) -> dict[str, Any]:
         meta = {
@@ -307,7 +347,18 @@ _DEFAULTS: dict[str, Any] = {
 }
 _DEFAULT_ITEMS = tuple((name, _DEFAULTS[name]) for name in _FIELDS[1:])  # init fields only
 # the fields every call to the same pods shares (checked by _check_pods), and the call's own
-_PODS_PART = frozenset(("pods", "names", "fanout", "quorum_timeout", "num_proc", "launch_id"))
+_PODS_PART = frozenset(
+    (
+        "pods",
+        "names",
+        "fanout",
+        "quorum_timeout",
+        "num_proc",
+        "launch_id",
+        "first_pod",
+        "first_rank",
+    )
+)
 _PODS_DEFAULTS = tuple(item for item in _DEFAULT_ITEMS if item[0] in _PODS_PART)
 _CALL_DEFAULTS = tuple(item for item in _DEFAULT_ITEMS if item[0] not in _PODS_PART)
 

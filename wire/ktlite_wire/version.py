@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-# 7: a call result says how many ranks may still map the call's argument file (``held``),
+# 8: a call result says how many ranks may still map the call's argument file (``held``),
 #    and a rank's Result whether it let go of it: a caller on the pods' host writes its next
 #    argument into the same file only when none does; an older pod never says so.
+# 7: a relay's call plan and a relayed push's header name only the pods of its subtree
+#    (``first_pod``/``first_rank``, ``first``), and a relayed push nests its children's
+#    results as a call does; an older pod would index the window as the whole pod list.
 # 6: a relay passes its children's call results on untouched (a result nests them:
 #    ``subtrees``), and a pod's ranks that returned a value are one ``runs`` entry, not a row
 #    each; an older caller would miss every nested rank. 5: a served deployment's launches carry their generation, a pod refuses an older one
 #    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
 #    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
 #    calls, notices, shipped sources.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 

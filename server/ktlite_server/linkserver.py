@@ -1,0 +1,314 @@
+"""A member pod's end of a peer link (``linkframes``): the calls another pod sends it over one
+persistent connection, each run exactly as a ``POST /call`` is (``Calls.call``: the same
+checks, the same frame stream, the same re-attach and cancel rules), without an HTTP request,
+an ASGI cycle and a response head per call.
+
+A link is opened by ``POST /link`` on the pod server's port: the admission gate has checked the
+deployment's token and the protocol version from the request head before it reaches here (TLS
+where the server has it), and :func:`take_over` turns the connection into a :class:`LinkServer`.
+A stream the caller closes (``CLOSE``), or a link that breaks, is a caller that disconnected:
+its call is abandoned as an HTTP call's is when its connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from ktlite_server import linkframes, resultfeed
+from ktlite_wire import envelope
+from ktlite_wire.errors import ErrorCode, ProtocolError
+from ktlite_wire.headers import CALL_HEADER, ERROR_CODE_HEADER
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from ktlite_server.streams import CallStream
+
+logger = logging.getLogger(__name__)
+
+TAKE_OVER = "ktlite.take_over"  # the ASGI scope extension: it(scope, make) -> bool
+PIECE = 1 << 20  # a large frame leaves in messages of at most this many bytes
+# what a call over a link is handed to: the call's stream and its first frame (Calls.call)
+Serve = Callable[[Request], Awaitable[Any]]
+
+
+def take_over(http: HttpToolsProtocol, scope: Any, make: Callable[[Any], asyncio.Protocol]) -> bool:
+    """Answer the request of ``scope`` with ``101`` and give its connection to the protocol
+    ``make(transport)`` returns; False when the request is not the connection's current one
+    or its answer has begun (then nothing changed)."""
+    cycle = http.cycle
+    if cycle is None or cycle.scope is not scope or cycle.response_started or cycle.disconnected:
+        return False
+    cycle.response_started = cycle.response_complete = True  # uvicorn writes nothing more
+    cycle.message_event.set()
+    cancel = getattr(http, "_cancel_head_timer", None)
+    if cancel is not None:
+        cancel()
+    http.connections.discard(http)  # no longer an HTTP connection: not evicted, not drained
+    transport = http.transport
+    transport.write(linkframes.SWITCH)
+    transport.set_protocol(make(transport))
+    return True
+
+
+class _Out:
+    """One call's frames on the link (``streams.FrameOut``)."""
+
+    def __init__(self, link: LinkServer, stream: int) -> None:
+        self.link = link
+        self.stream = stream
+        self.closed = False  # the caller closed the stream, or the link broke
+        self.failed = 0
+        self._wake: Callable[[], None] | None = None
+
+    @property
+    def gone(self) -> bool:
+        return self.closed or self.link.lost
+
+    async def open(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self.link.write([linkframes.head_message(self.stream, 200)])
+
+    def disconnect(self) -> None:
+        self.closed = True
+        if self._wake is not None:
+            self._wake()
+
+    async def write(self, items: list[Any], last: bool) -> None:
+        link = self.link
+        out: list[Any] = []
+        for i, item in enumerate(items):
+            self.failed = i
+            parts = item if isinstance(item, list) else [item]
+            if link.paused:
+                link.write(out)
+                out = []
+                await link.drain()
+            if self.gone:
+                return
+            if resultfeed.growing(parts):  # a result its rank still writes: each run once written
+                link.write(out)
+                out = []
+                async for run in resultfeed.written(parts):
+                    await self._data(run)
+                    if self.gone:
+                        return
+                continue
+            size = envelope.parts_size(parts)
+            if size <= PIECE:
+                out += (linkframes.header(linkframes.DATA, self.stream, size), *parts)
+                continue
+            link.write(out)
+            out = []
+            await self._data(parts)
+        if last:
+            out.append(linkframes.header(linkframes.END, self.stream, 0))
+        link.write(out)
+
+    async def _data(self, parts: list[Any]) -> None:
+        """``parts`` as DATA messages of at most PIECE bytes, each once the link drained."""
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for i in range(0, view.nbytes, PIECE):
+                if self.link.paused:
+                    await self.link.drain()
+                if self.gone:
+                    return
+                piece = view[i : i + PIECE]
+                self.link.write(
+                    [linkframes.header(linkframes.DATA, self.stream, piece.nbytes), piece]
+                )
+
+    def close(self) -> None:
+        self._wake = None
+
+
+class LinkServer(asyncio.Protocol):
+    """A member pod's end of one link: ``serve`` runs each call (``Calls.call``)."""
+
+    def __init__(self, transport: Any, serve: Serve, max_body: int, idle_s: float) -> None:
+        self.transport = transport
+        self.serve = serve
+        self.max_body = max_body
+        self.idle_s = idle_s  # a link without a call this long is closed (KTLITE_IDLE_TIMEOUT)
+        self.lost = False
+        self._active = 0  # calls on the link (from their CALL to the end of their answer)
+        self._last = time.monotonic()
+        self._idle = asyncio.get_running_loop().call_later(idle_s, self._idle_check)
+        self.paused = False
+        self._drained: asyncio.Event | None = None
+        self._reader = linkframes.Reader()
+        self._outs: dict[int, _Out] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __repr__(self) -> str:
+        return f"LinkServer({len(self._outs)} streams, lost={self.lost})"
+
+    def write(self, parts: list[Any]) -> None:
+        if parts and not self.lost:
+            self.transport.writelines(parts)
+
+    async def drain(self) -> None:
+        while self.paused and not self.lost:
+            if self._drained is None:
+                self._drained = asyncio.Event()
+            await self._drained.wait()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self._drained is not None:
+            self._drained.set()
+            self._drained = None
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for kind, stream, payload in self._reader.feed(data):
+                if kind == linkframes.CALL:
+                    task = asyncio.get_running_loop().create_task(self._call(stream, payload))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                elif kind == linkframes.CLOSE:
+                    out = self._outs.get(stream)
+                    if out is not None:
+                        out.disconnect()
+                else:
+                    raise ProtocolError(f"a link message of kind {kind} from the caller's side")
+        except ProtocolError as e:
+            logger.warning("closed a peer link that sent a malformed message: %s", e)
+            self.transport.abort()
+
+    def _idle_check(self) -> None:
+        """Close a link idle for ``idle_s`` (its pod went away without closing it, or stopped
+        calling): the other end opens a new one for its next call, as for an HTTP keep-alive
+        connection closed meanwhile. Checked lazily: no timer per call."""
+        idle = time.monotonic() - self._last
+        if self._active or idle < self.idle_s:
+            wait = self.idle_s - (0.0 if self._active else idle)
+            self._idle = asyncio.get_running_loop().call_later(wait, self._idle_check)
+            return
+        logger.debug("closed a peer link idle for %.0fs", idle)
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._idle.cancel()
+        self.resume_writing()  # wakes a writer that waits for the link to drain
+        for out in list(self._outs.values()):
+            out.disconnect()
+
+    async def _call(self, stream: int, payload: memoryview) -> None:
+        self._active += 1
+        try:
+            await self._run(stream, payload)
+        finally:
+            self._active -= 1
+            self._last = time.monotonic()
+
+    async def _run(self, stream: int, payload: memoryview) -> None:
+        try:
+            meta, body = linkframes.split_call(payload)
+        except (ProtocolError, UnicodeDecodeError) as e:
+            self._refuse(stream, 400, ErrorCode.BAD_REQUEST.value, f"malformed link call: {e}")
+            return
+        if body.nbytes > self.max_body:
+            self._refuse(
+                stream,
+                413,
+                ErrorCode.TOO_LARGE.value,
+                f"body of {body.nbytes} bytes is larger than this server's limit of "
+                f"{self.max_body} bytes (KTLITE_MAX_BODY)",
+            )
+            return
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/call",
+            "query_string": b"",
+            "headers": [
+                (CALL_HEADER.encode(), meta.encode()),
+                (b"content-length", str(body.nbytes).encode()),
+            ],
+        }
+        try:
+            response = await self.serve(Request(scope, receive))
+        except HTTPException as e:
+            code = (e.headers or {}).get(ERROR_CODE_HEADER, "")
+            self._refuse(stream, e.status_code, code, str(e.detail))
+            return
+        except Exception as e:  # noqa: BLE001 - an infrastructure failure: the caller hears it
+            logger.exception("a call over a peer link failed before it started")
+            self._refuse(stream, 500, ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}")
+            return
+        call: CallStream = response.stream
+        out = self._outs[stream] = _Out(self, stream)
+        try:
+            await call.send(out, response.start)
+        finally:
+            self._outs.pop(stream, None)
+
+    def _refuse(self, stream: int, status: int, code: str, detail: str) -> None:
+        body = json.dumps({"detail": detail}).encode()
+        self.write([linkframes.head_message(stream, status, code, body)])
+
+
+class Links:
+    """ASGI: ``POST /link`` becomes a link (behind the admission gate, which checked the token
+    and version); every other request goes on to ``app``."""
+
+    def __init__(self, app: Any, serve: Serve, max_body: int, idle_s: float) -> None:
+        self.app = app
+        self.serve = serve
+        self.max_body = max_body
+        self.idle_s = idle_s
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != linkframes.PATH:
+            await self.app(scope, receive, send)
+            return
+        take = (scope.get("extensions") or {}).get(TAKE_OVER)
+        if (
+            scope["method"] == "POST"
+            and take is not None
+            and take(
+                scope,
+                lambda t: LinkServer(t, self.serve, self.max_body, self.idle_s),
+            )
+        ):
+            return
+        detail = (
+            "a peer link is opened with POST on a pod server's own connection"
+            if scope["method"] == "POST"
+            else f"{scope['method']} {linkframes.PATH}: a peer link is opened with POST"
+        )
+        body = json.dumps({"detail": detail}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 400,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (ERROR_CODE_HEADER.encode(), ErrorCode.BAD_REQUEST.value.encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
