@@ -18,9 +18,10 @@ from typing import Any, Protocol
 
 from ktlite.backends.base import Applied, Backend, PodEndpoint
 from ktlite.errors import ConfigError, ProtocolMismatch
+from ktlite.net.call_reply import CallReply
 from ktlite.net.client import PodClient
 from ktlite.specs.deployment_spec import DeploymentSpec
-from ktlite_wire import envelope, shm
+from ktlite_wire import argfiles, envelope, shm
 from ktlite_wire.plan import CallPlan
 
 # for work on every pod at once (health checks, launches, cancels, status)
@@ -132,25 +133,48 @@ class CallPlans:
         return plan
 
 
+class SentArguments:
+    """A call's arguments as they are sent: ``parts`` (inline), or none with the plan naming
+    the shared-memory file they were written to. :meth:`done` with the call's reply says
+    whether that file may take the next call's arguments."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.reusable = False
+
+    def done(self, reply: CallReply) -> None:
+        """The call answered: its file is free when every rank said it let go of it."""
+        self.reusable = reply.held == 0 and reply.all_ok()
+
+
 @contextlib.contextmanager
-def shm_arguments(applied: Applied, plan: CallPlan, parts: list[Any]) -> Iterator[list[Any]]:
+def shm_arguments(applied: Applied, plan: CallPlan, parts: list[Any]) -> Iterator[SentArguments]:
     """The call's parts as they are sent: where the pods share this machine (local backend;
     ``KTLITE_SHM=0`` turns it off) results come back in shared-memory files, and arguments too
-    big to inline go in one, removed (on a thread: ``shm.remove_later``) when the call ends
-    (``plan`` says so)."""
+    big to inline go in one (``plan`` says so): a warm one of this process's
+    (``ktlite_wire.argfiles``) when one is free, kept for the next call when the reply says
+    no rank maps it any more (:meth:`SentArguments.done`), else removed (on a thread)."""
     if not applied.same_host or os.environ.get("KTLITE_SHM", "1") == "0":
-        yield parts
+        yield SentArguments(parts)
         return
     plan.shm_results = True
-    if envelope.parts_size(parts) <= shm.INLINE_MAX:
-        yield parts
+    size = envelope.parts_size(parts)
+    if size <= shm.INLINE_MAX:
+        yield SentArguments(parts)
         return
-    arg_file, size = shm.write(parts, shm.ARG_PREFIX)
-    plan.shm = [arg_file, size]
+    files = argfiles.process()
+    landed = files.take(size)
     try:
-        yield []
+        shm.write_into(landed.fd, parts, size, lambda n: None)
+    except BaseException:
+        files.give_back(landed, reusable=True)  # no pod saw it
+        raise
+    plan.shm = [landed.path, size]
+    sent = SentArguments([])
+    try:
+        yield sent
     finally:
-        shm.remove_later(arg_file)  # freeing its pages need not delay the call's return
+        files.give_back(landed, sent.reusable)
 
 
 def print_log(rank: int, pod: str, stream: str, text: str) -> None:

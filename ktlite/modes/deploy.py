@@ -35,6 +35,7 @@ from ktlite.modes.submissions import Submissions
 from ktlite.net.client import PodClient
 from ktlite.net.progress import ticking
 from ktlite.specs.deployment_spec import DeploymentSpec
+from ktlite_wire import argfiles
 from ktlite_wire.launch import Colocation
 
 __all__ = [
@@ -269,6 +270,7 @@ class Deployment:
         self.backend.teardown(self.name, timeout=limit, volumes=volumes)
         for ep in self.endpoints:
             self.client.forget(ep.url)
+        argfiles.process().clear()  # the warm argument files this process kept (none in use)
         self.close()
 
     def close(self) -> None:

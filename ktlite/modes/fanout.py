@@ -212,6 +212,8 @@ class Fanout(Mode):
         sent = sending.__enter__()  # left when the call ends: on the thread that reads it
 
         def finished(reply: CallReply | None, error: BaseException | None) -> None:
+            if reply is not None:
+                sent.done(reply)
             sending.__exit__(None, None, None)
             if reply is not None and (blobs := reply.values()) is not None:
                 values = decode_values(blobs)  # the usual end: every rank returned a value
@@ -236,7 +238,7 @@ class Fanout(Mode):
                 return
             done(values, None)
 
-        self.client.start_call(eps[0].url, plan, sent, log, finished, pod=eps[0].name)
+        self.client.start_call(eps[0].url, plan, sent.parts, log, finished, pod=eps[0].name)
         return True
 
     def pick_workers(self, workers: Any) -> list[int]:
@@ -295,7 +297,8 @@ class Fanout(Mode):
     ) -> list[Any]:
         plan, watch, log = self.plan_call(options, log, on_send, per_rank)
         with shm_arguments(self.dep.applied, plan, parts) as sent:
-            reply = self._send(plan, sent, log, watch)
+            reply = self._send(plan, sent.parts, log, watch)
+            sent.done(reply)
         return self.values(reply, watch)
 
     def plan_call(

@@ -290,7 +290,8 @@ class Routing(Mode):
         try:
             with shm_arguments(dep.applied, plan, parts) as sent:
                 log = (log or print_log) if plan.stream_logs else None
-                reply = dep.client.call(ep.url, plan, sent, log, None, pod=ep.name)
+                reply = dep.client.call(ep.url, plan, sent.parts, log, None, pod=ep.name)
+                sent.done(reply)
         except NotDeployedError as e:
             # 409 before anything ran: the replica runs another launch (or none); it leaves the
             # routing until it reports ours, and the call may safely go to another replica

@@ -57,6 +57,15 @@ class CallReply:
         """Every rank's encoded value in rank order; None unless every rank returned one."""
         return self._result.values()
 
+    @property
+    def held(self) -> int:
+        """How many ranks may still map the call's argument file (``ktlite_wire.argfiles``)."""
+        return self._result.held
+
+    def all_ok(self) -> bool:
+        """Every rank returned a value."""
+        return self._result.all_ok()
+
 
 class FrameReader:
     """Reads a call's frame stream: prints logs, passes notices on, returns the result; counts

@@ -8,10 +8,8 @@ that lost its stream attaches again and never runs the call twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,15 +18,16 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from ktlite_server.bodies import discard_body, read_body
+from ktlite_server.bodies import discard_body, receive_body
 from ktlite_server.callresponse import RAW_RESPONSE
 from ktlite_server.coordinator import Coordinator, run_local
 from ktlite_server.directbody import WRITE_CHUNK
 from ktlite_server.localcall import LOG_BODIES
 from ktlite_server.pod import Pod
+from ktlite_server.ranks import kept
 from ktlite_server.refusal import refuse
 from ktlite_server.streams import RETAIN_S, AsgiOut, CallStream, Streams
-from ktlite_wire import codec, shm
+from ktlite_wire import argfiles, codec, shm
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
 from ktlite_wire.frames import RESULT, error_frame, frame_item
 from ktlite_wire.headers import CALL_HEADER, RESUME_HEADER, UPTIME_HEADER
@@ -96,6 +95,18 @@ class FastCall:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _held(pod: Pod, call_id: str, path: str | None) -> int:
+    """How many of this pod's ranks may still map the argument file of call ``call_id``
+    (``path``; none without one): each rank's Result says whether it let go of it. Unknown
+    outcomes (no local rank ran it, or its run was cut short) count as held."""
+    if path is None:
+        return 0
+    outs = pod.finished.get(call_id)
+    if not outs:
+        return 1
+    return sum(1 for o in kept(outs) if o.holds_args)
 
 
 class Calls:
@@ -173,10 +184,11 @@ class Calls:
                 pod.cancel(plan.id, Status.CANCELLED, "the caller disconnected")
 
         stream = streams.open(plan.id, plan.reattach, abandoned)
-        own_file = plan.shm is None
+        landed = None  # the file a large body landed in (this pod's: given back at the end)
         try:
             if plan.shm is None:
-                body, path = await read_body(request, self.max_body)
+                body, landed = await receive_body(request, self.max_body, argfiles.process())
+                path = None if landed is None else landed.path
             else:  # the caller shares this host and wrote the arguments to shared memory
                 try:
                     path = shm.check(str(plan.shm[0]), shm.ARG_PREFIX)
@@ -199,9 +211,8 @@ class Calls:
                                 f"({view.nbytes} bytes)"
                             )
             except ProtocolError as e:
-                if path and own_file:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+                if landed is not None:  # no rank saw it
+                    argfiles.process().give_back(landed, reusable=True)
                 raise refuse(400, ErrorCode.BAD_REQUEST, f"malformed call body: {e}") from e
         except BaseException:
             streams.refused(stream)
@@ -223,6 +234,7 @@ class Calls:
                 coordinator.cancel(*early)
 
         async def produce() -> None:
+            held = 1  # unknown until the call's outcomes are in
             try:
                 if (
                     coordinator is not None
@@ -238,6 +250,9 @@ class Calls:
                     result = await coordinator.run(body, path, stream.emit)
                 else:
                     result = CallResult(await run_local(pod, plan, body, path, stream.emit))
+                # whether this pod's ranks let go of the argument file: the caller (on this
+                # host) writes its next argument into the same file only when none holds it
+                result.held = held = _held(pod, plan.id, path)
                 if coordinator is not None and result.summary()[1]:
                     # a failed or stopped call may leave ranks out of step in their process
                     # group: the next call forms a new one (every rank, on a new port)
@@ -246,8 +261,8 @@ class Calls:
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the caller
                 stream.emit(error_frame(WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)))
             finally:
-                if path and own_file:  # freeing a large body's pages off the event loop
-                    shm.remove_later(path)
+                if landed is not None:  # kept for the next argument when no rank maps it
+                    argfiles.process().give_back(landed, reusable=held == 0)
                 coordinators.pop(plan.id, None)
                 streams.finished(stream)
 

@@ -24,6 +24,7 @@ after waiting for the transport to drain, as uvicorn's own ``send`` does.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -69,16 +70,26 @@ class FileSink:
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
+        self.pos = 0
         self.left = size
         self.piece = memoryview(bytearray(min(PIECE, max(size, 1))))
 
     def buffer(self) -> memoryview:
         return self.piece[: min(self.piece.nbytes, self.left)]
 
+    def close(self) -> None:
+        """Write nothing more (the file went back, or away): a byte still arriving fails the
+        body (``BodyInto`` aborts the connection) instead of landing in a file reused."""
+        self.fd = -1
+
     def filled(self, n: int) -> None:
+        if self.fd < 0:
+            raise OSError(errno.EBADF, "the body's file was given up before its end arrived")
         data = self.piece[:n]
         while data:
-            data = data[os.write(self.fd, data) :]
+            k = os.pwrite(self.fd, data, self.pos)
+            self.pos += k
+            data = data[k:]
         self.left -= n
 
 

@@ -166,22 +166,32 @@ class LocalCall:
         except RankGone as e:
             # we stopped it (SIGKILL); a rank that exited by itself, even while we were
             # stopping it, keeps its own exit code and is reported as a death. A rank that
-            # ran other calls too fails each of them with its death.
+            # ran other calls too fails each of them with its death. (A process it forked
+            # may still map the argument file: it counts as held.)
+            held = msg.path is not None
             if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
-                return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
+                return Outcome(
+                    rank.global_rank,
+                    handle.stop_kind,
+                    message=handle.stop_reason,
+                    holds_args=held,
+                )
             rank.died_in_call = True
-            return Outcome(rank.global_rank, Status.DIED, message=str(e))
+            return Outcome(rank.global_rank, Status.DIED, message=str(e), holds_args=held)
         finally:
             rank.running.pop(handle.call_id, None)
         if rank.tainted:  # stopped inside an import: replaced before its next call
             rank.kill()
+        held = msg.path is not None and not result.released
         if (
             not result.ok and handle.stop_kind
         ):  # interrupted on its own (CallInterrupted): the stop's outcome
             if result.path is not None:  # its exception's info, large: nobody takes the file
                 rank.feed(handle.call_id)
                 shm.remove_later(result.path)
-            return Outcome(rank.global_rank, handle.stop_kind, message=handle.stop_reason)
+            return Outcome(
+                rank.global_rank, handle.stop_kind, message=handle.stop_reason, holds_args=held
+            )
         return Outcome(
             rank.global_rank,
             Status.OK if result.ok else Status.ERROR,
@@ -189,6 +199,7 @@ class LocalCall:
             path=result.path,
             size=result.size,
             feed=rank.feed(handle.call_id) if result.streaming else None,
+            holds_args=held,
         )
 
 

@@ -32,6 +32,7 @@ from urllib.parse import urlencode, urlsplit
 
 from ktlite_wire import pinning
 
+WRITE_PIECE = 1 << 20  # a larger body is written this much at a time, each after a drain
 PROBE_AFTER_S = 2.0  # a pooled connection older than this is probed before a call relies on it
 
 
@@ -197,6 +198,27 @@ class PeerResponse:
             self._conn.close()
 
 
+async def _write_body(
+    writer: asyncio.StreamWriter, pieces: list[memoryview], timeout: float, key: str
+) -> None:
+    """A large body, a piece of at most WRITE_PIECE at a time, each after the connection
+    drained (a TLS transport encrypts what it is given at once: it holds one piece, not the
+    body, and a slow peer holds up its own post only). A peer that takes no piece for
+    ``timeout`` seconds is gone (one that stopped reading would hold the post forever)."""
+    for piece in pieces:
+        view = piece.cast("B")
+        for pos in range(0, view.nbytes, WRITE_PIECE):
+            writer.write(view[pos : pos + WRITE_PIECE])
+            try:
+                await asyncio.wait_for(writer.drain(), timeout)
+            except asyncio.TimeoutError:
+                writer.transport.abort()
+                raise PeerTimeout(
+                    f"{key} took no more of the body for {timeout:g}s ({pos} of "
+                    f"{view.nbytes} bytes sent)"
+                ) from None
+
+
 def error_text(body: bytes) -> str:
     """What a pod's error answer says: its JSON ``detail`` where it has one, else the body's
     first 500 characters."""
@@ -354,10 +376,13 @@ class PeerPool:
             silent = _Silence(conn)
             try:
                 conn.writer.write(request)
-                for piece in pieces:
-                    if piece.nbytes:
-                        conn.writer.write(piece)
-                await conn.writer.drain()
+                if length <= WRITE_PIECE:
+                    for piece in pieces:
+                        if piece.nbytes:
+                            conn.writer.write(piece)
+                    await conn.writer.drain()
+                else:
+                    await _write_body(conn.writer, pieces, read_timeout, key)
                 timer = loop.call_later(read_timeout, silent.expire)
                 try:
                     head = await conn.reader.readuntil(b"\r\n\r\n")

@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from ktlite_server import logconfig, resultfeed, workdir
+from ktlite_server import argmaps, logconfig, resultfeed, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
 from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
@@ -292,40 +292,50 @@ class Rank:
         call_id = msg.id
         self.regroup(msg.generation, msg.group_port)
         # a private, writable copy either way: arrays decoded from it must be writable
-        payload = (
-            bytearray(msg.args)
-            if msg.args is not None
-            else shm.map_private(msg.path or "", msg.size)
-        )
-        error: BaseException | None = None
+        mapped = None
+        if msg.args is None:  # the shared message and this rank's items, in one mapping
+            end = msg.size if msg.item_at is None else max(msg.size, sum(msg.item_at))
+            mapped = argmaps.open_map(msg.path or "", end)
+        ok, value, error = self._invoke(msg, mapped)
+        # the arguments' views are gone with _invoke's frame, unless the function kept some
+        # (or returned one, or raised: its traceback holds them): then the file stays unused
+        released = mapped is not None and argmaps.let_go(mapped)
+        self._result(call_id, ok, value, error, released)
+
+    def _invoke(
+        self, msg: rankchannel.Call, mapped: argmaps.ArgMap | None
+    ) -> tuple[bool, Any, BaseException | None]:
+        """Decode a call's arguments (from ``mapped``, or inline) and run it: (ok, value or
+        exception info, the exception)."""
         try:
+            payload = mapped.view[: msg.size] if mapped is not None else bytearray(msg.args or b"")
             method, args, kwargs = codec.loads(payload)
+            del payload
             if msg.item is not None:  # a per-rank call: this rank's own items
                 args, kwargs = rankdata.fill(args, kwargs, codec.loads(bytearray(msg.item)))
-            elif msg.item_at is not None:  # ... in the call's shared-memory file
+            elif msg.item_at is not None and mapped is not None:  # ... in the call's file
                 off, n = msg.item_at
-                args, kwargs = rankdata.fill(
-                    args,
-                    kwargs,
-                    codec.loads(shm.map_private(msg.path or "", off + n)[off : off + n]),
-                )
+                args, kwargs = rankdata.fill(args, kwargs, codec.loads(mapped.view[off : off + n]))
             fn = self.lookup(method)
             if self.concurrency <= 1:
-                self.inline = call_id  # SIGUSR2 interrupts it from here ...
+                self.inline = msg.id  # SIGUSR2 interrupts it from here ...
             value = fn(*args, **kwargs)
+            del args, kwargs
             if inspect.iscoroutine(value):  # an ``async def``: awaited on the rank's event loop
-                value = self._await(call_id, value)
+                value = self._await(msg.id, value)
             self.inline = None  # ... to here
-            ok = True
+            return True, value, None
         except BaseException as exc:  # noqa: BLE001
             self.inline = None
-            ok, value, error = False, exception_info(exc), exc
-        finally:
-            del payload
-        self._result(call_id, ok, value, error)
+            return False, exception_info(exc), exc
 
     def _result(
-        self, call_id: str, ok: bool, value: Any, error: BaseException | None = None
+        self,
+        call_id: str,
+        ok: bool,
+        value: Any,
+        error: BaseException | None = None,
+        released: bool = False,
     ) -> None:
         """Reply with a call's value (or its exception's info). An interrupt that landed
         inside an import leaves this process unable to import that module again (a C
@@ -352,7 +362,14 @@ class Rank:
         if size <= shm.INLINE_MAX:
             self.chan.send(
                 rankchannel.Result(
-                    call_id, ok, b"".join(parts), None, size, holds_dist_state(), self.tainted
+                    call_id,
+                    ok,
+                    b"".join(parts),
+                    None,
+                    size,
+                    holds_dist_state(),
+                    self.tainted,
+                    released=released,
                 )
             )
             return
@@ -361,7 +378,15 @@ class Rank:
         try:
             self.chan.send(
                 rankchannel.Result(
-                    call_id, ok, None, path, size, holds_dist_state(), self.tainted, True
+                    call_id,
+                    ok,
+                    None,
+                    path,
+                    size,
+                    holds_dist_state(),
+                    self.tainted,
+                    True,
+                    released,
                 )
             )
             written = 0

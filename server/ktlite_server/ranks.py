@@ -41,6 +41,7 @@ class Outcome:
     path: str | None = None  # a large value waits in this shared-memory file instead
     size: int = 0
     feed: Feed | None = None  # the rank still writes that file: how far it got
+    holds_args: bool = False  # the rank may still map the call's argument file (argfiles)
     at: float = field(
         default_factory=time.time
     )  # when it was known: the earliest failure is the cause
@@ -74,7 +75,14 @@ def keep(outs: list[Outcome]) -> Kept:
     collection that the new ones triggered (every ~150 calls) walked them all, a pause in a
     call's tail. A large value, or one its rank still writes, keeps its Outcome."""
     return tuple(
-        (o.rank, _plain(o.status), bytes(o.data) if o.data is not None else None, o.message, o.at)
+        (
+            o.rank,
+            _plain(o.status),
+            bytes(o.data) if o.data is not None else None,
+            o.message,
+            o.at,
+            o.holds_args,
+        )
         if o.feed is None and o.path is None and (o.data is None or len(o.data) <= KEEP_INLINE)
         else o
         for o in outs
@@ -89,7 +97,9 @@ def _plain(status: Status | str) -> str:
 def kept(outs: Kept) -> list[Outcome]:
     """The outcomes :func:`keep` kept."""
     return [
-        o if isinstance(o, Outcome) else Outcome(o[0], Status(o[1]), o[2], o[3], at=o[4])
+        o
+        if isinstance(o, Outcome)
+        else Outcome(o[0], Status(o[1]), o[2], o[3], at=o[4], holds_args=o[5])
         for o in outs
     ]
 

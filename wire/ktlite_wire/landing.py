@@ -89,18 +89,23 @@ _caller: Landings | None = None
 _caller_lock = threading.Lock()
 
 
+def keep_bytes() -> int:
+    """``KTLITE_RECEIVE_KEEP_MB`` in bytes (default 256 MB; 0 keeps none)."""
+    raw = os.environ.get(KEEP_ENV, "").strip()
+    try:
+        keep_mb = float(raw) if raw else DEFAULT_KEEP_MB
+    except ValueError:
+        raise ValueError(
+            f"{KEEP_ENV}={raw!r}: expected a number of megabytes (0 keeps none)"
+        ) from None
+    return max(0, int(keep_mb * (1 << 20)))
+
+
 def caller() -> Landings:
     """The caller's process-wide landings (``KTLITE_RECEIVE_KEEP_MB``, read once)."""
     global _caller
     if _caller is None:
         with _caller_lock:
             if _caller is None:
-                raw = os.environ.get(KEEP_ENV, "").strip()
-                try:
-                    keep_mb = float(raw) if raw else DEFAULT_KEEP_MB
-                except ValueError:
-                    raise ValueError(
-                        f"{KEEP_ENV}={raw!r}: expected a number of megabytes (0 keeps none)"
-                    ) from None
-                _caller = Landings(max(0, int(keep_mb * (1 << 20))))
+                _caller = Landings(keep_bytes())
     return _caller

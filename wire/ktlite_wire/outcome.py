@@ -104,6 +104,7 @@ class CallResult:
     outcomes: list[RankOutcome]
     started: bool = True
     subtrees: list[Subtree] = field(default_factory=list)
+    held: int = 0  # this pod's ranks that may still map the call's argument file (argfiles)
 
     def summary(self) -> tuple[int | None, int]:
         """The lowest rank that failed of its own (None: none), and how many outcomes are not
@@ -126,7 +127,9 @@ class CallResult:
           buffer index or null, [shm path, size] or null]`` (``at`` is 0 for a value: only a
           failure's time is read, and a float's shortest text costs more than the rest);
         - ``subtrees``: a relay's children's results, as they came (buffer indexes), and
-          ``failed`` / ``not_ok``, the summary its own relay reads (:class:`Subtree`)."""
+          ``failed`` / ``not_ok``, the summary its own relay reads (:class:`Subtree`);
+        - ``held`` (absent when 0): how many of its own ranks may still map the call's
+          argument file (``ktlite_wire.argfiles``)."""
         rows: list[list[Any]] = []
         runs: list[list[Any]] = []  # [first rank, count, pod, the values], laid out below
         buffers: list[Any] = []
@@ -160,13 +163,17 @@ class CallResult:
         failed, not_ok = self.summary()
         header: dict[str, Any] = {"outcomes": rows, "started": self.started}
         header["failed"], header["not_ok"] = failed, not_ok
-        nested = [
-            s
-            for s in self.subtrees
-            if s.head is None or s.bufs is None or not _lift(s.head, s.bufs, rows, runs, buffers)
-        ]
+        held, nested = self.held, []
+        for s in self.subtrees:
+            if s.head is None or s.bufs is None or not _lift(s.head, s.bufs, rows, runs, buffers):
+                nested.append(s)
+            else:  # a lifted child's count is this result's (a malformed one: held)
+                count = s.head.get("held", 0)
+                held += count if type(count) is int and count >= 0 else 1
         if runs:
             header["runs"] = runs
+        if held:
+            header["held"] = held
         if nested:
             header["subtrees"] = list(range(len(buffers), len(buffers) + len(nested)))
             buffers += [s.data for s in nested]
@@ -217,8 +224,15 @@ class ReadResult:
     def __init__(self, data: Any) -> None:
         self.rows: list[RankOutcome] = []
         self.runs: list[Run] = []
-        self.started = _read_into(data, self.rows, self.runs, 0)
+        held = [0]
+        self.started = _read_into(data, self.rows, self.runs, 0, held)
+        # how many ranks may still map the call's argument file, over every pod
+        self.held = held[0]
         self._outcomes: list[RankOutcome] | None = None
+
+    def all_ok(self) -> bool:
+        """Every outcome is a value (none failed, was stopped or not reached)."""
+        return all(o.status is _OK for o in self.rows)
 
     def values(self) -> list[Any] | None:
         """Every rank's encoded value in rank order, when every outcome is a value carried
@@ -252,10 +266,16 @@ class ReadResult:
         return self._outcomes
 
 
-def _read_into(data: Any, rows: list[RankOutcome], runs: list[Run], depth: int) -> bool:
-    """Append one encoded result's outcomes (and its subtrees') to ``rows`` and ``runs``;
-    returns its ``started``."""
+def _read_into(
+    data: Any, rows: list[RankOutcome], runs: list[Run], depth: int, held: list[int]
+) -> bool:
+    """Append one encoded result's outcomes (and its subtrees') to ``rows`` and ``runs``, and
+    add its ``held`` to ``held[0]``; returns its ``started``."""
     header, bufs = envelope.decode(data, "call result")
+    count = header.get("held", 0)
+    if type(count) is not int or count < 0:
+        raise ProtocolError(f"a call result's held must be a count, got {str(count)[:40]}")
+    held[0] += count
     listed = header.get("outcomes")
     if not isinstance(listed, list):
         raise ProtocolError("a call result needs a list of outcomes")
@@ -313,5 +333,5 @@ def _read_into(data: Any, rows: list[RankOutcome], runs: list[Run], depth: int) 
         sub = envelope.buffer(bufs, index, "a call result's subtree")
         if sub is None:
             raise ProtocolError("a call result's subtree names no buffer")
-        _read_into(sub, rows, runs, depth + 1)
+        _read_into(sub, rows, runs, depth + 1, held)
     return bool(header.get("started", True))

@@ -39,7 +39,7 @@ CALL_MAGIC, RESULT_MAGIC = b"KTC", b"KTR"
 # Call flags
 _ARGS, _PATH, _ITEM, _ITEM_AT, _PORT = 1, 2, 4, 8, 16
 # Result flags (and _PATH)
-_OK, _INLINE, _HAS_PG, _TAINTED, _STREAMING = 1, 4, 8, 16, 32
+_OK, _INLINE, _HAS_PG, _TAINTED, _STREAMING, _RELEASED = 1, 4, 8, 16, 32, 64
 MAX_MESSAGE = 64 << 30
 JOIN_MAX = 1 << 16  # messages up to this size are joined into one write
 PIECE = 1 << 20  # a longer message is read in pieces: its buffer grows with the bytes read
@@ -90,7 +90,9 @@ class Result:
     """A call's value (or exception info) inline, or in the shared-memory file ``path``.
     ``streaming``: the file has its full ``size`` but the rank is still writing it, and says
     how far it got in :class:`Written` messages (the pod server sends each part as it is
-    written, while the rank writes the next)."""
+    written, while the rank writes the next). ``released``: the rank let go of its mapping
+    of the call's argument file (no view of it alive, no process forked while it was
+    mapped): the file may be written again (``ktlite_wire.argfiles``)."""
 
     id: str
     ok: bool
@@ -100,6 +102,7 @@ class Result:
     has_pg: bool = False  # torch.distributed state lives in the process
     tainted: bool = False  # interrupted inside an import: the pod replaces the process
     streaming: bool = False  # ``path`` is still being written: Written messages follow
+    released: bool = False  # the call's argument file is no longer mapped here (argfiles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +223,8 @@ def _encode_result(msg: Result) -> list[Any]:
         flags |= _TAINTED
     if msg.streaming:
         flags |= _STREAMING
+    if msg.released:
+        flags |= _RELEASED
     if len(cid) > 255 or len(path) > 65535:
         raise ProtocolError(f"a call id of {len(cid)} bytes or a path of {len(path)}: too long")
     inline_len = 0 if inline is None else memoryview(inline).nbytes
@@ -323,6 +328,7 @@ def _decode_hot(view: memoryview, magic: bytes) -> Message:
             has_pg=bool(flags & _HAS_PG),
             tainted=bool(flags & _TAINTED),
             streaming=bool(flags & _STREAMING),
+            released=bool(flags & _RELEASED),
         )
     if end != view.nbytes:
         raise ProtocolError(

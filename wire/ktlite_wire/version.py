@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# 8: a call result says how many ranks may still map the call's argument file (``held``),
+#    and a rank's Result whether it let go of it: a caller on the pods' host writes its next
+#    argument into the same file only when none does; an older pod never says so.
 # 7: a relay's call plan and a relayed push's header name only the pods of its subtree
 #    (``first_pod``/``first_rank``, ``first``), and a relayed push nests its children's
 #    results as a call does; an older pod would index the window as the whole pod list.
@@ -11,7 +14,7 @@ from __future__ import annotations
 #    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
 #    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
 #    calls, notices, shipped sources.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 

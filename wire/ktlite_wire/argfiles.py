@@ -1,0 +1,153 @@
+"""Warm shared-memory files for large call arguments: the file a call's arguments land in,
+kept for the next call of about its size once nothing maps it any more.
+
+A large argument travels to the ranks through a file in ``/dev/shm`` (``ktlite_wire.shm``):
+on the pod server, which receives the body into it; on a caller that shares the pods' host,
+which writes the arguments into it. Fresh tmpfs pages cost more than the copy into them (100
+MB: about 40 ms of CPU for the pages, 15 more to free them, against 15 for the copy here), so
+an :class:`ArgFiles` keeps the files it handed out, up to ``keep`` bytes, and hands one that
+is free to the next argument of about its size: its pages are already there.
+
+A rank maps the file copy-on-write, and the arrays it decodes are views of the file's pages
+until written: writing the file again while a rank still maps it would change a value the
+rank holds. So a file comes back reusable only when every rank it went to said it let go of
+its mapping (``rankchannel.Result.released``: no array, tensor or view of it alive, and no
+process forked while it was mapped); a file any rank may still map is removed instead (its
+pages stay with the mapping until that goes), and never written again. A free file is named
+``ktlite-free-arg-*`` while it waits (nothing maps it, no rank may open it by that name) and
+gets its ``ktlite-arg-*`` name back when it is handed out; the free ones are removed when the
+process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ktlite_wire import landing, shm
+
+FREE_PREFIX = "ktlite-free-arg-"  # a free file's name: no rank opens it (shm.check)
+
+
+@dataclass(eq=False)
+class ArgFile:
+    """An open shared-memory file of ``length`` bytes (at least the argument's ``size``),
+    written from its start."""
+
+    fd: int
+    path: str
+    length: int
+    warm: bool = False  # its pages were there before this argument (tests, benchmarks)
+
+
+class ArgFiles:
+    """Argument files, the ones given back free kept up to ``keep`` bytes for reuse."""
+
+    def __init__(self, keep: int, remove: Callable[[str], None] = shm.remove_later) -> None:
+        self.keep = keep
+        self.remove = remove  # a file's removal: freeing its pages off the caller's thread
+        self._free: list[ArgFile] = []  # least recently given back first
+        self._lock = threading.Lock()
+        self.reused = 0  # how many arguments landed in a warm file (tests, benchmarks)
+
+    def __repr__(self) -> str:
+        return f"ArgFiles(keep={self.keep}, free={self.free_bytes()}, reused={self.reused})"
+
+    def free_bytes(self) -> int:
+        return sum(f.length for f in self._free)
+
+    def take(self, size: int) -> ArgFile:
+        """A file for an argument of ``size`` bytes: a free warm one of about that size (a
+        much larger one would hold memory it does not use), else a fresh one. The caller
+        writes it from its start and gives it back (:meth:`give_back`)."""
+        with self._lock:
+            free = self._free
+            for i in range(len(free) - 1, -1, -1):  # the most recently used first
+                f = free[i]
+                if size <= f.length <= size + size // 4:
+                    del free[i]
+                    try:
+                        os.rename(_free_name(f.path), f.path)
+                    except OSError:  # removed under us (a cleaner of /dev/shm): a fresh one
+                        self._discard(f, _free_name(f.path))
+                        break
+                    self.reused += 1
+                    f.warm = True
+                    return f
+            # room for the fresh one within the bound: the oldest free files go first
+            total = self.free_bytes()
+            while free and total + size > self.keep:
+                total -= free[0].length
+                gone = free.pop(0)
+                self._discard(gone, _free_name(gone.path))
+        fd, path = shm.create(shm.ARG_PREFIX, size)
+        return ArgFile(fd, path, size)
+
+    def give_back(self, f: ArgFile, reusable: bool) -> None:
+        """The call that used ``f`` ended. ``reusable``: nothing maps it any more (every rank
+        it went to let go of it, and this process holds no view of it), so it is kept for
+        the next argument while the bound allows; otherwise it is removed."""
+        with self._lock:
+            if reusable and f.length <= self.keep and _renamed(f.path, _free_name(f.path)):
+                free = self._free
+                free.append(f)
+                total = self.free_bytes()
+                while total > self.keep:
+                    total -= free[0].length
+                    gone = free.pop(0)
+                    self._discard(gone, _free_name(gone.path))
+                return
+        self._discard(f, f.path)
+
+    def _discard(self, f: ArgFile, name: str) -> None:
+        """Close ``f`` and remove it (by ``name``); whoever still maps it keeps its pages
+        until it lets go."""
+        with contextlib.suppress(OSError):
+            os.close(f.fd)
+        self.remove(name)
+
+    def clear(self) -> None:
+        """Remove every free file now (at exit: not on a thread)."""
+        with self._lock:
+            free, self._free = self._free, []
+        for f in free:
+            with contextlib.suppress(OSError):
+                os.close(f.fd)
+            with contextlib.suppress(OSError):
+                os.unlink(_free_name(f.path))
+
+
+def _free_name(path: str) -> str:
+    """The name a free file waits under: ``ktlite-free-arg-*`` beside ``ktlite-arg-*``."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, FREE_PREFIX + name.removeprefix(shm.ARG_PREFIX))
+
+
+def _renamed(old: str, new: str) -> bool:
+    try:
+        os.rename(old, new)
+    except OSError:
+        return False
+    return True
+
+
+_shared: ArgFiles | None = None
+_shared_lock = threading.Lock()
+
+
+def process() -> ArgFiles:
+    """This process's argument files, bounded as its receive memory is
+    (``KTLITE_RECEIVE_KEEP_MB``, read once: ``landing.keep_bytes``); the free ones are
+    removed when the process exits."""
+    global _shared
+    if _shared is None:
+        with _shared_lock:
+            if _shared is None:
+                files = ArgFiles(landing.keep_bytes())
+                atexit.register(files.clear)
+                _shared = files
+    return _shared
