@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlite.api.compute import Compute
-from ktlite.api.served_apps import check_port, die_with_parent, start_replica, stop_command
+from ktlite.api.served_apps import check_port, start_command, start_replica, stop_command
 from ktlite.backends.registry import traits
 from ktlite.errors import ConfigError, ReplicaFailed
 from ktlite.net.archive import check_members, extract
@@ -128,21 +128,8 @@ def run_replica(
             raise
     else:
         workdir = cwd or os.getcwd()
-    env = {**os.environ, **torchrun_env(rendezvous_timeout), **extra_env, "PYTHONUNBUFFERED": "1"}
-    # `python` and `torchrun` are this pod's: its interpreter's scripts come first on PATH
-    # (a caller's venv need not be activated)
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     tail: collections.deque[str] = collections.deque(maxlen=30)
-    proc = subprocess.Popen(
-        command,
-        cwd=workdir,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
+    proc = start_command(command, workdir, {**torchrun_env(rendezvous_timeout), **extra_env})
     assert proc.stdout is not None
     try:
         with proc.stdout:

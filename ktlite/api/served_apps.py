@@ -75,18 +75,7 @@ def start_replica(
 
         workdir = tempfile.mkdtemp(prefix=f"ktlite-app-{os.environ.get('KTLITE_LAUNCH_ID', 'x')}-")
         extract(files, workdir)
-    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-    proc = subprocess.Popen(
-        command,
-        cwd=workdir or cwd or os.getcwd(),
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
+    proc = start_command(command, workdir or cwd or os.getcwd(), extra_env)
     tail: collections.deque[str] = collections.deque(maxlen=30)
     reader = threading.Thread(target=_relay, args=(proc, tail), daemon=True, name="ktlite-app-out")
     reader.start()
@@ -140,6 +129,26 @@ def die_with_parent() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_command(
+    command: list[str], cwd: str, extra_env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """A replica's command in a session of its own, its output (both streams) on one pipe,
+    SIGTERMed when the rank dies; this pod's ``python`` (and its scripts, torchrun's) first on
+    PATH: a caller's venv need not be activated."""
+    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    return subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
 
 
 def stop_command(proc: subprocess.Popen[bytes]) -> None:

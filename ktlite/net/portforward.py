@@ -23,26 +23,11 @@ from typing import Any
 import httpx
 
 from ktlite_wire import pinning
-from ktlite_wire.headers import TOKEN_HEADER, bearer
+from ktlite_wire.headers import HOP_BY_HOP, TOKEN_HEADER, bearer
 
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 330.0  # past the pod side's 300 s, so the pod's 504 (which says why) comes first
-_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
 
 
 class PortForward:
@@ -102,7 +87,7 @@ class PortForward:
 
     def open(self, method: str, path: str, headers: list[tuple[str, str]], body: Any) -> Any:
         """The pod's answer to one request, streaming (a context manager)."""
-        sent = [(k, v) for k, v in headers if k.lower() not in _HOP]
+        sent = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
         sent.append((TOKEN_HEADER, bearer(self._token)))
         return self.http.stream(
             method,
@@ -135,7 +120,7 @@ def _handler(forward: PortForward) -> type[http.server.BaseHTTPRequestHandler]:
                 ) as r:
                     self.send_response_only(r.status_code)
                     for k, v in r.headers.multi_items():
-                        if k.lower() not in _HOP:
+                        if k.lower() not in HOP_BY_HOP:
                             self.send_header(k, v)
                     length = r.headers.get("content-length")
                     chunked = length is None and self.command != "HEAD" and r.status_code >= 200

@@ -24,31 +24,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from ktlite_wire.errors import ErrorCode
-from ktlite_wire.headers import ERROR_CODE_HEADER, TOKEN_HEADER, VERSION_HEADER
+from ktlite_wire.headers import ERROR_CODE_HEADER, HOP_BY_HOP, TOKEN_HEADER, VERSION_HEADER
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "/ports/"
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0  # an app's answer (or the next piece of a streamed one) within this
-# hop-by-hop (RFC 9110 7.6.1) and what this hop sets itself
-_DROP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-        TOKEN_HEADER,
-        VERSION_HEADER,
-    }
-)
+_DROP = HOP_BY_HOP | {TOKEN_HEADER, VERSION_HEADER}  # and the token: never the app's
 _OWN = frozenset({"date", "server"})  # this server's own answer carries them already
 
 

@@ -24,3 +24,22 @@ ERROR_CODE_HEADER = "x-ktlite-error"
 
 def bearer(token: str) -> str:
     return f"Bearer {token}"
+
+
+# hop-by-hop headers (RFC 9110 7.6.1) and what each hop sets itself: never passed on by a
+# forwarding hop (the pod server's /ports/ route, the client's port forward)
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
