@@ -198,8 +198,11 @@ def test_a_large_result_streams_intact_without_joined_copies(serve) -> None:
     arr = codec.loads(CallResult.decode(bytearray(payload)).outcomes[0].data)
     assert hashlib.sha256(arr).hexdigest() == hashlib.sha256(value).hexdigest()
     # uvicorn joined each 4 MiB chunk into a new bytes (a copy of every byte); a TLS transport
-    # encrypts one piece at a time (its ciphertext is a bytes of the piece's size)
-    bound = directbody.WRITE_PIECE if served.context is None else 2 * directbody.WRITE_PIECE
+    # encrypts one piece at a time (its ciphertext is a bytes of the piece's size), and while
+    # the reader here still holds the last pieces of one, the next one's plaintext may be out
+    # (the server runs in this process: 10.5 MB seen at peak in 2 of 8 runs, 2026-11-27).
+    # The body is 6 pieces: a whole-body copy still fails either bound.
+    bound = directbody.WRITE_PIECE if served.context is None else 3 * directbody.WRITE_PIECE
     assert peak < bound, f"{peak} bytes allocated while streaming {BIG} (bound {bound})"
 
 
