@@ -23,7 +23,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ktlite_server import linkframes
-from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, PeerTimeout, peer_closed
+from ktlite_server.peers import (
+    PeerConnectError,
+    PeerError,
+    PeerPool,
+    PeerTimeout,
+    peer_closed,
+)
+from ktlite_server.silence import QuietTimer
 from ktlite_wire import headers as wire_headers
 from ktlite_wire import pinning
 from ktlite_wire.errors import ProtocolError
@@ -161,25 +168,14 @@ class LinkResponse:
         self._ended = False  # END came: the stream is complete
         self._closed = False  # this end closed the stream (CLOSE sent)
         self._error: PeerError | None = None
-        self._last = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self._quiet = QuietTimer(read_timeout, self._expire)
+        self._arm = self._quiet.progress
+        self._stop_timer = self._quiet.stop
         self._arm()
 
     # -- fed by the link ----------------------------------------------------------------
 
-    def _arm(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._last = loop.time()  # progress; the one timer checks it when it fires
-        if self._timer is None:
-            self._timer = loop.call_later(self._timeout, self._expire)
-
     def _expire(self) -> None:
-        loop = asyncio.get_running_loop()
-        idle = loop.time() - self._last
-        if idle < self._timeout:
-            self._timer = loop.call_later(self._timeout - idle, self._expire)
-            return
-        self._timer = None
         self.fail(PeerTimeout(f"{self.link.key} sent nothing for {self._timeout:g}s"))
         self._close()
 
@@ -214,11 +210,6 @@ class LinkResponse:
             self._head.set_exception(error)
             self._head.exception()  # retrieved: a caller that stopped waiting leaves no warning
         self._wake()
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 from urllib.parse import urlencode, urlsplit
 
+from ktlite_server.silence import QuietTimer
 from ktlite_wire import pinning
 
 WRITE_PIECE = 1 << 20  # a larger body is written this much at a time, each after a drain
@@ -132,21 +133,10 @@ class PeerResponse:
         self._timeout = read_timeout
         self._done = False
         self._timed_out = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._last = 0.0
-
-    def _arm(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._last = loop.time()  # progress; the one timer checks it when it fires
-        if self._timer is None:
-            self._timer = loop.call_later(self._timeout, self._expire)
+        self._quiet = QuietTimer(read_timeout, self._expire)
+        self._arm = self._quiet.progress
 
     def _expire(self) -> None:
-        loop = asyncio.get_running_loop()
-        idle = loop.time() - self._last
-        if idle < self._timeout:
-            self._timer = loop.call_later(self._timeout - idle, self._expire)
-            return
         self._timed_out = True
         self._conn.writer.transport.abort()
 
@@ -183,8 +173,7 @@ class PeerResponse:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError) as e:
             raise self._lost(e) from e
         finally:
-            if self._timer is not None:
-                self._timer.cancel()
+            self._quiet.stop()
         self._done = True
 
     async def read(self) -> bytes:
