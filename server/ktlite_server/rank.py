@@ -1,6 +1,7 @@
 """A rank process: loads the user's code once, then runs calls sent by its pod server.
 
-Started as ``python -m ktlite_server.rank FD`` with FD one end of a socketpair. Messages
+Started as ``python -m ktlite_server.rank FD [BELL_FD BIT]`` with FD one end of a socketpair
+(and the pod server's doorbell, ``ktlite_server.doorbell``, waited on instead of FD). Messages
 both ways are ``ktlite_wire.rankchannel`` messages (a JSON header plus buffers); user code
 and values inside them are opaque bytes (inline, or a shared-memory file when large) that
 this process alone unpickles.
@@ -25,7 +26,7 @@ import time
 import traceback
 from typing import Any
 
-from ktlite_server import argmaps, logconfig, resultfeed, workdir
+from ktlite_server import argmaps, doorbell, logconfig, resultfeed, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
 from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
@@ -432,7 +433,10 @@ PORT_SPAN = GROUP_PORTS  # process-group generations cycle through MASTER_PORT .
 
 def main() -> None:
     logconfig.configure()  # the pod's level; records go to this rank's stderr, the pod log
-    chan = Channel(socket.socket(fileno=int(sys.argv[1])))
+    # argv: the channel's fd, and (where the pod server has one) its doorbell's and our bit
+    bell = doorbell.attach(int(sys.argv[2])) if len(sys.argv) > 3 else None
+    bit = int(sys.argv[3]) if bell is not None else 1
+    chan = Channel(socket.socket(fileno=int(sys.argv[1])), bell, bit)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sys.meta_path.insert(0, PatchOnImport())
     workdir.enter()  # started where no user file can shadow ktlite; user code runs here
