@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import ctypes
 import importlib.abc
 import importlib.util
@@ -28,7 +27,7 @@ from typing import Any
 
 from ktlite_server import argmaps, doorbell, logconfig, resultfeed, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
-from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
+from ktlite_wire import codec, envelope, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
 from ktlite_wire.errors import RemoteExceptionInfo
 from ktlite_wire.rankchannel import Channel
@@ -348,7 +347,7 @@ class Rank:
         ):
             self.tainted = True
         try:
-            parts = codec.dumps_parts(value)
+            parts = _encoded(value)
         except Exception as exc:
             ok, parts = (
                 False,
@@ -417,8 +416,24 @@ class Rank:
     @staticmethod
     def _flush() -> None:
         for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
+            try:  # noqa: SIM105 - contextlib.suppress costs more than the flush
                 stream.flush()
+            except Exception:  # noqa: BLE001 - a stream the user replaced or closed
+                pass
+
+
+_PLAIN = (type(None), bool, int, float)  # and str/bytes under _PLAIN_MAX: see _encoded
+_PLAIN_MAX = 4096
+
+
+def _encoded(value: Any) -> list[Any]:
+    """A value's message parts. A plain one (None, a number, a short string: what most calls
+    return) is pickled by the C pickler alone, the same bytes ``codec.dumps_parts`` makes
+    without building its cloudpickle pickler per call."""
+    kind = type(value)
+    if kind in _PLAIN or (kind in (str, bytes) and len(value) < _PLAIN_MAX):
+        return envelope.pack(codec.MAGIC, [pickle.dumps(value, 5)], [])
+    return codec.dumps_parts(value)
 
 
 def _watch_parent(ppid: int) -> None:
