@@ -58,6 +58,11 @@ class Doorbell:
         self._futex = _syscall()
         self.rings = 0  # how many times it rang (a call to many ranks rings once)
 
+    @property
+    def address(self) -> int:
+        """Where the word is in this process (what a waiter's futex call names)."""
+        return int(self._addr.value or 0)
+
     @staticmethod
     def bit(local_rank: int) -> int:
         return 1 << (local_rank % 32)
