@@ -11,6 +11,7 @@ each write woke a rank that preempted the server before its next write (``bench/
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
@@ -45,11 +46,11 @@ class Arrivals:
                 bells[id(bell)] = (bell, mask | rank.bit)
             sent = (rank, msg, future)
             self._sent.append(sent)
-            future.add_done_callback(lambda _, sent=sent: self._on_reply(sent))
+            future.add_done_callback(functools.partial(self._on_reply, sent))
         for bell, mask in bells.values():
             bell.ring(mask)
 
-    def _on_reply(self, sent: Sent) -> None:
+    def _on_reply(self, sent: Sent, _: asyncio.Future[Any]) -> None:
         sent[0].running.pop(self.call_id, None)  # even if nobody gathers them any more
         self._arrived.append(sent)
         if self._wake is not None and not self._wake.done():
