@@ -147,6 +147,7 @@ class RankProcess:
         self.streak = 0  # deaths between calls so far: what max_restarts limits
         self.died_in_call = False  # its death was a call's error (not charged to max_restarts)
         self._conn: RankConnection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one its channel is on
         self.bell: doorbell.Doorbell | None = None  # what the process waits on, if not its channel
         self.bit = doorbell.Doorbell.bit(local_rank)
         self._pending: dict[
@@ -164,7 +165,7 @@ class RankProcess:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def start(self, timeout: float = 60.0) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._oom = None
         parent, child = socket.socketpair()
         env = {**self.env, "PYTHONUNBUFFERED": "1"}
@@ -254,7 +255,9 @@ class RankProcess:
         without waiting: the future of its reply, for :meth:`answer`. A dead rank's future
         holds RankGone. ``ring=False``: the caller rings the doorbell once for many ranks.
         (The seam a rank without a process replaces, with :meth:`call`.)"""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # the loop the channel is on (asking for the running one is a getpid() each: 64 a call)
+        loop = self._loop or asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         key = msg.id
         if not self.alive or self._conn is None:
             future.set_exception(RankGone(self.death_message()))
