@@ -121,9 +121,11 @@ def shared() -> Doorbell | None:
 
 def attach(fd: int) -> Doorbell | None:
     """The pod server's doorbell in a rank process (``fd`` inherited), or None."""
-    if _syscall() is None:
-        return None
-    bell = Doorbell(fd)
-    os.close(fd)  # the mapping stays
-    bell.fd = -1
-    return bell
+    try:
+        if _syscall() is None:
+            return None
+        bell = Doorbell(fd)
+        bell.fd = -1
+        return bell
+    finally:
+        os.close(fd)  # the mapping stays
