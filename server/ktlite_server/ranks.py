@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ktlite_server import resultfiles
 from ktlite_server.resultfeed import Feed, ResultLost
 from ktlite_wire import rankchannel
 from ktlite_wire.errors import ProtocolError
@@ -353,6 +354,7 @@ class RankProcess:
         self.exit_code = code
         self.drain_output()
         self._dead.set()
+        resultfiles.remove_left(self.proc.pid)  # the result files it kept, if it was killed
         loop = asyncio.get_running_loop()
         for fd in list(self._fds):
             loop.remove_reader(fd)

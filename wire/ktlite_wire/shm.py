@@ -27,6 +27,10 @@ from ktlite_wire.errors import ProtocolError
 INLINE_MAX = 1 << 20
 ARG_PREFIX = "ktlite-arg-"
 RESULT_PREFIX = "ktlite-res-"
+# a result file its rank wants back (``ktlite_server.resultfiles``): named RESULT_PREFIX +
+# KEPT_MARK + the rank's pid; whoever takes it renames it TOOK_PREFIX + the rest, not unlinks it
+KEPT_MARK = "w"
+TOOK_PREFIX = "ktlite-took-"
 # a FIFO or device planted under a ktlite name must not block the open (mmap then refuses it)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -120,7 +124,10 @@ def take(
     ``path`` must name a file this module made with ``prefix`` (:func:`check`); a path it
     does not name, a link, or anything but a regular file of this user's is not removed.
     ``kind``: a shared read-only mapping of that ``mmap`` class, for a file its writer is
-    still writing (a private one is writable, and sees the file as it is when touched)."""
+    still writing (a private one is writable, and sees the file as it is when touched).
+
+    A result file its rank keeps (:func:`kept`) is renamed to :func:`took_path` instead: the
+    rank writes its next result into it once nothing maps it any more, and removes it."""
     fd = os.open(check(path, prefix), _OPEN_FLAGS)
     try:
         st = os.fstat(fd)  # once per payload over INLINE_MAX: a file of this user's own
@@ -129,10 +136,31 @@ def take(
         try:
             return _map(fd, size, kind)
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            if not (kept(path) and _renamed(path, took_path(path))):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
     finally:
         os.close(fd)
+
+
+def kept(path: str) -> bool:
+    """Whether ``path`` names a result file its rank keeps for its next result."""
+    return os.path.basename(path).startswith(RESULT_PREFIX + KEPT_MARK)
+
+
+def took_path(path: str) -> str:
+    """The name a kept result file has once it was taken (mapped by whoever sends or reads
+    it): ``ktlite-took-*`` beside ``ktlite-res-*``. No peer's message names such a file."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, TOOK_PREFIX + name.removeprefix(RESULT_PREFIX))
+
+
+def _renamed(old: str, new: str) -> bool:
+    try:
+        os.rename(old, new)
+    except OSError:
+        return False
+    return True
 
 
 def check(path: str, prefix: str) -> str:
