@@ -10,6 +10,7 @@ count of warm files (``resultfiles.process()``).
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import ktlite as kt
-from ktlite_server import resultfiles
+from ktlite_server import resultfiles, resultmaps
 from ktlite_wire import shm
 
 N = 3 << 18  # float32s: 3 MiB, past shm.INLINE_MAX
@@ -150,3 +151,30 @@ def test_remove_left_removes_a_dead_rank_s_files() -> None:
     assert os.path.exists(shm.took_path(path))
     resultfiles.remove_left(os.getpid())
     assert not os.path.exists(shm.took_path(path))
+
+
+def test_the_pod_server_keeps_its_mapping_and_says_when_it_is_idle() -> None:
+    files = resultfiles.ResultFiles(keep=8 << 20)
+    maps = resultmaps.ResultMaps()
+    try:
+        first = _written(files, 1 << 20, 1)
+        view = maps.take(first, 1 << 20, mmap.mmap)  # as the pod server takes it to send it
+        sent = shm.renamed(first, shm.SENT_PREFIX)
+        assert os.path.exists(sent) and bytes(view[:1]) == b"\x01"
+        maps.release()  # a view is alive (the response still sends it): not idle
+        assert os.path.exists(sent)
+        second = _written(files, 1 << 20, 2)  # so the rank takes a fresh file
+        assert files.reused == 0 and bytes(view[:1]) == b"\x01"
+        view.release()
+        maps.take(second, 1 << 20, mmap.mmap).release()
+        maps.release()
+        assert os.path.exists(shm.renamed(first, shm.IDLE_PREFIX))
+        third = _written(files, 1 << 20, 3)  # idle: reused though the server still maps it
+        assert files.reused == 1
+        again = maps.take(third, 1 << 20, mmap.mmap)
+        assert maps.reused == 1 and bytes(again[:1]) == b"\x03"  # its kept mapping, new bytes
+        again.release()
+    finally:
+        files.clear()
+    maps.release()  # the rank removed its files: the server lets go of its mappings
+    assert repr(maps).startswith("ResultMaps(kept=0")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ktlite_server import resultfiles
+from ktlite_server import resultfiles, resultmaps
 from ktlite_server.resultfeed import Feed, ResultLost
 from ktlite_wire import rankchannel
 from ktlite_wire.errors import ProtocolError
@@ -237,6 +237,7 @@ class RankProcess:
         return reply
 
     async def call(self, msg: rankchannel.Call) -> rankchannel.Result:
+        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
         self._register(msg.id)
         try:
             await self._send(msg)
@@ -355,6 +356,7 @@ class RankProcess:
         self.drain_output()
         self._dead.set()
         resultfiles.remove_left(self.proc.pid)  # the result files it kept, if it was killed
+        resultmaps.server().release()  # and this server's mappings of them
         loop = asyncio.get_running_loop()
         for fd in list(self._fds):
             loop.remove_reader(fd)

@@ -87,14 +87,16 @@ class ResultFiles:
             path, length = files[i]
             if not size <= length <= size + size // 4:
                 continue
-            try:
-                fd = os.open(shm.took_path(path), _OPEN_FLAGS)
-            except OSError:
-                if not os.path.lexists(path):
-                    del files[i]  # removed (a lost result), or taken by a process that unlinks
-                continue  # not taken yet
+            state, fd = _state(path)
+            if state is None:
+                del files[i]  # removed (a lost result), or taken by a process that unlinks
+                continue
+            if fd < 0:
+                continue  # not taken yet, or its pod server still sends from it
+            name = shm.renamed(path, state)
             fresh = f"{path.rsplit('-', 1)[0]}-{secrets.token_hex(6)}"
-            if not _unmapped(fd) or not _renamed(shm.took_path(path), fresh):
+            # a caller's mapping of it (took) must be gone; the pod server's (idle) is idle
+            if (state == shm.TOOK_PREFIX and not _unmapped(fd)) or not _renamed(name, fresh):
                 os.close(fd)
                 continue
             files[i] = (fresh, length)
@@ -112,18 +114,41 @@ class ResultFiles:
                 return
             if os.path.lexists(path):
                 continue  # in flight: its result is not taken yet
-            with contextlib.suppress(OSError):
-                os.unlink(shm.took_path(path))  # whoever maps it keeps its pages till it lets go
+            _remove(path)  # whoever maps it keeps its pages till it lets go
             self._files.remove((path, length))
             total -= length
 
     def clear(self) -> None:
-        """Remove every kept file that was taken (at exit)."""
+        """Remove every kept file (at exit, when no pod server will take a result any more)."""
         with self._lock:
             files, self._files = self._files, []
         for path, _ in files:
             with contextlib.suppress(OSError):
-                os.unlink(shm.took_path(path))
+                os.unlink(path)
+            _remove(path)
+
+
+def _state(path: str) -> tuple[str | None, int]:
+    """Which name the kept file last written as ``path`` has now (its prefix; None: gone),
+    and for a taken one (``took`` or ``idle``) an open fd of it (else -1). The names are
+    tried in the order the file goes through them, so one renamed meanwhile is not missed."""
+    for prefix in shm.KEPT_PREFIXES:
+        name = shm.renamed(path, prefix)
+        if prefix in (shm.TOOK_PREFIX, shm.IDLE_PREFIX):
+            try:
+                return prefix, os.open(name, _OPEN_FLAGS)
+            except OSError:
+                continue
+        if os.path.lexists(name):
+            return prefix, -1
+    return None, -1
+
+
+def _remove(path: str) -> None:
+    """Remove a taken kept file under whichever name it has (in the order it goes)."""
+    for prefix in shm.KEPT_PREFIXES[1:]:
+        with contextlib.suppress(OSError):
+            os.unlink(shm.renamed(path, prefix))
 
 
 def _unmapped(fd: int) -> bool:
@@ -151,11 +176,12 @@ def _renamed(old: str, new: str) -> bool:
 def remove_left(pid: int) -> None:
     """Remove the taken result files rank process ``pid`` kept (the pod server, once that
     process is gone: one killed had no chance to)."""
-    prefix = shm.TOOK_PREFIX + kept_prefix(pid).removeprefix(shm.RESULT_PREFIX)
+    mine = kept_prefix(pid).removeprefix(shm.RESULT_PREFIX)
+    prefixes = tuple(p + mine for p in shm.KEPT_PREFIXES[1:])
     directory = shm.shm_dir()
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            if name.startswith(prefix):
+            if name.startswith(prefixes):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, name))
 

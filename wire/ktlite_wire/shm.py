@@ -28,9 +28,13 @@ INLINE_MAX = 1 << 20
 ARG_PREFIX = "ktlite-arg-"
 RESULT_PREFIX = "ktlite-res-"
 # a result file its rank wants back (``ktlite_server.resultfiles``): named RESULT_PREFIX +
-# KEPT_MARK + the rank's pid; whoever takes it renames it TOOK_PREFIX + the rest, not unlinks it
+# KEPT_MARK + the rank's pid; a caller that takes it renames it TOOK_PREFIX + the rest, the pod
+# server SENT_PREFIX (then IDLE_PREFIX once it sends nothing from it: ``resultmaps``)
 KEPT_MARK = "w"
 TOOK_PREFIX = "ktlite-took-"
+SENT_PREFIX = "ktlite-sent-"
+IDLE_PREFIX = "ktlite-idle-"
+KEPT_PREFIXES = (RESULT_PREFIX, TOOK_PREFIX, SENT_PREFIX, IDLE_PREFIX)  # in the order it goes
 # a FIFO or device planted under a ktlite name must not block the open (mmap then refuses it)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -149,10 +153,18 @@ def kept(path: str) -> bool:
 
 
 def took_path(path: str) -> str:
-    """The name a kept result file has once it was taken (mapped by whoever sends or reads
-    it): ``ktlite-took-*`` beside ``ktlite-res-*``. No peer's message names such a file."""
+    """The name a kept result file has once a caller took it (mapped it to read it):
+    ``ktlite-took-*`` beside ``ktlite-res-*``. No peer's message names such a file."""
+    return renamed(path, TOOK_PREFIX)
+
+
+def renamed(path: str, prefix: str) -> str:
+    """A kept result file's name (any of :data:`KEPT_PREFIXES`) with ``prefix`` instead."""
     directory, name = os.path.split(path)
-    return os.path.join(directory, TOOK_PREFIX + name.removeprefix(RESULT_PREFIX))
+    for old in KEPT_PREFIXES:
+        if name.startswith(old):
+            return os.path.join(directory, prefix + name.removeprefix(old))
+    raise ValueError(f"{path!r} is not a kept result file's name")
 
 
 def _renamed(old: str, new: str) -> bool:
