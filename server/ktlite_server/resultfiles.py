@@ -10,21 +10,23 @@ into one that nothing maps any more: its pages are already there.
 Who may write a kept file, and when:
 
 1. The rank names a file it keeps ``ktlite-res-w<pid>-*`` (``shm.KEPT_MARK``). Whoever takes
-   it (the pod server that sends it, or a caller on the host that maps it: ``shm.take``) maps
-   it and renames it ``ktlite-took-w<pid>-*`` where it would have unlinked it. No message
-   names a ``took`` file: nobody opens it again but this rank.
+   it maps it and renames it where it would have unlinked it: a caller on the host that maps
+   it ``ktlite-took-w<pid>-*`` (``shm.take``); the pod server that sends it
+   ``ktlite-sent-w<pid>-*``, then ``ktlite-idle-w<pid>-*`` once nothing it sends or keeps
+   views its mapping of it (``resultmaps``: it keeps that mapping for the next result). No
+   message names a file by those names: nobody opens it again but this rank.
 2. The rank reuses a file only once it is renamed (so the result in it was taken: a result
    not yet taken, or a duplicate request's, still finds its name) and nothing maps it any
-   more: a write lease (``F_SETLEASE``) is granted only while no other process has the file
-   open or mapped. A result the caller still holds in a mapping of the file is never
-   written again while it does.
-3. The rank renames the file back to a fresh ``ktlite-res-w<pid>-*`` name before it writes:
-   the name in an earlier result's message never names it again.
+   more: an ``idle`` one, on the pod server's word; a ``took`` one while a write lease
+   (``F_SETLEASE``) is granted, which is only while no other process has it open or mapped.
+   A result the caller still holds in a mapping of the file is never written under it.
+3. The rank renames the file to a fresh ``ktlite-res-w<pid>-*`` name before it writes: the
+   name in an earlier result's message never names it again.
 
 A file that went (a lost result's, removed by the server) is forgotten. Kept files are
 removed when the rank exits (``clear``, also when its pod server is gone), and by the pod
 server when the rank dies (:func:`remove_left`). Where leases are not allowed (another OS,
-``fs.leases-enable=0``) every result gets a fresh file, as before.
+``fs.leases-enable=0``) a file a caller took gets no second use.
 """
 
 from __future__ import annotations
