@@ -87,6 +87,8 @@ class ResultMaps:
     def release(self) -> None:
         """Mark the files no view of the server's mappings holds any more ``ktlite-idle-*``
         (their rank may write them again); drop the mappings of files their rank removed."""
+        if not self._kept:  # the usual call: no large result was sent since
+            return
         for key, kept in list(self._kept.items()):
             if _refs(kept) != _UNUSED:
                 continue
