@@ -176,5 +176,5 @@ def test_the_pod_server_keeps_its_mapping_and_says_when_it_is_idle() -> None:
         again.release()
     finally:
         files.clear()
-    maps.release()  # the rank removed its files: the server lets go of its mappings
+    maps.sweep()  # the rank removed its files: the server lets go of its mappings
     assert repr(maps).startswith("ResultMaps(kept=0")

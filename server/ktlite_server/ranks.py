@@ -356,7 +356,7 @@ class RankProcess:
         self.drain_output()
         self._dead.set()
         resultfiles.remove_left(self.proc.pid)  # the result files it kept, if it was killed
-        resultmaps.server().release()  # and this server's mappings of them
+        resultmaps.server().sweep()  # and this server's mappings of them
         loop = asyncio.get_running_loop()
         for fd in list(self._fds):
             loop.remove_reader(fd)

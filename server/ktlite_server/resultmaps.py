@@ -49,6 +49,7 @@ class ResultMaps:
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, int], _Kept] = {}
+        self._sent: list[_Kept] = []  # the kept ones marked sent, for release()
         self.reused = 0  # results sent from a mapping kept (tests, benchmarks)
 
     def __repr__(self) -> str:
@@ -69,26 +70,45 @@ class ResultMaps:
             reusable = kept is not None and len(kept.mapping) >= size and _refs(kept) == _UNUSED
             if kept is not None and reusable and _moved(path, sent):
                 kept.name, kept.sent = sent, True
+                self._sent.append(kept)
                 self.reused += 1
                 return memoryview(kept.mapping)[:size]
             if kept is not None:  # another length, or still viewed: a mapping of its own
                 self._kept.pop(key)
+                if kept.sent:
+                    self._sent.remove(kept)
                 _close(kept)
             mapping = kind(fd, max(size, st.st_size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             if not _moved(path, sent):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
                 return memoryview(mapping)[:size]
-            self._kept[key] = _Kept(os.dup(fd), mapping, sent)
+            self.sweep()  # a new file: the rank may have removed an older one for it
+            self._kept[key] = kept = _Kept(os.dup(fd), mapping, sent)
+            self._sent.append(kept)
             return memoryview(mapping)[:size]
         finally:
             os.close(fd)
 
     def release(self) -> None:
-        """Mark the files no view of the server's mappings holds any more ``ktlite-idle-*``
-        (their rank may write them again); drop the mappings of files their rank removed."""
-        if not self._kept:  # the usual call: no large result was sent since
+        """Mark the files no view of the server's mappings holds any more ``ktlite-idle-*``:
+        their rank may write them again. (Runs before every call to a rank: it looks only at
+        the files still marked sent, and makes no syscall for a file still viewed.)"""
+        if not self._sent:
             return
+        for kept in self._sent:
+            if _refs(kept) != _UNUSED:
+                continue
+            idle = shm.renamed(kept.name, shm.IDLE_PREFIX)
+            if _moved(kept.name, idle):
+                kept.name = idle
+            kept.sent = False  # (not moved: its rank removed it; swept later)
+        self._sent = [k for k in self._sent if k.sent]
+
+    def sweep(self) -> None:
+        """Drop the mappings of files their rank removed (its bound, its exit, its death),
+        once nothing views them: when a new file is mapped, and when a rank is gone."""
+        self.release()
         for key, kept in list(self._kept.items()):
             if _refs(kept) != _UNUSED:
                 continue
@@ -99,17 +119,12 @@ class ResultMaps:
             if gone:
                 del self._kept[key]
                 _close(kept)
-            elif kept.sent:
-                idle = shm.renamed(kept.name, shm.IDLE_PREFIX)
-                if _moved(kept.name, idle):
-                    kept.name, kept.sent = idle, False
-                else:  # removed under us (by its rank, just now): dropped next time
-                    kept.sent = False
 
     def clear(self) -> None:
         for kept in self._kept.values():
             _close(kept)
         self._kept.clear()
+        self._sent.clear()
 
 
 def _moved(old: str, new: str) -> bool:
