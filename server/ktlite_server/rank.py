@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from ktlite_server import argmaps, doorbell, logconfig, resultfeed, workdir
+from ktlite_server import argmaps, doorbell, logconfig, resultfeed, resultfiles, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
 from ktlite_wire import codec, envelope, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
@@ -374,7 +374,7 @@ class Rank:
             )
             return
         # large: the pod server sends each piece while this process writes the next
-        fd, path = shm.create(shm.RESULT_PREFIX, size)
+        fd, path = resultfiles.process().create(size)  # a warm file where one is free
         try:
             self.chan.send(
                 rankchannel.Result(
@@ -440,6 +440,7 @@ def _watch_parent(ppid: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != ppid:
+            resultfiles.process().clear()
             os._exit(1)  # the pod server is gone: never outlive it
 
 

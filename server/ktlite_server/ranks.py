@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ktlite_server import doorbell
+from ktlite_server import doorbell, resultfiles, resultmaps
 from ktlite_server.oomkills import killed as oom_killed
 from ktlite_server.rankconn import RankConnection
 from ktlite_server.resultfeed import Feed, ResultLost
@@ -259,6 +259,7 @@ class RankProcess:
         loop = self._loop or asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         key = msg.id
+        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
         if not self.alive or self._conn is None:
             future.set_exception(RankGone(self.death_message()))
             return future
@@ -403,6 +404,8 @@ class RankProcess:
         self.exit_code = code
         self.drain_output()
         self._dead.set()
+        resultfiles.remove_left(self.proc.pid)  # the result files it kept, if it was killed
+        resultmaps.server().sweep()  # and this server's mappings of them
         loop = asyncio.get_running_loop()
         for fd in list(self._fds):
             loop.remove_reader(fd)
