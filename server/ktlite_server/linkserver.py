@@ -1,5 +1,5 @@
-"""A member pod's end of a peer link (``linkframes``): the calls another pod sends it over one
-persistent connection, each run exactly as a ``POST /call`` is (``Calls.call``: the same
+"""A pod's end of a link (``linkframes``): the calls another pod (or the caller, for its
+submitted calls: ``ktlite.net.podlinks``) sends it over one persistent connection, each run exactly as a ``POST /call`` is (``Calls.call``: the same
 checks, the same frame stream, the same re-attach and cancel rules), without an HTTP request,
 an ASGI cycle and a response head per call.
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from ktlite_server import linkframes, resultfeed
-from ktlite_wire import envelope
+from ktlite_server import resultfeed
+from ktlite_wire import envelope, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import CALL_HEADER, ERROR_CODE_HEADER
 
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 TAKE_OVER = "ktlite.take_over"  # the ASGI scope extension: it(scope, make) -> bool
 PIECE = 1 << 20  # a large frame leaves in messages of at most this many bytes
+POST_MAX = 64 << 10  # an answer's last bytes up to this size leave with the others due now
 # what a call over a link is handed to: the call's stream and its first frame (Calls.call)
 Serve = Callable[[Request], Awaitable[Any]]
 
@@ -85,6 +86,7 @@ class _Out:
     async def write(self, items: list[Any], last: bool) -> None:
         link = self.link
         out: list[Any] = []
+        total = 0
         for i, item in enumerate(items):
             self.failed = i
             parts = item if isinstance(item, list) else [item]
@@ -105,13 +107,17 @@ class _Out:
             size = envelope.parts_size(parts)
             if size <= PIECE:
                 out += (linkframes.header(linkframes.DATA, self.stream, size), *parts)
+                total += size
                 continue
             link.write(out)
             out = []
             await self._data(parts)
         if last:
             out.append(linkframes.header(linkframes.END, self.stream, 0))
-        link.write(out)
+        if total <= POST_MAX:  # with the other answers due in this turn of the loop: one write
+            link.post(out)
+        else:
+            link.write(out)
 
     async def _data(self, parts: list[Any]) -> None:
         """``parts`` as DATA messages of at most PIECE bytes, each once the link drained."""
@@ -146,6 +152,7 @@ class LinkServer(asyncio.Protocol):
         self.paused = False
         self._drained: asyncio.Event | None = None
         self._reader = linkframes.Reader()
+        self._posted: list[Any] = []  # bytes due at the end of this turn of the loop (post)
         self._outs: dict[int, _Out] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -153,8 +160,18 @@ class LinkServer(asyncio.Protocol):
         return f"LinkServer({len(self._outs)} streams, lost={self.lost})"
 
     def write(self, parts: list[Any]) -> None:
+        """``parts`` now, after what was posted (in order)."""
+        if self._posted:
+            parts, self._posted = self._posted + parts, []
         if parts and not self.lost:
             self.transport.writelines(parts)
+
+    def post(self, parts: list[Any]) -> None:
+        """``parts`` at the end of this turn of the event loop, in one write with the others
+        posted meanwhile (answers that end together: one system call, one wake of the reader)."""
+        if not self._posted:
+            asyncio.get_running_loop().call_soon(self.write, [])
+        self._posted += parts
 
     async def drain(self) -> None:
         while self.paused and not self.lost:
