@@ -76,7 +76,7 @@ class _Out:
 
     async def open(self, wake: Callable[[], None]) -> None:
         self._wake = wake
-        self.link.write([linkframes.head_message(self.stream, 200)])
+        self.link.head([linkframes.head_message(self.stream, 200)])
 
     def disconnect(self) -> None:
         self.closed = True
@@ -153,6 +153,7 @@ class LinkServer(asyncio.Protocol):
         self._drained: asyncio.Event | None = None
         self._reader = linkframes.Reader()
         self._posted: list[Any] = []  # bytes due at the end of this turn of the loop (post)
+        self._flush_due = False  # a callback that writes them is queued
         self._outs: dict[int, _Out] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -169,9 +170,26 @@ class LinkServer(asyncio.Protocol):
     def post(self, parts: list[Any]) -> None:
         """``parts`` at the end of this turn of the event loop, in one write with the others
         posted meanwhile (answers that end together: one system call, one wake of the reader)."""
-        if not self._posted:
-            asyncio.get_running_loop().call_soon(self.write, [])
+        self._flush_soon()
         self._posted += parts
+
+    def head(self, parts: list[Any]) -> None:
+        """A call's head: with the write already due (it runs before any callback queued from
+        now on, the call's own work included: the head still leaves before its ranks have the
+        call), else now."""
+        if self._flush_due:
+            self._posted += parts
+        else:
+            self.write(parts)
+
+    def _flush_soon(self) -> None:
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        self.write([])
 
     async def drain(self) -> None:
         while self.paused and not self.lost:
@@ -189,18 +207,22 @@ class LinkServer(asyncio.Protocol):
             self._drained = None
 
     def data_received(self, data: bytes) -> None:
+        calls = False
         try:
             for kind, stream, payload in self._reader.feed(data):
                 if kind == linkframes.CALL:
                     task = asyncio.get_running_loop().create_task(self._call(stream, payload))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
+                    calls = True
                 elif kind == linkframes.CLOSE:
                     out = self._outs.get(stream)
                     if out is not None:
                         out.disconnect()
                 else:
                     raise ProtocolError(f"a link message of kind {kind} from the caller's side")
+            if calls:  # queued after the calls' first steps: their heads leave in one write
+                self._flush_soon()
         except ProtocolError as e:
             logger.warning("closed a peer link that sent a malformed message: %s", e)
             self.transport.abort()
