@@ -272,3 +272,28 @@ def test_a_call_id_sent_twice_over_a_link_runs_once(pod, tmp_path) -> None:
     assert len(os.listdir(tmp_path)) == 1
     third = _reply(pod, LinkMux(), meta, parts, headers).result(timeout=60)  # a new link, later
     assert third[1] is None and len(os.listdir(tmp_path)) == 1
+
+
+def test_a_forked_child_opens_a_link_of_its_own() -> None:
+    def echo(server: RawLinks, conn: socket.socket, got: list) -> bool:
+        conn.sendall(b"".join(answer(s, meta) for _, s, meta in got))
+        return True
+
+    server = RawLinks(echo)
+    mux = LinkMux()
+    assert start(mux, server.url, "parent").result(timeout=30)[4] == [(RESULT, b"parent")]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's link and reader are not its own
+        try:
+            seen = start(mux, server.url, "child").result(timeout=30)[4]
+            os.write(write, b"ok" if seen == [(RESULT, b"child")] else repr(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = os.read(read, 4096)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert got == b"ok"
+    assert start(mux, server.url, "parent again").result(timeout=30)[3] is None
+    assert server.links == 2  # the parent's link lives on; the child opened its own
