@@ -215,7 +215,7 @@ class LinkMux:
         error: BaseException | None = None
         try:
             link, answer = _connect(key, headers, timeout)
-        except ConnectionFailed as e:
+        except Exception as e:  # noqa: BLE001 - every call that waits for the link hears it
             error = e
         epoll = self._running()
         with self._lock:
@@ -238,17 +238,18 @@ class LinkMux:
         out: list[Any] = []
         now = time.monotonic()
         with link.lock:
-            if link.lost:  # it broke meanwhile: nothing of these was sent
-                for call in calls:
-                    self._go(link.key, link.headers, call, 10.0)
-                return
+            lost = link.lost
             idle = not link.calls and link.reads > 0
-            for call in calls:
+            for call in [] if lost else calls:
                 link.next = link.next % 0xFFFFFFFF + 1
                 call.again, call.heard_at = idle, link.reads
                 call.deadline = now + call.silence
                 link.calls[link.next] = call
                 out += linkframes.call_message(link.next, *call.message)
+        if lost:  # it broke meanwhile: nothing of these was sent, they go on a new one
+            for call in calls:
+                self._go(link.key, link.headers, call, 10.0)
+            return
         if threading.current_thread() is self._thread:  # leaves with the turn's other calls
             self._batch.setdefault(link, []).extend(out)
             return
@@ -301,14 +302,16 @@ class LinkMux:
                         call,
                         TimeoutError(f"no frame and no heartbeat for {call.silence:g}s"),
                     )
-        self._finish()
-        batch, self._batch = self._batch, {}
-        for link, out in batch.items():
-            try:
-                link.write(b"".join(out))
-            except OSError as e:
-                self._lose(link, ConnectionFailed(f"{link.where}: {e!r}"))
-        self._finish()
+        while True:  # until no ended call started another
+            self._finish()
+            batch, self._batch = self._batch, {}
+            if not batch:
+                return
+            for link, out in batch.items():
+                try:
+                    link.write(b"".join(out))
+                except OSError as e:
+                    self._lose(link, ConnectionFailed(f"{link.where}: {e!r}"))
 
     def _finish(self) -> None:
         ended, self._ended = self._ended, []
