@@ -35,7 +35,7 @@ class Recorder:
         return False
 
 
-def test_heads_and_answers_that_are_due_together_leave_in_one_write() -> None:
+def _scenario(late_heads: bool) -> list[Any]:
     async def scenario() -> list[Any]:
         events: list[Any] = []
         streams: dict[str, CallStream] = {}
@@ -50,7 +50,7 @@ def test_heads_and_answers_that_are_due_together_leave_in_one_write() -> None:
             asyncio.get_running_loop().create_task(work())
             return StreamResponse(stream, 0)
 
-        link = LinkServer(Recorder(events), serve, 1 << 20, 75.0)
+        link = LinkServer(Recorder(events), serve, 1 << 20, 75.0, late_heads=late_heads)
         link.data_received(
             b"".join(
                 b"".join(
@@ -69,7 +69,11 @@ def test_heads_and_answers_that_are_due_together_leave_in_one_write() -> None:
         link.connection_lost(None)
         return events
 
-    events = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_heads_and_answers_that_are_due_together_leave_in_one_write() -> None:
+    events = _scenario(late_heads=False)
     head, data, end = linkframes.HEAD, linkframes.DATA, linkframes.END
     assert events == [
         ("write", [(head, 1), (head, 2), (head, 3)]),
@@ -77,4 +81,16 @@ def test_heads_and_answers_that_are_due_together_leave_in_one_write() -> None:
         ("work", "call 2"),
         ("work", "call 3"),
         ("write", [(data, 1), (end, 1), (data, 2), (end, 2), (data, 3), (end, 3)]),
+    ]
+
+
+def test_a_callers_link_sends_each_head_with_its_answer() -> None:
+    # a caller's link (?heads=late): one write of the three answers, each with its head
+    events = _scenario(late_heads=True)
+    head, data, end = linkframes.HEAD, linkframes.DATA, linkframes.END
+    assert events == [
+        ("work", "call 1"),
+        ("work", "call 2"),
+        ("work", "call 3"),
+        ("write", [(k, s) for s in (1, 2, 3) for k in (head, data, end)]),
     ]

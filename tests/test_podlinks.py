@@ -58,7 +58,7 @@ class RawLinks:
             head = b""
             while b"\r\n\r\n" not in head:
                 head += conn.recv(4096)
-            assert head.startswith(b"POST /link HTTP/1.1\r\n")
+            assert head.startswith(b"POST /link?heads=late HTTP/1.1\r\n")
             if self.refusal is not None:
                 conn.sendall(self.refusal)
                 return

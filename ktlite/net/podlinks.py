@@ -427,7 +427,10 @@ def _connect(
     ConnectionFailed when one was and no answer came."""
     host, port, context = key[0], key[1], key[2]
     conn = Connection(host, port, timeout, context)  # ConnectionRefused: nothing was sent
-    head = [f"POST {linkframes.PATH} HTTP/1.1", f"host: {host}:{port}", "content-length: 0"]
+    # heads=late: a call's 200 head comes with its first frames (one wake of the reader, not
+    # two); nothing here relies on it to know whether a call reached the pod
+    path = f"{linkframes.PATH}?heads=late"
+    head = [f"POST {path} HTTP/1.1", f"host: {host}:{port}", "content-length: 0"]
     head += [f"{k}: {v}" for k, v in headers.items()]
     try:
         conn.send(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"), [], timeout)

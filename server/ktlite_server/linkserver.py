@@ -69,6 +69,7 @@ class _Out:
         self.closed = False  # the caller closed the stream, or the link broke
         self.failed = 0
         self._wake: Callable[[], None] | None = None
+        self._head: bytes | None = None  # a late head: it leaves with the call's first frames
 
     @property
     def gone(self) -> bool:
@@ -76,7 +77,11 @@ class _Out:
 
     async def open(self, wake: Callable[[], None]) -> None:
         self._wake = wake
-        self.link.head([linkframes.head_message(self.stream, 200)])
+        head = linkframes.head_message(self.stream, 200)
+        if self.link.late_heads:
+            self._head = head
+        else:
+            self.link.head([head])
 
     def disconnect(self) -> None:
         self.closed = True
@@ -86,6 +91,8 @@ class _Out:
     async def write(self, items: list[Any], last: bool) -> None:
         link = self.link
         out: list[Any] = []
+        if self._head is not None:
+            out, self._head = [self._head], None
         total = 0
         for i, item in enumerate(items):
             self.failed = i
@@ -140,8 +147,14 @@ class _Out:
 class LinkServer(asyncio.Protocol):
     """A member pod's end of one link: ``serve`` runs each call (``Calls.call``)."""
 
-    def __init__(self, transport: Any, serve: Serve, max_body: int, idle_s: float) -> None:
+    def __init__(
+        self, transport: Any, serve: Serve, max_body: int, idle_s: float, late_heads: bool = False
+    ) -> None:
         self.transport = transport
+        # a caller's link (``?heads=late``): a call's 200 head leaves with its first frames, one
+        # wake of the caller where the head woke it alone (it does not need the head to tell
+        # whether a call reached the pod: ``ktlite.net.podlinks``); a pod's peer does
+        self.late_heads = late_heads
         self.serve = serve
         self.max_body = max_body
         self.idle_s = idle_s  # a link without a call this long is closed (KTLITE_IDLE_TIMEOUT)
@@ -330,7 +343,13 @@ class Links:
             and take is not None
             and take(
                 scope,
-                lambda t: LinkServer(t, self.serve, self.max_body, self.idle_s),
+                lambda t: LinkServer(
+                    t,
+                    self.serve,
+                    self.max_body,
+                    self.idle_s,
+                    late_heads=b"heads=late" in scope.get("query_string", b""),
+                ),
             )
         ):
             return
