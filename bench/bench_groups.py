@@ -308,6 +308,33 @@ class Bench:
             rows.append(row)
         return rows
 
+    def targets(self) -> list[str]:
+        """Issue 26's targets on these rows, each met or not (with what is measured)."""
+        out = []
+        for what, key, peer, cause in (
+            (
+                f"{SUBMIT} submitted calls (concurrency {CONCURRENCY}) >= Ray's rate",
+                "submit_noop",
+                "ray",
+                "a call is still ~1.2 M instructions over three processes (caller, pod server, "
+                "rank: bench_cpu.py --rows submit) where Ray's stays in its C++ core worker",
+            ),
+            (
+                f"per-rank data {PERRANK} x 1 MB <= Monarch's time",
+                "perrank",
+                "monarch",
+                "one shared-memory file per call and its rank's hand-off",
+            ),
+        ):
+            kv, pv = self.m.get(f"kt_{key}"), self.m.get(f"{peer}_{key}")
+            if kv is None or pv is None:
+                out.append(f"{what}: not measured (a system's row failed)")
+                continue
+            ratio = kv / pv
+            verdict = "met" if ratio <= 1.0 else f"not met ({cause})"
+            out.append(f"{what}: {ratio:.2f}x {peer}'s time: {verdict}")
+        return out
+
 
 def _fmt(seconds: float | None, kind: str) -> str:
     if seconds is None:
@@ -391,6 +418,9 @@ def main() -> int:
         "ratio = ktlite time / peer time (for calls/s: peer rate / ktlite rate): below 1, ktlite is faster\n"
     )
     print(render(bench.table(), ["measurement", "ktlite", "Ray", "ratio", "Monarch", "ratio"]))
+    print("\nissue 26's targets (ratio: ktlite's time / the peer's, in this run):")
+    for line in bench.targets():
+        print(f"- {line}")
     print("\nload average (1 min) before -> after each round:")
     for line in bench.load.lines():
         print(f"  {line}")

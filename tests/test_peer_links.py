@@ -20,7 +20,7 @@ import pytest
 from served_app import Served
 from starlette.requests import Request
 
-from ktlite_server import linkclient, linkframes
+from ktlite_server import linkclient
 from ktlite_server.admission import Gate, Token
 from ktlite_server.app import create_app
 from ktlite_server.calls import StreamResponse
@@ -29,7 +29,7 @@ from ktlite_server.linkserver import Links
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, PeerTimeout
 from ktlite_server.pod import Pod
 from ktlite_server.streams import CallStream
-from ktlite_wire import frames
+from ktlite_wire import frames, linkframes
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import CALL_HEADER, ERROR_CODE_HEADER, TOKEN_HEADER, VERSION_HEADER
 from ktlite_wire.version import PROTOCOL_VERSION

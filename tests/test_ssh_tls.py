@@ -18,6 +18,7 @@ from ssh_hosts import SshHosts, ssh_marks
 from tcp_relay import Relay
 
 import ktlite as kt
+import ktlite.net.client
 
 pytestmark = ssh_marks(timeout=240)
 
@@ -104,3 +105,32 @@ def test_the_ssh_plan_ships_the_key_on_stdin_and_never_prints_it(hosts: SshHosts
     plan = str(kt.fn(size, name="ssh-tls-plan").to(_compute(hosts), dryrun=True))
     assert "--tls-stdin" in plan and "TLS certificate and key" in plan
     assert "BEGIN" not in plan
+
+
+def test_submitted_calls_go_over_one_tls_link_that_a_sniffer_cannot_read(hosts: SshHosts) -> None:
+    one = kt.Hosts(
+        [hosts.hosts[0].name],
+        ssh_config=str(hosts.ssh_config),
+        known_hosts=str(hosts.known_hosts),
+        python=sys.executable,
+    )
+    remote = kt.fn(size, name="ssh-tls-link").to(kt.Compute(hosts=one, concurrency=4))
+    dep = remote.deployment
+    eps = list(dep.applied.endpoints)
+    first = urlsplit(eps[0].url)
+    relay = Relay(first.port or 0, first.hostname or "")
+    try:
+        dep.applied.endpoints = [dataclasses.replace(eps[0], url=f"https://127.0.0.1:{relay.port}")]
+        marker = b"SNIFF-ME-" + secrets.token_hex(8).encode()
+        futures = [remote.submit(marker * n) for n in range(1, 9)]
+        values = [f.result(timeout=120) for f in futures]
+        assert values == [[len(marker) * n] for n in range(1, 9)]  # one rank, one value each
+        links = [k for k in ktlite.net.client._links._links.values() if k.key[1] == relay.port]
+        assert len(links) == 1 and links[0].tls  # the eight calls shared one link
+        seen = relay.seen()
+        assert relay.connections == 1 and seen
+        assert dep.applied.token.encode() not in seen and marker not in seen
+    finally:
+        dep.applied.endpoints = eps
+        relay.close()
+        remote.teardown()

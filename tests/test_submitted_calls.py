@@ -156,5 +156,9 @@ def test_submitted_calls_to_a_tls_pod() -> None:
         sizes = [10] * 20 + [3 << 20, 200 << 10]
         assert [len(f.result(timeout=60)) for f in [remote.submit(n) for n in sizes]] == sizes
         assert len(remote(5)) == 5  # a call that waits, on the same connections
+        # the submitted calls went over one link to the pod, in TLS pinned to the deployment
+        port = int(remote.deployment.endpoints[0].url.rpartition(":")[2])
+        links = [k for k in ktlite.net.client._links._links.values() if k.key[1] == port]
+        assert len(links) == 1 and links[0].tls and links[0].key[2] is not None
     finally:
         remote.teardown()

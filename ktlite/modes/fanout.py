@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, NoReturn
@@ -26,7 +25,7 @@ from ktlite.errors import (
     PodUnreachable,
     RemoteError,
 )
-from ktlite.modes import engines, podtable
+from ktlite.modes import callids, engines, podtable
 from ktlite.modes.callpath import CallOptions, CallPlans, pool, print_log, shm_arguments
 from ktlite.modes.mode import Mode
 from ktlite.modes.outcomes import decode_values, split, to_error
@@ -321,7 +320,7 @@ class Fanout(Mode):
                 raise ConfigError(
                     f"ranks={options.ranks!r} are on none of workers={options.workers!r}"
                 )
-        call_id = os.urandom(16).hex()  # 128 random bits, as uuid4 without its Python __init__
+        call_id = callids.new()  # unique, without a system call that lets go of the GIL
         if on_send is not None:
             on_send(call_id)
         plan = self.plans.plan(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
 from dataclasses import replace
@@ -42,6 +41,7 @@ from ktlite.errors import (
     RemoteError,
     StaleLaunch,
 )
+from ktlite.modes import callids
 from ktlite.modes.callpath import (
     CallOptions,
     CallPath,
@@ -283,7 +283,7 @@ class Routing(Mode):
         connection refused) goes to another replica, once."""
         dep = self.dep
         ep = replica.ep
-        call_id = os.urandom(16).hex()  # 128 random bits, as uuid4 without its Python __init__
+        call_id = callids.new()  # unique, without a system call that lets go of the GIL
         if on_send is not None:
             on_send(call_id)
         plan = self.plans.plan(dep.spec, dep.launch_id, [ep], options, call_id=call_id, num_proc=1)

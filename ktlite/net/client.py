@@ -42,6 +42,7 @@ from ktlite.net.call_reply import (
 )
 from ktlite.net.callmux import CallMux
 from ktlite.net.connection import PROGRESS_BYTES, ConnectionRefused, Pool
+from ktlite.net.podlinks import BODY_MAX, LinkMux
 from ktlite.net.progress import Progress
 from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, proxy_refusal, raise_for_status
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
@@ -76,6 +77,7 @@ CHUNKED_MAX = 8 << 20  # proxied bodies up to this size go chunked (see _call_re
 _pool = Pool()  # one keep-alive pool for every deployment of this process (tokens go per request)
 atexit.register(_pool.close)
 _mux = CallMux(_pool)  # reads the answers of calls started without waiting (start_call)
+_links = LinkMux()  # ... and of those sent over a link to their pod (start_call: the usual)
 
 
 def silence_timeout() -> float:
@@ -126,12 +128,11 @@ class PodClient:
         """Drop pooled connections to a pod that is gone (after a teardown). Every request
         to a direct pod goes through this pool; a proxied pod's go to the proxy, not the pod."""
         _pool.drop(url)
+        _links.drop(url)
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        h = {TOKEN_HEADER: bearer(self._token), VERSION_HEADER: str(version.PROTOCOL_VERSION)}
-        if extra:
-            h.update(extra)
-        return h
+        own = {TOKEN_HEADER: bearer(self._token), VERSION_HEADER: str(version.PROTOCOL_VERSION)}
+        return {**own, **extra} if extra else own
 
     @staticmethod
     def _check(resp: httpx.Response | Reply, url: str) -> None:
@@ -298,10 +299,8 @@ class PodClient:
         on_notice: NoticeSink | None = None,
         pod: str = "",
     ) -> CallReply:
-        """Run the call ``plan`` through the coordinator ``pod`` at ``url``; returns per-rank
-        outcomes."""
-        who = coordinator(url, pod)
-        silence = silence_timeout()
+        """Run the call ``plan`` through the coordinator ``pod`` at ``url``: its outcomes."""
+        who, silence = coordinator(url, pod), silence_timeout()
         frames = FrameReader(on_log, on_notice, url)
         try:
             if self._lean and self.transport.direct(url):
@@ -329,18 +328,19 @@ class PodClient:
         done: Callable[[CallReply | None, BaseException | None], None],
         pod: str = "",
     ) -> None:
-        """:meth:`call`, without waiting: the request leaves now and its answer is read on
-        the call multiplexer's thread (``callmux``), which calls ``done(reply, None)`` or
-        ``done(None, error)`` with the error :meth:`call` would raise. Only for a pod that
-        :meth:`can_start` takes."""
+        """:meth:`call`, without waiting: the call leaves now over the pod's link (``podlinks``;
+        a larger body as a request of its own, ``callmux``), its answer read on one thread,
+        which calls ``done(reply, None)`` or ``done(None, error)`` with the error :meth:`call`
+        would raise. Only for a pod that :meth:`can_start` takes."""
         silence = silence_timeout()
         frames = FrameReader(on_log, None, url)
-        finished = answered(frames, coordinator(url, pod), silence, done)
-        headers = self._headers(
-            {CALL_HEADER: plan.encode(), "content-type": "application/octet-stream"}
-        )
-        context = self.transport.context(url)
-        _mux.start(url, "/call", headers, parts, context, silence, frames.frame, finished)
+        end = answered(frames, coordinator(url, pod), silence, done)
+        ctx, meta = self.transport.context(url), plan.encode()
+        if envelope.parts_size(parts) <= BODY_MAX:
+            _links.start(url, self._headers(), meta, parts, ctx, silence, frames.frame, end)
+            return
+        headers = self._headers({CALL_HEADER: meta, "content-type": "application/octet-stream"})
+        _mux.start(url, "/call", headers, parts, ctx, silence, frames.frame, end)
 
     def _call_lean(
         self,

@@ -308,7 +308,7 @@ class Pool:
         context: ssl.SSLContext | None = None,
     ) -> tuple[Key, bytes]:
         """The pool key of ``url`` and a request's head (``path`` with its query)."""
-        host, port = _address(url)
+        host, port = pod_address(url)
         size = sum(memoryview(p).nbytes for p in parts)
         lines = [f"{method} {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {size}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
@@ -340,7 +340,7 @@ class Pool:
 
     def drop(self, url: str) -> None:
         """Close the idle connections to ``url`` (its pod is gone), with any context."""
-        address = _address(url)
+        address = pod_address(url)
         with self._lock:
             keys = [k for k in self._idle if k[:2] == address]
             conns = [c for k in keys for c in self._idle.pop(k)]
@@ -356,7 +356,7 @@ class Pool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _address(url: str) -> tuple[str, int]:
+def pod_address(url: str) -> tuple[str, int]:
     """A pod URL's (host, port), parsed once (urlsplit is Python code that runs per call)."""
     u = urlsplit(url)
     return u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from ktlite_server import linkframes
 from ktlite_server.peers import (
     PeerConnectError,
     PeerError,
@@ -32,7 +31,7 @@ from ktlite_server.peers import (
 )
 from ktlite_server.silence import QuietTimer
 from ktlite_wire import headers as wire_headers
-from ktlite_wire import pinning
+from ktlite_wire import linkframes, pinning
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
 

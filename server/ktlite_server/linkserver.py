@@ -1,5 +1,5 @@
-"""A member pod's end of a peer link (``linkframes``): the calls another pod sends it over one
-persistent connection, each run exactly as a ``POST /call`` is (``Calls.call``: the same
+"""A pod's end of a link (``linkframes``): the calls another pod (or the caller, for its
+submitted calls: ``ktlite.net.podlinks``) sends it over one persistent connection, each run exactly as a ``POST /call`` is (``Calls.call``: the same
 checks, the same frame stream, the same re-attach and cancel rules), without an HTTP request,
 an ASGI cycle and a response head per call.
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from ktlite_server import linkframes, resultfeed
-from ktlite_wire import envelope
+from ktlite_server import resultfeed
+from ktlite_wire import envelope, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import CALL_HEADER, ERROR_CODE_HEADER
 
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 TAKE_OVER = "ktlite.take_over"  # the ASGI scope extension: it(scope, make) -> bool
 PIECE = 1 << 20  # a large frame leaves in messages of at most this many bytes
+POST_MAX = 64 << 10  # an answer's last bytes up to this size leave with the others due now
 # what a call over a link is handed to: the call's stream and its first frame (Calls.call)
 Serve = Callable[[Request], Awaitable[Any]]
 
@@ -68,6 +69,7 @@ class _Out:
         self.closed = False  # the caller closed the stream, or the link broke
         self.failed = 0
         self._wake: Callable[[], None] | None = None
+        self._head: bytes | None = None  # a late head: it leaves with the call's first frames
 
     @property
     def gone(self) -> bool:
@@ -75,7 +77,11 @@ class _Out:
 
     async def open(self, wake: Callable[[], None]) -> None:
         self._wake = wake
-        self.link.write([linkframes.head_message(self.stream, 200)])
+        head = linkframes.head_message(self.stream, 200)
+        if self.link.late_heads:
+            self._head = head
+        else:
+            self.link.head([head])
 
     def disconnect(self) -> None:
         self.closed = True
@@ -85,6 +91,9 @@ class _Out:
     async def write(self, items: list[Any], last: bool) -> None:
         link = self.link
         out: list[Any] = []
+        if self._head is not None:
+            out, self._head = [self._head], None
+        total = 0
         for i, item in enumerate(items):
             self.failed = i
             parts = item if isinstance(item, list) else [item]
@@ -105,13 +114,17 @@ class _Out:
             size = envelope.parts_size(parts)
             if size <= PIECE:
                 out += (linkframes.header(linkframes.DATA, self.stream, size), *parts)
+                total += size
                 continue
             link.write(out)
             out = []
             await self._data(parts)
         if last:
             out.append(linkframes.header(linkframes.END, self.stream, 0))
-        link.write(out)
+        if total <= POST_MAX:  # with the other answers due in this turn of the loop: one write
+            link.post(out)
+        else:
+            link.write(out)
 
     async def _data(self, parts: list[Any]) -> None:
         """``parts`` as DATA messages of at most PIECE bytes, each once the link drained."""
@@ -134,8 +147,14 @@ class _Out:
 class LinkServer(asyncio.Protocol):
     """A member pod's end of one link: ``serve`` runs each call (``Calls.call``)."""
 
-    def __init__(self, transport: Any, serve: Serve, max_body: int, idle_s: float) -> None:
+    def __init__(
+        self, transport: Any, serve: Serve, max_body: int, idle_s: float, late_heads: bool = False
+    ) -> None:
         self.transport = transport
+        # a caller's link (``?heads=late``): a call's 200 head leaves with its first frames, one
+        # wake of the caller where the head woke it alone (it does not need the head to tell
+        # whether a call reached the pod: ``ktlite.net.podlinks``); a pod's peer does
+        self.late_heads = late_heads
         self.serve = serve
         self.max_body = max_body
         self.idle_s = idle_s  # a link without a call this long is closed (KTLITE_IDLE_TIMEOUT)
@@ -146,6 +165,8 @@ class LinkServer(asyncio.Protocol):
         self.paused = False
         self._drained: asyncio.Event | None = None
         self._reader = linkframes.Reader()
+        self._posted: list[Any] = []  # bytes due at the end of this turn of the loop (post)
+        self._flush_due = False  # a callback that writes them is queued
         self._outs: dict[int, _Out] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -153,8 +174,35 @@ class LinkServer(asyncio.Protocol):
         return f"LinkServer({len(self._outs)} streams, lost={self.lost})"
 
     def write(self, parts: list[Any]) -> None:
+        """``parts`` now, after what was posted (in order)."""
+        if self._posted:
+            parts, self._posted = self._posted + parts, []
         if parts and not self.lost:
             self.transport.writelines(parts)
+
+    def post(self, parts: list[Any]) -> None:
+        """``parts`` at the end of this turn of the event loop, in one write with the others
+        posted meanwhile (answers that end together: one system call, one wake of the reader)."""
+        self._flush_soon()
+        self._posted += parts
+
+    def head(self, parts: list[Any]) -> None:
+        """A call's head: with the write already due (it runs before any callback queued from
+        now on, the call's own work included: the head still leaves before its ranks have the
+        call), else now."""
+        if self._flush_due:
+            self._posted += parts
+        else:
+            self.write(parts)
+
+    def _flush_soon(self) -> None:
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        self.write([])
 
     async def drain(self) -> None:
         while self.paused and not self.lost:
@@ -172,18 +220,22 @@ class LinkServer(asyncio.Protocol):
             self._drained = None
 
     def data_received(self, data: bytes) -> None:
+        calls = False
         try:
             for kind, stream, payload in self._reader.feed(data):
                 if kind == linkframes.CALL:
                     task = asyncio.get_running_loop().create_task(self._call(stream, payload))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
+                    calls = True
                 elif kind == linkframes.CLOSE:
                     out = self._outs.get(stream)
                     if out is not None:
                         out.disconnect()
                 else:
                     raise ProtocolError(f"a link message of kind {kind} from the caller's side")
+            if calls:  # queued after the calls' first steps: their heads leave in one write
+                self._flush_soon()
         except ProtocolError as e:
             logger.warning("closed a peer link that sent a malformed message: %s", e)
             self.transport.abort()
@@ -291,7 +343,13 @@ class Links:
             and take is not None
             and take(
                 scope,
-                lambda t: LinkServer(t, self.serve, self.max_body, self.idle_s),
+                lambda t: LinkServer(
+                    t,
+                    self.serve,
+                    self.max_body,
+                    self.idle_s,
+                    late_heads=b"heads=late" in scope.get("query_string", b""),
+                ),
             )
         ):
             return

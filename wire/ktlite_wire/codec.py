@@ -163,6 +163,12 @@ def dumps_parts(obj: Any, *, sources: bool = False) -> list[Any]:
     return envelope.pack(MAGIC, stream.pieces, [b.raw() for b in buffers])
 
 
+def dumps_plain(obj: Any) -> list[Any]:
+    """:func:`dumps_parts` of a value of builtin types alone (no code, no buffer): the C
+    pickler's bytes in the same message, decoded by :func:`loads` as any other."""
+    return envelope.pack(MAGIC, [pickle.dumps(obj, protocol=5)], [])
+
+
 def dumps(obj: Any, *, sources: bool = False) -> bytes:
     """One message as bytes (small messages; large ones should use :func:`dumps_parts`)."""
     return envelope.join(dumps_parts(obj, sources=sources))

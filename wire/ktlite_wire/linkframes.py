@@ -1,5 +1,7 @@
-"""The messages of a peer link: one persistent connection from a pod to another pod that
-carries many calls at once, each numbered by the link (``linkclient``, ``linkserver``).
+"""The messages of a link: one persistent connection to a pod server that carries many calls
+at once, each numbered by the link: from another pod (``ktlite_server.linkclient``), or from
+the caller (``ktlite.net.podlinks``: submitted calls to a pod it reaches directly); the pod's
+end is ``ktlite_server.linkserver``.
 
 A link begins as an HTTP request on the pod server's own port (``POST /link`` with the
 deployment's token, over TLS where the deployment has it), answered ``101``; from then on both
