@@ -32,8 +32,8 @@ SUITE = HERE / "kubernetes"
 EXPECTED_SKIP = "KTLITE_TEST_SKIP_VOLUMES is set"  # the only skip expected (set below)
 # the parts: each a list of files or tests of the suite (every test of the suite is in exactly
 # one part: test_the_parts_cover_the_suite_once), of about equal time (180-200 s each on a
-# 2-core machine at load 18, 40-50 s of it alone), the longest first; each runs in the test
-# module PART_FILES names
+# 2-core machine at load 18, 40-50 s of it alone), the longest first, but for 'ray-monarch'
+# (outside the default run); each runs in the test module PART_FILES names
 CLUSTER = "test_cluster.py::test_"
 RESILIENCE = "test_resilience.py::test_"
 PARTS: dict[str, tuple[str, ...]] = {
@@ -68,9 +68,13 @@ PARTS: dict[str, tuple[str, ...]] = {
         ),
         "test_serving_cluster.py",
     ),
-    "engines-store-groups": (
+    # real Ray and Monarch: long real-engine tests, run with the `ray` and `monarch` tests
+    # (.ci/test's second half), not in the default run (test_kube_e2e_engines.py's markers)
+    "ray-monarch": (
         "test_ray_cluster.py",
         "test_monarch_cluster.py",
+    ),
+    "store-groups": (
         "test_store_cluster.py",
         "test_worker_groups.py",
     ),
@@ -94,7 +98,8 @@ PARTS: dict[str, tuple[str, ...]] = {
 PART_FILES = {
     "calls-kubetorch-secrets": "test_kube_e2e_calls.py",
     "faults-serving": "test_kube_e2e_faults.py",
-    "engines-store-groups": "test_kube_e2e_engines.py",
+    "ray-monarch": "test_kube_e2e_engines.py",
+    "store-groups": "test_kube_e2e_groups.py",
     "proxied-lifecycle": "test_kube_e2e_lifecycle.py",
 }
 # one part, in its own pytest process: the longest takes about a quarter of it alone on a quiet

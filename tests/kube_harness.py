@@ -4,7 +4,7 @@ over real HTTP, with a real ``ktlite_server`` process behind each pod it creates
     python tests/kube_harness.py DIR     # writes DIR/kubeconfig, serves until SIGTERM
 
 Only the control plane is fake. Each pod is a real server process bound to its own loopback
-address (127.X.0.10, .11, ..., X from the stand-in's pid) on the pod port, in its own UTS and mount namespace (hostname =
+address (127.X.0.10, .11, ..., a 127.X.0.0/16 the stand-in claims for itself) on the pod port, in its own UTS and mount namespace (hostname =
 pod name, resolved by the pod's own /etc/hosts as the kubelet writes it; PVCs bind-mounted from DIR/pvc/<claim>; /tmp and tests/ empty, since a real pod
 sees none of the caller's files), started with the env the pod spec names
 (``envFrom`` Secrets, downward-API fields) and with its secret volumes' files (the token's too;

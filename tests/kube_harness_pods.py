@@ -68,9 +68,9 @@ class Pods:
         # KTLITE_HARNESS_POD_API=unreachable, an address that swallows connections, as the
         # `kubernetes` Service's address does on a cluster without kube-proxy
         self.api_url = ""
-        # each stand-in its own 127.X.0.0/16 (X from its pid): two stand-ins of one test run
-        # (xdist workers) would otherwise both find an address free and then race for it
-        self.net = f"127.{os.getpid() % 253 + 1}"
+        # each stand-in its own 127.X.0.0/16: two stand-ins (xdist workers, other test runs on
+        # this machine) would otherwise both find an address free and then race for it
+        self.net, self.net_claim = _claim_net()
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # as Go's net/http has it
         # the pod proxy's; like the API server's, it does not verify a TLS pod's certificate
         self.http = httpx.Client(
@@ -411,6 +411,26 @@ class Pods:
                 for sock in hole:
                     sock.close()
             self.mount_points.release()
+            self.net_claim.close()
+
+
+def _claim_net() -> tuple[str, socket.socket]:
+    """A 127.X.0.0/16 of this stand-in's own, and the socket that claims it: bound to the pod
+    port on 127.X.0.1 (never a pod's address) for as long as the stand-in runs, so that no
+    other stand-in on this machine takes the same X (the kernel refuses the second bind). X is
+    tried from the stand-in's pid on: two pids with the same remainder once shared a /16, and a
+    pod of one answered the other's proxy (401: another deployment's token)."""
+    first = os.getpid() % 253
+    for step in range(253):
+        net = f"127.{(first + step) % 253 + 1}"
+        claim = socket.socket()
+        try:
+            claim.bind((f"{net}.0.1", SERVER_PORT))
+        except OSError:
+            claim.close()
+            continue
+        return net, claim
+    raise AssertionError("every 127.X.0.0/16 (X in 1..253) is claimed by another stand-in")
 
 
 class _Probe:

@@ -22,7 +22,12 @@ MEET_S = 60.0
 SILENCE_S = round(HEARTBEAT_S + 2.0 * time_scale(), 1)
 
 
-def nap(seconds: float, fail: bool = False, meet: tuple[str, int] | None = None) -> int:
+def nap(
+    seconds: float,
+    fail: bool = False,
+    meet: tuple[str, int] | None = None,
+    until: str | None = None,
+) -> int:
     if meet is not None:  # until n calls are here: only calls that run at once get past it
         Path(meet[0], uuid.uuid4().hex).touch()
         deadline = time.monotonic() + MEET_S
@@ -31,6 +36,8 @@ def nap(seconds: float, fail: bool = False, meet: tuple[str, int] | None = None)
                 raise TimeoutError(f"fewer than {meet[1]} calls ran at once after {MEET_S:g} s")
             time.sleep(0.02)
     for _ in range(int(seconds / 0.05)):  # short sleeps: an interrupt lands between them
+        if until is not None and os.path.exists(until):  # let go early by the test
+            break
         time.sleep(0.05)
     if fail:
         raise KeyError("this call fails on its own")
@@ -96,8 +103,11 @@ def test_calls_past_the_silence_timeout_on_connections_the_reader_used(napper, m
     monkeypatch.setattr(ktlite.net.client, "SILENCE_TIMEOUT", SILENCE_S)
     assert len({f.result(timeout=60) for f in [napper.submit(0.0) for _ in range(8)]}) == 1
     long = 2 * SILENCE_S
+    # both at once (the pod runs 4): the submitted one through the reader, the other a
+    # blocking read on another of the 8 pooled connections
+    submitted = napper.submit(long)
     assert isinstance(napper(long), int)
-    assert isinstance(napper.submit(long).result(timeout=long + 60), int)
+    assert isinstance(submitted.result(timeout=long + 60), int)
     assert len({f.result(timeout=60) for f in [napper.submit(0.0) for _ in range(8)]}) == 1
 
 
@@ -120,13 +130,14 @@ def test_log_lines_and_large_results_of_submitted_calls(capfd) -> None:
         remote.teardown()
 
 
-def test_a_pod_killed_or_stopped_mid_flight_fails_every_call_in_it(monkeypatch) -> None:
+def test_a_pod_killed_or_stopped_mid_flight_fails_every_call_in_it(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(ktlite.net.client, "SILENCE_TIMEOUT", SILENCE_S)
     compute = kt.Compute(cpus=1, concurrency=4, stream_logs=False)
     remote = kt.fn(nap).to(compute, name="sub-death")
+    release = tmp_path / "release"
     try:
         pid = remote.status()[0]["server_pid"]
-        futures = [remote.submit(60.0) for _ in range(3)]
+        futures = [remote.submit(60.0, until=str(release)) for _ in range(3)]
         _running(remote, 3)
         os.kill(pid, signal.SIGSTOP)  # silent: noticed when no heartbeat comes
         try:
@@ -135,6 +146,9 @@ def test_a_pod_killed_or_stopped_mid_flight_fails_every_call_in_it(monkeypatch) 
             os.kill(pid, signal.SIGCONT)
         assert all(isinstance(e, kt.PodUnreachable) for e in errors), errors
         assert all(f"went silent for {SILENCE_S:g}s" in str(e) for e in errors), errors
+        # the three calls the caller gave up on still run on the pod: let them end, so that
+        # the next three get its concurrency's slots without waiting out their 60 s
+        release.touch()
 
         remote = kt.fn(nap).to(compute, name="sub-death")
         futures = [remote.submit(60.0) for _ in range(3)]
