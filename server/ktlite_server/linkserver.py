@@ -38,6 +38,7 @@ TAKE_OVER = "ktlite.take_over"  # the ASGI scope extension: it(scope, make) -> b
 PIECE = 1 << 20  # a large frame leaves in messages of at most this many bytes
 # what a call over a link is handed to: the call's stream and its first frame (Calls.call)
 Serve = Callable[[Request], Awaitable[Any]]
+Run = Callable[["LinkServer", int, memoryview], None]  # a RUN's handler (memberrun)
 
 
 def take_over(http: HttpToolsProtocol, scope: Any, make: Callable[[Any], asyncio.Protocol]) -> bool:
@@ -131,12 +132,25 @@ class _Out:
         self._wake = None
 
 
+async def send_frames(link: LinkServer, stream: int, items: list[Any]) -> None:
+    """The rest of a stream whose head was written: ``items`` (frames), then its end."""
+    out = link._outs[stream] = _Out(link, stream)
+    try:
+        await out.write(items, True)
+    finally:
+        link._outs.pop(stream, None)
+
+
 class LinkServer(asyncio.Protocol):
     """A member pod's end of one link: ``serve`` runs each call (``Calls.call``)."""
 
-    def __init__(self, transport: Any, serve: Serve, max_body: int, idle_s: float) -> None:
+    def __init__(
+        self, transport: Any, serve: Serve, max_body: int, idle_s: float, run: Run | None = None
+    ) -> None:
         self.transport = transport
         self.serve = serve
+        self.run = run  # a RUN's handler (memberrun)
+        self._stops: dict[int, Callable[[], None]] = {}  # the RUNs under way: their stop
         self.max_body = max_body
         self.idle_s = idle_s  # a link without a call this long is closed (KTLITE_IDLE_TIMEOUT)
         self.lost = False
@@ -178,10 +192,15 @@ class LinkServer(asyncio.Protocol):
                     task = asyncio.get_running_loop().create_task(self._call(stream, payload))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
+                elif kind == linkframes.RUN and self.run is not None:
+                    self.run(self, stream, payload)
                 elif kind == linkframes.CLOSE:
                     out = self._outs.get(stream)
                     if out is not None:
                         out.disconnect()
+                    stop = self._stops.get(stream)
+                    if stop is not None:
+                        stop()
                 else:
                     raise ProtocolError(f"a link message of kind {kind} from the caller's side")
         except ProtocolError as e:
@@ -198,6 +217,8 @@ class LinkServer(asyncio.Protocol):
             self._idle = asyncio.get_running_loop().call_later(wait, self._idle_check)
             return
         logger.debug("closed a peer link idle for %.0fs", idle)
+        # what arrives after this is never read: the other end sends it again (linkframes)
+        self.write([linkframes.header(linkframes.GOAWAY, 0, 0)])
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -206,6 +227,18 @@ class LinkServer(asyncio.Protocol):
         self.resume_writing()  # wakes a writer that waits for the link to drain
         for out in list(self._outs.values()):
             out.disconnect()
+        for stop in list(self._stops.values()):
+            stop()
+
+    def begin(self, stream: int, stop: Callable[[], None]) -> None:
+        """A RUN began on ``stream``; ``stop`` abandons it (CLOSE, or the link broke)."""
+        self._active += 1
+        self._stops[stream] = stop
+
+    def finish(self, stream: int) -> None:
+        self._active -= 1
+        self._last = time.monotonic()
+        self._stops.pop(stream, None)
 
     async def _call(self, stream: int, payload: memoryview) -> None:
         self._active += 1
@@ -219,10 +252,10 @@ class LinkServer(asyncio.Protocol):
         try:
             meta, body = linkframes.split_call(payload)
         except (ProtocolError, UnicodeDecodeError) as e:
-            self._refuse(stream, 400, ErrorCode.BAD_REQUEST.value, f"malformed link call: {e}")
+            self.refuse(stream, 400, ErrorCode.BAD_REQUEST.value, f"malformed link call: {e}")
             return
         if body.nbytes > self.max_body:
-            self._refuse(
+            self.refuse(
                 stream,
                 413,
                 ErrorCode.TOO_LARGE.value,
@@ -253,11 +286,11 @@ class LinkServer(asyncio.Protocol):
             response = await self.serve(Request(scope, receive))
         except HTTPException as e:
             code = (e.headers or {}).get(ERROR_CODE_HEADER, "")
-            self._refuse(stream, e.status_code, code, str(e.detail))
+            self.refuse(stream, e.status_code, code, str(e.detail))
             return
         except Exception as e:  # noqa: BLE001 - an infrastructure failure: the caller hears it
             logger.exception("a call over a peer link failed before it started")
-            self._refuse(stream, 500, ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}")
+            self.refuse(stream, 500, ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}")
             return
         call: CallStream = response.stream
         out = self._outs[stream] = _Out(self, stream)
@@ -266,7 +299,7 @@ class LinkServer(asyncio.Protocol):
         finally:
             self._outs.pop(stream, None)
 
-    def _refuse(self, stream: int, status: int, code: str, detail: str) -> None:
+    def refuse(self, stream: int, status: int, code: str, detail: str) -> None:
         body = json.dumps({"detail": detail}).encode()
         self.write([linkframes.head_message(stream, status, code, body)])
 
@@ -275,9 +308,12 @@ class Links:
     """ASGI: ``POST /link`` becomes a link (behind the admission gate, which checked the token
     and version); every other request goes on to ``app``."""
 
-    def __init__(self, app: Any, serve: Serve, max_body: int, idle_s: float) -> None:
+    def __init__(
+        self, app: Any, serve: Serve, max_body: int, idle_s: float, run: Run | None = None
+    ) -> None:
         self.app = app
         self.serve = serve
+        self.run = run
         self.max_body = max_body
         self.idle_s = idle_s
 
@@ -291,7 +327,7 @@ class Links:
             and take is not None
             and take(
                 scope,
-                lambda t: LinkServer(t, self.serve, self.max_body, self.idle_s),
+                lambda t: LinkServer(t, self.serve, self.max_body, self.idle_s, self.run),
             )
         ):
             return
