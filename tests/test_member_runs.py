@@ -176,6 +176,7 @@ class _Peer:
         self.script = script
         self.links = 0
         self.runs = 0
+        self.on_close: Callable[[int], None] = lambda stream: None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.links += 1
@@ -190,6 +191,8 @@ class _Peer:
                     elif kind == linkframes.RUN:
                         self.runs += 1
                         await self.script(stream, writer)
+                    elif kind == linkframes.CLOSE:
+                        self.on_close(stream)
         except ConnectionError:
             pass
         finally:
@@ -375,3 +378,53 @@ def test_links_whose_pods_hung_up_are_stale_all_asked_at_once() -> None:
 async def _link(pool: PeerPool, url: str) -> None:
     host, port, https = linkclient._address(url)
     await linkclient._connect(pool, f"{host}:{port}", host, port, https, WAIT_S)
+
+
+def test_a_silent_member_is_given_up_by_the_links_watch_and_its_stream_closed() -> None:
+    """The link watches its RUNs' silence, one timer for all (a member beats for each call it
+    runs): a member that sends nothing for the read timeout fails its call, named, the
+    stream is closed, and the link carries the next call."""
+    got: list[tuple[int, int]] = []
+
+    async def script(stream: int, writer: asyncio.StreamWriter) -> None:
+        if stream == 3:  # the second RUN is answered
+            writer.write(_done(stream, b"fine"))
+            await writer.drain()
+
+    async def main() -> tuple[list[Any], list[RankOutcome], int]:
+        peer = _Peer(script)
+        peer.on_close = lambda stream: got.append((linkframes.CLOSE, stream))
+        server, url = await peer.start()
+        pool = PeerPool(AUTH)
+        await _open_link(pool, url)
+        failed = _Failed()
+        fields = linkframes.run_fields("c1", "", 0, None, True, False, False)
+
+        def send(call_id: str, silence_s: float) -> asyncio.Future[Any]:
+            sent = memberanswer.send(
+                pool,
+                url,
+                "pod-1",
+                fields,
+                memoryview(b""),
+                silence_s,
+                lambda f: None,
+                failed,
+                _never_again,
+            )
+            assert sent is not None
+            return sent
+
+        await asyncio.wait_for(send("silent", 0.3), WAIT_S)
+        fine = await asyncio.wait_for(send("second", 3600.0), WAIT_S)
+        await pool.aclose()
+        server.close()
+        return failed.told, fine, peer.links
+
+    told, fine, links = asyncio.run(main())
+    assert len(told) == 1
+    message, status, lost = told[0]
+    assert "stopped responding (no data or heartbeat for 0.3s)" in message
+    assert status is Status.DIED and lost
+    assert [bytes(o.data) for o in fine] == [b"fine"]
+    assert links == 1 and got == [(linkframes.CLOSE, 2)]

@@ -23,17 +23,18 @@ from urllib.parse import urlsplit
 
 from ktlite_server import linkframes
 from ktlite_server.hangups import peer_closed
-from ktlite_server.linkresponse import LinkResponse
+from ktlite_server.linkresponse import LinkResponse, LinkStream
 from ktlite_server.peers import (
     PeerConnectError,
     PeerError,
     PeerPool,
 )
+from ktlite_server.silence import QuietTimer
 from ktlite_wire import headers as wire_headers
 from ktlite_wire import pinning
 from ktlite_wire.errors import ProtocolError
 
-R = TypeVar("R", bound=LinkResponse)
+R = TypeVar("R", bound=LinkStream)
 HEAD_MAX = 64 << 10  # the link's answer head (a 101, or an HTTP error answer)
 # a call's body up to this size goes over the link; a larger one is an HTTP request of its own,
 # which the member reads straight into shared memory (directbody)
@@ -98,7 +99,7 @@ async def post(
         if run is None:
             resp = link.send(meta, pieces, read_timeout)
         else:
-            resp = link.open_stream(lambda lk, n: LinkResponse(lk, n, read_timeout, run=True))
+            resp = link.open_stream(lambda lk, n: LinkResponse(lk, n, read_timeout))
             link.transport.writelines(linkframes.run_message(resp.stream, run, pieces))
         try:
             await resp.until_head()
@@ -174,7 +175,8 @@ class PeerLink(asyncio.Protocol):
         self._refusal: LinkRefused | None = None  # an HTTP answer to the link request, being read
         self._refusal_left = 0
         self._reader = linkframes.Reader()
-        self._streams: dict[int, LinkResponse] = {}
+        self._streams: dict[int, LinkStream] = {}
+        self._watch: QuietTimer | None = None  # the silence of its RUNs' answers, for all
         self._next = 0
         self._paused = False
         self._drained: asyncio.Event | None = None
@@ -263,7 +265,17 @@ class PeerLink(asyncio.Protocol):
             raise PeerError(f"the link to {self.key} is closed")
         self._next = (self._next + 1) & 0xFFFFFFFF
         resp = self._streams[self._next] = make(self, self._next)
+        if resp.watched_by_link:  # one timer for all of them, re-armed only when it fires
+            if self._watch is None:
+                self._watch = QuietTimer(resp._timeout, self._silent)
+            self._watch.progress()
         return resp
+
+    def _silent(self) -> None:
+        """Nothing came for the streams the link watches for their read timeout: they fail
+        (the pod sends each call it runs a heartbeat every HEARTBEAT_S)."""
+        for resp in [r for r in self._streams.values() if r.watched_by_link]:
+            resp.expire()
 
     async def drain(self) -> None:
         while self._paused and not self.lost:
@@ -303,6 +315,8 @@ class PeerLink(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.used = time.monotonic()
+        if self._watch is not None:
+            self._watch.progress()
         if not self._switched.done():
             if self._refusal is not None:
                 self._refusal_body(data)
@@ -382,6 +396,8 @@ class PeerLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._watch is not None:
+            self._watch.stop()
         if not self._gone.done():
             self._gone.set_result(None)
         self.resume_writing()

@@ -17,34 +17,77 @@ if TYPE_CHECKING:
     from ktlite_server.linkclient import PeerLink
 
 
-class LinkResponse:
+class LinkStream:
+    """One stream of a link as the link feeds it (``PeerLink.data_received``): its head, its
+    frame stream's bytes, a ``RUN``'s ``DONE``, its end, or its failure."""
+
+    # its silence is watched by the link, for every such stream at once (a RUN's answer:
+    # the pod beats for each call it runs), not by a timer of its own
+    watched_by_link = False
+
+    def __init__(self, link: PeerLink, stream: int, read_timeout: float) -> None:
+        self.link = link
+        self.stream = stream
+        self._timeout = read_timeout
+        self._ended = False  # END came: the stream is complete
+        self._closed = False  # this end closed the stream (CLOSE sent)
+
+    def head(self, status: int, code: str, body: bytes) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.head")
+
+    def data(self, payload: memoryview) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.data")
+
+    def finish(self, done: memoryview) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.finish")
+
+    def end(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.end")
+
+    def fail(self, error: PeerError) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.fail")
+
+    def _stop_timer(self) -> None:
+        """No timer of its own (a subclass may have one)."""
+
+    def release(self) -> None:
+        """The reader is done: a stream still open is closed (the pod abandons its call)."""
+        self._stop_timer()
+        self._close()
+        self.link.forget(self.stream)
+
+    def _close(self) -> None:
+        if not self._ended and not self._closed:
+            self._closed = True
+            self.link.close_stream(self.stream)
+
+    def expire(self) -> None:
+        """Silent for its read timeout: it fails, its stream is closed."""
+        self.fail(PeerTimeout(f"{self.link.key} sent nothing for {self._timeout:g}s"))
+        self._close()
+
+
+class LinkResponse(LinkStream):
     """One call's answer on a link: ``status`` and ``headers`` once its head came, then its
     frame stream's bytes (``iter_chunks``)."""
 
-    def __init__(self, link: PeerLink, stream: int, read_timeout: float, run: bool = False) -> None:
-        self.link = link
-        self.run = run  # the answer to a RUN: no head when it is accepted
-        self.stream = stream
+    def __init__(self, link: PeerLink, stream: int, read_timeout: float) -> None:
+        super().__init__(link, stream, read_timeout)
         self.status = 0
         self.headers: dict[str, str] = {}
-        self._timeout = read_timeout
         self._chunks: deque[memoryview] = deque()
         self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiter: asyncio.Future[None] | None = None
-        self._ended = False  # END came: the stream is complete
         self.done: memoryview | None = None  # a RUN's DONE: its outcomes (linkframes)
-        self._closed = False  # this end closed the stream (CLOSE sent)
         self._error: PeerError | None = None
-        self._quiet = QuietTimer(read_timeout, self._expire)
+        self._quiet = QuietTimer(read_timeout, self.expire)
         self._arm = self._quiet.progress
-        self._stop_timer = self._quiet.stop
         self._arm()
 
-    # -- fed by the link ----------------------------------------------------------------
+    def _stop_timer(self) -> None:
+        self._quiet.stop()
 
-    def _expire(self) -> None:
-        self.fail(PeerTimeout(f"{self.link.key} sent nothing for {self._timeout:g}s"))
-        self._close()
+    # -- fed by the link ----------------------------------------------------------------
 
     def head(self, status: int, code: str, body: bytes) -> None:
         self.status = status
@@ -118,14 +161,3 @@ class LinkResponse:
 
     async def read(self) -> bytes:
         return b"".join([bytes(c) async for c in self.iter_chunks()])
-
-    def release(self) -> None:
-        """The reader is done: a stream still open is closed (the pod abandons its call)."""
-        self._stop_timer()
-        self._close()
-        self.link.forget(self.stream)
-
-    def _close(self) -> None:
-        if not self._ended and not self._closed:
-            self._closed = True
-            self.link.close_stream(self.stream)

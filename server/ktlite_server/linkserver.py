@@ -23,9 +23,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from ktlite_server import linkframes, resultfeed
-from ktlite_wire import envelope
+from ktlite_wire import envelope, frames
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import CALL_HEADER, ERROR_CODE_HEADER
+from ktlite_wire.heartbeat import HEARTBEAT_S
 
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -151,6 +152,7 @@ class LinkServer(asyncio.Protocol):
         self.serve = serve
         self.run = run  # a RUN's handler (memberrun)
         self._stops: dict[int, Callable[[], None]] = {}  # the RUNs under way: their stop
+        self._beat: asyncio.TimerHandle | None = None
         self.max_body = max_body
         self.idle_s = idle_s  # a link without a call this long is closed (KTLITE_IDLE_TIMEOUT)
         self.lost = False
@@ -234,6 +236,17 @@ class LinkServer(asyncio.Protocol):
         """A RUN began on ``stream``; ``stop`` abandons it (CLOSE, or the link broke)."""
         self._active += 1
         self._stops[stream] = stop
+        if self._beat is None:  # one timer for every RUN under way, not one per call
+            self._beat = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        """A heartbeat frame on each RUN's stream, every HEARTBEAT_S while any runs."""
+        if not self._stops or self.lost:
+            self._beat = None
+            return
+        beat = frames.frame(frames.HEARTBEAT, b"")
+        self.write([linkframes.header(linkframes.DATA, n, len(beat)) + beat for n in self._stops])
+        self._beat = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._heartbeat)
 
     def finish(self, stream: int) -> None:
         self._active -= 1

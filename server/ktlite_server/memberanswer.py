@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ktlite_server import linkclient, linkframes
-from ktlite_server.linkresponse import LinkResponse
+from ktlite_server.linkresponse import LinkStream
 from ktlite_server.peers import PeerError, PeerPool, PeerTimeout, error_text
 from ktlite_wire import frames
 from ktlite_wire.errors import ErrorCode, ProtocolError
@@ -63,8 +63,11 @@ def send(
     return answer.future
 
 
-class MemberAnswer(LinkResponse):
-    """One member's answer to a ``RUN``, fed by the link: :attr:`future` its outcomes."""
+class MemberAnswer(LinkStream):
+    """One member's answer to a ``RUN``, fed by the link: :attr:`future` its outcomes. Its
+    silence is the link's to watch (``PeerLink``): no timer per member and call."""
+
+    watched_by_link = True
 
     def __init__(
         self,
@@ -76,7 +79,7 @@ class MemberAnswer(LinkResponse):
         failed: Failed,
         again: Callable[[], Awaitable[Answer]],
     ) -> None:
-        super().__init__(link, stream, silence_s, run=True)
+        super().__init__(link, stream, silence_s)
         self.future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self.future.add_done_callback(self._settled)
         self._name = name
@@ -86,6 +89,7 @@ class MemberAnswer(LinkResponse):
         self._parser: frames.FrameParser | None = None
         self._result: Subtree | None = None
         self._answered = False  # any message of the answer came
+        self.done: memoryview | None = None  # its DONE
         self._sent_again: asyncio.Future[Answer] | None = None
 
     def _resolve(self, answer: Answer) -> None:
@@ -106,14 +110,12 @@ class MemberAnswer(LinkResponse):
         """Only a refused RUN has a head."""
         self._answered = True
         self._ended = True  # a refusal ends the stream
-        self._stop_timer()
         stale = ErrorCode.parse(code) in _STALE
         message = f"pod {self._name} answered HTTP {status}: {error_text(body)}"
         self._resolve(self._failed(message, Status.STALE if stale else Status.DIED, False))
 
     def data(self, payload: memoryview) -> None:
         self._answered = True
-        self._arm()
         if self.future.done():
             return
         if self._parser is None:
@@ -144,7 +146,6 @@ class MemberAnswer(LinkResponse):
 
     def end(self) -> None:
         self._ended = True
-        self._stop_timer()
         if self.done is None and not self.future.done():
             self._resolve(
                 self._result
@@ -159,7 +160,6 @@ class MemberAnswer(LinkResponse):
     def fail(self, error: PeerError) -> None:
         if self.future.done() or self._ended:
             return
-        self._stop_timer()
         if isinstance(error, PeerTimeout):
             self._lost(
                 f"pod {self._name} stopped responding (no data or heartbeat for "

@@ -9,7 +9,8 @@ most once, a stop that overtook it) and answers with its ranks' outcomes in one 
 ``DONE``; it has no head (a pod that closes an idle link says ``GOAWAY`` first, so the
 coordinator knows what never ran: ``linkframes``). There is no call plan to decode, no call stream kept for a re-attach (a member is
 never re-attached to: a broken link fails its calls on both ends), no result envelope.
-Log lines and heartbeats go as the frame stream's ``DATA`` while it runs; a result in a
+Log lines go as the frame stream's ``DATA`` while it runs, and heartbeats (the link's, for
+every call under way: ``LinkServer``); a result in a
 shared-memory file that the caller cannot map (another host) goes as a ``RESULT`` frame, as
 on the general path. ``CLOSE`` or a broken link stops the call (``Pod.cancel``), as a caller
 that disconnects does.
@@ -28,7 +29,6 @@ from ktlite_server.linkserver import LinkServer, send_frames
 from ktlite_server.ranks import settled
 from ktlite_wire import codec, frames
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
-from ktlite_wire.heartbeat import HEARTBEAT_S
 from ktlite_wire.outcome import CallResult
 from ktlite_wire.status import Status
 
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from ktlite_server.pod import Pod
 
 logger = logging.getLogger(__name__)
-
-_HEARTBEAT = frames.frame(frames.HEARTBEAT, b"")
 
 
 class MemberRuns:
@@ -109,7 +107,6 @@ class _MemberCall:
         self.run_ = run
         self.stopped = False
         self._due: list[bytes] = []  # frames not written yet (written once per loop pass)
-        self._beat: asyncio.TimerHandle | None = None
 
     def stop(self) -> None:
         """The coordinator closed the stream, or the link broke: the call is abandoned."""
@@ -128,10 +125,6 @@ class _MemberCall:
             size = sum(len(f) for f in due)
             self.link.write([linkframes.header(linkframes.DATA, self.stream, size), *due])
 
-    def _heartbeat(self) -> None:
-        self._emit(_HEARTBEAT)
-        self._beat = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._heartbeat)
-
     async def run(self) -> None:
         pod, run = self.pod, self.run_
         log: Callable[[int, str, str], None] | None = None
@@ -142,7 +135,6 @@ class _MemberCall:
                 emit(frames.log_frame(rank, name, stream, line))
 
         shm_results = bool(run.flags & linkframes.SHM_RESULTS)
-        self._beat = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._heartbeat)
         try:
             outs = await pod.run(
                 run.call_id,
@@ -161,9 +153,6 @@ class _MemberCall:
             error = WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)
             await self._answer_frames([frames.error_frame(error)])
             return
-        finally:
-            if self._beat is not None:
-                self._beat.cancel()
         if not shm_results and any(o.path is not None for o in outs):
             # a value mapped from its rank's file (the caller is on another host): a frame of
             # its own, sent as the rank writes it (linkserver's writer), never copied whole
