@@ -96,6 +96,16 @@ async def run_local(
     return _pod_outcomes(pod, outs, plan.shm_results)
 
 
+def _failed(t: asyncio.Future[list[PodOutcome] | Subtree]) -> bool:
+    """Whether a pod's answer needs the coordinator at once: a failure, or no answer."""
+    if t.cancelled() or t.exception() is not None:
+        return True
+    got = t.result()
+    if isinstance(got, Subtree):
+        return got.failed is not None
+    return any(o.status.failed for o in got)
+
+
 class Coordinator:
     def __init__(self, pod: Pod, token: str, peers: PeerPool, plan: CallPlan) -> None:
         self.pod = pod
@@ -197,8 +207,11 @@ class Coordinator:
         wake = asyncio.Event()
 
         def on_done(t: asyncio.Future[list[PodOutcome] | Subtree]) -> None:
+            # the loop below wakes once every pod answered, or at once for a failure (the
+            # others are stopped): not once per pod
             arrived.append(t)
-            wake.set()
+            if len(arrived) == left or _failed(t):
+                wake.set()
 
         for t in tasks:
             t.add_done_callback(on_done)
