@@ -98,7 +98,7 @@ class MemberRuns:
 
 
 class _MemberCall:
-    """One ``RUN`` on this pod: its frames (logs, heartbeats) while it runs, then its answer."""
+    """One ``RUN`` on this pod: its log frames while it runs, then its answer."""
 
     def __init__(self, pod: Pod, link: LinkServer, stream: int, run: linkframes.Run) -> None:
         self.pod = pod
