@@ -4,6 +4,8 @@ prometheus_client and read back with its own parser."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -76,3 +78,36 @@ def test_metrics_count_calls_by_outcome_their_time_bytes_and_each_ranks_use() ->
         assert got[("ktlite_rank_restarts", (("rank", rank),))] == 0
         assert ("ktlite_rank_cpu_percent", (("rank", rank),)) in got
     assert not [k for k in got if k[0].startswith("ktlite_rank_gpu")]  # no GPU here: none shown
+
+
+def _idle_s(http: httpx.Client, url: str, token: str) -> float:
+    answer = http.get(url + "/health", headers={TOKEN_HEADER: bearer(token)})
+    assert answer.status_code == 200, answer.text
+    return float(answer.json()["idle_s"])
+
+
+def test_scraping_or_watching_a_pod_does_not_count_as_using_it() -> None:
+    """A Prometheus scrape job or an open dashboard polls ``/metrics`` and ``/status`` for as
+    long as the deployment lives; were that activity, an ``inactivity_ttl`` would never fire."""
+    remote = kt.fn(work, name="metrics-idle").to(kt.Compute(inactivity_ttl="1h"))
+    try:
+        assert remote(1) == b"r"
+        applied = remote.deployment.applied
+        url, headers = applied.endpoints[0].url, {TOKEN_HEADER: bearer(applied.token)}
+        with httpx.Client(timeout=30, trust_env=False) as http:
+            deadline = time.monotonic() + 60
+            idle = _idle_s(http, url, applied.token)
+            while idle < 1.0:  # /health is never activity: wait until the pod has been idle a while
+                assert time.monotonic() < deadline, f"idle_s stayed at {idle} for 60 s"
+                time.sleep(0.1)
+                idle = _idle_s(http, url, applied.token)
+            for _ in range(3):
+                assert http.get(url + "/status", headers=headers).status_code == 200
+                assert http.get(url + "/metrics", headers=headers).status_code == 200
+            after_watching = _idle_s(http, url, applied.token)
+            assert after_watching >= idle, "/status or /metrics reset the pod's idle time"
+            assert remote(1) == b"r"  # a call is activity
+            after_a_call = _idle_s(http, url, applied.token)
+            assert after_a_call < idle, "a call did not count as activity"
+    finally:
+        remote.teardown()

@@ -182,3 +182,21 @@ def test_kubetorchs_example_under_ktlite_run_starts_the_server_and_returns() -> 
         assert answer.json() == {"hello": "from a pod", "pod": "served-hello-0"}
     finally:
         subprocess.run([*cli, "teardown", "served-hello"], capture_output=True, timeout=120)
+
+
+def test_a_local_connection_that_sends_nothing_is_closed_after_the_idle_timeout() -> None:
+    """A client that connects to the forward and goes quiet does not hold a thread forever."""
+    from ktlite.net.portforward import PortForward
+
+    forward = PortForward("http://127.0.0.1:9", 80, "not-used", idle_timeout=0.3)
+    forward.start()
+    try:
+        with socket.create_connection(("127.0.0.1", forward.local_port), timeout=30) as quiet:
+            quiet.sendall(b"GET /half")  # a request head that never ends
+            try:
+                closed = quiet.recv(1) == b""
+            except TimeoutError:
+                closed = False
+            assert closed, "the forward kept a silent connection open for 30 s"
+    finally:
+        forward.close()

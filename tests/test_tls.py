@@ -11,6 +11,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,3 +228,41 @@ def _wait_gone(pid: int, timeout: float = 60.0) -> None:
     while pid_alive(pid):
         assert time.monotonic() < deadline, f"pod server {pid} still running after SIGTERM"
         time.sleep(0.05)  # polling the pid, bounded by the deadline
+
+
+def test_a_code_push_relayed_to_a_peer_with_another_deployments_certificate_fails_at_once(
+    secured: object,
+) -> None:
+    """Pod 0 relays a code push to pod 1; told that pod 1 is another deployment's TLS server, it
+    fails the push at its first try, naming the pod, instead of retrying until launch_timeout
+    (600 s here): waiting cannot make another deployment's server this one's."""
+    other = kt.fn(echo, name="tls-other-push").to(kt.Compute(tls=True))
+    dep = secured.deployment  # type: ignore[attr-defined]
+    eps = list(dep.applied.endpoints)
+    stranger = Relay(urlsplit(other.deployment.endpoints[0].peer_url).port or 0)
+    pushed: list[BaseException | None] = []
+    try:
+        peer_url = f"https://127.0.0.1:{stranger.port}"
+        dep.applied.endpoints = [eps[0], dataclasses.replace(eps[1], peer_url=peer_url)]
+
+        def push() -> None:
+            try:
+                dep.push(*dep.code)
+                pushed.append(None)
+            except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
+                pushed.append(e)
+
+        pushing = threading.Thread(target=push, daemon=True)
+        pushing.start()
+        pushing.join(timeout=120)
+        assert pushed, "the push was still retrying pod 1 after 120 s (launch_timeout is 600 s)"
+        error = pushed[0]
+        assert isinstance(error, kt.KtliteError), error
+        assert "not this deployment's" in str(error) and "tls-on-1" in str(error), error
+        assert dep.applied.token not in str(error)
+    finally:
+        dep.applied.endpoints = eps
+        stranger.close()
+        other.teardown()
+    dep.push(*dep.code)  # both pods on one launch again
+    assert secured(b"xy") == [2, 2]  # type: ignore[operator]

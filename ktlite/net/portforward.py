@@ -28,6 +28,9 @@ from ktlite_wire.headers import HOP_BY_HOP, TOKEN_HEADER, bearer
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 330.0  # past the pod side's 300 s, so the pod's 504 (which says why) comes first
+# a local client's connection that sends nothing for this long (idle between requests, or
+# stalled mid-request) is closed, so no forwarding thread waits on it forever
+IDLE_TIMEOUT_S = 120.0
 
 
 class PortForward:
@@ -44,6 +47,7 @@ class PortForward:
         pinned: Callable[[], ssl.SSLContext] | None = None,
         local_port: int = 0,
         host: str = "127.0.0.1",
+        idle_timeout: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.target = f"{pod_url.rstrip('/')}/ports/{port}"
         self.port = port
@@ -58,6 +62,7 @@ class PortForward:
                 self._extensions["sni_hostname"] = pinning.SERVER_NAME
             http = httpx.Client(verify=verify, trust_env=False)
         self.http = http
+        self.idle_timeout = idle_timeout
         self._server = _Server((host, local_port), _handler(self))
         self.local_port: int = self._server.server_address[1]
         self.url = f"http://{host}:{self.local_port}"
@@ -111,6 +116,7 @@ class _Server(http.server.ThreadingHTTPServer):
 def _handler(forward: PortForward) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: every answer has a length or is chunked
+        timeout = forward.idle_timeout  # on the local client's socket: reads that wait give up
 
         def _relay(self) -> None:
             path = self.path if self.path.startswith("/") else "/" + self.path

@@ -80,6 +80,9 @@ class Gate:
     public: frozenset[str] = PUBLIC  # answered without the token
     large_bodies: frozenset[str] = LARGE_BODIES  # up to ``Limits.max_body``; the rest take none
     large_prefixes: tuple[str, ...] = ("/ports/",)  # a pod's own apps' requests (portproxy)
+    # looking at a pod is not using it: a dashboard or a Prometheus scraper polling these must
+    # not keep a deployment past its inactivity_ttl
+    observing: frozenset[str] = frozenset({"/status", "/metrics"})
     token_name = "deployment token"  # in the 401
     body_limit_name = "KTLITE_MAX_BODY"  # in the 413 of a large-body path
 
@@ -95,7 +98,7 @@ class Gate:
         self.pod_name = pod_name  # named in a version clash
         self.token = token
         self.limits = limits
-        self.on_admit = on_admit  # called for each request that carries the token
+        self.on_admit = on_admit  # called for each request that carries the token, but observing
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -113,7 +116,8 @@ class Gate:
                     send, 401, f"missing or wrong {self.token_name}", ErrorCode.UNAUTHORIZED
                 )
                 return
-            self.on_admit()
+            if path not in self.observing:
+                self.on_admit()
             if version is not None and version != _OURS:
                 theirs = version[:20].decode("latin-1")
                 await refuse(

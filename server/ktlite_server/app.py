@@ -18,7 +18,7 @@ from the request head before anything else: ``admission.py``):
   calls, and what it uses (pid, CPU %, RSS, GPU memory and utilisation: ``usage.py``).
   Both with ``x-ktlite-tree``: for every pod, gathered down the tree (``podtable.py``).
 - ``GET /metrics``: Prometheus metrics (calls, outcomes, durations, bytes, each rank's
-  restarts and use): ``metrics.py``.
+  restarts and use): ``metrics.py``. Neither it nor ``/status`` counts as activity.
 - ``/ports/{port}/{path}`` (any method): HTTP to a port inside this pod, such as a
   ``kt.app(port=...)`` command's server: ``portproxy.py``.
 

@@ -108,6 +108,7 @@ def run_steps(steps: list[list[Any]], state: Path) -> str:
         else:
             logger.error("unknown step %r; this server is older than the client", kind)
             sys.exit(SETUP_FAILED_EXIT)
+    privatefiles.make_dir(state)  # run_bash steps alone made no venv in it
     privatefiles.write_file(marker, json.dumps(steps))
     return python
 

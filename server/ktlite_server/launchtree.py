@@ -4,7 +4,8 @@ The caller sends a deployment's launch once, to pod 0, naming every pod
 (:class:`ktlite_wire.calltree.LaunchRelay`). Each pod installs it with its own ordinal (unless
 it runs another Python minor than the caller: the code is cloudpickled bytecode) and, at the
 same time, sends the same body to each of its children with the child's subtree, retrying a
-child that does not accept connections yet (a pod still starting) up to the relay's timeout.
+child that does not accept connections yet (a pod still starting) up to the relay's timeout
+(but not one whose TLS certificate is another deployment's: that fails at once).
 The answers of the whole subtree come back in one result: a child's result is passed on as
 it came, nested in this pod's (as a call's is: only the caller decodes it); a child that
 cannot be reached, or answers with an error, is reported with every rank of its subtree,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import platform
+import ssl
 import time
 from typing import Any
 
@@ -88,6 +90,9 @@ async def _child(
                 status, data = await _post(peers, url, headers, view, relay.timeout + 30)
                 break
             except PeerConnectError as e:
+                if isinstance(e.__cause__, ssl.SSLCertVerificationError):
+                    # another deployment's server at that address: waiting cannot make it ours
+                    raise LaunchRelayFailed(f"pod {name} at {url}: {e}") from e
                 if time.monotonic() + RETRY_S >= deadline:
                     raise LaunchRelayFailed(
                         f"pod {name} at {url} was not reachable within {relay.timeout:g}s: {e}"

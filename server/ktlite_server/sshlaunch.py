@@ -4,8 +4,9 @@ Run by the client over an SSH channel, with only the standard library and ktlite
 ``PYTHONPATH``. Its first stdin line is JSON: the deployment token (and, with TLS, the
 deployment's certificate and key, handed on to the server's stdin too), the server's arguments
 and environment (secrets stay off argv, which ``ps`` shows), file secrets (written under the
-run directory's ``secrets/``, 0600), the image's setup steps, the run directory. It makes sure the server's packages import (a per-user cache venv when they do
-not), runs the setup steps, starts the server in a session of its own with its output in
+run directory's ``secrets/``, 0600), the image's setup steps, the run directory. It runs the
+setup steps, makes sure the server's packages import (never asking a package index for them
+unless a setup step does: where they are missing it says how to get them), starts the server in a session of its own with its output in
 the run directory's log, hands it the token, waits until it serves and prints one JSON line
 (``{"port", "pid", "python"}`` or ``{"error"}``).
 
@@ -25,7 +26,6 @@ import socket
 import subprocess
 import sys
 import time
-import venv
 from pathlib import Path
 from typing import Any
 
@@ -45,36 +45,33 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-def server_python(cache: Path, log: Any, pins: dict[str, str]) -> str:
-    """This Python if the server's packages import in it (``pins``: at the client's version:
-    cloudpickle's format changes between versions), else a cache venv that sees this
-    Python's packages and gets the rest from the package index."""
-    missing = missing_in(sys.executable, pins)
+def check_packages(python: str, pins: dict[str, str], *, after_steps: bool) -> None:
+    """Fail, saying how to fix it, when ``python`` lacks a server package (``pins``: at the
+    client's version: cloudpickle's format changes between versions). Nothing is fetched from
+    a package index here: the client ships its own packages to a host whose Python has its
+    minor version and machine; any other host installs them itself, or asks ktlite to with
+    ``kt.Image().pip_install``."""
+    missing = missing_in(python, pins)
     if not missing:
-        return sys.executable
-    root = cache / f"venv-py{sys.version_info.major}.{sys.version_info.minor}"
-    python = root / "bin" / "python"
-    if not python.exists():
-        venv.EnvBuilder(with_pip=True, system_site_packages=True, symlinks=True).create(root)
-    missing = missing_in(str(python), pins)
-    if missing:
-        wanted = [
-            f"{p}=={pins[p]}" if p in pins else "uvicorn[standard]" if p == "uvicorn" else p
-            for p in missing
-        ]
-        proc = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *wanted],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=900,
+        return
+    wanted = [
+        f"{p}=={pins[p]}" if p in pins else "uvicorn[standard]" if p == "uvicorn" else p
+        for p in missing
+    ]
+    minor = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if after_steps:
+        how = "the image's setup steps did not install them"
+    else:
+        how = (
+            "the client ships its own copies only to a host whose Python has its minor version "
+            "and machine, and ktlite asks no package index unless told to"
         )
-        if proc.returncode != 0:
-            _fail(
-                f"the pod server needs {', '.join(wanted)}, which {sys.executable} lacks, and pip could "
-                f"not install them into {root} (no package index reachable?); install them for that "
-                "Python, or pass kt.Hosts(..., python=...) naming a Python that has them"
-            )
-    return str(python)
+    _fail(
+        f"the pod server needs {', '.join(wanted)}, which {python} (Python {minor}) lacks; "
+        f"{how}. Install them there ({python} -m pip install {' '.join(wanted)}), pass "
+        "kt.Hosts(..., python=...) naming a Python with the client's minor version, or let "
+        f"ktlite install them from this host's package index: kt.Image().pip_install({wanted!r})"
+    )
 
 
 def setup(steps: list[Any], cache: Path, log: Any, log_path: Path) -> str:
@@ -166,9 +163,9 @@ def main() -> None:
         # hosts may share a home directory (NFS; or several pods on one machine): one
         # venv build or setup at a time
         fcntl.flock(lock, fcntl.LOCK_EX)
-        python = server_python(cache, log, msg.get("pins", {}))
-        if msg.get("steps"):
-            python = setup(msg["steps"], cache, log, log_path)
+        steps = msg.get("steps")
+        python = setup(steps, cache, log, log_path) if steps else sys.executable
+        check_packages(python, msg.get("pins", {}), after_steps=bool(steps))
     bind = msg["bind"] if bindable(msg["bind"]) else "0.0.0.0"
     reply: dict[str, Any] = {"python": python, "bind": bind}
     if msg.get("pick_master_port"):
