@@ -176,16 +176,18 @@ class Coordinator:
         self.started = True
         tasks: dict[asyncio.Future[list[PodOutcome] | Subtree], int] = {}
         loop = asyncio.get_running_loop()
-        run = None if plan.tree else linkframes.plan_run(plan)  # a flat fan-out's members' RUN
+        run = linkframes.plan_run(plan)  # what a member that relays to no other pod is sent
+        body = None if run is None else memoryview(payload).cast("B")
         # remote pods first: their hop is the longer one, so their requests should leave first
         for i in sorted(self._members, key=lambda i: i == me):
-            if i != me and run is not None:  # over its open link: no task (memberanswer)
+            if i != me and run and body is not None and len(self._subtrees.get(i, (i,))) == 1:
+                # a leaf, over its open link: no task (memberanswer)
                 sent = memberanswer.send(
                     self.peers,
                     plan.url(i),
                     plan.name(i),
                     run,
-                    memoryview(payload).cast("B"),
+                    body,
                     SILENCE_S,
                     emit,
                     functools.partial(self._member_failed, plan, i),
