@@ -1,5 +1,6 @@
 """A member pod's run of its share of a call that its coordinator fanned out over a peer
-link (``linkframes.RUN``): the lean path of a flat fan-out's members.
+link (``linkframes.RUN``): the lean path of the members that relay it to no other pod (a
+flat fan-out's, a tree's leaves).
 
 A ``RUN`` carries what a member needs and nothing else (the call id, the launch id, the
 process-group generation and port, three flags, the arguments' bytes); the member checks it
