@@ -33,6 +33,8 @@ def _compute(row: str) -> kt.Compute:
     compute = kt.Compute(cpus=1, memory="1Gi", stream_logs=False, launch_timeout=900)
     if row.startswith("fanout"):
         compute = compute.distribute("spmd", workers=int(row.removeprefix("fanout")))
+    if row.startswith("ranks"):  # one pod of N ranks
+        compute = compute.distribute("spmd", num_proc=int(row.removeprefix("ranks")))
     return compute
 
 

@@ -103,6 +103,12 @@ class SimRank(RankProcess):
         self.loaded_env = dict(msg.env)
         return rankchannel.Loaded(True, None)
 
+    def post(
+        self, msg: rankchannel.Call, frame: Any = None, ring: bool = True
+    ) -> asyncio.Future[Any]:
+        """A call sent with others (the pod's fan-out): it runs as a task of its own."""
+        return asyncio.get_running_loop().create_task(self.call(msg))
+
     async def call(self, msg: rankchannel.Call) -> rankchannel.Result:
         if not self.alive:
             raise RankGone(self.death_message())

@@ -13,6 +13,7 @@ is subtracted (a pod server's heartbeats and timers run whether or not it is cal
 
 - ``warm``: 1 pod, a no-op call (``stream_logs=False``): thousands of instructions per call;
 - ``fanout4`` / ``fanout8``: ``distribute("spmd", workers=N)``, a no-op on every rank;
+- ``ranks8``: ``distribute("spmd", num_proc=8)``: one pod of 8 rank processes, a no-op on each;
 - ``submit``: 1 pod with ``concurrency=8``, batches of 100 ``.submit()`` futures (per call).
 
 Under valgrind everything runs 20-50x slower: a row takes minutes; the counts are exact to a
@@ -33,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROWS = ("warm", "fanout4", "fanout8", "submit")
+ROWS = ("warm", "fanout4", "fanout8", "ranks8", "submit")
 SUBMIT = 100
 
 

@@ -93,8 +93,9 @@ def test_tls_true_is_refused_for_an_autoscaled_deployment() -> None:
 _stand_in = stand_in_fixture()
 
 
-def size(x: bytes) -> int:
-    return len(x)
+def size(x: bytes, back: int = 0) -> int | bytes:
+    """``x``'s length; with ``back``, that many bytes of it (a result over 1 MiB)."""
+    return bytes([len(x)]) * back if back else len(x)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,8 @@ def test_calls_go_over_tls_through_the_proxy_and_in_the_cluster(
         assert all(f"/pods/https:{ep.name}:32300/proxy" in ep.url for ep in eps)
         assert all(ep.peer_url.startswith("https://") for ep in eps)
         assert remote(b"abc") == [3, 3]  # through the proxy, then pod to pod over TLS
+        for n in (1, 2, 3):  # large results, each in the file the last one left: each intact
+            assert remote(b"x" * n, 3 << 20) == [bytes([n]) * (3 << 20)] * 2
 
         # the same deployment seen from inside the cluster: straight to the pod IPs
         inside = KubernetesBackend(http, dataclasses.replace(info, in_cluster=True))

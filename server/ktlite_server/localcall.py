@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ktlite_server.deployment import Deployment
+from ktlite_server.rankgather import Arrivals
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_wire import rankchannel, rankdata, shm
 from ktlite_wire.status import Status
@@ -120,42 +121,20 @@ class LocalCall:
                 handle.stop_kind = Status.CANCELLED
                 handle.stop_reason = f"stopped because rank {o.rank} failed"
             return [o]
-        loop = asyncio.get_running_loop()
-        tasks = {loop.create_task(self._call_rank(r, own)): r for r, own in calls}
+        # every rank's message written in one pass, each reply taken as it arrives
+        arrivals = Arrivals(handle.call_id, calls)
         outcomes: dict[int, Outcome] = {}
-        # each rank's outcome as it arrives: a done callback, not asyncio.wait over every
-        # pending rank again after each arrival (quadratic in the ranks: 64 ranks, 2,000
-        # callbacks added and removed per call)
-        arrived: list[asyncio.Task[Outcome]] = []
-        wake: list[asyncio.Future[None]] = []
-
-        def on_done(t: asyncio.Task[Outcome]) -> None:
-            arrived.append(t)
-            if wake and not wake[0].done():
-                wake[0].set_result(None)
-
-        for t in tasks:
-            t.add_done_callback(on_done)
-        left = len(tasks)
-        while left:
-            if not arrived:
-                wake[:] = [loop.create_future()]
-                await wake[0]
-            batch, arrived[:] = arrived[:], []
-            for t in batch:
-                left -= 1
-                o = t.result()
+        while arrivals.left:
+            for r, own, done in await arrivals.next():
+                o = self._settled(r, own, done)
                 outcomes[o.rank] = o
-                if not tasks[t].running:
-                    tasks[t].busy_since = None
+                if not r.running:
+                    r.busy_since = None
                 if o.status is not Status.OK and not handle.stop_kind:
                     handle.stop_kind = Status.CANCELLED
                     handle.stop_reason = f"stopped because rank {o.rank} failed"
-                    for other in tasks:
-                        if not other.done():
-                            stop_rank(
-                                tasks[other], handle.call_id, concurrent=self.dep.concurrency > 1
-                            )
+                    for other in arrivals.waiting():
+                        stop_rank(other, handle.call_id, concurrent=self.dep.concurrency > 1)
         return [outcomes[k] for k in sorted(outcomes)]
 
     async def _call_rank(self, rank: RankProcess, msg: rankchannel.Call) -> Outcome:
@@ -164,22 +143,42 @@ class LocalCall:
         try:
             result = await rank.call(msg)
         except RankGone as e:
-            # we stopped it (SIGKILL); a rank that exited by itself, even while we were
-            # stopping it, keeps its own exit code and is reported as a death. A rank that
-            # ran other calls too fails each of them with its death. (A process it forked
-            # may still map the argument file: it counts as held.)
-            held = msg.path is not None
-            if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
-                return Outcome(
-                    rank.global_rank,
-                    handle.stop_kind,
-                    message=handle.stop_reason,
-                    holds_args=held,
-                )
-            rank.died_in_call = True
-            return Outcome(rank.global_rank, Status.DIED, message=str(e), holds_args=held)
+            return self._gone(rank, msg, e)
         finally:
             rank.running.pop(handle.call_id, None)
+        return self._outcome(rank, msg, result)
+
+    def _settled(
+        self, rank: RankProcess, msg: rankchannel.Call, done: asyncio.Future[Any]
+    ) -> Outcome:
+        """The outcome of a reply :class:`Arrivals` gathered (or of the rank's death)."""
+        try:
+            result = rank.answer(msg.id, done.result())
+        except RankGone as e:
+            return self._gone(rank, msg, e)
+        return self._outcome(rank, msg, result)
+
+    def _gone(self, rank: RankProcess, msg: rankchannel.Call, e: RankGone) -> Outcome:
+        # we stopped it (SIGKILL); a rank that exited by itself, even while we were
+        # stopping it, keeps its own exit code and is reported as a death. A rank that
+        # ran other calls too fails each of them with its death. (A process it forked
+        # may still map the argument file: it counts as held.)
+        handle = self.handle
+        held = msg.path is not None
+        if handle.stop_kind and rank.stopping and rank.exit_code in (None, -signal.SIGKILL):
+            return Outcome(
+                rank.global_rank,
+                handle.stop_kind,
+                message=handle.stop_reason,
+                holds_args=held,
+            )
+        rank.died_in_call = True
+        return Outcome(rank.global_rank, Status.DIED, message=str(e), holds_args=held)
+
+    def _outcome(
+        self, rank: RankProcess, msg: rankchannel.Call, result: rankchannel.Result
+    ) -> Outcome:
+        handle = self.handle
         if rank.tainted:  # stopped inside an import: replaced before its next call
             rank.kill()
         held = msg.path is not None and not result.released

@@ -1,6 +1,7 @@
 """A rank process: loads the user's code once, then runs calls sent by its pod server.
 
-Started as ``python -m ktlite_server.rank FD`` with FD one end of a socketpair. Messages
+Started as ``python -m ktlite_server.rank FD [BELL_FD BIT]`` with FD one end of a socketpair
+(and the pod server's doorbell, ``ktlite_server.doorbell``, waited on instead of FD). Messages
 both ways are ``ktlite_wire.rankchannel`` messages (a JSON header plus buffers); user code
 and values inside them are opaque bytes (inline, or a shared-memory file when large) that
 this process alone unpickles.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import ctypes
 import importlib.abc
 import importlib.util
@@ -25,9 +25,9 @@ import time
 import traceback
 from typing import Any
 
-from ktlite_server import argmaps, logconfig, resultfeed, workdir
+from ktlite_server import argmaps, doorbell, logconfig, resultfeed, resultfiles, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
-from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
+from ktlite_wire import codec, envelope, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
 from ktlite_wire.errors import RemoteExceptionInfo
 from ktlite_wire.rankchannel import Channel
@@ -347,7 +347,7 @@ class Rank:
         ):
             self.tainted = True
         try:
-            parts = codec.dumps_parts(value)
+            parts = _encoded(value)
         except Exception as exc:
             ok, parts = (
                 False,
@@ -374,7 +374,7 @@ class Rank:
             )
             return
         # large: the pod server sends each piece while this process writes the next
-        fd, path = shm.create(shm.RESULT_PREFIX, size)
+        fd, path = resultfiles.process().create(size)  # a warm file where one is free
         try:
             self.chan.send(
                 rankchannel.Result(
@@ -416,14 +416,31 @@ class Rank:
     @staticmethod
     def _flush() -> None:
         for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
+            try:  # noqa: SIM105 - contextlib.suppress costs more than the flush
                 stream.flush()
+            except Exception:  # noqa: BLE001 - a stream the user replaced or closed
+                pass
+
+
+_PLAIN = (type(None), bool, int, float)  # and str/bytes under _PLAIN_MAX: see _encoded
+_PLAIN_MAX = 4096
+
+
+def _encoded(value: Any) -> list[Any]:
+    """A value's message parts. A plain one (None, a number, a short string: what most calls
+    return) is pickled by the C pickler alone, the same bytes ``codec.dumps_parts`` makes
+    without building its cloudpickle pickler per call."""
+    kind = type(value)
+    if kind in _PLAIN or (kind in (str, bytes) and len(value) < _PLAIN_MAX):
+        return envelope.pack(codec.MAGIC, [pickle.dumps(value, 5)], [])
+    return codec.dumps_parts(value)
 
 
 def _watch_parent(ppid: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != ppid:
+            resultfiles.process().clear()
             os._exit(1)  # the pod server is gone: never outlive it
 
 
@@ -432,7 +449,10 @@ PORT_SPAN = GROUP_PORTS  # process-group generations cycle through MASTER_PORT .
 
 def main() -> None:
     logconfig.configure()  # the pod's level; records go to this rank's stderr, the pod log
-    chan = Channel(socket.socket(fileno=int(sys.argv[1])))
+    # argv: the channel's fd, and (where the pod server has one) its doorbell's and our bit
+    bell = doorbell.attach(int(sys.argv[2])) if len(sys.argv) > 3 else None
+    bit = int(sys.argv[3]) if bell is not None else 1
+    chan = Channel(socket.socket(fileno=int(sys.argv[1])), bell, bit)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     sys.meta_path.insert(0, PatchOnImport())
     workdir.enter()  # started where no user file can shadow ktlite; user code runs here

@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ktlite_server import doorbell, resultfiles, resultmaps
+from ktlite_server.oomkills import killed as oom_killed
+from ktlite_server.rankconn import RankConnection
 from ktlite_server.resultfeed import Feed, ResultLost
 from ktlite_wire import rankchannel
 from ktlite_wire.errors import ProtocolError
@@ -143,8 +146,10 @@ class RankProcess:
         self.restarts = 0
         self.streak = 0  # deaths between calls so far: what max_restarts limits
         self.died_in_call = False  # its death was a call's error (not charged to max_restarts)
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._conn: RankConnection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one its channel is on
+        self.bell: doorbell.Doorbell | None = None  # what the process waits on, if not its channel
+        self.bit = doorbell.Doorbell.bit(local_rank)
         self._pending: dict[
             str, asyncio.Future[Any]
         ] = {}  # "start", "load" or a call id -> its reply
@@ -160,16 +165,22 @@ class RankProcess:
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def start(self, timeout: float = 60.0) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._oom = None
         parent, child = socket.socketpair()
         env = {**self.env, "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "ktlite_server.rank", str(child.fileno())]
+        fds = [child.fileno()]
+        self.bell = doorbell.shared()
+        if self.bell is not None:  # the rank waits on it: see ring()
+            argv += [str(self.bell.fd), str(self.bit)]
+            fds.append(self.bell.fd)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ktlite_server.rank", str(child.fileno())],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(child.fileno(),),
+            pass_fds=fds,
             env=env,
             start_new_session=True,
         )
@@ -182,12 +193,14 @@ class RankProcess:
             self._fds[fd] = name
             self._poll.register(fd, select.POLLIN)
             loop.add_reader(fd, self._on_output, fd)
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self._register("start")  # before the channel is read: Ready may come at once
+        _, self._conn = await loop.create_unix_connection(
+            lambda: RankConnection(self._on_message, self._on_bad, self._on_lost), sock=parent
+        )
         if hasattr(os, "pidfd_open"):
             with contextlib.suppress(OSError):
                 self._pidfd = os.pidfd_open(self.proc.pid)
                 loop.add_reader(self._pidfd, self._on_exit)
-        loop.create_task(self._read_loop())
         reply = await self._expect(timeout, "start")
         if not isinstance(reply, rankchannel.Ready):
             raise RankGone(f"rank process sent {reply!r} instead of Ready")
@@ -235,23 +248,56 @@ class RankProcess:
             self.loaded_env = dict(msg.env)
         return reply
 
-    async def call(self, msg: rankchannel.Call) -> rankchannel.Result:
-        self._register(msg.id)
-        try:
-            await self._send(msg)
-        except BaseException:
-            self._pending.pop(msg.id, None)
-            raise
-        reply = await self._expect(None, "call", key=msg.id)
+    def post(
+        self, msg: rankchannel.Call, frame: list[Any] | None = None, ring: bool = True
+    ) -> asyncio.Future[Any]:
+        """Send call ``msg`` (``frame``: it encoded, when one message goes to many ranks)
+        without waiting: the future of its reply, for :meth:`answer`. A dead rank's future
+        holds RankGone. ``ring=False``: the caller rings the doorbell once for many ranks.
+        (The seam a rank without a process replaces, with :meth:`call`.)"""
+        # the loop the channel is on (asking for the running one is a getpid() each: 64 a call)
+        loop = self._loop or asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        key = msg.id
+        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
+        if not self.alive or self._conn is None:
+            future.set_exception(RankGone(self.death_message()))
+            return future
+        self._pending[key] = future
+        future.add_done_callback(lambda f: self._forget(key, f))
+        if not self._conn.closed:  # else its death, with its exit code, fails the future
+            self._conn.write(frame or rankchannel.frame(msg))
+            if ring:
+                self.ring()
+        return future
+
+    def ring(self) -> None:
+        """Wake the process for what was written to it (see ``doorbell``)."""
+        if self.bell is not None:
+            self.bell.ring(self.bit)
+
+    def _forget(self, key: str, future: asyncio.Future[Any]) -> None:
+        if self._pending.get(key) is future:
+            del self._pending[key]
+        if not future.cancelled():
+            future.exception()  # retrieved: an unawaited death is no "never retrieved" error
+
+    def answer(self, call_id: str, reply: Any) -> rankchannel.Result:
+        """The reply :meth:`post` awaited, checked, once the rank's output so far is read (its
+        log lines precede its result)."""
         self.drain_output()
-        if not isinstance(reply, rankchannel.Result) or reply.id != msg.id:
+        if not isinstance(reply, rankchannel.Result) or reply.id != call_id:
             self.kill()  # out of step with us: never trust its next reply either
             raise RankGone(
-                f"rank process answered {type(reply).__name__} to call {msg.id}; it was restarted"
+                f"rank process answered {type(reply).__name__} to call {call_id}; it was restarted"
             )
         self.has_pg = reply.has_pg
         self.tainted = reply.tainted  # interrupted inside an import: the pod replaces it
         return reply
+
+    async def call(self, msg: rankchannel.Call) -> rankchannel.Result:
+        reply = await asyncio.shield(self.post(msg))
+        return self.answer(msg.id, reply)
 
     def feed(self, call_id: str) -> Feed | None:
         """The progress of call ``call_id``'s result while the rank writes it (once, after
@@ -270,10 +316,14 @@ class RankProcess:
             await self._send(rankchannel.Interrupt(call_id))
 
     async def _send(self, msg: rankchannel.Message) -> None:
-        if not self.alive or self._writer is None:
+        if not self.alive or self._conn is None:
             raise RankGone(self.death_message())
-        rankchannel.write(self._writer, msg)
-        await self._writer.drain()
+        try:
+            self._conn.write(rankchannel.frame(msg))
+            self.ring()
+            await self._conn.drain()
+        except ConnectionError:
+            raise RankGone(self.death_message()) from None
 
     def _register(self, key: str) -> None:
         """Expect a reply under ``key``: registered before the request leaves, so a fast reply
@@ -299,36 +349,37 @@ class RankProcess:
 
     # ---- I/O callbacks -----------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
-        assert self._reader is not None
-        try:
-            while True:
-                msg = await rankchannel.read(self._reader)
-                if isinstance(msg, rankchannel.Written):
-                    self._progress(msg)
-                    continue
-                key = (
-                    "start"
-                    if isinstance(msg, rankchannel.Ready)
-                    else "load"
-                    if isinstance(msg, rankchannel.Loaded)
-                    else msg.id
-                    if isinstance(msg, rankchannel.Result)
-                    else None
-                )
-                future = self._pending.get(key) if key is not None else None
-                if isinstance(msg, rankchannel.Result) and msg.streaming:
-                    self._feeds[msg.id] = feed = Feed(self.global_rank, msg.size)
-                    if future is not None:
-                        self._streamed[msg.id] = feed
-                if future is not None and not future.done():
-                    future.set_result(msg)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
-        except ProtocolError as e:  # out of step: nothing it sends can be trusted now
-            self.stderr_tail.append(f"ktlite: the rank process sent a malformed message: {e}")
-            self.kill()
-        # EOF: the process is exiting; give the pidfd a moment to report the exit code
+    def _on_message(self, msg: rankchannel.Message) -> None:
+        if isinstance(msg, rankchannel.Written):
+            self._progress(msg)
+            return
+        key = (
+            "start"
+            if isinstance(msg, rankchannel.Ready)
+            else "load"
+            if isinstance(msg, rankchannel.Loaded)
+            else msg.id
+            if isinstance(msg, rankchannel.Result)
+            else None
+        )
+        future = self._pending.get(key) if key is not None else None
+        if isinstance(msg, rankchannel.Result) and msg.streaming:
+            self._feeds[msg.id] = feed = Feed(self.global_rank, msg.size)
+            if future is not None:
+                self._streamed[msg.id] = feed
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    def _on_bad(self, e: ProtocolError) -> None:
+        """Out of step: nothing it sends can be trusted now."""
+        self.stderr_tail.append(f"ktlite: the rank process sent a malformed message: {e}")
+        self.kill()
+
+    def _on_lost(self) -> None:
+        asyncio.get_running_loop().create_task(self._after_eof())
+
+    async def _after_eof(self) -> None:
+        """EOF: the process is exiting; give the pidfd a moment to report the exit code."""
         if self.proc is not None:
             for _ in range(50):
                 if self.proc.poll() is not None:
@@ -348,11 +399,13 @@ class RankProcess:
         if self._dead.is_set() or self.proc is None:
             return
         code = self.proc.poll()
-        if code is None and self._reader is not None and not self._reader.at_eof():
+        if code is None and self._conn is not None and not self._conn.closed:
             return  # pidfd spurious wake-up
         self.exit_code = code
         self.drain_output()
         self._dead.set()
+        resultfiles.remove_left(self.proc.pid)  # the result files it kept, if it was killed
+        resultmaps.server().sweep()  # and this server's mappings of them
         loop = asyncio.get_running_loop()
         for fd in list(self._fds):
             loop.remove_reader(fd)
@@ -365,8 +418,8 @@ class RankProcess:
             loop.remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
-        if self._writer is not None:
-            self._writer.close()
+        if self._conn is not None:
+            self._conn.close()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(RankGone(self.death_message()))
@@ -383,7 +436,7 @@ class RankProcess:
             else (self.proc.poll() if self.proc else None)
         )
         if self._oom is None:  # asked once per death: the OOM counter is consumed
-            self._oom = code == -signal.SIGKILL and _oom_killed()
+            self._oom = code == -signal.SIGKILL and oom_killed()
         oom = self._oom
         text = f"rank process {describe_exit(code, oom)}"
         if self.stderr_tail:
@@ -432,45 +485,3 @@ class RankProcess:
         if self._fds:
             for fd, _ in self._poll.poll(0):
                 self._read_fd(fd)
-
-
-def _oom_files() -> list[str]:
-    """The OOM counters of this process's memory cgroup (v2 memory.events, v1
-    memory.oom_control), read through /proc/self/cgroup: on a local pod with a memory limit
-    that is the pod's own cgroup; in a container, the container's."""
-    paths = []
-    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            if controllers == "":
-                paths.append(f"/sys/fs/cgroup{path.rstrip('/')}/memory.events")
-            elif "memory" in controllers.split(","):
-                paths.append(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.oom_control")
-    paths += ["/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"]
-    return [p for p in dict.fromkeys(paths) if os.path.exists(p)]
-
-
-def _oom_count(path: str) -> int | None:
-    with contextlib.suppress(OSError, ValueError), open(path) as f:
-        for line in f:
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    return None
-
-
-def _oom_killed() -> bool:
-    """Best effort: did the kernel's OOM killer fire in this cgroup since the server started?"""
-    for path in _oom_files():
-        count = _oom_count(path)
-        if count is not None and count > _OOM_BASELINE.get(path, 0):
-            _OOM_BASELINE[path] = count  # one kill explains one death
-            return True
-    return False
-
-
-def _read_oom_baseline() -> dict[str, int]:
-    return {p: c for p in _oom_files() if (c := _oom_count(p)) is not None}
-
-
-_OOM_BASELINE = _read_oom_baseline()

@@ -23,6 +23,7 @@ import mmap
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
+from ktlite_server import resultmaps
 from ktlite_wire import shm
 
 PIECE = 4 << 20  # the rank reports its progress after every this many bytes
@@ -94,7 +95,14 @@ class GrowingMap(mmap.mmap):
 
 def take(path: str, size: int, feed: Feed | None) -> memoryview:
     """The result file at ``path``, mapped and unlinked (``shm.take``); with ``feed``, shared,
-    so that its pages are read as the rank writes them."""
+    so that its pages are read as the rank writes them. A file its rank keeps is mapped
+    shared, and that mapping kept for the next result written into it (``resultmaps``)."""
+    if feed is not None and shm.kept(path):
+        view = resultmaps.server().take(path, size, GrowingMap)
+        mapping = view.obj
+        if isinstance(mapping, GrowingMap):
+            mapping.feed = feed
+        return view
     if feed is None or feed.finished and not feed.error:
         return shm.take(path, size)
     view = shm.take(path, size, kind=GrowingMap)

@@ -139,8 +139,12 @@ class CallStream:
             nonlocal beat_due, heart
             beat_due = True
             self._wake()
-            heart = loop.call_later(HEARTBEAT_S, beat)
+            heart = loop.call_later(HEARTBEAT_S, rearm[0])
 
+        # beat re-arms itself through this list, emptied at the end: named in its own closure
+        # it made a cycle that held this stream, and a result's memory in its frames, until
+        # the collector ran
+        rearm = [beat]
         heart = loop.call_later(HEARTBEAT_S, beat)
         at = start
         try:
@@ -182,6 +186,7 @@ class CallStream:
         finally:
             out.close()
             heart.cancel()
+            rearm.clear()
             self.attached -= 1
             self._detached()
 

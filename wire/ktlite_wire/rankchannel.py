@@ -19,12 +19,11 @@ instead (JSON cost more than the rest of a warm call's work in the rank)::
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ktlite_wire import envelope
 from ktlite_wire.errors import ProtocolError
@@ -43,6 +42,7 @@ _OK, _INLINE, _HAS_PG, _TAINTED, _STREAMING, _RELEASED = 1, 4, 8, 16, 32, 64
 MAX_MESSAGE = 64 << 30
 JOIN_MAX = 1 << 16  # messages up to this size are joined into one write
 PIECE = 1 << 20  # a longer message is read in pieces: its buffer grows with the bytes read
+READ = 1 << 16  # what one read of the rank's channel takes; a longer message gets its own buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,13 +337,30 @@ def _decode_hot(view: memoryview, magic: bytes) -> Message:
     return msg
 
 
+class Bell(Protocol):
+    """What a rank waits on instead of its channel (``ktlite_server.doorbell``)."""
+
+    @property
+    def generation(self) -> int: ...
+
+    def wait(self, generation: int, bit: int) -> None: ...
+
+
 class Channel:
     """The rank process's end: blocking messages over a socket; sends from several threads
-    (concurrent calls) never interleave."""
+    (concurrent calls) never interleave. With a ``bell`` it waits on that, not on the socket,
+    and reads the socket without blocking: the pod server writes every rank's message of a
+    call, then wakes them all at once (``ktlite_server.doorbell``)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, bell: Bell | None = None, bit: int = 1) -> None:
         self.sock = sock
         self._send_lock = threading.Lock()
+        self.bell = bell
+        self.bit = bit
+        self._buf = bytearray()  # bytes read and not yet handed on as a message
+        self._chunk = bytearray(READ)
+        self._chunk_view = memoryview(self._chunk)
+        self._seen: int | None = None  # the bell's generation before the last read
 
     def send(self, msg: Message) -> None:
         parts = encode(msg)
@@ -355,12 +372,49 @@ class Channel:
             for p in parts:
                 self.sock.sendall(p)
 
-    def _exactly(self, n: int) -> bytearray:
+    def recv(self) -> Message:
+        """The next message (each in a writable buffer of its own)."""
+        buf = self._buf
+        while True:
+            if len(buf) >= LEN.size:
+                (n,) = LEN.unpack_from(buf)
+                if n > MAX_MESSAGE:
+                    raise ProtocolError(f"a rank channel message claims {n} bytes")
+                end = LEN.size + n
+                if len(buf) >= end:
+                    body = buf[LEN.size : end]
+                    del buf[:end]
+                    return decode(body)
+                if n > READ:  # the rest straight into its own buffer
+                    have = buf[LEN.size :]
+                    buf.clear()
+                    return decode(self._rest(have, n))
+            self._fill()
+
+    def _fill(self) -> None:
+        bell = self.bell
+        if bell is None or self._buf:  # a message's rest is on its way: no ring announces it
+            k = self.sock.recv_into(self._chunk)
+        else:
+            if self._seen is not None:  # wait for a ring since the last read
+                bell.wait(self._seen, self.bit)
+            self._seen = bell.generation
+            try:
+                k = self.sock.recv_into(self._chunk, READ, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+        if k == 0:
+            raise EOFError("the pod server closed the control channel")
+        self._buf += self._chunk_view[:k]
+
+    def _rest(self, have: bytearray, n: int) -> bytearray:
+        """A message of ``n`` bytes whose first ones are ``have``, read whole."""
         if n > PIECE:  # a length no byte has backed yet: grow with what arrives
-            return self._growing(n)
+            return self._growing(have, n)
         buf = bytearray(n)
+        buf[: len(have)] = have
         view = memoryview(buf)
-        got = 0
+        got = len(have)
         while got < n:
             k = self.sock.recv_into(view[got:])
             if k == 0:
@@ -368,8 +422,8 @@ class Channel:
             got += k
         return buf
 
-    def _growing(self, n: int) -> bytearray:
-        buf, piece = bytearray(), bytearray(PIECE)
+    def _growing(self, buf: bytearray, n: int) -> bytearray:
+        piece = bytearray(PIECE)
         view = memoryview(piece)
         while len(buf) < n:
             k = self.sock.recv_into(view, min(PIECE, n - len(buf)))
@@ -381,29 +435,13 @@ class Channel:
             buf += view[:k]
         return buf
 
-    def recv(self) -> Message:
-        (n,) = LEN.unpack(self._exactly(LEN.size))
-        if n > MAX_MESSAGE:
-            raise ProtocolError(f"a rank channel message claims {n} bytes")
-        return decode(self._exactly(n))
 
-
-async def read(reader: asyncio.StreamReader) -> Message:
-    """The pod server's end: the next message. Raises IncompleteReadError at EOF."""
-    (n,) = LEN.unpack(await reader.readexactly(LEN.size))
-    if n > MAX_MESSAGE:
-        raise ProtocolError(f"a rank channel message claims {n} bytes")
-    return decode(await reader.readexactly(n))
-
-
-def write(writer: asyncio.StreamWriter, msg: Message) -> None:
-    """Queue ``msg`` on the pod server's end (the caller drains): a small message in one
-    write (one segment, so the rank's read wakes once), a large one without copying."""
+def frame(msg: Message) -> list[Any]:
+    """``msg`` as the pod server writes it: a small message joined into one part (one
+    segment, so the rank's read wakes once), a large one as its parts (no copy). A call sent
+    to many ranks is framed once and the same parts written to each."""
     parts = encode(msg)
-    if _size(parts) <= JOIN_MAX:
-        writer.write(envelope.join(parts))
-    else:
-        writer.writelines(parts)
+    return [envelope.join(parts)] if _size(parts) <= JOIN_MAX else parts
 
 
 def _size(parts: list[Any]) -> int:

@@ -27,6 +27,14 @@ from ktlite_wire.errors import ProtocolError
 INLINE_MAX = 1 << 20
 ARG_PREFIX = "ktlite-arg-"
 RESULT_PREFIX = "ktlite-res-"
+# a result file its rank wants back (``ktlite_server.resultfiles``): named RESULT_PREFIX +
+# KEPT_MARK + the rank's pid; a caller that takes it renames it TOOK_PREFIX + the rest, the pod
+# server SENT_PREFIX (then IDLE_PREFIX once it sends nothing from it: ``resultmaps``)
+KEPT_MARK = "w"
+TOOK_PREFIX = "ktlite-took-"
+SENT_PREFIX = "ktlite-sent-"
+IDLE_PREFIX = "ktlite-idle-"
+KEPT_PREFIXES = (RESULT_PREFIX, TOOK_PREFIX, SENT_PREFIX, IDLE_PREFIX)  # in the order it goes
 # a FIFO or device planted under a ktlite name must not block the open (mmap then refuses it)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -120,7 +128,10 @@ def take(
     ``path`` must name a file this module made with ``prefix`` (:func:`check`); a path it
     does not name, a link, or anything but a regular file of this user's is not removed.
     ``kind``: a shared read-only mapping of that ``mmap`` class, for a file its writer is
-    still writing (a private one is writable, and sees the file as it is when touched)."""
+    still writing (a private one is writable, and sees the file as it is when touched).
+
+    A result file its rank keeps (:func:`kept`) is renamed to :func:`took_path` instead: the
+    rank writes its next result into it once nothing maps it any more, and removes it."""
     fd = os.open(check(path, prefix), _OPEN_FLAGS)
     try:
         st = os.fstat(fd)  # once per payload over INLINE_MAX: a file of this user's own
@@ -129,10 +140,39 @@ def take(
         try:
             return _map(fd, size, kind)
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            if not (kept(path) and _renamed(path, took_path(path))):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
     finally:
         os.close(fd)
+
+
+def kept(path: str) -> bool:
+    """Whether ``path`` names a result file its rank keeps for its next result."""
+    return os.path.basename(path).startswith(RESULT_PREFIX + KEPT_MARK)
+
+
+def took_path(path: str) -> str:
+    """The name a kept result file has once a caller took it (mapped it to read it):
+    ``ktlite-took-*`` beside ``ktlite-res-*``. No peer's message names such a file."""
+    return renamed(path, TOOK_PREFIX)
+
+
+def renamed(path: str, prefix: str) -> str:
+    """A kept result file's name (any of :data:`KEPT_PREFIXES`) with ``prefix`` instead."""
+    directory, name = os.path.split(path)
+    for old in KEPT_PREFIXES:
+        if name.startswith(old):
+            return os.path.join(directory, prefix + name.removeprefix(old))
+    raise ValueError(f"{path!r} is not a kept result file's name")
+
+
+def _renamed(old: str, new: str) -> bool:
+    try:
+        os.rename(old, new)
+    except OSError:
+        return False
+    return True
 
 
 def check(path: str, prefix: str) -> str:
