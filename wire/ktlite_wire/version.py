@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-# 9: pod 0 sends a flat fan-out's members a binary RUN over their peer link, answered with a
-#    binary DONE and no head, and a pod says GOAWAY before it closes an idle link; an older
-#    pod would close the link at the first RUN as a malformed message.
+# 9: a coordinator sends its members that relay to no other pod a binary RUN over their
+#    link, answered with a binary DONE and no head; a pod says GOAWAY before it closes an
+#    idle link; an older pod would close the link at the first RUN as a malformed message.
 # 8: a call result says how many ranks may still map the call's argument file (``held``),
 #    and a rank's Result whether it let go of it: a caller on the pods' host writes its next
 #    argument into the same file only when none does; an older pod never says so.
