@@ -47,6 +47,7 @@ from ktlite_server.connections import Limits
 from ktlite_server.inactivity import idle_seconds
 from ktlite_server.launches import Launches
 from ktlite_server.linkserver import Links
+from ktlite_server.memberrun import MemberRuns
 from ktlite_server.metrics import render
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
@@ -119,6 +120,7 @@ class PodServer:
                 self.calls.call,
                 self.limits.max_body,
                 self.limits.idle_timeout,
+                MemberRuns(self.pod, self.limits.max_body).start,
             ),
             self.token,
             self.limits,

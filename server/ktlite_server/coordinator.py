@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
-import ssl
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ktlite_server import linkclient
+from ktlite_server import linkclient, memberanswer, quorum
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_server.pod import Pod
 from ktlite_server.ranks import Outcome, settled
 from ktlite_server.resultfeed import take
-from ktlite_wire import calltree, frames, headers, heartbeat
+from ktlite_wire import calltree, frames, headers, heartbeat, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
 from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef, Subtree
@@ -39,8 +39,6 @@ from ktlite_wire.version import PROTOCOL_VERSION
 
 Emit = Callable[[Any], None]  # puts a frame (bytes or list of parts) on the caller's stream
 PodOutcome = RankOutcome
-REFUSED_GRACE_S = 5.0  # how long a peer may refuse connections before the call fails
-NOTICE_AFTER_S = 2.0  # the caller hears of pods not reachable yet after this, and this often
 STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are reported stuck
 # silence from another pod this long (no frame, no heartbeat) means it is gone; this pod's
 # KTLITE_SILENCE_TIMEOUT (kt.Compute(env=...)), read once: a bad value stops the server here
@@ -98,6 +96,16 @@ async def run_local(
     return _pod_outcomes(pod, outs, plan.shm_results)
 
 
+def _failed(t: asyncio.Future[list[PodOutcome] | Subtree]) -> bool:
+    """Whether a pod's answer needs the coordinator at once: a failure, or no answer."""
+    if t.cancelled() or t.exception() is not None:
+        return True
+    got = t.result()
+    if isinstance(got, Subtree):
+        return got.failed is not None
+    return any(o.status.failed for o in got)
+
+
 class Coordinator:
     def __init__(self, pod: Pod, token: str, peers: PeerPool, plan: CallPlan) -> None:
         self.pod = pod
@@ -111,6 +119,7 @@ class Coordinator:
         self.started = False  # a rank may have started (False: the call can be sent again)
         self._wake: asyncio.Event | None = None
         self._shared_headers: dict[str, str] | None = None  # every member's, when they are alike
+        self._run: bytes | None = None  # and the RUN they are sent over a link
         # the pods this one sends the call to: every target (flat), or its children (a tree)
         self._members: list[int] = []
         self._subtrees: dict[int, list[int]] = {}  # a tree: each child's subtree, itself first
@@ -165,25 +174,46 @@ class Coordinator:
                 started=False,
             )
         self.started = True
-        tasks: dict[asyncio.Task[list[PodOutcome] | Subtree], int] = {}
+        tasks: dict[asyncio.Future[list[PodOutcome] | Subtree], int] = {}
         loop = asyncio.get_running_loop()
+        run = linkframes.plan_run(plan)  # what a member that relays to no other pod is sent
+        body = None if run is None else memoryview(payload).cast("B")
         # remote pods first: their hop is the longer one, so their requests should leave first
         for i in sorted(self._members, key=lambda i: i == me):
+            if i != me and run and body is not None and len(self._subtrees.get(i, (i,))) == 1:
+                # a leaf, over its open link: no task (memberanswer)
+                sent = memberanswer.send(
+                    self.peers,
+                    plan.url(i),
+                    plan.name(i),
+                    run,
+                    body,
+                    SILENCE_S,
+                    emit,
+                    functools.partial(self._member_failed, plan, i),
+                    functools.partial(self._remote, plan, i, payload, emit),
+                )
+                if sent is not None:
+                    tasks[sent] = i
+                    continue
             coro = (
                 run_local(self.pod, plan, payload, path, emit)
-                if i == self.pod.ordinal
+                if i == me
                 else self._remote(plan, i, payload, emit)
             )
             tasks[loop.create_task(coro)] = i
         self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
         # each pod's outcomes as they arrive: a done callback, not asyncio.wait over every
         # pending pod again after each arrival (quadratic in the pods of a flat fan-out)
-        arrived: list[asyncio.Task[list[PodOutcome] | Subtree]] = []
+        arrived: list[asyncio.Future[list[PodOutcome] | Subtree]] = []
         wake = asyncio.Event()
 
-        def on_done(t: asyncio.Task[list[PodOutcome] | Subtree]) -> None:
+        def on_done(t: asyncio.Future[list[PodOutcome] | Subtree]) -> None:
+            # the loop below wakes once every pod answered, or at once for a failure (the
+            # others are stopped): not once per pod
             arrived.append(t)
-            wake.set()
+            if len(arrived) == left or _failed(t):
+                wake.set()
 
         for t in tasks:
             t.add_done_callback(on_done)
@@ -272,98 +302,31 @@ class Coordinator:
         await asyncio.gather(*(stop_one(i) for i in self._members))
 
     async def _quorum(self, plan: CallPlan, remote: list[int], emit: Emit) -> list[PodOutcome]:
-        """Every remote pod reachable before any rank starts: a job never runs with fewer
-        ranks. Warm keep-alive connections make this free; waits up to quorum_timeout. Every
-        NOTICE_AFTER_S the caller hears which pods are missing (it may know they were
-        replaced, and cancel); a cancel ends the wait at once."""
-        missing = [i for i in remote if not self.peers.fresh(plan.url(i))]
+        """Every remote pod reachable before any rank starts (``quorum.wait``)."""
+        missing = [remote[k] for k in self.peers.stale([plan.url(i) for i in remote])]
         if not missing:
             return []  # calls back to back: every peer answered within the last seconds
-        start = time.monotonic()
-        errors: dict[int, str] = {}
-        noticed = start
         self._wake = asyncio.Event()
-        while missing and not self._stopped:
-            left = max(0.5, min(NOTICE_AFTER_S, plan.quorum_timeout - (time.monotonic() - start)))
-            probes = asyncio.ensure_future(
-                asyncio.gather(
-                    *(self.peers.ensure(plan.url(i), left) for i in missing),
-                    return_exceptions=True,
-                )
-            )
-            woken = asyncio.ensure_future(self._wake.wait())
-            racing: set[asyncio.Future[Any]] = {probes, woken}
-            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-            woken.cancel()
-            if not probes.done():  # cancelled mid-probe
-                probes.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await probes
-                break
-            got = probes.result()
-            failures = {
-                i: e for i, e in zip(missing, got, strict=True) if isinstance(e, BaseException)
-            }
-            errors = {i: str(e) for i, e in failures.items()}
-            missing = list(errors)
-            waited = time.monotonic() - start
-            # nothing listening at all: the server is gone, and one that restarts has lost the
-            # deployment's code anyway: waiting out quorum_timeout would only delay the error;
-            # a server that is not this deployment's (its TLS certificate is another's) will
-            # not become it: the call fails at once
-            refused = bool(failures) and all(
-                isinstance(e.__cause__, ConnectionRefusedError) for e in failures.values()
-            )
-            foreign = any(
-                isinstance(e.__cause__, ssl.SSLCertVerificationError) for e in failures.values()
-            )
-            if (
-                not missing
-                or foreign
-                or waited >= plan.quorum_timeout
-                or (refused and waited >= REFUSED_GRACE_S)
-            ):
-                break
-            if time.monotonic() - noticed >= NOTICE_AFTER_S:
-                noticed = time.monotonic()
-                names = ", ".join(plan.name(i) for i in missing)
-                emit(
-                    frames.notice_frame(
-                        "waiting",
-                        f"waiting for pod(s) {names} to be reachable ({waited:.0f}s of "
-                        f"quorum_timeout={plan.quorum_timeout:g}s; no rank has started)",
-                        pods=missing,
-                        waited=waited,
-                    )
-                )
-            await asyncio.sleep(0.2)
-        if not missing or self._stopped:
-            return []
-        unreached = [plan.name(i) for i in missing]
-        reached = len(plan.pods) - len(missing)
-        outs: list[PodOutcome] = []
-        for i in self._members:
-            if i in errors:
-                outs += self._failed_pod(
-                    plan,
-                    i,
-                    (
-                        f"pod {plan.name(i)} at {plan.url(i)} was not reachable "
-                        f"(waited {time.monotonic() - start:.1f}s of quorum_timeout={plan.quorum_timeout:g}s: "
-                        f"{errors[i]}); {reached} of "
-                        f"{len(plan.pods)} pods were; no rank started. Check that the pod is running, or "
-                        "raise distribute(quorum_timeout=...)"
-                    ),
-                    status=Status.UNREACHABLE,
-                )
-            else:
-                outs += self._failed_pod(
-                    plan,
-                    i,
-                    f"not started: pod(s) {', '.join(unreached)} unreachable",
-                    status=Status.CANCELLED,
-                )
-        return outs
+        return await quorum.wait(
+            self.peers,
+            plan,
+            missing,
+            self._members,
+            emit,
+            self._wake,
+            self._is_stopped,
+            self._failed_pod,
+        )
+
+    def _is_stopped(self) -> bool:
+        return self._stopped
+
+    def _member_failed(
+        self, plan: CallPlan, i: int, message: str, status: Status, lost: bool
+    ) -> list[PodOutcome]:
+        if lost:  # its stream broke: no use sending it a stop
+            self._lost.add(i)
+        return self._failed_pod(plan, i, message, status)
 
     def _failed_pod(
         self, plan: CallPlan, i: int, message: str, status: Status = Status.DIED
@@ -411,6 +374,7 @@ class Coordinator:
             meta, body = plan.member_body(i, payload)
             if self._shared_headers is None:
                 self._shared_headers = self._headers(meta)
+                self._run = linkframes.plan_run(plan)  # over a link: a RUN, not the plan
             member_headers = self._shared_headers
         while True:
             try:
@@ -423,6 +387,7 @@ class Coordinator:
                     body,
                     connect_timeout=5.0,
                     read_timeout=SILENCE_S,
+                    run=self._run if len(subtree) == 1 else None,
                 ) as resp:
                     if resp.status != 200:
                         text = error_text(await resp.read())
@@ -455,6 +420,9 @@ class Coordinator:
                             elif kind == frames.ERROR:
                                 err = frames.decode_error(data)
                                 return self._failed_pod(plan, i, f"pod {name}: {err.message}")
+                    done = getattr(resp, "done", None)
+                    if done is not None:  # a RUN's outcomes
+                        return linkframes.read_done(done)
                     if result is None:
                         return self._failed_pod(
                             plan, i, f"pod {name} closed the call's stream without a result"

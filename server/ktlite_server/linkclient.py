@@ -17,24 +17,23 @@ import contextlib
 import functools
 import ssl
 import time
-from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from ktlite_server.hangups import peer_closed
+from ktlite_server.linkresponse import LinkResponse, LinkStream
 from ktlite_server.peers import (
     PeerConnectError,
     PeerError,
     PeerPool,
-    PeerTimeout,
-    peer_closed,
 )
 from ktlite_server.silence import QuietTimer
 from ktlite_wire import headers as wire_headers
 from ktlite_wire import linkframes, pinning
 from ktlite_wire.errors import ProtocolError
-from ktlite_wire.headers import ERROR_CODE_HEADER
 
+R = TypeVar("R", bound=LinkStream)
 HEAD_MAX = 64 << 10  # the link's answer head (a 101, or an HTTP error answer)
 # a call's body up to this size goes over the link; a larger one is an HTTP request of its own,
 # which the member reads straight into shared memory (directbody)
@@ -66,9 +65,12 @@ async def post(
     body: memoryview | list[memoryview],
     connect_timeout: float = 5.0,
     read_timeout: float = 10.0,
+    run: bytes | None = None,
 ) -> AsyncIterator[LinkResponse | Any]:
     """``PeerPool.post``, over the pool's link to that pod when it is a call with a small
-    body (opening the link when there is none): the answer reads the same either way."""
+    body (opening the link when there is none): the answer reads the same either way. With
+    ``run`` (``linkframes.run_fields``), a link sends the call as a ``RUN``: its answer's
+    outcomes end up in ``done`` (or, large, in a frame stream)."""
     pieces = body if isinstance(body, list) else [body]
     host, port, https = _address(url)
     if (
@@ -93,13 +95,19 @@ async def post(
                 return
         assert isinstance(link, PeerLink)
         await link.drain()
-        resp = link.send(meta, pieces, read_timeout)
+        if run is None:
+            resp = link.send(meta, pieces, read_timeout)
+        else:
+            resp = link.open_stream(lambda lk, n: LinkResponse(lk, n, read_timeout))
+            link.transport.writelines(linkframes.run_message(resp.stream, run, pieces))
         try:
             await resp.until_head()
         except PeerError:
             resp.release()
-            if reused and attempt == 0 and link.lost:
-                continue  # the pod closed an idle link (it restarted): nothing ran, send again
+            # the pod closed an idle link (it restarted; a RUN: it said GOAWAY before any
+            # answer): nothing ran, send again
+            if attempt == 0 and (link.goaway if run is not None else reused and link.lost):
+                continue
             raise
         except BaseException:
             resp.release()
@@ -151,107 +159,6 @@ class LinkRefused(PeerError):
         return self.body
 
 
-class LinkResponse:
-    """One call's answer on a link: ``status`` and ``headers`` once its head came, then its
-    frame stream's bytes (``iter_chunks``)."""
-
-    def __init__(self, link: PeerLink, stream: int, read_timeout: float) -> None:
-        self.link = link
-        self.stream = stream
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self._timeout = read_timeout
-        self._chunks: deque[memoryview] = deque()
-        self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiter: asyncio.Future[None] | None = None
-        self._ended = False  # END came: the stream is complete
-        self._closed = False  # this end closed the stream (CLOSE sent)
-        self._error: PeerError | None = None
-        self._quiet = QuietTimer(read_timeout, self._expire)
-        self._arm = self._quiet.progress
-        self._stop_timer = self._quiet.stop
-        self._arm()
-
-    # -- fed by the link ----------------------------------------------------------------
-
-    def _expire(self) -> None:
-        self.fail(PeerTimeout(f"{self.link.key} sent nothing for {self._timeout:g}s"))
-        self._close()
-
-    def head(self, status: int, code: str, body: bytes) -> None:
-        self.status = status
-        if code:
-            self.headers[ERROR_CODE_HEADER] = code
-        if body:
-            self._chunks.append(memoryview(body))
-        if status != 200:
-            self.end()
-        self._arm()
-        if not self._head.done():
-            self._head.set_result(None)
-
-    def data(self, payload: memoryview) -> None:
-        self._chunks.append(payload)
-        self._arm()
-        self._wake()
-
-    def end(self) -> None:
-        self._ended = True
-        self._stop_timer()
-        self._wake()
-
-    def fail(self, error: PeerError) -> None:
-        if self._ended or self._error is not None:
-            return
-        self._error = error
-        self._stop_timer()
-        if not self._head.done():
-            self._head.set_exception(error)
-            self._head.exception()  # retrieved: a caller that stopped waiting leaves no warning
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    # -- read by the coordinator (PeerResponse's surface) --------------------------------
-
-    @property
-    def headed(self) -> bool:
-        return self._head.done() and self._head.exception() is None
-
-    async def until_head(self) -> None:
-        await self._head
-
-    async def iter_chunks(self) -> AsyncIterator[memoryview]:
-        while True:
-            while self._chunks:
-                yield self._chunks.popleft()
-            if self._ended:
-                return
-            if self._error is not None:
-                raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    async def read(self) -> bytes:
-        return b"".join([bytes(c) async for c in self.iter_chunks()])
-
-    def release(self) -> None:
-        """The reader is done: a stream still open is closed (the pod abandons its call)."""
-        self._stop_timer()
-        self._close()
-        self.link.forget(self.stream)
-
-    def _close(self) -> None:
-        if not self._ended and not self._closed:
-            self._closed = True
-            self.link.close_stream(self.stream)
-
-
 class PeerLink(asyncio.Protocol):
     """One link to the pod at ``key`` (``host:port``)."""
 
@@ -260,13 +167,15 @@ class PeerLink(asyncio.Protocol):
         self.used = time.monotonic()  # when it last received anything
         self.transport: Any = None
         self.lost = False
+        self.goaway = False  # the pod said it closes the link (idle): no new call on it
         self._switched: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._head = bytearray()
         self._refusal: LinkRefused | None = None  # an HTTP answer to the link request, being read
         self._refusal_left = 0
         self._reader = linkframes.Reader()
-        self._streams: dict[int, LinkResponse] = {}
+        self._streams: dict[int, LinkStream] = {}
+        self._watch: QuietTimer | None = None  # the silence of its RUNs' answers, for all
         self._next = 0
         self._paused = False
         self._drained: asyncio.Event | None = None
@@ -276,7 +185,17 @@ class PeerLink(asyncio.Protocol):
 
     @property
     def open(self) -> bool:
-        return self._switched.done() and not self.lost and not self.transport.is_closing()
+        return (
+            self._switched.done()
+            and not self.lost
+            and not self.goaway
+            and not self.transport.is_closing()
+        )
+
+    @property
+    def paused(self) -> bool:
+        """The pod reads slower than this end writes: wait (``drain``) before sending more."""
+        return self._paused
 
     def closed(self) -> bool:
         """Not open, or the pod's end of it is in the kernel and not read yet (a killed pod):
@@ -334,13 +253,28 @@ class PeerLink(asyncio.Protocol):
 
     def send(self, meta: str, body: list[memoryview], read_timeout: float) -> LinkResponse:
         """Send one call (its plan's header and body); its answer arrives on the response."""
+        resp = self.open_stream(lambda link, n: LinkResponse(link, n, read_timeout))
+        self.transport.writelines(linkframes.call_message(resp.stream, meta, body))
+        return resp
+
+    def open_stream(self, make: Callable[[PeerLink, int], R]) -> R:
+        """A new stream's response (``make(link, stream)``), whose message the caller writes
+        next (a ``RUN``'s answer has no head: its first message, or GOAWAY, tells)."""
         if not self.open:
             raise PeerError(f"the link to {self.key} is closed")
         self._next = (self._next + 1) & 0xFFFFFFFF
-        stream = self._next
-        resp = self._streams[stream] = LinkResponse(self, stream, read_timeout)
-        self.transport.writelines(linkframes.call_message(stream, meta, body))
+        resp = self._streams[self._next] = make(self, self._next)
+        if resp.watched_by_link:  # one timer for all of them, re-armed only when it fires
+            if self._watch is None:
+                self._watch = QuietTimer(resp._timeout, self._silent)
+            self._watch.progress()
         return resp
+
+    def _silent(self) -> None:
+        """Nothing came for the streams the link watches for their read timeout: they fail
+        (the pod sends each call it runs a heartbeat every HEARTBEAT_S)."""
+        for resp in [r for r in self._streams.values() if r.watched_by_link]:
+            resp.expire()
 
     async def drain(self) -> None:
         while self._paused and not self.lost:
@@ -380,6 +314,8 @@ class PeerLink(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.used = time.monotonic()
+        if self._watch is not None:
+            self._watch.progress()
         if not self._switched.done():
             if self._refusal is not None:
                 self._refusal_body(data)
@@ -389,6 +325,11 @@ class PeerLink(asyncio.Protocol):
                 return
         try:
             for kind, stream, payload in self._reader.feed(data):
+                if (
+                    kind == linkframes.GOAWAY
+                ):  # the pod closes it: what it did not answer, never ran
+                    self.goaway = True
+                    continue
                 resp = self._streams.get(stream)
                 if resp is None:
                     continue  # a stream this end closed: what was under way is dropped
@@ -398,6 +339,8 @@ class PeerLink(asyncio.Protocol):
                     resp.head(*linkframes.split_head(payload))
                 elif kind == linkframes.END:
                     resp.end()
+                elif kind == linkframes.DONE:
+                    resp.finish(payload)
                 else:
                     raise ProtocolError(f"a link message of kind {kind} from the pod's side")
         except ProtocolError as e:
@@ -452,6 +395,8 @@ class PeerLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._watch is not None:
+            self._watch.stop()
         if not self._gone.done():
             self._gone.set_result(None)
         self.resume_writing()

@@ -23,9 +23,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from ktlite_server import resultfeed
-from ktlite_wire import envelope, linkframes
+from ktlite_wire import envelope, frames, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import CALL_HEADER, ERROR_CODE_HEADER
+from ktlite_wire.heartbeat import HEARTBEAT_S
 
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -39,6 +40,7 @@ PIECE = 1 << 20  # a large frame leaves in messages of at most this many bytes
 POST_MAX = 64 << 10  # an answer's last bytes up to this size leave with the others due now
 # what a call over a link is handed to: the call's stream and its first frame (Calls.call)
 Serve = Callable[[Request], Awaitable[Any]]
+Run = Callable[["LinkServer", int, memoryview], None]  # a RUN's handler (memberrun)
 
 
 def take_over(http: HttpToolsProtocol, scope: Any, make: Callable[[Any], asyncio.Protocol]) -> bool:
@@ -144,11 +146,26 @@ class _Out:
         self._wake = None
 
 
+async def send_frames(link: LinkServer, stream: int, items: list[Any]) -> None:
+    """The rest of a stream whose head was written: ``items`` (frames), then its end."""
+    out = link._outs[stream] = _Out(link, stream)
+    try:
+        await out.write(items, True)
+    finally:
+        link._outs.pop(stream, None)
+
+
 class LinkServer(asyncio.Protocol):
     """A member pod's end of one link: ``serve`` runs each call (``Calls.call``)."""
 
     def __init__(
-        self, transport: Any, serve: Serve, max_body: int, idle_s: float, late_heads: bool = False
+        self,
+        transport: Any,
+        serve: Serve,
+        max_body: int,
+        idle_s: float,
+        run: Run | None = None,
+        late_heads: bool = False,
     ) -> None:
         self.transport = transport
         # a caller's link (``?heads=late``): a call's 200 head leaves with its first frames, one
@@ -156,6 +173,9 @@ class LinkServer(asyncio.Protocol):
         # whether a call reached the pod: ``ktlite.net.podlinks``); a pod's peer does
         self.late_heads = late_heads
         self.serve = serve
+        self.run = run  # a RUN's handler (memberrun)
+        self._stops: dict[int, Callable[[], None]] = {}  # the RUNs under way: their stop
+        self._beat: asyncio.TimerHandle | None = None
         self.max_body = max_body
         self.idle_s = idle_s  # a link without a call this long is closed (KTLITE_IDLE_TIMEOUT)
         self.lost = False
@@ -228,10 +248,15 @@ class LinkServer(asyncio.Protocol):
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
                     calls = True
+                elif kind == linkframes.RUN and self.run is not None:
+                    self.run(self, stream, payload)
                 elif kind == linkframes.CLOSE:
                     out = self._outs.get(stream)
                     if out is not None:
                         out.disconnect()
+                    stop = self._stops.get(stream)
+                    if stop is not None:
+                        stop()
                 else:
                     raise ProtocolError(f"a link message of kind {kind} from the caller's side")
             if calls:  # queued after the calls' first steps: their heads leave in one write
@@ -250,6 +275,8 @@ class LinkServer(asyncio.Protocol):
             self._idle = asyncio.get_running_loop().call_later(wait, self._idle_check)
             return
         logger.debug("closed a peer link idle for %.0fs", idle)
+        # what arrives after this is never read: the other end sends it again (linkframes)
+        self.write([linkframes.header(linkframes.GOAWAY, 0, 0)])
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -258,6 +285,29 @@ class LinkServer(asyncio.Protocol):
         self.resume_writing()  # wakes a writer that waits for the link to drain
         for out in list(self._outs.values()):
             out.disconnect()
+        for stop in list(self._stops.values()):
+            stop()
+
+    def begin(self, stream: int, stop: Callable[[], None]) -> None:
+        """A RUN began on ``stream``; ``stop`` abandons it (CLOSE, or the link broke)."""
+        self._active += 1
+        self._stops[stream] = stop
+        if self._beat is None:  # one timer for every RUN under way, not one per call
+            self._beat = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        """A heartbeat frame on each RUN's stream, every HEARTBEAT_S while any runs."""
+        if not self._stops or self.lost:
+            self._beat = None
+            return
+        beat = frames.frame(frames.HEARTBEAT, b"")
+        self.write([linkframes.header(linkframes.DATA, n, len(beat)) + beat for n in self._stops])
+        self._beat = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._heartbeat)
+
+    def finish(self, stream: int) -> None:
+        self._active -= 1
+        self._last = time.monotonic()
+        self._stops.pop(stream, None)
 
     async def _call(self, stream: int, payload: memoryview) -> None:
         self._active += 1
@@ -271,10 +321,10 @@ class LinkServer(asyncio.Protocol):
         try:
             meta, body = linkframes.split_call(payload)
         except (ProtocolError, UnicodeDecodeError) as e:
-            self._refuse(stream, 400, ErrorCode.BAD_REQUEST.value, f"malformed link call: {e}")
+            self.refuse(stream, 400, ErrorCode.BAD_REQUEST.value, f"malformed link call: {e}")
             return
         if body.nbytes > self.max_body:
-            self._refuse(
+            self.refuse(
                 stream,
                 413,
                 ErrorCode.TOO_LARGE.value,
@@ -305,11 +355,11 @@ class LinkServer(asyncio.Protocol):
             response = await self.serve(Request(scope, receive))
         except HTTPException as e:
             code = (e.headers or {}).get(ERROR_CODE_HEADER, "")
-            self._refuse(stream, e.status_code, code, str(e.detail))
+            self.refuse(stream, e.status_code, code, str(e.detail))
             return
         except Exception as e:  # noqa: BLE001 - an infrastructure failure: the caller hears it
             logger.exception("a call over a peer link failed before it started")
-            self._refuse(stream, 500, ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}")
+            self.refuse(stream, 500, ErrorCode.INTERNAL.value, f"{type(e).__name__}: {e}")
             return
         call: CallStream = response.stream
         out = self._outs[stream] = _Out(self, stream)
@@ -318,7 +368,7 @@ class LinkServer(asyncio.Protocol):
         finally:
             self._outs.pop(stream, None)
 
-    def _refuse(self, stream: int, status: int, code: str, detail: str) -> None:
+    def refuse(self, stream: int, status: int, code: str, detail: str) -> None:
         body = json.dumps({"detail": detail}).encode()
         self.write([linkframes.head_message(stream, status, code, body)])
 
@@ -327,9 +377,12 @@ class Links:
     """ASGI: ``POST /link`` becomes a link (behind the admission gate, which checked the token
     and version); every other request goes on to ``app``."""
 
-    def __init__(self, app: Any, serve: Serve, max_body: int, idle_s: float) -> None:
+    def __init__(
+        self, app: Any, serve: Serve, max_body: int, idle_s: float, run: Run | None = None
+    ) -> None:
         self.app = app
         self.serve = serve
+        self.run = run
         self.max_body = max_body
         self.idle_s = idle_s
 
@@ -348,6 +401,7 @@ class Links:
                     self.serve,
                     self.max_body,
                     self.idle_s,
+                    self.run,
                     late_heads=b"heads=late" in scope.get("query_string", b""),
                 ),
             )

@@ -23,13 +23,13 @@ import asyncio
 import contextlib
 import functools
 import json
-import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 from urllib.parse import urlencode, urlsplit
 
+from ktlite_server.hangups import hung_up, peer_closed
 from ktlite_server.silence import QuietTimer
 from ktlite_wire import pinning
 
@@ -53,6 +53,7 @@ class Link(Protocol):
     """A persistent link to a peer (``linkclient.PeerLink``): what the pool asks of it."""
 
     used: float  # when it last received anything (monotonic)
+    transport: Any
 
     @property
     def open(self) -> bool: ...
@@ -81,20 +82,6 @@ class _Conn:
         if self.reader.at_eof() or self.writer.is_closing():
             return True
         return peer_closed(self.writer.get_extra_info("socket"))
-
-
-def peer_closed(raw: socket.socket | None) -> bool:
-    """Whether the kernel has the peer's end of this connection (its FIN, or a reset) that
-    the loop has not read yet: a peek at the socket (nothing else queued before it)."""
-    if raw is None:
-        return False
-    try:  # the loop's socket object cannot recv: peek through a duplicate of its fd
-        with socket.socket(fileno=socket.dup(raw.fileno())) as dup:
-            return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False  # open, nothing queued
-    except OSError:
-        return True  # reset
 
 
 class _Silence:
@@ -433,6 +420,27 @@ class PeerPool:
         if not idle:
             return False
         return time.monotonic() - idle[-1].used < fresh_s and not idle[-1].closed()
+
+    def stale(self, urls: list[str], fresh_s: float = PROBE_AFTER_S) -> list[int]:
+        """The indexes of the ``urls`` that :meth:`fresh` denies, the links to them asked
+        whether their pods hung up with one ``poll`` (not a peek at each link)."""
+        links: list[Any] = []
+        for url in urls:
+            host, port, _ = _split(url)
+            link = self.links.get(f"{host}:{port}")
+            ok = link is not None and time.monotonic() - link.used < fresh_s and link.open
+            links.append(link.transport.get_extra_info("socket") if ok and link else None)
+        gone = hung_up([s for s in links if s is not None])
+        out, k = [], 0
+        for i, (url, sock) in enumerate(zip(urls, links, strict=True)):
+            if sock is None:
+                if not self.fresh(url, fresh_s):
+                    out.append(i)
+                continue
+            if gone[k]:
+                out.append(i)
+            k += 1
+        return out
 
     async def ensure(self, url: str, timeout: float = 5.0, fresh_s: float = PROBE_AFTER_S) -> None:
         """Prove ``url`` answers: free when a pooled connection carried a response within

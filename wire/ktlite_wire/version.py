@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# 9: a coordinator sends its members that relay to no other pod a binary RUN over their
+#    link, answered with a binary DONE and no head; a pod says GOAWAY before it closes an
+#    idle link; an older pod would close the link at the first RUN as a malformed message.
 # 8: a call result says how many ranks may still map the call's argument file (``held``),
 #    and a rank's Result whether it let go of it: a caller on the pods' host writes its next
 #    argument into the same file only when none does; an older pod never says so.
@@ -14,7 +17,7 @@ from __future__ import annotations
 #    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
 #    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
 #    calls, notices, shipped sources.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 
