@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ktlite.net.connection import Connection, ConnectionFailed, ConnectionRefused, Key, Pool
+from ktlite.net.readerthread import ReaderThread
 from ktlite_wire import landing
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import FrameParser
@@ -165,17 +166,17 @@ class _Answer:
         self.woken = False  # its connection wakes the reader from its first byte on
 
 
-class CallMux:
+class CallMux(ReaderThread):
     """Reads the answers of calls in flight (one thread, ``epoll``); safe to start calls from
     any thread."""
 
+    thread_name = "ktlite-calls"
+
     def __init__(self, pool: Pool) -> None:
+        super().__init__()
         self.pool = pool
         self._answers: dict[int, _Answer] = {}
         self._ended: list[tuple[Done, tuple[Any, ...]]] = []  # the loop's thread's only
-        self._lock = threading.Lock()
-        self._epoll: Any = None
-        self._thread: threading.Thread | None = None
 
     def start(
         self,
@@ -206,7 +207,7 @@ class CallMux:
         done: Done,
         fresh: bool,
     ) -> None:
-        if threading.current_thread() is self._thread and (fresh or not self.pool.has_idle(key)):
+        if self._on_reader() and (fresh or not self.pool.has_idle(key)):
             # a connect may take its whole timeout (a pod whose address swallows packets):
             # never on the thread that reads the other calls' answers
             threading.Thread(
@@ -246,25 +247,10 @@ class CallMux:
         self._answers[fd] = answer
         epoll.register(fd, select.EPOLLIN | select.EPOLLRDHUP)
 
-    def _running(self) -> Any:
-        with self._lock:
-            if self._thread is None:
-                self._epoll = select.epoll()
-                self._thread = threading.Thread(target=self._loop, name="ktlite-calls", daemon=True)
-                self._thread.start()
-            return self._epoll
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                self._turn()
-            except Exception as e:  # noqa: BLE001 - a bug here must not leave calls waiting
-                logger.exception("the reader of calls in flight failed; failing those calls")
-                for fd, answer in list(self._answers.items()):
-                    self._end(
-                        fd, answer, ConnectionFailed(f"the caller's call reader failed: {e!r}")
-                    )
-                self._finish()
+    def _fail_all(self, error: Exception) -> None:
+        for fd, answer in list(self._answers.items()):
+            self._end(fd, answer, ConnectionFailed(f"the caller's call reader failed: {error!r}"))
+        self._finish()
 
     def _turn(self) -> None:
         """One wait for answers: what came is read, silent calls fail, ended calls end."""

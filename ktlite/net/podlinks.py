@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ktlite.net.connection import Connection, ConnectionFailed, ConnectionRefused, pod_address
+from ktlite.net.readerthread import ReaderThread
 from ktlite_wire import landing, linkframes
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import FrameParser
@@ -141,17 +142,18 @@ class _Link:
         self.conn.close()
 
 
-class LinkMux:
+class LinkMux(ReaderThread):
     """The caller's links to its pods, one per pod address and token, and the one thread that
     reads them (``epoll``); safe to start calls from any thread."""
 
+    thread_name = "ktlite-links"
+    what = "the links to pods"
+
     def __init__(self) -> None:
+        super().__init__()
         self._links: dict[Key, _Link] = {}
         self._opening: dict[Key, list[_Call]] = {}  # calls waiting for their link to open
         self._fds: dict[int, _Link] = {}
-        self._lock = threading.Lock()
-        self._epoll: Any = None
-        self._thread: threading.Thread | None = None
         self._ended: list[tuple[Done, tuple[Any, ...]]] = []  # the reader's thread's only
         self._batch: dict[_Link, list[Any]] = {}  # calls the reader's thread started this turn
         os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
@@ -162,8 +164,8 @@ class LinkMux:
         for link in list(self._fds.values()):
             link.close()
         self._links, self._opening, self._fds, self._batch = {}, {}, {}, {}
-        self._ended, self._epoll, self._thread = [], None, None
-        self._lock = threading.Lock()
+        self._ended = []
+        ReaderThread.__init__(self)  # no reader in this process yet
 
     def start(
         self,
@@ -196,7 +198,7 @@ class LinkMux:
         if link is not None:
             self._send(link, [call])
             return
-        if threading.current_thread() is self._thread:
+        if self._on_reader():
             # a connect may take its whole timeout: never on the thread that reads the answers
             threading.Thread(
                 target=self._open,
@@ -250,7 +252,7 @@ class LinkMux:
             for call in calls:
                 self._go(link.key, link.headers, call, 10.0)
             return
-        if threading.current_thread() is self._thread:  # leaves with the turn's other calls
+        if self._on_reader():  # leaves with the turn's other calls
             self._batch.setdefault(link, []).extend(out)
             return
         try:
@@ -260,23 +262,10 @@ class LinkMux:
             with contextlib.suppress(OSError):
                 link.sock.shutdown(socket.SHUT_RDWR)
 
-    def _running(self) -> Any:
-        with self._lock:
-            if self._thread is None:
-                self._epoll = select.epoll()
-                self._thread = threading.Thread(target=self._loop, name="ktlite-links", daemon=True)
-                self._thread.start()
-            return self._epoll
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                self._turn()
-            except Exception as e:  # noqa: BLE001 - a bug here must not leave calls waiting
-                logger.exception("the reader of the links to pods failed; failing their calls")
-                for link in list(self._fds.values()):
-                    self._lose(link, ConnectionFailed(f"the caller's link reader failed: {e!r}"))
-                self._finish()
+    def _fail_all(self, error: Exception) -> None:
+        for link in list(self._fds.values()):
+            self._lose(link, ConnectionFailed(f"the caller's link reader failed: {error!r}"))
+        self._finish()
 
     def _turn(self) -> None:
         """One wait: what came is read, silent calls fail, ended calls end, and the calls their

@@ -98,7 +98,9 @@ class ResultFiles:
             name = shm.renamed(path, state)
             fresh = f"{path.rsplit('-', 1)[0]}-{secrets.token_hex(6)}"
             # a caller's mapping of it (took) must be gone; the pod server's (idle) is idle
-            if (state == shm.TOOK_PREFIX and not _unmapped(fd)) or not _renamed(name, fresh):
+            if (state == shm.TOOK_PREFIX and not _unmapped(fd)) or not shm.rename_taken(
+                name, fresh
+            ):
                 os.close(fd)
                 continue
             files[i] = (fresh, length)
@@ -164,14 +166,6 @@ def _unmapped(fd: int) -> bool:
         return False
     with contextlib.suppress(OSError):
         fcntl.fcntl(fd, _SETLEASE, fcntl.F_UNLCK)
-    return True
-
-
-def _renamed(old: str, new: str) -> bool:
-    try:
-        os.rename(old, new)
-    except OSError:
-        return False
     return True
 
 

@@ -92,7 +92,7 @@ class ArgFiles:
         it went to let go of it, and this process holds no view of it), so it is kept for
         the next argument while the bound allows; otherwise it is removed."""
         with self._lock:
-            if reusable and f.length <= self.keep and _renamed(f.path, _free_name(f.path)):
+            if reusable and f.length <= self.keep and shm.rename_taken(f.path, _free_name(f.path)):
                 free = self._free
                 free.append(f)
                 total = self.free_bytes()
@@ -125,14 +125,6 @@ def _free_name(path: str) -> str:
     """The name a free file waits under: ``ktlite-free-arg-*`` beside ``ktlite-arg-*``."""
     directory, name = os.path.split(path)
     return os.path.join(directory, FREE_PREFIX + name.removeprefix(shm.ARG_PREFIX))
-
-
-def _renamed(old: str, new: str) -> bool:
-    try:
-        os.rename(old, new)
-    except OSError:
-        return False
-    return True
 
 
 _shared: ArgFiles | None = None

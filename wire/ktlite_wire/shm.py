@@ -140,7 +140,7 @@ def take(
         try:
             return _map(fd, size, kind)
         finally:
-            if not (kept(path) and _renamed(path, took_path(path))):
+            if not (kept(path) and rename_taken(path, took_path(path))):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
     finally:
@@ -167,7 +167,9 @@ def renamed(path: str, prefix: str) -> str:
     raise ValueError(f"{path!r} is not a kept result file's name")
 
 
-def _renamed(old: str, new: str) -> bool:
+def rename_taken(old: str, new: str) -> bool:
+    """Rename ``old`` to ``new``; False where that failed (another process renamed or removed
+    it first: whoever renames a kept file owns it)."""
     try:
         os.rename(old, new)
     except OSError:

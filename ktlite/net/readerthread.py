@@ -1,0 +1,60 @@
+"""The one thread that reads the answers of a caller's calls in flight: the shape
+:class:`~ktlite.net.callmux.CallMux` (HTTP answers) and :class:`~ktlite.net.podlinks.LinkMux`
+(answers over links to pods) share.
+
+It starts with the first call (an ``epoll`` and a daemon thread) and then turns forever:
+:meth:`ReaderThread._turn` waits for what came, reads it and fails silent calls; a bug in a
+turn fails every call the reader holds (:meth:`ReaderThread._fail_all`) rather than leave them
+waiting, and the reader goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class ReaderThread:
+    """An ``epoll`` read by one daemon thread, started on first use."""
+
+    thread_name = "ktlite-reader"
+    what = "calls in flight"  # in the log line of a failed turn
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoll: Any = None
+        self._thread: threading.Thread | None = None
+
+    def _running(self) -> Any:
+        """The epoll, the thread that reads it started (once)."""
+        with self._lock:
+            if self._thread is None:
+                self._epoll = select.epoll()
+                self._thread = threading.Thread(
+                    target=self._loop, name=self.thread_name, daemon=True
+                )
+                self._thread.start()
+            return self._epoll
+
+    def _on_reader(self) -> bool:
+        """Whether this runs on the reader's thread (where nothing may block)."""
+        return threading.current_thread() is self._thread
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._turn()
+            except Exception as e:  # noqa: BLE001 - a bug here must not leave calls waiting
+                logger.exception("the reader of %s failed; failing those calls", self.what)
+                self._fail_all(e)
+
+    def _turn(self) -> None:
+        raise NotImplementedError
+
+    def _fail_all(self, error: Exception) -> None:
+        """Fail every call the reader holds: a turn raised ``error``."""
+        raise NotImplementedError
