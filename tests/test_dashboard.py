@@ -14,6 +14,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -213,11 +214,11 @@ def test_a_running_call_and_a_stuck_rank(board: Board, tmp_path: Path) -> None:
     assert calls[0]["duration_s"] >= 0.5  # it was stuck for at least that long
 
 
-def test_the_command_prints_its_address_and_stops_on_ctrl_c(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
-    env["KTLITE_HOME"] = str(tmp_path)
+def _dashboard_until_ctrl_c(env: dict[str, str], *args: str) -> list[dict[str, Any]]:
+    """Run ``ktlite dashboard --no-browser ARGS``, read its deployments once through the API,
+    then Ctrl-C it: it must exit 0. Returns the backends' rows."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ktlite.commands.cli", "dashboard", "--no-browser"],
+        [sys.executable, "-m", "ktlite.commands.cli", "dashboard", "--no-browser", *args],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -239,10 +240,14 @@ def test_the_command_prints_its_address_and_stops_on_ctrl_c(tmp_path: Path) -> N
         assert base.startswith("http://127.0.0.1:") and secret, url
         answer = httpx.get(f"{base}/api/deployments", headers={HEADER: secret}, timeout=30)
         assert answer.status_code == 200, answer.text
-        shown = [b["backend"] for b in answer.json()["backends"]]
-        assert shown == ["local", "kubernetes", "ssh"]  # every backend, each listed or why not
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=WAIT_S) == 0
+        try:
+            code = proc.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {WAIT_S:g}s after Ctrl-C") from None
+        assert code == 0, code
+        rows: list[dict[str, Any]] = answer.json()["backends"]
+        return rows
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -250,6 +255,41 @@ def test_the_command_prints_its_address_and_stops_on_ctrl_c(tmp_path: Path) -> N
         reader.join(WAIT_S)  # it ends at the output's end, the process's exit
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
+    env["KTLITE_HOME"] = str(home)
+    return env
+
+
+def test_the_command_prints_its_address_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    rows = _dashboard_until_ctrl_c(_env(tmp_path))
+    # every backend, each listed or why not
+    assert [b["backend"] for b in rows] == ["local", "kubernetes", "ssh"]
+
+
+def test_ctrl_c_stops_the_command_while_a_clusters_list_hangs(tmp_path: Path) -> None:
+    """A cluster whose API server accepts connections and never answers (a black hole): its
+    list shows as not answering, and Ctrl-C still stops the dashboard at once (the list's
+    thread was joined at exit, so it waited on the hung request)."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)  # connections complete in the kernel's backlog; nothing is ever read
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: hole\n"
+        f"clusters:\n- name: hole\n  cluster: {{server: 'http://127.0.0.1:{hole.getsockname()[1]}'}}\n"
+        "contexts:\n- name: hole\n  context: {cluster: hole, user: hole, namespace: default}\n"
+        "users:\n- name: hole\n  user: {token: not-a-token}\n"
+    )
+    env = _env(tmp_path)
+    env["KUBECONFIG"] = str(kubeconfig)
+    try:
+        rows = _dashboard_until_ctrl_c(env, "--backend", "kubernetes")
+    finally:
+        hole.close()
+    assert len(rows) == 1 and "did not answer within" in rows[0]["error"], rows
 
 
 def test_the_pod_keeps_a_bounded_ring_of_calls() -> None:

@@ -57,9 +57,6 @@ class Backends:
     def __init__(self, names: list[str] | None = None, namespace: str | None = None) -> None:
         self.names = list(names or NAMES)
         self.namespace = namespace
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(2, len(self.names) * 2), thread_name_prefix="ktlite-dashboard"
-        )
         self._lock = threading.Lock()
         self._listing: dict[str, concurrent.futures.Future[list[dict[str, Any]]]] = {}
         self._attached: dict[tuple[str, str], Deployment] = {}
@@ -72,7 +69,7 @@ class Backends:
         return get_backend(name, self.namespace)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to wait for: a list still running is on a daemon thread, abandoned."""
 
     def listing(self) -> list[dict[str, Any]]:
         """Per backend: ``deployments`` (``ktlite list``'s rows), or ``error`` saying why not
@@ -82,7 +79,7 @@ class Backends:
             for name in self.names:
                 running = self._listing.get(name)
                 if running is None or running.done():
-                    self._listing[name] = self._pool.submit(self._list, name)
+                    self._listing[name] = _in_daemon_thread(self._list, name)
             futures = dict(self._listing)
         out = []
         deadline = time.monotonic() + LIST_S
@@ -179,3 +176,21 @@ def _quietly(read: Callable[[], Any]) -> Any:
         return read()
     except KtliteError as e:
         return {"error": str(e)}
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    """``fn(*args)`` on a thread of its own that never holds up the process's exit (a
+    ThreadPoolExecutor's workers are joined at exit: a list hung on an unreachable cluster kept
+    ``ktlite dashboard`` from stopping on Ctrl-C)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever reads the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="ktlite-dashboard-list", daemon=True).start()
+    return future
