@@ -224,6 +224,9 @@ def _dashboard_until_ctrl_c(env: dict[str, str], *args: str) -> list[dict[str, A
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # an xdist worker may ignore SIGINT, and an ignored signal stays ignored across exec:
+        # the command is given Ctrl-C's default, as a terminal would
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or ()], daemon=True)
@@ -244,7 +247,11 @@ def _dashboard_until_ctrl_c(env: dict[str, str], *args: str) -> list[dict[str, A
         try:
             code = proc.wait(timeout=WAIT_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running {WAIT_S:g}s after Ctrl-C") from None
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            proc.wait(timeout=WAIT_S)
+            reader.join(WAIT_S)
+            printed = "".join(lines.queue)
+            raise AssertionError(f"still running {WAIT_S:g}s after Ctrl-C:\n{printed}") from None
         assert code == 0, code
         rows: list[dict[str, Any]] = answer.json()["backends"]
         return rows
@@ -260,6 +267,7 @@ def _dashboard_until_ctrl_c(env: dict[str, str], *args: str) -> list[dict[str, A
 def _env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KTLITE_")}
     env["KTLITE_HOME"] = str(home)
+    env["PYTHONFAULTHANDLER"] = "1"  # a hang is reported with its threads' stacks
     return env
 
 
