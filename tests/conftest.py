@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -126,6 +127,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "kubernetes" in item.keywords:
             item.add_marker(skip)
+
+
+# modules that cost every process collecting the suite (each xdist worker, and .ci/test's
+# collection first) seconds of CPU when a test module imports them at its top; the tests that
+# need one import it where they use it (tests/test_suite.py checks the collection imported none)
+HEAVY_MODULES = ("torch",)
+_HEAVY_AT_COLLECTION = pytest.StashKey[list[str]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[_HEAVY_AT_COLLECTION] = [m for m in HEAVY_MODULES if m in sys.modules]
+
+
+@pytest.fixture
+def heavy_modules_imported_by_collection(pytestconfig: pytest.Config) -> list[str]:
+    """Which of :data:`HEAVY_MODULES` were imported once this process had collected its tests."""
+    return pytestconfig.stash[_HEAVY_AT_COLLECTION]
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,6 @@ import pytest
 
 from ktlite.workers.batched import BatchedDataDict, SlicedDataDict
 
-torch = pytest.importorskip("torch")
-
 
 def test_shard_by_batch_size_as_nemo_documents_it() -> None:
     batch = BatchedDataDict(
@@ -46,7 +44,7 @@ def test_shard_by_batch_size_as_nemo_documents_it() -> None:
         )
 
 
-def test_tensor_shards_and_from_batches_round_trip_with_padding() -> None:
+def test_tensor_shards_and_from_batches_round_trip_with_padding(torch) -> None:
     batch = BatchedDataDict(
         {
             "input_ids": torch.arange(12).reshape(4, 3),
@@ -73,7 +71,7 @@ def test_tensor_shards_and_from_batches_round_trip_with_padding() -> None:
         BatchedDataDict.from_batches([{"x": [1]}, {"x": torch.ones(1)}])
 
 
-def test_slicing_selecting_reordering_and_repeating() -> None:
+def test_slicing_selecting_reordering_and_repeating(torch) -> None:
     batch = BatchedDataDict(
         {"ids": torch.tensor([10, 11, 12, 13, 14, 15]), "meta": [{"n": i} for i in range(6)]}
     )
@@ -116,7 +114,7 @@ def test_slicing_selecting_reordering_and_repeating() -> None:
     assert batch.get_dict() is batch.data
 
 
-def test_dynamic_batching_plans_token_bounded_microbatches() -> None:
+def test_dynamic_batching_plans_token_bounded_microbatches(torch) -> None:
     lengths = [4, 1, 3, 2, 2, 1, 2, 1]
     batch = BatchedDataDict(
         {

@@ -21,12 +21,16 @@ import pytest
 import ktlite as kt
 from ktlite.backends.local_pods import visible_gpus
 
-torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_cuda(torch) -> None:
+    # asked when the module's first test starts, not when the suite is collected: collecting
+    # would cost every xdist worker a torch import (conftest's `torch` skips without torch)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
 
 MIB = 1 << 20
 
@@ -121,6 +125,8 @@ def tensors_remote():
 
 
 def _check_values(out: dict[str, Any], device: str) -> None:
+    import torch
+
     assert out["plain"].device.type == device
     assert out["plain"].cpu().tolist() == [3.0 * i for i in range(8)]
     assert out["bf16"].dtype == torch.bfloat16 and out["bf16"].float().sum().item() == 16.0
@@ -138,7 +144,7 @@ def test_a_rank_cuda_tensor_lands_on_the_caller_device(tensors_remote) -> None:
 
 
 def test_a_caller_without_cuda_gets_the_tensors_on_the_cpu(
-    tensors_remote, monkeypatch, caplog
+    tensors_remote, monkeypatch, caplog, torch
 ) -> None:
     from ktlite_wire import codec
 
@@ -152,7 +158,7 @@ def test_a_caller_without_cuda_gets_the_tensors_on_the_cpu(
     assert "it is on the CPU" in caplog.text
 
 
-def test_cuda_arguments_and_results_over_shared_memory(tensors_remote) -> None:
+def test_cuda_arguments_and_results_over_shared_memory(tensors_remote, torch) -> None:
     big = torch.arange(16 * MIB // 4, dtype=torch.float32, device="cuda")  # 16 MB: a file
     out = tensors_remote(3.0, big)
     assert out["arg_device"] == "cuda:0"

@@ -47,3 +47,14 @@ def test_pure_tests_run_without_torch(tmp_path: Path) -> None:
         "\n".join(skips) or out[-4000:]
     )
     assert " passed" in summary and int(summary.split(" passed")[0].split()[-1]) >= 80, summary
+
+
+def test_collecting_the_suite_imports_no_heavy_module(
+    heavy_modules_imported_by_collection: list[str],
+) -> None:
+    # each xdist worker collects every module: a module-level `import torch` (a test module's,
+    # or a helper's it imports) costs every worker a torch import its tests may never need
+    assert heavy_modules_imported_by_collection == [], (
+        f"collecting the tests imported {heavy_modules_imported_by_collection}: import them in "
+        "the tests (or fixtures) that use them, e.g. conftest's `torch` fixture"
+    )

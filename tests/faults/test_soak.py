@@ -28,6 +28,7 @@ restart the rank processes (``restart_procs=True``).
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import os
 import random
@@ -48,12 +49,9 @@ BIG = 2 << 20  # above shm.INLINE_MAX: arguments and results travel through /dev
 # every big payload starts with this, so a /dev/shm file left behind is known as this test's by
 # its content (other ktlite processes on the machine, other tests included, make files there too)
 STAMP = f"soak-{MARK[1]}".encode()
-try:  # without torch: no gloo calls
-    import torch  # noqa: F401
-
-    TORCH = True
-except ImportError:
-    TORCH = False
+# without torch: no gloo calls. Found, not imported: importing it here would cost every process
+# that collects the suite (each xdist worker) a torch import (~1.7 CPU-s) that only the ranks need
+TORCH = importlib.util.find_spec("torch") is not None
 WORLD = 4
 
 # per-process slack (servers and the test process) and for the rank processes together.
