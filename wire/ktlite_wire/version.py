@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# 10: the caller sends its call to one pod that needs no plan as a RUN flagged COORDINATE
+#    over its link (the pod picks the process group; ``callerrun``), answered with a DONE;
+#    an older pod would run it in generation 0 as a member's share.
 # 9: a coordinator sends its members that relay to no other pod a binary RUN over their
 #    link, answered with a binary DONE and no head; a pod says GOAWAY before it closes an
 #    idle link; an older pod would close the link at the first RUN as a malformed message.
@@ -17,7 +20,7 @@ from __future__ import annotations
 #    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
 #    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
 #    calls, notices, shipped sources.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 
