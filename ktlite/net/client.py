@@ -90,6 +90,8 @@ class PodClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self._token = token
+        self._own_headers: dict[str, str] = {}
+        self._own_for = -1  # the protocol version _own_headers name
         self._owns = transport is not None
         # calls to plain http:// pods take the lean connection unless a client was injected
         self._lean = http is None and transport is None
@@ -121,8 +123,17 @@ class PodClient:
         _links.drop(url)
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        own = {TOKEN_HEADER: bearer(self._token), VERSION_HEADER: str(version.PROTOCOL_VERSION)}
-        return {**own, **extra} if extra else own
+        own = self._own()
+        return {**own, **extra} if extra else dict(own)
+
+    def _own(self) -> dict[str, str]:
+        """The token and protocol version, built once per version (never changed: copied
+        where a request adds to them)."""
+        v = version.PROTOCOL_VERSION
+        if self._own_for != v:
+            self._own_headers = {TOKEN_HEADER: bearer(self._token), VERSION_HEADER: str(v)}
+            self._own_for = v
+        return self._own_headers
 
     @staticmethod
     def _check(resp: httpx.Response | Reply, url: str) -> None:
@@ -346,7 +357,7 @@ class PodClient:
             lean = linkframes.caller_run(plan)  # a RUN, where the call needs no plan
             meta = plan.encode() if lean is None else lean
             on = (frames.frame, end)
-            _links.start(url, self._headers(), meta, parts, ctx, silence, *on, on_done=frames.done)
+            _links.start(url, self._own(), meta, parts, ctx, silence, *on, on_done=frames.done)
             return
         meta = plan.encode()
         headers = self._headers({CALL_HEADER: meta, "content-type": "application/octet-stream"})

@@ -131,13 +131,15 @@ def caller_run(plan: CallPlan) -> bytes | None:
         or plan.tree
         or plan.first_pod
         or plan.generation is not None
-        or plan_run(plan) is None
+        or plan.per_rank is not None
+        or plan.ranks is not None
+        or plan.shm is not None
     ):
         return None
-    fields = run_fields(
-        plan.id, plan.launch_id, 0, None, plan.stream_logs, plan.restart, plan.shm_results
-    )
-    return bytes((fields[0] | COORDINATE,)) + fields[1:]
+    flags = COORDINATE | (STREAM_LOGS if plan.stream_logs else 0) | (RESTART if plan.restart else 0)
+    flags |= SHM_RESULTS if plan.shm_results else 0
+    cid, lid = plan.id.encode(), plan.launch_id.encode()
+    return RUN_FIELDS.pack(flags, 0, 0, len(cid), len(lid)) + cid + lid
 
 
 def run_message(stream: int, fields: bytes, body: list[memoryview]) -> list[Any]:
