@@ -147,21 +147,36 @@ class SentArguments:
         self.reusable = reply.held == 0 and reply.all_ok()
 
 
-@contextlib.contextmanager
-def shm_arguments(applied: Applied, plan: CallPlan, parts: list[Any]) -> Iterator[SentArguments]:
+class _Inline(SentArguments):
+    """Arguments sent as they are (no file): nothing to give back when the call ends."""
+
+    def __enter__(self) -> SentArguments:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def shm_arguments(
+    applied: Applied, plan: CallPlan, parts: list[Any]
+) -> contextlib.AbstractContextManager[SentArguments]:
     """The call's parts as they are sent: where the pods share this machine (local backend;
     ``KTLITE_SHM=0`` turns it off) results come back in shared-memory files, and arguments too
     big to inline go in one (``plan`` says so): a warm one of this process's
     (``ktlite_wire.argfiles``) when one is free, kept for the next call when the reply says
     no rank maps it any more (:meth:`SentArguments.done`), else removed (on a thread)."""
     if not applied.same_host or os.environ.get("KTLITE_SHM", "1") == "0":
-        yield SentArguments(parts)
-        return
+        return _Inline(parts)
     plan.shm_results = True
     size = envelope.parts_size(parts)
     if size <= shm.INLINE_MAX:
-        yield SentArguments(parts)
-        return
+        return _Inline(parts)  # the usual call: no generator to enter and leave
+    return _in_file(plan, parts, size)
+
+
+@contextlib.contextmanager
+def _in_file(plan: CallPlan, parts: list[Any], size: int) -> Iterator[SentArguments]:
+    """The arguments written to a warm argument file (``shm_arguments``)."""
     files = argfiles.process()
     landed = files.take(size)
     try:

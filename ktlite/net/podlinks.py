@@ -168,6 +168,7 @@ class LinkMux(ReaderThread):
         self._fds: dict[int, _Link] = {}
         self._ended: list[tuple[Done, tuple[Any, ...]]] = []  # the reader's thread's only
         self._batch: dict[_Link, list[Any]] = {}  # calls the reader's thread started this turn
+        self._scan_at = 0.0  # when the calls' deadlines are next looked at (_expire)
         os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def _forget_all(self) -> None:
@@ -289,11 +290,8 @@ class LinkMux(ReaderThread):
     def _turn(self) -> None:
         """One wait: what came is read, silent calls fail, ended calls end, and the calls their
         ends started leave."""
-        links = list(self._fds.values())
-        now = time.monotonic()
-        wait = min((c.deadline for k in links for c in list(k.calls.values())), default=now + 1)
         try:
-            events = self._epoll.poll(max(0.0, min(wait - now, 1.0)))
+            events = self._epoll.poll(max(0.0, min(self._scan_at - time.monotonic(), 1.0)))
         except InterruptedError:
             return
         for fd, _ in events:
@@ -301,15 +299,8 @@ class LinkMux(ReaderThread):
             if link is not None:
                 self._read(link)
         now = time.monotonic()
-        for link in links:
-            for stream, call in list(link.calls.items()):
-                if call.deadline < now and not link.lost:
-                    self._close(
-                        link,
-                        stream,
-                        call,
-                        TimeoutError(f"no frame and no heartbeat for {call.silence:g}s"),
-                    )
+        if now >= self._scan_at:  # not every turn: the calls' deadlines at most once a second
+            self._scan_at = self._expire(now)
         while True:  # until no ended call started another
             self._finish()
             batch, self._batch = self._batch, {}
@@ -320,6 +311,24 @@ class LinkMux(ReaderThread):
                     link.write(b"".join(out))
                 except OSError as e:
                     self._lose(link, ConnectionFailed(f"{link.where}: {e!r}"))
+
+    def _expire(self, now: float) -> float:
+        """Fail the calls silent past their deadline (their streams closed); the earliest
+        deadline of the others, at most a second from now (a call started before then has a
+        later one: its silence timeout is longer than that)."""
+        earliest = now + 1.0
+        for link in list(self._fds.values()):
+            for stream, call in list(link.calls.items()):
+                if call.deadline < now and not link.lost:
+                    self._close(
+                        link,
+                        stream,
+                        call,
+                        TimeoutError(f"no frame and no heartbeat for {call.silence:g}s"),
+                    )
+                elif call.deadline < earliest:
+                    earliest = call.deadline
+        return earliest
 
     def _finish(self) -> None:
         ended, self._ended = self._ended, []
