@@ -115,19 +115,34 @@ class CallPlans:
                 )
                 if len(self._bases) >= 64:  # replicas come and go: keep the recent ones
                     self._bases.clear()
-                entry = self._bases[key] = (spec, tuple(eps), base)
+                entry = self._bases[key] = (spec, tuple(eps), base, {})
+            timeout = calls.call_timeout if options.timeout is None else options.timeout
+            stream_logs = bool(
+                calls.stream_logs if options.stream_logs is None else options.stream_logs
+            )
+            restart = bool(options.restart_procs)
+            # the calls with the same options (a batch of submitted calls) share one checked
+            # plan: each takes a copy with its own id
+            alike = workers is None and ranks is None and per_rank is None
+            alike = alike and (timeout is None or type(timeout) in (int, float))  # a key
+            templates: dict[tuple[Any, ...], CallPlan] = entry[3]
+            template = templates.get((timeout, stream_logs, restart, tree)) if alike else None
+            if template is not None:
+                return template.renamed(call_id)
             plan: CallPlan = entry[2].for_call(
                 call_id,
                 workers=workers,
                 ranks=ranks,
-                timeout=calls.call_timeout if options.timeout is None else options.timeout,
-                stream_logs=bool(
-                    calls.stream_logs if options.stream_logs is None else options.stream_logs
-                ),
-                restart=bool(options.restart_procs),
+                timeout=timeout,
+                stream_logs=stream_logs,
+                restart=restart,
                 per_rank=per_rank,
                 tree=tree,
             )
+            if alike:
+                if len(templates) >= 16:  # per-call timeouts that vary: keep the recent ones
+                    templates.clear()
+                templates[(timeout, stream_logs, restart, tree)] = plan.renamed("template")
         except ValueError as e:
             raise ConfigError(f"call to {spec.name!r}: {e}") from e
         return plan
