@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -194,3 +195,17 @@ def test_a_forked_child_leaves_its_parents_kept_files_alone(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["child-own", "kept"]
+
+
+def test_idle_files_go_on_their_own() -> None:
+    """The expiry thread removes a free file once it has been idle (here 0.2 s)."""
+    budget = OwnBudget(16 * MiB)
+    files = argfiles.ArgFiles(budget, remove=os.unlink, idle_s=0.2)
+    f = files.take(2 * MiB)
+    files.give_back(f, reusable=True)
+    free = argfiles._free_name(f.path)
+    deadline = time.monotonic() + 30
+    while os.path.exists(free) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for the thread's work, bounded
+    assert not os.path.exists(free), "an idle free file was still kept after 30 s"
+    assert budget.held() == 0
