@@ -26,9 +26,9 @@ Who may write a kept file, and when:
    name in an earlier result's message never names it again.
 
 A file that went (a lost result's, removed by the server) is forgotten, and its bytes leave
-the budget. Kept files are removed when the rank exits (``clear``, also when its pod server is gone), and by the pod
-server when the rank dies (:func:`remove_left`). Where leases are not allowed (another OS,
-``fs.leases-enable=0``) a file a caller took gets no second use.
+the budget. Kept files are removed when the rank exits (``clear``, also when its pod server is
+gone), and by the pod server when the rank dies (:func:`remove_left`). Where leases are not
+allowed (another OS, ``fs.leases-enable=0``) a file a caller took gets no second use.
 """
 
 from __future__ import annotations
@@ -75,9 +75,6 @@ class ResultFiles:
 
     def __repr__(self) -> str:
         return f"ResultFiles(files={len(self._files)}, reused={self.reused})"
-
-    def kept_bytes(self) -> int:
-        return sum(f.length for f in self._files)
 
     def create(self, size: int) -> tuple[int, str]:
         """A file of at least ``size`` bytes for a result, open for writing from its start:
