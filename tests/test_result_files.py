@@ -179,3 +179,22 @@ def test_the_pod_server_keeps_its_mapping_and_says_when_it_is_idle() -> None:
         files.clear()
     maps.sweep()  # the rank removed its files: the server lets go of its mappings
     assert repr(maps).startswith("ResultMaps(kept=0")
+
+
+def test_a_fresh_result_file_named_like_a_kept_one_is_still_removed() -> None:
+    """A result file a rank does not keep has a random name (``mkstemp``), which may start
+    with the kept files' mark ("w", about one in 37): it is still not a kept file (those are
+    ``ktlite-res-w<pid>-*``), so whoever takes it removes it instead of renaming it for a
+    rank that will never write it again or remove it."""
+    path = os.path.join(shm.shm_dir(), shm.RESULT_PREFIX + "wq7_x2ab")
+    with open(path, "wb") as f:
+        f.write(b"r" * 4096)
+    try:
+        assert not shm.kept(path)
+        assert bytes(shm.take(path, 4096)[:1]) == b"r"
+        assert not os.path.exists(path) and not os.path.exists(shm.took_path(path))
+    finally:
+        for p in (path, shm.took_path(path)):
+            if os.path.exists(p):
+                os.unlink(p)
+    assert shm.kept(os.path.join(shm.shm_dir(), resultfiles.kept_prefix(123) + "ab12"))
