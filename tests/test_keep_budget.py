@@ -209,3 +209,23 @@ def test_idle_files_go_on_their_own() -> None:
         time.sleep(0.05)  # polling for the thread's work, bounded
     assert not os.path.exists(free), "an idle free file was still kept after 30 s"
     assert budget.held() == 0
+
+
+def test_the_ledger_of_a_killed_pod_server_is_removed_by_the_next() -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a pod server killed before its exit handlers ran
+        try:
+            os.write(write, Ledger.create(MiB).path.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as r:
+        stale = r.read().decode()
+    os.waitpid(pid, 0)
+    assert os.path.exists(stale)
+    ledger = Ledger.create(MiB)
+    try:
+        assert not os.path.exists(stale) and os.path.exists(ledger.path)
+    finally:
+        ledger.remove()

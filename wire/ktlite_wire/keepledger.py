@@ -59,8 +59,11 @@ class Ledger:
 
     @classmethod
     def create(cls, limit: int) -> Ledger:
-        """A new ledger of ``limit`` bytes in ``/dev/shm`` (remove it with :meth:`remove`)."""
-        fd, path = shm.create(PREFIX, (SLOTS + 1) * 16)
+        """A new ledger of ``limit`` bytes in ``/dev/shm``, named for this process (remove it
+        with :meth:`remove`; one whose process was killed is removed by the next pod server
+        on the host: :func:`remove_stale`)."""
+        remove_stale()
+        fd, path = shm.create(f"{PREFIX}{os.getpid()}-", (SLOTS + 1) * 16)
         try:
             os.pwrite(fd, _MAGIC.to_bytes(8, "little") + max(0, limit).to_bytes(8, "little"), 0)
         finally:
@@ -136,3 +139,23 @@ class Ledger:
         late count (a thread's, at exit) still has somewhere to go."""
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+
+def remove_stale() -> None:
+    """Remove the ledgers of pod servers that are gone (killed before they could: on one
+    host, the local backend's pods share ``/dev/shm``)."""
+    directory = shm.shm_dir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            pid, dash, _ = name.removeprefix(PREFIX).partition("-")
+            if not name.startswith(PREFIX) or not dash or not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                continue  # alive (or a process that took its pid: left)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # another user's process
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
