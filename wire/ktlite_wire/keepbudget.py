@@ -13,8 +13,9 @@ landed in is kept for the next payload of about their size: the caller's receive
   limit (its cgroup's) and a quarter of the size of its ``/dev/shm`` (:func:`derive`; the
   Kubernetes manifest sets the variable from the pod's spec the same way).
 
-A kept file nobody used for :data:`IDLE_S` is removed (:class:`Expiry`). A payload that does
-not fit the budget still travels, through memory of its own that goes when it is taken.
+A kept file nobody used for :data:`IDLE_S` is removed (:class:`Expiry`, which looks every
+half of that). A payload that does not fit the budget still travels, through memory of its
+own that goes when it is taken.
 """
 
 from __future__ import annotations
