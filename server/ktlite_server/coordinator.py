@@ -19,20 +19,18 @@ import asyncio
 import contextlib
 import functools
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ktlite_server import linkclient, memberanswer, quorum
+from ktlite_server import linkclient, memberanswer, podoutcomes, quorum
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_server.pod import Pod
-from ktlite_server.ranks import Outcome, settled
-from ktlite_server.resultfeed import take
+from ktlite_server.ranks import settled
 from ktlite_wire import calltree, frames, headers, heartbeat, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
-from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef, Subtree
+from ktlite_wire.outcome import CallResult, RankOutcome, Subtree
 from ktlite_wire.plan import CallPlan
 from ktlite_wire.status import Status
 from ktlite_wire.version import PROTOCOL_VERSION
@@ -43,30 +41,6 @@ STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are repor
 # silence from another pod this long (no frame, no heartbeat) means it is gone; this pod's
 # KTLITE_SILENCE_TIMEOUT (kt.Compute(env=...)), read once: a bad value stops the server here
 SILENCE_S = heartbeat.silence_timeout()
-
-
-def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodOutcome]:
-    """Large values wait in shared-memory files: hand over the file when the caller shares
-    this host, else map it here to send its bytes."""
-
-    def one(o: Outcome) -> PodOutcome:
-        if o.path is None:
-            return RankOutcome(o.rank, pod.name, o.status, o.data, o.message, o.at)
-        if not os.path.exists(o.path):  # a duplicate request: the first one took the file
-            return RankOutcome(
-                o.rank,
-                pod.name,
-                Status.CANCELLED,
-                None,
-                f"its result ({o.size} bytes) was "
-                "already delivered to an earlier request with this call id; large results "
-                "are not kept",
-                o.at,
-            )
-        data = ShmRef(o.path, o.size) if shm_results else take(o.path, o.size, o.feed)
-        return RankOutcome(o.rank, pod.name, o.status, data, o.message, o.at)
-
-    return [one(o) for o in outs]
 
 
 async def run_local(
@@ -93,7 +67,7 @@ async def run_local(
     )
     if plan.shm_results:  # the caller maps the files itself: each once its rank wrote it whole
         outs = await settled(outs)
-    return _pod_outcomes(pod, outs, plan.shm_results)
+    return podoutcomes.to_wire(pod.name, outs, plan.shm_results)
 
 
 def _failed(t: asyncio.Future[list[PodOutcome] | Subtree]) -> bool:

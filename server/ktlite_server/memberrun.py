@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ktlite_server.coordinator import _pod_outcomes
+from ktlite_server import podoutcomes
 from ktlite_server.linkserver import LinkServer, send_frames
 from ktlite_server.ranks import settled
 from ktlite_wire import codec, frames, linkframes
@@ -147,7 +147,7 @@ class _MemberCall:
             )
             if shm_results:  # the caller maps the files itself: each once its rank wrote it
                 outs = await settled(outs)
-            answer = _pod_outcomes(pod, outs, shm_results)
+            answer = podoutcomes.to_wire(pod.name, outs, shm_results)
         except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the coordinator
             logger.exception("call %s failed on this pod", run.call_id)
             error = WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)
