@@ -264,6 +264,10 @@ class Coordinator:
             await cancel(i)
 
         async def cancel(i: int) -> None:
+            link = linkclient.open_link(self.peers, plan.url(i))
+            if link is not None:  # a STOP on its link: no request, nothing to wait for
+                link.stop(linkframes.Stop(plan.id, kind, reason, True))
+                return
             with contextlib.suppress(PeerError):
                 await self.peers.request(
                     "POST",

@@ -46,15 +46,8 @@ def send(
     """Send pod ``url`` its ``RUN`` over the pool's open link to it: the future of its answer;
     None when there is no open link to it, the link is paused, or the body is large (then
     the general path sends it)."""
-    host, port, https = linkclient._address(url)
-    link = peers.links.get(f"{host}:{port}")
-    if (
-        not isinstance(link, linkclient.PeerLink)
-        or not link.open
-        or link.paused
-        or body.nbytes > linkclient.BODY_MAX
-        or (https and peers.tls is None)
-    ):
+    link = linkclient.open_link(peers, url)
+    if link is None or link.paused or body.nbytes > linkclient.BODY_MAX:
         return None
     answer: MemberAnswer = link.open_stream(
         lambda lk, n: MemberAnswer(lk, n, silence_s, name, emit, failed, again)
