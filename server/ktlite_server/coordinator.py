@@ -70,11 +70,16 @@ async def run_local(
     return podoutcomes.to_wire(pod.name, outs, plan.shm_results)
 
 
-def _failed(t: asyncio.Future[list[PodOutcome] | Subtree]) -> bool:
-    """Whether a pod's answer needs the coordinator at once: a failure, or no answer."""
-    if t.cancelled() or t.exception() is not None:
-        return True
-    got = t.result()
+Answer = list[PodOutcome] | Subtree  # a pod's answer: its ranks' outcomes, or its result
+
+
+def _failed(got: asyncio.Future[Answer] | Answer) -> bool:
+    """Whether a pod's answer (or its finished task) needs the coordinator at once: a
+    failure, or no answer."""
+    if isinstance(got, asyncio.Future):
+        if got.cancelled() or got.exception() is not None:
+            return True
+        got = got.result()
     if isinstance(got, Subtree):
         return got.failed is not None
     return any(o.status.failed for o in got)
@@ -148,14 +153,27 @@ class Coordinator:
                 started=False,
             )
         self.started = True
-        tasks: dict[asyncio.Future[list[PodOutcome] | Subtree], int] = {}
+        # each pod's answer, until it arrives: a task, or a member's answer fed by its link
+        pending: dict[int, asyncio.Future[Answer] | memberanswer.MemberAnswer] = {}
+        # the answers in, not yet taken: (ordinal, a finished task or the answer itself)
+        arrived: list[tuple[int, Any]] = []
+        wake = asyncio.Event()
+
+        def arrive(i: int, got: Any) -> None:
+            # the loop below wakes once every pod answered, or at once for a failure (the
+            # others are stopped): not once per pod, and not asyncio.wait over every pending
+            # pod again after each arrival (quadratic in the pods of a flat fan-out)
+            arrived.append((i, got))
+            if len(arrived) == left or _failed(got):
+                wake.set()
+
         loop = asyncio.get_running_loop()
         run = linkframes.plan_run(plan)  # what a member that relays to no other pod is sent
         body = None if run is None else memoryview(payload).cast("B")
         # remote pods first: their hop is the longer one, so their requests should leave first
         for i in sorted(self._members, key=lambda i: i == me):
             if i != me and run and body is not None and len(self._subtrees.get(i, (i,))) == 1:
-                # a leaf, over its open link: no task (memberanswer)
+                # a leaf, over its open link: no task, no future (memberanswer)
                 sent = memberanswer.send(
                     self.peers,
                     plan.url(i),
@@ -166,34 +184,22 @@ class Coordinator:
                     emit,
                     functools.partial(self._member_failed, plan, i),
                     functools.partial(self._remote, plan, i, payload, emit),
+                    functools.partial(arrive, i),
                 )
                 if sent is not None:
-                    tasks[sent] = i
+                    pending[i] = sent
                     continue
             coro = (
                 run_local(self.pod, plan, payload, path, emit)
                 if i == me
                 else self._remote(plan, i, payload, emit)
             )
-            tasks[loop.create_task(coro)] = i
+            task = pending[i] = loop.create_task(coro)
+            task.add_done_callback(functools.partial(arrive, i))
         self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
-        # each pod's outcomes as they arrive: a done callback, not asyncio.wait over every
-        # pending pod again after each arrival (quadratic in the pods of a flat fan-out)
-        arrived: list[asyncio.Future[list[PodOutcome] | Subtree]] = []
-        wake = asyncio.Event()
-
-        def on_done(t: asyncio.Future[list[PodOutcome] | Subtree]) -> None:
-            # the loop below wakes once every pod answered, or at once for a failure (the
-            # others are stopped): not once per pod
-            arrived.append(t)
-            if len(arrived) == left or _failed(t):
-                wake.set()
-
-        for t in tasks:
-            t.add_done_callback(on_done)
         results: list[PodOutcome] = []
         passed: dict[int, Subtree] = {}  # the members' own results, by ordinal: not decoded
-        left = len(tasks)
+        left = len(pending)
         while left:
             if not arrived:
                 wake.clear()
@@ -210,28 +216,29 @@ class Coordinator:
                     )
                     continue
                 # stopped, but these pods never confirmed: report them, stop waiting
-                for t, i in tasks.items():
-                    if not t.done():
-                        t.cancel()
-                        results.extend(
-                            self._failed_pod(
-                                plan,
-                                i,
-                                (
-                                    f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it "
-                                    "may be stuck (see its log)"
-                                ),
-                                status=Status.CANCELLED,
-                            )
+                for i, waiting in pending.items():
+                    waiting.cancel()
+                    results.extend(
+                        self._failed_pod(
+                            plan,
+                            i,
+                            (
+                                f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it "
+                                "may be stuck (see its log)"
+                            ),
+                            status=Status.CANCELLED,
                         )
+                    )
                 break
             batch = arrived.copy()
             arrived.clear()
-            for t in batch:
+            for i, got in batch:
                 left -= 1
-                got = t.result()
+                del pending[i]
+                if isinstance(got, asyncio.Future):
+                    got = got.result()
                 if isinstance(got, Subtree):
-                    passed[tasks[t]] = got
+                    passed[i] = got
                     failed = got.failed
                 else:
                     results.extend(got)
