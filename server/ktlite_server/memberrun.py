@@ -24,9 +24,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ktlite_server.coordinator import _pod_outcomes
+from ktlite_server import podoutcomes
 from ktlite_server.linkserver import LinkServer, send_frames
-from ktlite_server.ranks import settled
+from ktlite_server.ranks import Outcome, settled
 from ktlite_wire import codec, frames, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
 from ktlite_wire.outcome import CallResult
@@ -59,10 +59,13 @@ class MemberRuns:
         if refusal is not None:
             link.refuse(stream, *refusal)
             return
-        call = _MemberCall(self.pod, link, stream, run)
+        call = self._call(link, stream, run)
         link.begin(stream, call.stop)
-        task = asyncio.get_running_loop().create_task(call.run())
-        task.add_done_callback(lambda _t: link.finish(stream))
+        asyncio.get_running_loop().create_task(call.run())  # it ends with link.finish
+
+    def _call(self, link: LinkServer, stream: int, run: linkframes.Run) -> _MemberCall:
+        """The call a checked ``RUN`` starts (``callerrun`` makes a caller's its own)."""
+        return _MemberCall(self.pod, link, stream, run)
 
     def _check(self, run: linkframes.Run) -> tuple[int, str, str] | None:
         """What ``POST /call`` would refuse of this call: (status, code, detail), or None."""
@@ -126,45 +129,57 @@ class _MemberCall:
             self.link.write([linkframes.header(linkframes.DATA, self.stream, size), *due])
 
     async def run(self) -> None:
-        pod, run = self.pod, self.run_
-        log: Callable[[int, str, str], None] | None = None
-        if run.flags & linkframes.STREAM_LOGS:
-            name, emit = pod.name, self._emit
-
-            def log(rank: int, stream: str, line: str) -> None:
-                emit(frames.log_frame(rank, name, stream, line))
-
-        shm_results = bool(run.flags & linkframes.SHM_RESULTS)
         try:
-            outs = await pod.run(
-                run.call_id,
-                run.body,
-                None,
-                log,
-                restart=bool(run.flags & linkframes.RESTART),
-                generation=run.generation,
-                group_port=run.group_port,
-            )
-            if shm_results:  # the caller maps the files itself: each once its rank wrote it
-                outs = await settled(outs)
-            answer = _pod_outcomes(pod, outs, shm_results)
-        except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the coordinator
-            logger.exception("call %s failed on this pod", run.call_id)
-            error = WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)
-            await self._answer_frames([frames.error_frame(error)])
-            return
-        if not shm_results and any(o.path is not None for o in outs):
-            # a value mapped from its rank's file (the caller is on another host): a frame of
-            # its own, sent as the rank writes it (linkserver's writer), never copied whole
-            await self._answer_frames(
-                [frames.frame_item(frames.RESULT, CallResult(answer).encode())]
-            )
-            return
-        self._flush()
-        if self.link.paused:
-            await self.link.drain()
-        if not self.stopped:
-            self.link.write(linkframes.done_message(self.stream, pod.name, answer))
+            pod, run = self.pod, self.run_
+            log: Callable[[int, str, str], None] | None = None
+            if run.flags & linkframes.STREAM_LOGS:
+                name, emit = pod.name, self._emit
+
+                def log(rank: int, stream: str, line: str) -> None:
+                    emit(frames.log_frame(rank, name, stream, line))
+
+            shm_results = bool(run.flags & linkframes.SHM_RESULTS)
+            try:
+                outs = await self._ranks(log)
+                if shm_results:  # the caller maps the files itself: each once its rank wrote it
+                    outs = await settled(outs)
+                answer = podoutcomes.to_wire(pod.name, outs, shm_results)
+            except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the coordinator
+                logger.exception("call %s failed on this pod", run.call_id)
+                error = WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)
+                await self._answer_frames([frames.error_frame(error)])
+                return
+            if not shm_results and any(o.path is not None for o in outs):
+                # a value mapped from its rank's file (the caller is on another host): a frame of
+                # its own, sent as the rank writes it (linkserver's writer), never copied whole
+                await self._answer_frames(
+                    [frames.frame_item(frames.RESULT, CallResult(answer).encode())]
+                )
+                return
+            self._flush()
+            if self.link.paused:
+                await self.link.drain()
+            if not self.stopped:
+                self._send_done(linkframes.done_message(self.stream, pod.name, answer))
+        finally:  # its answer is written: the link may close once idle
+            self.link.finish(self.stream)
+
+    def _send_done(self, parts: list[Any]) -> None:
+        """The ``DONE``, now (``callerrun``'s leaves with the others due in this turn)."""
+        self.link.write(parts)
+
+    async def _ranks(self, log: Callable[[int, str, str], None] | None) -> list[Outcome]:
+        """The call on this pod's ranks, in the process group its coordinator named."""
+        run = self.run_
+        return await self.pod.run(
+            run.call_id,
+            run.body,
+            None,
+            log,
+            restart=bool(run.flags & linkframes.RESTART),
+            generation=run.generation,
+            group_port=run.group_port,
+        )
 
     async def _answer_frames(self, items: list[Any]) -> None:
         self._flush()
