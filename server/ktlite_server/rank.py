@@ -460,7 +460,7 @@ def main() -> None:
     chan.send(rankchannel.Ready(os.getpid()))
     while True:
         try:
-            msg = chan.recv(rank.patience())
+            msg = chan.recv() if rank.runners is None else chan.recv(rank.patience())
         except EOFError:
             return
         if msg is None:  # a queued call waited long enough: patience() gave it a thread
