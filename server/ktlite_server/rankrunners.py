@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SHORT_S = 0.001  # calls that end within this run one after another on one thread
 STUCK_S = 0.002  # a queued call waits at most this long behind running ones before it gets a thread
@@ -75,7 +78,9 @@ class Runners:
             left = self._queue[0][1] + STUCK_S - time.monotonic()
             if left > 0:
                 return left
-            self._add(len(self._queue))  # every queued call: the running ones are not quick
+            # a thread for every queued call (the running ones are not quick), but for the
+            # threads already woken that have not taken one yet
+            self._add(len(self._queue) - (self._active - len(self._running)))
             return None
 
     def interrupt(self, call_id: str) -> Any | None:
@@ -133,6 +138,8 @@ class Runners:
                 self.last = time.monotonic() - start
             except self._interrupted:
                 pass  # it came after its call's reply: nothing left to stop
+            except Exception:  # its reply could not be sent: the channel's reader sees why
+                logger.exception("call %s: its thread failed outside the call", msg.id)
 
     def _next(self, ident: int, done: Any) -> Any:
         """The next call for this thread once ``done`` (the call it ran) is over; None: end."""
