@@ -217,10 +217,10 @@ def main() -> None:
         if verdict == "not met":
             print(
                 f"  cause: 17 processes share {os.cpu_count()} cores and the call's CPU bounds "
-                "its time; each member pod server still spends ~0.6 M instructions per call "
+                "its time; each member pod server still spends ~0.59 M instructions per call "
                 "on a lean RUN, most of it the pod runtime (admission, the rank hand-off) and "
-                "the event loop, and pod 0 ~0.18 M per member (bench_cpu.py --rows fanout8; "
-                "bench/README.md, lean member calls)"
+                "the event loop, and pod 0 ~0.17 M per member (bench_cpu.py --rows fanout8; "
+                "bench/README.md, lean member calls and stops on the link)"
             )
     if "ktlite 1 pod x 64 ranks" in every:
         p99 = _p99(every["ktlite 1 pod x 64 ranks"])

@@ -16,6 +16,7 @@ import pytest
 
 import ktlite as kt
 from ktlite_wire import argfiles
+from ktlite_wire.keepbudget import OwnBudget
 from ktlite_wire.outcome import CallResult, RankOutcome, ReadResult, Subtree
 from ktlite_wire.status import Status
 
@@ -100,7 +101,7 @@ def test_a_fork_while_mapped_keeps_the_file_from_reuse(keeper, path) -> None:
 
 
 def test_the_pool_reuses_about_the_size_and_stays_bounded() -> None:
-    files = argfiles.ArgFiles(keep=10 << 20, remove=os.unlink)
+    files = argfiles.ArgFiles(OwnBudget(10 << 20), remove=os.unlink)
     a = files.take(4 << 20)
     files.give_back(a, reusable=True)
     b = files.take(4 << 20)

@@ -5,6 +5,7 @@ does at the byte level, including closing an idle keep-alive connection)."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 import threading
 
@@ -126,3 +127,47 @@ def test_a_connection_closed_mid_answer_is_the_calls_error() -> None:
     assert isinstance(error, ConnectionFailed), error
     assert "the value in it, are lost" in str(error)
     assert [k for k, _ in seen] == [LOG]
+
+
+def test_a_forked_child_reads_its_own_answers() -> None:
+    """A child forked after a call through a mux calls through it: the parent's reader thread
+    and its kept connection are not the child's (it reads its answer on a thread of its own,
+    on a connection of its own), and the parent's go on."""
+    wire, frames = _answer()
+    server = OneShotServer(wire, drop_second=False)
+    pool = Pool()
+    mux = CallMux(pool)
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        assert _call(mux, url) == (frames, 200, None)  # the reader runs; a kept connection
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never past this block
+            try:
+                seen: list = []
+                ended: concurrent.futures.Future = concurrent.futures.Future()
+                mux.start(
+                    url,
+                    "/call",
+                    {},
+                    [],
+                    None,
+                    10.0,
+                    lambda k, p: seen.append((k, bytes(p))),
+                    lambda status, headers, body, error: ended.set_result((status, error)),
+                )
+                try:
+                    got = (seen, *ended.result(timeout=20))
+                except concurrent.futures.TimeoutError:
+                    got = "no answer in 20s"
+                os.write(write, b"ok" if got == (frames, 200, None) else repr(got).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as r:
+            answer = r.read()
+        os.waitpid(pid, 0)
+        assert answer == b"ok"
+        assert _call(mux, url) == (frames, 200, None)  # the parent's mux goes on
+    finally:
+        pool.close()

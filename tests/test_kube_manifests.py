@@ -452,6 +452,19 @@ def test_shared_memory_is_a_memory_backed_empty_dir_at_dev_shm() -> None:
     assert _pod_volumes(default)[_mounts(default)["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
 
 
+def test_the_pods_keep_budget_is_a_share_of_its_memory() -> None:
+    """The warm files a pod keeps live in /dev/shm, memory counted against the pod: a pod with
+    a memory limit (or request) or a sized /dev/shm is told its budget (an eighth of its
+    memory, a quarter of its /dev/shm, 256 MiB at most); the Compute's own setting wins."""
+    keep = "KTLITE_RECEIVE_KEEP_MB"
+    assert _value(_plan(K(memory_limit="1Gi")).manifests, keep) == "128"
+    assert _value(_plan(K(memory="512Mi")).manifests, keep) == "64"
+    assert _value(_plan(K(memory="64Gi", shared_memory="400Mi")).manifests, keep) == "100"
+    assert _value(_plan(K(memory_limit="64Gi")).manifests, keep) == "256"
+    assert keep not in _env(_plan(K()).manifests)  # the pod derives it from what it sees
+    assert _value(_plan(K(memory_limit="1Gi", env={keep: "32"})).manifests, keep) == "32"
+
+
 def test_state_dir_is_an_empty_dir() -> None:
     objs = _plan(K()).manifests
     assert _pod_volumes(objs)[_mounts(objs)[km.STATE_DIR]]["emptyDir"] == {}

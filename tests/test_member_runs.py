@@ -104,16 +104,42 @@ async def _never_again() -> list[RankOutcome]:
     raise AssertionError("the call was sent again")
 
 
+class _Sent(asyncio.Future[Any]):
+    """The coordinator's side of one RUN: the answer its sink got (``MemberAnswer``)."""
+
+    answer: memberanswer.MemberAnswer
+
+    def sink(self, answer: Any) -> None:
+        assert not self.done(), "the answer came twice"
+        self.set_result(answer)
+
+
+def _run_sent(
+    pool: PeerPool,
+    url: str,
+    failed: _Failed,
+    again: Any = _never_again,
+    call_id: str = "c1",
+    body: memoryview | None = None,
+    silence_s: float = 3600.0,
+    emit: Any = lambda frame: None,
+) -> _Sent:
+    fields = linkframes.run_fields(call_id, "", 0, None, True, False, False)
+    if body is None:
+        body = memoryview(b"".join(bytes(p) for p in _noop_body()))
+    sent = _Sent()
+    answer = memberanswer.send(
+        pool, url, "pod-1", fields, body, silence_s, emit, failed, again, sent.sink
+    )
+    assert answer is not None, "no open link: the RUN was not sent"
+    sent.answer = answer
+    return sent
+
+
 def _send(
     pool: PeerPool, url: str, failed: _Failed, again: Any = _never_again, call_id: str = "c1"
-) -> asyncio.Future[Any]:
-    fields = linkframes.run_fields(call_id, "", 0, None, True, False, False)
-    body = memoryview(b"".join(bytes(p) for p in _noop_body()))
-    sent = memberanswer.send(
-        pool, url, "pod-1", fields, body, 3600.0, lambda frame: None, failed, again
-    )
-    assert sent is not None, "no open link: the RUN was not sent"
-    return sent
+) -> _Sent:
+    return _run_sent(pool, url, failed, again, call_id)
 
 
 def _noop_body() -> list[Any]:
@@ -273,19 +299,7 @@ def test_a_runs_log_frames_reach_the_caller_and_its_done_its_outcomes() -> None:
         await _open_link(pool, url)
         failed = _Failed()
         emitted: list[Any] = []
-        fields = linkframes.run_fields("c1", "", 0, None, True, False, False)
-        sent = memberanswer.send(
-            pool,
-            url,
-            "pod-1",
-            fields,
-            memoryview(b""),
-            3600.0,
-            emitted.append,
-            failed,
-            _never_again,
-        )
-        assert sent is not None
+        sent = _run_sent(pool, url, failed, body=memoryview(b""), emit=emitted.append)
         outs = await asyncio.wait_for(sent, WAIT_S)
         await pool.aclose()
         server.close()
@@ -321,7 +335,7 @@ def test_a_stopped_run_is_not_waited_for_and_its_stream_is_closed() -> None:
         pool = PeerPool(AUTH)
         await _open_link(pool, url)
         sent = _send(pool, url, _Failed())
-        sent.cancel()  # the coordinator stopped waiting (its stop's grace ran out)
+        sent.answer.cancel()  # the coordinator stopped waiting (its stop's grace ran out)
         await asyncio.wait_for(done.wait(), WAIT_S)
         await pool.aclose()
         server.close()
@@ -398,22 +412,9 @@ def test_a_silent_member_is_given_up_by_the_links_watch_and_its_stream_closed() 
         pool = PeerPool(AUTH)
         await _open_link(pool, url)
         failed = _Failed()
-        fields = linkframes.run_fields("c1", "", 0, None, True, False, False)
 
         def send(call_id: str, silence_s: float) -> asyncio.Future[Any]:
-            sent = memberanswer.send(
-                pool,
-                url,
-                "pod-1",
-                fields,
-                memoryview(b""),
-                silence_s,
-                lambda f: None,
-                failed,
-                _never_again,
-            )
-            assert sent is not None
-            return sent
+            return _run_sent(pool, url, failed, body=memoryview(b""), silence_s=silence_s)
 
         await asyncio.wait_for(send("silent", 0.3), WAIT_S)
         fine = await asyncio.wait_for(send("second", 3600.0), WAIT_S)

@@ -22,6 +22,7 @@ import pytest
 import ktlite as kt
 from ktlite_server import resultfiles, resultmaps
 from ktlite_wire import shm
+from ktlite_wire.keepbudget import OwnBudget
 
 N = 3 << 18  # float32s: 3 MiB, past shm.INLINE_MAX
 
@@ -104,7 +105,7 @@ def _written(files: resultfiles.ResultFiles, size: int, byte: int) -> str:
 
 
 def test_a_mapped_file_is_skipped_and_a_let_go_one_reused() -> None:
-    files = resultfiles.ResultFiles(keep=8 << 20)
+    files = resultfiles.ResultFiles(OwnBudget(8 << 20))
     try:
         first = _written(files, 1 << 20, 1)
         assert shm.kept(first)
@@ -125,7 +126,7 @@ def test_a_mapped_file_is_skipped_and_a_let_go_one_reused() -> None:
 
 
 def test_result_files_are_bounded_and_sized() -> None:
-    files = resultfiles.ResultFiles(keep=4 << 20)
+    files = resultfiles.ResultFiles(OwnBudget(4 << 20))
     try:
         big = _written(files, 5 << 20, 1)  # over the bound: not kept, removed when taken
         assert not shm.kept(big)
@@ -145,7 +146,7 @@ def test_result_files_are_bounded_and_sized() -> None:
 
 
 def test_remove_left_removes_a_dead_rank_s_files() -> None:
-    files = resultfiles.ResultFiles(keep=4 << 20)
+    files = resultfiles.ResultFiles(OwnBudget(4 << 20))
     path = _written(files, 1 << 20, 1)
     shm.take(path, 1 << 20).release()
     assert os.path.exists(shm.took_path(path))
@@ -154,7 +155,7 @@ def test_remove_left_removes_a_dead_rank_s_files() -> None:
 
 
 def test_the_pod_server_keeps_its_mapping_and_says_when_it_is_idle() -> None:
-    files = resultfiles.ResultFiles(keep=8 << 20)
+    files = resultfiles.ResultFiles(OwnBudget(8 << 20))
     maps = resultmaps.ResultMaps()
     try:
         first = _written(files, 1 << 20, 1)
@@ -178,3 +179,22 @@ def test_the_pod_server_keeps_its_mapping_and_says_when_it_is_idle() -> None:
         files.clear()
     maps.sweep()  # the rank removed its files: the server lets go of its mappings
     assert repr(maps).startswith("ResultMaps(kept=0")
+
+
+def test_a_fresh_result_file_named_like_a_kept_one_is_still_removed() -> None:
+    """A result file a rank does not keep has a random name (``mkstemp``), which may start
+    with the kept files' mark ("w", about one in 37): it is still not a kept file (those are
+    ``ktlite-res-w<pid>-*``), so whoever takes it removes it instead of renaming it for a
+    rank that will never write it again or remove it."""
+    path = os.path.join(shm.shm_dir(), shm.RESULT_PREFIX + "wq7_x2ab")
+    with open(path, "wb") as f:
+        f.write(b"r" * 4096)
+    try:
+        assert not shm.kept(path)
+        assert bytes(shm.take(path, 4096)[:1]) == b"r"
+        assert not os.path.exists(path) and not os.path.exists(shm.took_path(path))
+    finally:
+        for p in (path, shm.took_path(path)):
+            if os.path.exists(p):
+                os.unlink(p)
+    assert shm.kept(os.path.join(shm.shm_dir(), resultfiles.kept_prefix(123) + "ab12"))

@@ -54,6 +54,7 @@ from ktlite.specs.podspec import PodSpec, Resources
 from ktlite.specs.secrets import Resolved, fingerprint, for_pod
 from ktlite.specs.spec import DEFAULT_MASTER_PORT
 from ktlite.specs.volume import Volume
+from ktlite_wire import keepbudget
 
 SERVER_PORT = 32300
 
@@ -329,12 +330,29 @@ def _env(spec: DeploymentSpec, install: str, gpus: int) -> list[dict[str, Any]]:
         # KTLITE_LOG_LEVEL
         *({"name": k, "value": v} for k, v in pod_env().items() if k not in spec.pod.env),
     ]
+    env += _keep_env(spec.pod)
     if image is not None and image.python_path:
         env.append({"name": "KTLITE_PYTHON", "value": image.python_path})
     if image is not None and image.install_cmd:
         env.append({"name": "KTLITE_PIP_CMD", "value": image.install_cmd})
     env += [{"name": k, "value": v} for k, v in spec.pod.merged_env.items()]
     return env
+
+
+def _keep_env(pod: PodSpec) -> list[dict[str, Any]]:
+    """``KTLITE_RECEIVE_KEEP_MB`` for a pod with a memory limit (or request) or a sized
+    ``/dev/shm``: the warm files its processes keep are in ``/dev/shm``, memory counted against
+    the pod, so they keep at most the share the pod would derive itself (``keepbudget.derive``:
+    an eighth of its memory, a quarter of its ``/dev/shm``, 256 MiB). The Compute's own setting
+    wins."""
+    res = pod.resources
+    memory = res.memory_limit or res.memory
+    if (memory is None and res.shared_memory is None) or keepbudget.KEEP_ENV in pod.merged_env:
+        return []
+    budget = keepbudget.derive(
+        memory.bytes if memory else None, res.shared_memory.bytes if res.shared_memory else None
+    )
+    return [{"name": keepbudget.KEEP_ENV, "value": str(budget >> 20)}]
 
 
 def pod_template(

@@ -178,6 +178,15 @@ class CallMux(ReaderThread):
         self._answers: dict[int, _Answer] = {}
         self._ended: list[tuple[Done, tuple[Any, ...]]] = []  # the loop's thread's only
 
+    def _forget_all(self) -> None:
+        """In a forked child: the parent's calls in flight and its kept connections are not
+        this process's (its copies of their sockets are closed here only; the parent reads
+        them on); the child's next call connects anew and starts a reader of its own."""
+        for answer in self._answers.values():
+            answer.conn.close()
+        self._answers, self._ended = {}, []
+        self.pool.forget_inherited()
+
     def start(
         self,
         url: str,

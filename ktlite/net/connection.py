@@ -225,6 +225,14 @@ class Pool:
         self._idle: dict[Key, list[Connection]] = {}
         self._lock = threading.Lock()
 
+    def forget_inherited(self) -> None:
+        """In a forked child: the idle connections are the parent's too (one socket written
+        by two processes would mix their requests); close this process's copies of them."""
+        idle, self._idle, self._lock = self._idle, {}, threading.Lock()
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
     def has_idle(self, key: Key) -> bool:
         """Whether an idle connection to ``key`` waits (:meth:`take` would not connect)."""
         return bool(self._idle.get(key))

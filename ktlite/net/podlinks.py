@@ -25,15 +25,12 @@ request again on a keep-alive connection the pod had closed while it was idle.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import os
 import select
 import socket
 import ssl
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -156,7 +153,6 @@ class LinkMux(ReaderThread):
         self._fds: dict[int, _Link] = {}
         self._ended: list[tuple[Done, tuple[Any, ...]]] = []  # the reader's thread's only
         self._batch: dict[_Link, list[Any]] = {}  # calls the reader's thread started this turn
-        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def _forget_all(self) -> None:
         """In a forked child: the parent's links and reader are not this process's (its
@@ -165,7 +161,6 @@ class LinkMux(ReaderThread):
             link.close()
         self._links, self._opening, self._fds, self._batch = {}, {}, {}, {}
         self._ended = []
-        ReaderThread.__init__(self)  # no reader in this process yet
 
     def start(
         self,
@@ -400,12 +395,6 @@ class LinkMux(ReaderThread):
         for link in links:
             with contextlib.suppress(OSError):
                 link.sock.shutdown(socket.SHUT_RDWR)
-
-
-def _forked(mux: weakref.ref[LinkMux]) -> None:
-    live = mux()
-    if live is not None:
-        live._forget_all()
 
 
 def _connect(

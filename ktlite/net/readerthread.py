@@ -6,13 +6,20 @@ It starts with the first call (an ``epoll`` and a daemon thread) and then turns 
 :meth:`ReaderThread._turn` waits for what came, reads it and fails silent calls; a bug in a
 turn fails every call the reader holds (:meth:`ReaderThread._fail_all`) rather than leave them
 waiting, and the reader goes on.
+
+A forked child has no reader (threads do not survive a fork) and shares its parent's
+``epoll`` and sockets: there the reader forgets them (:meth:`ReaderThread._forget_all`, the
+child's copies closed, the parent's untouched) and the child's next call starts its own.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import select
 import threading
+import weakref
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -25,9 +32,17 @@ class ReaderThread:
     what = "calls in flight"  # in the log line of a failed turn
 
     def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._epoll: Any = None
         self._thread: threading.Thread | None = None
+
+    def _forget_all(self) -> None:
+        """In a forked child: drop what the parent had in flight (close this process's copies
+        of its sockets only). The reader itself is reset after this."""
 
     def _running(self) -> Any:
         """The epoll, the thread that reads it started (once)."""
@@ -58,3 +73,14 @@ class ReaderThread:
     def _fail_all(self, error: Exception) -> None:
         """Fail every call the reader holds: a turn raised ``error``."""
         raise NotImplementedError
+
+
+def _forked(reader: weakref.ref[ReaderThread]) -> None:
+    live = reader()
+    if live is None:
+        return
+    live._forget_all()
+    old = live._epoll
+    live._reset()  # no reader in this process yet; a lock no thread holds
+    if old is not None:
+        old.close()  # the child's copy: the parent's epoll keeps its registrations

@@ -53,7 +53,7 @@ from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
 from ktlite_server.portproxy import PortProxy
 from ktlite_server.refusal import refuse
-from ktlite_wire import calltree
+from ktlite_wire import calltree, linkframes
 from ktlite_wire.errors import ErrorCode
 from ktlite_wire.headers import TOKEN_HEADER, TREE_HEADER, VERSION_HEADER, bearer
 from ktlite_wire.status import Status
@@ -121,6 +121,7 @@ class PodServer:
                 self.limits.max_body,
                 self.limits.idle_timeout,
                 MemberRuns(self.pod, self.limits.max_body).start,
+                self._stop,
             ),
             self.token,
             self.limits,
@@ -276,6 +277,10 @@ class PodServer:
                 f"kind={query.get('kind')!r}; allowed: cancelled, timeout",
             )
         return JSONResponse({"cancelled": self.calls.cancel(call_id, kind, reason[:500], reset)})
+
+    def _stop(self, stop: linkframes.Stop) -> None:
+        """A ``STOP`` on a link: what ``POST /cancel`` does (its coordinator sends it)."""
+        self.calls.cancel(stop.call_id, stop.kind, stop.reason, stop.reset)
 
 
 _STOPS = {s.value: s for s in (Status.CANCELLED, Status.TIMEOUT)}

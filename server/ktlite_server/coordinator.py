@@ -19,20 +19,18 @@ import asyncio
 import contextlib
 import functools
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ktlite_server import linkclient, memberanswer, quorum
+from ktlite_server import linkclient, memberanswer, podoutcomes, quorum
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_server.pod import Pod
-from ktlite_server.ranks import Outcome, settled
-from ktlite_server.resultfeed import take
+from ktlite_server.ranks import settled
 from ktlite_wire import calltree, frames, headers, heartbeat, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
-from ktlite_wire.outcome import CallResult, RankOutcome, ShmRef, Subtree
+from ktlite_wire.outcome import CallResult, RankOutcome, Subtree
 from ktlite_wire.plan import CallPlan
 from ktlite_wire.status import Status
 from ktlite_wire.version import PROTOCOL_VERSION
@@ -43,30 +41,6 @@ STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are repor
 # silence from another pod this long (no frame, no heartbeat) means it is gone; this pod's
 # KTLITE_SILENCE_TIMEOUT (kt.Compute(env=...)), read once: a bad value stops the server here
 SILENCE_S = heartbeat.silence_timeout()
-
-
-def _pod_outcomes(pod: Pod, outs: list[Outcome], shm_results: bool) -> list[PodOutcome]:
-    """Large values wait in shared-memory files: hand over the file when the caller shares
-    this host, else map it here to send its bytes."""
-
-    def one(o: Outcome) -> PodOutcome:
-        if o.path is None:
-            return RankOutcome(o.rank, pod.name, o.status, o.data, o.message, o.at)
-        if not os.path.exists(o.path):  # a duplicate request: the first one took the file
-            return RankOutcome(
-                o.rank,
-                pod.name,
-                Status.CANCELLED,
-                None,
-                f"its result ({o.size} bytes) was "
-                "already delivered to an earlier request with this call id; large results "
-                "are not kept",
-                o.at,
-            )
-        data = ShmRef(o.path, o.size) if shm_results else take(o.path, o.size, o.feed)
-        return RankOutcome(o.rank, pod.name, o.status, data, o.message, o.at)
-
-    return [one(o) for o in outs]
 
 
 async def run_local(
@@ -93,14 +67,19 @@ async def run_local(
     )
     if plan.shm_results:  # the caller maps the files itself: each once its rank wrote it whole
         outs = await settled(outs)
-    return _pod_outcomes(pod, outs, plan.shm_results)
+    return podoutcomes.to_wire(pod.name, outs, plan.shm_results)
 
 
-def _failed(t: asyncio.Future[list[PodOutcome] | Subtree]) -> bool:
-    """Whether a pod's answer needs the coordinator at once: a failure, or no answer."""
-    if t.cancelled() or t.exception() is not None:
-        return True
-    got = t.result()
+Answer = list[PodOutcome] | Subtree  # a pod's answer: its ranks' outcomes, or its result
+
+
+def _failed(got: asyncio.Future[Answer] | Answer) -> bool:
+    """Whether a pod's answer (or its finished task) needs the coordinator at once: a
+    failure, or no answer."""
+    if isinstance(got, asyncio.Future):
+        if got.cancelled() or got.exception() is not None:
+            return True
+        got = got.result()
     if isinstance(got, Subtree):
         return got.failed is not None
     return any(o.status.failed for o in got)
@@ -174,14 +153,27 @@ class Coordinator:
                 started=False,
             )
         self.started = True
-        tasks: dict[asyncio.Future[list[PodOutcome] | Subtree], int] = {}
+        # each pod's answer, until it arrives: a task, or a member's answer fed by its link
+        pending: dict[int, asyncio.Future[Answer] | memberanswer.MemberAnswer] = {}
+        # the answers in, not yet taken: (ordinal, a finished task or the answer itself)
+        arrived: list[tuple[int, Any]] = []
+        wake = asyncio.Event()
+
+        def arrive(i: int, got: Any) -> None:
+            # the loop below wakes once every pod answered, or at once for a failure (the
+            # others are stopped): not once per pod, and not asyncio.wait over every pending
+            # pod again after each arrival (quadratic in the pods of a flat fan-out)
+            arrived.append((i, got))
+            if len(arrived) == left or _failed(got):
+                wake.set()
+
         loop = asyncio.get_running_loop()
         run = linkframes.plan_run(plan)  # what a member that relays to no other pod is sent
         body = None if run is None else memoryview(payload).cast("B")
         # remote pods first: their hop is the longer one, so their requests should leave first
         for i in sorted(self._members, key=lambda i: i == me):
             if i != me and run and body is not None and len(self._subtrees.get(i, (i,))) == 1:
-                # a leaf, over its open link: no task (memberanswer)
+                # a leaf, over its open link: no task, no future (memberanswer)
                 sent = memberanswer.send(
                     self.peers,
                     plan.url(i),
@@ -192,34 +184,22 @@ class Coordinator:
                     emit,
                     functools.partial(self._member_failed, plan, i),
                     functools.partial(self._remote, plan, i, payload, emit),
+                    functools.partial(arrive, i),
                 )
                 if sent is not None:
-                    tasks[sent] = i
+                    pending[i] = sent
                     continue
             coro = (
                 run_local(self.pod, plan, payload, path, emit)
                 if i == me
                 else self._remote(plan, i, payload, emit)
             )
-            tasks[loop.create_task(coro)] = i
+            task = pending[i] = loop.create_task(coro)
+            task.add_done_callback(functools.partial(arrive, i))
         self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
-        # each pod's outcomes as they arrive: a done callback, not asyncio.wait over every
-        # pending pod again after each arrival (quadratic in the pods of a flat fan-out)
-        arrived: list[asyncio.Future[list[PodOutcome] | Subtree]] = []
-        wake = asyncio.Event()
-
-        def on_done(t: asyncio.Future[list[PodOutcome] | Subtree]) -> None:
-            # the loop below wakes once every pod answered, or at once for a failure (the
-            # others are stopped): not once per pod
-            arrived.append(t)
-            if len(arrived) == left or _failed(t):
-                wake.set()
-
-        for t in tasks:
-            t.add_done_callback(on_done)
         results: list[PodOutcome] = []
         passed: dict[int, Subtree] = {}  # the members' own results, by ordinal: not decoded
-        left = len(tasks)
+        left = len(pending)
         while left:
             if not arrived:
                 wake.clear()
@@ -236,28 +216,29 @@ class Coordinator:
                     )
                     continue
                 # stopped, but these pods never confirmed: report them, stop waiting
-                for t, i in tasks.items():
-                    if not t.done():
-                        t.cancel()
-                        results.extend(
-                            self._failed_pod(
-                                plan,
-                                i,
-                                (
-                                    f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it "
-                                    "may be stuck (see its log)"
-                                ),
-                                status=Status.CANCELLED,
-                            )
+                for i, waiting in pending.items():
+                    waiting.cancel()
+                    results.extend(
+                        self._failed_pod(
+                            plan,
+                            i,
+                            (
+                                f"pod did not confirm the stop within {STOP_GRACE_S:g}s; it "
+                                "may be stuck (see its log)"
+                            ),
+                            status=Status.CANCELLED,
                         )
+                    )
                 break
             batch = arrived.copy()
             arrived.clear()
-            for t in batch:
+            for i, got in batch:
                 left -= 1
-                got = t.result()
+                del pending[i]
+                if isinstance(got, asyncio.Future):
+                    got = got.result()
                 if isinstance(got, Subtree):
-                    passed[tasks[t]] = got
+                    passed[i] = got
                     failed = got.failed
                 else:
                     results.extend(got)
@@ -290,6 +271,10 @@ class Coordinator:
             await cancel(i)
 
         async def cancel(i: int) -> None:
+            link = linkclient.open_link(self.peers, plan.url(i))
+            if link is not None:  # a STOP on its link: no request, nothing to wait for
+                link.stop(linkframes.Stop(plan.id, kind, reason, True))
+                return
             with contextlib.suppress(PeerError):
                 await self.peers.request(
                     "POST",

@@ -56,6 +56,16 @@ def _address(url: str) -> tuple[str, int, bool]:
     return parts.hostname or "127.0.0.1", parts.port or (443 if https else 80), https
 
 
+def open_link(pool: PeerPool, url: str) -> PeerLink | None:
+    """The pool's open link to the pod at ``url``; None when there is none (or it is closing,
+    or the pod serves TLS and the pool has no context for it)."""
+    host, port, https = _address(url)
+    link = pool.links.get(f"{host}:{port}")
+    if not isinstance(link, PeerLink) or not link.open or (https and pool.tls is None):
+        return None
+    return link
+
+
 @contextlib.asynccontextmanager
 async def post(
     pool: PeerPool,
@@ -256,6 +266,11 @@ class PeerLink(asyncio.Protocol):
         resp = self.open_stream(lambda link, n: LinkResponse(link, n, read_timeout))
         self.transport.writelines(linkframes.call_message(resp.stream, meta, body))
         return resp
+
+    def stop(self, stop: linkframes.Stop) -> None:
+        """Stop a call on the pod (``STOP``: what ``POST /cancel`` does there), unanswered: a
+        pod that does not get it lost the link, which stops every call it brought."""
+        self.transport.write(linkframes.stop_message(stop))
 
     def open_stream(self, make: Callable[[PeerLink, int], R]) -> R:
         """A new stream's response (``make(link, stream)``), whose message the caller writes

@@ -41,6 +41,7 @@ POST_MAX = 64 << 10  # an answer's last bytes up to this size leave with the oth
 # what a call over a link is handed to: the call's stream and its first frame (Calls.call)
 Serve = Callable[[Request], Awaitable[Any]]
 Run = Callable[["LinkServer", int, memoryview], None]  # a RUN's handler (memberrun)
+StopCall = Callable[[linkframes.Stop], None]  # a STOP's handler (as POST /cancel's)
 
 
 def take_over(http: HttpToolsProtocol, scope: Any, make: Callable[[Any], asyncio.Protocol]) -> bool:
@@ -166,6 +167,7 @@ class LinkServer(asyncio.Protocol):
         idle_s: float,
         run: Run | None = None,
         late_heads: bool = False,
+        stop: StopCall | None = None,
     ) -> None:
         self.transport = transport
         # a caller's link (``?heads=late``): a call's 200 head leaves with its first frames, one
@@ -174,6 +176,7 @@ class LinkServer(asyncio.Protocol):
         self.late_heads = late_heads
         self.serve = serve
         self.run = run  # a RUN's handler (memberrun)
+        self.stop = stop  # a STOP's: the call stopped as POST /cancel stops it
         self._stops: dict[int, Callable[[], None]] = {}  # the RUNs under way: their stop
         self._beat: asyncio.TimerHandle | None = None
         self.max_body = max_body
@@ -250,6 +253,8 @@ class LinkServer(asyncio.Protocol):
                     calls = True
                 elif kind == linkframes.RUN and self.run is not None:
                     self.run(self, stream, payload)
+                elif kind == linkframes.STOP and self.stop is not None:
+                    self.stop(linkframes.split_stop(payload))
                 elif kind == linkframes.CLOSE:
                     out = self._outs.get(stream)
                     if out is not None:
@@ -378,11 +383,18 @@ class Links:
     and version); every other request goes on to ``app``."""
 
     def __init__(
-        self, app: Any, serve: Serve, max_body: int, idle_s: float, run: Run | None = None
+        self,
+        app: Any,
+        serve: Serve,
+        max_body: int,
+        idle_s: float,
+        run: Run | None = None,
+        stop: StopCall | None = None,
     ) -> None:
         self.app = app
         self.serve = serve
         self.run = run
+        self.stop = stop
         self.max_body = max_body
         self.idle_s = idle_s
 
@@ -403,6 +415,7 @@ class Links:
                     self.idle_s,
                     self.run,
                     late_heads=b"heads=late" in scope.get("query_string", b""),
+                    stop=self.stop,
                 ),
             )
         ):

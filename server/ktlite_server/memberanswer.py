@@ -1,7 +1,8 @@
 """Pod 0's side of a member's ``RUN`` (``memberrun``) on a link that is open: the member's
-answer read as its messages arrive, into a future of its ranks' outcomes, without a task, a
-context manager and an async iterator per member and call (``Coordinator._remote``, the
-general path, takes a link still to be opened, a relay, a per-rank call and a large body).
+answer read as its messages arrive and handed to the coordinator's ``sink`` (its ranks'
+outcomes) the moment it is whole, without a task, a future, a context manager and an async
+iterator per member and call (``Coordinator._remote``, the general path, takes a link still to
+be opened, a relay, a per-rank call and a large body).
 
 The answer reads as ``_remote`` reads one: log frames passed on to the caller as they come; a
 refusal (``NOT_DEPLOYED``, ``REDEPLOYED``: ``stale``) or an error frame fails the pod's ranks;
@@ -42,30 +43,25 @@ def send(
     emit: Callable[[Any], None],
     failed: Failed,
     again: Callable[[], Awaitable[Answer]],
-) -> asyncio.Future[Answer] | None:
-    """Send pod ``url`` its ``RUN`` over the pool's open link to it: the future of its answer;
-    None when there is no open link to it, the link is paused, or the body is large (then
-    the general path sends it)."""
-    host, port, https = linkclient._address(url)
-    link = peers.links.get(f"{host}:{port}")
-    if (
-        not isinstance(link, linkclient.PeerLink)
-        or not link.open
-        or link.paused
-        or body.nbytes > linkclient.BODY_MAX
-        or (https and peers.tls is None)
-    ):
+    sink: Callable[[Answer], None],
+) -> MemberAnswer | None:
+    """Send pod ``url`` its ``RUN`` over the pool's open link to it; its answer goes to
+    ``sink``, once. None when there is no open link to it, the link is paused, or the body is
+    large (then the general path sends it)."""
+    link = linkclient.open_link(peers, url)
+    if link is None or link.paused or body.nbytes > linkclient.BODY_MAX:
         return None
     answer: MemberAnswer = link.open_stream(
-        lambda lk, n: MemberAnswer(lk, n, silence_s, name, emit, failed, again)
+        lambda lk, n: MemberAnswer(lk, n, silence_s, name, emit, failed, again, sink)
     )
     link.transport.writelines(linkframes.run_message(answer.stream, fields, [body]))
-    return answer.future
+    return answer
 
 
 class MemberAnswer(LinkStream):
-    """One member's answer to a ``RUN``, fed by the link: :attr:`future` its outcomes. Its
-    silence is the link's to watch (``PeerLink``): no timer per member and call."""
+    """One member's answer to a ``RUN``, fed by the link: its outcomes go to ``sink`` once
+    (:attr:`settled`). Its silence is the link's to watch (``PeerLink``): no timer per member
+    and call."""
 
     watched_by_link = True
 
@@ -78,28 +74,35 @@ class MemberAnswer(LinkStream):
         emit: Callable[[Any], None],
         failed: Failed,
         again: Callable[[], Awaitable[Answer]],
+        sink: Callable[[Answer], None],
     ) -> None:
         super().__init__(link, stream, silence_s)
-        self.future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self.future.add_done_callback(self._settled)
+        self._sink = sink
+        self.settled = False  # its answer went to the sink (or the coordinator gave it up)
         self._name = name
         self._emit = emit
         self._failed = failed
         self._again = again
         self._parser: frames.FrameParser | None = None
         self._result: Subtree | None = None
-        self._answered = False  # any message of the answer came
+        self._heard = False  # any message of the answer came
         self.done: memoryview | None = None  # its DONE
         self._sent_again: asyncio.Future[Answer] | None = None
 
     def _resolve(self, answer: Answer) -> None:
-        if not self.future.done():
-            self.future.set_result(answer)
+        if not self.settled:
+            self.settled = True
+            self.release()  # a stream still open (an error frame, or a stop) is closed
+            self._sink(answer)
 
-    def _settled(self, future: asyncio.Future[Answer]) -> None:
-        self.release()  # a stream still open (an error frame, or a stop) is closed
-        if future.cancelled() and self._sent_again is not None:
-            self._sent_again.cancel()
+    def cancel(self) -> None:
+        """The coordinator stops waiting (a stop's grace ran out): the stream is closed, a
+        call sent again is abandoned, and nothing goes to the sink."""
+        if not self.settled:
+            self.settled = True
+            self.release()
+            if self._sent_again is not None:
+                self._sent_again.cancel()
 
     def _lost(self, message: str) -> None:
         self._resolve(self._failed(message, Status.DIED, True))
@@ -108,15 +111,15 @@ class MemberAnswer(LinkStream):
 
     def head(self, status: int, code: str, body: bytes) -> None:
         """Only a refused RUN has a head."""
-        self._answered = True
+        self._heard = True
         self._ended = True  # a refusal ends the stream
         stale = ErrorCode.parse(code) in _STALE
         message = f"pod {self._name} answered HTTP {status}: {error_text(body)}"
         self._resolve(self._failed(message, Status.STALE if stale else Status.DIED, False))
 
     def data(self, payload: memoryview) -> None:
-        self._answered = True
-        if self.future.done():
+        self._heard = True
+        if self.settled:
             return
         if self._parser is None:
             self._parser = frames.FrameParser()
@@ -136,7 +139,7 @@ class MemberAnswer(LinkStream):
             self._lost(f"lost the connection to pod {self._name} during the call: {e}")
 
     def finish(self, done: memoryview) -> None:
-        self._answered = True
+        self._heard = True
         self.done = done
         self.end()
         try:
@@ -146,7 +149,7 @@ class MemberAnswer(LinkStream):
 
     def end(self) -> None:
         self._ended = True
-        if self.done is None and not self.future.done():
+        if self.done is None and not self.settled:
             self._resolve(
                 self._result
                 if self._result is not None
@@ -158,14 +161,14 @@ class MemberAnswer(LinkStream):
             )
 
     def fail(self, error: PeerError) -> None:
-        if self.future.done() or self._ended:
+        if self.settled or self._ended:
             return
         if isinstance(error, PeerTimeout):
             self._lost(
                 f"pod {self._name} stopped responding (no data or heartbeat for "
                 f"{self._timeout:g}s); the pod may have died or be overloaded"
             )
-        elif not self._answered and self.link.goaway:
+        elif not self._heard and self.link.goaway:
             # the pod closed the link, idle, before it read the call: nothing ran, send again
             self._sent_again = asyncio.ensure_future(self._again())
             self._sent_again.add_done_callback(self._chained)
@@ -173,10 +176,10 @@ class MemberAnswer(LinkStream):
             self._lost(f"lost the connection to pod {self._name} during the call: {error}")
 
     def _chained(self, again: asyncio.Future[Answer]) -> None:
-        if again.cancelled() or self.future.done():
+        if again.cancelled() or self.settled:
             return
         error = again.exception()
-        if error is not None:
-            self.future.set_exception(error)
+        if error is not None:  # the general path failed itself (it reports a pod's failures)
+            self._lost(f"sending the call to pod {self._name} again failed: {error!r}")
         else:
-            self.future.set_result(again.result())
+            self._resolve(again.result())

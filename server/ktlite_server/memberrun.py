@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ktlite_server.coordinator import _pod_outcomes
+from ktlite_server import podoutcomes
 from ktlite_server.linkserver import LinkServer, send_frames
 from ktlite_server.ranks import settled
 from ktlite_wire import codec, frames, linkframes
@@ -61,8 +61,7 @@ class MemberRuns:
             return
         call = _MemberCall(self.pod, link, stream, run)
         link.begin(stream, call.stop)
-        task = asyncio.get_running_loop().create_task(call.run())
-        task.add_done_callback(lambda _t: link.finish(stream))
+        asyncio.get_running_loop().create_task(call.run())  # it ends with link.finish
 
     def _check(self, run: linkframes.Run) -> tuple[int, str, str] | None:
         """What ``POST /call`` would refuse of this call: (status, code, detail), or None."""
@@ -126,45 +125,48 @@ class _MemberCall:
             self.link.write([linkframes.header(linkframes.DATA, self.stream, size), *due])
 
     async def run(self) -> None:
-        pod, run = self.pod, self.run_
-        log: Callable[[int, str, str], None] | None = None
-        if run.flags & linkframes.STREAM_LOGS:
-            name, emit = pod.name, self._emit
-
-            def log(rank: int, stream: str, line: str) -> None:
-                emit(frames.log_frame(rank, name, stream, line))
-
-        shm_results = bool(run.flags & linkframes.SHM_RESULTS)
         try:
-            outs = await pod.run(
-                run.call_id,
-                run.body,
-                None,
-                log,
-                restart=bool(run.flags & linkframes.RESTART),
-                generation=run.generation,
-                group_port=run.group_port,
-            )
-            if shm_results:  # the caller maps the files itself: each once its rank wrote it
-                outs = await settled(outs)
-            answer = _pod_outcomes(pod, outs, shm_results)
-        except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the coordinator
-            logger.exception("call %s failed on this pod", run.call_id)
-            error = WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)
-            await self._answer_frames([frames.error_frame(error)])
-            return
-        if not shm_results and any(o.path is not None for o in outs):
-            # a value mapped from its rank's file (the caller is on another host): a frame of
-            # its own, sent as the rank writes it (linkserver's writer), never copied whole
-            await self._answer_frames(
-                [frames.frame_item(frames.RESULT, CallResult(answer).encode())]
-            )
-            return
-        self._flush()
-        if self.link.paused:
-            await self.link.drain()
-        if not self.stopped:
-            self.link.write(linkframes.done_message(self.stream, pod.name, answer))
+            pod, run = self.pod, self.run_
+            log: Callable[[int, str, str], None] | None = None
+            if run.flags & linkframes.STREAM_LOGS:
+                name, emit = pod.name, self._emit
+
+                def log(rank: int, stream: str, line: str) -> None:
+                    emit(frames.log_frame(rank, name, stream, line))
+
+            shm_results = bool(run.flags & linkframes.SHM_RESULTS)
+            try:
+                outs = await pod.run(
+                    run.call_id,
+                    run.body,
+                    None,
+                    log,
+                    restart=bool(run.flags & linkframes.RESTART),
+                    generation=run.generation,
+                    group_port=run.group_port,
+                )
+                if shm_results:  # the caller maps the files itself: each once its rank wrote it
+                    outs = await settled(outs)
+                answer = podoutcomes.to_wire(pod.name, outs, shm_results)
+            except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the coordinator
+                logger.exception("call %s failed on this pod", run.call_id)
+                error = WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)
+                await self._answer_frames([frames.error_frame(error)])
+                return
+            if not shm_results and any(o.path is not None for o in outs):
+                # a value mapped from its rank's file (the caller is on another host): a frame of
+                # its own, sent as the rank writes it (linkserver's writer), never copied whole
+                await self._answer_frames(
+                    [frames.frame_item(frames.RESULT, CallResult(answer).encode())]
+                )
+                return
+            self._flush()
+            if self.link.paused:
+                await self.link.drain()
+            if not self.stopped:
+                self.link.write(linkframes.done_message(self.stream, pod.name, answer))
+        finally:  # its answer is written: the link may close once idle
+            self.link.finish(self.stream)
 
     async def _answer_frames(self, items: list[Any]) -> None:
         self._flush()

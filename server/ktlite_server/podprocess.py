@@ -34,7 +34,7 @@ from ktlite_server.connections import Limits, guarded
 from ktlite_server.inactivity import Inactivity
 from ktlite_server.pod import Pod
 from ktlite_server.selfteardown import PATHS_ENV, SelfTeardown
-from ktlite_wire import privatefiles
+from ktlite_wire import keepbudget, privatefiles
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,12 @@ def main() -> None:
         limits = Limits.from_env()
     except ValueError as e:
         raise SystemExit(f"ktlite_server: {e}") from None
+    try:  # before the ranks start: they keep their files within the same budget
+        keepbudget.open_for_pod()
+    except ValueError as e:  # KTLITE_RECEIVE_KEEP_MB that is not a number
+        raise SystemExit(f"ktlite_server: {e}") from None
+    except OSError as e:  # no room in /dev/shm for 4 KiB: each process keeps within its own
+        logger.warning("no keep ledger for this pod (%r): each process keeps its own files", e)
     pod = Pod(args.pod, args.ordinal, procs=args.procs)
     app = logconfig.request_log(
         create_app(pod, token, limits=limits, peer_tls=served_tls.peers if served_tls else None)

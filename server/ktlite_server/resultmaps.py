@@ -12,11 +12,14 @@ renames it ``ktlite-sent-*``; once no view of its mapping is left (nothing it se
 a re-attach, or relays holds one: checked before each call goes to a rank,
 :meth:`ResultMaps.release`) it renames it ``ktlite-idle-*``, which the rank may write again
 (renaming it back to a fresh ``ktlite-res-*`` name first). A file the rank removed (its
-bound, its exit) is dropped here once nothing views it.
+bound, its exit, its idle time) is dropped here once nothing views it: when a new file is
+mapped, when a rank is gone, and every ``keepbudget.IDLE_S / 2`` while any mapping is kept
+(the pages of a removed file stay until its last mapping goes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
@@ -24,8 +27,9 @@ import stat
 import sys
 from typing import Any
 
-from ktlite_wire import shm
+from ktlite_wire import keepbudget, shm
 from ktlite_wire.errors import ProtocolError
+from ktlite_wire.perprocess import PerProcess
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -50,6 +54,7 @@ class ResultMaps:
     def __init__(self) -> None:
         self._kept: dict[tuple[int, int], _Kept] = {}
         self._sent: list[_Kept] = []  # the kept ones marked sent, for release()
+        self._timer: asyncio.TimerHandle | None = None  # the next sweep, while any is kept
         self.reused = 0  # results sent from a mapping kept (tests, benchmarks)
 
     def __repr__(self) -> str:
@@ -86,6 +91,7 @@ class ResultMaps:
             self.sweep()  # a new file: the rank may have removed an older one for it
             self._kept[key] = kept = _Kept(os.dup(fd), mapping, sent)
             self._sent.append(kept)
+            self._arm()
             return memoryview(mapping)[:size]
         finally:
             os.close(fd)
@@ -120,7 +126,25 @@ class ResultMaps:
                 del self._kept[key]
                 _close(kept)
 
+    def _arm(self) -> None:
+        if self._timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop (tests): swept when a file is mapped, a rank goes
+            return
+        self._timer = loop.call_later(keepbudget.IDLE_S / 2, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.sweep()
+        if self._kept:
+            self._arm()
+
     def clear(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for kept in self._kept.values():
             _close(kept)
         self._kept.clear()
@@ -144,12 +168,9 @@ def _close(kept: _Kept) -> None:
 
 _UNUSED = _refs(_Kept(-1, object(), ""))
 
-_server: ResultMaps | None = None
+_server = PerProcess(ResultMaps)
 
 
 def server() -> ResultMaps:
     """This pod server's mappings (its event loop's alone: no lock)."""
-    global _server
-    if _server is None:
-        _server = ResultMaps()
-    return _server
+    return _server.get()

@@ -16,12 +16,14 @@ class QuietTimer:
         self._expired = expired
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        # made on the loop it serves; asked once: each get_running_loop() is a getpid() call
+        # (Python 3.11), and progress() runs for every message a link reads
+        self._loop = asyncio.get_running_loop()
 
     def progress(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._last = loop.time()  # the one timer checks it when it fires
+        self._last = self._loop.time()  # the one timer checks it when it fires
         if self._timer is None:
-            self._timer = loop.call_later(self.timeout, self._fire)
+            self._timer = self._loop.call_later(self.timeout, self._fire)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -29,9 +31,9 @@ class QuietTimer:
             self._timer = None
 
     def _fire(self) -> None:
-        idle = asyncio.get_running_loop().time() - self._last
+        idle = self._loop.time() - self._last
         if idle < self.timeout:
-            self._timer = asyncio.get_running_loop().call_later(self.timeout - idle, self._fire)
+            self._timer = self._loop.call_later(self.timeout - idle, self._fire)
             return
         self._timer = None
         self._expired()

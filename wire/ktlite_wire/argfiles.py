@@ -5,8 +5,10 @@ A large argument travels to the ranks through a file in ``/dev/shm`` (``ktlite_w
 on the pod server, which receives the body into it; on a caller that shares the pods' host,
 which writes the arguments into it. Fresh tmpfs pages cost more than the copy into them (100
 MB: about 40 ms of CPU for the pages, 15 more to free them, against 15 for the copy here), so
-an :class:`ArgFiles` keeps the files it handed out, up to ``keep`` bytes, and hands one that
-is free to the next argument of about its size: its pages are already there.
+an :class:`ArgFiles` keeps the files it hands out, within its budget (``keepbudget``: on a
+pod, shared with its ranks' result files), and hands one that is free to the next argument of
+about its size: its pages are already there. A free file unused for ``keepbudget.IDLE_S`` is
+removed.
 
 A rank maps the file copy-on-write, and the arrays it decodes are views of the file's pages
 until written: writing the file again while a rank still maps it would change a value the
@@ -16,19 +18,20 @@ process forked while it was mapped); a file any rank may still map is removed in
 pages stay with the mapping until that goes), and never written again. A free file is named
 ``ktlite-free-arg-*`` while it waits (nothing maps it, no rank may open it by that name) and
 gets its ``ktlite-arg-*`` name back when it is handed out; the free ones are removed when the
-process exits.
+process that made them exits (a forked child keeps files of its own: ``perprocess``).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ktlite_wire import landing, shm
+from ktlite_wire import keepbudget, shm
+from ktlite_wire.perprocess import PerProcess
 
 FREE_PREFIX = "ktlite-free-arg-"  # a free file's name: no rank opens it (shm.check)
 
@@ -42,27 +45,37 @@ class ArgFile:
     path: str
     length: int
     warm: bool = False  # its pages were there before this argument (tests, benchmarks)
+    kept: bool = False  # counted in the budget: kept for the next argument once free
+    used: float = 0.0  # when it was last given back (time.monotonic)
 
 
 class ArgFiles:
-    """Argument files, the ones given back free kept up to ``keep`` bytes for reuse."""
+    """Argument files, kept within ``budget`` for reuse once free."""
 
-    def __init__(self, keep: int, remove: Callable[[str], None] = shm.remove_later) -> None:
-        self.keep = keep
+    def __init__(
+        self,
+        budget: keepbudget.Budget,
+        remove: Callable[[str], None] = shm.remove_later,
+        idle_s: float = keepbudget.IDLE_S,
+    ) -> None:
+        self.budget = budget
         self.remove = remove  # a file's removal: freeing its pages off the caller's thread
+        self.idle_s = idle_s
         self._free: list[ArgFile] = []  # least recently given back first
         self._lock = threading.Lock()
+        self._expiry = keepbudget.Expiry(self, ArgFiles.expire, idle_s / 2)
         self.reused = 0  # how many arguments landed in a warm file (tests, benchmarks)
 
     def __repr__(self) -> str:
-        return f"ArgFiles(keep={self.keep}, free={self.free_bytes()}, reused={self.reused})"
+        return f"ArgFiles(budget={self.budget!r}, free={self.free_bytes()}, reused={self.reused})"
 
     def free_bytes(self) -> int:
         return sum(f.length for f in self._free)
 
     def take(self, size: int) -> ArgFile:
         """A file for an argument of ``size`` bytes: a free warm one of about that size (a
-        much larger one would hold memory it does not use), else a fresh one. The caller
+        much larger one would hold memory it does not use), else a fresh one, kept where the
+        budget has room (the least recently used free files go to make it). The caller
         writes it from its start and gives it back (:meth:`give_back`)."""
         with self._lock:
             free = self._free
@@ -78,30 +91,45 @@ class ArgFiles:
                     self.reused += 1
                     f.warm = True
                     return f
-            # room for the fresh one within the bound: the oldest free files go first
-            total = self.free_bytes()
-            while free and total + size > self.keep:
-                total -= free[0].length
-                gone = free.pop(0)
-                self._discard(gone, _free_name(gone.path))
-        fd, path = shm.create(shm.ARG_PREFIX, size)
-        return ArgFile(fd, path, size)
+            kept = self._room(size)
+        fd, path = shm.create(shm.ARG_PREFIX, size)  # OSError: the caller reports it
+        if kept:
+            self._expiry.arm()
+        return ArgFile(fd, path, size, kept=kept)
+
+    def _room(self, size: int) -> bool:
+        """Count ``size`` more bytes in the budget, the least recently used free files
+        removed until it has room; False where it has none (or never will)."""
+        if size > self.budget.limit:
+            return False
+        free = self._free
+        while not self.budget.reserve(size):
+            if not free:
+                return False
+            gone = free.pop(0)
+            self._discard(gone, _free_name(gone.path))
+        return True
 
     def give_back(self, f: ArgFile, reusable: bool) -> None:
         """The call that used ``f`` ended. ``reusable``: nothing maps it any more (every rank
-        it went to let go of it, and this process holds no view of it), so it is kept for
-        the next argument while the bound allows; otherwise it is removed."""
-        with self._lock:
-            if reusable and f.length <= self.keep and shm.rename_taken(f.path, _free_name(f.path)):
-                free = self._free
-                free.append(f)
-                total = self.free_bytes()
-                while total > self.keep:
-                    total -= free[0].length
-                    gone = free.pop(0)
-                    self._discard(gone, _free_name(gone.path))
-                return
+        it went to let go of it, and this process holds no view of it), so a kept one waits
+        for the next argument; otherwise it is removed."""
+        if reusable and f.kept and shm.rename_taken(f.path, _free_name(f.path)):
+            f.used = time.monotonic()
+            with self._lock:
+                self._free.append(f)
+            return
         self._discard(f, f.path)
+
+    def expire(self, now: float | None = None) -> bool:
+        """Remove the free files unused for ``idle_s``; whether any is left kept."""
+        deadline = (time.monotonic() if now is None else now) - self.idle_s
+        with self._lock:
+            free = self._free
+            while free and free[0].used <= deadline:
+                gone = free.pop(0)
+                self._discard(gone, _free_name(gone.path))
+            return bool(free)
 
     def _discard(self, f: ArgFile, name: str) -> None:
         """Close ``f`` and remove it (by ``name``); whoever still maps it keeps its pages
@@ -109,6 +137,9 @@ class ArgFiles:
         with contextlib.suppress(OSError):
             os.close(f.fd)
         self.remove(name)
+        if f.kept:
+            f.kept = False
+            self.budget.give(f.length)
 
     def clear(self) -> None:
         """Remove every free file now (at exit: not on a thread)."""
@@ -119,6 +150,7 @@ class ArgFiles:
                 os.close(f.fd)
             with contextlib.suppress(OSError):
                 os.unlink(_free_name(f.path))
+            self.budget.give(f.length)
 
 
 def _free_name(path: str) -> str:
@@ -127,19 +159,10 @@ def _free_name(path: str) -> str:
     return os.path.join(directory, FREE_PREFIX + name.removeprefix(shm.ARG_PREFIX))
 
 
-_shared: ArgFiles | None = None
-_shared_lock = threading.Lock()
+_files = PerProcess(lambda: ArgFiles(keepbudget.process()), ArgFiles.clear)
 
 
 def process() -> ArgFiles:
-    """This process's argument files, bounded as its receive memory is
-    (``KTLITE_RECEIVE_KEEP_MB``, read once: ``landing.keep_bytes``); the free ones are
-    removed when the process exits."""
-    global _shared
-    if _shared is None:
-        with _shared_lock:
-            if _shared is None:
-                files = ArgFiles(landing.keep_bytes())
-                atexit.register(files.clear)
-                _shared = files
-    return _shared
+    """This process's argument files, within its budget (``keepbudget.process``: on a pod,
+    the pod's); the free ones are removed when the process exits."""
+    return _files.get()

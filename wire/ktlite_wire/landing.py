@@ -20,13 +20,12 @@ they save.
 from __future__ import annotations
 
 import mmap
-import os
 import sys
 import threading
 from typing import Any
 
-KEEP_ENV = "KTLITE_RECEIVE_KEEP_MB"
-DEFAULT_KEEP_MB = 256
+from ktlite_wire import keepbudget
+from ktlite_wire.perprocess import PerProcess
 
 
 def fresh(length: int) -> mmap.mmap:
@@ -85,27 +84,10 @@ class Landings:
             self._held.clear()
 
 
-_caller: Landings | None = None
-_caller_lock = threading.Lock()
-
-
-def keep_bytes() -> int:
-    """``KTLITE_RECEIVE_KEEP_MB`` in bytes (default 256 MB; 0 keeps none)."""
-    raw = os.environ.get(KEEP_ENV, "").strip()
-    try:
-        keep_mb = float(raw) if raw else DEFAULT_KEEP_MB
-    except ValueError:
-        raise ValueError(
-            f"{KEEP_ENV}={raw!r}: expected a number of megabytes (0 keeps none)"
-        ) from None
-    return max(0, int(keep_mb * (1 << 20)))
+_caller = PerProcess(lambda: Landings(keepbudget.caller_keep()))
 
 
 def caller() -> Landings:
-    """The caller's process-wide landings (``KTLITE_RECEIVE_KEEP_MB``, read once)."""
-    global _caller
-    if _caller is None:
-        with _caller_lock:
-            if _caller is None:
-                _caller = Landings(keep_bytes())
-    return _caller
+    """The caller's process-wide landings (``KTLITE_RECEIVE_KEEP_MB``, read once:
+    ``keepbudget.caller_keep``; a forked child makes its own)."""
+    return _caller.get()

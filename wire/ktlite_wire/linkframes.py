@@ -15,7 +15,9 @@ Caller -> pod:  ``CALL`` (payload: ``meta_len:u32`` + the call plan's header + t
                 ``RUN`` (a member's share of a call its coordinator fanned out, in binary:
                 ``flags:u8 generation:u32 group_port:u16 id_len:u16 launch_len:u16`` + the
                 call id + the launch id + the body; ``memberrun``), ``CLOSE`` (the caller
-                stopped reading that stream: as if its HTTP connection had closed).
+                stopped reading that stream: as if its HTTP connection had closed),
+                ``STOP`` (stop a call by its id, as ``POST /cancel`` does, on stream 0 and
+                unanswered: ``kind:u8 reset:u8 id_len:u16`` + the call id + the reason).
 Pod -> caller:  ``HEAD`` (payload: ``status:u16 code_len:u16`` + the error code + the answer's
                 body; status 200 opens a frame stream), ``DATA`` (bytes of the frame stream, as
                 an HTTP chunk would carry them: any split), ``END`` (the stream is complete),
@@ -45,8 +47,8 @@ from ktlite_wire.status import Status
 HEADER = struct.Struct("<BIQ")
 META_LEN = struct.Struct("<I")
 HEAD_FIELDS = struct.Struct("<HH")
-CALL, CLOSE, HEAD, DATA, END, RUN, DONE, GOAWAY = 1, 2, 3, 4, 5, 6, 7, 8
-_KINDS = frozenset((CALL, CLOSE, HEAD, DATA, END, RUN, DONE, GOAWAY))
+CALL, CLOSE, HEAD, DATA, END, RUN, DONE, GOAWAY, STOP = 1, 2, 3, 4, 5, 6, 7, 8, 9
+_KINDS = frozenset((CALL, CLOSE, HEAD, DATA, END, RUN, DONE, GOAWAY, STOP))
 RUN_FIELDS = struct.Struct("<BIHHH")
 STREAM_LOGS, RESTART, SHM_RESULTS = 1, 2, 4  # a RUN's flags
 DONE_HEAD = struct.Struct("<HI")
@@ -54,6 +56,9 @@ DONE_ROW = struct.Struct("<IBdIBQQ")
 NO_VALUE, VALUE, SHM_VALUE = 0, 1, 2  # what a DONE row carries
 _STATUSES = tuple(Status)
 _STATUS_INDEX = {s: i for i, s in enumerate(_STATUSES)}
+STOP_FIELDS = struct.Struct("<BBH")
+STOPS = (Status.CANCELLED, Status.TIMEOUT)  # what a STOP may say a call ended with
+REASON_MAX = 500  # a STOP's reason is cut to this many characters (as POST /cancel's)
 PATH = "/link"  # the pod server's endpoint that turns a connection into a link
 # the pod server's answer to a link request; anything else is an HTTP answer (401, 409, ...)
 SWITCH = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: ktlite-link\r\nconnection: upgrade\r\n\r\n"
@@ -191,6 +196,38 @@ def read_done(payload: memoryview) -> list[RankOutcome]:
         at += length
         outs.append(RankOutcome(rank, pod, _STATUSES[status], data, message, when))
     return outs
+
+
+class Stop(NamedTuple):
+    """A ``STOP``'s fields: the call, how it ends, why, and whether a pod that is not running
+    it resets its ranks (a call that ended there may have left them in a collective)."""
+
+    call_id: str
+    kind: Status
+    reason: str
+    reset: bool
+
+
+def stop_message(stop: Stop) -> bytes:
+    cid, reason = stop.call_id.encode(), stop.reason[:REASON_MAX].encode()
+    fields = STOP_FIELDS.pack(STOPS.index(stop.kind), 1 if stop.reset else 0, len(cid))
+    return header(STOP, 0, len(fields) + len(cid) + len(reason)) + fields + cid + reason
+
+
+def split_stop(payload: memoryview) -> Stop:
+    """A ``STOP``'s fields. Raises ProtocolError."""
+    if payload.nbytes < STOP_FIELDS.size:
+        raise ProtocolError(f"a link STOP of {payload.nbytes} bytes")
+    kind, reset, n_id = STOP_FIELDS.unpack_from(payload)
+    at = STOP_FIELDS.size + n_id
+    if kind >= len(STOPS) or reset > 1 or not 0 < n_id <= 800 or at > payload.nbytes:
+        raise ProtocolError(f"a malformed link STOP (kind {kind}, an id of {n_id} bytes)")
+    try:
+        call_id = bytes(payload[STOP_FIELDS.size : at]).decode()
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"a link STOP's call id is not UTF-8: {e}") from None
+    reason = bytes(payload[at:]).decode(errors="replace")[:REASON_MAX]
+    return Stop(call_id, STOPS[kind], reason, bool(reset))
 
 
 def head_message(stream: int, status: int, code: str = "", body: bytes = b"") -> bytes:

@@ -35,6 +35,7 @@ TOOK_PREFIX = "ktlite-took-"
 SENT_PREFIX = "ktlite-sent-"
 IDLE_PREFIX = "ktlite-idle-"
 KEPT_PREFIXES = (RESULT_PREFIX, TOOK_PREFIX, SENT_PREFIX, IDLE_PREFIX)  # in the order it goes
+_KEPT_START = RESULT_PREFIX + KEPT_MARK
 # a FIFO or device planted under a ktlite name must not block the open (mmap then refuses it)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -149,7 +150,13 @@ def take(
 
 def kept(path: str) -> bool:
     """Whether ``path`` names a result file its rank keeps for its next result."""
-    return os.path.basename(path).startswith(RESULT_PREFIX + KEPT_MARK)
+    name = os.path.basename(path)
+    if not name.startswith(_KEPT_START):
+        return False
+    # ``ktlite-res-w<pid>-*``: a file it does not keep has a random name (``mkstemp``: no "-"
+    # in it), which may start with the mark too
+    pid, dash, _ = name[len(_KEPT_START) :].partition("-")
+    return bool(dash) and pid.isdigit()
 
 
 def took_path(path: str) -> str:

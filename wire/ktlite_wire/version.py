@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# 10: a coordinator stops a call on the pods it sent it to with a STOP on their link, not a
+#     POST /cancel; an older pod would close the link at the first STOP as a malformed message.
 # 9: a coordinator sends its members that relay to no other pod a binary RUN over their
 #    link, answered with a binary DONE and no head; a pod says GOAWAY before it closes an
 #    idle link; an older pod would close the link at the first RUN as a malformed message.
@@ -17,7 +19,7 @@ from __future__ import annotations
 #    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
 #    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
 #    calls, notices, shipped sources.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 
