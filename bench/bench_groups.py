@@ -316,8 +316,9 @@ class Bench:
                 f"{SUBMIT} submitted calls (concurrency {CONCURRENCY}) >= Ray's rate",
                 "submit_noop",
                 "ray",
-                "a call is still ~1.2 M instructions over three processes (caller, pod server, "
-                "rank: bench_cpu.py --rows submit) where Ray's stays in its C++ core worker",
+                "a call is still ~0.75 M instructions over three processes (caller, pod server, "
+                "rank: bench_cpu.py --rows submit), a wake-up at each hop between them, where "
+                "Ray's stays in its C++ core worker; under load each wake-up waits for a CPU",
             ),
             (
                 f"per-rank data {PERRANK} x 1 MB <= Monarch's time",

@@ -257,3 +257,23 @@ def test_each_handle_keeps_the_compute_the_spec_no_longer_holds() -> None:
         remote.teardown()
     with pytest.raises(kt.NotDeployedError):
         remote.compute  # noqa: B018 - torn down, as before
+
+
+def test_calls_with_the_same_options_share_one_checked_plan_each_with_its_own_id() -> None:
+    spec = DeploymentSpec("plans", kt.Compute(cpus=1).pod_spec())
+    url = "http://10.0.0.1:32300"
+    ep = PodEndpoint(name="plans-0", ordinal=0, url=url, peer_url=url, ip="10.0.0.1")
+    plans = CallPlans()
+    a = plans.plan(spec, "l1", [ep], CallOptions(), call_id="a", num_proc=1)
+    b = plans.plan(spec, "l1", [ep], CallOptions(), call_id="b", num_proc=1)
+    assert (a.id, b.id) == ("a", "b") and a is not b
+    b.shm_results = True  # a call's own change stays its own
+    c = plans.plan(spec, "l1", [ep], CallOptions(), call_id="c", num_proc=1)
+    assert not c.shm_results and not a.shm_results
+    assert decode_plan(c.encode()) == c
+    d = plans.plan(spec, "l1", [ep], CallOptions(timeout=5.0), call_id="d", num_proc=1)
+    assert d.timeout == 5.0 and c.timeout is None
+    with pytest.raises(kt.ConfigError, match="timeout"):
+        plans.plan(spec, "l1", [ep], CallOptions(timeout=-1.0), call_id="e", num_proc=1)
+    with pytest.raises(kt.ConfigError, match="timeout"):  # refused each time, never kept
+        plans.plan(spec, "l1", [ep], CallOptions(timeout=-1.0), call_id="f", num_proc=1)

@@ -297,3 +297,45 @@ def test_a_forked_child_opens_a_link_of_its_own() -> None:
     assert got == b"ok"
     assert start(mux, server.url, "parent again").result(timeout=30)[3] is None
     assert server.links == 2  # the parent's link lives on; the child opened its own
+
+
+def test_a_future_ended_by_the_reader_is_ended_after_the_calls_its_turn_started_left(
+    monkeypatch,
+) -> None:
+    """What ends a call on the reader's thread (``readerthread.after_turn``) runs once the
+    turn's writes are made: the waiter wakes while the reader waits, not while it sends."""
+    from ktlite.net import podlinks, readerthread
+
+    order: list[str] = []
+    write = podlinks._Link.write
+
+    def spy(self: Any, data: bytes, timeout: float = 30.0) -> None:
+        order.append("write")
+        write(self, data, timeout)
+
+    monkeypatch.setattr(podlinks._Link, "write", spy)
+
+    def echo(server: RawLinks, conn: socket.socket, got: list) -> bool:
+        conn.sendall(b"".join(answer(s, meta) for _, s, meta in got))
+        return True
+
+    server = RawLinks(echo)
+    mux = LinkMux()
+    ended: concurrent.futures.Future = concurrent.futures.Future()
+
+    def second(status: int, headers: dict, body: Any, error: BaseException | None) -> None:
+        ended.set_result(error)
+
+    def first(status: int, headers: dict, body: Any, error: BaseException | None) -> None:
+        # as Submissions does: the next call starts (on the reader: it joins the turn's
+        # write), then the ended call's future is ended after the turn
+        mux.start(server.url, HEADERS, "second", [b"a"], None, 30.0, lambda k, p: None, second)
+        order.append("started")
+        readerthread.after_turn(order.append, "ended")
+
+    mux.start(server.url, HEADERS, "first", [b"a"], None, 30.0, lambda k, p: None, first)
+    assert ended.result(timeout=30) is None
+    assert order == ["write", "started", "write", "ended"], order
+    calls: list[str] = []
+    readerthread.after_turn(calls.append, "now")  # not a reader's thread: at once
+    assert calls == ["now"]

@@ -278,9 +278,9 @@ def test_the_pod_answers_resumes_by_what_it_knows(remote, tmp_path) -> None:
 def test_a_proxy_that_cannot_reach_the_pod_gives_pod_unreachable_naming_it(
     monkeypatch, status, body, delivered
 ) -> None:
-    import ktlite.net.client as client_module
+    import ktlite.net.proxycall as proxycall
 
-    monkeypatch.setattr(client_module, "RESUME_WINDOW_S", 0.3)
+    monkeypatch.setattr(proxycall, "RESUME_WINDOW_S", 0.3)
     asked = []
 
     def proxy(request: httpx.Request) -> httpx.Response:

@@ -115,19 +115,34 @@ class CallPlans:
                 )
                 if len(self._bases) >= 64:  # replicas come and go: keep the recent ones
                     self._bases.clear()
-                entry = self._bases[key] = (spec, tuple(eps), base)
+                entry = self._bases[key] = (spec, tuple(eps), base, {})
+            timeout = calls.call_timeout if options.timeout is None else options.timeout
+            stream_logs = bool(
+                calls.stream_logs if options.stream_logs is None else options.stream_logs
+            )
+            restart = bool(options.restart_procs)
+            # the calls with the same options (a batch of submitted calls) share one checked
+            # plan: each takes a copy with its own id
+            alike = workers is None and ranks is None and per_rank is None
+            alike = alike and (timeout is None or type(timeout) in (int, float))  # a key
+            templates: dict[tuple[Any, ...], CallPlan] = entry[3]
+            template = templates.get((timeout, stream_logs, restart, tree)) if alike else None
+            if template is not None:
+                return template.renamed(call_id)
             plan: CallPlan = entry[2].for_call(
                 call_id,
                 workers=workers,
                 ranks=ranks,
-                timeout=calls.call_timeout if options.timeout is None else options.timeout,
-                stream_logs=bool(
-                    calls.stream_logs if options.stream_logs is None else options.stream_logs
-                ),
-                restart=bool(options.restart_procs),
+                timeout=timeout,
+                stream_logs=stream_logs,
+                restart=restart,
                 per_rank=per_rank,
                 tree=tree,
             )
+            if alike:
+                if len(templates) >= 16:  # per-call timeouts that vary: keep the recent ones
+                    templates.clear()
+                templates[(timeout, stream_logs, restart, tree)] = plan.renamed("template")
         except ValueError as e:
             raise ConfigError(f"call to {spec.name!r}: {e}") from e
         return plan
@@ -147,21 +162,36 @@ class SentArguments:
         self.reusable = reply.held == 0 and reply.all_ok()
 
 
-@contextlib.contextmanager
-def shm_arguments(applied: Applied, plan: CallPlan, parts: list[Any]) -> Iterator[SentArguments]:
+class _Inline(SentArguments):
+    """Arguments sent as they are (no file): nothing to give back when the call ends."""
+
+    def __enter__(self) -> SentArguments:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def shm_arguments(
+    applied: Applied, plan: CallPlan, parts: list[Any]
+) -> contextlib.AbstractContextManager[SentArguments]:
     """The call's parts as they are sent: where the pods share this machine (local backend;
     ``KTLITE_SHM=0`` turns it off) results come back in shared-memory files, and arguments too
     big to inline go in one (``plan`` says so): a warm one of this process's
     (``ktlite_wire.argfiles``) when one is free, kept for the next call when the reply says
     no rank maps it any more (:meth:`SentArguments.done`), else removed (on a thread)."""
     if not applied.same_host or os.environ.get("KTLITE_SHM", "1") == "0":
-        yield SentArguments(parts)
-        return
+        return _Inline(parts)
     plan.shm_results = True
     size = envelope.parts_size(parts)
     if size <= shm.INLINE_MAX:
-        yield SentArguments(parts)
-        return
+        return _Inline(parts)  # the usual call: no generator to enter and leave
+    return _in_file(plan, parts, size)
+
+
+@contextlib.contextmanager
+def _in_file(plan: CallPlan, parts: list[Any], size: int) -> Iterator[SentArguments]:
+    """The arguments written to a warm argument file (``shm_arguments``)."""
     files = argfiles.process()
     landed = files.take(size)
     try:

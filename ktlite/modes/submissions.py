@@ -19,6 +19,7 @@ from typing import Any
 
 from ktlite.errors import CallCancelled, NotDeployedError, RemoteError
 from ktlite.modes.callpath import CallOptions, pool
+from ktlite.net.readerthread import after_turn
 
 
 class CancelledBeforeSend(Exception):
@@ -134,6 +135,10 @@ class Submissions:
 
     def _end(self, future: Any, values: list[Any] | None, error: BaseException | None) -> None:
         self._ended(future)  # the next queued call leaves before this one's waiter wakes
+        # on the thread that reads the answers: once the calls it started have left
+        after_turn(self._complete, future, values, error)
+
+    def _complete(self, future: Any, values: list[Any] | None, error: BaseException | None) -> None:
         try:
             if error is None:
                 assert values is not None

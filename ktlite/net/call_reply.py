@@ -13,7 +13,7 @@ import httpx
 from ktlite.errors import KtliteError, PodUnreachable
 from ktlite.net.connection import ConnectionFailed, ConnectionRefused
 from ktlite.net.refusals import raise_for_status
-from ktlite_wire import landing
+from ktlite_wire import landing, linkframes
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.frames import (
     ERROR,
@@ -113,6 +113,11 @@ class FrameReader:
                 f"pod at {self.url} failed the call: {err.type_name or err.code}: {err.message}"
             )
         self.seen += 1
+
+    def done(self, payload: memoryview) -> None:
+        """A ``RUN``'s ``DONE``: the pod's outcomes, the call's result (values are views of
+        ``payload``). Raises ProtocolError for a malformed one."""
+        self.result = CallReply(ReadResult.of(linkframes.read_done(payload)))
 
     def end(self) -> CallReply:
         """The call's reply, once its stream ended."""

@@ -15,20 +15,18 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from ktlite.errors import (
     ConfigError,
-    NotDeployedError,
     PodUnreachable,
     ProtocolMismatch,
 )
 from ktlite.logconfig import http_hook
-from ktlite.net import tls
+from ktlite.net import proxycall, tls
 from ktlite.net.call_reply import CallReply as CallReply
 from ktlite.net.call_reply import (
     FrameReader,
@@ -41,21 +39,18 @@ from ktlite.net.call_reply import (
     refused,
 )
 from ktlite.net.callmux import CallMux
-from ktlite.net.connection import PROGRESS_BYTES, ConnectionRefused, Pool
+from ktlite.net.connection import ConnectionRefused, Pool
 from ktlite.net.podlinks import BODY_MAX, LinkMux
-from ktlite.net.progress import Progress
-from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, proxy_refusal, raise_for_status
+from ktlite.net.refusals import PROXY_ERRORS, ProxyRefusal, raise_for_status
 from ktlite.net.transport import PodSilent, PodTransport, Reply, shared_http
-from ktlite_wire import envelope, heartbeat, version
+from ktlite_wire import envelope, heartbeat, linkframes, version
 from ktlite_wire.errors import ProtocolError
 from ktlite_wire.headers import (
     CALL_HEADER,
     ERROR_CODE_HEADER,
     LENGTH_HEADER,
-    RESUME_HEADER,
     TOKEN_HEADER,
     TREE_HEADER,
-    UPTIME_HEADER,
     VERSION_HEADER,
     bearer,
 )
@@ -67,11 +62,6 @@ logger = logging.getLogger(__name__)
 # The server sends a heartbeat frame every 2 s; silence this long means the pod is gone:
 # KTLITE_SILENCE_TIMEOUT (ktlite_wire.heartbeat), read at the first call (None until then).
 SILENCE_TIMEOUT: float | None = None
-# After a proxied call's stream breaks, re-attach attempts go on this long; the pod keeps the
-# call (and waits for us) for REATTACH_S, longer, so the window always ends first.
-RESUME_WINDOW_S = 5.0
-REATTACH_S = 10.0
-CHUNKED_MAX = 8 << 20  # proxied bodies up to this size go chunked (see _call_resumable)
 
 
 _pool = Pool()  # one keep-alive pool for every deployment of this process (tokens go per request)
@@ -100,6 +90,8 @@ class PodClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self._token = token
+        self._own_headers: dict[str, str] = {}
+        self._own_for = -1  # the protocol version _own_headers name
         self._owns = transport is not None
         # calls to plain http:// pods take the lean connection unless a client was injected
         self._lean = http is None and transport is None
@@ -131,8 +123,17 @@ class PodClient:
         _links.drop(url)
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        own = {TOKEN_HEADER: bearer(self._token), VERSION_HEADER: str(version.PROTOCOL_VERSION)}
-        return {**own, **extra} if extra else own
+        own = self._own()
+        return {**own, **extra} if extra else dict(own)
+
+    def _own(self) -> dict[str, str]:
+        """The token and protocol version, built once per version (never changed: copied
+        where a request adds to them)."""
+        v = version.PROTOCOL_VERSION
+        if self._own_for != v:
+            self._own_headers = {TOKEN_HEADER: bearer(self._token), VERSION_HEADER: str(v)}
+            self._own_for = v
+        return self._own_headers
 
     @staticmethod
     def _check(resp: httpx.Response | Reply, url: str) -> None:
@@ -203,11 +204,13 @@ class PodClient:
         :meth:`_call_resumable`)."""
         window_end = 0.0
         while True:
-            sized = len(message) > CHUNKED_MAX  # as for calls: see _call_resumable
+            sized = len(message) > proxycall.CHUNKED_MAX  # as for calls: see proxycall
             headers = self._headers({LENGTH_HEADER: str(len(message))})
             if relay is not None:
                 headers[TREE_HEADER] = relay
-            content = message if sized or self.transport.direct(url) else _chunks([message])
+            content = (
+                message if sized or self.transport.direct(url) else proxycall.chunks([message])
+            )
             try:
                 resp = self.transport.request(
                     "POST",
@@ -226,7 +229,7 @@ class PodClient:
             except PodUnreachable as e:
                 error = e
             now = time.monotonic()
-            window_end = window_end or now + RESUME_WINDOW_S
+            window_end = window_end or now + proxycall.RESUME_WINDOW_S
             if now >= window_end:
                 raise PodUnreachable(f"could not deploy to pod at {url}: {error!r}") from error
             time.sleep(0.1)
@@ -308,12 +311,26 @@ class PodClient:
                     {CALL_HEADER: plan.encode(), "content-type": "application/octet-stream"}
                 )
                 return self._call_lean(url, headers, parts, frames, silence)
-            return self._call_resumable(url, plan, parts, frames, who, silence)
+            return proxycall.call_resumable(
+                self.http,
+                self._headers,
+                self._check,
+                self._reattempted,
+                url,
+                plan,
+                parts,
+                frames,
+                who,
+                silence,
+            )
         except Exception as e:  # noqa: BLE001 - each becomes the ktlite error that says it
             error = call_error(e, who, silence)
             if error is e:
                 raise
             raise error from e
+
+    def _reattempted(self) -> None:
+        self.reattempts += 1
 
     def can_start(self, url: str) -> bool:
         """Whether :meth:`start_call` takes a call to ``url``: a pod reached directly."""
@@ -335,10 +352,14 @@ class PodClient:
         silence = silence_timeout()
         frames = FrameReader(on_log, None, url)
         end = answered(frames, coordinator(url, pod), silence, done)
-        ctx, meta = self.transport.context(url), plan.encode()
+        ctx = self.transport.context(url)
         if envelope.parts_size(parts) <= BODY_MAX:
-            _links.start(url, self._headers(), meta, parts, ctx, silence, frames.frame, end)
+            lean = linkframes.caller_run(plan)  # a RUN, where the call needs no plan
+            meta = plan.encode() if lean is None else lean
+            on = (frames.frame, end)
+            _links.start(url, self._own(), meta, parts, ctx, silence, *on, on_done=frames.done)
             return
+        meta = plan.encode()
         headers = self._headers({CALL_HEADER: meta, "content-type": "application/octet-stream"})
         _mux.start(url, "/call", headers, parts, ctx, silence, frames.frame, end)
 
@@ -374,127 +395,3 @@ class PodClient:
             raise
         _pool.release(conn)
         return result
-
-    def _call_resumable(
-        self,
-        url: str,
-        plan: CallPlan,
-        parts: list[Any],
-        frames: FrameReader,
-        who: str,
-        silence: float,
-    ) -> CallReply:
-        """A call through a proxy (the Kubernetes API server's). A stream that breaks is
-        re-attached by call id, reading on from the first frame not received; the pod keeps
-        the call running meanwhile and never runs it twice.
-
-        Why bodies go chunked: Go's HTTP/1 server (the API server) races its reverse proxy
-        when a backend answers as soon as a Content-Length body has arrived: it closes the
-        request body while the proxy still checks it for EOF, and the proxy then drops its
-        backend connection mid-response ("incomplete chunked read" here). A chunked body's end
-        is seen by the proxy before the pod can answer, so the race cannot happen. Bodies over
-        CHUNKED_MAX keep their Content-Length all the same: Go forwards chunked bodies in small
-        pieces, at about two thirds of the throughput, while the race costs such a call only a
-        re-attach (the pod had answered 200: nothing is sent again).
-        """
-        header = replace(plan, reattach=REATTACH_S).encode()
-        timeout = httpx.Timeout(connect=10.0, read=silence, write=300.0, pool=30.0)
-        size = envelope.parts_size(parts)
-        window_end, attempt = 0.0, 0
-        delivered = False  # did any attempt possibly reach a pod server?
-        first_delivered = 0.0  # when the first attempt that may have reached one was sent
-        accepted = False  # did the pod answer 200: it holds the call, and a re-attach needs no body
-        while True:
-            headers = self._headers(
-                {CALL_HEADER: header, "content-type": "application/octet-stream"}
-            )
-            if accepted:
-                headers[RESUME_HEADER] = str(frames.seen)
-                content: Any = b""
-            elif size > CHUNKED_MAX:
-                headers["content-length"] = str(size)
-                content = _sending(envelope.chunked(parts), size, who)
-            else:  # sent again in whole until accepted: a pod that has the call id attaches
-                headers[LENGTH_HEADER] = str(size)
-                content = _sending(_chunks(parts), size, who)
-            sent_at = time.monotonic()
-            try:
-                with self.http.stream(
-                    "POST", f"{url}/call", content=content, headers=headers, timeout=timeout
-                ) as resp:
-                    refusal = proxy_refusal(resp)
-                    if refusal is not None:
-                        raise refusal
-                    try:
-                        self._check(resp, url)
-                    except NotDeployedError as e:
-                        if not delivered or _up_since(resp, first_delivered):
-                            # nothing reached a server with our code: this one, up since before
-                            # the first attempt that may have got anywhere, got them all
-                            raise
-                        # the server that had the call is gone: this one (a new pod, a restarted
-                        # container) never saw it, and must not run it now
-                        raise PodUnreachable(
-                            f"{who} was restarted or replaced while the call ran "
-                            f"(the server now there says: {e}); the call was lost "
-                            "with it"
-                        ) from e
-                    accepted = True
-                    return frames.read(resp.iter_raw())
-            except (httpx.ReadTimeout, httpx.PoolTimeout):
-                raise
-            except (httpx.TransportError, ProtocolError, ProxyRefusal) as e:
-                if not delivered and not (
-                    isinstance(e, httpx.ConnectError)
-                    or (isinstance(e, ProxyRefusal) and e.undelivered)
-                ):
-                    delivered, first_delivered = True, sent_at
-                now = time.monotonic()
-                window_end = window_end or now + RESUME_WINDOW_S
-                if now >= window_end:
-                    if isinstance(e, ProxyRefusal):
-                        raise PodUnreachable(
-                            f"{who} is not reachable through the proxy (HTTP "
-                            f"{e.status}: {e.text[:300]})",
-                            delivered=delivered,
-                        ) from e
-                    raise PodUnreachable(
-                        f"lost the connection to {who} and could not re-attach to "
-                        f"the call within {RESUME_WINDOW_S:g}s: {e!r}",
-                        delivered=delivered,
-                    ) from e
-                attempt += 1
-                self.reattempts += 1
-                time.sleep(min(0.01 * 2**attempt, 0.5))
-
-
-def _up_since(resp: httpx.Response, since: float, margin: float = 0.1) -> bool:
-    """Whether the server that answered ``resp`` was already up at ``since`` (monotonic), by
-    the uptime it reports (from its process's start, in clock ticks), with ``margin``
-    seconds to spare for the clocks' granularity. A server answers only after its boot
-    (imports, bind: ~0.5 s), so one that got an attempt sent at ``since`` started well
-    before it."""
-    try:
-        uptime = float(resp.headers.get(UPTIME_HEADER, ""))
-    except ValueError:
-        return False
-    return uptime > time.monotonic() - since + margin
-
-
-def _chunks(parts: list[Any]) -> Iterator[bytes]:
-    # a generator: httpx sends it with Transfer-Encoding: chunked
-    # httpx writes each chunk as it is; a memoryview saves a copy (the checker wants bytes)
-    yield from envelope.chunked(parts, size=1 << 20)  # type: ignore[misc]
-
-
-def _sending(chunks: Iterator[Any], size: int, who: str) -> Iterator[Any]:
-    """``chunks`` as they go; a large body (a GiB argument takes seconds through a proxy)
-    shows a bar once it has lasted a second."""
-    if size < PROGRESS_BYTES:
-        yield from chunks
-        return
-    bar = Progress(f"sending to {who}", size, delay_s=1.0)
-    for chunk in chunks:
-        bar.add(memoryview(chunk).nbytes)
-        yield chunk
-    bar.close()

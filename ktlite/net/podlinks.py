@@ -9,8 +9,12 @@ deployment's token and protocol version (checked by the pod before anything else
 the deployment has it), answered ``101``; then each call is one ``CALL`` message on a stream
 number of the link's, and its answer a ``HEAD``, ``DATA`` (the same frames a ``POST /call``
 answers with) and ``END``. The pod runs it as every call (the same checks, frames, cancel and
-"a call id runs at most once" rules). Calls that end in one wake of the reader and start the
-next queued ones send them in one write.
+"a call id runs at most once" rules). A call that needs no more than its id, its launch and
+three flags (``linkframes.caller_run``: no timeout, per-rank items or shared-memory arguments)
+is a binary ``RUN`` instead, which the pod runs on its lean path (``ktlite_server.callerrun``)
+and answers with its ranks' outcomes in one binary ``DONE`` (log lines before it as ``DATA``).
+Calls that end in one wake of the reader and start the next queued ones send them in one
+write.
 
 What fails, fails as over HTTP (the same ``done`` arguments as :class:`~ktlite.net.callmux.CallMux`'s):
 a pod that refuses the link (401, 409) refuses each call waiting for it with its answer; a pod
@@ -56,6 +60,7 @@ class _Call:
     __slots__ = (
         "message",
         "on_frame",
+        "on_done",
         "done",
         "silence",
         "deadline",
@@ -68,10 +73,17 @@ class _Call:
     )
 
     def __init__(
-        self, meta: str, parts: list[Any], on_frame: Any, done: Done, silence: float
+        self,
+        meta: str | bytes,
+        parts: list[Any],
+        on_frame: Any,
+        on_done: Callable[[memoryview], None] | None,
+        done: Done,
+        silence: float,
     ) -> None:
         self.message = (meta, [memoryview(p) for p in parts])
         self.on_frame = on_frame
+        self.on_done = on_done
         self.done = done
         self.silence = silence
         self.deadline = 0.0
@@ -153,6 +165,7 @@ class LinkMux(ReaderThread):
         self._fds: dict[int, _Link] = {}
         self._ended: list[tuple[Done, tuple[Any, ...]]] = []  # the reader's thread's only
         self._batch: dict[_Link, list[Any]] = {}  # calls the reader's thread started this turn
+        self._scan_at = 0.0  # when the calls' deadlines are next looked at (_expire)
 
     def _forget_all(self) -> None:
         """In a forked child: the parent's links and reader are not this process's (its
@@ -166,20 +179,23 @@ class LinkMux(ReaderThread):
         self,
         url: str,
         headers: dict[str, str],
-        meta: str,
+        meta: str | bytes,
         parts: list[Any],
         context: ssl.SSLContext | None,
         silence: float,
         on_frame: Callable[[int, Any], None],
         done: Done,
         connect_timeout: float = 10.0,
+        on_done: Callable[[memoryview], None] | None = None,
     ) -> None:
-        """Send a call (its plan's header ``meta`` and body ``parts``) over the link to the pod
-        at ``url``, opened with ``headers`` (the token and version) when there
-        is none: ``on_frame(kind, payload)`` for each frame of its answer as it comes, then
-        ``done`` once."""
+        """Send a call over the link to the pod at ``url``, opened with ``headers`` (the token
+        and version) when there is none: a ``CALL`` of its plan's header ``meta`` and body
+        ``parts``, or, where ``meta`` is a ``RUN``'s fields (bytes: ``linkframes.caller_run``),
+        that ``RUN``. ``on_frame(kind, payload)`` for each frame of its answer as it comes,
+        ``on_done(payload)`` for a ``RUN``'s ``DONE``, then ``done`` once."""
         key: Key = (*pod_address(url), context, headers.get(TOKEN_HEADER, ""))
-        self._go(key, headers, _Call(meta, parts, on_frame, done, silence), connect_timeout)
+        call = _Call(meta, parts, on_frame, on_done, done, silence)
+        self._go(key, headers, call, connect_timeout)
 
     def _go(self, key: Key, headers: dict[str, str], call: _Call, connect_timeout: float) -> None:
         with self._lock:
@@ -242,7 +258,11 @@ class LinkMux(ReaderThread):
                 call.again, call.heard_at = idle, link.reads
                 call.deadline = now + call.silence
                 link.calls[link.next] = call
-                out += linkframes.call_message(link.next, *call.message)
+                meta, body = call.message
+                if type(meta) is bytes:
+                    out += linkframes.run_message(link.next, meta, body)
+                else:
+                    out += linkframes.call_message(link.next, str(meta), body)
         if lost:  # it broke meanwhile: nothing of these was sent, they go on a new one
             for call in calls:
                 self._go(link.key, link.headers, call, 10.0)
@@ -265,11 +285,8 @@ class LinkMux(ReaderThread):
     def _turn(self) -> None:
         """One wait: what came is read, silent calls fail, ended calls end, and the calls their
         ends started leave."""
-        links = list(self._fds.values())
-        now = time.monotonic()
-        wait = min((c.deadline for k in links for c in list(k.calls.values())), default=now + 1)
         try:
-            events = self._epoll.poll(max(0.0, min(wait - now, 1.0)))
+            events = self._epoll.poll(max(0.0, min(self._scan_at - time.monotonic(), 1.0)))
         except InterruptedError:
             return
         for fd, _ in events:
@@ -277,15 +294,8 @@ class LinkMux(ReaderThread):
             if link is not None:
                 self._read(link)
         now = time.monotonic()
-        for link in links:
-            for stream, call in list(link.calls.items()):
-                if call.deadline < now and not link.lost:
-                    self._close(
-                        link,
-                        stream,
-                        call,
-                        TimeoutError(f"no frame and no heartbeat for {call.silence:g}s"),
-                    )
+        if now >= self._scan_at:  # not every turn: the calls' deadlines at most once a second
+            self._scan_at = self._expire(now)
         while True:  # until no ended call started another
             self._finish()
             batch, self._batch = self._batch, {}
@@ -296,6 +306,24 @@ class LinkMux(ReaderThread):
                     link.write(b"".join(out))
                 except OSError as e:
                     self._lose(link, ConnectionFailed(f"{link.where}: {e!r}"))
+
+    def _expire(self, now: float) -> float:
+        """Fail the calls silent past their deadline (their streams closed); the earliest
+        deadline of the others, at most a second from now (a call started before then has a
+        later one: its silence timeout is longer than that)."""
+        earliest = now + 1.0
+        for link in list(self._fds.values()):
+            for stream, call in list(link.calls.items()):
+                if call.deadline < now and not link.lost:
+                    self._close(
+                        link,
+                        stream,
+                        call,
+                        TimeoutError(f"no frame and no heartbeat for {call.silence:g}s"),
+                    )
+                elif call.deadline < earliest:
+                    earliest = call.deadline
+        return earliest
 
     def _finish(self) -> None:
         ended, self._ended = self._ended, []
@@ -338,6 +366,13 @@ class LinkMux(ReaderThread):
             elif kind == linkframes.HEAD:
                 call.status, call.code, call.refusal = linkframes.split_head(payload)
                 if call.status != 200:  # a refusal: its whole answer
+                    self._end(link, stream, call, None)
+            elif kind == linkframes.DONE and call.on_done is not None:
+                try:
+                    call.on_done(payload)
+                except ProtocolError as e:  # this call's answer only: the link reads on
+                    self._end(link, stream, call, e)
+                else:
                     self._end(link, stream, call, None)
             elif kind == linkframes.END:
                 error = (

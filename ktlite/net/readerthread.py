@@ -24,6 +24,21 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+_turn_local = threading.local()  # on a reader's thread: what runs once its turn is over
+
+
+def after_turn(fn: Any, *args: Any) -> None:
+    """``fn(*args)`` once the turn of the reader whose thread this is has ended (its writes
+    made: the calls this turn started have left); at once on any other thread. What ends a
+    call's future goes here: the thread that waits on it wakes while the reader waits for
+    the next answers, not while it still sends the next calls (two threads of one process
+    taking the GIL from each other)."""
+    later = getattr(_turn_local, "later", None)
+    if later is None:
+        fn(*args)
+    else:
+        later.append((fn, args))
+
 
 class ReaderThread:
     """An ``epoll`` read by one daemon thread, started on first use."""
@@ -60,12 +75,22 @@ class ReaderThread:
         return threading.current_thread() is self._thread
 
     def _loop(self) -> None:
+        later: list[tuple[Any, tuple[Any, ...]]] = []
+        _turn_local.later = later
         while True:
             try:
                 self._turn()
             except Exception as e:  # noqa: BLE001 - a bug here must not leave calls waiting
                 logger.exception("the reader of %s failed; failing those calls", self.what)
                 self._fail_all(e)
+            while later:
+                due = later[:]
+                del later[:]
+                for fn, args in due:
+                    try:
+                        fn(*args)
+                    except BaseException:  # noqa: BLE001 - never the reader's thread
+                        logger.exception("ending a call's future failed")
 
     def _turn(self) -> None:
         raise NotImplementedError
@@ -76,6 +101,7 @@ class ReaderThread:
 
 
 def _forked(reader: weakref.ref[ReaderThread]) -> None:
+    _turn_local.later = None  # forked from a reader's thread: this one reads nothing
     live = reader()
     if live is None:
         return

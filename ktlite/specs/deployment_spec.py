@@ -12,6 +12,9 @@ from ktlite.specs.autoscaling import AutoscaleConfig
 from ktlite.specs.podspec import PodSpec
 from ktlite.specs.spec import DistributedConfig
 
+# the layout of a deployment that does not distribute: built once (it is frozen), not per call
+_ONE_POD = DistributedConfig()
+
 
 @dataclass(frozen=True)
 class DeploymentSpec:
@@ -42,7 +45,7 @@ class DeploymentSpec:
     def distributed(self) -> DistributedConfig:
         """The rank layout of one pod's world: an autoscaled deployment's replicas are each a
         world of one pod (RANK 0 of WORLD_SIZE 1)."""
-        return self.pod.distributed or DistributedConfig()
+        return self.pod.distributed or _ONE_POD
 
     @property
     def autoscale(self) -> AutoscaleConfig | None:

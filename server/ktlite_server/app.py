@@ -42,12 +42,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ktlite_server import podtable
 from ktlite_server.admission import Gate, Token
+from ktlite_server.callerrun import LinkRuns
 from ktlite_server.calls import Calls, FastCall
 from ktlite_server.connections import Limits
 from ktlite_server.inactivity import idle_seconds
 from ktlite_server.launches import Launches
 from ktlite_server.linkserver import Links
-from ktlite_server.memberrun import MemberRuns
 from ktlite_server.metrics import render
 from ktlite_server.peers import PeerPool
 from ktlite_server.pod import DEFAULT_STUCK_AFTER_S, Pod
@@ -120,7 +120,7 @@ class PodServer:
                 self.calls.call,
                 self.limits.max_body,
                 self.limits.idle_timeout,
-                MemberRuns(self.pod, self.limits.max_body).start,
+                LinkRuns(self.pod, self.limits.max_body).start,  # members' and the caller's RUNs
                 self._stop,
             ),
             self.token,

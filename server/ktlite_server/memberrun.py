@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ktlite_server import podoutcomes
 from ktlite_server.linkserver import LinkServer, send_frames
-from ktlite_server.ranks import settled
+from ktlite_server.ranks import Outcome, settled
 from ktlite_wire import codec, frames, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
 from ktlite_wire.outcome import CallResult
@@ -59,9 +59,13 @@ class MemberRuns:
         if refusal is not None:
             link.refuse(stream, *refusal)
             return
-        call = _MemberCall(self.pod, link, stream, run)
+        call = self._call(link, stream, run)
         link.begin(stream, call.stop)
         asyncio.get_running_loop().create_task(call.run())  # it ends with link.finish
+
+    def _call(self, link: LinkServer, stream: int, run: linkframes.Run) -> _MemberCall:
+        """The call a checked ``RUN`` starts (``callerrun`` makes a caller's its own)."""
+        return _MemberCall(self.pod, link, stream, run)
 
     def _check(self, run: linkframes.Run) -> tuple[int, str, str] | None:
         """What ``POST /call`` would refuse of this call: (status, code, detail), or None."""
@@ -136,15 +140,7 @@ class _MemberCall:
 
             shm_results = bool(run.flags & linkframes.SHM_RESULTS)
             try:
-                outs = await pod.run(
-                    run.call_id,
-                    run.body,
-                    None,
-                    log,
-                    restart=bool(run.flags & linkframes.RESTART),
-                    generation=run.generation,
-                    group_port=run.group_port,
-                )
+                outs = await self._ranks(log)
                 if shm_results:  # the caller maps the files itself: each once its rank wrote it
                     outs = await settled(outs)
                 answer = podoutcomes.to_wire(pod.name, outs, shm_results)
@@ -164,9 +160,26 @@ class _MemberCall:
             if self.link.paused:
                 await self.link.drain()
             if not self.stopped:
-                self.link.write(linkframes.done_message(self.stream, pod.name, answer))
+                self._send_done(linkframes.done_message(self.stream, pod.name, answer))
         finally:  # its answer is written: the link may close once idle
             self.link.finish(self.stream)
+
+    def _send_done(self, parts: list[Any]) -> None:
+        """The ``DONE``, now (``callerrun``'s leaves with the others due in this turn)."""
+        self.link.write(parts)
+
+    async def _ranks(self, log: Callable[[int, str, str], None] | None) -> list[Outcome]:
+        """The call on this pod's ranks, in the process group its coordinator named."""
+        run = self.run_
+        return await self.pod.run(
+            run.call_id,
+            run.body,
+            None,
+            log,
+            restart=bool(run.flags & linkframes.RESTART),
+            generation=run.generation,
+            group_port=run.group_port,
+        )
 
     async def _answer_frames(self, items: list[Any]) -> None:
         self._flush()

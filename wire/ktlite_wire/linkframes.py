@@ -14,8 +14,10 @@ A call's stream number is the link's own (the caller of the link picks it), not 
 Caller -> pod:  ``CALL`` (payload: ``meta_len:u32`` + the call plan's header + the body),
                 ``RUN`` (a member's share of a call its coordinator fanned out, in binary:
                 ``flags:u8 generation:u32 group_port:u16 id_len:u16 launch_len:u16`` + the
-                call id + the launch id + the body; ``memberrun``), ``CLOSE`` (the caller
-                stopped reading that stream: as if its HTTP connection had closed),
+                call id + the launch id + the body; ``memberrun``; or, from the caller, a
+                call to that one pod, flagged ``COORDINATE``: the pod picks the process
+                group's generation and port as for a ``CALL``, ``callerrun``), ``CLOSE`` (the
+                caller stopped reading that stream: as if its HTTP connection had closed),
                 ``STOP`` (stop a call by its id, as ``POST /cancel`` does, on stream 0 and
                 unanswered: ``kind:u8 reset:u8 id_len:u16`` + the call id + the reason).
 Pod -> caller:  ``HEAD`` (payload: ``status:u16 code_len:u16`` + the error code + the answer's
@@ -50,7 +52,9 @@ HEAD_FIELDS = struct.Struct("<HH")
 CALL, CLOSE, HEAD, DATA, END, RUN, DONE, GOAWAY, STOP = 1, 2, 3, 4, 5, 6, 7, 8, 9
 _KINDS = frozenset((CALL, CLOSE, HEAD, DATA, END, RUN, DONE, GOAWAY, STOP))
 RUN_FIELDS = struct.Struct("<BIHHH")
-STREAM_LOGS, RESTART, SHM_RESULTS = 1, 2, 4  # a RUN's flags
+# a RUN's flags; COORDINATE: the caller's call to this pod alone (its generation and port
+# fields are 0: the pod picks them, as it does for a CALL it coordinates)
+STREAM_LOGS, RESTART, SHM_RESULTS, COORDINATE = 1, 2, 4, 8
 DONE_HEAD = struct.Struct("<HI")
 DONE_ROW = struct.Struct("<IBdIBQQ")
 NO_VALUE, VALUE, SHM_VALUE = 0, 1, 2  # what a DONE row carries
@@ -118,6 +122,29 @@ def plan_run(plan: CallPlan) -> bytes | None:
         plan.restart,
         plan.shm_results,
     )
+
+
+def caller_run(plan: CallPlan) -> bytes | None:
+    """The ``RUN`` fields of the caller's call ``plan`` to one pod (``COORDINATE``), or None
+    when the call needs its plan: several pods, a timeout, a re-attach window, per-rank
+    items, some ranks only, arguments in shared memory."""
+    if (
+        len(plan.pods) != 1
+        or plan.workers is not None
+        or plan.timeout is not None
+        or plan.reattach
+        or plan.tree
+        or plan.first_pod
+        or plan.generation is not None
+        or plan.per_rank is not None
+        or plan.ranks is not None
+        or plan.shm is not None
+    ):
+        return None
+    flags = COORDINATE | (STREAM_LOGS if plan.stream_logs else 0) | (RESTART if plan.restart else 0)
+    flags |= SHM_RESULTS if plan.shm_results else 0
+    cid, lid = plan.id.encode(), plan.launch_id.encode()
+    return RUN_FIELDS.pack(flags, 0, 0, len(cid), len(lid)) + cid + lid
 
 
 def run_message(stream: int, fields: bytes, body: list[memoryview]) -> list[Any]:

@@ -230,6 +230,20 @@ class ReadResult:
         self.held = held[0]
         self._outcomes: list[RankOutcome] | None = None
 
+    @classmethod
+    def of(cls, outcomes: list[RankOutcome]) -> ReadResult:
+        """One pod's outcomes as a result read (a ``RUN``'s ``DONE``: ``linkframes.read_done``):
+        every rank started, none maps the call's argument file (a ``RUN`` has none)."""
+        read = cls.__new__(cls)
+        read.rows, read.runs, read.started, read.held, read._outcomes = [], [], True, 0, None
+        for o in outcomes:
+            data = o.data
+            if o.status is _OK and data is not None and type(data) is not ShmRef:
+                read.runs.append((o.rank, 1, o.pod, [data]))
+            else:
+                read.rows.append(o)
+        return read
+
     def all_ok(self) -> bool:
         """Every outcome is a value (none failed, was stopped or not reached)."""
         return all(o.status is _OK for o in self.rows)

@@ -165,6 +165,14 @@ class CallPlan:
         plan._check_call()
         return plan
 
+    def renamed(self, call_id: str) -> CallPlan:
+        """A copy of this plan (checked already, as :meth:`for_call` made it) for another call
+        with the same fields: only its id differs."""
+        plan: CallPlan = object.__new__(CallPlan)
+        vars(plan).update(vars(self))
+        plan.id = call_id
+        return plan
+
     @classmethod
     def from_meta(cls, meta: Any) -> CallPlan:
         """The plan from its decoded JSON object; a missing or null field is its default,

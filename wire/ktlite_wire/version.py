@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# 11: the caller sends its call to one pod that needs no plan as a RUN flagged COORDINATE
+#     over its link (the pod picks the process group; ``callerrun``), answered with a DONE;
+#     an older pod would run it in generation 0 as a member's share.
 # 10: a coordinator stops a call on the pods it sent it to with a STOP on their link, not a
 #     POST /cancel; an older pod would close the link at the first STOP as a malformed message.
 # 9: a coordinator sends its members that relay to no other pod a binary RUN over their
@@ -19,7 +22,7 @@ from __future__ import annotations
 #    (stale_launch; Launch.expect is gone). 4: typed JSON messages (launch, call result, rank
 #    channel), error codes; the pod server never unpickles. 3: chunked bodies, re-attachable
 #    calls, notices, shipped sources.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 # the ktlite release this wire ships with (``ktlite.__version__``; a pod server reports it)
 RELEASE = "0.1.0"
 
