@@ -21,6 +21,7 @@ import cloudpickle
 import pytest
 
 from ktlite_server import doorbell
+from ktlite_server.pod import Pod
 from ktlite_server.rankconn import RankConnection
 from ktlite_server.rankgather import Arrivals
 from ktlite_server.ranks import RankProcess
@@ -202,3 +203,34 @@ def test_a_rank_started_without_a_doorbell_still_reads_its_channel() -> None:
         server.sendall(b"".join(rankchannel.frame(_call(4))))
         msg = chan.recv()
     assert isinstance(msg, rankchannel.Call) and msg.id == "call-4"
+
+
+@pytest.mark.parametrize("procs", [1, 3])
+def test_a_pods_only_rank_waits_on_its_channel_and_several_on_the_bell(procs: int) -> None:
+    """One rank gains nothing from the bell (a ring wakes it alone): it blocks on its channel,
+    which a write wakes, and a call costs it and the pod server a system call less each."""
+
+    async def main() -> tuple[list[bool], list[int], list[int]]:
+        pod = Pod("bell-test", 0, procs)
+        await pod.prespawn()
+        try:
+            bundle = cloudpickle.dumps(functools.partial(operator.add, 1))
+            values, argc = [], []
+            for r in pod.ranks:
+                assert (await r.load(rankchannel.Load(env={}, bundle=bundle), LONG)).ok
+                result = await asyncio.wait_for(r.call(_call(r.local_rank)), LONG)
+                values.append(codec.loads(bytearray(result.inline or b"")))
+                with open(f"/proc/{r.pid}/cmdline") as f:
+                    argc.append(len(f.read().rstrip("\0").split("\0")))
+            return [r.bell is not None for r in pod.ranks], values, argc
+        finally:
+            for r in pod.ranks:
+                r.kill()
+            await asyncio.gather(*(r.wait_dead(LONG) for r in pod.ranks))
+            await asyncio.sleep(0)
+
+    belled, values, argc = asyncio.run(main())
+    assert values == [i + 1 for i in range(procs)]
+    assert belled == [procs > 1] * procs, belled
+    # python -m ktlite_server.rank FD [BELL_FD BIT]
+    assert argc == [4 if procs == 1 else 6] * procs, argc

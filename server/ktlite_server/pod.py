@@ -143,6 +143,7 @@ class Pod(PodCalls):
 
     async def _spawn(self, local_rank: int) -> RankProcess:
         rank = self.rank_type(local_rank, self.base_env, self._log)
+        rank.alone = (self.dep.config.procs(self.ordinal) if self.dep else self._prespawn) <= 1
         while len(self.ranks) <= local_rank:
             self.ranks.append(None)  # type: ignore[arg-type]
         old = self.ranks[local_rank]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import importlib.abc
 import importlib.util
 import inspect
@@ -27,6 +26,7 @@ from typing import Any
 
 from ktlite_server import argmaps, doorbell, logconfig, resultfeed, resultfiles, workdir
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
+from ktlite_server.rankrunners import Runners
 from ktlite_wire import codec, envelope, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
 from ktlite_wire.errors import RemoteExceptionInfo
@@ -113,10 +113,9 @@ class Rank:
         self.targets: dict[str, Any] = {}
         self.target_sources: dict[str, dict[str, tuple[str, str, bool]]] = {}
         self.concurrency = 1
-        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.runners: Runners | None = None  # the threads running calls (concurrency > 1)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
-        self.threads: dict[str, int] = {}  # call id -> the thread running it (concurrency > 1)
         self.inline: str | None = None  # the call running on the main thread (concurrency 1)
         self.generation = 0  # of the deployment's process group: see regroup()
         self.base_port: int | None = None
@@ -126,7 +125,7 @@ class Rank:
         self.tainted = False  # interrupted inside an import: see _result()
 
     def submit(self, msg: rankchannel.Call) -> None:
-        """Run a call: inline (one at a time) or on the pool of ``concurrency`` threads."""
+        """Run a call: inline (one at a time) or on up to ``concurrency`` threads."""
         if self.concurrency <= 1:
             try:
                 self.call(msg)
@@ -134,34 +133,27 @@ class Rank:
                 self.inline = None
                 self._result(msg.id, False, exception_info(exc), exc)
             return
-        if self.pool is None:
-            self.pool = concurrent.futures.ThreadPoolExecutor(
-                self.concurrency, thread_name_prefix="ktlite-call"
-            )
-        self.pool.submit(self._pooled, msg)
+        if self.runners is None:
+            self.runners = Runners(self.call, self.concurrency, CallInterrupted)
+        self.runners.submit(msg)
 
-    def _pooled(self, msg: rankchannel.Call) -> None:
-        self.threads[msg.id] = threading.get_ident()
-        try:
-            self.call(msg)
-        except CallInterrupted:
-            pass  # it arrived after the call's reply: nothing left to stop
-        finally:
-            self.threads.pop(msg.id, None)
+    def patience(self) -> float | None:
+        """How long the channel may be waited on before a queued call needs a thread."""
+        return self.runners.patience() if self.runners is not None else None
 
     def interrupt(self, call_id: str) -> None:
-        """Stop one call and leave the others running: its coroutine is cancelled, or its
-        thread gets CallInterrupted at its next Python instruction. The pod server kills the
-        process if the call has not ended after a grace period."""
+        """Stop one call and leave the others running: its coroutine is cancelled, its thread
+        gets CallInterrupted at its next Python instruction, or (not started yet) it is
+        answered as interrupted. The pod server kills the process if the call has not ended
+        after a grace period."""
         task = self.tasks.get(call_id)
         if task is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(task.cancel)
             return
-        ident = self.threads.get(call_id)
-        if ident is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(ident), ctypes.py_object(CallInterrupted)
-            )
+        queued = self.runners.interrupt(call_id) if self.runners is not None else None
+        if queued is not None:
+            exc = CallInterrupted("the call was stopped before it started")
+            self._result(call_id, False, exception_info(exc), exc)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The rank's own event loop (one thread, started at the first ``async def`` call):
@@ -212,9 +204,9 @@ class Rank:
         self.generation = 0
         self.target = None
         concurrency = max(1, msg.concurrency)
-        if concurrency != self.concurrency and self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
+        if concurrency != self.concurrency and self.runners is not None:
+            self.runners.close()
+            self.runners = None
         self.concurrency = concurrency
         sources = msg.sources
         if self.finder is not None:
@@ -468,9 +460,11 @@ def main() -> None:
     chan.send(rankchannel.Ready(os.getpid()))
     while True:
         try:
-            msg = chan.recv()
+            msg = chan.recv() if rank.runners is None else chan.recv(rank.patience())
         except EOFError:
             return
+        if msg is None:  # a queued call waited long enough: patience() gave it a thread
+            continue
         if isinstance(msg, rankchannel.Load):
             rank.load(msg)
         elif isinstance(msg, rankchannel.Call):

@@ -3,7 +3,7 @@
 Death is seen from the process itself (a pidfd, else the control socket's EOF), never by
 polling a result forever. stdout/stderr are read from pipes, so output of C extensions
 and subprocesses is captured too, and drained before a result is handed on so a call's
-last log lines always arrive before its result.
+last log lines always arrive before its result (``rankoutput``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import collections
 import contextlib
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any
 from ktlite_server import doorbell, resultfiles, resultmaps
 from ktlite_server.oomkills import killed as oom_killed
 from ktlite_server.rankconn import RankConnection
+from ktlite_server.rankoutput import RankOutput, pipes
 from ktlite_server.resultfeed import Feed, ResultLost
 from ktlite_wire import rankchannel
 from ktlite_wire.errors import ProtocolError
@@ -149,14 +149,16 @@ class RankProcess:
         self._conn: RankConnection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one its channel is on
         self.bell: doorbell.Doorbell | None = None  # what the process waits on, if not its channel
+        self.alone = False  # the pod's only rank: it waits on its channel (see start())
         self.bit = doorbell.Doorbell.bit(local_rank)
         self._pending: dict[
             str, asyncio.Future[Any]
         ] = {}  # "start", "load" or a call id -> its reply
         self._dead = asyncio.Event()
-        self._partial = {"out": b"", "err": b""}
-        self._fds: dict[int, str] = {}
-        self._poll = select.poll()
+        self._output = RankOutput(
+            lambda stream, line: self.on_log(self, stream, line), self.stderr_tail
+        )
+        self._heard = -1  # the pipes' drains when its last result was read (rankoutput.Pipes)
         self._pidfd: int | None = None
         self._oom: bool | None = None  # whether its death was an OOM kill, once known
         self._feeds: dict[str, Feed] = {}  # call id -> a result the rank still writes
@@ -171,7 +173,10 @@ class RankProcess:
         env = {**self.env, "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, "-m", "ktlite_server.rank", str(child.fileno())]
         fds = [child.fileno()]
-        self.bell = doorbell.shared()
+        # a pod's only rank blocks on its channel: a write wakes it as a ring would, and a ring
+        # and the rank's wait on it are two system calls a call more (the bell pays off when
+        # one ring wakes many ranks)
+        self.bell = None if self.alone else doorbell.shared()
         if self.bell is not None:  # the rank waits on it: see ring()
             argv += [str(self.bell.fd), str(self.bit)]
             fds.append(self.bell.fd)
@@ -185,14 +190,8 @@ class RankProcess:
             start_new_session=True,
         )
         child.close()
-        self._poll = select.poll()  # what drain_output asks: one syscall for both pipes
-        for f, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
-            assert f is not None
-            fd = f.fileno()
-            os.set_blocking(fd, False)
-            self._fds[fd] = name
-            self._poll.register(fd, select.POLLIN)
-            loop.add_reader(fd, self._on_output, fd)
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._output.attach(loop, self.proc.stdout.fileno(), self.proc.stderr.fileno())
         self._register("start")  # before the channel is read: Ready may come at once
         _, self._conn = await loop.create_unix_connection(
             lambda: RankConnection(self._on_message, self._on_bad, self._on_lost), sock=parent
@@ -363,6 +362,8 @@ class RankProcess:
             else None
         )
         future = self._pending.get(key) if key is not None else None
+        if isinstance(msg, rankchannel.Result):
+            self._heard = pipes().drains  # answer() drains unless a drain runs after this
         if isinstance(msg, rankchannel.Result) and msg.streaming:
             self._feeds[msg.id] = feed = Feed(self.global_rank, msg.size)
             if future is not None:
@@ -402,14 +403,11 @@ class RankProcess:
         if code is None and self._conn is not None and not self._conn.closed:
             return  # pidfd spurious wake-up
         self.exit_code = code
-        self.drain_output()
+        loop = asyncio.get_running_loop()
+        self._output.close(loop)  # what it wrote before it died comes before its death
         self._dead.set()
         resultfiles.remove_left(self.proc.pid)  # the result files it kept, if it was killed
         resultmaps.server().sweep()  # and this server's mappings of them
-        loop = asyncio.get_running_loop()
-        for fd in list(self._fds):
-            loop.remove_reader(fd)
-        self._fds.clear()
         for pipe in (self.proc.stdout, self.proc.stderr):  # drained above; don't wait for the GC
             if pipe is not None:
                 with contextlib.suppress(OSError):
@@ -443,45 +441,7 @@ class RankProcess:
             text += "; last stderr lines:\n" + "\n".join("    " + ln for ln in self.stderr_tail)
         return text
 
-    def _on_output(self, fd: int) -> None:
-        self._read_fd(fd)
-
-    def _read_fd(self, fd: int) -> None:
-        stream = self._fds.get(fd)
-        if stream is None:
-            return
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                asyncio.get_running_loop().remove_reader(fd)
-                self._fds.pop(fd, None)
-                with contextlib.suppress(KeyError):
-                    self._poll.unregister(fd)
-                self._emit(stream, self._partial[stream], final=True)
-                self._partial[stream] = b""
-                return
-            self._emit(stream, self._partial[stream] + data, final=False)
-
-    def _emit(self, stream: str, data: bytes, final: bool) -> None:
-        lines = data.split(b"\n")
-        self._partial[stream] = b"" if final else lines.pop()
-        for raw in lines:
-            if final and not raw:
-                continue
-            text = raw.decode("utf-8", "replace").rstrip("\r")
-            if stream == "err":
-                self.stderr_tail.append(text)
-            self.on_log(self, stream, text)
-
     def drain_output(self) -> None:
-        """Read whatever the rank already wrote, so its logs precede its result: the pipes
-        that have something, asked in one poll (a read of each empty pipe, raising, cost a
-        64-rank call 128 syscalls and exceptions)."""
-        if self._fds:
-            for fd, _ in self._poll.poll(0):
-                self._read_fd(fd)
+        """Read whatever the ranks already wrote, so a rank's logs precede its result: one poll
+        of every rank's pipes, unless one ran since this rank's last result was read."""
+        pipes().drain_after(self._heard)

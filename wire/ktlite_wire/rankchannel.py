@@ -19,9 +19,11 @@ instead (JSON cost more than the rest of a warm call's work in the rank)::
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +45,7 @@ MAX_MESSAGE = 64 << 30
 JOIN_MAX = 1 << 16  # messages up to this size are joined into one write
 PIECE = 1 << 20  # a longer message is read in pieces: its buffer grows with the bytes read
 READ = 1 << 16  # what one read of the rank's channel takes; a longer message gets its own buffer
+WAIT_S = 1.0  # a rank on its bell reads its channel at least this often (an EOF rings not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +346,7 @@ class Bell(Protocol):
     @property
     def generation(self) -> int: ...
 
-    def wait(self, generation: int, bit: int) -> None: ...
+    def wait(self, generation: int, bit: int, timeout: float = ...) -> None: ...
 
 
 class Channel:
@@ -372,9 +375,11 @@ class Channel:
             for p in parts:
                 self.sock.sendall(p)
 
-    def recv(self) -> Message:
-        """The next message (each in a writable buffer of its own)."""
+    def recv(self, timeout: float | None = None) -> Message | None:
+        """The next message (each in a writable buffer of its own); None once ``timeout``
+        seconds passed without one (a message begun is read whole)."""
         buf = self._buf
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if len(buf) >= LEN.size:
                 (n,) = LEN.unpack_from(buf)
@@ -389,23 +394,35 @@ class Channel:
                     have = buf[LEN.size :]
                     buf.clear()
                     return decode(self._rest(have, n))
-            self._fill()
+            if not self._fill(deadline):
+                return None
 
-    def _fill(self) -> None:
+    def _fill(self, deadline: float | None) -> bool:
+        """Read what came (False: nothing did before ``deadline``)."""
         bell = self.bell
         if bell is None or self._buf:  # a message's rest is on its way: no ring announces it
+            if deadline is not None and not self._buf and not self._readable(deadline):
+                return False
             k = self.sock.recv_into(self._chunk)
         else:
             if self._seen is not None:  # wait for a ring since the last read
-                bell.wait(self._seen, self.bit)
+                wait = WAIT_S if deadline is None else min(WAIT_S, deadline - time.monotonic())
+                if wait > 0:
+                    bell.wait(self._seen, self.bit, wait)
             self._seen = bell.generation
             try:
                 k = self.sock.recv_into(self._chunk, READ, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                return
+                return deadline is None or time.monotonic() < deadline
         if k == 0:
             raise EOFError("the pod server closed the control channel")
         self._buf += self._chunk_view[:k]
+        return True
+
+    def _readable(self, deadline: float) -> bool:
+        """Whether the socket has bytes (or its EOF) before ``deadline`` (no bell to wait on)."""
+        ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+        return bool(ready)
 
     def _rest(self, have: bytearray, n: int) -> bytearray:
         """A message of ``n`` bytes whose first ones are ``have``, read whole."""
