@@ -24,7 +24,7 @@ def shout(tag: str) -> str:
     return tag
 
 
-def test_every_answer_comes_after_its_ranks_lines_with_one_poll_a_batch() -> None:
+def test_every_answer_comes_after_its_ranks_lines_with_at_most_one_poll_a_batch() -> None:
     async def main() -> tuple[list[str], list[tuple[int, int, int]], list[str]]:
         lines: list[str] = []
         ranks = [
@@ -68,4 +68,5 @@ def test_every_answer_comes_after_its_ranks_lines_with_one_poll_a_batch() -> Non
     values, seen, (batches,) = asyncio.run(main())
     assert values == ["hello"] * 4
     assert all(n == 2 for _, n, _ in seen), f"an answer came before its rank's lines: {seen}"
-    assert seen[-1][2] == int(batches), f"{seen[-1][2]} polls for {batches} batches of answers"
+    # at most one poll a batch (a batch whose bytes were read before a drain ran needs none)
+    assert 1 <= seen[-1][2] <= int(batches), f"{seen[-1][2]} polls for {batches} batches of answers"
