@@ -36,6 +36,10 @@ from _rounds import clock
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Monarch's defaults give up on 64 procs started at a load of 20-40 on 2 cores ("failed to
+# configure process: Timeout"); the round's own timeout bounds it instead
+for _knob in ("PROC_SPAWN_MAX_IDLE", "ACTOR_SPAWN_MAX_IDLE", "ATTACH_CONFIG_TIMEOUT"):
+    os.environ.setdefault(f"HYPERACTOR_MESH_{_knob}", "300s")
 GONE_S = 30.0  # a stopped actor's process exits within this, or the round fails
 
 
@@ -114,23 +118,21 @@ def monarch_peer(most: int) -> Iterator[tuple[dict[str, Any], Callable[..., dict
         def pid(self) -> int:
             return os.getpid()
 
-    def spawn(n: int) -> tuple[Any, Any]:
-        procs = this_host().spawn_procs(per_host={"gpus": n})
-        return procs, procs.spawn("rank", Rank)
-
-    procs, _ = spawn(1)  # the host mesh comes up here: untimed, like ray.init()
+    procs = this_host().spawn_procs(per_host={"gpus": 1})  # the host mesh comes up: untimed,
+    procs.spawn("rank", Rank).pid.call().get()  # like ray.init()
     procs.stop().get()
     host = set(descendants(os.getpid()))  # what stays up between rounds (none seen in 0.7.0)
 
     def start(n: int, warm: int) -> dict[str, Any]:
         driver0 = _self_cpu()
         t = clock()
-        procs, ranks = spawn(n)
-        answers = ranks.pid.call().get()
-        wall = clock() - t
-        mine = [p for p in descendants(os.getpid()) if p not in host]
-        cpu, driver = cpu_seconds(mine), _self_cpu() - driver0
+        procs = this_host().spawn_procs(per_host={"gpus": n})
         try:
+            ranks = procs.spawn("rank", Rank)
+            answers = ranks.pid.call().get()
+            wall = clock() - t
+            mine = [p for p in descendants(os.getpid()) if p not in host]
+            cpu, driver = cpu_seconds(mine), _self_cpu() - driver0
             got = sorted(v for _, v in answers.items())
             if len(got) != n or not set(got) <= set(mine):
                 raise RuntimeError(
@@ -142,7 +144,7 @@ def monarch_peer(most: int) -> Iterator[tuple[dict[str, Any], Callable[..., dict
             pss = pss_mib(mine)
         finally:
             procs.stop().get()
-            _gone(mine, GONE_S)
+            _gone([p for p in descendants(os.getpid()) if p not in host], GONE_S)
         return {
             "wall_s": wall,
             "cpu_s": cpu,

@@ -82,6 +82,13 @@ def noop() -> None:
     return None
 
 
+def one_line(e: BaseException) -> str:
+    """An error in one line: a peer's carries its traceback; its first and last lines say it."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(e).__name__}: {text}"[:400]
+
+
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
@@ -232,7 +239,7 @@ class Bench:
                 self.peers[system] = peer
                 self.versions[engine] = peer.ready["version"]
             except Exception as e:  # noqa: BLE001 - the other rows still run
-                self.errors[system] = f"did not start: {type(e).__name__}: {e}"
+                self.errors[system] = f"did not start: {one_line(e)}"
                 log(f"{engine} FAILED to start: {e}")
         try:
             check = subprocess.run(
@@ -247,7 +254,7 @@ class Bench:
             self.torchrun = True
             torchrun(python, 1, ROUND_TIMEOUT)  # not counted: reads torch's files into the cache
         except Exception as e:  # noqa: BLE001 - the other rows still run
-            self.errors[TORCHRUN] = f"did not start: {type(e).__name__}: {e}"
+            self.errors[TORCHRUN] = f"did not start: {one_line(e)}"
             self.torchrun = False
 
     def systems(self, n: int) -> dict[str, Callable[[int], dict[str, Any]]]:
@@ -272,7 +279,7 @@ class Bench:
             taken = self.samples.setdefault(n, {s: [] for s in self.shown()})
 
             def failed(system: str, e: BaseException, n: int = n) -> None:
-                self.errors[f"{system}, {n} ranks"] = f"{type(e).__name__}: {e}"
+                self.errors[f"{system}, {n} ranks"] = one_line(e)
                 log(f"{n} ranks, {system} FAILED: {type(e).__name__}: {e}")
 
             def taking(
@@ -326,7 +333,8 @@ def table(bench: Bench) -> list[list[str]]:
         for system, got in systems.items():
             why = bench.errors.get(f"{system}, {n} ranks") or bench.errors.get(system)
             if not got:
-                rows.append([str(n), system, f"failed: {why or 'no rounds'}"[:110]])
+                short = (why or "no rounds").rsplit(" ... ", 1)[-1]
+                rows.append([str(n), system, f"failed: {short}"[:120]])
                 continue
             walls = [g["wall_s"] for g in got]
             cold = _fmt(_median(got, "wall_s"), "s")
