@@ -267,3 +267,24 @@ def _wait_gone(pid: int) -> None:
             return
         time.sleep(0.05)  # a process another one ends, polled with a bound
     raise AssertionError(f"process {pid} outlived its pod server by {LONG:.0f} s")
+
+
+def test_a_zygote_replaced_for_a_new_event_loop_is_not_counted_lost() -> None:
+    """A process that runs several event loops one after another (tests, a restarted loop)
+    gets a zygote on each; only zygotes that failed count against ``MAX_LOST``."""
+
+    async def one() -> bool:
+        rank = RankProcess(0, dict(os.environ), lambda *_: None)
+        try:
+            await rank.start(LONG)
+            return isinstance(rank.proc, rankzygote.ForkedProcess)
+        finally:
+            rank.kill()
+            await rank.wait_dead(LONG)
+
+    rankzygote.reset()
+    try:
+        forked = [asyncio.run(one()) for _ in range(rankzygote.MAX_LOST + 2)]
+    finally:
+        rankzygote.reset()
+    assert forked == [True] * (rankzygote.MAX_LOST + 2), forked

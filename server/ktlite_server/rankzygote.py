@@ -28,7 +28,7 @@ zygote that dies takes its ranks with it, and the pod server names that.
 The pod server side (:func:`shared`, :class:`Zygote`, :class:`ForkedProcess`) falls back to
 ``python -m ktlite_server.rank`` where there is no ``os.fork``/``pidfd_open``, where
 ``KTLITE_RANK_ZYGOTE=0``, where a rank is to start with another environment than the
-zygote's, and for good once a zygote failed to start.
+zygote's, and for good once a zygote failed to start or :data:`MAX_LOST` were lost.
 """
 
 from __future__ import annotations
@@ -52,12 +52,20 @@ logger = logging.getLogger(__name__)
 SPAWN_TIMEOUT_S = 30.0  # a fork answers in milliseconds; a zygote this late is replaced
 MAX_MSG = 1 << 16
 MAX_FDS = 8
+# this process's zygote, how many it lost, whether one failed to start, whether pidfds work
+_state: dict[str, Any] = {"zygote": None, "lost": 0, "failed": False, "pidfds": None}
 
 
 def available() -> bool:
     """Whether ranks may be forked here (Linux with pidfds, not switched off)."""
     if os.environ.get("KTLITE_RANK_ZYGOTE", "1") == "0":
         return False
+    if _state["pidfds"] is None:
+        _state["pidfds"] = _pidfds()
+    return bool(_state["pidfds"])
+
+
+def _pidfds() -> bool:
     if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
         return False
     try:  # a kernel (or a sandbox: gVisor, a seccomp profile) without them says so here
@@ -229,10 +237,10 @@ class Zygote:
             socket.send_fds(self.ctrl, [json.dumps({"spawn": key, "argv": argv}).encode()], fds)
             return await asyncio.wait_for(asyncio.shield(future), SPAWN_TIMEOUT_S)
         except asyncio.TimeoutError:
-            self.close(f"it did not fork a rank within {SPAWN_TIMEOUT_S:.0f} s")
+            self.close(f"it did not fork a rank within {SPAWN_TIMEOUT_S:.0f} s", lost=True)
             raise OSError("the rank zygote did not answer") from None
         except OSError as e:
-            self.close(f"a request to it failed: {e}")
+            self.close(f"a request to it failed: {e}", lost=True)
             raise
         finally:
             self._pending.pop(key, None)
@@ -244,10 +252,10 @@ class Zygote:
             except BlockingIOError:
                 return
             except OSError as e:
-                self.close(f"its socket failed: {e}")
+                self.close(f"its socket failed: {e}", lost=True)
                 return
             if not data:
-                self.close("it exited")
+                self.close("it exited", lost=True)
                 return
             msg = json.loads(data)
             if "exited" in msg:
@@ -269,14 +277,15 @@ class Zygote:
             if future is not None and not future.done():
                 future.set_exception(OSError(msg.get("error", "the rank zygote refused")))
 
-    def close(self, why: str = "") -> None:
+    def close(self, why: str = "", lost: bool = False) -> None:
         """Stop the zygote; its live ranks are killed (they would follow it anyway) and end
-        with SIGKILL's code."""
+        with SIGKILL's code. ``lost``: it failed (counted against :data:`MAX_LOST`)."""
         if self.closed:
             return
         self.closed = True
-        if why:
-            logger.warning("ktlite: the rank zygote (pid %s) was dropped: %s", self.proc.pid, why)
+        if lost:
+            _state["lost"] += 1
+            logger.warning("ktlite: the rank zygote (pid %s) was lost: %s", self.proc.pid, why)
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self.ctrl.fileno())
         self.ctrl.close()
@@ -293,15 +302,14 @@ class Zygote:
             self.proc.wait(5)
 
 
-MAX_STARTS = 3  # zygotes one pod server starts (one lost now and then is replaced)
-_state: dict[str, Any] = {"zygote": None, "starts": 0}
+MAX_LOST = 3  # zygotes a pod server may lose (one lost now and then is replaced)
 
 
 def shared(env: dict[str, str]) -> Zygote | None:
     """This pod server's zygote for ranks that start with ``env`` (started at the first), or
     None: fork is not available, the environment differs, a zygote failed to start, or
-    :data:`MAX_STARTS` were lost."""
-    if _state["starts"] > MAX_STARTS or not available():
+    :data:`MAX_LOST` were lost."""
+    if _state["failed"] or _state["lost"] >= MAX_LOST or not available():
         return None
     loop = asyncio.get_running_loop()
     z: Zygote | None = _state["zygote"]
@@ -310,26 +318,19 @@ def shared(env: dict[str, str]) -> Zygote | None:
             z.close()
         z = _state["zygote"] = None
     if z is None:
-        _state["starts"] += 1
-        if _state["starts"] > MAX_STARTS:
-            logger.warning(
-                "ktlite: %d rank zygotes were lost; ranks start as new processes", MAX_STARTS
-            )
-            return None
         try:
             z = _state["zygote"] = Zygote(env, loop)
         except OSError as e:
             logger.warning("ktlite: no rank zygote (%s); ranks start as new processes", e)
-            _state["starts"] = MAX_STARTS + 1
+            _state["failed"] = True
             return None
     return z if z.env == env else None
 
 
 def reset() -> None:
-    """Drop this process's zygote and its count (tests)."""
+    """Drop this process's zygote and what it remembers of lost ones (tests)."""
     z: Zygote | None = _state["zygote"]
-    _state["zygote"] = None
-    _state["starts"] = 0
+    _state.update(zygote=None, lost=0, failed=False)
     if z is not None:
         z.close()
 
