@@ -125,8 +125,12 @@ class LocalCall:
         arrivals = Arrivals(handle.call_id, calls)
         outcomes: dict[int, Outcome] = {}
         while arrivals.left:
-            for r, own, done in await arrivals.next():
-                o = self._settled(r, own, done)
+            for reply in await arrivals.next():  # each rank's output read already
+                r, own = reply.rank, reply.msg
+                try:
+                    o = self._outcome(r, own, r.check(own.id, reply.result()))
+                except RankGone as e:  # its death
+                    o = self._gone(r, own, e)
                 outcomes[o.rank] = o
                 if not r.running:
                     r.busy_since = None
@@ -146,16 +150,6 @@ class LocalCall:
             return self._gone(rank, msg, e)
         finally:
             rank.running.pop(handle.call_id, None)
-        return self._outcome(rank, msg, result)
-
-    def _settled(
-        self, rank: RankProcess, msg: rankchannel.Call, done: asyncio.Future[Any]
-    ) -> Outcome:
-        """The outcome of a reply :class:`Arrivals` gathered (or of the rank's death)."""
-        try:
-            result = rank.answer(msg.id, done.result())
-        except RankGone as e:
-            return self._gone(rank, msg, e)
         return self._outcome(rank, msg, result)
 
     def _gone(self, rank: RankProcess, msg: rankchannel.Call, e: RankGone) -> Outcome:

@@ -369,6 +369,11 @@ class Pod(PodCalls):
     def _needs_heal(self, r: RankProcess | None) -> bool:
         return r is not None and (r.stopping or not r.alive)
 
+    def _any_needs_heal(self) -> bool:
+        """Whether a rank needs :meth:`_heal` (asked before and after every call: inline, not
+        a call of :meth:`_needs_heal` per rank)."""
+        return any(r is not None and (r.stopping or not r.alive) for r in self.ranks)
+
     async def _heal(self) -> list[Outcome]:
         """Replace rank processes that died or that we killed; one heal at a time.
 
@@ -376,7 +381,7 @@ class Pod(PodCalls):
         max_restarts: a death during a call is that call's error, reported to its caller, and
         the next call gets a fresh process. A rank beyond the budget is reported, not restarted.
         """
-        if not any(self._needs_heal(r) for r in self.ranks) and not self._heal_lock.locked():
+        if not self._any_needs_heal() and not self._heal_lock.locked():
             return []  # the usual case before a call: nothing to replace
         async with self._heal_lock:
             dep = self.dep
@@ -439,7 +444,7 @@ class Pod(PodCalls):
 
     def reset(self) -> None:
         """A call failed elsewhere: restart this pod's dead ranks, if any, in the background."""
-        if any(self._needs_heal(r) for r in self.ranks):
+        if self._any_needs_heal():
             self._heal_later()
 
     async def restart_failed(self) -> dict[str, Any]:

@@ -5,59 +5,101 @@ then one ring of the pod's doorbell wakes them all (``doorbell``), and each repl
 resolved in the callback that read it (``rankconn``). With a task per rank (its own encode, write, drain
 and wait), a 64-rank call took the pod server ~7 ms to write its 64 messages on 2 cores:
 each write woke a rank that preempted the server before its next write (``bench/README.md``,
-64 ranks on one pod).
+64 ranks on one pod). A reply resolves its rank's :class:`Reply` in that callback too: not a future
+with two done callbacks (each a handle the loop schedules and runs), 64 of them a call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from typing import Any
 
+from ktlite_server import resultmaps
+from ktlite_server.rankoutput import pipes
 from ktlite_server.ranks import RankProcess
 from ktlite_wire import rankchannel
 
-Sent = tuple[RankProcess, rankchannel.Call, "asyncio.Future[Any]"]
+
+class Reply:
+    """One rank's reply to a gathered call (a :class:`~ktlite_server.ranks.Waiter`): resolved
+    in the callback that read it (or by the rank's death), which hands it to its
+    :class:`Arrivals` at once."""
+
+    __slots__ = ("rank", "msg", "_value", "_error", "_gather")
+
+    def __init__(self, rank: RankProcess, msg: rankchannel.Call, gather: Arrivals) -> None:
+        self.rank = rank
+        self.msg = msg
+        self._value: Any = None  # a reply (never None once it came)
+        self._error: BaseException | None = None
+        self._gather = gather
+
+    def done(self) -> bool:
+        return self._value is not None or self._error is not None
+
+    def set_result(self, value: Any, /) -> None:
+        if self._value is None and self._error is None:  # (done(), inline: once per rank)
+            self._value = value
+            self._gather._arrive(self)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        if self._value is None and self._error is None:
+            self._error = exception
+            self._gather._arrive(self)
+
+    def result(self) -> Any:
+        """The rank's reply; raises its death (RankGone)."""
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        return self._error
 
 
 class Arrivals:
     """Call ``call_id`` sent to each rank of ``sends`` (a rank and its own message); its
-    replies (or deaths) come from :meth:`next` in the order they arrive."""
+    replies (or deaths) come from :meth:`next` in the order they arrive, each batch once every
+    rank's output so far is read (a rank's log lines precede its result: ``rankoutput``)."""
 
     def __init__(self, call_id: str, sends: list[tuple[RankProcess, rankchannel.Call]]) -> None:
         self.call_id = call_id
         self.left = len(sends)
-        self._arrived: list[Sent] = []
+        self._arrived: list[Reply] = []
         self._wake: asyncio.Future[None] | None = None
-        self._sent: list[Sent] = []
-        frames: dict[int, list[Any]] = {}  # id(message) -> it encoded
+        self._sent: list[Reply] = []
         now = time.monotonic()
-        bells: dict[int, tuple[Any, int]] = {}  # each doorbell, rung once: the ranks it wakes
+        resultmaps.server().release()  # result files nothing sends from: the ranks may reuse
+        last: rankchannel.Call | None = None  # the last message encoded (usually every rank's)
+        frame: list[Any] = []
+        bells: dict[int, list[Any]] = {}  # each doorbell, rung once: [it, the ranks it wakes]
+        ring: list[Any] = [None, 0]
         for rank, msg in sends:
-            frame = frames.get(id(msg))
-            if frame is None:
-                frame = frames[id(msg)] = rankchannel.frame(msg)
+            if msg is not last:
+                last, frame = msg, rankchannel.frame(msg)
             rank.running[call_id] = now
-            future = rank.post(msg, frame, ring=False)
+            reply = Reply(rank, msg, self)
+            self._sent.append(reply)
+            rank.send(msg, reply, frame, ring=False)
             bell = rank.bell
             if bell is not None:
-                _, mask = bells.get(id(bell), (bell, 0))
-                bells[id(bell)] = (bell, mask | rank.bit)
-            sent = (rank, msg, future)
-            self._sent.append(sent)
-            future.add_done_callback(functools.partial(self._on_reply, sent))
+                if bell is not ring[0]:
+                    ring = bells.setdefault(id(bell), [bell, 0])
+                ring[1] |= rank.bit
         for bell, mask in bells.values():
             bell.ring(mask)
 
-    def _on_reply(self, sent: Sent, _: asyncio.Future[Any]) -> None:
-        sent[0].running.pop(self.call_id, None)  # even if nobody gathers them any more
-        self._arrived.append(sent)
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+    def _arrive(self, reply: Reply) -> None:
+        reply.rank.running.pop(self.call_id, None)  # even if nobody gathers them any more
+        self._arrived.append(reply)
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
-    async def next(self) -> list[Sent]:
-        """The replies that arrived since the last call (at least one; none once all have)."""
+    async def next(self) -> list[Reply]:
+        """The replies that arrived since the last call (at least one; none once all have),
+        once the ranks' pipes are drained (one poll for the batch)."""
         if not self.left:
             return []
         if not self._arrived:
@@ -65,8 +107,9 @@ class Arrivals:
             await self._wake
         batch, self._arrived = self._arrived, []
         self.left -= len(batch)
+        pipes().drain()
         return batch
 
     def waiting(self) -> list[RankProcess]:
         """The ranks whose reply has not come yet."""
-        return [rank for rank, _, future in self._sent if not future.done()]
+        return [reply.rank for reply in self._sent if not reply.done()]
