@@ -128,8 +128,10 @@ class LocalCall:
             for reply in await arrivals.next():  # each rank's output read already
                 r, own = reply.rank, reply.msg
                 try:
-                    o = self._outcome(r, own, r.check(own.id, reply.result()))
-                except RankGone as e:  # its death
+                    if reply.error is not None:
+                        raise reply.error
+                    o = self._outcome(r, own, r.check(own.id, reply.value))
+                except RankGone as e:  # its death, or a reply out of step
                     o = self._gone(r, own, e)
                 outcomes[o.rank] = o
                 if not r.running:
@@ -185,14 +187,15 @@ class LocalCall:
             return Outcome(
                 rank.global_rank, handle.stop_kind, message=handle.stop_reason, holds_args=held
             )
-        return Outcome(
+        return Outcome(  # by position (one per rank per call: keywords cost a dict)
             rank.global_rank,
             Status.OK if result.ok else Status.ERROR,
             result.inline,
-            path=result.path,
-            size=result.size,
-            feed=rank.feed(handle.call_id) if result.streaming else None,
-            holds_args=held,
+            "",  # message
+            result.path,
+            result.size,
+            rank.feed(handle.call_id) if result.streaming else None,  # feed
+            held,  # holds_args
         )
 
 

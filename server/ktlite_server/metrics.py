@@ -68,8 +68,8 @@ class CallMetrics:
             data = o.data
             if o.path is not None:
                 sent += o.size
-            elif data is not None:
-                sent += _nbytes(data)
+            elif data is not None:  # (usually a view of the bytes its rank sent)
+                sent += data.nbytes if type(data) is memoryview else _nbytes(data)
         self.sent += sent
 
 

@@ -26,36 +26,41 @@ class Reply:
     in the callback that read it (or by the rank's death), which hands it to its
     :class:`Arrivals` at once."""
 
-    __slots__ = ("rank", "msg", "_value", "_error", "_gather")
+    __slots__ = ("rank", "msg", "value", "error", "_gather")
 
     def __init__(self, rank: RankProcess, msg: rankchannel.Call, gather: Arrivals) -> None:
         self.rank = rank
         self.msg = msg
-        self._value: Any = None  # a reply (never None once it came)
-        self._error: BaseException | None = None
+        self.value: Any = None  # the rank's reply (never None once it came)
+        self.error: BaseException | None = None  # or its death (RankGone)
         self._gather = gather
 
     def done(self) -> bool:
-        return self._value is not None or self._error is not None
+        return self.value is not None or self.error is not None
 
     def set_result(self, value: Any, /) -> None:
-        if self._value is None and self._error is None:  # (done(), inline: once per rank)
-            self._value = value
-            self._gather._arrive(self)
+        if self.value is None and self.error is None:  # (done(), inline: once per rank)
+            self.value = value
+            gather = self._gather  # its arrival, inline as well (Arrivals._arrive)
+            self.rank.running.pop(gather.call_id, None)
+            gather._arrived.append(self)
+            wake = gather._wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
 
     def set_exception(self, exception: BaseException, /) -> None:
-        if self._value is None and self._error is None:
-            self._error = exception
+        if self.value is None and self.error is None:
+            self.error = exception
             self._gather._arrive(self)
 
     def result(self) -> Any:
         """The rank's reply; raises its death (RankGone)."""
-        if self._error is not None:
-            raise self._error
-        return self._value
+        if self.error is not None:
+            raise self.error
+        return self.value
 
     def exception(self) -> BaseException | None:
-        return self._error
+        return self.error
 
 
 class Arrivals:
@@ -91,6 +96,7 @@ class Arrivals:
             bell.ring(mask)
 
     def _arrive(self, reply: Reply) -> None:
+        """``reply`` came (what :meth:`Reply.set_result` does inline)."""
         reply.rank.running.pop(self.call_id, None)  # even if nobody gathers them any more
         self._arrived.append(reply)
         wake = self._wake

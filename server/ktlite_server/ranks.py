@@ -88,17 +88,19 @@ def keep(outs: list[Outcome]) -> Kept:
     collection that the new ones triggered (every ~150 calls) walked them all, a pause in a
     call's tail. A large value, or one its rank still writes, keeps its Outcome."""
     return tuple(
-        (
-            o.rank,
-            "ok" if o.status is _OK else _plain(o.status),  # (one call less, 64 times a call)
-            bytes(o.data) if o.data is not None else None,
-            o.message,
-            o.at,
-            o.holds_args,
-        )
-        if o.feed is None and o.path is None and (o.data is None or len(o.data) <= KEEP_INLINE)
-        else o
-        for o in outs
+        [  # (a list, not a generator: a generator is resumed once per rank)
+            (
+                o.rank,
+                "ok" if o.status is _OK else _plain(o.status),  # (one call less per rank)
+                bytes(o.data) if o.data is not None else None,
+                o.message,
+                o.at,
+                o.holds_args,
+            )
+            if o.feed is None and o.path is None and (o.data is None or len(o.data) <= KEEP_INLINE)
+            else o
+            for o in outs
+        ]
     )
 
 
@@ -167,6 +169,7 @@ class RankProcess:
             lambda stream, line: self.on_log(self, stream, line), self.stderr_tail
         )
         self._heard = -1  # the pipes' drains when its last result was read (rankoutput.Pipes)
+        self._pipes = pipes()  # (asked once: every result reads its drain count)
         self._pidfd: int | None = None
         self._oom: bool | None = None  # whether its death was an OOM kill, once known
         self._feeds: dict[str, Feed] = {}  # call id -> a result the rank still writes
@@ -376,7 +379,7 @@ class RankProcess:
 
     def _on_message(self, msg: rankchannel.Message) -> None:
         if type(msg) is rankchannel.Result:  # a call's reply: the one message of every call
-            self._heard = pipes().drains  # answer() drains unless a drain runs after this
+            self._heard = self._pipes.drains  # answer() drains unless a drain runs after this
             # taken off: nothing waits under a call id twice (a future's own callback also
             # forgets it, see post(); a gathered call's reply has none)
             waiter = self._pending.pop(msg.id, None)

@@ -157,7 +157,7 @@ class CallResult:
             values = run[3]
             first = values[0]
             same = len(values) > 1 and memoryview(first).nbytes <= SAME_MAX
-            same = same and all(v == first for v in values)
+            same = same and values.count(first) == len(values)  # (compared in C)
             run[3] = len(buffers)
             run.append(1 if same else len(values))
             buffers += [first] if same else values
