@@ -133,9 +133,7 @@ class LocalCall:
                     o = self._outcome(r, own, r.check(own.id, reply.value))
                 except RankGone as e:  # its death, or a reply out of step
                     o = self._gone(r, own, e)
-                outcomes[o.rank] = o
-                if not r.running:
-                    r.busy_since = None
+                outcomes[o.rank] = o  # (its rank's running and busy_since: see Arrivals)
                 if o.status is not Status.OK and not handle.stop_kind:
                     handle.stop_kind = Status.CANCELLED
                     handle.stop_reason = f"stopped because rank {o.rank} failed"

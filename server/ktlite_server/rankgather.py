@@ -1,12 +1,15 @@
 """One call sent to several of a pod's ranks at once, and their replies as they arrive.
 
 Every rank's message is written in one pass (a message shared by the ranks is encoded once),
-then one ring of the pod's doorbell wakes them all (``doorbell``), and each reply is a future
-resolved in the callback that read it (``rankconn``). With a task per rank (its own encode, write, drain
-and wait), a 64-rank call took the pod server ~7 ms to write its 64 messages on 2 cores:
-each write woke a rank that preempted the server before its next write (``bench/README.md``,
-64 ranks on one pod). A reply resolves its rank's :class:`Reply` in that callback too: not a future
-with two done callbacks (each a handle the loop schedules and runs), 64 of them a call.
+then one ring of the pod's doorbell wakes them all (``doorbell``). With a task per rank (its
+own encode, write, drain and wait), a 64-rank call took the pod server ~7 ms to write its 64
+messages on 2 cores: each write woke a rank that preempted the server before its next write
+(``bench/README.md``, 64 ranks on one pod).
+
+Each reply resolves its rank's :class:`Reply` in the protocol callback that read it
+(``rankconn``): not a future with two done callbacks (each a handle the loop schedules and
+runs, 64 of them a call). The task gathering them is woken once: by the last reply, or at
+once by a failure (issue 26, item 4: the pod server's CPU per rank).
 """
 
 from __future__ import annotations
@@ -41,9 +44,17 @@ class Reply:
     def set_result(self, value: Any, /) -> None:
         if self.value is None and self.error is None:  # (done(), inline: once per rank)
             self.value = value
-            gather = self._gather  # its arrival, inline as well (Arrivals._arrive)
-            self.rank.running.pop(gather.call_id, None)
+            # its arrival, inline as well (Arrivals._arrive, but a reply that is a value wakes
+            # the gatherer only if it is the last one due)
+            gather, rank = self._gather, self.rank
+            running = rank.running
+            running.pop(gather.call_id, None)
+            if not running:
+                rank.busy_since = None
             gather._arrived.append(self)
+            gather._due -= 1
+            if gather._due and type(value) is rankchannel.Result and value.ok:
+                return
             wake = gather._wake
             if wake is not None and not wake.done():
                 wake.set_result(None)
@@ -66,11 +77,13 @@ class Reply:
 class Arrivals:
     """Call ``call_id`` sent to each rank of ``sends`` (a rank and its own message); its
     replies (or deaths) come from :meth:`next` in the order they arrive, each batch once every
-    rank's output so far is read (a rank's log lines precede its result: ``rankoutput``)."""
+    rank's output so far is read (a rank's log lines precede its result: ``rankoutput``). A
+    rank whose reply came runs no call any more (``running``, ``busy_since``) from then."""
 
     def __init__(self, call_id: str, sends: list[tuple[RankProcess, rankchannel.Call]]) -> None:
         self.call_id = call_id
-        self.left = len(sends)
+        self.left = len(sends)  # replies not yet taken by next()
+        self._due = len(sends)  # replies not yet come
         self._arrived: list[Reply] = []
         self._wake: asyncio.Future[None] | None = None
         self._sent: list[Reply] = []
@@ -96,16 +109,23 @@ class Arrivals:
             bell.ring(mask)
 
     def _arrive(self, reply: Reply) -> None:
-        """``reply`` came (what :meth:`Reply.set_result` does inline)."""
-        reply.rank.running.pop(self.call_id, None)  # even if nobody gathers them any more
+        """``reply`` failed (what :meth:`Reply.set_result` does inline for a value)."""
+        rank = reply.rank
+        rank.running.pop(self.call_id, None)  # even if nobody gathers them any more
+        if not rank.running:
+            rank.busy_since = None
         self._arrived.append(reply)
+        self._due -= 1
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
 
     async def next(self) -> list[Reply]:
         """The replies that arrived since the last call (at least one; none once all have),
-        once the ranks' pipes are drained (one poll for the batch)."""
+        once the ranks' pipes are drained (one poll for the batch). It waits for every reply
+        due, or for one that is not a value (a failure, a death: the caller stops the others at
+        once): replies that are values wake nobody but the last (the task's wake-up, the
+        coroutines it resumes and the poll, once a call, not once per batch the loop read)."""
         if not self.left:
             return []
         if not self._arrived:
