@@ -326,14 +326,14 @@ def _decode_hot(view: memoryview, magic: bytes) -> Message:
         # decodes one Result per rank per call
         msg = Result(
             cid,  # id
-            bool(flags & _OK),  # ok
+            (flags & _OK) != 0,  # ok (a comparison, not a call of bool())
             view[pos:end] if flags & _INLINE else None,  # inline
             path,
             size,
-            bool(flags & _HAS_PG),  # has_pg
-            bool(flags & _TAINTED),  # tainted
-            bool(flags & _STREAMING),  # streaming
-            bool(flags & _RELEASED),  # released
+            (flags & _HAS_PG) != 0,  # has_pg
+            (flags & _TAINTED) != 0,  # tainted
+            (flags & _STREAMING) != 0,  # streaming
+            (flags & _RELEASED) != 0,  # released
         )
     if end != view.nbytes:
         raise ProtocolError(
