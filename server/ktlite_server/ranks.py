@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ktlite_server import doorbell, resultfiles, resultmaps
+from ktlite_server import doorbell, rankzygote, resultfiles, resultmaps
 from ktlite_server.oomkills import killed as oom_killed
 from ktlite_server.rankconn import RankConnection
 from ktlite_server.rankoutput import RankOutput, pipes
+from ktlite_server.rankzygote import ForkedProcess
 from ktlite_server.resultfeed import Feed, ResultLost
 from ktlite_wire import rankchannel
 from ktlite_wire.errors import ProtocolError
@@ -144,7 +145,7 @@ class RankProcess:
         self.global_rank = local_rank
         self.env = env
         self.on_log = on_log
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         self.loaded_env: dict[str, str] | None = None
         self.targets: set[str] = set()  # colocated targets loaded in this process
         self.exit_code: int | None = None
@@ -191,29 +192,53 @@ class RankProcess:
         if self.bell is not None:  # the rank waits on it: see ring()
             argv += [str(self.bell.fd), str(self.bit)]
             fds.append(self.bell.fd)
-        self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=fds,
-            env=env,
-            start_new_session=True,
-        )
-        child.close()
+        try:
+            self.proc = await self._fork(env, child) or subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=fds,
+                env=env,
+                start_new_session=True,
+            )
+        finally:
+            child.close()
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._output.attach(loop, self.proc.stdout.fileno(), self.proc.stderr.fileno())
         self._register("start")  # before the channel is read: Ready may come at once
         _, self._conn = await loop.create_unix_connection(
             lambda: RankConnection(self._on_message, self._on_bad, self._on_lost), sock=parent
         )
-        if hasattr(os, "pidfd_open"):
+        if hasattr(os, "pidfd_open") and not isinstance(self.proc, ForkedProcess):
             with contextlib.suppress(OSError):
                 self._pidfd = os.pidfd_open(self.proc.pid)
                 loop.add_reader(self._pidfd, self._on_exit)
         reply = await self._expect(timeout, "start")
         if not isinstance(reply, rankchannel.Ready):
             raise RankGone(f"rank process sent {reply!r} instead of Ready")
+
+    async def _fork(self, env: dict[str, str], child: socket.socket) -> ForkedProcess | None:
+        """The rank forked from the pod's zygote (``rankzygote``), or None: start it anew."""
+        zygote = rankzygote.shared(env)
+        if zygote is None:
+            return None
+        argv = ["chan"] + (["bell", str(self.bit)] if self.bell is not None else [])
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        proc = None
+        try:
+            proc = await zygote.spawn(
+                argv, child.fileno(), out_w, err_w, self.bell.fd if self.bell else None
+            )
+        except OSError:
+            return None
+        finally:
+            for fd in (out_w, err_w) if proc is not None else (out_w, err_w, out_r, err_r):
+                os.close(fd)
+        proc.stdout, proc.stderr = os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
+        proc.on_exit = self._on_exit  # the zygote reports its exit code (it is its parent)
+        return proc
 
     @property
     def alive(self) -> bool:
@@ -473,6 +498,9 @@ class RankProcess:
             self._oom = code == -signal.SIGKILL and oom_killed()
         oom = self._oom
         text = f"rank process {describe_exit(code, oom)}"
+        note = getattr(self.proc, "note", "")
+        if note:
+            text += f": {note}"
         if self.stderr_tail:
             text += "; last stderr lines:\n" + "\n".join("    " + ln for ln in self.stderr_tail)
         return text

@@ -71,6 +71,28 @@ def children(pid: int) -> list[int]:
     return sorted(set(out))
 
 
+def is_zygote(pid: int) -> bool:
+    """Whether ``pid`` is a pod server's rank zygote (``ktlite_server.rankzygote``)."""
+    try:
+        return b"ktlite_server.rankzygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def zygotes(server: int) -> list[int]:
+    """The rank zygotes of pod server ``server`` (one, once it started a rank)."""
+    return [c for c in children(server) if is_zygote(c)]
+
+
+def rank_processes(server: int) -> list[int]:
+    """The rank processes of pod server ``server``: forked by its zygote, or (where ranks
+    start as new processes) its own children."""
+    out: list[int] = []
+    for c in children(server):
+        out += children(c) if is_zygote(c) else [c]
+    return out
+
+
 def zombies(parents: Iterable[int]) -> list[int]:
     """Zombie children of any of ``parents``."""
     return [c for p in parents for c in children(p) if state_of(c) == "Z"]

@@ -240,7 +240,8 @@ def _kinds(pid: int) -> dict[str, int]:
 def _snapshot() -> dict[str, Any]:
     servers = _servers()
     spids = [pid for pids in servers.values() for pid in pids]
-    ranks = [c for pid in spids for c in hm.children(pid) if hm.alive(c)]
+    ranks = [c for pid in spids for c in hm.rank_processes(pid) if hm.alive(c)]
+    zygotes = [z for pid in spids for z in hm.zygotes(pid)]
     me = os.getpid()
     return {
         "servers": {pid: hm.usage(pid).row() for pid in spids},
@@ -249,7 +250,7 @@ def _snapshot() -> dict[str, Any]:
         "rank_pids": sorted(ranks),
         "rank_each": {pid: hm.usage(pid).row() for pid in ranks},
         "me": {**hm.usage(me).row(), "children": len([c for c in hm.children(me) if hm.alive(c)])},
-        "zombies": hm.zombies([*spids, me]),
+        "zombies": hm.zombies([*spids, *zygotes, me]),
     }
 
 

@@ -176,6 +176,16 @@ def what_user_code_sees() -> dict[str, Any]:
     file's mode, the service-account token, and which directories it can write."""
     import stat
 
+    def _pod_server_pid() -> int:
+        """The pod server's pid: this rank's parent, or its grandparent where the parent is
+        the pod's rank zygote (``ktlite_server.rankzygote``)."""
+        ppid = os.getppid()
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            if b"ktlite_server.rankzygote" not in f.read():
+                return ppid
+        with open(f"/proc/{ppid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
     def environ_names(pid: str) -> list[str]:
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
@@ -204,7 +214,7 @@ def what_user_code_sees() -> dict[str, Any]:
         "groups": os.getgroups(),
         "env_names": sorted(os.environ),
         "pid1_env_names": environ_names("1"),
-        "server_env_names": environ_names(str(os.getppid())),
+        "server_env_names": environ_names(str(_pod_server_pid())),
         "token_file_env": os.environ.get("KTLITE_TOKEN_FILE"),
         "token_file_mode": mode,
         "service_account_token": os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount"),

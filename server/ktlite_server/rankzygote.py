@@ -1,0 +1,338 @@
+"""Rank processes forked from a zygote: one warm interpreter per pod server that has imported
+everything a rank process imports, and forks each new rank instead of starting a Python.
+
+A rank started as ``python -m ktlite_server.rank`` costs ~90 ms of CPU and ~25 MB before it
+runs anything, and each of its calls runs in memory no other rank shares. Forked from one
+parent, the ranks of a pod share the interpreter's pages (its modules, code objects and their
+caches): measured on 2 cores, a no-op call cost each of 64 ranks 68 us exec'd and 34 us forked
+(``bench/README.md``, "Ranks forked from a zygote"), and a rank starts in a few milliseconds.
+
+The zygote (``python -m ktlite_server.rankzygote FD``) is started by the pod server with the
+environment every rank process starts with (the pod's own, as before: a deployment's rank
+environment arrives later, with its code). It imports the rank's modules, freezes its heap
+(``gc.freeze``: the children's collections leave those pages unwritten), and serves requests
+on a ``SOCK_SEQPACKET`` socketpair, one message each:
+
+    pod server -> zygote:  {"spawn": id, "argv": [...]} + fds (channel, stdout, stderr[, bell])
+    zygote -> pod server:  {"spawned": id, "pid": pid} + the child's pidfd
+                           {"failed": id, "error": text}
+                           {"exited": pid, "code": returncode}   (Popen's: -N for signal N)
+
+A forked child starts its own session (``setsid``), takes the three descriptors as stdin
+(``/dev/null``), stdout and stderr, closes the zygote's socket, and returns out of the
+zygote's loop into :func:`ktlite_server.rank.main`: the rank ends as a Python program does
+(its threads joined, ``atexit`` handlers run). The zygote reaps its children through their
+pidfds and reports each exit code; a rank sees its parent go (``rank._watch_parent``), so a
+zygote that dies takes its ranks with it, and the pod server names that.
+
+The pod server side (:func:`shared`, :class:`Zygote`, :class:`ForkedProcess`) falls back to
+``python -m ktlite_server.rank`` where there is no ``os.fork``/``pidfd_open``, where
+``KTLITE_RANK_ZYGOTE=0``, where a rank is to start with another environment than the
+zygote's, and for good once a zygote failed to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import IO, Any
+
+logger = logging.getLogger(__name__)
+
+SPAWN_TIMEOUT_S = 30.0  # a fork answers in milliseconds; a zygote this late is replaced
+MAX_MSG = 1 << 16
+MAX_FDS = 8
+
+
+def available() -> bool:
+    """Whether ranks may be forked here (Linux with pidfds, not switched off)."""
+    if os.environ.get("KTLITE_RANK_ZYGOTE", "1") == "0":
+        return False
+    if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
+        return False
+    try:  # a kernel (or a sandbox: gVisor, a seccomp profile) without them says so here
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
+
+
+# ---- the zygote's side ------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(msg).encode()
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def _serve(ctrl: socket.socket) -> list[str] | None:
+    """The zygote's loop: fork on request, report exits. Returns, in a forked child only, the
+    argv its rank runs with; in the zygote, None once the pod server is gone."""
+    sel = selectors.DefaultSelector()
+    sel.register(ctrl, selectors.EVENT_READ)
+    children: dict[int, int] = {}  # pidfd -> pid
+    ppid = os.getppid()
+    while True:
+        for key, _ in sel.select(timeout=1.0):
+            if key.fileobj is not ctrl:
+                pidfd = int(key.fd)
+                pid = children.pop(pidfd)
+                sel.unregister(pidfd)
+                os.close(pidfd)
+                _, status = os.waitpid(pid, 0)
+                _send(ctrl, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(ctrl, MAX_MSG, MAX_FDS)
+            except ConnectionError:
+                data, fds = b"", []
+            if not data:
+                return None  # the pod server is gone: its ranks follow us (their parent)
+            req = json.loads(data)
+            try:
+                pid = os.fork()
+            except OSError as e:
+                for fd in fds:
+                    os.close(fd)
+                _send(ctrl, {"failed": req["spawn"], "error": f"fork failed: {e}"})
+                continue
+            if pid == 0:
+                sel.close()
+                for pidfd in children:
+                    os.close(pidfd)
+                return _become_rank(ctrl, fds, req["argv"])
+            for fd in fds:
+                os.close(fd)
+            pidfd = os.pidfd_open(pid)
+            children[pidfd] = pid
+            sel.register(pidfd, selectors.EVENT_READ)
+            _send(ctrl, {"spawned": req["spawn"], "pid": pid}, [pidfd])
+        if os.getppid() != ppid:
+            return None  # orphaned without an EOF (the pod server's socket leaked somewhere)
+
+
+def _become_rank(ctrl: socket.socket, fds: list[int], argv: list[str]) -> list[str]:
+    """In a forked child: the rank's own session and standard streams, then its argv (the
+    channel's and bell's descriptors named by their numbers here)."""
+    ctrl.close()
+    os.setsid()
+    chan, out, err, *rest = fds
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in (devnull, out, err):
+        os.close(fd)
+    # the rank's argv names its descriptors by their numbers in this process
+    names = {"chan": chan, "bell": rest[0] if rest else -1}
+    return [str(names.get(a, a)) for a in argv]
+
+
+def main() -> None:
+    from ktlite_server import rank  # everything a rank imports, before any fork
+
+    ctrl = socket.socket(fileno=int(sys.argv[1]))
+    gc.collect()
+    gc.freeze()  # the children's collections never write to the zygote's objects' pages
+    argv = _serve(ctrl)
+    if argv is None:
+        return
+    sys.argv = [rank.__file__ or "ktlite_server.rank", *argv]
+    rank.main()
+
+
+# ---- the pod server's side --------------------------------------------------------------
+
+
+class ForkedProcess:
+    """What a rank's :class:`~ktlite_server.ranks.RankProcess` holds instead of a ``Popen``:
+    the pid, the read ends of its output pipes, its exit code once the zygote reported it."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self.pidfd = pidfd  # the zygote's, passed on: signals reach this process, never a reuse
+        self.stdout: IO[bytes] | None = None
+        self.stderr: IO[bytes] | None = None
+        self.returncode: int | None = None
+        self.note = ""  # why it ended, where its exit code cannot say (its zygote died)
+        self.on_exit: Callable[[], None] | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None and self.pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def _exited(self, code: int, note: str = "") -> None:
+        if self.returncode is not None:
+            return
+        self.returncode = code
+        self.note = note
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.on_exit is not None:
+            self.on_exit()
+
+
+class Zygote:
+    """The pod server's handle on its zygote, on one event loop."""
+
+    def __init__(self, env: dict[str, str], loop: asyncio.AbstractEventLoop) -> None:
+        self.env = env
+        self.loop = loop
+        self.ctrl, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ktlite_server.rankzygote", str(child.fileno())],
+                stdin=subprocess.DEVNULL,
+                pass_fds=[child.fileno()],
+                env=env,
+            )
+        finally:
+            child.close()
+        self.ctrl.setblocking(False)
+        self._next = 0
+        self._pending: dict[int, asyncio.Future[ForkedProcess]] = {}
+        self.children: dict[int, ForkedProcess] = {}
+        self.closed = False
+        loop.add_reader(self.ctrl.fileno(), self._readable)
+
+    async def spawn(
+        self, argv: list[str], chan: int, out: int, err: int, bell: int | None
+    ) -> ForkedProcess:
+        """Fork a rank (``argv`` may say ``chan``/``bell`` for their descriptors' numbers
+        there). Raises OSError when the zygote cannot (the caller starts it the old way)."""
+        if self.closed:
+            raise OSError("the rank zygote is gone")
+        self._next += 1
+        key = self._next
+        future: asyncio.Future[ForkedProcess] = self.loop.create_future()
+        self._pending[key] = future
+        fds = [chan, out, err] + ([bell] if bell is not None else [])
+        try:
+            socket.send_fds(self.ctrl, [json.dumps({"spawn": key, "argv": argv}).encode()], fds)
+            return await asyncio.wait_for(asyncio.shield(future), SPAWN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.close(f"it did not fork a rank within {SPAWN_TIMEOUT_S:.0f} s")
+            raise OSError("the rank zygote did not answer") from None
+        except OSError as e:
+            self.close(f"a request to it failed: {e}")
+            raise
+        finally:
+            self._pending.pop(key, None)
+
+    def _readable(self) -> None:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.ctrl, MAX_MSG, MAX_FDS)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self.close(f"its socket failed: {e}")
+                return
+            if not data:
+                self.close("it exited")
+                return
+            msg = json.loads(data)
+            if "exited" in msg:
+                proc = self.children.pop(msg["exited"], None)
+                if proc is not None:
+                    proc._exited(int(msg["code"]))
+                continue
+            future = self._pending.get(msg.get("spawned", msg.get("failed")))
+            if "spawned" in msg and fds:
+                # known before any later message: its exit may be the next one
+                proc = self.children[int(msg["pid"])] = ForkedProcess(int(msg["pid"]), fds[0])
+                if future is not None and not future.done():
+                    future.set_result(proc)
+                else:  # its request gave up waiting: nobody will use it
+                    proc.kill()
+                continue
+            for fd in fds:
+                os.close(fd)
+            if future is not None and not future.done():
+                future.set_exception(OSError(msg.get("error", "the rank zygote refused")))
+
+    def close(self, why: str = "") -> None:
+        """Stop the zygote; its live ranks are killed (they would follow it anyway) and end
+        with SIGKILL's code."""
+        if self.closed:
+            return
+        self.closed = True
+        if why:
+            logger.warning("ktlite: the rank zygote (pid %s) was dropped: %s", self.proc.pid, why)
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self.ctrl.fileno())
+        self.ctrl.close()
+        for proc in list(self.children.values()):
+            proc.kill()
+            proc._exited(-signal.SIGKILL, f"the pod's rank zygote, its parent, was lost ({why})")
+        self.children.clear()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(OSError(f"the rank zygote is gone: {why}"))
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+MAX_STARTS = 3  # zygotes one pod server starts (one lost now and then is replaced)
+_state: dict[str, Any] = {"zygote": None, "starts": 0}
+
+
+def shared(env: dict[str, str]) -> Zygote | None:
+    """This pod server's zygote for ranks that start with ``env`` (started at the first), or
+    None: fork is not available, the environment differs, a zygote failed to start, or
+    :data:`MAX_STARTS` were lost."""
+    if _state["starts"] > MAX_STARTS or not available():
+        return None
+    loop = asyncio.get_running_loop()
+    z: Zygote | None = _state["zygote"]
+    if z is not None and (z.closed or z.loop is not loop or z.loop.is_closed()):
+        if not z.closed and z.loop is not loop:
+            z.close()
+        z = _state["zygote"] = None
+    if z is None:
+        _state["starts"] += 1
+        if _state["starts"] > MAX_STARTS:
+            logger.warning(
+                "ktlite: %d rank zygotes were lost; ranks start as new processes", MAX_STARTS
+            )
+            return None
+        try:
+            z = _state["zygote"] = Zygote(env, loop)
+        except OSError as e:
+            logger.warning("ktlite: no rank zygote (%s); ranks start as new processes", e)
+            _state["starts"] = MAX_STARTS + 1
+            return None
+    return z if z.env == env else None
+
+
+def reset() -> None:
+    """Drop this process's zygote and its count (tests)."""
+    z: Zygote | None = _state["zygote"]
+    _state["zygote"] = None
+    _state["starts"] = 0
+    if z is not None:
+        z.close()
+
+
+if __name__ == "__main__":
+    main()
