@@ -24,13 +24,14 @@ from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Colocated, Deployment, layout_of
 from ktlite_server.engine import Engine, EngineError
 from ktlite_server.gate import Gate
+from ktlite_server.keptoutcomes import Kept
 from ktlite_server.localcall import CallHandle
 from ktlite_server.metrics import CallMetrics
 from ktlite_server.monarchhost import MonarchHost
 from ktlite_server.peers import PeerPool
 from ktlite_server.podcalls import LogEmit, PodCalls
 from ktlite_server.podstatus import pod_status
-from ktlite_server.ranks import Kept, Outcome, RankGone, RankProcess
+from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
 from ktlite_server.usage import GpuQuery, ProcessUsage
 from ktlite_wire import privatefiles, rankchannel
