@@ -209,8 +209,8 @@ def test_a_forked_ranks_output_reaches_the_pod_before_its_result() -> None:
             await _load(rank, shout)
             data = codec.dumps((None, ("hi",), {}))
             arrivals = Arrivals("c1", [(rank, rankchannel.Call("c1", data, size=len(data)))])
-            ((r, msg, done),) = await asyncio.wait_for(arrivals.next(), LONG)
-            result = r.answer(msg.id, done.result())
+            (reply,) = await asyncio.wait_for(arrivals.next(), LONG)  # its output read first
+            result = reply.rank.check(reply.msg.id, reply.result())
             return list(lines), codec.loads(bytearray(result.inline or b""))
         finally:
             rank.kill()
