@@ -78,7 +78,8 @@ class Arrivals:
     """Call ``call_id`` sent to each rank of ``sends`` (a rank and its own message); its
     replies (or deaths) come from :meth:`next` in the order they arrive, each batch once every
     rank's output so far is read (a rank's log lines precede its result: ``rankoutput``). A
-    rank whose reply came runs no call any more (``running``, ``busy_since``) from then."""
+    rank's part of the call ends with its reply (``running``; ``busy_since`` once it runs no
+    other call)."""
 
     def __init__(self, call_id: str, sends: list[tuple[RankProcess, rankchannel.Call]]) -> None:
         self.call_id = call_id
