@@ -109,6 +109,19 @@ class SimRank(RankProcess):
         """A call sent with others (the pod's fan-out): it runs as a task of its own."""
         return asyncio.get_running_loop().create_task(self.call(msg))
 
+    def send(self, msg: rankchannel.Call, reply: Any, frame: Any = None, ring: bool = True) -> None:
+        """A call sent with others, its reply gathered (``rankgather``): a task of its own."""
+
+        def done(task: asyncio.Task[rankchannel.Result]) -> None:
+            if task.cancelled():
+                reply.set_exception(RankGone(self.death_message()))
+            elif task.exception() is not None:
+                reply.set_exception(task.exception())
+            else:
+                reply.set_result(task.result())
+
+        asyncio.get_running_loop().create_task(self.call(msg)).add_done_callback(done)
+
     async def call(self, msg: rankchannel.Call) -> rankchannel.Result:
         if not self.alive:
             raise RankGone(self.death_message())

@@ -1,5 +1,5 @@
 """A finished call's outcomes, kept by the pod to answer a duplicate delivery of the call
-(``ranks.keep`` / ``ranks.kept``), are plain values the garbage collector does not track: with
+(``keptoutcomes.keep`` / ``keptoutcomes.kept``), are plain values the garbage collector does not track: with
 64 ranks, 256 kept calls as Outcome objects were 50,000 tracked objects that every full
 collection walked, a pause in a call's tail (issue 26, item 4)."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import gc
 
-from ktlite_server.ranks import KEEP_INLINE, Outcome, keep, kept
+from ktlite_server.keptoutcomes import KEEP_INLINE, keep, kept
+from ktlite_server.ranks import Outcome
 from ktlite_wire.status import Status
 
 

@@ -174,14 +174,14 @@ def test_a_call_to_many_ranks_is_written_to_all_then_rung_once() -> None:
             arrivals = Arrivals("call-7", [(r, _call(7)) for r in ranks])
             values: list[int] = []
             while arrivals.left:
-                for r, msg, done in await asyncio.wait_for(arrivals.next(), LONG):
-                    result = r.answer(msg.id, done.result())
+                for reply in await asyncio.wait_for(arrivals.next(), LONG):
+                    result = reply.rank.check(reply.msg.id, reply.result())
                     values.append(codec.loads(bytearray(result.inline or b"")))
             rings = bell.rings - before
             ranks[3].kill()
             await ranks[3].wait_dead(LONG)
             arrivals = Arrivals("call-8", [(ranks[3], _call(8))])
-            ((_, _, done),) = await asyncio.wait_for(arrivals.next(), LONG)
+            (done,) = await asyncio.wait_for(arrivals.next(), LONG)
             death = str(done.exception())
             return rings, values, death
         finally:

@@ -53,8 +53,9 @@ def test_every_answer_comes_after_its_ranks_lines_with_at_most_one_poll_a_batch(
             while arrivals.left:
                 batch = await asyncio.wait_for(arrivals.next(), LONG)
                 batches += 1
-                for r, msg, done in batch:
-                    result = r.answer(msg.id, done.result())
+                for reply in batch:
+                    r = reply.rank
+                    result = r.check(reply.msg.id, reply.result())
                     values.append(codec.loads(bytearray(result.inline or b"")))
                     mine = [ln for ln in lines if ln.startswith(f"hello from rank {r.local_rank},")]
                     seen.append((r.local_rank, len(mine), pipes().drains - before))

@@ -25,6 +25,15 @@ pytestmark = pytest.mark.skipif(not rankzygote.available(), reason="needs os.for
 LONG = 60.0
 
 
+@pytest.fixture(autouse=True)
+def _fresh_zygote() -> None:
+    """Each test starts with no zygote and none lost: every earlier test in this process that
+    started ranks on its own event loop counted as a lost zygote (``rankzygote.shared``), and
+    after MAX_STARTS of them ranks were exec'd, not forked (seen with test_rank_doorbell.py and
+    test_rank_output.py before this file in one worker)."""
+    rankzygote.reset()
+
+
 def _parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -209,8 +218,8 @@ def test_a_forked_ranks_output_reaches_the_pod_before_its_result() -> None:
             await _load(rank, shout)
             data = codec.dumps((None, ("hi",), {}))
             arrivals = Arrivals("c1", [(rank, rankchannel.Call("c1", data, size=len(data)))])
-            ((r, msg, done),) = await asyncio.wait_for(arrivals.next(), LONG)
-            result = r.answer(msg.id, done.result())
+            (reply,) = await asyncio.wait_for(arrivals.next(), LONG)  # its output read first
+            result = reply.rank.check(reply.msg.id, reply.result())
             return list(lines), codec.loads(bytearray(result.inline or b""))
         finally:
             rank.kill()

@@ -255,6 +255,17 @@ def test_statuses_are_their_own_json() -> None:
         ),
         rankchannel.Call(id="c2", path="/dev/shm/ktlite-arg-x", size=10, item_at=[4, 6]),
         rankchannel.Result(id="c1", ok=True, inline=b"value", has_pg=True, tainted=False),
+        # every field apart from its neighbours (the pod server decodes a Result by position)
+        rankchannel.Result(
+            id="c3",
+            ok=False,
+            path="/dev/shm/ktlite-res-y",
+            size=99,
+            tainted=True,
+            streaming=True,
+            released=True,
+        ),
+        rankchannel.Result(id="c4", ok=True, inline=b"", size=7, has_pg=True, released=True),
         rankchannel.Interrupt("c1"),
         rankchannel.Exit(),
     ],

@@ -125,11 +125,15 @@ class LocalCall:
         arrivals = Arrivals(handle.call_id, calls)
         outcomes: dict[int, Outcome] = {}
         while arrivals.left:
-            for r, own, done in await arrivals.next():
-                o = self._settled(r, own, done)
-                outcomes[o.rank] = o
-                if not r.running:
-                    r.busy_since = None
+            for reply in await arrivals.next():  # each rank's output read already
+                r, own = reply.rank, reply.msg
+                try:
+                    if reply.error is not None:
+                        raise reply.error
+                    o = self._outcome(r, own, r.check(own.id, reply.value))
+                except RankGone as e:  # its death, or a reply out of step
+                    o = self._gone(r, own, e)
+                outcomes[o.rank] = o  # (its rank's running and busy_since: see Arrivals)
                 if o.status is not Status.OK and not handle.stop_kind:
                     handle.stop_kind = Status.CANCELLED
                     handle.stop_reason = f"stopped because rank {o.rank} failed"
@@ -146,16 +150,6 @@ class LocalCall:
             return self._gone(rank, msg, e)
         finally:
             rank.running.pop(handle.call_id, None)
-        return self._outcome(rank, msg, result)
-
-    def _settled(
-        self, rank: RankProcess, msg: rankchannel.Call, done: asyncio.Future[Any]
-    ) -> Outcome:
-        """The outcome of a reply :class:`Arrivals` gathered (or of the rank's death)."""
-        try:
-            result = rank.answer(msg.id, done.result())
-        except RankGone as e:
-            return self._gone(rank, msg, e)
         return self._outcome(rank, msg, result)
 
     def _gone(self, rank: RankProcess, msg: rankchannel.Call, e: RankGone) -> Outcome:
@@ -191,14 +185,15 @@ class LocalCall:
             return Outcome(
                 rank.global_rank, handle.stop_kind, message=handle.stop_reason, holds_args=held
             )
-        return Outcome(
+        return Outcome(  # by position (one per rank per call: keywords cost a dict)
             rank.global_rank,
             Status.OK if result.ok else Status.ERROR,
             result.inline,
-            path=result.path,
-            size=result.size,
-            feed=rank.feed(handle.call_id) if result.streaming else None,
-            holds_args=held,
+            "",  # message
+            result.path,
+            result.size,
+            rank.feed(handle.call_id) if result.streaming else None,  # feed
+            held,  # holds_args
         )
 
 

@@ -36,6 +36,7 @@ from ktlite_wire.status import Status
 BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 BUCKETS += (2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 _WORST = (Status.DIED, Status.ERROR, Status.TIMEOUT, Status.CANCELLED)
+_OK, _ERROR = Status.OK, Status.ERROR
 
 
 class CallMetrics:
@@ -51,8 +52,9 @@ class CallMetrics:
     def ended(self, outcomes: list[Any], seconds: float, payload: Any, path: str | None) -> None:
         """One call's end: its outcomes (this pod's ranks'), how long it took here, and its
         argument (a buffer, or the shared-memory file ``path`` it landed in)."""
-        statuses = {o.status for o in outcomes} or {Status.ERROR}  # none: the pod failed it
-        worst = next((s for s in _WORST if s in statuses), Status.OK)
+        # the worst status: a set of them hashed each member (Enum's __hash__, a Python call)
+        bad = [o.status for o in outcomes if o.status is not _OK] if outcomes else [_ERROR]
+        worst = next((s for s in _WORST if s in bad), _OK) if bad else _OK
         self.outcomes[worst.value] += 1
         self.buckets[bisect.bisect_left(BUCKETS, seconds)] += 1
         self.seconds += seconds
@@ -61,8 +63,14 @@ class CallMetrics:
                 self.received += os.stat(path).st_size
         else:
             self.received += _nbytes(payload)
+        sent = 0
         for o in outcomes:
-            self.sent += o.size if o.path is not None else _nbytes(o.data)
+            data = o.data
+            if o.path is not None:
+                sent += o.size
+            elif data is not None:  # (usually a view of the bytes its rank sent)
+                sent += data.nbytes if type(data) is memoryview else _nbytes(data)
+        self.sent += sent
 
 
 def _nbytes(data: Any) -> int:

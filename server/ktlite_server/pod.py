@@ -24,13 +24,14 @@ from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Colocated, Deployment, layout_of
 from ktlite_server.engine import Engine, EngineError
 from ktlite_server.gate import Gate
+from ktlite_server.keptoutcomes import Kept
 from ktlite_server.localcall import CallHandle
 from ktlite_server.metrics import CallMetrics
 from ktlite_server.monarchhost import MonarchHost
 from ktlite_server.peers import PeerPool
 from ktlite_server.podcalls import LogEmit, PodCalls
 from ktlite_server.podstatus import pod_status
-from ktlite_server.ranks import Kept, Outcome, RankGone, RankProcess
+from ktlite_server.ranks import Outcome, RankGone, RankProcess
 from ktlite_server.raynode import RayNode
 from ktlite_server.usage import GpuQuery, ProcessUsage
 from ktlite_wire import privatefiles, rankchannel
@@ -369,6 +370,14 @@ class Pod(PodCalls):
     def _needs_heal(self, r: RankProcess | None) -> bool:
         return r is not None and (r.stopping or not r.alive)
 
+    def _any_needs_heal(self) -> bool:
+        """Whether a rank needs :meth:`_heal` (asked before and after every call: a loop, not
+        ``any`` over :meth:`_needs_heal`: two calls a rank fewer)."""
+        for r in self.ranks:  # noqa: SIM110 - any() resumes a generator once per rank
+            if r is not None and (r.stopping or not r.alive):
+                return True
+        return False
+
     async def _heal(self) -> list[Outcome]:
         """Replace rank processes that died or that we killed; one heal at a time.
 
@@ -376,7 +385,7 @@ class Pod(PodCalls):
         max_restarts: a death during a call is that call's error, reported to its caller, and
         the next call gets a fresh process. A rank beyond the budget is reported, not restarted.
         """
-        if not any(self._needs_heal(r) for r in self.ranks) and not self._heal_lock.locked():
+        if not self._any_needs_heal() and not self._heal_lock.locked():
             return []  # the usual case before a call: nothing to replace
         async with self._heal_lock:
             dep = self.dep
@@ -439,7 +448,7 @@ class Pod(PodCalls):
 
     def reset(self) -> None:
         """A call failed elsewhere: restart this pod's dead ranks, if any, in the background."""
-        if any(self._needs_heal(r) for r in self.ranks):
+        if self._any_needs_heal():
             self._heal_later()
 
     async def restart_failed(self) -> dict[str, Any]:

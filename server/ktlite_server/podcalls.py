@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Deployment
 from ktlite_server.gate import Gate
+from ktlite_server.keptoutcomes import Kept, keep, kept
 from ktlite_server.localcall import CallHandle, LocalCall, stop_rank
 from ktlite_server.metrics import CallMetrics
 from ktlite_server.rank import PORT_SPAN
-from ktlite_server.ranks import Kept, Outcome, RankProcess, keep, kept
+from ktlite_server.ranks import Outcome, RankProcess
 from ktlite_wire import shm
 from ktlite_wire.distenv import port_free
 from ktlite_wire.status import Status

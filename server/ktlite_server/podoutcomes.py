@@ -16,11 +16,14 @@ from ktlite_server.resultfeed import take
 from ktlite_wire.outcome import RankOutcome, ShmRef
 from ktlite_wire.status import Status
 
+_new = tuple.__new__
+
 
 def to_wire(pod: str, outs: list[Outcome], shm_results: bool) -> list[RankOutcome]:
     """The rows of pod ``pod``'s answer for ``outs``."""
     return [
-        RankOutcome(o.rank, pod, o.status, o.data, o.message, o.at)
+        # the tuple made directly: a NamedTuple's own __new__ is a Python call, once per rank
+        _new(RankOutcome, (o.rank, pod, o.status, o.data, o.message, o.at))
         if o.path is None
         else _large(pod, o, shm_results)
         for o in outs

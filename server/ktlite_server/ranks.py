@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ktlite_server import doorbell, rankzygote, resultfiles, resultmaps
 from ktlite_server.oomkills import killed as oom_killed
@@ -32,6 +32,15 @@ from ktlite_wire.errors import ProtocolError
 from ktlite_wire.status import Status
 
 LogSink = Callable[["RankProcess", str, str], None]
+
+
+class Waiter(Protocol):
+    """What waits for a reply under a key (a future, or a gathered call's ``rankgather.Reply``):
+    resolved with the rank's message, or failed with its death."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: Any, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
 
 
 @dataclass
@@ -66,46 +75,6 @@ async def settled(outs: list[Outcome]) -> list[Outcome]:
                 o = Outcome(o.rank, Status.DIED, message=str(e), at=time.time())
         settled.append(o)
     return settled
-
-
-KEEP_INLINE = 4096  # a kept outcome's value up to this size is copied into plain bytes
-Kept = tuple[Any, ...]  # a finished call's outcomes as plain values: see keep()
-
-
-def keep(outs: list[Outcome]) -> Kept:
-    """A finished call's outcomes, kept to answer a duplicate delivery of the call, as tuples
-    of plain values (the collector stops tracking those), not an Outcome, a view and its
-    buffer per rank: with 64 ranks, 256 kept calls were 50,000 tracked objects, and each full
-    collection that the new ones triggered (every ~150 calls) walked them all, a pause in a
-    call's tail. A large value, or one its rank still writes, keeps its Outcome."""
-    return tuple(
-        (
-            o.rank,
-            _plain(o.status),
-            bytes(o.data) if o.data is not None else None,
-            o.message,
-            o.at,
-            o.holds_args,
-        )
-        if o.feed is None and o.path is None and (o.data is None or len(o.data) <= KEEP_INLINE)
-        else o
-        for o in outs
-    )
-
-
-def _plain(status: Status | str) -> str:
-    """A status as a plain ``str`` (an enum member is a tracked object; its value is not)."""
-    return status.value if isinstance(status, Status) else str(status)
-
-
-def kept(outs: Kept) -> list[Outcome]:
-    """The outcomes :func:`keep` kept."""
-    return [
-        o
-        if isinstance(o, Outcome)
-        else Outcome(o[0], Status(o[1]), o[2], o[3], at=o[4], holds_args=o[5])
-        for o in outs
-    ]
 
 
 class RankGone(Exception):
@@ -152,14 +121,13 @@ class RankProcess:
         self.bell: doorbell.Doorbell | None = None  # what the process waits on, if not its channel
         self.alone = False  # the pod's only rank: it waits on its channel (see start())
         self.bit = doorbell.Doorbell.bit(local_rank)
-        self._pending: dict[
-            str, asyncio.Future[Any]
-        ] = {}  # "start", "load" or a call id -> its reply
+        self._pending: dict[str, Waiter] = {}  # "start", "load" or a call id -> its reply
         self._dead = asyncio.Event()
         self._output = RankOutput(
             lambda stream, line: self.on_log(self, stream, line), self.stderr_tail
         )
         self._heard = -1  # the pipes' drains when its last result was read (rankoutput.Pipes)
+        self._pipes = pipes()  # (asked once: every result reads its drain count)
         self._pidfd: int | None = None
         self._oom: bool | None = None  # whether its death was an OOM kill, once known
         self._feeds: dict[str, Feed] = {}  # call id -> a result the rank still writes
@@ -275,25 +243,38 @@ class RankProcess:
     def post(
         self, msg: rankchannel.Call, frame: list[Any] | None = None, ring: bool = True
     ) -> asyncio.Future[Any]:
-        """Send call ``msg`` (``frame``: it encoded, when one message goes to many ranks)
-        without waiting: the future of its reply, for :meth:`answer`. A dead rank's future
-        holds RankGone. ``ring=False``: the caller rings the doorbell once for many ranks.
-        (The seam a rank without a process replaces, with :meth:`call`.)"""
-        # the loop the channel is on (asking for the running one is a getpid() each: 64 a call)
+        """Send call ``msg`` without waiting: the future of its reply, for :meth:`answer`. A
+        dead rank's future holds RankGone. (With :meth:`send`, the seam a rank without a
+        process replaces, with :meth:`call`.)"""
+        # the loop the channel is on (asking for the running one is a getpid() each)
         loop = self._loop or asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         key = msg.id
-        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
-        if not self.alive or self._conn is None:
-            future.set_exception(RankGone(self.death_message()))
-            return future
-        self._pending[key] = future
         future.add_done_callback(lambda f: self._forget(key, f))
-        if not self._conn.closed:  # else its death, with its exit code, fails the future
+        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
+        self.send(msg, future, frame, ring)
+        return future
+
+    def send(
+        self,
+        msg: rankchannel.Call,
+        reply: Waiter,
+        frame: list[Any] | None = None,
+        ring: bool = True,
+    ) -> None:
+        """Send call ``msg`` (``frame``: it encoded, when one message goes to many ranks)
+        without waiting; ``reply`` is resolved with the rank's reply in the callback that read
+        it (nothing is scheduled), or failed with RankGone at its death. ``ring=False``: the
+        caller rings the doorbell once for many ranks (and released the result maps first:
+        ``resultmaps.ResultMaps.release``)."""
+        if self.proc is None or self._dead.is_set() or self._conn is None:  # (not alive)
+            reply.set_exception(RankGone(self.death_message()))
+            return
+        self._pending[msg.id] = reply
+        if not self._conn.closed:  # else its death, with its exit code, fails the reply
             self._conn.write(frame or rankchannel.frame(msg))
             if ring:
                 self.ring()
-        return future
 
     def ring(self) -> None:
         """Wake the process for what was written to it (see ``doorbell``)."""
@@ -310,6 +291,11 @@ class RankProcess:
         """The reply :meth:`post` awaited, checked, once the rank's output so far is read (its
         log lines precede its result)."""
         self.drain_output()
+        return self.check(call_id, reply)
+
+    def check(self, call_id: str, reply: Any) -> rankchannel.Result:
+        """The reply to call ``call_id``, checked (:meth:`answer` without reading the rank's
+        output: a gathered call drains every rank's pipes once, ``rankgather``)."""
         if not isinstance(reply, rankchannel.Result) or reply.id != call_id:
             self.kill()  # out of step with us: never trust its next reply either
             raise RankGone(
@@ -360,7 +346,7 @@ class RankProcess:
             self._pending.pop(key, None)
             raise RankGone(self.death_message())
         future = self._pending.get(key)
-        if future is None:
+        if not isinstance(future, asyncio.Future):  # (only a call's reply is anything else)
             future = self._pending[key] = asyncio.get_running_loop().create_future()
         try:
             if timeout is None:  # a call: the common case, without wait_for's extra task
@@ -374,6 +360,21 @@ class RankProcess:
     # ---- I/O callbacks -----------------------------------------------------------------
 
     def _on_message(self, msg: rankchannel.Message) -> None:
+        if type(msg) is rankchannel.Result:  # a call's reply: the one message of every call
+            self._heard = self._pipes.drains  # answer() drains unless a drain runs after this
+            # taken off: nothing waits under a call id twice (a future's own callback also
+            # forgets it, see post(); a gathered call's reply has none)
+            waiter = self._pending.pop(msg.id, None)
+            if msg.streaming:
+                self._feeds[msg.id] = feed = Feed(self.global_rank, msg.size)
+                if waiter is not None:
+                    self._streamed[msg.id] = feed
+            if waiter is not None:
+                try:  # noqa: SIM105 - suppress() costs three calls more, 64 times a call
+                    waiter.set_result(msg)
+                except asyncio.InvalidStateError:  # a future given up on (cancelled)
+                    pass
+            return
         if isinstance(msg, rankchannel.Written):
             self._progress(msg)
             return
@@ -382,17 +383,9 @@ class RankProcess:
             if isinstance(msg, rankchannel.Ready)
             else "load"
             if isinstance(msg, rankchannel.Loaded)
-            else msg.id
-            if isinstance(msg, rankchannel.Result)
             else None
         )
         future = self._pending.get(key) if key is not None else None
-        if isinstance(msg, rankchannel.Result):
-            self._heard = pipes().drains  # answer() drains unless a drain runs after this
-        if isinstance(msg, rankchannel.Result) and msg.streaming:
-            self._feeds[msg.id] = feed = Feed(self.global_rank, msg.size)
-            if future is not None:
-                self._streamed[msg.id] = feed
         if future is not None and not future.done():
             future.set_result(msg)
 

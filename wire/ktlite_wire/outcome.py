@@ -109,7 +109,8 @@ class CallResult:
     def summary(self) -> tuple[int | None, int]:
         """The lowest rank that failed of its own (None: none), and how many outcomes are not
         OK, over this result and its subtrees."""
-        failed = [o.rank for o in self.outcomes if o.status.failed]
+        # (``failed`` is a Python call: asked only of those not OK)
+        failed = [o.rank for o in self.outcomes if o.status is not _OK and o.status.failed]
         failed += [s.failed for s in self.subtrees if s.failed is not None]
         not_ok = sum(1 for o in self.outcomes if o.status is not _OK)
         return (min(failed) if failed else None), not_ok + sum(s.not_ok for s in self.subtrees)
@@ -156,7 +157,7 @@ class CallResult:
             values = run[3]
             first = values[0]
             same = len(values) > 1 and memoryview(first).nbytes <= SAME_MAX
-            same = same and all(v == first for v in values)
+            same = same and values.count(first) == len(values)  # (compared in C)
             run[3] = len(buffers)
             run.append(1 if same else len(values))
             buffers += [first] if same else values
