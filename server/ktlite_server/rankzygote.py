@@ -234,14 +234,17 @@ class Zygote:
         self._pending[key] = future
         fds = [chan, out, err] + ([bell] if bell is not None else [])
         try:
-            socket.send_fds(self.ctrl, [json.dumps({"spawn": key, "argv": argv}).encode()], fds)
+            try:
+                request = json.dumps({"spawn": key, "argv": argv}).encode()
+                socket.send_fds(self.ctrl, [request], fds)
+            except OSError as e:
+                self.close(f"a request to it failed: {e}", lost=True)
+                raise
+            # an OSError from here is its refusal (a fork that failed): its other ranks stay
             return await asyncio.wait_for(asyncio.shield(future), SPAWN_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.close(f"it did not fork a rank within {SPAWN_TIMEOUT_S:.0f} s", lost=True)
             raise OSError("the rank zygote did not answer") from None
-        except OSError as e:
-            self.close(f"a request to it failed: {e}", lost=True)
-            raise
         finally:
             self._pending.pop(key, None)
 
