@@ -44,20 +44,8 @@ class Reply:
     def set_result(self, value: Any, /) -> None:
         if self.value is None and self.error is None:  # (done(), inline: once per rank)
             self.value = value
-            # its arrival, inline as well (Arrivals._arrive, but a reply that is a value wakes
-            # the gatherer only if it is the last one due)
-            gather, rank = self._gather, self.rank
-            running = rank.running
-            running.pop(gather.call_id, None)
-            if not running:
-                rank.busy_since = None
-            gather._arrived.append(self)
-            gather._due -= 1
-            if gather._due and type(value) is rankchannel.Result and value.ok:
-                return
-            wake = gather._wake
-            if wake is not None and not wake.done():
-                wake.set_result(None)
+            # a reply that is a value wakes the gatherer only if it is the last one due
+            self._gather._arrive(self, type(value) is rankchannel.Result and value.ok)
 
     def set_exception(self, exception: BaseException, /) -> None:
         if self.value is None and self.error is None:
@@ -109,14 +97,17 @@ class Arrivals:
         for bell, mask in bells.values():
             bell.ring(mask)
 
-    def _arrive(self, reply: Reply) -> None:
-        """``reply`` failed (what :meth:`Reply.set_result` does inline for a value)."""
+    def _arrive(self, reply: Reply, quiet: bool = False) -> None:
+        """``reply`` came (or its rank died); ``quiet``: a value, which wakes the gatherer only
+        if no other reply is due (a failure wakes it at once: the caller stops the others)."""
         rank = reply.rank
         rank.running.pop(self.call_id, None)  # even if nobody gathers them any more
         if not rank.running:
             rank.busy_since = None
         self._arrived.append(reply)
         self._due -= 1
+        if quiet and self._due:
+            return
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
