@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from ktlite_server import rankpreload
 from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Colocated, Deployment, layout_of
 from ktlite_server.engine import Engine, EngineError
@@ -83,6 +84,7 @@ class Pod(PodCalls):
         )
         self._sinks: dict[int, dict[str, LogEmit]] = {}  # local rank -> call id -> its log stream
         self._prespawn = procs
+        self.torch_seen = False  # a rank of this deployment held a torch.distributed group
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
         self.engine: Engine | None = None  # distribute("ray"/"monarch"): this pod's engine
@@ -142,12 +144,22 @@ class Pod(PodCalls):
             *(self._spawn(i) for i in range(self._prespawn)), return_exceptions=True
         )
 
+    def _start_env(self) -> dict[str, str]:
+        """A rank's first environment (its zygote's): the pod's, and for a deployment that uses
+        torch, the preload that makes a restart cheap (``rankpreload``)."""
+        if (dep := self.dep) is None:
+            return self.base_env
+        torch = dep.config.framework == "pytorch" or self.torch_seen
+        return rankpreload.start_env(self.base_env, self.rank_env(dep, 0), torch)
+
     async def _spawn(self, local_rank: int) -> RankProcess:
-        rank = self.rank_type(local_rank, self.base_env, self._log)
-        rank.alone = (self.dep.config.procs(self.ordinal) if self.dep else self._prespawn) <= 1
         while len(self.ranks) <= local_rank:
             self.ranks.append(None)  # type: ignore[arg-type]
         old = self.ranks[local_rank]
+        # a rank that held a torch.distributed group is replaced by one that will: preload
+        self.torch_seen = self.torch_seen or (old is not None and old.has_pg)
+        rank = self.rank_type(local_rank, self._start_env(), self._log)
+        rank.alone = (self.dep.config.procs(self.ordinal) if self.dep else self._prespawn) <= 1
         if old is not None:
             rank.restarts, rank.streak = old.restarts, old.streak
             rank.last_exit = old.exit_code if old.exit_code is not None else old.last_exit
@@ -273,7 +285,12 @@ class Pod(PodCalls):
     async def _ready_rank(self, local_rank: int, dep: Deployment, restart: bool) -> Outcome:
         rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
         env = self.rank_env(dep, local_rank)
-        fresh = rank is not None and rank.alive and rank.loaded_env is None
+        fresh = (
+            rank is not None
+            and rank.alive
+            and rank.loaded_env is None
+            and rankpreload.fits(rank.env, self._start_env())
+        )
         same = (
             rank is not None
             and rank.loaded_env is not None
@@ -327,6 +344,7 @@ class Pod(PodCalls):
                 for i in range(max(want, 1))
             ]
         self.dep = dep
+        self.torch_seen = False  # learned again from this deployment's ranks (_spawn)
         self._publish_pod_ips(dep)
         for extra in self.ranks[want:]:
             if extra is not None:
