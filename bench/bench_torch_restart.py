@@ -1,10 +1,11 @@
 """A torch rank's restart: how long a ``distribute("pytorch")`` deployment's next call takes
 after its ranks died, and what each rank process holds (PSS), on the local backend.
 
-Each round kills every rank (a call that exits), then times the next call, which imports
-torch and returns: the pod restarts the ranks (forked from its zygote) and loads the code
-first. Without a preload every restarted rank imports torch itself; with one (``rankpreload``)
-the first restart makes the pod's torch zygote (one import) and later ones fork it.
+Each round kills every rank (a call that exits), then times the next call: the pod restarts
+the ranks (forked from its zygote) and loads the code, which imports torch (a global of the
+function). Without a preload every restarted rank imports torch itself; with one
+(``rankpreload``: the pod saw torch in its ranks once they had loaded the code) the first
+restart makes the pod's torch zygote (one import) and later ones fork it.
 
     python bench/bench_torch_restart.py [--procs 2] [--rounds 4]
 """
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch  # job's global: a rank imports it as it loads job, as training code does
+
 import ktlite as kt
 
 
@@ -33,8 +36,6 @@ def _pss_kb(pid: int) -> int:
 def job(mode: str) -> Any:
     if mode == "die":
         os._exit(3)
-    import torch  # what a torch rank does first
-
     zygote = os.getppid()
     return {
         "pid": os.getpid(),

@@ -10,6 +10,7 @@ import asyncio
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -168,28 +169,40 @@ def test_which_deployments_preload_torch() -> None:
 # ---- local pods: the pod server decides -----------------------------------------------
 
 
-def act(mode: str, port: int = 0) -> Any:
+def act(mode: str | dict[int, str], port: int = 0) -> Any:
+    """``mode``, or per rank ``{rank: mode}``."""
+    if isinstance(mode, dict):
+        mode = mode[int(os.environ["RANK"])]
     if mode == "die":
+        time.sleep(0.5)  # the other ranks' calls end first: they stay alive
         os._exit(3)
+    if mode == "torch":
+        import torch  # noqa: F401 - inside the function: the pod cannot know from the code
+
+        return None
     if mode == "group":
         return group_twice(port)[0]
     return probe()
 
 
-def test_a_restarted_rank_of_a_pytorch_deployment_is_forked_with_torch(torch) -> None:
+def test_a_rank_replaced_beside_one_that_imported_torch_is_forked_with_torch(torch) -> None:
     remote = kt.fn(act, name="pre-pt").to(
-        kt.Compute(cpus=1).distribute("pytorch", workers=1, num_proc=1)
+        kt.Compute(cpus=1).distribute("pytorch", workers=1, num_proc=2)
     )
     try:
-        first = remote("probe")[0]
-        # the first ranks were started before the code arrived: they import torch themselves
-        assert first["zygote_is_zygote"] and not first["zygote_has_libtorch"], first
+        first = remote("probe")
+        # the first ranks were started before the code arrived; nothing used torch yet
+        assert all(r["zygote_is_zygote"] and not r["zygote_has_libtorch"] for r in first), first
+        assert not any(r["had_torch"] for r in first), first
+        assert remote("torch") == [None, None]  # both ranks import it, in the call
         with pytest.raises(kt.RemoteError):
-            remote("die")
-        again = remote("probe")[0]
-        assert again["zygote"] != first["zygote"] and again["zygote_is_zygote"], again
-        assert again["had_torch"] and again["zygote_has_libtorch"] and again["patched"], again
-        assert again["cuda_initialized"] is False, again
+            remote({0: "die", 1: "torch"})  # rank 1 is alive, with torch, when 0 is replaced
+        again = remote("probe")
+        assert again[1]["zygote"] == first[1]["zygote"], again  # rank 1 kept its process
+        new = again[0]
+        assert new["zygote"] != first[0]["zygote"] and new["zygote_is_zygote"], new
+        assert new["had_torch"] and new["zygote_has_libtorch"] and new["patched"], new
+        assert new["cuda_initialized"] is False, new
     finally:
         remote.teardown()
 
@@ -211,3 +224,37 @@ def test_an_spmd_deployment_preloads_torch_once_a_rank_held_a_group(torch) -> No
         assert learned["had_torch"] and learned["zygote_has_libtorch"], learned
     finally:
         remote.teardown()
+
+
+def test_a_slow_preload_is_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zygote's first fork follows its preload, which may take longer than a fork is given
+    (torch from a cold disk): it is waited for, not taken for a hung zygote."""
+    (tmp_path / "ktlite_slow_mod.py").write_text("import time\ntime.sleep(1.5)\n")
+    monkeypatch.setattr(rankzygote, "SPAWN_TIMEOUT_S", 0.5)
+    env = {**os.environ, PRELOAD: "ktlite_slow_mod", "PYTHONPATH": str(tmp_path)}
+    got, forked = _in_a_rank(env, lambda: "ktlite_slow_mod" in sys.modules)
+    assert forked and got is True
+
+
+def test_a_zygote_whose_ranks_moved_to_another_environments_is_stopped() -> None:
+    """The pod's plain zygote, once its last rank is gone and a preloading one was asked for
+    since, is stopped: its pages are shared with no rank any more."""
+
+    async def main() -> tuple[bool, bool, bool]:
+        plain = RankProcess(0, dict(os.environ), lambda *_: None)
+        loaded = RankProcess(1, {**os.environ, PRELOAD: "json"}, lambda *_: None)
+        try:
+            await plain.start(LONG)
+            await loaded.start(LONG)
+            first, second = rankzygote._state["zygotes"]
+            plain.kill()
+            await plain.wait_dead(LONG)
+            return first.closed, second.closed, first.proc.poll() is not None
+        finally:
+            for r in (plain, loaded):
+                r.kill()
+                await r.wait_dead(LONG)
+            rankzygote.reset()
+
+    first_closed, second_closed, first_exited = asyncio.run(main())
+    assert first_closed and first_exited and not second_closed

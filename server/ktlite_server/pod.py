@@ -84,7 +84,7 @@ class Pod(PodCalls):
         )
         self._sinks: dict[int, dict[str, LogEmit]] = {}  # local rank -> call id -> its log stream
         self._prespawn = procs
-        self.torch_seen = False  # a rank of this deployment held a torch.distributed group
+        self.torch_seen = False  # a rank of this deployment used torch (rankpreload)
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
         self.engine: Engine | None = None  # distribute("ray"/"monarch"): this pod's engine
@@ -145,19 +145,18 @@ class Pod(PodCalls):
         )
 
     def _start_env(self) -> dict[str, str]:
-        """A rank's first environment (its zygote's): the pod's, and for a deployment that uses
-        torch, the preload that makes a restart cheap (``rankpreload``)."""
+        """A rank's first environment (its zygote's): the pod's, and for a deployment whose
+        ranks used torch, the preload that makes a restart cheap (``rankpreload``)."""
         if (dep := self.dep) is None:
             return self.base_env
-        torch = dep.config.framework == "pytorch" or self.torch_seen
-        return rankpreload.start_env(self.base_env, self.rank_env(dep, 0), torch)
+        return rankpreload.start_env(self.base_env, self.rank_env(dep, 0), self.torch_seen)
 
     async def _spawn(self, local_rank: int) -> RankProcess:
         while len(self.ranks) <= local_rank:
             self.ranks.append(None)  # type: ignore[arg-type]
         old = self.ranks[local_rank]
-        # a rank that held a torch.distributed group is replaced by one that will: preload
-        self.torch_seen = self.torch_seen or (old is not None and old.has_pg)
+        # a rank replaced where this deployment's ranks used torch is forked with it imported
+        self.torch_seen = self.torch_seen or rankpreload.used_torch(self.ranks)
         rank = self.rank_type(local_rank, self._start_env(), self._log)
         rank.alone = (self.dep.config.procs(self.ordinal) if self.dep else self._prespawn) <= 1
         if old is not None:
@@ -185,6 +184,7 @@ class Pod(PodCalls):
             return Outcome(rank.global_rank, Status.DIED, message=f"while loading the code: {e}")
         if not loaded.ok:
             return Outcome(rank.global_rank, Status.ERROR, loaded.error)
+        self.torch_seen = self.torch_seen or rankpreload.used_torch([rank])  # its code did
         # a process that lacks a colocated target (a new or restarted one) loads it; one that
         # kept its instances through a reload of the primary code keeps them
         for name, target in list(self.colocated.items()):

@@ -1,16 +1,21 @@
 """What a pod's rank zygote (``rankzygote``) imports before it forks ranks: ``torch`` for a
 deployment whose ranks use it, so a rank forked later (a restart after a failed collective)
-finds it imported, its pages shared with the zygote, instead of paying ~1 CPU-s and ~300 MB
-for its own import each time.
+finds it imported, its pages shared with the zygote, instead of paying ~1 CPU-s and ~100 MB
+of its own for the import each time.
 
 When: ``KTLITE_RANK_PRELOAD`` in the pod's environment (``Compute(env=...)``) names the
-modules (comma-separated; empty: none, ever). Unset, the pod server preloads ``torch`` for a
-``distribute("pytorch")`` deployment, or one a rank of which has held a ``torch.distributed``
-group (it said so in a result: ``has_pg``), where torch is installed; never for others, which
-would pay the import for nothing. The modules travel in the environment the ranks start with
-(:func:`start_env`), so a zygote (started with that environment) and its ranks always agree,
-and a zygote keyed by its environment (``rankzygote.shared``) never serves a rank that
-expects another preload.
+modules (comma-separated; empty: none, ever). Unset, the pod server preloads ``torch`` once a
+rank of the deployment has shown it uses it (:func:`used_torch`): torch's library was mapped
+in the rank once it had loaded the code (``import torch`` at a module's top), or in a rank
+still alive when another is replaced, or the rank held a ``torch.distributed`` group (it says
+so in each result: ``has_pg``). Not on ``distribute("pytorch")`` alone: a deployment that never
+imports torch would carry a ~250 MB zygote for nothing (past a 200 MiB ``memory_limit``, the
+kernel kills it). The first ranks, started before the code arrived, import torch themselves;
+the restarts after the evidence fork from the torch zygote.
+
+The modules travel in the environment the ranks start with (:func:`start_env`), so a zygote
+(started with that environment) and its ranks always agree, and a zygote keyed by its
+environment (``rankzygote.shared``) never serves a rank that expects another preload.
 
 Correctness in the zygote (:func:`preload`):
 
@@ -37,7 +42,8 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from ktlite_server.distpatch import PatchOnImport
 
@@ -78,6 +84,33 @@ def start_env(
         return dict(base_env)
     threads = {k: v for k, v in rank_env.items() if k in THREAD_VARS}
     return {**base_env, **threads, PRELOAD_VAR: modules}
+
+
+class _Rank(Protocol):
+    has_pg: bool
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+
+def used_torch(ranks: Iterable[_Rank | None]) -> bool:
+    """Whether one of ``ranks`` shows that the deployment's code uses torch: it held a
+    ``torch.distributed`` group, or (alive) has torch's library mapped."""
+    for r in ranks:
+        if r is not None and (r.has_pg or (r.alive and r.pid is not None and _maps_torch(r.pid))):
+            return True
+    return False
+
+
+def _maps_torch(pid: int) -> bool:
+    try:  # ~50 KB for a process with torch: well under a millisecond
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return b"/libtorch" in f.read()
+    except OSError:
+        return False
 
 
 def fits(started: Mapping[str, str], wanted: Mapping[str, str]) -> bool:

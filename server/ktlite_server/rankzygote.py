@@ -56,10 +56,14 @@ from ktlite_server import rankpreload
 logger = logging.getLogger(__name__)
 
 SPAWN_TIMEOUT_S = 30.0  # a fork answers in milliseconds; a zygote this late is replaced
+# a zygote's first answer follows its preload: torch's import, seconds (a minute from a cold,
+# slow disk)
+PRELOAD_TIMEOUT_S = 300.0
 MAX_MSG = 1 << 16
 MAX_FDS = 8
-# this process's zygotes, how many it lost, whether one failed to start, whether pidfds work
-_state: dict[str, Any] = {"zygotes": [], "lost": 0, "failed": False, "pidfds": None}
+# this process's zygotes, how many it lost, whether one failed to start, whether pidfds work,
+# how many times one was handed out
+_state: dict[str, Any] = {"zygotes": [], "lost": 0, "failed": False, "pidfds": None, "uses": 0}
 
 
 def available() -> bool:
@@ -237,10 +241,13 @@ class Zygote:
         finally:
             child.close()
         self.ctrl.setblocking(False)
+        preloads = rankpreload.names(env.get(rankpreload.PRELOAD_VAR, ""))
+        self.timeout = PRELOAD_TIMEOUT_S if preloads else SPAWN_TIMEOUT_S  # see _readable
         self._next = 0
         self._pending: dict[int, asyncio.Future[ForkedProcess]] = {}
         self.children: dict[int, ForkedProcess] = {}
         self.closed = False
+        self.used = 0  # when shared() last handed it out (a count): see _retired
         loop.add_reader(self.ctrl.fileno(), self._readable)
 
     async def spawn(
@@ -263,9 +270,9 @@ class Zygote:
                 self.close(f"a request to it failed: {e}", lost=True)
                 raise
             # an OSError from here is its refusal (a fork that failed): its other ranks stay
-            return await asyncio.wait_for(asyncio.shield(future), SPAWN_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout)
         except asyncio.TimeoutError:
-            self.close(f"it did not fork a rank within {SPAWN_TIMEOUT_S:.0f} s", lost=True)
+            self.close(f"it did not fork a rank within {self.timeout:.0f} s", lost=True)
             raise OSError("the rank zygote did not answer") from None
         finally:
             self._pending.pop(key, None)
@@ -283,10 +290,13 @@ class Zygote:
                 self.close("it exited", lost=True)
                 return
             msg = json.loads(data)
+            self.timeout = SPAWN_TIMEOUT_S  # it answered: its preload is done
             if "exited" in msg:
                 proc = self.children.pop(msg["exited"], None)
                 if proc is not None:
                     proc._exited(int(msg["code"]))
+                if _retired(self):
+                    return
                 continue
             future = self._pending.get(msg.get("spawned", msg.get("failed")))
             if "spawned" in msg and fds:
@@ -331,6 +341,17 @@ MAX_LOST = 3  # zygotes a pod server may lose (one lost now and then is replaced
 MAX_ZYGOTES = 2  # at once: the pod's plain one, and one that preloaded a deployment's modules
 
 
+def _retired(z: Zygote) -> bool:
+    """Stop ``z`` if it has no ranks left and another environment's zygote was asked for
+    since it was (a deployment's ranks moved to a preloading one): its memory is not shared
+    with any rank any more."""
+    newer = any(o.used > z.used and not o.closed for o in _state["zygotes"])
+    if z.children or z._pending or not newer:
+        return False
+    z.close()
+    return True
+
+
 def shared(env: dict[str, str]) -> Zygote | None:
     """This pod server's zygote for ranks that start with ``env`` (started at the first), or
     None: fork is not available, a zygote failed to start, :data:`MAX_LOST` were lost, or
@@ -350,7 +371,9 @@ def shared(env: dict[str, str]) -> Zygote | None:
     for z in [z for z in zygotes if z is not match and not z.children and not z._pending]:
         z.close()  # idle, and another environment is asked for: its preload is not wanted
         zygotes.remove(z)
+    _state["uses"] += 1
     if match is not None:
+        match.used = _state["uses"]
         return match
     if len(zygotes) >= MAX_ZYGOTES:
         return None
@@ -361,6 +384,7 @@ def shared(env: dict[str, str]) -> Zygote | None:
         _state["failed"] = True
         return None
     zygotes.append(z)
+    z.used = _state["uses"]
     return z
 
 
