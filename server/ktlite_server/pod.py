@@ -156,7 +156,7 @@ class Pod(PodCalls):
             self.ranks.append(None)  # type: ignore[arg-type]
         old = self.ranks[local_rank]
         # a rank replaced where this deployment's ranks used torch is forked with it imported
-        self.torch_seen = self.torch_seen or rankpreload.used_torch(self.ranks)
+        self.torch_seen = self.torch_seen or rankpreload.used_torch([old])
         rank = self.rank_type(local_rank, self._start_env(), self._log)
         rank.alone = (self.dep.config.procs(self.ordinal) if self.dep else self._prespawn) <= 1
         if old is not None:
@@ -432,6 +432,7 @@ class Pod(PodCalls):
                     )
                     continue
                 todo.append((r.local_rank, crashed, charged))
+            self.torch_seen = self.torch_seen or rankpreload.used_torch(self.ranks)  # survivors
             outs = await asyncio.gather(
                 *(self._ready_rank(i, dep, restart=True) for i, _, _ in todo)
             )
