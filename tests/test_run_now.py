@@ -54,6 +54,7 @@ def act(kind: str, n: int = 0) -> Any:
     if kind == "big":
         return b"x" * n
     if kind == "sleep":  # in short sleeps: a stop's interrupt lands between two
+        print("sleeping", flush=True)
         deadline = time.monotonic() + n
         while time.monotonic() < deadline:
             time.sleep(0.01)
@@ -237,8 +238,9 @@ def test_a_run_whose_coordinator_stops_waiting_is_interrupted_on_its_rank(served
     async def main() -> list[Outcome]:
         pool = PeerPool(AUTH)
         await served.open(pool)
-        sent = served.send(pool, "s", ("sleep", 3600), lambda answer: None)
-        while "s" not in served.pod.ranks[0].running:  # bounded: the test's timeout
+        logs: list[bytes] = []
+        sent = served.send(pool, "s", ("sleep", 3600), lambda answer: None, logs.append)
+        while not logs:  # the call runs in the rank (bounded: the test's timeout)
             await asyncio.sleep(0.01)
         sent.cancel()  # the stream is closed: the member stops the call (CLOSE)
         while "s" not in served.pod.finished:

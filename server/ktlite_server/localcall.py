@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ktlite_server import resultmaps
 from ktlite_server.deployment import Deployment
 from ktlite_server.rankgather import Arrivals
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
@@ -157,6 +158,7 @@ class LocalCall:
         outcome in the callback that read its reply (or saw its death): ``PodCalls.run_now``."""
         rank.busy_since = rank.busy_since or time.monotonic()
         rank.running[self.handle.call_id] = time.monotonic()
+        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
         rank.send(msg, _OneReply(self, rank, msg, then))
 
     def _alone(self, rank: RankProcess, o: Outcome) -> Outcome:

@@ -1,12 +1,12 @@
 """A call on the coordinator's own ranks (pod 0's share of a fan-out, or the whole of a call
 to one pod): their outcomes as the rows of its answer.
 
-:func:`run_local` is the general path (a coroutine: admission, heals, per-rank items,
-arguments in shared memory). :func:`run_local_now` starts the call from the coordinator's own
-task when the pod need not wait for anything (``PodCalls.run_now``: a one-rank pod, idle and
-well, an inline argument) and hands the answer to the coordinator's ``arrive`` from the
-callback that read the rank's reply: no task, future and coroutine chain for pod 0's own
-share of every call to one-rank pods.
+:func:`run_local_now` starts the call at once when the pod need not wait for anything
+(``PodCalls.run_now``: a one-rank pod, idle and well, an inline argument) and hands its rows
+to ``sink`` (the coordinator's ``arrive``) from the callback that read the rank's reply: no
+task, future and coroutine chain for pod 0's own share of every call to one-rank pods.
+:func:`run_local` awaits the same, or takes the general path (``Pod.run``: admission, heals,
+per-rank items, arguments in shared memory).
 """
 
 from __future__ import annotations
@@ -42,6 +42,15 @@ def _log(pod: Pod, plan: CallPlan, emit: Emit) -> LogEmit | None:
 async def run_local(
     pod: Pod, plan: CallPlan, payload: Any, path: str | None, emit: Emit
 ) -> list[RankOutcome]:
+    rows: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def sink(got: Any) -> None:  # (a wait given up on is not told: nothing may raise here)
+        if not rows.done():
+            rows.set_result(got)
+
+    if run_local_now(pod, plan, payload, path, emit, sink) is not None:
+        got = await rows
+        return got.result() if isinstance(got, asyncio.Future) else got  # type: ignore[no-any-return]
     if plan.generation is None:  # pod 0 (the coordinator) decides
         plan.generation, plan.group_port = pod.generation, pod.group_port
     outs = await pod.run(
