@@ -396,6 +396,11 @@ class Pod(PodCalls):
                 return True
         return False
 
+    def _idle_ranks(self) -> bool:
+        """Whether a call may start now without :meth:`_settle` or :meth:`_heal` (no heal due,
+        none under way): ``PodCalls.run_now``."""
+        return self._healing is None and not self._heal_lock.locked() and not self._any_needs_heal()
+
     async def _heal(self) -> list[Outcome]:
         """Replace rank processes that died or that we killed; one heal at a time.
 
