@@ -145,11 +145,10 @@ class Pod(PodCalls):
         )
 
     def _start_env(self) -> dict[str, str]:
-        """A rank's first environment (its zygote's): the pod's, and for a deployment whose
+        """A rank's first environment (its zygote's): the pod's, and once the deployment's
         ranks used torch, the preload that makes a restart cheap (``rankpreload``)."""
-        if (dep := self.dep) is None:
-            return self.base_env
-        return rankpreload.start_env(self.base_env, self.rank_env(dep, 0), self.torch_seen)
+        rank_env = self.rank_env(self.dep, 0) if self.dep is not None else None
+        return rankpreload.start_env(self.base_env, rank_env, self.torch_seen)
 
     async def _spawn(self, local_rank: int) -> RankProcess:
         while len(self.ranks) <= local_rank:
@@ -285,12 +284,7 @@ class Pod(PodCalls):
     async def _ready_rank(self, local_rank: int, dep: Deployment, restart: bool) -> Outcome:
         rank = self.ranks[local_rank] if local_rank < len(self.ranks) else None
         env = self.rank_env(dep, local_rank)
-        fresh = (
-            rank is not None
-            and rank.alive
-            and rank.loaded_env is None
-            and rankpreload.fits(rank.env, self._start_env())
-        )
+        fresh = rank is not None and rank.alive and rank.loaded_env is None
         same = (
             rank is not None
             and rank.loaded_env is not None

@@ -4,7 +4,7 @@ finds it imported, its pages shared with the zygote, instead of paying ~1 CPU-s 
 of its own for the import each time.
 
 When: ``KTLITE_RANK_PRELOAD`` in the pod's environment (``Compute(env=...)``) names the
-modules (comma-separated; empty: none, ever). Unset, the pod server preloads ``torch`` once a
+modules (comma-separated; empty: none, ever), for every rank started once the code arrived. Unset, the pod server preloads ``torch`` once a
 rank of the deployment has shown it uses it (:func:`used_torch`): torch's library was mapped
 in the rank once it had loaded the code (``import torch`` at a module's top), or in a rank
 still alive when another is replaced, or the rank held a ``torch.distributed`` group (it says
@@ -73,10 +73,15 @@ def installed(module: str) -> bool:
 
 
 def start_env(
-    base_env: Mapping[str, str], rank_env: Mapping[str, str], uses_torch: bool
+    base_env: Mapping[str, str], rank_env: Mapping[str, str] | None, uses_torch: bool
 ) -> dict[str, str]:
-    """The environment a rank of this deployment starts with (its zygote's): the pod's, and
-    where modules are preloaded, their name and the rank env's :data:`THREAD_VARS`."""
+    """The environment a rank starts with (its zygote's): the pod's, and where modules are
+    preloaded, their names and the rank env's :data:`THREAD_VARS`. Without a deployment yet
+    (``rank_env`` None: the ranks started before the code arrives) nothing is preloaded, as
+    the thread settings a library fixes at import are not known: those ranks import what
+    they use after their ``Load``, and serve any deployment."""
+    if rank_env is None:
+        return {k: v for k, v in base_env.items() if k != PRELOAD_VAR}
     modules = base_env.get(PRELOAD_VAR)  # the pod's own setting wins, "" included
     if modules is None:
         modules = "torch" if uses_torch and installed("torch") else ""
@@ -111,13 +116,6 @@ def _maps_torch(pid: int) -> bool:
             return b"/libtorch" in f.read()
     except OSError:
         return False
-
-
-def fits(started: Mapping[str, str], wanted: Mapping[str, str]) -> bool:
-    """Whether a rank that started with ``started`` may serve ranks that start with
-    ``wanted``: it preloaded nothing (it imports what it needs after its ``Load``), or the
-    same as ``wanted``, with the same thread settings."""
-    return not names(started.get(PRELOAD_VAR, "")) or dict(started) == dict(wanted)
 
 
 def names(value: str) -> list[str]:
