@@ -239,9 +239,43 @@ def _encode_result(msg: Result) -> list[Any]:
     return [first, inline] if inline_len else [first]
 
 
+_FRAMED_RESULT = struct.Struct("<Q3sBBBHQQ")  # LEN and RESULT in one
+
+
+def result_frame(
+    call_id: str,
+    ok: bool,
+    inline: bytes,
+    has_pg: bool = False,
+    tainted: bool = False,
+    released: bool = False,
+) -> bytes:
+    """``encode(Result(call_id, ok, inline, None, len(inline), ...))`` joined: the bytes of an
+    inline result, built in one step (a rank sends one per call)."""
+    cid = call_id.encode()
+    if len(cid) > 255:
+        raise ProtocolError(f"a call id of {len(cid)} bytes: too long")
+    n = len(inline)
+    flags = _INLINE
+    if ok:
+        flags |= _OK
+    if has_pg:
+        flags |= _HAS_PG
+    if tainted:
+        flags |= _TAINTED
+    if released:
+        flags |= _RELEASED
+    head = _FRAMED_RESULT.pack(
+        RESULT.size + len(cid) + n, RESULT_MAGIC, PROTOCOL_VERSION, flags, len(cid), 0, n, n
+    )
+    return head + cid + inline
+
+
 def decode(data: Any) -> Message:
     """One message from its bytes (without the length prefix). Raises ProtocolError."""
-    view = memoryview(data).cast("B")
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
     magic = bytes(view[:3])
     if magic in (CALL_MAGIC, RESULT_MAGIC):
         return _decode_hot(view, magic)
@@ -309,15 +343,15 @@ def _decode_hot(view: memoryview, magic: bytes) -> Message:
         end = pos + args_len + item_len
         args = view[pos : pos + args_len] if flags & _ARGS else None
         item = view[pos + args_len : end] if flags & _ITEM else None
-        msg: Message = Call(
-            id=cid,
-            args=args,
-            path=path,
-            size=size,
-            item=item,
-            item_at=[at0, at1] if flags & _ITEM_AT else None,
-            generation=generation,
-            group_port=port if flags & _PORT else None,
+        msg: Message = Call(  # by position, as Result below
+            cid,  # id
+            args,
+            path,
+            size,
+            item,
+            [at0, at1] if flags & _ITEM_AT else None,  # item_at
+            generation,
+            port if flags & _PORT else None,  # group_port
         )
     else:
         size, inline_len = fields[5:]
@@ -367,6 +401,11 @@ class Channel:
         self._chunk_view = memoryview(self._chunk)
         self._seen: int | None = None  # the bell's generation before the last read
 
+    def send_frame(self, data: bytes) -> None:
+        """Send one message's bytes, length prefix included (:func:`result_frame`)."""
+        with self._send_lock:
+            self.sock.sendall(data)
+
     def send(self, msg: Message) -> None:
         parts = encode(msg)
         data = envelope.join(parts) if _size(parts) <= JOIN_MAX else None
@@ -396,15 +435,22 @@ class Channel:
                     have = buf[LEN.size :]
                     buf.clear()
                     return decode(self._rest(have, n))
-            if not self._fill(deadline):
+            k = self._fill(deadline)
+            if k is None:
                 return None
+            if not buf and k > LEN.size:  # the usual: one read, one whole message
+                (n,) = LEN.unpack_from(self._chunk)
+                if k == LEN.size + n:
+                    return decode(self._chunk[LEN.size : k])  # a copy: its own buffer
+            buf += self._chunk_view[:k]
 
-    def _fill(self, deadline: float | None) -> bool:
-        """Read what came (False: nothing did before ``deadline``)."""
+    def _fill(self, deadline: float | None) -> int | None:
+        """Read what came into the chunk: how many bytes (0: none yet, read again), None:
+        nothing came before ``deadline``."""
         bell = self.bell
         if bell is None or self._buf:  # a message's rest is on its way: no ring announces it
             if deadline is not None and not self._buf and not self._readable(deadline):
-                return False
+                return None
             k = self.sock.recv_into(self._chunk)
         else:
             if self._seen is not None:  # wait for a ring since the last read
@@ -415,11 +461,10 @@ class Channel:
             try:
                 k = self.sock.recv_into(self._chunk, READ, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                return deadline is None or time.monotonic() < deadline
+                return 0 if deadline is None or time.monotonic() < deadline else None
         if k == 0:
             raise EOFError("the pod server closed the control channel")
-        self._buf += self._chunk_view[:k]
-        return True
+        return k
 
     def _readable(self, deadline: float) -> bool:
         """Whether the socket has bytes (or its EOF) before ``deadline`` (no bell to wait on)."""
