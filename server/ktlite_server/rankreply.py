@@ -62,7 +62,8 @@ def note_streams() -> None:
 
 def flush() -> None:
     """Flush stdout and stderr where a write may still be held in them."""
-    out, err = sys.stdout, sys.stderr
+    out: Any = sys.stdout
+    err: Any = sys.stderr
     direct = _direct_streams
     if out is direct[0] and err is direct[1] and out.write_through and err.write_through:
         return  # every write already went to the pipe

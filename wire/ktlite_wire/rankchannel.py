@@ -400,6 +400,12 @@ class Channel:
         self._chunk = bytearray(READ)
         self._chunk_view = memoryview(self._chunk)
         self._seen: int | None = None  # the bell's generation before the last read
+        # without a bell, wait for bytes in poll() before reading, not in a blocking read: a
+        # reader blocked on a unix socket is also woken when the pod server reads what this
+        # end sent (the kernel's wake for write space ignores what a reader waits for), so a
+        # blocking read woke twice per call; a poll for POLLIN wakes for bytes (or an EOF) alone
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
 
     def send_frame(self, data: bytes) -> None:
         """Send one message's bytes, length prefix included (:func:`result_frame`)."""
@@ -449,7 +455,7 @@ class Channel:
         nothing came before ``deadline``."""
         bell = self.bell
         if bell is None or self._buf:  # a message's rest is on its way: no ring announces it
-            if deadline is not None and not self._buf and not self._readable(deadline):
+            if not self._buf and not self._readable(deadline):
                 return None
             k = self.sock.recv_into(self._chunk)
         else:
@@ -466,10 +472,12 @@ class Channel:
             raise EOFError("the pod server closed the control channel")
         return k
 
-    def _readable(self, deadline: float) -> bool:
-        """Whether the socket has bytes (or its EOF) before ``deadline`` (no bell to wait on)."""
-        ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
-        return bool(ready)
+    def _readable(self, deadline: float | None) -> bool:
+        """Whether the socket has bytes (or its EOF, or an error) before ``deadline`` (None:
+        wait as long as it takes; no bell to wait on)."""
+        if deadline is None:
+            return bool(self._poll.poll())
+        return bool(self._poll.poll(max(0.0, deadline - time.monotonic()) * 1000))
 
     def _rest(self, have: bytearray, n: int) -> bytearray:
         """A message of ``n`` bytes whose first ones are ``have``, read whole."""
