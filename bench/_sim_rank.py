@@ -103,12 +103,6 @@ class SimRank(RankProcess):
         self.loaded_env = dict(msg.env)
         return rankchannel.Loaded(True, None)
 
-    def post(
-        self, msg: rankchannel.Call, frame: Any = None, ring: bool = True
-    ) -> asyncio.Future[Any]:
-        """A call sent with others (the pod's fan-out): it runs as a task of its own."""
-        return asyncio.get_running_loop().create_task(self.call(msg))
-
     def send(self, msg: rankchannel.Call, reply: Any, frame: Any = None, ring: bool = True) -> None:
         """A call sent with others, its reply gathered (``rankgather``): a task of its own."""
 

@@ -184,23 +184,35 @@ def test_the_rank_zygote_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) ->
     assert parent == os.getpid() and popen
 
 
-def test_a_rank_with_another_environment_than_the_zygotes_starts_as_a_new_process() -> None:
+def test_a_rank_with_another_environment_gets_a_zygote_of_its_own_or_a_new_process() -> None:
+    """One zygote per environment its ranks start with (a deployment's preload is named in
+    it: ``rankpreload``), at most ``MAX_ZYGOTES`` with ranks at once; past that a rank is
+    started anew, with its own environment."""
+
     async def body(ranks: list[RankProcess]) -> list[tuple[int, str | None]]:
-        odd = RankProcess(1, {**os.environ, "KTLITE_TEST_ODD": "1"}, lambda *_: None)
-        await odd.start(LONG)
+        others = [
+            RankProcess(i, {**os.environ, "KTLITE_TEST_ODD": str(i)}, lambda *_: None)
+            for i in range(1, rankzygote.MAX_ZYGOTES + 1)
+        ]
         try:
+            for r in others:
+                await r.start(LONG)
             out = []
-            for r in (ranks[0], odd):
+            for r in (ranks[0], *others):
                 await _load(r, lambda: (os.getppid(), os.environ.get("KTLITE_TEST_ODD")))
                 out.append(await _call(r))
             return out
         finally:
-            odd.kill()
-            await odd.wait_dead(LONG)
+            for r in others:
+                r.kill()
+                await r.wait_dead(LONG)
 
-    (first, odd) = _run(1, body)
+    (first, *forked, anew) = _run(1, body)
     assert first[0] != os.getpid() and first[1] is None  # forked
-    assert odd == (os.getpid(), "1")  # started anew, with its own environment
+    assert [f[1] for f in forked] == [str(i) for i in range(1, len(forked) + 1)]
+    parents = {first[0], *(f[0] for f in forked)}
+    assert len(parents) == rankzygote.MAX_ZYGOTES and os.getpid() not in parents
+    assert anew == (os.getpid(), str(rankzygote.MAX_ZYGOTES))  # started anew
 
 
 def test_a_forked_ranks_output_reaches_the_pod_before_its_result() -> None:

@@ -44,25 +44,25 @@ class _CallerRun(_MemberCall):
         # answers them in one read)
         self.link.post(parts)
 
-    async def _ranks(self, log: Callable[[int, str, str], None] | None) -> list[Outcome]:
-        pod, run = self.pod, self.run_
-        dep = pod.dep
-        # collectives run in the same order on every rank: a distributed deployment that runs
-        # one call at a time takes them in the order they came (as Calls.call)
-        ordered = dep is not None and dep.concurrency == 1 and dep.config.world_size > 1
-        order: Any = pod.order if ordered else contextlib.nullcontext()
-        async with order:
-            outs = await pod.run(
-                run.call_id,
-                run.body,
-                None,
-                log,
-                restart=bool(run.flags & linkframes.RESTART),
-                generation=pod.generation,
-                group_port=pod.group_port,
-            )
+    def _group(self) -> tuple[int, int | None]:
+        return self.pod.generation, self.pod.group_port  # this pod coordinates: its own
+
+    def _after(self, outs: list[Outcome]) -> None:
         if any(o.status is not Status.OK for o in outs):
             # a failed or stopped call may leave ranks out of step in their process group:
             # the next call forms a new one (every rank, on a new port)
-            pod.next_generation()
-        return outs
+            self.pod.next_generation()
+
+    def _ordered(self) -> bool:
+        """Collectives run in the same order on every rank: a distributed deployment that runs
+        one call at a time takes them in the order they came (as ``Calls.call``)."""
+        dep = self.pod.dep
+        return dep is not None and dep.concurrency == 1 and dep.config.world_size > 1
+
+    def now(self) -> bool:
+        return not self._ordered() and super().now()
+
+    async def _ranks(self, log: Callable[[int, str, str], None] | None) -> list[Outcome]:
+        order: Any = self.pod.order if self._ordered() else contextlib.nullcontext()
+        async with order:
+            return await super()._ranks(log)

@@ -20,10 +20,11 @@ from starlette.requests import ClientDisconnect
 
 from ktlite_server.bodies import discard_body, receive_body
 from ktlite_server.callresponse import RAW_RESPONSE
-from ktlite_server.coordinator import Coordinator, run_local
+from ktlite_server.coordinator import Coordinator
 from ktlite_server.directbody import WRITE_CHUNK
 from ktlite_server.keptoutcomes import kept
 from ktlite_server.localcall import LOG_BODIES
+from ktlite_server.localrun import run_local
 from ktlite_server.pod import Pod
 from ktlite_server.refusal import refuse
 from ktlite_server.streams import RETAIN_S, AsgiOut, CallStream, Streams

@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ktlite_server import linkclient, memberanswer, podoutcomes, quorum
+from ktlite_server import linkclient, memberanswer, quorum
+from ktlite_server.localrun import LocalNow, run_local, run_local_now
 from ktlite_server.peers import PeerConnectError, PeerError, PeerPool, error_text
 from ktlite_server.pod import Pod
-from ktlite_server.ranks import settled
 from ktlite_wire import calltree, frames, headers, heartbeat, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError
 from ktlite_wire.headers import ERROR_CODE_HEADER
@@ -41,33 +41,6 @@ STOP_GRACE_S = 10.0  # how long stopped pods get to answer before they are repor
 # silence from another pod this long (no frame, no heartbeat) means it is gone; this pod's
 # KTLITE_SILENCE_TIMEOUT (kt.Compute(env=...)), read once: a bad value stops the server here
 SILENCE_S = heartbeat.silence_timeout()
-
-
-async def run_local(
-    pod: Pod, plan: CallPlan, payload: Any, path: str | None, emit: Emit
-) -> list[PodOutcome]:
-    log = None
-    if plan.stream_logs:
-
-        def log(rank: int, stream: str, line: str) -> None:
-            emit(frames.log_frame(rank, pod.name, stream, line))
-
-    if plan.generation is None:  # pod 0 (the coordinator) decides
-        plan.generation, plan.group_port = pod.generation, pod.group_port
-    outs = await pod.run(
-        plan.id,
-        payload,
-        path,
-        log,
-        restart=plan.restart,
-        per_rank=plan.per_rank,
-        generation=plan.generation,
-        group_port=plan.group_port,
-        ranks=plan.ranks,
-    )
-    if plan.shm_results:  # the caller maps the files itself: each once its rank wrote it whole
-        outs = await settled(outs)
-    return podoutcomes.to_wire(pod.name, outs, plan.shm_results)
 
 
 Answer = list[PodOutcome] | Subtree  # a pod's answer: its ranks' outcomes, or its result
@@ -154,7 +127,7 @@ class Coordinator:
             )
         self.started = True
         # each pod's answer, until it arrives: a task, or a member's answer fed by its link
-        pending: dict[int, asyncio.Future[Answer] | memberanswer.MemberAnswer] = {}
+        pending: dict[int, asyncio.Future[Answer] | memberanswer.MemberAnswer | LocalNow] = {}
         # the answers in, not yet taken: (ordinal, a finished task or the answer itself)
         arrived: list[tuple[int, Any]] = []
         wake = asyncio.Event()
@@ -168,10 +141,18 @@ class Coordinator:
                 wake.set()
 
         loop = asyncio.get_running_loop()
+        left = len(self._members)  # one answer each (one may come before the loop below ends)
         run = linkframes.plan_run(plan)  # what a member that relays to no other pod is sent
         body = None if run is None else memoryview(payload).cast("B")
         # remote pods first: their hop is the longer one, so their requests should leave first
         for i in sorted(self._members, key=lambda i: i == me):
+            if i == me:  # its own ranks: started at once when nothing needs waiting for
+                started = run_local_now(
+                    self.pod, plan, payload, path, emit, functools.partial(arrive, i)
+                )
+                if started is not None:
+                    pending[i] = started
+                    continue
             if i != me and run and body is not None and len(self._subtrees.get(i, (i,))) == 1:
                 # a leaf, over its open link: no task, no future (memberanswer)
                 sent = memberanswer.send(
@@ -199,7 +180,6 @@ class Coordinator:
         self._deadline = None if plan.timeout is None else time.monotonic() + plan.timeout
         results: list[PodOutcome] = []
         passed: dict[int, Subtree] = {}  # the members' own results, by ordinal: not decoded
-        left = len(pending)
         while left:
             if not arrived:
                 wake.clear()

@@ -18,9 +18,15 @@ class Gate:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._idle: asyncio.Event | None = None
 
-    async def acquire(self) -> None:
+    def try_acquire(self) -> bool:
+        """Admit a call now if :meth:`acquire` would without waiting."""
         if not self._closed and self.active < self.limit and not self._waiters:
             self.active += 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        if self.try_acquire():
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(future)

@@ -10,9 +10,10 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
+from ktlite_server import resultmaps
 from ktlite_server.deployment import Deployment
 from ktlite_server.rankgather import Arrivals
 from ktlite_server.ranks import Outcome, RankGone, RankProcess
@@ -26,14 +27,29 @@ INTERRUPT_GRACE_S = 1.0  # a call stopped on its own has this long to end before
 LOG_BODIES = os.environ.get("KTLITE_LOG_CALL_BODIES", "") not in ("", "0")
 
 
-@dataclass
 class CallHandle:
-    call_id: str
-    stop_kind: Status | None = None
-    stop_reason: str = ""
-    started: float = field(default_factory=time.monotonic)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    outcomes: list[Outcome] = field(default_factory=list)
+    """One call while it runs on this pod: how it was stopped (if it was), when it started,
+    its outcomes once it ended."""
+
+    __slots__ = ("call_id", "stop_kind", "stop_reason", "started", "outcomes", "_done")
+
+    def __init__(self, call_id: str) -> None:
+        self.call_id = call_id
+        self.stop_kind: Status | None = None
+        self.stop_reason = ""
+        self.started = time.monotonic()
+        self.outcomes: list[Outcome] = []
+        self._done: asyncio.Event | None = None  # made only when a duplicate delivery waits
+
+    async def wait(self) -> None:
+        """Return once the call ended (a duplicate delivery waits for the first)."""
+        if self._done is None:
+            self._done = asyncio.Event()
+        await self._done.wait()
+
+    def ended(self) -> None:
+        if self._done is not None:
+            self._done.set()
 
 
 class LocalCall:
@@ -114,13 +130,7 @@ class LocalCall:
             calls.append((r, own))
         if len(calls) == 1:  # one rank: no other to stop when it fails, no task to wait on
             r, own = calls[0]
-            o = await self._call_rank(r, own)
-            if not r.running:
-                r.busy_since = None
-            if o.status is not Status.OK and not handle.stop_kind:
-                handle.stop_kind = Status.CANCELLED
-                handle.stop_reason = f"stopped because rank {o.rank} failed"
-            return [o]
+            return [self._alone(r, await self._call_rank(r, own))]
         # every rank's message written in one pass, each reply taken as it arrives
         arrivals = Arrivals(handle.call_id, calls)
         outcomes: dict[int, Outcome] = {}
@@ -140,6 +150,27 @@ class LocalCall:
                     for other in arrivals.waiting():
                         stop_rank(other, handle.call_id, concurrent=self.dep.concurrency > 1)
         return [outcomes[k] for k in sorted(outcomes)]
+
+    def start_one(
+        self, rank: RankProcess, msg: rankchannel.Call, then: Callable[[Outcome], None]
+    ) -> None:
+        """Send ``msg`` to ``rank``, the call's one rank, without a task: ``then`` gets its
+        outcome in the callback that read its reply (or saw its death): ``PodCalls.run_now``."""
+        rank.busy_since = rank.busy_since or time.monotonic()
+        rank.running[self.handle.call_id] = time.monotonic()
+        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
+        rank.send(msg, _OneReply(self, rank, msg, then))
+
+    def _alone(self, rank: RankProcess, o: Outcome) -> Outcome:
+        """The outcome of the call's one rank, the rank's part of the call over: its failure
+        stops the call (no other rank to stop)."""
+        if not rank.running:
+            rank.busy_since = None
+        handle = self.handle
+        if o.status is not Status.OK and not handle.stop_kind:
+            handle.stop_kind = Status.CANCELLED
+            handle.stop_reason = f"stopped because rank {o.rank} failed"
+        return o
 
     async def _call_rank(self, rank: RankProcess, msg: rankchannel.Call) -> Outcome:
         handle = self.handle
@@ -195,6 +226,55 @@ class LocalCall:
             rank.feed(handle.call_id) if result.streaming else None,  # feed
             held,  # holds_args
         )
+
+
+class _OneReply:
+    """The reply of a call's one rank (a :class:`~ktlite_server.ranks.Waiter`), started by
+    :meth:`LocalCall.start_one`: made into its outcome as :meth:`LocalCall._call_rank` makes
+    it, in the callback that read it."""
+
+    __slots__ = ("call", "rank", "msg", "then", "_done")
+
+    def __init__(
+        self,
+        call: LocalCall,
+        rank: RankProcess,
+        msg: rankchannel.Call,
+        then: Callable[[Outcome], None],
+    ) -> None:
+        self.call = call
+        self.rank = rank
+        self.msg = msg
+        self.then = then
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, reply: Any, /) -> None:
+        if self._done:
+            return
+        self._done = True
+        call, rank = self.call, self.rank
+        try:
+            o = call._outcome(rank, self.msg, rank.answer(self.msg.id, reply))
+        except RankGone as e:  # a reply out of step
+            o = call._gone(rank, self.msg, e)
+        except Exception as e:  # noqa: BLE001 - never out of the channel's read callback
+            logger.exception("call %s: the reply of rank %d", self.msg.id, rank.global_rank)
+            o = Outcome(rank.global_rank, Status.DIED, message=f"{type(e).__name__}: {e}")
+        finally:
+            rank.running.pop(self.msg.id, None)
+        self.then(call._alone(rank, o))
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        if self._done:
+            return
+        self._done = True
+        call, rank = self.call, self.rank
+        rank.running.pop(self.msg.id, None)
+        gone = exception if isinstance(exception, RankGone) else RankGone(str(exception))
+        self.then(call._alone(rank, call._gone(rank, self.msg, gone)))
 
 
 def stop_rank(rank: RankProcess, call_id: str, concurrent: bool) -> None:

@@ -61,7 +61,8 @@ class MemberRuns:
             return
         call = self._call(link, stream, run)
         link.begin(stream, call.stop)
-        asyncio.get_running_loop().create_task(call.run())  # it ends with link.finish
+        if not call.now():
+            asyncio.get_running_loop().create_task(call.run())  # it ends with link.finish
 
     def _call(self, link: LinkServer, stream: int, run: linkframes.Run) -> _MemberCall:
         """The call a checked ``RUN`` starts (``callerrun`` makes a caller's its own)."""
@@ -128,41 +129,103 @@ class _MemberCall:
             size = sum(len(f) for f in due)
             self.link.write([linkframes.header(linkframes.DATA, self.stream, size), *due])
 
+    def _log(self) -> Callable[[int, str, str], None] | None:
+        """Where the ranks' log lines go while the call runs: DATA frames (or nowhere)."""
+        if not self.run_.flags & linkframes.STREAM_LOGS:
+            return None
+        name, emit = self.pod.name, self._emit
+
+        def log(rank: int, stream: str, line: str) -> None:
+            emit(frames.log_frame(rank, name, stream, line))
+
+        return log
+
+    def _group(self) -> tuple[int, int | None]:
+        """The process group's generation and port the call's collectives use: its
+        coordinator's choice, sent in the RUN."""
+        return self.run_.generation, self.run_.group_port
+
+    def _after(self, outs: list[Outcome]) -> None:
+        """The ranks' part of the call ended with ``outs`` (the caller's own call: see
+        ``callerrun``)."""
+
+    def now(self) -> bool:
+        """Start the call at once, without a task, when this pod need not wait for anything
+        (``PodCalls.run_now``: a one-rank pod, idle and well); False: :meth:`run` it."""
+        run = self.run_
+        if run.flags & linkframes.RESTART:
+            return False
+        generation, port = self._group()
+        return self.pod.run_now(run.call_id, run.body, self._log(), generation, port, self._ran)
+
+    def _ran(self, outs: list[Outcome]) -> None:
+        """(:meth:`now`'s) The ranks' outcomes, in the callback that read the rank's reply: the
+        DONE written now, unless the answer must wait (a result still written, or large; a
+        paused link) or failed to form: then a task answers."""
+        self._after(outs)
+        answer = None
+        if not self.link.paused and all(o.path is None for o in outs):
+            try:
+                answer = podoutcomes.to_wire(self.pod.name, outs, False)
+            except Exception:  # noqa: BLE001 - the task's answer reports it
+                answer = None
+        if answer is None:
+            asyncio.get_running_loop().create_task(self._answer_then_finish(outs))
+            return
+        try:
+            self._flush()
+            if not self.stopped:
+                self._send_done(linkframes.done_message(self.stream, self.pod.name, answer))
+        finally:
+            self.link.finish(self.stream)
+
     async def run(self) -> None:
         try:
-            pod, run = self.pod, self.run_
-            log: Callable[[int, str, str], None] | None = None
-            if run.flags & linkframes.STREAM_LOGS:
-                name, emit = pod.name, self._emit
-
-                def log(rank: int, stream: str, line: str) -> None:
-                    emit(frames.log_frame(rank, name, stream, line))
-
-            shm_results = bool(run.flags & linkframes.SHM_RESULTS)
             try:
-                outs = await self._ranks(log)
-                if shm_results:  # the caller maps the files itself: each once its rank wrote it
-                    outs = await settled(outs)
-                answer = podoutcomes.to_wire(pod.name, outs, shm_results)
+                outs = await self._ranks(self._log())
             except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the coordinator
-                logger.exception("call %s failed on this pod", run.call_id)
-                error = WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)
-                await self._answer_frames([frames.error_frame(error)])
+                await self._failed(e)
                 return
-            if not shm_results and any(o.path is not None for o in outs):
-                # a value mapped from its rank's file (the caller is on another host): a frame of
-                # its own, sent as the rank writes it (linkserver's writer), never copied whole
-                await self._answer_frames(
-                    [frames.frame_item(frames.RESULT, CallResult(answer).encode())]
-                )
-                return
-            self._flush()
-            if self.link.paused:
-                await self.link.drain()
-            if not self.stopped:
-                self._send_done(linkframes.done_message(self.stream, pod.name, answer))
+            self._after(outs)
+            await self._answer(outs)
         finally:  # its answer is written: the link may close once idle
             self.link.finish(self.stream)
+
+    async def _answer_then_finish(self, outs: list[Outcome]) -> None:
+        try:
+            await self._answer(outs)
+        finally:
+            self.link.finish(self.stream)
+
+    async def _failed(self, e: Exception) -> None:
+        logger.exception("call %s failed on this pod", self.run_.call_id, exc_info=e)
+        error = WireError(ErrorCode.INTERNAL, str(e), type(e).__name__)
+        await self._answer_frames([frames.error_frame(error)])
+
+    async def _answer(self, outs: list[Outcome]) -> None:
+        """The ranks' outcomes answered: one DONE, or a RESULT frame for a value mapped from
+        its rank's file (the caller is on another host)."""
+        pod, run = self.pod, self.run_
+        shm_results = bool(run.flags & linkframes.SHM_RESULTS)
+        try:
+            if shm_results:  # the caller maps the files itself: each once its rank wrote it
+                outs = await settled(outs)
+            answer = podoutcomes.to_wire(pod.name, outs, shm_results)
+        except Exception as e:  # noqa: BLE001 - infrastructure failure: tell the coordinator
+            await self._failed(e)
+            return
+        if not shm_results and any(o.path is not None for o in outs):
+            # a value mapped from its rank's file (the caller is on another host): a frame of
+            # its own, sent as the rank writes it (linkserver's writer), never copied whole
+            await self._answer_frames(
+                [frames.frame_item(frames.RESULT, CallResult(answer).encode())]
+            )
+            return
+        self._flush()
+        if self.link.paused:
+            await self.link.drain()
+        if not self.stopped:
+            self._send_done(linkframes.done_message(self.stream, pod.name, answer))
 
     def _send_done(self, parts: list[Any]) -> None:
         """The ``DONE``, now (``callerrun``'s leaves with the others due in this turn)."""
@@ -171,14 +234,15 @@ class _MemberCall:
     async def _ranks(self, log: Callable[[int, str, str], None] | None) -> list[Outcome]:
         """The call on this pod's ranks, in the process group its coordinator named."""
         run = self.run_
+        generation, port = self._group()
         return await self.pod.run(
             run.call_id,
             run.body,
             None,
             log,
             restart=bool(run.flags & linkframes.RESTART),
-            generation=run.generation,
-            group_port=run.group_port,
+            generation=generation,
+            group_port=port,
         )
 
     async def _answer_frames(self, items: list[Any]) -> None:

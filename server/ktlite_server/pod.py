@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from ktlite_server import rankpreload
 from ktlite_server.callhistory import CallHistory
 from ktlite_server.deployment import Colocated, Deployment, layout_of
 from ktlite_server.engine import Engine, EngineError
@@ -83,6 +84,7 @@ class Pod(PodCalls):
         )
         self._sinks: dict[int, dict[str, LogEmit]] = {}  # local rank -> call id -> its log stream
         self._prespawn = procs
+        self.torch_seen = False  # a rank of this deployment used torch (rankpreload)
         self._healing: asyncio.Task[None] | None = None
         self._heal_lock = asyncio.Lock()
         self.engine: Engine | None = None  # distribute("ray"/"monarch"): this pod's engine
@@ -142,12 +144,20 @@ class Pod(PodCalls):
             *(self._spawn(i) for i in range(self._prespawn)), return_exceptions=True
         )
 
+    def _start_env(self) -> dict[str, str]:
+        """A rank's first environment (its zygote's): the pod's, and once the deployment's
+        ranks used torch, the preload that makes a restart cheap (``rankpreload``)."""
+        rank_env = self.rank_env(self.dep, 0) if self.dep is not None else None
+        return rankpreload.start_env(self.base_env, rank_env, self.torch_seen)
+
     async def _spawn(self, local_rank: int) -> RankProcess:
-        rank = self.rank_type(local_rank, self.base_env, self._log)
-        rank.alone = (self.dep.config.procs(self.ordinal) if self.dep else self._prespawn) <= 1
         while len(self.ranks) <= local_rank:
             self.ranks.append(None)  # type: ignore[arg-type]
         old = self.ranks[local_rank]
+        # a rank replaced where this deployment's ranks used torch is forked with it imported
+        self.torch_seen = self.torch_seen or rankpreload.used_torch([old])
+        rank = self.rank_type(local_rank, self._start_env(), self._log)
+        rank.alone = (self.dep.config.procs(self.ordinal) if self.dep else self._prespawn) <= 1
         if old is not None:
             rank.restarts, rank.streak = old.restarts, old.streak
             rank.last_exit = old.exit_code if old.exit_code is not None else old.last_exit
@@ -173,6 +183,7 @@ class Pod(PodCalls):
             return Outcome(rank.global_rank, Status.DIED, message=f"while loading the code: {e}")
         if not loaded.ok:
             return Outcome(rank.global_rank, Status.ERROR, loaded.error)
+        self.torch_seen = self.torch_seen or rankpreload.used_torch([rank])  # its code did
         # a process that lacks a colocated target (a new or restarted one) loads it; one that
         # kept its instances through a reload of the primary code keeps them
         for name, target in list(self.colocated.items()):
@@ -327,6 +338,7 @@ class Pod(PodCalls):
                 for i in range(max(want, 1))
             ]
         self.dep = dep
+        self.torch_seen = False  # learned again from this deployment's ranks (_spawn)
         self._publish_pod_ips(dep)
         for extra in self.ranks[want:]:
             if extra is not None:
@@ -378,6 +390,11 @@ class Pod(PodCalls):
                 return True
         return False
 
+    def _idle_ranks(self) -> bool:
+        """Whether a call may start now without :meth:`_settle` or :meth:`_heal` (no heal due,
+        none under way): ``PodCalls.run_now``."""
+        return self._healing is None and not self._heal_lock.locked() and not self._any_needs_heal()
+
     async def _heal(self) -> list[Outcome]:
         """Replace rank processes that died or that we killed; one heal at a time.
 
@@ -414,6 +431,7 @@ class Pod(PodCalls):
                     )
                     continue
                 todo.append((r.local_rank, crashed, charged))
+            self.torch_seen = self.torch_seen or rankpreload.used_torch(self.ranks)  # survivors
             outs = await asyncio.gather(
                 *(self._ready_rank(i, dep, restart=True) for i, _, _ in todo)
             )

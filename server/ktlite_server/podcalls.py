@@ -51,6 +51,7 @@ class PodCalls:
     if TYPE_CHECKING:  # the pod's, which this is mixed into
 
         async def _settle(self) -> None: ...
+        def _idle_ranks(self) -> bool: ...
         async def _heal(self) -> list[Outcome]: ...
         async def _ready_rank(self, local_rank: int, dep: Deployment, restart: bool) -> Outcome: ...
         def _needs_heal(self, r: RankProcess | None) -> bool: ...
@@ -96,7 +97,7 @@ class PodCalls:
             return kept(self.finished[call_id])  # duplicate delivery runs once
         if call_id in self.calls:
             handle = self.calls[call_id]
-            await handle.done.wait()
+            await handle.wait()
             return handle.outcomes
         handle = CallHandle(call_id)
         early = self.cancelled_early.pop(call_id, None)
@@ -109,17 +110,75 @@ class PodCalls:
                 handle, payload, path, emit, restart, per_rank, generation, ranks, group_port
             )
         finally:
-            self.calls.pop(call_id, None)
-            self.last_active = time.monotonic()  # idle from the call's end, not its start
-            self.call_metrics.ended(
-                handle.outcomes, self.last_active - handle.started, payload, path
-            )
-            handle.done.set()
-            self.finished[call_id] = keep(handle.outcomes)
-            self.history.record(handle)  # the dashboard's recent calls (callhistory.py)
-            while len(self.finished) > 256:
-                self.finished.popitem(last=False)
+            self._ended(handle, payload, path)
         return handle.outcomes
+
+    def run_now(
+        self,
+        call_id: str,
+        payload: Any,
+        emit: LogEmit | None,
+        generation: int,
+        group_port: int | None,
+        then: Callable[[list[Outcome]], None],
+    ) -> bool:
+        """Start call ``call_id`` at once, without a task, when :meth:`run` would not wait for
+        anything: a pod of one rank process that needs no heal, nothing restarting, no process
+        group lost, the gate open, the call new, its argument inline. ``then`` gets its
+        outcomes in the callback that read the rank's reply (or saw its death), once this pod
+        is done with the call. False: nothing started (:meth:`run` takes the call).
+
+        A member's share of a fan-out to one-rank pods is this call: a task, eight coroutine
+        frames, a lock, a future and an event per call are about a fifth of such a member's
+        CPU (``bench/README.md``, one-rank members)."""
+        dep = self.dep
+        if (
+            dep is None
+            or len(self.ranks) != 1
+            or call_id in self.calls
+            or call_id in self.finished
+            or call_id in self.cancelled_early
+            or self.lost_groups
+            or self.lock.locked()
+            or not self._idle_ranks()
+            or memoryview(payload).nbytes > shm.INLINE_MAX
+            or not self.gate.try_acquire()  # last: it admits the call
+        ):
+            return False
+        rank = self.ranks[0]
+        handle = self.calls[call_id] = CallHandle(call_id)
+        self.calls_total += 1
+        self.last_generation = generation  # (no group lost: none to clear)
+        call = LocalCall(handle, dep, [rank])
+        msg = call.prepare(payload, None, None, generation, group_port)[0]
+        if emit is not None:
+            self._sinks.setdefault(rank.local_rank, {})[call_id] = emit
+
+        def ended(o: Outcome) -> None:
+            handle.outcomes = [o]
+            try:
+                self._sinks.get(rank.local_rank, {}).pop(call_id, None)
+                self.reset()  # a rank that died in the call: healed before the next
+                self.gate.release()
+            finally:
+                self._ended(handle, payload, None)
+            then(handle.outcomes)
+
+        call.start_one(rank, msg, ended)
+        return True
+
+    def _ended(self, handle: CallHandle, payload: Any, path: str | None) -> None:
+        """Call ``handle`` ended here: kept (a duplicate delivery gets its outcomes), counted,
+        and in the dashboard's recent calls."""
+        call_id = handle.call_id
+        self.calls.pop(call_id, None)
+        self.last_active = time.monotonic()  # idle from the call's end, not its start
+        self.call_metrics.ended(handle.outcomes, self.last_active - handle.started, payload, path)
+        handle.ended()
+        self.finished[call_id] = keep(handle.outcomes)
+        self.history.record(handle)  # the dashboard's recent calls (callhistory.py)
+        while len(self.finished) > 256:
+            self.finished.popitem(last=False)
 
     async def _run(
         self,

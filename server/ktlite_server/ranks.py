@@ -240,21 +240,6 @@ class RankProcess:
             self.loaded_env = dict(msg.env)
         return reply
 
-    def post(
-        self, msg: rankchannel.Call, frame: list[Any] | None = None, ring: bool = True
-    ) -> asyncio.Future[Any]:
-        """Send call ``msg`` without waiting: the future of its reply, for :meth:`answer`. A
-        dead rank's future holds RankGone. (With :meth:`send`, the seam a rank without a
-        process replaces, with :meth:`call`.)"""
-        # the loop the channel is on (asking for the running one is a getpid() each)
-        loop = self._loop or asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        key = msg.id
-        future.add_done_callback(lambda f: self._forget(key, f))
-        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
-        self.send(msg, future, frame, ring)
-        return future
-
     def send(
         self,
         msg: rankchannel.Call,
@@ -281,14 +266,8 @@ class RankProcess:
         if self.bell is not None:
             self.bell.ring(self.bit)
 
-    def _forget(self, key: str, future: asyncio.Future[Any]) -> None:
-        if self._pending.get(key) is future:
-            del self._pending[key]
-        if not future.cancelled():
-            future.exception()  # retrieved: an unawaited death is no "never retrieved" error
-
     def answer(self, call_id: str, reply: Any) -> rankchannel.Result:
-        """The reply :meth:`post` awaited, checked, once the rank's output so far is read (its
+        """The reply :meth:`call` awaited, checked, once the rank's output so far is read (its
         log lines precede its result)."""
         self.drain_output()
         return self.check(call_id, reply)
@@ -306,7 +285,19 @@ class RankProcess:
         return reply
 
     async def call(self, msg: rankchannel.Call) -> rankchannel.Result:
-        reply = await asyncio.shield(self.post(msg))
+        """Send call ``msg`` and wait for its reply (a dead rank raises RankGone). The reply's
+        future is awaited as it is: no shield (its two done callbacks put the task's wake-up
+        two loop passes after the reply) and no done callback of its own (the reader takes
+        it off ``_pending``; a cancelled wait takes it off here)."""
+        # the loop the channel is on (asking for the running one is a getpid() each)
+        future: asyncio.Future[Any] = (self._loop or asyncio.get_running_loop()).create_future()
+        resultmaps.server().release()  # result files nothing sends from: the rank may reuse
+        self.send(msg, future)
+        try:
+            reply = await future
+        finally:
+            if self._pending.get(msg.id) is future:
+                del self._pending[msg.id]
         return self.answer(msg.id, reply)
 
     def feed(self, call_id: str) -> Feed | None:
@@ -362,8 +353,8 @@ class RankProcess:
     def _on_message(self, msg: rankchannel.Message) -> None:
         if type(msg) is rankchannel.Result:  # a call's reply: the one message of every call
             self._heard = self._pipes.drains  # answer() drains unless a drain runs after this
-            # taken off: nothing waits under a call id twice (a future's own callback also
-            # forgets it, see post(); a gathered call's reply has none)
+            # taken off: nothing waits under a call id twice (a wait given up on takes its
+            # future off itself, see call())
             waiter = self._pending.pop(msg.id, None)
             if msg.streaming:
                 self._feeds[msg.id] = feed = Feed(self.global_rank, msg.size)

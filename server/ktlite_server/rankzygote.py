@@ -9,7 +9,9 @@ caches): measured on 2 cores, a no-op call cost each of 64 ranks 68 us exec'd an
 
 The zygote (``python -m ktlite_server.rankzygote FD``) is started by the pod server with the
 environment every rank process starts with (the pod's own, as before: a deployment's rank
-environment arrives later, with its code). It imports the rank's modules, freezes its heap
+environment arrives later, with its code), or, for a deployment that uses torch, with that
+and the modules to preload (``rankpreload``: a restarted rank then finds torch imported,
+its pages shared). It imports the rank's modules, freezes its heap
 (``gc.freeze``: the children's collections leave those pages unwritten), and serves requests
 on a ``SOCK_SEQPACKET`` socketpair, one message each:
 
@@ -28,7 +30,8 @@ zygote that dies takes its ranks with it, and the pod server names that.
 The pod server side (:func:`shared`, :class:`Zygote`, :class:`ForkedProcess`) falls back to
 ``python -m ktlite_server.rank`` where there is no ``os.fork``/``pidfd_open``, where
 ``KTLITE_RANK_ZYGOTE=0``, where a rank is to start with another environment than the
-zygote's, and for good once a zygote failed to start or :data:`MAX_LOST` were lost.
+:data:`MAX_ZYGOTES` zygotes that still have ranks (one per environment: the pod's, a
+preloading one), and for good once a zygote failed to start or :data:`MAX_LOST` were lost.
 """
 
 from __future__ import annotations
@@ -44,16 +47,23 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from typing import IO, Any
+
+from ktlite_server import rankpreload
 
 logger = logging.getLogger(__name__)
 
 SPAWN_TIMEOUT_S = 30.0  # a fork answers in milliseconds; a zygote this late is replaced
+# a zygote's first answer follows its preload: torch's import, seconds (a minute from a cold,
+# slow disk)
+PRELOAD_TIMEOUT_S = 300.0
 MAX_MSG = 1 << 16
 MAX_FDS = 8
-# this process's zygote, how many it lost, whether one failed to start, whether pidfds work
-_state: dict[str, Any] = {"zygote": None, "lost": 0, "failed": False, "pidfds": None}
+# this process's zygotes, how many it lost, whether one failed to start, whether pidfds work,
+# how many times one was handed out
+_state: dict[str, Any] = {"zygotes": [], "lost": 0, "failed": False, "pidfds": None, "uses": 0}
 
 
 def available() -> bool:
@@ -86,9 +96,10 @@ def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None
         sock.send(data)
 
 
-def _serve(ctrl: socket.socket) -> list[str] | None:
-    """The zygote's loop: fork on request, report exits. Returns, in a forked child only, the
-    argv its rank runs with; in the zygote, None once the pod server is gone."""
+def _serve(ctrl: socket.socket, refusal: str | None = None) -> list[str] | None:
+    """The zygote's loop: fork on request (or, with a ``refusal``, answer each with it),
+    report exits. Returns, in a forked child only, the argv its rank runs with; in the zygote,
+    None once the pod server is gone."""
     sel = selectors.DefaultSelector()
     sel.register(ctrl, selectors.EVENT_READ)
     children: dict[int, int] = {}  # pidfd -> pid
@@ -111,7 +122,7 @@ def _serve(ctrl: socket.socket) -> list[str] | None:
                 return None  # the pod server is gone: its ranks follow us (their parent)
             req = json.loads(data)
             try:
-                pid = os.fork()
+                pid = _fork(refusal)
             except OSError as e:
                 for fd in fds:
                     os.close(fd)
@@ -132,6 +143,17 @@ def _serve(ctrl: socket.socket) -> list[str] | None:
             return None  # orphaned without an EOF (the pod server's socket leaked somewhere)
 
 
+def _fork(refusal: str | None) -> int:
+    if refusal is not None:
+        raise OSError(refusal)
+    with warnings.catch_warnings():
+        # Python 3.12+ warns of a fork with threads alive: a preloaded library's (OpenBLAS
+        # stops its own around a fork; rankpreload), never a lock-holding one of ours. The
+        # pod log is the users': this warning, for the zygote, is not theirs to read
+        warnings.filterwarnings("ignore", ".*fork", DeprecationWarning)
+        return os.fork()
+
+
 def _become_rank(ctrl: socket.socket, fds: list[int], argv: list[str]) -> list[str]:
     """In a forked child: the rank's own session and standard streams, then its argv (the
     channel's and bell's descriptors named by their numbers here)."""
@@ -150,12 +172,16 @@ def _become_rank(ctrl: socket.socket, fds: list[int], argv: list[str]) -> list[s
 
 
 def main() -> None:
-    from ktlite_server import rank  # everything a rank imports, before any fork
+    from ktlite_server import logconfig, rank  # everything a rank imports, before any fork
 
+    logconfig.configure()  # the pod's level, on the pod log (this process's stderr)
+    refusal = rankpreload.preload()  # what this deployment's ranks use (KTLITE_RANK_PRELOAD)
+    if refusal is not None:
+        logger.error("ktlite: the rank zygote will not fork ranks: %s", refusal)
     ctrl = socket.socket(fileno=int(sys.argv[1]))
     gc.collect()
     gc.freeze()  # the children's collections never write to the zygote's objects' pages
-    argv = _serve(ctrl)
+    argv = _serve(ctrl, refusal)
     if argv is None:
         return
     sys.argv = [rank.__file__ or "ktlite_server.rank", *argv]
@@ -215,10 +241,13 @@ class Zygote:
         finally:
             child.close()
         self.ctrl.setblocking(False)
+        preloads = rankpreload.names(env.get(rankpreload.PRELOAD_VAR, ""))
+        self.timeout = PRELOAD_TIMEOUT_S if preloads else SPAWN_TIMEOUT_S  # see _readable
         self._next = 0
         self._pending: dict[int, asyncio.Future[ForkedProcess]] = {}
         self.children: dict[int, ForkedProcess] = {}
         self.closed = False
+        self.used = 0  # when shared() last handed it out (a count): see _retired
         loop.add_reader(self.ctrl.fileno(), self._readable)
 
     async def spawn(
@@ -241,9 +270,9 @@ class Zygote:
                 self.close(f"a request to it failed: {e}", lost=True)
                 raise
             # an OSError from here is its refusal (a fork that failed): its other ranks stay
-            return await asyncio.wait_for(asyncio.shield(future), SPAWN_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout)
         except asyncio.TimeoutError:
-            self.close(f"it did not fork a rank within {SPAWN_TIMEOUT_S:.0f} s", lost=True)
+            self.close(f"it did not fork a rank within {self.timeout:.0f} s", lost=True)
             raise OSError("the rank zygote did not answer") from None
         finally:
             self._pending.pop(key, None)
@@ -261,10 +290,13 @@ class Zygote:
                 self.close("it exited", lost=True)
                 return
             msg = json.loads(data)
+            self.timeout = SPAWN_TIMEOUT_S  # it answered: its preload is done
             if "exited" in msg:
                 proc = self.children.pop(msg["exited"], None)
                 if proc is not None:
                     proc._exited(int(msg["code"]))
+                if _retired(self):
+                    return
                 continue
             future = self._pending.get(msg.get("spawned", msg.get("failed")))
             if "spawned" in msg and fds:
@@ -306,35 +338,61 @@ class Zygote:
 
 
 MAX_LOST = 3  # zygotes a pod server may lose (one lost now and then is replaced)
+MAX_ZYGOTES = 2  # at once: the pod's plain one, and one that preloaded a deployment's modules
+
+
+def _retired(z: Zygote) -> bool:
+    """Stop ``z`` if it has no ranks left and another environment's zygote was asked for
+    since it was (a deployment's ranks moved to a preloading one): its memory is not shared
+    with any rank any more."""
+    newer = any(o.used > z.used and not o.closed for o in _state["zygotes"])
+    if z.children or z._pending or not newer:
+        return False
+    z.close()
+    return True
 
 
 def shared(env: dict[str, str]) -> Zygote | None:
     """This pod server's zygote for ranks that start with ``env`` (started at the first), or
-    None: fork is not available, the environment differs, a zygote failed to start, or
-    :data:`MAX_LOST` were lost."""
+    None: fork is not available, a zygote failed to start, :data:`MAX_LOST` were lost, or
+    :data:`MAX_ZYGOTES` for other environments still have ranks. A zygote serves one
+    environment: what it preloaded (``rankpreload``) is named in it; one with no ranks left is
+    stopped when another environment needs one."""
     if _state["failed"] or _state["lost"] >= MAX_LOST or not available():
         return None
     loop = asyncio.get_running_loop()
-    z: Zygote | None = _state["zygote"]
-    if z is not None and (z.closed or z.loop is not loop or z.loop.is_closed()):
-        if not z.closed and z.loop is not loop:
-            z.close()
-        z = _state["zygote"] = None
-    if z is None:
-        try:
-            z = _state["zygote"] = Zygote(env, loop)
-        except OSError as e:
-            logger.warning("ktlite: no rank zygote (%s); ranks start as new processes", e)
-            _state["failed"] = True
-            return None
-    return z if z.env == env else None
+    zygotes: list[Zygote] = _state["zygotes"]
+    for z in list(zygotes):
+        if z.closed or z.loop is not loop or z.loop.is_closed():
+            if not z.closed and z.loop is not loop:
+                z.close()
+            zygotes.remove(z)
+    match = next((z for z in zygotes if z.env == env), None)
+    for z in [z for z in zygotes if z is not match and not z.children and not z._pending]:
+        z.close()  # idle, and another environment is asked for: its preload is not wanted
+        zygotes.remove(z)
+    _state["uses"] += 1
+    if match is not None:
+        match.used = _state["uses"]
+        return match
+    if len(zygotes) >= MAX_ZYGOTES:
+        return None
+    try:
+        z = Zygote(env, loop)
+    except OSError as e:
+        logger.warning("ktlite: no rank zygote (%s); ranks start as new processes", e)
+        _state["failed"] = True
+        return None
+    zygotes.append(z)
+    z.used = _state["uses"]
+    return z
 
 
 def reset() -> None:
-    """Drop this process's zygote and what it remembers of lost ones (tests)."""
-    z: Zygote | None = _state["zygote"]
-    _state.update(zygote=None, lost=0, failed=False)
-    if z is not None:
+    """Drop this process's zygotes and what it remembers of lost ones (tests)."""
+    zygotes: list[Zygote] = _state["zygotes"]
+    _state.update(zygotes=[], lost=0, failed=False)
+    for z in zygotes:
         z.close()
 
 
