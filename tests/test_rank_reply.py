@@ -19,7 +19,7 @@ import pytest
 from ktlite_server import rankreply
 from ktlite_wire import codec, envelope, rankchannel
 from ktlite_wire.errors import ProtocolError
-from ktlite_wire.rankchannel import Channel
+from ktlite_wire.rankend import Channel
 
 PLAIN = [None, True, False, 0, -7, 1 << 70, 2.5, "", "text é", b"", b"\x00bytes"]
 

@@ -38,7 +38,7 @@ from ktlite_server.rankrunners import Runners
 from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
 from ktlite_wire.errors import RemoteExceptionInfo
-from ktlite_wire.rankchannel import Channel
+from ktlite_wire.rankend import Channel
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
