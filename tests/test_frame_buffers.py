@@ -17,7 +17,7 @@ import pytest
 
 from ktlite.net.call_reply import FrameReader
 from ktlite.net.connection import Connection, ConnectionFailed
-from ktlite_wire import codec, rankchannel
+from ktlite_wire import codec, rankchannel, rankend
 from ktlite_wire.envelope import join
 from ktlite_wire.frames import FRAME, RESULT, FrameParser
 from ktlite_wire.outcome import CallResult, RankOutcome
@@ -129,7 +129,7 @@ def test_rank_channel_grows_with_the_bytes_that_arrive() -> None:
     with server, rank:
         server.sendall(rankchannel.LEN.pack(CLAIM) + ARRIVED)
         server.shutdown(socket.SHUT_WR)
-        channel = rankchannel.Channel(rank)
+        channel = rankend.Channel(rank)
 
         def read() -> None:
             with pytest.raises(EOFError, match="1024 bytes into a message of"):
@@ -150,6 +150,6 @@ def test_rank_channel_still_reads_a_large_message() -> None:
             ]
         )
         writer.start()
-        got = rankchannel.Channel(rank).recv()
+        got = rankend.Channel(rank).recv()
         writer.join(30)
     assert isinstance(got, rankchannel.Load) and bytes(got.bundle or b"") == bundle

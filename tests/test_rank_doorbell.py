@@ -26,7 +26,7 @@ from ktlite_server.pod import Pod
 from ktlite_server.rankconn import RankConnection
 from ktlite_server.rankgather import Arrivals
 from ktlite_server.ranks import RankProcess
-from ktlite_wire import codec, rankchannel
+from ktlite_wire import codec, rankchannel, rankend
 from ktlite_wire.errors import ProtocolError
 
 pytestmark = pytest.mark.skipif(
@@ -85,7 +85,7 @@ def test_a_rank_channel_waits_on_the_bell_and_reads_joined_and_split_messages() 
     bell = doorbell.create()
     assert bell is not None
     server, rank = socket.socketpair()
-    chan = rankchannel.Channel(rank, bell, bell.bit(5))
+    chan = rankend.Channel(rank, bell, bell.bit(5))
     got: list[rankchannel.Message | BaseException] = []
 
     def read(n: int) -> None:
@@ -200,7 +200,7 @@ def test_a_rank_started_without_a_doorbell_still_reads_its_channel() -> None:
     """A rank process whose pod server has no doorbell (another OS) blocks on its channel."""
     server, rank = socket.socketpair()
     with server, rank:
-        chan = rankchannel.Channel(rank)
+        chan = rankend.Channel(rank)
         server.sendall(b"".join(rankchannel.frame(_call(4))))
         msg = chan.recv()
     assert isinstance(msg, rankchannel.Call) and msg.id == "call-4"

@@ -15,7 +15,7 @@ import pytest
 from ktlite_server import rankrunners
 from ktlite_server.rank import Rank
 from ktlite_wire import codec, rankchannel
-from ktlite_wire.rankchannel import Channel
+from ktlite_wire.rankend import Channel
 
 LONG = 60.0  # what a wait that should end at once is bounded by
 

@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import importlib.abc
 import importlib.util
-import inspect
 import os
 import pickle
 import signal
@@ -22,15 +21,24 @@ import sys
 import threading
 import time
 import traceback
+import types
 from typing import Any
 
-from ktlite_server import argmaps, doorbell, logconfig, resultfeed, resultfiles, workdir
+from ktlite_server import (
+    argmaps,
+    doorbell,
+    logconfig,
+    rankreply,
+    resultfeed,
+    resultfiles,
+    workdir,
+)
 from ktlite_server.distpatch import PatchOnImport, holds_dist_state
 from ktlite_server.rankrunners import Runners
-from ktlite_wire import codec, envelope, rankchannel, rankdata, shm, sourcelines
+from ktlite_wire import codec, rankchannel, rankdata, shm, sourcelines
 from ktlite_wire.distenv import GROUP_PORTS
 from ktlite_wire.errors import RemoteExceptionInfo
-from ktlite_wire.rankchannel import Channel
+from ktlite_wire.rankend import Channel
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -226,10 +234,10 @@ class Rank:
                 obj = obj(*args, **kwargs)
             self.target = obj
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-            self._flush()
+            rankreply.flush()
             self._loaded(exception_info(exc))
             return
-        self._flush()
+        rankreply.flush()
         self._loaded(None)
 
     def load_target(self, msg: rankchannel.Load) -> None:
@@ -257,10 +265,10 @@ class Rank:
                 obj = obj(*args, **kwargs)
             self.targets[name] = obj
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-            self._flush()
+            rankreply.flush()
             self._loaded(exception_info(exc, where=f"colocated target {name!r}: "))
             return
-        self._flush()
+        rankreply.flush()
         self._loaded(None)
 
     def lookup(self, method: Any) -> Any:
@@ -282,8 +290,10 @@ class Rank:
 
     def call(self, msg: rankchannel.Call) -> None:
         call_id = msg.id
-        self.regroup(msg.generation, msg.group_port)
-        # a private, writable copy either way: arrays decoded from it must be writable
+        if msg.generation != self.generation:
+            self.regroup(msg.generation, msg.group_port)
+        # arrays decoded from the arguments must be writable: a private copy-on-write mapping
+        # of the file, or the channel's message (a buffer of this call's own)
         mapped = None
         if msg.args is None:  # the shared message and this rank's items, in one mapping
             end = msg.size if msg.item_at is None else max(msg.size, sum(msg.item_at))
@@ -300,7 +310,12 @@ class Rank:
         """Decode a call's arguments (from ``mapped``, or inline) and run it: (ok, value or
         exception info, the exception)."""
         try:
-            payload = mapped.view[: msg.size] if mapped is not None else bytearray(msg.args or b"")
+            if mapped is not None:
+                payload: Any = mapped.view[: msg.size]
+            else:  # the channel's message is this call's own buffer: writable views of it
+                payload = msg.args
+                if type(payload) is not memoryview or payload.readonly:
+                    payload = bytearray(payload or b"")
             method, args, kwargs = codec.loads(payload)
             del payload
             if msg.item is not None:  # a per-rank call: this rank's own items
@@ -308,12 +323,14 @@ class Rank:
             elif msg.item_at is not None and mapped is not None:  # ... in the call's file
                 off, n = msg.item_at
                 args, kwargs = rankdata.fill(args, kwargs, codec.loads(mapped.view[off : off + n]))
-            fn = self.lookup(method)
+            target = self.target
+            fn = target if method is None and target is not None else self.lookup(method)
             if self.concurrency <= 1:
                 self.inline = msg.id  # SIGUSR2 interrupts it from here ...
             value = fn(*args, **kwargs)
             del args, kwargs
-            if inspect.iscoroutine(value):  # an ``async def``: awaited on the rank's event loop
+            # an ``async def``: awaited on the rank's event loop
+            if isinstance(value, types.CoroutineType):
                 value = self._await(msg.id, value)
             self.inline = None  # ... to here
             return True, value, None
@@ -338,8 +355,17 @@ class Rank:
             for frame, _ in traceback.walk_tb(error.__traceback__)
         ):
             self.tainted = True
+        if rankreply.is_plain(value):  # what most calls return: one message, built at once
+            inline = rankreply.NONE_VALUE if value is None else rankreply.plain_value(value)
+            rankreply.flush()
+            self.chan.send_frame(
+                rankchannel.result_frame(
+                    call_id, ok, inline, holds_dist_state(), self.tainted, released
+                )
+            )
+            return
         try:
-            parts = _encoded(value)
+            parts = rankreply.encoded(value)
         except Exception as exc:
             ok, parts = (
                 False,
@@ -349,7 +375,7 @@ class Rank:
                     )
                 ),
             )
-        self._flush()
+        rankreply.flush()
         size = codec.parts_size(parts)
         if size <= shm.INLINE_MAX:
             self.chan.send(
@@ -405,28 +431,6 @@ class Rank:
             rankchannel.Loaded(error is None, None if error is None else codec.dumps(error))
         )
 
-    @staticmethod
-    def _flush() -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:  # noqa: SIM105 - contextlib.suppress costs more than the flush
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a stream the user replaced or closed
-                pass
-
-
-_PLAIN = (type(None), bool, int, float)  # and str/bytes under _PLAIN_MAX: see _encoded
-_PLAIN_MAX = 4096
-
-
-def _encoded(value: Any) -> list[Any]:
-    """A value's message parts. A plain one (None, a number, a short string: what most calls
-    return) is pickled by the C pickler alone, the same bytes ``codec.dumps_parts`` makes
-    without building its cloudpickle pickler per call."""
-    kind = type(value)
-    if kind in _PLAIN or (kind in (str, bytes) and len(value) < _PLAIN_MAX):
-        return envelope.pack(codec.MAGIC, [pickle.dumps(value, 5)], [])
-    return codec.dumps_parts(value)
-
 
 def _watch_parent(ppid: int) -> None:
     while True:
@@ -440,6 +444,7 @@ PORT_SPAN = GROUP_PORTS  # process-group generations cycle through MASTER_PORT .
 
 
 def main() -> None:
+    rankreply.note_streams()
     logconfig.configure()  # the pod's level; records go to this rank's stderr, the pod log
     # argv: the channel's fd, and (where the pod server has one) its doorbell's and our bit
     bell = doorbell.attach(int(sys.argv[2])) if len(sys.argv) > 3 else None
@@ -465,10 +470,10 @@ def main() -> None:
             return
         if msg is None:  # a queued call waited long enough: patience() gave it a thread
             continue
-        if isinstance(msg, rankchannel.Load):
-            rank.load(msg)
-        elif isinstance(msg, rankchannel.Call):
+        if type(msg) is rankchannel.Call:  # the one message of every call, first
             rank.submit(msg)
+        elif isinstance(msg, rankchannel.Load):
+            rank.load(msg)
         elif isinstance(msg, rankchannel.Interrupt):
             rank.interrupt(msg.id)
         elif isinstance(msg, rankchannel.Exit):

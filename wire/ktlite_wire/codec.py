@@ -179,7 +179,7 @@ def loads(data: Any) -> Any:
     caller and the rank processes call this: it runs the sender's code."""
     body, bufs = envelope.unpack(MAGIC, data, "value message")
     try:
-        return pickle.loads(body, buffers=bufs)
+        return pickle.loads(body, buffers=bufs) if bufs else pickle.loads(body)
     except RuntimeError as e:
         if "torch.cuda.is_available() is False" not in str(e):
             raise

@@ -53,7 +53,9 @@ def pack(magic: bytes, body: list[Any], buffers: list[memoryview]) -> list[Any]:
 def unpack(magic: bytes, data: Any, what: str) -> tuple[memoryview, list[memoryview]]:
     """Check one message's framing (magic, version, buffer table, sizes): its header's
     bytes and its buffers, as views of ``data`` (no copies). Raises ProtocolError."""
-    view = memoryview(data).cast("B")
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:  # (a bytearray's view is already bytes)
+        view = view.cast("B")
     size = view.nbytes
     if size < _HEAD_SIZE:
         raise ProtocolError(f"{what} truncated: {size} bytes, its header needs {HEAD.size}")

@@ -14,18 +14,15 @@ instead (JSON cost more than the rest of a warm call's work in the rank)::
     Result: b"KTR" version:u8 flags:u8 id_len:u8 path_len:u16 size:u64 inline_len:u64
             id path inline
 
-``flags`` say which optional fields are present (a None is not a zero).
+``flags`` say which optional fields are present (a None is not a zero). The rank process's
+end of the channel is ``ktlite_wire.rankend``.
 """
 
 from __future__ import annotations
 
-import select
-import socket
 import struct
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ktlite_wire import envelope
 from ktlite_wire.errors import ProtocolError
@@ -239,9 +236,43 @@ def _encode_result(msg: Result) -> list[Any]:
     return [first, inline] if inline_len else [first]
 
 
+_FRAMED_RESULT = struct.Struct("<Q3sBBBHQQ")  # LEN and RESULT in one
+
+
+def result_frame(
+    call_id: str,
+    ok: bool,
+    inline: bytes,
+    has_pg: bool = False,
+    tainted: bool = False,
+    released: bool = False,
+) -> bytes:
+    """``encode(Result(call_id, ok, inline, None, len(inline), ...))`` joined: the bytes of an
+    inline result, built in one step (a rank sends one per call)."""
+    cid = call_id.encode()
+    if len(cid) > 255:
+        raise ProtocolError(f"a call id of {len(cid)} bytes: too long")
+    n = len(inline)
+    flags = _INLINE
+    if ok:
+        flags |= _OK
+    if has_pg:
+        flags |= _HAS_PG
+    if tainted:
+        flags |= _TAINTED
+    if released:
+        flags |= _RELEASED
+    head = _FRAMED_RESULT.pack(
+        RESULT.size + len(cid) + n, RESULT_MAGIC, PROTOCOL_VERSION, flags, len(cid), 0, n, n
+    )
+    return head + cid + inline
+
+
 def decode(data: Any) -> Message:
     """One message from its bytes (without the length prefix). Raises ProtocolError."""
-    view = memoryview(data).cast("B")
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
     magic = bytes(view[:3])
     if magic in (CALL_MAGIC, RESULT_MAGIC):
         return _decode_hot(view, magic)
@@ -309,15 +340,15 @@ def _decode_hot(view: memoryview, magic: bytes) -> Message:
         end = pos + args_len + item_len
         args = view[pos : pos + args_len] if flags & _ARGS else None
         item = view[pos + args_len : end] if flags & _ITEM else None
-        msg: Message = Call(
-            id=cid,
-            args=args,
-            path=path,
-            size=size,
-            item=item,
-            item_at=[at0, at1] if flags & _ITEM_AT else None,
-            generation=generation,
-            group_port=port if flags & _PORT else None,
+        msg: Message = Call(  # by position, as Result below
+            cid,  # id
+            args,
+            path,
+            size,
+            item,
+            [at0, at1] if flags & _ITEM_AT else None,  # item_at
+            generation,
+            port if flags & _PORT else None,  # group_port
         )
     else:
         size, inline_len = fields[5:]
@@ -342,128 +373,15 @@ def _decode_hot(view: memoryview, magic: bytes) -> Message:
     return msg
 
 
-class Bell(Protocol):
-    """What a rank waits on instead of its channel (``ktlite_server.doorbell``)."""
-
-    @property
-    def generation(self) -> int: ...
-
-    def wait(self, generation: int, bit: int, timeout: float = ...) -> None: ...
-
-
-class Channel:
-    """The rank process's end: blocking messages over a socket; sends from several threads
-    (concurrent calls) never interleave. With a ``bell`` it waits on that, not on the socket,
-    and reads the socket without blocking: the pod server writes every rank's message of a
-    call, then wakes them all at once (``ktlite_server.doorbell``)."""
-
-    def __init__(self, sock: socket.socket, bell: Bell | None = None, bit: int = 1) -> None:
-        self.sock = sock
-        self._send_lock = threading.Lock()
-        self.bell = bell
-        self.bit = bit
-        self._buf = bytearray()  # bytes read and not yet handed on as a message
-        self._chunk = bytearray(READ)
-        self._chunk_view = memoryview(self._chunk)
-        self._seen: int | None = None  # the bell's generation before the last read
-
-    def send(self, msg: Message) -> None:
-        parts = encode(msg)
-        data = envelope.join(parts) if _size(parts) <= JOIN_MAX else None
-        with self._send_lock:
-            if data is not None:
-                self.sock.sendall(data)
-                return
-            for p in parts:
-                self.sock.sendall(p)
-
-    def recv(self, timeout: float | None = None) -> Message | None:
-        """The next message (each in a writable buffer of its own); None once ``timeout``
-        seconds passed without one (a message begun is read whole)."""
-        buf = self._buf
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if len(buf) >= LEN.size:
-                (n,) = LEN.unpack_from(buf)
-                if n > MAX_MESSAGE:
-                    raise ProtocolError(f"a rank channel message claims {n} bytes")
-                end = LEN.size + n
-                if len(buf) >= end:
-                    body = buf[LEN.size : end]
-                    del buf[:end]
-                    return decode(body)
-                if n > READ:  # the rest straight into its own buffer
-                    have = buf[LEN.size :]
-                    buf.clear()
-                    return decode(self._rest(have, n))
-            if not self._fill(deadline):
-                return None
-
-    def _fill(self, deadline: float | None) -> bool:
-        """Read what came (False: nothing did before ``deadline``)."""
-        bell = self.bell
-        if bell is None or self._buf:  # a message's rest is on its way: no ring announces it
-            if deadline is not None and not self._buf and not self._readable(deadline):
-                return False
-            k = self.sock.recv_into(self._chunk)
-        else:
-            if self._seen is not None:  # wait for a ring since the last read
-                wait = WAIT_S if deadline is None else min(WAIT_S, deadline - time.monotonic())
-                if wait > 0:
-                    bell.wait(self._seen, self.bit, wait)
-            self._seen = bell.generation
-            try:
-                k = self.sock.recv_into(self._chunk, READ, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return deadline is None or time.monotonic() < deadline
-        if k == 0:
-            raise EOFError("the pod server closed the control channel")
-        self._buf += self._chunk_view[:k]
-        return True
-
-    def _readable(self, deadline: float) -> bool:
-        """Whether the socket has bytes (or its EOF) before ``deadline`` (no bell to wait on)."""
-        ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
-        return bool(ready)
-
-    def _rest(self, have: bytearray, n: int) -> bytearray:
-        """A message of ``n`` bytes whose first ones are ``have``, read whole."""
-        if n > PIECE:  # a length no byte has backed yet: grow with what arrives
-            return self._growing(have, n)
-        buf = bytearray(n)
-        buf[: len(have)] = have
-        view = memoryview(buf)
-        got = len(have)
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError("the pod server closed the control channel")
-            got += k
-        return buf
-
-    def _growing(self, buf: bytearray, n: int) -> bytearray:
-        piece = bytearray(PIECE)
-        view = memoryview(piece)
-        while len(buf) < n:
-            k = self.sock.recv_into(view, min(PIECE, n - len(buf)))
-            if k == 0:
-                raise EOFError(
-                    f"the pod server closed the control channel {len(buf)} bytes into a "
-                    f"message of {n}"
-                )
-            buf += view[:k]
-        return buf
-
-
 def frame(msg: Message) -> list[Any]:
     """``msg`` as the pod server writes it: a small message joined into one part (one
     segment, so the rank's read wakes once), a large one as its parts (no copy). A call sent
     to many ranks is framed once and the same parts written to each."""
     parts = encode(msg)
-    return [envelope.join(parts)] if _size(parts) <= JOIN_MAX else parts
+    return [envelope.join(parts)] if message_size(parts) <= JOIN_MAX else parts
 
 
-def _size(parts: list[Any]) -> int:
+def message_size(parts: list[Any]) -> int:
     """An encoded message's size, from its length prefix (the first part begins with it)."""
     (n,) = LEN.unpack_from(parts[0])
     return LEN.size + int(n)
