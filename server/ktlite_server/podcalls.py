@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from ktlite_wire.distenv import port_free
 from ktlite_wire.status import Status
 
 LogEmit = Callable[[int, str, str], None]  # (global rank, stream, line)
+logger = logging.getLogger(__name__)
 
 
 class PodCalls:
@@ -135,6 +137,7 @@ class PodCalls:
         if (
             dep is None
             or len(self.ranks) != 1
+            or self.ranks[0] is None
             or call_id in self.calls
             or call_id in self.finished
             or call_id in self.cancelled_early
@@ -162,7 +165,10 @@ class PodCalls:
                 self.gate.release()
             finally:
                 self._ended(handle, payload, None)
-            then(handle.outcomes)
+            try:  # (in the rank channel's read callback: nothing may leave it)
+                then(handle.outcomes)
+            except Exception:  # noqa: BLE001 - logged; the coordinator's watch names the pod
+                logger.exception("call %s: answering it failed", call_id)
 
         call.start_one(rank, msg, ended)
         return True
