@@ -43,6 +43,8 @@ _FIRST = (
     "tests/test_cli.py",
     "tests/faults/test_soak.py",
     "tests/test_serving.py",
+    "tests/test_rank_preload.py",
+    "tests/test_bench_scale.py",
     "tests/faults/test_tree.py",
     "tests/test_errors_logs.py",
     "tests/test_server_limits.py",
