@@ -217,10 +217,10 @@ def main() -> None:
         if verdict == "not met":
             print(
                 f"  cause: 17 processes share {os.cpu_count()} cores and the call's CPU bounds "
-                "its time; each member pod server still spends ~0.59 M instructions per call "
-                "on a lean RUN, most of it the pod runtime (admission, the rank hand-off) and "
-                "the event loop, and pod 0 ~0.17 M per member (bench_cpu.py --rows fanout8; "
-                "bench/README.md, lean member calls and stops on the link)"
+                "its time (~2.6 ms of it on 2 cores): each member pod server ~170 us a call "
+                "(the link's read, the RUN's checks, the rank hand-off, the DONE; two wake-ups), "
+                "pod 0 ~90 us per member, each rank ~60 us (bench/README.md, one-rank pods: a "
+                "call started where it was read)"
             )
     if "ktlite 1 pod x 64 ranks" in every:
         p99 = _p99(every["ktlite 1 pod x 64 ranks"])
