@@ -29,7 +29,7 @@ from ktlite_server.linkserver import LinkServer, send_frames
 from ktlite_server.ranks import Outcome, settled
 from ktlite_wire import codec, frames, linkframes
 from ktlite_wire.errors import ErrorCode, ProtocolError, WireError
-from ktlite_wire.outcome import CallResult
+from ktlite_wire.outcome import CallResult, RankOutcome
 from ktlite_wire.status import Status
 
 if TYPE_CHECKING:
@@ -173,9 +173,7 @@ class _MemberCall:
             asyncio.get_running_loop().create_task(self._answer_then_finish(outs))
             return
         try:
-            self._flush()
-            if not self.stopped:
-                self._send_done(linkframes.done_message(self.stream, self.pod.name, answer))
+            self._write_done(answer)
         finally:
             self.link.finish(self.stream)
 
@@ -221,11 +219,16 @@ class _MemberCall:
                 [frames.frame_item(frames.RESULT, CallResult(answer).encode())]
             )
             return
-        self._flush()
         if self.link.paused:
+            self._flush()
             await self.link.drain()
+        self._write_done(answer)
+
+    def _write_done(self, answer: list[RankOutcome]) -> None:
+        """The log frames still due, then the ``DONE`` (neither once the call was stopped)."""
+        self._flush()
         if not self.stopped:
-            self._send_done(linkframes.done_message(self.stream, pod.name, answer))
+            self._send_done(linkframes.done_message(self.stream, self.pod.name, answer))
 
     def _send_done(self, parts: list[Any]) -> None:
         """The ``DONE``, now (``callerrun``'s leaves with the others due in this turn)."""
